@@ -1,0 +1,43 @@
+# rollbox: the two quick-start targets are `make demo` and `make test`.
+# Everything they need is installed here; nothing is assumed to be on the machine.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+APT_PACKAGES := runc erofs-utils debootstrap podman fuse3 iproute2 gcc libc6-dev make \
+	python3-venv ca-certificates busybox-static util-linux
+export ROLLBOX_AGENT := $(CURDIR)/build/rollbox-agent
+
+.PHONY: deps venv native images setup demo test bench clean-host
+deps: build/.apt-stamp
+build/.apt-stamp:
+	mkdir -p build
+	@if ! dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(APT_PACKAGES); fi
+	touch $@
+
+venv: $(BIN)/rollbox
+$(BIN)/rollbox: requirements.lock pyproject.toml | deps
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements.lock
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $@
+
+native: build/rollbox-agent
+build/rollbox-agent: native/agent/agent.c | deps
+	mkdir -p build
+	gcc -static -O2 -Wall -Wextra -o $@ $<
+
+setup: deps venv native
+
+images: setup
+	$(BIN)/rollbox image ensure-defaults
+
+demo: images
+	$(BIN)/rollbox demo
+
+test: images
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+bench: images
+	$(BIN)/rollbox bench container

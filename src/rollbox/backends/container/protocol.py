@@ -1,0 +1,117 @@
+"""Wire format between the edge and the in-sandbox agent (``native/agent/agent.c``).
+
+The agent is the sandbox's PID 1 (a static binary bind-mounted read-only from the host; never a
+file of the sandbox's writable tree). It talks over a unix SOCK_SEQPACKET socket whose
+*listening* end the edge creates on the host (``<run_dir>/sandboxes/<id>/agent.sock``, root-only)
+and hands to the agent as fd 3 (``runc --preserve-fds 1``). The path does not exist in the
+sandbox's mount namespace, the fd is close-on-exec, and the agent is non-dumpable, so nothing
+inside the sandbox can reach or forge the channel. A restarted edge reconnects to the same path
+(re-adoption); a new connection replaces the old one.
+
+Every packet is one message: an 8-byte header ``<BBHI`` (type, flags, reserved, session id)
+followed by the payload. Packets are at most ``MAX_PACKET`` bytes.
+
+Edge -> agent
+  EXEC(1)        payload ``<IIIIQIII`` uid, gid, timeout_ms (0 = none), flags, stream_limit,
+                 tail_limit, argc, envc; then NUL-terminated strings: cwd, argv[argc], env[envc]
+                 ("K=V"). flags: EXEC_STDIN (stdin is a pipe fed by STDIN, else /dev/null),
+                 EXEC_CGROUP (one fd attached with SCM_RIGHTS: the session's cgroup-v2
+                 directory; the child joins it before exec and timeouts kill through its
+                 ``cgroup.kill``). The agent answers STARTED or SPAWN_FAILED.
+  STDIN(2)       bytes for the session's stdin.      STDIN_CLOSE(3)  close its stdin.
+  SIGNAL(4)      ``<i`` signo sent to the session's process group.
+  KILL(5)        kill everything of the session (cgroup.kill, then SIGKILL to the group).
+  PING(6)        answered by PONG(7) with the same session id.
+  LIST(8)        answered by one SESSIONS(40).
+
+Agent -> edge
+  READY(32)      ``<I`` protocol version, sent on every new connection.
+  STARTED(33)    ``<i`` pid of the session's main process (sandbox pid namespace).
+  SPAWN_FAILED(34) ``<i`` errno then a UTF-8 message; the session is over.
+  STDOUT(35) / STDERR(36)  output bytes, streamed until ``stream_limit`` bytes per stream;
+                 past that only the last ``tail_limit`` bytes are kept and the rest counted.
+  TAIL_STDOUT(38) / TAIL_STDERR(39)  the kept tail, sent just before EXITED when bytes were
+                 dropped.
+  EXITED(37)     ``<iiBxxxQQQQ`` exit_code (-1 if killed by a signal), signal, timed_out,
+                 stdout_total, stderr_total, stdout_dropped, stderr_dropped. Sent when the
+                 main process has exited and its pipes are drained (at most ~50 ms after exit;
+                 processes it left behind keep running but lose their stdout/stderr).
+                 EXITED of sessions that end while no edge is connected are queued (bounded)
+                 and delivered after the next READY.
+  SESSIONS(40)   ``<I`` count then count x ``<Ii`` (session id, main pid) of running sessions.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+PROTOCOL_VERSION = 1
+MAX_PACKET = 128 * 1024
+CHUNK = 64 * 1024
+
+HEADER = struct.Struct("<BBHI")
+EXEC_HEAD = struct.Struct("<IIIIQIII")
+EXITED_BODY = struct.Struct("<iiBxxxQQQQ")
+I32 = struct.Struct("<i")
+U32 = struct.Struct("<I")
+SESSION_ENTRY = struct.Struct("<Ii")
+
+# edge -> agent
+EXEC, STDIN, STDIN_CLOSE, SIGNAL, KILL, PING, PONG, LIST = 1, 2, 3, 4, 5, 6, 7, 8
+# agent -> edge
+READY, STARTED, SPAWN_FAILED, STDOUT, STDERR, EXITED, TAIL_STDOUT, TAIL_STDERR, SESSIONS = (
+    32, 33, 34, 35, 36, 37, 38, 39, 40,
+)
+
+EXEC_STDIN = 1
+EXEC_CGROUP = 2
+
+
+def pack(msg_type: int, session: int, payload: bytes = b"", flags: int = 0) -> bytes:
+    return HEADER.pack(msg_type, flags, 0, session) + payload
+
+
+def unpack(packet: bytes) -> tuple[int, int, int, bytes]:
+    """Return (type, flags, session, payload); raises ValueError on a short packet."""
+    if len(packet) < HEADER.size:
+        raise ValueError("short packet")
+    msg_type, flags, _, session = HEADER.unpack_from(packet)
+    return msg_type, flags, session, packet[HEADER.size :]
+
+
+@dataclass
+class ExecRequest:
+    argv: list[str]
+    env: list[str]
+    cwd: str = "/"
+    uid: int = 0
+    gid: int = 0
+    timeout_ms: int = 0
+    stdin: bool = False
+    stream_limit: int = 8 << 20
+    tail_limit: int = 64 << 10
+
+    def encode(self, session: int, with_cgroup: bool) -> bytes:
+        flags = (EXEC_STDIN if self.stdin else 0) | (EXEC_CGROUP if with_cgroup else 0)
+        head = EXEC_HEAD.pack(
+            self.uid, self.gid, self.timeout_ms, flags, self.stream_limit, self.tail_limit,
+            len(self.argv), len(self.env),
+        )
+        strings = b"".join(s.encode() + b"\0" for s in [self.cwd, *self.argv, *self.env])
+        return pack(EXEC, session, head + strings)
+
+
+@dataclass
+class Exited:
+    exit_code: int
+    signal: int
+    timed_out: bool
+    stdout_total: int
+    stderr_total: int
+    stdout_dropped: int
+    stderr_dropped: int
+
+    @classmethod
+    def decode(cls, payload: bytes) -> "Exited":
+        code, sig, to, ot, et, od, ed = EXITED_BODY.unpack_from(payload)
+        return cls(code, sig, bool(to), ot, et, od, ed)

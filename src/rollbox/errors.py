@@ -1,0 +1,119 @@
+"""Typed errors shared by every rollbox component, the HTTP API and the SDK.
+
+Each error has a stable ``code`` (the JSON ``error.code`` on the wire), an HTTP status and a
+``retryable`` flag. The API turns any RollboxError into ``{"error": {...}}``; the SDK turns that
+JSON back into the same class with :func:`error_from_payload`. Owns nothing else.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+class RollboxError(Exception):
+    code = "internal"
+    status = 500
+    retryable = False
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def to_payload(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "code": self.code,
+                "message": self.message,
+                "retryable": self.retryable,
+                "details": self.details,
+            }
+        }
+
+
+class BadRequest(RollboxError):
+    """The request is malformed or names something invalid (bad resources, bad path...)."""
+
+    code = "bad_request"
+    status = 400
+
+
+class Unauthorized(RollboxError):
+    code = "unauthorized"
+    status = 401
+
+
+class NotFound(RollboxError):
+    """Unknown sandbox, image, exec session or file."""
+
+    code = "not_found"
+    status = 404
+
+
+class PayloadTooLarge(RollboxError):
+    code = "payload_too_large"
+    status = 413
+
+
+class QuotaExceeded(RollboxError):
+    """The caller's project quota does not allow this; retrying will not help by itself."""
+
+    code = "quota_exceeded"
+    status = 429
+
+
+class SandboxDead(RollboxError):
+    """The sandbox is gone (deleted, expired, OOM-killed, node lost)."""
+
+    code = "sandbox_dead"
+    status = 410
+
+
+class CommandTimeout(RollboxError):
+    """Raised by the SDK only when the caller asks exec to raise on timeout."""
+
+    code = "command_timeout"
+    status = 408
+
+
+class InfraError(RollboxError):
+    """A fault of the platform, not of the request; safe to retry (maybe on another node)."""
+
+    code = "infrastructure"
+    status = 503
+    retryable = True
+
+
+class CapacityExceeded(InfraError):
+    """The node (or cluster) is full; admission control refused. Retry later or elsewhere."""
+
+    code = "capacity"
+    status = 503
+    retryable = True
+
+
+ERRORS_BY_CODE: dict[str, type[RollboxError]] = {
+    cls.code: cls
+    for cls in (
+        RollboxError,
+        BadRequest,
+        Unauthorized,
+        NotFound,
+        PayloadTooLarge,
+        QuotaExceeded,
+        SandboxDead,
+        CommandTimeout,
+        InfraError,
+        CapacityExceeded,
+    )
+}
+
+
+def error_from_payload(payload: Any, status: int = 500) -> RollboxError:
+    """Rebuild a typed error from the API's JSON body (falls back on the HTTP status)."""
+    err = payload.get("error") if isinstance(payload, dict) else None
+    if not isinstance(err, dict):
+        cls: type[RollboxError] = InfraError if status >= 500 else RollboxError
+        return cls(f"HTTP {status}: {str(payload)[:200]}")
+    cls = ERRORS_BY_CODE.get(str(err.get("code")), RollboxError)
+    exc = cls(str(err.get("message", "")), **(err.get("details") or {}))
+    return exc
