@@ -1,0 +1,115 @@
+"""Thin ctypes wrappers for the syscalls Python 3.11 lacks (x86_64 numbers).
+
+Every wrapper raises OSError with errno on failure. Nothing here keeps state.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+
+SYS_open_tree = 428
+SYS_move_mount = 429
+SYS_openat2 = 437
+SYS_mount_setattr = 442
+SYS_pidfd_open = 434
+
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REMOUNT = 32
+MS_BIND = 4096
+MS_MOVE = 8192
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+MS_SLAVE = 1 << 19
+MS_SHARED = 1 << 20
+
+MNT_FORCE = 1
+MNT_DETACH = 2
+UMOUNT_NOFOLLOW = 8
+
+OPEN_TREE_CLONE = 1
+OPEN_TREE_CLOEXEC = os.O_CLOEXEC
+AT_RECURSIVE = 0x8000
+AT_EMPTY_PATH = 0x1000
+MOVE_MOUNT_F_EMPTY_PATH = 0x4
+MOUNT_ATTR_RDONLY = 0x1
+MOUNT_ATTR_NOSUID = 0x2
+MOUNT_ATTR_NODEV = 0x4
+MOUNT_ATTR_IDMAP = 0x100000
+
+RESOLVE_NO_XDEV = 0x01
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
+RESOLVE_IN_ROOT = 0x10
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWNET = 0x40000000
+
+
+def _check(ret: int) -> int:
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return ret
+
+
+def _b(path: str | bytes | os.PathLike[str] | None) -> bytes | None:
+    if path is None:
+        return None
+    return os.fsencode(path)
+
+
+def mount(source: str | None, target: str | os.PathLike[str], fstype: str | None,
+          flags: int = 0, data: str | None = None) -> None:
+    _check(_libc.mount(_b(source), _b(target), _b(fstype), ctypes.c_ulong(flags), _b(data)))
+
+
+def umount(target: str | os.PathLike[str], flags: int = 0) -> None:
+    _check(_libc.umount2(_b(target), ctypes.c_int(flags)))
+
+
+def unshare(flags: int) -> None:
+    _check(_libc.unshare(ctypes.c_int(flags)))
+
+
+def setns(fd: int, nstype: int = 0) -> None:
+    _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(nstype)))
+
+
+def open_tree(dirfd: int, path: str | os.PathLike[str], flags: int) -> int:
+    return _check(_syscall(SYS_open_tree, ctypes.c_int(dirfd), _b(path), ctypes.c_uint(flags)))
+
+
+def move_mount(from_dirfd: int, from_path: str, to_dirfd: int, to_path: str | os.PathLike[str],
+               flags: int) -> None:
+    _check(_syscall(SYS_move_mount, ctypes.c_int(from_dirfd), _b(from_path),
+                    ctypes.c_int(to_dirfd), _b(to_path), ctypes.c_uint(flags)))
+
+
+def mount_setattr(dirfd: int, path: str, flags: int, attr_set: int, attr_clr: int = 0,
+                  propagation: int = 0, userns_fd: int = 0) -> None:
+    attr = struct.pack("<QQQQ", attr_set, attr_clr, propagation, userns_fd)
+    buf = ctypes.create_string_buffer(attr, len(attr))
+    _check(_syscall(SYS_mount_setattr, ctypes.c_int(dirfd), _b(path), ctypes.c_uint(flags),
+                    buf, ctypes.c_size_t(len(attr))))
+
+
+def openat2(dirfd: int, path: str | bytes, flags: int, mode: int = 0, resolve: int = 0) -> int:
+    """openat2(2): open ``path`` relative to ``dirfd`` under the ``resolve`` restrictions."""
+    how = struct.pack("<QQQ", flags | os.O_CLOEXEC, mode, resolve)
+    buf = ctypes.create_string_buffer(how, len(how))
+    return _check(_syscall(SYS_openat2, ctypes.c_int(dirfd), _b(path), buf,
+                           ctypes.c_size_t(len(how))))
+
+
+def pidfd_open(pid: int) -> int:
+    return _check(_syscall(SYS_pidfd_open, ctypes.c_int(pid), ctypes.c_uint(0)))
