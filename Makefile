@@ -20,7 +20,7 @@ venv: $(BIN)/rollbox
 $(BIN)/rollbox: requirements.lock pyproject.toml | deps
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -r requirements.lock
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e .
 	touch $@
 
 native: build/rollbox-agent
