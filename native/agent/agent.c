@@ -1,0 +1,1132 @@
+/*
+ * rollbox-agent: the in-sandbox exec agent (PID 1 of a container sandbox).
+ *
+ * Wire protocol: src/rollbox/backends/container/protocol.py (the contract; keep in sync).
+ * fd 3 is an inherited listening AF_UNIX SOCK_SEQPACKET socket. One edge connection at a time;
+ * a new connection replaces the old one. Single-threaded epoll loop; every fd is CLOEXEC and
+ * non-blocking on our side; nothing here ever blocks forever, and bad input only drops the
+ * connection (logged to stderr), never the agent.
+ *
+ * Memory: no big static buffers. A 64 KiB read buffer and a 128 KiB receive buffer are
+ * allocated on first use; per-session state and the output tail ring are allocated per
+ * session. Output is bounded by the per-session stream_limit/tail_limit and by backpressure
+ * (pipes are not read while the edge socket is congested), so the agent never buffers
+ * unboundedly.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define PROTOCOL_VERSION 1
+#define MAX_PACKET (128 * 1024)
+#define CHUNK (64 * 1024)
+#define HDR 8
+#define LISTEN_FD 3
+
+/* edge -> agent */
+enum { M_EXEC = 1, M_STDIN = 2, M_STDIN_CLOSE = 3, M_SIGNAL = 4, M_KILL = 5, M_PING = 6,
+       M_PONG = 7, M_LIST = 8 };
+/* agent -> edge */
+enum { M_READY = 32, M_STARTED = 33, M_SPAWN_FAILED = 34, M_STDOUT = 35, M_STDERR = 36,
+       M_EXITED = 37, M_TAIL_STDOUT = 38, M_TAIL_STDERR = 39, M_SESSIONS = 40 };
+
+#define EXEC_STDIN 1u
+#define EXEC_CGROUP 2u
+#define EXEC_HEAD_SIZE 36 /* <IIIIQIII */
+#define EXITED_SIZE 44    /* <iiBxxxQQQQ */
+
+/* Bounds on what the agent holds for the edge. */
+#define PENDING_EXITED_MAX 4096       /* EXITED kept while no edge is connected */
+#define OUTQ_SOFT_MAX (4u << 20)      /* stop reading requests while the send queue is this big */
+#define STDIN_BACKLOG_MAX (1u << 20)  /* stop reading requests while stdin data waits this much */
+#define TAIL_LIMIT_MAX (16u << 20)
+#define DRAIN_MS 50                   /* how long pipes are drained after the main process exits */
+#define FINAL_DRAIN_MAX (256u << 10)  /* last non-blocking read per stream at the drain deadline */
+#define READS_PER_TURN 4              /* chunks per stream per loop turn (fairness) */
+
+enum watch_kind { W_LISTEN, W_CONN, W_SIGNAL, W_OUT, W_ERR, W_IN, W_STATUS };
+
+struct session;
+struct watch {
+    enum watch_kind kind;
+    struct session *s;
+};
+
+struct ring {
+    char *buf;
+    size_t cap, start, len;
+};
+
+enum sess_state { S_SPAWNING, S_RUNNING, S_FAILED };
+
+struct session {
+    struct session *next;
+    uint32_t id;
+    pid_t pid;
+    enum sess_state state;
+    int cgfd, status_fd, in_fd;
+    int out_fd[2];
+    int out_ready[2];
+    int in_ready, in_close_pending;
+    char *in_buf;
+    size_t in_len;
+    uint64_t stream_limit, total[2], dropped[2];
+    size_t tail_limit;
+    struct ring tail[2];
+    int reaped, wstatus, timed_out;
+    int64_t deadline_ms, drain_deadline_ms;
+    char *ctx_cwd, *ctx_argv0; /* for spawn error messages */
+    struct watch w_out, w_err, w_in, w_status;
+};
+
+struct qpkt {
+    struct qpkt *next;
+    size_t len, off;
+    int is_exited;
+    char data[];
+};
+
+static int ep = -1, sig_fd = -1, conn_fd = -1;
+static struct watch w_listen = {W_LISTEN, NULL}, w_signal = {W_SIGNAL, NULL};
+/* Two alternating watches: an event still pending for a replaced connection is recognised. */
+static struct watch w_conns[2] = {{W_CONN, NULL}, {W_CONN, NULL}};
+static struct watch *w_conn = &w_conns[0];
+static uint32_t conn_events;
+static struct session *sessions;
+static struct qpkt *outq_head, *outq_tail;
+static size_t outq_bytes;
+static struct qpkt *pend_head, *pend_tail;
+static size_t pend_count;
+static size_t stdin_backlog;
+static char *rdbuf;   /* HDR + CHUNK, lazily allocated */
+static char *rxbuf;   /* MAX_PACKET, lazily allocated */
+static int more_work; /* some pump stopped early; poll again without sleeping */
+
+static void logmsg(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void logmsg(const char *fmt, ...)
+{
+    char buf[512];
+    va_list ap;
+    int n = snprintf(buf, sizeof buf, "rollbox-agent: ");
+    va_start(ap, fmt);
+    vsnprintf(buf + n, sizeof buf - (size_t)n, fmt, ap);
+    va_end(ap);
+    size_t len = strnlen(buf, sizeof buf - 2);
+    buf[len++] = '\n';
+    ssize_t w = write(2, buf, len);
+    (void)w;
+}
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void put_u32(char *p, uint32_t v) { memcpy(p, &v, 4); } /* x86/arm little endian */
+static void put_u64(char *p, uint64_t v) { memcpy(p, &v, 8); }
+static uint32_t get_u32(const char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static uint64_t get_u64(const char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+
+static void set_header(char *p, int type, uint32_t session)
+{
+    p[0] = (char)type;
+    p[1] = 0;
+    p[2] = 0;
+    p[3] = 0;
+    put_u32(p + 4, session);
+}
+
+static void ep_add(int fd, uint32_t events, struct watch *w)
+{
+    struct epoll_event ev = {.events = events, .data.ptr = w};
+    if (epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev) < 0)
+        logmsg("epoll add fd %d: %s", fd, strerror(errno));
+}
+
+static void close_watched(int *fd)
+{
+    if (*fd >= 0) {
+        epoll_ctl(ep, EPOLL_CTL_DEL, *fd, NULL);
+        close(*fd);
+        *fd = -1;
+    }
+}
+
+/* ---------- edge connection: send queue ---------- */
+
+static void update_conn_events(void)
+{
+    if (conn_fd < 0)
+        return;
+    uint32_t want = EPOLLRDHUP;
+    if (outq_bytes < OUTQ_SOFT_MAX && stdin_backlog < STDIN_BACKLOG_MAX)
+        want |= EPOLLIN;
+    if (outq_head)
+        want |= EPOLLOUT;
+    if (want != conn_events) {
+        struct epoll_event ev = {.events = want, .data.ptr = w_conn};
+        epoll_ctl(ep, EPOLL_CTL_MOD, conn_fd, &ev);
+        conn_events = want;
+    }
+}
+
+static void drop_conn(const char *why);
+
+static void pend_push(struct qpkt *q)
+{
+    if (pend_count >= PENDING_EXITED_MAX) {
+        logmsg("pending EXITED queue full, dropping one");
+        free(q);
+        return;
+    }
+    q->next = NULL;
+    q->off = 0;
+    if (pend_tail)
+        pend_tail->next = q;
+    else
+        pend_head = q;
+    pend_tail = q;
+    pend_count++;
+}
+
+static void outq_push(struct qpkt *q)
+{
+    q->next = NULL;
+    if (outq_tail)
+        outq_tail->next = q;
+    else
+        outq_head = q;
+    outq_tail = q;
+    outq_bytes += q->len;
+}
+
+static void flush_outq(void)
+{
+    while (conn_fd >= 0 && outq_head) {
+        struct qpkt *q = outq_head;
+        ssize_t n = send(conn_fd, q->data, q->len, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+                break;
+            drop_conn("send failed");
+            return;
+        }
+        outq_head = q->next;
+        if (!outq_head)
+            outq_tail = NULL;
+        outq_bytes -= q->len;
+        free(q);
+    }
+    update_conn_events();
+}
+
+/* Send a packet now if possible, else queue a copy. Returns 0 when sent/queued. */
+static int send_packet(const char *data, size_t len, int is_exited)
+{
+    if (conn_fd < 0) {
+        if (!is_exited)
+            return -1;
+        struct qpkt *q = malloc(sizeof *q + len);
+        if (!q)
+            return -1;
+        q->len = len;
+        q->is_exited = 1;
+        memcpy(q->data, data, len);
+        pend_push(q);
+        return 0;
+    }
+    if (!outq_head) {
+        ssize_t n = send(conn_fd, data, len, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (n >= 0)
+            return 0;
+        if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+            drop_conn("send failed");
+            return send_packet(data, len, is_exited);
+        }
+    }
+    struct qpkt *q = malloc(sizeof *q + len);
+    if (!q) {
+        logmsg("out of memory queueing a packet");
+        return -1;
+    }
+    q->len = len;
+    q->off = 0;
+    q->is_exited = is_exited;
+    memcpy(q->data, data, len);
+    outq_push(q);
+    update_conn_events();
+    return 0;
+}
+
+static void send_small(int type, uint32_t session, const void *payload, size_t plen)
+{
+    char buf[HDR + 256];
+    if (plen > sizeof buf - HDR)
+        plen = sizeof buf - HDR;
+    set_header(buf, type, session);
+    if (plen)
+        memcpy(buf + HDR, payload, plen);
+    send_packet(buf, HDR + plen, type == M_EXITED);
+}
+
+static void drop_conn(const char *why)
+{
+    if (conn_fd < 0)
+        return;
+    logmsg("dropping edge connection: %s", why);
+    close_watched(&conn_fd);
+    conn_events = 0;
+    /* EXITED already queued for the lost connection are kept for the next one. */
+    struct qpkt *q = outq_head;
+    while (q) {
+        struct qpkt *next = q->next;
+        if (q->is_exited)
+            pend_push(q);
+        else
+            free(q);
+        q = next;
+    }
+    outq_head = outq_tail = NULL;
+    outq_bytes = 0;
+    free(rxbuf);
+    rxbuf = NULL;
+}
+
+static void accept_conn(void)
+{
+    for (;;) {
+        int fd = accept4(LISTEN_FD, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0) {
+            if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR &&
+                errno != ECONNABORTED)
+                logmsg("accept: %s", strerror(errno));
+            return;
+        }
+        if (conn_fd >= 0)
+            drop_conn("replaced by a new connection");
+        conn_fd = fd;
+        conn_events = EPOLLIN | EPOLLRDHUP;
+        w_conn = w_conn == &w_conns[0] ? &w_conns[1] : &w_conns[0];
+        ep_add(fd, conn_events, w_conn);
+        char v[4];
+        put_u32(v, PROTOCOL_VERSION);
+        send_small(M_READY, 0, v, 4);
+        /* Queued EXITED of sessions that ended while nobody listened. */
+        while (pend_head && conn_fd >= 0) {
+            struct qpkt *p = pend_head;
+            pend_head = p->next;
+            if (!pend_head)
+                pend_tail = NULL;
+            pend_count--;
+            outq_push(p);
+        }
+        flush_outq();
+    }
+}
+
+/* ---------- sessions ---------- */
+
+static struct session *find_session(uint32_t id)
+{
+    for (struct session *s = sessions; s; s = s->next)
+        if (s->id == id)
+            return s;
+    return NULL;
+}
+
+static void unlink_session(struct session *s)
+{
+    for (struct session **pp = &sessions; *pp; pp = &(*pp)->next)
+        if (*pp == s) {
+            *pp = s->next;
+            return;
+        }
+}
+
+static void free_session(struct session *s)
+{
+    unlink_session(s);
+    close_watched(&s->out_fd[0]);
+    close_watched(&s->out_fd[1]);
+    close_watched(&s->in_fd);
+    close_watched(&s->status_fd);
+    if (s->cgfd >= 0)
+        close(s->cgfd);
+    stdin_backlog -= s->in_len;
+    free(s->in_buf);
+    free(s->tail[0].buf);
+    free(s->tail[1].buf);
+    free(s->ctx_cwd);
+    free(s->ctx_argv0);
+    free(s);
+}
+
+static void kill_session(struct session *s)
+{
+    if (s->cgfd >= 0) {
+        int fd = openat(s->cgfd, "cgroup.kill", O_WRONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            if (write(fd, "1", 1) != 1)
+                logmsg("session %u: cgroup.kill: %s", s->id, strerror(errno));
+            close(fd);
+        } else {
+            logmsg("session %u: open cgroup.kill: %s", s->id, strerror(errno));
+        }
+    }
+    if (s->pid > 0 && !s->reaped) {
+        kill(-s->pid, SIGKILL); /* the main process is a session/group leader */
+        kill(s->pid, SIGKILL);  /* in case it had not reached setsid() yet */
+    }
+}
+
+static void ring_put(struct ring *r, size_t cap, const char *data, size_t len)
+{
+    if (cap == 0)
+        return;
+    if (!r->buf) {
+        r->buf = malloc(cap);
+        if (!r->buf)
+            return;
+        r->cap = cap;
+    }
+    if (len >= r->cap) {
+        memcpy(r->buf, data + len - r->cap, r->cap);
+        r->start = 0;
+        r->len = r->cap;
+        return;
+    }
+    size_t end = (r->start + r->len) % r->cap;
+    size_t first = r->cap - end < len ? r->cap - end : len;
+    memcpy(r->buf + end, data, first);
+    memcpy(r->buf, data + first, len - first);
+    r->len += len;
+    if (r->len > r->cap) {
+        r->start = (r->start + (r->len - r->cap)) % r->cap;
+        r->len = r->cap;
+    }
+}
+
+/* Account for `n` bytes (already in rdbuf + HDR) read from stream i and forward what fits. */
+static void handle_output(struct session *s, int i, size_t n)
+{
+    char *data = rdbuf + HDR;
+    size_t fwd = 0;
+    if (conn_fd >= 0 && s->total[i] < s->stream_limit) {
+        uint64_t room = s->stream_limit - s->total[i];
+        fwd = n < room ? n : (size_t)room;
+    }
+    s->total[i] += n;
+    if (fwd) {
+        set_header(rdbuf, i == 0 ? M_STDOUT : M_STDERR, s->id);
+        send_packet(rdbuf, HDR + fwd, 0);
+    }
+    if (fwd < n) {
+        s->dropped[i] += n - fwd;
+        ring_put(&s->tail[i], s->tail_limit, data + fwd, n - fwd);
+    }
+}
+
+static int ensure_rdbuf(void)
+{
+    if (!rdbuf)
+        rdbuf = malloc(HDR + CHUNK);
+    return rdbuf ? 0 : -1;
+}
+
+/* Read from stream i. max_bytes bounds the total read in this call. */
+static void pump(struct session *s, int i, size_t max_reads, int ignore_backpressure)
+{
+    if (s->out_fd[i] < 0 || ensure_rdbuf() < 0)
+        return;
+    for (size_t k = 0; k < max_reads; k++) {
+        if (!ignore_backpressure && conn_fd >= 0 && outq_head)
+            return; /* edge is congested: leave data in the pipe so the writer blocks */
+        ssize_t n = read(s->out_fd[i], rdbuf + HDR, CHUNK);
+        if (n > 0) {
+            handle_output(s, i, (size_t)n);
+            continue;
+        }
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            s->out_ready[i] = 0;
+            return;
+        }
+        close_watched(&s->out_fd[i]); /* EOF or error */
+        s->out_ready[i] = 0;
+        return;
+    }
+    more_work = 1;
+}
+
+static void pump_stdin(struct session *s)
+{
+    while (s->in_fd >= 0 && s->in_len > 0 && s->in_ready) {
+        ssize_t n = write(s->in_fd, s->in_buf, s->in_len);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                s->in_ready = 0;
+                break;
+            }
+            /* EPIPE: the command closed its stdin; discard what is left. */
+            stdin_backlog -= s->in_len;
+            s->in_len = 0;
+            close_watched(&s->in_fd);
+            break;
+        }
+        memmove(s->in_buf, s->in_buf + n, s->in_len - (size_t)n);
+        s->in_len -= (size_t)n;
+        stdin_backlog -= (size_t)n;
+    }
+    if (s->in_len == 0 && s->in_buf) {
+        free(s->in_buf);
+        s->in_buf = NULL;
+    }
+    if (s->in_fd >= 0 && s->in_len == 0 && s->in_close_pending)
+        close_watched(&s->in_fd);
+}
+
+static void send_tail(struct session *s, int i)
+{
+    struct ring *r = &s->tail[i];
+    if (!s->dropped[i] || !r->buf || !r->len || ensure_rdbuf() < 0)
+        return;
+    size_t done = 0;
+    while (done < r->len) {
+        size_t n = r->len - done < CHUNK ? r->len - done : CHUNK;
+        for (size_t k = 0; k < n; k++)
+            rdbuf[HDR + k] = r->buf[(r->start + done + k) % r->cap];
+        set_header(rdbuf, i == 0 ? M_TAIL_STDOUT : M_TAIL_STDERR, s->id);
+        send_packet(rdbuf, HDR + n, 0);
+        done += n;
+    }
+}
+
+static void finish_session(struct session *s)
+{
+    if (conn_fd >= 0) {
+        send_tail(s, 0);
+        send_tail(s, 1);
+    }
+    char body[EXITED_SIZE];
+    memset(body, 0, sizeof body);
+    int32_t code = -1, sig = 0;
+    if (WIFEXITED(s->wstatus))
+        code = WEXITSTATUS(s->wstatus);
+    else if (WIFSIGNALED(s->wstatus))
+        sig = WTERMSIG(s->wstatus);
+    memcpy(body, &code, 4);
+    memcpy(body + 4, &sig, 4);
+    body[8] = (char)(s->timed_out ? 1 : 0);
+    put_u64(body + 12, s->total[0]);
+    put_u64(body + 20, s->total[1]);
+    put_u64(body + 28, s->dropped[0]);
+    put_u64(body + 36, s->dropped[1]);
+    send_small(M_EXITED, s->id, body, sizeof body);
+    free_session(s);
+}
+
+static const char *step_names[] = {"unknown", "setsid", "join cgroup", "setgroups", "setgid",
+                                   "setuid", "chdir", "open /dev/null", "dup2", "exec"};
+enum { ST_SETSID = 1, ST_CGROUP, ST_SETGROUPS, ST_SETGID, ST_SETUID, ST_CHDIR, ST_DEVNULL,
+       ST_DUP2, ST_EXEC };
+
+static void spawn_failed(uint32_t id, int err, const char *msg)
+{
+    char buf[4 + 240];
+    int32_t e = err;
+    memcpy(buf, &e, 4);
+    size_t len = strnlen(msg, sizeof buf - 4);
+    memcpy(buf + 4, msg, len);
+    send_small(M_SPAWN_FAILED, id, buf, 4 + len);
+}
+
+/* Runs in the forked child: never returns. */
+static void child_exec(int status_wr, int in_rd, int out_wr, int err_wr, int cgfd, uid_t uid,
+                       gid_t gid, const char *cwd, char **argv, char **envp)
+{
+    int32_t report[2] = {0, 0};
+    sigset_t all;
+    sigemptyset(&all);
+    sigprocmask(SIG_SETMASK, &all, NULL);
+    for (int sig = 1; sig < NSIG; sig++)
+        signal(sig, SIG_DFL);
+    if (setsid() < 0) {
+        report[0] = ST_SETSID;
+        goto fail;
+    }
+    if (cgfd >= 0) {
+        int fd = openat(cgfd, "cgroup.procs", O_WRONLY | O_CLOEXEC);
+        if (fd < 0 || write(fd, "0", 1) != 1) {
+            report[0] = ST_CGROUP;
+            goto fail;
+        }
+        close(fd);
+    }
+    if (uid != getuid() || gid != getgid()) {
+        if (setgroups(0, NULL) < 0) {
+            report[0] = ST_SETGROUPS;
+            goto fail;
+        }
+    }
+    if (gid != getgid() && setgid(gid) < 0) {
+        report[0] = ST_SETGID;
+        goto fail;
+    }
+    if (uid != getuid() && setuid(uid) < 0) {
+        report[0] = ST_SETUID;
+        goto fail;
+    }
+    if (chdir(cwd) < 0) {
+        report[0] = ST_CHDIR;
+        goto fail;
+    }
+    if (in_rd < 0) {
+        in_rd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+        if (in_rd < 0) {
+            report[0] = ST_DEVNULL;
+            goto fail;
+        }
+    }
+    /* All pipe fds are >= 3 (fds 0-2 are always open in the agent), so dup2 can't clobber. */
+    if (dup2(in_rd, 0) < 0 || dup2(out_wr, 1) < 0 || dup2(err_wr, 2) < 0) {
+        report[0] = ST_DUP2;
+        goto fail;
+    }
+    /* Everything above 2 goes at exec; the status pipe must survive until then. */
+    syscall(SYS_close_range, 3u, ~0u, 4u /* CLOSE_RANGE_CLOEXEC */);
+    umask(022);
+    environ = envp; /* execvpe searches the PATH of `environ`: make it the command's env */
+    execvpe(argv[0], argv, envp);
+    report[0] = ST_EXEC;
+fail:
+    report[1] = errno;
+    ssize_t w = write(status_wr, report, sizeof report);
+    (void)w;
+    _exit(127);
+}
+
+static int set_nonblock(int fd)
+{
+    int fl = fcntl(fd, F_GETFL);
+    return fl < 0 ? -1 : fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+}
+
+static void copy_trunc(char **dst, const char *src)
+{
+    size_t n = strnlen(src, 200);
+    *dst = malloc(n + 1);
+    if (*dst) {
+        memcpy(*dst, src, n);
+        (*dst)[n] = 0;
+    }
+}
+
+/* EXEC. payload/plen: after the header. cgfd: attached fd or -1 (ownership taken). */
+static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
+{
+    if (plen < EXEC_HEAD_SIZE) {
+        if (cgfd >= 0)
+            close(cgfd);
+        return -1;
+    }
+    uint32_t uid = get_u32(p), gid = get_u32(p + 4), timeout_ms = get_u32(p + 8);
+    uint32_t flags = get_u32(p + 12);
+    uint64_t stream_limit = get_u64(p + 16);
+    uint32_t tail_limit = get_u32(p + 24), argc = get_u32(p + 28), envc = get_u32(p + 32);
+    const char *str = p + EXEC_HEAD_SIZE, *end = p + plen;
+    size_t nstr = 1 + (size_t)argc + (size_t)envc;
+    if (argc == 0 || argc > 65536 || envc > 65536) {
+        if (cgfd >= 0)
+            close(cgfd);
+        spawn_failed(id, EINVAL, "argv must have 1 to 65536 entries and env at most 65536");
+        return 0;
+    }
+    char **vec = calloc(nstr + 2, sizeof(char *)); /* cwd, argv..., NULL, env..., NULL */
+    if (!vec) {
+        if (cgfd >= 0)
+            close(cgfd);
+        spawn_failed(id, ENOMEM, "out of memory");
+        return 0;
+    }
+    /* Strings are NUL-terminated inside the packet; validate, then point at them in place
+     * (the receive buffer is stable until we return, and fork copies it). */
+    size_t k = 0;
+    for (size_t j = 0; j < nstr; j++) {
+        const char *z = memchr(str, 0, (size_t)(end - str));
+        if (!z) {
+            free(vec);
+            if (cgfd >= 0)
+                close(cgfd);
+            return -1;
+        }
+        vec[k++] = (char *)str;
+        if (j == argc) /* after cwd + argc strings: terminate argv */
+            vec[k++] = NULL;
+        str = z + 1;
+    }
+    vec[k] = NULL;
+    char *cwd = vec[0], **argv = vec + 1, **envp = vec + 2 + argc;
+
+    if (((flags & EXEC_CGROUP) != 0) != (cgfd >= 0)) {
+        free(vec);
+        if (cgfd >= 0)
+            close(cgfd);
+        spawn_failed(id, EINVAL, "EXEC_CGROUP flag and attached fd disagree");
+        return 0;
+    }
+    if (find_session(id)) {
+        free(vec);
+        if (cgfd >= 0)
+            close(cgfd);
+        spawn_failed(id, EEXIST, "session id already in use");
+        return 0;
+    }
+    struct session *s = calloc(1, sizeof *s);
+    int st[2] = {-1, -1}, o[2] = {-1, -1}, e[2] = {-1, -1}, in[2] = {-1, -1};
+    if (!s || pipe2(st, O_CLOEXEC) < 0 || pipe2(o, O_CLOEXEC) < 0 || pipe2(e, O_CLOEXEC) < 0 ||
+        ((flags & EXEC_STDIN) && pipe2(in, O_CLOEXEC) < 0)) {
+        int err = errno;
+        int fds[] = {st[0], st[1], o[0], o[1], e[0], e[1], in[0], in[1], cgfd};
+        for (size_t j = 0; j < sizeof fds / sizeof fds[0]; j++)
+            if (fds[j] >= 0)
+                close(fds[j]);
+        free(s);
+        free(vec);
+        char msg[96];
+        snprintf(msg, sizeof msg, "pipe: %s", strerror(err));
+        spawn_failed(id, err, msg);
+        return 0;
+    }
+    pid_t pid = fork();
+    if (pid == 0)
+        child_exec(st[1], in[0], o[1], e[1], cgfd, uid, gid, cwd, argv, envp);
+    int fork_err = errno;
+    close(st[1]);
+    close(o[1]);
+    close(e[1]);
+    if (in[0] >= 0)
+        close(in[0]);
+    if (pid < 0) {
+        int fds[] = {st[0], o[0], e[0], in[1], cgfd};
+        for (size_t j = 0; j < sizeof fds / sizeof fds[0]; j++)
+            if (fds[j] >= 0)
+                close(fds[j]);
+        free(s);
+        free(vec);
+        char msg[96];
+        snprintf(msg, sizeof msg, "fork: %s", strerror(fork_err));
+        spawn_failed(id, fork_err, msg);
+        return 0;
+    }
+    s->id = id;
+    s->pid = pid;
+    s->state = S_SPAWNING;
+    s->cgfd = cgfd;
+    s->status_fd = st[0];
+    s->out_fd[0] = o[0];
+    s->out_fd[1] = e[0];
+    s->in_fd = in[1];
+    s->stream_limit = stream_limit;
+    s->tail_limit = tail_limit < TAIL_LIMIT_MAX ? tail_limit : TAIL_LIMIT_MAX;
+    s->deadline_ms = timeout_ms ? now_ms() + timeout_ms : 0;
+    s->w_out = (struct watch){W_OUT, s};
+    s->w_err = (struct watch){W_ERR, s};
+    s->w_in = (struct watch){W_IN, s};
+    s->w_status = (struct watch){W_STATUS, s};
+    copy_trunc(&s->ctx_cwd, cwd);
+    copy_trunc(&s->ctx_argv0, argv[0]);
+    free(vec);
+    set_nonblock(s->status_fd);
+    set_nonblock(s->out_fd[0]);
+    set_nonblock(s->out_fd[1]);
+    ep_add(s->status_fd, EPOLLIN, &s->w_status);
+    ep_add(s->out_fd[0], EPOLLIN | EPOLLET, &s->w_out);
+    ep_add(s->out_fd[1], EPOLLIN | EPOLLET, &s->w_err);
+    if (s->in_fd >= 0) {
+        set_nonblock(s->in_fd);
+        ep_add(s->in_fd, EPOLLOUT | EPOLLET, &s->w_in);
+    }
+    s->next = sessions;
+    sessions = s;
+    return 0;
+}
+
+/* The status pipe became readable: the exec either happened (EOF) or failed (report). */
+static void resolve_spawn(struct session *s)
+{
+    int32_t report[2];
+    ssize_t n = read(s->status_fd, report, sizeof report);
+    if (n < 0 && (errno == EAGAIN || errno == EINTR))
+        return;
+    close_watched(&s->status_fd);
+    if (n == (ssize_t)sizeof report) {
+        int step = report[0] > 0 && report[0] <= ST_EXEC ? report[0] : 0;
+        char msg[512];
+        const char *arg = step == ST_CHDIR ? s->ctx_cwd : step == ST_EXEC ? s->ctx_argv0 : NULL;
+        snprintf(msg, sizeof msg, "%s%s%s: %s", step_names[step], arg ? " " : "",
+                 arg ? arg : "", strerror(report[1]));
+        spawn_failed(s->id, report[1], msg);
+        s->state = S_FAILED;
+        close_watched(&s->out_fd[0]);
+        close_watched(&s->out_fd[1]);
+        close_watched(&s->in_fd);
+        return;
+    }
+    s->state = S_RUNNING;
+    int32_t pid = s->pid;
+    send_small(M_STARTED, s->id, &pid, 4);
+}
+
+/* ---------- requests ---------- */
+
+static void handle_list(uint32_t id)
+{
+    size_t count = 0, cap = (MAX_PACKET - HDR - 4) / 8;
+    for (struct session *s = sessions; s; s = s->next)
+        if (s->state == S_RUNNING && !s->reaped)
+            count++;
+    if (count > cap)
+        count = cap;
+    size_t len = HDR + 4 + count * 8;
+    char *buf = malloc(len);
+    if (!buf)
+        return;
+    set_header(buf, M_SESSIONS, id);
+    put_u32(buf + HDR, (uint32_t)count);
+    size_t k = 0;
+    for (struct session *s = sessions; s && k < count; s = s->next)
+        if (s->state == S_RUNNING && !s->reaped) {
+            int32_t pid = s->pid;
+            put_u32(buf + HDR + 4 + k * 8, s->id);
+            memcpy(buf + HDR + 8 + k * 8, &pid, 4);
+            k++;
+        }
+    send_packet(buf, len, 0);
+    free(buf);
+}
+
+/* Returns -1 on a malformed packet (the caller drops the connection). */
+static int handle_packet(const char *pkt, size_t len, int fd)
+{
+    if (len < HDR) {
+        if (fd >= 0)
+            close(fd);
+        return -1;
+    }
+    int type = (unsigned char)pkt[0];
+    uint32_t id = get_u32(pkt + 4);
+    const char *p = pkt + HDR;
+    size_t plen = len - HDR;
+    if (type == M_EXEC)
+        return handle_exec(id, p, plen, fd);
+    if (fd >= 0)
+        close(fd); /* fds are only expected with EXEC */
+    struct session *s = find_session(id);
+    switch (type) {
+    case M_STDIN:
+        if (!s || s->in_fd < 0 || s->in_close_pending || plen == 0)
+            return 0;
+        {
+            char *nb = realloc(s->in_buf, s->in_len + plen);
+            if (!nb)
+                return 0;
+            s->in_buf = nb;
+            memcpy(s->in_buf + s->in_len, p, plen);
+            s->in_len += plen;
+            stdin_backlog += plen;
+            s->in_ready = 1; /* try now; EAGAIN clears it until EPOLLOUT */
+            pump_stdin(s);
+        }
+        return 0;
+    case M_STDIN_CLOSE:
+        if (s && s->in_fd >= 0) {
+            s->in_close_pending = 1;
+            pump_stdin(s);
+        }
+        return 0;
+    case M_SIGNAL:
+        if (plen < 4)
+            return -1;
+        {
+            int32_t sig;
+            memcpy(&sig, p, 4);
+            if (sig <= 0 || sig >= NSIG)
+                return 0;
+            if (s && s->pid > 0 && !s->reaped)
+                kill(-s->pid, sig);
+        }
+        return 0;
+    case M_KILL:
+        if (s)
+            kill_session(s);
+        return 0;
+    case M_PING:
+        send_small(M_PONG, id, NULL, 0);
+        return 0;
+    case M_LIST:
+        handle_list(id);
+        return 0;
+    default:
+        logmsg("unknown packet type %d", type);
+        return -1;
+    }
+}
+
+/* hangup: the peer is gone; read what it sent before (finite) regardless of backpressure. */
+static void read_conn(int hangup)
+{
+    for (int iter = 0; (hangup || iter < 64) && conn_fd >= 0; iter++) {
+        if (!hangup && (outq_bytes >= OUTQ_SOFT_MAX || stdin_backlog >= STDIN_BACKLOG_MAX))
+            break;
+        if (!rxbuf && !(rxbuf = malloc(MAX_PACKET))) {
+            logmsg("out of memory");
+            return;
+        }
+        union {
+            struct cmsghdr h;
+            char buf[CMSG_SPACE(sizeof(int) * 4)];
+        } ctl;
+        struct iovec iov = {.iov_base = rxbuf, .iov_len = MAX_PACKET};
+        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf,
+                            .msg_controllen = sizeof ctl.buf};
+        ssize_t n = recvmsg(conn_fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+                break;
+            drop_conn("recv failed");
+            return;
+        }
+        /* Collect passed fds; anything beyond one is closed. */
+        int fd = -1, bad = 0;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+                continue;
+            size_t nfd = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            for (size_t j = 0; j < nfd; j++) {
+                int f;
+                memcpy(&f, CMSG_DATA(c) + j * sizeof(int), sizeof f);
+                if (fd < 0)
+                    fd = f;
+                else {
+                    close(f);
+                    bad = 1;
+                }
+            }
+        }
+        if (n == 0) {
+            if (fd >= 0)
+                close(fd);
+            drop_conn("edge closed the connection");
+            return;
+        }
+        if ((mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || bad) {
+            if (fd >= 0)
+                close(fd);
+            drop_conn("oversized packet or too many fds");
+            return;
+        }
+        if (handle_packet(rxbuf, (size_t)n, fd) < 0) {
+            drop_conn("malformed packet");
+            return;
+        }
+    }
+    update_conn_events();
+}
+
+/* ---------- children ---------- */
+
+static void reap(void)
+{
+    struct signalfd_siginfo si;
+    while (read(sig_fd, &si, sizeof si) == (ssize_t)sizeof si)
+        ;
+    for (;;) {
+        int status;
+        pid_t pid = waitpid(-1, &status, WNOHANG);
+        if (pid <= 0)
+            break;
+        for (struct session *s = sessions; s; s = s->next)
+            if (s->pid == pid && !s->reaped) {
+                s->reaped = 1;
+                s->wstatus = status;
+                s->drain_deadline_ms = now_ms() + DRAIN_MS;
+                break;
+            }
+    }
+}
+
+/* One turn of work on every session. Frees finished sessions. */
+static void service_sessions(int64_t now)
+{
+    struct session *s = sessions, *next;
+    for (; s; s = next) {
+        next = s->next;
+        if (s->state == S_FAILED) {
+            if (s->reaped)
+                free_session(s);
+            continue;
+        }
+        if (s->deadline_ms && !s->reaped && now >= s->deadline_ms) {
+            s->timed_out = 1;
+            s->deadline_ms = 0;
+            kill_session(s);
+        }
+        if (s->state == S_SPAWNING)
+            continue; /* no output before STARTED */
+        pump_stdin(s);
+        for (int i = 0; i < 2; i++)
+            if (s->out_ready[i])
+                pump(s, i, READS_PER_TURN, 0);
+        if (!s->reaped)
+            continue;
+        int drained = s->out_fd[0] < 0 && s->out_fd[1] < 0;
+        if (!drained && now >= s->drain_deadline_ms) {
+            /* Leftover writers keep the pipes open: take what is there now, then stop. */
+            for (int i = 0; i < 2; i++)
+                pump(s, i, FINAL_DRAIN_MAX / CHUNK, 1);
+            drained = 1;
+        }
+        if (drained)
+            finish_session(s);
+    }
+}
+
+static int next_timeout(int64_t now)
+{
+    if (more_work)
+        return 0;
+    int64_t t = now + 1000;
+    for (struct session *s = sessions; s; s = s->next) {
+        if (s->deadline_ms && !s->reaped && s->deadline_ms < t)
+            t = s->deadline_ms;
+        if (s->reaped && s->state != S_FAILED && s->drain_deadline_ms < t)
+            t = s->drain_deadline_ms;
+        if (s->state == S_RUNNING && (s->out_ready[0] || s->out_ready[1]) &&
+            (conn_fd < 0 || !outq_head))
+            return 0;
+    }
+    return t <= now ? 0 : (int)(t - now);
+}
+
+static void ensure_stdio(void)
+{
+    for (int fd = 0; fd < 3; fd++)
+        if (fcntl(fd, F_GETFD) < 0) {
+            int n = open("/dev/null", O_RDWR);
+            if (n >= 0 && n != fd) {
+                dup2(n, fd);
+                close(n);
+            }
+        }
+}
+
+int main(void)
+{
+    /* First: nothing in the sandbox may ptrace us or open /proc/1/{fd,mem}. */
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    if (getpid() != 1)
+        prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+    signal(SIGPIPE, SIG_IGN);
+    ensure_stdio();
+    /* Only SIGCHLD is blocked (for signalfd). Other signals keep SIG_DFL so the host can stop
+     * us (runc kill); as PID 1 the kernel already drops them when sent from inside. */
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &mask, NULL);
+    sig_fd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    ep = epoll_create1(EPOLL_CLOEXEC);
+    if (sig_fd < 0 || ep < 0) {
+        logmsg("signalfd/epoll: %s", strerror(errno));
+        return 1;
+    }
+    int fl = fcntl(LISTEN_FD, F_GETFD);
+    if (fl < 0) {
+        logmsg("fd 3 (listening socket) is not open");
+        return 1;
+    }
+    fcntl(LISTEN_FD, F_SETFD, fl | FD_CLOEXEC);
+    set_nonblock(LISTEN_FD);
+    ep_add(LISTEN_FD, EPOLLIN, &w_listen);
+    ep_add(sig_fd, EPOLLIN, &w_signal);
+
+    struct epoll_event evs[64];
+    for (;;) {
+        int64_t now = now_ms();
+        int timeout = next_timeout(now);
+        more_work = 0;
+        int n = epoll_wait(ep, evs, 64, timeout);
+        if (n < 0 && errno != EINTR) {
+            logmsg("epoll_wait: %s", strerror(errno));
+            struct timespec ts = {0, 10 * 1000 * 1000};
+            nanosleep(&ts, NULL);
+        }
+        for (int i = 0; i < n; i++) {
+            struct watch *w = evs[i].data.ptr;
+            uint32_t e = evs[i].events;
+            switch (w->kind) {
+            case W_LISTEN:
+                accept_conn();
+                break;
+            case W_CONN:
+                if (w != w_conn || conn_fd < 0)
+                    break; /* stale event of a replaced connection */
+                if (e & EPOLLOUT)
+                    flush_outq();
+                if (e & (EPOLLHUP | EPOLLERR | EPOLLRDHUP)) {
+                    read_conn(1); /* take the last requests (e.g. KILL), then hang up */
+                    drop_conn("edge hung up");
+                } else if (e & EPOLLIN) {
+                    read_conn(0);
+                }
+                break;
+            case W_SIGNAL:
+                reap();
+                break;
+            case W_OUT:
+                w->s->out_ready[0] = 1;
+                break;
+            case W_ERR:
+                w->s->out_ready[1] = 1;
+                break;
+            case W_IN:
+                w->s->in_ready = 1;
+                if (e & (EPOLLERR | EPOLLHUP)) {
+                    stdin_backlog -= w->s->in_len;
+                    w->s->in_len = 0;
+                    close_watched(&w->s->in_fd);
+                }
+                break;
+            case W_STATUS:
+                resolve_spawn(w->s);
+                break;
+            }
+        }
+        flush_outq();
+        service_sessions(now_ms());
+        flush_outq();
+    }
+}
