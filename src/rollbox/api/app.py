@@ -1,0 +1,540 @@
+"""The HTTP API (FastAPI): the only path from a trainer to its sandboxes.
+
+Stateless apart from an owner cache: sandbox ids route through :class:`Placement`, the audit
+trail goes to :class:`EventLog`, principals come from :class:`KeyStore`.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable
+from typing import Annotated, Any, TypeVar
+
+from fastapi import Depends, FastAPI, Query, Request, Security
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from rollbox import errors, models
+from rollbox.edge.interface import EdgeAPI, ExecOutput
+from rollbox.events import EventLog
+from rollbox.iam import KeyStore, Principal
+from rollbox.placement import Placement
+
+log = logging.getLogger(__name__)
+
+NDJSON = "application/x-ndjson"
+MAX_JSON_BODY = 1 << 20
+MAX_FILE_WRITE = 256 << 20
+MAX_FILE_READ = 256 << 20
+MAX_TAR_UPLOAD = 2 << 30
+MAX_STDIN_BODY = 16 << 20
+OWNER_CACHE_SIZE = 65536
+T = TypeVar("T")
+
+
+# ---- request bodies that are not shared wire models ---------------------------------------
+class TTLRequest(BaseModel):
+    ttl_s: float = Field(..., gt=0, le=models.MAX_TIMEOUT_S)
+
+
+class KillRequest(BaseModel):
+    signal: int = Field(9, ge=1, le=64)
+
+
+class MkdirRequest(BaseModel):
+    path: str = Field(..., min_length=1, max_length=4096)
+    parents: bool = True
+
+
+class ExecStarted(BaseModel):
+    exec_id: str
+
+
+class Health(BaseModel):
+    status: str
+    nodes: list[str]
+
+
+def _body_limit(method: str, path: str) -> int:
+    if method == "PUT" and path.endswith("/files"):
+        return MAX_FILE_WRITE
+    if method == "PUT" and path.endswith("/tar"):
+        return MAX_TAR_UPLOAD
+    if method == "POST" and path.endswith("/stdin"):
+        return MAX_STDIN_BODY
+    return MAX_JSON_BODY
+
+
+class BodyLimitMiddleware:
+    """Caps request bodies per route while they stream in (Content-Length is not trusted)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = _body_limit(scope["method"], scope["path"])
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = 0
+                if declared > limit:
+                    err = errors.PayloadTooLarge(f"request body over {limit} bytes", limit=limit)
+                    await JSONResponse(err.to_payload(), err.status)(scope, receive, send)
+                    return
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    # HTTPException passes through FastAPI's body parsing untouched.
+                    raise StarletteHTTPException(413, f"request body over {limit} bytes")
+            return msg
+
+        await self.app(scope, limited_receive, send)
+
+
+def _error_response(err: errors.RollboxError) -> JSONResponse:
+    return JSONResponse(err.to_payload(), status_code=err.status)
+
+
+_HTTP_STATUS_ERRORS: dict[int, type[errors.RollboxError]] = {
+    400: errors.BadRequest,
+    401: errors.Unauthorized,
+    404: errors.NotFound,
+    405: errors.BadRequest,
+    413: errors.PayloadTooLarge,
+}
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for e in exc.errors():
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+    return "; ".join(parts) or "invalid request"
+
+
+def _ndjson(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+def _output_line(item: ExecOutput) -> bytes | None:
+    if item.kind in ("stdout", "stderr"):
+        return _ndjson({"type": item.kind, "data": base64.b64encode(item.data).decode()})
+    if item.kind == "exit" and item.result is not None:
+        return _ndjson({"type": "exit", "result": item.result.model_dump(mode="json")})
+    if item.kind == "error":
+        err = item.error
+        if not isinstance(err, errors.RollboxError):
+            err = errors.InfraError(f"exec stream failed: {err!r}")
+        return _ndjson({"type": "error", **err.to_payload()})
+    return None
+
+
+async def _primed(agen: AsyncIterator[T], wait_s: float) -> AsyncIterator[T]:
+    """Start ``agen`` and wait briefly for its first item so that an early error (unknown exec,
+    missing path) becomes a proper HTTP status instead of a truncated 200 stream."""
+    first: asyncio.Future[T] = asyncio.ensure_future(agen.__anext__())  # type: ignore[arg-type]
+    done, _ = await asyncio.wait({first}, timeout=wait_s)
+    if done:
+        exc = first.exception()
+        if isinstance(exc, StopAsyncIteration):
+            first = None  # type: ignore[assignment]
+        elif exc is not None:
+            raise exc
+
+    async def rest() -> AsyncIterator[T]:
+        try:
+            if first is None:
+                return
+            try:
+                yield await first
+            except StopAsyncIteration:
+                return
+            async for item in agen:
+                yield item
+        finally:
+            if first is not None and not first.done():
+                first.cancel()
+            aclose = getattr(agen, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+    return rest()
+
+
+class _Api:
+    """Route logic shared by the handlers (kept off the module so several apps can coexist)."""
+
+    def __init__(self, placement: Placement, events: EventLog, keys: KeyStore) -> None:
+        self.placement = placement
+        self.events = events
+        self.keys = keys
+        self._owners: OrderedDict[str, str] = OrderedDict()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- auth and ownership --
+    def remember_owner(self, sandbox_id: str, owner: str) -> None:
+        self._owners[sandbox_id] = owner
+        self._owners.move_to_end(sandbox_id)
+        while len(self._owners) > OWNER_CACHE_SIZE:
+            self._owners.popitem(last=False)
+
+    async def sandbox_edge(self, sandbox_id: str, who: Principal) -> EdgeAPI:
+        """The edge of a sandbox the principal may use; others' sandboxes look absent."""
+        edge = self.placement.edge_for(sandbox_id)
+        owner = self._owners.get(sandbox_id)
+        if owner is None:
+            owner = (await edge.get(sandbox_id)).owner
+            self.remember_owner(sandbox_id, owner)
+        if not who.admin and owner != who.project:
+            raise errors.NotFound(f"no sandbox {sandbox_id!r}")
+        return edge
+
+    async def logged_owner(self, sandbox_id: str) -> str | None:
+        # The first event of every sandbox created through the api is sandbox.created with
+        # its owner: this is what authorises reading the log of a deleted sandbox.
+        first = await self.events.read(sandbox_id, 0, 1)
+        if first and first[0].kind == "sandbox.created":
+            try:
+                return str(json.loads(first[0].data).get("owner"))
+            except (ValueError, AttributeError):
+                return None
+        return None
+
+    # -- recording --
+    def spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def record_exec(self, edge: EdgeAPI, sandbox_id: str, exec_id: str) -> None:
+        """Copy one command's output into the audit log, independent of any client stream."""
+        try:
+            async for item in edge.exec_stream(sandbox_id, exec_id):
+                if item.kind == "stdout":
+                    self.events.append(sandbox_id, "exec.stdout", exec_id, item.data)
+                elif item.kind == "stderr":
+                    self.events.append(sandbox_id, "exec.stderr", exec_id, item.data)
+                elif item.kind == "exit" and item.result is not None:
+                    summary = item.result.model_dump(exclude={"stdout", "stderr"})
+                    self.events.append(sandbox_id, "exec.exited", exec_id, json.dumps(summary))
+                elif item.kind == "error":
+                    self.events.append(sandbox_id, "exec.error", exec_id, repr(item.error))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.events.append(sandbox_id, "exec.error", exec_id, repr(exc))
+
+    async def shutdown(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def create_app(placement: Placement, events: EventLog, keys: KeyStore) -> FastAPI:
+    api = _Api(placement, events, keys)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await api.shutdown()
+
+    app = FastAPI(
+        title="rollbox",
+        version="0.1.0",
+        description="Sandboxes for RL training of LLM agents.",
+        lifespan=lifespan,
+    )
+    app.add_middleware(BodyLimitMiddleware)
+    app.state.api = api
+
+    # ---- errors ----
+    @app.exception_handler(errors.RollboxError)
+    async def _rollbox_error(_: Request, exc: errors.RollboxError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(errors.BadRequest(_validation_message(exc)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        cls = _HTTP_STATUS_ERRORS.get(exc.status_code, errors.RollboxError)
+        err = cls(str(exc.detail))
+        return JSONResponse(err.to_payload(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return _error_response(errors.RollboxError("internal error"))
+
+    # ---- auth ----
+    bearer = HTTPBearer(auto_error=False)
+    api_key_header = APIKeyHeader(name="X-API-Key", auto_error=False)
+
+    async def principal(
+        cred: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)],
+        header_key: Annotated[str | None, Security(api_key_header)],
+    ) -> Principal:
+        key = cred.credentials if cred is not None else header_key
+        return keys.verify(key)
+
+    Who = Annotated[Principal, Depends(principal)]
+
+    async def edge_of(sandbox_id: str, who: Who) -> EdgeAPI:
+        return await api.sandbox_edge(sandbox_id, who)
+
+    Edge = Annotated[EdgeAPI, Depends(edge_of)]
+
+    # ---- health ----
+    @app.get("/v1/health", response_model=Health, tags=["meta"])
+    async def health() -> Health:
+        return Health(status="ok", nodes=sorted(placement.edges))
+
+    # ---- sandboxes ----
+    @app.post("/v1/sandboxes", status_code=201, response_model=models.SandboxInfo,
+              tags=["sandboxes"])
+    async def create_sandbox(spec: models.SandboxSpec, who: Who) -> models.SandboxInfo:
+        info = await placement.create(spec, who.project)
+        api.remember_owner(info.id, who.project)
+        events.append(info.id, "sandbox.created", None, json.dumps({
+            "owner": who.project, "key_id": who.key_id, "node": info.node,
+            "image": spec.image, "layers": spec.layers, "labels": spec.labels,
+            "resources": spec.resources.model_dump(), "ttl_s": spec.ttl_s,
+        }))
+        return info
+
+    @app.get("/v1/sandboxes", response_model=list[models.SandboxInfo], tags=["sandboxes"])
+    async def list_sandboxes(
+        who: Who,
+        label: Annotated[list[str], Query(description="k=v, repeatable; all must match")] = [],
+    ) -> list[models.SandboxInfo]:
+        labels: dict[str, str] = {}
+        for item in label:
+            k, sep, v = item.partition("=")
+            if not sep or not k:
+                raise errors.BadRequest(f"label filter must be k=v, got {item!r}")
+            labels[k] = v
+        owner = None if who.admin else who.project
+        found = await placement.list(owner, labels)
+        # Filter again here: the edge's own filtering is trusted for speed, not for isolation.
+        return [
+            i for i in found
+            if (owner is None or i.owner == owner)
+            and all(i.labels.get(k) == v for k, v in labels.items())
+        ]
+
+    @app.get("/v1/sandboxes/{sandbox_id}", response_model=models.SandboxInfo,
+             tags=["sandboxes"])
+    async def get_sandbox(sandbox_id: str, edge: Edge) -> models.SandboxInfo:
+        return await edge.get(sandbox_id)
+
+    @app.delete("/v1/sandboxes/{sandbox_id}", status_code=204, tags=["sandboxes"])
+    async def delete_sandbox(sandbox_id: str, edge: Edge, who: Who) -> Response:
+        await edge.delete(sandbox_id)
+        events.append(sandbox_id, "sandbox.deleted", None,
+                      json.dumps({"by": who.key_id, "reason": "api"}))
+        return Response(status_code=204)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/ttl", response_model=models.SandboxInfo,
+              tags=["sandboxes"])
+    async def set_ttl(sandbox_id: str, body: TTLRequest, edge: Edge) -> models.SandboxInfo:
+        info = await edge.set_ttl(sandbox_id, body.ttl_s)
+        events.append(sandbox_id, "sandbox.ttl", None, json.dumps({"ttl_s": body.ttl_s}))
+        return info
+
+    # ---- exec ----
+    def exec_stream_response(edge: EdgeAPI, sandbox_id: str, exec_id: str,
+                             stream: AsyncIterator[ExecOutput] | None = None) -> Response:
+        async def body() -> AsyncIterator[bytes]:
+            yield _ndjson({"type": "started", "exec_id": exec_id})
+            try:
+                it = stream if stream is not None else edge.exec_stream(sandbox_id, exec_id)
+                async for item in it:
+                    line = _output_line(item)
+                    if line is not None:
+                        yield line
+                    if item.kind in ("exit", "error"):
+                        return
+                # Stream ended without an exit: the sandbox went away under the command.
+                yield _ndjson({"type": "error", **errors.SandboxDead(
+                    "exec stream ended without an exit status").to_payload()})
+            except errors.RollboxError as exc:
+                yield _ndjson({"type": "error", **exc.to_payload()})
+            except Exception as exc:  # noqa: BLE001 - reported in-band, headers are sent
+                log.exception("exec stream %s/%s failed", sandbox_id, exec_id)
+                yield _ndjson({"type": "error", **errors.InfraError(
+                    f"exec stream failed: {exc!r}").to_payload()})
+
+        # A client that disconnects cancels only this generator; the command keeps running.
+        return StreamingResponse(body(), media_type=NDJSON,
+                                 headers={"X-Rollbox-Exec-Id": exec_id})
+
+    @app.post("/v1/sandboxes/{sandbox_id}/exec", tags=["exec"],
+              responses={200: {"content": {NDJSON: {}}, "description":
+                               "NDJSON stream, {exec_id} if background, ExecResult if wait=1"}})
+    async def exec_start(
+        sandbox_id: str, spec: models.ExecSpec, edge: Edge,
+        wait: Annotated[bool, Query(description="return one ExecResult when done")] = False,
+    ) -> Response:
+        exec_id = await edge.exec_start(sandbox_id, spec)
+        events.append(sandbox_id, "exec.started", exec_id, json.dumps({
+            "cmd": spec.cmd, "cwd": spec.cwd, "user": spec.user, "timeout_s": spec.timeout_s,
+            "background": spec.background, "env_keys": sorted(spec.env),
+        }))
+        api.spawn(api.record_exec(edge, sandbox_id, exec_id))
+        if spec.background:
+            return JSONResponse(ExecStarted(exec_id=exec_id).model_dump())
+        if wait:
+            result = await edge.exec_wait(sandbox_id, exec_id)
+            return JSONResponse(result.model_dump(mode="json"))
+        return exec_stream_response(edge, sandbox_id, exec_id)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/exec", response_model=list[models.ExecInfo],
+             tags=["exec"])
+    async def exec_list(sandbox_id: str, edge: Edge) -> list[models.ExecInfo]:
+        return await edge.exec_list(sandbox_id)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/exec/{exec_id}/stream", tags=["exec"],
+             responses={200: {"content": {NDJSON: {}}}})
+    async def exec_attach(sandbox_id: str, exec_id: str, edge: Edge) -> Response:
+        stream = await _primed(edge.exec_stream(sandbox_id, exec_id), 0.2)
+        return exec_stream_response(edge, sandbox_id, exec_id, stream)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/exec/{exec_id}", response_model=models.ExecResult,
+             tags=["exec"])
+    async def exec_wait(sandbox_id: str, exec_id: str, edge: Edge) -> models.ExecResult:
+        return await edge.exec_wait(sandbox_id, exec_id)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/exec/{exec_id}/stdin", status_code=204,
+              tags=["exec"])
+    async def exec_stdin(sandbox_id: str, exec_id: str, request: Request, edge: Edge,
+                         eof: bool = False) -> Response:
+        data = await request.body()
+        await edge.exec_stdin(sandbox_id, exec_id, data, eof)
+        return Response(status_code=204)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/exec/{exec_id}/kill", status_code=204,
+              tags=["exec"])
+    async def exec_kill(sandbox_id: str, exec_id: str, edge: Edge,
+                        body: KillRequest | None = None) -> Response:
+        await edge.exec_kill(sandbox_id, exec_id, (body or KillRequest()).signal)
+        return Response(status_code=204)
+
+    # ---- files ----
+    PathQ = Annotated[str, Query(min_length=1, max_length=4096)]
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files", tags=["files"],
+             responses={200: {"content": {"application/octet-stream": {}}}})
+    async def file_read(sandbox_id: str, path: PathQ, edge: Edge) -> Response:
+        data = await edge.file_read(sandbox_id, path, MAX_FILE_READ)
+        return Response(data, media_type="application/octet-stream")
+
+    @app.put("/v1/sandboxes/{sandbox_id}/files", status_code=204, tags=["files"])
+    async def file_write(sandbox_id: str, path: PathQ, request: Request, edge: Edge,
+                         mode: str = "644") -> Response:
+        try:
+            mode_i = int(mode.removeprefix("0o"), 8)
+        except ValueError:
+            raise errors.BadRequest(f"mode must be octal, got {mode!r}") from None
+        if not 0 <= mode_i <= 0o7777:
+            raise errors.BadRequest(f"mode out of range: {mode!r}")
+        data = await request.body()
+        await edge.file_write(sandbox_id, path, data, mode_i)
+        return Response(status_code=204)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files/stat", response_model=models.FileStat,
+             tags=["files"])
+    async def file_stat(sandbox_id: str, path: PathQ, edge: Edge) -> models.FileStat:
+        return await edge.file_stat(sandbox_id, path)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files/list", response_model=list[models.FileStat],
+             tags=["files"])
+    async def file_list(sandbox_id: str, path: PathQ, edge: Edge) -> list[models.FileStat]:
+        return await edge.file_list(sandbox_id, path)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/files/mkdir", status_code=204, tags=["files"])
+    async def file_mkdir(sandbox_id: str, body: MkdirRequest, edge: Edge) -> Response:
+        await edge.file_mkdir(sandbox_id, body.path, body.parents)
+        return Response(status_code=204)
+
+    @app.delete("/v1/sandboxes/{sandbox_id}/files", status_code=204, tags=["files"])
+    async def file_remove(sandbox_id: str, path: PathQ, edge: Edge,
+                          recursive: bool = False) -> Response:
+        await edge.file_remove(sandbox_id, path, recursive)
+        return Response(status_code=204)
+
+    @app.put("/v1/sandboxes/{sandbox_id}/tar", tags=["files"])
+    async def tar_upload(sandbox_id: str, path: PathQ, request: Request,
+                         edge: Edge) -> dict[str, int]:
+        async def chunks() -> AsyncIterator[bytes]:
+            total = 0
+            async for chunk in request.stream():
+                total += len(chunk)
+                if total > MAX_TAR_UPLOAD:
+                    raise errors.PayloadTooLarge(f"tar upload over {MAX_TAR_UPLOAD} bytes")
+                if chunk:
+                    yield chunk
+
+        written = await edge.upload_tar(sandbox_id, path, chunks())
+        return {"written": written}
+
+    @app.get("/v1/sandboxes/{sandbox_id}/tar", tags=["files"],
+             responses={200: {"content": {"application/x-tar": {}}}})
+    async def tar_download(sandbox_id: str, path: PathQ, edge: Edge) -> Response:
+        stream = await _primed(edge.download_tar(sandbox_id, path), 10.0)
+        return StreamingResponse(stream, media_type="application/x-tar")
+
+    # ---- events ----
+    @app.get("/v1/sandboxes/{sandbox_id}/events", tags=["events"],
+             responses={200: {"content": {NDJSON: {}}}})
+    async def sandbox_events(
+        sandbox_id: str, who: Who,
+        after: Annotated[int, Query(ge=0)] = 0, follow: bool = False,
+    ) -> Response:
+        try:
+            await api.sandbox_edge(sandbox_id, who)
+        except (errors.NotFound, errors.SandboxDead):
+            # Gone (or never ours): the log itself says who owned it.
+            owner = await api.logged_owner(sandbox_id)
+            if owner is None or (not who.admin and owner != who.project):
+                raise errors.NotFound(f"no sandbox {sandbox_id!r}") from None
+
+        async def body() -> AsyncIterator[bytes]:
+            if follow:
+                async for ev in events.follow(sandbox_id, after):
+                    yield ev.model_dump_json().encode() + b"\n"
+                return
+            last = after
+            while True:
+                batch = await events.read(sandbox_id, last, 1000)
+                for ev in batch:
+                    yield ev.model_dump_json().encode() + b"\n"
+                if len(batch) < 1000:
+                    return
+                last = batch[-1].seq
+
+        return StreamingResponse(body(), media_type=NDJSON)
+
+    return app
+
+
+__all__ = ["create_app", "BodyLimitMiddleware", "TTLRequest", "KillRequest", "MkdirRequest"]

@@ -1,0 +1,90 @@
+"""Running the API under uvicorn, in the foreground or as a background task (tests, embedded)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+from types import TracebackType
+
+import uvicorn
+from fastapi import FastAPI
+
+log = logging.getLogger(__name__)
+
+# Every exec stream and event follower holds a connection for its lifetime.
+LIMIT_CONCURRENCY = 65536
+
+
+def _config(app: FastAPI, host: str, port: int, uds: str | Path | None,
+            access_log: bool) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        uds=str(uds) if uds is not None else None,
+        http="h11",
+        loop="asyncio",
+        lifespan="on",
+        access_log=access_log,
+        log_level="warning",
+        limit_concurrency=LIMIT_CONCURRENCY,
+        backlog=4096,
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=5,
+    )
+
+
+async def serve_app(app: FastAPI, host: str = "127.0.0.1", port: int = 7420, *,
+                    uds: str | Path | None = None, access_log: bool = False) -> None:
+    """Serve until cancelled (or SIGINT/SIGTERM when run in the main thread)."""
+    await uvicorn.Server(_config(app, host, port, uds, access_log)).serve()
+
+
+class BackgroundServer:
+    """``async with BackgroundServer(app) as srv: srv.url`` - uvicorn in a task of the
+    current loop; port 0 picks a free port. Stops (and waits) on exit."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.server = uvicorn.Server(_config(app, host, port, None, False))
+        # The host process (tests, embedded mode) owns signal handling, not uvicorn.
+        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self.host = host
+        self.port = port
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> str:
+        self._task = asyncio.create_task(self.server.serve())
+        while not self.server.started:
+            if self._task.done():
+                self._task.result()  # surfaces the bind error
+                raise RuntimeError("uvicorn exited before starting")
+            await asyncio.sleep(0.01)
+        sock = self.server.servers[0].sockets[0]
+        self.port = sock.getsockname()[1]
+        return self.url
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self.server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), 10)
+        except TimeoutError:
+            self.server.force_exit = True
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._task = None
+
+    async def __aenter__(self) -> BackgroundServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.stop()

@@ -1,0 +1,162 @@
+"""API keys: ``rbx_`` + 32 random url-safe bytes; at rest only sha256(key) and a display prefix."""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollbox import errors
+
+KEY_PREFIX = "rbx_"
+VERIFY_CACHE_S = 5.0  # a revocation made by another process takes effect within this time
+DISPLAY_CHARS = 8  # of the random part; 48 bits shown, 208 bits stay secret
+PROJECT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-/]{0,127}$")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS projects (
+    name TEXT PRIMARY KEY,
+    -- Later: nested projects and quotas (parent + limits on sandboxes, cpus, memory). A child's
+    -- limits are carved out of its parent's and never exceed them. NULL = unlimited for now.
+    parent TEXT REFERENCES projects(name),
+    max_sandboxes INTEGER,
+    max_cpus REAL,
+    max_memory_mib INTEGER,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS api_keys (
+    key_id TEXT PRIMARY KEY,
+    key_hash BLOB NOT NULL UNIQUE,
+    display TEXT NOT NULL,
+    project TEXT NOT NULL REFERENCES projects(name),
+    admin INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    revoked_at REAL
+);
+"""
+
+
+@dataclass(frozen=True)
+class Principal:
+    project: str
+    admin: bool
+    key_id: str
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    key_id: str
+    display: str  # e.g. "rbx_AbCdEfGh..." - not a secret
+    project: str
+    admin: bool
+    created_at: float
+    revoked: bool
+
+
+@dataclass(frozen=True)
+class Project:
+    """Placeholder for the nested-quota issue: a project and its (not yet enforced) limits."""
+
+    name: str
+    parent: str | None = None
+    max_sandboxes: int | None = None
+    max_cpus: float | None = None
+    max_memory_mib: int | None = None
+
+
+def _hash(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class KeyStore:
+    def __init__(self, db_path: Path) -> None:
+        self.db_path = Path(db_path)
+        self.db_path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.db_path, check_same_thread=False, isolation_level=None)
+        self._lock = threading.Lock()
+        self._cache: dict[bytes, tuple[Principal, float]] = {}
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.executescript(_SCHEMA)
+        try:
+            self.db_path.chmod(0o600)
+        except OSError:
+            pass
+
+    def create(self, project: str, admin: bool = False) -> str:
+        """Create a key for ``project``; the plaintext is returned here and never again."""
+        if not PROJECT_RE.match(project):
+            raise errors.BadRequest(f"invalid project name {project!r}")
+        key = KEY_PREFIX + secrets.token_urlsafe(32)
+        key_id = "key_" + secrets.token_hex(8)
+        now = time.time()
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.execute(
+                "INSERT OR IGNORE INTO projects (name, created_at) VALUES (?, ?)", (project, now)
+            )
+            self._db.execute(
+                "INSERT INTO api_keys VALUES (?,?,?,?,?,?,NULL)",
+                (key_id, _hash(key), key[: len(KEY_PREFIX) + DISPLAY_CHARS] + "...", project,
+                 int(admin), now),
+            )
+            self._db.execute("COMMIT")
+        return key
+
+    def verify(self, key: str | None) -> Principal:
+        if not key or not key.startswith(KEY_PREFIX) or len(key) > 128:
+            raise errors.Unauthorized("missing or malformed API key")
+        digest = _hash(key)
+        hit = self._cache.get(digest)
+        if hit is not None and hit[1] > time.monotonic():
+            return hit[0]
+        with self._lock:
+            row = self._db.execute(
+                "SELECT key_id, key_hash, project, admin, revoked_at FROM api_keys"
+                " WHERE key_hash=?", (digest,),
+            ).fetchone()
+        # The lookup is by hash (a guess reveals nothing about real keys); the final check is
+        # constant-time anyway.
+        if row is None or not hmac.compare_digest(bytes(row[1]), digest) or row[4] is not None:
+            raise errors.Unauthorized("invalid or revoked API key")
+        principal = Principal(project=row[2], admin=bool(row[3]), key_id=row[0])
+        if len(self._cache) > 10_000:
+            self._cache.clear()
+        self._cache[digest] = (principal, time.monotonic() + VERIFY_CACHE_S)
+        return principal
+
+    def revoke(self, key_id: str) -> None:
+        with self._lock:
+            cur = self._db.execute(
+                "UPDATE api_keys SET revoked_at=? WHERE key_id=? AND revoked_at IS NULL",
+                (time.time(), key_id),
+            )
+        self._cache.clear()
+        if cur.rowcount == 0:
+            raise errors.NotFound(f"no active key {key_id!r}")
+
+    def list(self, project: str | None = None) -> list[KeyInfo]:
+        q = "SELECT key_id, display, project, admin, created_at, revoked_at FROM api_keys"
+        args: tuple[str, ...] = ()
+        if project is not None:
+            q += " WHERE project=?"
+            args = (project,)
+        with self._lock:
+            rows = self._db.execute(q + " ORDER BY created_at", args).fetchall()
+        return [KeyInfo(r[0], r[1], r[2], bool(r[3]), r[4], r[5] is not None) for r in rows]
+
+    def projects(self) -> list[Project]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT name, parent, max_sandboxes, max_cpus, max_memory_mib FROM projects"
+            ).fetchall()
+        return [Project(*r) for r in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
