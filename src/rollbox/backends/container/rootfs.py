@@ -1,0 +1,105 @@
+"""A sandbox's root filesystem: idmapped read-only layers under overlayfs, with the writable
+upper on a size- and inode-capped tmpfs that is verified to be that tmpfs before use."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from rollbox.errors import InfraError
+from rollbox.isolation import syscalls
+
+TMPFS_MAGIC = 0x01021994
+
+
+def _statfs_type(path: Path) -> int:
+    import ctypes
+
+    buf = ctypes.create_string_buffer(120)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.statfs(os.fsencode(path), buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return int.from_bytes(buf.raw[:8], "little")
+
+
+def mount_points_under(prefix: Path) -> list[str]:
+    """Mount points at or below prefix, deepest first (from /proc/self/mountinfo)."""
+    pre = str(prefix).rstrip("/")
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mp = line.split()[4].replace("\\040", " ")
+            if mp == pre or mp.startswith(pre + "/"):
+                found.append(mp)
+    return sorted(set(found), key=len, reverse=True)
+
+
+class Rootfs:
+    """Mount layout under ``<sandbox dir>``: ``l<i>`` lowers, ``rw`` tmpfs, ``merged``."""
+
+    def __init__(self, sandbox_dir: Path) -> None:
+        self.dir = sandbox_dir
+        self.rw = sandbox_dir / "rw"
+        self.upper = self.rw / "upper"
+        self.work = self.rw / "work"
+        self.merged = sandbox_dir / "merged"
+
+    def compose(self, layer_mounts: list[Path], userns_fd: int, host_uid: int,
+                disk_mib: int, inodes: int) -> None:
+        """layer_mounts lowest first (base first)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._mount_upper(host_uid, disk_mib, inodes)
+            lowers = []
+            for i, src in enumerate(layer_mounts):
+                target = self.dir / f"l{i}"
+                target.mkdir(exist_ok=True)
+                self._idmapped_bind(src, target, userns_fd)
+                lowers.append(str(target))
+            self.merged.mkdir(exist_ok=True)
+            opts = (f"lowerdir={':'.join(reversed(lowers))},upperdir={self.upper},"
+                    f"workdir={self.work}")
+            syscalls.mount("overlay", self.merged, "overlay", syscalls.MS_NOSUID, opts)
+        except OSError as exc:
+            self.teardown()
+            raise InfraError(f"rootfs composition failed: {exc}") from exc
+
+    def _mount_upper(self, host_uid: int, disk_mib: int, inodes: int) -> None:
+        self.rw.mkdir(exist_ok=True)
+        syscalls.mount("rollbox-rw", self.rw, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV,
+                       f"size={disk_mib}m,nr_inodes={inodes},mode=0700")
+        # A mount that failed silently would leave the upper on the host disk; refuse that.
+        if _statfs_type(self.rw) != TMPFS_MAGIC or os.stat(self.rw).st_dev == os.stat(self.dir).st_dev:
+            raise OSError("writable layer is not on its capped tmpfs")
+        vfs = os.statvfs(self.rw)
+        if vfs.f_blocks * vfs.f_frsize > (disk_mib << 20) + (1 << 20):
+            raise OSError("writable layer cap not applied")
+        self.upper.mkdir(mode=0o755)
+        self.work.mkdir(mode=0o700)
+        os.chown(self.upper, host_uid, host_uid)
+        os.chmod(self.upper, 0o755)
+
+    @staticmethod
+    def _idmapped_bind(src: Path, target: Path, userns_fd: int) -> None:
+        fd = syscalls.open_tree(-100, src, syscalls.OPEN_TREE_CLONE | syscalls.OPEN_TREE_CLOEXEC)
+        try:
+            syscalls.mount_setattr(fd, "", syscalls.AT_EMPTY_PATH,
+                                   syscalls.MOUNT_ATTR_IDMAP | syscalls.MOUNT_ATTR_RDONLY
+                                   | syscalls.MOUNT_ATTR_NODEV | syscalls.MOUNT_ATTR_NOSUID,
+                                   userns_fd=userns_fd)
+            syscalls.move_mount(fd, "", -100, target, syscalls.MOVE_MOUNT_F_EMPTY_PATH)
+        finally:
+            os.close(fd)
+
+    def teardown(self) -> list[str]:
+        """Unmount everything under the sandbox dir and remove it; return what is left."""
+        for mp in mount_points_under(self.dir):
+            try:
+                syscalls.umount(mp, syscalls.MNT_DETACH)
+            except OSError:
+                pass
+        left = mount_points_under(self.dir)
+        if not left:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        return left

@@ -1,0 +1,246 @@
+"""Lifecycle of container sandboxes on one node: create, adopt after a restart, destroy, verify.
+
+Creation order: uid slot -> capped writable tmpfs (verified) -> idmapped layers -> overlayfs ->
+named netns -> agent socket -> OCI bundle -> ``runc run -d`` -> cgroup delegation -> agent
+handshake. Destruction kills by cgroup, then unwinds in reverse and checks that no process,
+mount, cgroup, netns or file of the sandbox remains.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollbox.backends.container import bundle
+from rollbox.backends.container.channel import AgentChannel
+from rollbox.backends.container.files import SandboxFS
+from rollbox.backends.container.rootfs import Rootfs, mount_points_under
+from rollbox.backends.container.runtime import Runtime
+from rollbox.config import Settings
+from rollbox.errors import InfraError
+from rollbox.isolation import cgroups, netns
+from rollbox.isolation.userns import UidSlots
+from rollbox.models import Resources
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ContainerSandbox:
+    id: str
+    slot: int
+    host_uid: int
+    rootfs: Rootfs
+    run_dir: Path
+    v2_cgroup: Path
+    agent_pid: int
+    channel: AgentChannel
+    fs: SandboxFS
+    image_env: dict[str, str] = field(default_factory=dict)
+    next_session: int = 0
+
+    @property
+    def socket_path(self) -> Path:
+        return self.run_dir / "agent.sock"
+
+    def new_session_cgroup(self) -> tuple[str, int]:
+        """Create the cgroup of the next exec session; returns (name, O_PATH dir fd)."""
+        self.next_session += 1
+        name = f"x{self.next_session}"
+        return name, cgroups.make_session(self.v2_cgroup, name, self.host_uid)
+
+    def drop_session_cgroup(self, name: str) -> None:
+        path = self.v2_cgroup / name
+        if not cgroups.procs(path):
+            try:
+                path.rmdir()
+            except OSError:
+                pass  # still populated by processes the command left behind
+
+
+class ContainerBackend:
+    def __init__(self, settings: Settings, layer_mounts, slots: UidSlots) -> None:  # noqa: ANN001
+        self.settings = settings
+        self.layer_mounts = layer_mounts
+        self.slots = slots
+        self.runtime = Runtime(settings.runtime, settings.run_dir / "runc")
+        self.sandboxes_dir = settings.sandboxes_dir
+        self.run_root = settings.run_dir / "sandboxes"
+        self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        self.run_root.mkdir(parents=True, exist_ok=True)
+        self.agent_dir = self._install_agent()
+
+    def _install_agent(self) -> Path:
+        """Copy the agent binary to a root-only, content-addressed dir bound read-only into
+        sandboxes (never a path a sandbox could write)."""
+        src = self.settings.agent_binary
+        if not src.exists():
+            raise InfraError(f"agent binary missing at {src} (run `make native`)")
+        data = src.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()[:16]
+        target_dir = self.settings.data_dir / "agent" / digest
+        target = target_dir / bundle.AGENT_NAME
+        if not target.exists():
+            target_dir.mkdir(parents=True, exist_ok=True)
+            tmp = target_dir / ".tmp-agent"
+            tmp.write_bytes(data)
+            os.chmod(tmp, 0o555)
+            os.replace(tmp, target)
+        return target_dir
+
+    def cgroups_path(self, sandbox_id: str) -> str:
+        return f"/{self.settings.cgroup_parent}/{sandbox_id}"
+
+    async def create(self, sandbox_id: str, layers: list[str], resources: Resources,
+                     image_env: dict[str, str]) -> ContainerSandbox:
+        slot = self.slots.acquire()
+        host_uid = self.slots.host_uid(slot)
+        rootfs = Rootfs(self.sandboxes_dir / sandbox_id)
+        run_dir = self.run_root / sandbox_id
+        listener: socket.socket | None = None
+        try:
+            mounts = [self.layer_mounts.ensure_mounted(d) for d in layers]
+            rootfs.compose(mounts, self.slots.userns_fd(slot), host_uid, resources.disk_mib,
+                           resources.inodes)
+            ns_path = netns.create(netns.PREFIX + sandbox_id)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            os.chmod(run_dir, 0o700)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock_path = run_dir / "agent.sock"
+            listener.bind(str(sock_path))
+            os.chmod(sock_path, 0o600)
+            listener.listen(8)
+            config = bundle.oci_config(
+                sandbox_id=sandbox_id, rootfs=str(rootfs.merged), host_uid=host_uid,
+                agent_dir=str(self.agent_dir), netns_path=str(ns_path),
+                cgroups_path=self.cgroups_path(sandbox_id), resources=resources,
+                hostname=sandbox_id[:63],
+            )
+            (rootfs.dir / "config.json").write_text(json.dumps(config))
+            pid = await self.runtime.run_detached(
+                sandbox_id, rootfs.dir, listener.fileno(), run_dir / "pid", run_dir / "agent.log")
+            listener.close()
+            listener = None
+            v2 = cgroups.v2_dir(self.settings.cgroup_parent, sandbox_id)
+            cgroups.delegate(v2, host_uid)
+            channel = await AgentChannel.connect(str(sock_path), timeout=10.0)
+            return ContainerSandbox(
+                id=sandbox_id, slot=slot, host_uid=host_uid, rootfs=rootfs, run_dir=run_dir,
+                v2_cgroup=v2, agent_pid=pid, channel=channel, fs=SandboxFS(rootfs.merged, host_uid),
+                image_env=image_env,
+            )
+        except BaseException:
+            if listener is not None:
+                listener.close()
+            await asyncio.shield(self._teardown(sandbox_id, rootfs, run_dir, slot, None))
+            raise
+
+    async def adopt(self, sandbox_id: str, host_uid: int,
+                    image_env: dict[str, str]) -> ContainerSandbox | None:
+        """Reconnect to a sandbox started by an earlier edge process; None if it is gone."""
+        slot = self.slots.slot_of(host_uid)
+        self.slots.claim(slot)
+        rootfs = Rootfs(self.sandboxes_dir / sandbox_id)
+        run_dir = self.run_root / sandbox_id
+        v2 = cgroups.v2_dir(self.settings.cgroup_parent, sandbox_id)
+        try:
+            pid = int((run_dir / "pid").read_text())
+            if pid not in cgroups.procs(v2):
+                raise InfraError("agent not running")
+            channel = await AgentChannel.connect(str(run_dir / "agent.sock"), timeout=3.0)
+        except (OSError, ValueError, InfraError) as exc:
+            log.warning("sandbox %s can not be adopted (%s); cleaning up", sandbox_id, exc)
+            await self._teardown(sandbox_id, rootfs, run_dir, slot, None)
+            return None
+        sb = ContainerSandbox(
+            id=sandbox_id, slot=slot, host_uid=host_uid, rootfs=rootfs, run_dir=run_dir,
+            v2_cgroup=v2, agent_pid=pid, channel=channel, fs=SandboxFS(rootfs.merged, host_uid),
+            image_env=image_env,
+        )
+        sb.next_session = max((int(p.name[1:]) for p in v2.glob("x*") if p.name[1:].isdigit()),
+                              default=0)
+        return sb
+
+    async def destroy(self, sb: ContainerSandbox) -> None:
+        sb.channel.close()
+        sb.fs.close()
+        await self._teardown(sb.id, sb.rootfs, sb.run_dir, sb.slot, sb.agent_pid)
+
+    async def _teardown(self, sandbox_id: str, rootfs: Rootfs, run_dir: Path, slot: int,
+                        agent_pid: int | None) -> None:
+        """Kill by cgroup, reap, remove cgroups, runc state, mounts, netns, files; verify."""
+        parent = self.settings.cgroup_parent
+        v2 = cgroups.v2_dir(parent, sandbox_id)
+        problems: list[str] = []
+        cgroups.kill(v2)
+        deadline = time.monotonic() + 10
+        while cgroups.procs(v2) or not await asyncio.to_thread(cgroups.wait_empty, v2, 0.5):
+            cgroups.kill(v2)
+            if time.monotonic() > deadline:
+                problems.append(f"processes survive in {v2}: {cgroups.procs(v2)}")
+                break
+        if agent_pid:
+            _reap(agent_pid)
+        for path in cgroups.sandbox_dirs(parent, sandbox_id):
+            try:
+                await asyncio.to_thread(cgroups.remove_tree, path)
+            except OSError as exc:
+                problems.append(f"cgroup {path}: {exc}")
+        self.runtime.forget(sandbox_id)
+        left = await asyncio.to_thread(rootfs.teardown)
+        if left:
+            problems.append(f"mounts left: {left}")
+        netns.delete(netns.PREFIX + sandbox_id)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        if problems:
+            log.error("teardown of %s incomplete: %s", sandbox_id, problems)
+            raise InfraError(f"teardown of {sandbox_id} incomplete", problems=problems)
+        self.slots.release(slot)
+
+    def leftovers(self, sandbox_id: str) -> list[str]:
+        """Everything of a sandbox still on the host (empty after a clean destroy)."""
+        left = [str(p) for p in cgroups.sandbox_dirs(self.settings.cgroup_parent, sandbox_id)
+                if p.exists()]
+        left += mount_points_under(self.sandboxes_dir / sandbox_id)
+        if netns.netns_path(netns.PREFIX + sandbox_id).exists():
+            left.append(str(netns.netns_path(netns.PREFIX + sandbox_id)))
+        for p in (self.sandboxes_dir / sandbox_id, self.run_root / sandbox_id,
+                  self.runtime.state_dir(sandbox_id)):
+            if p.exists():
+                left.append(str(p))
+        return left
+
+    def host_sandbox_ids(self) -> set[str]:
+        """Ids of sandboxes that have any host resource (for orphan clean-up)."""
+        ids = {p.name for p in self.sandboxes_dir.iterdir() if p.is_dir()}
+        ids |= {p.name for p in self.run_root.iterdir() if p.is_dir()}
+        ids |= set(self.runtime.known())
+        ids |= {n[len(netns.PREFIX):] for n in netns.list_rollbox()}
+        ids |= {p.name for p in cgroups.leftover(self.settings.cgroup_parent)}
+        return ids
+
+    async def cleanup_orphan(self, sandbox_id: str, host_uid: int | None = None) -> None:
+        slot = self.slots.slot_of(host_uid) if host_uid is not None else -1
+        if slot >= 0:
+            self.slots.claim(slot)
+        pid = None
+        try:
+            pid = int((self.run_root / sandbox_id / "pid").read_text())
+        except (OSError, ValueError):
+            pass
+        await self._teardown(sandbox_id, Rootfs(self.sandboxes_dir / sandbox_id),
+                             self.run_root / sandbox_id, slot, pid)
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass  # not our child (adopted from an earlier edge process)

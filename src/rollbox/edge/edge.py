@@ -1,0 +1,533 @@
+"""Edge implementation for one node with the container backend (see ``edge/__init__``)."""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from rollbox.backends.container.channel import SpawnError
+from rollbox.backends.container.protocol import ExecRequest
+from rollbox.backends.container.sandbox import ContainerBackend, ContainerSandbox
+from rollbox.config import Settings
+from rollbox.edge.interface import ExecOutput
+from rollbox.edge.journal import Journal
+from rollbox.edge.sessions import ExecSession
+from rollbox.errors import (
+    BadRequest, CapacityExceeded, InfraError, NotFound, RollboxError, SandboxDead,
+)
+from rollbox.events.store import EventLog
+from rollbox.images.mounts import LayerMounts
+from rollbox.images.store import ImageStore
+from rollbox.isolation.userns import UidSlots
+from rollbox.models import (
+    Event, ExecInfo, ExecResult, ExecSpec, FileStat, SandboxInfo, SandboxSpec,
+)
+
+log = logging.getLogger(__name__)
+PR_SET_CHILD_SUBREAPER = 36
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Grace past a command's own deadline before the edge kills it from the host side.
+HOST_KILL_GRACE_S = 2.0
+
+
+@dataclass
+class Limits:
+    max_sandboxes: int = 2000
+    max_parallel_creates: int = 16
+    memory_overcommit: float = 8.0  # sum of memory limits may exceed host RAM this much
+    create_queue_timeout_s: float = 30.0
+
+
+@dataclass
+class LiveSandbox:
+    info: SandboxInfo
+    box: ContainerSandbox
+    sessions: dict[str, ExecSession] = field(default_factory=dict)
+    users: dict[str, tuple[int, int, str]] = field(default_factory=dict)
+    watcher: asyncio.Task | None = None
+
+
+class Edge:
+    def __init__(self, settings: Settings, events: EventLog, store: ImageStore | None = None,
+                 limits: Limits | None = None) -> None:
+        self.settings = settings
+        self.node_id = settings.node_id
+        self.event_log = events
+        self.store = store or ImageStore(settings.images_dir)
+        self.limits = limits or Limits()
+        self.layer_mounts = LayerMounts(self.store)
+        self.slots = UidSlots(settings.uid_base, settings.uid_slots)
+        self.backend = ContainerBackend(settings, self.layer_mounts, self.slots)
+        self.journal = Journal(settings.data_dir / f"edge-{self.node_id}.db")
+        self.live: dict[str, LiveSandbox] = {}
+        self._reserved_mem_mib = 0
+        self._creating = 0
+        self._create_sem = asyncio.Semaphore(self.limits.max_parallel_creates)
+        self._ttl_task: asyncio.Task | None = None
+        self._deleting: dict[str, asyncio.Task] = {}
+        self._host_mem_mib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
+
+    # ---- lifecycle of the edge itself -------------------------------------------------
+    async def start(self) -> None:
+        # Container inits outlive `runc run -d`; as subreaper the edge gets and reaps them.
+        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        await self._recover()
+        self._ttl_task = asyncio.create_task(self._ttl_loop())
+
+    async def _recover(self) -> None:
+        """Re-adopt journaled sandboxes that still run; report the rest dead; clean orphans."""
+        journaled = set()
+        for info, host_uid, extra in self.journal.live():
+            journaled.add(info.id)
+            box = None
+            if info.state == "running" and host_uid is not None:
+                box = await self.backend.adopt(info.id, host_uid, extra.get("env", {}))
+            if box is None:
+                if host_uid is not None and info.state != "running":
+                    await self._quiet_cleanup(info.id, host_uid)
+                self._mark_dead(info, "lost while the edge was down")
+                continue
+            self._register(info, box)
+            log.info("re-adopted sandbox %s", info.id)
+        for orphan in self.backend.host_sandbox_ids() - journaled - set(self.live):
+            log.warning("cleaning orphan sandbox resources %s", orphan)
+            await self._quiet_cleanup(orphan, None)
+
+    async def _quiet_cleanup(self, sandbox_id: str, host_uid: int | None) -> None:
+        try:
+            await self.backend.cleanup_orphan(sandbox_id, host_uid)
+        except RollboxError as exc:
+            log.error("clean-up of %s failed: %s", sandbox_id, exc)
+
+    async def close(self, destroy: bool = False) -> None:
+        """Stop the edge. Sandboxes keep running (re-adopted next start) unless destroy."""
+        if self._ttl_task:
+            self._ttl_task.cancel()
+        if destroy:
+            await asyncio.gather(*(self.delete(sid) for sid in list(self.live)),
+                                 return_exceptions=True)
+        for live in self.live.values():
+            if live.watcher:
+                live.watcher.cancel()
+            live.box.channel.close()
+        self.live.clear()
+        self.journal.close()
+
+    # ---- admission ----------------------------------------------------------------------
+    def capacity(self) -> dict[str, int]:
+        return {
+            "sandboxes": len(self.live) + self._creating,
+            "max_sandboxes": self.limits.max_sandboxes,
+            "free": max(0, self.limits.max_sandboxes - len(self.live) - self._creating),
+        }
+
+    def _admit(self, spec: SandboxSpec) -> None:
+        if len(self.live) + self._creating >= self.limits.max_sandboxes:
+            raise CapacityExceeded(f"node {self.node_id} is full "
+                                   f"({self.limits.max_sandboxes} sandboxes)")
+        budget = self._host_mem_mib * self.limits.memory_overcommit
+        if self._reserved_mem_mib + spec.resources.memory_mib > budget:
+            raise CapacityExceeded(f"node {self.node_id} has no memory left for "
+                                   f"{spec.resources.memory_mib} MiB")
+
+    # ---- sandboxes ----------------------------------------------------------------------
+    async def create(self, spec: SandboxSpec, owner: str) -> SandboxInfo:
+        image = self.store.resolve(spec.image)  # NotFound / BadRequest for bad names
+        layers = list(image.layers)
+        for extra in spec.layers:
+            layers.extend(self.store.resolve(extra).layers)
+        self._admit(spec)
+        self._creating += 1
+        self._reserved_mem_mib += spec.resources.memory_mib
+        try:
+            try:
+                await asyncio.wait_for(self._create_sem.acquire(),
+                                       self.limits.create_queue_timeout_s)
+            except asyncio.TimeoutError:
+                raise CapacityExceeded("node busy: creation queue timed out") from None
+            try:
+                return await self._create(spec, owner, image.config, layers)
+            finally:
+                self._create_sem.release()
+        except BaseException:
+            self._reserved_mem_mib -= spec.resources.memory_mib
+            raise
+        finally:
+            self._creating -= 1
+
+    async def _create(self, spec: SandboxSpec, owner: str, image_config: dict,
+                      layers: list[str]) -> SandboxInfo:
+        sandbox_id = f"{self.node_id}-{secrets.token_hex(6)}"
+        now = time.time()
+        info = SandboxInfo(
+            id=sandbox_id, node=self.node_id, image=spec.image, layers=layers, state="creating",
+            created_at=now, expires_at=now + spec.ttl_s, labels=spec.labels,
+            resources=spec.resources, owner=owner,
+        )
+        env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
+        env.update((image_config or {}).get("env", {}))
+        env.update(spec.env)
+        self.journal.put(info, extra={"env": env})
+        try:
+            box = await self.backend.create(sandbox_id, layers, spec.resources, env)
+        except BaseException as exc:
+            self._mark_dead(info, f"creation failed: {exc}", state="deleted")
+            raise
+        self.journal.put(info, host_uid=box.host_uid)
+        info.state = "running"
+        self.journal.put(info)
+        self._register(info, box)
+        self.event_log.append(sandbox_id, "sandbox.created", data=json.dumps(
+            {"image": spec.image, "layers": layers, "owner": owner}))
+        return info
+
+    def _register(self, info: SandboxInfo, box: ContainerSandbox) -> None:
+        live = LiveSandbox(info, box)
+        self.live[info.id] = live
+        live.watcher = asyncio.create_task(self._watch(live))
+
+    async def _watch(self, live: LiveSandbox) -> None:
+        """The agent's channel closing means the sandbox died (OOM, killed, node trouble)."""
+        try:
+            await live.box.channel.wait_closed()
+        except asyncio.CancelledError:
+            return
+        if live.info.id in self.live and live.info.id not in self._deleting:
+            log.warning("sandbox %s died", live.info.id)
+            self._deleting[live.info.id] = asyncio.current_task()  # type: ignore[assignment]
+            try:
+                await self._destroy(live, reason="sandbox died (agent exited)", state="dead")
+            finally:
+                self._deleting.pop(live.info.id, None)
+
+    def _mark_dead(self, info: SandboxInfo, reason: str, state: str = "dead") -> None:
+        info.state = state  # type: ignore[assignment]
+        info.dead_reason = reason
+        self.journal.put(info)
+        self.event_log.append(info.id, f"sandbox.{state}", data=reason)
+
+    def _live(self, sandbox_id: str) -> LiveSandbox:
+        live = self.live.get(sandbox_id)
+        if live is not None and sandbox_id not in self._deleting:
+            return live
+        rec = self.journal.get(sandbox_id)
+        if rec is None:
+            raise NotFound(f"sandbox {sandbox_id} not found")
+        info = rec[0]
+        raise SandboxDead(f"sandbox {sandbox_id} is {info.state}"
+                          + (f": {info.dead_reason}" if info.dead_reason else ""),
+                          state=info.state)
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        live = self.live.get(sandbox_id)
+        if live:
+            return live.info
+        rec = self.journal.get(sandbox_id)
+        if rec is None:
+            raise NotFound(f"sandbox {sandbox_id} not found")
+        return rec[0]
+
+    async def list(self, owner: str | None, labels: dict[str, str]) -> list[SandboxInfo]:
+        out = []
+        for live in self.live.values():
+            info = live.info
+            if owner is not None and info.owner != owner:
+                continue
+            if all(info.labels.get(k) == v for k, v in labels.items()):
+                out.append(info)
+        return out
+
+    async def delete(self, sandbox_id: str) -> None:
+        if sandbox_id in self._deleting:
+            await asyncio.shield(self._deleting[sandbox_id])
+            return
+        live = self.live.get(sandbox_id)
+        if live is None:
+            rec = self.journal.get(sandbox_id)
+            if rec is None:
+                raise NotFound(f"sandbox {sandbox_id} not found")
+            return  # already dead or deleted: deleting again is a no-op
+        task = asyncio.create_task(self._destroy(live, reason=None, state="deleted"))
+        self._deleting[sandbox_id] = task
+        try:
+            await asyncio.shield(task)
+        finally:
+            self._deleting.pop(sandbox_id, None)
+
+    async def _destroy(self, live: LiveSandbox, reason: str | None, state: str) -> None:
+        info = live.info
+        info.state = "stopping"
+        self.journal.put(info)
+        if live.watcher and live.watcher is not asyncio.current_task():
+            live.watcher.cancel()
+        for sess in live.sessions.values():
+            if not sess.done.is_set():
+                sess.fail(SandboxDead(f"sandbox {info.id} was {state}"
+                                      + (f": {reason}" if reason else "")))
+        try:
+            await self.backend.destroy(live.box)
+        finally:
+            self.live.pop(info.id, None)
+            self._reserved_mem_mib -= info.resources.memory_mib
+            info.state = state  # type: ignore[assignment]
+            info.dead_reason = reason
+            self.journal.put(info)
+            self.event_log.append(info.id, f"sandbox.{'dead' if state == 'dead' else 'deleted'}",
+                               data=reason or "")
+            if state == "dead":
+                self.event_log.append(info.id, "sandbox.deleted", data=reason or "")
+
+    async def set_ttl(self, sandbox_id: str, ttl_s: float) -> SandboxInfo:
+        if not 0 < ttl_s <= 7 * 24 * 3600:
+            raise BadRequest("ttl_s must be in (0, 604800]")
+        live = self._live(sandbox_id)
+        live.info.expires_at = time.time() + ttl_s
+        self.journal.put(live.info)
+        return live.info
+
+    async def _ttl_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.time()
+            for sid, live in list(self.live.items()):
+                if live.info.expires_at <= now and sid not in self._deleting:
+                    task = asyncio.create_task(self._destroy(live, "ttl expired", "deleted"))
+                    self._deleting[sid] = task
+                    task.add_done_callback(lambda _t, s=sid: self._deleting.pop(s, None))
+
+    # ---- exec ---------------------------------------------------------------------------
+    async def _resolve_user(self, live: LiveSandbox, user: str) -> tuple[int, int, str]:
+        if user in live.users:
+            return live.users[user]
+        if user == "root":
+            return (0, 0, "/root")
+        uid_s, _, gid_s = user.partition(":")
+        if uid_s.isdigit() and (not gid_s or gid_s.isdigit()):
+            uid = int(uid_s)
+            gid = int(gid_s) if gid_s else uid
+            if uid >= 65536 or gid >= 65536:
+                raise BadRequest("uid/gid must be < 65536")
+            return (uid, gid, "/")
+        # A name: look it up in the sandbox's /etc/passwd, read as data from the host side.
+        try:
+            text = (await asyncio.to_thread(live.box.fs.read, "/etc/passwd", 1 << 20)).decode(
+                errors="replace")
+        except RollboxError:
+            text = ""
+        for line in text.splitlines():
+            parts = line.split(":")
+            if len(parts) >= 7 and parts[0] == user and parts[2].isdigit() and parts[3].isdigit():
+                uid, gid = int(parts[2]), int(parts[3])
+                if uid < 65536 and gid < 65536:
+                    live.users[user] = (uid, gid, parts[5] or "/")
+                    return live.users[user]
+        raise BadRequest(f"unknown user {user!r} in sandbox")
+
+    async def exec_start(self, sandbox_id: str, spec: ExecSpec) -> str:
+        live = self._live(sandbox_id)
+        uid, gid, home = await self._resolve_user(live, spec.user)
+        argv = ["/bin/sh", "-c", spec.cmd] if isinstance(spec.cmd, str) else list(spec.cmd)
+        env = dict(live.box.image_env)
+        if spec.user != "root":
+            env["HOME"] = home
+        env.update(spec.env)
+        req = ExecRequest(
+            argv=argv, env=[f"{k}={v}" for k, v in env.items()], cwd=spec.cwd, uid=uid, gid=gid,
+            timeout_ms=int(spec.timeout_s * 1000) if spec.timeout_s else 0, stdin=spec.stdin,
+        )
+        cg_name, cg_fd = live.box.new_session_cgroup()
+        exec_id = f"e{live.box.next_session}"
+        session = ExecSession(exec_id, spec)
+        session.cgroup_name = cg_name
+        try:
+            agent_session = await live.box.channel.exec(req, cg_fd)
+        except SpawnError as exc:
+            os.close(cg_fd)
+            live.box.drop_session_cgroup(cg_name)
+            if exc.errno_ in (2, 13) and "exec" in str(exc):  # command not found / not runnable
+                live.sessions[exec_id] = session
+                self._log_start(sandbox_id, session)
+                session.output("stderr", f"{exc}\n".encode())
+                result = session.finish(127 if exc.errno_ == 2 else 126, None, False)
+                self._log_exit(sandbox_id, result)
+                return exec_id
+            raise BadRequest(str(exc)) from None
+        except RollboxError:
+            os.close(cg_fd)
+            live.box.drop_session_cgroup(cg_name)
+            raise
+        except (ConnectionError, OSError) as exc:
+            os.close(cg_fd)
+            raise SandboxDead(f"sandbox {sandbox_id} agent unreachable: {exc}") from None
+        os.close(cg_fd)
+        session.agent_session = agent_session
+        live.sessions[exec_id] = session
+        self._log_start(sandbox_id, session)
+        asyncio.create_task(self._pump(live, session, agent_session))
+        return exec_id
+
+    def _log_start(self, sandbox_id: str, session: ExecSession) -> None:
+        self.event_log.append(sandbox_id, "exec.started", session.exec_id, json.dumps(
+            {"cmd": session.spec.cmd, "cwd": session.spec.cwd, "user": session.spec.user,
+             "timeout_s": session.spec.timeout_s}))
+
+    def _log_exit(self, sandbox_id: str, result: ExecResult) -> None:
+        self.event_log.append(sandbox_id, "exec.exited", result.exec_id, json.dumps(
+            {"exit_code": result.exit_code, "signal": result.signal,
+             "timed_out": result.timed_out, "duration_s": round(result.duration_s, 6),
+             "stdout_bytes": result.stdout_bytes, "stderr_bytes": result.stderr_bytes}))
+
+    async def _pump(self, live: LiveSandbox, session: ExecSession, agent_session) -> None:  # noqa: ANN001
+        sid = live.info.id
+        backstop = None
+        if session.spec.timeout_s:
+            backstop = asyncio.get_running_loop().call_later(
+                session.spec.timeout_s + HOST_KILL_GRACE_S, self._host_kill, live, session)
+        try:
+            async for kind, payload in agent_session.events():
+                if kind in ("stdout", "stderr"):
+                    session.output(kind, payload)
+                    self.event_log.append(sid, f"exec.{kind}", session.exec_id, payload)
+                elif kind in ("tail_stdout", "tail_stderr"):
+                    pass  # folded in at exit, with the agent's dropped counts
+                elif kind == "exited":
+                    ex = payload
+                    tails = getattr(agent_session, "tails", {})
+                    if ex.stdout_dropped:
+                        session.out.set_agent_tail(tails.get("stdout", b""), ex.stdout_dropped)
+                    if ex.stderr_dropped:
+                        session.err.set_agent_tail(tails.get("stderr", b""), ex.stderr_dropped)
+                    result = session.finish(
+                        ex.exit_code if ex.exit_code >= 0 else None,
+                        ex.signal or None, ex.timed_out)
+                    self._log_exit(sid, result)
+                    return
+            if not session.done.is_set():
+                session.fail(SandboxDead(f"sandbox {sid} died during the command"))
+        except Exception as exc:  # noqa: BLE001 - the session must end, whatever happened
+            if not session.done.is_set():
+                session.fail(exc if isinstance(exc, RollboxError)
+                             else SandboxDead(f"sandbox {sid}: exec channel failed: {exc}"))
+        finally:
+            if backstop:
+                backstop.cancel()
+            if session.cgroup_name and sid in self.live:
+                live.box.drop_session_cgroup(session.cgroup_name)
+            self._forget_old_sessions(live)
+
+    def _host_kill(self, live: LiveSandbox, session: ExecSession) -> None:
+        from rollbox.isolation import cgroups
+
+        if not session.done.is_set() and session.cgroup_name:
+            log.warning("host-side kill of %s/%s past its deadline", live.info.id, session.exec_id)
+            cgroups.kill(live.box.v2_cgroup / session.cgroup_name)
+
+    @staticmethod
+    def _forget_old_sessions(live: LiveSandbox, keep: int = 256) -> None:
+        done = [k for k, s in live.sessions.items() if s.done.is_set()]
+        for k in done[: max(0, len(done) - keep)]:
+            live.sessions.pop(k, None)
+
+    def _session(self, sandbox_id: str, exec_id: str) -> ExecSession:
+        live = self.live.get(sandbox_id)
+        if live is None:
+            self._live(sandbox_id)  # raises the right error
+            raise NotFound(f"exec {exec_id} not found")
+        sess = live.sessions.get(exec_id)
+        if sess is None:
+            raise NotFound(f"exec {exec_id} not found in sandbox {sandbox_id}")
+        return sess
+
+    async def exec_stream(self, sandbox_id: str, exec_id: str) -> AsyncIterator[ExecOutput]:
+        sess = self._session(sandbox_id, exec_id)
+        async for item in sess.stream():
+            yield item
+
+    async def exec_wait(self, sandbox_id: str, exec_id: str) -> ExecResult:
+        sess = self._session(sandbox_id, exec_id)
+        await sess.done.wait()
+        if sess.error is not None:
+            raise sess.error
+        assert sess.result is not None
+        return sess.result
+
+    async def exec_stdin(self, sandbox_id: str, exec_id: str, data: bytes, eof: bool) -> None:
+        sess = self._session(sandbox_id, exec_id)
+        if not sess.spec.stdin:
+            raise BadRequest("exec was started without stdin=true")
+        if sess.done.is_set() or sess.agent_session is None:
+            raise BadRequest(f"exec {exec_id} has exited")
+        if data:
+            await sess.agent_session.write_stdin(data)
+        if eof:
+            await sess.agent_session.close_stdin()
+
+    async def exec_kill(self, sandbox_id: str, exec_id: str, signal: int) -> None:
+        sess = self._session(sandbox_id, exec_id)
+        if not 1 <= signal <= 64:
+            raise BadRequest("signal must be in 1..64")
+        if sess.done.is_set() or sess.agent_session is None:
+            return
+        if signal == 9:
+            await sess.agent_session.kill()
+        else:
+            await sess.agent_session.signal(signal)
+
+    async def exec_list(self, sandbox_id: str) -> list[ExecInfo]:
+        live = self._live(sandbox_id)
+        return [s.info() for s in live.sessions.values()]
+
+    # ---- files --------------------------------------------------------------------------
+    async def file_read(self, sandbox_id: str, path: str, max_bytes: int) -> bytes:
+        return await asyncio.to_thread(self._live(sandbox_id).box.fs.read, path, max_bytes)
+
+    async def file_write(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None:
+        fs = self._live(sandbox_id).box.fs
+        await asyncio.to_thread(fs.write, path, data, mode)
+
+    async def file_stat(self, sandbox_id: str, path: str) -> FileStat:
+        return await asyncio.to_thread(self._live(sandbox_id).box.fs.stat, path)
+
+    async def file_list(self, sandbox_id: str, path: str) -> list[FileStat]:
+        return await asyncio.to_thread(self._live(sandbox_id).box.fs.list, path)
+
+    async def file_mkdir(self, sandbox_id: str, path: str, parents: bool) -> None:
+        await asyncio.to_thread(self._live(sandbox_id).box.fs.mkdir, path, parents)
+
+    async def file_remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
+        await asyncio.to_thread(self._live(sandbox_id).box.fs.remove, path, recursive)
+
+    async def upload_tar(self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes]) -> int:
+        return await self._live(sandbox_id).box.fs.upload_tar(path, chunks)
+
+    async def download_tar(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        fs = self._live(sandbox_id).box.fs
+        async for chunk in fs.download_tar(path):
+            yield chunk
+
+    # ---- events -------------------------------------------------------------------------
+    async def events(self, sandbox_id: str, after_seq: int,
+                     follow: bool) -> AsyncIterator[Event]:
+        if follow:
+            async for ev in self.event_log.follow(sandbox_id, after_seq):
+                yield ev
+        else:
+            for ev in await self.event_log.read(sandbox_id, after_seq):
+                yield ev
+
+    # ---- inspection (tests, leak checks) ------------------------------------------------
+    def leftovers(self, sandbox_id: str) -> list[str]:
+        return self.backend.leftovers(sandbox_id)
+
+    async def wait_deleted(self, sandbox_id: str, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while sandbox_id in self.live or sandbox_id in self._deleting:
+            if time.monotonic() > deadline:
+                raise InfraError(f"sandbox {sandbox_id} still present")
+            await asyncio.sleep(0.02)

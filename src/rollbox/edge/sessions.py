@@ -1,0 +1,124 @@
+"""Exec sessions as the edge keeps them: bounded output (head kept for replay, tail kept,
+rest counted), live subscribers, and the final result. A session outlives the HTTP stream that
+started it, so a client can re-attach to it."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from rollbox.edge.interface import ExecOutput
+from rollbox.models import ExecInfo, ExecResult, ExecSpec
+
+HEAD_LIMIT = 1 << 20  # bytes per stream kept for replay and the final result
+TAIL_LIMIT = 64 << 10
+
+
+class StreamBuffer:
+    def __init__(self) -> None:
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+        self.dropped = 0
+
+    def add(self, data: bytes) -> bytes:
+        """Record data; return the part that fits in the head (for replay)."""
+        self.total += len(data)
+        room = HEAD_LIMIT - len(self.head)
+        kept = data[:room] if room > 0 else b""
+        self.head += kept
+        rest = data[len(kept):]
+        if rest:
+            self.tail += rest
+            if len(self.tail) > TAIL_LIMIT:
+                self.dropped += len(self.tail) - TAIL_LIMIT
+                del self.tail[: len(self.tail) - TAIL_LIMIT]
+        return kept
+
+    def set_agent_tail(self, tail: bytes, agent_dropped: int) -> None:
+        """The agent dropped bytes in the middle; its tail replaces ours."""
+        self.dropped += agent_dropped
+        self.total += agent_dropped + len(tail)
+        self.tail = bytearray(tail[-TAIL_LIMIT:])
+
+    def text(self) -> str:
+        if not self.tail:
+            return self.head.decode(errors="replace")
+        marker = f"\n[... {self.dropped} bytes dropped ...]\n" if self.dropped else ""
+        return (bytes(self.head).decode(errors="replace") + marker
+                + bytes(self.tail).decode(errors="replace"))
+
+
+class ExecSession:
+    def __init__(self, exec_id: str, spec: ExecSpec) -> None:
+        self.exec_id = exec_id
+        self.spec = spec
+        self.started_at = time.time()
+        self._t0 = time.monotonic()
+        self.out = StreamBuffer()
+        self.err = StreamBuffer()
+        self.replay: list[ExecOutput] = [ExecOutput("started", exec_id)]
+        self.subscribers: set[asyncio.Queue[ExecOutput]] = set()
+        self.result: ExecResult | None = None
+        self.error: Exception | None = None
+        self.done = asyncio.Event()
+        self.agent_session = None  # channel Session, set once started
+        self.cgroup_name: str | None = None
+
+    def publish(self, item: ExecOutput) -> None:
+        for q in self.subscribers:
+            q.put_nowait(item)
+
+    def output(self, stream: str, data: bytes) -> None:
+        buf = self.out if stream == "stdout" else self.err
+        kept = buf.add(data)
+        if kept:
+            self.replay.append(ExecOutput(stream, self.exec_id, kept))  # type: ignore[arg-type]
+        self.publish(ExecOutput(stream, self.exec_id, data))  # type: ignore[arg-type]
+
+    def finish(self, exit_code: int | None, signal: int | None, timed_out: bool) -> ExecResult:
+        self.result = ExecResult(
+            exec_id=self.exec_id, exit_code=exit_code, signal=signal, timed_out=timed_out,
+            duration_s=time.monotonic() - self._t0,
+            stdout=self.out.text(), stderr=self.err.text(),
+            stdout_bytes=self.out.total, stderr_bytes=self.err.total,
+            stdout_dropped=self.out.dropped, stderr_dropped=self.err.dropped,
+        )
+        item = ExecOutput("exit", self.exec_id, result=self.result)
+        self.replay.append(item)
+        self.publish(item)
+        self.done.set()
+        return self.result
+
+    def fail(self, error: Exception) -> None:
+        self.error = error
+        item = ExecOutput("error", self.exec_id, error=error)
+        self.replay.append(item)
+        self.publish(item)
+        self.done.set()
+
+    async def stream(self) -> AsyncIterator[ExecOutput]:
+        q: asyncio.Queue[ExecOutput] = asyncio.Queue()
+        replay = list(self.replay)
+        if not self.done.is_set():
+            self.subscribers.add(q)
+        try:
+            for item in replay:
+                yield item
+                if item.kind in ("exit", "error"):
+                    return
+            while True:
+                item = await q.get()
+                yield item
+                if item.kind in ("exit", "error"):
+                    return
+        finally:
+            self.subscribers.discard(q)
+
+    def info(self) -> ExecInfo:
+        return ExecInfo(
+            exec_id=self.exec_id, cmd=self.spec.cmd,
+            state="exited" if self.done.is_set() else "running", started_at=self.started_at,
+            exit_code=self.result.exit_code if self.result else None,
+            timed_out=bool(self.result and self.result.timed_out), background=self.spec.background,
+        )

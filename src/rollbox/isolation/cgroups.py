@@ -1,0 +1,125 @@
+"""Cgroup layout of sandboxes on cgroup v1 (hybrid) and v2 hosts.
+
+runc creates ``<parent>/<sandbox>`` in every hierarchy (limits: cpu, memory, pids). The v2
+hierarchy (``/sys/fs/cgroup/unified`` on hybrid hosts, ``/sys/fs/cgroup`` on v2 hosts) also
+tracks membership: every exec session gets ``<parent>/<sandbox>/x<n>`` there, so a timeout kills
+everything the command started through ``cgroup.kill``, whatever it forked, setsid'd or
+double-forked. The sandbox cgroup is delegated to the sandbox's root uid (only ``cgroup.procs``
+and the session dirs), which is what lets its agent move a child into a session cgroup through a
+directory fd the edge hands it; the sandbox never sees the cgroup filesystem itself.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import time
+from pathlib import Path
+
+ROOT = Path("/sys/fs/cgroup")
+
+
+def v2_root() -> Path:
+    """The cgroup2 mount used for membership and cgroup.kill."""
+    unified = ROOT / "unified"
+    if (unified / "cgroup.procs").exists():
+        return unified
+    if (ROOT / "cgroup.controllers").exists():
+        return ROOT
+    raise RuntimeError("no cgroup v2 hierarchy: rollbox needs cgroup2 (kernel >= 5.14)")
+
+
+def is_pure_v2() -> bool:
+    return (ROOT / "cgroup.controllers").exists()
+
+
+def hierarchies() -> list[Path]:
+    """Every mounted hierarchy root (v1 controllers + v2)."""
+    if is_pure_v2():
+        return [ROOT]
+    roots = []
+    for entry in sorted(ROOT.iterdir()):
+        if entry.is_dir() and (entry / "cgroup.procs").exists():
+            roots.append(entry)
+    return roots
+
+
+def sandbox_dirs(parent: str, sandbox_id: str) -> list[Path]:
+    return [h / parent / sandbox_id for h in hierarchies()]
+
+
+def v2_dir(parent: str, sandbox_id: str) -> Path:
+    return v2_root() / parent / sandbox_id
+
+
+def delegate(path: Path, uid: int) -> None:
+    """Let uid (the sandbox root) move processes within this subtree, nothing more."""
+    os.chown(path, uid, uid)
+    os.chown(path / "cgroup.procs", uid, uid)
+
+
+def make_session(parent_dir: Path, name: str, uid: int) -> int:
+    """Create a session cgroup, writable by uid; return an O_PATH fd of its directory."""
+    path = parent_dir / name
+    path.mkdir()
+    for f in ("cgroup.procs", "cgroup.kill"):
+        os.chown(path / f, uid, uid)
+    os.chown(path, uid, uid)
+    return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def procs(path: Path) -> list[int]:
+    try:
+        return [int(x) for x in (path / "cgroup.procs").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def kill(path: Path) -> None:
+    """Kill every process in the v2 cgroup subtree (cgroup.kill, 5.14+)."""
+    try:
+        (path / "cgroup.kill").write_text("1")
+    except FileNotFoundError:
+        pass
+
+
+def wait_empty(path: Path, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            populated = "populated 1" in (path / "cgroup.events").read_text()
+        except FileNotFoundError:
+            return True
+        if not populated:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+
+
+def remove_tree(path: Path) -> None:
+    """rmdir a cgroup and its children, deepest first (cgroups can't be rm -r'd)."""
+    if not path.exists():
+        return
+    for child in sorted((p for p in path.iterdir() if p.is_dir()), reverse=True):
+        remove_tree(child)
+    for _ in range(50):
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                raise
+            time.sleep(0.01)
+    path.rmdir()
+
+
+def leftover(parent: str) -> list[Path]:
+    """Sandbox cgroups that still exist under the rollbox parent in any hierarchy."""
+    found: list[Path] = []
+    for h in hierarchies():
+        p = h / parent
+        if p.exists():
+            found.extend(c for c in p.iterdir() if c.is_dir())
+    return found

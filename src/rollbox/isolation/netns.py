@@ -1,0 +1,86 @@
+"""Named network namespaces (``/run/netns/rollbox-<id>``), the sandbox's own network stack.
+
+A new namespace has only loopback, brought up here; nothing else is connected by default
+(network policy, a later part, adds links and filters). Created from a short-lived thread so
+the caller's own namespace never changes.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import struct
+import threading
+from pathlib import Path
+
+from rollbox.isolation import syscalls
+
+NETNS_DIR = Path("/run/netns")
+PREFIX = "rollbox-"
+SIOCGIFFLAGS = 0x8913
+SIOCSIFFLAGS = 0x8914
+IFF_UP = 0x1
+
+
+def netns_path(name: str) -> Path:
+    return NETNS_DIR / name
+
+
+def _loopback_up() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        req = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(s, SIOCGIFFLAGS, req))[1]
+        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
+
+
+def create(name: str) -> Path:
+    """Create the named namespace (idempotent for an existing one)."""
+    NETNS_DIR.mkdir(parents=True, exist_ok=True)
+    path = netns_path(name)
+    if path.exists() and _is_mounted(path):
+        return path
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o444)
+    os.close(fd)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        # unshare(CLONE_NEWNET) moves only this thread; it ends right after.
+        try:
+            syscalls.unshare(syscalls.CLONE_NEWNET)
+            syscalls.mount(f"/proc/self/task/{threading.get_native_id()}/ns/net", path, None,
+                           syscalls.MS_BIND)
+            _loopback_up()
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            errors.append(exc)
+
+    t = threading.Thread(target=work, name=f"netns-{name}")
+    t.start()
+    t.join()
+    if errors:
+        delete(name)
+        raise errors[0]
+    return path
+
+
+def _is_mounted(path: Path) -> bool:
+    target = str(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == target for line in f)
+
+
+def delete(name: str) -> None:
+    path = netns_path(name)
+    try:
+        syscalls.umount(path, syscalls.MNT_DETACH)
+    except OSError:
+        pass
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def list_rollbox() -> list[str]:
+    if not NETNS_DIR.exists():
+        return []
+    return sorted(p.name for p in NETNS_DIR.iterdir() if p.name.startswith(PREFIX))

@@ -1,0 +1,100 @@
+"""Uid ranges for sandboxes and user namespaces that carry their mappings.
+
+Each sandbox gets a slot: host uids/gids ``[base + slot*65536, +65536)``, with sandbox root at
+the first one (an unprivileged host uid). A user namespace with that mapping is created once per
+slot and kept as an fd: it is what idmapped layer mounts are made with (root-owned image files
+appear owned by the sandbox's mapped root, without rewriting the image).
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+from rollbox.errors import CapacityExceeded
+from rollbox.isolation import syscalls
+
+RANGE = 65536
+
+
+def make_userns_fd(host_uid: int, count: int = RANGE) -> int:
+    """Return an fd of a new user namespace mapping 0..count-1 to host_uid.. (uid and gid)."""
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: only async-signal-safe work until _exit
+        try:
+            os.close(ready_r)
+            os.close(go_w)
+            syscalls.unshare(syscalls.CLONE_NEWUSER)
+            os.write(ready_w, b"1")
+            os.read(go_r, 1)
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    os.close(go_r)
+    try:
+        if os.read(ready_r, 1) != b"1":
+            raise OSError("user namespace helper failed")
+        mapping = f"0 {host_uid} {count}\n".encode()
+        with open(f"/proc/{pid}/uid_map", "wb") as f:
+            f.write(mapping)
+        with open(f"/proc/{pid}/gid_map", "wb") as f:
+            f.write(mapping)
+        return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(ready_r)
+        os.close(go_w)
+        os.waitpid(pid, 0)
+
+
+class UidSlots:
+    """Allocates uid-range slots; keeps one mapped user namespace fd per slot ever used."""
+
+    def __init__(self, base: int, slots: int) -> None:
+        self.base = base
+        self.slots = slots
+        self._free = list(range(slots - 1, -1, -1))
+        self._used: set[int] = set()
+        self._userns: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def host_uid(self, slot: int) -> int:
+        return self.base + slot * RANGE
+
+    def slot_of(self, host_uid: int) -> int:
+        return (host_uid - self.base) // RANGE
+
+    def claim(self, slot: int) -> None:
+        """Mark a slot used (re-adoption after a restart)."""
+        with self._lock:
+            if slot in self._free:
+                self._free.remove(slot)
+            self._used.add(slot)
+
+    def acquire(self) -> int:
+        with self._lock:
+            if not self._free:
+                raise CapacityExceeded("no free uid ranges on this node")
+            slot = self._free.pop()
+            self._used.add(slot)
+            return slot
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            if slot in self._used:
+                self._used.discard(slot)
+                self._free.append(slot)
+
+    def userns_fd(self, slot: int) -> int:
+        with self._lock:
+            fd = self._userns.get(slot)
+            if fd is None:
+                fd = make_userns_fd(self.host_uid(slot))
+                self._userns[slot] = fd
+            return fd
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._userns.values():
+                os.close(fd)
+            self._userns.clear()
