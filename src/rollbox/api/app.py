@@ -3,7 +3,6 @@
 Stateless apart from an owner cache: sandbox ids route through :class:`Placement`, the audit
 trail goes to :class:`EventLog`, principals come from :class:`KeyStore`.
 """
-from __future__ import annotations
 
 import asyncio
 import base64

@@ -1,0 +1,337 @@
+"""Test-only in-memory EdgeAPI: sandboxes are temp directories, commands are real host
+subprocesses (no isolation at all). Used by the api and sdk unit tests; never a deliverable.
+
+Also holds the shared fixtures-as-helpers (``ApiStack``) so test_api_* and test_sdk_* agree.
+"""
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import secrets
+import shutil
+import signal
+import tarfile
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollbox import errors
+from rollbox.api import BackgroundServer, create_app
+from rollbox.edge.interface import ExecOutput
+from rollbox.events import EventLog
+from rollbox.iam import KeyStore
+from rollbox.models import (
+    Event, ExecInfo, ExecResult, ExecSpec, FileStat, SandboxInfo, SandboxSpec,
+)
+from rollbox.placement import Placement
+
+
+@dataclass
+class _Exec:
+    exec_id: str
+    spec: ExecSpec
+    proc: asyncio.subprocess.Process
+    started_at: float
+    items: list[ExecOutput] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    result: ExecResult | None = None
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+    def push(self, item: ExecOutput) -> None:
+        self.items.append(item)
+        self.changed.set()
+
+
+@dataclass
+class _Sandbox:
+    info: SandboxInfo
+    root: Path
+    execs: dict[str, _Exec] = field(default_factory=dict)
+
+
+class FakeEdge:
+    def __init__(self, node_id: str, root: Path, max_sandboxes: int = 1000) -> None:
+        self.node_id = node_id
+        self.root = root
+        self.max_sandboxes = max_sandboxes
+        self.sandboxes: dict[str, _Sandbox] = {}
+        self.inject: dict[str, BaseException] = {}  # method name -> error to raise
+        self.upload_chunks: list[int] = []
+        self.upload_first_chunk = asyncio.Event()
+        self.creates = 0
+
+    def capacity(self) -> float:
+        return float(self.max_sandboxes - len(self.sandboxes))
+
+    def _check(self, op: str) -> None:
+        if op in self.inject:
+            raise self.inject[op]
+
+    def _sb(self, sandbox_id: str) -> _Sandbox:
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None:
+            raise errors.NotFound(f"no sandbox {sandbox_id}")
+        return sb
+
+    def _path(self, sandbox_id: str, path: str) -> Path:
+        return self._sb(sandbox_id).root / path.lstrip("/")
+
+    async def create(self, spec: SandboxSpec, owner: str) -> SandboxInfo:
+        self._check("create")
+        self.creates += 1
+        if len(self.sandboxes) >= self.max_sandboxes:
+            raise errors.CapacityExceeded(f"node {self.node_id} full")
+        sid = f"{self.node_id}-{secrets.token_hex(8)}"
+        root = self.root / sid
+        root.mkdir(parents=True)
+        now = time.time()
+        info = SandboxInfo(id=sid, node=self.node_id, image=spec.image, layers=spec.layers,
+                           state="running", created_at=now, expires_at=now + spec.ttl_s,
+                           labels=spec.labels, resources=spec.resources, owner=owner)
+        self.sandboxes[sid] = _Sandbox(info, root)
+        return info
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        self._check("get")
+        return self._sb(sandbox_id).info
+
+    async def list(self, owner: str | None, labels: dict[str, str]) -> list[SandboxInfo]:
+        return [s.info for s in self.sandboxes.values()
+                if (owner is None or s.info.owner == owner)
+                and all(s.info.labels.get(k) == v for k, v in labels.items())]
+
+    async def delete(self, sandbox_id: str) -> None:
+        self._check("delete")
+        sb = self._sb(sandbox_id)
+        for ex in sb.execs.values():
+            if ex.proc.returncode is None:
+                ex.proc.kill()
+        for ex in sb.execs.values():
+            await ex.done.wait()
+        del self.sandboxes[sandbox_id]
+        shutil.rmtree(sb.root, ignore_errors=True)
+
+    async def set_ttl(self, sandbox_id: str, ttl_s: float) -> SandboxInfo:
+        sb = self._sb(sandbox_id)
+        sb.info = sb.info.model_copy(update={"expires_at": time.time() + ttl_s})
+        return sb.info
+
+    async def exec_start(self, sandbox_id: str, spec: ExecSpec) -> str:
+        self._check("exec_start")
+        sb = self._sb(sandbox_id)
+        argv = ["/bin/sh", "-c", spec.cmd] if isinstance(spec.cmd, str) else spec.cmd
+        cwd = sb.root / spec.cwd.lstrip("/")
+        if not cwd.is_dir():
+            raise errors.BadRequest(f"cwd {spec.cwd} does not exist")
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(sb.root), **spec.env}
+        proc = await asyncio.create_subprocess_exec(
+            *argv, cwd=cwd, env=env, start_new_session=True,
+            stdin=asyncio.subprocess.PIPE if spec.stdin else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        ex = _Exec("e" + secrets.token_hex(6), spec, proc, time.time())
+        sb.execs[ex.exec_id] = ex
+        ex.push(ExecOutput("started", ex.exec_id))
+        ex.tasks.append(asyncio.create_task(self._run(ex)))
+        return ex.exec_id
+
+    async def _run(self, ex: _Exec) -> None:
+        out = {"stdout": bytearray(), "stderr": bytearray()}
+
+        async def pump(kind: str, reader: asyncio.StreamReader) -> None:
+            while chunk := await reader.read(65536):
+                out[kind] += chunk
+                ex.push(ExecOutput(kind, ex.exec_id, data=chunk))  # type: ignore[arg-type]
+
+        assert ex.proc.stdout and ex.proc.stderr
+        pumps = asyncio.gather(pump("stdout", ex.proc.stdout), pump("stderr", ex.proc.stderr))
+        timed_out = False
+        try:
+            await asyncio.wait_for(ex.proc.wait(), ex.spec.timeout_s)
+        except TimeoutError:
+            timed_out = True
+            os.killpg(ex.proc.pid, signal.SIGKILL)
+            await ex.proc.wait()
+        with_contextless_kill(ex.proc.pid)
+        await pumps
+        rc = ex.proc.returncode
+        assert rc is not None
+        ex.result = ExecResult(
+            exec_id=ex.exec_id, exit_code=rc if rc >= 0 else None,
+            signal=-rc if rc < 0 else None, timed_out=timed_out,
+            duration_s=time.time() - ex.started_at,
+            stdout=out["stdout"].decode(errors="replace"),
+            stderr=out["stderr"].decode(errors="replace"),
+            stdout_bytes=len(out["stdout"]), stderr_bytes=len(out["stderr"]))
+        ex.push(ExecOutput("exit", ex.exec_id, result=ex.result))
+        ex.done.set()
+
+    def _exec(self, sandbox_id: str, exec_id: str) -> _Exec:
+        ex = self._sb(sandbox_id).execs.get(exec_id)
+        if ex is None:
+            raise errors.NotFound(f"no exec {exec_id}")
+        return ex
+
+    async def exec_stream(self, sandbox_id: str, exec_id: str) -> AsyncIterator[ExecOutput]:
+        ex = self._exec(sandbox_id, exec_id)
+        i = 0
+        while True:
+            while i < len(ex.items):
+                item = ex.items[i]
+                i += 1
+                yield item
+                if item.kind in ("exit", "error"):
+                    return
+            ex.changed.clear()
+            await ex.changed.wait()
+
+    async def exec_wait(self, sandbox_id: str, exec_id: str) -> ExecResult:
+        ex = self._exec(sandbox_id, exec_id)
+        await ex.done.wait()
+        assert ex.result is not None
+        return ex.result
+
+    async def exec_stdin(self, sandbox_id: str, exec_id: str, data: bytes, eof: bool) -> None:
+        ex = self._exec(sandbox_id, exec_id)
+        if ex.proc.stdin is None:
+            raise errors.BadRequest("stdin not open")
+        if data:
+            ex.proc.stdin.write(data)
+            await ex.proc.stdin.drain()
+        if eof:
+            ex.proc.stdin.close()
+
+    async def exec_kill(self, sandbox_id: str, exec_id: str, signal_: int) -> None:
+        ex = self._exec(sandbox_id, exec_id)
+        if ex.proc.returncode is None:
+            os.killpg(ex.proc.pid, signal_)
+
+    async def exec_list(self, sandbox_id: str) -> list[ExecInfo]:
+        return [ExecInfo(exec_id=e.exec_id, cmd=e.spec.cmd,
+                         state="exited" if e.done.is_set() else "running",
+                         started_at=e.started_at,
+                         exit_code=e.result.exit_code if e.result else None,
+                         background=e.spec.background)
+                for e in self._sb(sandbox_id).execs.values()]
+
+    async def file_read(self, sandbox_id: str, path: str, max_bytes: int) -> bytes:
+        p = self._path(sandbox_id, path)
+        if not p.is_file():
+            raise errors.NotFound(f"no file {path}")
+        return p.read_bytes()[:max_bytes]
+
+    async def file_write(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None:
+        p = self._path(sandbox_id, path)
+        p.write_bytes(data)
+        p.chmod(mode)
+
+    def _stat(self, p: Path, path: str) -> FileStat:
+        st = p.lstat()
+        kind = "dir" if p.is_dir() else "symlink" if p.is_symlink() else "file"
+        return FileStat(path=path, name=p.name, type=kind, size=st.st_size,
+                        mode=st.st_mode & 0o7777, mtime=st.st_mtime, uid=st.st_uid,
+                        gid=st.st_gid)
+
+    async def file_stat(self, sandbox_id: str, path: str) -> FileStat:
+        p = self._path(sandbox_id, path)
+        if not p.exists():
+            raise errors.NotFound(f"no file {path}")
+        return self._stat(p, path)
+
+    async def file_list(self, sandbox_id: str, path: str) -> list[FileStat]:
+        p = self._path(sandbox_id, path)
+        if not p.is_dir():
+            raise errors.NotFound(f"no dir {path}")
+        return [self._stat(c, path.rstrip("/") + "/" + c.name) for c in sorted(p.iterdir())]
+
+    async def file_mkdir(self, sandbox_id: str, path: str, parents: bool) -> None:
+        self._path(sandbox_id, path).mkdir(parents=parents, exist_ok=parents)
+
+    async def file_remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
+        p = self._path(sandbox_id, path)
+        if not p.exists():
+            raise errors.NotFound(f"no file {path}")
+        if p.is_dir():
+            if not recursive:
+                raise errors.BadRequest("is a directory")
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+    async def upload_tar(self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes]) -> int:
+        dest = self._path(sandbox_id, path)
+        dest.mkdir(parents=True, exist_ok=True)
+        self.upload_chunks = []
+        total = 0
+        with tempfile.TemporaryFile() as f:
+            async for chunk in chunks:
+                self.upload_chunks.append(len(chunk))
+                self.upload_first_chunk.set()
+                total += len(chunk)
+                f.write(chunk)
+            f.seek(0)
+            with tarfile.open(fileobj=f, mode="r|*") as tf:
+                tf.extractall(dest, filter="data")
+        return total
+
+    async def download_tar(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        src = self._path(sandbox_id, path)
+        if not src.exists():
+            raise errors.NotFound(f"no path {path}")
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tf:
+            tf.add(src, arcname=".")
+        data = buf.getvalue()
+        for i in range(0, len(data), 65536):
+            yield data[i:i + 65536]
+
+    async def events(self, sandbox_id: str, after_seq: int, follow: bool
+                     ) -> AsyncIterator[Event]:
+        return
+        yield  # pragma: no cover
+
+    async def close(self) -> None:
+        for sid in list(self.sandboxes):
+            await self.delete(sid)
+
+
+def with_contextless_kill(pgid: int) -> None:
+    """Kill anything the command left in its process group (tests must not leak processes)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+class ApiStack:
+    """Edge(s) + placement + event log + key store + a real uvicorn on loopback."""
+
+    def __init__(self, tmp: Path, nodes: tuple[str, ...] = ("n0",), max_sandboxes: int = 1000,
+                 per_sandbox_bytes: int = 16 << 20) -> None:
+        self.edges = [FakeEdge(n, tmp / "sb" / n, max_sandboxes) for n in nodes]
+        self.placement = Placement(self.edges)
+        self.events = EventLog(tmp / "events.db", per_sandbox_bytes=per_sandbox_bytes)
+        self.keys = KeyStore(tmp / "keys.db")
+        self.key_a = self.keys.create("proj-a")
+        self.key_b = self.keys.create("proj-b")
+        self.admin_key = self.keys.create("ops", admin=True)
+        self.app = create_app(self.placement, self.events, self.keys)
+        self.server = BackgroundServer(self.app)
+        self.url = ""
+
+    async def __aenter__(self) -> ApiStack:
+        self.url = await self.server.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            await self.server.stop()
+        finally:
+            for e in self.edges:
+                await e.close()
+            self.events.close()
+            self.keys.close()
