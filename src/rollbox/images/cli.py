@@ -1,0 +1,173 @@
+"""`rollbox image ...`: build, import, list, remove, inspect images; ensure the defaults.
+
+Mounted by the main CLI; also runnable as ``python -m rollbox.images.cli``.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Optional, TypeVar
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from rollbox.errors import RollboxError
+from rollbox.images import build as builders
+from rollbox.images.store import ImageStore
+
+app = typer.Typer(help="Manage rollbox images (EROFS layers + named refs).", no_args_is_help=True)
+console = Console(stderr=True)
+out = Console()
+T = TypeVar("T")
+
+_state: dict[str, Any] = {"root": None}
+
+
+@app.callback()
+def _main(root: Optional[Path] = typer.Option(  # noqa: UP007 (typer needs Optional)
+        None, "--root", envvar="ROLLBOX_IMAGES", help="Image store root "
+        "(default: $ROLLBOX_DATA/images)")) -> None:
+    _state["root"] = root
+
+
+def _store() -> ImageStore:
+    return ImageStore(_state["root"])
+
+
+@contextmanager
+def _progress(title: str) -> Iterator[Callable[[str], None]]:
+    with Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), TimeElapsedColumn(),
+                  console=console, transient=False) as bar:
+        task = bar.add_task(title, total=None)
+
+        def say(msg: str) -> None:
+            bar.update(task, description=f"{title}: {msg}")
+
+        yield say
+        bar.update(task, description=f"{title}: done")
+
+
+def _run(fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except RollboxError as exc:
+        console.print(f"[red]error[/red] ({exc.code}): {escape(exc.message)}")
+        raise typer.Exit(code=2 if exc.status < 500 else 1) from None
+    except OSError as exc:
+        console.print(f"[red]error[/red]: {escape(str(exc))}")
+        raise typer.Exit(code=1) from None
+
+
+@app.command("build")
+def build_cmd(
+    name: str = typer.Argument(..., help="Image name, e.g. myimg:1"),
+    from_dir: Optional[Path] = typer.Option(None, "--from-dir", help="Directory to pack"),  # noqa: UP007
+    debootstrap: Optional[str] = typer.Option(None, "--debootstrap", metavar="SUITE",  # noqa: UP007
+                                              help="Debian suite to debootstrap"),
+    mirror: Optional[str] = typer.Option(None, "--mirror", help="Debian mirror URI"),  # noqa: UP007
+) -> None:
+    """Build an image from a directory or by debootstrapping a Debian suite."""
+    if (from_dir is None) == (debootstrap is None):
+        console.print("[red]error[/red]: give exactly one of --from-dir or --debootstrap")
+        raise typer.Exit(code=2)
+    store = _store()
+    with _progress(f"build {name}") as say:
+        if from_dir is not None:
+            image = _run(lambda: builders.build_from_directory(store, from_dir, name,
+                                                               progress=say))
+        else:
+            assert debootstrap is not None
+            image = _run(lambda: builders.build_debian_base(store, name, debootstrap, mirror,
+                                                            progress=say))
+    out.print(f"{image.name} {' '.join(image.layers)}")
+
+
+@app.command("import")
+def import_cmd(tarball: Path = typer.Argument(..., help="docker save or OCI archive"),
+               name: str = typer.Argument(...)) -> None:
+    """Import a `docker save` tarball or an OCI archive."""
+    store = _store()
+    with _progress(f"import {name}") as say:
+        image = _run(lambda: builders.import_oci_archive(store, tarball, name, progress=say))
+    out.print(f"{image.name} {' '.join(image.layers)}")
+
+
+@app.command("ls")
+def ls_cmd() -> None:
+    """List named images."""
+    store = _store()
+    table = Table("NAME", "LAYERS", "SIZE", "CREATED")
+    for image in _run(store.list):
+        size = sum(int(store.layer_meta(d).get("size", 0)) for d in image.layers
+                   if store.has_layer(d))
+        table.add_row(image.name, str(len(image.layers)), f"{size / 2**20:.1f} MiB",
+                      datetime.fromtimestamp(image.created).strftime("%Y-%m-%d %H:%M"))
+    out.print(table)
+
+
+@app.command("rm")
+def rm_cmd(name: str, gc: bool = typer.Option(False, "--gc", help="Also gc unused layers")) -> None:
+    """Remove an image ref (layers go with `gc`)."""
+    store = _store()
+    _run(lambda: store.remove(name))
+    out.print(f"removed {name}")
+    if gc:
+        removed = _run(store.gc)
+        out.print(f"gc removed {len(removed)} layer(s)")
+
+
+@app.command("gc")
+def gc_cmd(grace: float = typer.Option(600.0, help="Keep unreferenced layers younger than "
+                                                   "this many seconds")) -> None:
+    """Delete layers that no image uses (and unmount them)."""
+    removed = _run(lambda: _store().gc(grace_seconds=grace))
+    for digest in removed:
+        out.print(digest)
+
+
+@app.command("inspect")
+def inspect_cmd(name: str) -> None:
+    """Print an image's ref and layer metadata as JSON."""
+    data = _run(lambda: _store().inspect(name))
+    print(json.dumps(data, indent=2))
+
+
+@app.command("ensure-defaults")
+def ensure_defaults_cmd(
+    mirror: Optional[str] = typer.Option(None, "--mirror", help="Debian mirror URI"),  # noqa: UP007
+) -> None:
+    """Build debian:bookworm and busybox:test if missing, then the python image if known."""
+    store = _store()
+    if not store.exists("busybox:test"):
+        with _progress("build busybox:test"):
+            _run(lambda: builders.build_busybox_image(store))
+    else:
+        console.print("busybox:test present")
+    if not store.exists("debian:bookworm"):
+        with _progress("build debian:bookworm") as say:
+            _run(lambda: builders.build_debian_base(store, mirror=mirror, progress=say))
+    else:
+        console.print("debian:bookworm present")
+    try:
+        defaults = importlib.import_module("rollbox.images.defaults")
+    except ModuleNotFoundError as exc:
+        if exc.name != "rollbox.images.defaults":
+            raise
+        console.print("rollbox.images.defaults not available yet: skipping the python image")
+        return
+    ensure_python = getattr(defaults, "ensure_python_image", None)
+    if ensure_python is None:
+        console.print("rollbox.images.defaults has no ensure_python_image: skipping")
+        return
+    _run(lambda: ensure_python(store))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,149 @@
+"""One shared read-only mount per layer per node, at ``<store root>/mnt/<digest>``.
+
+Every sandbox on the node that uses a layer stacks its overlay on the same mount, so the layer
+has one page cache. File-backed EROFS needs no loop device: ``mount(2)`` with the file as source.
+State lives in the kernel (``/proc/self/mountinfo``), so a restarted process finds its mounts.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from rollbox.errors import InfraError
+from rollbox.images.store import ImageStore, is_digest, validate_digest
+from rollbox.isolation import syscalls
+
+MOUNT_FLAGS = syscalls.MS_RDONLY | syscalls.MS_NODEV | syscalls.MS_NOSUID
+
+
+def _unescape_mountinfo(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as \ooo octal.
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and i + 4 <= len(field) and field[i + 1:i + 4].isdigit():
+            out.append(chr(int(field[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def read_mountinfo() -> list[tuple[str, str, str]]:
+    """(mount point, fstype, source) for every mount in this process's mount namespace."""
+    rows = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            lf, rf = left.split(), right.split()
+            if len(lf) < 5 or len(rf) < 2:
+                continue
+            rows.append((_unescape_mountinfo(lf[4]), rf[0], _unescape_mountinfo(rf[1])))
+    return rows
+
+
+class LayerMounts:
+    """Mounts layers of ``store`` read-only, once per node; thread-, async- and process-safe."""
+
+    _locks_guard = threading.Lock()
+    _locks: dict[str, threading.Lock] = {}
+
+    def __init__(self, store: ImageStore) -> None:
+        self.store = store
+        self.mnt_dir = store.mnt_dir
+
+    def mount_point(self, digest: str) -> Path:
+        return self.mnt_dir / validate_digest(digest)
+
+    @contextmanager
+    def _locked(self, digest: str) -> Iterator[None]:
+        # Thread lock for this process, flock for other processes on the node (CLI + edge).
+        with LayerMounts._locks_guard:
+            lock = LayerMounts._locks.setdefault(digest, threading.Lock())
+        with lock:
+            fd = os.open(self.mnt_dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)
+
+    def _current(self, digest: str) -> tuple[str, str] | None:
+        """(fstype, source) of what is mounted at the digest's mount point, if anything."""
+        target = os.path.realpath(self.mount_point(digest))
+        found = None
+        for mnt, fstype, source in read_mountinfo():
+            if mnt == target:
+                found = (fstype, source)  # the last one is the top of the stack
+        return found
+
+    def is_mounted(self, digest: str) -> bool:
+        return self._current(digest) is not None
+
+    def mounted(self) -> dict[str, Path]:
+        base = os.path.realpath(self.mnt_dir)
+        out = {}
+        for mnt, fstype, _source in read_mountinfo():
+            parent, name = os.path.split(mnt)
+            if parent == base and fstype == "erofs" and is_digest(name):
+                out[name] = Path(mnt)
+        return out
+
+    def ensure_mounted(self, digest: str) -> Path:
+        """Mount the layer if it is not mounted yet; return its read-only mount point."""
+        layer = self.store.layer_path(digest)
+        target = self.mount_point(digest)
+        with self._locked(digest):
+            current = self._current(digest)
+            if current is not None:
+                fstype, source = current
+                if fstype != "erofs" or os.path.realpath(source) != os.path.realpath(layer):
+                    raise InfraError(f"{target} has a foreign mount ({fstype} from {source})")
+                return target
+            target.mkdir(mode=0o755, exist_ok=True)
+            try:
+                syscalls.mount(str(layer), target, "erofs", MOUNT_FLAGS)
+            except OSError as exc:
+                raise InfraError(f"cannot mount layer {digest} at {target}: {exc}") from exc
+            return target
+
+    async def ensure_mounted_async(self, digest: str) -> Path:
+        return await asyncio.to_thread(self.ensure_mounted, digest)
+
+    def unmount(self, digest: str) -> None:
+        """Unmount the layer (no-op if not mounted); InfraError if a sandbox still uses it."""
+        target = self.mount_point(digest)
+        with self._locked(digest):
+            while self._current(digest) is not None:
+                try:
+                    syscalls.umount(target, syscalls.UMOUNT_NOFOLLOW)
+                except OSError as exc:
+                    if exc.errno == errno.EBUSY:
+                        raise InfraError(f"layer {digest} is in use at {target}",
+                                         digest=digest) from exc
+                    if exc.errno == errno.EINVAL:
+                        break
+                    raise InfraError(f"cannot unmount {target}: {exc}") from exc
+            try:
+                target.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EBUSY):
+                    raise
+
+    def unmount_all(self) -> list[str]:
+        """Unmount every layer mount of this store; returns the digests still busy."""
+        busy = []
+        for digest in self.mounted():
+            try:
+                self.unmount(digest)
+            except InfraError:
+                busy.append(digest)
+        return busy
