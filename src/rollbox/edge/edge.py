@@ -53,6 +53,20 @@ class LiveSandbox:
     watcher: asyncio.Task | None = None
 
 
+def raise_nofile_limit(target: int = 1 << 20) -> None:
+    """Each sandbox holds a few fds in the edge (agent socket, pidfd); 1,000s of them need more
+    than the usual 1,024."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    for want in (target, 1 << 16, hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, max(want, hard)))
+            return
+        except (ValueError, OSError):
+            continue
+
+
 class Edge:
     def __init__(self, settings: Settings, events: EventLog, store: ImageStore | None = None,
                  limits: Limits | None = None) -> None:
@@ -77,6 +91,7 @@ class Edge:
     async def start(self) -> None:
         # Container inits outlive `runc run -d`; as subreaper the edge gets and reaps them.
         ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        raise_nofile_limit()
         await self._recover()
         self._ttl_task = asyncio.create_task(self._ttl_loop())
 
@@ -95,7 +110,7 @@ class Edge:
                 continue
             self._register(info, box)
             log.info("re-adopted sandbox %s", info.id)
-        for orphan in self.backend.host_sandbox_ids() - journaled - set(self.live):
+        for orphan in self.backend.host_sandbox_ids(f"{self.node_id}-") - journaled - set(self.live):
             log.warning("cleaning orphan sandbox resources %s", orphan)
             await self._quiet_cleanup(orphan, None)
 
@@ -195,7 +210,7 @@ class Edge:
     async def _watch(self, live: LiveSandbox) -> None:
         """The agent's channel closing means the sandbox died (OOM, killed, node trouble)."""
         try:
-            await live.box.channel.wait_closed()
+            await asyncio.shield(live.box.channel.closed)
         except asyncio.CancelledError:
             return
         if live.info.id in self.live and live.info.id not in self._deleting:
@@ -350,11 +365,11 @@ class Edge:
         except SpawnError as exc:
             os.close(cg_fd)
             live.box.drop_session_cgroup(cg_name)
-            if exc.errno_ in (2, 13) and "exec" in str(exc):  # command not found / not runnable
+            if exc.errno in (2, 13) and "exec" in str(exc):  # command not found / not runnable
                 live.sessions[exec_id] = session
                 self._log_start(sandbox_id, session)
                 session.output("stderr", f"{exc}\n".encode())
-                result = session.finish(127 if exc.errno_ == 2 else 126, None, False)
+                result = session.finish(127 if exc.errno == 2 else 126, None, False)
                 self._log_exit(sandbox_id, result)
                 return exec_id
             raise BadRequest(str(exc)) from None
@@ -389,16 +404,16 @@ class Edge:
         if session.spec.timeout_s:
             backstop = asyncio.get_running_loop().call_later(
                 session.spec.timeout_s + HOST_KILL_GRACE_S, self._host_kill, live, session)
+        tails: dict[str, bytes] = {}
         try:
             async for kind, payload in agent_session.events():
                 if kind in ("stdout", "stderr"):
                     session.output(kind, payload)
                     self.event_log.append(sid, f"exec.{kind}", session.exec_id, payload)
                 elif kind in ("tail_stdout", "tail_stderr"):
-                    pass  # folded in at exit, with the agent's dropped counts
+                    tails[kind[5:]] = payload  # folded in at exit with the dropped counts
                 elif kind == "exited":
                     ex = payload
-                    tails = getattr(agent_session, "tails", {})
                     if ex.stdout_dropped:
                         session.out.set_agent_tail(tails.get("stdout", b""), ex.stdout_dropped)
                     if ex.stderr_dropped:

@@ -2,6 +2,7 @@
 namespaces, mounts, cgroups, capabilities, no_new_privs, rlimits, seccomp last)."""
 from __future__ import annotations
 
+import resource
 from typing import Any
 
 from rollbox.isolation import seccomp
@@ -40,6 +41,8 @@ def oci_config(
     hostname: str,
 ) -> dict[str, Any]:
     disk_bytes = resources.disk_mib << 20
+    # A user namespace can't raise a hard limit above what runc itself inherited.
+    nofile = min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
     mem = resources.memory_mib << 20
     period = 100_000
     namespaces: list[dict[str, str]] = [
@@ -57,7 +60,7 @@ def oci_config(
             "cwd": "/",
             "capabilities": {k: CAPABILITIES for k in ("bounding", "effective", "permitted")},
             "rlimits": [
-                {"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536},
+                {"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile},
                 {"type": "RLIMIT_CORE", "hard": 0, "soft": 0},
                 {"type": "RLIMIT_FSIZE", "hard": disk_bytes, "soft": disk_bytes},
             ],

@@ -99,7 +99,9 @@ class ContainerBackend:
         return f"/{self.settings.cgroup_parent}/{sandbox_id}"
 
     async def create(self, sandbox_id: str, layers: list[str], resources: Resources,
-                     image_env: dict[str, str]) -> ContainerSandbox:
+                     image_env: dict[str, str], network: str = "none") -> ContainerSandbox:
+        """network: "none" (own netns, loopback only) or "host" — the latter only for the
+        platform's own image builds from operator-given commands, never from the API."""
         slot = self.slots.acquire()
         host_uid = self.slots.host_uid(slot)
         rootfs = Rootfs(self.sandboxes_dir / sandbox_id)
@@ -109,7 +111,8 @@ class ContainerBackend:
             mounts = [self.layer_mounts.ensure_mounted(d) for d in layers]
             rootfs.compose(mounts, self.slots.userns_fd(slot), host_uid, resources.disk_mib,
                            resources.inodes)
-            ns_path = netns.create(netns.PREFIX + sandbox_id)
+            ns_path = ("/proc/1/ns/net" if network == "host"
+                       else str(netns.create(netns.PREFIX + sandbox_id)))
             run_dir.mkdir(parents=True, exist_ok=True)
             os.chmod(run_dir, 0o700)
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -119,7 +122,7 @@ class ContainerBackend:
             listener.listen(8)
             config = bundle.oci_config(
                 sandbox_id=sandbox_id, rootfs=str(rootfs.merged), host_uid=host_uid,
-                agent_dir=str(self.agent_dir), netns_path=str(ns_path),
+                agent_dir=str(self.agent_dir), netns_path=ns_path,
                 cgroups_path=self.cgroups_path(sandbox_id), resources=resources,
                 hostname=sandbox_id[:63],
             )
@@ -217,14 +220,14 @@ class ContainerBackend:
                 left.append(str(p))
         return left
 
-    def host_sandbox_ids(self) -> set[str]:
-        """Ids of sandboxes that have any host resource (for orphan clean-up)."""
+    def host_sandbox_ids(self, prefix: str = "") -> set[str]:
+        """Ids (starting with prefix) of sandboxes that have any host resource."""
         ids = {p.name for p in self.sandboxes_dir.iterdir() if p.is_dir()}
         ids |= {p.name for p in self.run_root.iterdir() if p.is_dir()}
         ids |= set(self.runtime.known())
         ids |= {n[len(netns.PREFIX):] for n in netns.list_rollbox()}
         ids |= {p.name for p in cgroups.leftover(self.settings.cgroup_parent)}
-        return ids
+        return {i for i in ids if i.startswith(prefix)}
 
     async def cleanup_orphan(self, sandbox_id: str, host_uid: int | None = None) -> None:
         slot = self.slots.slot_of(host_uid) if host_uid is not None else -1

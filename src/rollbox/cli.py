@@ -1,0 +1,93 @@
+"""The ``rollbox`` command: serve, image, key, demo, bench. Thin: parses arguments and calls
+the component that owns the work."""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import logging
+import sys
+from typing import Optional
+
+import typer
+
+from rollbox.config import REPO_ROOT, Settings
+from rollbox.images.cli import app as image_app
+
+app = typer.Typer(help="rollbox: elastic sandboxes for RL agents", no_args_is_help=True,
+                  pretty_exceptions_enable=False)
+app.add_typer(image_app, name="image", help="Build, import and inspect images")
+key_app = typer.Typer(help="API keys", no_args_is_help=True)
+app.add_typer(key_app, name="key")
+bench_app = typer.Typer(help="Benchmarks (ratios against a peer measured in the same run)",
+                        no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@app.command()
+def serve(host: str = typer.Option("127.0.0.1"), port: int = typer.Option(7420),
+          verbose: bool = typer.Option(False, "-v")) -> None:
+    """Run the embedded node: api + placement + one edge, SQLite state, local images."""
+    from rollbox.embedded import EmbeddedNode, admin_key_path
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    node = EmbeddedNode()
+    typer.echo(f"rollbox serving on http://{host}:{port} (admin key in "
+               f"{admin_key_path(node.settings)})", err=True)
+    try:
+        asyncio.run(node.serve(host, port))
+    except KeyboardInterrupt:
+        pass
+
+
+@key_app.command("create")
+def key_create(project: str = typer.Option(..., help="project the key acts for"),
+               admin: bool = typer.Option(False)) -> None:
+    from rollbox.iam.keys import KeyStore
+
+    keys = KeyStore(Settings().data_dir / "keys.db")
+    typer.echo(keys.create(project, admin=admin))
+    keys.close()
+
+
+@app.command()
+def demo(n: int = typer.Option(32, "-n", help="concurrent episodes"),
+         url: Optional[str] = typer.Option(None, help="an already running server"),  # noqa: UP007
+         json_out: bool = typer.Option(False, "--json")) -> None:
+    """The main job: N concurrent SWE-style episodes with grading in fresh sandboxes."""
+    from rollbox.demo import run_demo
+
+    summary = run_demo(n=n, url=url)
+    if json_out:
+        typer.echo(json.dumps(summary))
+    if summary.get("errors"):
+        raise typer.Exit(1)
+
+
+def _load_bench(name: str):  # noqa: ANN202
+    path = REPO_ROOT / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"rollbox_bench_{name}", path)
+    if spec is None or spec.loader is None or not path.exists():
+        typer.echo(f"benchmark {name} not found at {path}", err=True)
+        raise typer.Exit(2)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@bench_app.command("container")
+def bench_container(quick: bool = typer.Option(False, "--quick"),
+                    json_out: bool = typer.Option(False, "--json")) -> None:
+    """create->exec->destroy at c1/c8/c32, exec round trip, idle density; podman as peer."""
+    mod = _load_bench("container")
+    mod.main(quick=quick, json_out=json_out)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The embedded default: api, placement and one edge in one process, SQLite for state, the
+local image store. No external service. ``rollbox serve`` runs it."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from rollbox.api.app import create_app
+from rollbox.api.server import BackgroundServer, serve_app
+from rollbox.config import Settings
+from rollbox.edge.edge import Edge, Limits
+from rollbox.events.store import EventLog
+from rollbox.iam.keys import KeyStore
+from rollbox.placement import Placement
+
+log = logging.getLogger(__name__)
+DEFAULT_PORT = 7420
+
+
+def admin_key_path(settings: Settings) -> Path:
+    return settings.data_dir / "admin.key"
+
+
+class EmbeddedNode:
+    def __init__(self, settings: Settings | None = None, limits: Limits | None = None) -> None:
+        self.settings = settings or Settings()
+        self.settings.data_dir.mkdir(parents=True, exist_ok=True)
+        self.limits = limits
+        self.events: EventLog | None = None
+        self.keys: KeyStore | None = None
+        self.edge: Edge | None = None
+
+    async def start(self):  # noqa: ANN201 - returns the FastAPI app
+        s = self.settings
+        self.events = EventLog(s.data_dir / "events.db")
+        self.keys = KeyStore(s.data_dir / "keys.db")
+        self.ensure_admin_key()
+        self.edge = Edge(s, self.events, limits=self.limits)
+        await self.edge.start()
+        return create_app(Placement([self.edge]), self.events, self.keys)
+
+    def ensure_admin_key(self) -> str:
+        """The local admin key, kept root-only next to the data (SDK default on this host)."""
+        assert self.keys is not None
+        path = admin_key_path(self.settings)
+        if path.exists():
+            key = path.read_text().strip()
+            try:
+                self.keys.verify(key)
+                return key
+            except Exception:  # noqa: BLE001 - stale file: issue a new key
+                pass
+        key = self.keys.create("admin", admin=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+        return key
+
+    async def stop(self, destroy: bool = False) -> None:
+        if self.edge:
+            await self.edge.close(destroy=destroy)
+        if self.events:
+            self.events.close()
+        if self.keys:
+            self.keys.close()
+
+    async def serve(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
+        app = await self.start()
+        try:
+            await serve_app(app, host, port)
+        finally:
+            await self.stop()
+
+    async def background(self, host: str = "127.0.0.1", port: int = 0) -> BackgroundServer:
+        """Start the api on a background task of this loop (tests); caller stops it."""
+        app = await self.start()
+        srv = BackgroundServer(app, host, port)
+        await srv.start()
+        return srv
