@@ -1,0 +1,371 @@
+"""Edge-side client of the in-sandbox agent (``native/agent/agent.c``) over its SEQPACKET socket.
+
+One :class:`AgentChannel` per sandbox connection; many concurrent :class:`Session` objects on it.
+asyncio streams neither keep packet boundaries nor carry SCM_RIGHTS, so the channel drives a
+non-blocking socket with ``loop.add_reader``/``add_writer``. Bounding output is the agent's job
+(``stream_limit``); each session gets its own unbounded queue so one slow consumer never stalls
+the others or the socket.
+
+Wire format: :mod:`rollbox.backends.container.protocol`.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import errno as errno_mod
+import itertools
+import random
+import socket
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from rollbox.backends.container import protocol as P
+from rollbox.errors import BadRequest, InfraError, RollboxError, SandboxDead
+
+EventKind = str  # "stdout" | "stderr" | "tail_stdout" | "tail_stderr" | "exited"
+Event = tuple[EventKind, Any]  # (kind, bytes) or ("exited", protocol.Exited)
+
+_STREAM_KINDS = {
+    P.STDOUT: "stdout",
+    P.STDERR: "stderr",
+    P.TAIL_STDOUT: "tail_stdout",
+    P.TAIL_STDERR: "tail_stderr",
+}
+
+
+class SpawnError(BadRequest):
+    """The agent could not start the command (bad cwd, missing binary, bad user...)."""
+
+    def __init__(self, err: int, message: str) -> None:
+        super().__init__(message, errno=err)
+        self.errno = err
+
+
+class Session:
+    """One command running in the sandbox. Created by :meth:`AgentChannel.exec`."""
+
+    def __init__(self, channel: "AgentChannel", session_id: int) -> None:
+        self.channel = channel
+        self.id = session_id
+        self.pid: int | None = None
+        self._queue: asyncio.Queue[Event | RollboxError] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self._started: asyncio.Future[int] = loop.create_future()
+        self._exited: asyncio.Future[P.Exited] = loop.create_future()
+        self._events_done = False
+
+    @property
+    def done(self) -> bool:
+        return self._exited.done()
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Yield output as it arrives, then ("exited", Exited). Raises if the channel dies."""
+        while not self._events_done:
+            item = await self._queue.get()
+            if isinstance(item, RollboxError):
+                self._events_done = True
+                raise item
+            if item[0] == "exited":
+                self._events_done = True
+            yield item
+
+    async def wait(self) -> P.Exited:
+        """The exit record (does not consume events; unread output stays queued)."""
+        return await asyncio.shield(self._exited)
+
+    async def write_stdin(self, data: bytes) -> None:
+        view = memoryview(data)
+        for off in range(0, len(view), P.CHUNK):
+            await self.channel._send(P.pack(P.STDIN, self.id, bytes(view[off : off + P.CHUNK])))
+
+    async def close_stdin(self) -> None:
+        await self.channel._send(P.pack(P.STDIN_CLOSE, self.id))
+
+    async def signal(self, sig: int) -> None:
+        """Send ``sig`` to the session's process group."""
+        await self.channel._send(P.pack(P.SIGNAL, self.id, P.I32.pack(int(sig))))
+
+    async def kill(self) -> None:
+        """Kill everything of the session (its cgroup when it has one, and its process group)."""
+        await self.channel._send(P.pack(P.KILL, self.id))
+
+    # -- called by the channel --
+    def _push(self, item: Event) -> None:
+        self._queue.put_nowait(item)
+        if item[0] == "exited" and not self._exited.done():
+            self._exited.set_result(item[1])
+
+    def _fail(self, exc: RollboxError) -> None:
+        if not self._started.done():
+            self._started.set_exception(exc)
+            self._started.exception()  # mark retrieved: exec() may be gone already
+        if not self._exited.done():
+            self._exited.set_exception(exc)
+            self._exited.exception()
+        self._queue.put_nowait(exc)
+
+
+class AgentChannel:
+    """A connection to one agent. Use :meth:`connect`; ``closed`` resolves when it ends."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        on_close: Callable[[RollboxError | None], None] | None = None,
+    ) -> None:
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._sessions: dict[int, Session] = {}
+        # EXITED of sessions this channel did not start (ended while no edge was connected).
+        self.unclaimed_exits: dict[int, P.Exited] = {}
+        self._reserved: set[int] = set()
+        self._pings: dict[int, asyncio.Future[None]] = {}
+        self._lists: collections.deque[asyncio.Future[list[tuple[int, int]]]] = collections.deque()
+        self._ready: asyncio.Future[int] = self._loop.create_future()
+        self._outq: collections.deque[tuple[bytes, list[int], asyncio.Future[None]]] = (
+            collections.deque()
+        )
+        self._writing = False
+        self._ids = itertools.count(random.randrange(1, 1 << 31))
+        self._ping_ids = itertools.count(1)
+        self.closed: asyncio.Future[RollboxError | None] = self._loop.create_future()
+        self._on_close = on_close
+        self._loop.add_reader(sock.fileno(), self._on_readable)
+
+    # ---------- lifecycle ----------
+    @classmethod
+    async def connect(
+        cls,
+        sock_path: str,
+        timeout: float = 5.0,
+        on_close: Callable[[RollboxError | None], None] | None = None,
+    ) -> "AgentChannel":
+        """Connect, wait for READY and learn which session ids are taken (re-adoption)."""
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        sock.setblocking(False)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, str(sock_path)), timeout)
+        except (OSError, asyncio.TimeoutError) as exc:
+            sock.close()
+            raise InfraError(f"cannot connect to agent at {sock_path}: {exc!r}") from exc
+        ch = cls(sock, on_close)
+        try:
+            version = await asyncio.wait_for(asyncio.shield(ch._ready), timeout)
+            if version != P.PROTOCOL_VERSION:
+                raise InfraError(f"agent speaks protocol {version}, expected {P.PROTOCOL_VERSION}")
+            running = await asyncio.wait_for(ch.list_sessions(), timeout)
+        except asyncio.TimeoutError as exc:
+            ch.close()
+            raise InfraError(f"agent at {sock_path} did not answer within {timeout}s") from exc
+        except RollboxError as exc:
+            ch.close()
+            raise exc if isinstance(exc, InfraError) else InfraError(exc.message) from exc
+        ch._reserved.update(sid for sid, _ in running)
+        return ch
+
+    def close(self) -> None:
+        """Close the connection (the agent keeps running; its sessions continue)."""
+        self._shutdown(None)
+
+    def _shutdown(self, reason: RollboxError | None) -> None:
+        if self.closed.done():
+            return
+        try:
+            self._loop.remove_reader(self._sock.fileno())
+            self._loop.remove_writer(self._sock.fileno())
+        except (ValueError, OSError):
+            pass
+        self._sock.close()
+        err = reason or InfraError("agent channel closed")
+        if not self._ready.done():
+            self._ready.set_exception(err)
+            self._ready.exception()
+        for sess in list(self._sessions.values()):
+            sess._fail(err)
+        self._sessions.clear()
+        for fut in [*self._pings.values(), *self._lists]:
+            if not fut.done():
+                fut.set_exception(err)
+                fut.exception()
+        self._pings.clear()
+        self._lists.clear()
+        while self._outq:
+            _, _, fut = self._outq.popleft()
+            if not fut.done():
+                fut.set_exception(err)
+                fut.exception()
+        self.closed.set_result(reason)
+        if self._on_close is not None:
+            self._on_close(reason)
+
+    # ---------- requests ----------
+    def _new_id(self) -> int:
+        while True:
+            sid = next(self._ids) & 0xFFFFFFFF
+            if sid and sid not in self._sessions and sid not in self._reserved and (
+                sid not in self.unclaimed_exits
+            ):
+                return sid
+
+    async def exec(self, req: P.ExecRequest, cgroup_fd: int | None = None) -> Session:
+        """Start a command; returns once it runs. Raises SpawnError if it could not start."""
+        if not req.argv:
+            raise BadRequest("argv must not be empty")
+        self._check_open()
+        sid = self._new_id()
+        sess = Session(self, sid)
+        self._sessions[sid] = sess
+        try:
+            await self._send(req.encode(sid, cgroup_fd is not None),
+                             [cgroup_fd] if cgroup_fd is not None else [])
+            sess.pid = await asyncio.shield(sess._started)
+        except BaseException:
+            if not sess._started.done():
+                # Cancelled mid-start: the command may run; make sure it does not linger.
+                self._loop.create_task(self._kill_quietly(sid))
+            raise
+        return sess
+
+    def adopt(self, session_id: int) -> Session:
+        """Attach to a session started by an earlier connection (its later output and EXITED)."""
+        self._check_open()
+        sess = self._sessions.get(session_id)
+        if sess is not None:
+            return sess
+        sess = Session(self, session_id)
+        sess._started.set_result(0)
+        exited = self.unclaimed_exits.pop(session_id, None)
+        if exited is not None:
+            sess._push(("exited", exited))
+        else:
+            self._sessions[session_id] = sess
+        return sess
+
+    async def ping(self, timeout: float | None = None) -> None:
+        self._check_open()
+        token = next(self._ping_ids) & 0xFFFFFFFF
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._pings[token] = fut
+        try:
+            await self._send(P.pack(P.PING, token))
+            await asyncio.wait_for(asyncio.shield(fut), timeout)
+        finally:
+            self._pings.pop(token, None)
+
+    async def list_sessions(self) -> list[tuple[int, int]]:
+        """(session id, main pid) of every running session in the agent."""
+        self._check_open()
+        fut: asyncio.Future[list[tuple[int, int]]] = self._loop.create_future()
+        self._lists.append(fut)
+        await self._send(P.pack(P.LIST, 0))
+        return await fut
+
+    async def _kill_quietly(self, sid: int) -> None:
+        try:
+            await self._send(P.pack(P.KILL, sid))
+        except RollboxError:
+            pass
+
+    def _check_open(self) -> None:
+        if self.closed.done():
+            raise self.closed.result() or InfraError("agent channel closed")
+
+    # ---------- socket I/O ----------
+    async def _send(self, packet: bytes, fds: list[int] | None = None) -> None:
+        """Send one packet; waits while the socket is congested (backpressure from the agent)."""
+        self._check_open()
+        if len(packet) > P.MAX_PACKET:
+            raise BadRequest(f"request too large ({len(packet)} > {P.MAX_PACKET} bytes)")
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._outq.append((packet, fds or [], fut))
+        if not self._writing:
+            self._flush()
+        await fut
+
+    def _flush(self) -> None:
+        while self._outq:
+            packet, fds, fut = self._outq[0]
+            try:
+                if fds:
+                    socket.send_fds(self._sock, [packet], fds)
+                else:
+                    self._sock.send(packet)
+            except (BlockingIOError, InterruptedError):
+                if not self._writing:
+                    self._writing = True
+                    self._loop.add_writer(self._sock.fileno(), self._flush)
+                return
+            except OSError as exc:
+                self._shutdown(SandboxDead(f"agent connection lost: {exc}"))
+                return
+            self._outq.popleft()
+            if not fut.done():
+                fut.set_result(None)
+        if self._writing:
+            self._writing = False
+            self._loop.remove_writer(self._sock.fileno())
+
+    def _on_readable(self) -> None:
+        for _ in range(256):  # bounded per wakeup so other tasks get to run
+            if self.closed.done():
+                return
+            try:
+                data = self._sock.recv(P.MAX_PACKET)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._shutdown(SandboxDead(f"agent connection lost: {exc}"))
+                return
+            if not data:
+                self._shutdown(SandboxDead("agent closed the connection (sandbox dead?)"))
+                return
+            try:
+                self._dispatch(data)
+            except (ValueError, KeyError) as exc:  # struct.error is a ValueError
+                self._shutdown(InfraError(f"malformed packet from agent: {exc!r}"))
+                return
+
+    def _dispatch(self, data: bytes) -> None:
+        msg_type, _flags, sid, payload = P.unpack(data)
+        if msg_type in _STREAM_KINDS:
+            sess = self._sessions.get(sid)
+            if sess is not None:
+                sess._push((_STREAM_KINDS[msg_type], payload))
+        elif msg_type == P.EXITED:
+            exited = P.Exited.decode(payload)
+            sess = self._sessions.pop(sid, None)
+            if sess is None:
+                self.unclaimed_exits[sid] = exited
+            else:
+                sess._push(("exited", exited))
+            self._reserved.discard(sid)
+        elif msg_type == P.STARTED:
+            sess = self._sessions.get(sid)
+            if sess is not None and not sess._started.done():
+                sess._started.set_result(P.I32.unpack_from(payload)[0])
+        elif msg_type == P.SPAWN_FAILED:
+            err = P.I32.unpack_from(payload)[0]
+            message = payload[P.I32.size :].decode("utf-8", "replace")
+            sess = self._sessions.pop(sid, None)
+            if sess is not None:
+                sess._fail(SpawnError(err, message or errno_mod.errorcode.get(err, str(err))))
+        elif msg_type == P.PONG:
+            fut = self._pings.get(sid)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        elif msg_type == P.SESSIONS:
+            (count,) = P.U32.unpack_from(payload)
+            entries = [
+                P.SESSION_ENTRY.unpack_from(payload, P.U32.size + i * P.SESSION_ENTRY.size)
+                for i in range(count)
+            ]
+            if self._lists:
+                fut = self._lists.popleft()
+                if not fut.done():
+                    fut.set_result([(int(s), int(p)) for s, p in entries])
+        elif msg_type == P.READY:
+            if not self._ready.done():
+                self._ready.set_result(P.U32.unpack_from(payload)[0])
+        else:
+            raise ValueError(f"unknown message type {msg_type}")
