@@ -56,7 +56,9 @@ def validate_name(name: str) -> str:
         raise BadRequest("image name must be a non-empty string")
     if len(name) > NAME_MAX:
         raise BadRequest(f"image name longer than {NAME_MAX} characters", name=name[:NAME_MAX])
-    if not NAME_RE.fullmatch(name) or "//" in name or name.split(":")[0].endswith("/"):
+    repo = name.split(":")[0]
+    if (not NAME_RE.fullmatch(name) or repo.endswith("/")
+            or any(part in ("", ".", "..") for part in repo.split("/"))):
         raise BadRequest(
             f"invalid image name {name!r}: expected [a-z0-9][a-z0-9._-/]*(:[A-Za-z0-9._-]+)?",
             name=name,
