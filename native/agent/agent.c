@@ -46,7 +46,8 @@ enum { M_EXEC = 1, M_STDIN = 2, M_STDIN_CLOSE = 3, M_SIGNAL = 4, M_KILL = 5, M_P
        M_PONG = 7, M_LIST = 8 };
 /* agent -> edge */
 enum { M_READY = 32, M_STARTED = 33, M_SPAWN_FAILED = 34, M_STDOUT = 35, M_STDERR = 36,
-       M_EXITED = 37, M_TAIL_STDOUT = 38, M_TAIL_STDERR = 39, M_SESSIONS = 40 };
+       M_EXITED = 37, M_TAIL_STDOUT = 38, M_TAIL_STDERR = 39, M_SESSIONS = 40,
+       M_STDIN_ACK = 41 };
 
 #define EXEC_STDIN 1u
 #define EXEC_CGROUP 2u
@@ -56,7 +57,11 @@ enum { M_READY = 32, M_STARTED = 33, M_SPAWN_FAILED = 34, M_STDOUT = 35, M_STDER
 /* Bounds on what the agent holds for the edge. */
 #define PENDING_EXITED_MAX 4096       /* EXITED kept while no edge is connected */
 #define OUTQ_SOFT_MAX (4u << 20)      /* stop reading requests while the send queue is this big */
-#define STDIN_BACKLOG_MAX (1u << 20)  /* stop reading requests while stdin data waits this much */
+/* Stdin is credit-based (STDIN_ACK): the edge keeps at most STDIN_WINDOW unacknowledged bytes
+ * per session, so a command that never reads stdin can't stall the connection. An edge that
+ * overruns the window (plus one packet of slack) is dropped. */
+#define STDIN_WINDOW (256u << 10)
+#define STDIN_BACKLOG_MAX (STDIN_WINDOW + MAX_PACKET)
 #define TAIL_LIMIT_MAX (16u << 20)
 #define DRAIN_MS 50                   /* how long pipes are drained after the main process exits */
 #define FINAL_DRAIN_MAX (256u << 10)  /* last non-blocking read per stream at the drain deadline */
@@ -115,7 +120,6 @@ static struct qpkt *outq_head, *outq_tail;
 static size_t outq_bytes;
 static struct qpkt *pend_head, *pend_tail;
 static size_t pend_count;
-static size_t stdin_backlog;
 static char *rdbuf;   /* HDR + CHUNK, lazily allocated */
 static char *rxbuf;   /* MAX_PACKET, lazily allocated */
 static int more_work; /* some pump stopped early; poll again without sleeping */
@@ -179,7 +183,7 @@ static void update_conn_events(void)
     if (conn_fd < 0)
         return;
     uint32_t want = EPOLLRDHUP;
-    if (outq_bytes < OUTQ_SOFT_MAX && stdin_backlog < STDIN_BACKLOG_MAX)
+    if (outq_bytes < OUTQ_SOFT_MAX)
         want |= EPOLLIN;
     if (outq_head)
         want |= EPOLLOUT;
@@ -372,7 +376,6 @@ static void free_session(struct session *s)
     close_watched(&s->status_fd);
     if (s->cgfd >= 0)
         close(s->cgfd);
-    stdin_backlog -= s->in_len;
     free(s->in_buf);
     free(s->tail[0].buf);
     free(s->tail[1].buf);
@@ -479,8 +482,29 @@ static void pump(struct session *s, int i, size_t max_reads, int ignore_backpres
     more_work = 1;
 }
 
+static void send_stdin_ack(uint32_t id, size_t n)
+{
+    if (n) {
+        char v[4];
+        put_u32(v, (uint32_t)n);
+        send_small(M_STDIN_ACK, id, v, 4);
+    }
+}
+
+/* Drop queued stdin (the command closed its stdin); the bytes still count as consumed. */
+static void discard_stdin(struct session *s)
+{
+    size_t n = s->in_len;
+    s->in_len = 0;
+    free(s->in_buf);
+    s->in_buf = NULL;
+    close_watched(&s->in_fd);
+    send_stdin_ack(s->id, n);
+}
+
 static void pump_stdin(struct session *s)
 {
+    size_t acked = 0;
     while (s->in_fd >= 0 && s->in_len > 0 && s->in_ready) {
         ssize_t n = write(s->in_fd, s->in_buf, s->in_len);
         if (n < 0) {
@@ -490,16 +514,15 @@ static void pump_stdin(struct session *s)
                 s->in_ready = 0;
                 break;
             }
-            /* EPIPE: the command closed its stdin; discard what is left. */
-            stdin_backlog -= s->in_len;
-            s->in_len = 0;
-            close_watched(&s->in_fd);
-            break;
+            send_stdin_ack(s->id, acked);
+            discard_stdin(s); /* EPIPE: the command closed its stdin */
+            return;
         }
         memmove(s->in_buf, s->in_buf + n, s->in_len - (size_t)n);
         s->in_len -= (size_t)n;
-        stdin_backlog -= (size_t)n;
+        acked += (size_t)n;
     }
+    send_stdin_ack(s->id, acked);
     if (s->in_len == 0 && s->in_buf) {
         free(s->in_buf);
         s->in_buf = NULL;
@@ -847,16 +870,23 @@ static int handle_packet(const char *pkt, size_t len, int fd)
     struct session *s = find_session(id);
     switch (type) {
     case M_STDIN:
-        if (!s || s->in_fd < 0 || s->in_close_pending || plen == 0)
+        if (!s || s->in_fd < 0 || s->in_close_pending) {
+            send_stdin_ack(id, plen); /* nobody will read it: give the credit back */
             return 0;
-        {
+        }
+        if (s->in_len + plen > STDIN_BACKLOG_MAX) {
+            logmsg("session %u: edge overran the stdin window", id);
+            return -1;
+        }
+        if (plen) {
             char *nb = realloc(s->in_buf, s->in_len + plen);
-            if (!nb)
+            if (!nb) {
+                send_stdin_ack(id, plen);
                 return 0;
+            }
             s->in_buf = nb;
             memcpy(s->in_buf + s->in_len, p, plen);
             s->in_len += plen;
-            stdin_backlog += plen;
             s->in_ready = 1; /* try now; EAGAIN clears it until EPOLLOUT */
             pump_stdin(s);
         }
@@ -899,7 +929,7 @@ static int handle_packet(const char *pkt, size_t len, int fd)
 static void read_conn(int hangup)
 {
     for (int iter = 0; (hangup || iter < 64) && conn_fd >= 0; iter++) {
-        if (!hangup && (outq_bytes >= OUTQ_SOFT_MAX || stdin_backlog >= STDIN_BACKLOG_MAX))
+        if (!hangup && outq_bytes >= OUTQ_SOFT_MAX)
             break;
         if (!rxbuf && !(rxbuf = malloc(MAX_PACKET))) {
             logmsg("out of memory");
@@ -1114,11 +1144,8 @@ int main(void)
                 break;
             case W_IN:
                 w->s->in_ready = 1;
-                if (e & (EPOLLERR | EPOLLHUP)) {
-                    stdin_backlog -= w->s->in_len;
-                    w->s->in_len = 0;
-                    close_watched(&w->s->in_fd);
-                }
+                if (e & (EPOLLERR | EPOLLHUP))
+                    discard_stdin(w->s);
                 break;
             case W_STATUS:
                 resolve_spawn(w->s);

@@ -53,6 +53,10 @@ class Session:
         self._started: asyncio.Future[int] = loop.create_future()
         self._exited: asyncio.Future[P.Exited] = loop.create_future()
         self._events_done = False
+        # stdin credit: bytes sent but not yet acknowledged by STDIN_ACK (<= STDIN_WINDOW)
+        self._stdin_unacked = 0
+        self._stdin_credit = asyncio.Event()
+        self._stdin_lock = asyncio.Lock()
 
     @property
     def done(self) -> bool:
@@ -74,9 +78,22 @@ class Session:
         return await asyncio.shield(self._exited)
 
     async def write_stdin(self, data: bytes) -> None:
+        """Feed the command's stdin; waits while it is not reading (per-session window).
+
+        Data written after the command exited is discarded."""
         view = memoryview(data)
-        for off in range(0, len(view), P.CHUNK):
-            await self.channel._send(P.pack(P.STDIN, self.id, bytes(view[off : off + P.CHUNK])))
+        async with self._stdin_lock:  # keep concurrent writers' chunks in order
+            for off in range(0, len(view), P.CHUNK):
+                chunk = bytes(view[off : off + P.CHUNK])
+                while self._stdin_unacked + len(chunk) > P.STDIN_WINDOW and not self.done:
+                    self._stdin_credit.clear()
+                    await self._stdin_credit.wait()
+                if self.done:
+                    if self._exited.exception() is not None:
+                        raise self._exited.exception()  # type: ignore[misc]
+                    return
+                self._stdin_unacked += len(chunk)
+                await self.channel._send(P.pack(P.STDIN, self.id, chunk))
 
     async def close_stdin(self) -> None:
         await self.channel._send(P.pack(P.STDIN_CLOSE, self.id))
@@ -94,6 +111,11 @@ class Session:
         self._queue.put_nowait(item)
         if item[0] == "exited" and not self._exited.done():
             self._exited.set_result(item[1])
+            self._stdin_credit.set()
+
+    def _ack_stdin(self, n: int) -> None:
+        self._stdin_unacked = max(0, self._stdin_unacked - n)
+        self._stdin_credit.set()
 
     def _fail(self, exc: RollboxError) -> None:
         if not self._started.done():
@@ -102,6 +124,7 @@ class Session:
         if not self._exited.done():
             self._exited.set_exception(exc)
             self._exited.exception()
+        self._stdin_credit.set()
         self._queue.put_nowait(exc)
 
 
@@ -340,6 +363,10 @@ class AgentChannel:
             else:
                 sess._push(("exited", exited))
             self._reserved.discard(sid)
+        elif msg_type == P.STDIN_ACK:
+            sess = self._sessions.get(sid)
+            if sess is not None:
+                sess._ack_stdin(P.U32.unpack_from(payload)[0])
         elif msg_type == P.STARTED:
             sess = self._sessions.get(sid)
             if sess is not None and not sess._started.done():

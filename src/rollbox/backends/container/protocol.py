@@ -18,7 +18,11 @@ Edge -> agent
                  EXEC_CGROUP (one fd attached with SCM_RIGHTS: the session's cgroup-v2
                  directory; the child joins it before exec and timeouts kill through its
                  ``cgroup.kill``). The agent answers STARTED or SPAWN_FAILED.
-  STDIN(2)       bytes for the session's stdin.      STDIN_CLOSE(3)  close its stdin.
+  STDIN(2)       bytes for the session's stdin (at most ``CHUNK`` per packet), credit-based: the
+                 edge keeps at most ``STDIN_WINDOW`` bytes per session not yet acknowledged by
+                 STDIN_ACK, so a command that never reads its stdin can't stall the connection
+                 (an edge that overruns the window is disconnected).
+  STDIN_CLOSE(3) close its stdin (after the queued bytes are written).
   SIGNAL(4)      ``<i`` signo sent to the session's process group.
   KILL(5)        kill everything of the session (cgroup.kill, then SIGKILL to the group).
   PING(6)        answered by PONG(7) with the same session id.
@@ -39,6 +43,8 @@ Agent -> edge
                  EXITED of sessions that end while no edge is connected are queued (bounded)
                  and delivered after the next READY.
   SESSIONS(40)   ``<I`` count then count x ``<Ii`` (session id, main pid) of running sessions.
+  STDIN_ACK(41)  ``<I`` stdin bytes of the session consumed (written to the pipe, or discarded
+                 because the command closed its stdin or the session is unknown).
 """
 from __future__ import annotations
 
@@ -62,6 +68,8 @@ EXEC, STDIN, STDIN_CLOSE, SIGNAL, KILL, PING, PONG, LIST = 1, 2, 3, 4, 5, 6, 7, 
 READY, STARTED, SPAWN_FAILED, STDOUT, STDERR, EXITED, TAIL_STDOUT, TAIL_STDERR, SESSIONS = (
     32, 33, 34, 35, 36, 37, 38, 39, 40,
 )
+STDIN_ACK = 41
+STDIN_WINDOW = 256 * 1024
 
 EXEC_STDIN = 1
 EXEC_CGROUP = 2
