@@ -83,6 +83,25 @@ class LayerMounts:
                 found = (fstype, source)  # the last one is the top of the stack
         return found
 
+    def users(self, digest: str) -> list[str]:
+        """Other mounts that name this layer (overlays stacked on it, idmapped clones).
+
+        The kernel does not refuse to unmount a layer under a live overlay (overlayfs keeps a
+        private clone), so this is how a layer in use is recognised. Mounts in other mount
+        namespaces are not visible here: callers pass what they know to ``gc(keep=...)``.
+        """
+        own = os.path.realpath(self.mount_point(digest))
+        out = []
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                if digest not in line:
+                    continue
+                fields = line.split()
+                mnt = _unescape_mountinfo(fields[4]) if len(fields) > 4 else ""
+                if mnt != own:
+                    out.append(mnt)
+        return out
+
     def is_mounted(self, digest: str) -> bool:
         return self._current(digest) is not None
 
@@ -120,6 +139,10 @@ class LayerMounts:
         """Unmount the layer (no-op if not mounted); InfraError if a sandbox still uses it."""
         target = self.mount_point(digest)
         with self._locked(digest):
+            users = self.users(digest)
+            if users and self._current(digest) is not None:
+                raise InfraError(f"layer {digest} is in use at {target} by {users[:3]}",
+                                 digest=digest)
             while self._current(digest) is not None:
                 try:
                     syscalls.umount(target, syscalls.UMOUNT_NOFOLLOW)

@@ -25,7 +25,7 @@ import subprocess
 import tempfile
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -353,15 +353,17 @@ class ImageStore:
         out["size"] = sum(int(m.get("size", 0)) for m in layers)
         return out
 
-    def gc(self, *, grace_seconds: float = GC_GRACE_SECONDS) -> list[str]:
+    def gc(self, *, grace_seconds: float = GC_GRACE_SECONDS,
+           keep: Iterable[str] = ()) -> list[str]:
         """Delete layers no ref uses (older than ``grace_seconds``), unmounting them first.
 
-        A layer whose mount is busy (a sandbox overlay still uses it) is kept.
+        Kept as well: ``keep`` (e.g. the layers of the node's live sandboxes) and layers that
+        another mount of this mount namespace names (an overlay stacked on them).
         Returns the removed digests.
         """
         from rollbox.images.mounts import LayerMounts
 
-        used = {d for image in self.list() for d in image.layers}
+        used = {d for image in self.list() for d in image.layers} | set(keep)
         mounts = LayerMounts(self)
         now = time.time()
         removed = []
@@ -372,11 +374,13 @@ class ImageStore:
             try:
                 if now - path.stat().st_mtime < grace_seconds:
                     continue
+                if mounts.users(digest):
+                    continue
                 mounts.unmount(digest)
             except FileNotFoundError:
                 continue
             except InfraError:
-                continue  # busy: still in use by a running sandbox
+                continue  # in use by a running sandbox
             path.unlink(missing_ok=True)
             (self.layers_dir / f"{digest}.json").unlink(missing_ok=True)
             removed.append(digest)
