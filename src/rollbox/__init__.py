@@ -1,0 +1,45 @@
+"""rollbox: elastic sandboxes for RL training of LLM agents. The SDK is the public face.
+
+Exports resolve lazily so server-side modules (``rollbox.errors``, ``rollbox.edge``...) can be
+imported without pulling in the SDK's HTTP client.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "AsyncClient": "rollbox.sdk", "AsyncProcess": "rollbox.sdk", "AsyncSandbox": "rollbox.sdk",
+    "Client": "rollbox.sdk", "Process": "rollbox.sdk", "Sandbox": "rollbox.sdk",
+    "CommandFailed": "rollbox.sdk", "OutputChunk": "rollbox.sdk",
+    "ExecResult": "rollbox.models", "ExecInfo": "rollbox.models", "Event": "rollbox.models",
+    "FileStat": "rollbox.models", "SandboxInfo": "rollbox.models",
+    **{name: "rollbox.errors" for name in (
+        "RollboxError", "BadRequest", "Unauthorized", "NotFound", "PayloadTooLarge",
+        "QuotaExceeded", "SandboxDead", "CommandTimeout", "InfraError", "CapacityExceeded")},
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from rollbox.errors import (
+        BadRequest, CapacityExceeded, CommandTimeout, InfraError, NotFound, PayloadTooLarge,
+        QuotaExceeded, RollboxError, SandboxDead, Unauthorized,
+    )
+    from rollbox.models import Event, ExecInfo, ExecResult, FileStat, SandboxInfo
+    from rollbox.sdk import (
+        AsyncClient, AsyncProcess, AsyncSandbox, Client, CommandFailed, OutputChunk, Process,
+        Sandbox,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rollbox' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,14 @@
+"""Python SDK: ``AsyncClient``/``AsyncSandbox`` (the one implementation, httpx) and the
+blocking ``Client``/``Sandbox`` face that runs it on a private event-loop thread.
+
+Talks only HTTP to the api; never imports server-side packages beyond shared models/errors.
+"""
+from rollbox.sdk._async import (
+    DEFAULT_URL, AsyncClient, AsyncFiles, AsyncProcess, AsyncSandbox, CommandFailed, OutputChunk,
+)
+from rollbox.sdk._sync import Client, Files, Process, Sandbox
+
+__all__ = [
+    "DEFAULT_URL", "AsyncClient", "AsyncFiles", "AsyncProcess", "AsyncSandbox", "CommandFailed",
+    "OutputChunk", "Client", "Files", "Process", "Sandbox",
+]

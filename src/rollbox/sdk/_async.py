@@ -1,0 +1,561 @@
+"""The async SDK core: every behaviour lives here; the sync face only runs these coroutines."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import codecs
+import contextlib
+import json
+import os
+import random
+import tarfile
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+import httpx
+import pydantic
+
+from rollbox import errors
+from rollbox.models import (
+    Event, ExecInfo, ExecResult, ExecSpec, FileStat, Resources, SandboxInfo, SandboxSpec,
+)
+
+DEFAULT_URL = "http://127.0.0.1:7420"
+NDJSON = "application/x-ndjson"
+TAR_CHUNK = 256 << 10
+
+OutputCallback = Callable[[str], Any]
+
+
+class CommandFailed(errors.RollboxError):
+    """``exec(..., check=True)`` and the command exited non-zero (or by a signal)."""
+
+    code = "command_failed"
+    status = 500
+
+    def __init__(self, message: str, result: ExecResult) -> None:
+        super().__init__(message, exit_code=result.exit_code, signal=result.signal)
+        self.result = result
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    stream: Literal["stdout", "stderr"]
+    data: bytes
+
+    @property
+    def text(self) -> str:
+        return self.data.decode("utf-8", "replace")
+
+
+def _raise_for(resp: httpx.Response, body: bytes) -> None:
+    if resp.status_code < 400:
+        return
+    try:
+        payload: Any = json.loads(body)
+    except ValueError:
+        payload = body.decode("utf-8", "replace")
+    raise errors.error_from_payload(payload, resp.status_code)
+
+
+def _check_command(result: ExecResult, cmd: str | list[str]) -> None:
+    if result.timed_out:
+        raise errors.CommandTimeout(f"command timed out: {cmd!r}", exec_id=result.exec_id)
+    if result.exit_code != 0:
+        how = (f"signal {result.signal}" if result.signal is not None
+               else f"exit code {result.exit_code}")
+        raise CommandFailed(f"command failed with {how}: {cmd!r}", result)
+
+
+class _Transport:
+    """httpx plumbing: auth, typed errors, streaming without read timeouts."""
+
+    def __init__(self, base_url: str, api_key: str | None, timeout: float,
+                 max_connections: int) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = httpx.Timeout(timeout)
+        # Streams and waits may stay silent for as long as the command runs.
+        self.stream_timeout = httpx.Timeout(timeout, read=None, pool=None)
+        self.http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"), headers=headers, timeout=self.timeout,
+            limits=httpx.Limits(max_connections=max_connections,
+                                max_keepalive_connections=min(max_connections, 256)),
+        )
+
+    async def request(self, method: str, url: str, *, long: bool = False,
+                      **kw: Any) -> httpx.Response:
+        try:
+            resp = await self.http.request(
+                method, url, timeout=self.stream_timeout if long else self.timeout, **kw)
+        except httpx.TransportError as exc:
+            raise errors.InfraError(f"{method} {url}: {exc!r}") from exc
+        _raise_for(resp, resp.content)
+        return resp
+
+    async def stream(self, method: str, url: str, **kw: Any) -> httpx.Response:
+        """Open a streamed response (caller must ``aclose`` it); errors raised before."""
+        try:
+            req = self.http.build_request(method, url, timeout=self.stream_timeout, **kw)
+            resp = await self.http.send(req, stream=True)
+        except httpx.TransportError as exc:
+            raise errors.InfraError(f"{method} {url}: {exc!r}") from exc
+        if resp.status_code >= 400:
+            try:
+                body = await resp.aread()
+            finally:
+                await resp.aclose()
+            _raise_for(resp, body)
+        return resp
+
+    async def lines(self, resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+        try:
+            async for line in resp.aiter_lines():
+                if line:
+                    yield json.loads(line)
+        except httpx.TransportError as exc:
+            raise errors.InfraError(f"stream broken: {exc!r}") from exc
+        finally:
+            await resp.aclose()
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+
+def _exec_spec(cmd: str | list[str], env: Mapping[str, str] | None, cwd: str, user: str,
+               timeout: float | None, stdin: bool, background: bool) -> dict[str, Any]:
+    try:  # validated here so a bad call fails before any request
+        spec = ExecSpec(cmd=cmd, env=dict(env or {}), cwd=cwd, user=user, timeout_s=timeout,
+                        stdin=stdin, background=background)
+    except pydantic.ValidationError as exc:
+        raise errors.BadRequest(str(exc)) from None
+    return spec.model_dump(mode="json")
+
+
+class _Decoders:
+    def __init__(self) -> None:
+        self.dec = {k: codecs.getincrementaldecoder("utf-8")("replace")
+                    for k in ("stdout", "stderr")}
+
+
+async def _consume_exec(
+    messages: AsyncIterator[dict[str, Any]],
+    on_stdout: OutputCallback | None, on_stderr: OutputCallback | None,
+) -> ExecResult:
+    callbacks = {"stdout": on_stdout, "stderr": on_stderr}
+    dec = _Decoders().dec
+    async for msg in messages:
+        kind = msg.get("type")
+        if kind in ("stdout", "stderr"):
+            cb = callbacks[kind]
+            if cb is not None:
+                text = dec[kind].decode(base64.b64decode(msg["data"]))
+                if text:
+                    r = cb(text)
+                    if asyncio.iscoroutine(r):
+                        await r
+        elif kind == "exit":
+            for k, cb in callbacks.items():
+                tail = dec[k].decode(b"", final=True)
+                if cb is not None and tail:
+                    r = cb(tail)
+                    if asyncio.iscoroutine(r):
+                        await r
+            return ExecResult.model_validate(msg["result"])
+        elif kind == "error":
+            raise errors.error_from_payload(msg, 500)
+    raise errors.InfraError("exec stream ended without an exit status")
+
+
+class AsyncProcess:
+    """A command started with ``exec_background``; can be re-attached any number of times."""
+
+    def __init__(self, sandbox: AsyncSandbox, exec_id: str, cmd: str | list[str]) -> None:
+        self.sandbox = sandbox
+        self.exec_id = exec_id
+        self.cmd = cmd
+        self._t = sandbox._t
+        self._base = f"/v1/sandboxes/{sandbox.id}/exec/{exec_id}"
+
+    def __repr__(self) -> str:
+        return f"<AsyncProcess {self.exec_id} in {self.sandbox.id}>"
+
+    async def attach(self) -> AsyncIterator[OutputChunk]:
+        """Output from the start of the command (replayed) until it exits."""
+        resp = await self._t.stream("GET", self._base + "/stream")
+        async for msg in self._t.lines(resp):
+            kind = msg.get("type")
+            if kind in ("stdout", "stderr"):
+                yield OutputChunk(kind, base64.b64decode(msg["data"]))
+            elif kind == "error":
+                raise errors.error_from_payload(msg, 500)
+            elif kind == "exit":
+                return
+
+    async def wait(self, *, check: bool = False) -> ExecResult:
+        result = ExecResult.model_validate(
+            (await self._t.request("GET", self._base, long=True)).json())
+        if check:
+            _check_command(result, self.cmd)
+        return result
+
+    async def kill(self, signal: int = 9) -> None:
+        await self._t.request("POST", self._base + "/kill", json={"signal": signal})
+
+    async def write_stdin(self, data: bytes | str) -> None:
+        if isinstance(data, str):
+            data = data.encode()
+        await self._t.request("POST", self._base + "/stdin", content=data)
+
+    async def close_stdin(self) -> None:
+        await self._t.request("POST", self._base + "/stdin", params={"eof": 1}, content=b"")
+
+
+class _TarPipe:
+    """File-like bridge between tarfile (in a worker thread) and an async stream, with
+    backpressure: a bounded queue, so neither side holds a whole tree in memory."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, depth: int = 8) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[bytes | None | BaseException] = asyncio.Queue(depth)
+        self.buf = bytearray()
+        self.eof = False
+
+    # writer side (thread) -> async reader
+    def write(self, data: bytes) -> int:
+        self.buf += data
+        if len(self.buf) >= TAR_CHUNK:
+            self._put(bytes(self.buf))
+            self.buf.clear()
+        return len(data)
+
+    def _put(self, item: bytes | None | BaseException) -> None:
+        asyncio.run_coroutine_threadsafe(self.queue.put(item), self.loop).result()
+
+    def finish(self, exc: BaseException | None = None) -> None:
+        if self.buf and exc is None:
+            self._put(bytes(self.buf))
+            self.buf.clear()
+        self._put(exc)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        while True:
+            item = await self.queue.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    # async writer -> reader side (thread)
+    def read(self, n: int = -1) -> bytes:
+        while not self.eof and (not self.buf or n < 0):
+            item = asyncio.run_coroutine_threadsafe(self.queue.get(), self.loop).result()
+            if item is None:
+                self.eof = True
+                break
+            if isinstance(item, BaseException):
+                raise item
+            self.buf += item
+            if n >= 0 and len(self.buf) >= n:
+                break
+        if n < 0 or n >= len(self.buf):
+            out = bytes(self.buf)
+            self.buf.clear()
+        else:
+            out = bytes(self.buf[:n])
+            del self.buf[:n]
+        return out
+
+
+class AsyncFiles:
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._t = sandbox._t
+        self._base = f"/v1/sandboxes/{sandbox.id}"
+
+    async def read(self, path: str) -> bytes:
+        return (await self._t.request("GET", self._base + "/files", params={"path": path},
+                                      long=True)).content
+
+    async def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        return (await self.read(path)).decode(encoding, "replace")
+
+    async def write(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        if isinstance(data, str):
+            data = data.encode()
+        await self._t.request("PUT", self._base + "/files", content=data, long=True,
+                              params={"path": path, "mode": format(mode, "o")})
+
+    async def stat(self, path: str) -> FileStat:
+        r = await self._t.request("GET", self._base + "/files/stat", params={"path": path})
+        return FileStat.model_validate(r.json())
+
+    async def list(self, path: str) -> list[FileStat]:
+        r = await self._t.request("GET", self._base + "/files/list", params={"path": path})
+        return [FileStat.model_validate(x) for x in r.json()]
+
+    async def mkdir(self, path: str, parents: bool = True) -> None:
+        await self._t.request("POST", self._base + "/files/mkdir",
+                              json={"path": path, "parents": parents})
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        await self._t.request("DELETE", self._base + "/files",
+                              params={"path": path, "recursive": int(recursive)})
+
+    async def upload_dir(self, local: str | os.PathLike[str], remote: str) -> int:
+        """Upload the contents of a local directory into ``remote`` as a tar stream."""
+        src = Path(local)
+        if not src.is_dir():
+            raise errors.BadRequest(f"{src} is not a directory")
+        pipe = _TarPipe(asyncio.get_running_loop())
+
+        def produce() -> None:
+            try:
+                with tarfile.open(fileobj=pipe, mode="w|") as tf:  # type: ignore[call-overload]
+                    for child in sorted(src.iterdir()):
+                        tf.add(child, arcname=child.name)
+            except BaseException as exc:  # reported to the consumer
+                pipe.finish(exc)
+            else:
+                pipe.finish()
+
+        producer = threading.Thread(target=produce, name="rollbox-tar-up", daemon=True)
+        producer.start()
+        try:
+            r = await self._t.request("PUT", self._base + "/tar", params={"path": remote},
+                                      content=pipe.chunks(), long=True)
+        finally:
+            # Unblock the producer if the request stopped consuming early.
+            while producer.is_alive():
+                while not pipe.queue.empty():
+                    pipe.queue.get_nowait()
+                await asyncio.sleep(0.01)
+        return int(r.json().get("written", 0))
+
+    async def download_dir(self, remote: str, local: str | os.PathLike[str]) -> None:
+        """Download ``remote`` (a directory) into ``local``; unsafe members are refused."""
+        dest = Path(local)
+        dest.mkdir(parents=True, exist_ok=True)
+        resp = await self._t.stream("GET", self._base + "/tar", params={"path": remote})
+        pipe = _TarPipe(asyncio.get_running_loop())
+
+        def consume() -> None:
+            with tarfile.open(fileobj=pipe, mode="r|") as tf:  # type: ignore[call-overload]
+                tf.extractall(dest, filter="data")
+
+        extract = asyncio.get_running_loop().run_in_executor(None, consume)
+
+        async def feed(item: bytes | None | BaseException) -> bool:
+            # False once the extractor stopped (it failed): never block on a dead reader.
+            put = asyncio.ensure_future(pipe.queue.put(item))
+            await asyncio.wait({put, extract}, return_when=asyncio.FIRST_COMPLETED)
+            if not put.done():
+                put.cancel()
+                return False
+            return True
+
+        try:
+            try:
+                async for chunk in resp.aiter_bytes(TAR_CHUNK):
+                    if not await feed(chunk):
+                        break
+                else:
+                    await feed(None)
+            except httpx.TransportError as exc:
+                await feed(errors.InfraError(f"tar download broken: {exc!r}"))
+            await extract  # raises the extractor's error (e.g. a member escaping ``local``)
+        finally:
+            await resp.aclose()
+            if not extract.done():
+                # Cancelled midway: wake the extractor thread so it ends.
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(feed(errors.InfraError("download cancelled")), 5)
+
+
+class AsyncSandbox:
+    def __init__(self, client: AsyncClient, info: SandboxInfo) -> None:
+        self.client = client
+        self.info = info
+        self.id = info.id
+        self._t = client._t
+        self._base = f"/v1/sandboxes/{info.id}"
+        self.files = AsyncFiles(self)
+
+    def __repr__(self) -> str:
+        return f"<AsyncSandbox {self.id} {self.info.state}>"
+
+    async def refresh(self) -> SandboxInfo:
+        self.info = SandboxInfo.model_validate((await self._t.request("GET", self._base)).json())
+        return self.info
+
+    async def exec(
+        self, cmd: str | list[str], *, env: Mapping[str, str] | None = None, cwd: str = "/",
+        user: str = "root", timeout: float | None = None, stdin: bytes | str | None = None,
+        on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None,
+        check: bool = False,
+    ) -> ExecResult:
+        """Run a command to completion, streaming its output to the callbacks (str chunks).
+        ``timeout`` is enforced inside the sandbox; a timed-out result has ``timed_out``."""
+        body = _exec_spec(cmd, env, cwd, user, timeout, stdin is not None, False)
+        resp = await self._t.stream("POST", self._base + "/exec", json=body)
+        messages = self._t.lines(resp)
+        feeder: asyncio.Task[None] | None = None
+        try:
+            if stdin is not None:
+                first = await messages.__anext__()
+                if first.get("type") != "started":
+                    raise errors.InfraError(f"unexpected first exec message {first!r}")
+                proc = AsyncProcess(self, first["exec_id"], cmd)
+                data = stdin.encode() if isinstance(stdin, str) else stdin
+
+                async def feed() -> None:
+                    if data:
+                        await proc.write_stdin(data)
+                    await proc.close_stdin()
+
+                feeder = asyncio.create_task(feed())
+            result = await _consume_exec(messages, on_stdout, on_stderr)
+            if feeder is not None:
+                try:
+                    await feeder
+                except errors.RollboxError:
+                    pass  # the command may exit without reading its stdin
+        finally:
+            if feeder is not None and not feeder.done():
+                feeder.cancel()
+            await messages.aclose()
+        if check:
+            _check_command(result, cmd)
+        return result
+
+    async def exec_background(
+        self, cmd: str | list[str], *, env: Mapping[str, str] | None = None, cwd: str = "/",
+        user: str = "root", timeout: float | None = None, stdin: bool = False,
+    ) -> AsyncProcess:
+        body = _exec_spec(cmd, env, cwd, user, timeout, stdin, True)
+        r = await self._t.request("POST", self._base + "/exec", json=body)
+        return AsyncProcess(self, r.json()["exec_id"], cmd)
+
+    def process(self, exec_id: str) -> AsyncProcess:
+        """Handle on an existing command (e.g. one started by a previous trainer process)."""
+        return AsyncProcess(self, exec_id, "")
+
+    async def processes(self) -> list[ExecInfo]:
+        r = await self._t.request("GET", self._base + "/exec")
+        return [ExecInfo.model_validate(x) for x in r.json()]
+
+    async def stream_events(self, after: int = 0, follow: bool = True) -> AsyncIterator[Event]:
+        resp = await self._t.stream("GET", self._base + "/events",
+                                    params={"after": after, "follow": int(follow)})
+        async for msg in self._t.lines(resp):
+            yield Event.model_validate(msg)
+
+    async def events(self, after: int = 0, follow: bool = False) -> list[Event]:
+        """The audit log (also after deletion). ``follow=True`` collects until deletion."""
+        return [ev async for ev in self.stream_events(after, follow)]
+
+    async def set_ttl(self, ttl_s: float) -> SandboxInfo:
+        r = await self._t.request("POST", self._base + "/ttl", json={"ttl_s": ttl_s})
+        self.info = SandboxInfo.model_validate(r.json())
+        return self.info
+
+    async def delete(self) -> None:
+        await self._t.request("DELETE", self._base)
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        try:
+            await self.delete()
+        except errors.NotFound:
+            pass
+
+
+class AsyncClient:
+    def __init__(self, base_url: str | None = None, api_key: str | None = None,
+                 timeout: float = 60.0, max_connections: int = 1024) -> None:
+        self.base_url = base_url or os.environ.get("ROLLBOX_URL", DEFAULT_URL)
+        api_key = api_key or os.environ.get("ROLLBOX_API_KEY")
+        self._t = _Transport(self.base_url, api_key, timeout, max_connections)
+
+    async def create(
+        self, image: str, *, layers: Iterable[str] = (), cpus: float | None = None,
+        memory_mib: int | None = None, disk_mib: int | None = None, ttl_s: float | None = None,
+        labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
+    ) -> AsyncSandbox:
+        spec = self._spec(image, layers, cpus, memory_mib, disk_mib, ttl_s, labels, env)
+        r = await self._t.request("POST", "/v1/sandboxes", json=spec, long=True)
+        return AsyncSandbox(self, SandboxInfo.model_validate(r.json()))
+
+    @staticmethod
+    def _spec(image: str, layers: Iterable[str], cpus: float | None, memory_mib: int | None,
+              disk_mib: int | None, ttl_s: float | None, labels: Mapping[str, str] | None,
+              env: Mapping[str, str] | None) -> dict[str, Any]:
+        res = {k: v for k, v in (("cpus", cpus), ("memory_mib", memory_mib),
+                                  ("disk_mib", disk_mib)) if v is not None}
+        try:
+            spec = SandboxSpec(image=image, layers=list(layers), resources=Resources(**res),
+                               labels=dict(labels or {}), env=dict(env or {}),
+                               **({"ttl_s": ttl_s} if ttl_s is not None else {}))
+        except pydantic.ValidationError as exc:
+            raise errors.BadRequest(str(exc)) from None
+        return spec.model_dump(mode="json")
+
+    async def create_many(
+        self, n: int, image: str, *, concurrency: int = 32, max_attempts: int = 8,
+        backoff_s: float = 0.2, max_backoff_s: float = 10.0, **kw: Any,
+    ) -> list[AsyncSandbox]:
+        """Create ``n`` sandboxes with at most ``concurrency`` requests in flight, retrying
+        retryable errors (capacity, infrastructure) with full-jitter exponential backoff.
+        If one finally fails, the ones already created are deleted and the error raised."""
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one() -> AsyncSandbox:
+            attempt = 0
+            while True:
+                async with sem:
+                    try:
+                        return await self.create(image, **kw)
+                    except errors.RollboxError as exc:
+                        attempt += 1
+                        if not exc.retryable or attempt >= max_attempts:
+                            raise
+                # Sleep outside the semaphore so others can use the slot.
+                await asyncio.sleep(random.uniform(0, min(max_backoff_s,
+                                                          backoff_s * 2 ** attempt)))
+
+        results = await asyncio.gather(*(one() for _ in range(n)), return_exceptions=True)
+        created = [r for r in results if isinstance(r, AsyncSandbox)]
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            await asyncio.gather(*(sb.delete() for sb in created), return_exceptions=True)
+            raise failures[0]
+        return created
+
+    async def get(self, sandbox_id: str) -> AsyncSandbox:
+        r = await self._t.request("GET", f"/v1/sandboxes/{sandbox_id}")
+        return AsyncSandbox(self, SandboxInfo.model_validate(r.json()))
+
+    async def list(self, labels: Mapping[str, str] | None = None) -> list[AsyncSandbox]:
+        params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        r = await self._t.request("GET", "/v1/sandboxes", params=params)
+        return [AsyncSandbox(self, SandboxInfo.model_validate(x)) for x in r.json()]
+
+    async def health(self) -> dict[str, Any]:
+        return dict((await self._t.request("GET", "/v1/health")).json())
+
+    async def close(self) -> None:
+        await self._t.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+

@@ -1,0 +1,222 @@
+"""The sync face: the same async core run on a private event-loop thread (one core, two faces).
+
+Callbacks passed to ``Sandbox.exec`` run on that private thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Mapping
+from types import TracebackType
+from typing import Any, TypeVar
+
+from rollbox.models import Event, ExecInfo, ExecResult, FileStat, SandboxInfo
+from rollbox.sdk._async import (
+    AsyncClient, AsyncFiles, AsyncProcess, AsyncSandbox, OutputCallback, OutputChunk,
+)
+
+T = TypeVar("T")
+
+
+class _Portal:
+    """An event loop on a daemon thread; ``call`` runs a coroutine there and waits."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, name="rollbox-sdk", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.close()
+
+    def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        if threading.current_thread() is self.thread:
+            coro.close()
+            raise RuntimeError("sync rollbox API called from one of its own callbacks")
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()  # e.g. KeyboardInterrupt: do not leave the request running
+            raise
+
+    def iterate(self, agen: AsyncIterator[T]) -> Iterator[T]:
+        try:
+            while True:
+                try:
+                    yield self.call(agen.__anext__())  # type: ignore[arg-type]
+                except StopAsyncIteration:
+                    return
+        finally:
+            aclose = getattr(agen, "aclose", None)
+            if aclose is not None and self.loop.is_running():
+                self.call(aclose())
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class Process:
+    def __init__(self, portal: _Portal, proc: AsyncProcess) -> None:
+        self._p = portal
+        self._proc = proc
+        self.exec_id = proc.exec_id
+
+    def __repr__(self) -> str:
+        return f"<Process {self.exec_id}>"
+
+    def attach(self) -> Iterator[OutputChunk]:
+        return self._p.iterate(self._proc.attach())
+
+    def wait(self, *, check: bool = False) -> ExecResult:
+        return self._p.call(self._proc.wait(check=check))
+
+    def kill(self, signal: int = 9) -> None:
+        self._p.call(self._proc.kill(signal))
+
+    def write_stdin(self, data: bytes | str) -> None:
+        self._p.call(self._proc.write_stdin(data))
+
+    def close_stdin(self) -> None:
+        self._p.call(self._proc.close_stdin())
+
+
+class Files:
+    def __init__(self, portal: _Portal, files: AsyncFiles) -> None:
+        self._p = portal
+        self._f = files
+
+    def read(self, path: str) -> bytes:
+        return self._p.call(self._f.read(path))
+
+    def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        return self._p.call(self._f.read_text(path, encoding))
+
+    def write(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        self._p.call(self._f.write(path, data, mode))
+
+    def stat(self, path: str) -> FileStat:
+        return self._p.call(self._f.stat(path))
+
+    def list(self, path: str) -> list[FileStat]:
+        return self._p.call(self._f.list(path))
+
+    def mkdir(self, path: str, parents: bool = True) -> None:
+        self._p.call(self._f.mkdir(path, parents))
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        self._p.call(self._f.remove(path, recursive))
+
+    def upload_dir(self, local: str | os.PathLike[str], remote: str) -> int:
+        return self._p.call(self._f.upload_dir(local, remote))
+
+    def download_dir(self, remote: str, local: str | os.PathLike[str]) -> None:
+        self._p.call(self._f.download_dir(remote, local))
+
+
+class Sandbox:
+    def __init__(self, portal: _Portal, sandbox: AsyncSandbox) -> None:
+        self._p = portal
+        self._sb = sandbox
+        self.id = sandbox.id
+        self.files = Files(portal, sandbox.files)
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.id}>"
+
+    @property
+    def info(self) -> SandboxInfo:
+        return self._sb.info
+
+    def refresh(self) -> SandboxInfo:
+        return self._p.call(self._sb.refresh())
+
+    def exec(
+        self, cmd: str | list[str], *, env: Mapping[str, str] | None = None, cwd: str = "/",
+        user: str = "root", timeout: float | None = None, stdin: bytes | str | None = None,
+        on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None,
+        check: bool = False,
+    ) -> ExecResult:
+        return self._p.call(self._sb.exec(
+            cmd, env=env, cwd=cwd, user=user, timeout=timeout, stdin=stdin,
+            on_stdout=on_stdout, on_stderr=on_stderr, check=check))
+
+    def exec_background(
+        self, cmd: str | list[str], *, env: Mapping[str, str] | None = None, cwd: str = "/",
+        user: str = "root", timeout: float | None = None, stdin: bool = False,
+    ) -> Process:
+        return Process(self._p, self._p.call(self._sb.exec_background(
+            cmd, env=env, cwd=cwd, user=user, timeout=timeout, stdin=stdin)))
+
+    def process(self, exec_id: str) -> Process:
+        return Process(self._p, self._sb.process(exec_id))
+
+    def processes(self) -> list[ExecInfo]:
+        return self._p.call(self._sb.processes())
+
+    def events(self, after: int = 0, follow: bool = False) -> list[Event]:
+        return self._p.call(self._sb.events(after, follow))
+
+    def stream_events(self, after: int = 0, follow: bool = True) -> Iterator[Event]:
+        return self._p.iterate(self._sb.stream_events(after, follow))
+
+    def set_ttl(self, ttl_s: float) -> SandboxInfo:
+        return self._p.call(self._sb.set_ttl(ttl_s))
+
+    def delete(self) -> None:
+        self._p.call(self._sb.delete())
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._p.call(self._sb.__aexit__(et, e, tb))
+
+
+class Client:
+    """Blocking client; same arguments and methods as :class:`AsyncClient`."""
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None,
+                 timeout: float = 60.0, max_connections: int = 1024) -> None:
+        self._p = _Portal()
+
+        async def make() -> AsyncClient:
+            return AsyncClient(base_url, api_key, timeout, max_connections)
+
+        self._c = self._p.call(make())
+        self.base_url = self._c.base_url
+
+    def create(self, image: str, *, layers: Iterable[str] = (), **kw: Any) -> Sandbox:
+        return Sandbox(self._p, self._p.call(self._c.create(image, layers=layers, **kw)))
+
+    def create_many(self, n: int, image: str, **kw: Any) -> list[Sandbox]:
+        return [Sandbox(self._p, sb) for sb in self._p.call(self._c.create_many(n, image, **kw))]
+
+    def get(self, sandbox_id: str) -> Sandbox:
+        return Sandbox(self._p, self._p.call(self._c.get(sandbox_id)))
+
+    def list(self, labels: Mapping[str, str] | None = None) -> list[Sandbox]:
+        return [Sandbox(self._p, sb) for sb in self._p.call(self._c.list(labels))]
+
+    def health(self) -> dict[str, Any]:
+        return self._p.call(self._c.health())
+
+    def close(self) -> None:
+        if self._p.loop.is_running():
+            self._p.call(self._c.close())
+        self._p.stop()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
