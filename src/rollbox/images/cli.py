@@ -58,10 +58,10 @@ def _run(fn: Callable[[], T]) -> T:
     try:
         return fn()
     except RollboxError as exc:
-        console.print(f"[red]error[/red] ({exc.code}): {escape(exc.message)}")
+        console.print(f"[red]error[/red] ({exc.code}): {escape(exc.message)}", soft_wrap=True)
         raise typer.Exit(code=2 if exc.status < 500 else 1) from None
     except OSError as exc:
-        console.print(f"[red]error[/red]: {escape(str(exc))}")
+        console.print(f"[red]error[/red]: {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(code=1) from None
 
 
