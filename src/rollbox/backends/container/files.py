@@ -825,29 +825,33 @@ class SandboxFS:
     def _archive(self, parts: list[str], out: _QueueWriter) -> None:
         where = _join(parts)
         with self._use() as rfd:
+            fd = -1
             try:
-                fd = self._open(rfd, parts, os.O_PATH)
+                # A directory (even through a link, resolved in-root) is archived by content;
+                # anything else, including a dangling or looping link, as the entry itself.
                 try:
-                    s = os.fstat(fd)
-                finally:
-                    _close(fd)
+                    fd = self._open(rfd, parts, os.O_RDONLY | os.O_DIRECTORY)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP) or not parts:
+                        raise
+                    fd = self._open(rfd, parts[:-1], os.O_RDONLY | os.O_DIRECTORY)
+                    os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)  # NotFound if missing
+                    single = True
+                else:
+                    single = False
                 with tarfile.open(fileobj=out, mode="w|",  # type: ignore[call-overload]
                                   format=tarfile.PAX_FORMAT) as tf:
                     budget = [self.max_upload, self.max_entries]
-                    if st.S_ISDIR(s.st_mode):
-                        dfd = self._open(rfd, parts, os.O_RDONLY | os.O_DIRECTORY)
-                        self._archive_tree(tf, dfd, budget)
+                    if single:
+                        self._archive_entry(tf, fd, parts[-1], parts[-1], budget)
                     else:
-                        # Add the single entry from its parent, without following it.
-                        if not parts:
-                            raise errors.BadRequest("bad path")
-                        pfd = self._open(rfd, parts[:-1], os.O_RDONLY | os.O_DIRECTORY)
-                        try:
-                            self._archive_entry(tf, pfd, parts[-1], parts[-1], budget)
-                        finally:
-                            _close(pfd)
+                        top, fd = fd, -1
+                        self._archive_tree(tf, top, budget)
             except OSError as exc:
                 raise _os_error(exc, where) from exc
+            finally:
+                if fd >= 0:
+                    _close(fd)
 
     def _archive_tree(self, tf: tarfile.TarFile, top_fd: int, budget: list[int]) -> None:
         """Walk from ``top_fd`` (which this takes ownership of) by dir fds, depth first."""
