@@ -76,6 +76,8 @@ def test_write_refuses_directory_and_bad_input(box: tuple[SandboxFS, Path]) -> N
         fs.write("/", b"x")
     with pytest.raises(errors.BadRequest):
         fs.write("/x", b"x", uid=70000)
+    with pytest.raises(errors.BadRequest):
+        fs.write("/x", "text")  # type: ignore[arg-type]
     with pytest.raises(errors.NotFound):
         fs.write("/missing/x", b"x", parents=False)
     fs.write("/file", b"x")

@@ -432,6 +432,8 @@ class SandboxFS:
         parts = _split(path)
         if not parts:
             raise errors.BadRequest("cannot write to /")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise errors.BadRequest("file content must be bytes")
         if len(data) > self.max_write:
             raise errors.PayloadTooLarge(f"{len(data)} bytes is above the "
                                          f"{self.max_write}-byte write cap",
