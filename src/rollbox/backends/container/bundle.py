@@ -49,7 +49,9 @@ def oci_config(
         {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
         {"type": "user"}, {"type": "cgroup"},
     ]
-    namespaces.append({"type": "network", "path": netns_path} if netns_path else {"type": "network"})
+    if netns_path != "host":  # "host": no network namespace entry, i.e. the host's stack
+        namespaces.append({"type": "network", "path": netns_path} if netns_path
+                          else {"type": "network"})
     return {
         "ociVersion": "1.0.2",
         "process": {

@@ -111,7 +111,7 @@ class ContainerBackend:
             mounts = [self.layer_mounts.ensure_mounted(d) for d in layers]
             rootfs.compose(mounts, self.slots.userns_fd(slot), host_uid, resources.disk_mib,
                            resources.inodes)
-            ns_path = ("/proc/1/ns/net" if network == "host"
+            ns_path = ("host" if network == "host"
                        else str(netns.create(netns.PREFIX + sandbox_id)))
             run_dir.mkdir(parents=True, exist_ok=True)
             os.chmod(run_dir, 0o700)

@@ -1,0 +1,242 @@
+"""``rollbox bench container [--quick] [--json]``.
+
+In one run, against the same image: create -> exec ``true`` -> destroy cycles at concurrency 1,
+8 and 32 through the HTTP API (server in its own process, as deployed); exec round trip of
+``true`` in a live sandbox; N idle sandboxes held at once (host memory per sandbox); and the same
+create/exec/destroy workload through ``podman --runtime runc run --rm`` as the peer, with ratios.
+The last line of ``--json`` is one JSON object.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rollbox.config import Settings
+from rollbox.demo import _free_port, _pct, start_server_process, wait_healthy
+
+PODMAN_ULIMITS = ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def meminfo() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        k, v = line.split(":", 1)
+        out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def used_without_page_cache() -> int:
+    """Anonymous + kernel memory (+ shmem), i.e. what is not shared, reclaimable page cache."""
+    m = meminfo()
+    return (m["MemTotal"] - m["MemFree"] - m["Buffers"] - m["Cached"] - m["SReclaimable"]
+            + m["Shmem"])
+
+
+async def cycles(client: Any, image: str, n: int, conc: int) -> dict[str, Any]:
+    sem = asyncio.Semaphore(conc)
+    lat: list[float] = []
+    first_exec: list[float] = []
+    errors = 0
+
+    async def one() -> None:
+        nonlocal errors
+        async with sem:
+            t = time.monotonic()
+            try:
+                sb = await client.create(image, ttl_s=300)
+                r = await sb.exec(["true"])
+                first_exec.append(time.monotonic() - t)
+                await sb.delete()
+                if r.exit_code != 0:
+                    errors += 1
+            except Exception as exc:  # noqa: BLE001
+                errors += 1
+                say(f"  cycle error: {type(exc).__name__}: {exc}")
+            lat.append(time.monotonic() - t)
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(one() for _ in range(n)))
+    wall = time.monotonic() - t0
+    return {"n": n, "per_s": (n - errors) / wall, "p50_ms": _pct(lat, 50) * 1000,
+            "p99_ms": _pct(lat, 99) * 1000, "first_exec_p50_ms": _pct(first_exec, 50) * 1000,
+            "errors": errors}
+
+
+async def exec_rtt(client: Any, image: str, n: int) -> dict[str, float]:
+    async with await client.create(image, ttl_s=300) as sb:
+        for _ in range(10):
+            await sb.exec(["true"])
+        lat = []
+        for _ in range(n):
+            t = time.monotonic()
+            await sb.exec(["true"])
+            lat.append(time.monotonic() - t)
+    return {"p50_ms": _pct(lat, 50) * 1000, "p99_ms": _pct(lat, 99) * 1000}
+
+
+async def create_latency(client: Any, image: str, n: int) -> float:
+    lat = []
+    for _ in range(n):
+        t = time.monotonic()
+        sb = await client.create(image, ttl_s=300)
+        lat.append(time.monotonic() - t)
+        await sb.delete()
+    return _pct(lat, 50) * 1000
+
+
+async def idle_density(client: Any, image: str, n: int) -> dict[str, Any]:
+    await asyncio.sleep(1)
+    before = used_without_page_cache()
+    boxes = await client.create_many(n, image, ttl_s=900, concurrency=16)
+    await asyncio.sleep(2)
+    after = used_without_page_cache()
+    alive = 0
+    for sb in boxes[:: max(1, n // 20)]:  # spot-check they are really alive
+        r = await sb.exec(["true"])
+        alive += r.exit_code == 0
+    sem = asyncio.Semaphore(16)
+
+    async def rm(sb: Any) -> None:
+        async with sem:
+            await sb.delete()
+
+    await asyncio.gather(*(rm(sb) for sb in boxes))
+    return {"idle_sandboxes": len(boxes), "spot_checked_alive": alive,
+            "idle_mib_per_sandbox": (after - before) / max(1, len(boxes)) / (1 << 20)}
+
+
+def export_rootfs_tar(image: str, dest: Path) -> None:
+    """The image's merged root filesystem as a tar (what podman imports)."""
+    from rollbox.images.mounts import LayerMounts
+    from rollbox.images.store import ImageStore
+    from rollbox.isolation import syscalls
+
+    store = ImageStore(Settings().images_dir)
+    mounts = LayerMounts(store)
+    lowers = [str(mounts.ensure_mounted(d)) for d in reversed(store.resolve(image).layers)]
+    with tempfile.TemporaryDirectory() as tmp:
+        merged = Path(tmp) / "m"
+        merged.mkdir()
+        if len(lowers) == 1:
+            syscalls.mount(lowers[0], merged, None, syscalls.MS_BIND)
+        else:
+            syscalls.mount("overlay", merged, "overlay", syscalls.MS_RDONLY,
+                           f"lowerdir={':'.join(lowers)}")
+        try:
+            with tarfile.open(dest, "w") as tf:
+                tf.add(merged, arcname=".")
+        finally:
+            syscalls.umount(merged, syscalls.MNT_DETACH)
+
+
+def podman_prepare(image: str) -> str:
+    tag = "localhost/rollbox-bench-" + image.replace(":", "-").replace("/", "-")
+    with tempfile.TemporaryDirectory() as tmp:
+        tar = Path(tmp) / "rootfs.tar"
+        export_rootfs_tar(image, tar)
+        subprocess.run(["podman", "import", "-q", str(tar), tag], check=True,
+                       stdout=subprocess.DEVNULL)
+    return tag
+
+
+async def podman_cycles(tag: str, n: int, conc: int) -> dict[str, Any]:
+    sem = asyncio.Semaphore(conc)
+    lat: list[float] = []
+    errors = 0
+
+    async def one() -> None:
+        nonlocal errors
+        async with sem:
+            t = time.monotonic()
+            p = await asyncio.create_subprocess_exec(
+                "podman", "--runtime", "runc", "run", "--rm", "--network", "none",
+                *PODMAN_ULIMITS, tag, "/bin/true",
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+            if await p.wait() != 0:
+                errors += 1
+            lat.append(time.monotonic() - t)
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(one() for _ in range(n)))
+    wall = time.monotonic() - t0
+    return {"n": n, "per_s": (n - errors) / wall, "p50_ms": _pct(lat, 50) * 1000,
+            "p99_ms": _pct(lat, 99) * 1000, "errors": errors}
+
+
+async def run(quick: bool, url: str, key: str) -> dict[str, Any]:
+    from rollbox.sdk import AsyncClient
+
+    image = "python:3.11"
+    ns = {1: 10, 8: 48, 32: 64} if quick else {1: 30, 8: 160, 32: 256}
+    idle_n = 200 if quick else 1000
+    res: dict[str, Any] = {"image": image, "quick": quick}
+    async with AsyncClient(base_url=url, api_key=key, timeout=120) as client:
+        await cycles(client, image, 4, 2)  # warm-up: layer mounts, page cache
+        res["create_p50_ms"] = await create_latency(client, image, 10 if quick else 30)
+        say(f"create p50 {res['create_p50_ms']:.1f} ms")
+        for c, n in ns.items():
+            r = await cycles(client, image, n, c)
+            res[f"create_exec_destroy_per_s_c{c}"] = r["per_s"]
+            res[f"cycle_p50_ms_c{c}"] = r["p50_ms"]
+            res[f"cycle_p99_ms_c{c}"] = r["p99_ms"]
+            res[f"cycle_errors_c{c}"] = r["errors"]
+            if c == 1:
+                res["create_to_first_exec_p50_ms"] = r["first_exec_p50_ms"]
+            say(f"rollbox c{c}: {r['per_s']:.1f}/s p50 {r['p50_ms']:.1f} ms p99 {r['p99_ms']:.1f} ms")
+        rtt = await exec_rtt(client, image, 200 if quick else 1000)
+        res["exec_p50_ms"], res["exec_p99_ms"] = rtt["p50_ms"], rtt["p99_ms"]
+        say(f"exec true p50 {rtt['p50_ms']:.2f} ms p99 {rtt['p99_ms']:.2f} ms")
+        idle = await idle_density(client, image, idle_n)
+        res.update(idle)
+        say(f"idle: {idle['idle_sandboxes']} sandboxes, "
+            f"{idle['idle_mib_per_sandbox']:.2f} MiB each")
+    if shutil.which("podman"):
+        tag = podman_prepare(image)
+        for c in (1, 8):
+            r = await podman_cycles(tag, 10 if quick else (20 if c == 1 else 48), c)
+            res[f"podman_per_s_c{c}"] = r["per_s"]
+            res[f"podman_p50_ms_c{c}"] = r["p50_ms"]
+            say(f"podman c{c}: {r['per_s']:.1f}/s p50 {r['p50_ms']:.1f} ms")
+        res["ratio_vs_podman_c1"] = res["create_exec_destroy_per_s_c1"] / res["podman_per_s_c1"]
+        res["ratio_vs_podman_c8"] = res["create_exec_destroy_per_s_c8"] / res["podman_per_s_c8"]
+        say(f"ratio vs podman at c8: {res['ratio_vs_podman_c8']:.1f}x")
+    return res
+
+
+def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
+    settings = Settings()
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server_process(port)
+    try:
+        wait_healthy(url, proc)
+        key = os.environ.get("ROLLBOX_API_KEY") or (settings.data_dir / "admin.key").read_text().strip()
+        res = asyncio.run(run(quick, url, key))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    res = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}
+    if json_out:
+        print(json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(quick="--quick" in sys.argv, json_out="--json" in sys.argv)
