@@ -301,3 +301,19 @@ async def test_capacity_is_retryable_503(tmp_path: Path) -> None:
             r = await c.post("/v1/sandboxes", json={"image": "x"})
             assert r.status_code == 503
             assert r.json()["error"]["code"] == "capacity" and r.json()["error"]["retryable"]
+
+
+async def test_background_output_recorded_and_exit_logged_before_delete(stack: ApiStack) -> None:
+    async with client(stack, stack.key_a) as c:
+        sid = await new_sandbox(c)
+        r = await c.post(f"/v1/sandboxes/{sid}/exec",
+                         json={"cmd": "echo from-bg; sleep 30", "background": True})
+        exec_id = r.json()["exec_id"]
+        await asyncio.sleep(0.3)  # nobody streams it; the api records it anyway
+        assert (await c.delete(f"/v1/sandboxes/{sid}")).status_code == 204
+        evs = ndjson((await c.get(f"/v1/sandboxes/{sid}/events")).text)
+        kinds = [(e["kind"], e["exec_id"]) for e in evs]
+        assert kinds == [("sandbox.created", None), ("exec.started", exec_id),
+                         ("exec.stdout", exec_id), ("exec.exited", exec_id),
+                         ("sandbox.deleted", None)]
+        assert json.loads(evs[3]["data"])["signal"] == 9

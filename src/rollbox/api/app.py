@@ -188,6 +188,7 @@ class _Api:
         self.keys = keys
         self._owners: OrderedDict[str, str] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._recorders: dict[str, set[asyncio.Task[None]]] = {}
 
     # -- auth and ownership --
     def remember_owner(self, sandbox_id: str, owner: str) -> None:
@@ -219,10 +220,26 @@ class _Api:
         return None
 
     # -- recording --
-    def spawn(self, coro: Awaitable[None]) -> None:
+    def spawn(self, coro: Awaitable[None], sandbox_id: str | None = None) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if sandbox_id is not None:
+            per = self._recorders.setdefault(sandbox_id, set())
+            per.add(task)
+
+            def done(t: asyncio.Task[None]) -> None:
+                per.discard(t)
+                if not per and self._recorders.get(sandbox_id) is per:
+                    del self._recorders[sandbox_id]
+
+            task.add_done_callback(done)
+
+    async def drain_recorders(self, sandbox_id: str, timeout_s: float) -> None:
+        """Let the commands' last output and exit reach the log before sandbox.deleted."""
+        tasks = self._recorders.get(sandbox_id)
+        if tasks:
+            await asyncio.wait(set(tasks), timeout=timeout_s)
 
     async def record_exec(self, edge: EdgeAPI, sandbox_id: str, exec_id: str) -> None:
         """Copy one command's output into the audit log, independent of any client stream."""
@@ -349,6 +366,7 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore) -> FastAP
     @app.delete("/v1/sandboxes/{sandbox_id}", status_code=204, tags=["sandboxes"])
     async def delete_sandbox(sandbox_id: str, edge: Edge, who: Who) -> Response:
         await edge.delete(sandbox_id)
+        await api.drain_recorders(sandbox_id, 2.0)
         events.append(sandbox_id, "sandbox.deleted", None,
                       json.dumps({"by": who.key_id, "reason": "api"}))
         return Response(status_code=204)
@@ -399,7 +417,7 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore) -> FastAP
             "cmd": spec.cmd, "cwd": spec.cwd, "user": spec.user, "timeout_s": spec.timeout_s,
             "background": spec.background, "env_keys": sorted(spec.env),
         }))
-        api.spawn(api.record_exec(edge, sandbox_id, exec_id))
+        api.spawn(api.record_exec(edge, sandbox_id, exec_id), sandbox_id)
         if spec.background:
             return JSONResponse(ExecStarted(exec_id=exec_id).model_dump())
         if wait:
