@@ -280,6 +280,18 @@ def test_import_refuses_bad_archives(store: ImageStore, tmp_path: Path) -> None:
         add_file(tf, "hello", b"x")
     with pytest.raises(BadRequest, match="neither manifest.json"):
         builders.import_oci_archive(store, empty, "empty")
+    corrupt = oci_archive(tmp_path / "corrupt.tar")
+    with tarfile.open(corrupt) as tf:
+        members = [(m, tf.extractfile(m).read() if m.isfile() else b"")  # type: ignore[union-attr]
+                   for m in tf.getmembers()]
+    with tarfile.open(corrupt, "w") as tf:
+        for m, data in members:
+            if m.name.startswith("blobs/") and data[:2] == b"\x1f\x8b":
+                data = gzip.compress(layer_tar({"evil": "swapped"}), mtime=0)
+                m.size = len(data)
+            tf.addfile(m, io.BytesIO(data))
+    with pytest.raises(BadRequest, match="corrupt"):
+        builders.import_oci_archive(store, corrupt, "corrupt")
     assert store.list() == [] and list(store.tmp_dir.iterdir()) == []
     assert not (tmp_path / "escape").exists()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import fnmatch
+import hashlib
 import json
 import os
 import re
@@ -305,6 +306,7 @@ class _Archive:
             raise BadRequest(f"{path} is not a readable tar archive: {exc}") from exc
         self.members: dict[str, tarfile.TarInfo] = {
             self._key(m.name): m for m in self.tar.getmembers()}
+        self.verified: set[str] = set()
 
     @staticmethod
     def _key(name: str) -> str:
@@ -332,10 +334,20 @@ class _Archive:
             raise BadRequest(f"archive file {name!r} is not valid JSON") from exc
 
     def blob_path(self, digest: str) -> str:
+        """Path of a content-addressed blob, after checking its sha256 matches ``digest``."""
         alg, _, hexd = str(digest).partition(":")
-        if not re.fullmatch(r"[a-z0-9]+", alg) or not re.fullmatch(r"[0-9a-f]+", hexd):
-            raise BadRequest(f"invalid blob digest {digest!r}")
-        return f"blobs/{alg}/{hexd}"
+        if alg != "sha256" or not re.fullmatch(r"[0-9a-f]{64}", hexd):
+            raise BadRequest(f"unsupported or invalid blob digest {digest!r}")
+        path = f"blobs/{alg}/{hexd}"
+        if path not in self.verified:
+            h = hashlib.sha256()
+            f = self.open(path)
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+            if h.hexdigest() != hexd:
+                raise BadRequest(f"blob {digest} is corrupt (content hash differs)")
+            self.verified.add(path)
+        return path
 
 
 _INDEX_TYPES = {"application/vnd.oci.image.index.v1+json",
@@ -390,7 +402,11 @@ def import_oci_archive(store: ImageStore, tar_path: Path, name: str, *,
         if not isinstance(manifest, list) or not manifest:
             raise BadRequest("docker manifest.json must be a non-empty list")
         entry = manifest[0]
-        layer_names = list(entry.get("Layers") or [])
+        layer_names = []
+        for lname in entry.get("Layers") or []:
+            m = re.fullmatch(r"(?:\./)?blobs/sha256/([0-9a-f]{64})", str(lname))
+            # docker >= 25 saves layers as OCI blobs: check them like the OCI path does
+            layer_names.append(arc.blob_path(f"sha256:{m.group(1)}") if m else str(lname))
         config = arc.json(entry["Config"]) if entry.get("Config") else {}
     elif arc.has("index.json"):
         if not arc.has("oci-layout"):
