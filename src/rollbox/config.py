@@ -31,10 +31,14 @@ class Settings:
     # First host uid of the sandbox uid ranges; each sandbox slot gets 65536 ids above it.
     uid_base: int = 1_000_000_000 // 65536 * 65536
     uid_slots: int = 8192
+    # Image store; defaults to <data_dir>/images (tests share the node's built images).
+    images_root: Path | None = field(
+        default_factory=lambda: Path(os.environ["ROLLBOX_IMAGES"]) if "ROLLBOX_IMAGES" in os.environ
+        else None)
 
     @property
     def images_dir(self) -> Path:
-        return self.data_dir / "images"
+        return self.images_root or self.data_dir / "images"
 
     @property
     def sandboxes_dir(self) -> Path:

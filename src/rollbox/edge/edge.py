@@ -414,10 +414,10 @@ class Edge:
                     tails[kind[5:]] = payload  # folded in at exit with the dropped counts
                 elif kind == "exited":
                     ex = payload
-                    if ex.stdout_dropped:
-                        session.out.set_agent_tail(tails.get("stdout", b""), ex.stdout_dropped)
-                    if ex.stderr_dropped:
-                        session.err.set_agent_tail(tails.get("stderr", b""), ex.stderr_dropped)
+                    session.out.settle(ex.stdout_total,
+                                       tails.get("stdout") if ex.stdout_dropped else None)
+                    session.err.settle(ex.stderr_total,
+                                       tails.get("stderr") if ex.stderr_dropped else None)
                     result = session.finish(
                         ex.exit_code if ex.exit_code >= 0 else None,
                         ex.signal or None, ex.timed_out)

@@ -35,11 +35,13 @@ class StreamBuffer:
                 del self.tail[: len(self.tail) - TAIL_LIMIT]
         return kept
 
-    def set_agent_tail(self, tail: bytes, agent_dropped: int) -> None:
-        """The agent dropped bytes in the middle; its tail replaces ours."""
-        self.dropped += agent_dropped
-        self.total += agent_dropped + len(tail)
-        self.tail = bytearray(tail[-TAIL_LIMIT:])
+    def settle(self, agent_total: int, agent_tail: bytes | None) -> None:
+        """At exit: the agent's byte count is the truth; when it dropped bytes in the middle,
+        its tail (the true last bytes) replaces ours."""
+        if agent_tail is not None:
+            self.tail = bytearray(agent_tail[-TAIL_LIMIT:])
+        self.total = max(self.total, agent_total)
+        self.dropped = self.total - len(self.head) - len(self.tail)
 
     def text(self) -> str:
         if not self.tail:

@@ -59,7 +59,9 @@ class Rootfs:
                 lowers.append(str(target))
             self.merged.mkdir(exist_ok=True)
             opts = (f"lowerdir={':'.join(reversed(lowers))},upperdir={self.upper},"
-                    f"workdir={self.work}")
+                    f"workdir={self.work},redirect_dir=off,metacopy=off")
+            # redirect_dir=off: a renamed lower dir is copied up whole, so the upper stays a
+            # self-contained layer for pack_diff.
             syscalls.mount("overlay", self.merged, "overlay", syscalls.MS_NOSUID, opts)
         except OSError as exc:
             self.teardown()

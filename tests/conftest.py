@@ -1,0 +1,98 @@
+"""Shared fixtures: a real edge on this host, in its own data dir, cgroup parent and uid range,
+and a suite-wide check that nothing of any sandbox is left on the host afterwards."""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from rollbox.config import Settings
+from rollbox.isolation import cgroups, netns
+
+TEST_CGROUP = "rollbox-test"
+TEST_NODE = "t0"
+BASE_UID = Settings().uid_base + (Settings().uid_slots + 64) * 65536
+
+
+def node_settings(tmp: Path, node: str = TEST_NODE, run_dir: Path | None = None) -> Settings:
+    s = Settings()
+    s.images_root = s.images_dir  # the node's built images, shared read-only
+    s.data_dir = tmp / "data"
+    s.run_dir = run_dir or Path("/run") / f"rollbox-test-{secrets.token_hex(4)}"
+    s.cgroup_parent = TEST_CGROUP
+    s.node_id = node
+    s.uid_base = BASE_UID
+    s.uid_slots = 1024
+    return s
+
+
+def have_image(name: str) -> bool:
+    from rollbox.images.store import ImageStore
+
+    try:
+        ImageStore(Settings().images_dir).resolve(name)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+needs_python = pytest.mark.skipif(not have_image("python:3.11"),
+                                  reason="python:3.11 not built (run `make images`)")
+
+
+@pytest.fixture
+def tmp_node_dir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="rollbox-test-"))
+    d.chmod(0o711)  # runc resolves the rootfs as the sandbox's unprivileged host uid
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+async def edge(tmp_node_dir: Path) -> AsyncIterator:
+    """A started edge; destroys whatever sandboxes remain at the end and checks no leak."""
+    from rollbox.edge.edge import Edge
+    from rollbox.events.store import EventLog
+
+    settings = node_settings(tmp_node_dir)
+    events = EventLog(tmp_node_dir / "events.db")
+    e = Edge(settings, events)
+    await e.start()
+    created: list[str] = []
+    orig_create = e.create
+
+    async def tracking_create(spec, owner="test"):  # noqa: ANN001, ANN202
+        info = await orig_create(spec, owner)
+        created.append(info.id)
+        return info
+
+    e.create = tracking_create  # type: ignore[method-assign]
+    try:
+        yield e
+    finally:
+        await e.close(destroy=True)
+        events.close()
+        leaks = {sid: e.leftovers(sid) for sid in created}
+        leaks = {k: v for k, v in leaks.items() if v}
+        shutil.rmtree(settings.run_dir, ignore_errors=True)
+        assert not leaks, f"sandbox resources leaked: {leaks}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaks_after_suite() -> Iterator[None]:
+    yield
+    left_cg = cgroups.leftover(TEST_CGROUP) if os.geteuid() == 0 else []
+    left_ns = [n for n in netns.list_rollbox() if n.startswith(f"rollbox-{TEST_NODE}-")]
+    mounts = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mp = line.split()[4]
+            if "/rollbox-test-" in mp:
+                mounts.append(mp)
+    assert not (left_cg or left_ns or mounts), (
+        f"leaked after the test suite: cgroups={left_cg} netns={left_ns} mounts={mounts}")
