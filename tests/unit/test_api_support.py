@@ -110,7 +110,7 @@ class FakeEdge:
         sb = self._sb(sandbox_id)
         for ex in sb.execs.values():
             if ex.proc.returncode is None:
-                ex.proc.kill()
+                with_contextless_kill(ex.proc.pid)  # the whole group, like a cgroup kill
         for ex in sb.execs.values():
             await ex.done.wait()
         del self.sandboxes[sandbox_id]
