@@ -317,3 +317,18 @@ async def test_background_output_recorded_and_exit_logged_before_delete(stack: A
                          ("exec.stdout", exec_id), ("exec.exited", exec_id),
                          ("sandbox.deleted", None)]
         assert json.loads(evs[3]["data"])["signal"] == 9
+
+
+async def test_no_double_recording_when_edge_writes_the_same_log(stack: ApiStack) -> None:
+    edge = stack.edges[0]
+    edge.event_log = stack.events  # type: ignore[attr-defined]  # like the embedded Edge
+    async with client(stack, stack.key_a) as c:
+        sid = await new_sandbox(c)
+        edge_created = stack.events.append(sid, "sandbox.created", None,
+                                           json.dumps({"owner": "proj-a"}))
+        r = await c.post(f"/v1/sandboxes/{sid}/exec", params={"wait": 1}, json={"cmd": "echo x"})
+        assert r.json()["exit_code"] == 0
+        assert (await c.delete(f"/v1/sandboxes/{sid}")).status_code == 204
+        await asyncio.sleep(0.1)
+        evs = ndjson((await c.get(f"/v1/sandboxes/{sid}/events")).text)
+        assert edge_created == 1 and [e["kind"] for e in evs] == ["sandbox.created"]

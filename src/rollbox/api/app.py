@@ -182,10 +182,12 @@ async def _primed(agen: AsyncIterator[T], wait_s: float) -> AsyncIterator[T]:
 class _Api:
     """Route logic shared by the handlers (kept off the module so several apps can coexist)."""
 
-    def __init__(self, placement: Placement, events: EventLog, keys: KeyStore) -> None:
+    def __init__(self, placement: Placement, events: EventLog, keys: KeyStore,
+                 record_events: bool | None) -> None:
         self.placement = placement
         self.events = events
         self.keys = keys
+        self.record_events = record_events
         self._owners: OrderedDict[str, str] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
         self._recorders: dict[str, set[asyncio.Task[None]]] = {}
@@ -220,6 +222,14 @@ class _Api:
         return None
 
     # -- recording --
+    def records(self, edge: EdgeAPI) -> bool:
+        """Whether the api writes the audit trail for this edge's sandboxes. An edge that
+        writes into this same EventLog itself (embedded mode) is not doubled; a remote edge
+        with its own log is recorded here."""
+        if self.record_events is not None:
+            return self.record_events
+        return getattr(edge, "event_log", None) is not self.events
+
     def spawn(self, coro: Awaitable[None], sandbox_id: str | None = None) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
@@ -265,8 +275,11 @@ class _Api:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-def create_app(placement: Placement, events: EventLog, keys: KeyStore) -> FastAPI:
-    api = _Api(placement, events, keys)
+def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
+               record_events: bool | None = None) -> FastAPI:
+    """``record_events``: None (default) = record for every edge that does not write into
+    ``events`` itself; True/False forces it for all edges."""
+    api = _Api(placement, events, keys, record_events)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -331,11 +344,12 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore) -> FastAP
     async def create_sandbox(spec: models.SandboxSpec, who: Who) -> models.SandboxInfo:
         info = await placement.create(spec, who.project)
         api.remember_owner(info.id, who.project)
-        events.append(info.id, "sandbox.created", None, json.dumps({
-            "owner": who.project, "key_id": who.key_id, "node": info.node,
-            "image": spec.image, "layers": spec.layers, "labels": spec.labels,
-            "resources": spec.resources.model_dump(), "ttl_s": spec.ttl_s,
-        }))
+        if api.records(placement.edge_for(info.id)):
+            events.append(info.id, "sandbox.created", None, json.dumps({
+                "owner": who.project, "key_id": who.key_id, "node": info.node,
+                "image": spec.image, "layers": spec.layers, "labels": spec.labels,
+                "resources": spec.resources.model_dump(), "ttl_s": spec.ttl_s,
+            }))
         return info
 
     @app.get("/v1/sandboxes", response_model=list[models.SandboxInfo], tags=["sandboxes"])
@@ -366,9 +380,10 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore) -> FastAP
     @app.delete("/v1/sandboxes/{sandbox_id}", status_code=204, tags=["sandboxes"])
     async def delete_sandbox(sandbox_id: str, edge: Edge, who: Who) -> Response:
         await edge.delete(sandbox_id)
-        await api.drain_recorders(sandbox_id, 2.0)
-        events.append(sandbox_id, "sandbox.deleted", None,
-                      json.dumps({"by": who.key_id, "reason": "api"}))
+        if api.records(edge):
+            await api.drain_recorders(sandbox_id, 2.0)
+            events.append(sandbox_id, "sandbox.deleted", None,
+                          json.dumps({"by": who.key_id, "reason": "api"}))
         return Response(status_code=204)
 
     @app.post("/v1/sandboxes/{sandbox_id}/ttl", response_model=models.SandboxInfo,
@@ -413,11 +428,13 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore) -> FastAP
         wait: Annotated[bool, Query(description="return one ExecResult when done")] = False,
     ) -> Response:
         exec_id = await edge.exec_start(sandbox_id, spec)
-        events.append(sandbox_id, "exec.started", exec_id, json.dumps({
-            "cmd": spec.cmd, "cwd": spec.cwd, "user": spec.user, "timeout_s": spec.timeout_s,
-            "background": spec.background, "env_keys": sorted(spec.env),
-        }))
-        api.spawn(api.record_exec(edge, sandbox_id, exec_id), sandbox_id)
+        if api.records(edge):
+            events.append(sandbox_id, "exec.started", exec_id, json.dumps({
+                "cmd": spec.cmd, "cwd": spec.cwd, "user": spec.user,
+                "timeout_s": spec.timeout_s, "background": spec.background,
+                "env_keys": sorted(spec.env),
+            }))
+            api.spawn(api.record_exec(edge, sandbox_id, exec_id), sandbox_id)
         if spec.background:
             return JSONResponse(ExecStarted(exec_id=exec_id).model_dump())
         if wait:
