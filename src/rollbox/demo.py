@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -98,7 +99,7 @@ async def episode(client: Any, i: int, timings: dict[str, list[float]]) -> dict[
     sb = await client.create("python:3.11", layers=[WORKSPACE_IMAGE],
                              labels={"job": "demo", "episode": str(i)}, ttl_s=600)
     timings["create"].append(time.monotonic() - t0)
-    artifact = b""
+    artifact = Path(tempfile.mkdtemp(prefix="rollbox-demo-artifact-"))
     try:
         t = time.monotonic()
         r = await sb.exec("git init -q . && git add -A && python -m pytest -q tests 2>&1 | tail -1",
@@ -111,8 +112,7 @@ async def episode(client: Any, i: int, timings: dict[str, list[float]]) -> dict[
             await sb.files.write(f"{REPO}/conftest.py", CHEAT_CONFTEST)
         r = await sb.exec("python -m pytest -q -p no:cacheprovider tests", cwd=REPO, timeout=120)
         agent_thinks_passed = r.exit_code == 0
-        async for chunk in sb.files.download_tar_stream(ARTIFACT_DIR):
-            artifact += chunk
+        await sb.files.download_dir(ARTIFACT_DIR, artifact)  # the declared artifact only
     finally:
         await sb.delete()
     # Grading: pristine layers + hidden tests + only the declared artifact.
@@ -120,12 +120,13 @@ async def episode(client: Any, i: int, timings: dict[str, list[float]]) -> dict[
     grader = await client.create("python:3.11", layers=[WORKSPACE_IMAGE, TESTS_IMAGE],
                                  labels={"job": "demo", "grader": str(i)}, ttl_s=600)
     try:
-        await grader.files.upload_tar_bytes(ARTIFACT_DIR, artifact)
+        await grader.files.upload_dir(artifact, ARTIFACT_DIR)
         g = await grader.exec("python -m pytest -q -p no:cacheprovider hidden_tests",
                               cwd=REPO, timeout=120)
         reward = 1.0 if g.exit_code == 0 else 0.0
     finally:
         await grader.delete()
+        shutil.rmtree(artifact, ignore_errors=True)
     timings["grade"].append(time.monotonic() - t)
     timings["episode"].append(time.monotonic() - t0)
     return {"episode": i, "fixed": fix, "agent_saw_pass": agent_thinks_passed, "reward": reward}
