@@ -109,9 +109,9 @@ def agent(agent_binary: Path, tmp_path: Path) -> Iterator[Agent]:
     proc = None
     try:
         with open(log, "wb") as logf:
-            # The shell puts the listening socket on fd 3 and then becomes the agent.
+            # bash (dash knows only fds 0-9) puts the listener on fd 3, then becomes the agent.
             proc = subprocess.Popen(
-                ["/bin/sh", "-c", 'echo $$ > "$2"; exec "$0" 3<&"$1"', str(agent_binary),
+                ["/bin/bash", "-c", 'echo $$ > "$2"; exec "$0" 3<&"$1"', str(agent_binary),
                  str(listener.fileno()), str(root / "agent" / "cgroup.procs")],
                 pass_fds=(listener.fileno(),), stdin=subprocess.DEVNULL, stderr=logf,
             )
@@ -351,7 +351,23 @@ async def test_agent_stops_reading_pipes_when_edge_is_slow(agent: Agent) -> None
         sock.close()
 
 
-async def test_many_concurrent_sessions(channel: AgentChannel) -> None:
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, state) of the direct children of ``pid``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                out.append((int(d.name), fields[0]))
+    return out
+
+
+async def test_many_concurrent_sessions(channel: AgentChannel, agent: Agent) -> None:
+    fds_before = len(os.listdir(f"/proc/{agent.proc.pid}/fd"))
     async def one(i: int) -> None:
         r = await run(channel, ["sh", "-c", f"sleep 0.2; echo out{i}; echo err{i} >&2; exit {i % 7}"])
         assert (r.stdout, r.stderr, r.exited.exit_code) == (
@@ -359,6 +375,12 @@ async def test_many_concurrent_sessions(channel: AgentChannel) -> None:
 
     await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(100))), 60)
     assert await channel.list_sessions() == []
+    # every pipe closed, every child (and orphaned grandchild) reaped
+    assert len(os.listdir(f"/proc/{agent.proc.pid}/fd")) == fds_before
+    r = await run(channel, ["sh", "-c", "(sleep 0.1 &) ; sleep 0.3"])  # orphan reparented to us
+    assert r.exited.exit_code == 0
+    await asyncio.sleep(0.1)
+    assert _children(agent.proc.pid) == []
 
 
 async def test_ping_list_and_reconnect(agent: Agent) -> None:
