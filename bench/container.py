@@ -99,7 +99,7 @@ async def create_latency(client: Any, image: str, n: int) -> float:
 async def idle_density(client: Any, image: str, n: int) -> dict[str, Any]:
     await asyncio.sleep(1)
     before = used_without_page_cache()
-    boxes = await client.create_many(n, image, ttl_s=900, concurrency=16)
+    boxes = await client.create_many(n, image, ttl_s=900, concurrency=16, memory_mib=128)
     await asyncio.sleep(2)
     after = used_without_page_cache()
     alive = 0

@@ -57,6 +57,7 @@ class LayerMounts:
     def __init__(self, store: ImageStore) -> None:
         self.store = store
         self.mnt_dir = store.mnt_dir
+        self._verified: dict[str, int] = {}  # digest -> st_dev of its mounted root
 
     def mount_point(self, digest: str) -> Path:
         return self.mnt_dir / validate_digest(digest)
@@ -116,6 +117,22 @@ class LayerMounts:
 
     def ensure_mounted(self, digest: str) -> Path:
         """Mount the layer if it is not mounted yet; return its read-only mount point."""
+        target = self.mount_point(digest)
+        # Hot path (every sandbox start): a layer this process saw mounted stays mounted
+        # until unmount(); checked with one stat instead of parsing mountinfo.
+        dev = self._verified.get(digest)
+        if dev is not None:
+            try:
+                if os.stat(target).st_dev == dev:
+                    return target
+            except OSError:
+                pass
+            self._verified.pop(digest, None)
+        path = self._ensure_mounted_slow(digest)
+        self._verified[digest] = os.stat(path).st_dev
+        return path
+
+    def _ensure_mounted_slow(self, digest: str) -> Path:
         layer = self.store.layer_path(digest)
         target = self.mount_point(digest)
         with self._locked(digest):
@@ -138,6 +155,7 @@ class LayerMounts:
     def unmount(self, digest: str) -> None:
         """Unmount the layer (no-op if not mounted); InfraError if a sandbox still uses it."""
         target = self.mount_point(digest)
+        self._verified.pop(digest, None)
         with self._locked(digest):
             users = self.users(digest)
             if users and self._current(digest) is not None:

@@ -18,8 +18,18 @@ from pathlib import Path
 ROOT = Path("/sys/fs/cgroup")
 
 
+_V2_ROOT: Path | None = None
+
+
 def v2_root() -> Path:
     """The cgroup2 mount used for membership and cgroup.kill."""
+    global _V2_ROOT
+    if _V2_ROOT is None:
+        _V2_ROOT = _find_v2_root()
+    return _V2_ROOT
+
+
+def _find_v2_root() -> Path:
     unified = ROOT / "unified"
     if (unified / "cgroup.procs").exists():
         return unified
@@ -32,15 +42,19 @@ def is_pure_v2() -> bool:
     return (ROOT / "cgroup.controllers").exists()
 
 
+_HIERARCHIES: list[Path] | None = None
+
+
 def hierarchies() -> list[Path]:
-    """Every mounted hierarchy root (v1 controllers + v2)."""
-    if is_pure_v2():
-        return [ROOT]
-    roots = []
-    for entry in sorted(ROOT.iterdir()):
-        if entry.is_dir() and (entry / "cgroup.procs").exists():
-            roots.append(entry)
-    return roots
+    """Every mounted hierarchy root (v1 controllers + v2); fixed for the host's uptime."""
+    global _HIERARCHIES
+    if _HIERARCHIES is None:
+        if is_pure_v2():
+            _HIERARCHIES = [ROOT]
+        else:
+            _HIERARCHIES = [e for e in sorted(ROOT.iterdir())
+                            if e.is_dir() and (e / "cgroup.procs").exists()]
+    return list(_HIERARCHIES)
 
 
 def sandbox_dirs(parent: str, sandbox_id: str) -> list[Path]:
@@ -98,9 +112,12 @@ def wait_empty(path: Path, timeout: float = 5.0) -> bool:
 
 def remove_tree(path: Path) -> None:
     """rmdir a cgroup and its children, deepest first (cgroups can't be rm -r'd)."""
-    if not path.exists():
+    try:
+        with os.scandir(path) as it:
+            children = [Path(e.path) for e in it if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
         return
-    for child in sorted((p for p in path.iterdir() if p.is_dir()), reverse=True):
+    for child in children:
         remove_tree(child)
     for _ in range(50):
         try:

@@ -94,14 +94,23 @@ class Rootfs:
         finally:
             os.close(fd)
 
+    def _known_mounts(self) -> list[Path]:
+        lowers = sorted(self.dir.glob("l[0-9]*")) if self.dir.exists() else []
+        return [self.merged, *lowers, self.rw]
+
     def teardown(self) -> list[str]:
-        """Unmount everything under the sandbox dir and remove it; return what is left."""
-        for mp in mount_points_under(self.dir):
+        """Unmount everything of the sandbox, verify, remove its dir; return what is left.
+
+        Only the sandbox's own mount points are touched and checked (one stat each), so the
+        cost does not grow with the number of mounts on the node."""
+        for mp in self._known_mounts():
             try:
                 syscalls.umount(mp, syscalls.MNT_DETACH)
             except OSError:
                 pass
-        left = mount_points_under(self.dir)
+        left = [str(mp) for mp in self._known_mounts() if os.path.ismount(mp)]
         if not left:
             shutil.rmtree(self.dir, ignore_errors=True)
+            if self.dir.exists():
+                left.append(str(self.dir))
         return left
