@@ -1048,7 +1048,8 @@ static int next_timeout(int64_t now)
 {
     if (more_work)
         return 0;
-    int64_t t = now + 1000;
+    /* No timer: sleep until an event (no periodic wakeups; thousands of idle agents per node). */
+    int64_t t = INT64_MAX;
     for (struct session *s = sessions; s; s = s->next) {
         if (s->deadline_ms && !s->reaped && s->deadline_ms < t)
             t = s->deadline_ms;
@@ -1058,7 +1059,9 @@ static int next_timeout(int64_t now)
             (conn_fd < 0 || !outq_head))
             return 0;
     }
-    return t <= now ? 0 : (int)(t - now);
+    if (t == INT64_MAX)
+        return -1;
+    return t <= now ? 0 : t - now > 60000 ? 60000 : (int)(t - now);
 }
 
 static void ensure_stdio(void)
