@@ -465,3 +465,33 @@ async def test_idle_memory_and_exec_latency(channel: AgentChannel, agent: Agent)
           f"shared page cache); exec round trip of /bin/true: p50 {p50:.2f} ms, "
           f"p99 {p99:.2f} ms; after: anonymous {agent.anon_kib()} KiB")
     assert idle_anon < 300 and agent.anon_kib() < 300
+
+
+async def test_agent_as_pid1_of_a_pid_namespace(agent_binary: Path, tmp_path: Path) -> None:
+    """As in runc: PID 1 reaps orphans and ignores signals sent from inside the sandbox."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(tmp_path / "pid1.sock"))
+    listener.listen(4)
+    proc = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "/bin/bash", "-c",
+         'exec "$0" 3<&"$1"', str(agent_binary), str(listener.fileno())],
+        pass_fds=(listener.fileno(),), stdin=subprocess.DEVNULL,
+    )
+    try:
+        ch = await AgentChannel.connect(str(tmp_path / "pid1.sock"))
+        try:
+            r = await run(ch, ["sh", "-c", "echo $$; kill -TERM 1; kill -KILL 1; echo sent"])
+            assert r.stdout.split()[1] == b"sent" and int(r.stdout.split()[0]) > 1
+            r = await run(ch, ["sh", "-c", "(sleep 0.2 &); cat /proc/1/status"])
+            assert b"\nPPid:\t0\n" in r.stdout and b"Name:\trollbox-agent" in r.stdout
+            await asyncio.sleep(0.4)
+            r = await run(ch, ["sh", "-c", "grep -l '^State:.*Z' /proc/[0-9]*/status || true"])
+            assert r.stdout == b""  # the orphaned sleep was reaped, no zombies
+            await ch.ping(timeout=2)
+        finally:
+            ch.close()
+        assert proc.poll() is None
+    finally:
+        listener.close()
+        proc.kill()  # --kill-child takes the namespace's PID 1 and everything below it
+        proc.wait()
