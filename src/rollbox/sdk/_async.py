@@ -400,6 +400,14 @@ class AsyncSandbox:
         """Run a command to completion, streaming its output to the callbacks (str chunks).
         ``timeout`` is enforced inside the sandbox; a timed-out result has ``timed_out``."""
         body = _exec_spec(cmd, env, cwd, user, timeout, stdin is not None, False)
+        if stdin is None and on_stdout is None and on_stderr is None:
+            # Nobody watches the output live: one JSON answer is cheaper than a stream.
+            r = await self._t.request("POST", self._base + "/exec", json=body,
+                                      params={"wait": 1}, long=True)
+            result = ExecResult.model_validate(r.json())
+            if check:
+                _check_command(result, cmd)
+            return result
         resp = await self._t.stream("POST", self._base + "/exec", json=body)
         messages = self._t.lines(resp)
         feeder: asyncio.Task[None] | None = None
