@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import subprocess
 import tarfile
@@ -20,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from rollbox.config import Settings
-from rollbox.demo import _free_port, _pct, start_server_process, wait_healthy
+from rollbox.demo import _pct
+from rollbox.embedded import server_process
 
 PODMAN_ULIMITS = ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
 
@@ -216,20 +216,8 @@ async def run(quick: bool, url: str, key: str) -> dict[str, Any]:
 
 
 def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
-    settings = Settings()
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server_process(port)
-    try:
-        wait_healthy(url, proc)
-        key = os.environ.get("ROLLBOX_API_KEY") or (settings.data_dir / "admin.key").read_text().strip()
+    with server_process() as (url, key):
         res = asyncio.run(run(quick, url, key))
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     res = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}
     if json_out:
         print(json.dumps(res))

@@ -9,17 +9,14 @@ artifact (the package's source directory) is copied. So the cheat can't change t
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from rollbox.config import Settings
+from rollbox.embedded import server_process
 
 WORKSPACE_IMAGE = "demo/swe-workspace:1"
 TESTS_IMAGE = "demo/swe-tests:1"
@@ -180,35 +177,6 @@ async def run_episodes(n: int, url: str, api_key: str) -> dict[str, Any]:
     return summary
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server_process(port: int) -> subprocess.Popen[bytes]:
-    """``rollbox serve`` as a child process (the server uses its own core)."""
-    return subprocess.Popen([sys.executable, "-m", "rollbox.cli", "serve", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout: float = 60) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-            raise RuntimeError(f"server exited: {err[-2000:]}")
-        try:
-            if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"server at {url} not healthy after {timeout}s")
-
-
 def print_summary(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -225,24 +193,8 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def run_demo(n: int = 32, url: str | None = None) -> dict[str, Any]:
-    settings = Settings()
-    ensure_demo_images(settings)
-    proc = None
-    if url is None:
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        proc = start_server_process(port)
-    try:
-        wait_healthy(url, proc)
-        key = os.environ.get("ROLLBOX_API_KEY") or (settings.data_dir / "admin.key").read_text().strip()
-        summary = asyncio.run(run_episodes(n, url, key))
-    finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    ensure_demo_images(Settings())
+    with server_process(url) as (base_url, key):
+        summary = asyncio.run(run_episodes(n, base_url, key))
     print_summary(summary)
     return summary

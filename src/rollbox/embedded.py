@@ -2,8 +2,14 @@
 local image store. No external service. ``rollbox serve`` runs it."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from rollbox.api.app import create_app
@@ -78,3 +84,51 @@ class EmbeddedNode:
         srv = BackgroundServer(app, host, port)
         await srv.start()
         return srv
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout: float = 60) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            raise RuntimeError(f"server exited: {err[-2000:]}")
+        try:
+            if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"server at {url} not healthy after {timeout}s")
+
+
+@contextlib.contextmanager
+def server_process(url: str | None = None) -> Iterator[tuple[str, str]]:
+    """(url, api key) of a running server: ``url`` if given, else ``rollbox serve`` started as
+    a child process (its own core, as deployed) and stopped on exit."""
+    settings = Settings()
+    proc = None
+    if url is None:
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen([sys.executable, "-m", "rollbox.cli", "serve", "--port", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_healthy(url, proc)
+        key = os.environ.get("ROLLBOX_API_KEY") or admin_key_path(settings).read_text().strip()
+        yield url, key
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

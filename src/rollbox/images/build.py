@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from rollbox.errors import BadRequest, InfraError
-from rollbox.images.store import Image, ImageStore, Progress, normalize_config, validate_name
+from rollbox.images.store import Image, ImageStore, Progress, validate_name
 
 OPAQUE_XATTR = "trusted.overlay.opaque"
 # Consecutive layers smaller than this (extracted) are merged into one EROFS layer.
