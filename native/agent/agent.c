@@ -23,6 +23,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <sys/epoll.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
@@ -571,10 +572,190 @@ static void finish_session(struct session *s)
     free_session(s);
 }
 
+
+/* ---- Landlock: commands get no access to the platform's files (/.rollbox) nor the task's
+ * hidden paths. Landlock only grants, so "everything but X" is: full access beneath every
+ * entry of X's ancestor directories except X (and the next ancestor), and on the ancestors
+ * themselves only listing, creating and removing entries (no reading/executing/writing file
+ * contents, no cross-directory rename/link that could carry X out). Entries are enumerated at
+ * each exec, so a top-level directory created by a command is fully usable from the next
+ * command on. The deny list comes once from the agent's own environment (ROLLBOX_LANDLOCK_DENY,
+ * colon-separated); unset means off. If the kernel has no Landlock, it is logged once and
+ * commands run without it (the mount masks and read-only binds remain). */
+#define LL_CREATE_RULESET_VERSION 1u
+#define LL_RULE_PATH_BENEATH 1
+#define LL_EXECUTE (1ull << 0)
+#define LL_WRITE_FILE (1ull << 1)
+#define LL_READ_FILE (1ull << 2)
+#define LL_READ_DIR (1ull << 3)
+#define LL_REMOVE_DIR (1ull << 4)
+#define LL_REMOVE_FILE (1ull << 5)
+#define LL_MAKE_CHAR (1ull << 6)
+#define LL_MAKE_DIR (1ull << 7)
+#define LL_MAKE_REG (1ull << 8)
+#define LL_MAKE_SOCK (1ull << 9)
+#define LL_MAKE_FIFO (1ull << 10)
+#define LL_MAKE_BLOCK (1ull << 11)
+#define LL_MAKE_SYM (1ull << 12)
+#define LL_REFER (1ull << 13)
+#define LL_TRUNCATE (1ull << 14)
+#define LL_IOCTL_DEV (1ull << 15)
+#ifndef SYS_landlock_create_ruleset
+#define SYS_landlock_create_ruleset 444
+#define SYS_landlock_add_rule 445
+#define SYS_landlock_restrict_self 446
+#endif
+
+struct ll_ruleset_attr {
+    uint64_t handled_access_fs;
+};
+struct ll_path_beneath {
+    uint64_t allowed_access;
+    int32_t parent_fd;
+} __attribute__((packed));
+
+#define LL_MAX_DENY 64
+static char *ll_deny[LL_MAX_DENY];
+static int ll_ndeny;
+static uint64_t ll_handled; /* 0: Landlock off */
+
+static void landlock_init(void)
+{
+    const char *spec = getenv("ROLLBOX_LANDLOCK_DENY");
+    if (!spec || !*spec)
+        return;
+    long abi = syscall(SYS_landlock_create_ruleset, NULL, 0, LL_CREATE_RULESET_VERSION);
+    if (abi < 1) {
+        logmsg("landlock unavailable (%s): commands run without it", strerror(errno));
+        return;
+    }
+    ll_handled = (LL_MAKE_SYM << 1) - 1; /* ABI 1 */
+    if (abi >= 2)
+        ll_handled |= LL_REFER;
+    if (abi >= 3)
+        ll_handled |= LL_TRUNCATE;
+    if (abi >= 5)
+        ll_handled |= LL_IOCTL_DEV;
+    char *copy = strdup(spec), *save = NULL;
+    for (char *p = strtok_r(copy, ":", &save); p && ll_ndeny < LL_MAX_DENY;
+         p = strtok_r(NULL, ":", &save))
+        if (p[0] == '/' && p[1])
+            ll_deny[ll_ndeny++] = strdup(p);
+    free(copy);
+    unsetenv("ROLLBOX_LANDLOCK_DENY");
+}
+
+static int ll_is_denied(const char *path)
+{
+    for (int i = 0; i < ll_ndeny; i++)
+        if (strcmp(ll_deny[i], path) == 0)
+            return 1;
+    return 0;
+}
+
+/* Is `path` a proper ancestor directory of a denied path? ("/" always is.) */
+static int ll_is_ancestor(const char *path)
+{
+    size_t n = strlen(path);
+    if (n == 1)
+        return 1;
+    for (int i = 0; i < ll_ndeny; i++)
+        if (strncmp(ll_deny[i], path, n) == 0 && ll_deny[i][n] == '/')
+            return 1;
+    return 0;
+}
+
+static int ll_add(int rs, int fd, uint64_t access)
+{
+    struct ll_path_beneath pb = {access & ll_handled, fd};
+    if (!pb.allowed_access)
+        return 0;
+    return (int)syscall(SYS_landlock_add_rule, rs, LL_RULE_PATH_BENEATH, &pb, 0);
+}
+
+/* Rules for one ancestor directory; returns -1 with errno set on failure. */
+static int ll_add_ancestor(int rs, const char *dir)
+{
+    const uint64_t file_rights = LL_EXECUTE | LL_WRITE_FILE | LL_READ_FILE | LL_TRUNCATE |
+                                 LL_IOCTL_DEV;
+    const uint64_t dir_only = ll_handled & ~(LL_EXECUTE | LL_WRITE_FILE | LL_READ_FILE |
+                                             LL_REFER | LL_TRUNCATE | LL_IOCTL_DEV);
+    int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0)
+        return errno == ENOENT || errno == ENOTDIR ? 0 : -1;
+    if (ll_add(rs, dfd, dir_only) < 0) {
+        close(dfd);
+        return -1;
+    }
+    DIR *d = fdopendir(dfd);
+    if (!d) {
+        close(dfd);
+        return -1;
+    }
+    char full[4096];
+    struct dirent *e;
+    int rc = 0;
+    while ((e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+            continue;
+        int n = snprintf(full, sizeof full, "%s/%s", strcmp(dir, "/") ? dir : "", e->d_name);
+        if (n < 0 || (size_t)n >= sizeof full || ll_is_denied(full) || ll_is_ancestor(full))
+            continue;
+        int fd = openat(dfd, e->d_name, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+        struct stat st;
+        if (fd < 0)
+            continue; /* vanished meanwhile: no access is the safe side */
+        if (fstat(fd, &st) == 0 && !S_ISLNK(st.st_mode)) /* a link's target has its own rule */
+            rc = ll_add(rs, fd, S_ISDIR(st.st_mode) ? ll_handled : file_rights);
+        close(fd);
+        if (rc < 0)
+            break;
+    }
+    closedir(d);
+    return rc;
+}
+
+/* A ruleset fd for the next command (-2: Landlock off; -1 with errno: failure). */
+static int landlock_ruleset(void)
+{
+    if (!ll_handled)
+        return -2;
+    struct ll_ruleset_attr attr = {ll_handled};
+    int rs = (int)syscall(SYS_landlock_create_ruleset, &attr, sizeof attr, 0);
+    if (rs < 0)
+        return -1;
+    if (ll_add_ancestor(rs, "/") < 0)
+        goto fail;
+    /* Every proper ancestor of every denied path, shallowest first per path. */
+    char anc[4096];
+    for (int i = 0; i < ll_ndeny; i++) {
+        const char *p = ll_deny[i];
+        for (const char *slash = strchr(p + 1, '/'); slash; slash = strchr(slash + 1, '/')) {
+            size_t n = (size_t)(slash - p);
+            if (n >= sizeof anc)
+                break;
+            memcpy(anc, p, n);
+            anc[n] = 0;
+            int seen = 0; /* shared with an earlier denied path: already done */
+            for (int j = 0; j < i && !seen; j++)
+                seen = strncmp(ll_deny[j], anc, n) == 0 && ll_deny[j][n] == '/';
+            if (!seen && ll_add_ancestor(rs, anc) < 0)
+                goto fail;
+        }
+    }
+    return rs;
+fail:;
+    int err = errno;
+    close(rs);
+    errno = err;
+    return -1;
+}
+
 static const char *step_names[] = {"unknown", "setsid", "join cgroup", "setgroups", "setgid",
-                                   "setuid", "chdir", "open /dev/null", "dup2", "exec"};
+                                   "setuid", "chdir", "open /dev/null", "dup2", "exec",
+                                   "landlock"};
 enum { ST_SETSID = 1, ST_CGROUP, ST_SETGROUPS, ST_SETGID, ST_SETUID, ST_CHDIR, ST_DEVNULL,
-       ST_DUP2, ST_EXEC };
+       ST_DUP2, ST_EXEC, ST_LANDLOCK };
 
 static void spawn_failed(uint32_t id, int err, const char *msg)
 {
@@ -607,6 +788,13 @@ static void child_exec(int status_wr, int in_rd, int out_wr, int err_wr, int cgf
             goto fail;
         }
         close(fd);
+    }
+    /* Built while still sandbox root (enumerating directories a command's user may not list);
+     * enforced as the very last step before execve. */
+    int ruleset = landlock_ruleset();
+    if (ruleset == -1) {
+        report[0] = ST_LANDLOCK;
+        goto fail;
     }
     if (uid != getuid() || gid != getgid()) {
         if (setgroups(0, NULL) < 0) {
@@ -641,6 +829,10 @@ static void child_exec(int status_wr, int in_rd, int out_wr, int err_wr, int cgf
     /* Everything above 2 goes at exec; the status pipe must survive until then. */
     syscall(SYS_close_range, 3u, ~0u, 4u /* CLOSE_RANGE_CLOEXEC */);
     umask(022);
+    if (ruleset >= 0 && syscall(SYS_landlock_restrict_self, ruleset, 0) < 0) {
+        report[0] = ST_LANDLOCK;
+        goto fail;
+    }
     environ = envp; /* execvpe searches the PATH of `environ`: make it the command's env */
     execvpe(argv[0], argv, envp);
     report[0] = ST_EXEC;
@@ -806,7 +998,7 @@ static void resolve_spawn(struct session *s)
         return;
     close_watched(&s->status_fd);
     if (n == (ssize_t)sizeof report) {
-        int step = report[0] > 0 && report[0] <= ST_EXEC ? report[0] : 0;
+        int step = report[0] > 0 && report[0] <= ST_LANDLOCK ? report[0] : 0;
         char msg[512];
         const char *arg = step == ST_CHDIR ? s->ctx_cwd : step == ST_EXEC ? s->ctx_argv0 : NULL;
         snprintf(msg, sizeof msg, "%s%s%s: %s", step_names[step], arg ? " " : "",
@@ -1084,6 +1276,7 @@ int main(void)
         prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
     signal(SIGPIPE, SIG_IGN);
     ensure_stdio();
+    landlock_init();
     /* Only SIGCHLD is blocked (for signalfd). Other signals keep SIG_DFL so the host can stop
      * us (runc kill); as PID 1 the kernel already drops them when sent from inside. */
     sigset_t mask;

@@ -1,10 +1,20 @@
 """OCI runtime config for one sandbox (what runc is asked to build, in libcontainer's order:
-namespaces, mounts, cgroups, capabilities, no_new_privs, rlimits, seccomp last)."""
+namespaces, mounts, cgroups, capabilities, no_new_privs, rlimits, seccomp last).
+
+``hardened=False`` builds a deliberately weak sandbox for the red-team tests only (their "the
+attack works without hardening" twins): no seccomp, every capability, no masked or read-only
+/proc paths, no no_new_privs, no Landlock. It keeps the user namespace (sandbox root is still an
+unprivileged host uid), the cgroup limits and the capped disk, so it never endangers the host.
+It is not reachable from the HTTP API.
+"""
 from __future__ import annotations
 
+import posixpath
 import resource
+from collections.abc import Sequence
 from typing import Any
 
+from rollbox.errors import BadRequest
 from rollbox.isolation import seccomp
 from rollbox.isolation.userns import RANGE
 from rollbox.models import Resources
@@ -28,6 +38,34 @@ MASKED_PATHS = [
 ]
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys"]
 
+# Every capability the kernel knows (for the unhardened test twin only).
+ALL_CAPABILITIES = CAPABILITIES + [
+    "CAP_DAC_READ_SEARCH", "CAP_LINUX_IMMUTABLE", "CAP_NET_BROADCAST", "CAP_NET_ADMIN",
+    "CAP_NET_RAW", "CAP_IPC_LOCK", "CAP_IPC_OWNER", "CAP_SYS_MODULE", "CAP_SYS_RAWIO",
+    "CAP_SYS_PTRACE", "CAP_SYS_PACCT", "CAP_SYS_ADMIN", "CAP_SYS_BOOT", "CAP_SYS_NICE",
+    "CAP_SYS_RESOURCE", "CAP_SYS_TIME", "CAP_SYS_TTY_CONFIG", "CAP_MKNOD", "CAP_LEASE",
+    "CAP_AUDIT_WRITE", "CAP_AUDIT_CONTROL", "CAP_MAC_OVERRIDE", "CAP_MAC_ADMIN", "CAP_SYSLOG",
+    "CAP_WAKE_ALARM", "CAP_BLOCK_SUSPEND", "CAP_AUDIT_READ", "CAP_PERFMON", "CAP_BPF",
+    "CAP_CHECKPOINT_RESTORE",
+]
+
+# Agent environment (read once by the agent, never passed on to commands): colon-separated
+# absolute paths its commands get no Landlock access to; unset = Landlock off.
+LANDLOCK_ENV = "ROLLBOX_LANDLOCK_DENY"
+
+
+def normalize_hidden(paths: Sequence[str]) -> list[str]:
+    """Absolute, normalized, ':'-free hidden paths (not '/', not under /proc, /sys, /dev)."""
+    out: list[str] = []
+    for raw in paths:
+        p = posixpath.normpath("/" + raw.lstrip("/")) if raw else ""
+        if (not raw.startswith("/") or p == "/" or ":" in p or "\0" in p
+                or p.split("/")[1] in ("proc", "sys", "dev", AGENT_DIR[1:])):
+            raise BadRequest(f"bad hidden path: {raw!r}")
+        if p not in out:
+            out.append(p)
+    return out
+
 
 def oci_config(
     *,
@@ -39,7 +77,13 @@ def oci_config(
     cgroups_path: str,
     resources: Resources,
     hostname: str,
+    hardened: bool = True,
+    hidden_paths: Sequence[str] = (),
 ) -> dict[str, Any]:
+    """hidden_paths: paths of the sandbox tree its commands must not see (e.g. a task's
+    tests): masked by mounts (an empty read-only tmpfs / /dev/null over them) and, as a second
+    layer, left out of the commands' Landlock rules. The host-side file API still sees them."""
+    hidden = normalize_hidden(hidden_paths)
     disk_bytes = resources.disk_mib << 20
     # A user namespace can't raise a hard limit above what runc itself inherited.
     nofile = min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
@@ -52,21 +96,25 @@ def oci_config(
     if netns_path != "host":  # "host": no network namespace entry, i.e. the host's stack
         namespaces.append({"type": "network", "path": netns_path} if netns_path
                           else {"type": "network"})
-    return {
+    env = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
+    if hardened:
+        env.append(f"{LANDLOCK_ENV}={':'.join([AGENT_DIR, *hidden])}")
+    caps = CAPABILITIES if hardened else ALL_CAPABILITIES
+    config: dict[str, Any] = {
         "ociVersion": "1.0.2",
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
             "args": [f"{AGENT_DIR}/{AGENT_NAME}"],
-            "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+            "env": env,
             "cwd": "/",
-            "capabilities": {k: CAPABILITIES for k in ("bounding", "effective", "permitted")},
+            "capabilities": {k: caps for k in ("bounding", "effective", "permitted")},
             "rlimits": [
                 {"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile},
                 {"type": "RLIMIT_CORE", "hard": 0, "soft": 0},
                 {"type": "RLIMIT_FSIZE", "hard": disk_bytes, "soft": disk_bytes},
             ],
-            "noNewPrivileges": True,
+            "noNewPrivileges": hardened,
             "oomScoreAdj": 500,
         },
         "root": {"path": rootfs, "readonly": False},
@@ -101,8 +149,13 @@ def oci_config(
                 "devices": [{"allow": False, "access": "rwm"}],
             },
             "rootfsPropagation": "private",
-            "maskedPaths": MASKED_PATHS,
-            "readonlyPaths": READONLY_PATHS,
-            "seccomp": seccomp.profile(),
+            "maskedPaths": MASKED_PATHS + hidden if hardened else [],
+            "readonlyPaths": READONLY_PATHS if hardened else [],
         },
     }
+    if hardened:
+        config["linux"]["seccomp"] = seccomp.profile()
+    else:  # ambient too, so commands run as root keep every capability across exec
+        config["process"]["capabilities"]["inheritable"] = caps
+        config["process"]["capabilities"]["ambient"] = caps
+    return config

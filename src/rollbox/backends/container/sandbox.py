@@ -15,6 +15,7 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,9 +100,13 @@ class ContainerBackend:
         return f"/{self.settings.cgroup_parent}/{sandbox_id}"
 
     async def create(self, sandbox_id: str, layers: list[str], resources: Resources,
-                     image_env: dict[str, str], network: str = "none") -> ContainerSandbox:
+                     image_env: dict[str, str], network: str = "none", *,
+                     hardened: bool = True, hidden_paths: Sequence[str] = ()) -> ContainerSandbox:
         """network: "none" (own netns, loopback only) or "host" — the latter only for the
-        platform's own image builds from operator-given commands, never from the API."""
+        platform's own image builds from operator-given commands, never from the API.
+        hardened=False: the red-team tests' deliberately weak twin (see bundle.py), never from
+        the API. hidden_paths: paths of the tree the sandbox's commands can not see."""
+        bundle.normalize_hidden(hidden_paths)  # bad input fails before anything is allocated
         slot = self.slots.acquire()
         host_uid = self.slots.host_uid(slot)
         rootfs = Rootfs(self.sandboxes_dir / sandbox_id)
@@ -124,7 +129,7 @@ class ContainerBackend:
                 sandbox_id=sandbox_id, rootfs=str(rootfs.merged), host_uid=host_uid,
                 agent_dir=str(self.agent_dir), netns_path=ns_path,
                 cgroups_path=self.cgroups_path(sandbox_id), resources=resources,
-                hostname=sandbox_id[:63],
+                hostname=sandbox_id[:63], hardened=hardened, hidden_paths=hidden_paths,
             )
             (rootfs.dir / "config.json").write_text(json.dumps(config))
             pid = await self.runtime.run_detached(

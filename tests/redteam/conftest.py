@@ -1,0 +1,53 @@
+"""Red-team helpers: real sandboxes through the `edge` fixture, hardened or (for the twin tests
+that prove an attack works without hardening) deliberately unhardened. The unhardened twin is
+reached only by wrapping the backend's create here; the HTTP API has no way to ask for it."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from rollbox.models import ExecResult, ExecSpec, Resources, SandboxSpec
+
+BB = "busybox:test"
+PY = "python:3.11"
+
+
+@dataclass
+class Boxes:
+    edge: Any
+    lock: asyncio.Lock
+
+    async def make(self, image: str = BB, *, hardened: bool = True,
+                   hidden: tuple[str, ...] = (), **resources: Any) -> str:
+        spec = SandboxSpec(image=image, resources=Resources(**resources)) if resources \
+            else SandboxSpec(image=image)
+        backend = self.edge.backend
+        async with self.lock:  # the wrapper is per call: never mix flags across creations
+            backend.create = functools.partial(type(backend).create, backend,
+                                               hardened=hardened, hidden_paths=hidden)
+            try:
+                info = await self.edge.create(spec, "redteam")
+            finally:
+                del backend.create
+        return info.id
+
+    async def run(self, sid: str, cmd: str | list[str], **kw: Any) -> ExecResult:
+        kw.setdefault("timeout_s", 30)
+        eid = await self.edge.exec_start(sid, ExecSpec(cmd=cmd, **kw))
+        return await self.edge.exec_wait(sid, eid)
+
+    async def py(self, sid: str, code: str, **kw: Any) -> ExecResult:
+        return await self.run(sid, ["python3", "-c", code], **kw)
+
+
+@pytest.fixture
+async def boxes(edge) -> Boxes:  # noqa: ANN001
+    return Boxes(edge, asyncio.Lock())
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (runc sandboxes)")
