@@ -3,7 +3,6 @@ and a suite-wide check that nothing of any sandbox is left on the host afterward
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -23,7 +22,7 @@ def node_settings(tmp: Path, node: str = TEST_NODE, run_dir: Path | None = None)
     s = Settings()
     s.images_root = s.images_dir  # the node's built images, shared read-only
     s.data_dir = tmp / "data"
-    s.run_dir = run_dir or Path("/run") / f"rollbox-test-{secrets.token_hex(4)}"
+    s.run_dir = run_dir or tmp / "run"  # removed with tmp
     s.cgroup_parent = TEST_CGROUP
     s.node_id = node
     s.uid_base = BASE_UID
