@@ -3,6 +3,7 @@ and a suite-wide check that nothing of any sandbox is left on the host afterward
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -18,13 +19,15 @@ TEST_NODE = "t0"
 BASE_UID = Settings().uid_base + (Settings().uid_slots + 64) * 65536
 
 
-def node_settings(tmp: Path, node: str = TEST_NODE, run_dir: Path | None = None) -> Settings:
+def node_settings(tmp: Path, node: str | None = None, run_dir: Path | None = None) -> Settings:
+    """Settings of a test edge. Each gets its own node id: an edge cleans up host resources of
+    its node's sandboxes it has no record of, so two edges must never share one."""
     s = Settings()
     s.images_root = s.images_dir  # the node's built images, shared read-only
     s.data_dir = tmp / "data"
     s.run_dir = run_dir or tmp / "run"  # removed with tmp
     s.cgroup_parent = TEST_CGROUP
-    s.node_id = node
+    s.node_id = node or f"{TEST_NODE}{secrets.token_hex(3)}"
     s.uid_base = BASE_UID
     s.uid_slots = 1024
     return s
@@ -86,7 +89,7 @@ async def edge(tmp_node_dir: Path) -> AsyncIterator:
 def no_leaks_after_suite() -> Iterator[None]:
     yield
     left_cg = cgroups.leftover(TEST_CGROUP) if os.geteuid() == 0 else []
-    left_ns = [n for n in netns.list_rollbox() if n.startswith(f"rollbox-{TEST_NODE}-")]
+    left_ns = [n for n in netns.list_rollbox() if n.startswith(f"rollbox-{TEST_NODE}")]
     mounts = []
     with open("/proc/self/mountinfo") as f:
         for line in f:

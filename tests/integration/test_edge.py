@@ -126,7 +126,7 @@ async def test_typed_errors_and_deleted_sandbox(edge) -> None:  # noqa: ANN001
     with pytest.raises(NotFound):
         await edge.create(SandboxSpec(image="no/such:image"), "t")
     with pytest.raises(NotFound):
-        await edge.get("t0-000000000000")
+        await edge.get(f"{edge.node_id}-000000000000")
     sb = await edge.create(SandboxSpec(image=BB), "t")
     await edge.delete(sb.id)
     assert edge.leftovers(sb.id) == []

@@ -72,14 +72,28 @@ def build_cmd(
     debootstrap: Optional[str] = typer.Option(None, "--debootstrap", metavar="SUITE",  # noqa: UP007
                                               help="Debian suite to debootstrap"),
     mirror: Optional[str] = typer.Option(None, "--mirror", help="Debian mirror URI"),  # noqa: UP007
+    base: Optional[str] = typer.Option(None, "--base", help="Run --run commands over this image"),  # noqa: UP007
+    run: list[str] = typer.Option([], "--run", help="Command for the new layer (repeatable)"),
+    network: bool = typer.Option(True, help="Give the build sandbox the host network"),
 ) -> None:
-    """Build an image from a directory or by debootstrapping a Debian suite."""
-    if (from_dir is None) == (debootstrap is None):
-        console.print("[red]error[/red]: give exactly one of --from-dir or --debootstrap")
+    """Build an image from a directory, by debootstrapping a Debian suite, or as a new layer
+    made by running commands in a sandbox over --base (its writable layer, scrubbed)."""
+    if sum(x is not None for x in (from_dir, debootstrap, base)) != 1 or bool(run) != bool(base):
+        console.print("[red]error[/red]: give exactly one of --from-dir, --debootstrap or "
+                      "--base with one or more --run")
         raise typer.Exit(code=2)
     store = _store()
     with _progress(f"build {name}") as say:
-        if from_dir is not None:
+        if base is not None:
+            import asyncio
+
+            from rollbox.images.defaults import build_layer_with_commands
+
+            _run(lambda: asyncio.run(build_layer_with_commands(
+                store, base, run, name, network="host" if network else "none", log=say,
+                log_file=store.root / "logs" / "build-commands.log")))
+            image = store.resolve(name)
+        elif from_dir is not None:
             image = _run(lambda: builders.build_from_directory(store, from_dir, name,
                                                                progress=say))
         else:

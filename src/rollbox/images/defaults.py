@@ -4,6 +4,7 @@ that later becomes ``pack_diff``)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 from collections.abc import Callable
 from pathlib import Path
@@ -49,6 +50,8 @@ async def build_layer_with_commands(store: ImageStore, base: str, commands: list
     box = await backend.create(f"build-{secrets.token_hex(5)}", list(image.layers),
                                Resources(cpus=2, memory_mib=4096, pids=4096, disk_mib=8192,
                                          inodes=1_000_000), env, network=network)
+    if log_file:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
     out = open(log_file, "ab") if log_file else None
     try:
         if network == "host":
@@ -61,8 +64,6 @@ async def build_layer_with_commands(store: ImageStore, base: str, commands: list
                     argv=["/bin/sh", "-c", cmd], env=[f"{k}={v}" for k, v in env.items()],
                     timeout_ms=30 * 60 * 1000), cg_fd)
             finally:
-                import os
-
                 os.close(cg_fd)
             tail = b""
             async for kind, payload in session.events():

@@ -1,0 +1,75 @@
+"""Bad input through the real stack (SDK -> HTTP API -> edge -> runc): each gets its typed
+error, nothing leaks and a neighbouring sandbox is unaffected."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+import rollbox
+from rollbox import errors
+from rollbox.api import BackgroundServer, create_app
+from rollbox.iam import KeyStore
+from rollbox.placement import Placement
+
+BB = "busybox:test"
+
+
+async def test_bad_input_gets_typed_errors(edge, tmp_path: Path) -> None:  # noqa: ANN001
+    keys = KeyStore(tmp_path / "keys.db")
+    key = keys.create("proj")
+    app = create_app(Placement([edge]), edge.event_log, keys)
+    async with BackgroundServer(app) as srv, rollbox.AsyncClient(srv.url, key) as c:
+        neighbour = await c.create(BB)
+        await neighbour.files.write("/tmp/keep", "neighbour data")
+
+        with pytest.raises(errors.NotFound):
+            await c.create("no-such/image:1")
+        with pytest.raises(errors.BadRequest):
+            await c.create(BB, memory_mib=-5)
+        with pytest.raises(errors.BadRequest):
+            await c.create("Bad Image Name!")
+        with pytest.raises(errors.NotFound):
+            await c.get(f"{edge.node_id}-0123456789ab")
+
+        sb = await c.create(BB)
+        with pytest.raises(errors.BadRequest):
+            await sb.exec("true", cwd="/no/such/dir")
+        with pytest.raises(errors.BadRequest):
+            await sb.exec("true", user="no-such-user")
+        with pytest.raises(errors.BadRequest):
+            await sb.exec("true", cwd="relative/path")
+        # Paths are resolved inside the sandbox root: this lands in the sandbox's /etc.
+        await sb.files.write("/../../../etc/rollbox-escape-test", "x")
+        assert not Path("/etc/rollbox-escape-test").exists()
+        assert (await sb.exec("cat /etc/rollbox-escape-test")).stdout == "x"
+        await sb.exec("mkfifo /tmp/fifo")
+        with pytest.raises(errors.BadRequest):
+            await sb.files.read("/tmp/fifo")  # not a regular file: refused, never blocks
+        with pytest.raises(errors.NotFound):
+            await sb.files.read("/no/such/file")
+        # An upload over the cap is refused before it is stored.
+        async with httpx.AsyncClient(base_url=srv.url,
+                                     headers={"Authorization": f"Bearer {key}"}) as raw:
+            r = await raw.put(f"/v1/sandboxes/{sb.id}/files", params={"path": "/tmp/big"},
+                              content=b"\0" * (257 << 20))
+            assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+
+        edge.limits.max_sandboxes = len(edge.live)
+        with pytest.raises(errors.CapacityExceeded) as full:
+            await c.create(BB)
+        assert full.value.retryable
+        edge.limits.max_sandboxes = 2000
+
+        await sb.delete()
+        assert edge.leftovers(sb.id) == []
+        with pytest.raises(errors.SandboxDead):
+            await sb.exec("true")
+        with pytest.raises(errors.SandboxDead):
+            await sb.files.read("/etc/passwd")
+
+        # The neighbour never noticed any of it.
+        assert (await neighbour.exec("cat /tmp/keep")).stdout == "neighbour data"
+        await neighbour.delete()
+    keys.close()
