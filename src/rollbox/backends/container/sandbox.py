@@ -113,11 +113,14 @@ class ContainerBackend:
         run_dir = self.run_root / sandbox_id
         listener: socket.socket | None = None
         try:
-            mounts = [self.layer_mounts.ensure_mounted(d) for d in layers]
-            rootfs.compose(mounts, self.slots.userns_fd(slot), host_uid, resources.disk_mib,
-                           resources.inodes)
-            ns_path = ("host" if network == "host"
-                       else str(netns.create(netns.PREFIX + sandbox_id)))
+            def prepare() -> str:  # blocking kernel work, off the event loop
+                mounts = [self.layer_mounts.ensure_mounted(d) for d in layers]
+                rootfs.compose(mounts, self.slots.userns_fd(slot), host_uid,
+                               resources.disk_mib, resources.inodes)
+                return ("host" if network == "host"
+                        else str(netns.create(netns.PREFIX + sandbox_id)))
+
+            ns_path = await asyncio.to_thread(prepare)
             run_dir.mkdir(parents=True, exist_ok=True)
             os.chmod(run_dir, 0o700)
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -196,21 +199,30 @@ class ContainerBackend:
                 break
         if agent_pid:
             _reap(agent_pid)
-        for path in cgroups.sandbox_dirs(parent, sandbox_id):
-            try:
-                await asyncio.to_thread(cgroups.remove_tree, path)
-            except OSError as exc:
-                problems.append(f"cgroup {path}: {exc}")
-        self.runtime.forget(sandbox_id)
-        left = await asyncio.to_thread(rootfs.teardown)
-        if left:
-            problems.append(f"mounts left: {left}")
-        netns.delete(netns.PREFIX + sandbox_id)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        # The rest is blocking kernel work: one worker thread, so the loop serves others.
+        problems += await asyncio.to_thread(self._release_host_resources, sandbox_id, rootfs,
+                                            run_dir)
         if problems:
             log.error("teardown of %s incomplete: %s", sandbox_id, problems)
             raise InfraError(f"teardown of {sandbox_id} incomplete", problems=problems)
         self.slots.release(slot)
+
+    def _release_host_resources(self, sandbox_id: str, rootfs: Rootfs, run_dir: Path) -> list[str]:
+        """Remove cgroups, runc state, mounts, netns and files of a sandbox with no process
+        left; returns what could not be removed."""
+        problems = []
+        for path in cgroups.sandbox_dirs(self.settings.cgroup_parent, sandbox_id):
+            try:
+                cgroups.remove_tree(path)
+            except OSError as exc:
+                problems.append(f"cgroup {path}: {exc}")
+        self.runtime.forget(sandbox_id)
+        left = rootfs.teardown()
+        if left:
+            problems.append(f"mounts left: {left}")
+        netns.delete(netns.PREFIX + sandbox_id)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return problems
 
     def leftovers(self, sandbox_id: str) -> list[str]:
         """Everything of a sandbox still on the host (empty after a clean destroy)."""
