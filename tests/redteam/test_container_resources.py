@@ -1,0 +1,200 @@
+"""Red team A5/A6, B7-B13, D (loopback-only netns, host loopback), E33/E34/E37, C24: resource
+abuse, lifecycle, API-field injection and host information, inside real hardened sandboxes.
+
+Host-damaging attacks (fork bomb, disk and output floods) run only hardened: their "twin" is
+the host itself, which they would damage."""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+
+import pytest
+
+from rollbox.errors import BadRequest
+from rollbox.models import ExecSpec
+from tests.conftest import needs_python
+from tests.redteam.conftest import BB, PY, Boxes, needs_root
+
+pytestmark = needs_root
+
+
+def host_pids_of_uid(uid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if os.stat(f"/proc/{d}").st_uid == uid:
+                    out.append(int(d))
+            except FileNotFoundError:
+                pass
+    return out
+
+
+async def test_a5_crawl_proc_and_sys(boxes: Boxes) -> None:
+    sid = await boxes.make(BB)
+    # The crawl may block on some /proc file; what matters is that the host survives, nothing
+    # sensitive is read and the sandbox stays usable (the exec timeout ends it).
+    r = await boxes.run(sid, "grep -r -s -l rollbox / >/dev/null", timeout_s=8)
+    assert r.exit_code is not None or r.timed_out
+    r = await boxes.run(sid, "cat /proc/kpagecgroup /proc/kpageflags /proc/kpagecount "
+                        "/proc/kcore | wc -c")
+    assert r.stdout.strip() == "0", r  # masked: /dev/null over /proc/kpage*, kcore
+    r = await boxes.run(sid, ["echo", "alive"])
+    assert r.stdout == "alive\n"
+
+
+async def test_a6_disk_filler_capped(boxes: Boxes) -> None:
+    sid = await boxes.make(BB, disk_mib=32)
+    t0 = time.monotonic()
+    r = await boxes.run(sid, "yes > /tmp/f; echo rc=$?", timeout_s=30)
+    assert not r.timed_out and time.monotonic() - t0 < 20, r
+    st = await boxes.edge.file_stat(sid, "/tmp/f")
+    assert st.size <= 32 << 20
+    # The writable layer is on the capped mount, not the host disk.
+    upper = boxes.edge.live[sid].box.rootfs.dir
+    assert os.statvfs(upper / "rw").f_blocks * os.statvfs(upper / "rw").f_frsize <= 40 << 20
+
+
+async def test_a6_stdout_flood_bounded(boxes: Boxes) -> None:
+    sid = await boxes.make(BB)
+    r = await boxes.run(sid, "yes", timeout_s=3)
+    assert r.timed_out and r.stdout_bytes > 10 << 20, r.stdout_bytes
+    assert len(r.stdout) < 10 << 20 and r.stdout_dropped > 0
+
+
+async def test_b7_fork_bomb_contained(boxes: Boxes) -> None:
+    sid = await boxes.make(BB, pids=64)
+    r = await boxes.run(sid, "b(){ b | b & }; b", timeout_s=3)
+    await asyncio.sleep(0.2)
+    r = await boxes.run(sid, ["echo", "alive"])
+    assert r.stdout == "alive\n", r
+    r = await boxes.run(sid, "ls /proc | grep -c '^[0-9]'")
+    assert int(r.stdout) < 10, r  # the bomb died with its command's cgroup
+
+
+@needs_python
+async def test_b8_memory_bomb_contained(boxes: Boxes) -> None:
+    sid = await boxes.make(PY, memory_mib=128)
+    r = await boxes.py(sid, "x = []\nwhile True: x.append(b'x' * (16 << 20))", timeout_s=30)
+    assert r.exit_code != 0 and not r.timed_out, r  # OOM-killed or MemoryError
+    r = await boxes.run(sid, ["echo", "alive"])
+    assert r.stdout == "alive\n"
+
+
+@needs_python
+async def test_b9_cpu_storm_throttled(boxes: Boxes) -> None:
+    sid = await boxes.make(PY, cpus=0.5)
+    code = ("import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n"
+            "        t = time.time()\n        while time.time() - t < 2: pass\n        os._exit(0)\n"
+            "for _ in range(4): os.wait()\nt = os.times()\n"
+            "print(t.children_user + t.children_system)\n")
+    r = await boxes.py(sid, code, timeout_s=30)
+    assert float(r.stdout) < 1.6, r  # 4 spinners x 2 s would be 8 (or 4 on 2 cores)
+
+
+async def test_b10_survivors_killed_on_timeout_and_delete(boxes: Boxes) -> None:
+    sid = await boxes.make(BB)
+    host_uid = boxes.edge.live[sid].box.host_uid
+    r = await boxes.run(sid, "(setsid sleep 1000 &); (nohup sleep 1001 >/dev/null 2>&1 &); "
+                        "(sleep 1002 &) & sleep 1003", timeout_s=0.5)
+    assert r.timed_out
+    r = await boxes.run(sid, "ps -o comm | grep -c sleep || true")
+    assert r.stdout.strip() == "0", r
+    eid = await boxes.edge.exec_start(sid, ExecSpec(cmd="(setsid sleep 1000 &); sleep 1001",
+                                                    background=True))
+    assert eid
+    await asyncio.sleep(0.2)
+    assert host_pids_of_uid(host_uid)
+    await boxes.edge.delete(sid)
+    assert host_pids_of_uid(host_uid) == []
+    assert boxes.edge.leftovers(sid) == []
+
+
+async def test_b11_zombies_reaped(boxes: Boxes) -> None:
+    sid = await boxes.make(BB)
+    await boxes.run(sid, "for i in $(seq 50); do (sleep 0.1 &) ; done; exit 0")
+    await asyncio.sleep(0.5)
+    r = await boxes.run(sid, "ps -o stat | grep -c Z || true")
+    assert r.stdout.strip() == "0", r
+
+
+@needs_python
+async def test_b12_fd_exhaustion(boxes: Boxes) -> None:
+    sid = await boxes.make(PY)
+    code = ("import os\nn = 0\ntry:\n    while True:\n        os.open('/dev/null', os.O_RDONLY);"
+            " n += 1\nexcept OSError as e:\n    print(n, e.errno)\n")
+    r = await boxes.py(sid, code)
+    n, err = r.stdout.split()
+    assert err == "24" and int(n) <= 65536, r  # EMFILE at the sandbox's RLIMIT_NOFILE
+    r = await boxes.run(sid, ["echo", "alive"])
+    assert r.stdout == "alive\n"
+
+
+async def test_b13_inode_exhaustion(boxes: Boxes) -> None:
+    sid = await boxes.make(BB, inodes=300)
+    r = await boxes.run(sid, "mkdir /tmp/i; cd /tmp/i; i=0; while touch f$i 2>/dev/null; do "
+                        "i=$((i+1)); [ $i -gt 5000 ] && break; done; echo $i", timeout_s=30)
+    assert int(r.stdout) < 400, r  # capped by the writable layer's inode limit
+    r = await boxes.run(sid, ["echo", "alive"])
+    assert r.stdout == "alive\n"
+
+
+@needs_python
+async def test_d_only_loopback_and_host_loopback_unreachable(boxes: Boxes) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    try:
+        sid = await boxes.make(PY)
+        code = ("import socket\nprint(sorted(n for _, n in socket.if_nameindex()))\n"
+                "s = socket.socket(); s.settimeout(2)\n"
+                f"try:\n    s.connect(('127.0.0.1', {port})); print('connected')\n"
+                "except OSError as e:\n    print('refused', e.errno)\n")
+        r = await boxes.py(sid, code)
+        assert r.stdout.splitlines()[0] == "['lo']", r
+        assert "refused" in r.stdout, r  # the sandbox's lo is its own, not the host's
+    finally:
+        listener.close()
+
+
+async def test_e33_injection_through_exec_fields(boxes: Boxes) -> None:
+    sid = await boxes.make(BB)
+    with pytest.raises(BadRequest):
+        await boxes.edge.exec_start(sid, ExecSpec(cmd="true", cwd="/tmp; touch /tmp/pwn1"))
+    with pytest.raises(BadRequest):
+        await boxes.edge.exec_start(sid, ExecSpec(cmd="true", user="0; touch /tmp/pwn2"))
+    r = await boxes.run(sid, ["sh", "-c", 'echo "$X"'], env={"X": "$(touch /tmp/pwn3)`id`"})
+    assert r.stdout == "$(touch /tmp/pwn3)`id`\n", r
+    with pytest.raises(ValueError):  # a malformed env name is refused by the wire model
+        ExecSpec(cmd=["true"], env={"A=$(touch /tmp/pwn4)": "1"})
+    r = await boxes.run(sid, "ls /tmp | grep -c pwn || true")
+    assert r.stdout.strip() == "0", r
+
+
+async def test_e34_clock_tampering(boxes: Boxes) -> None:
+    sid = await boxes.make(BB)
+    t0 = time.monotonic()
+    r = await boxes.run(sid, "date -s '2000-01-01 00:00:00'; date +%Y; sleep 30", timeout_s=1)
+    assert r.timed_out and time.monotonic() - t0 < 5, r  # deadlines use the host's clock
+    assert r.stdout.splitlines()[-1] != "2000" and "not permitted" in r.stderr, r
+    assert abs(time.time() - os.stat("/proc/self").st_mtime) < 3600 * 24 * 365  # host clock
+
+
+async def test_c24_e37_host_info_and_teardown(boxes: Boxes) -> None:
+    a = await boxes.make(BB)
+    b = await boxes.make(BB)
+    r = await boxes.run(a, "hostname; cat /proc/self/mountinfo /proc/self/cgroup; ps -A")
+    assert b not in r.stdout  # nothing of another tenant shows
+    box = boxes.edge.live[a].box
+    host_uid, agent_pid = box.host_uid, box.agent_pid
+    await boxes.run(a, "(setsid sleep 1000 &); mkdir -p /tmp/d; echo x > /tmp/d/f")
+    await boxes.edge.delete(a)
+    assert boxes.edge.leftovers(a) == []
+    assert host_pids_of_uid(host_uid) == [] and not os.path.exists(f"/proc/{agent_pid}")
+    with open("/proc/self/mountinfo") as f:
+        assert a not in f.read()
+    r = await boxes.run(b, ["echo", "neighbour fine"])
+    assert r.stdout == "neighbour fine\n"
