@@ -3,13 +3,16 @@
 In one run, against the same image: create -> exec ``true`` -> destroy cycles at concurrency 1,
 8 and 32 through the HTTP API (server in its own process, as deployed); exec round trip of
 ``true`` in a live sandbox; N idle sandboxes held at once (host memory per sandbox); and the same
-create/exec/destroy workload through ``podman --runtime runc run --rm`` as the peer, with ratios.
+create/exec/destroy workload through ``podman --runtime runc run --rm`` as the peer, with ratios;
+and ``hardening_overhead``: the c8 cycle rate against a second server whose sandboxes are all
+unhardened (no seccomp, Landlock, masks; benchmark-only env switch), as 1 - hardened/unhardened.
 The last line of ``--json`` is one JSON object.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import tarfile
@@ -215,9 +218,35 @@ async def run(quick: bool, url: str, key: str) -> dict[str, Any]:
     return res
 
 
+async def unhardened_c8(quick: bool, url: str, key: str) -> dict[str, Any]:
+    from rollbox.sdk import AsyncClient
+
+    async with AsyncClient(base_url=url, api_key=key, timeout=120) as client:
+        await cycles(client, "python:3.11", 4, 2)  # same warm-up as the hardened run
+        return await cycles(client, "python:3.11", 48 if quick else 160, 8)
+
+
+def hardening_overhead(quick: bool, res: dict[str, Any]) -> None:
+    """Same create/exec/destroy at c8 against a server whose sandboxes are all unhardened (env
+    switch read by the container backend; only this benchmark sets it, only for that server)."""
+    from rollbox.backends.container.sandbox import UNHARDENED_ENV
+
+    os.environ[UNHARDENED_ENV] = "1"
+    try:
+        with server_process() as (url, key):
+            r = asyncio.run(unhardened_c8(quick, url, key))
+    finally:
+        del os.environ[UNHARDENED_ENV]
+    res["unhardened_per_s_c8"] = r["per_s"]
+    res["hardening_overhead"] = 1 - res["create_exec_destroy_per_s_c8"] / r["per_s"]
+    say(f"unhardened c8: {r['per_s']:.1f}/s; hardening_overhead "
+        f"{res['hardening_overhead'] * 100:.1f}%")
+
+
 def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
     with server_process() as (url, key):
         res = asyncio.run(run(quick, url, key))
+    hardening_overhead(quick, res)
     res = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}
     if json_out:
         print(json.dumps(res))

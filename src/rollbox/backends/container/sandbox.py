@@ -32,6 +32,11 @@ from rollbox.models import Resources
 
 log = logging.getLogger(__name__)
 
+# Benchmark-only node switch (`rollbox bench container` measures hardening_overhead with a
+# second server started with it): every sandbox of this process is the unhardened twin. Never
+# set it on a node that runs real work.
+UNHARDENED_ENV = "ROLLBOX_UNHARDENED_FOR_BENCH"
+
 
 @dataclass
 class ContainerSandbox:
@@ -107,6 +112,10 @@ class ContainerBackend:
         hardened=False: the red-team tests' deliberately weak twin (see bundle.py), never from
         the API. hidden_paths: paths of the tree the sandbox's commands can not see."""
         bundle.normalize_hidden(hidden_paths)  # bad input fails before anything is allocated
+        if os.environ.get(UNHARDENED_ENV) == "1":
+            log.warning("%s=1: sandbox %s is NOT hardened (benchmark only)", UNHARDENED_ENV,
+                        sandbox_id)
+            hardened = False
         slot = self.slots.acquire()
         host_uid = self.slots.host_uid(slot)
         rootfs = Rootfs(self.sandboxes_dir / sandbox_id)
