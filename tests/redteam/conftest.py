@@ -46,7 +46,7 @@ class Boxes:
 
 
 @pytest.fixture
-async def boxes(edge) -> Boxes:  # noqa: ANN001
+async def boxes(edge) -> Boxes:
     return Boxes(edge, asyncio.Lock())
 
 

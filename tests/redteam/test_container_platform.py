@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.redteam.conftest import BB, PY, Boxes, needs_root
+from rollbox.errors import NotFound
 from tests.conftest import needs_python
+from tests.redteam.conftest import BB, PY, Boxes, needs_root
 
 pytestmark = needs_root
 
@@ -16,20 +17,21 @@ async def test_a1_overwritten_shell_does_not_hijack_platform(boxes: Boxes) -> No
     # command uses busybox's builtin printf/chmod-free path: cp of a script prepared first).
     r = await boxes.run(sid, "printf '#!/bin/busybox sh\\necho pwned >> /tmp/pwned\\n' > /tmp/evil"
                         " && chmod 755 /tmp/evil && for f in /bin/sh /bin/cat /bin/ls /bin/tar; do"
-                        " rm -f $f; cp /tmp/evil $f; done; echo done")
+                        " rm -f $f; busybox cp /tmp/evil $f; done; echo done")
     assert r.stdout == "done\n", r
+    assert b"pwned" in await boxes.edge.file_read(sid, "/bin/sh", 1 << 20)  # really replaced
     # The platform's file operations run on the host side, never through the sandbox's shell.
     await boxes.edge.file_write(sid, "/tmp/after.txt", b"platform data", 0o644)
     assert await boxes.edge.file_read(sid, "/tmp/after.txt", 1 << 20) == b"platform data"
     listing = await boxes.edge.file_list(sid, "/tmp")
     assert {"after.txt", "evil"} <= {f.name for f in listing}
-    with __import__("pytest").raises(Exception):
+    with pytest.raises(NotFound):
         await boxes.edge.file_read(sid, "/tmp/pwned", 1 << 20)  # nothing ran the fake shell
     # The agent binary can't be replaced, removed or over-mounted.
-    r = await boxes.run(sid, ["/bin/busybox", "sh", "-c", "cp /tmp/evil /.rollbox/rollbox-agent;"
-                              " rm -f /.rollbox/rollbox-agent; mount -t tmpfs x /.rollbox;"
-                              " echo rc=$?"])
-    assert r.stdout == "rc=1\n" or "rc=" in r.stdout and "rc=0" not in r.stdout, r
+    attack = ("busybox cp /tmp/evil /.rollbox/rollbox-agent; echo cp=$?; rm -f /.rollbox/rollbox-agent;"
+              " echo rm=$?; mount -t tmpfs x /.rollbox; echo mount=$?")
+    r = await boxes.run(sid, ["/bin/busybox", "sh", "-c", attack])
+    assert r.stdout.count("=") == 3 and "=0" not in r.stdout, r
     # The agent (PID 1, from the read-only bind) still serves execs; an argv exec of the fake
     # shell runs the fake — the platform never runs a sandbox binary for its own work.
     r = await boxes.run(sid, ["/bin/busybox", "echo", "alive"])
