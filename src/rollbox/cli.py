@@ -35,8 +35,10 @@ def serve(host: str = typer.Option("127.0.0.1"), port: int = typer.Option(7420),
     node = EmbeddedNode()
     typer.echo(f"rollbox serving on http://{host}:{port} (admin key in "
                f"{admin_key_path(node.settings)})", err=True)
+    import uvloop
+
     try:
-        asyncio.run(node.serve(host, port))
+        uvloop.run(node.serve(host, port))  # libuv loop: cheaper per request and per fd
     except KeyboardInterrupt:
         pass
 

@@ -445,6 +445,8 @@ class Edge:
 
     @staticmethod
     def _forget_old_sessions(live: LiveSandbox, keep: int = 256) -> None:
+        if len(live.sessions) <= 2 * keep:
+            return
         done = [k for k, s in live.sessions.items() if s.done.is_set()]
         for k in done[: max(0, len(done) - keep)]:
             live.sessions.pop(k, None)
