@@ -7,7 +7,6 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,23 +14,10 @@ import pytest
 from rollbox import errors
 from rollbox.backends.container.files import DiskFull, SandboxFS
 from rollbox.isolation import syscalls
+from tests.unit.conftest import SHIFT
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (chown)")
 
-SHIFT = 1_000_000_000 // 65536 * 65536
-
-
-@pytest.fixture
-def box() -> Iterator[tuple[SandboxFS, Path]]:
-    tmp = Path(tempfile.mkdtemp(prefix="rbx-files-"))
-    root = tmp / "root"
-    root.mkdir()
-    fs = SandboxFS(root, SHIFT)
-    try:
-        yield fs, root
-    finally:
-        fs.close()
-        shutil.rmtree(tmp)
 
 
 def test_write_read_round_trip_and_ownership(box: tuple[SandboxFS, Path]) -> None:

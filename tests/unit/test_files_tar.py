@@ -5,35 +5,20 @@ from __future__ import annotations
 import gzip
 import io
 import os
-import shutil
 import stat
 import tarfile
-import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from rollbox import errors
 from rollbox.backends.container.files import SandboxFS
+from tests.unit.conftest import SHIFT
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (chown)")
 
-SHIFT = 1_000_000_000 // 65536 * 65536
-
-
-@pytest.fixture
-def box() -> Iterator[tuple[SandboxFS, Path]]:
-    tmp = Path(tempfile.mkdtemp(prefix="rbx-files-tar-"))
-    root = tmp / "root"
-    root.mkdir()
-    fs = SandboxFS(root, SHIFT)
-    try:
-        yield fs, root
-    finally:
-        fs.close()
-        shutil.rmtree(tmp)
 
 
 def make_tar(members: list[tuple[tarfile.TarInfo, bytes | None]], gz: bool = False) -> bytes:
