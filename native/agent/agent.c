@@ -767,6 +767,21 @@ static void spawn_failed(uint32_t id, int err, const char *msg)
     send_small(M_SPAWN_FAILED, id, buf, 4 + len);
 }
 
+/* A spawn that failed before the child ran: close what was opened (-1 = not opened), free
+ * the session, and report "<step>: <error>". */
+static void abandon_spawn(uint32_t id, const char *step, int err, const int *fds, size_t nfds,
+                          void *session, void *vec)
+{
+    for (size_t j = 0; j < nfds; j++)
+        if (fds[j] >= 0)
+            close(fds[j]);
+    free(session);
+    free(vec);
+    char msg[96];
+    snprintf(msg, sizeof msg, "%s: %s", step, strerror(err));
+    spawn_failed(id, err, msg);
+}
+
 /* Runs in the forked child: never returns. */
 static void child_exec(int status_wr, int in_rd, int out_wr, int err_wr, int cgfd, uid_t uid,
                        gid_t gid, const char *cwd, char **argv, char **envp)
@@ -923,16 +938,8 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
     int st[2] = {-1, -1}, o[2] = {-1, -1}, e[2] = {-1, -1}, in[2] = {-1, -1};
     if (!s || pipe2(st, O_CLOEXEC) < 0 || pipe2(o, O_CLOEXEC) < 0 || pipe2(e, O_CLOEXEC) < 0 ||
         ((flags & EXEC_STDIN) && pipe2(in, O_CLOEXEC) < 0)) {
-        int err = errno;
         int fds[] = {st[0], st[1], o[0], o[1], e[0], e[1], in[0], in[1], cgfd};
-        for (size_t j = 0; j < sizeof fds / sizeof fds[0]; j++)
-            if (fds[j] >= 0)
-                close(fds[j]);
-        free(s);
-        free(vec);
-        char msg[96];
-        snprintf(msg, sizeof msg, "pipe: %s", strerror(err));
-        spawn_failed(id, err, msg);
+        abandon_spawn(id, "pipe", errno, fds, sizeof fds / sizeof fds[0], s, vec);
         return 0;
     }
     pid_t pid = fork();
@@ -946,14 +953,7 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
         close(in[0]);
     if (pid < 0) {
         int fds[] = {st[0], o[0], e[0], in[1], cgfd};
-        for (size_t j = 0; j < sizeof fds / sizeof fds[0]; j++)
-            if (fds[j] >= 0)
-                close(fds[j]);
-        free(s);
-        free(vec);
-        char msg[96];
-        snprintf(msg, sizeof msg, "fork: %s", strerror(fork_err));
-        spawn_failed(id, fork_err, msg);
+        abandon_spawn(id, "fork", fork_err, fds, sizeof fds / sizeof fds[0], s, vec);
         return 0;
     }
     s->id = id;
