@@ -18,6 +18,7 @@ import subprocess
 import tarfile
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +48,10 @@ def used_without_page_cache() -> int:
             + m["Shmem"])
 
 
-async def cycles(client: Any, image: str, n: int, conc: int) -> dict[str, Any]:
+async def run_cycles(cycle: Callable[[], Awaitable[bool]], n: int, conc: int) -> dict[str, Any]:
+    """Run ``n`` cycles, ``conc`` at a time; a cycle returns False (or raises) on failure."""
     sem = asyncio.Semaphore(conc)
     lat: list[float] = []
-    first_exec: list[float] = []
     errors = 0
 
     async def one() -> None:
@@ -58,11 +59,7 @@ async def cycles(client: Any, image: str, n: int, conc: int) -> dict[str, Any]:
         async with sem:
             t = time.monotonic()
             try:
-                sb = await client.create(image, ttl_s=300)
-                r = await sb.exec(["true"])
-                first_exec.append(time.monotonic() - t)
-                await sb.delete()
-                if r.exit_code != 0:
+                if not await cycle():
                     errors += 1
             except Exception as exc:  # noqa: BLE001
                 errors += 1
@@ -73,8 +70,24 @@ async def cycles(client: Any, image: str, n: int, conc: int) -> dict[str, Any]:
     await asyncio.gather(*(one() for _ in range(n)))
     wall = time.monotonic() - t0
     return {"n": n, "per_s": (n - errors) / wall, "p50_ms": _pct(lat, 50) * 1000,
-            "p99_ms": _pct(lat, 99) * 1000, "first_exec_p50_ms": _pct(first_exec, 50) * 1000,
-            "errors": errors}
+            "p99_ms": _pct(lat, 99) * 1000, "errors": errors}
+
+
+async def cycles(client: Any, image: str, n: int, conc: int) -> dict[str, Any]:
+    """create -> exec true -> destroy through the API."""
+    first_exec: list[float] = []
+
+    async def cycle() -> bool:
+        t = time.monotonic()
+        sb = await client.create(image, ttl_s=300)
+        r = await sb.exec(["true"])
+        first_exec.append(time.monotonic() - t)
+        await sb.delete()
+        return r.exit_code == 0
+
+    res = await run_cycles(cycle, n, conc)
+    res["first_exec_p50_ms"] = _pct(first_exec, 50) * 1000
+    return res
 
 
 async def exec_rtt(client: Any, image: str, n: int) -> dict[str, float]:
@@ -142,6 +155,7 @@ def export_rootfs_tar(image: str, dest: Path) -> None:
                 tf.add(merged, arcname=".")
         finally:
             syscalls.umount(merged, syscalls.MNT_DETACH)
+            mounts.unmount_all()  # layers a running sandbox still uses are skipped
 
 
 def podman_prepare(image: str) -> str:
@@ -155,27 +169,16 @@ def podman_prepare(image: str) -> str:
 
 
 async def podman_cycles(tag: str, n: int, conc: int) -> dict[str, Any]:
-    sem = asyncio.Semaphore(conc)
-    lat: list[float] = []
-    errors = 0
+    """The same cycle through podman (run --rm of the same root filesystem)."""
 
-    async def one() -> None:
-        nonlocal errors
-        async with sem:
-            t = time.monotonic()
-            p = await asyncio.create_subprocess_exec(
-                "podman", "--runtime", "runc", "run", "--rm", "--network", "none",
-                *PODMAN_ULIMITS, tag, "/bin/true",
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-            if await p.wait() != 0:
-                errors += 1
-            lat.append(time.monotonic() - t)
+    async def cycle() -> bool:
+        p = await asyncio.create_subprocess_exec(
+            "podman", "--runtime", "runc", "run", "--rm", "--network", "none",
+            *PODMAN_ULIMITS, tag, "/bin/true",
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        return await p.wait() == 0
 
-    t0 = time.monotonic()
-    await asyncio.gather(*(one() for _ in range(n)))
-    wall = time.monotonic() - t0
-    return {"n": n, "per_s": (n - errors) / wall, "p50_ms": _pct(lat, 50) * 1000,
-            "p99_ms": _pct(lat, 99) * 1000, "errors": errors}
+    return await run_cycles(cycle, n, conc)
 
 
 async def run(quick: bool, url: str, key: str) -> dict[str, Any]:
