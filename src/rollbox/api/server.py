@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -14,6 +16,34 @@ log = logging.getLogger(__name__)
 
 # Every exec stream and event follower holds a connection for its lifetime.
 LIMIT_CONCURRENCY = 65536
+
+
+class _Server(uvicorn.Server):
+    """uvicorn that treats SIGINT/SIGTERM as "shut down gracefully" and then returns.
+
+    Stock uvicorn re-raises the captured signal once it has stopped, which kills the process
+    before the caller's own clean-up (the embedded edge's ``stop()``) can run. With
+    ``handle_signals=False`` (tests, background servers) the host process keeps its handlers.
+    """
+
+    def __init__(self, config: uvicorn.Config, handle_signals: bool) -> None:
+        super().__init__(config)
+        self.handle_signals = handle_signals
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if not self.handle_signals:
+            yield
+            return
+        loop = asyncio.get_running_loop()
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        for sig in sigs:
+            loop.add_signal_handler(sig, self.handle_exit, sig, None)
+        try:
+            yield
+        finally:
+            for sig in sigs:
+                loop.remove_signal_handler(sig)
 
 
 def _config(app: FastAPI, host: str, port: int, uds: str | Path | None,
@@ -38,7 +68,7 @@ def _config(app: FastAPI, host: str, port: int, uds: str | Path | None,
 async def serve_app(app: FastAPI, host: str = "127.0.0.1", port: int = 7420, *,
                     uds: str | Path | None = None, access_log: bool = False) -> None:
     """Serve until cancelled (or SIGINT/SIGTERM when run in the main thread)."""
-    await uvicorn.Server(_config(app, host, port, uds, access_log)).serve()
+    await _Server(_config(app, host, port, uds, access_log), handle_signals=True).serve()
 
 
 class BackgroundServer:
@@ -46,9 +76,8 @@ class BackgroundServer:
     current loop; port 0 picks a free port. Stops (and waits) on exit."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.server = uvicorn.Server(_config(app, host, port, None, False))
         # The host process (tests, embedded mode) owns signal handling, not uvicorn.
-        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self.server = _Server(_config(app, host, port, None, False), handle_signals=False)
         self.host = host
         self.port = port
         self._task: asyncio.Task[None] | None = None

@@ -131,6 +131,8 @@ class Edge:
             if live.watcher:
                 live.watcher.cancel()
             live.box.channel.close()
+        if not self.live and not self.journal.live():
+            await asyncio.to_thread(self.backend.release_node_resources)
         self.live.clear()
         self.journal.close()
 
@@ -194,9 +196,8 @@ class Edge:
         except BaseException as exc:
             self._mark_dead(info, f"creation failed: {exc}", state="deleted")
             raise
-        self.journal.put(info, host_uid=box.host_uid)
         info.state = "running"
-        self.journal.put(info)
+        self.journal.put(info, host_uid=box.host_uid)
         self._register(info, box)
         self.event_log.append(sandbox_id, "sandbox.created", data=json.dumps(
             {"image": spec.image, "layers": layers, "owner": owner}))

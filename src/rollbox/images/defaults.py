@@ -84,6 +84,7 @@ async def build_layer_with_commands(store: ImageStore, base: str, commands: list
         if out:
             out.close()
         await backend.destroy(box)
+        backend.release_node_resources()
         slots.close()
     config = dict(image.config)
     store.tag(name, list(image.layers) + [digest], config)

@@ -132,6 +132,15 @@ def remove_tree(path: Path) -> None:
     path.rmdir()
 
 
+def remove_parent_if_empty(parent: str) -> None:
+    """rmdir the rollbox parent cgroup in every hierarchy where it has no sandbox left."""
+    for h in hierarchies():
+        try:
+            (h / parent).rmdir()
+        except OSError:
+            pass  # absent, or still holds a sandbox
+
+
 def leftover(parent: str) -> list[Path]:
     """Sandbox cgroups that still exist under the rollbox parent in any hierarchy."""
     found: list[Path] = []

@@ -233,6 +233,12 @@ class ContainerBackend:
         shutil.rmtree(run_dir, ignore_errors=True)
         return problems
 
+    def release_node_resources(self) -> None:
+        """With no sandbox of this backend left: unmount the shared layer mounts nothing uses
+        and remove the empty rollbox parent cgroups (both come back on the next start)."""
+        self.layer_mounts.unmount_all()  # layers still under a sandbox are skipped
+        cgroups.remove_parent_if_empty(self.settings.cgroup_parent)
+
     def leftovers(self, sandbox_id: str) -> list[str]:
         """Everything of a sandbox still on the host (empty after a clean destroy)."""
         left = [str(p) for p in cgroups.sandbox_dirs(self.settings.cgroup_parent, sandbox_id)
