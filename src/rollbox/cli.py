@@ -2,7 +2,6 @@
 the component that owns the work."""
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import json
 import logging

@@ -24,6 +24,7 @@ from rollbox.errors import (
 from rollbox.events.store import EventLog
 from rollbox.images.mounts import LayerMounts
 from rollbox.images.store import ImageStore
+from rollbox.isolation import cgroups
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import (
     Event, ExecInfo, ExecResult, ExecSpec, FileStat, SandboxInfo, SandboxSpec,
@@ -438,8 +439,6 @@ class Edge:
             self._forget_old_sessions(live)
 
     def _host_kill(self, live: LiveSandbox, session: ExecSession) -> None:
-        from rollbox.isolation import cgroups
-
         if not session.done.is_set() and session.cgroup_name:
             log.warning("host-side kill of %s/%s past its deadline", live.info.id, session.exec_id)
             cgroups.kill(live.box.v2_cgroup / session.cgroup_name)

@@ -113,3 +113,10 @@ def openat2(dirfd: int, path: str | bytes, flags: int, mode: int = 0, resolve: i
 
 def pidfd_open(pid: int) -> int:
     return _check(_syscall(SYS_pidfd_open, ctypes.c_int(pid), ctypes.c_uint(0)))
+
+
+def statfs_type(path: str | os.PathLike[str]) -> int:
+    """f_type of the filesystem holding path (statfs(2); the magic is the first field)."""
+    buf = ctypes.create_string_buffer(120)
+    _check(_libc.statfs(_b(path), buf))
+    return int.from_bytes(buf.raw[:8], "little")

@@ -12,17 +12,6 @@ from rollbox.isolation import syscalls
 TMPFS_MAGIC = 0x01021994
 
 
-def _statfs_type(path: Path) -> int:
-    import ctypes
-
-    buf = ctypes.create_string_buffer(120)
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.statfs(os.fsencode(path), buf) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return int.from_bytes(buf.raw[:8], "little")
-
-
 def mount_points_under(prefix: Path) -> list[str]:
     """Mount points at or below prefix, deepest first (from /proc/self/mountinfo)."""
     pre = str(prefix).rstrip("/")
@@ -72,7 +61,7 @@ class Rootfs:
         syscalls.mount("rollbox-rw", self.rw, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV,
                        f"size={disk_mib}m,nr_inodes={inodes},mode=0700")
         # A mount that failed silently would leave the upper on the host disk; refuse that.
-        if _statfs_type(self.rw) != TMPFS_MAGIC or os.stat(self.rw).st_dev == os.stat(self.dir).st_dev:
+        if syscalls.statfs_type(self.rw) != TMPFS_MAGIC or os.stat(self.rw).st_dev == os.stat(self.dir).st_dev:
             raise OSError("writable layer is not on its capped tmpfs")
         vfs = os.statvfs(self.rw)
         if vfs.f_blocks * vfs.f_frsize > (disk_mib << 20) + (1 << 20):
