@@ -14,8 +14,11 @@ import pytest
 from rollbox.config import Settings
 from rollbox.isolation import cgroups, netns
 
-TEST_CGROUP = "rollbox-test"
-TEST_NODE = "t0"
+# Per test run, so two runs on one machine (developers, helpers) never see each other's
+# sandboxes in the suite-end leak check.
+TEST_RUN = secrets.token_hex(2)
+TEST_CGROUP = f"rollbox-test-{TEST_RUN}"
+TEST_NODE = f"t{TEST_RUN}"
 BASE_UID = Settings().uid_base + (Settings().uid_slots + 64) * 65536
 
 
@@ -49,7 +52,7 @@ needs_python = pytest.mark.skipif(not have_image("python:3.11"),
 
 @pytest.fixture
 def tmp_node_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="rollbox-test-"))
+    d = Path(tempfile.mkdtemp(prefix=f"rollbox-test-{TEST_RUN}-"))
     d.chmod(0o711)  # runc resolves the rootfs as the sandbox's unprivileged host uid
     yield d
     shutil.rmtree(d, ignore_errors=True)
@@ -94,7 +97,9 @@ def no_leaks_after_suite() -> Iterator[None]:
     with open("/proc/self/mountinfo") as f:
         for line in f:
             mp = line.split()[4]
-            if "/rollbox-test-" in mp:
+            if f"/rollbox-test-{TEST_RUN}-" in mp:
                 mounts.append(mp)
+    if os.geteuid() == 0 and not left_cg:
+        cgroups.remove_parent_if_empty(TEST_CGROUP)
     assert not (left_cg or left_ns or mounts), (
         f"leaked after the test suite: cgroups={left_cg} netns={left_ns} mounts={mounts}")
