@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rollbox import errors, models
+from rollbox.api import frontdoors
 from rollbox.edge.interface import EdgeAPI, ExecOutput
 from rollbox.events import EventLog
 from rollbox.iam import KeyStore, Principal
@@ -280,10 +281,12 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
     """``record_events``: None (default) = record for every edge that does not write into
     ``events`` itself; True/False forces it for all edges."""
     api = _Api(placement, events, keys, record_events)
+    front_doors: list[contextlib.AbstractAsyncContextManager[None]] = []
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
+        async with front_doors[0]:
+            yield
         await api.shutdown()
 
     app = FastAPI(
@@ -568,6 +571,7 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
 
         return StreamingResponse(body(), media_type=NDJSON)
 
+    front_doors.append(frontdoors.mount_all(app, api))
     return app
 
 

@@ -1,0 +1,37 @@
+"""Extra HTTP surfaces mounted on the api app: other backends' routes and peers' protocols.
+
+Each entry of :data:`FRONT_DOORS` names a module with ``mount(app, api)``; it adds its routes to
+the FastAPI app and may return an async context manager that the app enters at start-up and
+leaves at shutdown (warm pools, background tasks). Owns only this list; the front doors own
+their routes and must not touch the core ``/v1`` routes.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+FRONT_DOORS: tuple[str, ...] = (
+)
+
+
+def mount_all(app: FastAPI, api: Any) -> contextlib.AbstractAsyncContextManager[None]:
+    """Mount every front door; the returned context runs their start-up and shutdown."""
+    contexts = []
+    for name in FRONT_DOORS:
+        ctx = importlib.import_module(name).mount(app, api)
+        if ctx is not None:
+            contexts.append(ctx)
+
+    @contextlib.asynccontextmanager
+    async def lifetime() -> AsyncIterator[None]:
+        async with contextlib.AsyncExitStack() as stack:
+            for ctx in contexts:
+                await stack.enter_async_context(ctx)
+            yield
+
+    return lifetime()
