@@ -91,6 +91,32 @@ class CapacityExceeded(InfraError):
     retryable = True
 
 
+class ChunkStoreError(InfraError):
+    """The image chunk store failed (see rollbox.images.chunks); retry, maybe another replica."""
+
+    code = "chunk_store"
+    status = 503
+    retryable = True
+
+
+class ChunkMissing(ChunkStoreError):
+    """A chunk named by a layer manifest is not in the store (pruned, partial push)."""
+
+    code = "chunk_missing"
+
+
+class ChunkCorrupt(ChunkStoreError):
+    """A chunk or manifest failed verification (hash, size or decompression)."""
+
+    code = "chunk_corrupt"
+
+
+class StoreUnreachable(ChunkStoreError):
+    """The chunk store could not be reached or refused the request."""
+
+    code = "store_unreachable"
+
+
 ERRORS_BY_CODE: dict[str, type[RollboxError]] = {
     cls.code: cls
     for cls in (
@@ -104,6 +130,10 @@ ERRORS_BY_CODE: dict[str, type[RollboxError]] = {
         CommandTimeout,
         InfraError,
         CapacityExceeded,
+        ChunkStoreError,
+        ChunkMissing,
+        ChunkCorrupt,
+        StoreUnreachable,
     )
 }
 
