@@ -117,6 +117,15 @@ class StoreUnreachable(ChunkStoreError):
     code = "store_unreachable"
 
 
+class NodeCacheFull(InfraError):
+    """The node's chunk cache (lazy loading) is full and nothing can be evicted; retry later
+    or on another node."""
+
+    code = "cache_full"
+    status = 503
+    retryable = True
+
+
 ERRORS_BY_CODE: dict[str, type[RollboxError]] = {
     cls.code: cls
     for cls in (
@@ -134,6 +143,7 @@ ERRORS_BY_CODE: dict[str, type[RollboxError]] = {
         ChunkMissing,
         ChunkCorrupt,
         StoreUnreachable,
+        NodeCacheFull,
     )
 }
 
