@@ -2,14 +2,14 @@
 
 Each episode: a sandbox from ``python:3.11`` plus a workspace layer (a small repo with a bug);
 a scripted "agent" edits the code (even episodes fix it, odd ones write a wrong fix and try to
-cheat by planting a ``conftest.py`` that passes every test); the reward comes from a fresh
-sandbox made of the pristine layers plus a hidden-tests layer, into which only the declared
-artifact (the package's source directory) is copied. So the cheat can't change the reward.
+cheat by planting a ``conftest.py`` that passes every test); the reward comes from
+``sandbox.grade``: a fresh sandbox made of the pristine layers plus a hidden-tests layer, into
+which only the declared artifact (the package's source directory) is copied. So the cheat can't
+change the reward.
 """
 from __future__ import annotations
 
 import asyncio
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -96,7 +96,6 @@ async def episode(client: Any, i: int, timings: dict[str, list[float]]) -> dict[
     sb = await client.create("python:3.11", layers=[WORKSPACE_IMAGE],
                              labels={"job": "demo", "episode": str(i)}, ttl_s=600)
     timings["create"].append(time.monotonic() - t0)
-    artifact = Path(tempfile.mkdtemp(prefix="rollbox-demo-artifact-"))
     try:
         t = time.monotonic()
         r = await sb.exec("git init -q . && git add -A && python -m pytest -q tests 2>&1 | tail -1",
@@ -109,22 +108,14 @@ async def episode(client: Any, i: int, timings: dict[str, list[float]]) -> dict[
             await sb.files.write(f"{REPO}/conftest.py", CHEAT_CONFTEST)
         r = await sb.exec("python -m pytest -q -p no:cacheprovider tests", cwd=REPO, timeout=120)
         agent_thinks_passed = r.exit_code == 0
-        await sb.files.download_dir(ARTIFACT_DIR, artifact)  # the declared artifact only
+        # Grading: pristine layers + hidden tests + only the declared artifact.
+        t = time.monotonic()
+        g = await sb.grade("python -m pytest -q -p no:cacheprovider hidden_tests",
+                           files=[ARTIFACT_DIR], layers=[TESTS_IMAGE], cwd=REPO, timeout=120)
+        reward = 1.0 if g.result.exit_code == 0 else 0.0
+        timings["grade"].append(time.monotonic() - t)
     finally:
         await sb.delete()
-    # Grading: pristine layers + hidden tests + only the declared artifact.
-    t = time.monotonic()
-    grader = await client.create("python:3.11", layers=[WORKSPACE_IMAGE, TESTS_IMAGE],
-                                 labels={"job": "demo", "grader": str(i)}, ttl_s=600)
-    try:
-        await grader.files.upload_dir(artifact, ARTIFACT_DIR)
-        g = await grader.exec("python -m pytest -q -p no:cacheprovider hidden_tests",
-                              cwd=REPO, timeout=120)
-        reward = 1.0 if g.exit_code == 0 else 0.0
-    finally:
-        await grader.delete()
-        shutil.rmtree(artifact, ignore_errors=True)
-    timings["grade"].append(time.monotonic() - t)
     timings["episode"].append(time.monotonic() - t0)
     return {"episode": i, "fixed": fix, "agent_saw_pass": agent_thinks_passed, "reward": reward}
 

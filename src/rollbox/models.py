@@ -33,7 +33,18 @@ class SandboxSpec(BaseModel):
     ttl_s: float = Field(3600, gt=0, le=MAX_TIMEOUT_S)
     labels: dict[str, str] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict)
+    # Paths of the tree the sandbox's own commands can not see (e.g. a task's tests): masked
+    # and denied by Landlock. The platform's file API and grading still reach them.
+    hidden_paths: list[str] = Field(default_factory=list, max_length=64)
     backend: Literal["container"] = "container"
+
+    @field_validator("hidden_paths")
+    @classmethod
+    def _hidden(cls, v: list[str]) -> list[str]:
+        for p in v:
+            if not p.startswith("/") or "\0" in p or ":" in p or len(p) > 4096:
+                raise ValueError(f"hidden path must be absolute, without ':' or NUL: {p[:200]!r}")
+        return v
 
     @field_validator("labels")
     @classmethod
@@ -69,6 +80,7 @@ class SandboxInfo(BaseModel):
     resources: Resources
     owner: str = ""
     dead_reason: str | None = None
+    hidden_paths: list[str] = Field(default_factory=list)
 
 
 class ExecSpec(BaseModel):
@@ -149,3 +161,128 @@ class Event(BaseModel):
     kind: str  # sandbox.created, exec.started, exec.stdout, exec.stderr, exec.exited, ...
     exec_id: str | None = None
     data: str = ""
+
+
+class GradeSpec(BaseModel):
+    """Grade a sandbox's result in a fresh sandbox: the source's pristine layers, then
+    ``layers`` (e.g. hidden tests), then only the declared ``files`` copied over from the
+    source; ``cmd`` runs there. Nothing else of the source's writable tree reaches it."""
+    model_config = ConfigDict(extra="forbid")
+    files: list[str] = Field(..., min_length=1, max_length=64,
+                             description="absolute paths (files or directories) to carry over")
+    layers: list[str] = Field(default_factory=list, max_length=32)
+    cmd: str | list[str]
+    cwd: str = Field("/", max_length=4096)
+    env: dict[str, str] = Field(default_factory=dict)
+    timeout_s: float = Field(600, gt=0, le=24 * 3600)
+    resources: Resources | None = None
+    max_bytes: int = Field(256 << 20, gt=0, le=16 << 30, description="cap on the copied bytes")
+
+    @field_validator("files")
+    @classmethod
+    def _files(cls, v: list[str]) -> list[str]:
+        for p in v:
+            if not p.startswith("/") or "\0" in p or len(p) > 4096 or p.rstrip("/") == "":
+                raise ValueError(f"declared file must be an absolute path below /: {p[:200]!r}")
+        return v
+
+    _cmd = field_validator("cmd")(ExecSpec._cmd.__func__)  # type: ignore[attr-defined]
+    _cwd = field_validator("cwd")(ExecSpec._cwd.__func__)  # type: ignore[attr-defined]
+    _env = field_validator("env")(SandboxSpec._env.__func__)  # type: ignore[attr-defined]
+
+
+class GradeResult(BaseModel):
+    sandbox_id: str
+    grader_id: str
+    files: list[str]
+    copied_bytes: int
+    result: ExecResult
+
+
+# ---- fncall: stateless calls from warm pools (backends/fncall) ------------------------------
+FnCallLanguage = Literal["python", "bash", "c", "cpp", "nodejs"]
+FnCallStatus = Literal["ok", "runtime_error", "timeout", "memory_exceeded", "compile_error"]
+MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+class FnCallSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    language: FnCallLanguage
+    code: str = Field(..., max_length=1 << 20)
+    # relative path -> base64 content, written into the call's fresh working directory
+    files: dict[str, str] = Field(default_factory=dict)
+    stdin: str = Field("", max_length=8 << 20)
+    args: list[str] = Field(default_factory=list, max_length=256)
+    env: dict[str, str] = Field(default_factory=dict)
+    timeout_s: float = Field(10.0, gt=0, le=600)
+    compile_timeout_s: float = Field(30.0, gt=0, le=600)
+    memory_mib: int = Field(512, ge=16, le=8192)
+    max_output_bytes: int = Field(1 << 20, ge=0, le=8 << 20, description="kept per stream")
+    # Python modules imported before the call arrives; one warm pool per distinct set.
+    preload: list[str] = Field(default_factory=list, max_length=64)
+    image: str | None = Field(None, max_length=256, description="default: the fncall image")
+
+    @field_validator("files")
+    @classmethod
+    def _files(cls, v: dict[str, str]) -> dict[str, str]:
+        if len(v) > 256:
+            raise ValueError("at most 256 files")
+        for k in v:
+            if not k or k.startswith("/") or "\0" in k or ".." in k.split("/") or len(k) > 1024:
+                raise ValueError(f"file path must be relative and inside the call dir: {k!r}")
+        return v
+
+    @field_validator("preload")
+    @classmethod
+    def _preload(cls, v: list[str]) -> list[str]:
+        for m in v:
+            if not MODULE_RE.match(m) or len(m) > 200:
+                raise ValueError(f"invalid module name {m!r}")
+        return sorted(set(v))
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        return SandboxSpec._env(v)  # type: ignore[operator]
+
+
+class FnCallStep(BaseModel):
+    exit_code: int | None
+    signal: int | None = None
+    timed_out: bool = False
+    stdout: str = ""
+    stderr: str = ""
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+
+
+class FnCallResult(BaseModel):
+    status: FnCallStatus
+    exit_code: int | None = None
+    signal: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    stdout_bytes: int = 0  # produced; beyond max_output_bytes only counted
+    stderr_bytes: int = 0
+    truncated: bool = False
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    compile: FnCallStep | None = None
+    worker: str = ""  # the warm sandbox that ran it
+
+
+class FnCallBatchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    calls: list[FnCallSpec] = Field(..., max_length=4096)
+    concurrency: int = Field(32, ge=1, le=1024)
+
+
+class FnCallBatchItem(BaseModel):
+    result: FnCallResult | None = None
+    error: dict | None = None  # the typed error payload's "error" object
+
+
+class FnCallBatchResult(BaseModel):
+    results: list[FnCallBatchItem]

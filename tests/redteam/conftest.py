@@ -24,12 +24,12 @@ class Boxes:
 
     async def make(self, image: str = BB, *, hardened: bool = True,
                    hidden: tuple[str, ...] = (), **resources: Any) -> str:
-        spec = SandboxSpec(image=image, resources=Resources(**resources)) if resources \
-            else SandboxSpec(image=image)
+        spec = SandboxSpec(image=image, resources=Resources(**resources),
+                           hidden_paths=list(hidden))
         backend = self.edge.backend
         async with self.lock:  # the wrapper is per call: never mix flags across creations
             backend.create = functools.partial(type(backend).create, backend,
-                                               hardened=hardened, hidden_paths=hidden)
+                                               hardened=hardened)
             try:
                 info = await self.edge.create(spec, "redteam")
             finally:

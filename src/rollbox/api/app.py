@@ -397,6 +397,17 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
         return info
 
     # ---- exec ----
+    @app.post("/v1/sandboxes/{sandbox_id}/grade", response_model=models.GradeResult,
+              tags=["sandboxes"])
+    async def grade(sandbox_id: str, spec: models.GradeSpec, edge: Edge,
+                    who: Who) -> models.GradeResult:
+        owner = (await edge.get(sandbox_id)).owner
+        result = await edge.grade(sandbox_id, spec, owner)
+        events.append(sandbox_id, "sandbox.graded", None, json.dumps(
+            {"grader": result.grader_id, "files": result.files,
+             "exit_code": result.result.exit_code, "by": who.key_id}))
+        return result
+
     def exec_stream_response(edge: EdgeAPI, sandbox_id: str, exec_id: str,
                              stream: AsyncIterator[ExecOutput] | None = None) -> Response:
         async def body() -> AsyncIterator[bytes]:

@@ -19,7 +19,8 @@ from rollbox.edge.interface import ExecOutput
 from rollbox.edge.journal import Journal
 from rollbox.edge.sessions import ExecSession
 from rollbox.errors import (
-    BadRequest, CapacityExceeded, InfraError, NotFound, RollboxError, SandboxDead,
+    BadRequest, CapacityExceeded, InfraError, NotFound, PayloadTooLarge, RollboxError,
+    SandboxDead,
 )
 from rollbox.events.store import EventLog
 from rollbox.images.mounts import LayerMounts
@@ -27,7 +28,8 @@ from rollbox.images.store import ImageStore
 from rollbox.isolation import cgroups
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import (
-    Event, ExecInfo, ExecResult, ExecSpec, FileStat, SandboxInfo, SandboxSpec,
+    Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, SandboxInfo,
+    SandboxSpec,
 )
 
 log = logging.getLogger(__name__)
@@ -160,6 +162,10 @@ class Edge:
         layers = list(image.layers)
         for extra in spec.layers:
             layers.extend(self.store.resolve(extra).layers)
+        return await self._admitted_create(spec, owner, image.config, layers)
+
+    async def _admitted_create(self, spec: SandboxSpec, owner: str, image_config: dict,
+                               layers: list[str]) -> SandboxInfo:
         self._admit(spec)
         self._creating += 1
         self._reserved_mem_mib += spec.resources.memory_mib
@@ -170,7 +176,7 @@ class Edge:
             except asyncio.TimeoutError:
                 raise CapacityExceeded("node busy: creation queue timed out") from None
             try:
-                return await self._create(spec, owner, image.config, layers)
+                return await self._create(spec, owner, image_config, layers)
             finally:
                 self._create_sem.release()
         except BaseException:
@@ -186,14 +192,15 @@ class Edge:
         info = SandboxInfo(
             id=sandbox_id, node=self.node_id, image=spec.image, layers=layers, state="creating",
             created_at=now, expires_at=now + spec.ttl_s, labels=spec.labels,
-            resources=spec.resources, owner=owner,
+            resources=spec.resources, owner=owner, hidden_paths=spec.hidden_paths,
         )
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
         env.update((image_config or {}).get("env", {}))
         env.update(spec.env)
         self.journal.put(info, extra={"env": env})
         try:
-            box = await self.backend.create(sandbox_id, layers, spec.resources, env)
+            box = await self.backend.create(sandbox_id, layers, spec.resources, env,
+                                            hidden_paths=spec.hidden_paths)
         except BaseException as exc:
             self._mark_dead(info, f"creation failed: {exc}", state="deleted")
             raise
@@ -528,6 +535,57 @@ class Edge:
         async for chunk in fs.download_tar(path):
             yield chunk
 
+    # ---- grading ------------------------------------------------------------------------
+    async def grade(self, sandbox_id: str, spec: GradeSpec, owner: str) -> GradeResult:
+        """Run ``spec.cmd`` in a fresh sandbox made of this sandbox's pristine layers plus
+        ``spec.layers``, into which only the declared files are copied (regular files and
+        directories; links are not carried over, so nothing copied can redirect a write to the
+        grader's own files). The grader is deleted afterwards, also on failure."""
+        src = self._live(sandbox_id)
+        extra = [d for name in spec.layers for d in self.store.resolve(name).layers]
+        declared: list[tuple[str, FileStat]] = []
+        for path in spec.files:  # all declared files must exist before a grader is spent
+            st = await self.file_stat(sandbox_id, path)
+            if st.type not in ("file", "dir"):
+                raise BadRequest(f"declared file {path!r} is a {st.type}; only files and "
+                                 "directories are carried over")
+            declared.append((path, st))
+        try:
+            config = self.store.resolve(src.info.image).config
+        except RollboxError:
+            config = {}
+        gspec = SandboxSpec(image=src.info.image, resources=spec.resources or src.info.resources,
+                            ttl_s=spec.timeout_s + 300, labels={"rollbox.grader-of": sandbox_id},
+                            env=spec.env)
+        grader = await self._admitted_create(gspec, owner, config,
+                                             list(src.info.layers) + extra)
+        try:
+            copied = 0
+            gfs = self._live(grader.id).box.fs
+            for path, st in declared:
+                try:
+                    await asyncio.to_thread(gfs.remove, path, True)  # the pristine copy goes
+                except NotFound:
+                    pass
+                budget = spec.max_bytes - copied
+                if st.type == "file":
+                    data = await self.file_read(sandbox_id, path, budget)
+                    await asyncio.to_thread(gfs.write, path, data, st.mode & 0o7777)
+                    copied += len(data)
+                else:
+                    copied += await gfs.upload_tar(
+                        path, _capped(self.download_tar(sandbox_id, path), budget), links=False)
+            exec_id = await self.exec_start(grader.id, ExecSpec(
+                cmd=spec.cmd, cwd=spec.cwd, env=spec.env, timeout_s=spec.timeout_s))
+            result = await self.exec_wait(grader.id, exec_id)
+        finally:
+            try:
+                await self.delete(grader.id)
+            except RollboxError:
+                log.exception("grader %s of %s: delete failed", grader.id, sandbox_id)
+        return GradeResult(sandbox_id=sandbox_id, grader_id=grader.id, files=spec.files,
+                           copied_bytes=copied, result=result)
+
     # ---- events -------------------------------------------------------------------------
     async def events(self, sandbox_id: str, after_seq: int,
                      follow: bool) -> AsyncIterator[Event]:
@@ -548,3 +606,14 @@ class Edge:
             if time.monotonic() > deadline:
                 raise InfraError(f"sandbox {sandbox_id} still present")
             await asyncio.sleep(0.02)
+
+
+async def _capped(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[bytes]:
+    """Pass a byte stream on, failing once it exceeds ``limit`` bytes."""
+    total = 0
+    async for chunk in chunks:
+        total += len(chunk)
+        if total > limit:
+            raise PayloadTooLarge(f"declared files exceed the {limit}-byte grading cap",
+                                  limit=limit)
+        yield chunk

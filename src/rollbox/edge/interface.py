@@ -10,7 +10,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from rollbox.models import Event, ExecInfo, ExecResult, ExecSpec, FileStat, SandboxInfo, SandboxSpec
+from rollbox.models import (
+    Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, SandboxInfo,
+    SandboxSpec,
+)
 
 
 @dataclass
@@ -48,6 +51,9 @@ class EdgeAPI(Protocol):
     async def file_remove(self, sandbox_id: str, path: str, recursive: bool) -> None: ...
     async def upload_tar(self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes]) -> int: ...
     def download_tar(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]: ...
+
+    # grading: a fresh sandbox of the pristine layers + only the declared files.
+    async def grade(self, sandbox_id: str, spec: GradeSpec, owner: str) -> GradeResult: ...
 
     # events outlive the sandbox; follow=True keeps streaming until the sandbox is gone.
     def events(self, sandbox_id: str, after_seq: int, follow: bool) -> AsyncIterator[Event]: ...

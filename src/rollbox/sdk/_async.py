@@ -21,7 +21,8 @@ import pydantic
 
 from rollbox import errors
 from rollbox.models import (
-    Event, ExecInfo, ExecResult, ExecSpec, FileStat, Resources, SandboxInfo, SandboxSpec,
+    Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, Resources,
+    SandboxInfo, SandboxSpec,
 )
 
 DEFAULT_URL = "http://127.0.0.1:7420"
@@ -470,6 +471,24 @@ class AsyncSandbox:
         self.info = SandboxInfo.model_validate(r.json())
         return self.info
 
+    async def grade(
+        self, cmd: str | list[str], *, files: Iterable[str], layers: Iterable[str] = (),
+        cwd: str = "/", env: Mapping[str, str] | None = None, timeout: float = 600,
+        max_bytes: int | None = None,
+    ) -> GradeResult:
+        """Run ``cmd`` in a fresh sandbox of this one's pristine layers plus ``layers`` (e.g.
+        hidden tests), with only ``files`` (declared paths) copied over from this sandbox.
+        Whatever else the agent changed here (tests, conftest.py, /usr) can not reach it."""
+        try:
+            spec = GradeSpec(cmd=cmd, files=list(files), layers=list(layers), cwd=cwd,
+                             env=dict(env or {}), timeout_s=timeout,
+                             **({"max_bytes": max_bytes} if max_bytes is not None else {}))
+        except pydantic.ValidationError as exc:
+            raise errors.BadRequest(str(exc)) from None
+        r = await self._t.request("POST", self._base + "/grade",
+                                  json=spec.model_dump(mode="json"), long=True)
+        return GradeResult.model_validate(r.json())
+
     async def delete(self) -> None:
         await self._t.request("DELETE", self._base)
 
@@ -495,20 +514,24 @@ class AsyncClient:
         self, image: str, *, layers: Iterable[str] = (), cpus: float | None = None,
         memory_mib: int | None = None, disk_mib: int | None = None, ttl_s: float | None = None,
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
+        hidden_paths: Iterable[str] = (),
     ) -> AsyncSandbox:
-        spec = self._spec(image, layers, cpus, memory_mib, disk_mib, ttl_s, labels, env)
+        """``hidden_paths``: paths the sandbox's commands can not see (a task's tests)."""
+        spec = self._spec(image, layers, cpus, memory_mib, disk_mib, ttl_s, labels, env,
+                          hidden_paths)
         r = await self._t.request("POST", "/v1/sandboxes", json=spec, long=True)
         return AsyncSandbox(self, SandboxInfo.model_validate(r.json()))
 
     @staticmethod
     def _spec(image: str, layers: Iterable[str], cpus: float | None, memory_mib: int | None,
               disk_mib: int | None, ttl_s: float | None, labels: Mapping[str, str] | None,
-              env: Mapping[str, str] | None) -> dict[str, Any]:
+              env: Mapping[str, str] | None, hidden_paths: Iterable[str] = ()) -> dict[str, Any]:
         res = {k: v for k, v in (("cpus", cpus), ("memory_mib", memory_mib),
                                   ("disk_mib", disk_mib)) if v is not None}
         try:
             spec = SandboxSpec(image=image, layers=list(layers), resources=Resources(**res),
                                labels=dict(labels or {}), env=dict(env or {}),
+                               hidden_paths=list(hidden_paths),
                                **({"ttl_s": ttl_s} if ttl_s is not None else {}))
         except pydantic.ValidationError as exc:
             raise errors.BadRequest(str(exc)) from None

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Mappin
 from types import TracebackType
 from typing import Any, TypeVar
 
-from rollbox.models import Event, ExecInfo, ExecResult, FileStat, SandboxInfo
+from rollbox.models import Event, ExecInfo, ExecResult, FileStat, GradeResult, SandboxInfo
 from rollbox.sdk._async import (
     AsyncClient, AsyncFiles, AsyncProcess, AsyncSandbox, OutputCallback, OutputChunk,
 )
@@ -169,6 +169,9 @@ class Sandbox:
 
     def set_ttl(self, ttl_s: float) -> SandboxInfo:
         return self._p.call(self._sb.set_ttl(ttl_s))
+
+    def grade(self, cmd: str | list[str], **kw: Any) -> GradeResult:
+        return self._p.call(self._sb.grade(cmd, **kw))
 
     def delete(self) -> None:
         self._p.call(self._sb.delete())
