@@ -17,6 +17,16 @@ def _env_path(name: str, default: str | Path) -> Path:
     return Path(os.environ.get(name, str(default)))
 
 
+def _env_mirrors() -> dict[str, str]:
+    """``ROLLBOX_MIRRORS="pypi=http://10.0.0.1:3141/simple/,npm=http://10.0.0.1:4873/"``."""
+    out: dict[str, str] = {}
+    for item in os.environ.get("ROLLBOX_MIRRORS", "").split(","):
+        name, sep, url = item.strip().partition("=")
+        if sep and name.strip() and url.strip():
+            out[name.strip()] = url.strip()
+    return out
+
+
 @dataclass
 class Settings:
     data_dir: Path = field(default_factory=lambda: _env_path("ROLLBOX_DATA", "/var/lib/rollbox"))
@@ -35,6 +45,42 @@ class Settings:
     images_root: Path | None = field(
         default_factory=lambda: Path(os.environ["ROLLBOX_IMAGES"]) if "ROLLBOX_IMAGES" in os.environ
         else None)
+
+    # Package mirrors (docs/mirrors.md). Permission name (pypi, npm, debian, go) -> the mirror's
+    # base URL as a sandbox sees it; netpolicy allows that address instead of the registry.
+    mirrors: dict[str, str] = field(default_factory=_env_mirrors)
+    # The built-in caching PyPI proxy (rollbox.netpolicy.mirror); run in-process by the api
+    # only when enabled, else by `rollbox mirror serve`. Never fetches from other hosts.
+    pypi_mirror_enabled: bool = field(
+        default_factory=lambda: os.environ.get("ROLLBOX_PYPI_MIRROR", "0") not in ("", "0"))
+    pypi_mirror_host: str = field(
+        default_factory=lambda: os.environ.get("ROLLBOX_PYPI_MIRROR_HOST", "127.0.0.1"))
+    pypi_mirror_port: int = field(
+        default_factory=lambda: int(os.environ.get("ROLLBOX_PYPI_MIRROR_PORT", "3141")))
+    pypi_mirror_index_upstream: str = field(
+        default_factory=lambda: os.environ.get("ROLLBOX_PYPI_UPSTREAM", "https://pypi.org/simple/"))
+    pypi_mirror_file_upstreams: tuple[str, ...] = field(
+        default_factory=lambda: tuple(u.strip() for u in os.environ.get(
+            "ROLLBOX_PYPI_FILE_UPSTREAMS", "https://files.pythonhosted.org").split(",")
+            if u.strip()))
+    pypi_mirror_max_bytes: int = field(
+        default_factory=lambda: int(os.environ.get("ROLLBOX_PYPI_MIRROR_MAX_BYTES",
+                                                   str(20 << 30))))
+    pypi_mirror_index_ttl: float = field(
+        default_factory=lambda: float(os.environ.get("ROLLBOX_PYPI_MIRROR_INDEX_TTL", "300")))
+
+    def mirror_url(self, name: str) -> str | None:
+        """The mirror a sandbox with permission ``name`` uses, or None (no mirror configured).
+        ``pypi`` falls back on the built-in proxy's listen address when it is enabled."""
+        if name in self.mirrors:
+            return self.mirrors[name]
+        if name == "pypi" and self.pypi_mirror_enabled:
+            return f"http://{self.pypi_mirror_host}:{self.pypi_mirror_port}/simple/"
+        return None
+
+    @property
+    def mirror_dir(self) -> Path:
+        return self.data_dir / "mirror"
 
     @property
     def images_dir(self) -> Path:

@@ -1,0 +1,125 @@
+"""Package mirrors: where a sandbox with a named permission (``pypi``, ``npm``, ``debian``,
+``go``) gets its packages. The permission opens the way to a mirror the platform runs or is
+configured with, never to the open internet, so an allowed registry can not be used to fetch
+arbitrary code from elsewhere. Ships a working caching PyPI proxy (:mod:`.mirrors.pypi`); the
+other registries map to off-the-shelf caching proxies (docs/mirrors.md).
+
+Settings (rollbox.config.Settings; env overrides in brackets):
+
+- ``mirrors: dict[str, str]`` [``ROLLBOX_MIRRORS="pypi=http://10.0.0.1:3141/simple/,npm=..."``]:
+  permission name -> mirror base URL as a sandbox sees it. ``Settings.mirror_url(name)`` reads
+  it; for ``pypi`` it falls back on the built-in proxy's listen address when that is enabled.
+  Netpolicy: for a permission with a mirror, allow the mirror URL's host:port (TCP) instead of
+  the registry's hosts; give the sandbox :func:`mirror_env` (and :func:`debian_sources`).
+- ``pypi_mirror_enabled: bool`` [``ROLLBOX_PYPI_MIRROR=1``]: the api process (embedded
+  ``rollbox serve``) runs the PyPI proxy in-process, on its own address (never the api's).
+- ``pypi_mirror_host: str = "127.0.0.1"`` [``ROLLBOX_PYPI_MIRROR_HOST``],
+  ``pypi_mirror_port: int = 3141`` [``ROLLBOX_PYPI_MIRROR_PORT``]: where it listens.
+- ``pypi_mirror_index_upstream = "https://pypi.org/simple/"`` [``ROLLBOX_PYPI_UPSTREAM``],
+  ``pypi_mirror_file_upstreams = ("https://files.pythonhosted.org",)``
+  [``ROLLBOX_PYPI_FILE_UPSTREAMS``, comma-separated]: the only origins it ever fetches from.
+- ``pypi_mirror_max_bytes = 20 GiB`` [``ROLLBOX_PYPI_MIRROR_MAX_BYTES``]: file cache bound (LRU).
+- ``pypi_mirror_index_ttl = 300.0`` s [``ROLLBOX_PYPI_MIRROR_INDEX_TTL``]: index page freshness.
+- ``mirror_dir`` (property) = ``data_dir / "mirror"``; the PyPI cache is ``mirror_dir / "pypi"``.
+
+Run it: ``rollbox mirror serve [--host H --port P]``, or in-process via :func:`mount` (a front
+door of the api app), or :func:`running_pypi_mirror` from code and tests. Owns the mirrors only;
+must not touch the allow-lists, veths or DNS gate of the rest of :mod:`rollbox.netpolicy`.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+from urllib.parse import urlsplit
+
+from rollbox.config import Settings
+from rollbox.netpolicy.mirrors.pypi import PypiMirror, UpstreamBadResponse, UpstreamUnavailable
+from rollbox.netpolicy.mirrors.store import HashMismatch, TooLarge
+
+__all__ = ["PypiMirror", "pypi_mirror", "running_pypi_mirror", "serve", "mount", "mirror_env",
+           "debian_sources", "UpstreamUnavailable", "UpstreamBadResponse", "HashMismatch",
+           "TooLarge"]
+
+
+def pypi_mirror(settings: Settings | None = None) -> PypiMirror:
+    s = settings or Settings()
+    return PypiMirror(s.mirror_dir / "pypi", index_upstream=s.pypi_mirror_index_upstream,
+                      file_upstreams=s.pypi_mirror_file_upstreams,
+                      max_bytes=s.pypi_mirror_max_bytes, index_ttl=s.pypi_mirror_index_ttl)
+
+
+@contextlib.asynccontextmanager
+async def running_pypi_mirror(settings: Settings | None = None, host: str | None = None,
+                              port: int | None = None) -> AsyncIterator[str]:
+    """The PyPI proxy served in the current event loop; yields its base URL (port 0 = free)."""
+    from rollbox.api.server import BackgroundServer
+
+    s = settings or Settings()
+    mirror = pypi_mirror(s)
+    server = BackgroundServer(mirror.app,  # type: ignore[arg-type] - any ASGI app serves
+                              host or s.pypi_mirror_host,
+                              s.pypi_mirror_port if port is None else port)
+    async with server:
+        yield server.url
+
+
+async def serve(settings: Settings | None = None, host: str | None = None,
+                port: int | None = None) -> None:
+    """Serve the PyPI proxy in the foreground until SIGINT/SIGTERM (``rollbox mirror serve``)."""
+    from rollbox.api.server import serve_app
+
+    s = settings or Settings()
+    await serve_app(pypi_mirror(s).app,  # type: ignore[arg-type]
+                    host or s.pypi_mirror_host, s.pypi_mirror_port if port is None else port)
+
+
+def mount(app: Any, api: Any) -> contextlib.AbstractAsyncContextManager[None] | None:
+    """Front door: no routes on the api app (sandboxes must never reach the api port); when
+    ``pypi_mirror_enabled``, the api's lifetime runs the proxy on its own address."""
+    s = Settings()
+    if not s.pypi_mirror_enabled:
+        return None
+
+    @contextlib.asynccontextmanager
+    async def lifetime() -> AsyncIterator[None]:
+        async with running_pypi_mirror(s):
+            yield
+
+    return lifetime()
+
+
+def mirror_env(settings: Settings, names: Iterable[str]) -> dict[str, str]:
+    """Environment that points a sandbox's package tools at the mirrors of its permissions
+    (``debian`` needs a sources file instead: :func:`debian_sources`)."""
+    env: dict[str, str] = {}
+    for name in names:
+        url = settings.mirror_url(name)
+        if url is None:
+            continue
+        if name == "pypi":
+            env["PIP_INDEX_URL"] = url
+            env["UV_DEFAULT_INDEX"] = url
+            env["UV_INDEX_URL"] = url  # uv < 0.4.23
+            u = urlsplit(url)
+            if u.scheme == "http" and u.hostname:
+                # pip ignores plain-http indexes off loopback unless they are trusted.
+                env["PIP_TRUSTED_HOST"] = u.netloc
+        elif name == "npm":
+            env["npm_config_registry"] = url
+            env["YARN_NPM_REGISTRY_SERVER"] = url
+        elif name == "go":
+            # No ",direct": the proxy is the only source; it also serves the checksum database
+            # (<proxy>/sumdb/sum.golang.org), which go probes before going to sum.golang.org.
+            env["GOPROXY"] = url
+    return env
+
+
+def debian_sources(url: str, suite: str = "bookworm") -> str:
+    """A deb822 sources file for /etc/apt/sources.list.d/rollbox.sources through the mirror
+    (apt-cacher-ng remap paths ``<url>/debian`` and ``<url>/debian-security``)."""
+    base = url.rstrip("/")
+    return (f"Types: deb\nURIs: {base}/debian\nSuites: {suite} {suite}-updates\n"
+            f"Components: main\n\n"
+            f"Types: deb\nURIs: {base}/debian-security\nSuites: {suite}-security\n"
+            f"Components: main\n")
