@@ -21,6 +21,8 @@ app.add_typer(key_app, name="key")
 bench_app = typer.Typer(help="Benchmarks (ratios against a peer measured in the same run)",
                         no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+mirror_app = typer.Typer(help="Package mirrors (the caching PyPI proxy)", no_args_is_help=True)
+app.add_typer(mirror_app, name="mirror")
 
 
 @app.command()
@@ -84,6 +86,27 @@ def bench_container(quick: bool = typer.Option(False, "--quick"),
     """create->exec->destroy at c1/c8/c32, exec round trip, idle density; podman as peer."""
     mod = _load_bench("container")
     mod.main(quick=quick, json_out=json_out)
+
+
+@mirror_app.command("serve")
+def mirror_serve(host: Optional[str] = typer.Option(None, help="default: pypi_mirror_host"),  # noqa: UP007
+                 port: Optional[int] = typer.Option(None, help="default: pypi_mirror_port"),  # noqa: UP007
+                 verbose: bool = typer.Option(False, "-v")) -> None:
+    """Serve the caching PyPI proxy (only ever fetches from the configured upstreams)."""
+    from rollbox.netpolicy.mirror import serve as serve_mirror
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    s = Settings()
+    typer.echo(f"PyPI mirror on http://{host or s.pypi_mirror_host}:"
+               f"{s.pypi_mirror_port if port is None else port}/simple/ "
+               f"(cache {s.mirror_dir / 'pypi'})", err=True)
+    import uvloop
+
+    try:
+        uvloop.run(serve_mirror(s, host, port))
+    except KeyboardInterrupt:
+        pass
 
 
 def main() -> None:

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
 FRONT_DOORS: tuple[str, ...] = (
+    "rollbox.compat.e2b",  # E2B control plane under /e2b, envd under /e2b/envd
+    "rollbox.netpolicy.mirror",  # no routes: runs the PyPI mirror on its own port when enabled
 )
 
 
