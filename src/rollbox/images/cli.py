@@ -183,5 +183,115 @@ def ensure_defaults_cmd(
     _run(lambda: ensure_python(store))
 
 
+# ---- chunk store: push / pull / squash (rollbox.images.chunks, rollbox.images.squash) -------
+
+def _chunk_store_url(url: Optional[str]) -> str:  # noqa: UP007
+    from rollbox.images.chunks import default_store_url
+
+    return url or default_store_url()
+
+
+@app.command("push")
+def push_cmd(
+    name: str = typer.Argument(..., help="Image to push"),
+    store_url: Optional[str] = typer.Argument(  # noqa: UP007
+        None, help="dir:///path, posix:///path or s3://bucket/prefix?endpoint=... "
+        "(default: $ROLLBOX_CHUNK_STORE or dir://$ROLLBOX_DATA/chunks)"),
+    chunk_size: int = typer.Option(0, "--chunk-size", help="Bytes per chunk (0: default)"),
+    compression: Optional[str] = typer.Option(  # noqa: UP007
+        None, "--compression", help="none|zstd (default: the store URL's compression=)"),
+) -> None:
+    """Push an image's layers (chunked, deduplicated) and its ref to a chunk store."""
+    import asyncio
+
+    from rollbox.images import chunks
+
+    store = _store()
+
+    async def go(say: Callable[[str], None]) -> list[chunks.TransferStats]:
+        dst = chunks.open_store(_chunk_store_url(store_url))
+        first = len(chunks.TRANSFERS)
+        try:
+            await chunks.push_image(store, name, dst,
+                                    chunk_size=chunk_size or chunks.DEFAULT_CHUNK_SIZE,
+                                    compression=compression, progress=say)
+        finally:
+            await dst.close()
+        return chunks.TRANSFERS[first:]
+
+    with _progress(f"push {name}") as say:
+        stats = _run(lambda: asyncio.run(go(say)))
+    for st in stats:
+        out.print(f"{st.layer} {st.chunks_transferred}/{st.chunks} chunks "
+                  f"{st.bytes_transferred} bytes pushed ({st.bytes_logical} bytes layer)")
+
+
+@app.command("pull")
+def pull_cmd(
+    name: str = typer.Argument(..., help="Image to pull"),
+    store_url: Optional[str] = typer.Argument(None, help="Chunk store URL (see push)"),  # noqa: UP007
+    lazy: bool = typer.Option(False, "--lazy", help="Only the ref and layer manifests; layer "
+                              "bytes are fetched on first read by the lazy loader"),
+) -> None:
+    """Pull an image's ref and layers from a chunk store into the local image store."""
+    import asyncio
+
+    from rollbox.images import chunks
+
+    store = _store()
+
+    async def go(say: Callable[[str], None]) -> tuple[Any, list[chunks.TransferStats]]:
+        src = chunks.open_store(_chunk_store_url(store_url))
+        try:
+            image, stats = await chunks.pull_image(src, name, store, lazy=lazy, progress=say)
+            if lazy:
+                try:
+                    lazy_mod = importlib.import_module("rollbox.images.lazy")
+                except ModuleNotFoundError:
+                    lazy_mod = None
+                register = getattr(lazy_mod, "register_lazy_image", None)
+                if register is not None:  # the lazy loader tags the image over its cache
+                    result = register(store, image, src.url)
+                    if asyncio.iscoroutine(result):
+                        await result
+            return image, stats
+        finally:
+            await src.close()
+
+    with _progress(f"pull {name}") as say:
+        image, stats = _run(lambda: asyncio.run(go(say)))
+    for st in stats:
+        out.print(f"{st.layer} {st.chunks_transferred}/{st.chunks} chunks "
+                  f"{st.bytes_transferred} bytes pulled ({st.bytes_logical} bytes layer)")
+    out.print(f"{image.name} {' '.join(image.layers)}" + (" (lazy)" if lazy else ""))
+
+
+@app.command("squash")
+def squash_cmd(
+    name: str = typer.Argument(..., help="Image whose layers to squash"),
+    start: Optional[int] = typer.Option(  # noqa: UP007
+        None, "--from", help="Squash layers N..top into one (default: the trailing run of "
+        "small layers)"),
+    tag: Optional[str] = typer.Option(None, "--tag", help="Tag the result as this name "  # noqa: UP007
+                                      "(default: replace NAME)"),
+) -> None:
+    """Collapse consecutive layers into one EROFS layer (overlay whiteouts preserved)."""
+    from rollbox.images.squash import squash_image
+
+    store = _store()
+    with _progress(f"squash {name}") as say:
+        image = _run(lambda: squash_image(store, name, start=start, tag=tag, progress=say))
+    out.print(f"{image.name} {' '.join(image.layers)}")
+
+
+@app.command("ensure-bench-images")
+def ensure_bench_images_cmd() -> None:
+    """Build the >= 1 GB python-big:3.11 image for `rollbox bench images` (slow; needs PyPI)."""
+    from rollbox.images.defaults import ensure_bench_image
+
+    store = _store()
+    _run(lambda: ensure_bench_image(store, log=console.print))
+
+
 if __name__ == "__main__":
     app()

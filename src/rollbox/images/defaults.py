@@ -101,3 +101,49 @@ def ensure_python_image(store: ImageStore, log: Callable[[str], None] = print) -
     asyncio.run(build_layer_with_commands(
         store, BASE_IMAGE, PYTHON_COMMANDS, PYTHON_IMAGE, log=log,
         log_file=store.root / "build-python.log"))
+
+
+# ---- benchmark image (default off: `rollbox image ensure-bench-images`, never `make test`) ----
+
+BENCH_IMAGE = "python-big:3.11"
+# Enough wheels to pass 1 GB of layers over python:3.11, like the data-science images trainers
+# use; pinned so two nodes build the same tree.
+BENCH_PIP_PACKAGES = ["numpy==2.3.5", "pandas==2.3.3", "scipy==1.16.3", "scikit-learn==1.7.2",
+                      "sympy==1.14.0", "matplotlib==3.10.7", "pyarrow==22.0.0",
+                      "polars==1.35.2", "opencv-python-headless==4.12.0.88",
+                      "jax[cpu]==0.8.1"]
+BENCH_MIN_BYTES = 1 << 30
+# A small repository with a test suite: the benchmark's workload runs pytest and git in it.
+BENCH_REPO_COMMANDS = [
+    "mkdir -p /work/repo/pkg /work/repo/tests",
+    "printf 'def add(a, b):\\n    return a + b\\n' > /work/repo/pkg/__init__.py",
+    "printf 'import numpy, pkg\\n\\ndef test_add():\\n    assert pkg.add(1, 2) == 3\\n\\n"
+    "def test_np():\\n    assert numpy.arange(4).sum() == 6\\n' > /work/repo/tests/test_pkg.py",
+    "cd /work/repo && git init -q && git -c user.email=b@x -c user.name=bench add -A && "
+    "git -c user.email=b@x -c user.name=bench commit -q -m init",
+]
+
+
+def ensure_bench_image(store: ImageStore, log: Callable[[str], None] = print) -> str:
+    """Build ``python-big:3.11`` = python:3.11 + a pip layer (>= 1 GB in all) + a workspace
+    layer with a small git repo. Returns the image name. Needs PyPI; takes minutes."""
+    if store.exists(BENCH_IMAGE):
+        return BENCH_IMAGE
+    ensure_python_image(store, log)
+    pip_image = "python-big-deps:3.11"
+    if not store.exists(pip_image):
+        log(f"building {pip_image}: pip install {' '.join(BENCH_PIP_PACKAGES)}")
+        asyncio.run(build_layer_with_commands(
+            store, PYTHON_IMAGE,
+            ["python3 -m pip install -q --no-cache-dir --break-system-packages "
+             + " ".join(f"'{p}'" for p in BENCH_PIP_PACKAGES)],
+            pip_image, log=log, log_file=store.root / "logs" / "build-bench.log"))
+    size = sum(int(store.layer_meta(d)["size"]) for d in store.resolve(pip_image).layers)
+    if size < BENCH_MIN_BYTES:
+        raise InfraError(f"{pip_image} is {size / 2**20:.0f} MiB, expected >= 1 GiB: add "
+                         "packages to BENCH_PIP_PACKAGES")
+    log(f"building {BENCH_IMAGE}: workspace layer with a small repo")
+    asyncio.run(build_layer_with_commands(
+        store, pip_image, BENCH_REPO_COMMANDS, BENCH_IMAGE, network="none", log=log,
+        log_file=store.root / "logs" / "build-bench.log"))
+    return BENCH_IMAGE

@@ -1,0 +1,132 @@
+"""`squash`: a stack of layers (with whiteouts and opaque dirs) collapsed into one layer shows
+the same tree under overlayfs as the original stack."""
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from rollbox.errors import BadRequest
+from rollbox.images.build import make_whiteout, set_opaque
+from rollbox.images.cli import app
+from rollbox.images.mounts import LayerMounts, read_mountinfo
+from rollbox.images.squash import squash_image
+from rollbox.images.store import ImageStore
+from rollbox.isolation import syscalls
+
+pytestmark = [pytest.mark.root,
+              pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount")]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[ImageStore]:
+    s = ImageStore(tmp_path / "images")
+    yield s
+    for mnt, fstype, _src in reversed(read_mountinfo()):
+        if mnt.startswith(str(tmp_path)) and fstype == "overlay":
+            syscalls.umount(mnt, syscalls.MNT_DETACH)
+    LayerMounts(s).unmount_all()
+    leftover = [m for m, _, _ in read_mountinfo() if m.startswith(str(tmp_path))]
+    for mnt in reversed(leftover):
+        syscalls.umount(mnt, syscalls.MNT_DETACH)
+    assert not leftover, f"test leaked mounts: {leftover}"
+    assert not any(s.tmp_dir.iterdir()), "squash left staging behind"
+
+
+def tree(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return root
+
+
+def overlay_view(store: ImageStore, tmp_path: Path, layers: list[str]) -> dict[str, tuple]:
+    """Everything a sandbox would see over ``layers``: path -> (type, mode, uid, content)."""
+    mounts = LayerMounts(store)
+    target = tmp_path / f"ovl{len(list(tmp_path.glob('ovl*')))}"
+    target.mkdir()
+    empty = tmp_path / f"{target.name}-empty"
+    empty.mkdir()
+    lowers = ":".join([str(mounts.ensure_mounted(d)) for d in reversed(layers)] + [str(empty)])
+    syscalls.mount("overlay", target, "overlay", syscalls.MS_RDONLY, f"lowerdir={lowers}")
+    view: dict[str, tuple] = {}
+    try:
+        for dirpath, dirnames, filenames in os.walk(target):
+            for name in dirnames + filenames:
+                p = os.path.join(dirpath, name)
+                st = os.lstat(p)
+                if stat.S_ISREG(st.st_mode):
+                    body = hashlib.sha256(Path(p).read_bytes()).hexdigest()
+                elif stat.S_ISLNK(st.st_mode):
+                    body = os.readlink(p)
+                else:
+                    body = ""
+                view[os.path.relpath(p, target)] = (stat.S_IFMT(st.st_mode),
+                                                    stat.S_IMODE(st.st_mode), st.st_uid, body)
+    finally:
+        syscalls.umount(target, syscalls.MNT_DETACH)
+    return view
+
+
+def three_layers(store: ImageStore, tmp_path: Path) -> list[str]:
+    base = store.add_layer_from_dir(tree(tmp_path / "l0", {
+        "etc/deleted": "d", "etc/kept": "k", "opt/old/a": "a", "opt/old/b": "b",
+        "srv/replaced": "file", "usr/bin/tool": "v1"}), source="l0")
+    mid_src = tree(tmp_path / "l1", {"etc/added": "new", "opt/old/c": "c", "srv/replaced/x": "x",
+                                     "home/u/notes": "n1"})
+    make_whiteout(mid_src / "etc/deleted")
+    set_opaque(mid_src / "opt/old")
+    os.chmod(mid_src / "home/u/notes", 0o600)
+    os.chown(mid_src / "home/u/notes", 1000, 1000)
+    mid = store.add_layer_from_dir(mid_src, source="l1")
+    top_src = tree(tmp_path / "l2", {"usr/bin/tool": "v2", "etc/deleted": "back again",
+                                     "home/u/more": "m"})
+    make_whiteout(top_src / "etc/added")  # deletes a file of the layer below
+    os.symlink("tool", top_src / "usr/bin/alias")
+    top = store.add_layer_from_dir(top_src, source="l2")
+    return [base, mid, top]
+
+
+@pytest.mark.parametrize("start", [0, 1])
+def test_squash_preserves_the_overlay_view(store: ImageStore, tmp_path: Path,
+                                           start: int) -> None:
+    layers = three_layers(store, tmp_path)
+    store.tag("app:1", layers, {"env": {"A": "1"}})
+    before = overlay_view(store, tmp_path, layers)
+    assert "etc/added" not in before and "etc/deleted" in before and "opt/old/a" not in before
+    squashed = squash_image(store, "app:1", start=start, tag="app:squashed")
+    assert squashed.layers[:start] == layers[:start] and len(squashed.layers) == start + 1
+    assert squashed.config["env"]["A"] == "1"
+    assert store.resolve("app:1").layers == layers  # the original ref is untouched
+    after = overlay_view(store, tmp_path, squashed.layers)
+    assert after == before
+    if start == 0:  # a bottom layer keeps no markers: nothing below to hide
+        mnt = LayerMounts(store).ensure_mounted(squashed.layers[0])
+        for dirpath, _dirs, files in os.walk(mnt):
+            for f in files:
+                st = os.lstat(os.path.join(dirpath, f))
+                assert not (stat.S_ISCHR(st.st_mode) and st.st_rdev == 0)
+
+
+def test_squash_default_picks_trailing_small_layers_and_cli(store: ImageStore,
+                                                            tmp_path: Path) -> None:
+    layers = three_layers(store, tmp_path)
+    store.tag("app:1", layers)
+    before = overlay_view(store, tmp_path, layers)
+    result = CliRunner().invoke(app, ["--root", str(store.root), "squash", "app:1"])
+    assert result.exit_code == 0, result.output
+    image = store.resolve("app:1")
+    assert len(image.layers) == 1  # all three are small: squashed from 0
+    assert image.layers[0] in result.output
+    assert overlay_view(store, tmp_path, image.layers) == before
+    # one layer left: nothing to squash
+    with pytest.raises(BadRequest):
+        squash_image(store, "app:1")
+    result = CliRunner().invoke(app, ["--root", str(store.root), "squash", "app:1", "--from", "5"])
+    assert result.exit_code == 2
