@@ -70,6 +70,13 @@ def _body_limit(method: str, path: str) -> int:
         return MAX_TAR_UPLOAD
     if method == "POST" and path.endswith("/stdin"):
         return MAX_STDIN_BODY
+    if method == "POST" and path == "/e2b/envd/files":  # E2B's multipart file upload
+        return MAX_FILE_WRITE
+    if method == "POST" and path.startswith("/swerex/"):  # SWE-ReX: zip upload, inline write
+        if path.endswith("/upload"):
+            return MAX_TAR_UPLOAD
+        if path.endswith("/write_file"):
+            return MAX_FILE_WRITE
     return MAX_JSON_BODY
 
 

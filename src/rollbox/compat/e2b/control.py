@@ -1,0 +1,307 @@
+"""E2B's REST control plane (``/sandboxes``, ``/v2/sandboxes``) on rollbox's placement.
+
+Answers use E2B's shapes and errors (``{"code": <status>, "message": ...}``); template builds,
+volumes, metrics, logs and anything else rollbox does not offer answer 501, never hang.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import urllib.parse
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from rollbox import errors
+from rollbox.compat.e2b.state import (
+    CLIENT_ID, ENVD_VERSION, PAUSED_TTL_S, TEMPLATE_LABEL, E2BState, iso, labels_of,
+    metadata_of, now,
+)
+from rollbox.edge.interface import EdgeAPI
+from rollbox.iam import Principal
+from rollbox.models import MAX_TIMEOUT_S, SandboxInfo, SandboxSpec
+
+log = logging.getLogger(__name__)
+
+PREFIX = "/e2b"
+DEFAULT_TIMEOUT_S = 15  # E2B's server default when a create names none
+LIST_LIMIT_MAX = 1000
+
+
+def e2b_error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+def _from_exc(exc: Exception) -> JSONResponse:
+    if isinstance(exc, errors.SandboxDead):
+        return e2b_error(404, str(exc))  # gone: E2B says "not found"
+    if isinstance(exc, errors.RollboxError):
+        return e2b_error(exc.status, str(exc))
+    if isinstance(exc, ValidationError):
+        return e2b_error(400, "; ".join(
+            f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg')}"
+            for e in exc.errors()))
+    log.error("e2b control call failed", exc_info=exc)
+    return e2b_error(500, "internal error")
+
+
+def _timeout(value: Any, default: float | None = None) -> float:
+    if value is None:
+        if default is None:
+            raise errors.BadRequest("timeout is required")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise errors.BadRequest("timeout must be a number of seconds")
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise errors.BadRequest(f"timeout must be in (0, {MAX_TIMEOUT_S}]")
+    return float(value)
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    body = await request.body()
+    if not body:
+        return {}
+    try:
+        msg = json.loads(body)
+    except ValueError:
+        raise errors.BadRequest("body is not JSON") from None
+    if not isinstance(msg, dict):
+        raise errors.BadRequest("body must be a JSON object")
+    return msg
+
+
+def mount_control(app: FastAPI, api: Any, state: E2BState) -> None:
+    def who(request: Request) -> Principal:
+        key = request.headers.get("x-api-key")
+        if not key:
+            auth = request.headers.get("authorization", "")
+            key = auth[7:] if auth.lower().startswith("bearer ") else None
+        return api.keys.verify(key)
+
+    async def live(sid: str, principal: Principal) -> tuple[EdgeAPI, SandboxInfo]:
+        edge = await api.sandbox_edge(sid, principal)
+        info = await edge.get(sid)
+        if info.state not in ("creating", "running"):
+            raise errors.NotFound(f"sandbox {sid} not found ({info.state})")
+        return edge, info
+
+    def template_of(info: SandboxInfo) -> str:
+        return info.labels.get(TEMPLATE_LABEL, info.image)
+
+    def sandbox_json(info: SandboxInfo) -> dict[str, Any]:
+        t = template_of(info)
+        return {"clientID": CLIENT_ID, "envdVersion": ENVD_VERSION, "sandboxID": info.id,
+                "templateID": t, "alias": t, "envdAccessToken": state.token(info.id)}
+
+    def listed_json(info: SandboxInfo) -> dict[str, Any]:
+        t = template_of(info)
+        return {
+            "clientID": CLIENT_ID, "envdVersion": ENVD_VERSION, "sandboxID": info.id,
+            "templateID": t, "alias": t, "metadata": metadata_of(info),
+            "cpuCount": max(1, round(info.resources.cpus)),
+            "memoryMB": info.resources.memory_mib, "diskSizeMB": info.resources.disk_mib,
+            "startedAt": iso(info.created_at), "endAt": iso(info.expires_at),
+            "state": "paused" if info.id in state.paused else "running",
+        }
+
+    def handler(fn):  # noqa: ANN001, ANN202 - wraps each route's errors into E2B's shape
+        async def wrapped(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except Exception as exc:  # noqa: BLE001
+                return _from_exc(exc)
+
+        wrapped.__name__ = f"e2b_{fn.__name__}"
+        return wrapped
+
+    @handler
+    async def create(request: Request) -> Response:
+        principal = who(request)
+        body = await _json(request)
+        template = body.get("templateID")
+        if not isinstance(template, str) or not template:
+            raise errors.BadRequest("templateID is required")
+        if body.get("mcp"):
+            return e2b_error(501, "MCP gateways are not supported by rollbox")
+        if body.get("autoPause"):
+            return e2b_error(501, "autoPause is not supported by rollbox")
+        net = body.get("network") or {}
+        if any(net.get(k) for k in ("allowOut", "denyOut", "allowPublicTraffic",
+                                   "maskRequestHost")):
+            return e2b_error(501, "per-sandbox network rules are not supported through the "
+                                  "E2B API; use rollbox network permissions")
+        metadata = body.get("metadata") or {}
+        envs = body.get("envVars") or {}
+        if not isinstance(metadata, dict) or not isinstance(envs, dict):
+            raise errors.BadRequest("metadata and envVars must be objects")
+        spec = SandboxSpec(image=state.image_of(template),
+                           ttl_s=_timeout(body.get("timeout"), DEFAULT_TIMEOUT_S),
+                           labels=labels_of(metadata, template), env=envs)
+        info = await api.placement.create(spec, principal.project)
+        api.remember_owner(info.id, principal.project)
+        if api.records(api.placement.edge_for(info.id)):
+            api.events.append(info.id, "sandbox.created", None, json.dumps({
+                "owner": principal.project, "key_id": principal.key_id, "node": info.node,
+                "image": spec.image, "layers": spec.layers, "labels": spec.labels,
+                "resources": spec.resources.model_dump(), "ttl_s": spec.ttl_s, "via": "e2b",
+            }))
+        return JSONResponse(sandbox_json(info), status_code=201)
+
+    async def _list(request: Request, paged: bool) -> Response:
+        principal = who(request)
+        q = request.query_params
+        wanted: dict[str, str] = {}
+        raw = q.get("metadata")
+        if raw:
+            for k, v in urllib.parse.parse_qsl(raw, keep_blank_values=True):
+                wanted[urllib.parse.unquote(k)] = urllib.parse.unquote(v)
+        states = {s for s in (q.get("state") or "running,paused").split(",") if s}
+        if states - {"running", "paused"}:
+            raise errors.BadRequest(f"unknown state in {q.get('state')!r}")
+        labels = {}
+        for k, v in wanted.items():
+            labels.update({lk: lv for lk, lv in labels_of({k: v}, "").items()
+                           if lk != TEMPLATE_LABEL})
+        owner = None if principal.admin else principal.project
+        found = [i for i in await api.placement.list(owner, labels)
+                 if (owner is None or i.owner == owner)
+                 and all(i.labels.get(k) == v for k, v in labels.items())
+                 and i.state in ("creating", "running")
+                 and ("paused" if i.id in state.paused else "running") in states]
+        found.sort(key=lambda i: (i.created_at, i.id))
+        headers = {}
+        if paged:
+            try:
+                limit = int(q.get("limit") or 100)
+                start = int(q.get("nextToken") or 0)
+            except ValueError:
+                raise errors.BadRequest("limit and nextToken must be integers") from None
+            if not 1 <= limit <= LIST_LIMIT_MAX or start < 0:
+                raise errors.BadRequest(f"limit must be in 1..{LIST_LIMIT_MAX}")
+            page = found[start:start + limit]
+            if start + limit < len(found):
+                headers["x-next-token"] = str(start + limit)
+            found = page
+        return JSONResponse([listed_json(i) for i in found], headers=headers)
+
+    @handler
+    async def list_v1(request: Request) -> Response:
+        return await _list(request, paged=False)
+
+    @handler
+    async def list_v2(request: Request) -> Response:
+        return await _list(request, paged=True)
+
+    @handler
+    async def get(request: Request) -> Response:
+        sid = request.path_params["sandbox_id"]
+        _, info = await live(sid, who(request))
+        return JSONResponse({**listed_json(info), "envdAccessToken": state.token(sid)})
+
+    @handler
+    async def kill(request: Request) -> Response:
+        principal = who(request)
+        sid = request.path_params["sandbox_id"]
+        edge = await api.sandbox_edge(sid, principal)
+        await edge.delete(sid)
+        state.paused.pop(sid, None)
+        if api.records(edge):
+            await api.drain_recorders(sid, 2.0)
+            api.events.append(sid, "sandbox.deleted", None,
+                              json.dumps({"by": principal.key_id, "reason": "e2b"}))
+        return Response(status_code=204)
+
+    @handler
+    async def set_timeout(request: Request) -> Response:
+        sid = request.path_params["sandbox_id"]
+        edge, _ = await live(sid, who(request))
+        ttl = _timeout((await _json(request)).get("timeout"))
+        if sid not in state.paused:  # a paused sandbox keeps its pause TTL until resumed
+            await edge.set_ttl(sid, ttl)
+        return Response(status_code=204)
+
+    @handler
+    async def refresh(request: Request) -> Response:
+        sid = request.path_params["sandbox_id"]
+        edge, info = await live(sid, who(request))
+        ttl = _timeout((await _json(request)).get("duration"), 60)
+        if now() + ttl > info.expires_at and sid not in state.paused:
+            await edge.set_ttl(sid, ttl)
+        return Response(status_code=204)
+
+    @handler
+    async def pause(request: Request) -> Response:
+        sid = request.path_params["sandbox_id"]
+        edge, _ = await live(sid, who(request))
+        if sid in state.paused:
+            return e2b_error(409, f"sandbox {sid} is already paused")
+        # Paused = marked: envd calls are refused until a connect/resume; processes keep their
+        # state (not frozen) and the sandbox lives on for up to PAUSED_TTL_S.
+        state.paused[sid] = now()
+        await edge.set_ttl(sid, PAUSED_TTL_S)
+        return Response(status_code=204)
+
+    async def _resume(request: Request, must_be_paused: bool) -> Response:
+        sid = request.path_params["sandbox_id"]
+        edge, info = await live(sid, who(request))
+        ttl = _timeout((await _json(request)).get("timeout"), 300)
+        if sid in state.paused:
+            await edge.set_ttl(sid, ttl)
+            state.paused.pop(sid, None)
+            return JSONResponse(sandbox_json(info), status_code=201)
+        if must_be_paused:
+            return e2b_error(409, f"sandbox {sid} is already running")
+        if now() + ttl > info.expires_at:  # connect only ever extends a running sandbox
+            await edge.set_ttl(sid, ttl)
+        return JSONResponse(sandbox_json(info), status_code=200)
+
+    @handler
+    async def connect(request: Request) -> Response:
+        return await _resume(request, must_be_paused=False)
+
+    @handler
+    async def resume(request: Request) -> Response:
+        return await _resume(request, must_be_paused=True)
+
+    sb = PREFIX + "/sandboxes"
+    app.add_api_route(sb, create, methods=["POST"], include_in_schema=False)
+    app.add_api_route(sb, list_v1, methods=["GET"], include_in_schema=False)
+    app.add_api_route(PREFIX + "/v2/sandboxes", list_v2, methods=["GET"],
+                      include_in_schema=False)
+    app.add_api_route(sb + "/{sandbox_id}", get, methods=["GET"], include_in_schema=False)
+    app.add_api_route(sb + "/{sandbox_id}", kill, methods=["DELETE"], include_in_schema=False)
+    app.add_api_route(sb + "/{sandbox_id}/timeout", set_timeout, methods=["POST"],
+                      include_in_schema=False)
+    app.add_api_route(sb + "/{sandbox_id}/refreshes", refresh, methods=["POST"],
+                      include_in_schema=False)
+    app.add_api_route(sb + "/{sandbox_id}/pause", pause, methods=["POST"],
+                      include_in_schema=False)
+    app.add_api_route(sb + "/{sandbox_id}/resume", resume, methods=["POST"],
+                      include_in_schema=False)
+    app.add_api_route(sb + "/{sandbox_id}/connect", connect, methods=["POST"],
+                      include_in_schema=False)
+
+
+def mount_fallback(app: FastAPI, api: Any) -> None:
+    """Anything else under /e2b (mounted last): 501 for an authenticated caller."""
+
+    async def unsupported(request: Request) -> Response:
+        try:
+            key = request.headers.get("x-api-key") or request.headers.get("x-access-token")
+            if request.headers.get("x-access-token") is None:
+                api.keys.verify(key)
+        except errors.RollboxError as exc:
+            return _from_exc(exc)
+        path = request.url.path[len(PREFIX):]
+        if path.startswith(("/templates", "/v2/templates", "/v3/templates")):
+            what = "template builds and template management are"
+        elif path.startswith("/volumes"):
+            what = "volumes are"
+        else:
+            what = f"{request.method} {path} is"
+        return e2b_error(501, f"{what} not supported by rollbox's E2B API")
+
+    app.add_api_route(PREFIX + "/{rest:path}", unsupported,
+                      methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)

@@ -1,0 +1,560 @@
+"""E2B's in-sandbox ``envd`` protocol on the edge interface: ``process.Process`` and
+``filesystem.Filesystem`` over Connect RPC (JSON), plus ``/files`` and ``/health``.
+
+Every request names its sandbox by the ``X-Access-Token`` issued at create/connect (and, from
+the SDK's create path, ``E2b-Sandbox-Id``); the token is the only credential envd calls carry.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import posixpath
+import stat as statmod
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from rollbox import errors
+from rollbox.compat.e2b import connectrpc as rpc
+from rollbox.compat.e2b.state import (
+    HOME, E2BState, abs_path, exec_of, iso, pid_of, user_of,
+)
+from rollbox.edge.interface import EdgeAPI, ExecOutput
+from rollbox.models import ExecSpec, FileStat
+
+log = logging.getLogger(__name__)
+
+PREFIX = "/e2b/envd"
+MAX_FILE_READ = 256 << 20
+KEEPALIVE_HEADER = "keepalive-ping-interval"
+WATCH_POLL_S = 0.2
+WATCH_MAX_ENTRIES = 20_000
+LIST_MAX_ENTRIES = 100_000
+SIGNALS = {"SIGNAL_SIGKILL": 9, "SIGNAL_SIGTERM": 15, 9: 9, 15: 15}
+
+
+# ---- conversions ------------------------------------------------------------------------
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _unb64(value: Any) -> bytes:
+    if not value:
+        return b""
+    try:
+        return base64.b64decode(value)
+    except (ValueError, TypeError):
+        raise rpc.ConnectError("invalid_argument", "bytes field is not base64") from None
+
+
+def _owner(uid: int) -> str:
+    return "root" if uid == 0 else str(uid)
+
+
+def entry_info(st: FileStat, path: str | None = None) -> dict[str, Any]:
+    kind = "FILE_TYPE_DIRECTORY" if st.type == "dir" else "FILE_TYPE_FILE"
+    mode_bits = {"dir": statmod.S_IFDIR, "symlink": statmod.S_IFLNK}.get(st.type, statmod.S_IFREG)
+    out: dict[str, Any] = {
+        "name": st.name,
+        "type": kind,
+        "path": path or st.path,
+        "size": str(st.size),
+        "mode": st.mode & 0o7777,
+        "permissions": statmod.filemode(mode_bits | (st.mode & 0o7777)),
+        "owner": _owner(st.uid),
+        "group": _owner(st.gid),
+        "modifiedTime": iso(st.mtime),
+    }
+    if st.link_target is not None:
+        out["symlinkTarget"] = st.link_target
+    return out
+
+
+def _selector(msg: dict[str, Any]) -> str:
+    sel = msg.get("process") or {}
+    if "pid" in sel:
+        try:
+            return exec_of(int(sel["pid"]))
+        except (TypeError, ValueError):
+            raise rpc.ConnectError("invalid_argument", "pid must be a number") from None
+    if "tag" in sel:
+        raise rpc.ConnectError("not_found", f"process with tag {sel['tag']!r} not found")
+    raise rpc.ConnectError("invalid_argument", "process selector (pid) is required")
+
+
+def _basic_user(request: Request) -> str:
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("basic "):
+        try:
+            return user_of(base64.b64decode(auth[6:]).decode().partition(":")[0])
+        except (ValueError, UnicodeDecodeError):
+            raise rpc.ConnectError("invalid_argument", "bad Authorization header") from None
+    return user_of(None)
+
+
+# ---- output streams ---------------------------------------------------------------------
+async def _with_keepalive(items: AsyncIterator[Any], interval: float | None,
+                          deadline: float | None) -> AsyncIterator[Any]:
+    """Yield ``items``; None after ``interval`` s of silence; stop with a ConnectError at the
+    deadline. A pump task reads the source so a tick never cancels it mid-item."""
+    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=256)
+
+    async def pump() -> None:
+        try:
+            async for item in items:
+                await queue.put(("item", item))
+            await queue.put(("end", None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the stream
+            await queue.put(("error", exc))
+
+    task = asyncio.ensure_future(pump())
+    try:
+        while True:
+            wait = interval
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise rpc.ConnectError("deadline_exceeded", "deadline exceeded")
+                wait = left if wait is None else min(wait, left)
+            try:
+                kind, val = await asyncio.wait_for(queue.get(), wait)
+            except asyncio.TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise rpc.ConnectError("deadline_exceeded", "deadline exceeded") from None
+                yield None
+                continue
+            if kind == "end":
+                return
+            if kind == "error":
+                raise val
+            yield val
+    finally:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        aclose = getattr(items, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(BaseException):
+                await aclose()
+
+
+def _keepalive_interval(request: Request) -> float | None:
+    raw = request.headers.get(KEEPALIVE_HEADER)
+    try:
+        return max(1.0, float(raw)) if raw else None
+    except ValueError:
+        return None
+
+
+def _stream_response(first: dict[str, Any] | None, events: AsyncIterator[dict[str, Any] | None],
+                     keepalive: dict[str, Any]) -> Response:
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            if first is not None:
+                yield rpc.envelope(first)
+            async for msg in events:
+                yield rpc.envelope(keepalive if msg is None else msg)
+        except Exception as exc:  # noqa: BLE001 - reported in-band, headers are sent
+            yield rpc.end_stream(rpc.from_rollbox(exc))
+            return
+        yield rpc.end_stream()
+
+    return StreamingResponse(body(), media_type=rpc.STREAM_MEDIA_TYPE)
+
+
+def _process_events(stream: AsyncIterator[ExecOutput | None], sandbox_id: str,
+                    command_deadline: bool) -> AsyncIterator[dict[str, Any] | None]:
+    async def gen() -> AsyncIterator[dict[str, Any] | None]:
+        async for item in stream:
+            if item is None:
+                yield None
+            elif item.kind in ("stdout", "stderr") and item.data:
+                yield {"event": {"data": {item.kind: _b64(item.data)}}}
+            elif item.kind == "exit" and item.result is not None:
+                res = item.result
+                if res.timed_out and command_deadline:
+                    raise rpc.ConnectError("deadline_exceeded",
+                                           "command exceeded its timeout and was killed")
+                end: dict[str, Any] = {"exited": res.signal is None}
+                if res.signal is not None:
+                    end["exitCode"] = -1
+                    end["status"] = f"signal: {'killed' if res.signal == 9 else res.signal}"
+                else:
+                    end["exitCode"] = res.exit_code or 0
+                    end["status"] = f"exit status {res.exit_code}"
+                    if res.exit_code:
+                        end["error"] = f"exit status {res.exit_code}"
+                yield {"event": {"end": end}}
+                return
+            elif item.kind == "error":
+                raise item.error or errors.SandboxDead("command stream failed")
+        raise errors.SandboxDead(f"sandbox {sandbox_id} went away under the command")
+
+    return gen()
+
+
+# ---- directory watching (polled snapshots) ----------------------------------------------
+Snapshot = dict[str, tuple[str, int, float, int]]
+
+
+async def snapshot(edge: EdgeAPI, sid: str, root: str, recursive: bool) -> Snapshot:
+    out: Snapshot = {}
+    todo = [""]
+    while todo:
+        rel = todo.pop()
+        for st in await edge.file_list(sid, posixpath.join(root, rel) if rel else root):
+            name = posixpath.join(rel, st.name) if rel else st.name
+            out[name] = (st.type, st.size, st.mtime, st.mode)
+            if len(out) >= WATCH_MAX_ENTRIES:
+                return out
+            if recursive and st.type == "dir":
+                todo.append(name)
+    return out
+
+
+def diff(old: Snapshot, new: Snapshot) -> list[dict[str, Any]]:
+    events = []
+    for name, cur in new.items():
+        prev = old.get(name)
+        if prev is None or prev[0] != cur[0]:
+            events.append({"name": name, "type": "EVENT_TYPE_CREATE"})
+            if cur[0] == "file" and cur[1] > 0:
+                events.append({"name": name, "type": "EVENT_TYPE_WRITE"})
+        elif prev[1:3] != cur[1:3]:
+            events.append({"name": name, "type": "EVENT_TYPE_WRITE"})
+        elif prev[3] != cur[3]:
+            events.append({"name": name, "type": "EVENT_TYPE_CHMOD"})
+    for name in old:
+        if name not in new:
+            events.append({"name": name, "type": "EVENT_TYPE_REMOVE"})
+    return events
+
+
+class Watcher:
+    def __init__(self, sid: str, path: str, recursive: bool, snap: Snapshot) -> None:
+        self.sid, self.path, self.recursive, self.snap = sid, path, recursive, snap
+        self.created = time.monotonic()
+
+
+# ---- routes -----------------------------------------------------------------------------
+def mount_envd(app: FastAPI, api: Any, state: E2BState) -> None:
+    watchers: dict[str, Watcher] = {}
+
+    def route(request: Request) -> tuple[str, EdgeAPI]:
+        sid = state.sandbox_of(request.headers.get("x-access-token"),
+                               request.headers.get("e2b-sandbox-id"))
+        if sid in state.paused:
+            raise errors.SandboxDead(f"sandbox {sid} is paused")
+        return sid, api.placement.edge_for(sid)
+
+    # -- plain HTTP: /health, /files --
+    def http_error(exc: Exception) -> Response:
+        if isinstance(exc, (errors.SandboxDead, errors.InfraError)):
+            status = 502
+        elif isinstance(exc, errors.RollboxError):
+            status = exc.status
+        else:
+            log.error("e2b envd http call failed", exc_info=exc)
+            status = 500
+        msg = str(exc) if isinstance(exc, errors.RollboxError) else "internal error"
+        return JSONResponse({"code": status, "message": msg}, status_code=status)
+
+    @app.get(PREFIX + "/health", include_in_schema=False)
+    async def health(request: Request) -> Response:
+        try:
+            sid, edge = route(request)
+            info = await edge.get(sid)
+            if info.state not in ("creating", "running"):
+                raise errors.SandboxDead(f"sandbox {sid} is {info.state}")
+        except Exception as exc:  # noqa: BLE001
+            return http_error(exc)
+        return Response(status_code=204)
+
+    @app.get(PREFIX + "/files", include_in_schema=False)
+    async def files_get(request: Request, path: str = "") -> Response:
+        try:
+            sid, edge = route(request)
+            data = await edge.file_read(sid, abs_path(path), MAX_FILE_READ)
+        except Exception as exc:  # noqa: BLE001
+            return http_error(exc)
+        return Response(data, media_type="application/octet-stream")
+
+    @app.post(PREFIX + "/files", include_in_schema=False)
+    async def files_post(request: Request, path: str = "") -> Response:
+        try:
+            sid, edge = route(request)
+            form = await request.form(max_files=1000)
+            written = []
+            try:
+                parts = form.multi_items()
+                for _, part in parts:
+                    if isinstance(part, str):
+                        raise errors.BadRequest("multipart part without a file name")
+                    target = path if path and len(parts) == 1 else (part.filename or "")
+                    target = abs_path(target)
+                    await edge.file_write(sid, target, await part.read(), 0o644)
+                    written.append({"name": posixpath.basename(target), "type": "file",
+                                    "path": target})
+            finally:
+                await form.close()
+            if not written:
+                raise errors.BadRequest("no file in the request")
+        except Exception as exc:  # noqa: BLE001
+            return http_error(exc)
+        return JSONResponse(written)
+
+    # -- Connect RPC --
+    async def unary(request: Request,
+                    handler: Callable[[str, EdgeAPI, dict[str, Any]], Awaitable[dict[str, Any]]]
+                    ) -> Response:
+        try:
+            msg = await rpc.read_message(request, streaming=False)
+            sid, edge = route(request)
+            return JSONResponse(await handler(sid, edge, msg))
+        except Exception as exc:  # noqa: BLE001
+            return rpc.error_response(rpc.from_rollbox(exc))
+
+    async def process_start(request: Request) -> Response:
+        msg = await rpc.read_message(request, streaming=True)
+        sid, edge = route(request)
+        if msg.get("pty"):
+            raise rpc.ConnectError("unimplemented", "PTY is not supported by rollbox")
+        proc = msg.get("process") or {}
+        cmd = proc.get("cmd")
+        if not cmd or not isinstance(cmd, str):
+            raise rpc.ConnectError("invalid_argument", "process.cmd is required")
+        args = proc.get("args") or []
+        envs = proc.get("envs") or {}
+        if not isinstance(args, list) or not isinstance(envs, dict):
+            raise rpc.ConnectError("invalid_argument", "bad process.args or process.envs")
+        deadline_s = rpc.timeout_s(request)
+        spec = ExecSpec(cmd=[cmd, *[str(a) for a in args]],
+                        env={str(k): str(v) for k, v in envs.items()},
+                        cwd=abs_path(proc.get("cwd") or HOME), user=_basic_user(request),
+                        timeout_s=deadline_s, stdin=bool(msg.get("stdin")))
+        exec_id = await edge.exec_start(sid, spec)
+        if api.records(edge):
+            api.events.append(sid, "exec.started", exec_id, json.dumps({
+                "cmd": spec.cmd, "cwd": spec.cwd, "user": spec.user, "timeout_s": spec.timeout_s,
+                "background": spec.background, "env_keys": sorted(spec.env), "via": "e2b"}))
+            api.spawn(api.record_exec(edge, sid, exec_id), sid)
+        pid = pid_of(exec_id)
+        # The command's own deadline (agent-enforced) ends it; no stream deadline on top.
+        items = _with_keepalive(edge.exec_stream(sid, exec_id), _keepalive_interval(request),
+                                None)
+        return _stream_response({"event": {"start": {"pid": pid}}},
+                                _process_events(items, sid, command_deadline=True),
+                                {"event": {"keepalive": {}}})
+
+    async def _running(edge: EdgeAPI, sid: str, exec_id: str) -> None:
+        for info in await edge.exec_list(sid):
+            if info.exec_id == exec_id:
+                if info.state != "running":
+                    raise rpc.ConnectError("not_found", f"process {pid_of(exec_id)} has exited")
+                return
+        raise rpc.ConnectError("not_found", f"process {pid_of(exec_id)} not found")
+
+    async def process_connect(request: Request) -> Response:
+        msg = await rpc.read_message(request, streaming=True)
+        sid, edge = route(request)
+        exec_id = _selector(msg)
+        await _running(edge, sid, exec_id)
+        t = rpc.timeout_s(request)
+        deadline = time.monotonic() + t if t else None
+        items = _with_keepalive(edge.exec_stream(sid, exec_id), _keepalive_interval(request),
+                                deadline)
+        return _stream_response({"event": {"start": {"pid": pid_of(exec_id)}}},
+                                _process_events(items, sid, command_deadline=False),
+                                {"event": {"keepalive": {}}})
+
+    async def process_list(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
+        procs = []
+        for info in await edge.exec_list(sid):
+            if info.state != "running":
+                continue
+            argv = info.cmd if isinstance(info.cmd, list) else ["/bin/sh", "-c", info.cmd]
+            procs.append({"config": {"cmd": argv[0], "args": argv[1:], "envs": {}},
+                          "pid": pid_of(info.exec_id)})
+        return {"processes": procs}
+
+    async def process_signal(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
+        exec_id = _selector(msg)
+        sig = SIGNALS.get(msg.get("signal", "SIGNAL_SIGKILL"))
+        if sig is None:
+            raise rpc.ConnectError("invalid_argument", f"unsupported signal {msg.get('signal')!r}")
+        await _running(edge, sid, exec_id)
+        await edge.exec_kill(sid, exec_id, sig)
+        return {}
+
+    async def process_input(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
+        exec_id = _selector(msg)
+        inp = msg.get("input") or {}
+        if "pty" in inp:
+            raise rpc.ConnectError("unimplemented", "PTY is not supported by rollbox")
+        await _running(edge, sid, exec_id)
+        await edge.exec_stdin(sid, exec_id, _unb64(inp.get("stdin")), False)
+        return {}
+
+    async def process_close_stdin(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
+        exec_id = _selector(msg)
+        await _running(edge, sid, exec_id)
+        await edge.exec_stdin(sid, exec_id, b"", True)
+        return {}
+
+    # -- filesystem --
+    def _path(msg: dict[str, Any], key: str = "path") -> str:
+        p = msg.get(key)
+        if not isinstance(p, str) or not p:
+            raise rpc.ConnectError("invalid_argument", f"{key} is required")
+        return abs_path(p)
+
+    async def fs_stat(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
+        p = _path(msg)
+        return {"entry": entry_info(await edge.file_stat(sid, p), p)}
+
+    async def fs_make_dir(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
+        p = _path(msg)
+        try:
+            await edge.file_stat(sid, p)
+        except errors.NotFound:
+            await edge.file_mkdir(sid, p, True)
+            return {"entry": entry_info(await edge.file_stat(sid, p), p)}
+        raise rpc.ConnectError("already_exists", f"path already exists: {p}")
+
+    async def fs_move(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
+        src, dst = _path(msg, "source"), _path(msg, "destination")
+        await edge.file_stat(sid, src)  # not_found before anything runs
+        # The edge has no rename: mv runs in the sandbox, as root, like a user's command.
+        exec_id = await edge.exec_start(sid, ExecSpec(cmd=["mv", "-f", "--", src, dst],
+                                                      timeout_s=60))
+        res = await edge.exec_wait(sid, exec_id)
+        if res.exit_code != 0:
+            raise rpc.ConnectError("invalid_argument",
+                                   f"rename failed: {res.stderr.strip() or res.exit_code}")
+        return {"entry": entry_info(await edge.file_stat(sid, dst), dst)}
+
+    async def fs_list(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
+        root = _path(msg)
+        depth = int(msg.get("depth") or 1)
+        if depth < 1:
+            raise rpc.ConnectError("invalid_argument", "depth should be at least 1")
+        top = await edge.file_stat(sid, root)
+        if top.type != "dir":
+            raise rpc.ConnectError("invalid_argument", f"path is not a directory: {root}")
+        entries: list[dict[str, Any]] = []
+        todo = [(root, 1)]
+        while todo:
+            d, level = todo.pop(0)
+            for st in await edge.file_list(sid, d):
+                full = posixpath.join(d, st.name)
+                entries.append(entry_info(st, full))
+                if len(entries) >= LIST_MAX_ENTRIES:
+                    return {"entries": entries}
+                if st.type == "dir" and level < depth:
+                    todo.append((full, level + 1))
+        return {"entries": entries}
+
+    async def fs_remove(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
+        await edge.file_remove(sid, _path(msg), True)
+        return {}
+
+    async def _watch_root(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> tuple[str, bool]:
+        p = _path(msg)
+        st = await edge.file_stat(sid, p)
+        if st.type != "dir":
+            raise rpc.ConnectError("invalid_argument", f"path is not a directory: {p}")
+        return p, bool(msg.get("recursive"))
+
+    async def fs_watch(request: Request) -> Response:
+        msg = await rpc.read_message(request, streaming=True)
+        sid, edge = route(request)
+        root, recursive = await _watch_root(sid, edge, msg)
+        snap = await snapshot(edge, sid, root, recursive)
+        t = rpc.timeout_s(request)
+        deadline = time.monotonic() + t if t else None
+
+        async def polled() -> AsyncIterator[dict[str, Any]]:
+            nonlocal snap
+            while True:
+                await asyncio.sleep(WATCH_POLL_S)
+                if sid in state.paused:
+                    continue
+                try:
+                    new = await snapshot(edge, sid, root, recursive)
+                except errors.NotFound:
+                    # The watched directory itself went away: report and end.
+                    if (await edge.get(sid)).state not in ("creating", "running"):
+                        raise
+                    new = {}
+                for ev in diff(snap, new):
+                    yield {"filesystem": ev}
+                snap = new
+
+        items = _with_keepalive(polled(), _keepalive_interval(request), deadline)
+        return _stream_response({"start": {}}, items, {"keepalive": {}})
+
+    async def fs_create_watcher(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
+        root, recursive = await _watch_root(sid, edge, msg)
+        wid = f"w{len(watchers)}-{time.monotonic_ns():x}"
+        watchers[wid] = Watcher(sid, root, recursive, await snapshot(edge, sid, root, recursive))
+        return {"watcherId": wid}
+
+    def _watcher(sid: str, msg: dict[str, Any]) -> tuple[str, Watcher]:
+        wid = str(msg.get("watcherId") or "")
+        w = watchers.get(wid)
+        if w is None or w.sid != sid:
+            raise rpc.ConnectError("not_found", f"watcher {wid!r} not found")
+        return wid, w
+
+    async def fs_watcher_events(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
+        _, w = _watcher(sid, msg)
+        new = await snapshot(edge, sid, w.path, w.recursive)
+        events = diff(w.snap, new)
+        w.snap = new
+        return {"events": events}
+
+    async def fs_remove_watcher(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
+        wid, _ = _watcher(sid, msg)
+        watchers.pop(wid, None)
+        return {}
+
+    UNARY = {
+        ("process.Process", "List"): process_list,
+        ("process.Process", "SendSignal"): process_signal,
+        ("process.Process", "SendInput"): process_input,
+        ("process.Process", "CloseStdin"): process_close_stdin,
+        ("filesystem.Filesystem", "Stat"): fs_stat,
+        ("filesystem.Filesystem", "MakeDir"): fs_make_dir,
+        ("filesystem.Filesystem", "Move"): fs_move,
+        ("filesystem.Filesystem", "ListDir"): fs_list,
+        ("filesystem.Filesystem", "Remove"): fs_remove,
+        ("filesystem.Filesystem", "CreateWatcher"): fs_create_watcher,
+        ("filesystem.Filesystem", "GetWatcherEvents"): fs_watcher_events,
+        ("filesystem.Filesystem", "RemoveWatcher"): fs_remove_watcher,
+    }
+    STREAMS = {
+        ("process.Process", "Start"): process_start,
+        ("process.Process", "Connect"): process_connect,
+        ("filesystem.Filesystem", "WatchDir"): fs_watch,
+    }
+
+    @app.post(PREFIX + "/{service}/{method}", include_in_schema=False)
+    async def connect_call(service: str, method: str, request: Request) -> Response:
+        key = (service, method)
+        if key in UNARY:
+            return await unary(request, UNARY[key])
+        if key in STREAMS:
+            try:
+                return await STREAMS[key](request)
+            except Exception as exc:  # noqa: BLE001
+                return rpc.error_response(rpc.from_rollbox(exc))
+        return rpc.error_response(rpc.ConnectError(
+            "unimplemented", f"{service}/{method} is not supported by rollbox"))

@@ -1,0 +1,149 @@
+"""What the E2B front door keeps: the access-token secret, the template -> image map, the
+paused mark, and the mappings between E2B's names and rollbox's (pids, metadata, users, paths).
+"""
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import hmac
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+
+from rollbox import errors
+from rollbox.config import Settings
+from rollbox.images.defaults import BASE_IMAGE
+from rollbox.models import LABEL_RE, SandboxInfo
+
+# The envd version rollbox speaks: >= 0.4.0 so the SDK sends no default user, >= 0.3.0 for
+# optional stdin, >= 0.1.4 for recursive watch.
+ENVD_VERSION = "0.4.0"
+CLIENT_ID = "rollbox"
+TEMPLATE_LABEL = "e2b.template"
+META_PREFIX = "e2b.m."
+# E2B pids are numbers; rollbox exec ids are "e<n>" per sandbox: pid = n + PID_BASE.
+PID_BASE = 1000
+_EXEC_RE = re.compile(r"^e(\d{1,9})$")
+# E2B's default user is "user"; rollbox images have root, so "user" (and no user) run as root.
+DEFAULT_USER = "root"
+HOME = "/root"
+PAUSED_TTL_S = 24 * 3600.0
+
+
+def _templates_from_env() -> dict[str, str]:
+    """``ROLLBOX_E2B_TEMPLATES="base=debian:bookworm,python=python:3.11"``."""
+    out = {"base": BASE_IMAGE}
+    for item in os.environ.get("ROLLBOX_E2B_TEMPLATES", "").split(","):
+        name, sep, image = item.strip().partition("=")
+        if sep and name.strip() and image.strip():
+            out[name.strip()] = image.strip()
+    return out
+
+
+def _load_secret(settings: Settings) -> bytes:
+    """Key of the envd access tokens: ROLLBOX_E2B_SECRET, else a root-only file in the data
+    dir (tokens stay valid across restarts), else a per-process random key."""
+    env = os.environ.get("ROLLBOX_E2B_SECRET")
+    if env:
+        return env.encode()
+    path = Path(settings.data_dir) / "e2b-token.key"
+    try:
+        return bytes.fromhex(path.read_text().strip())
+    except (OSError, ValueError):
+        pass
+    key = secrets.token_bytes(32)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key.hex() + "\n")
+    except FileExistsError:
+        try:
+            return bytes.fromhex(path.read_text().strip())
+        except (OSError, ValueError):
+            return key
+    except OSError:
+        pass
+    return key
+
+
+class E2BState:
+    def __init__(self, settings: Settings | None = None,
+                 templates: dict[str, str] | None = None) -> None:
+        self.templates = templates if templates is not None else _templates_from_env()
+        self._secret = _load_secret(settings or Settings())
+        # sandbox id -> time it was paused. Per api process (documented in docs/compat.md).
+        self.paused: dict[str, float] = {}
+
+    # -- access tokens: "<sandbox id>.<mac>", so envd calls route by token alone --
+    def token(self, sandbox_id: str) -> str:
+        mac = hmac.new(self._secret, sandbox_id.encode(), hashlib.sha256).hexdigest()[:40]
+        return f"{sandbox_id}.{mac}"
+
+    def sandbox_of(self, token: str | None, sandbox_id: str | None) -> str:
+        """The sandbox a request may reach: the token must be the one issued for it."""
+        if not token:
+            raise errors.Unauthorized("missing X-Access-Token")
+        sid, _, _ = token.rpartition(".")
+        if sandbox_id and sandbox_id != sid:
+            raise errors.Unauthorized("access token does not match E2b-Sandbox-Id")
+        if not sid or not hmac.compare_digest(self.token(sid), token):
+            raise errors.Unauthorized("invalid access token")
+        return sid
+
+    def image_of(self, template: str) -> str:
+        return self.templates.get(template, template)
+
+
+def pid_of(exec_id: str) -> int:
+    m = _EXEC_RE.match(exec_id)
+    if m is None:
+        raise errors.InfraError(f"unexpected exec id {exec_id!r}")
+    return int(m[1]) + PID_BASE
+
+
+def exec_of(pid: int) -> str:
+    if pid < PID_BASE:
+        raise errors.NotFound(f"process with pid {pid} not found")
+    return f"e{pid - PID_BASE}"
+
+
+def labels_of(metadata: dict[str, str], template: str) -> dict[str, str]:
+    labels = {TEMPLATE_LABEL: template[:256]}
+    for k, v in metadata.items():
+        key = META_PREFIX + k
+        if not isinstance(v, str) or not LABEL_RE.match(key) or len(v) > 256:
+            raise errors.BadRequest(
+                f"metadata key {k!r} not supported (at most {63 - len(META_PREFIX)} of "
+                "[A-Za-z0-9_.-/], values at most 256 characters)")
+        labels[key] = v
+    return labels
+
+
+def metadata_of(info: SandboxInfo) -> dict[str, str]:
+    return {k[len(META_PREFIX):]: v for k, v in info.labels.items() if k.startswith(META_PREFIX)}
+
+
+def user_of(name: str | None) -> str:
+    return DEFAULT_USER if not name or name == "user" else name
+
+
+def abs_path(path: str) -> str:
+    """envd resolves relative paths against the user's home."""
+    if not path:
+        raise errors.BadRequest("path is required")
+    if path.startswith("/"):
+        return path
+    if path == "~" or path.startswith("~/"):
+        path = path[2:]
+    return f"{HOME}/{path}" if path else HOME
+
+
+def iso(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def now() -> float:
+    return time.time()

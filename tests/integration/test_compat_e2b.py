@@ -1,0 +1,326 @@
+"""The unmodified ``e2b`` SDK (pinned in requirements.lock) against rollbox's E2B front door:
+a real edge, the real api app on a real port, E2B_API_URL / E2B_SANDBOX_URL pointed at it.
+
+One module-wide server and event loop (the SDK keeps one connection pool per process); the
+sync SDK runs in a worker thread so it never blocks the loop that serves it.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from tests.conftest import TEST_RUN, have_image, node_settings
+
+e2b = pytest.importorskip("e2b")
+
+pytestmark = [
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.skipif(not have_image("debian:bookworm"), reason="debian:bookworm not built"),
+]
+
+
+class Env:
+    def __init__(self, url: str, key: str, edge: Any) -> None:
+        self.url, self.key, self.edge = url, key, edge
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def env() -> AsyncIterator[Env]:
+    from rollbox.api import BackgroundServer, create_app
+    from rollbox.edge.edge import Edge
+    from rollbox.events.store import EventLog
+    from rollbox.iam import KeyStore
+    from rollbox.placement import Placement
+
+    tmp = Path(tempfile.mkdtemp(prefix=f"rollbox-test-{TEST_RUN}-"))
+    tmp.chmod(0o711)
+    settings = node_settings(tmp)
+    events = EventLog(tmp / "events.db")
+    keys = KeyStore(tmp / "keys.db")
+    edge = Edge(settings, events)
+    await edge.start()
+    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY",
+                                            "E2B_DOMAIN")}
+    try:
+        app = create_app(Placement([edge]), events, keys)
+        async with BackgroundServer(app) as srv:
+            key = keys.create("e2b-proj")
+            os.environ["E2B_API_URL"] = f"{srv.url}/e2b"
+            os.environ["E2B_SANDBOX_URL"] = f"{srv.url}/e2b/envd"
+            os.environ["E2B_API_KEY"] = key
+            yield Env(srv.url, key, edge)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        left = list(edge.live)
+        await edge.close(destroy=True)
+        leaks = {sid: edge.leftovers(sid) for sid in left}
+        events.close()
+        keys.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        assert not {k: v for k, v in leaks.items() if v}, leaks
+
+
+async def test_async_commands(env: Env) -> None:
+    from e2b import AsyncSandbox, CommandExitException, TimeoutException
+
+    sbx = await AsyncSandbox.create("base", timeout=120, metadata={"job": "t1"},
+                                    envs={"GREETING": "hi"})
+    try:
+        assert await sbx.is_running()
+        out: list[str] = []
+        err: list[str] = []
+        res = await sbx.commands.run("echo $GREETING; echo oops >&2; echo two",
+                                     on_stdout=out.append, on_stderr=err.append)
+        assert res.exit_code == 0
+        assert res.stdout == "hi\ntwo\n" and res.stderr == "oops\n"
+        assert "".join(out) == "hi\ntwo\n" and "".join(err) == "oops\n"
+
+        res = await sbx.commands.run("pwd; echo $X", cwd="/tmp", envs={"X": "y"})
+        assert res.stdout == "/tmp\ny\n"
+
+        with pytest.raises(CommandExitException) as ex:
+            await sbx.commands.run("echo bad; exit 3")
+        assert ex.value.exit_code == 3 and ex.value.stdout == "bad\n"
+
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutException):
+            await sbx.commands.run("sleep 30", timeout=1)
+        assert time.monotonic() - t0 < 10
+
+        # Background command, list, connect, stdin, kill.
+        h = await sbx.commands.run("cat", background=True, stdin=True)
+        procs = await sbx.commands.list()
+        assert h.pid in [p.pid for p in procs]
+        await sbx.commands.send_stdin(h.pid, "line one\n")
+        seen: list[str] = []
+        h2 = await sbx.commands.connect(h.pid, on_stdout=seen.append)
+        for _ in range(100):
+            if "line one\n" in "".join(seen):
+                break
+            await asyncio.sleep(0.05)
+        assert "line one\n" in "".join(seen)
+        assert await sbx.commands.kill(h.pid)
+        with pytest.raises(CommandExitException):
+            await h2.wait()
+        assert h.pid not in [p.pid for p in await sbx.commands.list()]
+        assert not await sbx.commands.kill(h.pid)  # gone: False, not an error
+
+        bg = await sbx.commands.run("sleep 0.3; echo done", background=True)
+        assert (await bg.wait()).stdout == "done\n"
+    finally:
+        assert await sbx.kill()
+    assert not await sbx.is_running()
+
+
+async def test_async_files(env: Env) -> None:
+    from e2b import AsyncSandbox, FileType, NotFoundException
+
+    sbx = await AsyncSandbox.create(timeout=120)
+    try:
+        info = await sbx.files.write("/tmp/a/b.txt", "hello")
+        assert info.path == "/tmp/a/b.txt"
+        assert await sbx.files.read("/tmp/a/b.txt") == "hello"
+        blob = bytes(range(256)) * 4000
+        await sbx.files.write("/tmp/a/blob.bin", blob)
+        assert bytes(await sbx.files.read("/tmp/a/blob.bin", format="bytes")) == blob
+        assert (await sbx.commands.run("cat /tmp/a/b.txt")).stdout == "hello"
+        await sbx.files.write("rel.txt", "home")  # relative: the user's home
+        assert (await sbx.commands.run("cat /root/rel.txt")).stdout == "home"
+
+        assert await sbx.files.exists("/tmp/a/b.txt")
+        assert not await sbx.files.exists("/tmp/nope")
+        assert await sbx.files.make_dir("/tmp/a/sub/deeper")
+        assert not await sbx.files.make_dir("/tmp/a/sub")  # exists: False
+        entries = await sbx.files.list("/tmp/a")
+        kinds = {e.name: e.type for e in entries}
+        assert kinds == {"b.txt": FileType.FILE, "blob.bin": FileType.FILE, "sub": FileType.DIR}
+        assert {e.path for e in await sbx.files.list("/tmp/a", depth=3)} >= {
+            "/tmp/a/sub/deeper"}
+        moved = await sbx.files.rename("/tmp/a/b.txt", "/tmp/a/c.txt")
+        assert moved.path == "/tmp/a/c.txt" and moved.type == FileType.FILE
+        assert not await sbx.files.exists("/tmp/a/b.txt")
+        st = await sbx.files.get_info("/tmp/a/c.txt")
+        assert st.size == 5 and st.name == "c.txt"
+        await sbx.files.remove("/tmp/a/sub")
+        assert not await sbx.files.exists("/tmp/a/sub/deeper")
+        with pytest.raises(NotFoundException):
+            await sbx.files.read("/tmp/no/such")
+        with pytest.raises(NotFoundException):
+            await sbx.files.list("/tmp/no/such")
+        with pytest.raises(NotFoundException):
+            await sbx.files.rename("/tmp/no/such", "/tmp/x")
+
+        # Directory watch (polled): a write and a removal are reported.
+        got: list[Any] = []
+        handle = await sbx.files.watch_dir("/tmp/a", on_event=got.append)
+        await sbx.files.write("/tmp/a/new.txt", "x")
+        await sbx.files.remove("/tmp/a/c.txt")
+        for _ in range(60):
+            names = {(e.name, e.type.value) for e in got}
+            if ("new.txt", "create") in names and ("c.txt", "remove") in names:
+                break
+            await asyncio.sleep(0.1)
+        await handle.stop()
+        names = {(e.name, e.type.value) for e in got}
+        assert ("new.txt", "create") in names and ("c.txt", "remove") in names, names
+    finally:
+        await sbx.kill()
+
+
+async def test_lifecycle_list_connect_pause(env: Env) -> None:
+    from e2b import AsyncSandbox, NotFoundException, SandboxQuery, SandboxState
+
+    tag = f"life-{time.monotonic_ns()}"
+    a = await AsyncSandbox.create(timeout=60, metadata={"tag": tag, "role": "a"})
+    b = await AsyncSandbox.create(timeout=60, metadata={"tag": tag, "role": "b"})
+    try:
+        found = await AsyncSandbox.list(query=SandboxQuery(metadata={"tag": tag})).next_items()
+        assert {s.sandbox_id for s in found} == {a.sandbox_id, b.sandbox_id}
+        only_b = await AsyncSandbox.list(
+            query=SandboxQuery(metadata={"tag": tag, "role": "b"})).next_items()
+        assert [s.sandbox_id for s in only_b] == [b.sandbox_id]
+        assert only_b[0].metadata == {"tag": tag, "role": "b"}
+
+        info = await a.get_info()
+        assert info.metadata == {"tag": tag, "role": "a"} and info.template_id == "base"
+        await a.set_timeout(600)
+        assert (await a.get_info()).end_at.timestamp() > time.time() + 500
+
+        # connect by id (fresh object, token from the control plane) sees the same sandbox.
+        await a.files.write("/tmp/mark", "A")
+        a2 = await AsyncSandbox.connect(a.sandbox_id)
+        assert await a2.files.read("/tmp/mark") == "A"
+        assert (await a2.commands.run("cat /tmp/mark")).stdout == "A"
+
+        # pause: listed as paused, envd refuses; connect resumes with state intact.
+        await a.beta_pause()
+        paused = await AsyncSandbox.list(query=SandboxQuery(
+            metadata={"tag": tag}, state=[SandboxState.PAUSED])).next_items()
+        assert [s.sandbox_id for s in paused] == [a.sandbox_id]
+        assert not await a.is_running()
+        a3 = await AsyncSandbox.connect(a.sandbox_id, timeout=120)
+        assert await a3.is_running()
+        assert await a3.files.read("/tmp/mark") == "A"
+
+        # pagination
+        pager = AsyncSandbox.list(query=SandboxQuery(metadata={"tag": tag}), limit=1)
+        seen = []
+        while pager.has_next:
+            seen += [s.sandbox_id for s in await pager.next_items()]
+        assert sorted(seen) == sorted([a.sandbox_id, b.sandbox_id])
+    finally:
+        await a.kill()
+        await b.kill()
+    with pytest.raises(NotFoundException):
+        await AsyncSandbox.connect(a.sandbox_id)
+
+
+async def test_bad_input_and_unsupported(env: Env) -> None:
+    from e2b import (
+        AsyncSandbox, AuthenticationException, NotFoundException, SandboxException,
+    )
+
+    ghost = f"{env.edge.node_id}-0123456789ab"
+    assert not await AsyncSandbox.kill(ghost)
+    with pytest.raises(NotFoundException):
+        await AsyncSandbox.connect(ghost)
+    with pytest.raises(NotFoundException):
+        await AsyncSandbox.get_info("not-a-sandbox-id")
+    with pytest.raises(NotFoundException):
+        await AsyncSandbox.set_timeout(ghost, 30)
+    with pytest.raises(SandboxException):
+        await AsyncSandbox.create("no-such-template", timeout=30)
+    with pytest.raises(AuthenticationException):
+        await AsyncSandbox.create(timeout=30, api_key="e2b_wrong")
+    with pytest.raises(SandboxException, match="MCP"):
+        await AsyncSandbox.create(timeout=30, mcp={"exa": {"apiKey": "x"}})
+
+    async with httpx.AsyncClient(base_url=env.url, timeout=10,
+                                 headers={"X-API-KEY": env.key}) as c:
+        for method, path in [("POST", "/e2b/v3/templates"), ("GET", "/e2b/templates"),
+                             ("POST", "/e2b/volumes"), ("GET", f"/e2b/sandboxes/{ghost}/logs")]:
+            r = await c.request(method, path, json={})
+            assert r.status_code == 501 and "not supported" in r.json()["message"], path
+        # envd without or with a forged token: 401, never a 500 or a hang.
+        r = await c.post("/e2b/envd/process.Process/List", json={})
+        assert r.status_code == 401 and r.json()["code"] == "unauthenticated"
+        r = await c.post("/e2b/envd/process.Process/List", json={},
+                         headers={"X-Access-Token": f"{ghost}.deadbeef"})
+        assert r.status_code == 401
+
+    sbx = await AsyncSandbox.create(timeout=60)
+    try:
+        with pytest.raises(SandboxException):
+            await sbx.commands.run("true", user="no-such-user")
+        with pytest.raises(NotFoundException):
+            await sbx.commands.connect(999_999)
+        assert (await sbx.commands.run("exit 0")).exit_code == 0  # still healthy
+    finally:
+        await sbx.kill()
+    # A killed sandbox's envd answers "not running", its commands fail fast.
+    with pytest.raises(Exception):  # noqa: B017 - the SDK raises its timeout/not-found type
+        await sbx.commands.run("true", request_timeout=10)
+
+
+def _sync_scenario() -> None:
+    from e2b import CommandExitException, Sandbox
+
+    sbx = Sandbox.create("base", timeout=60, metadata={"kind": "sync"}, envs={"V": "1"})
+    try:
+        out: list[str] = []
+        res = sbx.commands.run("echo $V; echo e >&2", on_stdout=out.append)
+        assert res.stdout == "1\n" and res.stderr == "e\n" and out == ["1\n"]
+        with pytest.raises(CommandExitException):
+            sbx.commands.run("exit 2")
+        sbx.files.write("/tmp/s.txt", "sync")
+        assert sbx.files.read("/tmp/s.txt") == "sync"
+        assert [e.name for e in sbx.files.list("/tmp") if e.name == "s.txt"] == ["s.txt"]
+        h = sbx.commands.run("sleep 30", background=True)
+        assert h.pid in [p.pid for p in sbx.commands.list()]
+        assert sbx.commands.kill(h.pid)
+        sbx.set_timeout(120)
+        ids = [s.sandbox_id for s in Sandbox.list().next_items()]
+        assert sbx.sandbox_id in ids
+        again = Sandbox.connect(sbx.sandbox_id)
+        assert again.files.exists("/tmp/s.txt")
+    finally:
+        assert sbx.kill()
+
+
+async def test_sync_sdk(env: Env) -> None:
+    await asyncio.to_thread(_sync_scenario)
+
+
+async def _cycle(i: int) -> str:
+    from e2b import AsyncSandbox
+
+    sbx = await AsyncSandbox.create(timeout=120, metadata={"i": str(i)})
+    try:
+        return (await sbx.commands.run(f"echo {i}")).stdout
+    finally:
+        await sbx.kill()
+
+
+async def test_concurrent_8(env: Env) -> None:
+    outs = await asyncio.gather(*(_cycle(i) for i in range(8)))
+    assert outs == [f"{i}\n" for i in range(8)]
+
+
+@pytest.mark.slow
+async def test_concurrent_64(env: Env) -> None:
+    outs = await asyncio.gather(*(_cycle(i) for i in range(64)))
+    assert outs == [f"{i}\n" for i in range(64)]
