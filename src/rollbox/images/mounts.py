@@ -58,6 +58,7 @@ class LayerMounts:
         self.store = store
         self.mnt_dir = store.mnt_dir
         self._verified: dict[str, int] = {}  # digest -> st_dev of its mounted root
+        self._lazy: dict[str, int] = {}  # lazy layer -> daemon generation it is mounted on
 
     def mount_point(self, digest: str) -> Path:
         return self.mnt_dir / validate_digest(digest)
@@ -123,7 +124,8 @@ class LayerMounts:
         dev = self._verified.get(digest)
         if dev is not None:
             try:
-                if os.stat(target).st_dev == dev:
+                if os.stat(target).st_dev == dev and (
+                        digest not in self._lazy or self._lazy_healthy(digest)):
                     return target
             except OSError:
                 pass
@@ -132,22 +134,64 @@ class LayerMounts:
         self._verified[digest] = os.stat(path).st_dev
         return path
 
+    def _lazy_healthy(self, digest: str) -> bool:
+        # A lazy layer's mount is good while the daemon generation it was mounted on lives.
+        from rollbox.images.lazy.loader import loader_for
+
+        loader = loader_for(self.store)
+        state = loader.daemon_state()
+        return (state is not None and state.get("generation") == self._lazy[digest]
+                and loader.healthy(state))
+
     def _ensure_mounted_slow(self, digest: str) -> Path:
-        layer = self.store.layer_path(digest)
+        lazy_gen = None
+        if self.store.is_lazy(digest):
+            # Starts/repairs the lazy-loading daemon and fetches the layer's first chunk:
+            # a dead store fails here with a typed, retryable error.
+            from rollbox.images.lazy.loader import loader_for
+
+            loader = loader_for(self.store)
+            layer = loader.ensure_layer_sync(digest)
+            lazy_gen = loader.generation()
+        else:
+            layer = self.store.layer_path(digest)
         target = self.mount_point(digest)
         with self._locked(digest):
             current = self._current(digest)
             if current is not None:
                 fstype, source = current
-                if fstype != "erofs" or os.path.realpath(source) != os.path.realpath(layer):
+                if fstype == "erofs" and os.path.realpath(source) == os.path.realpath(layer):
+                    self._note_lazy(digest, lazy_gen)
+                    return target
+                if not (fstype == "erofs" and self._stale_lazy_source(source)):
                     raise InfraError(f"{target} has a foreign mount ({fstype} from {source})")
-                return target
+                # Mounted on a crashed lazy daemon's file: replace it unless a sandbox uses it.
+                users = self.users(digest)
+                if users:
+                    raise InfraError(f"layer {digest} is mounted on a crashed lazy-loading "
+                                     f"daemon and still used by {len(users)} mount(s); retry "
+                                     "once they are gone", digest=digest)
+                try:
+                    syscalls.umount(target, syscalls.UMOUNT_NOFOLLOW)
+                except OSError as exc:
+                    raise InfraError(f"cannot unmount stale lazy layer {target}: {exc}") from exc
             target.mkdir(mode=0o755, exist_ok=True)
             try:
                 syscalls.mount(str(layer), target, "erofs", MOUNT_FLAGS)
             except OSError as exc:
                 raise InfraError(f"cannot mount layer {digest} at {target}: {exc}") from exc
+            self._note_lazy(digest, lazy_gen)
             return target
+
+    def _note_lazy(self, digest: str, generation: int | None) -> None:
+        if generation is None:
+            self._lazy.pop(digest, None)
+        else:
+            self._lazy[digest] = generation
+
+    def _stale_lazy_source(self, source: str) -> bool:
+        lazy_fs = os.path.realpath(self.store.root / "lazy" / "fs") + "/"
+        return os.path.normpath(os.path.join(os.getcwd(), source)).startswith(lazy_fs)
 
     async def ensure_mounted_async(self, digest: str) -> Path:
         return await asyncio.to_thread(self.ensure_mounted, digest)

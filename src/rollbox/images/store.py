@@ -179,17 +179,39 @@ class ImageStore:
     # ---- layers -------------------------------------------------------------------------
 
     def layer_path(self, digest: str) -> Path:
-        """Path of the layer's EROFS file; NotFound if the store lacks it."""
+        """Path of the layer's EROFS file; NotFound if the store lacks it.
+
+        A lazy layer (no local file, a lazy record: see rollbox.images.lazy) maps to the file
+        the lazy-loading daemon serves; mounting it goes through the loader (mounts.py)."""
         path = self.layers_dir / f"{validate_digest(digest)}.erofs"
         if not path.is_file():
+            if self.is_lazy(digest):
+                from rollbox.images.lazy.paths import LazyPaths
+
+                return LazyPaths(self.root).served_path(digest)
             raise NotFound(f"layer {digest} is not in the image store at {self.root}",
                            digest=digest)
         return path
 
     def has_layer(self, digest: str) -> bool:
+        """The layer's whole file is local (lazy layers are not)."""
         return is_digest(digest) and (self.layers_dir / f"{digest}.erofs").is_file()
 
+    def is_lazy(self, digest: str) -> bool:
+        """Served lazily: a lazy record and no local file (a full pull wins)."""
+        from rollbox.images.lazy.paths import read_record
+
+        return (is_digest(digest) and not (self.layers_dir / f"{digest}.erofs").is_file()
+                and read_record(self.root, digest) is not None)
+
     def layer_meta(self, digest: str) -> dict[str, Any]:
+        if self.is_lazy(digest):
+            from rollbox.images.lazy.paths import read_record
+
+            record = read_record(self.root, digest) or {}
+            return {"digest": digest, "size": int(record.get("size", 0)),
+                    "created": record.get("created"), "source": f"lazy:{record.get('store')}",
+                    "lazy": {"store": record.get("store")}}
         self.layer_path(digest)
         try:
             return json.loads((self.layers_dir / f"{digest}.json").read_text())

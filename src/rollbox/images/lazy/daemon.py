@@ -1,0 +1,541 @@
+"""The per-node lazy-loading FUSE daemon: ``python -m rollbox.images.lazy.daemon``.
+
+Serves ``<mountpoint>/<digest>.erofs`` for every layer with a lazy record (see
+:mod:`rollbox.images.lazy.paths`). A read maps to chunk indices; a chunk missing from the sparse
+node cache is fetched from the layer's chunk store (one in-flight fetch per chunk, shared by every
+reader), verified against its digest, written to the cache, then marked present in the bitmap —
+so bytes are served only from verified, complete chunks. A miss also prefetches the next
+``readahead`` chunks; the first cold use of a layer records the order of chunk reads (the trace),
+later first uses replay it as prefetch. A chunk that cannot be had (missing, corrupt, store down,
+cache full) fails the read with EIO and leaves its typed reason in the layer's stats file for the
+loader to raise.
+
+Reads are attributed to the reader's v2 cgroup (FUSE request pid -> /proc/<pid>/cgroup), which
+names the sandbox for sandbox processes; reads by the daemon's own prefetch count as "prefetch".
+
+After an unclean exit (kill -9) the bitmap is trusted only after each present chunk is re-hashed
+on its first read, so a torn write can never be served.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import stat
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import mfusepy
+
+from rollbox.errors import InfraError, NodeCacheFull, RollboxError
+from rollbox.images.chunks import ChunkStore, LayerManifest, open_store
+from rollbox.images.lazy.paths import LazyPaths, write_json_atomic
+from rollbox.images.store import is_digest
+
+log = logging.getLogger("rollbox.lazy")
+
+FETCH_TIMEOUT_S = 60.0
+FETCH_CONCURRENCY = 16
+CGROUP_TTL_S = 2.0
+STATS_FLUSH_S = 0.25
+COUNTERS = ("bytes_requested", "bytes_fetched", "bytes_fetched_stored", "bytes_written",
+            "cache_hits", "cache_misses", "chunks_fetched", "chunks_prefetched",
+            "chunks_verified", "fetch_errors", "reads")
+READER_COUNTERS = ("bytes_requested", "bytes_fetched", "cache_hits", "cache_misses")
+
+
+def _new_counters(names: tuple[str, ...] = COUNTERS) -> dict[str, int]:
+    return dict.fromkeys(names, 0)
+
+
+def _error_info(exc: BaseException, chunk: int) -> dict[str, Any]:
+    if isinstance(exc, RollboxError):
+        code, message = exc.code, exc.message
+    elif isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        code, message = NodeCacheFull.code, f"node cache disk full: {exc}"
+    elif isinstance(exc, concurrent.futures.TimeoutError):
+        code, message = "store_unreachable", f"chunk fetch timed out after {FETCH_TIMEOUT_S}s"
+    else:
+        code, message = InfraError.code, f"{type(exc).__name__}: {exc}"
+    return {"code": code, "message": message, "chunk": chunk, "time": time.time()}
+
+
+class Layer:
+    """One lazily served layer: its sparse cache file, present bitmap, in-flight fetches."""
+
+    def __init__(self, daemon: Daemon, digest: str, manifest: LayerManifest, store_url: str,
+                 trusted: bool) -> None:
+        self.daemon = daemon
+        self.digest = digest
+        self.m = manifest
+        self.store_url = store_url
+        self.n = len(manifest.chunks)
+        p = daemon.paths
+        self.cache_fd = os.open(p.cache_file(digest), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if os.fstat(self.cache_fd).st_size != manifest.size:
+            os.ftruncate(self.cache_fd, manifest.size)  # sparse: allocates nothing
+        self.present_fd = os.open(p.present_file(digest), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                                  0o600)
+        raw = os.pread(self.present_fd, self.n, 0)
+        self.present = bytearray(raw.ljust(self.n, b"\0")[: self.n])
+        if len(raw) != self.n:
+            os.pwrite(self.present_fd, bytes(self.present), 0)
+        # After an unclean exit a present byte may precede its data on disk: re-hash first.
+        self.trusted = trusted
+        self.checked: set[int] = set()
+        self.lock = threading.Lock()
+        self.inflight: dict[int, concurrent.futures.Future[None]] = {}
+        self.opens = 0
+        self.last_used = time.time()
+        self.counters = _new_counters()
+        self.readers: dict[str, dict[str, int]] = {}
+        self.last_error: dict[str, Any] | None = None
+        self.trace_path = p.trace_file(digest)
+        self.recording = not self.trace_path.exists()
+        self.trace: list[int] = []
+        self.traced: set[int] = set()
+        self.dirty = True
+        self._load_stats()
+
+    def _load_stats(self) -> None:
+        try:
+            old = json.loads(self.daemon.paths.stats_file(self.digest).read_text())
+        except (FileNotFoundError, ValueError):
+            return
+        for k in COUNTERS:
+            self.counters[k] = int(old.get(k, 0))
+        for who, c in (old.get("readers") or {}).items():
+            self.readers[who] = {k: int(c.get(k, 0)) for k in READER_COUNTERS}
+        self.last_error = old.get("last_error")
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            present = sum(self.present)
+            return {"layer": self.digest, "store": self.store_url, "size": self.m.size,
+                    "chunk_size": self.m.chunk_size, "chunks": self.n,
+                    "chunks_present": present, "open": self.opens, "last_used": self.last_used,
+                    **self.counters, "readers": {k: dict(v) for k, v in self.readers.items()},
+                    "last_error": self.last_error, "trace_recorded": self.trace_path.exists(),
+                    "updated": time.time()}
+
+    def _reader(self, who: str) -> dict[str, int]:
+        c = self.readers.get(who)
+        if c is None:
+            c = self.readers[who] = _new_counters(READER_COUNTERS)
+        return c
+
+    # -- chunk state, called with self.lock held --
+    def _usable(self, i: int) -> bool:
+        if not self.present[i]:
+            return False
+        if self.trusted or i in self.checked:
+            return True
+        ref = self.m.chunks[i]
+        data = os.pread(self.cache_fd, ref.size, i * self.m.chunk_size)
+        if len(data) == ref.size and "sha256-" + hashlib.sha256(data).hexdigest() == ref.digest:
+            self.checked.add(i)
+            self.counters["chunks_verified"] += 1
+            return True
+        self.present[i] = 0
+        os.pwrite(self.present_fd, b"\0", i)
+        return False
+
+    def _start(self, i: int, prefetch: bool) -> concurrent.futures.Future[None]:
+        fut = self.inflight.get(i)
+        if fut is None:
+            fut = asyncio.run_coroutine_threadsafe(self._fetch(i, prefetch), self.daemon.loop)
+            self.inflight[i] = fut
+
+            def done(_f: concurrent.futures.Future[None], i: int = i) -> None:
+                with self.lock:
+                    self.inflight.pop(i, None)
+
+            fut.add_done_callback(done)
+        return fut
+
+    def prefetch(self, indices: list[int]) -> None:
+        with self.lock:
+            for i in indices:
+                if 0 <= i < self.n and not self.present[i] and i not in self.inflight:
+                    self._start(i, prefetch=True)
+
+    # -- the read path (FUSE worker threads) --
+    def read(self, size: int, offset: int, who: str) -> bytes:
+        end = min(offset + size, self.m.size)
+        if offset >= end:
+            return b""
+        waits: list[tuple[int, concurrent.futures.Future[None]]] = []
+        with self.lock:
+            self.last_used = time.time()
+            self.dirty = True
+            r = self._reader(who)
+            self.counters["reads"] += 1
+            self.counters["bytes_requested"] += end - offset
+            r["bytes_requested"] += end - offset
+            chunks = self.m.chunk_range(offset, end - offset)
+            for i in chunks:
+                if self.recording and i not in self.traced:
+                    self.traced.add(i)
+                    self.trace.append(i)
+                if self._usable(i):
+                    self.counters["cache_hits"] += 1
+                    r["cache_hits"] += 1
+                    continue
+                self.counters["cache_misses"] += 1
+                r["cache_misses"] += 1
+                fut = self._start(i, prefetch=False)
+                waits.append((i, fut))
+            if waits:
+                ra = self.daemon.readahead
+                for j in range(chunks.stop, min(self.n, chunks.stop + ra)):
+                    if not self.present[j] and j not in self.inflight:
+                        self._start(j, prefetch=True)
+        for i, fut in waits:
+            try:
+                fut.result(timeout=FETCH_TIMEOUT_S)
+            except BaseException as exc:  # noqa: BLE001 - every failure is EIO to the reader
+                info = _error_info(exc, i)
+                with self.lock:
+                    self.last_error = info
+                    self.counters["fetch_errors"] += 1
+                    self.dirty = True
+                # Written now, so the loader can raise the typed error of this EIO.
+                with contextlib.suppress(OSError):
+                    self.daemon._write_stats(self)
+                log.warning("layer %s chunk %d: %s", self.digest[:19], i, info["message"])
+                raise mfusepy.FuseOSError(errno.EIO) from None
+            with self.lock:
+                r["bytes_fetched"] += self.m.chunks[i].size
+        data = os.pread(self.cache_fd, end - offset, offset)
+        if len(data) != end - offset:
+            raise mfusepy.FuseOSError(errno.EIO)
+        return data
+
+    async def _fetch(self, i: int, prefetch: bool) -> None:
+        ref = self.m.chunks[i]
+        async with self.daemon.fetch_sem:
+            with self.lock:
+                if self.present[i]:
+                    return
+            store = self.daemon.store_for(self.store_url)
+            raw = await store.get_chunk(ref)
+            # The store verifies too; checking here means no store bug can reach a reader.
+            if len(raw) != ref.size or "sha256-" + hashlib.sha256(raw).hexdigest() != ref.digest:
+                from rollbox.errors import ChunkCorrupt
+
+                raise ChunkCorrupt(f"chunk {i} of {self.digest} fails verification",
+                                   digest=ref.digest)
+            await asyncio.to_thread(self._store_chunk, i, raw)
+        with self.lock:
+            self.counters["chunks_fetched"] += 1
+            self.counters["bytes_fetched"] += ref.size
+            self.counters["bytes_fetched_stored"] += ref.stored_size
+            self.counters["bytes_written"] += ref.size
+            if prefetch:
+                self.counters["chunks_prefetched"] += 1
+            self.dirty = True
+
+    def _store_chunk(self, i: int, raw: bytes) -> None:
+        self.daemon.make_room(len(raw), keep=self.digest)
+        off = i * self.m.chunk_size
+        n = os.pwrite(self.cache_fd, raw, off)
+        if n != len(raw):
+            raise OSError(errno.ENOSPC, "short write to the node cache")
+        with self.lock:
+            # Data first, then the present byte: a reader never sees a chunk before its bytes.
+            self.present[i] = 1
+            self.checked.add(i)
+            os.pwrite(self.present_fd, b"\1", i)
+        self.daemon.add_usage(len(raw))
+
+    def save_trace(self) -> None:
+        with self.lock:
+            if not self.recording or not self.trace:
+                return
+            trace = list(self.trace)
+        write_json_atomic(self.trace_path, trace)
+
+    def close(self) -> None:
+        os.close(self.cache_fd)
+        os.close(self.present_fd)
+
+
+class Daemon(mfusepy.Operations):
+    use_ns = True
+
+    def __init__(self, paths: LazyPaths, generation: int, mountpoint: Path, *,
+                 cache_limit: int, readahead: int) -> None:
+        self.paths = paths
+        self.generation = generation
+        self.mountpoint = mountpoint
+        self.cache_limit = cache_limit
+        self.readahead = readahead
+        self.trusted = (paths.cache / ".clean").exists()
+        (paths.cache / ".clean").unlink(missing_ok=True)
+        self.layers: dict[str, Layer] = {}
+        self.handles: dict[int, Layer] = {}
+        self._next_fh = 1
+        self.guard = threading.Lock()
+        self.usage_lock = threading.Lock()
+        self.usage = self._scan_usage()
+        self.stores: dict[str, ChunkStore] = {}
+        self.loop = asyncio.new_event_loop()
+        self.fetch_sem = asyncio.Semaphore(FETCH_CONCURRENCY)
+        self._loop_thread = threading.Thread(target=self.loop.run_forever, name="fetch",
+                                             daemon=True)
+        self._loop_thread.start()
+        self._cgroups: dict[int, tuple[str, float]] = {}
+        self._stop = threading.Event()
+        self._flusher = threading.Thread(target=self._flush_loop, name="stats", daemon=True)
+        self.started = time.time()
+
+    # -- bookkeeping --
+    def _scan_usage(self) -> int:
+        total = 0
+        for p in self.paths.cache.glob("sha256-*.erofs"):
+            try:
+                total += p.stat().st_blocks * 512
+            except FileNotFoundError:
+                pass
+        return total
+
+    def add_usage(self, n: int) -> None:
+        with self.usage_lock:
+            self.usage += n
+
+    def make_room(self, n: int, keep: str) -> None:
+        """Evict cached layers no mount uses (least recently used first) until ``n`` bytes fit
+        under the cache limit; NodeCacheFull if they cannot."""
+        with self.usage_lock:
+            if self.usage + n <= self.cache_limit:
+                return
+        candidates = []
+        for p in self.paths.cache.glob("sha256-*.erofs"):
+            digest = p.name[: -len(".erofs")]
+            if digest == keep or not is_digest(digest):
+                continue
+            layer = self.layers.get(digest)
+            if layer is not None and (layer.opens or layer.inflight):
+                continue
+            try:
+                used = layer.last_used if layer else self.paths.present_file(digest).stat().st_mtime
+            except FileNotFoundError:
+                used = 0.0
+            candidates.append((used, digest))
+        for _used, digest in sorted(candidates):
+            with self.guard:
+                layer = self.layers.get(digest)
+                if layer is not None and (layer.opens or layer.inflight):
+                    continue
+                if layer is not None:
+                    layer.save_trace()
+                    self._write_stats(layer)
+                    del self.layers[digest]
+                    layer.close()
+                try:
+                    freed = self.paths.cache_file(digest).stat().st_blocks * 512
+                except FileNotFoundError:
+                    freed = 0
+                self.paths.cache_file(digest).unlink(missing_ok=True)
+                self.paths.present_file(digest).unlink(missing_ok=True)
+            log.info("evicted %s (%d bytes)", digest[:19], freed)
+            with self.usage_lock:
+                self.usage = max(0, self.usage - freed)
+                if self.usage + n <= self.cache_limit:
+                    return
+        raise NodeCacheFull(f"node cache limit {self.cache_limit} bytes reached and no unused "
+                            "layer to evict", limit=self.cache_limit)
+
+    def store_for(self, url: str) -> ChunkStore:
+        store = self.stores.get(url)
+        if store is None:
+            store = self.stores[url] = open_store(url)
+        return store
+
+    def reader_of(self, pid: int) -> str:
+        """The reader's v2 cgroup path (names the sandbox), cached briefly per pid."""
+        if pid == os.getpid() or pid <= 0:
+            return "prefetch"
+        now = time.monotonic()
+        hit = self._cgroups.get(pid)
+        if hit is not None and now - hit[1] < CGROUP_TTL_S:
+            return hit[0]
+        who = "host"
+        try:
+            with open(f"/proc/{pid}/cgroup") as f:
+                for line in f:
+                    if line.startswith("0::"):
+                        who = line[3:].strip() or "/"
+                        break
+        except OSError:
+            pass
+        if len(self._cgroups) > 4096:
+            self._cgroups.clear()
+        self._cgroups[pid] = (who, now)
+        return who
+
+    def layer(self, digest: str) -> Layer | None:
+        with self.guard:
+            layer = self.layers.get(digest)
+            if layer is not None:
+                return layer
+            if not is_digest(digest):
+                return None
+            try:
+                record = json.loads(self.paths.record(digest).read_text())
+                manifest = LayerManifest.from_json(self.paths.manifest(digest).read_bytes())
+            except (FileNotFoundError, ValueError, RollboxError):
+                return None
+            layer = Layer(self, digest, manifest, str(record["store"]), self.trusted)
+            self.layers[digest] = layer
+        # First use in this daemon: replay the recorded trace as prefetch.
+        if not layer.recording:
+            try:
+                trace = [int(i) for i in json.loads(layer.trace_path.read_text())]
+            except (OSError, ValueError, TypeError):
+                trace = []
+            if trace:
+                layer.prefetch(trace)
+        return layer
+
+    def _write_stats(self, layer: Layer) -> None:
+        snap = layer.snapshot()
+        write_json_atomic(self.paths.stats_file(layer.digest), snap)
+        layer.dirty = False
+
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(STATS_FLUSH_S):
+            self.flush_stats()
+
+    def flush_stats(self) -> None:
+        with self.guard:
+            layers = list(self.layers.values())
+        for layer in layers:
+            if layer.dirty:
+                try:
+                    self._write_stats(layer)
+                except OSError as exc:
+                    log.warning("stats of %s: %s", layer.digest[:19], exc)
+
+    # -- FUSE operations --
+    def init(self, path: str) -> None:
+        self._flusher.start()
+        write_json_atomic(self.paths.daemon_json, {
+            "pid": os.getpid(), "generation": self.generation,
+            "mountpoint": str(self.mountpoint), "started": self.started,
+            "cache_limit": self.cache_limit, "readahead": self.readahead,
+            "trusted_cache": self.trusted})
+        log.info("serving generation %d at %s", self.generation, self.mountpoint)
+
+    def destroy(self, path: str) -> None:
+        self._stop.set()
+        with self.guard:
+            layers = list(self.layers.values())
+        for layer in layers:
+            for fut in list(layer.inflight.values()):
+                fut.cancel()
+            layer.save_trace()
+        self.flush_stats()
+        for layer in layers:
+            os.fsync(layer.cache_fd)
+            os.fsync(layer.present_fd)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        (self.paths.cache / ".clean").touch()
+        log.info("clean shutdown")
+
+    def _digest_of(self, path: str) -> str | None:
+        name = path.lstrip("/")
+        if "/" in name or not name.endswith(".erofs"):
+            return None
+        return name[: -len(".erofs")]
+
+    def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
+        now = int(self.started * 1e9)
+        if path == "/":
+            return {"st_mode": stat.S_IFDIR | 0o755, "st_nlink": 2, "st_mtime": now,
+                    "st_ctime": now, "st_atime": now}
+        digest = self._digest_of(path)
+        if digest is None or not self.paths.record(digest).exists():
+            raise mfusepy.FuseOSError(errno.ENOENT)
+        layer = self.layers.get(digest)
+        if layer is not None:
+            size = layer.m.size
+        else:
+            try:
+                size = int(json.loads(self.paths.record(digest).read_text())["size"])
+            except (OSError, ValueError, KeyError):
+                raise mfusepy.FuseOSError(errno.ENOENT) from None
+        return {"st_mode": stat.S_IFREG | 0o444, "st_nlink": 1, "st_size": size,
+                "st_mtime": now, "st_ctime": now, "st_atime": now}
+
+    def readdir(self, path: str, fh: Any) -> list[str]:
+        if path != "/":
+            raise mfusepy.FuseOSError(errno.ENOTDIR)
+        names = [p.name[: -len(".json")] + ".erofs" for p in self.paths.layers.glob("sha256-*.json")]
+        return [".", "..", *sorted(names)]
+
+    def open(self, path: str, flags: int) -> int:
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            raise mfusepy.FuseOSError(errno.EROFS)
+        digest = self._digest_of(path)
+        layer = self.layer(digest) if digest else None
+        if layer is None:
+            raise mfusepy.FuseOSError(errno.ENOENT)
+        with self.guard:
+            fh = self._next_fh
+            self._next_fh += 1
+            self.handles[fh] = layer
+            layer.opens += 1
+        return fh
+
+    def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+        layer = self.handles.get(fh)
+        if layer is None:
+            raise mfusepy.FuseOSError(errno.EBADF)
+        pid = mfusepy.fuse_get_context()[2]
+        return layer.read(size, offset, self.reader_of(pid))
+
+    def release(self, path: str, fh: int) -> int:
+        with self.guard:
+            layer = self.handles.pop(fh, None)
+            if layer is not None:
+                layer.opens -= 1
+        if layer is not None:
+            layer.save_trace()
+        return 0
+
+    def statfs(self, path: str) -> dict[str, int]:
+        return {"f_bsize": 4096, "f_frsize": 4096, "f_namemax": 255}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="rollbox.images.lazy.daemon")
+    ap.add_argument("--store-root", required=True, type=Path)
+    ap.add_argument("--generation", required=True, type=int)
+    ap.add_argument("--cache-limit", type=int, default=64 << 30)
+    ap.add_argument("--readahead", type=int, default=4)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s lazy[%(process)d] %(levelname)s %(message)s")
+    paths = LazyPaths(args.store_root)
+    paths.make_dirs()
+    mountpoint = paths.mountpoint(args.generation)
+    mountpoint.mkdir(mode=0o755, exist_ok=True)
+    ops = Daemon(paths, args.generation, mountpoint, cache_limit=args.cache_limit,
+                 readahead=args.readahead)
+    mfusepy.FUSE(ops, str(mountpoint), foreground=True, nothreads=False, allow_other=True,
+                 fsname="rollbox-lazy", subtype="rollbox-lazy", kernel_cache=True,
+                 attr_timeout=3600, entry_timeout=3600, default_permissions=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""Lazy loading end to end: a layer pushed to a dir:// chunk store, dropped from a private image
+store, served by the real FUSE daemon with EROFS on top, used by real sandboxes of a real edge.
+Faults are injected for real: a killed daemon, a corrupted chunk, a missing store, a full cache
+disk. Every mount (EROFS, FUSE, tmpfs) is gone at the end."""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from rollbox.config import Settings
+from rollbox.errors import ChunkCorrupt, InfraError, NodeCacheFull, StoreUnreachable
+from rollbox.images import chunks
+from rollbox.images.lazy.loader import LazyLoader, loader_for
+from rollbox.images.mounts import LayerMounts
+from rollbox.images.store import ImageStore
+from rollbox.isolation import syscalls
+from rollbox.models import ExecSpec, SandboxSpec
+
+from tests.conftest import have_image, node_settings
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not Path("/dev/fuse").exists(),
+                                reason="needs root and /dev/fuse")
+CHUNK = 256 << 10
+
+
+def mounts_under(path: Path) -> list[str]:
+    base = os.path.realpath(path) + "/"
+    with open("/proc/self/mountinfo") as f:
+        return [ln.split()[4] for ln in f if ln.split()[4].startswith(base)]
+
+
+def push_lazy(store: ImageStore, layer: str, url: str, chunk_size: int = CHUNK) -> None:
+    """Push the layer to ``url``, then drop its local file: only the lazy record remains."""
+    cs = chunks.open_store(url)
+    asyncio.run(chunks.push_layer(store, layer, cs, chunk_size=chunk_size))
+    (store.layers_dir / f"{layer}.erofs").unlink()
+    loader_for(store).register(layer, url)
+
+
+def small_layer(store: ImageStore, tmp: Path, files: int = 24, size: int = 200_000) -> str:
+    src = tmp / "src"
+    (src / "d").mkdir(parents=True)
+    for i in range(files):
+        (src / "d" / f"f{i}").write_bytes(bytes([i]) * size)
+    return store.add_layer_from_dir(src, source="test")
+
+
+def cleanup(store: ImageStore) -> None:
+    LayerMounts(store).unmount_all()
+    loader = loader_for(store)
+    assert loader.stop_sync(), "lazy daemon still in use at the end"
+    for mnt in reversed(mounts_under(store.root)):
+        syscalls.umount(mnt, syscalls.MNT_DETACH)
+
+
+@pytest.fixture
+def lazy_store(tmp_node_dir: Path):  # noqa: ANN201
+    store = ImageStore(tmp_node_dir / "images")
+    os.chmod(store.root, 0o755)
+    try:
+        yield store
+    finally:
+        try:
+            cleanup(store)
+        finally:
+            left = mounts_under(tmp_node_dir)
+            assert not left, f"mounts left: {left}"
+
+
+@pytest.fixture
+async def lazy_edge(tmp_node_dir: Path, lazy_store: ImageStore) -> AsyncIterator:
+    """A started edge whose image store is ``lazy_store`` (the node's images untouched)."""
+    from rollbox.edge.edge import Edge
+    from rollbox.events.store import EventLog
+
+    settings = node_settings(tmp_node_dir)
+    settings.images_root = lazy_store.root
+    events = EventLog(tmp_node_dir / "events.db")
+    e = Edge(settings, events, store=lazy_store)
+    await e.start()
+    try:
+        yield e
+    finally:
+        await e.close(destroy=True)
+        events.close()
+        shutil.rmtree(settings.run_dir, ignore_errors=True)
+
+
+async def run(edge, sid: str, cmd: str):  # noqa: ANN001, ANN201
+    eid = await edge.exec_start(sid, ExecSpec(cmd=cmd))
+    return await edge.exec_wait(sid, eid)
+
+
+@pytest.mark.skipif(not have_image("debian:bookworm"), reason="debian:bookworm not built")
+async def test_lazy_sandbox_restart_and_crash(lazy_edge, lazy_store: ImageStore,
+                                              tmp_node_dir: Path) -> None:
+    node = ImageStore(Settings().images_dir)
+    layer = node.resolve("debian:bookworm").layers[0]
+    await asyncio.to_thread(lazy_store.add_layer_file, node.layer_path(layer))
+    url = f"dir://{tmp_node_dir}/chunks"
+    await asyncio.to_thread(push_lazy, lazy_store, layer, url, 1 << 20)
+    lazy_store.tag("lazy/debian:1", [layer])
+    assert lazy_store.is_lazy(layer) and not lazy_store.has_layer(layer)
+    loader = loader_for(lazy_store)
+
+    sb = await lazy_edge.create(SandboxSpec(image="lazy/debian:1"), "t")
+    r = await run(lazy_edge, sb.id, "cat /etc/debian_version && ls /usr/bin | wc -l")
+    assert r.exit_code == 0 and r.stdout.startswith("12."), r
+    await asyncio.sleep(0.4)  # stats flush
+    st = loader.stats()
+    ls = st["layers"][layer]
+    size = ls["size"]
+    assert 0 < ls["bytes_fetched"] < 0.5 * size, ls
+    assert ls["bytes_written"] == ls["bytes_fetched"]
+    assert sb.id in st["sandboxes"], st["sandboxes"]  # attributed via the reader's cgroup
+    assert st["sandboxes"][sb.id]["bytes_requested"] > 0
+    fetched = ls["bytes_fetched"]
+
+    # Daemon restart (no mount in use): nothing is fetched again.
+    await lazy_edge.delete(sb.id)
+    await asyncio.to_thread(LayerMounts(lazy_store).unmount_all)
+    assert await asyncio.to_thread(loader.stop_sync)
+    sb = await lazy_edge.create(SandboxSpec(image="lazy/debian:1"), "t")
+    r = await run(lazy_edge, sb.id, "cat /etc/debian_version && ls /usr/bin | wc -l")
+    assert r.exit_code == 0 and r.stdout.startswith("12.")
+    await asyncio.sleep(0.4)
+    ls = loader.stats()["layers"][layer]
+    assert ls["bytes_fetched"] == fetched, "a restarted daemon re-fetched cached chunks"
+    assert ls["cache_hits"] > 0
+
+    # kill -9: cached pages keep serving the live sandbox; a new sandbox on the same layer
+    # fails cleanly (typed, retryable) while the old mount is in use, and works once it is not.
+    gen = loader.generation()
+    os.kill(int(loader.daemon_state()["pid"]), signal.SIGKILL)
+    await asyncio.sleep(0.3)
+    r = await run(lazy_edge, sb.id, "cat /etc/debian_version")
+    assert r.exit_code == 0 and r.stdout.startswith("12.")
+    with pytest.raises(InfraError) as err:
+        await lazy_edge.create(SandboxSpec(image="lazy/debian:1"), "t")
+    assert err.value.retryable
+    assert loader.generation() == gen + 1 and loader.healthy()  # restarted on demand
+    await lazy_edge.delete(sb.id)
+    sb = await lazy_edge.create(SandboxSpec(image="lazy/debian:1"), "t")
+    r = await run(lazy_edge, sb.id, "cat /etc/debian_version && head -c 100000 /usr/bin/perl | wc -c")
+    assert r.exit_code == 0 and r.stdout.split() [1] == "100000", r
+    await asyncio.sleep(0.4)
+    ls = loader.stats()["layers"][layer]
+    assert ls["chunks_verified"] > 0  # after an unclean exit cached chunks are re-hashed
+    await lazy_edge.delete(sb.id)
+
+
+def test_corrupt_chunk_is_never_served(lazy_store: ImageStore, tmp_node_dir: Path) -> None:
+    layer = small_layer(lazy_store, tmp_node_dir)
+    url = f"dir://{tmp_node_dir}/chunks"
+    push_lazy(lazy_store, layer, url, 64 << 10)
+    m = chunks.load_manifest(lazy_store, layer)
+    assert m is not None
+    # Corrupt a late chunk (file data), keeping its size.
+    bad = len(m.chunks) - 2
+    path = tmp_node_dir / "chunks" / chunks.chunk_key(m.chunks[bad].digest, "none")
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    loader = LazyLoader(lazy_store, readahead=0)
+    served = loader.ensure_layer_sync(layer)
+    with open(served, "rb") as f:
+        f.seek(bad * m.chunk_size)
+        with pytest.raises(OSError) as err:
+            f.read(4096)
+    assert err.value.errno == 5  # EIO, never the corrupt bytes
+    assert (loader.layer_stats(layer) or {})["last_error"]["code"] == "chunk_corrupt"
+    # Corrupt chunk 0 (superblock): mounting fails with a typed, retryable error.
+    loader.stop_sync()
+    shutil.rmtree(loader.paths.cache)
+    loader.paths.cache.mkdir()
+    path0 = tmp_node_dir / "chunks" / chunks.chunk_key(m.chunks[0].digest, "none")
+    path0.write_bytes(b"\0" * len(path0.read_bytes()))
+    with pytest.raises(ChunkCorrupt) as err2:
+        LayerMounts(lazy_store).ensure_mounted(layer)
+    assert err2.value.retryable
+    assert not LayerMounts(lazy_store).is_mounted(layer)
+
+
+def test_unreachable_store_and_full_cache(lazy_store: ImageStore,
+                                                tmp_node_dir: Path) -> None:
+    layer = small_layer(lazy_store, tmp_node_dir)
+    store_dir = tmp_node_dir / "chunks"
+    push_lazy(lazy_store, layer, f"dir://{store_dir}", 64 << 10)
+    store_dir.rename(tmp_node_dir / "chunks-away")
+    store_dir.write_text("not a store")  # the path can neither be read nor re-created
+    with pytest.raises(StoreUnreachable) as err:
+        LayerMounts(lazy_store).ensure_mounted(layer)
+    assert err.value.retryable
+    store_dir.unlink()
+    (tmp_node_dir / "chunks-away").rename(store_dir)
+    loader = loader_for(lazy_store)
+    assert loader.stop_sync()
+
+    # A full cache disk: a 32 KiB tmpfs cannot take a 64 KiB chunk.
+    shutil.rmtree(loader.paths.cache)
+    loader.paths.cache.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(loader.paths.cache)],
+                   check=True)
+    try:
+        with pytest.raises(NodeCacheFull) as err3:
+            LayerMounts(lazy_store).ensure_mounted(layer)
+        assert err3.value.retryable
+        assert loader.stop_sync()
+    finally:
+        syscalls.umount(loader.paths.cache)
+    # And with room, the same layer mounts and reads back exactly.
+    mounts = LayerMounts(lazy_store)
+    mnt = mounts.ensure_mounted(layer)
+    assert (mnt / "d" / "f7").read_bytes() == bytes([7]) * 200_000
+    mounts.unmount(layer)
+
+
+def test_cache_limit_evicts_unused_layers(lazy_store: ImageStore,
+                                                tmp_node_dir: Path) -> None:
+    a = small_layer(lazy_store, tmp_node_dir / "a", files=8)
+    b = small_layer(lazy_store, tmp_node_dir / "b", files=9)
+    url = f"dir://{tmp_node_dir}/chunks"
+    push_lazy(lazy_store, a, url, 64 << 10)
+    push_lazy(lazy_store, b, url, 64 << 10)
+    loader = LazyLoader(lazy_store, cache_limit=2_400_000)
+    mounts = LayerMounts(lazy_store)
+    mnt_a = mounts.ensure_mounted(a)
+    for f in (mnt_a / "d").iterdir():
+        f.read_bytes()
+    assert loader.paths.cache_file(a).exists()
+    mounts.unmount(a)  # a is now unused: evictable
+    time.sleep(0.1)
+    mnt_b = mounts.ensure_mounted(b)
+    for f in (mnt_b / "d").iterdir():
+        assert f.read_bytes() == bytes([int(f.name[1:])]) * 200_000
+    assert not loader.paths.cache_file(a).exists(), "unused layer a was not evicted"
+    mounts.unmount(b)
