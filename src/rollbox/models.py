@@ -24,6 +24,23 @@ class Resources(BaseModel):
     inodes: int = Field(200_000, ge=64, le=50_000_000)
 
 
+class NetworkPolicy(BaseModel):
+    """A sandbox's network: default deny; ``allow`` lists permission names (``pypi``, ``npm``,
+    ``debian``, ``go``) and custom rules ``HOST:PORT[/tcp|/udp]`` or
+    ``A.B.C.D[/LEN]:PORT[/tcp|/udp]`` (host names open through the sandbox's DNS gate).
+    Unknown names and malformed rules are refused with bad_request."""
+    model_config = ConfigDict(extra="forbid")
+    allow: list[str] = Field(default_factory=list, max_length=256)
+
+    @field_validator("allow")
+    @classmethod
+    def _allow(cls, v: list[str]) -> list[str]:
+        for rule in v:
+            if not rule or len(rule) > 300 or any(c.isspace() or c == "\0" for c in rule):
+                raise ValueError(f"malformed network rule {rule!r}")
+        return v
+
+
 class SandboxSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     image: str = Field(..., min_length=1, max_length=256)
@@ -36,6 +53,8 @@ class SandboxSpec(BaseModel):
     # Paths of the tree the sandbox's own commands can not see (e.g. a task's tests): masked
     # and denied by Landlock. The platform's file API and grading still reach them.
     hidden_paths: list[str] = Field(default_factory=list, max_length=64)
+    # None: no network at all (loopback only). A policy: a link to the host, default deny.
+    network: NetworkPolicy | None = None
     backend: Literal["container"] = "container"
 
     @field_validator("hidden_paths")
@@ -81,6 +100,7 @@ class SandboxInfo(BaseModel):
     owner: str = ""
     dead_reason: str | None = None
     hidden_paths: list[str] = Field(default_factory=list)
+    network: NetworkPolicy | None = None
 
 
 class ExecSpec(BaseModel):

@@ -28,8 +28,8 @@ from rollbox.images.store import ImageStore
 from rollbox.isolation import cgroups
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import (
-    Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, SandboxInfo,
-    SandboxSpec,
+    Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, NetworkPolicy,
+    SandboxInfo, SandboxSpec,
 )
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,9 @@ class Edge:
             journaled.add(info.id)
             box = None
             if info.state == "running" and host_uid is not None:
-                box = await self.backend.adopt(info.id, host_uid, extra.get("env", {}))
+                box = await self.backend.adopt(
+                    info.id, host_uid, extra.get("env", {}),
+                    network_rules=info.network.allow if info.network else None)
             if box is None:
                 if host_uid is not None and info.state != "running":
                     await self._quiet_cleanup(info.id, host_uid)
@@ -193,18 +195,23 @@ class Edge:
             id=sandbox_id, node=self.node_id, image=spec.image, layers=layers, state="creating",
             created_at=now, expires_at=now + spec.ttl_s, labels=spec.labels,
             resources=spec.resources, owner=owner, hidden_paths=spec.hidden_paths,
+            network=spec.network,
         )
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
         env.update((image_config or {}).get("env", {}))
         env.update(spec.env)
         self.journal.put(info, extra={"env": env})
         try:
-            box = await self.backend.create(sandbox_id, layers, spec.resources, env,
-                                            hidden_paths=spec.hidden_paths)
+            box = await self.backend.create(
+                sandbox_id, layers, spec.resources, env, hidden_paths=spec.hidden_paths,
+                network_rules=spec.network.allow if spec.network is not None else None)
         except BaseException as exc:
             self._mark_dead(info, f"creation failed: {exc}", state="deleted")
             raise
         info.state = "running"
+        if box.network is not None:
+            box.image_env.update(box.network.env)
+            self.journal.put(info, host_uid=box.host_uid, extra={"env": box.image_env})
         self.journal.put(info, host_uid=box.host_uid)
         self._register(info, box)
         self.event_log.append(sandbox_id, "sandbox.created", data=json.dumps(
@@ -313,6 +320,28 @@ class Edge:
         live = self._live(sandbox_id)
         live.info.expires_at = time.time() + ttl_s
         self.journal.put(live.info)
+        return live.info
+
+    async def set_network(self, sandbox_id: str, policy: NetworkPolicy | None) -> SandboxInfo:
+        """Change a live sandbox's network policy; existing connections are cut at once where
+        the new policy no longer allows them. None = deny everything (the link stays)."""
+        live = self._live(sandbox_id)
+        rules = list(policy.allow) if policy is not None else []
+        box = live.box
+        old_env = box.network.env if box.network is not None else {}
+        if box.network is None:
+            if policy is None:
+                return live.info
+            await self.backend.attach_network(box, rules)
+        else:
+            await asyncio.to_thread(box.network.apply, rules)  # BadRequest: nothing changed
+        assert box.network is not None
+        for k in old_env:
+            box.image_env.pop(k, None)
+        box.image_env.update(box.network.env)
+        live.info.network = policy if policy is not None else NetworkPolicy(allow=[])
+        self.journal.put(live.info, extra={"env": box.image_env})
+        self.event_log.append(sandbox_id, "sandbox.network", data=json.dumps({"allow": rules}))
         return live.info
 
     async def _ttl_loop(self) -> None:

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from rollbox.models import (
-    Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, SandboxInfo,
-    SandboxSpec,
+    Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, NetworkPolicy,
+    SandboxInfo, SandboxSpec,
 )
 
 
@@ -33,6 +33,8 @@ class EdgeAPI(Protocol):
     async def list(self, owner: str | None, labels: dict[str, str]) -> list[SandboxInfo]: ...
     async def delete(self, sandbox_id: str) -> None: ...
     async def set_ttl(self, sandbox_id: str, ttl_s: float) -> SandboxInfo: ...
+    # network policy of a live sandbox (None: deny all); effective for existing connections.
+    async def set_network(self, sandbox_id: str, policy: NetworkPolicy | None) -> SandboxInfo: ...
 
     # exec: start returns the exec id at once; stream() replays what is buffered and follows.
     async def exec_start(self, sandbox_id: str, spec: ExecSpec) -> str: ...

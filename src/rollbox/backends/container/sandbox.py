@@ -28,6 +28,9 @@ from rollbox.config import Settings
 from rollbox.errors import InfraError
 from rollbox.isolation import cgroups, netns
 from rollbox.isolation.userns import UidSlots
+from rollbox.netpolicy import link as netlink
+from rollbox.netpolicy import sandbox_net
+from rollbox.netpolicy.sandbox_net import SandboxNetwork
 from rollbox.models import Resources
 
 log = logging.getLogger(__name__)
@@ -51,6 +54,8 @@ class ContainerSandbox:
     fs: SandboxFS
     image_env: dict[str, str] = field(default_factory=dict)
     next_session: int = 0
+    # Network policy (veth + BPF + DNS gate); None: loopback only, nothing attached.
+    network: SandboxNetwork | None = None
 
     @property
     def socket_path(self) -> Path:
@@ -106,7 +111,8 @@ class ContainerBackend:
 
     async def create(self, sandbox_id: str, layers: list[str], resources: Resources,
                      image_env: dict[str, str], network: str = "none", *,
-                     hardened: bool = True, hidden_paths: Sequence[str] = ()) -> ContainerSandbox:
+                     hardened: bool = True, hidden_paths: Sequence[str] = (),
+                     network_rules: list[str] | None = None) -> ContainerSandbox:
         """network: "none" (own netns, loopback only) or "host" — the latter only for the
         platform's own image builds from operator-given commands, never from the API.
         hardened=False: the red-team tests' deliberately weak twin (see bundle.py), never from
@@ -151,19 +157,36 @@ class ContainerBackend:
             v2 = cgroups.v2_dir(self.settings.cgroup_parent, sandbox_id)
             cgroups.delegate(v2, host_uid)
             channel = await AgentChannel.connect(str(sock_path), timeout=10.0)
-            return ContainerSandbox(
+            sb = ContainerSandbox(
                 id=sandbox_id, slot=slot, host_uid=host_uid, rootfs=rootfs, run_dir=run_dir,
                 v2_cgroup=v2, agent_pid=pid, channel=channel, fs=SandboxFS(rootfs.merged, host_uid),
                 image_env=image_env,
             )
+            if network_rules is not None and network != "host":
+                try:
+                    await self.attach_network(sb, network_rules)
+                except BaseException:
+                    channel.close()
+                    sb.fs.close()
+                    raise
+            return sb
         except BaseException:
             if listener is not None:
                 listener.close()
             await asyncio.shield(self._teardown(sandbox_id, rootfs, run_dir, slot, None))
             raise
 
+    async def attach_network(self, sb: ContainerSandbox, rules: list[str]) -> SandboxNetwork:
+        """Give a running sandbox its link, BPF allow-list and DNS gate (policy = rules)."""
+        net = await sandbox_net.attach(sb.id, netns.PREFIX + sb.id, sb.v2_cgroup, rules,
+                                       self.settings)
+        sb.network = net
+        await asyncio.to_thread(sb.fs.write, sandbox_net.RESOLV_CONF, net.resolv_conf(), 0o644)
+        return net
+
     async def adopt(self, sandbox_id: str, host_uid: int,
-                    image_env: dict[str, str]) -> ContainerSandbox | None:
+                    image_env: dict[str, str],
+                    network_rules: list[str] | None = None) -> ContainerSandbox | None:
         """Reconnect to a sandbox started by an earlier edge process; None if it is gone."""
         slot = self.slots.slot_of(host_uid)
         self.slots.claim(slot)
@@ -186,9 +209,22 @@ class ContainerBackend:
         )
         sb.next_session = max((int(p.name[1:]) for p in v2.glob("x*") if p.name[1:].isdigit()),
                               default=0)
+        if network_rules is not None:
+            try:
+                sb.network = await sandbox_net.adopt(sandbox_id, v2, network_rules, self.settings)
+            except Exception as exc:  # noqa: BLE001 - fail closed: cleaned below
+                log.warning("sandbox %s: network re-attach failed: %s", sandbox_id, exc)
+            if sb.network is None:
+                log.warning("sandbox %s: network can not be re-attached; cleaning up", sandbox_id)
+                channel.close()
+                sb.fs.close()
+                await self._teardown(sandbox_id, rootfs, run_dir, slot, pid)
+                return None
         return sb
 
     async def destroy(self, sb: ContainerSandbox) -> None:
+        if sb.network is not None:
+            sb.network.close()  # gate stops; link below, programs + map with the cgroup
         sb.channel.close()
         sb.fs.close()
         await self._teardown(sb.id, sb.rootfs, sb.run_dir, sb.slot, sb.agent_pid)
@@ -229,6 +265,9 @@ class ContainerBackend:
         left = rootfs.teardown()
         if left:
             problems.append(f"mounts left: {left}")
+        netlink.delete(sandbox_id)
+        if netlink.exists(sandbox_id):
+            problems.append(f"network link {netlink.link_name(sandbox_id)} left")
         netns.delete(netns.PREFIX + sandbox_id)
         shutil.rmtree(run_dir, ignore_errors=True)
         return problems
@@ -246,6 +285,8 @@ class ContainerBackend:
         left += mount_points_under(self.sandboxes_dir / sandbox_id)
         if netns.netns_path(netns.PREFIX + sandbox_id).exists():
             left.append(str(netns.netns_path(netns.PREFIX + sandbox_id)))
+        if netlink.exists(sandbox_id):
+            left.append(f"link {netlink.link_name(sandbox_id)}")
         for p in (self.sandboxes_dir / sandbox_id, self.run_root / sandbox_id,
                   self.runtime.state_dir(sandbox_id)):
             if p.exists():
@@ -258,6 +299,7 @@ class ContainerBackend:
         ids |= {p.name for p in self.run_root.iterdir() if p.is_dir()}
         ids |= set(self.runtime.known())
         ids |= {n[len(netns.PREFIX):] for n in netns.list_rollbox()}
+        ids |= {sid for sid in netlink.list_links().values() if sid}
         ids |= {p.name for p in cgroups.leftover(self.settings.cgroup_parent)}
         return {i for i in ids if i.startswith(prefix)}
 

@@ -1,0 +1,420 @@
+"""cgroup-BPF enforcement of a sandbox's allow-list, through bpf(2) by ctypes (no compiler).
+
+One LPM-trie map per sandbox holds the allowed (protocol, port, IPv4 prefix) triples; six
+hand-assembled programs read it:
+
+* ``connect4`` / ``sendmsg4`` (cgroup/sock_addr): refuse a connect() or an unconnected UDP send
+  to a destination not in the map with EPERM, so the caller sees a clear error at once;
+* ``connect6`` / ``sendmsg6``: IPv6 only to ``::1`` (the sandbox's own loopback);
+* ``egress`` / ``ingress`` (cgroup/skb): every IPv4 packet's remote address and port is
+  checked against the same map, so removing an entry cuts connections opened earlier too.
+  Traffic on ``lo`` (ifindex 1, the sandbox's own loopback) always passes.
+
+Programs are attached with BPF_F_ALLOW_MULTI to the sandbox's cgroup-v2 directory; child
+cgroups (the agent's per-command cgroups) inherit them. They are released with the cgroup,
+and the map with them. A policy change is a few map updates (no reload, no re-attach).
+"""
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+SYS_bpf = 321
+
+# bpf(2) commands
+MAP_CREATE, MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY = 0, 1, 2, 3, 4
+PROG_LOAD, PROG_ATTACH, PROG_DETACH = 5, 8, 9
+PROG_GET_FD_BY_ID, MAP_GET_FD_BY_ID, OBJ_GET_INFO_BY_FD, PROG_QUERY = 13, 14, 15, 16
+
+MAP_TYPE_LPM_TRIE = 11
+F_NO_PREALLOC = 1
+PROG_TYPE_CGROUP_SKB = 8
+PROG_TYPE_CGROUP_SOCK_ADDR = 18
+F_ALLOW_MULTI = 2
+
+ATTACH_INGRESS = 0
+ATTACH_EGRESS = 1
+ATTACH_CONNECT4 = 10
+ATTACH_CONNECT6 = 11
+ATTACH_SENDMSG4 = 14
+ATTACH_SENDMSG6 = 15
+
+PROTO_TCP = 6
+PROTO_UDP = 17
+PROTOS = {"tcp": PROTO_TCP, "udp": PROTO_UDP}
+
+# Key: u32 prefixlen, then data [proto u8][pad u8][port be16][ipv4 be32]; the prefix covers
+# proto+pad+port (32 bits) plus the CIDR length, so a rule is one entry whatever its CIDR.
+KEY_SIZE = 12
+VALUE_SIZE = 4
+MAX_ENTRIES = 4096
+PROG_PREFIX = "rbx_"
+
+
+def _bpf(cmd: int, attr: bytes) -> int:
+    buf = ctypes.create_string_buffer(attr, max(len(attr), 128))
+    ret = _syscall(SYS_bpf, ctypes.c_int(cmd), buf, ctypes.c_uint(max(len(attr), 128)))
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"bpf({cmd}): {os.strerror(err)}")
+    return int(ret)
+
+
+def _bpf_buf(cmd: int, buf: ctypes.Array) -> int:  # type: ignore[type-arg]
+    ret = _syscall(SYS_bpf, ctypes.c_int(cmd), buf, ctypes.c_uint(len(buf)))
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"bpf({cmd}): {os.strerror(err)}")
+    return int(ret)
+
+
+# ---- a tiny eBPF assembler ------------------------------------------------------------------
+R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, R10 = range(11)
+_W, _H, _B = 0x00, 0x08, 0x10
+
+
+def _insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
+    return struct.pack("<BBhi", code, (src << 4) | dst, off, imm)
+
+
+def mov_imm(dst: int, imm: int) -> bytes:
+    return _insn(0xB7, dst, imm=imm)  # ALU64 MOV K
+
+
+def mov_reg(dst: int, src: int) -> bytes:
+    return _insn(0xBF, dst, src)  # ALU64 MOV X
+
+
+def add_imm(dst: int, imm: int) -> bytes:
+    return _insn(0x07, dst, imm=imm)
+
+
+def and_imm(dst: int, imm: int) -> bytes:
+    return _insn(0x57, dst, imm=imm)
+
+
+def lsh_imm(dst: int, imm: int) -> bytes:
+    return _insn(0x67, dst, imm=imm)
+
+
+def ldx(size: int, dst: int, src: int, off: int) -> bytes:
+    return _insn(0x61 | size, dst, src, off)  # LDX MEM
+
+
+def stx(size: int, dst: int, src: int, off: int) -> bytes:
+    return _insn(0x63 | size, dst, src, off)  # STX MEM
+
+
+def st_imm(size: int, dst: int, off: int, imm: int) -> bytes:
+    return _insn(0x62 | size, dst, off=off, imm=imm)  # ST MEM
+
+
+def call(helper: int) -> bytes:
+    return _insn(0x85, imm=helper)
+
+
+def exit_() -> bytes:
+    return _insn(0x95)
+
+
+def ld_map_fd(dst: int, fd: int) -> bytes:
+    return _insn(0x18, dst, 1, 0, fd) + _insn(0, 0, 0, 0, 0)  # BPF_PSEUDO_MAP_FD
+
+
+class _Prog:
+    """Instructions with symbolic forward jumps (resolved by label at build time)."""
+
+    def __init__(self) -> None:
+        self.code: list[bytes] = []
+        self.fixups: list[tuple[int, str]] = []
+        self.labels: dict[str, int] = {}
+
+    def emit(self, *insns: bytes) -> None:
+        for i in insns:
+            for k in range(0, len(i), 8):
+                self.code.append(i[k:k + 8])
+
+    def jmp_imm(self, op: int, reg: int, imm: int, label: str) -> None:
+        """op: 0x10 JEQ, 0x50 JNE, 0x00 JA (reg/imm ignored)."""
+        self.fixups.append((len(self.code), label))
+        self.code.append(_insn(0x05 | op, reg, imm=imm))
+
+    def label(self, name: str) -> None:
+        self.labels[name] = len(self.code)
+
+    def build(self) -> bytes:
+        for idx, name in self.fixups:
+            code, regs, _off, imm = struct.unpack("<BBhi", self.code[idx])
+            self.code[idx] = struct.pack("<BBhi", code, regs, self.labels[name] - idx - 1, imm)
+        return b"".join(self.code)
+
+
+JEQ, JNE, JA = 0x10, 0x50, 0x00
+HELPER_MAP_LOOKUP = 1
+HELPER_SKB_LOAD_BYTES = 26
+
+
+def _lookup_tail(p: _Prog, map_fd: int, proto_reg: int, port_reg: int, ip_reg: int,
+                 allow: int) -> None:
+    """Build the key at fp-16 from registers, look it up, return allow if found else 0."""
+    p.emit(st_imm(_W, R10, -16, 64), st_imm(_W, R10, -12, 0),
+           stx(_B, R10, proto_reg, -12), stx(_H, R10, port_reg, -10), stx(_W, R10, ip_reg, -8),
+           *[ld_map_fd(R1, map_fd)], mov_reg(R2, R10), add_imm(R2, -16),
+           call(HELPER_MAP_LOOKUP))
+    p.jmp_imm(JEQ, R0, 0, "deny")
+    p.emit(mov_imm(R0, allow), exit_())
+    p.label("deny")
+    p.emit(mov_imm(R0, 0), exit_())
+
+
+def sock_addr4_program(map_fd: int) -> bytes:
+    """connect4/sendmsg4: allow 127/8 (own loopback) and mapped destinations."""
+    p = _Prog()
+    p.emit(mov_reg(R6, R1), ldx(_W, R7, R6, 4))          # r7 = user_ip4 (network order)
+    p.emit(mov_reg(R3, R7), and_imm(R3, 0xFF))
+    p.jmp_imm(JEQ, R3, 127, "allow")
+    p.emit(ldx(_W, R8, R6, 24), ldx(_W, R9, R6, 36))     # r8 = user_port, r9 = protocol
+    _lookup_tail(p, map_fd, R9, R8, R7, 1)
+    p.label("allow")
+    p.emit(mov_imm(R0, 1), exit_())
+    return p.build()
+
+
+def sock_addr6_program() -> bytes:
+    """connect6/sendmsg6: only ::1."""
+    p = _Prog()
+    for off in (8, 12, 16):
+        p.emit(ldx(_W, R2, R1, off))
+        p.jmp_imm(JNE, R2, 0, "deny")
+    p.emit(ldx(_W, R2, R1, 20))
+    p.jmp_imm(JNE, R2, 0x01000000, "deny")
+    p.emit(mov_imm(R0, 1), exit_())
+    p.label("deny")
+    p.emit(mov_imm(R0, 0), exit_())
+    return p.build()
+
+
+def skb_program(map_fd: int, egress: bool) -> bytes:
+    """Packet filter: remote = destination on egress, source on ingress."""
+    p = _Prog()
+    p.emit(mov_reg(R6, R1), ldx(_W, R2, R6, 40))          # ifindex
+    p.jmp_imm(JEQ, R2, 1, "allow")                        # the sandbox's own lo
+    p.emit(ldx(_W, R2, R6, 16))                           # skb->protocol (be16)
+    p.jmp_imm(JNE, R2, 0x0008, "deny")                    # IPv4 only (ETH_P_IP)
+    # IPv4 header -> fp-40 .. fp-20
+    p.emit(mov_reg(R1, R6), mov_imm(R2, 0), mov_reg(R3, R10), add_imm(R3, -40), mov_imm(R4, 20),
+           call(HELPER_SKB_LOAD_BYTES))
+    p.jmp_imm(JNE, R0, 0, "deny")
+    p.emit(ldx(_H, R2, R10, -40 + 6), and_imm(R2, 0xFF1F))  # fragment offset (LE view)
+    p.jmp_imm(JNE, R2, 0, "deny")                          # non-first fragments: no ports
+    p.emit(ldx(_B, R9, R10, -40 + 9))                      # r9 = protocol
+    p.jmp_imm(JEQ, R9, PROTO_TCP, "l4")
+    p.jmp_imm(JNE, R9, PROTO_UDP, "deny")
+    p.label("l4")
+    p.emit(ldx(_W, R7, R10, -40 + (16 if egress else 12)))  # r7 = remote ip
+    p.emit(ldx(_B, R2, R10, -40), and_imm(R2, 0x0F), lsh_imm(R2, 2))  # r2 = ihl*4
+    p.emit(mov_reg(R1, R6), mov_reg(R3, R10), add_imm(R3, -44), mov_imm(R4, 4),
+           call(HELPER_SKB_LOAD_BYTES))
+    p.jmp_imm(JNE, R0, 0, "deny")
+    p.emit(ldx(_H, R8, R10, -44 + (2 if egress else 0)))   # r8 = remote port (be16)
+    # _lookup_tail defines "deny"; "allow" follows it.
+    _lookup_tail(p, map_fd, R9, R8, R7, 1)
+    p.label("allow")
+    p.emit(mov_imm(R0, 1), exit_())
+    return p.build()
+
+
+def load_program(prog_type: int, insns: bytes, name: str, attach_type: int = 0) -> int:
+    license_ = ctypes.create_string_buffer(b"GPL")
+    code = ctypes.create_string_buffer(insns, len(insns))
+    log = ctypes.create_string_buffer(65536)
+    attr = struct.pack("<IIQQIIQII16sII", prog_type, len(insns) // 8,
+                       ctypes.addressof(code), ctypes.addressof(license_), 0, 0, 0, 0, 0,
+                       name.encode()[:15], 0, attach_type)
+    try:
+        return _bpf(PROG_LOAD, attr)
+    except OSError:
+        attr = struct.pack("<IIQQIIQII16sII", prog_type, len(insns) // 8,
+                           ctypes.addressof(code), ctypes.addressof(license_), 1, len(log),
+                           ctypes.addressof(log), 0, 0, name.encode()[:15], 0, attach_type)
+        try:
+            return _bpf(PROG_LOAD, attr)
+        except OSError as exc:
+            raise OSError(exc.errno, f"BPF load of {name} failed: {exc}\n"
+                          f"{log.value.decode(errors='replace')[-2000:]}") from None
+
+
+def create_map(name: str, max_entries: int = MAX_ENTRIES) -> int:
+    attr = struct.pack("<IIIIIII16s", MAP_TYPE_LPM_TRIE, KEY_SIZE, VALUE_SIZE, max_entries,
+                       F_NO_PREALLOC, 0, 0, name.encode()[:15])
+    return _bpf(MAP_CREATE, attr)
+
+
+def attach(cgroup_fd: int, prog_fd: int, attach_type: int) -> None:
+    _bpf(PROG_ATTACH, struct.pack("<IIIII", cgroup_fd, prog_fd, attach_type, F_ALLOW_MULTI, 0))
+
+
+def query(cgroup_fd: int, attach_type: int) -> list[int]:
+    """Ids of the programs attached directly to this cgroup for attach_type."""
+    ids = (ctypes.c_uint32 * 64)()
+    buf = ctypes.create_string_buffer(struct.pack("<IIIIQI", cgroup_fd, attach_type, 0, 0,
+                                                  ctypes.addressof(ids), 64), 128)
+    _bpf_buf(PROG_QUERY, buf)
+    count = struct.unpack_from("<I", buf.raw, 24)[0]
+    return list(ids[:count])
+
+
+def _prog_info(prog_fd: int) -> tuple[str, list[int]]:
+    """(name, map ids) of a loaded program."""
+    map_ids = (ctypes.c_uint32 * 8)()
+    info = bytearray(256)
+    struct.pack_into("<I", info, 52, 8)
+    struct.pack_into("<Q", info, 56, ctypes.addressof(map_ids))
+    info_buf = ctypes.create_string_buffer(bytes(info), len(info))
+    attr = struct.pack("<IIQ", prog_fd, len(info), ctypes.addressof(info_buf))
+    _bpf(OBJ_GET_INFO_BY_FD, attr)
+    nr = struct.unpack_from("<I", info_buf.raw, 52)[0]
+    name = info_buf.raw[64:80].split(b"\0")[0].decode()
+    return name, list(map_ids[:min(nr, 8)])
+
+
+def key_bytes(proto: int, port: int, net: ipaddress.IPv4Network) -> bytes:
+    return (struct.pack("<IBB", 32 + net.prefixlen, proto, 0) + struct.pack(">H", port)
+            + net.network_address.packed)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One allowed (protocol, port, IPv4 network)."""
+    proto: int
+    port: int
+    net: ipaddress.IPv4Network
+
+    def key(self) -> bytes:
+        return key_bytes(self.proto, self.port, self.net)
+
+
+class AllowMap:
+    """The sandbox's allow-list map, updated in place."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def _elem(self, cmd: int, key: bytes, value: bytes | None, flags: int = 0) -> None:
+        kb = ctypes.create_string_buffer(key, len(key))
+        vb = ctypes.create_string_buffer(value or b"\0" * VALUE_SIZE, VALUE_SIZE)
+        _bpf(cmd, struct.pack("<IIQQQ", self.fd, 0, ctypes.addressof(kb),
+                              ctypes.addressof(vb) if value is not None else 0, flags))
+
+    def add(self, entries: Iterable[Entry]) -> None:
+        for e in entries:
+            self._elem(MAP_UPDATE_ELEM, e.key(), struct.pack("<I", 1))
+
+    def remove(self, entries: Iterable[Entry]) -> None:
+        for e in entries:
+            try:
+                self._elem(MAP_DELETE_ELEM, e.key(), None)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                if exc.errno != 2:
+                    raise
+
+    def keys(self) -> list[bytes]:
+        out: list[bytes] = []
+        prev: bytes | None = None
+        while True:
+            nk = ctypes.create_string_buffer(KEY_SIZE)
+            pk = ctypes.create_string_buffer(prev, KEY_SIZE) if prev is not None else None
+            try:
+                _bpf(MAP_GET_NEXT_KEY, struct.pack(
+                    "<IIQQ", self.fd, 0, ctypes.addressof(pk) if pk is not None else 0,
+                    ctypes.addressof(nk)))
+            except OSError as exc:
+                if exc.errno == 2:
+                    return out
+                raise
+            prev = nk.raw
+            out.append(prev)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+HOOKS: tuple[tuple[str, int], ...] = (
+    ("connect4", ATTACH_CONNECT4), ("sendmsg4", ATTACH_SENDMSG4),
+    ("connect6", ATTACH_CONNECT6), ("sendmsg6", ATTACH_SENDMSG6),
+    ("egress", ATTACH_EGRESS), ("ingress", ATTACH_INGRESS),
+)
+
+
+def attach_policy(cgroup_dir: Path, tag: str) -> AllowMap:
+    """Create the sandbox's (empty: deny-all) map, load and attach the six programs."""
+    map_fd = create_map(f"{PROG_PREFIX}{tag}"[:15])
+    fds: list[int] = []
+    cg = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        progs = {
+            "connect4": (PROG_TYPE_CGROUP_SOCK_ADDR, sock_addr4_program(map_fd)),
+            "sendmsg4": (PROG_TYPE_CGROUP_SOCK_ADDR, sock_addr4_program(map_fd)),
+            "connect6": (PROG_TYPE_CGROUP_SOCK_ADDR, sock_addr6_program()),
+            "sendmsg6": (PROG_TYPE_CGROUP_SOCK_ADDR, sock_addr6_program()),
+            "egress": (PROG_TYPE_CGROUP_SKB, skb_program(map_fd, egress=True)),
+            "ingress": (PROG_TYPE_CGROUP_SKB, skb_program(map_fd, egress=False)),
+        }
+        for hook, attach_type in HOOKS:
+            ptype, insns = progs[hook]
+            fd = load_program(ptype, insns, f"{PROG_PREFIX}{hook}",
+                              attach_type if ptype == PROG_TYPE_CGROUP_SOCK_ADDR else 0)
+            fds.append(fd)
+            attach(cg, fd, attach_type)
+    except BaseException:
+        os.close(map_fd)
+        raise
+    finally:
+        for fd in fds:
+            os.close(fd)  # the attachment holds the programs (and they the map)
+        os.close(cg)
+    return AllowMap(map_fd)
+
+
+def find_policy(cgroup_dir: Path) -> AllowMap | None:
+    """The allow map of programs already attached to cgroup_dir (after an edge restart)."""
+    try:
+        cg = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        for prog_id in query(cg, ATTACH_EGRESS):
+            pfd = _bpf(PROG_GET_FD_BY_ID, struct.pack("<I", prog_id))
+            try:
+                name, map_ids = _prog_info(pfd)
+            finally:
+                os.close(pfd)
+            if name.startswith(PROG_PREFIX) and map_ids:
+                return AllowMap(_bpf(MAP_GET_FD_BY_ID, struct.pack("<I", map_ids[0])))
+        return None
+    finally:
+        os.close(cg)
+
+
+def attached_programs(cgroup_dir: Path) -> list[int]:
+    """Ids of rollbox programs attached to cgroup_dir, over all hooks (leak checks)."""
+    try:
+        cg = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return []
+    try:
+        return [i for _, t in HOOKS for i in query(cg, t)]
+    finally:
+        os.close(cg)

@@ -1,0 +1,133 @@
+"""The DNS gate: one UDP DNS server per sandbox, on the host end of its link (gate:53).
+
+A query for a name the policy allows is resolved upstream (A records only), its addresses are
+added to the sandbox's allow map for the name's ports *before* the answer is sent, and the
+answer goes back. Any other name gets REFUSED and is never sent upstream. AAAA and other types
+of allowed names get an empty answer (the sandbox link is IPv4 only).
+"""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import os
+from collections.abc import Callable
+
+import dns.asyncquery
+import dns.flags
+import dns.message
+import dns.rcode
+import dns.rdatatype
+import dns.rrset
+
+log = logging.getLogger(__name__)
+MAX_TTL = 300
+
+
+def upstream() -> tuple[str, int]:
+    """``ROLLBOX_DNS_UPSTREAM=host[:port]``, else the host's first resolv.conf nameserver."""
+    env = os.environ.get("ROLLBOX_DNS_UPSTREAM")
+    if env:
+        host, _, port = env.rpartition(":") if env.count(":") == 1 else (env, "", "53")
+        return host, int(port or 53)
+    try:
+        with open("/etc/resolv.conf") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 2 and parts[0] == "nameserver":
+                    return parts[1], 53
+    except OSError:
+        pass
+    return "127.0.0.1", 53
+
+
+# allowed(qname) -> ports opened for it (empty: refuse); admit(qname, addresses) -> the
+# addresses that may be answered (the rest are forbidden destinations and left out).
+Allowed = Callable[[str], bool]
+Admit = Callable[[str, list[ipaddress.IPv4Address]], list[ipaddress.IPv4Address]]
+
+
+class _Protocol(asyncio.DatagramProtocol):
+    def __init__(self, gate: DnsGate) -> None:
+        self.gate = gate
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        task = asyncio.ensure_future(self.gate.answer(data))
+        self.gate.tasks.add(task)
+
+        def done(t: asyncio.Future[bytes | None]) -> None:
+            self.gate.tasks.discard(t)
+            if not t.cancelled() and t.exception() is None and t.result() and self.transport:
+                self.transport.sendto(t.result(), addr)
+        task.add_done_callback(done)
+
+
+class DnsGate:
+    def __init__(self, bind_ip: str, allowed: Allowed, admit: Admit,
+                 upstream_addr: tuple[str, int] | None = None) -> None:
+        self.bind_ip = bind_ip
+        self.allowed = allowed
+        self.admit = admit
+        self.upstream = upstream_addr or upstream()
+        self.transport: asyncio.DatagramTransport | None = None
+        self.tasks: set[asyncio.Future] = set()  # type: ignore[type-arg]
+        self.refused: list[str] = []  # recent refused names (bounded), for the audit trail
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.transport, _ = await loop.create_datagram_endpoint(
+            lambda: _Protocol(self), local_addr=(self.bind_ip, 53))
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        for t in list(self.tasks):
+            t.cancel()
+
+    async def answer(self, wire: bytes) -> bytes | None:
+        try:
+            query = dns.message.from_wire(wire)
+        except Exception:  # noqa: BLE001 - garbage from the sandbox: no answer
+            return None
+        if len(query.question) != 1:
+            return _reply(query, dns.rcode.FORMERR)
+        q = query.question[0]
+        name = q.name.to_text().rstrip(".").lower()
+        if not self.allowed(name):
+            self.refused.append(name)
+            del self.refused[:-64]
+            return _reply(query, dns.rcode.REFUSED)
+        if q.rdtype != dns.rdatatype.A:
+            return _reply(query, dns.rcode.NOERROR)
+        up = dns.message.make_query(q.name, dns.rdatatype.A)
+        try:
+            resp = await dns.asyncquery.udp(up, self.upstream[0], port=self.upstream[1],
+                                            timeout=3.0)
+        except Exception as exc:  # noqa: BLE001 - upstream trouble: SERVFAIL, the sandbox retries
+            log.warning("DNS gate: upstream failed for %s: %s", name, exc)
+            return _reply(query, dns.rcode.SERVFAIL)
+        addrs: list[ipaddress.IPv4Address] = []
+        ttl = MAX_TTL
+        for rrset in resp.answer:
+            if rrset.rdtype == dns.rdatatype.A:
+                ttl = min(ttl, rrset.ttl)
+                addrs.extend(ipaddress.IPv4Address(r.address) for r in rrset)
+        addrs = self.admit(name, addrs)  # in the allow map before the answer leaves
+        out = _reply(query, dns.rcode.NOERROR if addrs or resp.rcode() == dns.rcode.NOERROR
+                     else resp.rcode(), raw=True)
+        if addrs:
+            out.answer.append(dns.rrset.from_text_list(
+                q.name, max(ttl, 1), "IN", "A", [str(a) for a in addrs]))
+        return out.to_wire()
+
+
+def _reply(query: dns.message.Message, rcode: int, raw: bool = False):  # noqa: ANN202
+    r = dns.message.make_response(query)
+    r.flags |= dns.flags.RA
+    r.set_rcode(rcode)
+    return r if raw else r.to_wire()

@@ -1,0 +1,170 @@
+"""Host side of a sandbox's network link: a veth pair, a /30 from the link pool, NAT.
+
+The host end is ``rbx<hash of the sandbox id>`` with the alias ``rollbox:<id>`` (so a leaked
+link names its sandbox); the sandbox end is ``eth0`` inside ``rollbox-<id>``. The host end's
+address is the sandbox's gate (DNS gate, local mirrors). One node-wide nftables table
+``ip rollbox`` holds: local-mirror DNAT (gate:port -> 127.0.0.1:port, ports listed in a set),
+sandbox-to-sandbox forward drop, masquerade to the outside. Forwarding to the outside needs
+``net.ipv4.ip_forward=1``, written only when ``ROLLBOX_NET_FORWARD=1`` (operator's choice).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import ipaddress
+import json
+import os
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollbox.errors import InfraError
+from rollbox.netpolicy.policy import host_addresses, link_pool
+
+LOCK_PATH = Path("/run/rollbox/net.lock")
+LINK_PREFIX = "rbx"
+ALIAS_PREFIX = "rollbox:"
+SANDBOX_IFACE = "eth0"
+NFT_TABLE = "rollbox"
+_thread_lock = threading.Lock()
+_nft_ready = False
+
+
+def link_name(sandbox_id: str) -> str:
+    return LINK_PREFIX + hashlib.sha1(sandbox_id.encode()).hexdigest()[:11]
+
+
+@dataclass(frozen=True)
+class Link:
+    sandbox_id: str
+    host_if: str
+    gate_ip: str
+    sandbox_ip: str
+
+
+def _ip(args: list[str], batch: str | None = None) -> str:
+    proc = subprocess.run(["ip", *args], input=batch, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise InfraError(f"ip {' '.join(args)} failed: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def _nft(script: str) -> None:
+    proc = subprocess.run(["nft", "-f", "-"], input=script, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise InfraError(f"nft failed: {proc.stderr.strip()}")
+
+
+def ensure_node_tables() -> None:
+    """The node-wide table (idempotent; kept for the node's uptime, it only names rbx links)."""
+    global _nft_ready
+    if _nft_ready:
+        return
+    pool = link_pool()
+    _nft(f"""
+table ip {NFT_TABLE} {{
+  set mirror_ports {{ type inet_service; }}
+  chain prerouting {{ type nat hook prerouting priority dstnat; }}
+  chain postrouting {{ type nat hook postrouting priority srcnat; }}
+  chain forward {{ type filter hook forward priority filter; }}
+}}
+flush chain ip {NFT_TABLE} prerouting
+flush chain ip {NFT_TABLE} postrouting
+flush chain ip {NFT_TABLE} forward
+add rule ip {NFT_TABLE} prerouting iifname "{LINK_PREFIX}*" fib daddr type local tcp dport @mirror_ports dnat to 127.0.0.1
+add rule ip {NFT_TABLE} forward iifname "{LINK_PREFIX}*" oifname "{LINK_PREFIX}*" drop
+add rule ip {NFT_TABLE} forward iifname "{LINK_PREFIX}*" ip daddr {pool} drop
+add rule ip {NFT_TABLE} postrouting ip saddr {pool} oifname != "{LINK_PREFIX}*" masquerade
+""")
+    if os.environ.get("ROLLBOX_NET_FORWARD") == "1":
+        Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
+    _nft_ready = True
+
+
+def allow_local_mirror_ports(ports: set[int]) -> None:
+    if ports:
+        ensure_node_tables()
+        _nft(f"add element ip {NFT_TABLE} mirror_ports {{ {', '.join(map(str, sorted(ports)))} }}\n")
+
+
+def _sysctl_iface(name: str, key: str, value: str) -> None:
+    Path(f"/proc/sys/net/ipv4/conf/{name}/{key}").write_text(value)
+
+
+def create(sandbox_id: str, netns_name: str) -> Link:
+    """veth pair + addresses + default route inside; the /30 is chosen under a node lock."""
+    ensure_node_tables()
+    name = link_name(sandbox_id)
+    pool = link_pool()
+    blocks = pool.num_addresses // 4
+    start = int(hashlib.sha1(sandbox_id.encode()).hexdigest(), 16) % blocks
+    LOCK_PATH.parent.mkdir(parents=True, exist_ok=True)
+    with _thread_lock, open(LOCK_PATH, "a") as lockf:
+        fcntl.flock(lockf, fcntl.LOCK_EX)
+        used = host_addresses()
+        for k in range(blocks):
+            base = int(pool.network_address) + ((start + k) % blocks) * 4
+            gate = ipaddress.IPv4Address(base + 1)
+            if gate not in used:
+                break
+        else:
+            raise InfraError("network link pool exhausted")
+        inner = ipaddress.IPv4Address(base + 2)
+        try:
+            _ip(["-b", "-"], batch=(
+                f"link add {name} type veth peer name {SANDBOX_IFACE} netns {netns_name}\n"
+                f"link set {name} alias {ALIAS_PREFIX}{sandbox_id}\n"
+                f"addr add {gate}/30 dev {name}\n"
+                f"link set {name} up\n"))
+        except BaseException:
+            delete(sandbox_id)
+            raise
+    try:
+        _sysctl_iface(name, "route_localnet", "1")  # only for the mirror DNAT above
+        _ip(["-n", netns_name, "-b", "-"], batch=(
+            f"addr add {inner}/30 dev {SANDBOX_IFACE}\n"
+            f"link set {SANDBOX_IFACE} up\n"
+            f"route add default via {gate}\n"))
+    except BaseException:
+        delete(sandbox_id)
+        raise
+    return Link(sandbox_id, name, str(gate), str(inner))
+
+
+def find(sandbox_id: str) -> Link | None:
+    """The link of a sandbox started by an earlier edge process, if it still exists."""
+    name = link_name(sandbox_id)
+    try:
+        info = json.loads(_ip(["-j", "-4", "addr", "show", "dev", name]))
+    except InfraError:
+        return None
+    for it in info:
+        for a in it.get("addr_info", []):
+            gate = ipaddress.IPv4Address(a["local"])
+            return Link(sandbox_id, name, str(gate), str(gate + 1))
+    return None
+
+
+def delete(sandbox_id: str) -> None:
+    """Remove the host end (the peer goes with it); no error if it is already gone."""
+    if not exists(sandbox_id):
+        return  # the common case (no network): no subprocess
+    subprocess.run(["ip", "link", "del", link_name(sandbox_id)], capture_output=True)
+
+
+def exists(sandbox_id: str) -> bool:
+    return Path(f"/sys/class/net/{link_name(sandbox_id)}").exists()
+
+
+def list_links() -> dict[str, str]:
+    """Every rollbox link on the host: interface name -> sandbox id (from its alias)."""
+    out: dict[str, str] = {}
+    for d in Path("/sys/class/net").iterdir():
+        if d.name.startswith(LINK_PREFIX):
+            try:
+                alias = (d / "ifalias").read_text().strip()
+            except OSError:
+                alias = ""
+            out[d.name] = alias[len(ALIAS_PREFIX):] if alias.startswith(ALIAS_PREFIX) else ""
+    return out
