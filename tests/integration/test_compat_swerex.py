@@ -1,0 +1,226 @@
+"""SWE-ReX's own client (``swerex.runtime.remote.RemoteRuntime``, swe-rex pinned in
+requirements.lock), unmodified, against rollbox's /swerex routes on a real embedded server."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+pytest.importorskip("swerex.runtime.remote")
+
+from swerex.exceptions import (  # noqa: E402
+    BashIncorrectSyntaxError,
+    CommandTimeoutError,
+    NonZeroExitCodeError,
+    SessionDoesNotExistError,
+    SessionExistsError,
+    SessionNotInitializedError,
+)
+from swerex.runtime.abstract import (  # noqa: E402
+    BashAction,
+    BashInterruptAction,
+    CloseBashSessionRequest,
+    Command,
+    CreateBashSessionRequest,
+    ReadFileRequest,
+    UploadRequest,
+    WriteFileRequest,
+)
+from swerex.runtime.remote import RemoteRuntime  # noqa: E402
+
+import rollbox  # noqa: E402
+from rollbox.api import BackgroundServer, create_app  # noqa: E402
+from rollbox.compat.swerex import runtime_url  # noqa: E402
+from rollbox.iam import KeyStore  # noqa: E402
+from rollbox.placement import Placement  # noqa: E402
+from tests.conftest import have_image  # noqa: E402
+
+IMAGE = "debian:bookworm"
+pytestmark = pytest.mark.skipif(not have_image(IMAGE), reason=f"{IMAGE} not built")
+
+
+class Env:
+    def __init__(self, url: str, key: str, client: rollbox.AsyncClient, sandbox_id: str,
+                 app: Any, keys: KeyStore) -> None:
+        self.url = url
+        self.keys = keys
+        self.key = key
+        self.client = client
+        self.sandbox_id = sandbox_id
+        self.app = app
+
+    def runtime(self, sandbox_id: str | None = None, key: str | None = None) -> RemoteRuntime:
+        return RemoteRuntime(host=runtime_url(self.url, sandbox_id or self.sandbox_id),
+                             auth_token=key or self.key, timeout=10)
+
+
+@pytest.fixture
+async def env(edge, tmp_path: Path) -> AsyncIterator[Env]:  # noqa: ANN001
+    keys = KeyStore(tmp_path / "keys.db")
+    key = keys.create("proj")
+    app = create_app(Placement([edge]), edge.event_log, keys)
+    async with BackgroundServer(app) as srv, rollbox.AsyncClient(srv.url, key) as client:
+        sb = await client.create(IMAGE)
+        yield Env(srv.url, key, client, sb.id, app, keys)
+
+
+async def test_sessions_commands_and_errors(env: Env) -> None:
+    rt = env.runtime()
+    assert (await rt.is_alive()).is_alive
+    out = await rt.create_session(CreateBashSessionRequest())
+    assert out.output == ""
+    with pytest.raises(SessionExistsError):
+        await rt.create_session(CreateBashSessionRequest())
+
+    # env, cwd and functions persist across commands; output and exit codes are exact
+    obs = await rt.run_in_session(BashAction(command="export FOO=bar; cd /tmp; f() { echo f$1; }"))
+    assert obs.exit_code == 0 and obs.output == ""
+    obs = await rt.run_in_session(BashAction(command="echo $FOO; pwd; f 1"))
+    assert obs.output == "bar\n/tmp\nf1\n" and obs.exit_code == 0
+    obs = await rt.run_in_session(BashAction(command="printf 'no newline'"))
+    assert obs.output == "no newline"
+    # multi-line commands, heredocs, quotes, stderr joined in order, no history expansion
+    obs = await rt.run_in_session(BashAction(command=(
+        "cat <<'EOF'\nline 'one' \\ $FOO\n!!\nEOF\necho err >&2\necho \"it's $FOO\"")))
+    assert obs.output == "line 'one' \\ $FOO\n!!\nerr\nit's bar\n", obs.output
+
+    # non-zero exit: raise (default), silent, ignore
+    with pytest.raises(NonZeroExitCodeError, match="exit code 3"):
+        await rt.run_in_session(BashAction(command="echo before; (exit 3)"))
+    obs = await rt.run_in_session(BashAction(command="ls /nonexistent", check="silent"))
+    assert obs.exit_code == 2 and "No such file" in obs.output
+    obs = await rt.run_in_session(BashAction(command="false", check="ignore"))
+    assert obs.exit_code is None
+    with pytest.raises(BashIncorrectSyntaxError):
+        await rt.run_in_session(BashAction(command="if true; then"))
+
+    # timeout, then interrupt: the session survives with its state
+    t0 = time.monotonic()
+    with pytest.raises(CommandTimeoutError):
+        await rt.run_in_session(BashAction(command="sleep 30; echo late", timeout=0.5))
+    assert time.monotonic() - t0 < 5
+    await rt.run_in_session(BashInterruptAction())
+    obs = await rt.run_in_session(BashAction(command="echo $FOO alive", timeout=5))
+    assert obs.output == "bar alive\n"
+    # a command that traps SIGINT is stopped by the SIGTERM fallback
+    with pytest.raises(CommandTimeoutError):
+        await rt.run_in_session(BashAction(
+            command="trap '' INT; sleep 30", timeout=0.3))
+    await rt.run_in_session(BashInterruptAction(n_retry=1))
+    obs = await rt.run_in_session(BashAction(command="echo ok", timeout=5))
+    assert obs.output == "ok\n"
+
+    # expect strings of interactive programs (a pipe, not a terminal)
+    await rt.run_in_session(BashAction(command="cat", is_interactive_command=True,
+                                       timeout=0.3))
+    obs = await rt.run_in_session(BashAction(command="hello cat", is_interactive_command=True,
+                                             expect=["hello cat"], timeout=5))
+    assert obs.expect_string == "hello cat"
+    await rt.run_in_session(BashInterruptAction())
+    assert (await rt.run_in_session(BashAction(command="echo $FOO"))).output == "bar\n"
+
+    # a second session is independent
+    await rt.create_session(CreateBashSessionRequest(session="other"))
+    obs = await rt.run_in_session(BashAction(command="echo ${FOO:-unset}", session="other"))
+    assert obs.output == "unset\n"
+    await rt.close_session(CloseBashSessionRequest(session="other"))
+    with pytest.raises(SessionDoesNotExistError):
+        await rt.run_in_session(BashAction(command="true", session="other"))
+    with pytest.raises(SessionDoesNotExistError):
+        await rt.close_session(CloseBashSessionRequest(session="other"))
+
+    # the shell exiting ends the session with the client's error, not a hang
+    with pytest.raises(SessionNotInitializedError):
+        await rt.run_in_session(BashAction(command="exit 4", timeout=10))
+    with pytest.raises(SessionDoesNotExistError):
+        await rt.run_in_session(BashAction(command="true"))
+
+    # every command is in the sandbox's audit trail
+    sb = await env.client.get(env.sandbox_id)
+    kinds = [e.kind for e in await env.app.state.api.events.read(sb.id, 0, 10000)]
+    assert "swerex.command" in kinds and "swerex.interrupt" in kinds
+
+    await rt.close()
+
+
+async def test_execute_files_upload(env: Env, tmp_path: Path) -> None:
+    rt = env.runtime()
+    r = await rt.execute(Command(command="echo out; echo err >&2; exit 5", shell=True))
+    assert (r.stdout, r.stderr, r.exit_code) == ("out\n", "err\n", 5)
+    r = await rt.execute(Command(command=["sh", "-c", "echo $X; pwd"], env={"X": "y"},
+                                 cwd="/tmp"))
+    assert r.stdout == "y\n/tmp\n" and r.exit_code == 0
+    r = await rt.execute(Command(command="echo a; echo b >&2", shell=True,
+                                 merge_output_streams=True))
+    assert sorted(r.stdout.split()) == ["a", "b"] and r.stderr == ""
+    with pytest.raises(NonZeroExitCodeError):
+        await rt.execute(Command(command="false", shell=True, check=True))
+    t0 = time.monotonic()
+    with pytest.raises(CommandTimeoutError):
+        await rt.execute(Command(command="sleep 30", shell=True, timeout=0.5))
+    assert time.monotonic() - t0 < 10
+
+    await rt.write_file(WriteFileRequest(path="/work/deep/a.txt", content="héllo\n"))
+    assert (await rt.read_file(ReadFileRequest(path="/work/deep/a.txt"))).content == "héllo\n"
+    with pytest.raises(FileNotFoundError):
+        await rt.read_file(ReadFileRequest(path="/no/such/file"))
+
+    # upload a directory (zipped by the client) and a single file
+    src = tmp_path / "src"
+    (src / "pkg" / "sub").mkdir(parents=True)
+    (src / "pkg" / "__init__.py").write_text("VALUE = 42\n")
+    (src / "pkg" / "sub" / "data.txt").write_text("data\n")
+    tool = src / "run.sh"
+    tool.write_text("#!/bin/sh\necho ran\n")
+    tool.chmod(0o755)
+    await rt.upload(UploadRequest(source_path=str(src), target_path="/opt/proj"))
+    r = await rt.execute(Command(command="cat /opt/proj/pkg/sub/data.txt; /opt/proj/run.sh",
+                                 shell=True))
+    assert r.stdout == "data\nran\n", r
+    await rt.upload(UploadRequest(source_path=str(src / "pkg" / "__init__.py"),
+                                  target_path="/opt/single/init.py"))
+    assert (await rt.read_file(ReadFileRequest(path="/opt/single/init.py"))).content == \
+        "VALUE = 42\n"
+    await rt.close()
+
+
+async def test_bad_input(env: Env) -> None:
+    # unknown sandbox: is_alive says so, the calls fail at once with a 404
+    ghost = env.runtime(sandbox_id=f"{env.sandbox_id[:-4]}ffff")
+    alive = await asyncio.wait_for(ghost.is_alive(), 10)
+    assert not alive.is_alive and "404" in alive.message
+    with pytest.raises(aiohttp.ClientResponseError) as e:
+        await asyncio.wait_for(ghost.create_session(CreateBashSessionRequest()), 10)
+    assert e.value.status == 404
+    with pytest.raises(aiohttp.ClientResponseError) as e:
+        await asyncio.wait_for(ghost.execute(Command(command="true", shell=True)), 10)
+    assert e.value.status == 404
+
+    # wrong key: 401, and another project's key does not see the sandbox (404)
+    bad = env.runtime(key="rbx_" + "0" * 40)
+    assert not (await bad.is_alive()).is_alive
+    with pytest.raises(aiohttp.ClientResponseError) as e:
+        await bad.execute(Command(command="true", shell=True))
+    assert e.value.status == 401
+    other = env.runtime(key=env.keys.create("other-proj"))
+    with pytest.raises(aiohttp.ClientResponseError) as e:
+        await other.read_file(ReadFileRequest(path="/etc/hostname"))
+    assert e.value.status == 404
+
+    # no session yet, unknown session
+    rt = env.runtime()
+    with pytest.raises(SessionDoesNotExistError):
+        await rt.run_in_session(BashAction(command="true"))
+
+    # deleted sandbox: a live session's call gets the client's error, not a hang
+    await rt.create_session(CreateBashSessionRequest())
+    await (await env.client.get(env.sandbox_id)).delete()
+    with pytest.raises((aiohttp.ClientResponseError, SessionNotInitializedError,
+                        SessionDoesNotExistError)):
+        await asyncio.wait_for(rt.run_in_session(BashAction(command="true")), 10)
+    assert not (await asyncio.wait_for(rt.is_alive(), 10)).is_alive
