@@ -62,7 +62,7 @@ def sha256(path: Path) -> str:
 
 
 async def test_pip_through_mirror_then_from_cache_with_upstream_down(
-        real_pypi: None, tmp_path: Path) -> None:  # noqa: ARG001
+        real_pypi: None, tmp_path: Path) -> None:
     data = tmp_path / "data"
     first, second, target = tmp_path / "d1", tmp_path / "d2", tmp_path / "site"
 

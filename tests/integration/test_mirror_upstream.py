@@ -15,7 +15,12 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
+from starlette.responses import (
+    JSONResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.routing import Route
 
 from rollbox.api.server import BackgroundServer
@@ -36,6 +41,8 @@ class FakeUpstream:
     extra_entries: list[dict[str, object]] = field(default_factory=list)
     redirects: dict[str, str] = field(default_factory=dict)  # filename -> Location
     hits: Counter[str] = field(default_factory=Counter)
+    meta: dict[str, bytes] = field(default_factory=dict)  # PEP 658: dist name -> METADATA
+    html: bool = False  # serve a PEP 503 HTML page instead of PEP 691 JSON
     index_status: int = 200
     slow: float = 0.0
     url: str = ""
@@ -50,6 +57,14 @@ class FakeUpstream:
             entries: list[dict[str, object]] = [
                 {"filename": n, "url": f"{self.url}/packages/{n}", "hashes": {"sha256": h}}
                 for n, (_, h) in self.files.items()]
+            for e in entries:
+                if e["filename"] in self.meta:
+                    e["core-metadata"] = {"sha256": sha(self.meta[str(e["filename"])])}
+            if self.html:
+                links = "".join(
+                    f'<a href="/packages/{e["filename"]}#sha256={e["hashes"]["sha256"]}" '  # type: ignore[index]
+                    f'data-requires-python="&gt;=3.8">{e["filename"]}</a>' for e in entries)
+                return Response(f"<html><body>{links}</body></html>", media_type="text/html")
             return JSONResponse({"meta": {"api-version": "1.0"}, "name": "demo",
                                  "files": entries + self.extra_entries}, media_type=JSON_V1)
 
@@ -58,6 +73,8 @@ class FakeUpstream:
             self.hits[request.url.path] += 1
             if name in self.redirects:
                 return RedirectResponse(self.redirects[name], status_code=302)
+            if name.endswith(".metadata"):
+                return Response(self.meta[name.removesuffix(".metadata")])
             body = self.files[name][0]
 
             async def chunks() -> AsyncIterator[bytes]:
@@ -258,3 +275,27 @@ async def test_lru_eviction_past_the_bound(tmp_path: Path, upstream: FakeUpstrea
     again = PypiMirror(root, index_upstream=f"{upstream.url}/simple/", max_bytes=2500)
     assert list(again.store._lru) == [sha(parts["c-1.whl"]), sha(parts["b-1.whl"])]
     await again.aclose()
+
+
+async def test_metadata_files_and_html_upstream(running: Running,
+                                                upstream: FakeUpstream) -> None:
+    wheel, meta = b"wheel", b"Metadata-Version: 2.1\nName: demo\nVersion: 5.0\n"
+    upstream.files["demo-5.0-py3-none-any.whl"] = (wheel, sha(wheel))
+    upstream.meta["demo-5.0-py3-none-any.whl"] = meta
+    page = (await running.get("/simple/demo/", headers={"Accept": JSON_V1})).json()
+    (entry,) = page["files"]
+    assert entry["core-metadata"] == {"sha256": sha(meta)}
+    r = await running.get(entry["url"].replace("../..", "") + ".metadata")
+    assert r.status_code == 200 and r.content == meta
+    assert sha(meta) in blobs(running.mirror.store.root)
+    html = (await running.get("/simple/demo/")).text
+    assert f'data-core-metadata="sha256={sha(meta)}"' in html
+
+    # An HTML-only upstream (relative links on its own origin) parses the same way.
+    upstream.html = True
+    running.mirror.index_ttl = 0
+    page = (await running.get("/simple/demo/", headers={"Accept": JSON_V1})).json()
+    (entry,) = page["files"]
+    assert entry["filename"] == "demo-5.0-py3-none-any.whl"
+    assert entry["requires-python"] == ">=3.8"
+    assert (await running.get(entry["url"].replace("../..", ""))).content == wheel

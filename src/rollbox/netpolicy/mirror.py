@@ -34,12 +34,26 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from rollbox.config import Settings
-from rollbox.netpolicy.mirrors.pypi import PypiMirror, UpstreamBadResponse, UpstreamUnavailable
+from rollbox.netpolicy.mirrors.pypi import (
+    PypiMirror,
+    UpstreamBadResponse,
+    UpstreamUnavailable,
+)
 from rollbox.netpolicy.mirrors.store import HashMismatch, TooLarge
 
-__all__ = ["PypiMirror", "pypi_mirror", "running_pypi_mirror", "serve", "mount", "mirror_env",
-           "debian_sources", "UpstreamUnavailable", "UpstreamBadResponse", "HashMismatch",
-           "TooLarge"]
+__all__ = [
+    "HashMismatch",
+    "PypiMirror",
+    "TooLarge",
+    "UpstreamBadResponse",
+    "UpstreamUnavailable",
+    "debian_sources",
+    "mirror_env",
+    "mount",
+    "pypi_mirror",
+    "running_pypi_mirror",
+    "serve",
+]
 
 
 def pypi_mirror(settings: Settings | None = None) -> PypiMirror:

@@ -171,7 +171,7 @@ class BlobStore:
         except RollboxError as exc:
             f.error = exc
             log.warning("mirror fetch %s failed: %s", f.sha256, exc)
-        except Exception as exc:  # noqa: BLE001 - any fault becomes a retryable infra error
+        except Exception as exc:
             f.error = InfraError(f"fetch failed: {exc!r}")
             log.exception("mirror fetch %s failed", f.sha256)
         finally:
@@ -214,7 +214,7 @@ class BlobStore:
             sent = 0
             while True:
                 async with f.cond:
-                    await f.cond.wait_for(lambda: f.done or f.written - 1 > sent)
+                    await f.cond.wait_for(lambda s=sent: f.done or f.written - 1 > s)
                 if f.done and f.error is not None:
                     raise f.error
                 limit = f.written if f.done else f.written - 1
