@@ -403,6 +403,13 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
         events.append(sandbox_id, "sandbox.ttl", None, json.dumps({"ttl_s": body.ttl_s}))
         return info
 
+    @app.put("/v1/sandboxes/{sandbox_id}/network", response_model=models.SandboxInfo,
+             tags=["sandboxes"])
+    async def set_network(sandbox_id: str, body: models.NetworkPolicy,
+                          edge: Edge) -> models.SandboxInfo:
+        """Replace the sandbox's network policy (default deny; effective for open connections)."""
+        return await edge.set_network(sandbox_id, body)
+
     # ---- exec ----
     @app.post("/v1/sandboxes/{sandbox_id}/grade", response_model=models.GradeResult,
               tags=["sandboxes"])

@@ -471,6 +471,14 @@ class AsyncSandbox:
         self.info = SandboxInfo.model_validate(r.json())
         return self.info
 
+    async def set_network(self, allow: Iterable[str] = ()) -> SandboxInfo:
+        """Replace the network policy: ``allow`` names permissions (``pypi``, ``npm``,
+        ``debian``, ``go``) and rules ``HOST:PORT[/udp]``, ``CIDR:PORT[/udp]``; empty = deny
+        all. Takes effect for open connections too (e.g. before the graded phase)."""
+        r = await self._t.request("PUT", self._base + "/network", json={"allow": list(allow)})
+        self.info = SandboxInfo.model_validate(r.json())
+        return self.info
+
     async def grade(
         self, cmd: str | list[str], *, files: Iterable[str], layers: Iterable[str] = (),
         cwd: str = "/", env: Mapping[str, str] | None = None, timeout: float = 600,
@@ -514,11 +522,15 @@ class AsyncClient:
         self, image: str, *, layers: Iterable[str] = (), cpus: float | None = None,
         memory_mib: int | None = None, disk_mib: int | None = None, ttl_s: float | None = None,
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
-        hidden_paths: Iterable[str] = (),
+        hidden_paths: Iterable[str] = (), network: Iterable[str] | None = None,
     ) -> AsyncSandbox:
-        """``hidden_paths``: paths the sandbox's commands can not see (a task's tests)."""
+        """``hidden_paths``: paths the sandbox's commands can not see (a task's tests).
+        ``network``: None = no network at all; a list = default-deny policy allowing those
+        permissions/rules (see ``AsyncSandbox.set_network``)."""
         spec = self._spec(image, layers, cpus, memory_mib, disk_mib, ttl_s, labels, env,
                           hidden_paths)
+        if network is not None:
+            spec["network"] = {"allow": list(network)}
         r = await self._t.request("POST", "/v1/sandboxes", json=spec, long=True)
         return AsyncSandbox(self, SandboxInfo.model_validate(r.json()))
 

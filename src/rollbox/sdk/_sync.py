@@ -170,6 +170,9 @@ class Sandbox:
     def set_ttl(self, ttl_s: float) -> SandboxInfo:
         return self._p.call(self._sb.set_ttl(ttl_s))
 
+    def set_network(self, allow: Iterable[str] = ()) -> SandboxInfo:
+        return self._p.call(self._sb.set_network(allow))
+
     def grade(self, cmd: str | list[str], **kw: Any) -> GradeResult:
         return self._p.call(self._sb.grade(cmd, **kw))
 
