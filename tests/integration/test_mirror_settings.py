@@ -1,4 +1,4 @@
-"""Mirror settings from the environment, the sandbox environment they give, and the api front
+"""Mirror settings from the environment, the Debian sources file, and the api front
 door that runs the PyPI mirror on its own port only when enabled."""
 from __future__ import annotations
 
@@ -24,12 +24,6 @@ def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROLLBOX_PYPI_MIRROR_HOST", "10.9.0.1")
     s = Settings()
     assert s.mirror_url("pypi") == "http://10.9.0.1:3141/simple/"
-    env = mirror.mirror_env(s, ["pypi", "npm", "go", "debian", "custom"])
-    assert env["PIP_INDEX_URL"] == "http://10.9.0.1:3141/simple/"
-    assert env["PIP_TRUSTED_HOST"] == "10.9.0.1:3141"
-    assert env["npm_config_registry"] == "http://10.9.0.1:4873/"
-    assert env["GOPROXY"] == "http://10.9.0.1:3000"
-    assert mirror.mirror_env(s, []) == {}
     assert "URIs: http://10.9.0.1:3142/debian\n" in mirror.debian_sources("http://10.9.0.1:3142/")
 
 

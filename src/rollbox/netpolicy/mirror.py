@@ -9,8 +9,9 @@ Settings (rollbox.config.Settings; env overrides in brackets):
 - ``mirrors: dict[str, str]`` [``ROLLBOX_MIRRORS="pypi=http://10.0.0.1:3141/simple/,npm=..."``]:
   permission name -> mirror base URL as a sandbox sees it. ``Settings.mirror_url(name)`` reads
   it; for ``pypi`` it falls back on the built-in proxy's listen address when that is enabled.
-  Netpolicy: for a permission with a mirror, allow the mirror URL's host:port (TCP) instead of
-  the registry's hosts; give the sandbox :func:`mirror_env` (and :func:`debian_sources`).
+  Netpolicy (permissions.py) opens that host:port instead of the registry's hosts, reaches a
+  mirror on 127.0.0.1 at the sandbox's gate address (DNAT), and sets the tools' environment;
+  :func:`debian_sources` gives apt's sources file for a Debian mirror.
 - ``pypi_mirror_enabled: bool`` [``ROLLBOX_PYPI_MIRROR=1``]: the api process (embedded
   ``rollbox serve``) runs the PyPI proxy in-process, on its own address (never the api's).
 - ``pypi_mirror_host: str = "127.0.0.1"`` [``ROLLBOX_PYPI_MIRROR_HOST``],
@@ -29,9 +30,8 @@ must not touch the allow-lists, veths or DNS gate of the rest of :mod:`rollbox.n
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from typing import Any
-from urllib.parse import urlsplit
 
 from rollbox.config import Settings
 from rollbox.netpolicy.mirrors.pypi import (
@@ -48,7 +48,6 @@ __all__ = [
     "UpstreamBadResponse",
     "UpstreamUnavailable",
     "debian_sources",
-    "mirror_env",
     "mount",
     "pypi_mirror",
     "running_pypi_mirror",
@@ -101,32 +100,6 @@ def mount(app: Any, api: Any) -> contextlib.AbstractAsyncContextManager[None] | 
             yield
 
     return lifetime()
-
-
-def mirror_env(settings: Settings, names: Iterable[str]) -> dict[str, str]:
-    """Environment that points a sandbox's package tools at the mirrors of its permissions
-    (``debian`` needs a sources file instead: :func:`debian_sources`)."""
-    env: dict[str, str] = {}
-    for name in names:
-        url = settings.mirror_url(name)
-        if url is None:
-            continue
-        if name == "pypi":
-            env["PIP_INDEX_URL"] = url
-            env["UV_DEFAULT_INDEX"] = url
-            env["UV_INDEX_URL"] = url  # uv < 0.4.23
-            u = urlsplit(url)
-            if u.scheme == "http" and u.hostname:
-                # pip ignores plain-http indexes off loopback unless they are trusted.
-                env["PIP_TRUSTED_HOST"] = u.netloc
-        elif name == "npm":
-            env["npm_config_registry"] = url
-            env["YARN_NPM_REGISTRY_SERVER"] = url
-        elif name == "go":
-            # No ",direct": the proxy is the only source; it also serves the checksum database
-            # (<proxy>/sumdb/sum.golang.org), which go probes before going to sum.golang.org.
-            env["GOPROXY"] = url
-    return env
 
 
 def debian_sources(url: str, suite: str = "bookworm") -> str:
