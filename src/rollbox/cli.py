@@ -88,6 +88,16 @@ def bench_container(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out)
 
 
+@bench_app.command("compat")
+def bench_compat(quick: bool = typer.Option(False, "--quick"),
+                 json_out: bool = typer.Option(False, "--json"),
+                 url: Optional[str] = typer.Option(None, help="running server (default: start one)"),  # noqa: UP007
+                 n: int = typer.Option(64, "-n", help="concurrent cycles")) -> None:
+    """Peer protocols vs the native SDK: 64 concurrent E2B AsyncSandbox create->run->kill."""
+    mod = _load_bench("compat")
+    mod.main(quick=quick, json_out=json_out, url=url, n=n)
+
+
 @mirror_app.command("serve")
 def mirror_serve(host: Optional[str] = typer.Option(None, help="default: pypi_mirror_host"),  # noqa: UP007
                  port: Optional[int] = typer.Option(None, help="default: pypi_mirror_port"),  # noqa: UP007

@@ -315,12 +315,7 @@ async def _cycle(i: int) -> str:
         await sbx.kill()
 
 
-async def test_concurrent_8(env: Env) -> None:
-    outs = await asyncio.gather(*(_cycle(i) for i in range(8)))
-    assert outs == [f"{i}\n" for i in range(8)]
-
-
-@pytest.mark.slow
 async def test_concurrent_64(env: Env) -> None:
+    # ~11 s on the 2-core dev machine: kept in the default tier (budget 60 s).
     outs = await asyncio.gather(*(_cycle(i) for i in range(64)))
     assert outs == [f"{i}\n" for i in range(64)]
