@@ -80,6 +80,14 @@ def _load_bench(name: str):  # noqa: ANN202
     return mod
 
 
+@bench_app.command("netpolicy")
+def bench_netpolicy(quick: bool = typer.Option(False, "--quick"),
+                    json_out: bool = typer.Option(False, "--json")) -> None:
+    """set_network on a live sandbox: time until a new connect succeeds / an open one is cut."""
+    mod = _load_bench("netpolicy")
+    mod.main(quick=quick, json_out=json_out)
+
+
 @bench_app.command("container")
 def bench_container(quick: bool = typer.Option(False, "--quick"),
                     json_out: bool = typer.Option(False, "--json")) -> None:
