@@ -164,6 +164,8 @@ async def test_only_listed_files_from_allowed_origins(running: Running, upstream
     assert sorted(f["filename"] for f in page["files"]) == sorted(upstream.files)
     html = (await running.get("/simple/demo/")).text
     assert "evil" not in html and "nohash" not in html and other_host.url not in html
+    root = (await running.get("/simple/", headers={"Accept": JSON_V1})).json()
+    assert root["projects"] == []  # the cache's contents are not listed to tenants
 
     r = await running.get(await running.file_url("demo-1.0-py3-none-any.whl"))
     assert r.status_code == 200 and r.content == good

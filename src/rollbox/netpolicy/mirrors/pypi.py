@@ -1,7 +1,7 @@
 """A caching PyPI proxy: PEP 503 HTML and PEP 691 JSON simple index, files served from a
 content-addressed cache.
 
-Routes (all GET): ``/simple/`` (projects cached so far), ``/simple/<project>/``,
+Routes (all GET): ``/simple/`` (empty: the cache's contents are other tenants' business), ``/simple/<project>/``,
 ``/files/<project>/<sha256>/<filename>`` (and ``<filename>.metadata``, PEP 658), ``/health``.
 Nothing else: no path names a host, and a file is fetched only when it is listed, with a sha256,
 in the upstream index of that project, from an origin in ``file_upstreams``. Upstream redirects
@@ -366,16 +366,15 @@ class PypiMirror:
         )
 
     async def _health(self, _: Request) -> Response:
-        return JSONResponse({"ok": True, "blobs": len(self.store), "bytes": self.store.total})
+        return JSONResponse({"ok": True})
 
     async def _root(self, request: Request) -> Response:
-        names = sorted(p.stem for p in self.index_dir.glob("*.json"))
+        # Empty on purpose: what is cached is what other sandboxes installed (tenant
+        # information), and installers only read project pages.
         if wants_json(request.headers.get("accept", "")):
-            return JSONResponse({"meta": {"api-version": "1.1"},
-                                 "projects": [{"name": n} for n in names]}, media_type=JSON_V1)
-        links = "\n".join(f'<a href="{quote(n)}/">{html.escape(n)}</a><br/>' for n in names)
-        return Response(f"<!DOCTYPE html><html><body>\n{links}\n</body></html>\n",
-                        media_type="text/html")
+            return JSONResponse({"meta": {"api-version": "1.1"}, "projects": []},
+                                media_type=JSON_V1)
+        return Response("<!DOCTYPE html><html><body></body></html>\n", media_type="text/html")
 
     async def _project(self, request: Request) -> Response:
         raw = request.path_params["project"]
