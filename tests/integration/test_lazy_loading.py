@@ -126,8 +126,9 @@ async def test_lazy_sandbox_restart_and_crash(lazy_edge, lazy_store: ImageStore,
 
     # Daemon restart (no mount in use): nothing is fetched again.
     await lazy_edge.delete(sb.id)
-    await asyncio.to_thread(LayerMounts(lazy_store).unmount_all)
-    assert await asyncio.to_thread(loader.stop_sync)
+    busy = await asyncio.to_thread(LayerMounts(lazy_store).unmount_all)
+    assert not busy, [ln for ln in open("/proc/self/mountinfo") if layer in ln]
+    assert await asyncio.to_thread(loader.stop_sync), mounts_under(tmp_node_dir)
     sb = await lazy_edge.create(SandboxSpec(image="lazy/debian:1"), "t")
     r = await run(lazy_edge, sb.id, "cat /etc/debian_version && ls /usr/bin | wc -l")
     assert r.exit_code == 0 and r.stdout.startswith("12.")

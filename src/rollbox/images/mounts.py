@@ -93,6 +93,7 @@ class LayerMounts:
         namespaces are not visible here: callers pass what they know to ``gc(keep=...)``.
         """
         own = os.path.realpath(self.mount_point(digest))
+        root = os.path.realpath(self.store.root) + "/"
         out = []
         with open("/proc/self/mountinfo") as f:
             for line in f:
@@ -100,8 +101,11 @@ class LayerMounts:
                     continue
                 fields = line.split()
                 mnt = _unescape_mountinfo(fields[4]) if len(fields) > 4 else ""
-                if mnt != own:
-                    out.append(mnt)
+                # Only mounts made from this store (its layer file, lazy file or mount point):
+                # the same layer of another store (a test's private one) is not a user.
+                if mnt == own or root not in line:
+                    continue
+                out.append(mnt)
         return out
 
     def is_mounted(self, digest: str) -> bool:
