@@ -96,6 +96,16 @@ def bench_container(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out)
 
 
+@bench_app.command("images")
+def bench_images(quick: bool = typer.Option(False, "--quick"),
+                 json_out: bool = typer.Option(False, "--json")) -> None:
+    """Lazy loading vs full pull: 16 sandboxes from a cold node over loopback S3 (2 ms)."""
+    mod = _load_bench("images")
+    res = mod.main(quick=quick, json_out=json_out)
+    if res.get("errors"):
+        raise typer.Exit(1)
+
+
 @bench_app.command("compat")
 def bench_compat(quick: bool = typer.Option(False, "--quick"),
                  json_out: bool = typer.Option(False, "--json"),

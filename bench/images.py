@@ -1,0 +1,319 @@
+"""``rollbox bench images [--quick] [--json]``: lazy loading vs full pull of a >= 1 GB image.
+
+Set-up: ``python-big:3.11`` (``rollbox image ensure-bench-images``; ``--quick`` falls back to
+``python:3.11``) is pushed into an S3-compatible server on loopback (moto, in its own process)
+with 2 ms injected per request. Then, for each mode, on a *cold node* (a fresh image store; the
+layer files' page cache evicted) N sandboxes are started together and each runs the workload:
+import the standard library and a few packages, pytest on a small repo, git status.
+
+- **full**: pull every layer (all chunks, verified), then start the sandboxes;
+- **lazy**: pull the ref and manifests only, register the layers with the lazy loader
+  (``rollbox.images.lazy``), start the sandboxes; chunks are fetched on first read.
+
+Reported: ``full_pull_s_16`` / ``lazy_s_16`` (start of the mode to the last workload done),
+``speedup_16``, time to first exec for 1 and 16 sandboxes, ``node_bytes_written_full/lazy``
+(layer bytes written on the node), ``read_fraction`` (lazy: bytes fetched / image size; also,
+from the full run, the page-granular residency of the layer files after the workload, mapped to
+chunks of 256 KiB / 1 MiB / 4 MiB — the measurement behind the default chunk size).
+The last line of ``--json`` is one JSON object.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rollbox.config import Settings
+from rollbox.images import chunks
+from rollbox.images.defaults import BENCH_IMAGE, PYTHON_IMAGE
+from rollbox.images.mounts import LayerMounts
+from rollbox.images.store import ImageStore
+from rollbox.images.stores.loopback_s3 import loopback_s3
+from rollbox.models import Resources
+
+LATENCY_MS = 2
+CHUNK_SIZES = [256 << 10, 1 << 20, 4 << 20]
+BUCKET = "rollbox-bench"
+WORKLOAD_BIG = [
+    "python3 -c 'import json, os, sys, re, asyncio, email.parser, http.client, sqlite3, "
+    "xml.etree.ElementTree, unittest, decimal, csv, logging, argparse, subprocess; "
+    "import numpy, pandas, scipy.stats, sklearn.linear_model'",
+    "cd /work/repo && python3 -m pytest -q -p no:cacheprovider",
+    "cd /work/repo && git status --short",
+]
+WORKLOAD_SMALL = [  # python:3.11 has no packages or repo: the quick fallback
+    "python3 -c 'import json, os, sys, re, asyncio, email.parser, http.client, sqlite3, "
+    "xml.etree.ElementTree, unittest, decimal, csv, logging, argparse, subprocess'",
+    "python3 -m pytest --version",
+    "git --version",
+]
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ---- page-cache residency (which bytes of a layer file the workload read) -------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_pages(path: Path) -> bytes:
+    """One byte per page of ``path``: 1 if in the page cache."""
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = _libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap")
+        try:
+            vec = (ctypes.c_ubyte * ((size + PAGE - 1) // PAGE))()
+            if _libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore")
+            return bytes(b & 1 for b in vec)
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def chunk_fractions(traces: list[bytes], sizes: list[int]) -> dict[str, Any]:
+    """From page residency: bytes read, and per chunk size the fraction of the image in
+    touched chunks and the number of chunk fetches a lazy loader would make."""
+    total = sum(sizes)
+    out: dict[str, Any] = {"pages_read_fraction": sum(sum(t) for t in traces) * PAGE / total}
+    for cs in CHUNK_SIZES:
+        per = cs // PAGE
+        touched = 0
+        fetched_bytes = 0
+        for trace, size in zip(traces, sizes, strict=True):
+            for i in range(0, len(trace), per):
+                if any(trace[i:i + per]):
+                    touched += 1
+                    fetched_bytes += min(cs, size - (i // per) * cs)
+        out[f"chunk_{cs >> 10}k"] = {"read_fraction": fetched_bytes / total, "fetches": touched}
+    return out
+
+
+# ---- one cold node ------------------------------------------------------------------------
+
+async def run_cmd(box: Any, cmd: str, env: dict[str, str]) -> tuple[int, bytes]:
+    from rollbox.backends.container.protocol import ExecRequest
+
+    cg_name, cg_fd = box.new_session_cgroup()
+    try:
+        session = await box.channel.exec(ExecRequest(
+            argv=["/bin/sh", "-c", cmd], env=[f"{k}={v}" for k, v in env.items()],
+            timeout_ms=10 * 60 * 1000), cg_fd)
+    finally:
+        os.close(cg_fd)
+    out = b""
+    code = -1
+    async for kind, payload in session.events():
+        if kind in ("stdout", "stderr"):
+            out = (out + payload)[-2000:]
+        elif kind == "exited":
+            code = payload.exit_code
+    box.drop_session_cgroup(cg_name)
+    return code, out
+
+
+async def cold_node(mode: str, n: int, image_name: str, url: str, workload: list[str],
+                    image_size: int) -> dict[str, Any]:
+    """Fresh node store; ``mode`` "full" or "lazy"; N sandboxes started together."""
+    from rollbox.backends.container.sandbox import ContainerBackend
+    from rollbox.isolation.userns import UidSlots
+
+    tmp = Path(tempfile.mkdtemp(prefix=f"rollbox-bench-images-{mode}-"))
+    tmp.chmod(0o711)
+    base = Settings()
+    settings = Settings()
+    settings.images_root = tmp / "images"
+    settings.run_dir = tmp / "run"
+    settings.data_dir = tmp / "data"
+    settings.cgroup_parent = f"rollbox-bench-{secrets.token_hex(2)}"
+    settings.node_id = f"bi{secrets.token_hex(2)}"
+    node = ImageStore(settings.images_root)
+    slots = UidSlots(base.uid_base + (base.uid_slots + 4096) * 65536, n + 2)
+    mounts = LayerMounts(node)
+    backend = ContainerBackend(settings, mounts, slots)
+    loader = None
+    boxes: list[Any] = []
+    res: dict[str, Any] = {"mode": mode, "n": n}
+    src = chunks.open_store(url)
+    try:
+        t0 = time.monotonic()
+        if mode == "full":
+            image, stats = await chunks.pull_image(src, image_name, node)
+            res["pull_s"] = time.monotonic() - t0
+            res["node_bytes_written"] = sum(s.bytes_logical for s in stats)
+            res["bytes_fetched"] = sum(s.bytes_transferred for s in stats)
+            for d in image.layers:  # cold page cache: the workload's reads show in mincore
+                evict(node.layer_path(d))
+        else:
+            from rollbox.images.lazy import LazyLoader
+
+            image, _ = await chunks.pull_image(src, image_name, node, lazy=True)
+            loader = LazyLoader(node)
+            for d in image.layers:
+                await asyncio.to_thread(loader.register, d, url, chunks.load_manifest(node, d))
+            node.tag(image.name, image.layers, image.config)
+            await loader.start()
+            res["pull_s"] = time.monotonic() - t0
+        env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+               "HOME": "/root", "LANG": "C.UTF-8"}
+        env.update(image.config.get("env", {}))
+        first_exec: list[float] = []
+        done: list[float] = []
+        failures: list[str] = []
+
+        async def one(i: int) -> None:
+            box = await backend.create(f"bimg-{secrets.token_hex(6)}", list(image.layers),
+                                       Resources(cpus=1, memory_mib=1536, pids=1024,
+                                                 disk_mib=512, inodes=200_000), env)
+            boxes.append(box)
+            code, out = await run_cmd(box, "true", env)
+            first_exec.append(time.monotonic() - t0)
+            for cmd in workload:
+                code, out = await run_cmd(box, cmd, env)
+                if code != 0:
+                    failures.append(f"{cmd!r} -> {code}: {out[-300:].decode(errors='replace')}")
+            done.append(time.monotonic() - t0)
+
+        results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        res["total_s"] = max(done) if done else None
+        res["first_exec_s"] = {"min": min(first_exec), "median": statistics.median(first_exec),
+                               "max": max(first_exec)} if first_exec else None
+        res["errors"] = [f"{type(e).__name__}: {e}" for e in errors][:3] + failures[:3]
+        if mode == "full":
+            traces = [resident_pages(node.layer_path(d)) for d in image.layers]
+            res["residency"] = chunk_fractions(traces, [node.layer_path(d).stat().st_size
+                                                        for d in image.layers])
+        elif loader is not None:
+            st = loader.stats()
+            layers = [st["layers"].get(d, {}) for d in image.layers]
+
+            def total(key: str) -> int:
+                return sum(int(x.get(key, 0)) for x in layers)
+
+            res["node_bytes_written"] = total("bytes_written")
+            res["bytes_fetched"] = total("bytes_fetched_stored") or total("bytes_fetched")
+            res["read_fraction"] = total("bytes_fetched") / image_size
+            res["lazy_counters"] = {k: total(k) for k in ("bytes_requested", "bytes_fetched",
+                                                           "chunks_fetched", "chunks_prefetched",
+                                                           "cache_misses", "fetch_errors")}
+        return res
+    finally:
+        for box in boxes:
+            with contextlib.suppress(Exception):
+                await backend.destroy(box)
+        with contextlib.suppress(Exception):
+            backend.release_node_resources()
+        with contextlib.suppress(Exception):
+            mounts.unmount_all()
+        if loader is not None:
+            with contextlib.suppress(Exception):
+                await loader.stop()
+        slots.close()
+        await src.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---- main ---------------------------------------------------------------------------------
+
+async def run(quick: bool) -> dict[str, Any]:
+    store = ImageStore(Settings().images_dir)
+    if store.exists(BENCH_IMAGE):
+        name, workload = BENCH_IMAGE, WORKLOAD_BIG
+    elif quick:
+        name, workload = PYTHON_IMAGE, WORKLOAD_SMALL
+        say(f"{BENCH_IMAGE} not built: --quick uses {PYTHON_IMAGE}")
+    else:
+        raise SystemExit(f"{BENCH_IMAGE} is not built: run `rollbox image ensure-bench-images`")
+    image = store.resolve(name)
+    size = sum(store.layer_path(d).stat().st_size for d in image.layers)
+    n_big = 4 if quick else 16
+    out: dict[str, Any] = {"image": name, "image_bytes": size, "layers": len(image.layers),
+                           "latency_ms": LATENCY_MS, "chunk_size": chunks.DEFAULT_CHUNK_SIZE,
+                           "n": n_big}
+    try:
+        import rollbox.images.lazy.loader  # noqa: F401
+        have_lazy = True
+    except ImportError as exc:
+        say(f"lazy loader not available ({exc}): full pull only")
+        have_lazy = False
+    with loopback_s3(BUCKET) as endpoint:
+        url = f"s3://{BUCKET}/bench?endpoint={endpoint}&latency_ms={LATENCY_MS}"
+        dst = chunks.open_store(url)
+        t = time.monotonic()
+        try:
+            await chunks.push_image(store, name, dst)
+        finally:
+            await dst.close()
+        out["push_s"] = time.monotonic() - t
+        out["push_bytes"] = dst.stats.bytes_written
+        say(f"pushed {name} ({size / 2**20:.0f} MiB, {len(image.layers)} layers) in "
+            f"{out['push_s']:.1f}s")
+        runs: dict[str, Any] = {}
+        modes = ["full", "lazy"] if have_lazy else ["full"]
+        for mode in modes:
+            for n in (1, n_big):
+                say(f"{mode} n={n} ...")
+                r = await cold_node(mode, n, name, url, workload, size)
+                runs[f"{mode}_{n}"] = r
+                say(f"  total {r['total_s']:.1f}s, first exec "
+                    f"{(r['first_exec_s'] or {}).get('median', float('nan')):.1f}s, "
+                    f"written {r.get('node_bytes_written', 0) / 2**20:.0f} MiB, "
+                    f"errors {r['errors']}")
+    out["runs"] = runs
+    full, full1 = runs[f"full_{n_big}"], runs["full_1"]
+    out[f"full_pull_s_{n_big}"] = full["total_s"]
+    out["first_exec_full_1_s"] = (full1["first_exec_s"] or {}).get("max")
+    out[f"first_exec_full_{n_big}_s"] = (full["first_exec_s"] or {}).get("median")
+    out["node_bytes_written_full"] = full["node_bytes_written"]
+    out["residency"] = full.get("residency")
+    if have_lazy:
+        lazy, lazy1 = runs[f"lazy_{n_big}"], runs["lazy_1"]
+        out[f"lazy_s_{n_big}"] = lazy["total_s"]
+        out[f"speedup_{n_big}"] = (full["total_s"] / lazy["total_s"]
+                                   if full["total_s"] and lazy["total_s"] else None)
+        out["first_exec_lazy_1_s"] = (lazy1["first_exec_s"] or {}).get("max")
+        out[f"first_exec_lazy_{n_big}_s"] = (lazy["first_exec_s"] or {}).get("median")
+        out["node_bytes_written_lazy"] = lazy.get("node_bytes_written")
+        out["read_fraction"] = lazy.get("read_fraction")
+    out["errors"] = sum(len(r["errors"]) for r in runs.values())
+    return out
+
+
+def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
+    res = asyncio.run(run(quick))
+    summary = {k: v for k, v in res.items() if k != "runs"}
+    say(json.dumps(summary, indent=1))
+    if json_out:
+        print(json.dumps(res))
+    return res
