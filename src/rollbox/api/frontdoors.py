@@ -19,6 +19,7 @@ FRONT_DOORS: tuple[str, ...] = (
     "rollbox.compat.e2b",  # E2B control plane under /e2b, envd under /e2b/envd
     "rollbox.netpolicy.mirror",  # no routes: runs the PyPI mirror on its own port when enabled
     "rollbox.compat.swerex",  # SWE-ReX remote runtime per sandbox under /swerex/{sandbox_id}
+    "rollbox.images.lazy.api",  # GET /v1/images/stats: lazy-loading counters per layer/sandbox
 )
 
 

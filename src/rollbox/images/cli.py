@@ -293,5 +293,56 @@ def ensure_bench_images_cmd() -> None:
     _run(lambda: ensure_bench_image(store, log=console.print))
 
 
+@app.command("stats")
+def stats_cmd(
+    as_json: bool = typer.Option(False, "--json", help="Print everything as JSON"),
+    cgroup_parent: Optional[str] = typer.Option(  # noqa: UP007
+        None, "--cgroup-parent", help="Sandbox cgroup parent, to name sandboxes exactly "
+        "(default: $ROLLBOX_CGROUP or rollbox)"),
+) -> None:
+    """Lazy-loading counters of this node: per layer (bytes requested, fetched, written, cache
+    hits) and per sandbox (by the reader's cgroup); plus recent full pulls."""
+    from rollbox.config import Settings
+    from rollbox.images.lazy.loader import loader_for
+
+    store = _store()
+    st = _run(lambda: loader_for(store).stats(
+        cgroup_parent=cgroup_parent or Settings().cgroup_parent))
+    pulls = []
+    try:
+        with open(store.logs_dir / "transfers.jsonl") as f:
+            pulls = [json.loads(line) for line in f if '"pull"' in line][-20:]
+    except (OSError, ValueError):
+        pass
+    if as_json:
+        print(json.dumps({**st, "pulls": pulls}, indent=2))
+        return
+    d = st["daemon"]
+    out.print(f"daemon: {'up' if d.get('alive') else 'down'} generation {d.get('generation', '-')}"
+              f" pid {d.get('pid', '-')}; cache {st['cache']['used'] / 2**20:.1f} MiB of "
+              f"{st['cache']['limit'] / 2**20:.0f} MiB")
+    mib = 2**20
+    table = Table("LAYER", "SIZE MiB", "REQUESTED MiB", "FETCHED MiB", "WRITTEN MiB", "FETCHED %",
+                  "HITS", "MISSES", "LAST ERROR")
+    for digest, ls in st["layers"].items():
+        size = max(1, int(ls.get("size", 0)))
+        err = (ls.get("last_error") or {}).get("code", "")
+        table.add_row(digest[:19], f"{size / mib:.1f}", f"{ls['bytes_requested'] / mib:.1f}",
+                      f"{ls['bytes_fetched'] / mib:.1f}", f"{ls['bytes_written'] / mib:.1f}",
+                      f"{100 * ls['bytes_fetched'] / size:.1f}", str(ls["cache_hits"]),
+                      str(ls["cache_misses"]), err)
+    out.print(table)
+    if st["sandboxes"]:
+        sb = Table("SANDBOX", "LAYERS", "REQUESTED MiB", "FETCHED MiB", "HITS", "MISSES")
+        for sid, c in st["sandboxes"].items():
+            sb.add_row(sid, str(c["layers"]), f"{c['bytes_requested'] / mib:.1f}",
+                       f"{c['bytes_fetched'] / mib:.1f}", str(c["cache_hits"]),
+                       str(c["cache_misses"]))
+        out.print(sb)
+    for p in pulls:
+        out.print(f"full pull {p['layer'][:19]}: {p['bytes_transferred'] / mib:.1f} MiB in "
+                  f"{p['seconds']:.2f} s")
+
+
 if __name__ == "__main__":
     app()

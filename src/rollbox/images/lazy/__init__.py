@@ -9,7 +9,7 @@ reads through :mod:`rollbox.images.chunks`) nor compose sandbox mounts.
 """
 from typing import Any
 
-__all__ = ["LazyLoader", "loader_for"]
+__all__ = ["LazyLoader", "loader_for", "register_lazy_image"]
 
 
 def __getattr__(name: str) -> Any:

@@ -334,7 +334,7 @@ class LazyLoader:
         state = self.daemon_state() or {}
         return {"daemon": {**state, "alive": self.healthy(state) if state else False,
                            "restarts": self.restarts},
-                "cache": {"limit": self.cache_limit, "used": used},
+                "cache": {"limit": int(state.get("cache_limit", self.cache_limit)), "used": used},
                 "layers": layers, "sandboxes": sandboxes}
 
     # ---- lifetime ------------------------------------------------------------------------------
@@ -405,3 +405,14 @@ def loader_for(store: ImageStore) -> LazyLoader:
     with _LOADERS_GUARD:
         loader = _LOADERS.get(key)
     return loader if loader is not None else LazyLoader(store)
+
+
+def register_lazy_image(store: ImageStore, image: Any, store_url: str) -> Any:
+    """Record every layer of ``image`` that the node lacks as lazy from ``store_url`` (its
+    manifest is already saved by ``chunks.pull_image(lazy=True)``), then tag the image."""
+    loader = loader_for(store)
+    for layer in image.layers:
+        if not store.has_layer(layer):
+            loader.register(layer, store_url)
+    return store.tag(image.name, list(image.layers), image.config)
+
