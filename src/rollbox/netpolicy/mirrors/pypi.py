@@ -107,6 +107,7 @@ class ProjectIndex:
     fetched_at: float
     etag: str | None = None
     by_sha: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rendered: dict[str, bytes] = field(default_factory=dict)  # "json"/"html" -> page body
 
     def __post_init__(self) -> None:
         self.by_sha = {f["sha256"]: f for f in self.files}
@@ -384,15 +385,17 @@ class PypiMirror:
         if project != raw:
             return RedirectResponse(f"../{quote(project)}/", status_code=301)
         idx = await self.index(project)
-        files = idx.files
         as_json = wants_json(request.headers.get("accept", ""))
         headers = {"Cache-Control": f"max-age={int(min(self.index_ttl, 600))}",
                    "Vary": "Accept"}
-        if as_json:
-            return JSONResponse(self._json_page(idx.name, files), media_type=JSON_V1,
-                                headers=headers)
-        return Response(self._html_page(idx.name, files), media_type="text/html",
-                        headers=headers)
+        # Rendered once per fetched index: big projects list thousands of files.
+        key = "json" if as_json else "html"
+        body = idx.rendered.get(key)
+        if body is None:
+            body = (json.dumps(self._json_page(idx.name, idx.files), separators=(",", ":"))
+                    if as_json else self._html_page(idx.name, idx.files)).encode()
+            idx.rendered[key] = body
+        return Response(body, media_type=JSON_V1 if as_json else "text/html", headers=headers)
 
     @staticmethod
     def _link(project: str, f: dict[str, Any]) -> str:
