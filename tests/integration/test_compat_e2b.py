@@ -297,6 +297,15 @@ def _sync_scenario() -> None:
         assert sbx.sandbox_id in ids
         again = Sandbox.connect(sbx.sandbox_id)
         assert again.files.exists("/tmp/s.txt")
+        # The sync SDK watches through CreateWatcher / GetWatcherEvents / RemoveWatcher.
+        sbx.files.make_dir("/tmp/w")
+        watch = sbx.files.watch_dir("/tmp/w")
+        sbx.files.write("/tmp/w/f", "1")
+        got = {(e.name, e.type.value) for e in watch.get_new_events()}
+        assert ("f", "create") in got, got
+        sbx.files.remove("/tmp/w/f")
+        assert ("f", "remove") in {(e.name, e.type.value) for e in watch.get_new_events()}
+        watch.stop()
     finally:
         assert sbx.kill()
 
@@ -319,3 +328,88 @@ async def test_concurrent_64(env: Env) -> None:
     # ~11 s on the 2-core dev machine: kept in the default tier (budget 60 s).
     outs = await asyncio.gather(*(_cycle(i) for i in range(64)))
     assert outs == [f"{i}\n" for i in range(64)]
+
+
+# ---- wire level: Connect framing, keepalives, bad input the SDK never sends ---------------
+def _frames(body: bytes) -> list[tuple[int, Any]]:
+    import json
+    import struct
+
+    out = []
+    while body:
+        flags, size = struct.unpack(">BI", body[:5])
+        out.append((flags, json.loads(body[5:5 + size])))
+        body = body[5 + size:]
+    return out
+
+
+def _env(msg: dict[str, Any]) -> bytes:
+    import json
+    import struct
+
+    data = json.dumps(msg).encode()
+    return struct.pack(">BI", 0, len(data)) + data
+
+
+async def test_wire_connect_rpc(env: Env) -> None:
+    async with httpx.AsyncClient(base_url=env.url, timeout=30) as c:
+        r = await c.post("/e2b/sandboxes", json={"templateID": "base", "timeout": 60},
+                         headers={"X-API-KEY": env.key})
+        assert r.status_code == 201
+        sid, token = r.json()["sandboxID"], r.json()["envdAccessToken"]
+        h = {"X-Access-Token": token, "Content-Type": "application/connect+json",
+             "Connect-Protocol-Version": "1"}
+        try:
+            # Framing: start, data, end, then the end-stream envelope {}.
+            r = await c.post("/e2b/envd/process.Process/Start", headers=h, content=_env(
+                {"process": {"cmd": "/bin/sh", "args": ["-c", "printf hi; exit 4"]}}))
+            frames = _frames(r.content)
+            assert r.headers["content-type"] == "application/connect+json"
+            assert "start" in frames[0][1]["event"] and frames[-1] == (2, {})
+            assert {"data": {"stdout": "aGk="}} in [f[1]["event"] for f in frames[1:-1]]
+            assert frames[-2][1]["event"]["end"]["exitCode"] == 4
+            # A missing binary ends like envd: a non-zero exit, not a transport error.
+            r = await c.post("/e2b/envd/process.Process/Start", headers=h, content=_env(
+                {"process": {"cmd": "/no/such/bin"}}))
+            assert _frames(r.content)[-2][1]["event"]["end"]["exitCode"] == 127
+            # Keepalives on a silent stream.
+            r = await c.post("/e2b/envd/process.Process/Start",
+                             headers={**h, "Keepalive-Ping-Interval": "1"},
+                             content=_env({"process": {"cmd": "sleep", "args": ["2.5"]}}))
+            kinds = [next(iter(f[1]["event"])) for f in _frames(r.content)[:-1]]
+            assert kinds[0] == "start" and kinds.count("keepalive") >= 2 and kinds[-1] == "end"
+            # Bad input: clear Connect errors, never a 500 or a hang.
+            bad = [
+                ("process.Process/Start", {**h, "Content-Type": "application/connect+proto"},
+                 b"\0\0\0\0\0", 501, "unimplemented"),
+                ("process.Process/Start", h, b"\0\0\0\0\5{bad}", 400, "invalid_argument"),
+                ("process.Process/Start", h, _env({"process": {"cmd": "sh"}, "pty": {
+                    "size": {"cols": 80, "rows": 24}}}), 501, "unimplemented"),
+                ("process.Process/Update", {**h, "Content-Type": "application/json"}, b"{}",
+                 501, "unimplemented"),
+                ("process.Process/SendSignal", {**h, "Content-Type": "application/json"},
+                 b'{"process": {"pid": 5}}', 404, "not_found"),
+                ("filesystem.Filesystem/Stat", {**h, "Content-Type": "application/json"},
+                 b"[1]", 400, "invalid_argument"),
+                ("nope.Service/Call", {**h, "Content-Type": "application/json"}, b"{}",
+                 501, "unimplemented"),
+            ]
+            for path, hdrs, body, status, code in bad:
+                r = await c.post(f"/e2b/envd/{path}", headers=hdrs, content=body)
+                assert (r.status_code, r.json()["code"]) == (status, code), (path, r.text)
+            # /files: several files in one multipart upload land at their own paths.
+            r = await c.post("/e2b/envd/files", headers={"X-Access-Token": token},
+                             files=[("file", ("/tmp/m1", b"one")), ("file", ("/tmp/m2", b"2"))])
+            assert [e["path"] for e in r.json()] == ["/tmp/m1", "/tmp/m2"]
+            r = await c.get("/e2b/envd/files", params={"path": "/tmp/m2"},
+                            headers={"X-Access-Token": token})
+            assert r.content == b"2"
+            assert (await c.get("/e2b/envd/health", headers={"X-Access-Token": token})
+                    ).status_code == 204
+        finally:
+            r = await c.delete(f"/e2b/sandboxes/{sid}", headers={"X-API-KEY": env.key})
+            assert r.status_code == 204
+        r = await c.get("/e2b/envd/health", headers={"X-Access-Token": token})
+        assert r.status_code == 502
+        r = await c.delete(f"/e2b/sandboxes/{sid}", headers={"X-API-KEY": env.key})
+        assert r.status_code == 404

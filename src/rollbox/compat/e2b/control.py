@@ -205,6 +205,8 @@ def mount_control(app: FastAPI, api: Any, state: E2BState) -> None:
         principal = who(request)
         sid = request.path_params["sandbox_id"]
         edge = await api.sandbox_edge(sid, principal)
+        if (await edge.get(sid)).state in ("stopping", "deleted"):
+            raise errors.NotFound(f"sandbox {sid} not found")  # kill twice: E2B says 404
         await edge.delete(sid)
         state.paused.pop(sid, None)
         if api.records(edge):

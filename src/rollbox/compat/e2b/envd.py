@@ -35,6 +35,7 @@ MAX_FILE_READ = 256 << 20
 KEEPALIVE_HEADER = "keepalive-ping-interval"
 WATCH_POLL_S = 0.2
 WATCH_MAX_ENTRIES = 20_000
+MAX_WATCHERS = 4096
 LIST_MAX_ENTRIES = 100_000
 SIGNALS = {"SIGNAL_SIGKILL": 9, "SIGNAL_SIGTERM": 15, 9: 9, 15: 15}
 
@@ -503,7 +504,9 @@ def mount_envd(app: FastAPI, api: Any, state: E2BState) -> None:
 
     async def fs_create_watcher(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
         root, recursive = await _watch_root(sid, edge, msg)
-        wid = f"w{len(watchers)}-{time.monotonic_ns():x}"
+        while len(watchers) >= MAX_WATCHERS:  # polled watchers the client never removed
+            watchers.pop(next(iter(watchers)))
+        wid = f"w{time.monotonic_ns():x}"
         watchers[wid] = Watcher(sid, root, recursive, await snapshot(edge, sid, root, recursive))
         return {"watcherId": wid}
 
