@@ -208,3 +208,17 @@ async def _delete(store: chunks.ChunkStore, key: str) -> None:
     else:
         assert isinstance(store, chunks.S3ChunkStore)
         store._client.delete_object(Bucket=store.bucket, Key=store._key(key))
+
+
+async def test_repeated_chunks_move_once(tmp_path: Path) -> None:
+    a = ImageStore(tmp_path / "node-a")
+    b = ImageStore(tmp_path / "node-b")
+    layer = make_layer(a, tmp_path, "app:1", b"z")
+    dst = chunks.open_store(f"dir://{tmp_path}/chunks")
+    m = await chunks.push_layer(a, layer, dst, chunk_size=CHUNK)
+    unique = {c.digest for c in m.chunks}
+    assert len(unique) < len(m.chunks)
+    assert dst.stats.chunks_written == len(unique)
+    stats = await chunks.pull_layer(dst, layer, b)
+    assert stats.chunks_transferred == len(unique) == dst.stats.chunks_read
+    assert b.layer_path(layer).read_bytes() == a.layer_path(layer).read_bytes()

@@ -27,6 +27,7 @@ verified against its digest; a failure is a typed, retryable :class:`~rollbox.er
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import hashlib
 import json
@@ -559,8 +560,14 @@ async def push_layer(store: ImageStore, layer: str, dst: ChunkStore, *,
     tasks: set[asyncio.Task[None]] = set()
     uploaded: list[int] = []
 
+    seen: set[tuple[str, str]] = set()  # a layer repeats chunks (zeros): upload once
+
     async def upload(ref: ChunkRef, stored: bytes) -> None:
         try:
+            key = (ref.digest, ref.compression)
+            if key in seen:
+                return
+            seen.add(key)
             if not await dst.has_chunk(ref.digest, ref.compression):
                 await dst.put_chunk(ref, stored)
                 uploaded.append(ref.stored_size)
@@ -649,20 +656,43 @@ async def pull_layer(src: ChunkStore, layer: str, store: ImageStore,
     next_hash = 0
     sem = asyncio.Semaphore(concurrency)
 
+    # Chunks a layer holds more than once (runs of zeros) are fetched once.
+    counts = collections.Counter(c.digest for c in m.chunks)
+    repeated: dict[str, asyncio.Future[bytes]] = {}
+
+    async def get(ref: ChunkRef) -> bytes:
+        if counts[ref.digest] < 2:
+            return await src.get_chunk(ref)
+        fut = repeated.get(ref.digest)
+        if fut is None:
+            fut = repeated[ref.digest] = asyncio.get_running_loop().create_future()
+            try:
+                raw = await src.get_chunk(ref)
+            except BaseException as exc:
+                fut.set_exception(exc)
+                fut.exception()  # retrieved: the raise below reports it
+                raise
+            stats.chunks_transferred += 1
+            stats.bytes_transferred += ref.stored_size
+            fut.set_result(raw)
+            return raw
+        return await asyncio.shield(fut)
+
     async def fetch(i: int, ref: ChunkRef) -> None:
         nonlocal next_hash
         async with sem:
-            raw = await src.get_chunk(ref)
+            raw = await get(ref)
             await asyncio.to_thread(os.pwrite, fd, raw, i * m.chunk_size)
-            stats.chunks_transferred += 1
-            stats.bytes_transferred += ref.stored_size
+            if counts[ref.digest] < 2:
+                stats.chunks_transferred += 1
+                stats.bytes_transferred += ref.stored_size
             # Hash in file order as chunks complete (bounded by the semaphore's window).
             ready[i] = raw
             while next_hash in ready:
                 hasher.update(ready.pop(next_hash))
                 next_hash += 1
-            if progress and stats.chunks_transferred % 64 == 0:
-                progress(f"{layer[:19]}: {stats.chunks_transferred}/{len(m.chunks)} chunks")
+            if progress and i % 64 == 0:
+                progress(f"{layer[:19]}: chunk {i}/{len(m.chunks)}")
 
     try:
         os.ftruncate(fd, m.size)
