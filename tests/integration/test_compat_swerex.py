@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("swerex.runtime.remote")
 
-from swerex.exceptions import (  # noqa: E402
+from swerex.exceptions import (
     BashIncorrectSyntaxError,
     CommandTimeoutError,
     NonZeroExitCodeError,
@@ -21,7 +21,7 @@ from swerex.exceptions import (  # noqa: E402
     SessionExistsError,
     SessionNotInitializedError,
 )
-from swerex.runtime.abstract import (  # noqa: E402
+from swerex.runtime.abstract import (
     BashAction,
     BashInterruptAction,
     CloseBashSessionRequest,
@@ -31,14 +31,14 @@ from swerex.runtime.abstract import (  # noqa: E402
     UploadRequest,
     WriteFileRequest,
 )
-from swerex.runtime.remote import RemoteRuntime  # noqa: E402
+from swerex.runtime.remote import RemoteRuntime
 
-import rollbox  # noqa: E402
-from rollbox.api import BackgroundServer, create_app  # noqa: E402
-from rollbox.compat.swerex import runtime_url  # noqa: E402
-from rollbox.iam import KeyStore  # noqa: E402
-from rollbox.placement import Placement  # noqa: E402
-from tests.conftest import have_image  # noqa: E402
+import rollbox
+from rollbox.api import BackgroundServer, create_app
+from rollbox.compat.swerex import runtime_url
+from rollbox.iam import KeyStore
+from rollbox.placement import Placement
+from tests.conftest import have_image
 
 IMAGE = "debian:bookworm"
 pytestmark = pytest.mark.skipif(not have_image(IMAGE), reason=f"{IMAGE} not built")
@@ -60,7 +60,7 @@ class Env:
 
 
 @pytest.fixture
-async def env(edge, tmp_path: Path) -> AsyncIterator[Env]:  # noqa: ANN001
+async def env(edge, tmp_path: Path) -> AsyncIterator[Env]:
     keys = KeyStore(tmp_path / "keys.db")
     key = keys.create("proj")
     app = create_app(Placement([edge]), edge.event_log, keys)
@@ -224,3 +224,30 @@ async def test_bad_input(env: Env) -> None:
                         SessionDoesNotExistError)):
         await asyncio.wait_for(rt.run_in_session(BashAction(command="true")), 10)
     assert not (await asyncio.wait_for(rt.is_alive(), 10)).is_alive
+
+
+async def test_large_output_and_deployment(env: Env) -> None:
+    from rollbox.compat.swerex import RollboxDeployment
+
+    # the two-line recipe: a fresh sandbox and SWE-ReX's runtime pointed at it
+    dep = RollboxDeployment(image=IMAGE, url=env.url, api_key=env.key)
+    await dep.start()
+    try:
+        rt = dep.runtime
+        assert (await dep.is_alive()).is_alive
+        await rt.create_session(CreateBashSessionRequest(startup_source=["/etc/os-release"]))
+        obs = await rt.run_in_session(BashAction(command="echo $ID; seq 1 200000 | tail -c 7"))
+        assert obs.output == "debian\n200000\n"
+        # large output is framed exactly (several agent chunks, marker at the very end)
+        obs = await rt.run_in_session(BashAction(command="seq 1 300000"))
+        assert obs.output == "".join(f"{i}\n" for i in range(1, 300001))
+        obs = await rt.run_in_session(BashAction(command="printf 'h\\xc3\\xa9 \\xff\\n'"))
+        assert obs.output == "hé \\xff\n"
+        sandbox_id = dep.sandbox_id
+    finally:
+        await dep.stop()
+    try:
+        state = (await env.client.get(sandbox_id)).info.state
+    except (rollbox.errors.NotFound, rollbox.errors.SandboxDead):
+        state = "gone"
+    assert state in ("gone", "deleted", "dead")

@@ -12,7 +12,7 @@ from typing import Any
 
 from rollbox.compat.swerex.routes import mount
 
-__all__ = ["mount", "RollboxDeployment", "runtime_url"]
+__all__ = ["RollboxDeployment", "mount", "runtime_url"]
 
 
 def runtime_url(base_url: str, sandbox_id: str) -> str:

@@ -41,9 +41,10 @@ class RollboxDeployment(AbstractDeployment):
         self.image = image
         self._client = AsyncClient(url, api_key)
         self._api_key = api_key or os.environ.get("ROLLBOX_API_KEY", "")
-        self._create_kw: dict[str, Any] = dict(
-            layers=list(layers), cpus=cpus, memory_mib=memory_mib, disk_mib=disk_mib,
-            ttl_s=ttl_s, labels=dict(labels or {}), env=dict(env or {}))
+        self._create_kw: dict[str, Any] = {
+            "layers": list(layers), "cpus": cpus, "memory_mib": memory_mib,
+            "disk_mib": disk_mib, "ttl_s": ttl_s, "labels": dict(labels or {}),
+            "env": dict(env or {})}
         self.sandbox_id = sandbox_id
         self._owns_sandbox = sandbox_id is None
         self._startup_timeout = startup_timeout

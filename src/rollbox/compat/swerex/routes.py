@@ -180,7 +180,7 @@ def mount(app: FastAPI, api: Any) -> contextlib.AbstractAsyncContextManager[None
             return _http_error(exc)
         except errors.RollboxError as exc:
             return await gone_or(edge, sandbox_id, _as_remote(exc))
-        except Exception as exc:  # noqa: BLE001 - reported to the client like SWE-ReX does
+        except Exception as exc:
             log.exception("swe-rex %s on %s failed", request.url.path, sandbox_id)
             return _transfer(wire.RemoteError(wire.SwerexException, f"{exc!r}"))
         return JSONResponse(result.model_dump(mode="json"))

@@ -7,7 +7,9 @@ wrote before the marker, so exit codes and output are exact without a prompt to 
 runs with ``--noediting`` (no echo), ``set +H`` (no history expansion) and stderr joined to
 stdout (one ordered stream, as on a terminal). Interactive mode makes Ctrl-C behave as on a
 terminal: SIGINT to the process group stops the running command and abandons the rest of its
-line, and the shell itself survives SIGINT and SIGTERM.
+line, and the shell itself survives SIGINT and SIGTERM. Its prompt (PS1) is a per-session token
+that is cut out of the output and counted: a new prompt after an interrupt means the shell is
+back even when the stopped program had swallowed the resync line sent after the signal.
 
 Owns the sessions' framing and state only; the sandbox's lifetime belongs to the edge.
 """
@@ -31,14 +33,15 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SHELL_ARGV = ["bash", "--noprofile", "--norc", "--noediting", "-i"]
-SETUP = ("exec 2>&1; set +H; PS1=; PS2=; PS0=; unset PROMPT_COMMAND HISTFILE; "
-         "HISTSIZE=0\n")
+SETUP = "exec 2>&1; set +H; unset PROMPT_COMMAND HISTFILE; HISTSIZE=0"
 MAX_PENDING = 32 << 20  # unread output kept per session; older bytes are dropped beyond it
 STARTUP_TIMEOUT_MIN_S = 10.0  # exec start + sourcing on a loaded node; SWE-ReX's 1 s is tight
 INTERRUPT_TIMEOUT_MIN_S = 0.5
 SYNTAX_CHECK_TIMEOUT_S = 10.0
 _ANSI = re.compile(r"\x1B[@-_][0-?]*[ -/]*[@-~]")
 _ANY_MARKER = re.compile(rb"__RBX[0-9a-f]{16}__-?\d+__\n")
+MARKER_MAX = 64  # longest marker, for resuming a search where the last one stopped
+PROMPT_GRACE_S = 0.2  # after the prompt came back, time for the resync marker to follow
 
 OnExecStarted = Callable[[str, ExecSpec], None]
 
@@ -113,17 +116,23 @@ class BashSession:
         self._interrupts = 0
         self._stale_markers = 0  # markers of abandoned commands that may still arrive
         self._reader: asyncio.Task[None] | None = None
+        self._prompt = f"__RBXPS1{secrets.token_hex(8)}__".encode()
+        self._prompts = 0
+        self._scan: tuple[str, int] = ("", 0)  # (token, buffer offset searched up to)
 
     # ---- lifetime ----
     async def start(self, request: wire.CreateBashSessionRequest,
                     on_started: OnExecStarted | None = None) -> str:
-        spec = ExecSpec(cmd=list(SHELL_ARGV), stdin=True, env={"PS1": "", "PS2": "", "PS0": ""})
+        ps1 = self._prompt.decode()
+        spec = ExecSpec(cmd=list(SHELL_ARGV), stdin=True, env={"PS1": ps1, "PS2": "", "PS0": ""})
         self.exec_id = await self.edge.exec_start(self.sandbox_id, spec)
         if on_started is not None:
             on_started(self.exec_id, spec)
         self._reader = asyncio.ensure_future(self._read())
-        lines = [SETUP.rstrip("\n")]
+        lines = [SETUP]
         lines += [f"source {ansi_c_quote(path)}" for path in request.startup_source]
+        # after the sources, which often set their own prompt
+        lines.append(f"PS1='{ps1}'; PS2=; PS0=; unset PROMPT_COMMAND")
         await self._write("\n".join(lines) + "\n")
         token = await self._send_marker()
         timeout = max(request.startup_timeout, STARTUP_TIMEOUT_MIN_S)
@@ -240,16 +249,28 @@ class BashSession:
         async with self._lock:
             assert self.exec_id is not None
             signals = [signal.SIGINT] * max(action.n_retry, 1) + [signal.SIGTERM]
+            prompts = self._prompts
             for sig in signals:
                 if self.exited:
                     raise SessionGone(self.exit_note)
                 await self.edge.exec_kill(self.sandbox_id, self.exec_id, sig)
                 token = await self._send_marker()
-                found = await self._wait(lambda: self._take(token), timeout)
-                if found is not None:
+
+                def back(t: str = token) -> tuple[str, int] | bool | None:
+                    return self._take(t) or (self._prompts > prompts) or None
+
+                found = await self._wait(back, timeout)
+                if found is True:  # the prompt is back; the resync line may have been eaten
+                    found = await self._wait(lambda t=token: self._take(t), PROMPT_GRACE_S)
+                    if found is None:
+                        self._stale_markers += 1
+                        found = (self._consume(len(self._buf)), 0)
+                if isinstance(found, tuple):
                     return wire.BashObservation(output=found[0].strip(), exit_code=0)
                 self._stale_markers += 1
-        raise wire.RemoteError(wire.CommandTimeoutError, "Failed to interrupt session")
+        tail = clean_output(bytes(self._buf[-2000:]))
+        raise wire.RemoteError(wire.CommandTimeoutError,
+                               f"Failed to interrupt session; last output: {tail!r}")
 
     # ---- framing ----
     async def _send_marker(self) -> str:
@@ -268,15 +289,19 @@ class BashSession:
 
     def _take(self, token: str) -> tuple[str, int] | None:
         """If ``token``'s marker arrived: (output before it, exit code), consumed."""
-        m = re.search(rb"__RBX" + token.encode() + rb"__(-?\d+)__\n", self._buf)
+        start = self._scan[1] if self._scan[0] == token else 0
+        m = re.compile(rb"__RBX" + token.encode() + rb"__(-?\d+)__\n").search(self._buf, start)
         if m is None:
+            self._scan = (token, max(0, len(self._buf) - MARKER_MAX))
             return None
+        self._scan = ("", 0)
         code = int(m.group(1))  # before _consume: the match views the mutable buffer
         return self._consume(m.start(), m.end()), code
 
     def _consume(self, end: int, through: int | None = None) -> str:
         raw = bytes(self._buf[:end])
         del self._buf[: end if through is None else through]
+        self._scan = ("", 0)
         if self._stale_markers:
             raw, n = _ANY_MARKER.subn(b"", raw)
             self._stale_markers = max(0, self._stale_markers - n)
@@ -303,17 +328,26 @@ class BashSession:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), remaining)
 
+    def _append(self, data: bytes) -> None:
+        start = max(0, len(self._buf) - len(self._prompt) + 1)
+        self._buf += data
+        while (i := self._buf.find(self._prompt, start)) >= 0:
+            del self._buf[i : i + len(self._prompt)]
+            self._prompts += 1
+            start = i
+        over = len(self._buf) - MAX_PENDING
+        if over > 0:
+            del self._buf[:over]
+            self._dropped += over
+            self._scan = ("", 0)
+        self._changed.set()
+
     async def _read(self) -> None:
         assert self.exec_id is not None
         try:
             async for item in self.edge.exec_stream(self.sandbox_id, self.exec_id):
                 if item.kind == "stdout":
-                    self._buf += item.data
-                    over = len(self._buf) - MAX_PENDING
-                    if over > 0:
-                        del self._buf[:over]
-                        self._dropped += over
-                    self._changed.set()
+                    self._append(item.data)
                 elif item.kind == "stderr":  # only before SETUP joined stderr to stdout
                     self._stderr_tail = (self._stderr_tail + item.data)[-4096:]
                 elif item.kind == "exit" and item.result is not None:
