@@ -31,9 +31,12 @@ def node_stats(edge: Any, project: str | None) -> dict[str, Any]:
     return st
 
 
+# Module level: with postponed annotations FastAPI resolves the route's hints here.
+bearer = HTTPBearer(auto_error=False)
+api_key_header = APIKeyHeader(name="X-API-Key", auto_error=False)
+
+
 def mount(app: FastAPI, api: Any) -> contextlib.AbstractAsyncContextManager[None] | None:
-    bearer = HTTPBearer(auto_error=False)
-    api_key_header = APIKeyHeader(name="X-API-Key", auto_error=False)
 
     @app.get("/v1/images/stats", tags=["images"])
     async def images_stats(
