@@ -231,7 +231,10 @@ async def test_lifecycle_list_connect_pause(env: Env) -> None:
 
 async def test_bad_input_and_unsupported(env: Env) -> None:
     from e2b import (
-        AsyncSandbox, AuthenticationException, NotFoundException, SandboxException,
+        AsyncSandbox,
+        AuthenticationException,
+        NotFoundException,
+        SandboxException,
     )
 
     ghost = f"{env.edge.node_id}-0123456789ab"
@@ -404,6 +407,10 @@ async def test_wire_connect_rpc(env: Env) -> None:
             r = await c.get("/e2b/envd/files", params={"path": "/tmp/m2"},
                             headers={"X-Access-Token": token})
             assert r.content == b"2"
+            r = await c.post("/e2b/envd/files", headers={
+                "X-Access-Token": token, "Content-Type": "multipart/form-data; boundary=zz"},
+                content=b"--zz\r\nnot a part")
+            assert 400 <= r.status_code < 500, r.text
             assert (await c.get("/e2b/envd/health", headers={"X-Access-Token": token})
                     ).status_code == 204
         finally:

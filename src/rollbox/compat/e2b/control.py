@@ -16,8 +16,15 @@ from pydantic import ValidationError
 
 from rollbox import errors
 from rollbox.compat.e2b.state import (
-    CLIENT_ID, ENVD_VERSION, PAUSED_TTL_S, TEMPLATE_LABEL, E2BState, iso, labels_of,
-    metadata_of, now,
+    CLIENT_ID,
+    ENVD_VERSION,
+    PAUSED_TTL_S,
+    TEMPLATE_LABEL,
+    E2BState,
+    iso,
+    labels_of,
+    metadata_of,
+    now,
 )
 from rollbox.edge.interface import EdgeAPI
 from rollbox.iam import Principal
@@ -106,7 +113,7 @@ def mount_control(app: FastAPI, api: Any, state: E2BState) -> None:
             "state": "paused" if info.id in state.paused else "running",
         }
 
-    def handler(fn):  # noqa: ANN001, ANN202 - wraps each route's errors into E2B's shape
+    def handler(fn):
         async def wrapped(request: Request) -> Response:
             try:
                 return await fn(request)

@@ -19,11 +19,18 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollbox import errors
 from rollbox.compat.e2b import connectrpc as rpc
 from rollbox.compat.e2b.state import (
-    HOME, E2BState, abs_path, exec_of, iso, pid_of, user_of,
+    HOME,
+    E2BState,
+    abs_path,
+    exec_of,
+    iso,
+    pid_of,
+    user_of,
 )
 from rollbox.edge.interface import EdgeAPI, ExecOutput
 from rollbox.models import ExecSpec, FileStat
@@ -127,7 +134,7 @@ async def _with_keepalive(items: AsyncIterator[Any], interval: float | None,
                 wait = left if wait is None else min(wait, left)
             try:
                 kind, val = await asyncio.wait_for(queue.get(), wait)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise rpc.ConnectError("deadline_exceeded", "deadline exceeded") from None
                 yield None
@@ -262,6 +269,9 @@ def mount_envd(app: FastAPI, api: Any, state: E2BState) -> None:
             status = 502
         elif isinstance(exc, errors.RollboxError):
             status = exc.status
+        elif isinstance(exc, StarletteHTTPException):  # e.g. a malformed multipart body
+            return JSONResponse({"code": exc.status_code, "message": str(exc.detail)},
+                                status_code=exc.status_code)
         else:
             log.error("e2b envd http call failed", exc_info=exc)
             status = 500
