@@ -172,7 +172,7 @@ def mount(app: FastAPI, api: Any) -> contextlib.AbstractAsyncContextManager[None
         try:
             result = await op(edge)
         except wire.RemoteError as exc:
-            return _transfer(exc)
+            return await gone_or(edge, sandbox_id, exc)
         except SessionGone as exc:
             return await gone_or(edge, sandbox_id, wire.RemoteError(
                 wire.SessionNotInitializedError, str(exc)))
