@@ -219,6 +219,49 @@ class GradeResult(BaseModel):
     result: ExecResult
 
 
+class SnapshotSpec(BaseModel):
+    """Turn a sandbox's writable layer (scrubbed) into a new layer and tag ``name`` = the
+    sandbox's layers + that layer (``pack_diff``; see docs/images.md)."""
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(..., min_length=1, max_length=200, description="image name to tag")
+    exclude: list[str] = Field(default_factory=list, max_length=256,
+                               description='"/abs/glob" on the path or a basename glob')
+    scrub: bool = Field(True, description="drop caches, /tmp, logs (SCRUB_RULES)")
+    scrub_git_history: bool = Field(
+        False, description="keep only what HEAD reaches in every .git of the snapshot")
+    push: str | None = Field(None, max_length=2048,
+                             description="chunk store to push to: 'default' or an allowed URL")
+    pause: bool = Field(True, description="freeze the sandbox during the copy")
+    max_bytes: int = Field(4 << 30, gt=0, le=64 << 30, description="cap on captured bytes")
+    max_entries: int = Field(1_000_000, gt=0, le=50_000_000)
+
+    @field_validator("exclude")
+    @classmethod
+    def _exclude(cls, v: list[str]) -> list[str]:
+        for p in v:
+            if not p or "\0" in p or len(p) > 1024:
+                raise ValueError(f"invalid exclude pattern: {p[:100]!r}")
+        return v
+
+
+class SnapshotResult(BaseModel):
+    sandbox_id: str
+    image: str  # the new image's name: create a sandbox from it
+    layer: str  # digest of the new layer
+    layers: list[str]  # the full image: the sandbox's layers (lowest first) + the new one
+    size: int  # bytes of the new layer file
+    files: int  # entries captured (whiteouts included)
+    content_bytes: int  # bytes of regular files captured
+    whiteouts: int
+    scrubbed: int  # entries dropped by scrub rules and exclude patterns
+    git_repos_scrubbed: list[str] = Field(default_factory=list)
+    paused_s: float  # how long the sandbox was frozen
+    duration_s: float
+    pushed_to: str | None = None
+    # The source sandbox's hidden paths: their content is in the lower layers, so pass them
+    # again when creating sandboxes from this image.
+    hidden_paths: list[str] = Field(default_factory=list)
+
 # ---- fncall: stateless calls from warm pools (backends/fncall) ------------------------------
 FnCallLanguage = Literal["python", "bash", "c", "cpp", "nodejs"]
 FnCallStatus = Literal["ok", "runtime_error", "timeout", "memory_exceeded", "compile_error"]
