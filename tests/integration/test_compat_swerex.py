@@ -3,8 +3,9 @@ requirements.lock), unmodified, against rollbox's /swerex routes on a real embed
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -253,3 +254,47 @@ async def test_large_output_and_deployment(env: Env) -> None:
     except (rollbox.errors.NotFound, rollbox.errors.SandboxDead):
         state = "gone"
     assert state in ("gone", "deleted", "dead")
+
+
+async def test_sessions_run_concurrently(env: Env) -> None:
+    rt = env.runtime()
+    names = [f"s{i}" for i in range(4)]
+    await asyncio.gather(*(rt.create_session(CreateBashSessionRequest(session=n))
+                           for n in names))
+    t0 = time.monotonic()
+    outs = await asyncio.gather(*(rt.run_in_session(BashAction(
+        command=f"sleep 1; echo {n}", session=n, timeout=20)) for n in names))
+    assert [o.output for o in outs] == [f"{n}\n" for n in names]
+    assert time.monotonic() - t0 < 3.5  # one session's command does not wait for another's
+    await rt.close()
+    with pytest.raises(SessionDoesNotExistError):
+        await rt.run_in_session(BashAction(command="true", session="s0"))
+
+
+async def _median_ms(fn: Callable[[], Awaitable[object]], n: int) -> float:
+    for _ in range(10):
+        await fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+@pytest.mark.slow
+async def test_round_trip_overhead(env: Env) -> None:
+    """``pytest -s -m slow -k overhead tests/integration/test_compat_swerex.py`` prints the
+    medians of SWE-ReX calls and of the native SDK's exec, measured in the same run."""
+    n = 200
+    rt = env.runtime()
+    await rt.create_session(CreateBashSessionRequest())
+    sb = await env.client.get(env.sandbox_id)
+    native = await _median_ms(lambda: sb.exec("true"), n)
+    session = await _median_ms(lambda: rt.run_in_session(BashAction(command="true")), n)
+    execute = await _median_ms(lambda: rt.execute(Command(command="true", shell=True)), n)
+    print(f"\n{IMAGE}: median of {n}: sdk exec {native:.2f} ms, swe-rex run_in_session "
+          f"{session:.2f} ms ({session / native:.2f}x), swe-rex execute {execute:.2f} ms "
+          f"({execute / native:.2f}x)")
+    # A session command skips the process start: it must not cost more than a few execs.
+    assert session < 5 * native
