@@ -21,7 +21,7 @@ import logging
 import re
 import secrets
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TypeVar
 
 from rollbox import errors
@@ -368,10 +368,3 @@ class BashSession:
             self.exited = True
             self._changed.set()
 
-
-async def guarded(coro: Awaitable[T]) -> T:
-    """Await ``coro``, turning a gone session into the client's SessionNotInitializedError."""
-    try:
-        return await coro
-    except SessionGone as exc:
-        raise wire.RemoteError(wire.SessionNotInitializedError, str(exc)) from None
