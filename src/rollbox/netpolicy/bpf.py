@@ -32,6 +32,7 @@ SYS_bpf = 321
 # bpf(2) commands
 MAP_CREATE, MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY = 0, 1, 2, 3, 4
 PROG_LOAD, PROG_ATTACH, PROG_DETACH = 5, 8, 9
+PROG_GET_NEXT_ID, MAP_GET_NEXT_ID = 11, 12
 PROG_GET_FD_BY_ID, MAP_GET_FD_BY_ID, OBJ_GET_INFO_BY_FD, PROG_QUERY = 13, 14, 15, 16
 
 MAP_TYPE_LPM_TRIE = 11
@@ -291,6 +292,21 @@ def key_bytes(proto: int, port: int, net: ipaddress.IPv4Network) -> bytes:
             + net.network_address.packed)
 
 
+def entry_of(key: bytes) -> Entry | None:
+    """The Entry a map key stands for (None for a key this module never writes)."""
+    if len(key) != KEY_SIZE:
+        return None
+    plen, proto, _pad = struct.unpack_from("<IBB", key)
+    port = struct.unpack_from(">H", key, 6)[0]
+    if not 32 <= plen <= 64:
+        return None
+    try:
+        net = ipaddress.IPv4Network((bytes(key[8:12]), plen - 32))
+    except ValueError:
+        return None
+    return Entry(proto, port, net)
+
+
 @dataclass(frozen=True)
 class Entry:
     """One allowed (protocol, port, IPv4 network)."""
@@ -358,9 +374,60 @@ HOOKS: tuple[tuple[str, int], ...] = (
 )
 
 
+def map_name(tag: str) -> str:
+    return f"{PROG_PREFIX}{tag}"[:15]
+
+
+def prog_name(hook: str, tag: str) -> str:
+    """``rbx<hook number><tag>``: a leaked program names its sandbox (15 characters max)."""
+    return f"{PROG_PREFIX[:3]}{[h for h, _ in HOOKS].index(hook)}{tag}"[:15]
+
+
+def _ids(next_cmd: int) -> list[int]:
+    out: list[int] = []
+    cur = 0
+    while True:
+        buf = ctypes.create_string_buffer(struct.pack("<III", cur, 0, 0), 128)
+        try:
+            _bpf_buf(next_cmd, buf)
+        except OSError as exc:
+            if exc.errno == 2:
+                return out
+            raise
+        cur = struct.unpack_from("<I", buf.raw, 4)[0]
+        out.append(cur)
+
+
+def _map_name(map_fd: int) -> str:
+    info = ctypes.create_string_buffer(128)
+    _bpf(OBJ_GET_INFO_BY_FD, struct.pack("<IIQ", map_fd, 128, ctypes.addressof(info)))
+    return info.raw[24:40].split(b"\0")[0].decode(errors="replace")
+
+
+def objects_of(tag: str) -> list[str]:
+    """Programs and maps of the sandbox with this tag still loaded anywhere on the host, by
+    id and name (teardown checks: BPF_{PROG,MAP}_GET_NEXT_ID and their info)."""
+    left: list[str] = []
+    want_progs = {prog_name(h, tag) for h, _ in HOOKS}
+    for cmd_next, cmd_fd, kind in ((PROG_GET_NEXT_ID, PROG_GET_FD_BY_ID, "prog"),
+                                   (MAP_GET_NEXT_ID, MAP_GET_FD_BY_ID, "map")):
+        for obj_id in _ids(cmd_next):
+            try:
+                fd = _bpf(cmd_fd, struct.pack("<I", obj_id))
+            except OSError:
+                continue  # freed meanwhile
+            try:
+                name = _prog_info(fd)[0] if kind == "prog" else _map_name(fd)
+            finally:
+                os.close(fd)
+            if (name in want_progs) if kind == "prog" else name == map_name(tag):
+                left.append(f"bpf {kind} {obj_id} {name}")
+    return left
+
+
 def attach_policy(cgroup_dir: Path, tag: str) -> AllowMap:
     """Create the sandbox's (empty: deny-all) map, load and attach the six programs."""
-    map_fd = create_map(f"{PROG_PREFIX}{tag}"[:15])
+    map_fd = create_map(map_name(tag))
     fds: list[int] = []
     cg = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -374,7 +441,7 @@ def attach_policy(cgroup_dir: Path, tag: str) -> AllowMap:
         }
         for hook, attach_type in HOOKS:
             ptype, insns = progs[hook]
-            fd = load_program(ptype, insns, f"{PROG_PREFIX}{hook}",
+            fd = load_program(ptype, insns, prog_name(hook, tag),
                               attach_type if ptype == PROG_TYPE_CGROUP_SOCK_ADDR else 0)
             fds.append(fd)
             attach(cg, fd, attach_type)
@@ -401,7 +468,7 @@ def find_policy(cgroup_dir: Path) -> AllowMap | None:
                 name, map_ids = _prog_info(pfd)
             finally:
                 os.close(pfd)
-            if name.startswith(PROG_PREFIX) and map_ids:
+            if name.startswith(PROG_PREFIX[:3]) and map_ids:
                 return AllowMap(_bpf(MAP_GET_FD_BY_ID, struct.pack("<I", map_ids[0])))
         return None
     finally:

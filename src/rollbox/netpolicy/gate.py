@@ -1,9 +1,13 @@
-"""The DNS gate: one UDP DNS server per sandbox, on the host end of its link (gate:53).
+"""The DNS gate: one DNS server per sandbox, on the host end of its link (gate:53, UDP and TCP).
 
 A query for a name the policy allows is resolved upstream (A records only), its addresses are
 added to the sandbox's allow map for the name's ports *before* the answer is sent, and the
-answer goes back. Any other name gets REFUSED and is never sent upstream. AAAA and other types
-of allowed names get an empty answer (the sandbox link is IPv4 only).
+answer goes back with a TTL no longer than the addresses stay allowed. Any other name gets
+REFUSED and is never sent upstream, whatever the transport or query type. AAAA, TXT, ANY and
+other types of allowed names get an empty answer (NODATA) and are not forwarded either: the
+sandbox link is IPv4 only and nothing but addresses is ever asked upstream. TCP DNS is served
+the same way (bounded connections, idle timeout), so a host resolver listening on the wildcard
+address never receives a sandbox's queries on the gate address.
 """
 from __future__ import annotations
 
@@ -11,9 +15,11 @@ import asyncio
 import ipaddress
 import logging
 import os
+import struct
 from collections.abc import Callable
 
 import dns.asyncquery
+import dns.exception
 import dns.flags
 import dns.message
 import dns.rcode
@@ -22,6 +28,9 @@ import dns.rrset
 
 log = logging.getLogger(__name__)
 MAX_TTL = 300
+UDP_PAYLOAD = 512  # a UDP answer larger than the client's limit is sent truncated (TC)
+TCP_MAX_CONNS = 16  # per gate
+TCP_IDLE_S = 10.0
 
 
 def upstream() -> tuple[str, int]:
@@ -41,10 +50,11 @@ def upstream() -> tuple[str, int]:
     return "127.0.0.1", 53
 
 
-# allowed(qname) -> ports opened for it (empty: refuse); admit(qname, addresses) -> the
-# addresses that may be answered (the rest are forbidden destinations and left out).
+# allowed(qname) -> whether the name may be resolved; admit(qname, addresses, ttl) -> (the
+# addresses that may be answered (forbidden destinations left out), seconds they stay allowed).
 Allowed = Callable[[str], bool]
-Admit = Callable[[str, list[ipaddress.IPv4Address]], list[ipaddress.IPv4Address]]
+Admit = Callable[[str, list[ipaddress.IPv4Address], int],
+                 tuple[list[ipaddress.IPv4Address], int]]
 
 
 class _Protocol(asyncio.DatagramProtocol):
@@ -56,7 +66,7 @@ class _Protocol(asyncio.DatagramProtocol):
         self.transport = transport  # type: ignore[assignment]
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-        task = asyncio.ensure_future(self.gate.answer(data))
+        task = asyncio.ensure_future(self.gate.answer(data, tcp=False))
         self.gate.tasks.add(task)
 
         def done(t: asyncio.Future[bytes | None]) -> None:
@@ -74,6 +84,8 @@ class DnsGate:
         self.admit = admit
         self.upstream = upstream_addr or upstream()
         self.transport: asyncio.DatagramTransport | None = None
+        self.tcp: asyncio.Server | None = None
+        self.tcp_conns = 0
         self.tasks: set[asyncio.Future] = set()  # type: ignore[type-arg]
         self.refused: list[str] = []  # recent refused names (bounded), for the audit trail
 
@@ -81,20 +93,55 @@ class DnsGate:
         loop = asyncio.get_running_loop()
         self.transport, _ = await loop.create_datagram_endpoint(
             lambda: _Protocol(self), local_addr=(self.bind_ip, 53))
+        try:
+            self.tcp = await asyncio.start_server(self._serve_tcp, self.bind_ip, 53,
+                                                  reuse_address=True)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+        if self.tcp is not None:
+            self.tcp.close()
+            self.tcp = None
         for t in list(self.tasks):
             t.cancel()
 
-    async def answer(self, wire: bytes) -> bytes | None:
+    async def _serve_tcp(self, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self.tasks.add(task)
+        self.tcp_conns += 1
+        try:
+            if self.tcp_conns > TCP_MAX_CONNS:
+                return
+            while True:
+                head = await asyncio.wait_for(reader.readexactly(2), TCP_IDLE_S)
+                wire = await asyncio.wait_for(reader.readexactly(struct.unpack(">H", head)[0]),
+                                              TCP_IDLE_S)
+                out = await self.answer(wire, tcp=True)
+                if out is None:
+                    return
+                writer.write(struct.pack(">H", len(out)) + out)
+                await writer.drain()
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.tcp_conns -= 1
+            if task is not None:
+                self.tasks.discard(task)
+            writer.close()
+
+    async def answer(self, wire: bytes, tcp: bool = False) -> bytes | None:
         try:
             query = dns.message.from_wire(wire)
         except Exception:  # noqa: BLE001 - garbage from the sandbox: no answer
             return None
-        if len(query.question) != 1:
+        if len(query.question) != 1 or query.opcode() != 0:
             return _reply(query, dns.rcode.FORMERR)
         q = query.question[0]
         name = q.name.to_text().rstrip(".").lower()
@@ -102,12 +149,15 @@ class DnsGate:
             self.refused.append(name)
             del self.refused[:-64]
             return _reply(query, dns.rcode.REFUSED)
-        if q.rdtype != dns.rdatatype.A:
-            return _reply(query, dns.rcode.NOERROR)
+        if q.rdtype != dns.rdatatype.A or q.rdclass != 1:
+            return _reply(query, dns.rcode.NOERROR)  # NODATA, never forwarded
         up = dns.message.make_query(q.name, dns.rdatatype.A)
         try:
             resp = await dns.asyncquery.udp(up, self.upstream[0], port=self.upstream[1],
                                             timeout=3.0)
+            if resp.flags & dns.flags.TC:
+                resp = await dns.asyncquery.tcp(up, self.upstream[0], port=self.upstream[1],
+                                                timeout=3.0)
         except Exception as exc:  # noqa: BLE001 - upstream trouble: SERVFAIL, the sandbox retries
             log.warning("DNS gate: upstream failed for %s: %s", name, exc)
             return _reply(query, dns.rcode.SERVFAIL)
@@ -117,13 +167,20 @@ class DnsGate:
             if rrset.rdtype == dns.rdatatype.A:
                 ttl = min(ttl, rrset.ttl)
                 addrs.extend(ipaddress.IPv4Address(r.address) for r in rrset)
-        addrs = self.admit(name, addrs)  # in the allow map before the answer leaves
+        # In the allow map before the answer leaves; answered TTL <= how long they stay allowed.
+        addrs, keep = self.admit(name, addrs, ttl)
         out = _reply(query, dns.rcode.NOERROR if addrs or resp.rcode() == dns.rcode.NOERROR
                      else resp.rcode(), raw=True)
         if addrs:
             out.answer.append(dns.rrset.from_text_list(
-                q.name, max(ttl, 1), "IN", "A", [str(a) for a in addrs]))
-        return out.to_wire()
+                q.name, max(min(ttl, keep), 1), "IN", "A", [str(a) for a in addrs]))
+        limit = 65535 if tcp else max(UDP_PAYLOAD, query.payload if query.edns >= 0 else 0)
+        try:
+            return out.to_wire(max_size=limit)
+        except dns.exception.TooBig:
+            out.answer.clear()
+            out.flags |= dns.flags.TC  # the client retries over TCP
+            return out.to_wire()
 
 
 def _reply(query: dns.message.Message, rcode: int, raw: bool = False):  # noqa: ANN202

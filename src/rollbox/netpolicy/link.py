@@ -27,6 +27,7 @@ LINK_PREFIX = "rbx"
 ALIAS_PREFIX = "rollbox:"
 SANDBOX_IFACE = "eth0"
 NFT_TABLE = "rollbox"
+NETNS_PREFIX = "rollbox-"  # rollbox.isolation.netns.PREFIX
 _thread_lock = threading.Lock()
 _nft_ready = False
 
@@ -147,10 +148,21 @@ def find(sandbox_id: str) -> Link | None:
 
 
 def delete(sandbox_id: str) -> None:
-    """Remove the host end (the peer goes with it); no error if it is already gone."""
+    """Destroy the sandbox's remaining sockets, remove the host end (the peer goes with it);
+    no error if it is already gone. Call with no process of the sandbox left."""
     if not exists(sandbox_id):
         return  # the common case (no network): no subprocess
+    drop_sockets(NETNS_PREFIX + sandbox_id)
     subprocess.run(["ip", "link", "del", link_name(sandbox_id)], capture_output=True)
+
+
+def drop_sockets(netns_name: str) -> None:
+    """Abort every TCP/UDP socket left in the namespace (SOCK_DESTROY). A closed connection
+    whose FIN the allow-list drops stays an orphan retransmitting for minutes, and it holds
+    the sandbox's cgroup, so its BPF programs and map, and its netns, long after deletion."""
+    if Path(f"/run/netns/{netns_name}").exists():
+        subprocess.run(["ip", "netns", "exec", netns_name, "ss", "-K", "-a", "-t", "-u"],
+                       capture_output=True)
 
 
 def exists(sandbox_id: str) -> bool:

@@ -8,8 +8,11 @@ Rules (``NetworkPolicy.allow``):
 * ``A.B.C.D[/LEN]:PORT[/tcp|/udp]``: an IPv4 address or CIDR.
 
 Whatever a rule says, some destinations are never allowed: other sandboxes and their gates
-(the link pool), loopback, 0/8, multicast/broadcast, and the host's own addresses on the
-platform's ports. They are cut out of every CIDR (and out of every DNS answer).
+(the link pool), loopback, 0/8, link-local (169.254/16: cloud metadata services),
+multicast/broadcast, and the host's own addresses on the platform's ports. They are cut out of
+every CIDR and out of every DNS answer. The host's other addresses (where any host service bound
+to 0.0.0.0 answers) are cut out of DNS answers and of every CIDR wider than one address: only a
+rule naming one host address exactly (``A.B.C.D:PORT``) opens it, as a deliberate choice.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ HOST_RE = re.compile(r"^(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9]([
 RULE_RE = re.compile(r"^(?P<host>[^:/\s]+(/\d{1,2})?):(?P<port>\d{1,5})(/(?P<proto>tcp|udp))?$")
 
 ALWAYS_FORBIDDEN = [ipaddress.IPv4Network(n) for n in (
-    "0.0.0.0/8", "127.0.0.0/8", "224.0.0.0/4", "240.0.0.0/4")]
+    "0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "240.0.0.0/4")]
 DNS_PORT = 53
 
 
@@ -117,11 +120,15 @@ class Forbidden:
     def current(cls) -> Forbidden:
         return cls(ALWAYS_FORBIDDEN + [link_pool()], host_addresses(), platform_ports())
 
-    def cut(self, net: ipaddress.IPv4Network, port: int) -> list[ipaddress.IPv4Network]:
-        """net minus the forbidden ranges (minus host addresses when port is the platform's)."""
+    def cut(self, net: ipaddress.IPv4Network, port: int,
+            explicit: bool = False) -> list[ipaddress.IPv4Network]:
+        """net minus the forbidden ranges, minus the host's addresses unless ``explicit`` (a
+        rule's own CIDR) names exactly one address on a port that is not the platform's."""
         banned = list(self.nets)
-        if port in self.ports:
-            banned += [ipaddress.IPv4Network(a) for a in self.host_addrs]
+        if port in self.ports or not explicit or net.prefixlen < 32:
+            # (gates are host addresses too, already out with the link pool)
+            banned += [ipaddress.IPv4Network(a) for a in self.host_addrs
+                       if not any(a in n for n in self.nets)]
         parts = [net]
         for b in banned:
             nxt = []
@@ -184,7 +191,7 @@ def resolve(rules: list[Rule], gate_ip: str, settings: object,
             rule = Rule("cidr", host, port, PROTOS["tcp"]) if re.match(
                 r"^[0-9.]+$", host) else Rule("host", host, port, PROTOS["tcp"])
         if rule.kind == "cidr":
-            for n in forbidden.cut(ipaddress.IPv4Network(rule.value), rule.port):
+            for n in forbidden.cut(ipaddress.IPv4Network(rule.value), rule.port, explicit=True):
                 res.entries.add(Entry(rule.proto, rule.port, n))
         elif rule.kind == "host":
             res.names.setdefault(rule.value, set()).add((rule.proto, rule.port))

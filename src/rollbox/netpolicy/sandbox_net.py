@@ -4,14 +4,21 @@
 place (map updates only: effective for new and existing connections at once), ``adopt`` finds
 it again after an edge restart, ``close`` stops the gate (the link goes with the sandbox's
 teardown, the programs and map with its cgroup).
+
+Addresses learned through the DNS gate stay allowed for the answer's TTL, bounded to
+[MIN_TTL, MAX_TTL], so the allow-list of a long-lived sandbox does not grow forever. An expired
+address that a socket of the sandbox still talks to is kept until that socket is gone (the
+packet filter would otherwise cut a download in the middle).
 """
 from __future__ import annotations
 
 import asyncio
 import ipaddress
 import logging
+import time
 from pathlib import Path
 
+from rollbox.isolation import cgroups
 from rollbox.netpolicy import bpf, link
 from rollbox.netpolicy.bpf import Entry
 from rollbox.netpolicy.gate import DnsGate
@@ -21,23 +28,28 @@ from rollbox.netpolicy.policy import (
 
 log = logging.getLogger(__name__)
 RESOLV_CONF = "/etc/resolv.conf"
+MIN_TTL = 30  # seconds a learned address stays allowed at least (short TTLs, retries)
+MAX_TTL = 300
+SWEEP_S = 5.0
 _mirror_ports_added: set[int] = set()
 
 
 class SandboxNetwork:
     def __init__(self, sandbox_id: str, lnk: link.Link, allow_map: bpf.AllowMap,
-                 settings: object) -> None:
+                 settings: object, cgroup_dir: Path | None = None) -> None:
         self.sandbox_id = sandbox_id
         self.link = lnk
         self.map = allow_map
         self.settings = settings
+        self.cgroup_dir = cgroup_dir
         self.rules: list[str] = []
         self.resolved = Resolved()
         self.current: set[Entry] = set()
-        self.dns_ips: dict[str, set[ipaddress.IPv4Address]] = {}
+        # name -> address -> monotonic deadline after which it leaves the allow-list
+        self.dns_ips: dict[str, dict[ipaddress.IPv4Address, float]] = {}
         self.forbidden = Forbidden.current()
         self.gate: DnsGate | None = None
-        self._lock = asyncio.Lock()
+        self._sweeper: asyncio.Task | None = None  # type: ignore[type-arg]
 
     @property
     def env(self) -> dict[str, str]:
@@ -48,7 +60,8 @@ class SandboxNetwork:
 
     def _desired(self) -> set[Entry]:
         want = set(self.resolved.entries)
-        for name, ips in self.dns_ips.items():
+        for name, learned in self.dns_ips.items():
+            ips = list(learned)
             for proto, port in self.resolved.name_ports(name):
                 for ip in ips:
                     want.add(Entry(proto, port, ipaddress.IPv4Network(ip)))
@@ -60,8 +73,9 @@ class SandboxNetwork:
         self.map.add(want - self.current)
         self.current = want
 
-    def apply(self, rules: list[str]) -> dict[str, str]:
-        """Replace the policy (validated first: a bad rule changes nothing); returns the env."""
+    def apply(self, rules: list[str], sync: bool = True) -> dict[str, str]:
+        """Replace the policy (validated first: a bad rule changes nothing); returns the env.
+        sync=False: resolve only (the caller syncs the map)."""
         parsed = parse_rules(rules)
         self.forbidden = Forbidden.current()
         resolved = resolve(parsed, self.link.gate_ip, self.settings, self.forbidden)
@@ -71,35 +85,118 @@ class SandboxNetwork:
             _mirror_ports_added.update(ports)
         self.resolved = resolved
         self.rules = list(rules)
-        self._sync()
+        if sync:
+            self._sync()
         return self.env
 
     # DNS gate callbacks
     def _allowed(self, qname: str) -> bool:
         return bool(self.resolved.name_ports(qname))
 
-    def _admit(self, qname: str,
-               addrs: list[ipaddress.IPv4Address]) -> list[ipaddress.IPv4Address]:
+    def _admit(self, qname: str, addrs: list[ipaddress.IPv4Address],
+               ttl: int) -> tuple[list[ipaddress.IPv4Address], int]:
         ok = []
         ports = self.resolved.name_ports(qname)
         for a in addrs:
             net = ipaddress.IPv4Network(a)
             if all(self.forbidden.cut(net, port) for _, port in ports):
                 ok.append(a)
+        keep = max(MIN_TTL, min(ttl, MAX_TTL))
         if ok:
-            self.dns_ips.setdefault(qname, set()).update(ok)
-            self._sync()
-        return ok
+            deadline = time.monotonic() + keep
+            learned = self.dns_ips.setdefault(qname, {})
+            for a in ok:
+                learned[a] = max(learned.get(a, 0.0), deadline)
+        self.expire()  # syncs the map
+        return ok, keep
+
+    def in_use(self) -> set[ipaddress.IPv4Address]:
+        """Remote IPv4 addresses of the sandbox's TCP/UDP sockets (its netns, seen through a
+        process of its cgroup)."""
+        if self.cgroup_dir is None:
+            return set()
+        pids = cgroups.procs(self.cgroup_dir)
+        out: set[ipaddress.IPv4Address] = set()
+        for table in ("tcp", "udp"):
+            for pid in pids[:1]:
+                try:
+                    lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+                except OSError:
+                    continue
+                for line in lines:
+                    remote = line.split()[2].split(":")[0]
+                    ip = ipaddress.IPv4Address(bytes.fromhex(remote)[::-1])
+                    if not ip.is_unspecified:
+                        out.add(ip)
+        return out
+
+    def expire(self, now: float | None = None) -> int:
+        """Drop learned addresses past their deadline (kept while a socket uses them); syncs
+        the map; returns how many were dropped."""
+        now = time.monotonic() if now is None else now
+        due = [(n, a) for n, ips in self.dns_ips.items() for a, d in ips.items() if d <= now]
+        dropped = 0
+        if due:
+            busy = self.in_use()
+            for name, addr in due:
+                if addr not in busy:
+                    del self.dns_ips[name][addr]
+                    dropped += 1
+            self.dns_ips = {n: ips for n, ips in self.dns_ips.items() if ips}
+        self._sync()
+        return dropped
+
+    def relearn(self, entries: set[Entry]) -> None:
+        """After a re-adoption: single addresses the map held for ports of gated names were
+        learned through the gate before; keep them (for MAX_TTL) under the names they fit."""
+        deadline = time.monotonic() + MAX_TTL
+        for e in entries:
+            if e.net.prefixlen != 32:
+                continue
+            for name, ports in self.resolved.names.items():
+                if (e.proto, e.port) in ports:
+                    self.dns_ips.setdefault(name, {})[e.net.network_address] = deadline
+        self._sync()
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            if self.dns_ips:
+                try:
+                    await asyncio.to_thread(self.expire)
+                except Exception as exc:  # noqa: BLE001 - retried next round
+                    log.warning("sandbox %s: expiring DNS addresses failed: %s",
+                                self.sandbox_id, exc)
 
     async def start_gate(self) -> None:
         self.gate = DnsGate(self.link.gate_ip, self._allowed, self._admit)
         await self.gate.start()
+        self._sweeper = asyncio.create_task(self._sweep())
 
     def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         if self.gate is not None:
             self.gate.close()
             self.gate = None
         self.map.close()
+
+
+def bpf_tag(sandbox_id: str) -> str:
+    """The sandbox's part of its BPF program and map names."""
+    return sandbox_id[-11:]
+
+
+def bpf_leftovers(sandbox_id: str, wait_s: float = 2.0) -> list[str]:
+    """BPF programs and maps of a deleted sandbox still loaded on the host. The kernel frees
+    them shortly after the cgroup goes (deferred work), so wait up to wait_s for that."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = bpf.objects_of(bpf_tag(sandbox_id))
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
 
 
 async def attach(sandbox_id: str, netns_name: str, cgroup_dir: Path, rules: list[str],
@@ -108,8 +205,8 @@ async def attach(sandbox_id: str, netns_name: str, cgroup_dir: Path, rules: list
     lnk = await asyncio.to_thread(link.create, sandbox_id, netns_name)
     net = None
     try:
-        amap = bpf.attach_policy(cgroup_dir, sandbox_id[-11:])
-        net = SandboxNetwork(sandbox_id, lnk, amap, settings)
+        amap = bpf.attach_policy(cgroup_dir, bpf_tag(sandbox_id))
+        net = SandboxNetwork(sandbox_id, lnk, amap, settings, cgroup_dir)
         await asyncio.to_thread(net.apply, rules)
         await net.start_gate()
         return net
@@ -129,11 +226,13 @@ async def adopt(sandbox_id: str, cgroup_dir: Path, rules: list[str],
         if amap is not None:
             amap.close()
         return None
-    net = SandboxNetwork(sandbox_id, lnk, amap, settings)
+    net = SandboxNetwork(sandbox_id, lnk, amap, settings, cgroup_dir)
     # Entries from before the restart: start from what the map holds, then converge.
     old = set(amap.keys())
     try:
-        await asyncio.to_thread(net.apply, rules)
+        net.current = {e for e in (bpf.entry_of(k) for k in old) if e is not None}
+        await asyncio.to_thread(net.apply, rules, False)
+        net.relearn(net.current - net.resolved.entries)  # syncs the map
         stale = old - {e.key() for e in net.current}
         for key in stale:
             amap._elem(bpf.MAP_DELETE_ELEM, key, None)

@@ -287,6 +287,7 @@ class ContainerBackend:
             left.append(str(netns.netns_path(netns.PREFIX + sandbox_id)))
         if netlink.exists(sandbox_id):
             left.append(f"link {netlink.link_name(sandbox_id)}")
+        left += sandbox_net.bpf_leftovers(sandbox_id)
         for p in (self.sandboxes_dir / sandbox_id, self.run_root / sandbox_id,
                   self.runtime.state_dir(sandbox_id)):
             if p.exists():
