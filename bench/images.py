@@ -296,7 +296,15 @@ async def run(quick: bool) -> dict[str, Any]:
     out["first_exec_full_1_s"] = (full1["first_exec_s"] or {}).get("max")
     out[f"first_exec_full_{n_big}_s"] = (full["first_exec_s"] or {}).get("median")
     out["node_bytes_written_full"] = full["node_bytes_written"]
-    out["residency"] = full.get("residency")
+    out["residency"] = res_ = full.get("residency")
+    if res_ and full1.get("pull_s"):
+        # Chunk-size trade-off: a cold read blocks on one fetch per missing chunk; model the
+        # serial time as fetches x (round trip + chunk / measured pull bandwidth).
+        bw = full1["bytes_fetched"] / full1["pull_s"]
+        out["pull_bandwidth_mib_s"] = bw / 2**20
+        for cs in CHUNK_SIZES:
+            r = res_[f"chunk_{cs >> 10}k"]
+            r["modeled_serial_fetch_s"] = r["fetches"] * (LATENCY_MS / 1000 + cs / bw)
     if have_lazy:
         lazy, lazy1 = runs[f"lazy_{n_big}"], runs["lazy_1"]
         out[f"lazy_s_{n_big}"] = lazy["total_s"]
