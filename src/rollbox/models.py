@@ -284,6 +284,8 @@ class FnCallSpec(BaseModel):
     # Python modules imported before the call arrives; one warm pool per distinct set.
     preload: list[str] = Field(default_factory=list, max_length=64)
     image: str | None = Field(None, max_length=256, description="default: the fncall image")
+    # files (relative to the call dir) returned base64 in the result; at most 8 MiB in all
+    fetch_files: list[str] = Field(default_factory=list, max_length=64)
 
     @field_validator("files")
     @classmethod
@@ -333,6 +335,7 @@ class FnCallResult(BaseModel):
     wall_s: float = 0.0
     cpu_s: float = 0.0
     compile: FnCallStep | None = None
+    files: dict[str, str] = Field(default_factory=dict)  # fetch_files that existed, base64
     worker: str = ""  # the warm sandbox that ran it
 
 

@@ -422,6 +422,14 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
              "exit_code": result.result.exit_code, "by": who.key_id}))
         return result
 
+    @app.post("/v1/sandboxes/{sandbox_id}/snapshot", response_model=models.SnapshotResult,
+              tags=["sandboxes"])
+    async def snapshot(sandbox_id: str, spec: models.SnapshotSpec, edge: Edge,
+                       who: Who) -> models.SnapshotResult:
+        """pack_diff: the sandbox's writable layer, scrubbed, becomes a new layer; ``name`` is
+        tagged as the sandbox's layers + it (create sandboxes from it on this node)."""
+        return await edge.snapshot(sandbox_id, spec, who.key_id)
+
     def exec_stream_response(edge: EdgeAPI, sandbox_id: str, exec_id: str,
                              stream: AsyncIterator[ExecOutput] | None = None) -> Response:
         async def body() -> AsyncIterator[bytes]:

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import json
 import logging
 import os
 import secrets
+import shutil
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -29,7 +31,7 @@ from rollbox.isolation import cgroups
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import (
     Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, NetworkPolicy,
-    SandboxInfo, SandboxSpec,
+    SandboxInfo, SandboxSpec, SnapshotResult, SnapshotSpec,
 )
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,7 @@ class Edge:
         self._create_sem = asyncio.Semaphore(self.limits.max_parallel_creates)
         self._ttl_task: asyncio.Task | None = None
         self._deleting: dict[str, asyncio.Task] = {}
+        self._snapshotting: set[str] = set()
         self._host_mem_mib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
 
     # ---- lifecycle of the edge itself -------------------------------------------------
@@ -614,6 +617,86 @@ class Edge:
                 log.exception("grader %s of %s: delete failed", grader.id, sandbox_id)
         return GradeResult(sandbox_id=sandbox_id, grader_id=grader.id, files=spec.files,
                            copied_bytes=copied, result=result)
+
+    # ---- snapshots (pack_diff) ----------------------------------------------------------
+    async def snapshot(self, sandbox_id: str, spec: SnapshotSpec, owner: str) -> SnapshotResult:
+        """The sandbox's writable layer, scrubbed, becomes a new layer; ``spec.name`` is tagged
+        as the sandbox's layers + that layer (see rollbox.images.snapshot). With ``pause`` the
+        sandbox is frozen during the copy and thawed after, also on failure."""
+        from rollbox.images import snapshot as snap
+        from rollbox.images.chunks import default_store_url, open_store, push_image
+        from rollbox.images.store import validate_name
+
+        live = self._live(sandbox_id)
+        validate_name(spec.name)
+        # Image names are node-wide: a snapshot never replaces an image (e.g. python:3.11)
+        # that other sandboxes are created from.
+        if self.store.exists(spec.name):
+            raise BadRequest(f"image {spec.name!r} already exists; pick a new name",
+                             image=spec.name)
+        exclude = snap.validate_patterns(spec.exclude)
+        push_url = (snap.allowed_push_url(spec.push, default_store_url(self.settings))
+                    if spec.push else None)
+        if sandbox_id in self._snapshotting:
+            raise BadRequest(f"a snapshot of sandbox {sandbox_id} is already running")
+        self._snapshotting.add(sandbox_id)
+        t0 = time.monotonic()
+        try:
+            try:
+                config = self.store.resolve(live.info.image).config
+            except RollboxError:
+                config = {}
+            box = live.box
+            v1_freezer = cgroups.ROOT / "freezer" / self.settings.cgroup_parent / sandbox_id
+            staging = self.store.staging_dir("snapshot")
+            root = staging / "rootfs"
+
+            def capture() -> tuple[snap.CaptureStats, float]:
+                pause = (snap.frozen(box.v2_cgroup, v1_freezer) if spec.pause
+                         else contextlib.nullcontext(0.0))
+                with pause:
+                    t_freeze = time.monotonic()
+                    stats = snap.capture_upper(
+                        box.rootfs.upper, root, id_shift=box.host_uid,
+                        scrub=snap.DEFAULT_SCRUB if spec.scrub else [], exclude=exclude,
+                        max_bytes=spec.max_bytes, max_entries=spec.max_entries)
+                    paused = time.monotonic() - t_freeze if spec.pause else 0.0
+                return stats, paused
+
+            try:
+                try:
+                    stats, paused = await asyncio.to_thread(capture)
+                except OSError as exc:
+                    if sandbox_id not in self.live or sandbox_id in self._deleting:
+                        raise SandboxDead(f"sandbox {sandbox_id} went away during the "
+                                          "snapshot") from None
+                    raise InfraError(f"snapshot of {sandbox_id} failed: {exc}") from exc
+                if sandbox_id not in self.live or sandbox_id in self._deleting:
+                    raise SandboxDead(f"sandbox {sandbox_id} went away during the snapshot")
+                repos = (await asyncio.to_thread(snap.scrub_git_history, root)
+                         if spec.scrub_git_history else [])
+                digest = await asyncio.to_thread(self.store.add_layer_from_dir, root,
+                                                 source=f"snapshot:{sandbox_id}")
+            finally:
+                await asyncio.to_thread(shutil.rmtree, staging, True)
+            layers = list(live.info.layers) + [digest]
+            if self.store.exists(spec.name):
+                raise BadRequest(f"image {spec.name!r} was created meanwhile", image=spec.name)
+            self.store.tag(spec.name, layers, config)
+            if push_url is not None:
+                await push_image(self.store, spec.name, open_store(push_url))
+        finally:
+            self._snapshotting.discard(sandbox_id)
+        result = SnapshotResult(
+            sandbox_id=sandbox_id, image=spec.name, layer=digest, layers=layers,
+            size=int(self.store.layer_meta(digest)["size"]), files=stats.entries,
+            content_bytes=stats.bytes, whiteouts=stats.whiteouts, scrubbed=stats.scrubbed,
+            git_repos_scrubbed=repos, paused_s=round(paused, 6),
+            duration_s=round(time.monotonic() - t0, 6), pushed_to=push_url,
+            hidden_paths=list(live.info.hidden_paths))
+        self.event_log.append(sandbox_id, "sandbox.snapshot", data=json.dumps(
+            {"image": spec.name, "layer": digest, "files": stats.entries, "by": owner}))
+        return result
 
     # ---- events -------------------------------------------------------------------------
     async def events(self, sandbox_id: str, after_seq: int,

@@ -12,7 +12,7 @@ from typing import Literal, Protocol
 
 from rollbox.models import (
     Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, NetworkPolicy,
-    SandboxInfo, SandboxSpec,
+    SandboxInfo, SandboxSpec, SnapshotResult, SnapshotSpec,
 )
 
 
@@ -56,6 +56,11 @@ class EdgeAPI(Protocol):
 
     # grading: a fresh sandbox of the pristine layers + only the declared files.
     async def grade(self, sandbox_id: str, spec: GradeSpec, owner: str) -> GradeResult: ...
+
+    # snapshot (pack_diff): the writable layer, scrubbed, becomes a new layer; spec.name is
+    # tagged as the sandbox's layers + it, so create(spec.name) restores the same tree.
+    async def snapshot(self, sandbox_id: str, spec: SnapshotSpec,
+                       owner: str) -> SnapshotResult: ...
 
     # events outlive the sandbox; follow=True keeps streaming until the sandbox is gone.
     def events(self, sandbox_id: str, after_seq: int, follow: bool) -> AsyncIterator[Event]: ...

@@ -21,8 +21,9 @@ import pydantic
 
 from rollbox import errors
 from rollbox.models import (
+    FnCallResult, FnCallSpec,
     Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, Resources,
-    SandboxInfo, SandboxSpec,
+    SandboxInfo, SandboxSpec, SnapshotResult, SnapshotSpec,
 )
 
 DEFAULT_URL = "http://127.0.0.1:7420"
@@ -30,6 +31,13 @@ NDJSON = "application/x-ndjson"
 TAR_CHUNK = 256 << 10
 
 OutputCallback = Callable[[str], Any]
+
+
+def _fncall_spec(fields: dict[str, Any]) -> FnCallSpec:
+    try:
+        return FnCallSpec(**fields)
+    except pydantic.ValidationError as exc:
+        raise errors.BadRequest(str(exc)) from None
 
 
 class CommandFailed(errors.RollboxError):
@@ -497,6 +505,28 @@ class AsyncSandbox:
                                   json=spec.model_dump(mode="json"), long=True)
         return GradeResult.model_validate(r.json())
 
+    async def snapshot(
+        self, name: str, *, exclude: Iterable[str] = (), scrub: bool = True,
+        scrub_git_history: bool = False, push: str | None = None, pause: bool = True,
+        max_bytes: int | None = None, max_entries: int | None = None,
+    ) -> SnapshotResult:
+        """pack_diff: this sandbox's writable layer, minus caches (scrub) and ``exclude``
+        globs ("/abs/glob" or a basename glob), becomes a new layer; ``name`` is tagged as
+        this sandbox's layers + it, so ``client.create(result.image)`` starts from the same
+        tree. ``pause`` freezes the sandbox during the copy. ``push``: 'default' or an allowed
+        chunk store URL."""
+        try:
+            spec = SnapshotSpec(
+                name=name, exclude=list(exclude), scrub=scrub,
+                scrub_git_history=scrub_git_history, push=push, pause=pause,
+                **({"max_bytes": max_bytes} if max_bytes is not None else {}),
+                **({"max_entries": max_entries} if max_entries is not None else {}))
+        except pydantic.ValidationError as exc:
+            raise errors.BadRequest(str(exc)) from None
+        r = await self._t.request("POST", self._base + "/snapshot",
+                                  json=spec.model_dump(mode="json"), long=True)
+        return SnapshotResult.model_validate(r.json())
+
     async def delete(self) -> None:
         await self._t.request("DELETE", self._base)
 
@@ -591,6 +621,55 @@ class AsyncClient:
 
     async def health(self) -> dict[str, Any]:
         return dict((await self._t.request("GET", "/v1/health")).json())
+
+    # ---- fncall: stateless calls on warm pools (no sandbox of your own) ----
+    async def fncall(self, code: str, language: str = "python", **kw: Any) -> FnCallResult:
+        """Run ``code`` once (fields of :class:`FnCallSpec`: files, stdin, timeout_s,
+        memory_mib, preload, ...). The result's ``status`` says ok / runtime_error / timeout /
+        memory_exceeded / compile_error; bad requests raise typed errors."""
+        spec = _fncall_spec({"code": code, "language": language, **kw})
+        r = await self._t.request("POST", "/v1/fncall", json=spec.model_dump(mode="json"),
+                                  long=True)
+        return FnCallResult.model_validate(r.json())
+
+    async def fncall_batch(
+        self, calls: Iterable[FnCallSpec | Mapping[str, Any]], *, concurrency: int = 32,
+        return_exceptions: bool = False, chunk_bytes: int = 768 << 10,
+    ) -> list[FnCallResult | errors.RollboxError]:
+        """Run many calls with at most ``concurrency`` in flight on the server; results in
+        input order. Requests are split to stay under the api's body limit. A call that failed
+        with a typed error raises it, or is returned in its place with return_exceptions."""
+        specs = [c if isinstance(c, FnCallSpec) else _fncall_spec(dict(c)) for c in calls]
+        chunks: list[list[dict[str, Any]]] = [[]]
+        size = 0
+        for spec in specs:
+            body = spec.model_dump(mode="json", exclude_defaults=True)
+            n = len(json.dumps(body))
+            if chunks[-1] and size + n > chunk_bytes:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(body)
+            size += n
+        per = max(1, concurrency // max(1, len(chunks)))
+
+        async def send(chunk: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            if not chunk:
+                return []
+            r = await self._t.request("POST", "/v1/fncall/batch", long=True,
+                                      json={"calls": chunk, "concurrency": per})
+            return list(r.json()["results"])
+
+        items = [x for part in await asyncio.gather(*(send(c) for c in chunks)) for x in part]
+        out: list[FnCallResult | errors.RollboxError] = []
+        for item in items:
+            if item.get("error") is not None:
+                exc = errors.error_from_payload({"error": item["error"]})
+                if not return_exceptions:
+                    raise exc
+                out.append(exc)
+            else:
+                out.append(FnCallResult.model_validate(item["result"]))
+        return out
 
     async def close(self) -> None:
         await self._t.aclose()

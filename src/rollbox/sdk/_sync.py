@@ -11,7 +11,9 @@ from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Mappin
 from types import TracebackType
 from typing import Any, TypeVar
 
-from rollbox.models import Event, ExecInfo, ExecResult, FileStat, GradeResult, SandboxInfo
+from rollbox.models import (
+    Event, ExecInfo, ExecResult, FileStat, GradeResult, SandboxInfo, SnapshotResult,
+)
 from rollbox.sdk._async import (
     AsyncClient, AsyncFiles, AsyncProcess, AsyncSandbox, OutputCallback, OutputChunk,
 )
@@ -176,6 +178,9 @@ class Sandbox:
     def grade(self, cmd: str | list[str], **kw: Any) -> GradeResult:
         return self._p.call(self._sb.grade(cmd, **kw))
 
+    def snapshot(self, name: str, **kw: Any) -> SnapshotResult:
+        return self._p.call(self._sb.snapshot(name, **kw))
+
     def delete(self) -> None:
         self._p.call(self._sb.delete())
 
@@ -214,6 +219,14 @@ class Client:
 
     def health(self) -> dict[str, Any]:
         return self._p.call(self._c.health())
+
+    def fncall(self, code: str, language: str = "python", **kw: Any) -> Any:
+        """See :meth:`AsyncClient.fncall`."""
+        return self._p.call(self._c.fncall(code, language, **kw))
+
+    def fncall_batch(self, calls: Iterable[Any], **kw: Any) -> list[Any]:
+        """See :meth:`AsyncClient.fncall_batch`."""
+        return self._p.call(self._c.fncall_batch(calls, **kw))
 
     def close(self) -> None:
         if self._p.loop.is_running():

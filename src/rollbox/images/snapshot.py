@@ -1,0 +1,488 @@
+"""Snapshots (``pack_diff``): a sandbox's writable layer, scrubbed, becomes a new image layer.
+
+The capture reads the overlay upper of a live sandbox from the host side. The agent controls
+every byte of that tree (symlinks, FIFOs, devices, hard links, sparse files, deep trees,
+xattrs), so the copy walks it with directory file descriptors only: every directory is opened
+``O_NOFOLLOW|O_DIRECTORY`` relative to its already-open parent and every file
+``O_NOFOLLOW|O_NONBLOCK`` relative to its directory, then re-checked with ``fstat`` (same inode,
+still a regular file). No path of the upper is ever resolved by name from the root, no link is
+followed, nothing of the sandbox is executed, and a tree swapped while the copy runs (``pause``
+off) can only change what is copied, never where the host reads or writes. Sizes, entry counts,
+depth and path lengths are capped with typed errors. ``mkfs.erofs`` then packs the host-side
+staging copy (our own tree: symlinks are stored as symlinks, whiteouts as 0:0 character
+devices, opaque directories with ``trusted.overlay.opaque``), so overlayfs reads the new layer
+exactly as it read the upper.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fnmatch
+import os
+import re
+import shutil
+import stat
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollbox.errors import BadRequest, InfraError, PayloadTooLarge
+from rollbox.images.build import (
+    OPAQUE_XATTR, _REFUSED_OVERLAY_XATTRS, _map_id, is_whiteout, make_whiteout, set_opaque,
+)
+
+# What a snapshot drops by default, and why. "/abs/glob" matches the whole path inside the
+# sandbox (fnmatch: "*" also matches "/"), a bare pattern matches any entry's basename.
+# Whiteouts are never dropped: a deletion in the sandbox stays a deletion in the snapshot.
+SCRUB_RULES: list[tuple[str, str]] = [
+    ("/tmp/*", "scratch space; sockets and lock files of processes that will not exist"),
+    ("/var/tmp/*", "scratch space"),
+    ("/root/.cache", "pip, uv, node-gyp and other per-user download caches"),
+    ("/home/*/.cache", "per-user download caches"),
+    ("/root/.npm", "npm's download cache (_cacache) and logs"),
+    ("/home/*/.npm", "npm's download cache and logs"),
+    ("/var/cache/apt/archives/*.deb", "downloaded .deb files, already installed"),
+    ("/var/cache/apt/*.bin", "apt's binary package cache, rebuilt by apt"),
+    ("/var/lib/apt/lists/*", "package indexes: stale in a day, rebuilt by apt-get update"),
+    ("__pycache__", "Python bytecode, rebuilt on import; may hold compiled copies of tests"),
+    (".pytest_cache", "pytest's last-run state: reveals which tests ran and failed"),
+    ("/var/log/*.log", "logs of the session that built the environment"),
+    ("/var/log/apt/*", "apt's logs and terminal transcripts"),
+    ("/root/.bash_history", "the building session's shell history"),
+    ("/root/.python_history", "the building session's REPL history"),
+]
+DEFAULT_SCRUB = [pattern for pattern, _why in SCRUB_RULES]
+
+DEFAULT_MAX_BYTES = 4 << 30
+DEFAULT_MAX_ENTRIES = 1_000_000
+MAX_DEPTH = 256
+MAX_PATH = 4000  # below PATH_MAX: mkfs.erofs walks the staging copy by path
+MAX_XATTR_BYTES = 64 << 10
+# Longest a sandbox stays frozen waiting for its processes to stop (FREEZING -> FROZEN).
+FREEZE_TIMEOUT_S = 10.0
+GIT_TIMEOUT_S = 120.0
+_COPY_CHUNK = 1 << 20
+
+
+@dataclass
+class CaptureStats:
+    entries: int = 0
+    bytes: int = 0
+    whiteouts: int = 0
+    opaque_dirs: int = 0
+    scrubbed: int = 0
+    skipped: list[str] = field(default_factory=list)  # sockets, devices (first few)
+
+
+def validate_patterns(patterns: list[str]) -> list[str]:
+    for p in patterns:
+        if not isinstance(p, str) or not p or "\0" in p or len(p) > 1024:
+            raise BadRequest(f"invalid exclude pattern {str(p)[:100]!r}")
+    return list(patterns)
+
+
+def _matches(rel: str, name: str, patterns: list[str]) -> bool:
+    for pat in patterns:
+        if pat.startswith("/"):
+            if fnmatch.fnmatchcase(rel, pat.rstrip("/") or "/"):
+                return True
+        elif fnmatch.fnmatchcase(name, pat):
+            return True
+    return False
+
+
+class _Capture:
+    """One copy of an upper tree into a staging directory (see the module docstring)."""
+
+    def __init__(self, dest_root: Path, *, id_shift: int, scrub: list[str], exclude: list[str],
+                 max_bytes: int, max_entries: int) -> None:
+        self.dest_root = str(dest_root)
+        self.id_shift = id_shift
+        self.scrub = scrub
+        self.exclude = exclude
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self.stats = CaptureStats()
+        self.inodes: dict[int, str] = {}  # upper inode -> staging path of its first link
+        self.dir_times: list[tuple[str, int, int]] = []
+
+    # ---- limits ----
+    def _count(self, rel: str) -> None:
+        self.stats.entries += 1
+        if self.stats.entries > self.max_entries:
+            raise PayloadTooLarge(f"the sandbox's changes have more than {self.max_entries} "
+                                  "entries", limit=self.max_entries)
+        if len(rel.encode("utf-8", "surrogateescape")) > MAX_PATH:
+            raise BadRequest(f"path longer than {MAX_PATH} bytes in the sandbox's changes: "
+                             f"{rel[:120]!r}...")
+
+    def _add_bytes(self, n: int, rel: str) -> None:
+        self.stats.bytes += n
+        if self.stats.bytes > self.max_bytes:
+            raise PayloadTooLarge(f"the sandbox's changes exceed {self.max_bytes} bytes "
+                                  f"(at {rel[:200]!r}; sparse files count at full size)",
+                                  limit=self.max_bytes)
+
+    # ---- metadata ----
+    def _owner(self, dst: str, st: os.stat_result) -> None:
+        os.chown(dst, _map_id(st.st_uid, self.id_shift), _map_id(st.st_gid, self.id_shift),
+                 follow_symlinks=False)
+
+    def _xattrs(self, fd: int, dst: str, rel: str) -> bool:
+        """Copy user.* xattrs and the opaque marker from an open fd; True if opaque."""
+        opaque = False
+        try:
+            names = os.listxattr(fd)
+        except OSError:
+            return False
+        for xname in names:
+            if xname in _REFUSED_OVERLAY_XATTRS:
+                raise InfraError(f"{rel} carries {xname}: the sandbox's overlay is not mounted "
+                                 "with redirect_dir=off,metacopy=off; its upper is not a layer")
+            if xname == OPAQUE_XATTR:
+                with contextlib.suppress(OSError):
+                    opaque = os.getxattr(fd, xname) == b"y"
+                continue
+            # trusted.* is overlay bookkeeping; security.capability and ACLs carry host-shifted
+            # ids that mean nothing (or too much) in another sandbox: not carried over.
+            if not xname.startswith("user.") or xname.startswith("user.overlay."):
+                continue
+            try:
+                value = os.getxattr(fd, xname)
+            except OSError:
+                continue
+            if len(value) <= MAX_XATTR_BYTES:
+                with contextlib.suppress(OSError):
+                    os.setxattr(dst, xname, value, follow_symlinks=False)
+        return opaque
+
+    # ---- walk ----
+    def run(self, upper: Path) -> CaptureStats:
+        try:
+            fd = os.open(upper, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise InfraError(f"can not open the sandbox's writable layer {upper}: {exc}") from exc
+        try:
+            st = os.fstat(fd)
+            os.mkdir(self.dest_root, 0o700)
+            self._dir_meta(fd, self.dest_root, st, "/")
+            self._walk(fd, self.dest_root, "", 0)
+        finally:
+            os.close(fd)
+        for dst, atime, mtime in reversed(self.dir_times):
+            os.utime(dst, ns=(atime, mtime), follow_symlinks=False)
+        return self.stats
+
+    def _dir_meta(self, fd: int, dst: str, st: os.stat_result, rel: str) -> None:
+        self._owner(dst, st)
+        os.chmod(dst, stat.S_IMODE(st.st_mode))
+        if self._xattrs(fd, dst, rel):
+            set_opaque(dst)
+            self.stats.opaque_dirs += 1
+        self.dir_times.append((dst, st.st_atime_ns, st.st_mtime_ns))
+
+    def _walk(self, dfd: int, dst_dir: str, rel_dir: str, depth: int) -> None:
+        if depth >= MAX_DEPTH:
+            raise BadRequest(f"the sandbox's changes nest deeper than {MAX_DEPTH} directories "
+                             f"(at {rel_dir[:200]!r})")
+        with os.scandir(dfd) as it:
+            names = sorted(e.name for e in it)
+        for name in names:
+            rel = f"{rel_dir}/{name}"
+            dst = os.path.join(dst_dir, name)
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # removed while we looked (pause off)
+            if is_whiteout(st):
+                self._count(rel)
+                make_whiteout(dst)
+                self.stats.whiteouts += 1
+                continue
+            if _matches(rel, name, self.scrub) or _matches(rel, name, self.exclude):
+                self.stats.scrubbed += 1
+                continue
+            self._count(rel)
+            mode = st.st_mode
+            if stat.S_ISDIR(mode):
+                self._copy_dir(dfd, name, dst, rel, st, depth)
+            elif stat.S_ISREG(mode):
+                self._copy_file(dfd, name, dst, rel, st)
+            elif stat.S_ISLNK(mode):
+                try:
+                    target = os.readlink(name, dir_fd=dfd)
+                except OSError:
+                    continue
+                os.symlink(target, dst)
+                self._owner(dst, st)
+                os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+            elif stat.S_ISFIFO(mode):
+                os.mkfifo(dst, 0o600)
+                self._owner(dst, st)
+                os.chmod(dst, stat.S_IMODE(mode))
+                os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+            else:
+                # Sockets are runtime state; device nodes other than whiteouts can not be
+                # made in a sandbox and are never carried into an image.
+                if len(self.stats.skipped) < 20:
+                    self.stats.skipped.append(rel)
+
+    def _copy_dir(self, dfd: int, name: str, dst: str, rel: str, st: os.stat_result,
+                  depth: int) -> None:
+        try:
+            cfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                          dir_fd=dfd)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                return  # swapped while we looked (pause off): not a directory any more
+            raise
+        try:
+            cst = os.fstat(cfd)
+            if (cst.st_dev, cst.st_ino) != (st.st_dev, st.st_ino):
+                return
+            os.mkdir(dst, 0o700)
+            self._dir_meta(cfd, dst, cst, rel)
+            self._walk(cfd, dst, rel, depth + 1)
+        finally:
+            os.close(cfd)
+
+    def _copy_file(self, dfd: int, name: str, dst: str, rel: str, st: os.stat_result) -> None:
+        if st.st_nlink > 1 and st.st_ino in self.inodes:
+            os.link(self.inodes[st.st_ino], dst, follow_symlinks=False)
+            return
+        try:
+            sfd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+                          | os.O_CLOEXEC, dir_fd=dfd)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENXIO):
+                return
+            raise
+        try:
+            fst = os.fstat(sfd)
+            if not stat.S_ISREG(fst.st_mode) or (fst.st_dev, fst.st_ino) != (st.st_dev,
+                                                                              st.st_ino):
+                return  # swapped for something else while we looked
+            self._add_bytes(fst.st_size, rel)
+            ofd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                          | os.O_CLOEXEC, 0o600)
+            try:
+                remaining = fst.st_size  # a file growing meanwhile is cut at the size we counted
+                while remaining > 0:
+                    n = os.sendfile(ofd, sfd, None, min(remaining, _COPY_CHUNK))
+                    if n == 0:
+                        break
+                    remaining -= n
+                self._owner(dst, fst)
+                os.fchmod(ofd, stat.S_IMODE(fst.st_mode))  # after chown: chown drops setuid
+                self._xattrs(sfd, dst, rel)
+                os.utime(ofd, ns=(fst.st_atime_ns, fst.st_mtime_ns))
+            finally:
+                os.close(ofd)
+        finally:
+            os.close(sfd)
+        if fst.st_nlink > 1:
+            self.inodes[fst.st_ino] = dst
+
+
+def capture_upper(upper: Path, dest_root: Path, *, id_shift: int, scrub: list[str],
+                  exclude: list[str], max_bytes: int = DEFAULT_MAX_BYTES,
+                  max_entries: int = DEFAULT_MAX_ENTRIES) -> CaptureStats:
+    """Copy the overlay upper ``upper`` into the new directory ``dest_root`` (overlay format),
+    minus ``scrub`` and ``exclude`` patterns, with sandbox-shifted ids mapped back to the
+    image's (root = 0). Never follows a link of the upper; caps with typed errors."""
+    return _Capture(dest_root, id_shift=id_shift, scrub=scrub, exclude=exclude,
+                    max_bytes=max_bytes, max_entries=max_entries).run(upper)
+
+
+# ---- git history (red-team E36) ------------------------------------------------------------
+
+_GIT_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null", "HOME": "/nonexistent",
+            "GIT_TERMINAL_PROMPT": "0", "PATH": "/usr/bin:/bin", "LANG": "C"}
+_SANE_GIT_CONFIG = "[core]\n\trepositoryformatversion = 0\n\tfilemode = true\n\tbare = false\n"
+
+
+def _git_dirs(root: Path) -> Iterator[Path]:
+    for dirpath, dirnames, _files in os.walk(root):  # never follows symlinks
+        if ".git" in dirnames:
+            yield Path(dirpath) / ".git"
+            dirnames.remove(".git")
+
+
+def _check_plain_tree(path: Path) -> None:
+    """A .git to scrub must be real files and directories only: the host's git would follow
+    a symlink (objects -> /somewhere on the host) or read a FIFO."""
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            mode = os.lstat(os.path.join(dirpath, name)).st_mode
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                raise BadRequest(f"can not scrub git history of {path.name}: it contains a "
+                                 f"non-regular entry {name!r}")
+
+
+def _keep_only_ref(gitdir: Path, keep: str | None, rel: str) -> None:
+    """Delete every ref but ``keep`` (HEAD's branch; None: detached HEAD), loose or packed."""
+    packed = gitdir / "packed-refs"
+    keep_line = None
+    if packed.is_file():
+        for line in packed.read_text(errors="replace").splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[1] == keep:
+                keep_line = parts[0]
+        packed.unlink()
+    refs = gitdir / "refs"
+    for dirpath, _dirs, files in os.walk(refs, topdown=False):
+        for f in files:
+            path = os.path.join(dirpath, f)
+            if os.path.relpath(path, gitdir) != keep:
+                os.unlink(path)
+    if keep is not None:
+        loose = gitdir / keep
+        if not loose.is_file():
+            if keep_line is None or not re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", keep_line):
+                raise BadRequest(f"can not scrub git history of {rel}: branch {keep} has no "
+                                 "commit in this snapshot")
+            loose.parent.mkdir(parents=True, exist_ok=True)
+            loose.write_text(keep_line + "\n")
+    for sub in ("heads", "tags"):
+        (refs / sub).mkdir(parents=True, exist_ok=True)
+
+
+def scrub_git_history(root: Path) -> list[str]:
+    """Keep only what HEAD reaches in every ``.git`` directory of the staging tree ``root``:
+    other branches, tags, remotes, stashes, reflogs, ORIG_HEAD/FETCH_HEAD and every object they
+    alone reach are removed (``git gc --prune=now``). Runs the host's git on the host-side copy
+    with the repository's config replaced and hooks removed, never a binary of the sandbox.
+    The whole ``.git`` must be in the snapshot (created or fully rewritten in the sandbox);
+    returns the repositories scrubbed (paths inside the sandbox)."""
+    done = []
+    for gitdir in list(_git_dirs(root)):
+        rel = "/" + str(gitdir.parent.relative_to(root)).lstrip(".")
+        _check_plain_tree(gitdir)
+        head = gitdir / "HEAD"
+        if not head.is_file():
+            raise BadRequest(f"can not scrub git history of {rel}: its .git has no HEAD in this "
+                             "snapshot (the repository lives in a lower layer)")
+        # Redirections and code hooks of the (agent-written) repository go first.
+        for extra in ("commondir", "objects/info/alternates", "objects/info/http-alternates",
+                      "config.worktree", "shallow"):
+            (gitdir / extra).unlink(missing_ok=True)
+        for sub in ("hooks", "logs", "worktrees", "rr-cache", "info/grafts"):
+            p = gitdir / sub
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink(missing_ok=True)
+        for name in ("ORIG_HEAD", "FETCH_HEAD", "MERGE_HEAD", "CHERRY_PICK_HEAD", "REVERT_HEAD",
+                     "AUTO_MERGE"):
+            (gitdir / name).unlink(missing_ok=True)
+        config = gitdir / "config"
+        config_st = os.lstat(config) if config.exists() else None
+        config.write_text(_SANE_GIT_CONFIG)
+        if config_st is not None:
+            os.chown(config, config_st.st_uid, config_st.st_gid)
+        head_text = head.read_text(errors="replace").strip()
+        m = re.fullmatch(r"ref: (refs/heads/[A-Za-z0-9._/\-]+)", head_text)
+        if m is None and not re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", head_text):
+            raise BadRequest(f"can not scrub git history of {rel}: HEAD is {head_text[:80]!r}")
+        keep = m.group(1) if m else None
+        _keep_only_ref(gitdir, keep, rel)
+        base = ["git", "-c", "safe.directory=*", "-c", "core.hooksPath=/dev/null",
+                "-c", "core.fsmonitor=false", "-c", "gc.autoDetach=false",
+                "-c", "gc.reflogExpire=now", "-c", "gc.reflogExpireUnreachable=now",
+                "-c", "gc.pruneExpire=now", f"--git-dir={gitdir}"]
+        for args in (["reflog", "expire", "--expire=all", "--expire-unreachable=all", "--all"],
+                     ["gc", "--prune=now", "--quiet"]):
+            try:
+                proc = subprocess.run(base + args, env=_GIT_ENV, capture_output=True, text=True,
+                                      timeout=GIT_TIMEOUT_S, stdin=subprocess.DEVNULL,
+                                      cwd="/")
+            except subprocess.TimeoutExpired:
+                raise PayloadTooLarge(f"scrubbing git history of {rel} took over "
+                                      f"{GIT_TIMEOUT_S:.0f} s") from None
+            if proc.returncode != 0:
+                raise BadRequest(f"can not scrub git history of {rel} (is the whole repository "
+                                 f"in this snapshot?): git {args[0]}: "
+                                 f"{proc.stderr.strip()[-300:]}")
+        uid, gid = os.lstat(gitdir).st_uid, os.lstat(gitdir).st_gid
+        for dirpath, dirnames, filenames in os.walk(gitdir):  # files git made are the owner's
+            for name in dirnames + filenames:
+                os.chown(os.path.join(dirpath, name), uid, gid, follow_symlinks=False)
+        done.append(rel)
+    return done
+
+
+# ---- freezing ------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def frozen(v2_cgroup: Path, v1_freezer: Path | None = None,
+           timeout: float = FREEZE_TIMEOUT_S) -> Iterator[float]:
+    """Freeze every process of a sandbox for the body; thaw after, also on failure.
+
+    Uses the v2 ``cgroup.freeze`` (fatal signals still kill frozen tasks, so a delete during a
+    snapshot can not hang), else the v1 freezer hierarchy. Yields the time taken to freeze."""
+    t0 = time.monotonic()
+    use_v2 = (v2_cgroup / "cgroup.freeze").exists()
+    if not use_v2 and (v1_freezer is None or not (v1_freezer / "freezer.state").exists()):
+        raise InfraError(f"no freezer for {v2_cgroup.name}: neither cgroup.freeze nor a v1 "
+                         "freezer cgroup")
+
+    def state_ok() -> bool:
+        if use_v2:
+            return "frozen 1" in (v2_cgroup / "cgroup.events").read_text()
+        return (v1_freezer / "freezer.state").read_text().strip() == "FROZEN"  # type: ignore[operator]
+
+    def thaw() -> None:
+        try:
+            if use_v2:
+                (v2_cgroup / "cgroup.freeze").write_text("0")
+            else:
+                (v1_freezer / "freezer.state").write_text("THAWED")  # type: ignore[operator]
+        except FileNotFoundError:
+            pass  # the sandbox is gone
+
+    try:
+        if use_v2:
+            (v2_cgroup / "cgroup.freeze").write_text("1")
+        else:
+            (v1_freezer / "freezer.state").write_text("FROZEN")  # type: ignore[operator]
+        while not state_ok():
+            if time.monotonic() - t0 > timeout:
+                raise InfraError(f"sandbox {v2_cgroup.name} did not freeze in {timeout:.0f} s")
+            time.sleep(0.002)
+    except FileNotFoundError as exc:
+        thaw()
+        raise InfraError(f"sandbox {v2_cgroup.name} has no cgroup: {exc}") from exc
+    except BaseException:
+        thaw()
+        raise
+    try:
+        yield time.monotonic() - t0
+    finally:
+        thaw()
+
+
+def is_frozen(v2_cgroup: Path) -> bool:
+    try:
+        return "frozen 1" in (v2_cgroup / "cgroup.events").read_text()
+    except FileNotFoundError:
+        return False
+
+
+# ---- push targets --------------------------------------------------------------------------
+
+def allowed_push_url(url: str, node_default: str) -> str:
+    """The chunk store a snapshot may be pushed to: ``default`` (the node's store), that
+    store's URL, or one listed by the operator in ``$ROLLBOX_SNAPSHOT_PUSH_STORES`` (comma
+    separated). Any other URL is refused: a caller-chosen ``dir://`` path would let an API
+    caller write files anywhere on the host, an ``s3://...?endpoint=`` any address."""
+    if url == "default":
+        return node_default
+    allowed = {node_default} | {u.strip() for u in
+                                os.environ.get("ROLLBOX_SNAPSHOT_PUSH_STORES", "").split(",")
+                                if u.strip()}
+    if url not in allowed:
+        raise BadRequest(f"push target {url[:200]!r} is not allowed on this node (allowed: "
+                         "'default', the node's chunk store, $ROLLBOX_SNAPSHOT_PUSH_STORES)")
+    return url
