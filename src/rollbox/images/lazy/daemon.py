@@ -46,6 +46,8 @@ log = logging.getLogger("rollbox.lazy")
 FETCH_TIMEOUT_S = 60.0
 FETCH_CONCURRENCY = 16
 CGROUP_TTL_S = 2.0
+# Reads in a row that continue the previous one before read-ahead kicks in.
+SEQUENTIAL_STREAK = 2
 STATS_FLUSH_S = 0.25
 COUNTERS = ("bytes_requested", "bytes_fetched", "bytes_fetched_stored", "bytes_written",
             "cache_hits", "cache_misses", "chunks_fetched", "chunks_prefetched",
@@ -95,6 +97,8 @@ class Layer:
         self.lock = threading.Lock()
         self.inflight: dict[int, concurrent.futures.Future[None]] = {}
         self.opens = 0
+        self.last_chunk = -2
+        self.streak = 0
         self.last_used = time.time()
         self.counters = _new_counters()
         self.readers: dict[str, dict[str, int]] = {}
@@ -194,7 +198,14 @@ class Layer:
                 r["cache_misses"] += 1
                 fut = self._start(i, prefetch=False)
                 waits.append((i, fut))
-            if waits:
+            # Read-ahead only for sequential reads (this read starts where the last one ended):
+            # small scattered reads (imports) would otherwise fetch mostly unused neighbours.
+            if chunks.start in (self.last_chunk, self.last_chunk + 1):
+                self.streak += 1
+            else:
+                self.streak = 0
+            self.last_chunk = chunks.stop - 1
+            if waits and self.streak >= SEQUENTIAL_STREAK:
                 ra = self.daemon.readahead
                 for j in range(chunks.stop, min(self.n, chunks.stop + ra)):
                     if not self.present[j] and j not in self.inflight:
@@ -273,8 +284,9 @@ class Daemon(mfusepy.Operations):
     use_ns = True
 
     def __init__(self, paths: LazyPaths, generation: int, mountpoint: Path, *,
-                 cache_limit: int, readahead: int) -> None:
+                 cache_limit: int, readahead: int, max_readahead: int | None = None) -> None:
         self.paths = paths
+        self.max_readahead = max_readahead
         self.generation = generation
         self.mountpoint = mountpoint
         self.cache_limit = cache_limit
@@ -427,7 +439,11 @@ class Daemon(mfusepy.Operations):
                     log.warning("stats of %s: %s", layer.digest[:19], exc)
 
     # -- FUSE operations --
-    def init(self, path: str) -> None:
+    def init_with_config(self, conn: Any, config: Any) -> None:
+        if conn is not None and self.max_readahead is not None:
+            # The kernel's readahead on the FUSE file adds to EROFS's own: cap it, so a read
+            # fetches little more than what EROFS asked for.
+            conn.max_readahead = self.max_readahead
         self._flusher.start()
         write_json_atomic(self.paths.daemon_json, {
             "pid": os.getpid(), "generation": self.generation,
@@ -522,7 +538,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--store-root", required=True, type=Path)
     ap.add_argument("--generation", required=True, type=int)
     ap.add_argument("--cache-limit", type=int, default=64 << 30)
-    ap.add_argument("--readahead", type=int, default=4)
+    ap.add_argument("--readahead", type=int, default=4, help="chunks")
+    ap.add_argument("--max-readahead", type=int, default=None,
+                    help="kernel readahead on the FUSE file, bytes (default: the kernel's)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s lazy[%(process)d] %(levelname)s %(message)s")
@@ -531,7 +549,7 @@ def main(argv: list[str] | None = None) -> None:
     mountpoint = paths.mountpoint(args.generation)
     mountpoint.mkdir(mode=0o755, exist_ok=True)
     ops = Daemon(paths, args.generation, mountpoint, cache_limit=args.cache_limit,
-                 readahead=args.readahead)
+                 readahead=args.readahead, max_readahead=args.max_readahead)
     mfusepy.FUSE(ops, str(mountpoint), foreground=True, nothreads=False, allow_other=True,
                  fsname="rollbox-lazy", subtype="rollbox-lazy", kernel_cache=True,
                  attr_timeout=3600, entry_timeout=3600, default_permissions=True)

@@ -50,7 +50,7 @@ DAEMON_MODULE = "rollbox.images.lazy.daemon"
 FUSE_FSTYPE = "fuse.rollbox-lazy"
 START_TIMEOUT_S = 15.0
 DEFAULT_CACHE_LIMIT = 64 << 30
-DEFAULT_READAHEAD = 4
+DEFAULT_READAHEAD = int(os.environ.get("ROLLBOX_LAZY_READAHEAD", "4"))
 ERRORS = {c.code: c for c in (ChunkCorrupt, ChunkMissing, StoreUnreachable, NodeCacheFull,
                               ChunkStoreError, InfraError)}
 SANDBOX_COMPONENT = re.compile(r".+-[0-9a-f]{12}")
@@ -224,6 +224,7 @@ class LazyLoader:
         cmd = [sys.executable, "-m", DAEMON_MODULE, "--store-root", str(self.store.root),
                "--generation", str(gen), "--cache-limit", str(self.cache_limit),
                "--readahead", str(self.readahead)]
+        cmd += ["--max-readahead", os.environ.get("ROLLBOX_LAZY_MAX_READAHEAD", "0")]
         logf = open(self.paths.root / "daemon.log", "ab")  # noqa: SIM115
         try:
             env = dict(os.environ)
