@@ -20,6 +20,8 @@ FRONT_DOORS: tuple[str, ...] = (
     "rollbox.netpolicy.mirror",  # no routes: runs the PyPI mirror on its own port when enabled
     "rollbox.compat.swerex",  # SWE-ReX remote runtime per sandbox under /swerex/{sandbox_id}
     "rollbox.images.lazy.api",  # GET /v1/images/stats: lazy-loading counters per layer/sandbox
+    "rollbox.backends.fncall.http",  # /v1/fncall, /v1/fncall/batch: warm-pool stateless calls
+    "rollbox.compat.sandboxfusion",  # SandboxFusion POST /run_code on the fncall pools
 )
 
 

@@ -230,7 +230,7 @@ class FnCallBackend:
                "files": spec.files, "stdin": base64.b64encode(spec.stdin.encode()).decode(),
                "args": spec.args, "env": spec.env, "timeout_s": spec.timeout_s,
                "compile_timeout_s": spec.compile_timeout_s, "memory_mib": spec.memory_mib,
-               "max_output": spec.max_output_bytes}
+               "max_output": spec.max_output_bytes, "fetch_files": spec.fetch_files}
         backstop = spec.timeout_s + (spec.compile_timeout_s if spec.language in ("c", "cpp")
                                      else 0) + HOST_GRACE_S
         for attempt in range(3):
@@ -278,7 +278,7 @@ class FnCallBackend:
             truncated=bool(run and (len(run.stdout.encode()) < run.stdout_bytes
                                     or len(run.stderr.encode()) < run.stderr_bytes)),
             wall_s=run.wall_s if run else 0.0, cpu_s=run.cpu_s if run else 0.0,
-            compile=comp, worker=worker.sandbox_id)
+            compile=comp, files=res.get("files") or {}, worker=worker.sandbox_id)
 
     async def batch(self, specs: list[FnCallSpec], concurrency: int = 32
                     ) -> list[FnCallResult | RollboxError]:

@@ -287,6 +287,8 @@ class Worker:
         env.update({"HOME": cwd, "TMPDIR": cwd, "PWD": cwd})
         env.update(req.get("env") or {})
         args = list(req.get("args") or [])
+        if os.path.realpath(cwd) != cwd:
+            return {"error": "infrastructure", "message": "call dir is not canonical"}
         compile_res = None
         if lang not in ("python", "bash", "nodejs", "c", "cpp"):
             return {"error": "bad_request", "message": f"unknown language {lang!r}"}
@@ -322,7 +324,39 @@ class Worker:
         else:
             return {"error": "bad_request", "message": f"unknown language {lang!r}"}
         return {"status": self._status(run), "run": self._wire(run),
-                "compile": self._wire(compile_res) if compile_res else None}
+                "compile": self._wire(compile_res) if compile_res else None,
+                "files": self._fetch(cwd, req.get("fetch_files") or [])}
+
+    @staticmethod
+    def _fetch(cwd, names, budget=8 << 20):
+        """Regular files beneath the call dir only: each component opened O_NOFOLLOW from
+        its parent's fd, so no link leads out of it. Bounded in total."""
+        out = {}
+        for name in names:
+            rel = os.path.relpath(name, cwd) if name.startswith(cwd + "/") else name
+            parts = [p for p in os.path.normpath(rel).split("/") if p not in ("", ".")]
+            if not parts or ".." in parts or rel.startswith("/"):
+                continue
+            fds = [os.open(cwd, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)]
+            try:
+                for part in parts[:-1]:
+                    fds.append(os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW,
+                                       dir_fd=fds[-1]))
+                fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK,
+                             dir_fd=fds[-1])
+                fds.append(fd)
+                st = os.fstat(fd)
+                if st.st_mode & 0o170000 != 0o100000 or st.st_size > budget:
+                    continue
+                data = os.read(fd, st.st_size + 1)[:budget]
+                budget -= len(data)
+                out[name] = base64.b64encode(data).decode()
+            except OSError:
+                continue
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        return out
 
     def _source(self, cwd, name, code):
         path = os.path.join(cwd, name)

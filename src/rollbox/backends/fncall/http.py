@@ -1,0 +1,86 @@
+"""HTTP routes of the fncall backend (a front door, see ``api/frontdoors.py``).
+
+``POST /v1/fncall`` one call; ``POST /v1/fncall/batch`` many, bounded concurrency, results in
+order; ``GET /v1/fncall/stats`` the pools. The backend lives on ``app.state.fncall`` (other
+front doors, e.g. SandboxFusion's ``/run_code``, use the same pools) and is built at start-up
+over the first local edge of the api's placement.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request, Security
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+
+from rollbox import errors
+from rollbox.backends.fncall.pool import FnCallBackend
+from rollbox.iam import Principal
+from rollbox.models import (
+    FnCallBatchItem, FnCallBatchRequest, FnCallBatchResult, FnCallResult, FnCallSpec,
+)
+
+
+def local_edge(api: Any) -> Any:
+    for edge in api.placement.edges.values():
+        if hasattr(edge, "live"):
+            return edge
+    return None
+
+
+def backend_of(request: Request) -> FnCallBackend:
+    backend = getattr(request.app.state, "fncall", None)
+    if backend is None:
+        raise errors.InfraError("the fncall backend is not available on this api (no local edge)")
+    return backend
+
+
+def principal_dependency(api: Any) -> Any:
+    bearer = HTTPBearer(auto_error=False)
+    header = APIKeyHeader(name="X-API-Key", auto_error=False)
+
+    async def principal(
+        cred: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)],
+        header_key: Annotated[str | None, Security(header)],
+    ) -> Principal:
+        return api.keys.verify(cred.credentials if cred is not None else header_key)
+
+    return principal
+
+
+def mount(app: FastAPI, api: Any) -> contextlib.AbstractAsyncContextManager[None]:
+    Who = Annotated[Principal, Depends(principal_dependency(api))]
+
+    @app.post("/v1/fncall", response_model=FnCallResult, tags=["fncall"])
+    async def fncall(spec: FnCallSpec, request: Request, _: Who) -> FnCallResult:
+        return await backend_of(request).call(spec)
+
+    @app.post("/v1/fncall/batch", response_model=FnCallBatchResult, tags=["fncall"])
+    async def fncall_batch(body: FnCallBatchRequest, request: Request, _: Who
+                           ) -> FnCallBatchResult:
+        out = await backend_of(request).batch(body.calls, body.concurrency)
+        return FnCallBatchResult(results=[
+            FnCallBatchItem(error=r.to_payload()["error"]) if isinstance(r, errors.RollboxError)
+            else FnCallBatchItem(result=r) for r in out])
+
+    @app.get("/v1/fncall/stats", tags=["fncall"])
+    async def fncall_stats(request: Request, _: Who) -> dict[str, Any]:
+        return backend_of(request).stats()
+
+    @contextlib.asynccontextmanager
+    async def lifetime() -> AsyncIterator[None]:
+        edge = local_edge(api)
+        if edge is None:
+            yield
+            return
+        backend = FnCallBackend(edge)
+        app.state.fncall = backend
+        await backend.start()
+        try:
+            yield
+        finally:
+            app.state.fncall = None
+            await backend.close()
+
+    return lifetime()

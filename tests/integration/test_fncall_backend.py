@@ -1,0 +1,102 @@
+"""fncall backend on a real edge: languages, statuses, files, bad input, and calls that
+misbehave (loop, fork bomb, memory bomb, huge output, leftovers) not reaching the next call."""
+from __future__ import annotations
+
+import base64
+import time
+
+import pytest
+
+from rollbox.backends.fncall import FnCallBackend, PoolConfig
+from rollbox.errors import BadRequest
+from rollbox.models import FnCallSpec
+from tests.conftest import have_image
+
+pytestmark = pytest.mark.skipif(not have_image("fncall:1"),
+                                reason="fncall:1 not built (run `make images`)")
+
+
+def spec(language: str, code: str, **kw) -> FnCallSpec:  # noqa: ANN003
+    return FnCallSpec(language=language, code=code, **kw)  # type: ignore[arg-type]
+
+
+async def test_languages_statuses_and_files(edge) -> None:  # noqa: ANN001
+    async with FnCallBackend(edge, PoolConfig(max_workers=3)) as fb:
+        r = await fb.call(spec("python", "import sys; print(sys.stdin.read().upper())",
+                               stdin="hi"))
+        assert (r.status, r.exit_code, r.stdout) == ("ok", 0, "HI\n")
+        assert r.wall_s > 0 and r.cpu_s >= 0
+        r = await fb.call(spec("python", "raise ValueError('boom')"))
+        assert r.status == "runtime_error" and r.exit_code == 1 and "ValueError: boom" in r.stderr
+        r = await fb.call(spec("python", "import sys; sys.exit(3)"))
+        assert (r.status, r.exit_code) == ("runtime_error", 3)
+        r = await fb.call(spec("bash", "echo $((6*7)); id -u; echo err >&2"))
+        assert r.status == "ok" and r.stdout == "42\n1000\n" and r.stderr == "err\n"
+        r = await fb.call(spec("c", '#include <stdio.h>\nint main(){int x; scanf("%d",&x);'
+                               'printf("%d\\n", x*2); return 0;}', stdin="21"))
+        assert (r.status, r.stdout) == ("ok", "42\n") and r.compile and r.compile.exit_code == 0
+        r = await fb.call(spec("cpp", "#include <iostream>\nint main(){std::cout<<\"cpp\";}"))
+        assert (r.status, r.stdout) == ("ok", "cpp")
+        r = await fb.call(spec("cpp", "int main( { }"))
+        assert r.status == "compile_error" and "error" in r.compile.stderr  # type: ignore[union-attr]
+        r = await fb.call(spec("nodejs", "console.log([1,2,3].map(x => x * 2).join(','))"))
+        assert (r.status, r.stdout) == ("ok", "2,4,6\n")
+        # files in, files out; the program sees only its own fresh directory
+        files = {"data/in.txt": base64.b64encode(b"payload").decode()}
+        r = await fb.call(spec("python", "import os\nprint(sorted(os.listdir('.')))\n"
+                               "open('out.bin','wb').write(open('data/in.txt','rb').read()[::-1])",
+                               files=files, fetch_files=["out.bin", "missing.txt"]))
+        assert r.status == "ok" and "'data'" in r.stdout
+        assert base64.b64decode(r.files["out.bin"]) == b"daolyap" and "missing.txt" not in r.files
+        r = await fb.call(spec("python", "open('nope.txt').read()"))
+        assert r.status == "runtime_error" and "FileNotFoundError" in r.stderr
+        # no network inside
+        r = await fb.call(spec("python", "import socket\nsocket.create_connection(('1.1.1.1', 80), 2)"))
+        assert r.status == "runtime_error"
+        with pytest.raises(ValueError):
+            spec("cobol", "x")
+        with pytest.raises(ValueError):
+            spec("python", "x", files={"../etc/passwd": ""})
+        with pytest.raises(BadRequest):  # past the model's check, the worker still refuses
+            await fb.call(spec("python", "x").model_copy(update={"files": {"a/../../b": ""}}))
+        assert fb.stats()["workers"] <= 3
+
+
+async def test_misbehaving_calls_do_not_reach_the_next(edge) -> None:  # noqa: ANN001
+    # one pool per language: room for the python and the bash one
+    async with FnCallBackend(edge, PoolConfig(max_workers=2)) as fb:
+        base = await fb.call(spec("python", "print(1)"))
+        worker = base.worker
+        t0 = time.monotonic()
+        bad = {
+            "loop": spec("python", "while True: pass", timeout_s=1),
+            "fork bomb": spec("python", "import os\nwhile True:\n  try: os.fork()\n"
+                              "  except OSError: pass", timeout_s=2),
+            "memory bomb": spec("python", "x = []\nwhile True: x.append(bytearray(1 << 24))",
+                                memory_mib=128),
+            "1 GB print": spec("python", "import sys\nb = 'x' * (1 << 20)\n"
+                               "for _ in range(1024): sys.stdout.write(b)", timeout_s=20),
+            "leftovers": spec("bash", "(sleep 1000 &) ; nohup sleep 1000 >/dev/null 2>&1 &\n"
+                              "setsid sleep 1000 & echo s > /tmp/left; echo d > /dev/shm/left"),
+            "bash fork bomb": spec("bash", ":(){ :|:& };:", timeout_s=2),
+        }
+        statuses = {}
+        for name, s in bad.items():
+            r = await fb.call(s)
+            statuses[name] = r.status
+            after = time.monotonic()
+            nxt = await fb.call(spec("python", "import os, glob\nprint(1)\n"
+                                     "print(sorted(glob.glob('/tmp/left') + glob.glob('/dev/shm/left')))\n"
+                                     "print(os.popen('ps -eo user= | sort | uniq -c').read())"))
+            took = time.monotonic() - after
+            assert nxt.status == "ok" and nxt.stdout.startswith("1\n[]\n"), (name, nxt)
+            assert "1000" not in nxt.stdout.split("\n", 2)[2].replace(" 1000\n", ""), (name, nxt)
+            assert took < 2.0, (name, took)
+            assert nxt.worker == worker, (name, "the worker was replaced")
+        assert statuses["loop"] == "timeout"
+        assert statuses["memory bomb"] == "memory_exceeded"
+        assert statuses["leftovers"] == "ok"
+        big = await fb.call(spec("python", "import sys\nsys.stdout.write('y' * (3 << 20))",
+                                 max_output_bytes=1000))
+        assert big.truncated and len(big.stdout) == 1000 and big.stdout_bytes == 3 << 20
+        assert time.monotonic() - t0 < 90
