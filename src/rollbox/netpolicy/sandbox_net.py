@@ -31,6 +31,9 @@ RESOLV_CONF = "/etc/resolv.conf"
 MIN_TTL = 30  # seconds a learned address stays allowed at least (short TTLs, retries)
 MAX_TTL = 300
 SWEEP_S = 5.0
+# /proc/net/{tcp,udp} states with a peer still talking: ESTABLISHED .. CLOSING but TIME_WAIT,
+# CLOSE and LISTEN (a connected UDP socket shows as ESTABLISHED).
+_LIVE_STATES = {"01", "02", "03", "04", "05", "08", "09", "0B"}
 _mirror_ports_added: set[int] = set()
 
 
@@ -124,7 +127,10 @@ class SandboxNetwork:
                 except OSError:
                     continue
                 for line in lines:
-                    remote = line.split()[2].split(":")[0]
+                    fields = line.split()
+                    if fields[3] not in _LIVE_STATES:
+                        continue  # listening, unconnected, TIME_WAIT: no traffic to keep
+                    remote = fields[2].split(":")[0]
                     ip = ipaddress.IPv4Address(bytes.fromhex(remote)[::-1])
                     if not ip.is_unspecified:
                         out.add(ip)
