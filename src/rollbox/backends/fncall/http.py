@@ -5,7 +5,6 @@ order; ``GET /v1/fncall/stats`` the pools. The backend lives on ``app.state.fnca
 front doors, e.g. SandboxFusion's ``/run_code``, use the same pools) and is built at start-up
 over the first local edge of the api's placement.
 """
-from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator

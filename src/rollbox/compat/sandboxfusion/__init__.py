@@ -6,7 +6,6 @@ which sends no headers — in the path: ``SANDBOX_FUSION_ENDPOINT=http://HOST:PO
 <api key>`` makes it post to ``/sandboxfusion/<key>/run_code``. Owns only these routes and the
 mapping between the two wire formats.
 """
-from __future__ import annotations
 
 from typing import Any, Literal
 
