@@ -155,8 +155,12 @@ async def test_snapshot_bad_input(edge, names: list[str]) -> None:  # noqa: ANN0
     src = await edge.create(SandboxSpec(image=BB), "p")
     with pytest.raises(errors.BadRequest):
         await edge.snapshot(src.id, SnapshotSpec(name="Bad Name!"), "p")
+    taken = new_name(names)
+    await edge.snapshot(src.id, SnapshotSpec(name=taken), "p")
     with pytest.raises(errors.BadRequest):  # never replaces an existing image
-        await edge.snapshot(src.id, SnapshotSpec(name=BB), "p")
+        await edge.snapshot(src.id, SnapshotSpec(name=taken), "p")
+    with pytest.raises(errors.BadRequest):  # operator namespace: names without a "/"
+        await edge.snapshot(src.id, SnapshotSpec(name="python:3.13"), "p")
     with pytest.raises(errors.BadRequest):  # a caller-chosen dir:// would write on the host
         await edge.snapshot(src.id, SnapshotSpec(name=new_name(names), push="dir:///tmp/x"),
                             "p")
@@ -176,7 +180,7 @@ async def test_snapshot_bad_input(edge, names: list[str]) -> None:  # noqa: ANN0
     # Failed snapshots thaw the sandbox and tag nothing.
     assert not is_frozen(edge.live[src.id].box.v2_cgroup)
     await sh(edge, src.id, "true")
-    assert not any(edge.store.exists(n) for n in names)
+    assert [n for n in names if edge.store.exists(n)] == [taken]
     await edge.delete(src.id)
     with pytest.raises(errors.SandboxDead):
         await edge.snapshot(src.id, SnapshotSpec(name=new_name(names)), "p")

@@ -629,6 +629,11 @@ class Edge:
 
         live = self._live(sandbox_id)
         validate_name(spec.name)
+        if "/" not in spec.name.split(":")[0]:
+            # Names without a "/" (python:3.11, debian:bookworm) are the operator's: a snapshot
+            # must not squat one before the node builds it.
+            raise BadRequest(f"snapshot image name {spec.name!r} needs a path, e.g. "
+                             "'myproject/env:1'", image=spec.name)
         # Image names are node-wide: a snapshot never replaces an image (e.g. python:3.11)
         # that other sandboxes are created from.
         if self.store.exists(spec.name):

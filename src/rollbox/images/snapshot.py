@@ -30,7 +30,12 @@ from pathlib import Path
 
 from rollbox.errors import BadRequest, InfraError, PayloadTooLarge
 from rollbox.images.build import (
-    OPAQUE_XATTR, _REFUSED_OVERLAY_XATTRS, _map_id, is_whiteout, make_whiteout, set_opaque,
+    _REFUSED_OVERLAY_XATTRS,
+    OPAQUE_XATTR,
+    _map_id,
+    is_whiteout,
+    make_whiteout,
+    set_opaque,
 )
 
 # What a snapshot drops by default, and why. "/abs/glob" matches the whole path inside the
@@ -396,6 +401,7 @@ def scrub_git_history(root: Path) -> list[str]:
                      ["gc", "--prune=now", "--quiet"]):
             try:
                 proc = subprocess.run(base + args, env=_GIT_ENV, capture_output=True, text=True,
+                                      check=False,
                                       timeout=GIT_TIMEOUT_S, stdin=subprocess.DEVNULL,
                                       cwd="/")
             except subprocess.TimeoutExpired:
