@@ -130,3 +130,54 @@ def test_squash_default_picks_trailing_small_layers_and_cli(store: ImageStore,
         squash_image(store, "app:1")
     result = CliRunner().invoke(app, ["--root", str(store.root), "squash", "app:1", "--from", "5"])
     assert result.exit_code == 2
+
+
+def test_build_over_a_base_adds_one_layer_and_reuses_the_base(tmp_path: Path,
+                                                              tmp_node_dir: Path) -> None:
+    """Item 4: a workspace/toolkit layer built over a base is the only new layer; a second
+    version of it shares the base layers by digest; squash then folds the two tops."""
+    import asyncio
+
+    from tests.conftest import node_settings
+
+    from rollbox.images.defaults import build_layer_with_commands
+
+    if not Path(node_settings(tmp_node_dir).agent_binary).exists():
+        pytest.skip("agent binary not built (make agent)")
+    # under tmp_node_dir (0711): the sandbox's unprivileged host uid must traverse to the layers
+    from tests.conftest import have_image
+
+    from rollbox.config import Settings
+
+    if not have_image("debian:bookworm"):
+        pytest.skip("debian:bookworm not built (make images)")
+    store = ImageStore(tmp_node_dir / "images")
+    node = ImageStore(Settings().images_dir)
+    deb = node.resolve("debian:bookworm")
+    store.tag("bb:1", [store.add_layer_file(node.layer_path(d)) for d in deb.layers], deb.config)
+    base = store.resolve("bb:1")
+    settings = node_settings(tmp_node_dir)
+    settings.images_root = store.root
+    base_file = store.layer_path(base.layers[0])
+    ino = base_file.stat().st_ino
+    try:
+        for version, text in ((1, "one"), (2, "two")):
+            asyncio.run(build_layer_with_commands(
+                store, "bb:1", [f"mkdir -p /root/ws && echo {text} > /root/ws/v"], f"ws:{version}",
+                settings=settings, network="none", log=lambda _m: None))
+        v1, v2 = store.resolve("ws:1"), store.resolve("ws:2")
+        assert v1.layers[:-1] == v2.layers[:-1] == base.layers
+        assert v1.layers[-1] != v2.layers[-1]
+        assert base_file.stat().st_ino == ino  # the base layer file was not rewritten
+        asyncio.run(build_layer_with_commands(
+            store, "ws:2", ["echo tool > /root/ws/tool"], "ws:3", settings=settings,
+            network="none", log=lambda _m: None))
+        v3 = store.resolve("ws:3")
+        assert v3.layers[:-1] == v2.layers and len(v3.layers) == 3
+        before = overlay_view(store, tmp_path, v3.layers)
+        squashed = squash_image(store, "ws:3", start=1, tag="ws:3s")
+        assert squashed.layers[0] == base.layers[0] and len(squashed.layers) == 2
+        after = overlay_view(store, tmp_path, squashed.layers)
+        assert after == before and "root/ws/tool" in after and "root/ws/v" in after
+    finally:
+        LayerMounts(store).unmount_all()
