@@ -60,6 +60,7 @@ async def main() -> None:
         tmp = Path(tempfile.mkdtemp(prefix="rollbox-humaneval-"))
         tmp.chmod(0o711)
         s = Settings()
+        s.images_root = s.images_dir
         s.data_dir = tmp / "data"
         s.run_dir = tmp / "run"
         s.node_id = "he" + tmp.name[-6:].replace("_", "x").lower()

@@ -88,6 +88,15 @@ def bench_netpolicy(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out)
 
 
+@bench_app.command("fncall")
+def bench_fncall(quick: bool = typer.Option(False, "--quick"),
+                 json_out: bool = typer.Option(False, "--json")) -> None:
+    """Warm-pool stateless calls (print(1), a HumanEval problem) at c1/c8/c64; a fresh
+    unshare'd python3 per call as the peer."""
+    mod = _load_bench("fncall")
+    mod.main(quick=quick, json_out=json_out)
+
+
 @bench_app.command("container")
 def bench_container(quick: bool = typer.Option(False, "--quick"),
                     json_out: bool = typer.Option(False, "--json")) -> None:

@@ -94,13 +94,35 @@ async def build_layer_with_commands(store: ImageStore, base: str, commands: list
 def ensure_python_image(store: ImageStore, log: Callable[[str], None] = print) -> None:
     try:
         store.resolve(PYTHON_IMAGE)
+    except Exception:  # noqa: BLE001 - missing: build it
+        log(f"building {PYTHON_IMAGE} over {BASE_IMAGE} (apt-get in a build sandbox)")
+        asyncio.run(build_layer_with_commands(
+            store, BASE_IMAGE, PYTHON_COMMANDS, PYTHON_IMAGE, log=log,
+            log_file=store.root / "build-python.log"))
+    ensure_fncall_image(store, log)
+
+
+# The fncall backend's workers: python:3.11 + compilers and node (C, C++, Node.js calls).
+FNCALL_IMAGE = "fncall:1"
+FNCALL_COMMANDS = [
+    "apt-get update -q",
+    "DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "
+    "gcc g++ libc6-dev nodejs",
+    "apt-get clean",
+    "rm -rf /var/lib/apt/lists/*",
+]
+
+
+def ensure_fncall_image(store: ImageStore, log: Callable[[str], None] = print) -> None:
+    try:
+        store.resolve(FNCALL_IMAGE)
         return
     except Exception:  # noqa: BLE001 - missing: build it
         pass
-    log(f"building {PYTHON_IMAGE} over {BASE_IMAGE} (apt-get in a build sandbox)")
+    log(f"building {FNCALL_IMAGE} over {PYTHON_IMAGE} (gcc, g++, nodejs)")
     asyncio.run(build_layer_with_commands(
-        store, BASE_IMAGE, PYTHON_COMMANDS, PYTHON_IMAGE, log=log,
-        log_file=store.root / "build-python.log"))
+        store, PYTHON_IMAGE, FNCALL_COMMANDS, FNCALL_IMAGE, log=log,
+        log_file=store.root / "build-fncall.log"))
 
 
 # ---- benchmark image (default off: `rollbox image ensure-bench-images`, never `make test`) ----
