@@ -43,16 +43,15 @@ from rollbox.models import Resources
 LATENCY_MS = 2
 CHUNK_SIZES = [256 << 10, 1 << 20, 4 << 20]
 BUCKET = "rollbox-bench"
+STDLIB_IMPORTS = ("import json, os, sys, re, asyncio, email.parser, http.client, sqlite3, "
+                  "xml.etree.ElementTree, unittest, decimal, csv, logging, argparse, subprocess")
 WORKLOAD_BIG = [
-    "python3 -c 'import json, os, sys, re, asyncio, email.parser, http.client, sqlite3, "
-    "xml.etree.ElementTree, unittest, decimal, csv, logging, argparse, subprocess; "
-    "import numpy, pandas, scipy.stats, sklearn.linear_model'",
+    f"python3 -c '{STDLIB_IMPORTS}; import numpy, pandas, scipy.stats, sklearn.linear_model'",
     "cd /work/repo && python3 -m pytest -q -p no:cacheprovider",
     "cd /work/repo && git status --short",
 ]
 WORKLOAD_SMALL = [  # python:3.11 has no packages or repo: the quick fallback
-    "python3 -c 'import json, os, sys, re, asyncio, email.parser, http.client, sqlite3, "
-    "xml.etree.ElementTree, unittest, decimal, csv, logging, argparse, subprocess'",
+    f"python3 -c '{STDLIB_IMPORTS}'",
     "python3 -m pytest --version",
     "git --version",
 ]

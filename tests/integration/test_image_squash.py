@@ -138,19 +138,15 @@ def test_build_over_a_base_adds_one_layer_and_reuses_the_base(tmp_path: Path,
     version of it shares the base layers by digest; squash then folds the two tops."""
     import asyncio
 
-    from tests.conftest import node_settings
-
+    from rollbox.config import Settings
     from rollbox.images.defaults import build_layer_with_commands
+    from tests.conftest import have_image, node_settings
 
     if not Path(node_settings(tmp_node_dir).agent_binary).exists():
         pytest.skip("agent binary not built (make agent)")
-    # under tmp_node_dir (0711): the sandbox's unprivileged host uid must traverse to the layers
-    from tests.conftest import have_image
-
-    from rollbox.config import Settings
-
     if not have_image("debian:bookworm"):
         pytest.skip("debian:bookworm not built (make images)")
+    # under tmp_node_dir (0711): the sandbox's unprivileged host uid must reach the layers
     store = ImageStore(tmp_node_dir / "images")
     node = ImageStore(Settings().images_dir)
     deb = node.resolve("debian:bookworm")

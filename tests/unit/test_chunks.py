@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rollbox.errors import BadRequest, ChunkCorrupt, ERRORS_BY_CODE, InfraError
+from rollbox.errors import ERRORS_BY_CODE, BadRequest, ChunkCorrupt, InfraError
 from rollbox.images import chunks
 
 

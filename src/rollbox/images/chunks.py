@@ -419,14 +419,14 @@ class S3ChunkStore(_ObjectStore):
         try:
             resp = self._client.get_object(Bucket=self.bucket, Key=self._key(key))
             return bytes(resp["Body"].read())
-        except Exception as exc:  # noqa: BLE001 - translated to typed errors
+        except Exception as exc:
             raise self._translate(exc, key) from exc
 
     def _has(self, key: str) -> bool:
         try:
             self._client.head_object(Bucket=self.bucket, Key=self._key(key))
             return True
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             err = self._translate(exc, key)
             if isinstance(err, KeyError):
                 return False
@@ -435,7 +435,7 @@ class S3ChunkStore(_ObjectStore):
     def _put(self, key: str, data: bytes) -> None:
         try:
             self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             err = self._translate(exc, key)
             if isinstance(err, KeyError):  # NoSuchBucket reported as 404 by some servers
                 err = StoreUnreachable(f"chunk store {self.url}: cannot write {key}",
@@ -774,8 +774,26 @@ async def pull_image(src: ChunkStore, name: str, store: ImageStore, *, lazy: boo
 
 
 __all__ = [
-    "COMPRESSIONS", "DEFAULT_CHUNK_SIZE", "ChunkRef", "ChunkStore", "FileChunkStore",
-    "InfraError", "LayerManifest", "S3ChunkStore", "StoreStats", "TRANSFERS", "TransferStats",
-    "chunk_layer", "decode_chunk", "default_store_url", "encode_chunk", "load_manifest",
-    "open_store", "pull_image", "pull_layer", "push_image", "push_layer", "save_manifest",
+    "COMPRESSIONS",
+    "DEFAULT_CHUNK_SIZE",
+    "TRANSFERS",
+    "ChunkRef",
+    "ChunkStore",
+    "FileChunkStore",
+    "InfraError",
+    "LayerManifest",
+    "S3ChunkStore",
+    "StoreStats",
+    "TransferStats",
+    "chunk_layer",
+    "decode_chunk",
+    "default_store_url",
+    "encode_chunk",
+    "load_manifest",
+    "open_store",
+    "pull_image",
+    "pull_layer",
+    "push_image",
+    "push_layer",
+    "save_manifest",
 ]

@@ -13,7 +13,11 @@ import subprocess
 from pathlib import Path
 
 from rollbox.errors import BadRequest, InfraError
-from rollbox.images.build import SMALL_LAYER_BYTES, merge_layer_dir, strip_overlay_markers
+from rollbox.images.build import (
+    SMALL_LAYER_BYTES,
+    merge_layer_dir,
+    strip_overlay_markers,
+)
 from rollbox.images.mounts import MOUNT_FLAGS
 from rollbox.images.store import Image, ImageStore, Progress
 from rollbox.isolation import syscalls
@@ -38,7 +42,7 @@ def _copy_layer(store: ImageStore, digest: str, mnt: Path, dest: Path) -> None:
         # cp -a keeps ownership, modes, times, hard links, xattrs (trusted.overlay.opaque as
         # root) and the 0:0 character devices that are whiteouts.
         proc = subprocess.run(["cp", "-a", "--", f"{mnt}/.", str(dest)],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise InfraError(f"copying layer {digest} failed: {proc.stderr.strip()[-500:]}")
     finally:
