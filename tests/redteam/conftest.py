@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from rollbox.models import ExecResult, ExecSpec, Resources, SandboxSpec
+from rollbox.models import ExecResult, ExecSpec, NetworkPolicy, Resources, SandboxSpec
 
 BB = "busybox:test"
 PY = "python:3.11"
@@ -23,9 +23,12 @@ class Boxes:
     lock: asyncio.Lock
 
     async def make(self, image: str = BB, *, hardened: bool = True,
-                   hidden: tuple[str, ...] = (), **resources: Any) -> str:
+                   hidden: tuple[str, ...] = (), network: list[str] | None = None,
+                   **resources: Any) -> str:
+        """network: None = loopback only; a list = a network policy with these allow rules."""
         spec = SandboxSpec(image=image, resources=Resources(**resources),
-                           hidden_paths=list(hidden))
+                           hidden_paths=list(hidden),
+                           network=NetworkPolicy(allow=network) if network is not None else None)
         backend = self.edge.backend
         async with self.lock:  # the wrapper is per call: never mix flags across creations
             backend.create = functools.partial(type(backend).create, backend,
