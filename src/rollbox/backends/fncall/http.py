@@ -17,7 +17,11 @@ from rollbox import errors
 from rollbox.backends.fncall.pool import FnCallBackend
 from rollbox.iam import Principal
 from rollbox.models import (
-    FnCallBatchItem, FnCallBatchRequest, FnCallBatchResult, FnCallResult, FnCallSpec,
+    FnCallBatchItem,
+    FnCallBatchRequest,
+    FnCallBatchResult,
+    FnCallResult,
+    FnCallSpec,
 )
 
 

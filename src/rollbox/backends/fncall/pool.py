@@ -121,7 +121,7 @@ class FnWorker:
         await self.session.write_stdin(LEN.pack(len(data)) + data)
         try:
             res = await asyncio.wait_for(self._frames.get(), backstop_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.broken = True
             raise InfraError(f"fncall worker {self.sandbox_id} did not answer in time") from None
         if res is None:

@@ -16,9 +16,9 @@ import base64
 import builtins
 import ctypes
 import io  # noqa: F401 - loaded before any fork (calls' children inherit it)
-import resource
 import json
 import os
+import resource
 import select
 import shutil
 import signal

@@ -113,6 +113,5 @@ def mount(app: FastAPI, api: Any) -> None:
                              ) -> RunCodeResponse:
         return await run(body, request, api_key)
 
-    return None
 
 
