@@ -13,6 +13,7 @@ packet filter would otherwise cut a download in the middle).
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import logging
 import time
@@ -35,6 +36,18 @@ SWEEP_S = 5.0
 # CLOSE and LISTEN (a connected UDP socket shows as ESTABLISHED).
 _LIVE_STATES = {"01", "02", "03", "04", "05", "08", "09", "0B"}
 _mirror_ports_added: set[int] = set()
+
+
+_running: dict[str, SandboxNetwork] = {}  # sandbox id -> the network whose gate runs here
+
+
+def close_stale(sandbox_id: str, keep: SandboxNetwork | None = None) -> None:
+    """An edge restarted in the same process (its predecessor closed without deleting its
+    sandboxes) left this sandbox's gate bound and map open: the new edge's network replaces
+    them, or, if it can not be re-attached, they must not keep the map alive."""
+    stale = _running.get(sandbox_id)
+    if stale is not None and stale is not keep:
+        stale.close()
 
 
 class SandboxNetwork:
@@ -175,11 +188,23 @@ class SandboxNetwork:
                                 self.sandbox_id, exc)
 
     async def start_gate(self) -> None:
+        close_stale(self.sandbox_id, keep=self)
         self.gate = DnsGate(self.link.gate_ip, self._allowed, self._admit)
-        await self.gate.start()
+        for attempt in range(20):
+            try:
+                await self.gate.start()
+                break
+            except OSError as exc:
+                # A transport's socket closes on the loop's next turns: wait for it (briefly).
+                if exc.errno != errno.EADDRINUSE or attempt == 19:
+                    raise
+                await asyncio.sleep(0.05)
+        _running[self.sandbox_id] = self
         self._sweeper = asyncio.create_task(self._sweep())
 
     def close(self) -> None:
+        if _running.get(self.sandbox_id) is self:
+            del _running[self.sandbox_id]
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
@@ -226,6 +251,7 @@ async def attach(sandbox_id: str, netns_name: str, cgroup_dir: Path, rules: list
 async def adopt(sandbox_id: str, cgroup_dir: Path, rules: list[str],
                 settings: object) -> SandboxNetwork | None:
     """Find the link and map again after an edge restart and restart the gate."""
+    close_stale(sandbox_id)
     lnk = await asyncio.to_thread(link.find, sandbox_id)
     amap = bpf.find_policy(cgroup_dir)
     if lnk is None or amap is None:
