@@ -14,7 +14,7 @@ from rollbox.netpolicy import link
 from rollbox.placement import Placement
 
 
-async def test_set_network_through_api(edge, tmp_path: Path) -> None:  # noqa: ANN001
+async def test_set_network_through_api(edge, tmp_path: Path) -> None:
     keys = KeyStore(tmp_path / "keys.db")
     key = keys.create("proj")
     app = create_app(Placement([edge]), edge.event_log, keys)

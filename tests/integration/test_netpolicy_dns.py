@@ -10,28 +10,33 @@ from rollbox.models import ExecSpec, NetworkPolicy, SandboxSpec
 from rollbox.netpolicy import sandbox_net
 from tests.conftest import needs_python
 from tests.integration.test_netpolicy_targets import (  # noqa: F401 - fixtures
-    CONNECT, DNS_CLIENT, FakeInternet, FakeUpstream, internet, upstream,
+    CONNECT,
+    DNS_CLIENT,
+    FakeInternet,
+    FakeUpstream,
+    internet,
+    upstream,
 )
 
 pytestmark = [needs_python]
 A, AAAA, TXT = 1, 28, 16
 
 
-async def run(edge, sid: str, cmd: list[str], timeout: float = 20) -> str:  # noqa: ANN001
+async def run(edge, sid: str, cmd: list[str], timeout: float = 20) -> str:
     eid = await edge.exec_start(sid, ExecSpec(cmd=cmd, timeout_s=timeout))
     res = await edge.exec_wait(sid, eid)
     return res.stdout.strip() + res.stderr.strip()
 
 
-async def connect(edge, sid: str, ip: str, port: int, proto: str = "tcp") -> str:  # noqa: ANN001
+async def connect(edge, sid: str, ip: str, port: int, proto: str = "tcp") -> str:
     return await run(edge, sid, ["python3", "-c", CONNECT, ip, str(port), proto])
 
 
-async def dnsq(edge, sid: str, specs: list[list]) -> dict[str, str]:  # noqa: ANN001
+async def dnsq(edge, sid: str, specs: list[list]) -> dict[str, str]:
     return json.loads(await run(edge, sid, ["python3", "-c", DNS_CLIENT, json.dumps(specs)]))
 
 
-async def test_allowed_names_udp_tcp_aaaa(edge, internet: FakeInternet,  # noqa: ANN001, F811
+async def test_allowed_names_udp_tcp_aaaa(edge, internet: FakeInternet,  # noqa: F811
                                           upstream: FakeUpstream) -> None:  # noqa: F811
     info = await edge.create(SandboxSpec(image="python:3.11", network=NetworkPolicy(
         allow=["allowed.example:8080", "*.wild.example:443"])))
@@ -62,8 +67,8 @@ async def test_allowed_names_udp_tcp_aaaa(edge, internet: FakeInternet,  # noqa:
     assert await connect(edge, sid, ip, 443) == "ok hi"
 
 
-async def test_learned_addresses_expire_with_ttl(edge, internet: FakeInternet,  # noqa: ANN001, F811
-                                                 upstream: FakeUpstream, monkeypatch) -> None:  # noqa: ANN001, F811
+async def test_learned_addresses_expire_with_ttl(edge, internet: FakeInternet,  # noqa: F811
+                                                 upstream: FakeUpstream, monkeypatch) -> None:  # noqa: F811
     monkeypatch.setattr(sandbox_net, "MIN_TTL", 1)
     monkeypatch.setattr(sandbox_net, "SWEEP_S", 0.2)
     upstream.ttl = 1
@@ -74,7 +79,7 @@ async def test_learned_addresses_expire_with_ttl(edge, internet: FakeInternet,  
     ip = internet.ips[0]
     net = edge.live[sid].box.network
     # A connection opened while the address is allowed, kept open past its expiry.
-    hold = f"""
+    hold = """
 import socket, sys, time
 ip = socket.gethostbyname('short.example')
 s = socket.create_connection((ip, 8080), timeout=3)

@@ -80,17 +80,17 @@ except OSError as e:
 """
 
 
-async def run(edge, sid: str, cmd: list[str], timeout: float = 20) -> str:  # noqa: ANN001
+async def run(edge, sid: str, cmd: list[str], timeout: float = 20) -> str:
     eid = await edge.exec_start(sid, ExecSpec(cmd=cmd, timeout_s=timeout))
     res = await edge.exec_wait(sid, eid)
     return res.stdout.strip() + res.stderr.strip()
 
 
-async def connect(edge, sid: str, ip: str, port: int) -> str:  # noqa: ANN001
+async def connect(edge, sid: str, ip: str, port: int) -> str:
     return await run(edge, sid, ["python3", "-c", CONNECT, ip, str(port)])
 
 
-async def test_default_deny_then_allow_then_live_cut(edge, testhost: HostServer) -> None:  # noqa: ANN001
+async def test_default_deny_then_allow_then_live_cut(edge, testhost: HostServer) -> None:
     info = await edge.create(SandboxSpec(image="python:3.11", network=NetworkPolicy()))
     sid = info.id
     assert link.exists(sid)
@@ -132,7 +132,7 @@ while True:
     assert edge.leftovers(sid) == []
 
 
-async def test_never_reachable(edge, testhost: HostServer, monkeypatch) -> None:  # noqa: ANN001
+async def test_never_reachable(edge, testhost: HostServer, monkeypatch) -> None:
     # A "platform port" served on every host address, and a host-loopback-only service.
     platform = socket.create_server(("0.0.0.0", 0))
     pport = platform.getsockname()[1]
@@ -164,7 +164,7 @@ async def test_never_reachable(edge, testhost: HostServer, monkeypatch) -> None:
         loopback.close()
 
 
-async def test_bad_input(edge) -> None:  # noqa: ANN001
+async def test_bad_input(edge) -> None:
     with pytest.raises(BadRequest, match="unknown network permission"):
         await edge.create(SandboxSpec(image="debian:bookworm",
                                       network=NetworkPolicy(allow=["nosuchperm"])))

@@ -39,7 +39,7 @@ def pypi_reachable() -> bool:
         return False
 
 
-async def test_pip_install_through_mirror_only(edge) -> None:  # noqa: ANN001
+async def test_pip_install_through_mirror_only(edge) -> None:
     if not pypi_reachable():
         pytest.skip("PyPI is not reachable from this host (the mirror has no upstream)")
     s = edge.settings
@@ -50,7 +50,7 @@ async def test_pip_install_through_mirror_only(edge) -> None:  # noqa: ANN001
                                              network=NetworkPolicy(allow=["pypi"])))).id
         gate = link.find(sid).gate_ip  # type: ignore[union-attr]
 
-        async def sh(cmd: str, timeout: float = 120):  # noqa: ANN202
+        async def sh(cmd: str, timeout: float = 120):
             eid = await edge.exec_start(sid, ExecSpec(cmd=["sh", "-c", cmd], timeout_s=timeout))
             return await edge.exec_wait(sid, eid)
 

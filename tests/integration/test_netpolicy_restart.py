@@ -15,7 +15,11 @@ from rollbox.models import ExecSpec, NetworkPolicy, SandboxSpec
 from rollbox.netpolicy import bpf, link, sandbox_net
 from tests.conftest import needs_python, node_settings
 from tests.integration.test_netpolicy_targets import (  # noqa: F401 - fixtures
-    CONNECT, FakeInternet, FakeUpstream, internet, upstream,
+    CONNECT,
+    FakeInternet,
+    FakeUpstream,
+    internet,
+    upstream,
 )
 
 pytestmark = [needs_python]
@@ -39,7 +43,7 @@ async def connect(edge: Edge, sid: str, ip: str, port: int = 8080) -> str:
     return await run(edge, sid, ["python3", "-c", CONNECT, ip, str(port)])
 
 
-async def test_restart_keeps_policy_enforced(tmp_node_dir, internet: FakeInternet,  # noqa: ANN001, F811
+async def test_restart_keeps_policy_enforced(tmp_node_dir, internet: FakeInternet,  # noqa: F811
                                              upstream: FakeUpstream) -> None:  # noqa: F811
     learned, allowed, denied = internet.ips[0], internet.ips[1], internet.ips[2]
     settings = node_settings(tmp_node_dir)

@@ -20,7 +20,12 @@ from rollbox.models import ExecSpec, NetworkPolicy
 from rollbox.netpolicy import link
 from tests.conftest import needs_python
 from tests.integration.test_netpolicy_targets import (  # noqa: F401 - fixtures
-    CONNECT, DNS_CLIENT, FakeInternet, FakeUpstream, internet, upstream,
+    CONNECT,
+    DNS_CLIENT,
+    FakeInternet,
+    FakeUpstream,
+    internet,
+    upstream,
 )
 from tests.redteam.conftest import PY, Boxes, needs_root
 

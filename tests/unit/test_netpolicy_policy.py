@@ -40,3 +40,19 @@ def test_permission_without_mirror_is_bad_request() -> None:
     s.mirrors = {}
     with pytest.raises(BadRequest, match="no mirror"):
         resolve(parse_rules(["npm"]), "10.213.0.1", s, Forbidden([], set(), set()))
+
+
+def test_host_addresses_and_metadata_cut_unless_named_exactly() -> None:
+    host = ipaddress.IPv4Address("192.0.2.2")
+    forb = Forbidden([ipaddress.IPv4Network("10.213.0.0/16"),
+                      ipaddress.IPv4Network("169.254.0.0/16")], {host}, {7420})
+    wide = forb.cut(ipaddress.IPv4Network("0.0.0.0/0"), 22, explicit=True)
+    assert not any(host in n for n in wide)  # a host service on 0.0.0.0:22: not via /0
+    assert not any(ipaddress.IPv4Address("169.254.169.254") in n for n in wide)
+    exact = ipaddress.IPv4Network("192.0.2.2/32")
+    assert forb.cut(exact, 22, explicit=True) == [exact]  # named exactly: deliberate
+    assert forb.cut(exact, 7420, explicit=True) == []  # never the platform's port
+    assert forb.cut(exact, 22) == []  # a DNS answer naming a host address
+    s = Settings()
+    res = resolve(parse_rules(["0.0.0.0/0:80"]), "10.213.0.1", s)  # the real forbidden set
+    assert not any(ipaddress.IPv4Address("169.254.169.254") in e.net for e in res.entries)

@@ -78,8 +78,9 @@ class _Protocol(asyncio.DatagramProtocol):
 
 class DnsGate:
     def __init__(self, bind_ip: str, allowed: Allowed, admit: Admit,
-                 upstream_addr: tuple[str, int] | None = None) -> None:
+                 upstream_addr: tuple[str, int] | None = None, port: int = 53) -> None:
         self.bind_ip = bind_ip
+        self.port = port  # 0: a free one (tests), the same for UDP and TCP
         self.allowed = allowed
         self.admit = admit
         self.upstream = upstream_addr or upstream()
@@ -92,9 +93,10 @@ class DnsGate:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.transport, _ = await loop.create_datagram_endpoint(
-            lambda: _Protocol(self), local_addr=(self.bind_ip, 53))
+            lambda: _Protocol(self), local_addr=(self.bind_ip, self.port))
+        self.port = self.transport.get_extra_info("sockname")[1]
         try:
-            self.tcp = await asyncio.start_server(self._serve_tcp, self.bind_ip, 53,
+            self.tcp = await asyncio.start_server(self._serve_tcp, self.bind_ip, self.port,
                                                   reuse_address=True)
         except BaseException:
             self.close()
@@ -128,7 +130,7 @@ class DnsGate:
                     return
                 writer.write(struct.pack(">H", len(out)) + out)
                 await writer.drain()
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
             self.tcp_conns -= 1
@@ -183,7 +185,7 @@ class DnsGate:
             return out.to_wire()
 
 
-def _reply(query: dns.message.Message, rcode: int, raw: bool = False):  # noqa: ANN202
+def _reply(query: dns.message.Message, rcode: int, raw: bool = False):
     r = dns.message.make_response(query)
     r.flags |= dns.flags.RA
     r.set_rcode(rcode)

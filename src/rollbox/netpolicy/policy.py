@@ -24,7 +24,12 @@ from dataclasses import dataclass, field
 
 from rollbox.errors import BadRequest
 from rollbox.netpolicy.bpf import PROTOS, Entry
-from rollbox.netpolicy.permissions import LOCAL_HOSTS, PERMISSIONS, sandbox_url, split_url
+from rollbox.netpolicy.permissions import (
+    LOCAL_HOSTS,
+    PERMISSIONS,
+    sandbox_url,
+    split_url,
+)
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 HOST_RE = re.compile(r"^(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9]([a-z0-9-]{0,61}"

@@ -24,7 +24,11 @@ from rollbox.netpolicy import bpf, link
 from rollbox.netpolicy.bpf import Entry
 from rollbox.netpolicy.gate import DnsGate
 from rollbox.netpolicy.policy import (
-    Forbidden, Resolved, local_mirror_ports, parse_rules, resolve,
+    Forbidden,
+    Resolved,
+    local_mirror_ports,
+    parse_rules,
+    resolve,
 )
 
 log = logging.getLogger(__name__)
