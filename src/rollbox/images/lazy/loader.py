@@ -224,7 +224,8 @@ class LazyLoader:
         cmd = [sys.executable, "-m", DAEMON_MODULE, "--store-root", str(self.store.root),
                "--generation", str(gen), "--cache-limit", str(self.cache_limit),
                "--readahead", str(self.readahead)]
-        cmd += ["--max-readahead", os.environ.get("ROLLBOX_LAZY_MAX_READAHEAD", "0")]
+        if os.environ.get("ROLLBOX_LAZY_MAX_READAHEAD"):  # default: the kernel's
+            cmd += ["--max-readahead", os.environ["ROLLBOX_LAZY_MAX_READAHEAD"]]
         logf = open(self.paths.root / "daemon.log", "ab")  # noqa: SIM115
         try:
             env = dict(os.environ)
