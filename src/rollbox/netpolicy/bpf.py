@@ -13,6 +13,8 @@ hand-assembled programs read it:
 Programs are attached with BPF_F_ALLOW_MULTI to the sandbox's cgroup-v2 directory; child
 cgroups (the agent's per-command cgroups) inherit them. They are released with the cgroup,
 and the map with them. A policy change is a few map updates (no reload, no re-attach).
+Programs are named ``rbx<hook number><tag>`` and the map ``rbx_<tag>`` (tag: the end of the
+sandbox id), so :func:`objects_of` finds anything of a deleted sandbox still loaded.
 """
 from __future__ import annotations
 

@@ -228,7 +228,10 @@ def bpf_leftovers(sandbox_id: str, wait_s: float = 2.0) -> list[str]:
     them shortly after the cgroup goes (deferred work), so wait up to wait_s for that."""
     deadline = time.monotonic() + wait_s
     while True:
-        left = bpf.objects_of(bpf_tag(sandbox_id))
+        try:
+            left = bpf.objects_of(bpf_tag(sandbox_id))
+        except PermissionError:
+            return []  # not root: this process never loaded any
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(0.05)
