@@ -24,7 +24,6 @@ from rollbox.images.mounts import LayerMounts
 from rollbox.images.store import ImageStore
 from rollbox.isolation import syscalls
 from rollbox.models import ExecSpec, SandboxSpec
-
 from tests.conftest import have_image, node_settings
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not Path("/dev/fuse").exists(),
@@ -63,7 +62,7 @@ def cleanup(store: ImageStore) -> None:
 
 
 @pytest.fixture
-def lazy_store(tmp_node_dir: Path):  # noqa: ANN201
+def lazy_store(tmp_node_dir: Path):
     store = ImageStore(tmp_node_dir / "images")
     os.chmod(store.root, 0o755)
     try:
@@ -95,7 +94,7 @@ async def lazy_edge(tmp_node_dir: Path, lazy_store: ImageStore) -> AsyncIterator
         shutil.rmtree(settings.run_dir, ignore_errors=True)
 
 
-async def run(edge, sid: str, cmd: str):  # noqa: ANN001, ANN201
+async def run(edge, sid: str, cmd: str):
     eid = await edge.exec_start(sid, ExecSpec(cmd=cmd))
     return await edge.exec_wait(sid, eid)
 
@@ -128,14 +127,23 @@ async def test_lazy_sandbox_restart_and_crash(lazy_edge, lazy_store: ImageStore,
     # Daemon restart (no mount in use): nothing is fetched again.
     await lazy_edge.delete(sb.id)
     busy = await asyncio.to_thread(LayerMounts(lazy_store).unmount_all)
-    assert not busy, [ln for ln in open("/proc/self/mountinfo") if layer in ln]
+    assert not busy, [ln for ln in Path("/proc/self/mountinfo").read_text().splitlines()
+                      if layer in ln]
     assert await asyncio.to_thread(loader.stop_sync), mounts_under(tmp_node_dir)
+    # Counted after the clean stop: read-ahead still in flight at the first look may have
+    # landed since (a prefetch, not a re-fetch).
+    st = loader.layer_stats(layer) or {}
+    fetched = st["bytes_fetched"]
+    cached = st["chunks_present"]
     sb = await lazy_edge.create(SandboxSpec(image="lazy/debian:1"), "t")
     r = await run(lazy_edge, sb.id, "cat /etc/debian_version && ls /usr/bin | wc -l")
     assert r.exit_code == 0 and r.stdout.startswith("12.")
     await asyncio.sleep(0.4)
     ls = loader.stats()["layers"][layer]
-    assert ls["bytes_fetched"] == fetched, "a restarted daemon re-fetched cached chunks"
+    # Chunks cached before the restart are not fetched again: anything new is a chunk that
+    # was not cached yet.
+    assert ls["bytes_fetched"] - fetched <= (ls["chunks_present"] - cached) * (1 << 20), (
+        "a restarted daemon re-fetched cached chunks")
     assert ls["cache_hits"] > 0
 
     # kill -9: cached pages keep serving the live sandbox; a new sandbox on the same layer

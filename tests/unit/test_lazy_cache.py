@@ -24,7 +24,7 @@ CHUNK = 4096
 
 
 @pytest.fixture
-def setup(tmp_path: Path):  # noqa: ANN201
+def setup(tmp_path: Path):
     store = ImageStore(tmp_path / "images")
     data = b"".join(bytes([i]) * CHUNK for i in range(10)) + b"tail"
     layer_file = tmp_path / "layer.bin"
@@ -40,7 +40,7 @@ def setup(tmp_path: Path):  # noqa: ANN201
     LazyLoader(store).register(digest, url, m)
     daemons: list[Daemon] = []
 
-    def new_daemon(**kw) -> Daemon:  # noqa: ANN003
+    def new_daemon(**kw) -> Daemon:
         d = Daemon(LazyPaths(store.root), 1, tmp_path / "mnt", cache_limit=kw.pop("limit", 1 << 30),
                    readahead=kw.pop("readahead", 0))
         daemons.append(d)
@@ -51,8 +51,8 @@ def setup(tmp_path: Path):  # noqa: ANN201
         d.loop.call_soon_threadsafe(d.loop.stop)
 
 
-def test_reads_fetch_once_and_survive_restart(setup) -> None:  # noqa: ANN001
-    store, digest, data, _url, new_daemon = setup
+def test_reads_fetch_once_and_survive_restart(setup) -> None:
+    _store, digest, data, _url, new_daemon = setup
     d = new_daemon()
     layer = d.layer(digest)
     assert layer is not None
@@ -78,7 +78,7 @@ def test_reads_fetch_once_and_survive_restart(setup) -> None:  # noqa: ANN001
     assert l2.counters["bytes_fetched"] == fetched and l2.counters["chunks_verified"] == 0
 
 
-def test_unclean_restart_rehashes_and_refetches_torn_chunk(setup) -> None:  # noqa: ANN001
+def test_unclean_restart_rehashes_and_refetches_torn_chunk(setup) -> None:
     store, digest, data, _url, new_daemon = setup
     d = new_daemon()
     layer = d.layer(digest)
@@ -98,7 +98,7 @@ def test_unclean_restart_rehashes_and_refetches_torn_chunk(setup) -> None:  # no
     assert l2.counters["chunks_verified"] == 1  # chunk 1 was intact, checked once
 
 
-def test_corrupt_or_missing_chunk_is_eio_with_typed_reason(setup, tmp_path: Path) -> None:  # noqa: ANN001
+def test_corrupt_or_missing_chunk_is_eio_with_typed_reason(setup, tmp_path: Path) -> None:
     _store, digest, data, _url, new_daemon = setup
     d = new_daemon()
     layer = d.layer(digest)
@@ -117,8 +117,8 @@ def test_corrupt_or_missing_chunk_is_eio_with_typed_reason(setup, tmp_path: Path
     assert layer.read(10, 0, "/a") == data[:10]  # other chunks unaffected
 
 
-def test_cache_limit_evicts_least_recent_unused_layer(setup) -> None:  # noqa: ANN001
-    store, digest, data, _url, new_daemon = setup
+def test_cache_limit_evicts_least_recent_unused_layer(setup) -> None:
+    store, digest, _data, _url, new_daemon = setup
     d = new_daemon(limit=2 * CHUNK + 100)
     layer = d.layer(digest)
     assert layer is not None
@@ -134,7 +134,7 @@ def test_cache_limit_evicts_least_recent_unused_layer(setup) -> None:  # noqa: A
     assert digest not in d.layers and not LazyPaths(store.root).cache_file(digest).exists()
 
 
-def test_stats_and_attribution(setup) -> None:  # noqa: ANN001
+def test_stats_and_attribution(setup) -> None:
     store, digest, _data, _url, new_daemon = setup
     d = new_daemon()
     layer = d.layer(digest)
@@ -154,7 +154,7 @@ def test_stats_and_attribution(setup) -> None:  # noqa: ANN001
     assert json.loads(LazyPaths(store.root).stats_file(digest).read_text())["layer"] == digest
 
 
-def test_store_sees_lazy_layers(setup) -> None:  # noqa: ANN001
+def test_store_sees_lazy_layers(setup) -> None:
     store, digest, data, url, _new_daemon = setup
     assert store.is_lazy(digest) and not store.has_layer(digest)
     assert store.layer_path(digest).name == f"{digest}.erofs"

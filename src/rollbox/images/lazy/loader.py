@@ -18,6 +18,7 @@ import concurrent.futures
 import contextlib
 import errno
 import fcntl
+import itertools
 import logging
 import os
 import re
@@ -88,7 +89,7 @@ def sandbox_of(reader: str, cgroup_parent: str | None = None) -> str | None:
     """The sandbox id in a reader's cgroup path, if it is a sandbox's."""
     parts = [p for p in reader.split("/") if p]
     if cgroup_parent is not None:
-        for a, b in zip(parts, parts[1:]):
+        for a, b in itertools.pairwise(parts):
             if a == cgroup_parent:
                 return b
         return None
