@@ -41,6 +41,7 @@
 #define CHUNK (64 * 1024)
 #define HDR 8
 #define LISTEN_FD 3
+#define AGENT_EXE_FD 4
 
 /* edge -> agent */
 enum { M_EXEC = 1, M_STDIN = 2, M_STDIN_CLOSE = 3, M_SIGNAL = 4, M_KILL = 5, M_PING = 6,
@@ -573,8 +574,8 @@ static void finish_session(struct session *s)
 }
 
 
-/* ---- Landlock: commands get no access to the platform's files (/.rollbox) nor the task's
- * hidden paths. Landlock only grants, so "everything but X" is: full access beneath every
+/* ---- Landlock: commands get no access to the task's hidden paths (the platform's own binary
+ * is not in the sandbox's tree at all: runc execs it from an inherited fd). Landlock only grants, so "everything but X" is: full access beneath every
  * entry of X's ancestor directories except X (and the next ancestor), and on the ancestors
  * themselves only listing, creating and removing entries (no reading/executing/writing file
  * contents, no cross-directory rename/link that could carry X out). Entries are enumerated at
@@ -1272,6 +1273,9 @@ int main(void)
 {
     /* First: nothing in the sandbox may ptrace us or open /proc/1/{fd,mem}. */
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    /* runc exec'd us from fd 4 (our own binary, never a path in the sandbox): drop it before
+     * anything can inherit it. */
+    close(AGENT_EXE_FD);
     if (getpid() != 1)
         prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
     signal(SIGPIPE, SIG_IGN);

@@ -197,14 +197,13 @@ async def test_c23_unhardened_twin_int80_works(boxes: Boxes, abi32_helper: bytes
 
 async def test_c14_chroot_escape_stays_in_sandbox(boxes: Boxes) -> None:
     sid = await boxes.make(PY)
-    code = ("import os\nos.makedirs('/tmp/j/k', exist_ok=True)\nfd = os.open('/', os.O_RDONLY)\n"
+    code = ("import os\nos.makedirs('/tmp/j/k', exist_ok=True)\nopen('/marker', 'w').close()\n"
+            "fd = os.open('/', os.O_RDONLY)\n"
             "os.chroot('/tmp/j')\nos.fchdir(fd)\n"
             "for _ in range(64): os.chdir('..')\nos.chroot('.')\n"
-            "print(os.path.exists('/.rollbox'), os.path.exists('/work/main'),"
-            " os.path.exists('/etc/debian_version') and open('/proc/1/cmdline').read()[:40])\n")
+            "print(os.path.exists('/marker'), os.path.exists('/work/main'))\n")
     r = await boxes.py(sid, code)
-    assert r.stdout.startswith("True False"), r  # still the sandbox's root, not the host's
-    assert "rollbox-agent" in r.stdout
+    assert r.stdout == "True False\n", r  # still the sandbox's root, not the host's
 
 
 async def test_c15_cgroupfs_unreachable(boxes: Boxes) -> None:

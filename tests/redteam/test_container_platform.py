@@ -27,36 +27,37 @@ async def test_a1_overwritten_shell_does_not_hijack_platform(boxes: Boxes) -> No
     assert {"after.txt", "evil"} <= {f.name for f in listing}
     with pytest.raises(NotFound):
         await boxes.edge.file_read(sid, "/tmp/pwned", 1 << 20)  # nothing ran the fake shell
-    # The agent binary can't be replaced, removed or over-mounted.
-    attack = ("busybox cp /tmp/evil /.rollbox/rollbox-agent; echo cp=$?; rm -f /.rollbox/rollbox-agent;"
-              " echo rm=$?; mount -t tmpfs x /.rollbox; echo mount=$?")
-    r = await boxes.run(sid, ["/bin/busybox", "sh", "-c", attack])
-    assert r.stdout.count("=") == 3 and "=0" not in r.stdout, r
-    # The agent (PID 1, from the read-only bind) still serves execs; an argv exec of the fake
-    # shell runs the fake — the platform never runs a sandbox binary for its own work.
+    # The agent binary is not in the sandbox's tree: planting a file where an agent might be
+    # changes nothing, and the agent (PID 1) still serves execs.
+    r = await boxes.run(sid, ["/bin/busybox", "sh", "-c",
+                              "mkdir -p /.rollbox && busybox cp /tmp/evil /.rollbox/rollbox-agent"
+                              " && echo planted"])
+    assert r.stdout == "planted\n", r
     r = await boxes.run(sid, ["/bin/busybox", "echo", "alive"])
     assert r.stdout == "alive\n"
+    with pytest.raises(NotFound):
+        await boxes.edge.file_read(sid, "/tmp/pwned", 1 << 20)
 
 
-async def test_a1_agent_binary_readonly_and_not_readable(boxes: Boxes) -> None:
+async def test_a1_agent_binary_not_in_the_tree(boxes: Boxes) -> None:
     sid = await boxes.make(BB)
-    r = await boxes.run(sid, "echo x > /.rollbox/rollbox-agent; echo rc=$?; "
-                        "mv /.rollbox /.r2; echo mv=$?; "
-                        "cat /.rollbox/rollbox-agent > /dev/null; echo read=$?; "
-                        "/.rollbox/rollbox-agent; echo exec=$?; ls / >/dev/null; echo ls=$?")
-    out = r.stdout
-    assert "rc=0" not in out and "mv=0" not in out
-    assert "read=1" in out  # Landlock: the platform's files are not readable
-    assert "exec=126" in out or "exec=127" in out
-    assert "ls=0" in out
+    # runc execs the agent from an inherited fd that the agent closes first: no path inside
+    # the sandbox (its tree, /proc/1/exe, /proc/1/fd) leads to the platform's binary.
+    r = await boxes.run(sid, "ls -a /; echo ---; find / -xdev -name 'rollbox-agent*' 2>/dev/null;"
+                        " echo ---; cat /proc/1/exe > /dev/null; echo exe=$?;"
+                        " cat /proc/1/fd/4 > /dev/null; echo fd=$?; cat /proc/1/cmdline; echo")
+    tree, found, rest = r.stdout.split("---\n")
+    assert ".rollbox" not in tree.split() and found.strip() == "", r
+    assert "exe=0" not in rest and "fd=0" not in rest, r
+    assert "/proc/self/fd/4" in rest, r
 
 
 async def test_a1_agent_binary_readable_unhardened(boxes: Boxes) -> None:
     sid = await boxes.make(BB, hardened=False)
-    r = await boxes.run(sid, "cat /.rollbox/rollbox-agent | wc -c")
-    assert int(r.stdout) > 10000  # twin: without Landlock the binary is readable
-    r = await boxes.run(sid, "echo x > /.rollbox/rollbox-agent")
-    assert r.exit_code != 0  # still a read-only bind: never writable, hardened or not
+    # twin: with all capabilities (CAP_SYS_PTRACE among them) the agent's exe is readable
+    # through /proc/1/exe — what the hardened sandbox refuses above.
+    r = await boxes.run(sid, "cat /proc/1/exe | wc -c")
+    assert int(r.stdout) > 10000, r
 
 
 async def test_landlock_keeps_the_tree_usable(boxes: Boxes) -> None:
@@ -64,9 +65,10 @@ async def test_landlock_keeps_the_tree_usable(boxes: Boxes) -> None:
     r = await boxes.run(sid, "set -e; cat /etc/passwd >/dev/null; echo hi > /tmp/x; "
                         "cat /tmp/x; mkdir -p /root/a/b; echo y > /root/a/b/f; mv /root/a/b/f "
                         "/tmp/f2; ln -s /tmp/f2 /tmp/l; cat /tmp/l; ls /proc/self/fd >/dev/null;"
-                        " echo ok > /dev/null; mkdir /newtop")
-    assert r.exit_code == 0 and r.stdout == "hi\ny\n", r
-    # A top-level directory made by an earlier command is fully usable by the next one.
+                        " echo ok > /dev/null; mkdir -p /newtop/d && echo n > /newtop/d/f &&"
+                        " cat /newtop/d/f")
+    assert r.exit_code == 0 and r.stdout == "hi\ny\nn\n", r
+    # A new top-level directory is usable at once and by the next command.
     r = await boxes.run(sid, "echo z > /newtop/f && cat /newtop/f", user="0")
     assert r.stdout == "z\n", r
     r = await boxes.run(sid, "cat /etc/passwd", user="1000")

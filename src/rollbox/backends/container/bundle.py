@@ -19,8 +19,11 @@ from rollbox.isolation import seccomp
 from rollbox.isolation.userns import RANGE
 from rollbox.models import Resources
 
-AGENT_DIR = "/.rollbox"
 AGENT_NAME = "rollbox-agent"
+# The agent is never in the sandbox's tree: runc execs it from this inherited fd (an O_RDONLY
+# fd of the host's root-owned copy; --preserve-fds 2 keeps fds 3 and 4), and the agent closes
+# it first thing. So no path inside the sandbox leads to the platform's binary.
+AGENT_EXE_FD = 4
 
 # Docker's default set minus MKNOD, NET_RAW (raw sockets) and AUDIT_WRITE.
 CAPABILITIES = [
@@ -60,7 +63,7 @@ def normalize_hidden(paths: Sequence[str]) -> list[str]:
     for raw in paths:
         p = posixpath.normpath("/" + raw.lstrip("/")) if raw else ""
         if (not raw.startswith("/") or p == "/" or ":" in p or "\0" in p
-                or p.split("/")[1] in ("proc", "sys", "dev", AGENT_DIR[1:])):
+                or p.split("/")[1] in ("proc", "sys", "dev")):
             raise BadRequest(f"bad hidden path: {raw!r}")
         if p not in out:
             out.append(p)
@@ -72,7 +75,6 @@ def oci_config(
     sandbox_id: str,
     rootfs: str,
     host_uid: int,
-    agent_dir: str,
     netns_path: str | None,
     cgroups_path: str,
     resources: Resources,
@@ -97,15 +99,15 @@ def oci_config(
         namespaces.append({"type": "network", "path": netns_path} if netns_path
                           else {"type": "network"})
     env = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
-    if hardened:
-        env.append(f"{LANDLOCK_ENV}={':'.join([AGENT_DIR, *hidden])}")
+    if hardened and hidden:
+        env.append(f"{LANDLOCK_ENV}={':'.join(hidden)}")
     caps = CAPABILITIES if hardened else ALL_CAPABILITIES
     config: dict[str, Any] = {
         "ociVersion": "1.0.2",
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": [f"{AGENT_DIR}/{AGENT_NAME}"],
+            "args": [f"/proc/self/fd/{AGENT_EXE_FD}"],
             "env": env,
             "cwd": "/",
             "capabilities": {k: caps for k in ("bounding", "effective", "permitted")},
@@ -134,8 +136,6 @@ def oci_config(
             # sandbox's user namespace, and runc's fallback is a bind of the host's /sys).
             {"destination": "/sys", "type": "tmpfs", "source": "sysfs-empty",
              "options": ["nosuid", "noexec", "nodev", "ro", "size=4k"]},
-            {"destination": AGENT_DIR, "type": "bind", "source": agent_dir,
-             "options": ["bind", "ro", "nosuid", "nodev"]},
         ],
         "linux": {
             "uidMappings": [{"containerID": 0, "hostID": host_uid, "size": RANGE}],

@@ -86,11 +86,11 @@ class ContainerBackend:
         self.run_root = settings.run_dir / "sandboxes"
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.run_root.mkdir(parents=True, exist_ok=True)
-        self.agent_dir = self._install_agent()
+        self.agent_path = self._install_agent()
 
     def _install_agent(self) -> Path:
-        """Copy the agent binary to a root-only, content-addressed dir bound read-only into
-        sandboxes (never a path a sandbox could write)."""
+        """Copy the agent binary to a root-owned, content-addressed host dir; returns its path.
+        Sandboxes never see it in their tree: runc execs it from an inherited fd."""
         src = self.settings.agent_binary
         if not src.exists():
             raise InfraError(f"agent binary missing at {src} (run `make native`)")
@@ -104,7 +104,7 @@ class ContainerBackend:
             tmp.write_bytes(data)
             os.chmod(tmp, 0o555)
             os.replace(tmp, target)
-        return target_dir
+        return target
 
     def cgroups_path(self, sandbox_id: str) -> str:
         return f"/{self.settings.cgroup_parent}/{sandbox_id}"
@@ -145,13 +145,18 @@ class ContainerBackend:
             listener.listen(8)
             config = bundle.oci_config(
                 sandbox_id=sandbox_id, rootfs=str(rootfs.merged), host_uid=host_uid,
-                agent_dir=str(self.agent_dir), netns_path=ns_path,
+                netns_path=ns_path,
                 cgroups_path=self.cgroups_path(sandbox_id), resources=resources,
                 hostname=sandbox_id[:63], hardened=hardened, hidden_paths=hidden_paths,
             )
             (rootfs.dir / "config.json").write_text(json.dumps(config))
-            pid = await self.runtime.run_detached(
-                sandbox_id, rootfs.dir, listener.fileno(), run_dir / "pid", run_dir / "agent.log")
+            agent_fd = os.open(self.agent_path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                pid = await self.runtime.run_detached(
+                    sandbox_id, rootfs.dir, listener.fileno(), agent_fd, run_dir / "pid",
+                    run_dir / "agent.log")
+            finally:
+                os.close(agent_fd)
             listener.close()
             listener = None
             v2 = cgroups.v2_dir(self.settings.cgroup_parent, sandbox_id)
