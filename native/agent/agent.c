@@ -1276,6 +1276,7 @@ int main(void)
     /* runc exec'd us from fd 4 (our own binary, never a path in the sandbox): drop it before
      * anything can inherit it. */
     close(AGENT_EXE_FD);
+    prctl(PR_SET_NAME, "rollbox-agent", 0, 0, 0); /* exec'd as /proc/self/fd/4, comm was "4" */
     if (getpid() != 1)
         prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
     signal(SIGPIPE, SIG_IGN);

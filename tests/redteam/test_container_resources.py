@@ -33,6 +33,19 @@ def host_pids_of_uid(uid: int) -> list[int]:
     return out
 
 
+def describe(pids: list[int]) -> list[str]:
+    """What a leftover process is (for the failure message)."""
+    out = []
+    for pid in pids:
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+            cg = open(f"/proc/{pid}/cgroup").read().splitlines()[-1]
+            out.append(f"{pid}: {cmd[:80]} {cg}")
+        except OSError:
+            out.append(f"{pid}: gone")
+    return out
+
+
 async def test_a5_crawl_proc_and_sys(boxes: Boxes) -> None:
     sid = await boxes.make(BB)
     # The crawl may block on some /proc file; what matters is that the host survives, nothing
@@ -112,7 +125,8 @@ async def test_b10_survivors_killed_on_timeout_and_delete(boxes: Boxes) -> None:
     await asyncio.sleep(0.2)
     assert host_pids_of_uid(host_uid)
     await boxes.edge.delete(sid)
-    assert host_pids_of_uid(host_uid) == []
+    left = host_pids_of_uid(host_uid)
+    assert left == [], describe(left)
     assert boxes.edge.leftovers(sid) == []
 
 
@@ -197,7 +211,8 @@ async def test_c24_e37_host_info_and_teardown(boxes: Boxes) -> None:
     await boxes.run(a, "(setsid sleep 1000 &); mkdir -p /tmp/d; echo x > /tmp/d/f")
     await boxes.edge.delete(a)
     assert boxes.edge.leftovers(a) == []
-    assert host_pids_of_uid(host_uid) == [] and not os.path.exists(f"/proc/{agent_pid}")
+    left = host_pids_of_uid(host_uid)
+    assert left == [] and not os.path.exists(f"/proc/{agent_pid}"), describe(left)
     assert a not in Path("/proc/self/mountinfo").read_text()
     r = await boxes.run(b, ["echo", "neighbour fine"])
     assert r.stdout == "neighbour fine\n"

@@ -29,6 +29,7 @@ from rollbox.errors import InfraError
 from rollbox.isolation import cgroups, netns
 from rollbox.isolation.userns import UidSlots
 from rollbox.netpolicy import link as netlink
+from rollbox.netpolicy import policy as netpolicy
 from rollbox.netpolicy import sandbox_net
 from rollbox.netpolicy.sandbox_net import SandboxNetwork
 from rollbox.models import Resources
@@ -118,6 +119,8 @@ class ContainerBackend:
         hardened=False: the red-team tests' deliberately weak twin (see bundle.py), never from
         the API. hidden_paths: paths of the tree the sandbox's commands can not see."""
         bundle.normalize_hidden(hidden_paths)  # bad input fails before anything is allocated
+        if network_rules is not None:
+            netpolicy.parse_rules(network_rules)
         if os.environ.get(UNHARDENED_ENV) == "1":
             log.warning("%s=1: sandbox %s is NOT hardened (benchmark only)", UNHARDENED_ENV,
                         sandbox_id)
@@ -127,6 +130,7 @@ class ContainerBackend:
         rootfs = Rootfs(self.sandboxes_dir / sandbox_id)
         run_dir = self.run_root / sandbox_id
         listener: socket.socket | None = None
+        pid: int | None = None
         try:
             def prepare() -> str:  # blocking kernel work, off the event loop
                 mounts = [self.layer_mounts.ensure_mounted(d) for d in layers]
@@ -178,7 +182,7 @@ class ContainerBackend:
         except BaseException:
             if listener is not None:
                 listener.close()
-            await asyncio.shield(self._teardown(sandbox_id, rootfs, run_dir, slot, None))
+            await asyncio.shield(self._teardown(sandbox_id, rootfs, run_dir, slot, pid))
             raise
 
     async def attach_network(self, sb: ContainerSandbox, rules: list[str]) -> SandboxNetwork:
@@ -198,6 +202,7 @@ class ContainerBackend:
         rootfs = Rootfs(self.sandboxes_dir / sandbox_id)
         run_dir = self.run_root / sandbox_id
         v2 = cgroups.v2_dir(self.settings.cgroup_parent, sandbox_id)
+        pid = None
         try:
             pid = int((run_dir / "pid").read_text())
             if pid not in cgroups.procs(v2):
@@ -205,7 +210,7 @@ class ContainerBackend:
             channel = await AgentChannel.connect(str(run_dir / "agent.sock"), timeout=3.0)
         except (OSError, ValueError, InfraError) as exc:
             log.warning("sandbox %s can not be adopted (%s); cleaning up", sandbox_id, exc)
-            await self._teardown(sandbox_id, rootfs, run_dir, slot, None)
+            await self._teardown(sandbox_id, rootfs, run_dir, slot, pid)
             return None
         sb = ContainerSandbox(
             id=sandbox_id, slot=slot, host_uid=host_uid, rootfs=rootfs, run_dir=run_dir,
@@ -248,7 +253,7 @@ class ContainerBackend:
                 problems.append(f"processes survive in {v2}: {cgroups.procs(v2)}")
                 break
         if agent_pid:
-            _reap(agent_pid)
+            await _reap(agent_pid)
         # The rest is blocking kernel work: one worker thread, so the loop serves others.
         problems += await asyncio.to_thread(self._release_host_resources, sandbox_id, rootfs,
                                             run_dir)
@@ -322,8 +327,18 @@ class ContainerBackend:
                              self.run_root / sandbox_id, slot, pid)
 
 
-def _reap(pid: int) -> None:
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass  # not our child (adopted from an earlier edge process)
+async def _reap(pid: int, timeout_s: float = 2.0) -> None:
+    """Reap the killed agent. It leaves its cgroup before it becomes a zombie, so an empty
+    cgroup does not yet mean waitpid can collect it: poll briefly (a long-lived edge would
+    otherwise pile up zombies, one per sandbox)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return
+        except ChildProcessError:
+            return  # not our child (adopted from an earlier edge process) or already reaped
+        if time.monotonic() > deadline:
+            log.warning("agent %d not reaped after %.1fs", pid, timeout_s)
+            return
+        await asyncio.sleep(0.002)
