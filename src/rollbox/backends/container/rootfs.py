@@ -24,6 +24,25 @@ def mount_points_under(prefix: Path) -> list[str]:
     return sorted(set(found), key=len, reverse=True)
 
 
+def remove_flat_dir(path: Path) -> None:
+    """Remove a platform-owned directory whose entries are files and empty directories (a
+    sandbox dir after its mounts are gone, its run dir, runc's state dir): one syscall per
+    entry instead of shutil.rmtree's descriptor walk. Anything deeper falls back to rmtree."""
+    try:
+        with os.scandir(path) as entries:
+            for e in entries:
+                if e.is_dir(follow_symlinks=False):
+                    os.rmdir(e.path)
+                else:
+                    os.unlink(e.path)
+        os.rmdir(path)
+    except FileNotFoundError:
+        if os.path.lexists(path):
+            shutil.rmtree(path, ignore_errors=True)
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class Rootfs:
     """Mount layout under ``<sandbox dir>``: ``l<i>`` lowers, ``rw`` tmpfs, ``merged``."""
 
@@ -99,7 +118,7 @@ class Rootfs:
                 pass
         left = [str(mp) for mp in self._known_mounts() if os.path.ismount(mp)]
         if not left:
-            shutil.rmtree(self.dir, ignore_errors=True)
+            remove_flat_dir(self.dir)
             if self.dir.exists():
                 left.append(str(self.dir))
         return left

@@ -11,6 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
+from rollbox.backends.container.rootfs import remove_flat_dir
 from rollbox.errors import InfraError
 from rollbox.isolation import syscalls
 
@@ -79,7 +80,7 @@ class Runtime:
 
     def forget(self, container_id: str) -> None:
         """Drop runc's state of a container whose processes and cgroups are already gone."""
-        shutil.rmtree(self.state_dir(container_id), ignore_errors=True)
+        remove_flat_dir(self.state_dir(container_id))
 
     def known(self) -> list[str]:
         if not self.root.exists():

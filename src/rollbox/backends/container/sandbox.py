@@ -12,7 +12,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import socket
 import time
 from collections.abc import Sequence
@@ -22,7 +21,7 @@ from pathlib import Path
 from rollbox.backends.container import bundle
 from rollbox.backends.container.channel import AgentChannel
 from rollbox.backends.container.files import SandboxFS
-from rollbox.backends.container.rootfs import Rootfs, mount_points_under
+from rollbox.backends.container.rootfs import Rootfs, mount_points_under, remove_flat_dir
 from rollbox.backends.container.runtime import Runtime
 from rollbox.config import Settings
 from rollbox.errors import InfraError
@@ -279,7 +278,7 @@ class ContainerBackend:
         if netlink.exists(sandbox_id):
             problems.append(f"network link {netlink.link_name(sandbox_id)} left")
         netns.delete(netns.PREFIX + sandbox_id)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        remove_flat_dir(run_dir)
         return problems
 
     def release_node_resources(self) -> None:
