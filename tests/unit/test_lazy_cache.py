@@ -163,3 +163,25 @@ def test_store_sees_lazy_layers(setup) -> None:
     image = store.tag("lazy/t:1", [digest])
     assert store.resolve("lazy/t:1").layers == image.layers
     time.sleep(0)
+
+
+def test_bytes_read_unique_counts_each_page_once(setup) -> None:
+    """bytes_read_unique: distinct 4 KiB pages of the layer read through FUSE, clamped to the
+    file's end; repeated reads add to bytes_requested only."""
+    _store, digest, data, _url, new_daemon = setup
+    d = new_daemon()
+    layer = d.layer(digest)
+    assert layer is not None
+    layer.read(100, 0, "/a")
+    layer.read(100, 0, "/b")
+    layer.read(100, CHUNK + 10, "/a")
+    layer.read(10_000, len(data) - 50, "/a")  # last full page + the 4-byte tail page
+    c = layer.counters
+    assert c["bytes_requested"] == 350
+    assert c["bytes_read_unique"] == 3 * 4096 + 4
+    # Prefetch (read-ahead) fetches without counting as read.
+    layer.prefetch([5, 6])
+    deadline = time.monotonic() + 5
+    while layer.inflight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert c["chunks_fetched"] == 6 and c["bytes_read_unique"] == 3 * 4096 + 4

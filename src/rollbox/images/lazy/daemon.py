@@ -49,9 +49,11 @@ CGROUP_TTL_S = 2.0
 # Reads in a row that continue the previous one before read-ahead kicks in.
 SEQUENTIAL_STREAK = 2
 STATS_FLUSH_S = 0.25
-COUNTERS = ("bytes_requested", "bytes_fetched", "bytes_fetched_stored", "bytes_written",
-            "cache_hits", "cache_misses", "chunks_fetched", "chunks_prefetched",
+COUNTERS = ("bytes_requested", "bytes_read_unique", "bytes_fetched", "bytes_fetched_stored",
+            "bytes_written", "cache_hits", "cache_misses", "chunks_fetched", "chunks_prefetched",
             "chunks_verified", "fetch_errors", "reads")
+# Granularity of ``bytes_read_unique`` (distinct bytes of the layer file read through FUSE).
+READ_PAGE = 4096
 READER_COUNTERS = ("bytes_requested", "bytes_fetched", "cache_hits", "cache_misses")
 
 
@@ -101,6 +103,8 @@ class Layer:
         self.streak = 0
         self.last_used = time.time()
         self.counters = _new_counters()
+        # Pages of the layer file read through FUSE by this daemon (bytes_read_unique).
+        self.read_pages = bytearray(-(-manifest.size // READ_PAGE))
         self.readers: dict[str, dict[str, int]] = {}
         self.last_error: dict[str, Any] | None = None
         self.trace_path = p.trace_file(digest)
@@ -117,6 +121,8 @@ class Layer:
             return
         for k in COUNTERS:
             self.counters[k] = int(old.get(k, 0))
+        # The page map is not persisted: a new daemon counts distinct reads afresh.
+        self.counters["bytes_read_unique"] = 0
         for who, c in (old.get("readers") or {}).items():
             self.readers[who] = {k: int(c.get(k, 0)) for k in READER_COUNTERS}
         self.last_error = old.get("last_error")
@@ -136,6 +142,17 @@ class Layer:
         if c is None:
             c = self.readers[who] = _new_counters(READER_COUNTERS)
         return c
+
+    def _mark_read(self, offset: int, end: int) -> None:
+        """Count the bytes of [offset, end) in pages not read before (self.lock held)."""
+        first, last = offset // READ_PAGE, (end - 1) // READ_PAGE
+        pages = self.read_pages
+        new = 0
+        for p in range(first, last + 1):
+            if not pages[p]:
+                pages[p] = 1
+                new += min((p + 1) * READ_PAGE, self.m.size) - p * READ_PAGE
+        self.counters["bytes_read_unique"] += new
 
     # -- chunk state, called with self.lock held --
     def _usable(self, i: int) -> bool:
@@ -185,6 +202,7 @@ class Layer:
             self.counters["reads"] += 1
             self.counters["bytes_requested"] += end - offset
             r["bytes_requested"] += end - offset
+            self._mark_read(offset, end)
             chunks = self.m.chunk_range(offset, end - offset)
             for i in chunks:
                 if self.recording and i not in self.traced:
