@@ -16,14 +16,15 @@ _EXPORTS = {
     "FileStat": "rollbox.models", "SandboxInfo": "rollbox.models",
     **{name: "rollbox.errors" for name in (
         "RollboxError", "BadRequest", "Unauthorized", "NotFound", "PayloadTooLarge",
-        "QuotaExceeded", "SandboxDead", "CommandTimeout", "InfraError", "CapacityExceeded")},
+        "QuotaExceeded", "SandboxDead", "SandboxPaused", "CommandTimeout", "InfraError",
+        "CapacityExceeded")},
 }
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from rollbox.errors import (
         BadRequest, CapacityExceeded, CommandTimeout, InfraError, NotFound, PayloadTooLarge,
-        QuotaExceeded, RollboxError, SandboxDead, Unauthorized,
+        QuotaExceeded, RollboxError, SandboxDead, SandboxPaused, Unauthorized,
     )
     from rollbox.models import Event, ExecInfo, ExecResult, FileStat, SandboxInfo
     from rollbox.sdk import (

@@ -68,6 +68,14 @@ class SandboxDead(RollboxError):
     status = 410
 
 
+class SandboxPaused(RollboxError):
+    """The sandbox is paused (frozen): nothing can run in it until it is resumed. Host-side
+    operations (files, TTL, network, snapshot, delete) still work on a paused sandbox."""
+
+    code = "sandbox_paused"
+    status = 409
+
+
 class CommandTimeout(RollboxError):
     """Raised by the SDK only when the caller asks exec to raise on timeout."""
 
@@ -136,6 +144,7 @@ ERRORS_BY_CODE: dict[str, type[RollboxError]] = {
         PayloadTooLarge,
         QuotaExceeded,
         SandboxDead,
+        SandboxPaused,
         CommandTimeout,
         InfraError,
         CapacityExceeded,

@@ -84,7 +84,8 @@ class SandboxSpec(BaseModel):
         return v
 
 
-SandboxState = Literal["creating", "running", "stopping", "dead", "deleted"]
+# paused: frozen by the edge (pause/resume); it keeps its TTL, memory and disk.
+SandboxState = Literal["creating", "running", "paused", "stopping", "dead", "deleted"]
 
 
 class SandboxInfo(BaseModel):

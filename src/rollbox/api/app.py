@@ -403,6 +403,25 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
         events.append(sandbox_id, "sandbox.ttl", None, json.dumps({"ttl_s": body.ttl_s}))
         return info
 
+    @app.post("/v1/sandboxes/{sandbox_id}/pause", response_model=models.SandboxInfo,
+              tags=["sandboxes"])
+    async def pause_sandbox(sandbox_id: str, edge: Edge, who: Who) -> models.SandboxInfo:
+        """Freeze the whole sandbox (state ``paused``): exec answers 409 sandbox_paused until
+        resume; files, TTL, network and delete still work; the TTL keeps counting."""
+        info = await edge.pause(sandbox_id)
+        if api.records(edge):
+            events.append(sandbox_id, "sandbox.paused", None, json.dumps({"by": who.key_id}))
+        return info
+
+    @app.post("/v1/sandboxes/{sandbox_id}/resume", response_model=models.SandboxInfo,
+              tags=["sandboxes"])
+    async def resume_sandbox(sandbox_id: str, edge: Edge, who: Who) -> models.SandboxInfo:
+        """Thaw a paused sandbox; its processes continue where they stopped."""
+        info = await edge.resume(sandbox_id)
+        if api.records(edge):
+            events.append(sandbox_id, "sandbox.resumed", None, json.dumps({"by": who.key_id}))
+        return info
+
     @app.put("/v1/sandboxes/{sandbox_id}/network", response_model=models.SandboxInfo,
              tags=["sandboxes"])
     async def set_network(sandbox_id: str, body: models.NetworkPolicy,

@@ -10,8 +10,9 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rollbox.backends.container.channel import SpawnError
 from rollbox.backends.container.protocol import ExecRequest
@@ -22,7 +23,7 @@ from rollbox.edge.journal import Journal
 from rollbox.edge.sessions import ExecSession
 from rollbox.errors import (
     BadRequest, CapacityExceeded, InfraError, NotFound, PayloadTooLarge, RollboxError,
-    SandboxDead,
+    SandboxDead, SandboxPaused,
 )
 from rollbox.events.store import EventLog
 from rollbox.images.mounts import LayerMounts
@@ -56,6 +57,9 @@ class LiveSandbox:
     sessions: dict[str, ExecSession] = field(default_factory=dict)
     users: dict[str, tuple[int, int, str]] = field(default_factory=dict)
     watcher: asyncio.Task | None = None
+    # pause/resume: one freeze change at a time; host-side kills that came due while paused.
+    freeze_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    deferred_kills: list[ExecSession] = field(default_factory=list)
 
 
 def raise_nofile_limit(target: int = 1 << 20) -> None:
@@ -107,12 +111,10 @@ class Edge:
         for info, host_uid, extra in self.journal.live():
             journaled.add(info.id)
             box = None
-            if info.state == "running" and host_uid is not None:
-                box = await self.backend.adopt(
-                    info.id, host_uid, extra.get("env", {}),
-                    network_rules=info.network.allow if info.network else None)
+            if info.state in ("running", "paused") and host_uid is not None:
+                box = await self._adopt(info, host_uid, extra)
             if box is None:
-                if host_uid is not None and info.state != "running":
+                if host_uid is not None and info.state not in ("running", "paused"):
                     await self._quiet_cleanup(info.id, host_uid)
                 self._mark_dead(info, "lost while the edge was down")
                 continue
@@ -121,6 +123,36 @@ class Edge:
         for orphan in self.backend.host_sandbox_ids(f"{self.node_id}-") - journaled - set(self.live):
             log.warning("cleaning orphan sandbox resources %s", orphan)
             await self._quiet_cleanup(orphan, None)
+
+    async def _adopt(self, info: SandboxInfo, host_uid: int,
+                     extra: dict) -> ContainerSandbox | None:
+        """Re-adopt one sandbox. A frozen one (paused, or left frozen by a crash mid-snapshot)
+        can not answer the handshake: its commands are frozen on their own, the agent alone is
+        thawed for the handshake, then the journal's state is restored (paused: frozen again)."""
+        v2 = cgroups.v2_dir(self.settings.cgroup_parent, info.id)
+        v1 = self._v1_freezer(info.id)
+        was_frozen = await asyncio.to_thread(cgroups.is_frozen, v2, v1)
+        if was_frozen:
+            cgroups.set_children_frozen(v2, True)
+            cgroups.thaw(v2, v1)
+        box = await self.backend.adopt(
+            info.id, host_uid, extra.get("env", {}),
+            network_rules=info.network.allow if info.network else None)
+        if box is None:
+            return None
+        if info.state == "paused":
+            try:
+                await asyncio.to_thread(cgroups.freeze, v2, v1)
+            except InfraError as exc:
+                log.error("sandbox %s: can not freeze it again (%s); it runs", info.id, exc)
+                info.state = "running"
+                self.journal.put(info)
+        if was_frozen:
+            cgroups.set_children_frozen(v2, False)  # frozen by the parent (paused) or running
+        return box
+
+    def _v1_freezer(self, sandbox_id: str) -> Path:
+        return cgroups.ROOT / "freezer" / self.settings.cgroup_parent / sandbox_id
 
     async def _quiet_cleanup(self, sandbox_id: str, host_uid: int | None) -> None:
         try:
@@ -258,6 +290,14 @@ class Edge:
                           + (f": {info.dead_reason}" if info.dead_reason else ""),
                           state=info.state)
 
+    def _running(self, sandbox_id: str) -> LiveSandbox:
+        """A live sandbox that is not paused: what needs its agent (exec, stdin, signals)."""
+        live = self._live(sandbox_id)
+        if live.info.state == "paused":
+            raise SandboxPaused(f"sandbox {sandbox_id} is paused; resume it first",
+                                state="paused")
+        return live
+
     async def get(self, sandbox_id: str) -> SandboxInfo:
         live = self.live.get(sandbox_id)
         if live:
@@ -296,8 +336,11 @@ class Edge:
 
     async def _destroy(self, live: LiveSandbox, reason: str | None, state: str) -> None:
         info = live.info
+        was_paused = info.state == "paused"
         info.state = "stopping"
         self.journal.put(info)
+        if was_paused and not (live.box.v2_cgroup / "cgroup.freeze").exists():
+            cgroups.thaw(live.box.v2_cgroup, self._v1_freezer(info.id))  # v1: kill needs thaw
         if live.watcher and live.watcher is not asyncio.current_task():
             live.watcher.cancel()
         for sess in live.sessions.values():
@@ -347,6 +390,60 @@ class Edge:
         self.event_log.append(sandbox_id, "sandbox.network", data=json.dumps({"allow": rules}))
         return live.info
 
+    # ---- pause / resume -------------------------------------------------------------------
+    async def pause(self, sandbox_id: str) -> SandboxInfo:
+        """Freeze the whole sandbox (agent and every command) in its cgroup: no CPU, memory and
+        disk kept. Exec/stdin/signals answer SandboxPaused until resume; host-side operations
+        (files, TTL, network, snapshot, grade, delete) still work. The TTL keeps counting.
+        Pausing a paused sandbox is a no-op."""
+        live = self._live(sandbox_id)
+        async with live.freeze_lock:
+            if live.info.state == "paused":
+                return live.info
+            self._check_freezable(live)
+            await self._freeze_change(live, cgroups.freeze)
+            live.info.state = "paused"
+            self.journal.put(live.info)
+        self.event_log.append(sandbox_id, "sandbox.paused")
+        return live.info
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        """Thaw a paused sandbox; its processes continue where they stopped. A command whose
+        deadline passed while paused is killed as timed out at once (deadlines are wall-clock).
+        Resuming a running sandbox is a no-op."""
+        live = self._live(sandbox_id)
+        async with live.freeze_lock:
+            if live.info.state != "paused":
+                return live.info
+            self._check_freezable(live)
+            await self._freeze_change(live, cgroups.thaw)
+            live.info.state = "running"
+            self.journal.put(live.info)
+            loop = asyncio.get_running_loop()
+            for session in live.deferred_kills:  # the agent kills first; this is the backstop
+                loop.call_later(HOST_KILL_GRACE_S, self._host_kill, live, session)
+            live.deferred_kills.clear()
+        self.event_log.append(sandbox_id, "sandbox.resumed")
+        return live.info
+
+    def _check_freezable(self, live: LiveSandbox) -> None:
+        if live.info.id in self._snapshotting:
+            # The snapshot thaws what it froze when it ends: the two must not interleave.
+            raise BadRequest(f"a snapshot of sandbox {live.info.id} is running; "
+                             "pause or resume after it")
+
+    async def _freeze_change(self, live: LiveSandbox,
+                             change: Callable[[Path, Path | None], object]) -> None:
+        sid = live.info.id
+        try:
+            await asyncio.to_thread(change, live.box.v2_cgroup, self._v1_freezer(sid))
+        except InfraError:
+            if sid not in self.live or sid in self._deleting:
+                raise SandboxDead(f"sandbox {sid} went away") from None
+            raise
+        if sid not in self.live or sid in self._deleting:
+            raise SandboxDead(f"sandbox {sid} went away")
+
     async def _ttl_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
@@ -386,7 +483,7 @@ class Edge:
         raise BadRequest(f"unknown user {user!r} in sandbox")
 
     async def exec_start(self, sandbox_id: str, spec: ExecSpec) -> str:
-        live = self._live(sandbox_id)
+        live = self._running(sandbox_id)
         uid, gid, home = await self._resolve_user(live, spec.user)
         argv = ["/bin/sh", "-c", spec.cmd] if isinstance(spec.cmd, str) else list(spec.cmd)
         env = dict(live.box.image_env)
@@ -478,6 +575,9 @@ class Edge:
             self._forget_old_sessions(live)
 
     def _host_kill(self, live: LiveSandbox, session: ExecSession) -> None:
+        if live.info.state == "paused":  # the agent can't act while frozen: kill after resume
+            live.deferred_kills.append(session)
+            return
         if not session.done.is_set() and session.cgroup_name:
             log.warning("host-side kill of %s/%s past its deadline", live.info.id, session.exec_id)
             cgroups.kill(live.box.v2_cgroup / session.cgroup_name)
@@ -515,6 +615,7 @@ class Edge:
 
     async def exec_stdin(self, sandbox_id: str, exec_id: str, data: bytes, eof: bool) -> None:
         sess = self._session(sandbox_id, exec_id)
+        self._running(sandbox_id)
         if not sess.spec.stdin:
             raise BadRequest("exec was started without stdin=true")
         if sess.done.is_set() or sess.agent_session is None:
@@ -530,6 +631,7 @@ class Edge:
             raise BadRequest("signal must be in 1..64")
         if sess.done.is_set() or sess.agent_session is None:
             return
+        self._running(sandbox_id)  # the frozen agent could not deliver it
         if signal == 9:
             await sess.agent_session.kill()
         else:
@@ -652,12 +754,14 @@ class Edge:
             except RollboxError:
                 config = {}
             box = live.box
-            v1_freezer = cgroups.ROOT / "freezer" / self.settings.cgroup_parent / sandbox_id
+            v1_freezer = self._v1_freezer(sandbox_id)
             staging = self.store.staging_dir("snapshot")
             root = staging / "rootfs"
 
             def capture() -> tuple[snap.CaptureStats, float]:
-                pause = (snap.frozen(box.v2_cgroup, v1_freezer) if spec.pause
+                # A paused sandbox is frozen already and stays so after the copy.
+                pause = (snap.frozen(box.v2_cgroup, v1_freezer)
+                         if spec.pause and live.info.state != "paused"
                          else contextlib.nullcontext(0.0))
                 with pause:
                     t_freeze = time.monotonic()

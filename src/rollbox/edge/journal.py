@@ -56,7 +56,7 @@ class Journal:
         with self._lock:
             rows = self._db.execute(
                 "SELECT info, host_uid, extra FROM sandboxes WHERE state IN"
-                " ('creating','running','stopping')").fetchall()
+                " ('creating','running','paused','stopping')").fetchall()
         return [(SandboxInfo.model_validate_json(r[0]), r[1], json.loads(r[2])) for r in rows]
 
     def purge_finished(self, older_than_s: float) -> None:

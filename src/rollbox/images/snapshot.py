@@ -23,7 +23,6 @@ import re
 import shutil
 import stat
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +35,11 @@ from rollbox.images.build import (
     is_whiteout,
     make_whiteout,
     set_opaque,
+)
+from rollbox.isolation.cgroups import (  # noqa: F401 - re-exported: freezing lives with cgroups
+    FREEZE_TIMEOUT_S,
+    frozen,
+    is_frozen,
 )
 
 # What a snapshot drops by default, and why. "/abs/glob" matches the whole path inside the
@@ -65,8 +69,6 @@ DEFAULT_MAX_ENTRIES = 1_000_000
 MAX_DEPTH = 256
 MAX_PATH = 4000  # below PATH_MAX: mkfs.erofs walks the staging copy by path
 MAX_XATTR_BYTES = 64 << 10
-# Longest a sandbox stays frozen waiting for its processes to stop (FREEZING -> FROZEN).
-FREEZE_TIMEOUT_S = 10.0
 GIT_TIMEOUT_S = 120.0
 _COPY_CHUNK = 1 << 20
 
@@ -417,63 +419,6 @@ def scrub_git_history(root: Path) -> list[str]:
                 os.chown(os.path.join(dirpath, name), uid, gid, follow_symlinks=False)
         done.append(rel)
     return done
-
-
-# ---- freezing ------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def frozen(v2_cgroup: Path, v1_freezer: Path | None = None,
-           timeout: float = FREEZE_TIMEOUT_S) -> Iterator[float]:
-    """Freeze every process of a sandbox for the body; thaw after, also on failure.
-
-    Uses the v2 ``cgroup.freeze`` (fatal signals still kill frozen tasks, so a delete during a
-    snapshot can not hang), else the v1 freezer hierarchy. Yields the time taken to freeze."""
-    t0 = time.monotonic()
-    use_v2 = (v2_cgroup / "cgroup.freeze").exists()
-    if not use_v2 and (v1_freezer is None or not (v1_freezer / "freezer.state").exists()):
-        raise InfraError(f"no freezer for {v2_cgroup.name}: neither cgroup.freeze nor a v1 "
-                         "freezer cgroup")
-
-    def state_ok() -> bool:
-        if use_v2:
-            return "frozen 1" in (v2_cgroup / "cgroup.events").read_text()
-        return (v1_freezer / "freezer.state").read_text().strip() == "FROZEN"  # type: ignore[operator]
-
-    def thaw() -> None:
-        try:
-            if use_v2:
-                (v2_cgroup / "cgroup.freeze").write_text("0")
-            else:
-                (v1_freezer / "freezer.state").write_text("THAWED")  # type: ignore[operator]
-        except FileNotFoundError:
-            pass  # the sandbox is gone
-
-    try:
-        if use_v2:
-            (v2_cgroup / "cgroup.freeze").write_text("1")
-        else:
-            (v1_freezer / "freezer.state").write_text("FROZEN")  # type: ignore[operator]
-        while not state_ok():
-            if time.monotonic() - t0 > timeout:
-                raise InfraError(f"sandbox {v2_cgroup.name} did not freeze in {timeout:.0f} s")
-            time.sleep(0.002)
-    except FileNotFoundError as exc:
-        thaw()
-        raise InfraError(f"sandbox {v2_cgroup.name} has no cgroup: {exc}") from exc
-    except BaseException:
-        thaw()
-        raise
-    try:
-        yield time.monotonic() - t0
-    finally:
-        thaw()
-
-
-def is_frozen(v2_cgroup: Path) -> bool:
-    try:
-        return "frozen 1" in (v2_cgroup / "cgroup.events").read_text()
-    except FileNotFoundError:
-        return False
 
 
 # ---- push targets --------------------------------------------------------------------------

@@ -7,13 +7,19 @@ everything the command started through ``cgroup.kill``, whatever it forked, sets
 double-forked. The sandbox cgroup is delegated to the sandbox's root uid (only ``cgroup.procs``
 and the session dirs), which is what lets its agent move a child into a session cgroup through a
 directory fd the edge hands it; the sandbox never sees the cgroup filesystem itself.
+Freezing the sandbox's v2 directory (``cgroup.freeze``) stops the agent and every command at
+once: pause/resume and consistent snapshots.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+from rollbox.errors import InfraError
 
 ROOT = Path("/sys/fs/cgroup")
 
@@ -149,3 +155,94 @@ def leftover(parent: str) -> list[Path]:
         if p.exists():
             found.extend(c for c in p.iterdir() if c.is_dir())
     return found
+
+
+# ---- freezing (pause/resume, consistent snapshots) -----------------------------------------
+# Longest a sandbox may take to stop its processes (FREEZING -> FROZEN) before freezing fails.
+FREEZE_TIMEOUT_S = 10.0
+
+
+def _use_v2_freezer(v2_cgroup: Path, v1_freezer: Path | None) -> bool:
+    if (v2_cgroup / "cgroup.freeze").exists():
+        return True
+    if v1_freezer is not None and (v1_freezer / "freezer.state").exists():
+        return False
+    raise InfraError(f"no freezer for {v2_cgroup.name}: neither cgroup.freeze nor a v1 "
+                     "freezer cgroup")
+
+
+def is_frozen(v2_cgroup: Path, v1_freezer: Path | None = None) -> bool:
+    """Whether every process of the subtree is stopped (v2 ``frozen 1``, v1 ``FROZEN``)."""
+    try:
+        if (v2_cgroup / "cgroup.freeze").exists() or v1_freezer is None:
+            return "frozen 1" in (v2_cgroup / "cgroup.events").read_text()
+        return (v1_freezer / "freezer.state").read_text().strip() == "FROZEN"
+    except FileNotFoundError:
+        return False
+
+
+def thaw(v2_cgroup: Path, v1_freezer: Path | None = None) -> None:
+    """Let a frozen subtree run again; a cgroup that is gone is not an error."""
+    try:
+        if (v2_cgroup / "cgroup.freeze").exists():
+            (v2_cgroup / "cgroup.freeze").write_text("0")
+        elif v1_freezer is not None:
+            (v1_freezer / "freezer.state").write_text("THAWED")
+    except FileNotFoundError:
+        pass
+
+
+def freeze(v2_cgroup: Path, v1_freezer: Path | None = None,
+           timeout: float = FREEZE_TIMEOUT_S) -> float:
+    """Stop every process of a sandbox's subtree and wait until they all are; returns the
+    seconds it took. On failure the subtree is thawed again and InfraError raised.
+
+    The v2 ``cgroup.freeze`` is preferred: fatal signals still kill frozen tasks there, so
+    ``cgroup.kill`` (teardown) works on a frozen sandbox. The v1 freezer is the fallback."""
+    t0 = time.monotonic()
+    use_v2 = _use_v2_freezer(v2_cgroup, v1_freezer)
+    try:
+        if use_v2:
+            (v2_cgroup / "cgroup.freeze").write_text("1")
+        else:
+            (v1_freezer / "freezer.state").write_text("FROZEN")  # type: ignore[operator]
+        while not is_frozen(v2_cgroup, None if use_v2 else v1_freezer):
+            if not (v2_cgroup.exists() if use_v2 else v1_freezer.exists()):  # type: ignore[union-attr]
+                raise FileNotFoundError(v2_cgroup)
+            if time.monotonic() - t0 > timeout:
+                raise InfraError(f"sandbox {v2_cgroup.name} did not freeze in {timeout:.0f} s")
+            time.sleep(0.002)
+    except FileNotFoundError as exc:
+        thaw(v2_cgroup, v1_freezer)
+        raise InfraError(f"sandbox {v2_cgroup.name} has no cgroup: {exc}") from exc
+    except BaseException:
+        thaw(v2_cgroup, v1_freezer)
+        raise
+    return time.monotonic() - t0
+
+
+@contextlib.contextmanager
+def frozen(v2_cgroup: Path, v1_freezer: Path | None = None,
+           timeout: float = FREEZE_TIMEOUT_S) -> Iterator[float]:
+    """Freeze every process of a sandbox for the body; thaw after, also on failure.
+    Yields the time taken to freeze."""
+    took = freeze(v2_cgroup, v1_freezer, timeout)
+    try:
+        yield took
+    finally:
+        thaw(v2_cgroup, v1_freezer)
+
+
+def set_children_frozen(v2_cgroup: Path, value: bool) -> None:
+    """Set ``cgroup.freeze`` of every direct child (the exec sessions). With the children's own
+    flag set, the parent can be thawed while they stay frozen: the agent runs, commands don't."""
+    try:
+        with os.scandir(v2_cgroup) as it:
+            children = [Path(e.path) for e in it if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return
+    for child in children:
+        try:
+            (child / "cgroup.freeze").write_text("1" if value else "0")
+        except FileNotFoundError:
+            pass

@@ -479,6 +479,20 @@ class AsyncSandbox:
         self.info = SandboxInfo.model_validate(r.json())
         return self.info
 
+    async def pause(self) -> SandboxInfo:
+        """Freeze the whole sandbox (no CPU; memory and files kept). Until :meth:`resume`,
+        exec raises :class:`rollbox.errors.SandboxPaused`; files, TTL and delete still work and
+        the TTL keeps counting (extend it with :meth:`set_ttl`). Idempotent."""
+        r = await self._t.request("POST", self._base + "/pause")
+        self.info = SandboxInfo.model_validate(r.json())
+        return self.info
+
+    async def resume(self) -> SandboxInfo:
+        """Thaw a paused sandbox; its processes continue. Idempotent."""
+        r = await self._t.request("POST", self._base + "/resume")
+        self.info = SandboxInfo.model_validate(r.json())
+        return self.info
+
     async def set_network(self, allow: Iterable[str] = ()) -> SandboxInfo:
         """Replace the network policy: ``allow`` names permissions (``pypi``, ``npm``,
         ``debian``, ``go``) and rules ``HOST:PORT[/udp]``, ``CIDR:PORT[/udp]``; empty = deny

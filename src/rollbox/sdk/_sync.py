@@ -172,6 +172,12 @@ class Sandbox:
     def set_ttl(self, ttl_s: float) -> SandboxInfo:
         return self._p.call(self._sb.set_ttl(ttl_s))
 
+    def pause(self) -> SandboxInfo:
+        return self._p.call(self._sb.pause())
+
+    def resume(self) -> SandboxInfo:
+        return self._p.call(self._sb.resume())
+
     def set_network(self, allow: Iterable[str] = ()) -> SandboxInfo:
         return self._p.call(self._sb.set_network(allow))
 

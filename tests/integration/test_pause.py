@@ -1,0 +1,209 @@
+"""Pause/resume: the whole sandbox is frozen in its cgroup (processes really stop), exec answers
+SandboxPaused, host-side files work, resume continues, deletion and TTL expiry work on a frozen
+sandbox, and an edge restart re-adopts a paused sandbox as paused."""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+import rollbox
+from rollbox import errors
+from rollbox.api import BackgroundServer, create_app
+from rollbox.edge.edge import Edge
+from rollbox.events.store import EventLog
+from rollbox.iam import KeyStore
+from rollbox.isolation import cgroups
+from rollbox.models import ExecSpec, SandboxSpec
+from rollbox.placement import Placement
+from tests.conftest import node_settings
+
+BB = "busybox:test"
+# A counter written every 20 ms: it advances only while the sandbox's processes run.
+COUNTER = "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.02; done"
+
+
+async def _count(edge: Edge, sid: str) -> int:
+    for _ in range(50):  # the loop's `>` truncates before it writes: retry an empty read
+        text = (await edge.file_read(sid, "/tmp/count", 64)).strip()
+        if text:
+            return int(text)
+        await asyncio.sleep(0.01)
+    raise AssertionError("counter file stays empty")
+
+
+async def _advancing(edge: Edge, sid: str, timeout: float = 10.0) -> int:
+    """Wait until the counter moves; returns its value then."""
+    deadline = time.monotonic() + timeout
+    first = None
+    while time.monotonic() < deadline:
+        try:
+            now = await _count(edge, sid)
+        except errors.NotFound:
+            now = None
+        if now is not None and first is not None and now > first:
+            return now
+        first = now if first is None else first
+        await asyncio.sleep(0.05)
+    raise AssertionError("counter does not advance")
+
+
+def _cpu_usec(v2: Path) -> int:
+    for line in (v2 / "cpu.stat").read_text().splitlines():
+        if line.startswith("usage_usec"):
+            return int(line.split()[1])
+    raise AssertionError("no usage_usec in cpu.stat")
+
+
+async def test_pause_freezes_everything_and_resume_continues(edge) -> None:  # noqa: ANN001
+    sb = await edge.create(SandboxSpec(image=BB), "t")
+    counter = await edge.exec_start(sb.id, ExecSpec(cmd=COUNTER))
+    spinner = await edge.exec_start(sb.id, ExecSpec(cmd="while :; do :; done"))
+    await _advancing(edge, sb.id)
+    v2 = edge.live[sb.id].box.v2_cgroup
+
+    info = await edge.pause(sb.id)
+    assert info.state == "paused" and (await edge.get(sb.id)).state == "paused"
+    assert cgroups.is_frozen(v2)
+    assert [i.state for i in await edge.list("t", {}) if i.id == sb.id] == ["paused"]
+    c1, cpu1 = await _count(edge, sb.id), _cpu_usec(v2)
+    await asyncio.sleep(0.6)
+    assert await _count(edge, sb.id) == c1  # ~30 increments would have happened
+    assert _cpu_usec(v2) - cpu1 < 20_000  # a busy loop would have burnt ~600 ms
+    assert (await edge.pause(sb.id)).state == "paused"  # idempotent
+
+    # Nothing can run while paused: a typed error at once, never a hang.
+    with pytest.raises(errors.SandboxPaused):
+        await asyncio.wait_for(edge.exec_start(sb.id, ExecSpec(cmd="true")), 5)
+    with pytest.raises(errors.SandboxPaused):
+        await asyncio.wait_for(edge.exec_kill(sb.id, spinner, 9), 5)
+    # Host-side operations work on the frozen tree.
+    await edge.file_write(sb.id, "/tmp/while-paused", b"hello", 0o644)
+    assert await edge.file_read(sb.id, "/tmp/while-paused", 64) == b"hello"
+    expires = (await edge.set_ttl(sb.id, 600)).expires_at
+    assert expires > time.time() + 500 and (await edge.get(sb.id)).state == "paused"
+    assert {e.exec_id for e in await edge.exec_list(sb.id) if e.state == "running"} == {
+        counter, spinner}
+
+    info = await edge.resume(sb.id)
+    assert info.state == "running" and not cgroups.is_frozen(v2)
+    assert (await edge.resume(sb.id)).state == "running"  # idempotent
+    assert await _advancing(edge, sb.id) > c1  # the same process continues
+    eid = await edge.exec_start(sb.id, ExecSpec(cmd="cat /tmp/while-paused"))
+    assert (await edge.exec_wait(sb.id, eid)).stdout == "hello"
+    await edge.exec_kill(sb.id, spinner, 9)
+    assert (await edge.exec_wait(sb.id, spinner)).signal == 9
+    kinds = [e.kind for e in await edge.event_log.read(sb.id, 0)]
+    assert kinds.count("sandbox.paused") == 1 and kinds.count("sandbox.resumed") == 1
+    await edge.delete(sb.id)
+    assert edge.leftovers(sb.id) == []
+
+
+async def test_delete_and_ttl_expiry_of_paused_sandboxes(edge) -> None:  # noqa: ANN001
+    a = await edge.create(SandboxSpec(image=BB), "t")
+    b = await edge.create(SandboxSpec(image=BB, ttl_s=600), "t")
+    for sid in (a.id, b.id):
+        await edge.exec_start(sid, ExecSpec(cmd="sleep 300 & sleep 300"))
+        await edge.pause(sid)
+    # cgroup.kill reaches frozen tasks: delete of a paused sandbox neither hangs nor leaks.
+    await asyncio.wait_for(edge.delete(a.id), 30)
+    assert (await edge.get(a.id)).state == "deleted" and edge.leftovers(a.id) == []
+    with pytest.raises(errors.SandboxDead):
+        await edge.pause(a.id)
+    with pytest.raises(errors.SandboxDead):
+        await edge.resume(a.id)
+    # A paused sandbox's TTL keeps counting: expiry tears it down.
+    await edge.set_ttl(b.id, 0.5)
+    await edge.wait_deleted(b.id, timeout=15)
+    info = await edge.get(b.id)
+    assert info.state == "deleted" and info.dead_reason == "ttl expired"
+    assert edge.leftovers(b.id) == []
+
+
+async def test_unknown_sandbox(edge) -> None:  # noqa: ANN001
+    ghost = f"{edge.node_id}-0123456789ab"
+    with pytest.raises(errors.NotFound):
+        await edge.pause(ghost)
+    with pytest.raises(errors.NotFound):
+        await edge.resume(ghost)
+
+
+async def test_command_deadline_does_not_fire_while_paused(edge) -> None:  # noqa: ANN001
+    """Deadlines are wall-clock: nothing is killed while frozen; a command whose deadline
+    passed during the pause ends as timed out right after resume."""
+    sb = await edge.create(SandboxSpec(image=BB), "t")
+    eid = await edge.exec_start(sb.id, ExecSpec(cmd="sleep 30", timeout_s=0.5))
+    await edge.pause(sb.id)
+    await asyncio.sleep(0.5 + 2.5)  # past the deadline and the host backstop's grace
+    assert not edge.live[sb.id].sessions[eid].done.is_set()
+    assert cgroups.procs(edge.live[sb.id].box.v2_cgroup / edge.live[sb.id].sessions[eid].cgroup_name)
+    await edge.resume(sb.id)
+    result = await asyncio.wait_for(edge.exec_wait(sb.id, eid), 10)
+    assert result.timed_out
+    await edge.delete(sb.id)
+
+
+async def test_restart_readopts_paused_sandbox(tmp_node_dir) -> None:  # noqa: ANN001
+    settings = node_settings(tmp_node_dir)
+    events = EventLog(tmp_node_dir / "events.db")
+    e1 = Edge(settings, events)
+    await e1.start()
+    e2 = None
+    try:
+        paused = await e1.create(SandboxSpec(image=BB), "t")
+        running = await e1.create(SandboxSpec(image=BB), "t")
+        await e1.exec_start(paused.id, ExecSpec(cmd=COUNTER))
+        await _advancing(e1, paused.id)
+        await e1.pause(paused.id)
+        await e1.close(destroy=False)  # sandboxes outlive the edge
+
+        e2 = Edge(settings, events)
+        await e2.start()
+        assert (await e2.get(paused.id)).state == "paused"
+        assert (await e2.get(running.id)).state == "running"
+        v2 = e2.live[paused.id].box.v2_cgroup
+        assert cgroups.is_frozen(v2)
+        c1 = await _count(e2, paused.id)
+        await asyncio.sleep(0.4)
+        assert await _count(e2, paused.id) == c1
+        with pytest.raises(errors.SandboxPaused):
+            await e2.exec_start(paused.id, ExecSpec(cmd="true"))
+        await e2.resume(paused.id)
+        assert await _advancing(e2, paused.id) > c1  # the pre-restart process goes on
+        eid = await e2.exec_start(paused.id, ExecSpec(cmd="echo ok"))
+        assert (await e2.exec_wait(paused.id, eid)).stdout == "ok\n"
+        for sid in (paused.id, running.id):
+            await e2.delete(sid)
+            assert e2.leftovers(sid) == []
+    finally:
+        if e2 is not None:
+            await e2.close(destroy=True)
+        else:
+            await e1.close(destroy=True)
+        events.close()
+
+
+async def test_pause_resume_through_api_and_sdk(edge, tmp_path: Path) -> None:  # noqa: ANN001
+    keys = KeyStore(tmp_path / "keys.db")
+    key = keys.create("proj")
+    app = create_app(Placement([edge]), edge.event_log, keys)
+    try:
+        async with BackgroundServer(app) as srv, rollbox.AsyncClient(srv.url, key) as c:
+            sb = await c.create(BB)
+            assert (await sb.pause()).state == "paused"
+            assert sb.info.state == "paused"
+            with pytest.raises(rollbox.SandboxPaused):
+                await sb.exec("true")
+            await sb.files.write("/tmp/x", "y")
+            assert [s.info.state for s in await c.list() if s.id == sb.id] == ["paused"]
+            assert (await sb.resume()).state == "running"
+            assert (await sb.exec("cat /tmp/x")).stdout == "y"
+            await sb.delete()
+            with pytest.raises(errors.SandboxDead):
+                await sb.pause()
+            with pytest.raises(errors.NotFound):
+                await c._t.request("POST", f"/v1/sandboxes/{edge.node_id}-0123456789ab/pause")
+    finally:
+        keys.close()
