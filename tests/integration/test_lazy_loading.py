@@ -346,3 +346,40 @@ async def test_pull_lazy_cli_and_stats_api(lazy_edge, lazy_store: ImageStore,
         assert res.exit_code == 0, res.output
         assert sb.id in json.loads(res.output)["sandboxes"]
         await sb.delete()
+
+
+async def test_edge_watch_restarts_crashed_daemon(lazy_store: ImageStore,
+                                                  tmp_node_dir: Path) -> None:
+    """An edge on a node with lazy layers starts the loader's watch task: a daemon killed
+    with no sandbox asking is replaced by a new generation within seconds; close() stops the
+    watch only (mounts may still need the daemon)."""
+    from rollbox.edge.edge import Edge
+    from rollbox.events.store import EventLog
+
+    layer = await asyncio.to_thread(small_layer, lazy_store, tmp_node_dir, 4, 50_000)
+    await asyncio.to_thread(push_lazy, lazy_store, layer, f"dir://{tmp_node_dir}/chunks")
+    settings = node_settings(tmp_node_dir)
+    settings.images_root = lazy_store.root
+    events = EventLog(tmp_node_dir / "events.db")
+    edge = Edge(settings, events, store=lazy_store)
+    await edge.start()
+    try:
+        loader = loader_for(lazy_store)
+        assert edge._lazy is loader and loader.healthy()
+        gen = loader.generation()
+        os.kill(int(loader.daemon_state()["pid"]), signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (loader.generation() > gen
+                                                   and loader.healthy()):
+            await asyncio.sleep(0.1)
+        assert loader.generation() == gen + 1 and loader.healthy()
+    finally:
+        await edge.close(destroy=True)
+        events.close()
+        shutil.rmtree(settings.run_dir, ignore_errors=True)
+    assert edge._lazy is None and loader._watch is None
+
+
+async def test_edge_without_lazy_layers_starts_no_daemon(lazy_edge) -> None:
+    assert lazy_edge._lazy is None
+    assert loader_for(lazy_edge.store).daemon_state() is None

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rollbox.backends.container.channel import SpawnError
 from rollbox.backends.container.protocol import ExecRequest
@@ -34,6 +35,9 @@ from rollbox.models import (
     Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, NetworkPolicy,
     SandboxInfo, SandboxSpec, SnapshotResult, SnapshotSpec,
 )
+
+if TYPE_CHECKING:
+    from rollbox.images.lazy.loader import LazyLoader
 
 log = logging.getLogger(__name__)
 PR_SET_CHILD_SUBREAPER = 36
@@ -95,6 +99,7 @@ class Edge:
         self._ttl_task: asyncio.Task | None = None
         self._deleting: dict[str, asyncio.Task] = {}
         self._snapshotting: set[str] = set()
+        self._lazy: LazyLoader | None = None  # while the node has lazy layers
         self._host_mem_mib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
 
     # ---- lifecycle of the edge itself -------------------------------------------------
@@ -104,6 +109,22 @@ class Edge:
         raise_nofile_limit()
         await self._recover()
         self._ttl_task = asyncio.create_task(self._ttl_loop())
+        await self._start_lazy_watch()
+
+    async def _start_lazy_watch(self) -> None:
+        """If the node has lazy layers: start (or adopt) the lazy-loading daemon and its watch
+        task, which restarts a crashed daemon (the daemon itself outlives the edge)."""
+        from rollbox.images.lazy.paths import LazyPaths
+
+        if not any(LazyPaths(self.store.root).layers.glob("sha256-*.json")):
+            return
+        from rollbox.images.lazy.loader import loader_for
+
+        self._lazy = loader_for(self.store)
+        try:
+            await self._lazy.start()
+        except RollboxError as exc:  # sandboxes on lazy layers report it; the edge still runs
+            log.error("lazy-loading daemon did not start: %s", exc)
 
     async def _recover(self) -> None:
         """Re-adopt journaled sandboxes that still run; report the rest dead; clean orphans."""
@@ -164,6 +185,9 @@ class Edge:
         """Stop the edge. Sandboxes keep running (re-adopted next start) unless destroy."""
         if self._ttl_task:
             self._ttl_task.cancel()
+        if self._lazy is not None:
+            await self._lazy.stop(daemon=False)  # the watch task only: mounts need the daemon
+            self._lazy = None
         if destroy:
             await asyncio.gather(*(self.delete(sid) for sid in list(self.live)),
                                  return_exceptions=True)
