@@ -181,6 +181,32 @@ async def test_async_files(env: Env) -> None:
         await sbx.kill()
 
 
+async def _counter(env: Env, sid: str, moving: bool = False) -> int:
+    """The background counter's value, read host-side through the edge (works while paused);
+    with moving=True, wait until it has advanced."""
+    first = None
+    for _ in range(200):
+        text = (await env.edge.file_read(sid, "/tmp/count", 64)
+                if await _exists(env, sid) else b"").strip()
+        if text:
+            value = int(text)
+            if not moving or (first is not None and value > first):
+                return value
+            first = value if first is None else first
+        await asyncio.sleep(0.05)
+    raise AssertionError("counter did not advance")
+
+
+async def _exists(env: Env, sid: str) -> bool:
+    from rollbox import errors
+
+    try:
+        await env.edge.file_stat(sid, "/tmp/count")
+        return True
+    except errors.NotFound:
+        return False
+
+
 async def test_lifecycle_list_connect_pause(env: Env) -> None:
     from e2b import AsyncSandbox, NotFoundException, SandboxQuery, SandboxState
 
@@ -206,15 +232,31 @@ async def test_lifecycle_list_connect_pause(env: Env) -> None:
         assert await a2.files.read("/tmp/mark") == "A"
         assert (await a2.commands.run("cat /tmp/mark")).stdout == "A"
 
-        # pause: listed as paused, envd refuses; connect resumes with state intact.
+        # pause: really frozen (a background counter stops), listed as paused, envd refuses;
+        # connect resumes with state intact and the same process counting on.
+        counter = await a.commands.run(
+            "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.02; done",
+            background=True)
+        count = await _counter(env, a.sandbox_id, moving=True)
         await a.beta_pause()
+        assert (await env.edge.get(a.sandbox_id)).state == "paused"
+        frozen_at = await _counter(env, a.sandbox_id)
+        await asyncio.sleep(0.5)
+        assert await _counter(env, a.sandbox_id) == frozen_at >= count
         paused = await AsyncSandbox.list(query=SandboxQuery(
             metadata={"tag": tag}, state=[SandboxState.PAUSED])).next_items()
         assert [s.sandbox_id for s in paused] == [a.sandbox_id]
+        running = await AsyncSandbox.list(query=SandboxQuery(
+            metadata={"tag": tag}, state=[SandboxState.RUNNING])).next_items()
+        assert [s.sandbox_id for s in running] == [b.sandbox_id]
         assert not await a.is_running()
         a3 = await AsyncSandbox.connect(a.sandbox_id, timeout=120)
+        assert (await env.edge.get(a.sandbox_id)).state == "running"
         assert await a3.is_running()
         assert await a3.files.read("/tmp/mark") == "A"
+        assert await _counter(env, a.sandbox_id, moving=True) > frozen_at
+        assert counter.pid in [p.pid for p in await a3.commands.list()]
+        await a3.commands.kill(counter.pid)
 
         # pagination
         pager = AsyncSandbox.list(query=SandboxQuery(metadata={"tag": tag}), limit=1)

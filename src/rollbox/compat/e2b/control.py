@@ -37,6 +37,14 @@ DEFAULT_TIMEOUT_S = 15  # E2B's server default when a create names none
 LIST_LIMIT_MAX = 1000
 
 
+# rollbox states an E2B sandbox can be in (E2B knows only "running" and "paused").
+LIVE_STATES = ("creating", "running", "paused")
+
+
+def e2b_state(info: SandboxInfo) -> str:
+    return "paused" if info.state == "paused" else "running"
+
+
 def e2b_error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"code": status, "message": message}, status_code=status)
 
@@ -90,7 +98,7 @@ def mount_control(app: FastAPI, api: Any, state: E2BState) -> None:
     async def live(sid: str, principal: Principal) -> tuple[EdgeAPI, SandboxInfo]:
         edge = await api.sandbox_edge(sid, principal)
         info = await edge.get(sid)
-        if info.state not in ("creating", "running"):
+        if info.state not in LIVE_STATES:
             raise errors.NotFound(f"sandbox {sid} not found ({info.state})")
         return edge, info
 
@@ -110,7 +118,7 @@ def mount_control(app: FastAPI, api: Any, state: E2BState) -> None:
             "cpuCount": max(1, round(info.resources.cpus)),
             "memoryMB": info.resources.memory_mib, "diskSizeMB": info.resources.disk_mib,
             "startedAt": iso(info.created_at), "endAt": iso(info.expires_at),
-            "state": "paused" if info.id in state.paused else "running",
+            "state": e2b_state(info),
         }
 
     def handler(fn):
@@ -175,8 +183,8 @@ def mount_control(app: FastAPI, api: Any, state: E2BState) -> None:
         found = [i for i in await api.placement.list(owner, labels)
                  if (owner is None or i.owner == owner)
                  and all(i.labels.get(k) == v for k, v in labels.items())
-                 and i.state in ("creating", "running")
-                 and ("paused" if i.id in state.paused else "running") in states]
+                 and i.state in LIVE_STATES
+                 and e2b_state(i) in states]
         found.sort(key=lambda i: (i.created_at, i.id))
         headers = {}
         if paged:
@@ -215,7 +223,6 @@ def mount_control(app: FastAPI, api: Any, state: E2BState) -> None:
         if (await edge.get(sid)).state in ("stopping", "deleted"):
             raise errors.NotFound(f"sandbox {sid} not found")  # kill twice: E2B says 404
         await edge.delete(sid)
-        state.paused.pop(sid, None)
         if api.records(edge):
             await api.drain_recorders(sid, 2.0)
             api.events.append(sid, "sandbox.deleted", None,
@@ -225,9 +232,9 @@ def mount_control(app: FastAPI, api: Any, state: E2BState) -> None:
     @handler
     async def set_timeout(request: Request) -> Response:
         sid = request.path_params["sandbox_id"]
-        edge, _ = await live(sid, who(request))
+        edge, info = await live(sid, who(request))
         ttl = _timeout((await _json(request)).get("timeout"))
-        if sid not in state.paused:  # a paused sandbox keeps its pause TTL until resumed
+        if info.state != "paused":  # a paused sandbox keeps its pause TTL until resumed
             await edge.set_ttl(sid, ttl)
         return Response(status_code=204)
 
@@ -236,19 +243,20 @@ def mount_control(app: FastAPI, api: Any, state: E2BState) -> None:
         sid = request.path_params["sandbox_id"]
         edge, info = await live(sid, who(request))
         ttl = _timeout((await _json(request)).get("duration"), 60)
-        if now() + ttl > info.expires_at and sid not in state.paused:
+        if now() + ttl > info.expires_at and info.state != "paused":
             await edge.set_ttl(sid, ttl)
         return Response(status_code=204)
 
     @handler
     async def pause(request: Request) -> Response:
         sid = request.path_params["sandbox_id"]
-        edge, _ = await live(sid, who(request))
-        if sid in state.paused:
+        edge, info = await live(sid, who(request))
+        if info.state == "paused":
             return e2b_error(409, f"sandbox {sid} is already paused")
-        # Paused = marked: envd calls are refused until a connect/resume; processes keep their
-        # state (not frozen) and the sandbox lives on for up to PAUSED_TTL_S.
-        state.paused[sid] = now()
+        # Paused = frozen by the edge (agent and every process stop; memory and files kept);
+        # envd calls are refused until a connect/resume. Like E2B, a paused sandbox does not
+        # expire at its running timeout: it lives on for up to PAUSED_TTL_S.
+        await edge.pause(sid)
         await edge.set_ttl(sid, PAUSED_TTL_S)
         return Response(status_code=204)
 
@@ -256,9 +264,9 @@ def mount_control(app: FastAPI, api: Any, state: E2BState) -> None:
         sid = request.path_params["sandbox_id"]
         edge, info = await live(sid, who(request))
         ttl = _timeout((await _json(request)).get("timeout"), 300)
-        if sid in state.paused:
+        if info.state == "paused":
+            info = await edge.resume(sid)
             await edge.set_ttl(sid, ttl)
-            state.paused.pop(sid, None)
             return JSONResponse(sandbox_json(info), status_code=201)
         if must_be_paused:
             return e2b_error(409, f"sandbox {sid} is already running")

@@ -256,12 +256,15 @@ class Watcher:
 def mount_envd(app: FastAPI, api: Any, state: E2BState) -> None:
     watchers: dict[str, Watcher] = {}
 
-    def route(request: Request) -> tuple[str, EdgeAPI]:
+    async def route(request: Request) -> tuple[str, EdgeAPI]:
         sid = state.sandbox_of(request.headers.get("x-access-token"),
                                request.headers.get("e2b-sandbox-id"))
-        if sid in state.paused:
+        edge = api.placement.edge_for(sid)
+        # E2B: a paused sandbox's envd is unreachable until connect/resume (the edge would
+        # still serve its files host-side; E2B clients expect the refusal).
+        if (await edge.get(sid)).state == "paused":
             raise errors.SandboxDead(f"sandbox {sid} is paused")
-        return sid, api.placement.edge_for(sid)
+        return sid, edge
 
     # -- plain HTTP: /health, /files --
     def http_error(exc: Exception) -> Response:
@@ -281,7 +284,7 @@ def mount_envd(app: FastAPI, api: Any, state: E2BState) -> None:
     @app.get(PREFIX + "/health", include_in_schema=False)
     async def health(request: Request) -> Response:
         try:
-            sid, edge = route(request)
+            sid, edge = await route(request)
             info = await edge.get(sid)
             if info.state not in ("creating", "running"):
                 raise errors.SandboxDead(f"sandbox {sid} is {info.state}")
@@ -292,7 +295,7 @@ def mount_envd(app: FastAPI, api: Any, state: E2BState) -> None:
     @app.get(PREFIX + "/files", include_in_schema=False)
     async def files_get(request: Request, path: str = "") -> Response:
         try:
-            sid, edge = route(request)
+            sid, edge = await route(request)
             data = await edge.file_read(sid, abs_path(path), MAX_FILE_READ)
         except Exception as exc:  # noqa: BLE001
             return http_error(exc)
@@ -301,7 +304,7 @@ def mount_envd(app: FastAPI, api: Any, state: E2BState) -> None:
     @app.post(PREFIX + "/files", include_in_schema=False)
     async def files_post(request: Request, path: str = "") -> Response:
         try:
-            sid, edge = route(request)
+            sid, edge = await route(request)
             form = await request.form(max_files=1000)
             written = []
             try:
@@ -328,14 +331,14 @@ def mount_envd(app: FastAPI, api: Any, state: E2BState) -> None:
                     ) -> Response:
         try:
             msg = await rpc.read_message(request, streaming=False)
-            sid, edge = route(request)
+            sid, edge = await route(request)
             return JSONResponse(await handler(sid, edge, msg))
         except Exception as exc:  # noqa: BLE001
             return rpc.error_response(rpc.from_rollbox(exc))
 
     async def process_start(request: Request) -> Response:
         msg = await rpc.read_message(request, streaming=True)
-        sid, edge = route(request)
+        sid, edge = await route(request)
         if msg.get("pty"):
             raise rpc.ConnectError("unimplemented", "PTY is not supported by rollbox")
         proc = msg.get("process") or {}
@@ -375,7 +378,7 @@ def mount_envd(app: FastAPI, api: Any, state: E2BState) -> None:
 
     async def process_connect(request: Request) -> Response:
         msg = await rpc.read_message(request, streaming=True)
-        sid, edge = route(request)
+        sid, edge = await route(request)
         exec_id = _selector(msg)
         await _running(edge, sid, exec_id)
         t = rpc.timeout_s(request)
@@ -486,7 +489,7 @@ def mount_envd(app: FastAPI, api: Any, state: E2BState) -> None:
 
     async def fs_watch(request: Request) -> Response:
         msg = await rpc.read_message(request, streaming=True)
-        sid, edge = route(request)
+        sid, edge = await route(request)
         root, recursive = await _watch_root(sid, edge, msg)
         snap = await snapshot(edge, sid, root, recursive)
         t = rpc.timeout_s(request)
@@ -496,7 +499,7 @@ def mount_envd(app: FastAPI, api: Any, state: E2BState) -> None:
             nonlocal snap
             while True:
                 await asyncio.sleep(WATCH_POLL_S)
-                if sid in state.paused:
+                if (await edge.get(sid)).state == "paused":
                     continue
                 try:
                     new = await snapshot(edge, sid, root, recursive)

@@ -1,5 +1,5 @@
-"""What the E2B front door keeps: the access-token secret, the template -> image map, the
-paused mark, and the mappings between E2B's names and rollbox's (pids, metadata, users, paths).
+"""What the E2B front door keeps: the access-token secret, the template -> image map, and the
+mappings between E2B's names and rollbox's (pids, metadata, users, paths).
 """
 from __future__ import annotations
 
@@ -74,8 +74,6 @@ class E2BState:
                  templates: dict[str, str] | None = None) -> None:
         self.templates = templates if templates is not None else _templates_from_env()
         self._secret = _load_secret(settings or Settings())
-        # sandbox id -> time it was paused. Per api process (documented in docs/compat.md).
-        self.paused: dict[str, float] = {}
 
     # -- access tokens: "<sandbox id>.<mac>", so envd calls route by token alone --
     def token(self, sandbox_id: str) -> str:
