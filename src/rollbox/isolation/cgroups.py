@@ -12,6 +12,8 @@ once: pause/resume and consistent snapshots.
 """
 from __future__ import annotations
 
+import asyncio
+
 import contextlib
 import errno
 import os
@@ -102,18 +104,25 @@ def kill(path: Path) -> None:
         pass
 
 
-def wait_empty(path: Path, timeout: float = 5.0) -> bool:
+def populated(path: Path) -> bool:
+    """Whether any live process is in the v2 cgroup subtree (False once it is gone)."""
+    try:
+        return "populated 1" in (path / "cgroup.events").read_text()
+    except FileNotFoundError:
+        return False
+
+
+async def wait_empty(path: Path, timeout: float = 5.0) -> bool:
+    """Wait until the subtree has no live process; False on timeout. Polls with a growing
+    pause (killed processes are gone within a few ms), never blocking the event loop."""
     deadline = time.monotonic() + timeout
-    while True:
-        try:
-            populated = "populated 1" in (path / "cgroup.events").read_text()
-        except FileNotFoundError:
-            return True
-        if not populated:
-            return True
+    pause = 0.0005
+    while populated(path):
         if time.monotonic() > deadline:
             return False
-        time.sleep(0.002)
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.02)
+    return True
 
 
 def remove_tree(path: Path) -> None:

@@ -246,8 +246,8 @@ class ContainerBackend:
         problems: list[str] = []
         cgroups.kill(v2)
         deadline = time.monotonic() + 10
-        while cgroups.procs(v2) or not await asyncio.to_thread(cgroups.wait_empty, v2, 0.5):
-            cgroups.kill(v2)
+        while not await cgroups.wait_empty(v2, 0.5):
+            cgroups.kill(v2)  # a process forked while the kill went round
             if time.monotonic() > deadline:
                 problems.append(f"processes survive in {v2}: {cgroups.procs(v2)}")
                 break
