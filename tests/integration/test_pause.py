@@ -207,3 +207,43 @@ async def test_pause_resume_through_api_and_sdk(edge, tmp_path: Path) -> None:  
                 await c._t.request("POST", f"/v1/sandboxes/{edge.node_id}-0123456789ab/pause")
     finally:
         keys.close()
+
+
+async def test_snapshot_of_paused_sandbox_keeps_it_paused(edge) -> None:  # noqa: ANN001
+    """A snapshot of a paused sandbox copies the frozen tree and leaves it frozen (the snapshot's
+    own freeze/thaw must not resume it); pause/resume during a snapshot is refused."""
+    import secrets
+
+    from rollbox.models import SnapshotSpec
+
+    sb = await edge.create(SandboxSpec(image=BB), "t")
+    await edge.exec_start(sb.id, ExecSpec(cmd=COUNTER))
+    await _advancing(edge, sb.id)
+    await edge.pause(sb.id)
+    await edge.file_write(sb.id, "/root/mark", b"paused\n", 0o644)  # /tmp is scrubbed
+    name = f"test/paused-{secrets.token_hex(4)}:1"
+    try:
+        snap_task = asyncio.create_task(edge.snapshot(sb.id, SnapshotSpec(name=name), "t"))
+        for _ in range(500):  # wait until the snapshot has started
+            if sb.id in edge._snapshotting or snap_task.done():
+                break
+            await asyncio.sleep(0.001)
+        if not snap_task.done():
+            with pytest.raises(errors.BadRequest):
+                await edge.resume(sb.id)
+        res = await snap_task
+        assert res.image == name
+        v2 = edge.live[sb.id].box.v2_cgroup
+        assert (await edge.get(sb.id)).state == "paused" and cgroups.is_frozen(v2)
+        copy = await edge.create(SandboxSpec(image=name), "t")
+        eid = await edge.exec_start(copy.id, ExecSpec(cmd="cat /root/mark"))
+        assert (await edge.exec_wait(copy.id, eid)).stdout == "paused\n"
+        await edge.delete(copy.id)
+        await edge.resume(sb.id)
+        await _advancing(edge, sb.id)
+    finally:
+        await edge.delete(sb.id)
+        try:
+            edge.store.remove(name)
+        except errors.NotFound:
+            pass
