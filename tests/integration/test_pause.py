@@ -138,7 +138,8 @@ async def test_command_deadline_does_not_fire_while_paused(edge) -> None:  # noq
     await edge.pause(sb.id)
     await asyncio.sleep(0.5 + 2.5)  # past the deadline and the host backstop's grace
     assert not edge.live[sb.id].sessions[eid].done.is_set()
-    assert cgroups.procs(edge.live[sb.id].box.v2_cgroup / edge.live[sb.id].sessions[eid].cgroup_name)
+    live = edge.live[sb.id]
+    assert cgroups.procs(live.box.v2_cgroup / live.sessions[eid].cgroup_name)  # alive, frozen
     await edge.resume(sb.id)
     result = await asyncio.wait_for(edge.exec_wait(sb.id, eid), 10)
     assert result.timed_out
@@ -154,15 +155,21 @@ async def test_restart_readopts_paused_sandbox(tmp_node_dir) -> None:  # noqa: A
     try:
         paused = await e1.create(SandboxSpec(image=BB), "t")
         running = await e1.create(SandboxSpec(image=BB), "t")
-        await e1.exec_start(paused.id, ExecSpec(cmd=COUNTER))
-        await _advancing(e1, paused.id)
+        for sid in (paused.id, running.id):
+            await e1.exec_start(sid, ExecSpec(cmd=COUNTER))
+            await _advancing(e1, sid)
         await e1.pause(paused.id)
+        # `running` is left frozen behind the journal's back (an edge crash in the middle of a
+        # snapshot): the journal's state wins at re-adoption.
+        cgroups.freeze(e1.live[running.id].box.v2_cgroup)
         await e1.close(destroy=False)  # sandboxes outlive the edge
 
         e2 = Edge(settings, events)
         await e2.start()
         assert (await e2.get(paused.id)).state == "paused"
         assert (await e2.get(running.id)).state == "running"
+        assert not cgroups.is_frozen(e2.live[running.id].box.v2_cgroup)
+        await _advancing(e2, running.id)
         v2 = e2.live[paused.id].box.v2_cgroup
         assert cgroups.is_frozen(v2)
         c1 = await _count(e2, paused.id)
@@ -197,7 +204,12 @@ async def test_pause_resume_through_api_and_sdk(edge, tmp_path: Path) -> None:  
             with pytest.raises(rollbox.SandboxPaused):
                 await sb.exec("true")
             await sb.files.write("/tmp/x", "y")
-            assert [s.info.state for s in await c.list() if s.id == sb.id] == ["paused"]
+            other = await c.create(BB)
+            assert [s.id for s in await c.list(state="paused")] == [sb.id]
+            assert [s.id for s in await c.list(state=["running"])] == [other.id]
+            with pytest.raises(errors.BadRequest):
+                await c.list(state="sleeping")
+            await other.delete()
             assert (await sb.resume()).state == "running"
             assert (await sb.exec("cat /tmp/x")).stdout == "y"
             await sb.delete()

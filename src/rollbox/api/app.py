@@ -366,6 +366,8 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
     async def list_sandboxes(
         who: Who,
         label: Annotated[list[str], Query(description="k=v, repeatable; all must match")] = [],
+        state: Annotated[list[models.SandboxState],
+                         Query(description="repeatable; any may match (e.g. paused)")] = [],
     ) -> list[models.SandboxInfo]:
         labels: dict[str, str] = {}
         for item in label:
@@ -380,6 +382,7 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
             i for i in found
             if (owner is None or i.owner == owner)
             and all(i.labels.get(k) == v for k, v in labels.items())
+            and (not state or i.state in state)
         ]
 
     @app.get("/v1/sandboxes/{sandbox_id}", response_model=models.SandboxInfo,

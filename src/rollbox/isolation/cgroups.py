@@ -216,7 +216,7 @@ def freeze(v2_cgroup: Path, v1_freezer: Path | None = None,
         else:
             (v1_freezer / "freezer.state").write_text("FROZEN")  # type: ignore[operator]
         while not is_frozen(v2_cgroup, None if use_v2 else v1_freezer):
-            if not (v2_cgroup.exists() if use_v2 else v1_freezer.exists()):  # type: ignore[union-attr]
+            if not (v2_cgroup if use_v2 else v1_freezer).exists():  # type: ignore[union-attr]
                 raise FileNotFoundError(v2_cgroup)
             if time.monotonic() - t0 > timeout:
                 raise InfraError(f"sandbox {v2_cgroup.name} did not freeze in {timeout:.0f} s")

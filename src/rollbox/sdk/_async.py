@@ -628,8 +628,12 @@ class AsyncClient:
         r = await self._t.request("GET", f"/v1/sandboxes/{sandbox_id}")
         return AsyncSandbox(self, SandboxInfo.model_validate(r.json()))
 
-    async def list(self, labels: Mapping[str, str] | None = None) -> list[AsyncSandbox]:
+    async def list(self, labels: Mapping[str, str] | None = None,
+                   state: str | Iterable[str] | None = None) -> list[AsyncSandbox]:
+        """Live sandboxes with all ``labels``; ``state`` ("running", "paused"...) narrows."""
         params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        states = [state] if isinstance(state, str) else list(state or ())
+        params += [("state", s) for s in states]
         r = await self._t.request("GET", "/v1/sandboxes", params=params)
         return [AsyncSandbox(self, SandboxInfo.model_validate(x)) for x in r.json()]
 

@@ -220,8 +220,9 @@ class Client:
     def get(self, sandbox_id: str) -> Sandbox:
         return Sandbox(self._p, self._p.call(self._c.get(sandbox_id)))
 
-    def list(self, labels: Mapping[str, str] | None = None) -> list[Sandbox]:
-        return [Sandbox(self._p, sb) for sb in self._p.call(self._c.list(labels))]
+    def list(self, labels: Mapping[str, str] | None = None,
+             state: str | Iterable[str] | None = None) -> list[Sandbox]:
+        return [Sandbox(self._p, sb) for sb in self._p.call(self._c.list(labels, state))]
 
     def health(self) -> dict[str, Any]:
         return self._p.call(self._c.health())
