@@ -2,9 +2,12 @@
 
 Set-up: ``python-big:3.11`` (``rollbox image ensure-bench-images``; ``--quick`` falls back to
 ``python:3.11``) is pushed into an S3-compatible server on loopback (moto, in its own process)
-with 2 ms injected per request. Then, for each mode, on a *cold node* (a fresh image store; the
-layer files' page cache evicted) N sandboxes are started together and each runs the workload:
-import the standard library and a few packages, pytest on a small repo, git status.
+with 2 ms injected per request: with ``FULL_CHUNK_SIZE`` (1 MiB) for the full pull and
+``LAZY_CHUNK_SIZE`` for lazy loading, each under its own prefix (the chunk size is per push; each
+mode gets the layout it does best with, see docs/images.md "Chunk size"). Then, for each mode, on
+a *cold node* (a fresh image store; the layer files' page cache evicted) N sandboxes are started
+together and each runs the workload: import the standard library and a few packages (numpy,
+dateutil, pytz, attrs, packaging), pytest on a small repo, git status.
 
 - **full**: pull every layer (all chunks, verified), then start the sandboxes;
 - **lazy**: pull the ref and manifests only, register the layers with the lazy loader
@@ -12,10 +15,14 @@ import the standard library and a few packages, pytest on a small repo, git stat
 
 Reported: ``full_pull_s_16`` / ``lazy_s_16`` (start of the mode to the last workload done),
 ``speedup_16``, time to first exec for 1 and 16 sandboxes, ``node_bytes_written_full/lazy``
-(layer bytes written on the node), ``read_fraction`` (lazy: bytes fetched / image size; also,
-from the full run, the page-granular residency of the layer files after the workload, mapped to
-chunks of 256 KiB / 1 MiB / 4 MiB — the measurement behind the default chunk size).
-The last line of ``--json`` is one JSON object.
+(layer bytes written on the node), ``read_fraction`` (lazy, 16 sandboxes: distinct bytes of the
+layer files that the EROFS mounts read through FUSE, 4 KiB pages, summed over layers / image
+bytes), ``fetch_fraction`` (chunks fetched from the store, demand + read-ahead, / image bytes);
+from the full run, the page residency of the layer files after the workload mapped to chunk
+sizes. The last line of ``--json`` is one JSON object.
+
+``python bench/images.py sweep [KiB,...] [readahead,...] [--full]``: one sandbox per point, chunk
+size x read-ahead (the measurement behind ``LAZY_CHUNK_SIZE`` / ``LAZY_READAHEAD``).
 """
 from __future__ import annotations
 
@@ -41,12 +48,16 @@ from rollbox.images.stores.loopback_s3 import loopback_s3
 from rollbox.models import Resources
 
 LATENCY_MS = 2
-CHUNK_SIZES = [256 << 10, 1 << 20, 4 << 20]
+CHUNK_SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20]
 BUCKET = "rollbox-bench"
 STDLIB_IMPORTS = ("import json, os, sys, re, asyncio, email.parser, http.client, sqlite3, "
                   "xml.etree.ElementTree, unittest, decimal, csv, logging, argparse, subprocess")
+# "A few packages": numpy (the usual compiled one) and light pure-Python ones in the image
+# (dateutil, pytz from the pip layer; attrs, packaging from Debian). Not the scientific stack:
+# 16 x scipy/pandas/sklearn imports on 2 cores is ~40 s of CPU that hides any pull time.
+PACKAGE_IMPORTS = "import numpy, dateutil.parser, pytz, attr, packaging.version"
 WORKLOAD_BIG = [
-    f"python3 -c '{STDLIB_IMPORTS}; import numpy, pandas, scipy.stats, sklearn.linear_model'",
+    f"python3 -c '{STDLIB_IMPORTS}; {PACKAGE_IMPORTS}'",
     "cd /work/repo && python3 -m pytest -q -p no:cacheprovider",
     "cd /work/repo && git status --short",
 ]
@@ -55,6 +66,12 @@ WORKLOAD_SMALL = [  # python:3.11 has no packages or repo: the quick fallback
     "python3 -m pytest --version",
     "git --version",
 ]
+# Store layout per mode (each mode gets the chunk size it does best with; see docs/images.md,
+# "Chunk size"): the full pull moves the whole file, where fewer, larger requests win; lazy
+# loading fetches on demand, where bytes fetched and per-miss latency win.
+FULL_CHUNK_SIZE = chunks.DEFAULT_CHUNK_SIZE
+LAZY_CHUNK_SIZE = 256 << 10
+LAZY_READAHEAD = 4  # chunks, after two sequential reads
 
 
 def say(msg: str) -> None:
@@ -142,7 +159,7 @@ async def run_cmd(box: Any, cmd: str, env: dict[str, str]) -> tuple[int, bytes]:
 
 
 async def cold_node(mode: str, n: int, image_name: str, url: str, workload: list[str],
-                    image_size: int) -> dict[str, Any]:
+                    image_size: int, readahead: int = LAZY_READAHEAD) -> dict[str, Any]:
     """Fresh node store; ``mode`` "full" or "lazy"; N sandboxes started together."""
     from rollbox.backends.container.sandbox import ContainerBackend
     from rollbox.isolation.userns import UidSlots
@@ -177,7 +194,7 @@ async def cold_node(mode: str, n: int, image_name: str, url: str, workload: list
             from rollbox.images.lazy import LazyLoader
 
             image, _ = await chunks.pull_image(src, image_name, node, lazy=True)
-            loader = LazyLoader(node)
+            loader = LazyLoader(node, readahead=readahead)
             for d in image.layers:
                 await asyncio.to_thread(loader.register, d, url, chunks.load_manifest(node, d))
             node.tag(image.name, image.layers, image.config)
@@ -222,8 +239,13 @@ async def cold_node(mode: str, n: int, image_name: str, url: str, workload: list
 
             res["node_bytes_written"] = total("bytes_written")
             res["bytes_fetched"] = total("bytes_fetched_stored") or total("bytes_fetched")
-            res["read_fraction"] = total("bytes_fetched") / image_size
-            res["lazy_counters"] = {k: total(k) for k in ("bytes_requested", "bytes_fetched",
+            # Distinct bytes of the layer files that the EROFS mounts read through FUSE (4 KiB
+            # pages; kernel readahead on the FUSE files included): what the workload read.
+            res["read_fraction"] = total("bytes_read_unique") / image_size
+            # Chunks fetched from the store (demand misses + read-ahead) x chunk size.
+            res["fetch_fraction"] = total("bytes_fetched") / image_size
+            res["lazy_counters"] = {k: total(k) for k in ("bytes_requested", "bytes_read_unique",
+                                                           "bytes_fetched",
                                                            "chunks_fetched", "chunks_prefetched",
                                                            "cache_misses", "fetch_errors")}
         return res
@@ -245,21 +267,37 @@ async def cold_node(mode: str, n: int, image_name: str, url: str, workload: list
 
 # ---- main ---------------------------------------------------------------------------------
 
-async def run(quick: bool) -> dict[str, Any]:
+def pick_image(quick: bool) -> tuple[ImageStore, str, list[str]]:
     store = ImageStore(Settings().images_dir)
     if store.exists(BENCH_IMAGE):
-        name, workload = BENCH_IMAGE, WORKLOAD_BIG
-    elif quick:
-        name, workload = PYTHON_IMAGE, WORKLOAD_SMALL
+        return store, BENCH_IMAGE, WORKLOAD_BIG
+    if quick:
         say(f"{BENCH_IMAGE} not built: --quick uses {PYTHON_IMAGE}")
-    else:
-        raise SystemExit(f"{BENCH_IMAGE} is not built: run `rollbox image ensure-bench-images`")
+        return store, PYTHON_IMAGE, WORKLOAD_SMALL
+    raise SystemExit(f"{BENCH_IMAGE} is not built: run `rollbox image ensure-bench-images`")
+
+
+async def push(store: ImageStore, name: str, endpoint: str, chunk_size: int) -> tuple[str, float]:
+    """Push ``name`` with ``chunk_size`` under its own prefix; (store URL, seconds)."""
+    url = (f"s3://{BUCKET}/c{chunk_size >> 10}k?endpoint={endpoint}&latency_ms={LATENCY_MS}")
+    dst = chunks.open_store(url)
+    t = time.monotonic()
+    try:
+        await chunks.push_image(store, name, dst, chunk_size=chunk_size)
+    finally:
+        await dst.close()
+    return url, time.monotonic() - t
+
+
+async def run(quick: bool) -> dict[str, Any]:
+    store, name, workload = pick_image(quick)
     image = store.resolve(name)
     size = sum(store.layer_path(d).stat().st_size for d in image.layers)
     n_big = 4 if quick else 16
     out: dict[str, Any] = {"image": name, "image_bytes": size, "layers": len(image.layers),
-                           "latency_ms": LATENCY_MS, "chunk_size": chunks.DEFAULT_CHUNK_SIZE,
-                           "n": n_big}
+                           "latency_ms": LATENCY_MS, "chunk_size_full": FULL_CHUNK_SIZE,
+                           "chunk_size_lazy": LAZY_CHUNK_SIZE, "readahead_chunks": LAZY_READAHEAD,
+                           "n": n_big, "load_before": os.getloadavg()}
     try:
         import rollbox.images.lazy.loader  # noqa: F401
         have_lazy = True
@@ -267,31 +305,34 @@ async def run(quick: bool) -> dict[str, Any]:
         say(f"lazy loader not available ({exc}): full pull only")
         have_lazy = False
     with loopback_s3(BUCKET) as endpoint:
-        url = f"s3://{BUCKET}/bench?endpoint={endpoint}&latency_ms={LATENCY_MS}"
-        dst = chunks.open_store(url)
-        t = time.monotonic()
-        try:
-            await chunks.push_image(store, name, dst)
-        finally:
-            await dst.close()
-        out["push_s"] = time.monotonic() - t
-        out["push_bytes"] = dst.stats.bytes_written
-        say(f"pushed {name} ({size / 2**20:.0f} MiB, {len(image.layers)} layers) in "
-            f"{out['push_s']:.1f}s")
+        urls: dict[str, str] = {}
+        for mode, cs in (("full", FULL_CHUNK_SIZE), ("lazy", LAZY_CHUNK_SIZE)):
+            if mode == "lazy" and not have_lazy:
+                continue
+            if mode == "lazy" and cs == FULL_CHUNK_SIZE:
+                urls["lazy"] = urls["full"]
+                continue
+            urls[mode], out[f"push_s_{mode}"] = await push(store, name, endpoint, cs)
+            say(f"pushed {name} ({size / 2**20:.0f} MiB, {len(image.layers)} layers, "
+                f"{cs >> 10} KiB chunks) in {out[f'push_s_{mode}']:.1f}s")
         runs: dict[str, Any] = {}
         modes = ["full", "lazy"] if have_lazy else ["full"]
         for mode in modes:
             for n in (1, n_big):
                 say(f"{mode} n={n} ...")
-                r = await cold_node(mode, n, name, url, workload, size)
+                r = await cold_node(mode, n, name, urls[mode], workload, size)
                 runs[f"{mode}_{n}"] = r
                 say(f"  total {r['total_s']:.1f}s, first exec "
                     f"{(r['first_exec_s'] or {}).get('median', float('nan')):.1f}s, "
                     f"written {r.get('node_bytes_written', 0) / 2**20:.0f} MiB, "
+                    f"read {r.get('read_fraction', float('nan')):.3f} "
+                    f"fetched {r.get('fetch_fraction', float('nan')):.3f}, "
                     f"errors {r['errors']}")
+    out["load_after"] = os.getloadavg()
     out["runs"] = runs
     full, full1 = runs[f"full_{n_big}"], runs["full_1"]
     out[f"full_pull_s_{n_big}"] = full["total_s"]
+    out["full_pull_s_1"] = full1["total_s"]
     out["first_exec_full_1_s"] = (full1["first_exec_s"] or {}).get("max")
     out[f"first_exec_full_{n_big}_s"] = (full["first_exec_s"] or {}).get("median")
     out["node_bytes_written_full"] = full["node_bytes_written"]
@@ -307,14 +348,49 @@ async def run(quick: bool) -> dict[str, Any]:
     if have_lazy:
         lazy, lazy1 = runs[f"lazy_{n_big}"], runs["lazy_1"]
         out[f"lazy_s_{n_big}"] = lazy["total_s"]
+        out["lazy_s_1"] = lazy1["total_s"]
         out[f"speedup_{n_big}"] = (full["total_s"] / lazy["total_s"]
                                    if full["total_s"] and lazy["total_s"] else None)
+        out["speedup_1"] = (full1["total_s"] / lazy1["total_s"]
+                            if full1["total_s"] and lazy1["total_s"] else None)
         out["first_exec_lazy_1_s"] = (lazy1["first_exec_s"] or {}).get("max")
         out[f"first_exec_lazy_{n_big}_s"] = (lazy["first_exec_s"] or {}).get("median")
         out["node_bytes_written_lazy"] = lazy.get("node_bytes_written")
         out["read_fraction"] = lazy.get("read_fraction")
+        out["fetch_fraction"] = lazy.get("fetch_fraction")
     out["errors"] = sum(len(r["errors"]) for r in runs.values())
     return out
+
+
+async def sweep(sizes: list[int], readaheads: list[int], full: bool) -> list[dict[str, Any]]:
+    """Chunk size x read-ahead for one sandbox on a cold node (the measurement behind
+    LAZY_CHUNK_SIZE / LAZY_READAHEAD): ``python bench/images.py sweep``."""
+    store, name, workload = pick_image(True)
+    image = store.resolve(name)
+    size = sum(store.layer_path(d).stat().st_size for d in image.layers)
+    rows: list[dict[str, Any]] = []
+    with loopback_s3(BUCKET) as endpoint:
+        for cs in sizes:
+            url, push_s = await push(store, name, endpoint, cs)
+            if full:
+                r = await cold_node("full", 1, name, url, workload, size)
+                rows.append({"chunk_kib": cs >> 10, "mode": "full", "push_s": push_s,
+                             "pull_s": r["pull_s"], "total_s": r["total_s"],
+                             "errors": r["errors"], "load": os.getloadavg()[0]})
+                say(json.dumps(rows[-1]))
+            for ra in readaheads:
+                r = await cold_node("lazy", 1, name, url, workload, size, readahead=ra)
+                c = r["lazy_counters"]
+                rows.append({"chunk_kib": cs >> 10, "mode": "lazy", "readahead": ra,
+                             "total_s": r["total_s"],
+                             "first_exec_s": (r["first_exec_s"] or {}).get("max"),
+                             "read_fraction": r["read_fraction"],
+                             "fetch_fraction": r["fetch_fraction"],
+                             "demand_fetches": c["chunks_fetched"] - c["chunks_prefetched"],
+                             "prefetches": c["chunks_prefetched"], "errors": r["errors"],
+                             "load": os.getloadavg()[0]})
+                say(json.dumps(rows[-1]))
+    return rows
 
 
 def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
@@ -324,3 +400,14 @@ def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
     if json_out:
         print(json.dumps(res))
     return res
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["sweep"]:
+        kib = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "64,256,1024").split(",")]
+        ras = [int(x) for x in (sys.argv[3] if len(sys.argv) > 3 else "0,4").split(",")]
+        asyncio.run(sweep([k << 10 for k in kib], ras, full="--full" in sys.argv))
+    else:
+        main(quick="--quick" in sys.argv, json_out="--json" in sys.argv)

@@ -45,6 +45,7 @@ log = logging.getLogger("rollbox.lazy")
 
 FETCH_TIMEOUT_S = 60.0
 FETCH_CONCURRENCY = 16
+FUSE_MAX_THREADS = 64
 CGROUP_TTL_S = 2.0
 # Reads in a row that continue the previous one before read-ahead kicks in.
 SEQUENTIAL_STREAK = 2
@@ -570,7 +571,10 @@ def main(argv: list[str] | None = None) -> None:
                  readahead=args.readahead, max_readahead=args.max_readahead)
     mfusepy.FUSE(ops, str(mountpoint), foreground=True, nothreads=False, allow_other=True,
                  fsname="rollbox-lazy", subtype="rollbox-lazy", kernel_cache=True,
-                 attr_timeout=3600, entry_timeout=3600, default_permissions=True)
+                 attr_timeout=3600, entry_timeout=3600, default_permissions=True,
+                 # A read waiting on a chunk fetch holds a FUSE worker thread: allow more than
+                 # libfuse's default 10, so 16 sandboxes' cold reads wait in parallel.
+                 max_threads=FUSE_MAX_THREADS)
 
 
 if __name__ == "__main__":

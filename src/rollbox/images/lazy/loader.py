@@ -343,10 +343,11 @@ class LazyLoader:
     # ---- lifetime ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start (or adopt) the daemon and a task that restarts it when it dies."""
-        await asyncio.to_thread(self.ensure_daemon)
+        """Start (or adopt) the daemon and a task that restarts it when it dies (the task runs
+        even if this first start fails: it keeps trying)."""
         if self._watch is None:
             self._watch = asyncio.create_task(self._watch_loop())
+        await asyncio.to_thread(self.ensure_daemon)
 
     async def _watch_loop(self) -> None:
         while True:
