@@ -100,3 +100,27 @@ async def test_misbehaving_calls_do_not_reach_the_next(edge) -> None:  # noqa: A
                                  max_output_bytes=1000))
         assert big.truncated and len(big.stdout) == 1000 and big.stdout_bytes == 3 << 20
         assert time.monotonic() - t0 < 90
+
+
+async def test_forked_python_state_does_not_reach_the_next(edge) -> None:  # noqa: ANN001
+    """Python calls reuse the worker's stdio objects and base environment in their fork: what
+    one call sets (env, std streams, cwd, modules, files) is gone in the next."""
+    async with FnCallBackend(edge, PoolConfig(max_workers=1)) as fb:
+        first = await fb.call(spec(
+            "python", "import os, sys\nprint(os.environ['X'], os.environ['HOME'] == os.getcwd())\n"
+            "os.environ['LEAK'] = '1'; sys.modules['leak'] = sys\nopen('f', 'w').write('x')\n"
+            "sys.stdout.write('partial'); print('e1', file=sys.stderr); sys.stdout.close()",
+            env={"X": "from-call"}))
+        assert first.status == "ok", first
+        assert first.stdout == "from-call True\npartial" and first.stderr == "e1\n"
+        for _ in range(2):
+            nxt = await fb.call(spec(
+                "python", "import os, sys\nprint(sorted(k for k in os.environ if k in "
+                "('X', 'LEAK')), 'leak' in sys.modules, os.listdir('.'), sys.argv[1:])\n"
+                "print(sys.stdin.read(), end='')\nprint('e2', file=sys.stderr)",
+                stdin="in\n", args=["a"]))
+            assert nxt.status == "ok" and nxt.worker == first.worker, nxt
+            assert nxt.stdout == "[] False ['main.py'] ['a']\nin\n" and nxt.stderr == "e2\n"
+        calls = [e for e in edge.event_log.read_sync(first.worker) if e.kind == "fncall.call"]
+        assert len(calls) == 3 and '"status":"ok"' in calls[0].data, calls
+        assert "from-call" not in calls[0].data  # what ran is counted, never copied

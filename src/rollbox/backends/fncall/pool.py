@@ -77,7 +77,7 @@ class FnWorker:
     async def start(self, edge: Any, preload: list[str], env: dict[str, str]) -> None:
         live = edge.live[self.sandbox_id]
         box = live.box
-        cg_name, cg_fd = box.new_session_cgroup()
+        _cg_name, cg_fd = box.new_session_cgroup()
         cfg = {"call_uid": CALL_UID, "preload": preload,
                "env": {"PATH": PATH, "LANG": "C.UTF-8", **env}}
         req = ExecRequest(
@@ -249,8 +249,24 @@ class FnCallBackend:
                 raise
             self._release(pool, worker)
             pool.calls += 1
+            self._audit(worker, spec, res)
             return self._result(res, worker)
         raise InfraError("unreachable")
+
+    def _audit(self, worker: FnWorker, spec: FnCallSpec, res: dict[str, Any]) -> None:
+        """One ``fncall.call`` event per call on the worker's sandbox: what ran and how it
+        ended, never the code or its output (bounded: < 200 bytes, and a worker serves at most
+        ``max_calls_per_worker`` calls)."""
+        run = res.get("run") or res.get("compile") or {}
+        data = json.dumps({"call": res.get("id"), "language": spec.language,
+                           "status": str(res.get("status", res.get("error")))[:32],
+                           "exit_code": run.get("exit_code"),
+                           "wall_ms": round(float(run.get("wall_s") or 0) * 1000, 2),
+                           "code_bytes": len(spec.code)}, separators=(",", ":"))
+        try:
+            self.edge.event_log.append(worker.sandbox_id, "fncall.call", data=data)
+        except Exception as exc:  # noqa: BLE001 - the audit trail never fails a call
+            log.warning("fncall: audit event for %s: %s", worker.sandbox_id, exc)
 
     @staticmethod
     def _result(res: dict[str, Any], worker: FnWorker) -> FnCallResult:
