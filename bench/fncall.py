@@ -4,16 +4,26 @@ Trivial Python (``print(1)``) and one HumanEval problem at concurrency 1, 8 and 
 p50/p99. Peer, in the same run: a fresh ``python3 -c`` per call in a fresh ``unshare``d
 namespace set (the cheapest "new process per call" isolation). Ratios are what to compare
 across runs on a shared machine; absolutes move with the load.
+
+Two paths: in-process (``FnCallBackend.call``, the pools alone) and HTTP (``POST /v1/fncall``
+on a real uvicorn server in this process, one request per call, ``print(1)`` at concurrency 1
+and 8). The HTTP load comes from a separate process with a lean keep-alive HTTP/1.1 client (as
+wrk would), so the figure is the server's, not a Python HTTP client's. CPU per call is taken
+on each side (this process: pools + edge + server; the workers' cgroups; the client process),
+and calls per CPU-second of the whole machine are reported: unlike calls/s, they do not move
+with other load on a shared machine.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 PEER = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--net", "--ipc",
         "--uts", "--mount", "python3", "-I", "-c"]
@@ -38,6 +48,109 @@ async def _run(call: Any, n: int, conc: int) -> dict[str, float]:
     await asyncio.gather(*(one() for _ in range(n)))
     took = time.monotonic() - t0
     return {"calls_per_s": n / took, "p50_ms": _pct(lat, 0.5), "p99_ms": _pct(lat, 0.99)}
+
+
+def _machine_cpu_s() -> float:
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _cgroups_cpu_s(paths: list[Path]) -> float:
+    total = 0
+    for p in paths:
+        try:
+            for line in (p / "cpu.stat").read_text().splitlines():
+                if line.startswith("usage_usec "):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total / 1e6
+
+
+def _worker_cgroups(fb: Any, edge: Any) -> list[Path]:
+    return [edge.live[w.sandbox_id].box.v2_cgroup for p in fb.pools.values() for w in p.idle
+            if w.sandbox_id in edge.live]
+
+
+class _CpuMeter:
+    """CPU seconds spent during a phase: this process, the workers, the whole machine."""
+
+    def __init__(self, cgroups: list[Path]) -> None:
+        self.cgroups = cgroups
+
+    def __enter__(self) -> Self:
+        self.t0, self.p0 = time.monotonic(), time.process_time()
+        self.w0, self.m0 = _cgroups_cpu_s(self.cgroups), _machine_cpu_s()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.monotonic() - self.t0
+        self.proc = time.process_time() - self.p0
+        self.workers = _cgroups_cpu_s(self.cgroups) - self.w0
+        self.machine = _machine_cpu_s() - self.m0
+
+    def per_call(self, n: int, client_s: float | None = None) -> dict[str, float]:
+        out = {"server_cpu_ms_per_call": self.proc / n * 1000,
+               "workers_cpu_ms_per_call": self.workers / n * 1000,
+               "machine_cpu_ms_per_call": self.machine / n * 1000,
+               "calls_per_machine_cpu_s": n / self.machine if self.machine else 0.0}
+        if client_s is not None:
+            out["client_cpu_ms_per_call"] = client_s / n * 1000
+        return out
+
+
+async def _http_client(url: str, key: str, n: int, conc: int) -> dict[str, float]:
+    """Lean HTTP/1.1 keep-alive load: ``conc`` connections, each one request in flight."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    body = b'{"language":"python","code":"print(1)"}'
+    req = (f"POST /v1/fncall HTTP/1.1\r\nHost: {host}\r\nX-API-Key: {key}\r\n"
+           f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+           ).encode() + body
+    lat: list[float] = []
+    left = n
+
+    async def conn() -> None:
+        nonlocal left
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            while left > 0:
+                left -= 1
+                t = time.monotonic()
+                writer.write(req)
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+                res = await reader.readexactly(length)
+                if not head.startswith(b"HTTP/1.1 200") or b'"status":"ok"' not in res:
+                    raise RuntimeError(f"bad answer: {head[:60]!r} {res[:200]!r}")
+                lat.append(time.monotonic() - t)
+        finally:
+            writer.close()
+
+    t0, c0 = time.monotonic(), time.process_time()
+    await asyncio.gather(*(conn() for _ in range(conc)))
+    took, cpu = time.monotonic() - t0, time.process_time() - c0
+    return {"calls_per_s": n / took, "p50_ms": _pct(lat, 0.5), "p99_ms": _pct(lat, 0.99),
+            "client_cpu_s": cpu}
+
+
+async def _http_run(url: str, key: str, n: int, conc: int, cgroups: list[Path]
+                    ) -> dict[str, float]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--http-client", url, key, str(n), str(conc),
+        stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdin is not None
+    await proc.stdout.readline()  # connected and warm
+    with _CpuMeter(cgroups) as m:
+        proc.stdin.write(b"go\n")
+        await proc.stdin.drain()
+        line = await proc.stdout.readline()
+    await proc.wait()
+    if proc.returncode != 0 or not line:
+        raise RuntimeError(f"http bench client failed ({proc.returncode})")
+    res = json.loads(line)
+    return {**{k: res[k] for k in ("calls_per_s", "p50_ms", "p99_ms")},
+            **m.per_call(n, res["client_cpu_s"])}
 
 
 async def _peer(code: str) -> None:
@@ -70,7 +183,7 @@ async def bench(quick: bool) -> dict[str, Any]:
     edge = Edge(s, events)
     await edge.start()
     n = {1: 40 if quick else 200, 8: 200 if quick else 1000, 64: 256 if quick else 2000}
-    out: dict[str, Any] = {"quick": quick}
+    out: dict[str, Any] = {"quick": quick, "loadavg_start": os.getloadavg()}
     try:
         async with FnCallBackend(edge) as fb:
             await fb.prewarm("python", 8)
@@ -82,26 +195,57 @@ async def bench(quick: bool) -> dict[str, Any]:
                     async def call(spec: FnCallSpec = spec) -> None:
                         r = await fb.call(spec)
                         assert r.status == "ok", r
-                    res = await _run(call, count, conc)
+                    with _CpuMeter(_worker_cgroups(fb, edge)) as meter:
+                        res = await _run(call, count, conc)
+                    res.update(meter.per_call(count))
                     peer = await _run(lambda code=code: _peer(code), max(16, count // 8), conc)
                     out[f"{name}_c{conc}"] = {**res, "peer": peer,
                                               "ratio_vs_fresh_process":
                                                   res["calls_per_s"] / peer["calls_per_s"]}
             out["pools"] = fb.stats()
+        out["http"] = await _bench_http(edge, events, tmp, n)
     finally:
         await edge.close(destroy=True)
         events.close()
         shutil.rmtree(tmp, ignore_errors=True)
     t = out
+    out["loadavg_end"] = os.getloadavg()
     out.update({
         "calls_per_s_c8": t["trivial_c8"]["calls_per_s"],
         "p50_ms_c1": t["trivial_c1"]["p50_ms"],
         "p99_ms_c64": t["trivial_c64"]["p99_ms"],
         "ratio_vs_fresh_process_c8": t["trivial_c8"]["ratio_vs_fresh_process"],
         "humaneval_calls_per_s_c8": t["humaneval_c8"]["calls_per_s"],
+        "http_calls_per_s_c8": t["http"]["trivial_c8"]["calls_per_s"],
+        "http_p50_ms_c1": t["http"]["trivial_c1"]["p50_ms"],
+        "http_calls_per_machine_cpu_s_c8": t["http"]["trivial_c8"]["calls_per_machine_cpu_s"],
         "targets": {"calls_per_s_c8>=300": t["trivial_c8"]["calls_per_s"] >= 300,
-                    "p50_ms_c1<=10": t["trivial_c1"]["p50_ms"] <= 10},
+                    "p50_ms_c1<=10": t["trivial_c1"]["p50_ms"] <= 10,
+                    "http_calls_per_s_c8>=300": t["http"]["trivial_c8"]["calls_per_s"] >= 300,
+                    "http_p50_ms_c1<=10": t["http"]["trivial_c1"]["p50_ms"] <= 10},
     })
+    return out
+
+
+async def _bench_http(edge: Any, events: Any, tmp: Path, n: dict[int, int]) -> dict[str, Any]:
+    """``print(1)`` through ``POST /v1/fncall`` on a real server over the same edge."""
+    from rollbox.api import BackgroundServer, create_app
+    from rollbox.iam import KeyStore
+    from rollbox.placement import Placement
+
+    keys = KeyStore(tmp / "keys.db")
+    out: dict[str, Any] = {}
+    try:
+        app = create_app(Placement([edge]), events, keys)
+        async with BackgroundServer(app) as srv:
+            fb = app.state.fncall
+            await fb.prewarm("python", 8)
+            key = keys.create("bench")
+            for conc in (1, 8):
+                out[f"trivial_c{conc}"] = await _http_run(
+                    srv.url, key, n[conc], conc, _worker_cgroups(fb, edge))
+    finally:
+        keys.close()
     return out
 
 
@@ -116,9 +260,28 @@ def main(quick: bool = False, json_out: bool = False) -> None:
         print(f"{key:14s} {r['calls_per_s']:8.1f} calls/s  p50 {r['p50_ms']:7.1f} ms  "
               f"p99 {r['p99_ms']:7.1f} ms | fresh unshare+python3: "
               f"{r['peer']['calls_per_s']:7.1f} calls/s  ratio {r['ratio_vs_fresh_process']:.1f}x")
+    for key, r in res["http"].items():
+        print(f"http {key:9s} {r['calls_per_s']:8.1f} calls/s  p50 {r['p50_ms']:7.1f} ms  "
+              f"p99 {r['p99_ms']:7.1f} ms | CPU ms/call: server {r['server_cpu_ms_per_call']:.2f}"
+              f" workers {r['workers_cpu_ms_per_call']:.2f} client "
+              f"{r['client_cpu_ms_per_call']:.2f}; {r['calls_per_machine_cpu_s']:.0f} calls per "
+              "machine CPU-second")
+    print(f"load average: start {res['loadavg_start']} end {res['loadavg_end']}")
+
+
+def _client_main(url: str, key: str, n: int, conc: int) -> None:
+    async def run() -> None:
+        await _http_client(url, key, 4 * conc, conc)  # warm, unmeasured
+        print("ready", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        res = await _http_client(url, key, n, conc)
+        print(json.dumps(res), flush=True)
+
+    asyncio.run(run())
 
 
 if __name__ == "__main__":
-    import sys
-
-    main(quick="--quick" in sys.argv, json_out="--json" in sys.argv)
+    if sys.argv[1:2] == ["--http-client"]:
+        _client_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    else:
+        main(quick="--quick" in sys.argv, json_out="--json" in sys.argv)
