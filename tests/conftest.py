@@ -19,11 +19,11 @@ from rollbox.isolation import cgroups, netns
 TEST_RUN = secrets.token_hex(2)
 TEST_CGROUP = f"rollbox-test-{TEST_RUN}"
 TEST_NODE = f"t{TEST_RUN}"
-# Above the node's own and its image builds' uid ranges, in one of 16 bands picked per run, so
+# Above the node's own and its image builds' uid ranges, in one of 8 bands picked per run, so
 # concurrent test runs (whose sandboxes are checked for leftover processes by host uid) rarely
 # share a range.
 BASE_UID = Settings().uid_base + (Settings().uid_slots + 64
-                                  + 1024 * (int(TEST_RUN, 16) % 16)) * 65536
+                                  + 1024 * (int(TEST_RUN, 16) % 8)) * 65536
 
 
 def node_settings(tmp: Path, node: str | None = None, run_dir: Path | None = None) -> Settings:

@@ -134,9 +134,6 @@ class FakeUpstream:
         self.answers: dict[str, str] = {}
         self.ttl = ttl
         self.log: list[tuple[str, str, str]] = []
-        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.udp.bind(("127.0.0.1", 0))
-        self.addr = self.udp.getsockname()
         upstream = self
 
         class Tcp(socketserver.BaseRequestHandler):
@@ -148,9 +145,22 @@ class FakeUpstream:
                 except (OSError, struct.error):
                     pass
 
-        self.tcp = socketserver.ThreadingTCPServer(self.addr, Tcp, bind_and_activate=False)
-        self.tcp.allow_reuse_address = True
-        self.tcp.server_bind()
+        # UDP and TCP on one port number: the UDP port is ephemeral, the same TCP port may be
+        # taken by something else on the host, so pick again until both are free.
+        for attempt in range(50):
+            self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            self.udp.bind(("127.0.0.1", 0))
+            self.addr = self.udp.getsockname()
+            self.tcp = socketserver.ThreadingTCPServer(self.addr, Tcp, bind_and_activate=False)
+            self.tcp.allow_reuse_address = True
+            try:
+                self.tcp.server_bind()
+                break
+            except OSError:
+                self.tcp.server_close()
+                self.udp.close()
+                if attempt == 49:
+                    raise
         self.tcp.server_activate()
         threading.Thread(target=self.tcp.serve_forever, daemon=True).start()
         threading.Thread(target=self._serve_udp, daemon=True).start()
