@@ -79,6 +79,10 @@ async def test_misbehaving_calls_do_not_reach_the_next(edge) -> None:  # noqa: A
             "leftovers": spec("bash", "(sleep 1000 &) ; nohup sleep 1000 >/dev/null 2>&1 &\n"
                               "setsid sleep 1000 & echo s > /tmp/left; echo d > /dev/shm/left"),
             "bash fork bomb": spec("bash", ":(){ :|:& };:", timeout_s=2),
+            # removal must not follow links and must get through dirs locked against it
+            "locked tree": spec("bash", "mkdir -p a/b/c /tmp/left/u && echo x > a/b/c/f && "
+                                "ln -s / a/root && ln -s /etc /tmp/left/etc && chmod 0 a/b/c "
+                                "/tmp/left/u && chmod 500 a/b /tmp/left"),
         }
         statuses = {}
         for name, s in bad.items():
@@ -95,7 +99,7 @@ async def test_misbehaving_calls_do_not_reach_the_next(edge) -> None:  # noqa: A
             assert nxt.worker == worker, (name, "the worker was replaced")
         assert statuses["loop"] == "timeout"
         assert statuses["memory bomb"] == "memory_exceeded"
-        assert statuses["leftovers"] == "ok"
+        assert statuses["leftovers"] == statuses["locked tree"] == "ok"
         big = await fb.call(spec("python", "import sys\nsys.stdout.write('y' * (3 << 20))",
                                  max_output_bytes=1000))
         assert big.truncated and len(big.stdout) == 1000 and big.stdout_bytes == 3 << 20

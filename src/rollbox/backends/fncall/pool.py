@@ -247,6 +247,8 @@ class FnCallBackend:
                 worker.broken = True  # cancelled mid-call: its answer would be out of step
                 self._release(pool, worker)
                 raise
+            if res.get("error") == "infrastructure":
+                worker.broken = True  # e.g. a call's leftovers it could not remove: replace it
             self._release(pool, worker)
             pool.calls += 1
             self._audit(worker, spec, res)

@@ -21,7 +21,6 @@ import json
 import os
 import resource
 import select
-import shutil
 import signal
 import struct
 import sys
@@ -407,15 +406,8 @@ class Worker:
 def remove_owned(cwd, uid):
     """Remove the call's directory and what its uid left in the world-writable dirs."""
     def rm(path):
-        if remove_flat(path):
-            return
-        for root, dirs, _files in os.walk(path):
-            for d in dirs:  # a call may have made its dirs unwritable to block removal
-                try:
-                    os.chmod(os.path.join(root, d), 0o700, follow_symlinks=False)
-                except (OSError, NotImplementedError):
-                    pass
-        shutil.rmtree(path, ignore_errors=True)
+        if not remove_flat(path):
+            remove_tree(path)
 
     try:
         os.chmod(cwd, 0o700)
@@ -438,6 +430,52 @@ def remove_owned(cwd, uid):
                     os.unlink(e.path)
             except OSError:
                 pass
+
+
+def remove_tree(path):
+    """``shutil.rmtree(path, ignore_errors=True)`` without shutil, whose import drags in zlib,
+    bz2 and lzma: ~30 more mappings that every call's fork copies and tears down. Links are
+    never followed (each directory is opened O_NOFOLLOW from its parent's fd) and each
+    directory is made writable first (a call may have locked its dirs to block removal); the
+    call's processes are all dead by now, so nothing moves underneath. What cannot be removed
+    stays, for the caller to notice."""
+    parent, name = os.path.split(path)
+    try:
+        pfd = os.open(parent or ".", os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        _remove_at(pfd, name)
+    finally:
+        os.close(pfd)
+
+
+def _remove_at(dfd, name):
+    try:
+        os.unlink(name, dir_fd=dfd)
+        return
+    except IsADirectoryError:
+        pass
+    except OSError:
+        return
+    try:
+        os.chmod(name, 0o700, dir_fd=dfd)
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+    except OSError:
+        return
+    try:
+        with os.scandir(fd) as it:
+            names = [e.name for e in it]
+        for n in names:
+            _remove_at(fd, n)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=dfd)
+    except OSError:
+        pass
 
 
 def remove_flat(path):
