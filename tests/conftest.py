@@ -92,9 +92,84 @@ async def edge(tmp_node_dir: Path) -> AsyncIterator:
         assert not leaks, f"sandbox resources leaked: {leaks}"
 
 
+RUNS_DIR = Path("/run/rollbox-test-runs")  # <run> -> pid of the pytest process that owns it
+STALE_UNOWNED_S = 600.0
+
+
+def sweep_dead_runs() -> list[str]:
+    """Remove what test runs killed mid-way (timeout, Ctrl-C twice) left on this host: their
+    sandboxes' processes, cgroups, network namespaces and mounts. A run is dead when its pytest
+    process is gone; a run parent with no owner record counts as dead once it is 10 minutes old.
+    Returns the runs swept."""
+    import time
+
+    from rollbox.isolation import syscalls
+
+    owners: dict[str, int] = {}
+    if RUNS_DIR.exists():
+        for f in RUNS_DIR.iterdir():
+            try:
+                owners[f.name] = int(f.read_text())
+            except (OSError, ValueError):
+                owners[f.name] = 0
+    runs: set[str] = set(owners)
+    for h in cgroups.hierarchies():
+        runs |= {p.name[len("rollbox-test-"):] for p in h.glob("rollbox-test-*") if p.is_dir()}
+    dead = []
+    for run in sorted(runs):
+        if run == TEST_RUN:
+            continue
+        pid = owners.get(run)
+        if pid is None:
+            v2 = cgroups.v2_root() / f"rollbox-test-{run}"
+            try:
+                if time.time() - v2.stat().st_mtime < STALE_UNOWNED_S:
+                    continue
+            except FileNotFoundError:
+                pass
+        elif pid and os.path.exists(f"/proc/{pid}"):
+            continue
+        dead.append(run)
+        parent = f"rollbox-test-{run}"
+        v2_parent = cgroups.v2_root() / parent
+        if v2_parent.exists():
+            cgroups.kill(v2_parent)
+            deadline = time.monotonic() + 5
+            while cgroups.populated(v2_parent) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        for path in cgroups.leftover(parent):
+            try:
+                cgroups.remove_tree(path)
+            except OSError:
+                pass
+        cgroups.remove_parent_if_empty(parent)
+        for name in netns.list_rollbox():
+            if name.startswith(f"rollbox-t{run}"):
+                try:
+                    netns.delete(name)
+                except OSError:
+                    pass  # e.g. hidden under a later bind of /run/netns (see netns.py)
+        with open("/proc/self/mountinfo") as f:
+            mps = [line.split()[4] for line in f if f"/rollbox-test-{run}-" in line.split()[4]]
+        for mp in sorted(mps, key=len, reverse=True):
+            try:
+                syscalls.umount(mp, syscalls.MNT_DETACH)
+            except OSError:
+                pass
+        for d in Path(tempfile.gettempdir()).glob(f"rollbox-test-{run}-*"):
+            shutil.rmtree(d, ignore_errors=True)
+        (RUNS_DIR / run).unlink(missing_ok=True)
+    return dead
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leaks_after_suite() -> Iterator[None]:
+    if os.geteuid() == 0:
+        sweep_dead_runs()
+        RUNS_DIR.mkdir(exist_ok=True)
+        (RUNS_DIR / TEST_RUN).write_text(str(os.getpid()))
     yield
+    (RUNS_DIR / TEST_RUN).unlink(missing_ok=True)
     left_cg = cgroups.leftover(TEST_CGROUP) if os.geteuid() == 0 else []
     left_ns = [n for n in netns.list_rollbox() if n.startswith(f"rollbox-{TEST_NODE}")]
     mounts = []

@@ -33,9 +33,29 @@ def _loopback_up() -> None:
         fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
 
 
+_netns_dir_ready = False
+
+
+def _ensure_netns_dir() -> None:
+    """Make /run/netns a shared bind mount of itself, as iproute2 does on its first
+    `ip netns add`. Done by iproute2 *after* we bound namespaces there, that bind would hide
+    every one of ours beneath it: they could then be neither unmounted nor removed."""
+    global _netns_dir_ready
+    if _netns_dir_ready:
+        return
+    NETNS_DIR.mkdir(parents=True, exist_ok=True)
+    target = str(NETNS_DIR)
+    with open("/proc/self/mountinfo") as f:
+        mounted = any(line.split()[4] == target for line in f)
+    if not mounted:
+        syscalls.mount(target, target, None, syscalls.MS_BIND | syscalls.MS_REC)
+    syscalls.mount("none", target, None, syscalls.MS_SHARED | syscalls.MS_REC)
+    _netns_dir_ready = True
+
+
 def create(name: str) -> Path:
     """Create the named namespace (idempotent for an existing one)."""
-    NETNS_DIR.mkdir(parents=True, exist_ok=True)
+    _ensure_netns_dir()
     path = netns_path(name)
     if path.exists() and _is_mounted(path):
         return path
