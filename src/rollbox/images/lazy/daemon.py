@@ -46,6 +46,10 @@ log = logging.getLogger("rollbox.lazy")
 FETCH_TIMEOUT_S = 60.0
 FETCH_CONCURRENCY = 16
 FUSE_MAX_THREADS = 64
+# Kernel readahead on the FUSE file (its bdi; the kernel's default is 128 KiB). Every FUSE read
+# is a round trip through this process: 1 MiB windows cut a cached tree read from ~4,800 to
+# ~1,600 requests (measured: cached reads 1.7x -> ~1.0x the local file, docs/images.md).
+FUSE_READ_AHEAD_KB = 1024
 CGROUP_TTL_S = 2.0
 # Reads in a row that continue the previous one before read-ahead kicks in.
 SEQUENTIAL_STREAK = 2
@@ -146,14 +150,16 @@ class Layer:
 
     def _mark_read(self, offset: int, end: int) -> None:
         """Count the bytes of [offset, end) in pages not read before (self.lock held)."""
-        first, last = offset // READ_PAGE, (end - 1) // READ_PAGE
+        first, stop = offset // READ_PAGE, (end - 1) // READ_PAGE + 1
         pages = self.read_pages
-        new = 0
-        for p in range(first, last + 1):
-            if not pages[p]:
-                pages[p] = 1
-                new += min((p + 1) * READ_PAGE, self.m.size) - p * READ_PAGE
-        self.counters["bytes_read_unique"] += new
+        new = stop - first - pages.count(1, first, stop)
+        if not new:
+            return
+        nbytes = new * READ_PAGE
+        if stop == len(pages) and not pages[-1]:  # the last page is short
+            nbytes -= len(pages) * READ_PAGE - self.m.size
+        pages[first:stop] = b"\1" * (stop - first)
+        self.counters["bytes_read_unique"] += nbytes
 
     # -- chunk state, called with self.lock held --
     def _usable(self, i: int) -> bool:
@@ -303,8 +309,10 @@ class Daemon(mfusepy.Operations):
     use_ns = True
 
     def __init__(self, paths: LazyPaths, generation: int, mountpoint: Path, *,
-                 cache_limit: int, readahead: int, max_readahead: int | None = None) -> None:
+                 cache_limit: int, readahead: int, max_readahead: int | None = None,
+                 read_ahead_kb: int | None = FUSE_READ_AHEAD_KB) -> None:
         self.paths = paths
+        self.read_ahead_kb = read_ahead_kb
         self.max_readahead = max_readahead
         self.generation = generation
         self.mountpoint = mountpoint
@@ -464,12 +472,33 @@ class Daemon(mfusepy.Operations):
             # fetches little more than what EROFS asked for.
             conn.max_readahead = self.max_readahead
         self._flusher.start()
+        if self.read_ahead_kb:
+            threading.Thread(target=self._set_read_ahead, name="bdi", daemon=True).start()
         write_json_atomic(self.paths.daemon_json, {
             "pid": os.getpid(), "generation": self.generation,
             "mountpoint": str(self.mountpoint), "started": self.started,
             "cache_limit": self.cache_limit, "readahead": self.readahead,
             "trusted_cache": self.trusted})
         log.info("serving generation %d at %s", self.generation, self.mountpoint)
+
+    def _set_read_ahead(self, timeout: float = 5.0) -> None:
+        """Set the kernel readahead of this mount's bdi once the mount shows in mountinfo (not
+        from init: the mount is not complete while FUSE_INIT is being answered)."""
+        target = os.path.realpath(self.mountpoint)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self._stop.is_set():
+            with open("/proc/self/mountinfo") as f:
+                dev = next((ln.split()[2] for ln in f
+                            if ln.split()[4] == target and " - fuse.rollbox-lazy " in ln), None)
+            if dev is not None:
+                try:
+                    Path(f"/sys/class/bdi/{dev}/read_ahead_kb").write_text(f"{self.read_ahead_kb}\n")
+                    log.info("readahead of bdi %s: %d KiB", dev, self.read_ahead_kb)
+                except OSError as exc:
+                    log.warning("readahead of bdi %s not set: %s", dev, exc)
+                return
+            time.sleep(0.02)
+        log.warning("mount %s not seen in mountinfo: kernel readahead left as is", target)
 
     def destroy(self, path: str) -> None:
         self._stop.set()
@@ -558,6 +587,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--generation", required=True, type=int)
     ap.add_argument("--cache-limit", type=int, default=64 << 30)
     ap.add_argument("--readahead", type=int, default=4, help="chunks")
+    ap.add_argument("--read-ahead-kb", type=int, default=FUSE_READ_AHEAD_KB,
+                    help="kernel readahead on the FUSE files (their bdi), KiB; 0: the kernel's")
     ap.add_argument("--max-readahead", type=int, default=None,
                     help="kernel readahead on the FUSE file, bytes (default: the kernel's)")
     args = ap.parse_args(argv)
@@ -568,7 +599,8 @@ def main(argv: list[str] | None = None) -> None:
     mountpoint = paths.mountpoint(args.generation)
     mountpoint.mkdir(mode=0o755, exist_ok=True)
     ops = Daemon(paths, args.generation, mountpoint, cache_limit=args.cache_limit,
-                 readahead=args.readahead, max_readahead=args.max_readahead)
+                 readahead=args.readahead, max_readahead=args.max_readahead,
+                 read_ahead_kb=args.read_ahead_kb or None)
     mfusepy.FUSE(ops, str(mountpoint), foreground=True, nothreads=False, allow_other=True,
                  fsname="rollbox-lazy", subtype="rollbox-lazy", kernel_cache=True,
                  attr_timeout=3600, entry_timeout=3600, default_permissions=True,

@@ -225,6 +225,8 @@ class LazyLoader:
         cmd = [sys.executable, "-m", DAEMON_MODULE, "--store-root", str(self.store.root),
                "--generation", str(gen), "--cache-limit", str(self.cache_limit),
                "--readahead", str(self.readahead)]
+        if os.environ.get("ROLLBOX_LAZY_READ_AHEAD_KB"):  # default: the daemon's (1 MiB)
+            cmd += ["--read-ahead-kb", os.environ["ROLLBOX_LAZY_READ_AHEAD_KB"]]
         if os.environ.get("ROLLBOX_LAZY_MAX_READAHEAD"):  # default: the kernel's
             cmd += ["--max-readahead", os.environ["ROLLBOX_LAZY_MAX_READAHEAD"]]
         logf = open(self.paths.root / "daemon.log", "ab")  # noqa: SIM115
