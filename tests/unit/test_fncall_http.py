@@ -8,11 +8,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_api_support import ApiStack
 
 from rollbox import errors
 from rollbox.compat.sandboxfusion import RunCodeRequest, to_response, to_spec
 from rollbox.models import FnCallResult, FnCallSpec, FnCallStep
-from test_api_support import ApiStack
 
 
 class RecordingBackend:
@@ -38,7 +38,7 @@ async def stack(tmp_path: Path) -> AsyncIterator[tuple[ApiStack, RecordingBacken
         yield s, backend
 
 
-async def test_fncall_route_auth_validation_and_result(stack) -> None:  # noqa: ANN001
+async def test_fncall_route_auth_validation_and_result(stack) -> None:
     s, backend = stack
     async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
         body = {"language": "python", "code": "print(1)", "stdin": "x", "timeout_s": 2}
@@ -122,7 +122,7 @@ def test_sandboxfusion_response_mapping() -> None:
     assert ctle.run_result is None
 
 
-async def test_sandboxfusion_route_keyed_and_headers(stack) -> None:  # noqa: ANN001
+async def test_sandboxfusion_route_keyed_and_headers(stack) -> None:
     s, backend = stack
     async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
         body = {"code": "print(1)", "language": "python", "run_timeout": 2}
