@@ -159,13 +159,91 @@ async def run_cmd(box: Any, cmd: str, env: dict[str, str]) -> tuple[int, bytes]:
     return code, out
 
 
+# ---- CPU per component (where a run's time goes) -------------------------------------------
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_cpu(pid: int | str, children: bool = False) -> float:
+    """utime + stime of a process (and of its reaped children), seconds; 0 if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    ticks = int(fields[11]) + int(fields[12])
+    if children:
+        ticks += int(fields[13]) + int(fields[14])
+    return ticks / _TICK
+
+
+def _moto_pid(url: str) -> int | None:
+    port = url.split("endpoint=http://127.0.0.1:", 1)[-1].split("&", 1)[0]
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if b"moto.server" in argv and port.encode() in argv:
+                return int(d)
+    return None
+
+
+class CpuMeter:
+    """CPU seconds per component between ``start()`` and ``stop()``: the lazy FUSE daemon, the
+    moto S3 server, the sandboxes (v1 cpuacct of the bench's cgroup parent), this process (the
+    bench: edge-side Python) with its reaped children (runc), and the rest of the machine
+    (system-wide /proc/stat busy time minus those: kernel threads, other users' work)."""
+
+    def __init__(self, url: str, cgroup_parent: str) -> None:
+        self.moto = _moto_pid(url)
+        self.cpuacct = Path("/sys/fs/cgroup/cpuacct") / cgroup_parent / "cpuacct.usage"
+        self.daemon: int | None = None
+        self.t: dict[str, float] = {}
+
+    @staticmethod
+    def _busy() -> float:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return (sum(v[:8]) - v[3] - v[4]) / _TICK  # all but idle and iowait
+
+    def _sample(self) -> dict[str, float]:
+        try:
+            boxes = int(self.cpuacct.read_text()) / 1e9
+        except (OSError, ValueError):
+            boxes = 0.0
+        return {"machine": self._busy(), "bench": _proc_cpu("self", children=True),
+                "daemon": _proc_cpu(self.daemon) if self.daemon else 0.0,
+                "moto": _proc_cpu(self.moto) if self.moto else 0.0, "sandboxes": boxes,
+                "wall": time.monotonic()}
+
+    def start(self, daemon_pid: int | None) -> None:
+        self.daemon = daemon_pid
+        self.t = self._sample()
+
+    def stop(self) -> dict[str, float]:
+        end = self._sample()
+        d = {k: round(end[k] - self.t[k], 3) for k in end}
+        d["sandboxes"] = round(end["sandboxes"], 3)  # the parent is created after start()
+        d["rest"] = round(d["machine"] - d["bench"] - d["daemon"] - d["moto"] - d["sandboxes"], 3)
+        return d
+
+
 async def cold_node(mode: str, n: int, image_name: str, url: str, workload: list[str],
-                    image_size: int, readahead: int = LAZY_READAHEAD) -> dict[str, Any]:
-    """Fresh node store; ``mode`` "full" or "lazy"; N sandboxes started together."""
+                    image_size: int, readahead: int = LAZY_READAHEAD,
+                    node_dir: Path | None = None) -> dict[str, Any]:
+    """Fresh node store; ``mode`` "full" or "lazy"; N sandboxes started together.
+
+    ``node_dir`` (measurements only): use and keep this node directory, so a second lazy run
+    finds the node cache of the first (warm node cache; page cache of its files evicted)."""
     from rollbox.backends.container.sandbox import ContainerBackend
     from rollbox.isolation.userns import UidSlots
 
-    tmp = Path(tempfile.mkdtemp(prefix=f"rollbox-bench-images-{mode}-"))
+    keep = node_dir is not None
+    tmp = node_dir or Path(tempfile.mkdtemp(prefix=f"rollbox-bench-images-{mode}-"))
+    tmp.mkdir(exist_ok=True)
     tmp.chmod(0o711)
     base = Settings()
     settings = Settings()
@@ -195,6 +273,8 @@ async def cold_node(mode: str, n: int, image_name: str, url: str, workload: list
             from rollbox.images.lazy import LazyLoader
 
             image, _ = await chunks.pull_image(src, image_name, node, lazy=True)
+            for f in (tmp / "images").rglob("lazy/cache/*.erofs"):
+                evict(f)  # a kept node cache (warm run): its bytes on disk, not in memory
             loader = LazyLoader(node, readahead=readahead)
             for d in image.layers:
                 await asyncio.to_thread(loader.register, d, url, chunks.load_manifest(node, d))
@@ -207,6 +287,10 @@ async def cold_node(mode: str, n: int, image_name: str, url: str, workload: list
         first_exec: list[float] = []
         done: list[float] = []
         failures: list[str] = []
+        meter = CpuMeter(url, settings.cgroup_parent)
+        meter.start(int((loader.daemon_state() or {}).get("pid", 0)) or None
+                    if loader is not None else None)
+        t_work = time.monotonic()
 
         async def one(i: int) -> None:
             box = await backend.create(f"bimg-{secrets.token_hex(6)}", list(image.layers),
@@ -223,7 +307,11 @@ async def cold_node(mode: str, n: int, image_name: str, url: str, workload: list
 
         results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
+        res["cpu_s"] = meter.stop()
         res["total_s"] = max(done) if done else None
+        # The sandboxes' part alone (after the pull / lazy registration): for "full" this is
+        # the floor, the same workloads with every layer local and the page cache cold.
+        res["work_s"] = max(done) - (t_work - t0) if done else None
         res["first_exec_s"] = {"min": min(first_exec), "median": statistics.median(first_exec),
                                "max": max(first_exec)} if first_exec else None
         res["errors"] = [f"{type(e).__name__}: {e}" for e in errors][:3] + failures[:3]
@@ -263,7 +351,8 @@ async def cold_node(mode: str, n: int, image_name: str, url: str, workload: list
                 await loader.stop()
         slots.close()
         await src.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ---- main ---------------------------------------------------------------------------------
@@ -394,6 +483,38 @@ async def sweep(sizes: list[int], readaheads: list[int], full: bool) -> list[dic
     return rows
 
 
+async def floor(n: int = 16, only: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Where the lazy run's time goes: ``python bench/images.py floor [N [LABEL,...]]``
+    (labels: local, lazy_cold, lazy_warm; default all). N sandboxes with
+    every layer local (the full run's work part: pull done, page cache evicted), lazy from a
+    cold node cache, lazy from a warm node cache (the cold run's chunks kept, page cache
+    evicted); CPU per component for each."""
+    store, name, workload = pick_image(False)
+    image = store.resolve(name)
+    size = sum(store.layer_path(d).stat().st_size for d in image.layers)
+    out: dict[str, Any] = {"image": name, "n": n, "load_before": os.getloadavg()}
+    node = Path(tempfile.mkdtemp(prefix="rollbox-bench-images-warm-"))
+    try:
+        with loopback_s3(BUCKET) as endpoint:
+            url, _ = await push(store, name, endpoint, LAZY_CHUNK_SIZE)
+            for label, mode, kept in (("local", "full", None), ("lazy_cold", "lazy", node),
+                                      ("lazy_warm", "lazy", node)):
+                if only and label not in only:
+                    continue
+                r = await cold_node(mode, n, name, url, workload, size, node_dir=kept)
+                out[label] = {k: r.get(k) for k in ("total_s", "work_s", "pull_s", "cpu_s",
+                                                    "errors", "lazy_counters")}
+                if label == "lazy_cold":  # chunk read order per layer (first touches)
+                    out["traces"] = {t.name.split(".")[0][:19]: json.loads(t.read_text())
+                                     for t in node.rglob("lazy/cache/*.trace")}
+                say(f"{label}: work {r['work_s']:.2f}s (total {r['total_s']:.2f}s) "
+                    f"cpu {r['cpu_s']} errors {r['errors']}")
+    finally:
+        shutil.rmtree(node, ignore_errors=True)
+    out["load_after"] = os.getloadavg()
+    return out
+
+
 def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
     res = asyncio.run(run(quick))
     summary = {k: v for k, v in res.items() if k != "runs"}
@@ -410,5 +531,9 @@ if __name__ == "__main__":
         kib = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "64,256,1024").split(",")]
         ras = [int(x) for x in (sys.argv[3] if len(sys.argv) > 3 else "0,4").split(",")]
         asyncio.run(sweep([k << 10 for k in kib], ras, full="--full" in sys.argv))
+    elif sys.argv[1:2] == ["floor"]:
+        print(json.dumps(asyncio.run(floor(int(sys.argv[2]) if len(sys.argv) > 2 else 16,
+                                           tuple(sys.argv[3].split(",")) if len(sys.argv) > 3
+                                           else ()))))
     else:
         main(quick="--quick" in sys.argv, json_out="--json" in sys.argv)
