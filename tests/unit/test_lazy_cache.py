@@ -185,3 +185,29 @@ def test_bytes_read_unique_counts_each_page_once(setup) -> None:
     while layer.inflight and time.monotonic() < deadline:
         time.sleep(0.01)
     assert c["chunks_fetched"] == 6 and c["bytes_read_unique"] == 3 * 4096 + 4
+
+
+def test_store_that_does_not_verify_is_hashed_by_the_daemon(setup) -> None:
+    """Our stores verify each chunk in their worker thread (and the daemon trusts that); any
+    other ChunkStore's bytes are hashed by the daemon before they reach the cache."""
+    _store, digest, data, url, new_daemon = setup
+    d = new_daemon()
+    layer = d.layer(digest)
+    assert layer is not None
+    real = d.store_for(url)
+    assert getattr(real, "verifies_chunks", False)
+
+    class Unverified:  # returns wrong bytes for chunk 2, claims no verification
+        verifies_chunks = False
+
+        async def get_chunk(self, ref: chunks.ChunkRef) -> bytes:
+            raw = await real.get_chunk(ref)
+            return b"\xff" * len(raw) if ref.digest == layer.m.chunks[2].digest else raw
+
+    d.stores[url] = Unverified()  # type: ignore[assignment]
+    with pytest.raises(mfusepy.FuseOSError) as err:
+        layer.read(10, CHUNK * 2, "/a")
+    assert err.value.errno == errno.EIO
+    assert layer.last_error is not None and layer.last_error["code"] == "chunk_corrupt"
+    assert not layer.present[2]
+    assert layer.read(10, CHUNK * 3, "/a") == data[CHUNK * 3:CHUNK * 3 + 10]
