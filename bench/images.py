@@ -485,10 +485,11 @@ async def sweep(sizes: list[int], readaheads: list[int], full: bool) -> list[dic
 
 async def floor(n: int = 16, only: tuple[str, ...] = ()) -> dict[str, Any]:
     """Where the lazy run's time goes: ``python bench/images.py floor [N [LABEL,...]]``
-    (labels: local, lazy_cold, lazy_warm; default all). N sandboxes with
+    (labels: local, lazy_cold, lazy_warm, lazy_cold_traced; default all). N sandboxes with
     every layer local (the full run's work part: pull done, page cache evicted), lazy from a
     cold node cache, lazy from a warm node cache (the cold run's chunks kept, page cache
-    evicted); CPU per component for each."""
+    evicted), lazy from a cold node cache again with the chunk-read trace the first lazy node
+    left in the store; CPU per component for each."""
     store, name, workload = pick_image(False)
     image = store.resolve(name)
     size = sum(store.layer_path(d).stat().st_size for d in image.layers)
@@ -498,7 +499,10 @@ async def floor(n: int = 16, only: tuple[str, ...] = ()) -> dict[str, Any]:
         with loopback_s3(BUCKET) as endpoint:
             url, _ = await push(store, name, endpoint, LAZY_CHUNK_SIZE)
             for label, mode, kept in (("local", "full", None), ("lazy_cold", "lazy", node),
-                                      ("lazy_warm", "lazy", node)):
+                                      ("lazy_warm", "lazy", node),
+                                      # a fresh node again: cold cache, the store holds the
+                                      # trace the lazy_cold node put there
+                                      ("lazy_cold_traced", "lazy", None)):
                 if only and label not in only:
                     continue
                 r = await cold_node(mode, n, name, url, workload, size, node_dir=kept)

@@ -211,3 +211,37 @@ def test_store_that_does_not_verify_is_hashed_by_the_daemon(setup) -> None:
     assert layer.last_error is not None and layer.last_error["code"] == "chunk_corrupt"
     assert not layer.present[2]
     assert layer.read(10, CHUNK * 3, "/a") == data[CHUNK * 3:CHUNK * 3 + 10]
+
+
+def test_trace_shared_through_the_store_prefetches_on_a_cold_node(setup, tmp_path: Path) -> None:
+    """The first node's chunk-read trace goes into the store; a second node with a cold cache
+    replays it as prefetch (verified chunks, like any fetch) before its reader asks."""
+    store, digest, data, url, new_daemon = setup
+    d1 = new_daemon()
+    layer1 = d1.layer(digest)
+    assert layer1 is not None
+    deadline = time.monotonic() + 5
+    while not layer1.share_trace and time.monotonic() < deadline:  # store checked: none yet
+        time.sleep(0.01)
+    assert layer1.share_trace
+    for i in (7, 2, 5):
+        assert layer1.read(10, CHUNK * i, "/a") == data[CHUNK * i:CHUNK * i + 10]
+    layer1.save_trace()
+    assert asyncio.run(chunks.open_store(url).get_trace(digest)) == [7, 2, 5]
+
+    node2 = ImageStore(tmp_path / "images2")
+    m = chunks.load_manifest(store, digest)
+    LazyLoader(node2).register(digest, url, m)
+    d2 = Daemon(LazyPaths(node2.root), 1, tmp_path / "mnt2", cache_limit=1 << 30, readahead=0)
+    try:
+        layer2 = d2.layer(digest)
+        assert layer2 is not None
+        deadline = time.monotonic() + 5
+        while layer2.counters["chunks_prefetched"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [i for i in range(layer2.n) if layer2.present[i]] == [2, 5, 7]
+        assert layer2.counters["chunks_prefetched"] == 3
+        assert layer2.read(10, CHUNK * 5, "/b") == data[CHUNK * 5:CHUNK * 5 + 10]
+        assert layer2.counters["cache_misses"] == 0
+    finally:
+        d2.loop.call_soon_threadsafe(d2.loop.stop)

@@ -201,6 +201,24 @@ def manifest_key(layer: str) -> str:
     return f"manifests/{validate_digest(layer)}.json"
 
 
+def trace_key(layer: str) -> str:
+    return f"traces/{validate_digest(layer)}.json"
+
+
+# A chunk-read trace (prefetch list) longer than this is cut: it is a hint, not data.
+MAX_TRACE = 1 << 16
+
+
+def _parse_trace(data: bytes) -> list[int] | None:
+    try:
+        raw = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(raw, list):
+        return None
+    return [i for i in raw[:MAX_TRACE] if isinstance(i, int) and i >= 0]
+
+
 def ref_key(name: str) -> str:
     return "refs/" + urllib.parse.quote(validate_name(name), safe="") + ".json"
 
@@ -296,6 +314,18 @@ class _ObjectStore:
 
     async def has_manifest(self, layer: str) -> bool:
         return bool(await self._call(self._has, manifest_key(layer)))
+
+    # Chunk-read traces (optional, not in the ChunkStore protocol): the order in which a
+    # layer's first use on some node read its chunks, which a cold node replays as prefetch.
+    # Only a hint: indices, never bytes (every prefetched chunk is verified like any other).
+    async def get_trace(self, layer: str) -> list[int] | None:
+        try:
+            return _parse_trace(await self._call(self._get, trace_key(layer)))
+        except KeyError:
+            return None
+
+    async def put_trace(self, layer: str, trace: list[int]) -> None:
+        await self._call(self._put, trace_key(layer), json.dumps(trace[:MAX_TRACE]).encode())
 
     async def get_ref(self, name: str) -> Image:
         try:

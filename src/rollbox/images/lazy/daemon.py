@@ -45,6 +45,8 @@ log = logging.getLogger("rollbox.lazy")
 
 FETCH_TIMEOUT_S = 60.0
 FETCH_CONCURRENCY = 16
+PREFETCH_CONCURRENCY = 8
+TRACE_PUT_TIMEOUT_S = 10.0
 FUSE_MAX_THREADS = 64
 # Kernel readahead on the FUSE file (its bdi; the kernel's default is 128 KiB). Every FUSE read
 # is a round trip through this process: 1 MiB windows cut a cached tree read from ~4,800 to
@@ -116,6 +118,10 @@ class Layer:
         self.recording = not self.trace_path.exists()
         self.trace: list[int] = []
         self.traced: set[int] = set()
+        # Set once the store is known to hold no trace of this layer: ours is then put there
+        # when saved, for cold nodes to replay (Daemon.replay_store_trace).
+        self.share_trace = False
+        self.shared_len = 0
         self.dirty = True
         self._load_stats()
 
@@ -258,6 +264,12 @@ class Layer:
 
     async def _fetch(self, i: int, prefetch: bool) -> None:
         ref = self.m.chunks[i]
+        # Prefetches take at most PREFETCH_CONCURRENCY of the fetch slots: a demand read never
+        # queues behind a whole replayed trace.
+        async with self.daemon.prefetch_sem if prefetch else contextlib.nullcontext():
+            await self._fetch_now(i, prefetch, ref)
+
+    async def _fetch_now(self, i: int, prefetch: bool, ref: Any) -> None:
         async with self.daemon.fetch_sem:
             with self.lock:
                 if self.present[i]:
@@ -300,7 +312,13 @@ class Layer:
             if not self.recording or not self.trace:
                 return
             trace = list(self.trace)
+            # Put again whenever it grew: the first save is often a mere probe's open/release.
+            share = self.share_trace and len(trace) > self.shared_len
+            if share:
+                self.shared_len = len(trace)
         write_json_atomic(self.trace_path, trace)
+        if share:
+            self.daemon.share_trace(self, trace)
 
     def close(self) -> None:
         os.close(self.cache_fd)
@@ -332,6 +350,10 @@ class Daemon(mfusepy.Operations):
         self.stores_lock = threading.Lock()
         self.loop = asyncio.new_event_loop()
         self.fetch_sem = asyncio.Semaphore(FETCH_CONCURRENCY)
+        self.prefetch_sem = asyncio.Semaphore(PREFETCH_CONCURRENCY)
+        # Share chunk-read traces through the store (replay another node's, put ours if the
+        # store has none); ROLLBOX_LAZY_STORE_TRACES=0: node-local traces only.
+        self.store_traces = os.environ.get("ROLLBOX_LAZY_STORE_TRACES", "1") != "0"
         self._loop_thread = threading.Thread(target=self.loop.run_forever, name="fetch",
                                              daemon=True)
         self._loop_thread.start()
@@ -456,7 +478,8 @@ class Daemon(mfusepy.Operations):
                 return None
             layer = Layer(self, digest, manifest, str(record["store"]), self.trusted)
             self.layers[digest] = layer
-        # First use in this daemon: replay the recorded trace as prefetch.
+        # First use in this daemon: replay the recorded trace as prefetch; on a node without
+        # one, the trace another node left in the store (a cold node cache, not a blind one).
         if not layer.recording:
             try:
                 trace = [int(i) for i in json.loads(layer.trace_path.read_text())]
@@ -464,7 +487,41 @@ class Daemon(mfusepy.Operations):
                 trace = []
             if trace:
                 layer.prefetch(trace)
+        elif self.store_traces:
+            asyncio.run_coroutine_threadsafe(self.replay_store_trace(layer), self.loop)
         return layer
+
+    async def replay_store_trace(self, layer: Layer) -> None:
+        try:
+            store = await asyncio.to_thread(self.store_for, layer.store_url)
+            get = getattr(store, "get_trace", None)
+            if get is None:
+                return
+            trace = await get(layer.digest)
+        except Exception as exc:  # noqa: BLE001 - a hint only: reads fetch on demand anyway
+            log.info("no store trace for %s: %s", layer.digest[:19], exc)
+            return
+        if trace:
+            log.info("replaying the store's trace of %s: %d chunks", layer.digest[:19],
+                     len(trace))
+            layer.prefetch(trace)
+        else:
+            with layer.lock:
+                layer.share_trace = True
+
+    def share_trace(self, layer: Layer, trace: list[int]) -> None:
+        """Put ``trace`` into the layer's store (blocking, bounded; failures only logged)."""
+        async def put() -> None:
+            store = self.store_for(layer.store_url)
+            put_trace = getattr(store, "put_trace", None)
+            if put_trace is not None:
+                await put_trace(layer.digest, trace)
+
+        try:
+            asyncio.run_coroutine_threadsafe(put(), self.loop).result(TRACE_PUT_TIMEOUT_S)
+            log.info("trace of %s (%d chunks) put in its store", layer.digest[:19], len(trace))
+        except Exception as exc:  # noqa: BLE001 - a hint only
+            log.warning("trace of %s not put in its store: %s", layer.digest[:19], exc)
 
     def _write_stats(self, layer: Layer) -> None:
         snap = layer.snapshot()
