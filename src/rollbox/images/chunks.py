@@ -431,7 +431,11 @@ class S3ChunkStore(_ObjectStore):
             "s3", endpoint_url=endpoint, region_name=region or "us-east-1",
             config=Config(max_pool_connections=threads, connect_timeout=connect_timeout,
                           read_timeout=read_timeout,
-                          retries={"max_attempts": attempts, "mode": "standard"}))
+                          retries={"max_attempts": attempts, "mode": "standard"},
+                          # Every chunk is SHA-256-verified against its manifest: botocore's
+                          # own CRC32 over each 1 MiB body (default since 1.36) only costs CPU.
+                          request_checksum_calculation="when_required",
+                          response_checksum_validation="when_required"))
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
