@@ -6,7 +6,8 @@ node cache is fetched from the layer's chunk store (one in-flight fetch per chun
 reader), verified against its digest, written to the cache, then marked present in the bitmap —
 so bytes are served only from verified, complete chunks. A miss also prefetches the next
 ``readahead`` chunks; the first cold use of a layer records the order of chunk reads (the trace),
-later first uses replay it as prefetch. A chunk that cannot be had (missing, corrupt, store down,
+later first uses replay it as prefetch. Traces are shared through the chunk store too: a node
+without one replays the store's, and puts its own there when the store has none. A chunk that cannot be had (missing, corrupt, store down,
 cache full) fails the read with EIO and leaves its typed reason in the layer's stats file for the
 loader to raise.
 
