@@ -18,7 +18,7 @@ from rollbox import errors
 from rollbox.images.build import build_from_directory
 from rollbox.images.snapshot import is_frozen
 from rollbox.images.store import ImageStore
-from rollbox.models import ExecSpec, SandboxSpec, SnapshotSpec
+from rollbox.models import ExecSpec, GradeSpec, SandboxSpec, SnapshotSpec
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root and runc")]
@@ -184,3 +184,22 @@ async def test_snapshot_bad_input(edge, names: list[str]) -> None:  # noqa: ANN0
     await edge.delete(src.id)
     with pytest.raises(errors.SandboxDead):
         await edge.snapshot(src.id, SnapshotSpec(name=new_name(names)), "p")
+
+
+async def test_snapshot_image_belongs_to_its_project(edge, names: list[str]) -> None:  # noqa: ANN001
+    """An environment an agent built may hold its project's secrets: other projects can't
+    start from it, stack it as a layer, or grade with it; to them it does not exist."""
+    src = await edge.create(SandboxSpec(image=BB), "team-a")
+    name = new_name(names)
+    await edge.snapshot(src.id, SnapshotSpec(name=name), "team-a")
+    mine = await edge.create(SandboxSpec(image=name), "team-a")
+    with pytest.raises(errors.NotFound):
+        await edge.create(SandboxSpec(image=name), "team-b")
+    with pytest.raises(errors.NotFound):
+        await edge.create(SandboxSpec(image=BB, layers=[name]), "team-b")
+    other = await edge.create(SandboxSpec(image=BB), "team-b")
+    with pytest.raises(errors.NotFound):
+        await edge.grade(other.id, GradeSpec(files=["/etc/hostname"], layers=[name],
+                                             cmd="true"), "team-b")
+    for sid in (src.id, mine.id, other.id):
+        await edge.delete(sid)

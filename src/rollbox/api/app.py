@@ -449,8 +449,10 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
     async def snapshot(sandbox_id: str, spec: models.SnapshotSpec, edge: Edge,
                        who: Who) -> models.SnapshotResult:
         """pack_diff: the sandbox's writable layer, scrubbed, becomes a new layer; ``name`` is
-        tagged as the sandbox's layers + it (create sandboxes from it on this node)."""
-        return await edge.snapshot(sandbox_id, spec, who.key_id)
+        tagged as the sandbox's layers + it (create sandboxes from it on this node). The image
+        belongs to the sandbox's project: other projects can't see or use it."""
+        owner = (await edge.get(sandbox_id)).owner
+        return await edge.snapshot(sandbox_id, spec, owner)
 
     def exec_stream_response(edge: EdgeAPI, sandbox_id: str, exec_id: str,
                              stream: AsyncIterator[ExecOutput] | None = None) -> Response:

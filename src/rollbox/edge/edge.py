@@ -28,7 +28,7 @@ from rollbox.errors import (
 )
 from rollbox.events.store import EventLog
 from rollbox.images.mounts import LayerMounts
-from rollbox.images.store import ImageStore
+from rollbox.images.store import Image, ImageStore
 from rollbox.isolation import cgroups
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import (
@@ -218,11 +218,20 @@ class Edge:
                                    f"{spec.resources.memory_mib} MiB")
 
     # ---- sandboxes ----------------------------------------------------------------------
+    def _image_for(self, name: str, owner: str) -> Image:
+        """Resolve an image for ``owner``: images made by a project's sandbox (snapshots carry
+        their project in ``config["owner"]``) exist only for that project; the node's own
+        images are everyone's. Another project's image looks absent (NotFound)."""
+        image = self.store.resolve(name)  # NotFound / BadRequest for bad names
+        if image.config.get("owner") not in (None, owner):
+            raise NotFound(f"no image {name!r}", image=name)
+        return image
+
     async def create(self, spec: SandboxSpec, owner: str) -> SandboxInfo:
-        image = self.store.resolve(spec.image)  # NotFound / BadRequest for bad names
+        image = self._image_for(spec.image, owner)
         layers = list(image.layers)
         for extra in spec.layers:
-            layers.extend(self.store.resolve(extra).layers)
+            layers.extend(self._image_for(extra, owner).layers)
         return await self._admitted_create(spec, owner, image.config, layers)
 
     async def _admitted_create(self, spec: SandboxSpec, owner: str, image_config: dict,
@@ -700,7 +709,7 @@ class Edge:
         directories; links are not carried over, so nothing copied can redirect a write to the
         grader's own files). The grader is deleted afterwards, also on failure."""
         src = self._live(sandbox_id)
-        extra = [d for name in spec.layers for d in self.store.resolve(name).layers]
+        extra = [d for name in spec.layers for d in self._image_for(name, owner).layers]
         declared: list[tuple[str, FileStat]] = []
         for path in spec.files:  # all declared files must exist before a grader is spent
             st = await self.file_stat(sandbox_id, path)
@@ -815,7 +824,7 @@ class Edge:
             layers = list(live.info.layers) + [digest]
             if self.store.exists(spec.name):
                 raise BadRequest(f"image {spec.name!r} was created meanwhile", image=spec.name)
-            self.store.tag(spec.name, layers, config)
+            self.store.tag(spec.name, layers, {**config, "owner": owner})
             if push_url is not None:
                 await push_image(self.store, spec.name, open_store(push_url))
         finally:
