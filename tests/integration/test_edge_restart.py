@@ -23,7 +23,7 @@ async def test_restart_readopts_and_reports_lost(tmp_node_dir) -> None:  # noqa:
     v2_lost = e1.live[lose.id].box.v2_cgroup
     await e1.close(destroy=False)  # the edge goes away; sandboxes keep running
     cgroups.kill(v2_lost)  # one sandbox dies while no edge watches
-    cgroups.wait_empty(v2_lost)
+    assert await cgroups.wait_empty(v2_lost)
 
     e2 = Edge(settings, events)
     await e2.start()
