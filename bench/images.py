@@ -139,24 +139,7 @@ def chunk_fractions(traces: list[bytes], sizes: list[int]) -> dict[str, Any]:
 # ---- one cold node ------------------------------------------------------------------------
 
 async def run_cmd(box: Any, cmd: str, env: dict[str, str]) -> tuple[int, bytes]:
-    from rollbox.backends.container.protocol import ExecRequest
-
-    cg_name, cg_fd = box.new_session_cgroup()
-    try:
-        session = await box.channel.exec(ExecRequest(
-            argv=["/bin/sh", "-c", cmd], env=[f"{k}={v}" for k, v in env.items()],
-            timeout_ms=10 * 60 * 1000), cg_fd)
-    finally:
-        os.close(cg_fd)
-    out = b""
-    code = -1
-    async for kind, payload in session.events():
-        if kind in ("stdout", "stderr"):
-            out = (out + payload)[-2000:]
-        elif kind == "exited":
-            code = payload.exit_code
-    box.drop_session_cgroup(cg_name)
-    return code, out
+    return await box.run_shell(cmd, env, 10 * 60, tail=2000)
 
 
 # ---- CPU per component (where a run's time goes) -------------------------------------------

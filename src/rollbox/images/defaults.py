@@ -34,7 +34,6 @@ async def build_layer_with_commands(store: ImageStore, base: str, commands: list
                                     log_file: Path | None = None) -> str:
     """Run commands in a sandbox over ``base``; its scrubbed writable upper becomes a new
     layer and ``name`` is tagged as base + that layer. Returns the new layer's digest."""
-    from rollbox.backends.container.protocol import ExecRequest
     from rollbox.backends.container.sandbox import ContainerBackend
     from rollbox.images.mounts import LayerMounts
     from rollbox.isolation.userns import UidSlots
@@ -58,24 +57,11 @@ async def build_layer_with_commands(store: ImageStore, base: str, commands: list
             box.fs.write("/etc/resolv.conf", Path("/etc/resolv.conf").read_bytes(), 0o644)
         for cmd in commands:
             log(f"$ {cmd}")
-            cg_name, cg_fd = box.new_session_cgroup()
-            try:
-                session = await box.channel.exec(ExecRequest(
-                    argv=["/bin/sh", "-c", cmd], env=[f"{k}={v}" for k, v in env.items()],
-                    timeout_ms=30 * 60 * 1000), cg_fd)
-            finally:
-                os.close(cg_fd)
-            tail = b""
-            async for kind, payload in session.events():
-                if kind in ("stdout", "stderr"):
-                    tail = (tail + payload)[-4000:]
-                    if out:
-                        out.write(payload)
-                elif kind == "exited":
-                    if payload.exit_code != 0:
-                        raise InfraError(f"image build step failed ({payload.exit_code}): {cmd}\n"
-                                         + tail.decode(errors="replace"))
-            box.drop_session_cgroup(cg_name)
+            code, tail = await box.run_shell(cmd, env, 30 * 60,
+                                             on_output=out.write if out else None)
+            if code != 0:
+                raise InfraError(f"image build step failed ({code}): {cmd}\n"
+                                 + tail.decode(errors="replace"))
         box.fs.write("/etc/resolv.conf", b"# rollbox: no network by default\n", 0o644)
         digest = await asyncio.to_thread(
             layer_from_upper, store, box.rootfs.upper, source=f"commands over {base}",

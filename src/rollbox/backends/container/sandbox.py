@@ -14,13 +14,14 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollbox.backends.container import bundle
 from rollbox.backends.container.channel import AgentChannel
 from rollbox.backends.container.files import SandboxFS
+from rollbox.backends.container.protocol import ExecRequest
 from rollbox.backends.container.rootfs import Rootfs, mount_points_under, remove_flat_dir
 from rollbox.backends.container.runtime import Runtime
 from rollbox.config import Settings
@@ -74,6 +75,31 @@ class ContainerSandbox:
                 path.rmdir()
             except OSError:
                 pass  # still populated by processes the command left behind
+
+    async def run_shell(self, cmd: str, env: dict[str, str], timeout_s: float,
+                        on_output: Callable[[bytes], object] | None = None,
+                        tail: int = 4000) -> tuple[int, bytes]:
+        """Run ``cmd`` under the image's ``/bin/sh`` as root, outside the edge's exec sessions:
+        the platform's own work on a sandbox it controls (image builds, benchmarks). Returns
+        the exit code (-1 if none came) and the last ``tail`` bytes of stdout+stderr."""
+        cg_name, cg_fd = self.new_session_cgroup()
+        try:
+            session = await self.channel.exec(ExecRequest(
+                argv=["/bin/sh", "-c", cmd], env=[f"{k}={v}" for k, v in env.items()],
+                timeout_ms=int(timeout_s * 1000)), cg_fd)
+        finally:
+            os.close(cg_fd)
+        out = b""
+        code = -1
+        async for kind, payload in session.events():
+            if kind in ("stdout", "stderr"):
+                out = (out + payload)[-tail:]
+                if on_output is not None:
+                    on_output(payload)
+            elif kind == "exited":
+                code = payload.exit_code
+        self.drop_session_cgroup(cg_name)
+        return code, out
 
 
 class ContainerBackend:
