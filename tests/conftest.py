@@ -2,6 +2,7 @@
 and a suite-wide check that nothing of any sandbox is left on the host afterwards."""
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -48,6 +49,47 @@ def have_image(name: str) -> bool:
         return True
     except Exception:  # noqa: BLE001
         return False
+
+
+@contextlib.contextmanager
+def private_image_store(root: Path) -> Iterator:
+    """An ImageStore under ``root``; on exit unmount what was mounted below ``root`` (overlays
+    first: they pin the layer mounts) and fail if anything had to be forced."""
+    from rollbox.images.mounts import LayerMounts, read_mountinfo
+    from rollbox.images.store import ImageStore
+    from rollbox.isolation import syscalls
+
+    store = ImageStore(root / "images")
+    yield store
+    for mnt, fstype, _src in reversed(read_mountinfo()):
+        if mnt.startswith(str(root)) and fstype == "overlay":
+            syscalls.umount(mnt, syscalls.MNT_DETACH)
+    LayerMounts(store).unmount_all()
+    leftover = [m for m, _, _ in read_mountinfo() if m.startswith(str(root))]
+    for mnt in reversed(leftover):
+        syscalls.umount(mnt, syscalls.MNT_DETACH)
+    assert not leftover, f"test leaked mounts: {leftover}"
+
+
+@pytest.fixture
+def names(edge) -> Iterator[list[str]]:  # noqa: ANN001
+    """Image names the test tags (see new_name); their refs are removed afterwards (layers
+    go with gc)."""
+    from rollbox import errors
+
+    made: list[str] = []
+    yield made
+    for name in made:
+        try:
+            edge.store.remove(name)
+        except errors.NotFound:
+            pass
+
+
+def new_name(names: list[str], what: str = "snap") -> str:
+    name = f"test/{what}-{secrets.token_hex(4)}:1"
+    names.append(name)
+    return name
 
 
 needs_python = pytest.mark.skipif(not have_image("python:3.11"),

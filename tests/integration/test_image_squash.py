@@ -14,10 +14,11 @@ from typer.testing import CliRunner
 from rollbox.errors import BadRequest
 from rollbox.images.build import make_whiteout, set_opaque
 from rollbox.images.cli import app
-from rollbox.images.mounts import LayerMounts, read_mountinfo
+from rollbox.images.mounts import LayerMounts
 from rollbox.images.squash import squash_image
 from rollbox.images.store import ImageStore
 from rollbox.isolation import syscalls
+from tests.conftest import private_image_store
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount")]
@@ -25,17 +26,9 @@ pytestmark = [pytest.mark.root,
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[ImageStore]:
-    s = ImageStore(tmp_path / "images")
-    yield s
-    for mnt, fstype, _src in reversed(read_mountinfo()):
-        if mnt.startswith(str(tmp_path)) and fstype == "overlay":
-            syscalls.umount(mnt, syscalls.MNT_DETACH)
-    LayerMounts(s).unmount_all()
-    leftover = [m for m, _, _ in read_mountinfo() if m.startswith(str(tmp_path))]
-    for mnt in reversed(leftover):
-        syscalls.umount(mnt, syscalls.MNT_DETACH)
-    assert not leftover, f"test leaked mounts: {leftover}"
-    assert not any(s.tmp_dir.iterdir()), "squash left staging behind"
+    with private_image_store(tmp_path) as s:
+        yield s
+        assert not any(s.tmp_dir.iterdir()), "squash left staging behind"
 
 
 def tree(root: Path, files: dict[str, str]) -> Path:

@@ -20,6 +20,7 @@ from rollbox.images.build import layer_from_upper, make_whiteout, set_opaque
 from rollbox.images.mounts import LayerMounts, read_mountinfo
 from rollbox.images.store import ImageStore
 from rollbox.isolation import syscalls
+from tests.conftest import private_image_store
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount")]
@@ -27,17 +28,8 @@ pytestmark = [pytest.mark.root,
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[ImageStore]:
-    s = ImageStore(tmp_path / "images")
-    yield s
-    # overlays first (they pin the layer mounts), then the layers themselves
-    for mnt, fstype, _src in reversed(read_mountinfo()):
-        if mnt.startswith(str(tmp_path)) and fstype == "overlay":
-            syscalls.umount(mnt, syscalls.MNT_DETACH)
-    LayerMounts(s).unmount_all()
-    leftover = [m for m, _, _ in read_mountinfo() if m.startswith(str(tmp_path))]
-    for mnt in reversed(leftover):
-        syscalls.umount(mnt, syscalls.MNT_DETACH)
-    assert not leftover, f"test leaked mounts: {leftover}"
+    with private_image_store(tmp_path) as s:
+        yield s
 
 
 @pytest.fixture

@@ -7,9 +7,7 @@ source sandbox must keep running (thawed), and bad input must give typed errors.
 from __future__ import annotations
 
 import os
-import secrets
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,28 +17,13 @@ from rollbox.images.build import build_from_directory
 from rollbox.images.snapshot import is_frozen
 from rollbox.images.store import ImageStore
 from rollbox.models import ExecSpec, GradeSpec, SandboxSpec, SnapshotSpec
+from tests.conftest import new_name
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root and runc")]
 BB = "busybox:test"
 
 
-@pytest.fixture
-def names(edge) -> Iterator[list[str]]:  # noqa: ANN001
-    """Image names the test tags; their refs are removed afterwards (layers go with gc)."""
-    made: list[str] = []
-    yield made
-    for name in made:
-        try:
-            edge.store.remove(name)
-        except errors.NotFound:
-            pass
-
-
-def new_name(names: list[str], what: str = "snap") -> str:
-    name = f"test/{what}-{secrets.token_hex(4)}:1"
-    names.append(name)
-    return name
 
 
 @pytest.fixture

@@ -3,8 +3,6 @@ git history past HEAD scrubbed from a snapshot on request."""
 from __future__ import annotations
 
 import os
-import secrets
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,28 +14,13 @@ from rollbox.iam import KeyStore
 from rollbox.images.chunks import default_store_url, open_store
 from rollbox.models import ExecSpec, SandboxSpec, SnapshotSpec
 from rollbox.placement import Placement
-from tests.conftest import needs_python
+from tests.conftest import needs_python, new_name
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root and runc")]
 BB = "busybox:test"
 
 
-@pytest.fixture
-def names(edge) -> Iterator[list[str]]:  # noqa: ANN001
-    made: list[str] = []
-    yield made
-    for name in made:
-        try:
-            edge.store.remove(name)
-        except errors.NotFound:
-            pass
-
-
-def new_name(names: list[str]) -> str:
-    name = f"test/snap-{secrets.token_hex(4)}:1"
-    names.append(name)
-    return name
 
 
 async def test_sdk_snapshot_push_and_restore(edge, names: list[str], tmp_path: Path,  # noqa: ANN001
