@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -138,6 +139,23 @@ RUNS_DIR = Path("/run/rollbox-test-runs")  # <run> -> pid of the pytest process 
 STALE_UNOWNED_S = 600.0
 
 
+# A test sandbox's id is "t<run><6 hex>-<12 hex>" (node_settings); its mounts sit under
+# ".../sandboxes/<id>", wherever the test put its data dir.
+TEST_SANDBOX_MOUNT = re.compile(r"/sandboxes/t([0-9a-f]{4})[0-9a-f]{6}-[0-9a-f]{12}(/|$)")
+
+
+def run_mounts(run: str) -> list[str]:
+    """Mount points of a test run: below its temp dirs or below one of its sandboxes' dirs."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mp = line.split()[4]
+            m = TEST_SANDBOX_MOUNT.search(mp)
+            if f"/rollbox-test-{run}-" in mp or (m and m.group(1) == run):
+                out.append(mp)
+    return out
+
+
 def sweep_dead_runs() -> list[str]:
     """Remove what test runs killed mid-way (timeout, Ctrl-C twice) left on this host: their
     sandboxes' processes, cgroups, network namespaces and mounts. A run is dead when its pytest
@@ -157,6 +175,8 @@ def sweep_dead_runs() -> list[str]:
     runs: set[str] = set(owners)
     for h in cgroups.hierarchies():
         runs |= {p.name[len("rollbox-test-"):] for p in h.glob("rollbox-test-*") if p.is_dir()}
+    with open("/proc/self/mountinfo") as f:
+        runs |= {m.group(1) for line in f if (m := TEST_SANDBOX_MOUNT.search(line.split()[4]))}
     dead = []
     for run in sorted(runs):
         if run == TEST_RUN:
@@ -191,9 +211,7 @@ def sweep_dead_runs() -> list[str]:
                     netns.delete(name)
                 except OSError:
                     pass  # e.g. hidden under a later bind of /run/netns (see netns.py)
-        with open("/proc/self/mountinfo") as f:
-            mps = [line.split()[4] for line in f if f"/rollbox-test-{run}-" in line.split()[4]]
-        for mp in sorted(mps, key=len, reverse=True):
+        for mp in sorted(run_mounts(run), key=len, reverse=True):
             try:
                 syscalls.umount(mp, syscalls.MNT_DETACH)
             except OSError:
@@ -201,6 +219,11 @@ def sweep_dead_runs() -> list[str]:
         for d in Path(tempfile.gettempdir()).glob(f"rollbox-test-{run}-*"):
             shutil.rmtree(d, ignore_errors=True)
         (RUNS_DIR / run).unlink(missing_ok=True)
+    if dead:  # the node's shared layer mounts those sandboxes pinned (used ones stay)
+        from rollbox.images.mounts import LayerMounts
+        from rollbox.images.store import ImageStore
+
+        LayerMounts(ImageStore(Settings().images_dir)).unmount_all()
     return dead
 
 
@@ -214,12 +237,7 @@ def no_leaks_after_suite() -> Iterator[None]:
     (RUNS_DIR / TEST_RUN).unlink(missing_ok=True)
     left_cg = cgroups.leftover(TEST_CGROUP) if os.geteuid() == 0 else []
     left_ns = [n for n in netns.list_rollbox() if n.startswith(f"rollbox-{TEST_NODE}")]
-    mounts = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            mp = line.split()[4]
-            if f"/rollbox-test-{TEST_RUN}-" in mp:
-                mounts.append(mp)
+    mounts = run_mounts(TEST_RUN)
     if os.geteuid() == 0 and not left_cg:
         cgroups.remove_parent_if_empty(TEST_CGROUP)
     assert not (left_cg or left_ns or mounts), (
