@@ -10,7 +10,7 @@ import contextlib
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Query, Request, Security
@@ -129,12 +129,41 @@ _HTTP_STATUS_ERRORS: dict[int, type[errors.RollboxError]] = {
 }
 
 
-def _validation_message(exc: RequestValidationError) -> str:
+def validation_message(errs: Sequence[Any]) -> str:
+    """One line from pydantic's ``.errors()`` (FastAPI's request validation or a model's own),
+    the message of every BadRequest for malformed input."""
     parts = []
-    for e in exc.errors():
+    for e in errs:
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
         parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
     return "; ".join(parts) or "invalid request"
+
+
+# ---- auth: every route of the app and its front doors reads the key the same way ----
+_bearer = HTTPBearer(auto_error=False)
+_api_key_header = APIKeyHeader(name="X-API-Key", auto_error=False)
+
+
+def request_key(request: Request) -> str | None:
+    """The API key of a request: ``Authorization: Bearer`` first, else ``X-API-Key`` (what
+    :func:`principal` reads, for routes that skip FastAPI's dependency solving)."""
+    scheme, _, cred = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and cred:
+        return cred
+    return request.headers.get("x-api-key")
+
+
+async def principal(
+    request: Request,
+    cred: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
+    header_key: Annotated[str | None, Security(_api_key_header)],
+) -> Principal:
+    """FastAPI dependency: the caller, by the keys of the app's ``_Api``."""
+    keys: KeyStore = request.app.state.api.keys
+    return keys.verify(cred.credentials if cred is not None else header_key)
+
+
+Who = Annotated[Principal, Depends(principal)]
 
 
 def _ndjson(obj: dict[str, Any]) -> bytes:
@@ -312,7 +341,7 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(errors.BadRequest(_validation_message(exc)))
+        return _error_response(errors.BadRequest(validation_message(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -325,19 +354,7 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
         log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         return _error_response(errors.RollboxError("internal error"))
 
-    # ---- auth ----
-    bearer = HTTPBearer(auto_error=False)
-    api_key_header = APIKeyHeader(name="X-API-Key", auto_error=False)
-
-    async def principal(
-        cred: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)],
-        header_key: Annotated[str | None, Security(api_key_header)],
-    ) -> Principal:
-        key = cred.credentials if cred is not None else header_key
-        return keys.verify(key)
-
-    Who = Annotated[Principal, Depends(principal)]
-
+    # ---- auth (module level: principal, Who) ----
     async def edge_of(sandbox_id: str, who: Who) -> EdgeAPI:
         return await api.sandbox_edge(sandbox_id, who)
 

@@ -10,15 +10,14 @@ over the first local edge of the api's placement.
 
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import Depends, FastAPI, Request, Response, Security
-from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+from fastapi import FastAPI, Request, Response
 from pydantic import ValidationError
 
 from rollbox import errors
+from rollbox.api.app import Who, request_key, validation_message
 from rollbox.backends.fncall.pool import FnCallBackend
-from rollbox.iam import Principal
 from rollbox.models import (
     FnCallBatchItem,
     FnCallBatchRequest,
@@ -42,39 +41,7 @@ def backend_of(request: Request) -> FnCallBackend:
     return backend
 
 
-def request_key(request: Request) -> str | None:
-    """The API key of a request: ``Authorization: Bearer`` first, else ``X-API-Key``."""
-    scheme, _, cred = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and cred:
-        return cred
-    return request.headers.get("x-api-key")
-
-
-def bad_request(exc: ValidationError) -> errors.BadRequest:
-    """Same message shape as the api's handler of FastAPI's validation errors."""
-    parts = []
-    for e in exc.errors():
-        loc = ".".join(str(x) for x in e.get("loc", ()))
-        parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
-    return errors.BadRequest("; ".join(parts) or "invalid request")
-
-
-def principal_dependency(api: Any) -> Any:
-    bearer = HTTPBearer(auto_error=False)
-    header = APIKeyHeader(name="X-API-Key", auto_error=False)
-
-    async def principal(
-        cred: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)],
-        header_key: Annotated[str | None, Security(header)],
-    ) -> Principal:
-        return api.keys.verify(cred.credentials if cred is not None else header_key)
-
-    return principal
-
-
 def mount(app: FastAPI, api: Any) -> contextlib.AbstractAsyncContextManager[None]:
-    Who = Annotated[Principal, Depends(principal_dependency(api))]
-
     spec_schema = {"$ref": "#/components/schemas/FnCallSpec"}
 
     @app.post("/v1/fncall", response_model=FnCallResult, tags=["fncall"],
@@ -85,7 +52,7 @@ def mount(app: FastAPI, api: Any) -> contextlib.AbstractAsyncContextManager[None
         try:
             spec = FnCallSpec.model_validate_json(await request.body())
         except ValidationError as exc:
-            raise bad_request(exc) from None
+            raise errors.BadRequest(validation_message(exc.errors())) from None
         res = await backend_of(request).call(spec)
         return Response(res.model_dump_json(), media_type="application/json")
 

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollbox import errors
+from rollbox.api.app import request_key
 from rollbox.backends.fncall.http import backend_of
 from rollbox.models import FnCallResult, FnCallSpec, FnCallStep
 
@@ -95,12 +96,7 @@ def to_response(res: FnCallResult) -> RunCodeResponse:
 
 def mount(app: FastAPI, api: Any) -> None:
     async def run(body: RunCodeRequest, request: Request, key: str | None) -> RunCodeResponse:
-        if key is None:
-            key = request.headers.get("x-api-key")
-            scheme, _, cred = request.headers.get("authorization", "").partition(" ")
-            if not key and scheme.lower() == "bearer":
-                key = cred
-        api.keys.verify(key)
+        api.keys.verify(request_key(request) if key is None else key)
         return to_response(await backend_of(request).call(to_spec(body)))
 
     @app.post("/run_code", response_model=RunCodeResponse, tags=["sandboxfusion"])

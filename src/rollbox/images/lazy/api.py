@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Query, Security
-from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+from fastapi import FastAPI, Query
+
+from rollbox.api.app import Who
 
 
 def node_stats(edge: Any, project: str | None) -> dict[str, Any]:
@@ -31,20 +32,13 @@ def node_stats(edge: Any, project: str | None) -> dict[str, Any]:
     return st
 
 
-# Module level: with postponed annotations FastAPI resolves the route's hints here.
-bearer = HTTPBearer(auto_error=False)
-api_key_header = APIKeyHeader(name="X-API-Key", auto_error=False)
-
-
 def mount(app: FastAPI, api: Any) -> contextlib.AbstractAsyncContextManager[None] | None:
 
     @app.get("/v1/images/stats", tags=["images"])
     async def images_stats(
-        cred: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)],
-        header_key: Annotated[str | None, Security(api_key_header)],
+        who: Who,
         sandbox: Annotated[str | None, Query(max_length=128)] = None,
     ) -> dict[str, Any]:
-        who = api.keys.verify(cred.credentials if cred is not None else header_key)
         project = None if who.admin else who.project
         nodes: dict[str, Any] = {}
         for node_id, edge in api.placement.edges.items():
