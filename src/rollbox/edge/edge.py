@@ -227,6 +227,13 @@ class Edge:
             raise NotFound(f"no image {name!r}", image=name)
         return image
 
+    def _image_config(self, info: SandboxInfo) -> dict:
+        """The config of the image a sandbox was made from ({} if the name is gone since)."""
+        try:
+            return self.store.resolve(info.image).config
+        except RollboxError:
+            return {}
+
     async def create(self, spec: SandboxSpec, owner: str) -> SandboxInfo:
         image = self._image_for(spec.image, owner)
         layers = list(image.layers)
@@ -277,10 +284,11 @@ class Edge:
             self._mark_dead(info, f"creation failed: {exc}", state="deleted")
             raise
         info.state = "running"
-        if box.network is not None:
+        extra = None
+        if box.network is not None:  # the package tools' mirror settings join the env
             box.image_env.update(box.network.env)
-            self.journal.put(info, host_uid=box.host_uid, extra={"env": box.image_env})
-        self.journal.put(info, host_uid=box.host_uid)
+            extra = {"env": box.image_env}
+        self.journal.put(info, host_uid=box.host_uid, extra=extra)
         self._register(info, box)
         self.event_log.append(sandbox_id, "sandbox.created", data=json.dumps(
             {"image": spec.image, "layers": layers, "owner": owner}))
@@ -717,10 +725,7 @@ class Edge:
                 raise BadRequest(f"declared file {path!r} is a {st.type}; only files and "
                                  "directories are carried over")
             declared.append((path, st))
-        try:
-            config = self.store.resolve(src.info.image).config
-        except RollboxError:
-            config = {}
+        config = self._image_config(src.info)
         gspec = SandboxSpec(image=src.info.image, resources=spec.resources or src.info.resources,
                             ttl_s=spec.timeout_s + 300, labels={"rollbox.grader-of": sandbox_id},
                             env=spec.env)
@@ -782,10 +787,7 @@ class Edge:
         self._snapshotting.add(sandbox_id)
         t0 = time.monotonic()
         try:
-            try:
-                config = self.store.resolve(live.info.image).config
-            except RollboxError:
-                config = {}
+            config = self._image_config(live.info)
             box = live.box
             v1_freezer = self._v1_freezer(sandbox_id)
             staging = self.store.staging_dir("snapshot")
