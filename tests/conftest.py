@@ -2,6 +2,7 @@
 and a suite-wide check that nothing of any sandbox is left on the host afterwards."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -196,9 +197,7 @@ def sweep_dead_runs() -> list[str]:
         v2_parent = cgroups.v2_root() / parent
         if v2_parent.exists():
             cgroups.kill(v2_parent)
-            deadline = time.monotonic() + 5
-            while cgroups.populated(v2_parent) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            asyncio.run(cgroups.wait_empty(v2_parent, 5.0))
         for path in cgroups.leftover(parent):
             try:
                 cgroups.remove_tree(path)

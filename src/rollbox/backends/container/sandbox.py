@@ -23,7 +23,7 @@ from rollbox.backends.container.channel import AgentChannel
 from rollbox.backends.container.files import SandboxFS
 from rollbox.backends.container.protocol import ExecRequest
 from rollbox.backends.container.rootfs import Rootfs, mount_points_under, remove_flat_dir
-from rollbox.backends.container.runtime import Runtime
+from rollbox.backends.container.runtime import Runtime, wait_pid
 from rollbox.config import Settings
 from rollbox.errors import InfraError
 from rollbox.isolation import cgroups, netns
@@ -353,17 +353,11 @@ class ContainerBackend:
 
 
 async def _reap(pid: int, timeout_s: float = 2.0) -> None:
-    """Reap the killed agent. It leaves its cgroup before it becomes a zombie, so an empty
-    cgroup does not yet mean waitpid can collect it: poll briefly (a long-lived edge would
-    otherwise pile up zombies, one per sandbox)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return
-        except ChildProcessError:
-            return  # not our child (adopted from an earlier edge process) or already reaped
-        if time.monotonic() > deadline:
-            log.warning("agent %d not reaped after %.1fs", pid, timeout_s)
-            return
-        await asyncio.sleep(0.002)
+    """Reap the killed agent (a long-lived edge would otherwise pile up zombies, one per
+    sandbox). It leaves its cgroup before it becomes a zombie, so wait for the exit itself."""
+    try:
+        await asyncio.wait_for(wait_pid(pid), timeout_s)
+    except (ChildProcessError, ProcessLookupError):
+        pass  # not our child (adopted from an earlier edge process) or already reaped
+    except asyncio.TimeoutError:
+        log.warning("agent %d not reaped after %.1fs", pid, timeout_s)
