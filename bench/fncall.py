@@ -184,6 +184,7 @@ async def bench(quick: bool) -> dict[str, Any]:
     s = Settings()
     s.images_root = s.images_dir  # the node's built images, read-only
     s.data_dir, s.run_dir = tmp / "data", tmp / "run"
+    s.run_tmpfs = False  # removed with tmp: no mount over it
     s.node_id = "bf" + tmp.name[-6:].lower().replace("_", "x")
     events = EventLog(tmp / "events.db")
     edge = Edge(s, events)

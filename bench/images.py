@@ -232,6 +232,7 @@ async def cold_node(mode: str, n: int, image_name: str, url: str, workload: list
     settings = Settings()
     settings.images_root = tmp / "images"
     settings.run_dir = tmp / "run"
+    settings.run_tmpfs = False  # removed with tmp: no mount over it
     settings.data_dir = tmp / "data"
     settings.cgroup_parent = f"rollbox-bench-{secrets.token_hex(2)}"
     settings.node_id = f"bi{secrets.token_hex(2)}"

@@ -93,6 +93,7 @@ async def run(rounds: int) -> dict[str, Any]:
     s = Settings()
     s.images_root = s.images_dir
     s.data_dir, s.run_dir = tmp / "data", tmp / "run"
+    s.run_tmpfs = False  # removed with tmp: no mount over it
     s.cgroup_parent = f"rollbox-bench-{secrets.token_hex(2)}"
     s.node_id = f"b{secrets.token_hex(3)}"
     events = EventLog(tmp / "events.db")

@@ -36,6 +36,7 @@ def node_settings(tmp: Path, node: str | None = None, run_dir: Path | None = Non
     s.images_root = s.images_dir  # the node's built images, shared read-only
     s.data_dir = tmp / "data"
     s.run_dir = run_dir or tmp / "run"  # removed with tmp
+    s.run_tmpfs = False  # a tmpfs there would outlive tmp; test_run_tmpfs covers that path
     s.cgroup_parent = TEST_CGROUP
     s.node_id = node or f"{TEST_NODE}{secrets.token_hex(3)}"
     s.uid_base = BASE_UID
@@ -142,7 +143,7 @@ STALE_UNOWNED_S = 600.0
 
 # A test sandbox's id is "t<run><6 hex>-<12 hex>" (node_settings); its mounts sit under
 # ".../sandboxes/<id>", wherever the test put its data dir.
-TEST_SANDBOX_MOUNT = re.compile(r"/sandboxes/t([0-9a-f]{4})[0-9a-f]{6}-[0-9a-f]{12}(/|$)")
+TEST_SANDBOX_MOUNT = re.compile(r"/(?:roots|sandboxes)/t([0-9a-f]{4})[0-9a-f]{6}-[0-9a-f]{12}(/|$)")
 
 
 def run_mounts(run: str) -> list[str]:

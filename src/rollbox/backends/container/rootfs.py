@@ -24,6 +24,31 @@ def mount_points_under(prefix: Path) -> list[str]:
     return sorted(set(found), key=len, reverse=True)
 
 
+RUN_TMPFS_SOURCE = "rollbox-run"
+
+
+def ensure_run_tmpfs(path: Path) -> bool:
+    """Put ``path`` (the node's run dir) on a tmpfs of its own unless it already is on one.
+
+    Only a directory without state is mounted over (nothing but empty directories and empty
+    lock files): one holding state of live sandboxes from an edge that ran on disk stays
+    visible (and on disk) so they can still be adopted. Returns True if ``path`` is on a tmpfs
+    afterwards."""
+    path.mkdir(parents=True, exist_ok=True)
+    if syscalls.statfs_type(path) == TMPFS_MAGIC:
+        return True
+    for entry in path.iterdir():
+        if entry.is_symlink() or (any(entry.iterdir()) if entry.is_dir()
+                                  else entry.stat().st_size):
+            return False
+    # Small files only (bundles, sockets, pid files, runc state); size is a ceiling, not
+    # memory taken. 0711: runc resolves a rootfs below it as the sandbox's host uid.
+    syscalls.mount(RUN_TMPFS_SOURCE, path, "tmpfs",
+                   syscalls.MS_NOSUID | syscalls.MS_NODEV | syscalls.MS_NOEXEC,
+                   "size=1g,nr_inodes=1048576,mode=0711")
+    return True
+
+
 def remove_flat_dir(path: Path) -> None:
     """Remove a platform-owned directory whose entries are files and empty directories (a
     sandbox dir after its mounts are gone, its run dir, runc's state dir): one syscall per

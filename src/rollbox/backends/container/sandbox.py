@@ -22,7 +22,9 @@ from rollbox.backends.container import bundle
 from rollbox.backends.container.channel import AgentChannel
 from rollbox.backends.container.files import SandboxFS
 from rollbox.backends.container.protocol import ExecRequest
-from rollbox.backends.container.rootfs import Rootfs, mount_points_under, remove_flat_dir
+from rollbox.backends.container.rootfs import (
+    Rootfs, ensure_run_tmpfs, mount_points_under, remove_flat_dir,
+)
 from rollbox.backends.container.runtime import Runtime, wait_pid
 from rollbox.config import Settings
 from rollbox.errors import InfraError
@@ -107,6 +109,9 @@ class ContainerBackend:
         self.settings = settings
         self.layer_mounts = layer_mounts
         self.slots = slots
+        if settings.run_tmpfs and not ensure_run_tmpfs(settings.run_dir):
+            log.warning("%s holds state from a run on disk; it stays on disk (slower creates)",
+                        settings.run_dir)
         self.runtime = Runtime(settings.runtime, settings.run_dir / "runc")
         self.sandboxes_dir = settings.sandboxes_dir
         self.run_root = settings.run_dir / "sandboxes"

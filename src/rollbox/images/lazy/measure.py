@@ -44,6 +44,7 @@ def _settings(tmp: Path) -> Settings:
     tag = secrets.token_hex(3)
     s.data_dir = tmp / "data"
     s.run_dir = tmp / "run"
+    s.run_tmpfs = False  # removed with tmp: no mount over it
     s.images_root = tmp / "images"
     s.cgroup_parent = f"rollbox-lazym-{tag}"
     s.node_id = f"m{tag}"

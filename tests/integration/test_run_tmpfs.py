@@ -1,0 +1,67 @@
+"""The node's run dir on its own tmpfs: mounted over a disk directory only when it holds no
+state, reused (not stacked) by a restarted edge, and a full sandbox lifecycle below it."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rollbox.backends.container.rootfs import TMPFS_MAGIC, ensure_run_tmpfs, mount_points_under
+from rollbox.isolation import syscalls
+from rollbox.models import ExecSpec, SandboxSpec
+from tests.conftest import node_settings
+
+
+@pytest.fixture
+def run_dir(tmp_node_dir: Path) -> Iterator[Path]:
+    d = tmp_node_dir / "run"
+    yield d
+    for mp in mount_points_under(d):
+        syscalls.umount(mp, syscalls.MNT_DETACH)
+
+
+def test_dir_with_state_stays_on_disk(run_dir: Path) -> None:
+    (run_dir / "runc" / "sbx").mkdir(parents=True)
+    (run_dir / "runc" / "sbx" / "state.json").write_text("{}")
+    assert ensure_run_tmpfs(run_dir) is False
+    assert syscalls.statfs_type(run_dir) != TMPFS_MAGIC
+    assert (run_dir / "runc" / "sbx" / "state.json").read_text() == "{}"
+
+
+def test_empty_dirs_and_lock_files_are_mounted_over_once(run_dir: Path) -> None:
+    (run_dir / "runc").mkdir(parents=True)
+    (run_dir / "net.lock").touch()
+    assert ensure_run_tmpfs(run_dir) is True
+    assert syscalls.statfs_type(run_dir) == TMPFS_MAGIC
+    assert ensure_run_tmpfs(run_dir) is True
+    assert mount_points_under(run_dir) == [str(run_dir)]  # not stacked
+
+
+async def test_sandbox_lifecycle_and_restart_on_run_tmpfs(tmp_node_dir: Path,
+                                                          run_dir: Path) -> None:
+    from rollbox.edge.edge import Edge
+    from rollbox.events.store import EventLog
+
+    settings = node_settings(tmp_node_dir, run_dir=run_dir)
+    settings.run_tmpfs = True
+    events = EventLog(tmp_node_dir / "events.db")
+    edge = Edge(settings, events)
+    await edge.start()
+    try:
+        assert syscalls.statfs_type(run_dir) == TMPFS_MAGIC
+        sid = (await edge.create(SandboxSpec(image="busybox:test"), "t")).id
+        assert (settings.sandboxes_dir / sid / "merged").is_mount()
+        await edge.close(destroy=False)
+
+        edge = Edge(settings, events)  # restart: same tmpfs, sandbox adopted
+        await edge.start()
+        assert mount_points_under(run_dir)[-1] == str(run_dir)
+        assert sum(mp == str(run_dir) for mp in mount_points_under(run_dir)) == 1
+        eid = await edge.exec_start(sid, ExecSpec(cmd="echo alive"))
+        assert (await edge.exec_wait(sid, eid)).stdout == "alive\n"
+        await edge.delete(sid)
+        assert edge.leftovers(sid) == []
+    finally:
+        await edge.close(destroy=True)
+        events.close()
