@@ -276,3 +276,21 @@ def stack_thread_url(tmp_path: Path) -> Any:
             loop.call_soon_threadsafe(holder["stop"].set)
         t.join(30)
         loop.close()
+
+
+async def test_upload_dir_raises_the_producers_own_error(
+        stack: ApiStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tarfile
+    src = tmp_path / "up"
+    src.mkdir()
+    (src / "a.txt").write_text("x" * (1 << 20))
+
+    def unreadable(self: tarfile.TarFile, *a: Any, **kw: Any) -> None:
+        raise PermissionError("denied: a.txt")
+
+    async with rollbox.AsyncClient(stack.url, stack.key_a) as c:
+        async with await c.create("debian") as sb:
+            assert await sb.files.upload_dir(src, "/up") > 0  # the real path works
+            monkeypatch.setattr(tarfile.TarFile, "add", unreadable)
+            with pytest.raises(PermissionError, match="denied"):  # not a retryable InfraError
+                await sb.files.upload_dir(src, "/up2")

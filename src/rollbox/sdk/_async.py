@@ -329,6 +329,7 @@ class _TarPipe:
         self.queue: asyncio.Queue[bytes | None | BaseException] = asyncio.Queue(depth)
         self.buf = bytearray()
         self.eof = False
+        self.error: BaseException | None = None  # what ``chunks`` raised (the producer's)
 
     # writer side (thread) -> async reader
     def write(self, data: bytes) -> int:
@@ -353,6 +354,7 @@ class _TarPipe:
             if item is None:
                 return
             if isinstance(item, BaseException):
+                self.error = item
                 raise item
             yield item
 
@@ -433,6 +435,10 @@ class AsyncFiles:
         try:
             r = await self._t.request("PUT", self._base + "/tar", params={"path": remote},
                                       content=pipe.chunks(), long=True)
+        except errors.InfraError:
+            if pipe.error is not None:  # aiohttp wraps a body's error; raise it as it was
+                raise pipe.error from None
+            raise
         finally:
             # Unblock the producer if the request stopped consuming early.
             while producer.is_alive():
