@@ -294,3 +294,22 @@ async def test_upload_dir_raises_the_producers_own_error(
             monkeypatch.setattr(tarfile.TarFile, "add", unreadable)
             with pytest.raises(PermissionError, match="denied"):  # not a retryable InfraError
                 await sb.files.upload_dir(src, "/up2")
+
+
+async def test_max_connections_bounds_open_connections() -> None:
+    live = 0
+    peak = 0
+
+    async def slow(head: bytes, body: bytes, w: asyncio.StreamWriter) -> None:
+        nonlocal live, peak
+        live += 1
+        peak = max(peak, live)
+        await asyncio.sleep(0.2)
+        live -= 1
+        await respond(200, b'{"status":"ok"}')(head, body, w)
+
+    async with RawServer(slow) as srv, \
+            rollbox.AsyncClient(srv.url, "k", max_connections=2) as c:
+        got = await asyncio.gather(*(c.health() for _ in range(6)))
+    assert got == [{"status": "ok"}] * 6
+    assert peak == 2
