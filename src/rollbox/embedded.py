@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,13 +93,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout: float = 60) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, log: Path | None = None,
+                 timeout: float = 60) -> None:
+    """Wait for ``url``'s health check; fail early (with the tail of ``log``) if ``proc`` exits."""
     import httpx
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            err = log.read_text(errors="replace") if log is not None and log.exists() else ""
             raise RuntimeError(f"server exited: {err[-2000:]}")
         try:
             if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
@@ -115,13 +118,20 @@ def server_process(url: str | None = None) -> Iterator[tuple[str, str]]:
     a child process (its own core, as deployed) and stopped on exit."""
     settings = Settings()
     proc = None
+    # The server's log goes to a file, not a pipe: a pipe nobody drains fills up during a long
+    # benchmark and blocks the server on its next log line.
+    log = None
     if url is None:
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = subprocess.Popen([sys.executable, "-m", "rollbox.cli", "serve", "--port", str(port)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        fd, name = tempfile.mkstemp(prefix="rollbox-serve-", suffix=".log")
+        log = Path(name)
+        with os.fdopen(fd, "wb") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "rollbox.cli", "serve", "--port", str(port)],
+                stdout=subprocess.DEVNULL, stderr=err)
     try:
-        wait_healthy(url, proc)
+        wait_healthy(url, proc, log)
         key = os.environ.get("ROLLBOX_API_KEY") or admin_key_path(settings).read_text().strip()
         yield url, key
     finally:
@@ -132,3 +142,5 @@ def server_process(url: str | None = None) -> Iterator[tuple[str, str]]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if log is not None:
+            log.unlink(missing_ok=True)
