@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from rollbox.backends.container.rootfs import TMPFS_MAGIC, ensure_run_tmpfs, mount_points_under
+from rollbox.backends.container.rootfs import (
+    TMPFS_MAGIC, ensure_run_tmpfs, mount_points_under, release_run_tmpfs,
+)
 from rollbox.isolation import syscalls
 from rollbox.models import ExecSpec, SandboxSpec
 from tests.conftest import node_settings
@@ -24,7 +26,7 @@ def run_dir(tmp_node_dir: Path) -> Iterator[Path]:
 def test_dir_with_state_stays_on_disk(run_dir: Path) -> None:
     (run_dir / "runc" / "sbx").mkdir(parents=True)
     (run_dir / "runc" / "sbx" / "state.json").write_text("{}")
-    assert ensure_run_tmpfs(run_dir) is False
+    assert ensure_run_tmpfs(run_dir) == "disk"
     assert syscalls.statfs_type(run_dir) != TMPFS_MAGIC
     assert (run_dir / "runc" / "sbx" / "state.json").read_text() == "{}"
 
@@ -32,10 +34,21 @@ def test_dir_with_state_stays_on_disk(run_dir: Path) -> None:
 def test_empty_dirs_and_lock_files_are_mounted_over_once(run_dir: Path) -> None:
     (run_dir / "runc").mkdir(parents=True)
     (run_dir / "net.lock").touch()
-    assert ensure_run_tmpfs(run_dir) is True
+    assert ensure_run_tmpfs(run_dir) == "mounted"
     assert syscalls.statfs_type(run_dir) == TMPFS_MAGIC
-    assert ensure_run_tmpfs(run_dir) is True
+    assert ensure_run_tmpfs(run_dir) == "tmpfs"
     assert mount_points_under(run_dir) == [str(run_dir)]  # not stacked
+
+
+def test_release_only_without_state(run_dir: Path) -> None:
+    assert ensure_run_tmpfs(run_dir) == "mounted"
+    (run_dir / "sandboxes" / "sbx").mkdir(parents=True)
+    assert release_run_tmpfs(run_dir) is False  # a sandbox's dir: state
+    assert syscalls.statfs_type(run_dir) == TMPFS_MAGIC
+    (run_dir / "sandboxes" / "sbx").rmdir()
+    assert release_run_tmpfs(run_dir) is True
+    assert mount_points_under(run_dir) == []
+    assert release_run_tmpfs(run_dir) is False  # on disk now: nothing to take down
 
 
 async def test_sandbox_lifecycle_and_restart_on_run_tmpfs(tmp_node_dir: Path,
@@ -65,3 +78,26 @@ async def test_sandbox_lifecycle_and_restart_on_run_tmpfs(tmp_node_dir: Path,
     finally:
         await edge.close(destroy=True)
         events.close()
+    # This edge found the tmpfs already there: it leaves it (the one that mounted it takes it
+    # down when it stops idle, as below).
+    assert syscalls.statfs_type(run_dir) == TMPFS_MAGIC
+
+
+async def test_idle_edge_takes_down_the_tmpfs_it_mounted(tmp_node_dir: Path,
+                                                         run_dir: Path) -> None:
+    from rollbox.edge.edge import Edge
+    from rollbox.events.store import EventLog
+
+    settings = node_settings(tmp_node_dir, run_dir=run_dir)
+    settings.run_tmpfs = True
+    events = EventLog(tmp_node_dir / "events.db")
+    edge = Edge(settings, events)
+    await edge.start()
+    try:
+        assert syscalls.statfs_type(run_dir) == TMPFS_MAGIC
+        sid = (await edge.create(SandboxSpec(image="busybox:test"), "t")).id
+        await edge.delete(sid)
+    finally:
+        await edge.close(destroy=True)
+        events.close()
+    assert mount_points_under(run_dir) == []

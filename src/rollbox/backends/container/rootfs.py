@@ -27,26 +27,46 @@ def mount_points_under(prefix: Path) -> list[str]:
 RUN_TMPFS_SOURCE = "rollbox-run"
 
 
-def ensure_run_tmpfs(path: Path) -> bool:
+def ensure_run_tmpfs(path: Path) -> str:
     """Put ``path`` (the node's run dir) on a tmpfs of its own unless it already is on one.
 
     Only a directory without state is mounted over (nothing but empty directories and empty
     lock files): one holding state of live sandboxes from an edge that ran on disk stays
-    visible (and on disk) so they can still be adopted. Returns True if ``path`` is on a tmpfs
-    afterwards."""
+    visible (and on disk) so they can still be adopted. Returns "mounted" (by this call),
+    "tmpfs" (it already was on one) or "disk" (left on disk)."""
     path.mkdir(parents=True, exist_ok=True)
     if syscalls.statfs_type(path) == TMPFS_MAGIC:
-        return True
-    for entry in path.iterdir():
-        if entry.is_symlink() or (any(entry.iterdir()) if entry.is_dir()
-                                  else entry.stat().st_size):
-            return False
+        return "tmpfs"
+    if _holds_state(path):
+        return "disk"
     # Small files only (bundles, sockets, pid files, runc state); size is a ceiling, not
     # memory taken. 0711: runc resolves a rootfs below it as the sandbox's host uid.
     syscalls.mount(RUN_TMPFS_SOURCE, path, "tmpfs",
                    syscalls.MS_NOSUID | syscalls.MS_NODEV | syscalls.MS_NOEXEC,
                    "size=1g,nr_inodes=1048576,mode=0711")
+    return "mounted"
+
+
+def release_run_tmpfs(path: Path) -> bool:
+    """Unmount the run dir's tmpfs (mounted by :func:`ensure_run_tmpfs`) once it holds no
+    state, as the node's layer mounts are released when no sandbox is left; it comes back on
+    the next start. A sandbox still alive keeps it busy, so it stays. True if unmounted."""
+    try:
+        if syscalls.statfs_type(path) != TMPFS_MAGIC or _holds_state(path):
+            return False
+        syscalls.umount(path)  # not detached: busy means in use
+    except OSError:
+        return False
     return True
+
+
+def _holds_state(path: Path) -> bool:
+    """Anything in the run dir beyond empty directories and empty lock files."""
+    for entry in path.iterdir():
+        if entry.is_symlink() or (any(entry.iterdir()) if entry.is_dir()
+                                  else entry.stat().st_size):
+            return True
+    return False
 
 
 def remove_flat_dir(path: Path) -> None:

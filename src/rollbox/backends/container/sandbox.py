@@ -23,7 +23,7 @@ from rollbox.backends.container.channel import AgentChannel
 from rollbox.backends.container.files import SandboxFS
 from rollbox.backends.container.protocol import ExecRequest
 from rollbox.backends.container.rootfs import (
-    Rootfs, ensure_run_tmpfs, mount_points_under, remove_flat_dir,
+    Rootfs, ensure_run_tmpfs, mount_points_under, release_run_tmpfs, remove_flat_dir,
 )
 from rollbox.backends.container.runtime import Runtime, wait_pid
 from rollbox.config import Settings
@@ -109,9 +109,14 @@ class ContainerBackend:
         self.settings = settings
         self.layer_mounts = layer_mounts
         self.slots = slots
-        if settings.run_tmpfs and not ensure_run_tmpfs(settings.run_dir):
-            log.warning("%s holds state from a run on disk; it stays on disk (slower creates)",
-                        settings.run_dir)
+        # Whether this backend put the run dir on its tmpfs (and so takes it down when idle).
+        self.run_tmpfs_mounted = False
+        if settings.run_tmpfs:
+            run_fs = ensure_run_tmpfs(settings.run_dir)
+            if run_fs == "disk":
+                log.warning("%s holds state from a run on disk; it stays on disk (slower "
+                            "creates)", settings.run_dir)
+            self.run_tmpfs_mounted = run_fs == "mounted"
         self.runtime = Runtime(settings.runtime, settings.run_dir / "runc")
         self.sandboxes_dir = settings.sandboxes_dir
         self.run_root = settings.run_dir / "sandboxes"
@@ -313,10 +318,13 @@ class ContainerBackend:
         return problems
 
     def release_node_resources(self) -> None:
-        """With no sandbox of this backend left: unmount the shared layer mounts nothing uses
-        and remove the empty rollbox parent cgroups (both come back on the next start)."""
+        """With no sandbox of this backend left: unmount the shared layer mounts nothing uses,
+        remove the empty rollbox parent cgroups and take down the run dir's tmpfs if this
+        backend mounted it (all come back on the next start)."""
         self.layer_mounts.unmount_all()  # layers still under a sandbox are skipped
         cgroups.remove_parent_if_empty(self.settings.cgroup_parent)
+        if self.run_tmpfs_mounted and release_run_tmpfs(self.settings.run_dir):
+            self.run_tmpfs_mounted = False
 
     def leftovers(self, sandbox_id: str) -> list[str]:
         """Everything of a sandbox still on the host (empty after a clean destroy)."""
