@@ -10,6 +10,9 @@ import pytest
 from rollbox.backends.container.rootfs import (
     TMPFS_MAGIC, ensure_run_tmpfs, mount_points_under, release_run_tmpfs,
 )
+from rollbox.config import Settings
+from rollbox.edge.edge import Edge
+from rollbox.events.store import EventLog
 from rollbox.isolation import syscalls
 from rollbox.models import ExecSpec, SandboxSpec
 from tests.conftest import node_settings
@@ -51,23 +54,31 @@ def test_release_only_without_state(run_dir: Path) -> None:
     assert release_run_tmpfs(run_dir) is False  # on disk now: nothing to take down
 
 
-async def test_sandbox_lifecycle_and_restart_on_run_tmpfs(tmp_node_dir: Path,
-                                                          run_dir: Path) -> None:
-    from rollbox.edge.edge import Edge
-    from rollbox.events.store import EventLog
-
+@pytest.fixture
+def tmpfs_settings(tmp_node_dir: Path, run_dir: Path) -> Settings:
     settings = node_settings(tmp_node_dir, run_dir=run_dir)
     settings.run_tmpfs = True
-    events = EventLog(tmp_node_dir / "events.db")
-    edge = Edge(settings, events)
+    return settings
+
+
+@pytest.fixture
+def events(tmp_node_dir: Path) -> Iterator[EventLog]:
+    log = EventLog(tmp_node_dir / "events.db")
+    yield log
+    log.close()
+
+
+async def test_sandbox_lifecycle_and_restart_on_run_tmpfs(
+        tmpfs_settings: Settings, run_dir: Path, events: EventLog) -> None:
+    edge = Edge(tmpfs_settings, events)
     await edge.start()
     try:
         assert syscalls.statfs_type(run_dir) == TMPFS_MAGIC
         sid = (await edge.create(SandboxSpec(image="busybox:test"), "t")).id
-        assert (settings.sandboxes_dir / sid / "merged").is_mount()
+        assert (tmpfs_settings.sandboxes_dir / sid / "merged").is_mount()
         await edge.close(destroy=False)
 
-        edge = Edge(settings, events)  # restart: same tmpfs, sandbox adopted
+        edge = Edge(tmpfs_settings, events)  # restart: same tmpfs, sandbox adopted
         await edge.start()
         assert mount_points_under(run_dir)[-1] == str(run_dir)
         assert sum(mp == str(run_dir) for mp in mount_points_under(run_dir)) == 1
@@ -77,27 +88,18 @@ async def test_sandbox_lifecycle_and_restart_on_run_tmpfs(tmp_node_dir: Path,
         assert edge.leftovers(sid) == []
     finally:
         await edge.close(destroy=True)
-        events.close()
     # This edge found the tmpfs already there: it leaves it (the one that mounted it takes it
     # down when it stops idle, as below).
     assert syscalls.statfs_type(run_dir) == TMPFS_MAGIC
 
 
-async def test_idle_edge_takes_down_the_tmpfs_it_mounted(tmp_node_dir: Path,
-                                                         run_dir: Path) -> None:
-    from rollbox.edge.edge import Edge
-    from rollbox.events.store import EventLog
-
-    settings = node_settings(tmp_node_dir, run_dir=run_dir)
-    settings.run_tmpfs = True
-    events = EventLog(tmp_node_dir / "events.db")
-    edge = Edge(settings, events)
+async def test_idle_edge_takes_down_the_tmpfs_it_mounted(
+        tmpfs_settings: Settings, run_dir: Path, events: EventLog) -> None:
+    edge = Edge(tmpfs_settings, events)
     await edge.start()
     try:
         assert syscalls.statfs_type(run_dir) == TMPFS_MAGIC
-        sid = (await edge.create(SandboxSpec(image="busybox:test"), "t")).id
-        await edge.delete(sid)
+        await edge.delete((await edge.create(SandboxSpec(image="busybox:test"), "t")).id)
     finally:
         await edge.close(destroy=True)
-        events.close()
     assert mount_points_under(run_dir) == []
