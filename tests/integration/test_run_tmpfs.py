@@ -2,6 +2,7 @@
 state, reused (not stacked) by a restarted edge, and a full sandbox lifecycle below it."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,3 +104,34 @@ async def test_idle_edge_takes_down_the_tmpfs_it_mounted(
     finally:
         await edge.close(destroy=True)
     assert mount_points_under(run_dir) == []
+
+
+async def test_sandbox_an_older_edge_made_in_the_data_dir_is_adopted_and_removed(
+        tmp_node_dir: Path, events: EventLog) -> None:
+    """Rootfs dirs moved from <data_dir>/sandboxes to <run_dir>/roots: a sandbox an edge of
+    the old layout left running is still adopted (exec and files) and torn down cleanly."""
+    settings = node_settings(tmp_node_dir)
+
+    class OldLayout(Settings):
+        @property
+        def sandboxes_dir(self) -> Path:
+            return self.data_dir / "sandboxes"
+
+    old = OldLayout(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)})
+    edge = Edge(old, events)
+    await edge.start()
+    try:
+        sid = (await edge.create(SandboxSpec(image="busybox:test"), "t")).id
+        assert (settings.data_dir / "sandboxes" / sid / "merged").is_mount()
+        await edge.close(destroy=False)
+
+        edge = Edge(settings, events)
+        await edge.start()
+        eid = await edge.exec_start(sid, ExecSpec(cmd="echo kept > /f"))
+        assert (await edge.exec_wait(sid, eid)).exit_code == 0
+        assert await edge.file_read(sid, "/f", 100) == b"kept\n"
+        await edge.delete(sid)
+        assert edge.leftovers(sid) == []
+        assert not (settings.data_dir / "sandboxes" / sid).exists()
+    finally:
+        await edge.close(destroy=True)

@@ -119,6 +119,9 @@ class ContainerBackend:
             self.run_tmpfs_mounted = run_fs == "mounted"
         self.runtime = Runtime(settings.runtime, settings.run_dir / "runc")
         self.sandboxes_dir = settings.sandboxes_dir
+        # Where rootfs dirs lived before the run dir held them: sandboxes an older edge left
+        # running there are still adopted and cleaned from it.
+        self.legacy_sandboxes_dir = settings.data_dir / "sandboxes"
         self.run_root = settings.run_dir / "sandboxes"
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.run_root.mkdir(parents=True, exist_ok=True)
@@ -144,6 +147,13 @@ class ContainerBackend:
 
     def cgroups_path(self, sandbox_id: str) -> str:
         return f"/{self.settings.cgroup_parent}/{sandbox_id}"
+
+    def rootfs_of(self, sandbox_id: str) -> Rootfs:
+        """The rootfs of an existing sandbox (in its legacy place if an older edge made it)."""
+        legacy = self.legacy_sandboxes_dir / sandbox_id
+        if legacy.is_dir() and not (self.sandboxes_dir / sandbox_id).exists():
+            return Rootfs(legacy)
+        return Rootfs(self.sandboxes_dir / sandbox_id)
 
     async def create(self, sandbox_id: str, layers: list[str], resources: Resources,
                      image_env: dict[str, str], network: str = "none", *,
@@ -234,7 +244,7 @@ class ContainerBackend:
         """Reconnect to a sandbox started by an earlier edge process; None if it is gone."""
         slot = self.slots.slot_of(host_uid)
         self.slots.claim(slot)
-        rootfs = Rootfs(self.sandboxes_dir / sandbox_id)
+        rootfs = self.rootfs_of(sandbox_id)
         run_dir = self.run_root / sandbox_id
         v2 = cgroups.v2_dir(self.settings.cgroup_parent, sandbox_id)
         pid = None
@@ -331,13 +341,14 @@ class ContainerBackend:
         left = [str(p) for p in cgroups.sandbox_dirs(self.settings.cgroup_parent, sandbox_id)
                 if p.exists()]
         left += mount_points_under(self.sandboxes_dir / sandbox_id)
+        left += mount_points_under(self.legacy_sandboxes_dir / sandbox_id)
         if netns.netns_path(netns.PREFIX + sandbox_id).exists():
             left.append(str(netns.netns_path(netns.PREFIX + sandbox_id)))
         if netlink.exists(sandbox_id):
             left.append(f"link {netlink.link_name(sandbox_id)}")
         left += sandbox_net.bpf_leftovers(sandbox_id)
-        for p in (self.sandboxes_dir / sandbox_id, self.run_root / sandbox_id,
-                  self.runtime.state_dir(sandbox_id)):
+        for p in (self.sandboxes_dir / sandbox_id, self.legacy_sandboxes_dir / sandbox_id,
+                  self.run_root / sandbox_id, self.runtime.state_dir(sandbox_id)):
             if p.exists():
                 left.append(str(p))
         return left
@@ -345,6 +356,8 @@ class ContainerBackend:
     def host_sandbox_ids(self, prefix: str = "") -> set[str]:
         """Ids (starting with prefix) of sandboxes that have any host resource."""
         ids = {p.name for p in self.sandboxes_dir.iterdir() if p.is_dir()}
+        if self.legacy_sandboxes_dir.is_dir():
+            ids |= {p.name for p in self.legacy_sandboxes_dir.iterdir() if p.is_dir()}
         ids |= {p.name for p in self.run_root.iterdir() if p.is_dir()}
         ids |= set(self.runtime.known())
         ids |= {n[len(netns.PREFIX):] for n in netns.list_rollbox()}
@@ -361,8 +374,8 @@ class ContainerBackend:
             pid = int((self.run_root / sandbox_id / "pid").read_text())
         except (OSError, ValueError):
             pass
-        await self._teardown(sandbox_id, Rootfs(self.sandboxes_dir / sandbox_id),
-                             self.run_root / sandbox_id, slot, pid)
+        await self._teardown(sandbox_id, self.rootfs_of(sandbox_id), self.run_root / sandbox_id,
+                             slot, pid)
 
 
 async def _reap(pid: int, timeout_s: float = 2.0) -> None:
