@@ -126,25 +126,32 @@ async def wait_empty(path: Path, timeout: float = 5.0) -> bool:
 
 
 def remove_tree(path: Path) -> None:
-    """rmdir a cgroup and its children, deepest first (cgroups can't be rm -r'd)."""
-    try:
-        with os.scandir(path) as it:
-            children = [Path(e.path) for e in it if e.is_dir(follow_symlinks=False)]
-    except FileNotFoundError:
-        return
-    for child in children:
-        remove_tree(child)
+    """rmdir a cgroup and its children, deepest first (cgroups can't be rm -r'd). Most sandbox
+    cgroups have no children, so rmdir comes first and the directory (dozens of control files
+    in a v1 hierarchy) is only listed when that rmdir says busy."""
+    listed = False
     for _ in range(50):
         try:
-            path.rmdir()
+            os.rmdir(path)
             return
         except FileNotFoundError:
             return
         except OSError as exc:
             if exc.errno != errno.EBUSY:
                 raise
-            time.sleep(0.01)
-    path.rmdir()
+        if not listed:
+            listed = True
+            try:
+                with os.scandir(path) as it:
+                    children = [e.path for e in it if e.is_dir(follow_symlinks=False)]
+            except FileNotFoundError:
+                return
+            for child in children:
+                remove_tree(Path(child))
+            if children:
+                continue  # busy with children: retry at once
+        time.sleep(0.01)  # busy with exiting processes
+    os.rmdir(path)
 
 
 def remove_parent_if_empty(parent: str) -> None:
