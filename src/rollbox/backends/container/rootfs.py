@@ -148,7 +148,12 @@ class Rootfs:
             os.close(fd)
 
     def _known_mounts(self) -> list[Path]:
-        lowers = sorted(self.dir.glob("l[0-9]*")) if self.dir.exists() else []
+        try:
+            # A plain listing: pathlib's glob compiles a pattern matcher on every call.
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            names = []
+        lowers = sorted(self.dir / n for n in names if n[:1] == "l" and n[1:].isdigit())
         return [self.merged, *lowers, self.rw]
 
     def teardown(self) -> list[str]:
