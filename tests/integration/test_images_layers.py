@@ -69,7 +69,8 @@ def test_mount_once_and_find_it_after_restart(store: ImageStore, mounts: LayerMo
     assert fresh.is_mounted(digest) and fresh.ensure_mounted(digest) == path
     entries = [(m, t) for m, t, _ in read_mountinfo() if m == str(path)]
     assert entries == [(str(path), "erofs")]
-    opts = next(line for line in open("/proc/self/mountinfo") if f" {path} " in line)
+    opts = next(line for line in Path("/proc/self/mountinfo").read_text().splitlines()
+                if f" {path} " in line)
     assert "ro," in opts and "nosuid" in opts and "nodev" in opts
     assert fresh.mounted() == {digest: path}
     mounts.unmount(digest)

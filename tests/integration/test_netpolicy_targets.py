@@ -117,6 +117,8 @@ class FakeInternet:
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
         subprocess.run(["ip", "route", "del", f"{self.ips[0].rsplit('.', 1)[0]}.0/29"],
                        capture_output=True)
         subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)

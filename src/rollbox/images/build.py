@@ -299,14 +299,26 @@ def strip_overlay_markers(root: Path) -> None:
 # ---- OCI / docker archives -----------------------------------------------------------------
 
 class _Archive:
+    """An image archive open for reading; a context manager (closes the tar on any outcome)."""
+
     def __init__(self, path: Path) -> None:
         try:
             self.tar = tarfile.open(path, "r:*")
         except (tarfile.ReadError, OSError) as exc:
             raise BadRequest(f"{path} is not a readable tar archive: {exc}") from exc
-        self.members: dict[str, tarfile.TarInfo] = {
-            self._key(m.name): m for m in self.tar.getmembers()}
+        try:
+            self.members: dict[str, tarfile.TarInfo] = {
+                self._key(m.name): m for m in self.tar.getmembers()}
+        except (tarfile.TarError, OSError) as exc:
+            self.tar.close()
+            raise BadRequest(f"{path} is not a readable tar archive: {exc}") from exc
         self.verified: set[str] = set()
+
+    def __enter__(self) -> _Archive:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.tar.close()
 
     @staticmethod
     def _key(name: str) -> str:
@@ -394,8 +406,13 @@ def import_oci_archive(store: ImageStore, tar_path: Path, name: str, *,
                        progress: Progress | None = None) -> Image:
     """Import a ``docker save`` tarball or an OCI image-layout archive as image ``name``."""
     validate_name(name)
+    with _Archive(Path(tar_path)) as arc:
+        return _import_archive(store, arc, Path(tar_path), name, progress)
+
+
+def _import_archive(store: ImageStore, arc: _Archive, tar_path: Path, name: str,
+                    progress: Progress | None) -> Image:
     say = progress or _noop
-    arc = _Archive(Path(tar_path))
     layer_names: list[str]
     if arc.has("manifest.json"):
         manifest = arc.json("manifest.json")
@@ -455,7 +472,6 @@ def import_oci_archive(store: ImageStore, tar_path: Path, name: str, *,
         return store.tag(name, digests, _config_from_oci(config))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-        arc.tar.close()
 
 
 # ---- directories ---------------------------------------------------------------------------
