@@ -48,7 +48,8 @@ def setup(tmp_path: Path):
 
     yield store, digest, data, url, new_daemon
     for d in daemons:
-        d.loop.call_soon_threadsafe(d.loop.stop)
+        if not d.loop.is_closed():
+            d.stop_fetch_loop()
 
 
 def test_reads_fetch_once_and_survive_restart(setup) -> None:
@@ -244,4 +245,4 @@ def test_trace_shared_through_the_store_prefetches_on_a_cold_node(setup, tmp_pat
         assert layer2.read(10, CHUNK * 5, "/b") == data[CHUNK * 5:CHUNK * 5 + 10]
         assert layer2.counters["cache_misses"] == 0
     finally:
-        d2.loop.call_soon_threadsafe(d2.loop.stop)
+        d2.stop_fetch_loop()

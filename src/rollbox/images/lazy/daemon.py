@@ -591,9 +591,16 @@ class Daemon(mfusepy.Operations):
         for layer in layers:
             os.fsync(layer.cache_fd)
             os.fsync(layer.present_fd)
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.stop_fetch_loop()
         (self.paths.cache / ".clean").touch()
         log.info("clean shutdown")
+
+    def stop_fetch_loop(self, timeout: float = 5.0) -> None:
+        """Stop the fetch loop's thread and close the loop (fetches still running are cut)."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._loop_thread.join(timeout)
+        if not self._loop_thread.is_alive():
+            self.loop.close()
 
     def _digest_of(self, path: str) -> str | None:
         name = path.lstrip("/")
