@@ -40,8 +40,29 @@ def test_empty_dirs_and_lock_files_are_mounted_over_once(run_dir: Path) -> None:
     (run_dir / "net.lock").touch()
     assert ensure_run_tmpfs(run_dir) == "mounted"
     assert syscalls.statfs_type(run_dir) == TMPFS_MAGIC
-    assert ensure_run_tmpfs(run_dir) == "tmpfs"
+    assert ensure_run_tmpfs(run_dir) == "ours"  # e.g. a restarted (or crashed) edge's
     assert mount_points_under(run_dir) == [str(run_dir)]  # not stacked
+
+
+def test_someone_elses_tmpfs_is_used_but_never_taken_down(
+        tmpfs_settings: Settings, run_dir: Path) -> None:
+    from rollbox.backends.container.sandbox import ContainerBackend
+    from rollbox.images.mounts import LayerMounts
+    from rollbox.images.store import ImageStore
+    from rollbox.isolation.userns import UidSlots
+
+    run_dir.mkdir(parents=True)
+    syscalls.mount("host-run", run_dir, "tmpfs", 0, "size=16m,mode=0711")  # like a host's /run
+    assert ensure_run_tmpfs(run_dir) == "tmpfs"
+    slots = UidSlots(tmpfs_settings.uid_base, 4)
+    try:
+        backend = ContainerBackend(tmpfs_settings,
+                                   LayerMounts(ImageStore(tmpfs_settings.images_dir)), slots)
+        assert not backend.owns_run_tmpfs
+        backend.release_node_resources()
+    finally:
+        slots.close()
+    assert mount_points_under(run_dir) == [str(run_dir)]
 
 
 def test_release_only_without_state(run_dir: Path) -> None:
@@ -89,9 +110,9 @@ async def test_sandbox_lifecycle_and_restart_on_run_tmpfs(
         assert edge.leftovers(sid) == []
     finally:
         await edge.close(destroy=True)
-    # This edge found the tmpfs already there: it leaves it (the one that mounted it takes it
-    # down when it stops idle, as below).
-    assert syscalls.statfs_type(run_dir) == TMPFS_MAGIC
+    # The restarted edge found rollbox's tmpfs already there: it owns it too, and takes it
+    # down once idle (as one would after a crash of the edge that mounted it).
+    assert mount_points_under(run_dir) == []
 
 
 async def test_idle_edge_takes_down_the_tmpfs_it_mounted(

@@ -33,10 +33,11 @@ def ensure_run_tmpfs(path: Path) -> str:
     Only a directory without state is mounted over (nothing but empty directories and empty
     lock files): one holding state of live sandboxes from an edge that ran on disk stays
     visible (and on disk) so they can still be adopted. Returns "mounted" (by this call),
-    "tmpfs" (it already was on one) or "disk" (left on disk)."""
+    "ours" (a run tmpfs an earlier process mounted, e.g. one that crashed), "tmpfs" (on
+    someone else's tmpfs, e.g. the host's /run) or "disk" (left on disk)."""
     path.mkdir(parents=True, exist_ok=True)
     if syscalls.statfs_type(path) == TMPFS_MAGIC:
-        return "tmpfs"
+        return "ours" if _is_run_tmpfs(path) else "tmpfs"
     if _holds_state(path):
         return "disk"
     # Small files only (bundles, sockets, pid files, runc state); size is a ceiling, not
@@ -58,6 +59,17 @@ def release_run_tmpfs(path: Path) -> bool:
     except OSError:
         return False
     return True
+
+
+def _is_run_tmpfs(path: Path) -> bool:
+    """Whether ``path`` is the mount point of a tmpfs :func:`ensure_run_tmpfs` mounted."""
+    target = str(path)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mine, _, fs = line.partition(" - ")
+            if mine.split()[4] == target and fs.split()[1:2] == [RUN_TMPFS_SOURCE]:
+                return True
+    return False
 
 
 def _holds_state(path: Path) -> bool:

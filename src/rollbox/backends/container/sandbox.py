@@ -109,14 +109,15 @@ class ContainerBackend:
         self.settings = settings
         self.layer_mounts = layer_mounts
         self.slots = slots
-        # Whether this backend put the run dir on its tmpfs (and so takes it down when idle).
-        self.run_tmpfs_mounted = False
+        # Whether the run dir is on rollbox's own tmpfs (mounted now, or by an earlier process
+        # that may have crashed): then this backend takes it down when it stops idle.
+        self.owns_run_tmpfs = False
         if settings.run_tmpfs:
             run_fs = ensure_run_tmpfs(settings.run_dir)
             if run_fs == "disk":
                 log.warning("%s holds state from a run on disk; it stays on disk (slower "
                             "creates)", settings.run_dir)
-            self.run_tmpfs_mounted = run_fs == "mounted"
+            self.owns_run_tmpfs = run_fs in ("mounted", "ours")
         self.runtime = Runtime(settings.runtime, settings.run_dir / "runc")
         self.sandboxes_dir = settings.sandboxes_dir
         # Where rootfs dirs lived before the run dir held them: sandboxes an older edge left
@@ -329,12 +330,12 @@ class ContainerBackend:
 
     def release_node_resources(self) -> None:
         """With no sandbox of this backend left: unmount the shared layer mounts nothing uses,
-        remove the empty rollbox parent cgroups and take down the run dir's tmpfs if this
-        backend mounted it (all come back on the next start)."""
+        remove the empty rollbox parent cgroups and take down rollbox's tmpfs on the run dir
+        if it holds no state (all come back on the next start)."""
         self.layer_mounts.unmount_all()  # layers still under a sandbox are skipped
         cgroups.remove_parent_if_empty(self.settings.cgroup_parent)
-        if self.run_tmpfs_mounted and release_run_tmpfs(self.settings.run_dir):
-            self.run_tmpfs_mounted = False
+        if self.owns_run_tmpfs and release_run_tmpfs(self.settings.run_dir):
+            self.owns_run_tmpfs = False
 
     def leftovers(self, sandbox_id: str) -> list[str]:
         """Everything of a sandbox still on the host (empty after a clean destroy)."""
