@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from rollbox.errors import InfraError
+from rollbox.images.mounts import read_mountinfo
 from rollbox.isolation import syscalls
 
 TMPFS_MAGIC = 0x01021994
@@ -15,13 +16,8 @@ TMPFS_MAGIC = 0x01021994
 def mount_points_under(prefix: Path) -> list[str]:
     """Mount points at or below prefix, deepest first (from /proc/self/mountinfo)."""
     pre = str(prefix).rstrip("/")
-    found = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            mp = line.split()[4].replace("\\040", " ")
-            if mp == pre or mp.startswith(pre + "/"):
-                found.append(mp)
-    return sorted(set(found), key=len, reverse=True)
+    found = {mp for mp, _, _ in read_mountinfo() if mp == pre or mp.startswith(pre + "/")}
+    return sorted(found, key=len, reverse=True)
 
 
 RUN_TMPFS_SOURCE = "rollbox-run"
@@ -63,13 +59,7 @@ def release_run_tmpfs(path: Path) -> bool:
 
 def _is_run_tmpfs(path: Path) -> bool:
     """Whether ``path`` is the mount point of a tmpfs :func:`ensure_run_tmpfs` mounted."""
-    target = str(path)
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            mine, _, fs = line.partition(" - ")
-            if mine.split()[4] == target and fs.split()[1:2] == [RUN_TMPFS_SOURCE]:
-                return True
-    return False
+    return (str(path), "tmpfs", RUN_TMPFS_SOURCE) in read_mountinfo()
 
 
 def _holds_state(path: Path) -> bool:
