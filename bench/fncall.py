@@ -181,10 +181,7 @@ async def bench(quick: bool) -> dict[str, Any]:
     workloads = {"trivial": "print(1)", "humaneval": he_code}
     tmp = Path(tempfile.mkdtemp(prefix="rollbox-bench-fncall-"))
     tmp.chmod(0o711)
-    s = Settings()
-    s.images_root = s.images_dir  # the node's built images, read-only
-    s.data_dir, s.run_dir = tmp / "data", tmp / "run"
-    s.run_tmpfs = False  # removed with tmp: no mount over it
+    s = Settings.scratch(tmp)
     s.node_id = "bf" + tmp.name[-6:].lower().replace("_", "x")
     events = EventLog(tmp / "events.db")
     edge = Edge(s, events)

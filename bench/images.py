@@ -229,11 +229,7 @@ async def cold_node(mode: str, n: int, image_name: str, url: str, workload: list
     tmp.mkdir(exist_ok=True)
     tmp.chmod(0o711)
     base = Settings()
-    settings = Settings()
-    settings.images_root = tmp / "images"
-    settings.run_dir = tmp / "run"
-    settings.run_tmpfs = False  # removed with tmp: no mount over it
-    settings.data_dir = tmp / "data"
+    settings = Settings.scratch(tmp, images=tmp / "images")
     settings.cgroup_parent = f"rollbox-bench-{secrets.token_hex(2)}"
     settings.node_id = f"bi{secrets.token_hex(2)}"
     node = ImageStore(settings.images_root)

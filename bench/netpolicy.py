@@ -90,10 +90,7 @@ async def run(rounds: int) -> dict[str, Any]:
     ip = f"198.51.100.{secrets.randbelow(200) + 20}"
     subprocess.run(["ip", "link", "add", ifname, "type", "veth", "peer", "name", ifname + "p"],
                    check=True)
-    s = Settings()
-    s.images_root = s.images_dir
-    s.data_dir, s.run_dir = tmp / "data", tmp / "run"
-    s.run_tmpfs = False  # removed with tmp: no mount over it
+    s = Settings.scratch(tmp)
     s.cgroup_parent = f"rollbox-bench-{secrets.token_hex(2)}"
     s.node_id = f"b{secrets.token_hex(3)}"
     events = EventLog(tmp / "events.db")

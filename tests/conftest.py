@@ -32,11 +32,8 @@ BASE_UID = Settings().uid_base + (Settings().uid_slots + 64
 def node_settings(tmp: Path, node: str | None = None, run_dir: Path | None = None) -> Settings:
     """Settings of a test edge. Each gets its own node id: an edge cleans up host resources of
     its node's sandboxes it has no record of, so two edges must never share one."""
-    s = Settings()
-    s.images_root = s.images_dir  # the node's built images, shared read-only
-    s.data_dir = tmp / "data"
-    s.run_dir = run_dir or tmp / "run"  # removed with tmp
-    s.run_tmpfs = False  # a tmpfs there would outlive tmp; test_run_tmpfs covers that path
+    s = Settings.scratch(tmp)  # the node's built images, shared read-only
+    s.run_dir = run_dir or s.run_dir  # no run tmpfs here: test_run_tmpfs covers that path
     s.cgroup_parent = TEST_CGROUP
     s.node_id = node or f"{TEST_NODE}{secrets.token_hex(3)}"
     s.uid_base = BASE_UID

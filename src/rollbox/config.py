@@ -75,6 +75,17 @@ class Settings:
     pypi_mirror_index_ttl: float = field(
         default_factory=lambda: float(os.environ.get("ROLLBOX_PYPI_MIRROR_INDEX_TTL", "300")))
 
+    @classmethod
+    def scratch(cls, root: Path, images: Path | None = None) -> Settings:
+        """Settings of a short-lived node below ``root`` (tests, benchmarks): its data and run
+        dirs there, with no tmpfs mounted over the run dir (it goes with ``root``); layers from
+        ``images``, by default the node's own store (used read-only)."""
+        s = cls()
+        s.images_root = images or s.images_dir
+        s.data_dir, s.run_dir = root / "data", root / "run"
+        s.run_tmpfs = False
+        return s
+
     def mirror_url(self, name: str) -> str | None:
         """The mirror a sandbox with permission ``name`` uses, or None (no mirror configured).
         ``pypi`` falls back on the built-in proxy's listen address when it is enabled."""

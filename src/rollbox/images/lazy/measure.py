@@ -40,12 +40,8 @@ WORKLOAD = (
 
 
 def _settings(tmp: Path) -> Settings:
-    s = Settings()
+    s = Settings.scratch(tmp, images=tmp / "images")
     tag = secrets.token_hex(3)
-    s.data_dir = tmp / "data"
-    s.run_dir = tmp / "run"
-    s.run_tmpfs = False  # removed with tmp: no mount over it
-    s.images_root = tmp / "images"
     s.cgroup_parent = f"rollbox-lazym-{tag}"
     s.node_id = f"m{tag}"
     s.uid_slots = 64
