@@ -25,21 +25,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.container import cycles  # noqa: E402
+from bench.images import machine_busy_s, proc_cpu_s  # noqa: E402
 from rollbox.embedded import server_process  # noqa: E402
 
 IMAGE = "python:3.11"
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def machine_busy_s() -> float:
-    v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(v) - v[3] - v[4]) / TICK
 
 
 def process_cpu_s(pid: int) -> tuple[float, float]:
     """(own, reaped children's) CPU seconds of ``pid``."""
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / TICK, (int(f[13]) + int(f[14])) / TICK
+    own = proc_cpu_s(pid)
+    return own, proc_cpu_s(pid, children=True) - own
 
 
 def server_pid() -> int:

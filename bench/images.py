@@ -147,7 +147,14 @@ async def run_cmd(box: Any, cmd: str, env: dict[str, str]) -> tuple[int, bytes]:
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _proc_cpu(pid: int | str, children: bool = False) -> float:
+def machine_busy_s() -> float:
+    """CPU seconds the machine spent busy since boot: all but idle and iowait."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v[:8]) - v[3] - v[4]) / _TICK
+
+
+def proc_cpu_s(pid: int | str, children: bool = False) -> float:
     """utime + stime of a process (and of its reaped children), seconds; 0 if gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -186,20 +193,14 @@ class CpuMeter:
         self.daemon: int | None = None
         self.t: dict[str, float] = {}
 
-    @staticmethod
-    def _busy() -> float:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return (sum(v[:8]) - v[3] - v[4]) / _TICK  # all but idle and iowait
-
     def _sample(self) -> dict[str, float]:
         try:
             boxes = int(self.cpuacct.read_text()) / 1e9
         except (OSError, ValueError):
             boxes = 0.0
-        return {"machine": self._busy(), "bench": _proc_cpu("self", children=True),
-                "daemon": _proc_cpu(self.daemon) if self.daemon else 0.0,
-                "moto": _proc_cpu(self.moto) if self.moto else 0.0, "sandboxes": boxes,
+        return {"machine": machine_busy_s(), "bench": proc_cpu_s("self", children=True),
+                "daemon": proc_cpu_s(self.daemon) if self.daemon else 0.0,
+                "moto": proc_cpu_s(self.moto) if self.moto else 0.0, "sandboxes": boxes,
                 "wall": time.monotonic()}
 
     def start(self, daemon_pid: int | None) -> None:
