@@ -105,10 +105,6 @@ class _Response:
     def json(self) -> Any:
         return json.loads(self.content)
 
-    @property
-    def text(self) -> str:
-        return self.content.decode("utf-8", "replace")
-
 
 class _Stream:
     """An open streamed answer; ``aclose`` it (``_Transport.lines`` does)."""
