@@ -4,7 +4,8 @@ Default allow with an explicit deny list: the kernel surfaces agents have no bus
 (bpf, io_uring, kexec, modules, keyring, perf, userfaultfd, clock setting, new namespaces,
 mounts, ptrace) return EPERM. Only the native x86_64 ABI is accepted: i386 and x32 calls hit
 libseccomp's bad-arch action (kill), so filters can not be dodged through another ABI. ioctl
-numbers are compared on their low 32 bits only, as the kernel does.
+numbers are compared on their low 32 bits only, as the kernel does; they are checked against
+the kernel's own definitions by tests/unit/test_seccomp_ioctls.py (hand-written numbers drift).
 """
 from __future__ import annotations
 
@@ -25,13 +26,17 @@ DENY = [
 
 # clone flags that create namespaces (CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET)
 CLONE_NS_MASK = 0x7E020000
-# ioctls that read or swap another file's blocks or inject terminal input (low 32 bits).
+# ioctls that share, swap or exchange another file's blocks or inject terminal input (low 32
+# bits). FICLONE/FICLONERANGE/FIDEDUPERANGE are also btrfs's BTRFS_IOC_CLONE/_CLONE_RANGE/
+# _FILE_EXTENT_SAME (same numbers).
 DENY_IOCTLS = {
     "FICLONE": 0x40049409,
     "FICLONERANGE": 0x4020940D,
     "FIDEDUPERANGE": 0xC0189436,
     "XFS_IOC_SWAPEXT": 0xC0C0586D,
-    "XFS_IOC_EXCHANGE_RANGE": 0x40405881,
+    "XFS_IOC_EXCHANGE_RANGE": 0x40285881,  # _IOW('X', 129, struct xfs_exchange_range), 40 bytes
+    "XFS_IOC_START_COMMIT": 0x80585882,  # _IOR('X', 130, struct xfs_commit_range), 88 bytes
+    "XFS_IOC_COMMIT_RANGE": 0x40585883,  # _IOW('X', 131, struct xfs_commit_range)
     "TIOCSTI": 0x5412,
     "TIOCLINUX": 0x541C,
 }
