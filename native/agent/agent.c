@@ -8,10 +8,12 @@
  * connection (logged to stderr), never the agent.
  *
  * Memory: no big static buffers. A 64 KiB read buffer and a 128 KiB receive buffer are
- * allocated on first use; per-session state and the output tail ring are allocated per
+ * allocated on first use; per-session state and the output retention rings are allocated per
  * session. Output is bounded by the per-session stream_limit/tail_limit and by backpressure
  * (pipes are not read while the edge socket is congested), so the agent never buffers
- * unboundedly.
+ * unboundedly. A session (exit status + the last tail_limit bytes per stream) stays until the
+ * edge COLLECTs it, so a restarted edge can rebuild it; uncollected exited sessions are
+ * bounded (RETAINED_EXITED_MAX, RETAINED_BYTES_MAX), running ones by MAX_SESSIONS.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -36,7 +38,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define PROTOCOL_VERSION 1
+#define PROTOCOL_VERSION 2
 #define MAX_PACKET (128 * 1024)
 #define CHUNK (64 * 1024)
 #define HDR 8
@@ -45,16 +47,17 @@
 
 /* edge -> agent */
 enum { M_EXEC = 1, M_STDIN = 2, M_STDIN_CLOSE = 3, M_SIGNAL = 4, M_KILL = 5, M_PING = 6,
-       M_PONG = 7, M_LIST = 8 };
+       M_PONG = 7, M_LIST = 8, M_REPLAY = 9, M_COLLECT = 10 };
 /* agent -> edge */
 enum { M_READY = 32, M_STARTED = 33, M_SPAWN_FAILED = 34, M_STDOUT = 35, M_STDERR = 36,
        M_EXITED = 37, M_TAIL_STDOUT = 38, M_TAIL_STDERR = 39, M_SESSIONS = 40,
-       M_STDIN_ACK = 41 };
+       M_STDIN_ACK = 41, M_REPLAY_OUT = 42, M_REPLAY_ERR = 43, M_REPLAY_END = 44 };
 
 #define EXEC_STDIN 1u
 #define EXEC_CGROUP 2u
 #define EXEC_HEAD_SIZE 36 /* <IIIIQIII */
 #define EXITED_SIZE 44    /* <iiBxxxQQQQ */
+#define SESSION_ENTRY_SIZE 52 /* <IiBBxxiiQQQQ */
 
 /* Bounds on what the agent holds for the edge. */
 #define PENDING_EXITED_MAX 4096       /* EXITED kept while no edge is connected */
@@ -65,6 +68,15 @@ enum { M_READY = 32, M_STARTED = 33, M_SPAWN_FAILED = 34, M_STDOUT = 35, M_STDER
 #define STDIN_WINDOW (256u << 10)
 #define STDIN_BACKLOG_MAX (STDIN_WINDOW + MAX_PACKET)
 #define TAIL_LIMIT_MAX (16u << 20)
+/* Retention: every session keeps the last tail_limit bytes per stream (a ring, grown on
+ * demand) and, once over, its exit status, until the edge COLLECTs it; a restarted edge
+ * rebuilds the session from it (LIST, REPLAY). Exited sessions nobody collected are bounded in
+ * number and in retained bytes (the oldest go first), running ones by MAX_SESSIONS. */
+#define MAX_SESSIONS 1024
+#define RETAINED_EXITED_MAX 256
+#define RETAINED_BYTES_MAX (16u << 20)
+#define RING_MIN (4u << 10)
+#define TAIL_SEND_MAX (64u << 10)    /* TAIL_* at exit: the last bytes of the ring, at most */
 #define DRAIN_MS 50                   /* how long pipes are drained after the main process exits */
 #define FINAL_DRAIN_MAX (256u << 10)  /* last non-blocking read per stream at the drain deadline */
 #define READS_PER_TURN 4              /* chunks per stream per loop turn (fairness) */
@@ -82,7 +94,7 @@ struct ring {
     size_t cap, start, len;
 };
 
-enum sess_state { S_SPAWNING, S_RUNNING, S_FAILED };
+enum sess_state { S_SPAWNING, S_RUNNING, S_FAILED, S_EXITED };
 
 struct session {
     struct session *next;
@@ -99,6 +111,7 @@ struct session {
     size_t tail_limit;
     struct ring tail[2];
     int reaped, wstatus, timed_out;
+    uint64_t exited_seq; /* order of exit, for evicting the oldest uncollected session */
     int64_t deadline_ms, drain_deadline_ms;
     char *ctx_cwd, *ctx_argv0; /* for spawn error messages */
     struct watch w_out, w_err, w_in, w_status;
@@ -118,6 +131,8 @@ static struct watch w_conns[2] = {{W_CONN, NULL}, {W_CONN, NULL}};
 static struct watch *w_conn = &w_conns[0];
 static uint32_t conn_events;
 static struct session *sessions;
+static size_t session_count, exited_count, exited_bytes;
+static uint64_t exit_seq;
 static struct qpkt *outq_head, *outq_tail;
 static size_t outq_bytes;
 static struct qpkt *pend_head, *pend_tail;
@@ -372,6 +387,11 @@ static void unlink_session(struct session *s)
 static void free_session(struct session *s)
 {
     unlink_session(s);
+    session_count--;
+    if (s->state == S_EXITED) {
+        exited_count--;
+        exited_bytes -= s->tail[0].cap + s->tail[1].cap;
+    }
     close_watched(&s->out_fd[0]);
     close_watched(&s->out_fd[1]);
     close_watched(&s->in_fd);
@@ -404,16 +424,45 @@ static void kill_session(struct session *s)
     }
 }
 
-static void ring_put(struct ring *r, size_t cap, const char *data, size_t len)
+/* Copy n bytes of the ring, starting `skip` bytes after its oldest byte, to dst. */
+static void ring_copy(const struct ring *r, size_t skip, char *dst, size_t n)
 {
-    if (cap == 0)
+    size_t pos = (r->start + skip) % r->cap;
+    size_t first = r->cap - pos < n ? r->cap - pos : n;
+    memcpy(dst, r->buf + pos, first);
+    memcpy(dst + first, r->buf, n - first);
+}
+
+/* Grow the ring towards `limit` so that `want` bytes fit (best effort: on ENOMEM the ring
+ * keeps its size and simply holds fewer bytes). */
+static void ring_grow(struct ring *r, size_t limit, size_t want)
+{
+    if (r->cap >= limit || r->cap >= want)
         return;
-    if (!r->buf) {
-        r->buf = malloc(cap);
-        if (!r->buf)
-            return;
-        r->cap = cap;
-    }
+    size_t cap = r->cap ? r->cap : RING_MIN;
+    while (cap < want && cap < limit)
+        cap *= 2;
+    if (cap > limit)
+        cap = limit;
+    char *buf = malloc(cap);
+    if (!buf)
+        return;
+    if (r->len)
+        ring_copy(r, 0, buf, r->len);
+    free(r->buf);
+    r->buf = buf;
+    r->cap = cap;
+    r->start = 0;
+}
+
+/* Keep the last `limit` bytes of a stream. */
+static void ring_put(struct ring *r, size_t limit, const char *data, size_t len)
+{
+    if (limit == 0 || len == 0)
+        return;
+    ring_grow(r, limit, r->len + len);
+    if (r->cap == 0)
+        return;
     if (len >= r->cap) {
         memcpy(r->buf, data + len - r->cap, r->cap);
         r->start = 0;
@@ -431,7 +480,8 @@ static void ring_put(struct ring *r, size_t cap, const char *data, size_t len)
     }
 }
 
-/* Account for `n` bytes (already in rdbuf + HDR) read from stream i and forward what fits. */
+/* Account for `n` bytes (already in rdbuf + HDR) read from stream i: keep them in the
+ * retention ring and forward what fits. */
 static void handle_output(struct session *s, int i, size_t n)
 {
     char *data = rdbuf + HDR;
@@ -441,14 +491,13 @@ static void handle_output(struct session *s, int i, size_t n)
         fwd = n < room ? n : (size_t)room;
     }
     s->total[i] += n;
+    ring_put(&s->tail[i], s->tail_limit, data, n);
     if (fwd) {
         set_header(rdbuf, i == 0 ? M_STDOUT : M_STDERR, s->id);
         send_packet(rdbuf, HDR + fwd, 0);
     }
-    if (fwd < n) {
+    if (fwd < n)
         s->dropped[i] += n - fwd;
-        ring_put(&s->tail[i], s->tail_limit, data + fwd, n - fwd);
-    }
 }
 
 static int ensure_rdbuf(void)
@@ -538,17 +587,44 @@ static void send_tail(struct session *s, int i)
     struct ring *r = &s->tail[i];
     if (!s->dropped[i] || !r->buf || !r->len || ensure_rdbuf() < 0)
         return;
-    size_t done = 0;
+    size_t want = r->len < TAIL_SEND_MAX ? r->len : TAIL_SEND_MAX;
+    size_t done = r->len - want;
     while (done < r->len) {
         size_t n = r->len - done < CHUNK ? r->len - done : CHUNK;
-        for (size_t k = 0; k < n; k++)
-            rdbuf[HDR + k] = r->buf[(r->start + done + k) % r->cap];
+        ring_copy(r, done, rdbuf + HDR, n);
         set_header(rdbuf, i == 0 ? M_TAIL_STDOUT : M_TAIL_STDERR, s->id);
         send_packet(rdbuf, HDR + n, 0);
         done += n;
     }
 }
 
+static void exit_status(const struct session *s, int32_t *code, int32_t *sig)
+{
+    *code = -1;
+    *sig = 0;
+    if (WIFEXITED(s->wstatus))
+        *code = WEXITSTATUS(s->wstatus);
+    else if (WIFSIGNALED(s->wstatus))
+        *sig = WTERMSIG(s->wstatus);
+}
+
+/* Free the oldest uncollected exited sessions while over the retention bounds. */
+static void evict_exited(void)
+{
+    while (exited_count > RETAINED_EXITED_MAX || exited_bytes > RETAINED_BYTES_MAX) {
+        struct session *oldest = NULL;
+        for (struct session *s = sessions; s; s = s->next)
+            if (s->state == S_EXITED && (!oldest || s->exited_seq < oldest->exited_seq))
+                oldest = s;
+        if (!oldest)
+            return;
+        logmsg("session %u: exit never collected, dropped (retention bound)", oldest->id);
+        free_session(oldest);
+    }
+}
+
+/* The main process is gone and its pipes are drained: report, then keep the session (its
+ * rings and exit status) until the edge COLLECTs it. */
 static void finish_session(struct session *s)
 {
     if (conn_fd >= 0) {
@@ -557,11 +633,8 @@ static void finish_session(struct session *s)
     }
     char body[EXITED_SIZE];
     memset(body, 0, sizeof body);
-    int32_t code = -1, sig = 0;
-    if (WIFEXITED(s->wstatus))
-        code = WEXITSTATUS(s->wstatus);
-    else if (WIFSIGNALED(s->wstatus))
-        sig = WTERMSIG(s->wstatus);
+    int32_t code, sig;
+    exit_status(s, &code, &sig);
     memcpy(body, &code, 4);
     memcpy(body + 4, &sig, 4);
     body[8] = (char)(s->timed_out ? 1 : 0);
@@ -570,7 +643,21 @@ static void finish_session(struct session *s)
     put_u64(body + 28, s->dropped[0]);
     put_u64(body + 36, s->dropped[1]);
     send_small(M_EXITED, s->id, body, sizeof body);
-    free_session(s);
+    close_watched(&s->out_fd[0]);
+    close_watched(&s->out_fd[1]);
+    close_watched(&s->in_fd);
+    if (s->cgfd >= 0) {
+        close(s->cgfd);
+        s->cgfd = -1;
+    }
+    free(s->in_buf);
+    s->in_buf = NULL;
+    s->in_len = 0;
+    s->state = S_EXITED;
+    s->exited_seq = ++exit_seq;
+    exited_count++;
+    exited_bytes += s->tail[0].cap + s->tail[1].cap;
+    evict_exited();
 }
 
 
@@ -935,6 +1022,13 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
         spawn_failed(id, EEXIST, "session id already in use");
         return 0;
     }
+    if (session_count >= MAX_SESSIONS) {
+        free(vec);
+        if (cgfd >= 0)
+            close(cgfd);
+        spawn_failed(id, EAGAIN, "too many sessions in this sandbox");
+        return 0;
+    }
     struct session *s = calloc(1, sizeof *s);
     int st[2] = {-1, -1}, o[2] = {-1, -1}, e[2] = {-1, -1}, in[2] = {-1, -1};
     if (!s || pipe2(st, O_CLOEXEC) < 0 || pipe2(o, O_CLOEXEC) < 0 || pipe2(e, O_CLOEXEC) < 0 ||
@@ -987,6 +1081,7 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
     }
     s->next = sessions;
     sessions = s;
+    session_count++;
     return 0;
 }
 
@@ -1018,30 +1113,79 @@ static void resolve_spawn(struct session *s)
 
 /* ---------- requests ---------- */
 
+/* SESSIONS: every session a (re)connected edge can take over: spawning or running ones and
+ * exited ones not yet collected. */
 static void handle_list(uint32_t id)
 {
-    size_t count = 0, cap = (MAX_PACKET - HDR - 4) / 8;
+    size_t count = 0, cap = (MAX_PACKET - HDR - 4) / SESSION_ENTRY_SIZE;
     for (struct session *s = sessions; s; s = s->next)
-        if (s->state == S_RUNNING && !s->reaped)
+        if (s->state != S_FAILED)
             count++;
     if (count > cap)
         count = cap;
-    size_t len = HDR + 4 + count * 8;
+    size_t len = HDR + 4 + count * SESSION_ENTRY_SIZE;
     char *buf = malloc(len);
     if (!buf)
         return;
     set_header(buf, M_SESSIONS, id);
     put_u32(buf + HDR, (uint32_t)count);
     size_t k = 0;
-    for (struct session *s = sessions; s && k < count; s = s->next)
-        if (s->state == S_RUNNING && !s->reaped) {
-            int32_t pid = s->pid;
-            put_u32(buf + HDR + 4 + k * 8, s->id);
-            memcpy(buf + HDR + 8 + k * 8, &pid, 4);
-            k++;
-        }
+    for (struct session *s = sessions; s && k < count; s = s->next) {
+        if (s->state == S_FAILED)
+            continue;
+        char *e = buf + HDR + 4 + k * SESSION_ENTRY_SIZE;
+        memset(e, 0, SESSION_ENTRY_SIZE);
+        int32_t pid = s->pid, code = 0, sig = 0;
+        put_u32(e, s->id);
+        memcpy(e + 4, &pid, 4);
+        e[8] = (char)(s->state == S_EXITED ? 2 : 1);
+        e[9] = (char)(s->timed_out ? 1 : 0);
+        if (s->state == S_EXITED)
+            exit_status(s, &code, &sig);
+        memcpy(e + 12, &code, 4);
+        memcpy(e + 16, &sig, 4);
+        put_u64(e + 20, s->total[0]);
+        put_u64(e + 28, s->total[1]);
+        put_u64(e + 36, s->tail[0].len);
+        put_u64(e + 44, s->tail[1].len);
+        k++;
+    }
     send_packet(buf, len, 0);
     free(buf);
+}
+
+/* REPLAY: the retained bytes of each stream from the requested offsets (as far back as the
+ * ring reaches), as REPLAY_OUT/REPLAY_ERR packets carrying their stream offset, then
+ * REPLAY_END with the totals at this moment; later output follows as live STDOUT/STDERR.
+ * An unknown session gets only REPLAY_END with flags 1. */
+static void handle_replay(uint32_t id, const char *p, size_t plen)
+{
+    struct session *s = find_session(id);
+    char end[HDR + 16];
+    set_header(end, M_REPLAY_END, id);
+    if (!s || s->state == S_FAILED || plen < 16 || ensure_rdbuf() < 0) {
+        end[1] = 1;
+        memset(end + HDR, 0, 16);
+        send_packet(end, sizeof end, 0);
+        return;
+    }
+    for (int i = 0; i < 2; i++) {
+        struct ring *r = &s->tail[i];
+        uint64_t from = get_u64(p + 8 * i), first = s->total[i] - r->len;
+        if (from < first)
+            from = first;
+        while (from < s->total[i]) {
+            size_t n = s->total[i] - from < CHUNK - 8 ? (size_t)(s->total[i] - from) : CHUNK - 8;
+            set_header(rdbuf, i == 0 ? M_REPLAY_OUT : M_REPLAY_ERR, id);
+            put_u64(rdbuf + HDR, from);
+            ring_copy(r, (size_t)(from - first), rdbuf + HDR + 8, n);
+            send_packet(rdbuf, HDR + 8 + n, 0);
+            from += n;
+        }
+    }
+    put_u64(end + HDR, s->total[0]);
+    put_u64(end + HDR + 8, s->total[1]);
+    send_packet(end, sizeof end, 0);
 }
 
 /* Returns -1 on a malformed packet (the caller drops the connection). */
@@ -1111,6 +1255,13 @@ static int handle_packet(const char *pkt, size_t len, int fd)
         return 0;
     case M_LIST:
         handle_list(id);
+        return 0;
+    case M_REPLAY:
+        handle_replay(id, p, plen);
+        return 0;
+    case M_COLLECT:
+        if (s && s->state == S_EXITED)
+            free_session(s);
         return 0;
     default:
         logmsg("unknown packet type %d", type);
@@ -1212,6 +1363,8 @@ static void service_sessions(int64_t now)
                 free_session(s);
             continue;
         }
+        if (s->state == S_EXITED)
+            continue;
         if (s->deadline_ms && !s->reaped && now >= s->deadline_ms) {
             s->timed_out = 1;
             s->deadline_ms = 0;
@@ -1246,7 +1399,8 @@ static int next_timeout(int64_t now)
     for (struct session *s = sessions; s; s = s->next) {
         if (s->deadline_ms && !s->reaped && s->deadline_ms < t)
             t = s->deadline_ms;
-        if (s->reaped && s->state != S_FAILED && s->drain_deadline_ms < t)
+        if (s->reaped && s->state != S_FAILED && s->state != S_EXITED &&
+            s->drain_deadline_ms < t)
             t = s->drain_deadline_ms;
         if (s->state == S_RUNNING && (s->out_ready[0] || s->out_ready[1]) &&
             (conn_fd < 0 || !outq_head))

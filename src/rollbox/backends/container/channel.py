@@ -44,10 +44,19 @@ class SpawnError(BadRequest):
 class Session:
     """One command running in the sandbox. Created by :meth:`AgentChannel.exec`."""
 
-    def __init__(self, channel: "AgentChannel", session_id: int) -> None:
+    def __init__(self, channel: "AgentChannel", session_id: int, collect: bool = True) -> None:
         self.channel = channel
         self.id = session_id
         self.pid: int | None = None
+        # collect: free the agent's copy as soon as the exit arrives; else the owner calls
+        # collect() once it has recorded the exit (the edge, after journaling it).
+        self.collect_on_exit = collect
+        # Stream offsets of the first byte this Session yields (non-zero after an adopt whose
+        # replay could not reach back to the start: the agent keeps only the last bytes).
+        self.start_offsets = [0, 0]
+        self._replaying = False
+        self._replay_seen = [False, False]
+        self._held_exit: P.Exited | None = None
         self._queue: asyncio.Queue[Event | RollboxError] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self._started: asyncio.Future[int] = loop.create_future()
@@ -106,12 +115,18 @@ class Session:
         """Kill everything of the session (its cgroup when it has one, and its process group)."""
         await self.channel._send(P.pack(P.KILL, self.id))
 
+    def collect(self) -> None:
+        """Tell the agent the exit is recorded: it frees the session's rings and status."""
+        self.channel._post(P.pack(P.COLLECT, self.id))
+
     # -- called by the channel --
     def _push(self, item: Event) -> None:
         self._queue.put_nowait(item)
         if item[0] == "exited" and not self._exited.done():
             self._exited.set_result(item[1])
             self._stdin_credit.set()
+            if self.collect_on_exit and not self.channel.closed.done():
+                self.collect()
 
     def _ack_stdin(self, n: int) -> None:
         self._stdin_unacked = max(0, self._stdin_unacked - n)
@@ -141,9 +156,11 @@ class AgentChannel:
         self._sessions: dict[int, Session] = {}
         # EXITED of sessions this channel did not start (ended while no edge was connected).
         self.unclaimed_exits: dict[int, P.Exited] = {}
+        # What the agent had when this channel connected (running and uncollected sessions).
+        self.agent_sessions: dict[int, P.SessionEntry] = {}
         self._reserved: set[int] = set()
         self._pings: dict[int, asyncio.Future[None]] = {}
-        self._lists: collections.deque[asyncio.Future[list[tuple[int, int]]]] = collections.deque()
+        self._lists: collections.deque[asyncio.Future[list[P.SessionEntry]]] = collections.deque()
         self._ready: asyncio.Future[int] = self._loop.create_future()
         self._outq: collections.deque[tuple[bytes, list[int], asyncio.Future[None]]] = (
             collections.deque()
@@ -177,14 +194,15 @@ class AgentChannel:
             version = await asyncio.wait_for(asyncio.shield(ch._ready), timeout)
             if version != P.PROTOCOL_VERSION:
                 raise InfraError(f"agent speaks protocol {version}, expected {P.PROTOCOL_VERSION}")
-            running = await asyncio.wait_for(ch.list_sessions(), timeout)
+            entries = await asyncio.wait_for(ch.sessions(), timeout)
         except asyncio.TimeoutError as exc:
             ch.close()
             raise InfraError(f"agent at {sock_path} did not answer within {timeout}s") from exc
         except RollboxError as exc:
             ch.close()
             raise exc if isinstance(exc, InfraError) else InfraError(exc.message) from exc
-        ch._reserved.update(sid for sid, _ in running)
+        ch.agent_sessions = {e.id: e for e in entries}
+        ch._reserved.update(ch.agent_sessions)
         return ch
 
     def close(self) -> None:
@@ -223,21 +241,26 @@ class AgentChannel:
             self._on_close(reason)
 
     # ---------- requests ----------
-    def _new_id(self) -> int:
+    def new_session_id(self) -> int:
+        """A session id no session of this agent has (to journal before :meth:`exec`)."""
         while True:
             sid = next(self._ids) & 0xFFFFFFFF
             if sid and sid not in self._sessions and sid not in self._reserved and (
                 sid not in self.unclaimed_exits
             ):
+                self._reserved.add(sid)
                 return sid
 
-    async def exec(self, req: P.ExecRequest, cgroup_fd: int | None = None) -> Session:
-        """Start a command; returns once it runs. Raises SpawnError if it could not start."""
+    async def exec(self, req: P.ExecRequest, cgroup_fd: int | None = None,
+                   session_id: int | None = None, collect: bool = True) -> Session:
+        """Start a command; returns once it runs. Raises SpawnError if it could not start.
+        ``collect=False``: the agent keeps the exit and rings until ``Session.collect()``."""
         if not req.argv:
             raise BadRequest("argv must not be empty")
         self._check_open()
-        sid = self._new_id()
-        sess = Session(self, sid)
+        sid = session_id if session_id is not None else self.new_session_id()
+        self._reserved.discard(sid)
+        sess = Session(self, sid, collect)
         self._sessions[sid] = sess
         try:
             await self._send(req.encode(sid, cgroup_fd is not None),
@@ -250,19 +273,25 @@ class AgentChannel:
             raise
         return sess
 
-    def adopt(self, session_id: int) -> Session:
-        """Attach to a session started by an earlier connection (its later output and EXITED)."""
+    def adopt(self, session_id: int, collect: bool = True) -> Session:
+        """Take over a session started by an earlier connection: its retained output (as far
+        back as the agent's ring reaches; see ``start_offsets``), its later output and its
+        exit. A session the agent does not know fails with SandboxDead."""
         self._check_open()
         sess = self._sessions.get(session_id)
         if sess is not None:
             return sess
-        sess = Session(self, session_id)
-        sess._started.set_result(0)
+        sess = Session(self, session_id, collect)
+        entry = self.agent_sessions.get(session_id)
+        sess._started.set_result(entry.pid if entry is not None else 0)
+        sess.pid = entry.pid if entry is not None else None
         exited = self.unclaimed_exits.pop(session_id, None)
-        if exited is not None:
-            sess._push(("exited", exited))
-        else:
-            self._sessions[session_id] = sess
+        if exited is None and entry is not None and entry.exited:
+            exited = entry.exited_record()
+        sess._held_exit = exited
+        sess._replaying = True
+        self._sessions[session_id] = sess
+        self._post(P.pack(P.REPLAY, session_id, P.OFFSETS.pack(0, 0)))
         return sess
 
     async def ping(self, timeout: float | None = None) -> None:
@@ -278,8 +307,12 @@ class AgentChannel:
 
     async def list_sessions(self) -> list[tuple[int, int]]:
         """(session id, main pid) of every running session in the agent."""
+        return [(e.id, e.pid) for e in await self.sessions() if not e.exited]
+
+    async def sessions(self) -> list[P.SessionEntry]:
+        """Every running or not yet collected session in the agent."""
         self._check_open()
-        fut: asyncio.Future[list[tuple[int, int]]] = self._loop.create_future()
+        fut: asyncio.Future[list[P.SessionEntry]] = self._loop.create_future()
         self._lists.append(fut)
         await self._send(P.pack(P.LIST, 0))
         return await fut
@@ -295,6 +328,16 @@ class AgentChannel:
             raise self.closed.result() or InfraError("agent channel closed")
 
     # ---------- socket I/O ----------
+    def _post(self, packet: bytes) -> None:
+        """Queue a packet without waiting (from sync code); a failure closes the channel."""
+        if self.closed.done():
+            return
+        fut: asyncio.Future[None] = self._loop.create_future()
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._outq.append((packet, [], fut))
+        if not self._writing:
+            self._flush()
+
     async def _send(self, packet: bytes, fds: list[int] | None = None) -> None:
         """Send one packet; waits while the socket is congested (backpressure from the agent)."""
         self._check_open()
@@ -353,16 +396,41 @@ class AgentChannel:
         msg_type, _flags, sid, payload = P.unpack(data)
         if msg_type in _STREAM_KINDS:
             sess = self._sessions.get(sid)
-            if sess is not None:
+            if sess is not None and not sess._replaying:  # else: covered by the replay
                 sess._push((_STREAM_KINDS[msg_type], payload))
         elif msg_type == P.EXITED:
             exited = P.Exited.decode(payload)
-            sess = self._sessions.pop(sid, None)
+            sess = self._sessions.get(sid)
             if sess is None:
                 self.unclaimed_exits[sid] = exited
+            elif sess._replaying:
+                sess._held_exit = exited
             else:
+                del self._sessions[sid]
                 sess._push(("exited", exited))
             self._reserved.discard(sid)
+        elif msg_type in (P.REPLAY_OUT, P.REPLAY_ERR):
+            sess = self._sessions.get(sid)
+            if sess is not None and sess._replaying:
+                i = 0 if msg_type == P.REPLAY_OUT else 1
+                if not sess._replay_seen[i]:
+                    sess._replay_seen[i] = True
+                    sess.start_offsets[i] = P.U64.unpack_from(payload)[0]
+                sess._push(("stdout" if i == 0 else "stderr", payload[P.U64.size:]))
+        elif msg_type == P.REPLAY_END:
+            sess = self._sessions.get(sid)
+            if sess is not None and sess._replaying:
+                sess._replaying = False
+                totals = P.OFFSETS.unpack_from(payload)
+                for i in (0, 1):
+                    if not sess._replay_seen[i]:
+                        sess.start_offsets[i] = totals[i]
+                if sess._held_exit is not None:
+                    del self._sessions[sid]
+                    sess._push(("exited", sess._held_exit))
+                elif _flags & 1:
+                    del self._sessions[sid]
+                    sess._fail(SandboxDead(f"agent has no session {sid}"))
         elif msg_type == P.STDIN_ACK:
             sess = self._sessions.get(sid)
             if sess is not None:
@@ -383,14 +451,12 @@ class AgentChannel:
                 fut.set_result(None)
         elif msg_type == P.SESSIONS:
             (count,) = P.U32.unpack_from(payload)
-            entries = [
-                P.SESSION_ENTRY.unpack_from(payload, P.U32.size + i * P.SESSION_ENTRY.size)
-                for i in range(count)
-            ]
+            entries = [P.SessionEntry.decode(payload, P.U32.size + i * P.SESSION_ENTRY.size)
+                       for i in range(count)]
             if self._lists:
                 fut = self._lists.popleft()
                 if not fut.done():
-                    fut.set_result([(int(s), int(p)) for s, p in entries])
+                    fut.set_result(entries)
         elif msg_type == P.READY:
             if not self._ready.done():
                 self._ready.set_result(P.U32.unpack_from(payload)[0])

@@ -27,31 +27,44 @@ Edge -> agent
   KILL(5)        kill everything of the session (cgroup.kill, then SIGKILL to the group).
   PING(6)        answered by PONG(7) with the same session id.
   LIST(8)        answered by one SESSIONS(40).
+  REPLAY(9)      ``<QQ`` stdout and stderr offsets: the session's retained output from there,
+                 answered by REPLAY_OUT/REPLAY_ERR packets then REPLAY_END. Live output the
+                 agent sent before the REPLAY_END is covered by the replay.
+  COLLECT(10)    the edge has the session's exit for good (journaled): the agent frees it.
 
 Agent -> edge
   READY(32)      ``<I`` protocol version, sent on every new connection.
   STARTED(33)    ``<i`` pid of the session's main process (sandbox pid namespace).
   SPAWN_FAILED(34) ``<i`` errno then a UTF-8 message; the session is over.
-  STDOUT(35) / STDERR(36)  output bytes, streamed until ``stream_limit`` bytes per stream;
-                 past that only the last ``tail_limit`` bytes are kept and the rest counted.
-  TAIL_STDOUT(38) / TAIL_STDERR(39)  the kept tail, sent just before EXITED when bytes were
-                 dropped.
+  STDOUT(35) / STDERR(36)  output bytes, streamed until ``stream_limit`` bytes per stream
+                 (and only while an edge is connected); the rest is counted as dropped.
+                 Independently, every session keeps the last ``tail_limit`` bytes of each
+                 stream (its retention ring; never blocks the command) until COLLECT.
+  TAIL_STDOUT(38) / TAIL_STDERR(39)  the last bytes of the ring (at most 64 KiB), sent just
+                 before EXITED when bytes were dropped.
   EXITED(37)     ``<iiBxxxQQQQ`` exit_code (-1 if killed by a signal), signal, timed_out,
                  stdout_total, stderr_total, stdout_dropped, stderr_dropped. Sent when the
                  main process has exited and its pipes are drained (at most ~50 ms after exit;
                  processes it left behind keep running but lose their stdout/stderr).
                  EXITED of sessions that end while no edge is connected are queued (bounded)
-                 and delivered after the next READY.
-  SESSIONS(40)   ``<I`` count then count x ``<Ii`` (session id, main pid) of running sessions.
+                 and delivered after the next READY. The session itself (exit status and
+                 rings) stays until COLLECT; uncollected exited sessions are bounded (at most
+                 256 and 16 MiB of rings; the oldest are dropped first).
+  SESSIONS(40)   ``<I`` count then count x ``<IiBBxxiiQQQQ`` (session id, main pid, state 1
+                 running / 2 exited, timed_out, exit_code, signal, stdout_total, stderr_total,
+                 stdout_retained, stderr_retained) of every running or uncollected session.
   STDIN_ACK(41)  ``<I`` stdin bytes of the session consumed (written to the pipe, or discarded
                  because the command closed its stdin or the session is unknown).
+  REPLAY_OUT(42) / REPLAY_ERR(43)  ``<Q`` stream offset of the first byte, then bytes.
+  REPLAY_END(44) ``<QQ`` stdout and stderr totals when the replay was taken; flags 1: no such
+                 session.
 """
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_PACKET = 128 * 1024
 CHUNK = 64 * 1024
 
@@ -60,15 +73,20 @@ EXEC_HEAD = struct.Struct("<IIIIQIII")
 EXITED_BODY = struct.Struct("<iiBxxxQQQQ")
 I32 = struct.Struct("<i")
 U32 = struct.Struct("<I")
-SESSION_ENTRY = struct.Struct("<Ii")
+SESSION_ENTRY = struct.Struct("<IiBBxxiiQQQQ")
+U64 = struct.Struct("<Q")
+OFFSETS = struct.Struct("<QQ")
 
 # edge -> agent
-EXEC, STDIN, STDIN_CLOSE, SIGNAL, KILL, PING, PONG, LIST = 1, 2, 3, 4, 5, 6, 7, 8
+EXEC, STDIN, STDIN_CLOSE, SIGNAL, KILL, PING, PONG, LIST, REPLAY, COLLECT = (
+    1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 # agent -> edge
 READY, STARTED, SPAWN_FAILED, STDOUT, STDERR, EXITED, TAIL_STDOUT, TAIL_STDERR, SESSIONS = (
     32, 33, 34, 35, 36, 37, 38, 39, 40,
 )
 STDIN_ACK = 41
+REPLAY_OUT, REPLAY_ERR, REPLAY_END = 42, 43, 44
+RETAIN_LIMIT = 1 << 20  # the edge's tail_limit: bytes per stream a restarted edge can replay
 STDIN_WINDOW = 256 * 1024
 
 EXEC_STDIN = 1
@@ -123,3 +141,29 @@ class Exited:
     def decode(cls, payload: bytes) -> "Exited":
         code, sig, to, ot, et, od, ed = EXITED_BODY.unpack_from(payload)
         return cls(code, sig, bool(to), ot, et, od, ed)
+
+
+@dataclass
+class SessionEntry:
+    """One row of SESSIONS: what a (re)connected edge learns about a session."""
+
+    id: int
+    pid: int
+    exited: bool
+    timed_out: bool
+    exit_code: int
+    signal: int
+    stdout_total: int
+    stderr_total: int
+    stdout_retained: int
+    stderr_retained: int
+
+    @classmethod
+    def decode(cls, payload: bytes, offset: int) -> "SessionEntry":
+        sid, pid, state, to, code, sig, ot, et, orr, er = SESSION_ENTRY.unpack_from(payload, offset)
+        return cls(sid, pid, state == 2, bool(to), code, sig, ot, et, orr, er)
+
+    def exited_record(self) -> Exited:
+        """The exit as EXITED would have told it (what was dropped is unknown: 0)."""
+        return Exited(self.exit_code, self.signal, self.timed_out, self.stdout_total,
+                      self.stderr_total, 0, 0)
