@@ -229,6 +229,18 @@ class FakeEdge:
         p.write_bytes(data)
         p.chmod(mode)
 
+    async def file_read_stream(self, sandbox_id: str, path: str,
+                               max_bytes: int) -> AsyncIterator[bytes]:
+        data = await self.file_read(sandbox_id, path, max_bytes)
+        for i in range(0, len(data), 65536):
+            yield data[i:i + 65536]
+
+    async def file_write_stream(self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes],
+                                mode: int, max_bytes: int) -> int:
+        data = b"".join([c async for c in chunks])
+        await self.file_write(sandbox_id, path, data, mode)
+        return len(data)
+
     def _stat(self, p: Path, path: str) -> FileStat:
         st = p.lstat()
         kind = "dir" if p.is_dir() else "symlink" if p.is_symlink() else "file"

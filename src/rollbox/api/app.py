@@ -33,8 +33,10 @@ log = logging.getLogger(__name__)
 NDJSON = "application/x-ndjson"
 MAX_JSON_BODY = 1 << 20
 MAX_FILE_WRITE = 256 << 20
-MAX_FILE_READ = 256 << 20
 MAX_TAR_UPLOAD = 2 << 30
+# One streamed file (GET/PUT .../files): memory stays bounded; the sandbox's disk cap still
+# bounds what a write can store.
+MAX_FILE_STREAM = 16 << 30
 MAX_STDIN_BODY = 16 << 20
 OWNER_CACHE_SIZE = 65536
 T = TypeVar("T")
@@ -65,7 +67,7 @@ class Health(BaseModel):
 
 def _body_limit(method: str, path: str) -> int:
     if method == "PUT" and path.endswith("/files"):
-        return MAX_FILE_WRITE
+        return MAX_FILE_STREAM
     if method == "PUT" and path.endswith("/tar"):
         return MAX_TAR_UPLOAD
     if method == "POST" and path.endswith("/stdin"):
@@ -214,6 +216,13 @@ async def _primed(agen: AsyncIterator[T], wait_s: float) -> AsyncIterator[T]:
                     await aclose()
 
     return rest()
+
+
+async def _body_chunks(request: Request) -> AsyncIterator[bytes]:
+    """A request body as it streams in (BodyLimitMiddleware caps it per route)."""
+    async for chunk in request.stream():
+        if chunk:
+            yield chunk
 
 
 class _Api:
@@ -556,8 +565,8 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
     @app.get("/v1/sandboxes/{sandbox_id}/files", tags=["files"],
              responses={200: {"content": {"application/octet-stream": {}}}})
     async def file_read(sandbox_id: str, path: PathQ, edge: Edge) -> Response:
-        data = await edge.file_read(sandbox_id, path, MAX_FILE_READ)
-        return Response(data, media_type="application/octet-stream")
+        stream = await _primed(edge.file_read_stream(sandbox_id, path, MAX_FILE_STREAM), 10.0)
+        return StreamingResponse(stream, media_type="application/octet-stream")
 
     @app.put("/v1/sandboxes/{sandbox_id}/files", status_code=204, tags=["files"])
     async def file_write(sandbox_id: str, path: PathQ, request: Request, edge: Edge,
@@ -568,8 +577,8 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
             raise errors.BadRequest(f"mode must be octal, got {mode!r}") from None
         if not 0 <= mode_i <= 0o7777:
             raise errors.BadRequest(f"mode out of range: {mode!r}")
-        data = await request.body()
-        await edge.file_write(sandbox_id, path, data, mode_i)
+        await edge.file_write_stream(sandbox_id, path, _body_chunks(request), mode_i,
+                                     MAX_FILE_STREAM)
         return Response(status_code=204)
 
     @app.get("/v1/sandboxes/{sandbox_id}/files/stat", response_model=models.FileStat,
@@ -596,16 +605,7 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
     @app.put("/v1/sandboxes/{sandbox_id}/tar", tags=["files"])
     async def tar_upload(sandbox_id: str, path: PathQ, request: Request,
                          edge: Edge) -> dict[str, int]:
-        async def chunks() -> AsyncIterator[bytes]:
-            total = 0
-            async for chunk in request.stream():
-                total += len(chunk)
-                if total > MAX_TAR_UPLOAD:
-                    raise errors.PayloadTooLarge(f"tar upload over {MAX_TAR_UPLOAD} bytes")
-                if chunk:
-                    yield chunk
-
-        written = await edge.upload_tar(sandbox_id, path, chunks())
+        written = await edge.upload_tar(sandbox_id, path, _body_chunks(request))
         return {"written": written}
 
     @app.get("/v1/sandboxes/{sandbox_id}/tar", tags=["files"],

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollbox.backends.container.channel import SpawnError
+from rollbox.backends.container.files import DiskFull
 from rollbox.backends.container.protocol import ExecRequest
 from rollbox.backends.container.sandbox import ContainerBackend, ContainerSandbox
 from rollbox.config import Settings
@@ -690,6 +691,17 @@ class Edge:
         fs = self._live(sandbox_id).box.fs
         await asyncio.to_thread(fs.write, path, data, mode)
 
+    async def file_read_stream(self, sandbox_id: str, path: str,
+                               max_bytes: int) -> AsyncIterator[bytes]:
+        fs = self._live(sandbox_id).box.fs
+        async for chunk in fs.read_stream(path, max_bytes):
+            yield chunk
+
+    async def file_write_stream(self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes],
+                                mode: int, max_bytes: int) -> int:
+        fs = self._live(sandbox_id).box.fs
+        return await fs.write_stream(path, chunks, mode, max_bytes=max_bytes)
+
     async def file_stat(self, sandbox_id: str, path: str) -> FileStat:
         return await asyncio.to_thread(self._live(sandbox_id).box.fs.stat, path)
 
@@ -740,13 +752,19 @@ class Edge:
                 except NotFound:
                     pass
                 budget = spec.max_bytes - copied
-                if st.type == "file":
-                    data = await self.file_read(sandbox_id, path, budget)
-                    await asyncio.to_thread(gfs.write, path, data, st.mode & 0o7777)
-                    copied += len(data)
-                else:
-                    copied += await gfs.upload_tar(
-                        path, _capped(self.download_tar(sandbox_id, path), budget), links=False)
+                try:
+                    if st.type == "file":
+                        copied += await gfs.write_stream(
+                            path, self.file_read_stream(sandbox_id, path, budget),
+                            st.mode & 0o7777)
+                    else:
+                        copied += await gfs.upload_tar(
+                            path, _capped(self.download_tar(sandbox_id, path), budget),
+                            links=False)
+                except DiskFull as exc:
+                    disk_mib = gspec.resources.disk_mib
+                    raise DiskFull(f"declared files do not fit in the grader's {disk_mib} MiB "
+                                   "disk", path=path, disk_mib=disk_mib) from exc
             exec_id = await self.exec_start(grader.id, ExecSpec(
                 cmd=spec.cmd, cwd=spec.cwd, env=spec.env, timeout_s=spec.timeout_s))
             result = await self.exec_wait(grader.id, exec_id)

@@ -5,16 +5,17 @@ import asyncio
 import base64
 import codecs
 import contextlib
+import io
 import json
 import os
 import random
 import tarfile
 import threading
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 import aiohttp
 import pydantic
@@ -29,6 +30,7 @@ from rollbox.models import (
 DEFAULT_URL = "http://127.0.0.1:7420"
 NDJSON = "application/x-ndjson"
 TAR_CHUNK = 256 << 10
+FILE_CHUNK = 1 << 20
 
 OutputCallback = Callable[[str], Any]
 
@@ -375,23 +377,86 @@ class _TarPipe:
         return out
 
 
+# What ``files.write`` takes: content, a binary file object, or a stream of byte chunks.
+FileContent = (bytes | bytearray | memoryview | str | IO[bytes] | AsyncIterable[bytes]
+               | Iterable[bytes])
+
+
+async def _content_chunks(data: FileContent) -> AsyncIterator[bytes]:
+    """``data`` as a stream of chunks of at most 1 MiB; a file object or a sync iterator is
+    read in a worker thread, so a slow disk never blocks the event loop."""
+    if isinstance(data, str):
+        data = data.encode()
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        view = memoryview(data)
+        for i in range(0, len(view), FILE_CHUNK):
+            yield bytes(view[i:i + FILE_CHUNK])
+        return
+    if isinstance(data, AsyncIterable):
+        async for chunk in data:
+            yield bytes(chunk)
+        return
+    read = getattr(data, "read", None)  # a file object (binary)
+    if callable(read):
+        while chunk := await asyncio.to_thread(read, FILE_CHUNK):
+            if isinstance(chunk, str):
+                raise errors.BadRequest("files.write takes a binary file object (open 'rb')")
+            yield chunk
+        return
+    it = iter(data)
+    end = object()
+    while (chunk := await asyncio.to_thread(next, it, end)) is not end:
+        yield bytes(chunk)  # type: ignore[arg-type]
+
+
 class AsyncFiles:
     def __init__(self, sandbox: AsyncSandbox) -> None:
         self._t = sandbox._t
         self._base = f"/v1/sandboxes/{sandbox.id}"
 
     async def read(self, path: str) -> bytes:
+        """The whole file in memory; for big files use :meth:`read_stream` or
+        :meth:`download_file`."""
         return (await self._t.request("GET", self._base + "/files", params={"path": path},
                                       long=True)).content
 
     async def read_text(self, path: str, encoding: str = "utf-8") -> str:
         return (await self.read(path)).decode(encoding, "replace")
 
-    async def write(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
-        if isinstance(data, str):
-            data = data.encode()
-        await self._t.request("PUT", self._base + "/files", content=data, long=True,
-                              params={"path": path, "mode": format(mode, "o")})
+    async def read_stream(self, path: str) -> AsyncIterator[bytes]:
+        """The file's bytes as they arrive (memory stays bounded whatever its size)."""
+        resp = await self._t.stream("GET", self._base + "/files", params={"path": path})
+        try:
+            async for chunk in resp.chunks():
+                yield chunk
+        finally:
+            await resp.aclose()
+
+    async def download_file(self, path: str, local: str | os.PathLike[str]) -> int:
+        """Stream the file at ``path`` into local file ``local`` (replaced only once complete);
+        returns its size."""
+        dest = Path(local)
+        tmp = dest.with_name(f".{dest.name}.rollbox-part")
+        size = 0
+        try:
+            with open(tmp, "wb") as f:
+                async for chunk in self.read_stream(path):
+                    await asyncio.to_thread(f.write, chunk)
+                    size += len(chunk)
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return size
+
+    async def write(self, path: str, data: FileContent, mode: int = 0o644) -> None:
+        """Replace the file at ``path`` with ``data``: bytes or str, a binary file object
+        (``open(local, "rb")``), or an (async) iterator of byte chunks. Streamed: memory
+        stays bounded; the file appears only once complete. Above the sandbox's disk cap it
+        raises the disk-full error (``details["reason"] == "disk_full"``)."""
+        if isinstance(data, io.TextIOBase):
+            raise errors.BadRequest("files.write takes a binary file object (open 'rb')")
+        await self._t.request("PUT", self._base + "/files", content=_content_chunks(data),
+                              long=True, params={"path": path, "mode": format(mode, "o")})
 
     async def stat(self, path: str) -> FileStat:
         r = await self._t.request("GET", self._base + "/files/stat", params={"path": path})

@@ -15,7 +15,8 @@ from rollbox.models import (
     Event, ExecInfo, ExecResult, FileStat, GradeResult, SandboxInfo, SnapshotResult,
 )
 from rollbox.sdk._async import (
-    AsyncClient, AsyncFiles, AsyncProcess, AsyncSandbox, OutputCallback, OutputChunk,
+    AsyncClient, AsyncFiles, AsyncProcess, AsyncSandbox, FileContent, OutputCallback,
+    OutputChunk,
 )
 
 T = TypeVar("T")
@@ -101,7 +102,15 @@ class Files:
     def read_text(self, path: str, encoding: str = "utf-8") -> str:
         return self._p.call(self._f.read_text(path, encoding))
 
-    def write(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+    def read_stream(self, path: str) -> Iterator[bytes]:
+        return self._p.iterate(self._f.read_stream(path))
+
+    def download_file(self, path: str, local: str | os.PathLike[str]) -> int:
+        return self._p.call(self._f.download_file(path, local))
+
+    def write(self, path: str, data: FileContent, mode: int = 0o644) -> None:
+        """See :meth:`AsyncFiles.write` (bytes, str, a binary file object or an iterator of
+        byte chunks)."""
         self._p.call(self._f.write(path, data, mode))
 
     def stat(self, path: str) -> FileStat:

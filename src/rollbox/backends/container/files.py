@@ -47,6 +47,10 @@ MAX_TAR_META = 1 << 20  # pax / GNU long-name headers are read whole by tarfile
 CHUNK = 256 << 10
 _EAGAIN_RETRIES = 32
 _TMP_PREFIX = ".rollbox-tmp-"
+# Cap of one streamed file (read_stream / write_stream): memory stays bounded whatever the size,
+# the sandbox's disk cap bounds what a write can store anyway.
+MAX_STREAM_FILE = 16 << 30
+STREAM_CHUNK = 1 << 20
 
 
 class DiskFull(errors.BadRequest):
@@ -277,7 +281,7 @@ class SandboxFS:
 
     def __init__(self, root: Path, uid_shift: int, *, max_read: int = 256 << 20,
                  max_write: int = 256 << 20, max_upload: int = 2 << 30,
-                 max_entries: int = 200_000) -> None:
+                 max_entries: int = 200_000, max_stream: int = MAX_STREAM_FILE) -> None:
         if uid_shift < 0 or uid_shift % ID_RANGE:
             raise ValueError(f"uid_shift must be a non-negative multiple of {ID_RANGE}")
         self.root = Path(root)
@@ -286,6 +290,7 @@ class SandboxFS:
         self.max_write = max_write
         self.max_upload = max_upload
         self.max_entries = max_entries
+        self.max_stream = max_stream
         self._root_fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         self._lock = threading.Lock()
         self._users = 0
@@ -389,63 +394,128 @@ class SandboxFS:
 
     def read(self, path: str, max_bytes: int | None = None) -> bytes:
         """Content of the regular file at ``path`` (links followed, in-root)."""
-        parts = _split(path)
         cap = self.max_read if max_bytes is None else min(max(max_bytes, 0), self.max_read)
         with self._use() as rfd:
+            fd = self._open_read(rfd, path, cap)
             try:
-                pfd = self._open(rfd, parts, os.O_PATH)
-                try:
-                    s = os.fstat(pfd)
-                    if not st.S_ISREG(s.st_mode):
-                        raise errors.BadRequest(
-                            f"cannot read {path}: {_kind(s.st_mode)}, not a regular file",
-                            path=path)
-                    if s.st_size > cap:
-                        raise errors.PayloadTooLarge(
-                            f"{path} is {s.st_size} bytes, above the {cap}-byte cap",
-                            path=path, size=s.st_size, limit=cap)
-                    # Reopen the very inode we checked; a device or FIFO is never opened.
-                    fd = os.open(f"/proc/self/fd/{pfd}",
-                                 os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-                finally:
-                    _close(pfd)
-                try:
-                    out = bytearray()
-                    while len(out) <= cap:
-                        data = os.read(fd, min(CHUNK, cap + 1 - len(out)))
-                        if not data:
-                            break
-                        out += data
-                finally:
-                    _close(fd)
+                out = bytearray()
+                while len(out) <= cap:
+                    data = os.read(fd, min(CHUNK, cap + 1 - len(out)))
+                    if not data:
+                        break
+                    out += data
             except OSError as exc:
                 raise _os_error(exc, path) from exc
+            finally:
+                _close(fd)
         if len(out) > cap:
             raise errors.PayloadTooLarge(f"{path} grew above the {cap}-byte cap", path=path,
                                          limit=cap)
         return bytes(out)
 
+    async def read_stream(self, path: str, max_bytes: int | None = None) -> AsyncIterator[bytes]:
+        """The regular file at ``path`` in chunks of at most 1 MiB, read in a worker thread
+        one chunk at a time (memory stays bounded whatever the file's size). A missing file or
+        one above the cap fails on the first step, before any byte is produced."""
+        cap = (self.max_stream if max_bytes is None
+               else min(max(max_bytes, 0), self.max_stream))
+        with self._use() as rfd:
+            fd = await asyncio.to_thread(self._open_read, rfd, path, cap)
+            try:
+                total = 0
+                while True:
+                    try:
+                        data = await asyncio.to_thread(os.read, fd,
+                                                       min(STREAM_CHUNK, cap + 1 - total))
+                    except OSError as exc:
+                        raise _os_error(exc, path) from exc
+                    if not data:
+                        return
+                    total += len(data)
+                    if total > cap:
+                        raise errors.PayloadTooLarge(f"{path} grew above the {cap}-byte cap",
+                                                     path=path, limit=cap)
+                    yield data
+            finally:
+                _close(fd)
+
+    def _open_read(self, rfd: int, path: str, cap: int) -> int:
+        """A read fd of the regular file at ``path`` (links followed, in-root), checked against
+        ``cap``; FIFOs and devices are refused, never opened."""
+        parts = _split(path)
+        try:
+            pfd = self._open(rfd, parts, os.O_PATH)
+            try:
+                s = os.fstat(pfd)
+                if not st.S_ISREG(s.st_mode):
+                    raise errors.BadRequest(
+                        f"cannot read {path}: {_kind(s.st_mode)}, not a regular file",
+                        path=path)
+                if s.st_size > cap:
+                    raise errors.PayloadTooLarge(
+                        f"{path} is {s.st_size} bytes, above the {cap}-byte cap",
+                        path=path, size=s.st_size, limit=cap)
+                # Reopen the very inode we checked; a device or FIFO is never opened.
+                return os.open(f"/proc/self/fd/{pfd}",
+                               os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+            finally:
+                _close(pfd)
+        except OSError as exc:
+            raise _os_error(exc, path) from exc
+
     def write(self, path: str, data: bytes, mode: int = 0o644, uid: int = 0, gid: int = 0,
               parents: bool = True) -> None:
         """Atomically replace ``path`` with ``data`` (a symlink there is replaced, not
         followed); missing parents are created when ``parents``."""
-        parts = _split(path)
-        if not parts:
-            raise errors.BadRequest("cannot write to /")
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise errors.BadRequest("file content must be bytes")
         if len(data) > self.max_write:
             raise errors.PayloadTooLarge(f"{len(data)} bytes is above the "
                                          f"{self.max_write}-byte write cap",
                                          size=len(data), limit=self.max_write)
+        self._write(path, lambda fd: _write_all(fd, data), mode, uid, gid, parents)
+
+    async def write_stream(self, path: str, chunks: AsyncIterator[bytes], mode: int = 0o644,
+                           uid: int = 0, gid: int = 0, parents: bool = True,
+                           max_bytes: int | None = None) -> int:
+        """Like :meth:`write` from a byte stream, pulled one chunk at a time by a worker thread
+        (memory stays bounded). The file appears only once complete: a stream that fails, goes
+        past ``max_bytes`` or fills the sandbox's disk leaves no file and no temp file behind.
+        Returns the bytes written."""
+        cap = (self.max_stream if max_bytes is None
+               else min(max(max_bytes, 0), self.max_stream))
+        stop = threading.Event()
+        reader = _ChunkReader(chunks, asyncio.get_running_loop(), stop)
+
+        def fill(fd: int) -> None:
+            while data := reader.read():
+                if reader.received > cap:
+                    raise errors.PayloadTooLarge(f"file above the {cap}-byte cap", path=path,
+                                                 limit=cap)
+                _write_all(fd, data)
+
+        try:
+            await asyncio.to_thread(self._write, path, fill, mode, uid, gid, parents)
+        except _Stopped:
+            if reader.source_error is not None:
+                raise reader.source_error from None
+            raise errors.InfraError("upload aborted") from None
+        finally:
+            stop.set()
+        return reader.received
+
+    def _write(self, path: str, fill: Callable[[int], object], mode: int, uid: int, gid: int,
+               parents: bool) -> None:
+        parts = _split(path)
+        if not parts:
+            raise errors.BadRequest("cannot write to /")
         self._check_id(uid, "uid")
         self._check_id(gid, "gid")
         with self._use() as rfd:
             try:
                 dfd = self._ensure_dir(rfd, parts[:-1], uid=0, gid=0, create=parents)
                 try:
-                    self._put_file(dfd, parts[-1], lambda fd: _write_all(fd, data), mode, uid,
-                                   gid, None)
+                    self._put_file(dfd, parts[-1], fill, mode, uid, gid, None)
                 finally:
                     _close(dfd)
             except OSError as exc:
