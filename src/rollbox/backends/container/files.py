@@ -484,25 +484,19 @@ class SandboxFS:
         Returns the bytes written."""
         cap = (self.max_stream if max_bytes is None
                else min(max(max_bytes, 0), self.max_stream))
-        stop = threading.Event()
-        reader = _ChunkReader(chunks, asyncio.get_running_loop(), stop)
 
-        def fill(fd: int) -> None:
-            while data := reader.read():
-                if reader.received > cap:
-                    raise errors.PayloadTooLarge(f"file above the {cap}-byte cap", path=path,
-                                                 limit=cap)
-                _write_all(fd, data)
+        def work(reader: _ChunkReader) -> int:
+            def fill(fd: int) -> None:
+                while data := reader.read():
+                    if reader.received > cap:
+                        raise errors.PayloadTooLarge(f"file above the {cap}-byte cap",
+                                                     path=path, limit=cap)
+                    _write_all(fd, data)
 
-        try:
-            await asyncio.to_thread(self._write, path, fill, mode, uid, gid, parents)
-        except _Stopped:
-            if reader.source_error is not None:
-                raise reader.source_error from None
-            raise errors.InfraError("upload aborted") from None
-        finally:
-            stop.set()
-        return reader.received
+            self._write(path, fill, mode, uid, gid, parents)
+            return reader.received
+
+        return await _pulled(chunks, work)
 
     def _write(self, path: str, fill: Callable[[int], object], mode: int, uid: int, gid: int,
                parents: bool) -> None:
@@ -716,17 +710,7 @@ class SandboxFS:
         missing). Returns the number of file bytes written. ``links=False`` skips symlinks and
         hard links (grading: copied files must not be able to point anywhere)."""
         parts = _split(path)
-        loop = asyncio.get_running_loop()
-        stop = threading.Event()
-        reader = _ChunkReader(chunks, loop, stop)
-        try:
-            return await asyncio.to_thread(self._extract, parts, reader, links)
-        except _Stopped:
-            if reader.source_error is not None:
-                raise reader.source_error from None
-            raise errors.InfraError("upload aborted") from None
-        finally:
-            stop.set()
+        return await _pulled(chunks, lambda reader: self._extract(parts, reader, links))
 
     def _extract(self, parts: list[str], reader: _ChunkReader, links: bool = True) -> int:
         with self._use() as rfd:
@@ -1044,6 +1028,21 @@ class SandboxFS:
 
     async def aexists(self, path: str) -> bool:
         return await asyncio.to_thread(self.exists, path)
+
+
+async def _pulled(chunks: AsyncIterator[bytes], work: Callable[[_ChunkReader], T]) -> T:
+    """Run ``work`` in a worker thread on a reader that pulls ``chunks`` one at a time from
+    this loop; a failure of the stream itself is raised as it was."""
+    stop = threading.Event()
+    reader = _ChunkReader(chunks, asyncio.get_running_loop(), stop)
+    try:
+        return await asyncio.to_thread(work, reader)
+    except _Stopped:
+        if reader.source_error is not None:
+            raise reader.source_error from None
+        raise errors.InfraError("upload aborted") from None
+    finally:
+        stop.set()
 
 
 def _write_all(fd: int, data: bytes) -> None:
