@@ -5,7 +5,7 @@ Owns the shape of requests and answers only; no behaviour.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -228,8 +228,9 @@ class SnapshotSpec(BaseModel):
     exclude: list[str] = Field(default_factory=list, max_length=256,
                                description='"/abs/glob" on the path or a basename glob')
     scrub: bool = Field(True, description="drop caches, /tmp, logs (SCRUB_RULES)")
-    scrub_git_history: bool = Field(
-        False, description="keep only what HEAD reaches in every .git of the snapshot")
+    keep_git_history: bool = Field(
+        False, description="keep every object of the snapshot's git repositories (default: "
+        "only what HEAD reaches, red-team E36)")
     push: str | None = Field(None, max_length=2048,
                              description="chunk store to push to: 'default' or an allowed URL")
     pause: bool = Field(True, description="freeze the sandbox during the copy")
@@ -256,6 +257,7 @@ class SnapshotResult(BaseModel):
     whiteouts: int
     scrubbed: int  # entries dropped by scrub rules and exclude patterns
     git_repos_scrubbed: list[str] = Field(default_factory=list)
+    git_repos: list[dict[str, Any]] = Field(default_factory=list)  # images.git.RepoFacts
     paused_s: float  # how long the sandbox was frozen
     duration_s: float
     pushed_to: str | None = None

@@ -1,5 +1,5 @@
 """Snapshots through the api and the SDK (push to the node's chunk store), and red-team E36:
-git history past HEAD scrubbed from a snapshot on request."""
+git history past HEAD scrubbed from every snapshot unless kept on request."""
 from __future__ import annotations
 
 import os
@@ -74,15 +74,16 @@ REPO_SETUP = " && ".join([
 @needs_python
 async def test_scrub_git_history(edge, names: list[str]) -> None:  # noqa: ANN001
     """E36: a repository whose future commit (the solution) is reachable from a branch, a tag,
-    the reflog and ORIG_HEAD. Without scrubbing, a sandbox of the snapshot can read it (the
-    test can fail); with scrub_git_history it is gone and HEAD's history is intact."""
+    the reflog and ORIG_HEAD. With keep_git_history, a sandbox of the snapshot can read it (the
+    test can fail); by default it is gone and HEAD's history is intact."""
     src = await edge.create(SandboxSpec(image="python:3.11"), "p")
     await _sh(edge, src.id, "mkdir /repo")
     await _sh(edge, src.id, REPO_SETUP)
     answer = (await _sh(edge, src.id, "cat /tmp/answer-commit")).strip()
     plain, scrubbed = new_name(names), new_name(names)
-    await edge.snapshot(src.id, SnapshotSpec(name=plain), "p")
-    res = await edge.snapshot(src.id, SnapshotSpec(name=scrubbed, scrub_git_history=True), "p")
+    kept = await edge.snapshot(src.id, SnapshotSpec(name=plain, keep_git_history=True), "p")
+    assert kept.git_repos_scrubbed == [] and kept.git_repos[0]["unreachable"] >= 3
+    res = await edge.snapshot(src.id, SnapshotSpec(name=scrubbed), "p")
     assert res.git_repos_scrubbed == ["/repo"]
     leaky = await edge.create(SandboxSpec(image=plain), "p")
     await _sh(edge, leaky.id, f"cd /repo && git cat-file -e {answer}")
@@ -99,3 +100,66 @@ async def test_scrub_git_history(edge, names: list[str]) -> None:  # noqa: ANN00
     ]))
     # The source sandbox still has its full repository.
     await _sh(edge, src.id, f"cd /repo && git cat-file -e {answer}")
+
+
+@needs_python
+async def test_repo_of_a_lower_layer_is_scrubbed_whole(edge, names: list[str]) -> None:  # noqa: ANN001
+    """The repository lives in the image (a lower layer); the sandbox commits the solution on
+    a branch and resets: the snapshot's layer gets the whole repository, scrubbed, and the
+    solution is unreadable from a sandbox of it."""
+    src = await edge.create(SandboxSpec(image="python:3.11"), "p")
+    await _sh(edge, src.id, "mkdir /repo && cd /repo && git init -q -b main && echo task > f "
+              f"&& git add f && {GIT} commit -q -m task")
+    base = new_name(names)
+    await edge.snapshot(src.id, SnapshotSpec(name=base), "p")
+    box = await edge.create(SandboxSpec(image=base), "p")
+    await _sh(edge, box.id, f"cd /repo && echo the-answer > f && {GIT} commit -q -am solution "
+              "&& git rev-parse HEAD > /tmp/answer-commit && git branch future && git tag v1 "
+              "&& git reset -q --hard HEAD~1")
+    answer = (await _sh(edge, box.id, "cat /tmp/answer-commit")).strip()
+    top = new_name(names)
+    res = await edge.snapshot(box.id, SnapshotSpec(name=top), "p")
+    assert res.git_repos_scrubbed == ["/repo"]
+    clean = await edge.create(SandboxSpec(image=top), "p")
+    await _sh(edge, clean.id, " && ".join([
+        "cd /repo", f"! git cat-file -e {answer} 2>/dev/null",
+        "test \"$(git log --all --reflog --format=%s)\" = task", "test \"$(cat f)\" = task"]))
+
+
+@needs_python
+async def test_armed_repo_runs_nothing_on_the_host(edge, names: list[str],  # noqa: ANN001
+                                                   tmp_path: Path) -> None:
+    """A sandbox-written repository whose config, hooks and attributes name host commands and
+    whose alternates point at a host object store: the snapshot's scrub runs none of them
+    (the marker stays absent) and reads nothing of the host store."""
+    import secrets
+    import subprocess
+
+    marker = tmp_path / f"marker-{secrets.token_hex(4)}"
+    host_store = tmp_path / "host-store"
+    subprocess.run(["git", "init", "-q", "--bare", str(host_store)], check=True)
+    secret = subprocess.run(["git", f"--git-dir={host_store}", "hash-object", "-w", "--stdin"],
+                            input="host-secret\n", capture_output=True, text=True,
+                            check=True).stdout.strip()
+    src = await edge.create(SandboxSpec(image="python:3.11"), "p")
+    run = f"touch {marker}"
+    await _sh(edge, src.id, " && ".join([
+        "mkdir /repo && cd /repo && git init -q -b main && echo task > f && git add f",
+        f"{GIT} commit -q -m task",
+        f"git config core.fsmonitor '{run}' && git config core.hooksPath /repo/.git/hooks",
+        f"git config core.sshCommand '{run}' && git config filter.x.clean '{run}'",
+        f"git config uploadpack.packObjectsHook '{run}' && git config gc.auto 1",
+        "echo '* filter=x' > .gitattributes",
+        f"for h in pre-auto-gc reference-transaction post-rewrite; do printf '#!/bin/sh\\n{run}\\n'"
+        " > .git/hooks/$h && chmod +x .git/hooks/$h; done",
+        f"echo {host_store}/objects > .git/objects/info/alternates",
+    ]))
+    name = new_name(names)
+    res = await edge.snapshot(src.id, SnapshotSpec(name=name), "p")
+    assert res.git_repos_scrubbed == ["/repo"]
+    assert not marker.exists()
+    clean = await edge.create(SandboxSpec(image=name), "p")
+    await _sh(edge, clean.id, " && ".join([
+        "cd /repo", f"! git cat-file -e {secret} 2>/dev/null",
+        "test ! -e .git/objects/info/alternates && test ! -e .git/hooks",
+        "! grep -q fsmonitor .git/config", "test \"$(git log --format=%s)\" = task"]))

@@ -781,6 +781,7 @@ class Edge:
         """The sandbox's writable layer, scrubbed, becomes a new layer; ``spec.name`` is tagged
         as the sandbox's layers + that layer (see rollbox.images.snapshot). With ``pause`` the
         sandbox is frozen during the copy and thawed after, also on failure."""
+        from rollbox.images import git
         from rollbox.images import snapshot as snap
         from rollbox.images.chunks import default_store_url, open_store, push_image
         from rollbox.images.store import validate_name
@@ -822,6 +823,10 @@ class Edge:
                         box.rootfs.upper, root, id_shift=box.host_uid,
                         scrub=snap.DEFAULT_SCRUB if spec.scrub else [], exclude=exclude,
                         max_bytes=spec.max_bytes, max_entries=spec.max_entries)
+                    if not spec.keep_git_history:  # a repository of a lower layer, changed
+                        snap.complete_repos(box.rootfs.merged, root, id_shift=box.host_uid,
+                                            max_bytes=spec.max_bytes,
+                                            max_entries=spec.max_entries)
                     paused = time.monotonic() - t_freeze if spec.pause else 0.0
                 return stats, paused
 
@@ -835,10 +840,11 @@ class Edge:
                     raise InfraError(f"snapshot of {sandbox_id} failed: {exc}") from exc
                 if sandbox_id not in self.live or sandbox_id in self._deleting:
                     raise SandboxDead(f"sandbox {sandbox_id} went away during the snapshot")
-                repos = (await asyncio.to_thread(snap.scrub_git_history, root)
-                         if spec.scrub_git_history else [])
-                digest = await asyncio.to_thread(self.store.add_layer_from_dir, root,
-                                                 source=f"snapshot:{sandbox_id}")
+                repos = await asyncio.to_thread(git.process_tree, root, scratch=staging,
+                                                keep_history=spec.keep_git_history)
+                digest = await asyncio.to_thread(
+                    self.store.add_layer_from_dir, root, source=f"snapshot:{sandbox_id}",
+                    git_repos=[r.to_dict() for r in repos])
             finally:
                 await asyncio.to_thread(shutil.rmtree, staging, True)
             layers = list(live.info.layers) + [digest]
@@ -853,7 +859,8 @@ class Edge:
             sandbox_id=sandbox_id, image=spec.name, layer=digest, layers=layers,
             size=int(self.store.layer_meta(digest)["size"]), files=stats.entries,
             content_bytes=stats.bytes, whiteouts=stats.whiteouts, scrubbed=stats.scrubbed,
-            git_repos_scrubbed=repos, paused_s=round(paused, 6),
+            git_repos_scrubbed=[r.path for r in repos if not r.history_kept],
+            git_repos=[r.to_dict() for r in repos], paused_s=round(paused, 6),
             duration_s=round(time.monotonic() - t0, 6), pushed_to=push_url,
             hidden_paths=list(live.info.hidden_paths))
         self.event_log.append(sandbox_id, "sandbox.snapshot", data=json.dumps(

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from rollbox.errors import BadRequest, InfraError
+from rollbox.images import git
 from rollbox.images.store import Image, ImageStore, Progress, validate_name
 
 OPAQUE_XATTR = "trusted.overlay.opaque"
@@ -403,15 +404,17 @@ def _config_from_oci(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def import_oci_archive(store: ImageStore, tar_path: Path, name: str, *,
-                       progress: Progress | None = None) -> Image:
-    """Import a ``docker save`` tarball or an OCI image-layout archive as image ``name``."""
+                       progress: Progress | None = None,
+                       keep_git_history: bool = False) -> Image:
+    """Import a ``docker save`` tarball or an OCI image-layout archive as image ``name``.
+    Its git repositories keep only what HEAD reaches unless ``keep_git_history``."""
     validate_name(name)
     with _Archive(Path(tar_path)) as arc:
-        return _import_archive(store, arc, Path(tar_path), name, progress)
+        return _import_archive(store, arc, Path(tar_path), name, progress, keep_git_history)
 
 
 def _import_archive(store: ImageStore, arc: _Archive, tar_path: Path, name: str,
-                    progress: Progress | None) -> Image:
+                    progress: Progress | None, keep_git_history: bool) -> Image:
     say = progress or _noop
     layer_names: list[str]
     if arc.has("manifest.json"):
@@ -459,15 +462,21 @@ def _import_archive(store: ImageStore, arc: _Archive, tar_path: Path, name: str,
                 groups.append([dest])
             small_run = small
         digests = []
+        scratch = staging / "git"
+        scratch.mkdir()
+        repos = _LayeredRepos(scratch)
         for gi, group in enumerate(groups):
             base = group[0]
             for upper in group[1:]:
                 merge_layer_dir(base, upper, keep_whiteouts=gi > 0)
             if gi == 0:
                 strip_overlay_markers(base)
+            facts = (git.process_tree(base, keep_history=True, scratch=scratch)
+                     if keep_git_history else repos.scrub_layer(base, bottom=gi == 0))
             say(f"building layer {gi + 1}/{len(groups)} ({len(group)} source layers)")
             digests.append(store.add_layer_from_dir(
-                base, source=f"oci:{Path(tar_path).name}#{gi}", progress=progress))
+                base, source=f"oci:{Path(tar_path).name}#{gi}", progress=progress,
+                git_repos=[r.to_dict() for r in facts]))
         say("tagging")
         return store.tag(name, digests, _config_from_oci(config))
     finally:
@@ -478,12 +487,82 @@ def _import_archive(store: ImageStore, arc: _Archive, tar_path: Path, name: str,
 
 def build_from_directory(store: ImageStore, src_dir: Path, name: str,
                          config: dict[str, Any] | None = None, *,
-                         progress: Progress | None = None) -> Image:
-    """One-layer image from a directory tree (taken as is, ownership included)."""
+                         progress: Progress | None = None,
+                         keep_git_history: bool = False) -> Image:
+    """One-layer image from a directory tree (taken as is, ownership included). Its git
+    repositories keep only what HEAD reaches (a staging copy is scrubbed; ``src_dir`` is never
+    changed) unless ``keep_git_history``."""
     validate_name(name)
-    digest = store.add_layer_from_dir(Path(src_dir), source=f"dir:{Path(src_dir).resolve()}",
-                                      progress=progress)
+    src = Path(src_dir)
+    source = f"dir:{src.resolve()}"
+    if keep_git_history or next(git.git_dirs(src), None) is None:
+        repos = git.process_tree(src, keep_history=True, scratch=store.tmp_dir)
+        digest = store.add_layer_from_dir(src, source=source, progress=progress,
+                                          git_repos=[r.to_dict() for r in repos])
+        return store.tag(name, [digest], config)
+    staging = store.staging_dir("dir")
+    try:
+        root = staging / "rootfs"
+        proc = subprocess.run(["cp", "-a", "--reflink=auto", "--", str(src), str(root)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise InfraError(f"copying {src} for its git scrub failed: {proc.stderr[-300:]}")
+        if progress:
+            progress("keeping only what HEAD reaches in its git repositories")
+        repos = git.process_tree(root, keep_history=False, scratch=staging)
+        digest = store.add_layer_from_dir(root, source=source, progress=progress,
+                                          git_repos=[r.to_dict() for r in repos])
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return store.tag(name, [digest], config)
+
+
+class _LayeredRepos:
+    """Git repositories across the layers of an archive, lowest first. A repository a later
+    layer changes (a commit, a checkout, a fetch on top of a clone) is scrubbed as a whole: the
+    unscrubbed union of its layers so far is kept aside, and the layer gets that union,
+    scrubbed, as an opaque directory (the lower layers' copy, scrubbed at their own HEAD, stays
+    hidden below it)."""
+
+    def __init__(self, scratch: Path) -> None:
+        self.scratch = scratch
+        self.union: dict[str, Path] = {}  # repository dir in the layer -> union so far
+
+    def _copy(self, src: Path, dst: Path) -> None:
+        proc = subprocess.run(["cp", "-a", "--", str(src), str(dst)], capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            raise InfraError(f"copying git repository {src} failed: {proc.stderr[-300:]}")
+
+    def scrub_layer(self, base: Path, *, bottom: bool) -> list[git.RepoFacts]:
+        for rel in list(self.union):
+            here = base
+            for part in rel.strip("/").split("/"):
+                st = _lstat(here / part)
+                if st is None or not stat.S_ISDIR(st.st_mode) or is_whiteout(st):
+                    if st is not None:  # replaced or deleted in this layer
+                        del self.union[rel]
+                    here = None
+                    break
+                here = here / part
+            if here is None:
+                continue
+            if is_opaque(here):
+                shutil.rmtree(self.union[rel])
+                os.rename(here, self.union[rel])
+                here.mkdir()
+            else:
+                merge_layer_dir(self.union[rel], here, keep_whiteouts=False)
+            shutil.rmtree(here)
+            self._copy(self.union[rel], here)
+            if not bottom:
+                set_opaque(here)
+        for gitdir in git.git_dirs(base):
+            rel = str(gitdir.relative_to(base))
+            if rel not in self.union:
+                self.union[rel] = self.scratch / f"repo{len(self.union)}-{os.getpid()}"
+                self._copy(gitdir, self.union[rel])
+        return git.process_tree(base, keep_history=False, scratch=self.scratch)
 
 
 def build_busybox_image(store: ImageStore, name: str = "busybox:test", *,
@@ -559,13 +638,14 @@ def _copy_xattrs_from_upper(src: str, dst: str, rel: str) -> None:
 
 def layer_from_upper(store: ImageStore, upper_dir: Path, *, exclude: list[str] | None = None,
                      source: str, id_shift: int = 0,
-                     progress: Progress | None = None) -> str:
+                     progress: Progress | None = None, keep_git_history: bool = False) -> str:
     """Turn an overlayfs upper directory into a layer (the sandbox's changes, scrubbed).
 
     Copies the upper (it may belong to a live sandbox) minus caches and ``exclude`` patterns
     (``/abs/glob`` on the path, ``name`` on a basename); whiteouts always survive. Overlay
     private xattrs are dropped except the opaque marker; redirect/metacopy uppers are refused.
-    ``id_shift``: host uid/gid of the sandbox's root, mapped back to 0 in the layer.
+    ``id_shift``: host uid/gid of the sandbox's root, mapped back to 0 in the layer. Git
+    repositories made in the sandbox keep only what HEAD reaches unless ``keep_git_history``.
     """
     upper_dir = Path(upper_dir)
     if not upper_dir.is_dir():
@@ -627,7 +707,9 @@ def layer_from_upper(store: ImageStore, upper_dir: Path, *, exclude: list[str] |
         copy_meta(str(upper_dir), str(root), os.lstat(upper_dir), "/")
         for path, st in reversed(dir_meta):
             os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
-        return store.add_layer_from_dir(root, source=source, progress=progress)
+        repos = git.process_tree(root, keep_history=keep_git_history, scratch=staging)
+        return store.add_layer_from_dir(root, source=source, progress=progress,
+                                        git_repos=[r.to_dict() for r in repos])
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

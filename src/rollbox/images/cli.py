@@ -75,6 +75,9 @@ def build_cmd(
     base: Optional[str] = typer.Option(None, "--base", help="Run --run commands over this image"),  # noqa: UP007
     run: list[str] = typer.Option([], "--run", help="Command for the new layer (repeatable)"),
     network: bool = typer.Option(True, help="Give the build sandbox the host network"),
+    keep_git_history: bool = typer.Option(
+        False, "--keep-git-history", help="keep every object of the layer's git repositories "
+        "(default: only what HEAD reaches; red-team E36)"),
 ) -> None:
     """Build an image from a directory, by debootstrapping a Debian suite, or as a new layer
     made by running commands in a sandbox over --base (its writable layer, scrubbed)."""
@@ -91,11 +94,12 @@ def build_cmd(
 
             _run(lambda: asyncio.run(build_layer_with_commands(
                 store, base, run, name, network="host" if network else "none", log=say,
-                log_file=store.root / "logs" / "build-commands.log")))
+                log_file=store.root / "logs" / "build-commands.log",
+                keep_git_history=keep_git_history)))
             image = store.resolve(name)
         elif from_dir is not None:
-            image = _run(lambda: builders.build_from_directory(store, from_dir, name,
-                                                               progress=say))
+            image = _run(lambda: builders.build_from_directory(
+                store, from_dir, name, progress=say, keep_git_history=keep_git_history))
         else:
             assert debootstrap is not None
             image = _run(lambda: builders.build_debian_base(store, name, debootstrap, mirror,
@@ -105,11 +109,15 @@ def build_cmd(
 
 @app.command("import")
 def import_cmd(tarball: Path = typer.Argument(..., help="docker save or OCI archive"),
-               name: str = typer.Argument(...)) -> None:
+               name: str = typer.Argument(...),
+               keep_git_history: bool = typer.Option(
+                   False, "--keep-git-history", help="keep every object of the image's git "
+                   "repositories (default: only what HEAD reaches)")) -> None:
     """Import a `docker save` tarball or an OCI archive."""
     store = _store()
     with _progress(f"import {name}") as say:
-        image = _run(lambda: builders.import_oci_archive(store, tarball, name, progress=say))
+        image = _run(lambda: builders.import_oci_archive(store, tarball, name, progress=say,
+                                                         keep_git_history=keep_git_history))
     out.print(f"{image.name} {' '.join(image.layers)}")
 
 

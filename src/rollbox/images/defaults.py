@@ -31,7 +31,8 @@ PYTHON_COMMANDS = [
 async def build_layer_with_commands(store: ImageStore, base: str, commands: list[str],
                                     name: str, *, settings: Settings | None = None,
                                     network: str = "host", log: Callable[[str], None] = print,
-                                    log_file: Path | None = None) -> str:
+                                    log_file: Path | None = None,
+                                    keep_git_history: bool = False) -> str:
     """Run commands in a sandbox over ``base``; its scrubbed writable upper becomes a new
     layer and ``name`` is tagged as base + that layer. Returns the new layer's digest."""
     from rollbox.backends.container.sandbox import ContainerBackend
@@ -65,7 +66,7 @@ async def build_layer_with_commands(store: ImageStore, base: str, commands: list
         box.fs.write("/etc/resolv.conf", b"# rollbox: no network by default\n", 0o644)
         digest = await asyncio.to_thread(
             layer_from_upper, store, box.rootfs.upper, source=f"commands over {base}",
-            id_shift=box.host_uid)
+            id_shift=box.host_uid, keep_git_history=keep_git_history)
     finally:
         if out:
             out.close()

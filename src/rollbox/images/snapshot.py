@@ -19,15 +19,14 @@ import contextlib
 import errno
 import fnmatch
 import os
-import re
 import shutil
 import stat
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollbox.errors import BadRequest, InfraError, PayloadTooLarge
+from rollbox.images import git
 from rollbox.images.build import (
     _REFUSED_OVERLAY_XATTRS,
     OPAQUE_XATTR,
@@ -69,7 +68,6 @@ DEFAULT_MAX_ENTRIES = 1_000_000
 MAX_DEPTH = 256
 MAX_PATH = 4000  # below PATH_MAX: mkfs.erofs walks the staging copy by path
 MAX_XATTR_BYTES = 64 << 10
-GIT_TIMEOUT_S = 120.0
 _COPY_CHUNK = 1 << 20
 
 
@@ -305,119 +303,28 @@ def capture_upper(upper: Path, dest_root: Path, *, id_shift: int, scrub: list[st
 
 # ---- git history (red-team E36) ------------------------------------------------------------
 
-_GIT_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null", "HOME": "/nonexistent",
-            "GIT_TERMINAL_PROMPT": "0", "PATH": "/usr/bin:/bin", "LANG": "C"}
-_SANE_GIT_CONFIG = "[core]\n\trepositoryformatversion = 0\n\tfilemode = true\n\tbare = false\n"
-
-
-def _git_dirs(root: Path) -> Iterator[Path]:
-    for dirpath, dirnames, _files in os.walk(root):  # never follows symlinks
-        if ".git" in dirnames:
-            yield Path(dirpath) / ".git"
-            dirnames.remove(".git")
-
-
-def _check_plain_tree(path: Path) -> None:
-    """A .git to scrub must be real files and directories only: the host's git would follow
-    a symlink (objects -> /somewhere on the host) or read a FIFO."""
-    for dirpath, dirnames, filenames in os.walk(path):
-        for name in dirnames + filenames:
-            mode = os.lstat(os.path.join(dirpath, name)).st_mode
-            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
-                raise BadRequest(f"can not scrub git history of {path.name}: it contains a "
-                                 f"non-regular entry {name!r}")
-
-
-def _keep_only_ref(gitdir: Path, keep: str | None, rel: str) -> None:
-    """Delete every ref but ``keep`` (HEAD's branch; None: detached HEAD), loose or packed."""
-    packed = gitdir / "packed-refs"
-    keep_line = None
-    if packed.is_file():
-        for line in packed.read_text(errors="replace").splitlines():
-            parts = line.split()
-            if len(parts) == 2 and parts[1] == keep:
-                keep_line = parts[0]
-        packed.unlink()
-    refs = gitdir / "refs"
-    for dirpath, _dirs, files in os.walk(refs, topdown=False):
-        for f in files:
-            path = os.path.join(dirpath, f)
-            if os.path.relpath(path, gitdir) != keep:
-                os.unlink(path)
-    if keep is not None:
-        loose = gitdir / keep
-        if not loose.is_file():
-            if keep_line is None or not re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", keep_line):
-                raise BadRequest(f"can not scrub git history of {rel}: branch {keep} has no "
-                                 "commit in this snapshot")
-            loose.parent.mkdir(parents=True, exist_ok=True)
-            loose.write_text(keep_line + "\n")
-    for sub in ("heads", "tags"):
-        (refs / sub).mkdir(parents=True, exist_ok=True)
-
-
-def scrub_git_history(root: Path) -> list[str]:
-    """Keep only what HEAD reaches in every ``.git`` directory of the staging tree ``root``:
-    other branches, tags, remotes, stashes, reflogs, ORIG_HEAD/FETCH_HEAD and every object they
-    alone reach are removed (``git gc --prune=now``). Runs the host's git on the host-side copy
-    with the repository's config replaced and hooks removed, never a binary of the sandbox.
-    The whole ``.git`` must be in the snapshot (created or fully rewritten in the sandbox);
-    returns the repositories scrubbed (paths inside the sandbox)."""
+def complete_repos(merged: Path, root: Path, *, id_shift: int, max_bytes: int = DEFAULT_MAX_BYTES,
+                   max_entries: int = DEFAULT_MAX_ENTRIES) -> list[str]:
+    """Make every repository the capture in ``root`` touches whole, so it can be scrubbed:
+    where the sandbox's view (``merged``, its overlay mount on the host) has a repository at a
+    directory of the capture, that directory is replaced by a copy of the whole repository
+    from the view (the same fd-only walk), marked opaque so the lower layers' copy stays
+    hidden. Run with the sandbox frozen: the capture's directories are real directories of
+    the upper, so the view's path to each is the sandbox's own. Returns the paths completed."""
     done = []
-    for gitdir in list(_git_dirs(root)):
-        rel = "/" + str(gitdir.parent.relative_to(root)).lstrip(".")
-        _check_plain_tree(gitdir)
-        head = gitdir / "HEAD"
-        if not head.is_file():
-            raise BadRequest(f"can not scrub git history of {rel}: its .git has no HEAD in this "
-                             "snapshot (the repository lives in a lower layer)")
-        # Redirections and code hooks of the (agent-written) repository go first.
-        for extra in ("commondir", "objects/info/alternates", "objects/info/http-alternates",
-                      "config.worktree", "shallow"):
-            (gitdir / extra).unlink(missing_ok=True)
-        for sub in ("hooks", "logs", "worktrees", "rr-cache", "info/grafts"):
-            p = gitdir / sub
-            if p.is_dir():
-                shutil.rmtree(p)
-            else:
-                p.unlink(missing_ok=True)
-        for name in ("ORIG_HEAD", "FETCH_HEAD", "MERGE_HEAD", "CHERRY_PICK_HEAD", "REVERT_HEAD",
-                     "AUTO_MERGE"):
-            (gitdir / name).unlink(missing_ok=True)
-        config = gitdir / "config"
-        config_st = os.lstat(config) if config.exists() else None
-        config.write_text(_SANE_GIT_CONFIG)
-        if config_st is not None:
-            os.chown(config, config_st.st_uid, config_st.st_gid)
-        head_text = head.read_text(errors="replace").strip()
-        m = re.fullmatch(r"ref: (refs/heads/[A-Za-z0-9._/\-]+)", head_text)
-        if m is None and not re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", head_text):
-            raise BadRequest(f"can not scrub git history of {rel}: HEAD is {head_text[:80]!r}")
-        keep = m.group(1) if m else None
-        _keep_only_ref(gitdir, keep, rel)
-        base = ["git", "-c", "safe.directory=*", "-c", "core.hooksPath=/dev/null",
-                "-c", "core.fsmonitor=false", "-c", "gc.autoDetach=false",
-                "-c", "gc.reflogExpire=now", "-c", "gc.reflogExpireUnreachable=now",
-                "-c", "gc.pruneExpire=now", f"--git-dir={gitdir}"]
-        for args in (["reflog", "expire", "--expire=all", "--expire-unreachable=all", "--all"],
-                     ["gc", "--prune=now", "--quiet"]):
-            try:
-                proc = subprocess.run(base + args, env=_GIT_ENV, capture_output=True, text=True,
-                                      check=False,
-                                      timeout=GIT_TIMEOUT_S, stdin=subprocess.DEVNULL,
-                                      cwd="/")
-            except subprocess.TimeoutExpired:
-                raise PayloadTooLarge(f"scrubbing git history of {rel} took over "
-                                      f"{GIT_TIMEOUT_S:.0f} s") from None
-            if proc.returncode != 0:
-                raise BadRequest(f"can not scrub git history of {rel} (is the whole repository "
-                                 f"in this snapshot?): git {args[0]}: "
-                                 f"{proc.stderr.strip()[-300:]}")
-        uid, gid = os.lstat(gitdir).st_uid, os.lstat(gitdir).st_gid
-        for dirpath, dirnames, filenames in os.walk(gitdir):  # files git made are the owner's
-            for name in dirnames + filenames:
-                os.chown(os.path.join(dirpath, name), uid, gid, follow_symlinks=False)
-        done.append(rel)
+    for dirpath, dirnames, _files in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+        if rel == "." or not git.is_git_dir(merged / rel):
+            continue
+        dirnames[:] = []
+        tmp = Path(dirpath).with_name(Path(dirpath).name + ".rollbox-repo")
+        _Capture(tmp, id_shift=id_shift, scrub=[], exclude=[], max_bytes=max_bytes,
+                 max_entries=max_entries).run(merged / rel)
+        shutil.rmtree(dirpath)
+        os.rename(tmp, dirpath)
+        set_opaque(dirpath)
+        done.append("/" + rel)
     return done
 
 

@@ -228,8 +228,10 @@ class ImageStore:
         return Path(tempfile.mkdtemp(dir=self.tmp_dir, prefix=f"{prefix}-{os.getpid()}-"))
 
     def add_layer_from_dir(self, src: Path, *, source: str,
-                           progress: Progress | None = None) -> str:
-        """Build an EROFS layer from directory ``src``; returns its digest (idempotent)."""
+                           progress: Progress | None = None,
+                           git_repos: list[dict[str, Any]] | None = None) -> str:
+        """Build an EROFS layer from directory ``src``; returns its digest (idempotent).
+        ``git_repos``: what images.git found in ``src`` (recorded in the layer's metadata)."""
         src = Path(src)
         if not src.is_dir() or src.is_symlink():
             raise BadRequest(f"layer source {src} is not a directory")
@@ -257,7 +259,8 @@ class ImageStore:
             if proc.returncode != 0:
                 raise InfraError(f"mkfs.erofs failed for {src}: "
                                  f"{(proc.stderr or proc.stdout).strip()[-500:]}")
-            return self._commit_layer(tmp, source=source, files=files, progress=progress)
+            return self._commit_layer(tmp, source=source, files=files, progress=progress,
+                                      git_repos=git_repos)
         finally:
             tmp.unlink(missing_ok=True)
 
@@ -280,7 +283,8 @@ class ImageStore:
             tmp.unlink(missing_ok=True)
 
     def _commit_layer(self, tmp: Path, *, source: str, files: int | None,
-                      progress: Progress | None = None) -> str:
+                      progress: Progress | None = None,
+                      git_repos: list[dict[str, Any]] | None = None) -> str:
         if progress:
             progress("hashing layer")
         digest = _sha256_file(tmp)
@@ -298,6 +302,8 @@ class ImageStore:
                                     "source": source}
             if files is not None:
                 meta["files"] = files
+            if git_repos is not None:
+                meta["git_repos"] = git_repos
             _write_atomic(meta_path, json.dumps(meta, indent=1).encode())
         if progress:
             progress(f"layer {digest[:19]} ({size / 2**20:.1f} MiB)")
@@ -373,6 +379,13 @@ class ImageStore:
         out = image.to_dict()
         out["layer_details"] = layers
         out["size"] = sum(int(m.get("size", 0)) for m in layers)
+        # Red-team E36: repositories whose objects HEAD does not all reach (history kept at
+        # build time); layers built before this was recorded say "unknown".
+        out["git_history"] = [
+            {"layer": m["digest"], **repo} for m in layers for repo in m.get("git_repos", [])
+            if repo.get("unreachable")]
+        out["git_history_unknown_layers"] = [m["digest"] for m in layers
+                                             if "git_repos" not in m]
         return out
 
     def gc(self, *, grace_seconds: float = GC_GRACE_SECONDS,

@@ -685,18 +685,19 @@ class AsyncSandbox:
 
     async def snapshot(
         self, name: str, *, exclude: Iterable[str] = (), scrub: bool = True,
-        scrub_git_history: bool = False, push: str | None = None, pause: bool = True,
+        keep_git_history: bool = False, push: str | None = None, pause: bool = True,
         max_bytes: int | None = None, max_entries: int | None = None,
     ) -> SnapshotResult:
         """pack_diff: this sandbox's writable layer, minus caches (scrub) and ``exclude``
         globs ("/abs/glob" or a basename glob), becomes a new layer; ``name`` is tagged as
         this sandbox's layers + it, so ``client.create(result.image)`` starts from the same
-        tree. ``pause`` freezes the sandbox during the copy. ``push``: 'default' or an allowed
+        tree. Its git repositories keep only what HEAD reaches unless ``keep_git_history``.
+        ``pause`` freezes the sandbox during the copy. ``push``: 'default' or an allowed
         chunk store URL."""
         try:
             spec = SnapshotSpec(
                 name=name, exclude=list(exclude), scrub=scrub,
-                scrub_git_history=scrub_git_history, push=push, pause=pause,
+                keep_git_history=keep_git_history, push=push, pause=pause,
                 **({"max_bytes": max_bytes} if max_bytes is not None else {}),
                 **({"max_entries": max_entries} if max_entries is not None else {}))
         except pydantic.ValidationError as exc:
