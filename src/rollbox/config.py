@@ -45,8 +45,10 @@ class Settings:
     cgroup_parent: str = field(default_factory=lambda: os.environ.get("ROLLBOX_CGROUP", "rollbox"))
     node_id: str = field(default_factory=lambda: os.environ.get("ROLLBOX_NODE", "n0"))
     # First host uid of the sandbox uid ranges; each sandbox slot gets 65536 ids above it.
-    uid_base: int = 1_000_000_000 // 65536 * 65536
-    uid_slots: int = 8192
+    uid_base: int = field(default_factory=lambda: int(os.environ.get(
+        "ROLLBOX_UID_BASE", str(1_000_000_000 // 65536 * 65536))))
+    uid_slots: int = field(default_factory=lambda: int(os.environ.get("ROLLBOX_UID_SLOTS",
+                                                                      "8192")))
     # Image store; defaults to <data_dir>/images (tests share the node's built images).
     images_root: Path | None = field(
         default_factory=lambda: Path(os.environ["ROLLBOX_IMAGES"]) if "ROLLBOX_IMAGES" in os.environ
@@ -85,6 +87,20 @@ class Settings:
         s.data_dir, s.run_dir = root / "data", root / "run"
         s.run_tmpfs = False
         return s
+
+    def environ(self) -> dict[str, str]:
+        """The ``ROLLBOX_*`` variables that give a child process (``rollbox serve``) this
+        node's data, run dir, cgroup parent, node id, uid range and image store."""
+        env = {
+            "ROLLBOX_DATA": str(self.data_dir), "ROLLBOX_RUN": str(self.run_dir),
+            "ROLLBOX_RUN_TMPFS": "1" if self.run_tmpfs else "0",
+            "ROLLBOX_AGENT": str(self.agent_binary), "ROLLBOX_RUNTIME": self.runtime,
+            "ROLLBOX_CGROUP": self.cgroup_parent, "ROLLBOX_NODE": self.node_id,
+            "ROLLBOX_UID_BASE": str(self.uid_base), "ROLLBOX_UID_SLOTS": str(self.uid_slots),
+        }
+        if self.images_root is not None:
+            env["ROLLBOX_IMAGES"] = str(self.images_root)
+        return env
 
     def mirror_url(self, name: str) -> str | None:
         """The mirror a sandbox with permission ``name`` uses, or None (no mirror configured).

@@ -45,7 +45,8 @@ class EmbeddedNode:
         self.ensure_admin_key()
         self.edge = Edge(s, self.events, limits=self.limits)
         await self.edge.start()
-        return create_app(Placement([self.edge]), self.events, self.keys)
+        return create_app(Placement([self.edge]), self.events, self.keys,
+                          leases=self.edge.leases)
 
     def ensure_admin_key(self) -> str:
         """The local admin key, kept root-only next to the data (SDK default on this host)."""
@@ -113,10 +114,13 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, log: Path | Non
 
 
 @contextlib.contextmanager
-def server_process(url: str | None = None) -> Iterator[tuple[str, str]]:
+def server_process(url: str | None = None,
+                   settings: Settings | None = None) -> Iterator[tuple[str, str]]:
     """(url, api key) of a running server: ``url`` if given, else ``rollbox serve`` started as
-    a child process (its own core, as deployed) and stopped on exit."""
-    settings = Settings()
+    a child process (its own core, as deployed) and stopped on exit; with ``settings`` (tests)
+    the child runs that node (its data dir, cgroup parent, node id, uid range)."""
+    env = None if settings is None else {**os.environ, **settings.environ()}
+    settings = settings or Settings()
     proc = None
     # The server's log goes to a file, not a pipe: a pipe nobody drains fills up during a long
     # benchmark and blocks the server on its next log line.
@@ -129,10 +133,11 @@ def server_process(url: str | None = None) -> Iterator[tuple[str, str]]:
         with os.fdopen(fd, "wb") as err:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "rollbox.cli", "serve", "--port", str(port)],
-                stdout=subprocess.DEVNULL, stderr=err)
+                stdout=subprocess.DEVNULL, stderr=err, env=env)
     try:
         wait_healthy(url, proc, log)
-        key = os.environ.get("ROLLBOX_API_KEY") or admin_key_path(settings).read_text().strip()
+        key = ((env is None and os.environ.get("ROLLBOX_API_KEY"))
+               or admin_key_path(settings).read_text().strip())
         yield url, key
     finally:
         if proc is not None:

@@ -42,6 +42,13 @@ class Unauthorized(RollboxError):
     status = 401
 
 
+class Forbidden(RollboxError):
+    """A valid key that may not do this (e.g. an admin-only route with a project key)."""
+
+    code = "forbidden"
+    status = 403
+
+
 class NotFound(RollboxError):
     """Unknown sandbox, image, exec session or file."""
 
@@ -140,6 +147,7 @@ ERRORS_BY_CODE: dict[str, type[RollboxError]] = {
         RollboxError,
         BadRequest,
         Unauthorized,
+        Forbidden,
         NotFound,
         PayloadTooLarge,
         QuotaExceeded,

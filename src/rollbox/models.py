@@ -13,6 +13,8 @@ LABEL_RE = re.compile(r"^[A-Za-z0-9_.\-/]{1,63}$")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 MAX_TIMEOUT_S = 7 * 24 * 3600
+# A trainer job's name (per project; also a URL path segment, so no "/").
+JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 
 
 class Resources(BaseModel):
@@ -55,7 +57,17 @@ class SandboxSpec(BaseModel):
     hidden_paths: list[str] = Field(default_factory=list, max_length=64)
     # None: no network at all (loopback only). A policy: a link to the host, default deny.
     network: NetworkPolicy | None = None
+    # A live trainer job of the caller's project (see JobSpec): the sandbox is deleted when
+    # the job ends or its lease expires.
+    job: str | None = Field(None, max_length=128)
     backend: Literal["container"] = "container"
+
+    @field_validator("job")
+    @classmethod
+    def _job(cls, v: str | None) -> str | None:
+        if v is not None and not JOB_NAME_RE.match(v):
+            raise ValueError(f"invalid job name {v[:130]!r}")
+        return v
 
     @field_validator("hidden_paths")
     @classmethod
@@ -102,6 +114,7 @@ class SandboxInfo(BaseModel):
     dead_reason: str | None = None
     hidden_paths: list[str] = Field(default_factory=list)
     network: NetworkPolicy | None = None
+    job: str | None = None
 
 
 class ExecSpec(BaseModel):
@@ -264,6 +277,56 @@ class SnapshotResult(BaseModel):
     # The source sandbox's hidden paths: their content is in the lower layers, so pass them
     # again when creating sandboxes from this image.
     hidden_paths: list[str] = Field(default_factory=list)
+
+# ---- trainer jobs: leases kept alive by heartbeats (rollbox.jobs) ---------------------------
+MISSED_HEARTBEATS = 3  # a lease expires after this many heartbeat intervals without one
+MIN_HEARTBEAT_S = 0.2
+MAX_HEARTBEAT_S = 600.0
+JobState = Literal["live", "ended", "expired"]
+
+
+class JobSpec(BaseModel):
+    """Open (or resume, if live) the lease of job ``name`` of the caller's project."""
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(..., min_length=1, max_length=128)
+    heartbeat_s: float = Field(10.0, ge=MIN_HEARTBEAT_S, le=MAX_HEARTBEAT_S)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not JOB_NAME_RE.match(v):
+            raise ValueError(f"invalid job name {v[:130]!r}: letters, digits, '_.-'")
+        return v
+
+
+class JobInfo(BaseModel):
+    name: str
+    project: str
+    heartbeat_s: float
+    state: JobState
+    created_at: float
+    heartbeat_at: float  # last heartbeat (or open)
+    expires_at: float  # heartbeat_at + MISSED_HEARTBEATS * heartbeat_s while live
+    ended_at: float | None = None
+    reason: str | None = None  # why it ended or expired
+
+
+class JobEnded(BaseModel):
+    job: JobInfo
+    deleted: list[str]  # the sandboxes deleted with it
+
+
+# ---- API keys (admin) -------------------------------------------------------------------------
+class ApiKeyInfo(BaseModel):
+    """An API key as listed: never its secret (``display`` is its first 12 characters)."""
+    key_id: str
+    display: str
+    project: str
+    admin: bool
+    created_at: float
+    last_used_at: float | None = None  # to the minute (see iam.keys.LAST_USED_WRITE_S)
+    revoked_at: float | None = None
+
 
 # ---- fncall: stateless calls from warm pools (backends/fncall) ------------------------------
 FnCallLanguage = Literal["python", "bash", "c", "cpp", "nodejs"]

@@ -1,6 +1,7 @@
 """KeyStore: keys verify, revoke, and never sit in plaintext on disk."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -43,5 +44,69 @@ def test_create_verify_revoke_and_hash_at_rest(tmp_path: Path) -> None:
         assert ks.verify(admin).project == "ops"
         with pytest.raises(errors.Unauthorized):
             ks.verify(key)
+    finally:
+        ks.close()
+
+
+def test_revoke_by_another_process_is_seen_at_once(tmp_path: Path) -> None:
+    """The server's verify cache must not outlive a revoke made through another connection
+    to the file (another process), nor one made in the server's own process."""
+    server = KeyStore(tmp_path / "keys.db")
+    other = KeyStore(tmp_path / "keys.db")  # e.g. a CLI process
+    try:
+        key = server.create("team-1")
+        key2 = server.create("team-1")
+        key_id = server.verify(key).key_id
+        server.verify(key)  # cached now
+        other.revoke(key_id)
+        with pytest.raises(errors.Unauthorized):
+            server.verify(key)
+        server.verify(key2)
+        server.revoke(server.verify(key2).key_id)
+        with pytest.raises(errors.Unauthorized):
+            server.verify(key2)
+    finally:
+        server.close()
+        other.close()
+
+
+def test_list_shows_last_use_and_revocation_never_secrets(tmp_path: Path) -> None:
+    ks = KeyStore(tmp_path / "keys.db")
+    try:
+        key = ks.create("team-1")
+        unused = ks.create("team-1")
+        assert all(i.last_used_at is None for i in ks.list())
+        before = time.time()
+        ks.verify(key)
+        used = {i.key_id: i for i in ks.list("team-1")}
+        kid = ks.verify(key).key_id
+        assert used[kid].last_used_at is not None and used[kid].last_used_at >= before - 1
+        ks.revoke(ks.verify(unused).key_id)
+        infos = ks.list("team-1")
+        assert [i.revoked for i in infos] == [False, True]
+        assert infos[1].revoked_at is not None and infos[0].revoked_at is None
+        for info in infos:
+            assert key[12:] not in repr(info) and unused[12:] not in repr(info)
+    finally:
+        ks.close()
+
+
+def test_an_old_database_gains_the_last_used_column(tmp_path: Path) -> None:
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "keys.db")
+    db.executescript("""
+        CREATE TABLE projects (name TEXT PRIMARY KEY, parent TEXT, max_sandboxes INTEGER,
+            max_cpus REAL, max_memory_mib INTEGER, created_at REAL NOT NULL);
+        CREATE TABLE api_keys (key_id TEXT PRIMARY KEY, key_hash BLOB NOT NULL UNIQUE,
+            display TEXT NOT NULL, project TEXT NOT NULL, admin INTEGER NOT NULL,
+            created_at REAL NOT NULL, revoked_at REAL);
+    """)
+    db.close()
+    ks = KeyStore(tmp_path / "keys.db")
+    try:
+        key = ks.create("p")
+        assert ks.verify(key).project == "p"
+        assert ks.list()[0].last_used_at is not None
     finally:
         ks.close()

@@ -26,6 +26,7 @@ from rollbox.api import frontdoors
 from rollbox.edge.interface import EdgeAPI, ExecOutput
 from rollbox.events import EventLog
 from rollbox.iam import KeyStore, Principal
+from rollbox.jobs import LeaseStore
 from rollbox.placement import Placement
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ def _error_response(err: errors.RollboxError) -> JSONResponse:
 _HTTP_STATUS_ERRORS: dict[int, type[errors.RollboxError]] = {
     400: errors.BadRequest,
     401: errors.Unauthorized,
+    403: errors.Forbidden,
     404: errors.NotFound,
     405: errors.BadRequest,
     413: errors.PayloadTooLarge,
@@ -166,6 +168,16 @@ async def principal(
 
 
 Who = Annotated[Principal, Depends(principal)]
+
+
+async def admin_principal(who: Who) -> Principal:
+    """FastAPI dependency of admin-only routes: Forbidden for a project key."""
+    if not who.admin:
+        raise errors.Forbidden("this needs an admin key")
+    return who
+
+
+AdminWho = Annotated[Principal, Depends(admin_principal)]
 
 
 def _ndjson(obj: dict[str, Any]) -> bytes:
@@ -229,10 +241,11 @@ class _Api:
     """Route logic shared by the handlers (kept off the module so several apps can coexist)."""
 
     def __init__(self, placement: Placement, events: EventLog, keys: KeyStore,
-                 record_events: bool | None) -> None:
+                 record_events: bool | None, leases: LeaseStore | None = None) -> None:
         self.placement = placement
         self.events = events
         self.keys = keys
+        self.leases = leases
         self.record_events = record_events
         self._owners: OrderedDict[str, str] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -266,6 +279,11 @@ class _Api:
             except (ValueError, AttributeError):
                 return None
         return None
+
+    def lease_store(self) -> LeaseStore:
+        if self.leases is None:
+            raise errors.BadRequest("this server keeps no job leases")
+        return self.leases
 
     # -- recording --
     def records(self, edge: EdgeAPI) -> bool:
@@ -322,10 +340,11 @@ class _Api:
 
 
 def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
-               record_events: bool | None = None) -> FastAPI:
+               record_events: bool | None = None, leases: LeaseStore | None = None) -> FastAPI:
     """``record_events``: None (default) = record for every edge that does not write into
-    ``events`` itself; True/False forces it for all edges."""
-    api = _Api(placement, events, keys, record_events)
+    ``events`` itself; True/False forces it for all edges. ``leases``: the trainer-job lease
+    store the edges sweep (None: no jobs on this server; see rollbox.api.jobs)."""
+    api = _Api(placement, events, keys, record_events, leases)
     front_doors: list[contextlib.AbstractAsyncContextManager[None]] = []
 
     @contextlib.asynccontextmanager
@@ -378,6 +397,8 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
     @app.post("/v1/sandboxes", status_code=201, response_model=models.SandboxInfo,
               tags=["sandboxes"])
     async def create_sandbox(spec: models.SandboxSpec, who: Who) -> models.SandboxInfo:
+        if spec.job is not None:  # NotFound unless the project's job is live
+            api.lease_store().live(who.project, spec.job)
         info = await placement.create(spec, who.project)
         api.remember_owner(info.id, who.project)
         if api.records(placement.edge_for(info.id)):
@@ -394,6 +415,9 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
         label: Annotated[list[str], Query(description="k=v, repeatable; all must match")] = [],
         state: Annotated[list[models.SandboxState],
                          Query(description="repeatable; any may match (e.g. paused)")] = [],
+        job: Annotated[str | None, Query(max_length=128, description="a job's sandboxes")] = None,
+        project: Annotated[str | None, Query(max_length=128,
+                                             description="admin: one project's")] = None,
     ) -> list[models.SandboxInfo]:
         labels: dict[str, str] = {}
         for item in label:
@@ -402,6 +426,10 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
                 raise errors.BadRequest(f"label filter must be k=v, got {item!r}")
             labels[k] = v
         owner = None if who.admin else who.project
+        if project is not None and project != who.project:
+            if not who.admin:
+                return []  # another project's sandboxes look absent
+            owner = project
         found = await placement.list(owner, labels)
         # Filter again here: the edge's own filtering is trusted for speed, not for isolation.
         return [
@@ -409,6 +437,7 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
             if (owner is None or i.owner == owner)
             and all(i.labels.get(k) == v for k, v in labels.items())
             and (not state or i.state in state)
+            and (job is None or i.job == job)
         ]
 
     @app.get("/v1/sandboxes/{sandbox_id}", response_model=models.SandboxInfo,

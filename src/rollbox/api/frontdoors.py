@@ -22,6 +22,8 @@ FRONT_DOORS: tuple[str, ...] = (
     "rollbox.images.lazy.api",  # GET /v1/images/stats: lazy-loading counters per layer/sandbox
     "rollbox.backends.fncall.http",  # /v1/fncall, /v1/fncall/batch: warm-pool stateless calls
     "rollbox.compat.sandboxfusion",  # SandboxFusion POST /run_code on the fncall pools
+    "rollbox.api.jobs",  # /v1/jobs: trainer-job leases (open, heartbeat, list, end)
+    "rollbox.api.admin",  # /v1/keys: list, create, revoke API keys (admin keys only)
 )
 
 

@@ -31,6 +31,7 @@ from rollbox.events.store import EventLog
 from rollbox.images.mounts import LayerMounts
 from rollbox.images.store import Image, ImageStore
 from rollbox.isolation import cgroups
+from rollbox.jobs import LeaseReaper, LeaseStore, SqliteLeaseStore
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import (
     Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, NetworkPolicy,
@@ -83,7 +84,8 @@ def raise_nofile_limit(target: int = 1 << 20) -> None:
 
 class Edge:
     def __init__(self, settings: Settings, events: EventLog, store: ImageStore | None = None,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, leases: LeaseStore | None = None) -> None:
+        """``leases``: the job lease store the api writes (default: this node's own file)."""
         self.settings = settings
         self.node_id = settings.node_id
         self.event_log = events
@@ -98,6 +100,12 @@ class Edge:
         self._creating = 0
         self._create_sem = asyncio.Semaphore(self.limits.max_parallel_creates)
         self._ttl_task: asyncio.Task | None = None
+        self._owns_leases = leases is None
+        self.leases = leases or SqliteLeaseStore(settings.data_dir / "leases.db")
+        self._reaper = LeaseReaper(
+            self.leases, lambda: [x.info for k, x in self.live.items() if k not in self._deleting],
+            self._destroy_soon)
+        self._reaper_task: asyncio.Task | None = None
         self._deleting: dict[str, asyncio.Task] = {}
         self._snapshotting: set[str] = set()
         self._lazy: LazyLoader | None = None  # while the node has lazy layers
@@ -110,6 +118,7 @@ class Edge:
         raise_nofile_limit()
         await self._recover()
         self._ttl_task = asyncio.create_task(self._ttl_loop())
+        self._reaper_task = asyncio.create_task(self._reaper.run())
         await self._start_lazy_watch()
 
     async def _start_lazy_watch(self) -> None:
@@ -186,6 +195,8 @@ class Edge:
         """Stop the edge. Sandboxes keep running (re-adopted next start) unless destroy."""
         if self._ttl_task:
             self._ttl_task.cancel()
+        if self._reaper_task:
+            self._reaper_task.cancel()
         if self._lazy is not None:
             await self._lazy.stop(daemon=False)  # the watch task only: mounts need the daemon
             self._lazy = None
@@ -200,6 +211,8 @@ class Edge:
             await asyncio.to_thread(self.backend.release_node_resources)
         self.live.clear()
         self.journal.close()
+        if self._owns_leases:
+            self.leases.close()
 
     # ---- admission ----------------------------------------------------------------------
     def capacity(self) -> dict[str, int]:
@@ -223,9 +236,14 @@ class Edge:
         """Resolve an image for ``owner``: images made by a project's sandbox (snapshots carry
         their project in ``config["owner"]``) exist only for that project; the node's own
         images are everyone's. Another project's image looks absent (NotFound)."""
-        image = self.store.resolve(name)  # NotFound / BadRequest for bad names
-        if image.config.get("owner") not in (None, owner):
-            raise NotFound(f"no image {name!r}", image=name)
+        try:
+            image = self.store.resolve(name)  # NotFound / BadRequest for bad names
+        except NotFound:
+            image = None
+        if image is None or image.config.get("owner") not in (None, owner):
+            visible = [i.name for i in self.store.list() if i.config.get("owner") in (None, owner)]
+            raise NotFound(f"no image {name!r} (known: {', '.join(visible[:20]) or 'none'})",
+                           image=name)
         return image
 
     def _image_config(self, info: SandboxInfo) -> dict:
@@ -271,7 +289,7 @@ class Edge:
             id=sandbox_id, node=self.node_id, image=spec.image, layers=layers, state="creating",
             created_at=now, expires_at=now + spec.ttl_s, labels=spec.labels,
             resources=spec.resources, owner=owner, hidden_paths=spec.hidden_paths,
-            network=spec.network,
+            network=spec.network, job=spec.job,
         )
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
         env.update((image_config or {}).get("env", {}))
@@ -491,10 +509,17 @@ class Edge:
             await asyncio.sleep(1.0)
             now = time.time()
             for sid, live in list(self.live.items()):
-                if live.info.expires_at <= now and sid not in self._deleting:
-                    task = asyncio.create_task(self._destroy(live, "ttl expired", "deleted"))
-                    self._deleting[sid] = task
-                    task.add_done_callback(lambda _t, s=sid: self._deleting.pop(s, None))
+                if live.info.expires_at <= now:
+                    self._destroy_soon(sid, "ttl expired")
+
+    def _destroy_soon(self, sandbox_id: str, reason: str) -> None:
+        """Start deleting a live sandbox (TTL, job lease) with ``reason`` in its event log."""
+        live = self.live.get(sandbox_id)
+        if live is None or sandbox_id in self._deleting:
+            return
+        task = asyncio.create_task(self._destroy(live, reason, "deleted"))
+        self._deleting[sandbox_id] = task
+        task.add_done_callback(lambda _t, s=sandbox_id: self._deleting.pop(s, None))
 
     # ---- exec ---------------------------------------------------------------------------
     async def _resolve_user(self, live: LiveSandbox, user: str) -> tuple[int, int, str]:

@@ -189,8 +189,7 @@ class ImageStore:
                 from rollbox.images.lazy.paths import LazyPaths
 
                 return LazyPaths(self.root).served_path(digest)
-            raise NotFound(f"layer {digest} is not in the image store at {self.root}",
-                           digest=digest)
+            raise NotFound(f"layer {digest} is not in the image store", digest=digest)
         return path
 
     def has_layer(self, digest: str) -> bool:
@@ -344,10 +343,9 @@ class ImageStore:
         if image is None and ":" not in name_or_digest:
             image = self._read_ref(name_or_digest + ":latest")
         if image is None:
-            known = ", ".join(i.name for i in self.list()[:20]) or "none"
-            raise NotFound(f"image {name_or_digest!r} not found in {self.root} "
-                           f"(known: {known}); build or import it with `rollbox image`",
-                           image=name_or_digest)
+            # Neither the store's host path nor other images: this message may reach any
+            # project (the edge adds the names its caller may see).
+            raise NotFound(f"image {name_or_digest!r} not found", image=name_or_digest)
         return image
 
     def exists(self, name: str) -> bool:

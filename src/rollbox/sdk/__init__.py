@@ -5,11 +5,12 @@ it on a private event-loop thread.
 Talks only HTTP to the api; never imports server-side packages beyond shared models/errors.
 """
 from rollbox.sdk._async import (
-    DEFAULT_URL, AsyncClient, AsyncFiles, AsyncProcess, AsyncSandbox, CommandFailed, OutputChunk,
+    DEFAULT_URL, AsyncClient, AsyncFiles, AsyncJob, AsyncProcess, AsyncSandbox, CommandFailed,
+    OutputChunk,
 )
-from rollbox.sdk._sync import Client, Files, Process, Sandbox
+from rollbox.sdk._sync import Client, Files, Job, Process, Sandbox
 
 __all__ = [
-    "DEFAULT_URL", "AsyncClient", "AsyncFiles", "AsyncProcess", "AsyncSandbox", "CommandFailed",
-    "OutputChunk", "Client", "Files", "Process", "Sandbox",
+    "DEFAULT_URL", "AsyncClient", "AsyncFiles", "AsyncJob", "AsyncProcess", "AsyncSandbox",
+    "CommandFailed", "OutputChunk", "Client", "Files", "Job", "Process", "Sandbox",
 ]

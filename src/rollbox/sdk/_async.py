@@ -5,12 +5,15 @@ import asyncio
 import base64
 import codecs
 import contextlib
+import http.client
 import io
 import json
 import os
 import random
 import tarfile
 import threading
+import time
+import urllib.parse
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +26,9 @@ import pydantic
 from rollbox import errors
 from rollbox.models import (
     FnCallResult, FnCallSpec,
-    Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, Resources,
-    SandboxInfo, SandboxSpec, SnapshotResult, SnapshotSpec,
+    ApiKeyInfo, Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec,
+    JobEnded, JobInfo, JobSpec, Resources, SandboxInfo, SandboxSpec, SnapshotResult,
+    SnapshotSpec,
 )
 
 DEFAULT_URL = "http://127.0.0.1:7420"
@@ -720,6 +724,16 @@ class AsyncSandbox:
             pass
 
 
+_CLEANUPS: set[asyncio.Future[None]] = set()
+
+
+async def _delete_created(requests: Iterable[asyncio.Future[AsyncSandbox]]) -> None:
+    """Wait for every create request and delete the sandboxes they made."""
+    done = await asyncio.gather(*requests, return_exceptions=True)
+    await asyncio.gather(*(sb.delete() for sb in done if isinstance(sb, AsyncSandbox)),
+                         return_exceptions=True)
+
+
 class AsyncClient:
     def __init__(self, base_url: str | None = None, api_key: str | None = None,
                  timeout: float = 60.0, max_connections: int = 1024) -> None:
@@ -732,12 +746,14 @@ class AsyncClient:
         memory_mib: int | None = None, disk_mib: int | None = None, ttl_s: float | None = None,
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         hidden_paths: Iterable[str] = (), network: Iterable[str] | None = None,
+        job: str | None = None,
     ) -> AsyncSandbox:
         """``hidden_paths``: paths the sandbox's commands can not see (a task's tests).
         ``network``: None = no network at all; a list = default-deny policy allowing those
-        permissions/rules (see ``AsyncSandbox.set_network``)."""
+        permissions/rules (see ``AsyncSandbox.set_network``). ``job``: a live job of this
+        project (see :meth:`job`), which deletes the sandbox when it ends or expires."""
         spec = self._spec(image, layers, cpus, memory_mib, disk_mib, ttl_s, labels, env,
-                          hidden_paths)
+                          hidden_paths, job)
         if network is not None:
             spec["network"] = {"allow": list(network)}
         r = await self._t.request("POST", "/v1/sandboxes", json=spec, long=True)
@@ -746,13 +762,14 @@ class AsyncClient:
     @staticmethod
     def _spec(image: str, layers: Iterable[str], cpus: float | None, memory_mib: int | None,
               disk_mib: int | None, ttl_s: float | None, labels: Mapping[str, str] | None,
-              env: Mapping[str, str] | None, hidden_paths: Iterable[str] = ()) -> dict[str, Any]:
+              env: Mapping[str, str] | None, hidden_paths: Iterable[str] = (),
+              job: str | None = None) -> dict[str, Any]:
         res = {k: v for k, v in (("cpus", cpus), ("memory_mib", memory_mib),
                                   ("disk_mib", disk_mib)) if v is not None}
         try:
             spec = SandboxSpec(image=image, layers=list(layers), resources=Resources(**res),
                                labels=dict(labels or {}), env=dict(env or {}),
-                               hidden_paths=list(hidden_paths),
+                               hidden_paths=list(hidden_paths), job=job,
                                **({"ttl_s": ttl_s} if ttl_s is not None else {}))
         except pydantic.ValidationError as exc:
             raise errors.BadRequest(str(exc)) from None
@@ -764,15 +781,21 @@ class AsyncClient:
     ) -> list[AsyncSandbox]:
         """Create ``n`` sandboxes with at most ``concurrency`` requests in flight, retrying
         retryable errors (capacity, infrastructure) with full-jitter exponential backoff.
-        If one finally fails, the ones already created are deleted and the error raised."""
+        If one finally fails, or the call is cancelled, the ones created are deleted (also
+        those whose request was in flight) and the error raised."""
         sem = asyncio.Semaphore(concurrency)
+        requests: list[asyncio.Future[AsyncSandbox]] = []
 
         async def one() -> AsyncSandbox:
             attempt = 0
             while True:
                 async with sem:
+                    # Shielded: a create the server is running is waited for even when we are
+                    # cancelled, so that what it made is known and can be deleted.
+                    request = asyncio.ensure_future(self.create(image, **kw))
+                    requests.append(request)
                     try:
-                        return await self.create(image, **kw)
+                        return await asyncio.shield(request)
                     except errors.RollboxError as exc:
                         attempt += 1
                         if not exc.retryable or attempt >= max_attempts:
@@ -781,29 +804,64 @@ class AsyncClient:
                 await asyncio.sleep(random.uniform(0, min(max_backoff_s,
                                                           backoff_s * 2 ** attempt)))
 
-        results = await asyncio.gather(*(one() for _ in range(n)), return_exceptions=True)
-        created = [r for r in results if isinstance(r, AsyncSandbox)]
+        try:
+            results = await asyncio.gather(*(one() for _ in range(n)), return_exceptions=True)
+        except asyncio.CancelledError:
+            cleanup = asyncio.ensure_future(_delete_created(requests))
+            _CLEANUPS.add(cleanup)  # a second cancel must not drop it half-way
+            cleanup.add_done_callback(_CLEANUPS.discard)
+            await asyncio.shield(cleanup)
+            raise
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
-            await asyncio.gather(*(sb.delete() for sb in created), return_exceptions=True)
+            await _delete_created(requests)
             raise failures[0]
-        return created
+        return [r for r in results if isinstance(r, AsyncSandbox)]
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:
         r = await self._t.request("GET", f"/v1/sandboxes/{sandbox_id}")
         return AsyncSandbox(self, SandboxInfo.model_validate(r.json()))
 
     async def list(self, labels: Mapping[str, str] | None = None,
-                   state: str | Iterable[str] | None = None) -> list[AsyncSandbox]:
-        """Live sandboxes with all ``labels``; ``state`` ("running", "paused"...) narrows."""
+                   state: str | Iterable[str] | None = None, *, job: str | None = None,
+                   project: str | None = None) -> list[AsyncSandbox]:
+        """Live sandboxes with all ``labels``; ``state`` ("running", "paused"...), ``job``
+        and (admin keys) ``project`` narrow."""
         params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
         states = [state] if isinstance(state, str) else list(state or ())
         params += [("state", s) for s in states]
+        params += [(k, v) for k, v in (("job", job), ("project", project)) if v is not None]
         r = await self._t.request("GET", "/v1/sandboxes", params=params)
         return [AsyncSandbox(self, SandboxInfo.model_validate(x)) for x in r.json()]
 
     async def health(self) -> dict[str, Any]:
         return dict((await self._t.request("GET", "/v1/health")).json())
+
+    # ---- trainer jobs ----
+    def job(self, name: str, *, heartbeat_s: float = 10.0) -> AsyncJob:
+        """A trainer job (``async with client.job("run-42") as job:``): sandboxes created
+        through it are deleted when it ends, or when its heartbeats (sent from a thread of
+        their own) stop for MISSED_HEARTBEATS intervals, e.g. because the trainer died.
+        Opening a live job's name again resumes it."""
+        return AsyncJob(self, name, heartbeat_s)
+
+    async def jobs(self, project: str | None = None) -> list[JobInfo]:
+        """This project's jobs, newest first (admin keys: every project's, or ``project``)."""
+        params = {"project": project} if project is not None else None
+        r = await self._t.request("GET", "/v1/jobs", params=params)
+        return [JobInfo.model_validate(x) for x in r.json()]
+
+    # ---- API keys (admin keys only) ----
+    async def keys(self, project: str | None = None) -> list[ApiKeyInfo]:
+        """Every API key (or one project's): ids, projects, creation and last use, revoked or
+        not; never a secret."""
+        params = {"project": project} if project is not None else None
+        r = await self._t.request("GET", "/v1/keys", params=params)
+        return [ApiKeyInfo.model_validate(x) for x in r.json()]
+
+    async def revoke_key(self, key_id: str) -> None:
+        """Revoke a key; the server refuses it from the next request on."""
+        await self._t.request("DELETE", f"/v1/keys/{urllib.parse.quote(key_id, safe='')}")
 
     # ---- fncall: stateless calls on warm pools (no sandbox of your own) ----
     async def fncall(self, code: str, language: str = "python", **kw: Any) -> FnCallResult:
@@ -864,3 +922,134 @@ class AsyncClient:
                         tb: TracebackType | None) -> None:
         await self.close()
 
+
+
+class _Heartbeat:
+    """A job's heartbeats, from a daemon thread with its own blocking HTTP connection: a
+    training step that blocks the event loop (or holds the GIL in C for a while) does not
+    stop them; a killed process does, which is the point."""
+
+    def __init__(self, base_url: str, headers: Mapping[str, str], name: str,
+                 interval_s: float) -> None:
+        url = urllib.parse.urlsplit(base_url)
+        self._https = url.scheme == "https"
+        self._host = url.netloc
+        self._path = (f"{url.path.rstrip('/')}/v1/jobs/"
+                      f"{urllib.parse.quote(name, safe='')}/heartbeat")
+        self._headers = {**headers, "Content-Length": "0"}
+        self.interval_s = interval_s
+        self.lost: errors.RollboxError | None = None  # why the lease is gone, once it is
+        self.last_ok: float | None = None  # time.time() of the last answered heartbeat
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"rollbox-job-{name}",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(self.interval_s + 1)
+
+    def _connect(self) -> http.client.HTTPConnection:
+        cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        return cls(self._host, timeout=max(1.0, self.interval_s))
+
+    def beat(self, conn: http.client.HTTPConnection) -> None:
+        conn.request("POST", self._path, headers=self._headers)
+        resp = conn.getresponse()
+        body = resp.read()
+        _raise_for(resp.status, body)
+        self.last_ok = time.time()
+
+    def _run(self) -> None:
+        conn: http.client.HTTPConnection | None = None
+        wait = self.interval_s
+        while not self._stop.wait(wait):
+            wait = self.interval_s
+            try:
+                conn = conn or self._connect()
+                self.beat(conn)
+            except errors.RollboxError as exc:
+                if not exc.retryable:  # ended, expired, key revoked: nothing to keep alive
+                    self.lost = exc
+                    break
+                wait = self.interval_s / 3
+            except (OSError, http.client.HTTPException):
+                if conn is not None:
+                    conn.close()
+                conn = None
+                wait = self.interval_s / 3  # three misses are allowed: try again sooner
+        if conn is not None:
+            conn.close()
+
+
+class AsyncJob:
+    """A trainer job's lease (see :meth:`AsyncClient.job`). ``open`` (or ``async with``)
+    starts it and its heartbeat thread; ``end`` (or leaving the ``async with``) deletes its
+    sandboxes. ``lost`` says why the lease went away under it (expired, revoked key)."""
+
+    def __init__(self, client: AsyncClient, name: str, heartbeat_s: float) -> None:
+        try:
+            self.spec = JobSpec(name=name, heartbeat_s=heartbeat_s)
+        except pydantic.ValidationError as exc:
+            raise errors.BadRequest(str(exc)) from None
+        self.client = client
+        self.name = name
+        self._t = client._t
+        self._base = f"/v1/jobs/{urllib.parse.quote(name, safe='')}"
+        self._heartbeat: _Heartbeat | None = None
+        self.info: JobInfo | None = None
+
+    def __repr__(self) -> str:
+        return f"<AsyncJob {self.name}>"
+
+    @property
+    def lost(self) -> errors.RollboxError | None:
+        return self._heartbeat.lost if self._heartbeat is not None else None
+
+    async def open(self) -> AsyncJob:
+        r = await self._t.request("POST", "/v1/jobs", json=self.spec.model_dump(mode="json"))
+        self.info = JobInfo.model_validate(r.json())
+        if self._heartbeat is None or self._heartbeat.lost is not None:
+            self._heartbeat = _Heartbeat(self._t.base_url, self._t.headers, self.name,
+                                         self.spec.heartbeat_s)
+            self._heartbeat.start()
+        return self
+
+    async def refresh(self) -> JobInfo:
+        self.info = JobInfo.model_validate((await self._t.request("GET", self._base)).json())
+        return self.info
+
+    async def create(self, image: str, **kw: Any) -> AsyncSandbox:
+        """:meth:`AsyncClient.create` in this job."""
+        return await self.client.create(image, job=self.name, **kw)
+
+    async def create_many(self, n: int, image: str, **kw: Any) -> list[AsyncSandbox]:
+        """:meth:`AsyncClient.create_many` in this job."""
+        return await self.client.create_many(n, image, job=self.name, **kw)
+
+    async def list(self) -> list[AsyncSandbox]:
+        """The job's live sandboxes."""
+        r = await self._t.request("GET", self._base + "/sandboxes")
+        return [AsyncSandbox(self.client, SandboxInfo.model_validate(x)) for x in r.json()]
+
+    async def end(self) -> JobEnded:
+        """Stop the heartbeats, end the lease and delete the job's sandboxes."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        r = await self._t.request("DELETE", self._base, long=True)
+        ended = JobEnded.model_validate(r.json())
+        self.info = ended.job
+        return ended
+
+    async def __aenter__(self) -> AsyncJob:
+        return await self.open()
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        try:
+            await self.end()
+        except errors.NotFound:
+            pass  # expired meanwhile: its sandboxes are gone already

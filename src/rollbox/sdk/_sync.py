@@ -11,11 +11,13 @@ from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Mappin
 from types import TracebackType
 from typing import Any, TypeVar
 
+from rollbox import errors
 from rollbox.models import (
-    Event, ExecInfo, ExecResult, FileStat, GradeResult, SandboxInfo, SnapshotResult,
+    ApiKeyInfo, Event, ExecInfo, ExecResult, FileStat, GradeResult, JobEnded, JobInfo,
+    SandboxInfo, SnapshotResult,
 )
 from rollbox.sdk._async import (
-    AsyncClient, AsyncFiles, AsyncProcess, AsyncSandbox, FileContent, OutputCallback,
+    AsyncClient, AsyncFiles, AsyncJob, AsyncProcess, AsyncSandbox, FileContent, OutputCallback,
     OutputChunk,
 )
 
@@ -207,6 +209,52 @@ class Sandbox:
         self._p.call(self._sb.__aexit__(et, e, tb))
 
 
+class Job:
+    """Blocking face of :class:`AsyncJob`; its heartbeats run on their own thread as there."""
+
+    def __init__(self, portal: _Portal, job: AsyncJob) -> None:
+        self._p = portal
+        self._j = job
+        self.name = job.name
+
+    def __repr__(self) -> str:
+        return f"<Job {self.name}>"
+
+    @property
+    def info(self) -> JobInfo | None:
+        return self._j.info
+
+    @property
+    def lost(self) -> errors.RollboxError | None:
+        return self._j.lost
+
+    def open(self) -> Job:
+        self._p.call(self._j.open())
+        return self
+
+    def refresh(self) -> JobInfo:
+        return self._p.call(self._j.refresh())
+
+    def create(self, image: str, **kw: Any) -> Sandbox:
+        return Sandbox(self._p, self._p.call(self._j.create(image, **kw)))
+
+    def create_many(self, n: int, image: str, **kw: Any) -> list[Sandbox]:
+        return [Sandbox(self._p, sb) for sb in self._p.call(self._j.create_many(n, image, **kw))]
+
+    def list(self) -> list[Sandbox]:
+        return [Sandbox(self._p, sb) for sb in self._p.call(self._j.list())]
+
+    def end(self) -> JobEnded:
+        return self._p.call(self._j.end())
+
+    def __enter__(self) -> Job:
+        return self.open()
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._p.call(self._j.__aexit__(et, e, tb))
+
+
 class Client:
     """Blocking client; same arguments and methods as :class:`AsyncClient`."""
 
@@ -230,11 +278,26 @@ class Client:
         return Sandbox(self._p, self._p.call(self._c.get(sandbox_id)))
 
     def list(self, labels: Mapping[str, str] | None = None,
-             state: str | Iterable[str] | None = None) -> list[Sandbox]:
-        return [Sandbox(self._p, sb) for sb in self._p.call(self._c.list(labels, state))]
+             state: str | Iterable[str] | None = None, *, job: str | None = None,
+             project: str | None = None) -> list[Sandbox]:
+        return [Sandbox(self._p, sb) for sb in self._p.call(
+            self._c.list(labels, state, job=job, project=project))]
 
     def health(self) -> dict[str, Any]:
         return self._p.call(self._c.health())
+
+    def job(self, name: str, *, heartbeat_s: float = 10.0) -> Job:
+        """See :meth:`AsyncClient.job`: ``with client.job("run-42") as job:``."""
+        return Job(self._p, self._c.job(name, heartbeat_s=heartbeat_s))
+
+    def jobs(self, project: str | None = None) -> list[JobInfo]:
+        return self._p.call(self._c.jobs(project))
+
+    def keys(self, project: str | None = None) -> list[ApiKeyInfo]:
+        return self._p.call(self._c.keys(project))
+
+    def revoke_key(self, key_id: str) -> None:
+        self._p.call(self._c.revoke_key(key_id))
 
     def fncall(self, code: str, language: str = "python", **kw: Any) -> Any:
         """See :meth:`AsyncClient.fncall`."""

@@ -1,0 +1,96 @@
+"""Trainer jobs against a real ``rollbox serve`` process: a training step that blocks the
+trainer's event loop keeps its job (heartbeats come from their own thread), and a trainer
+killed mid-``create_many(16)`` leaves nothing once 3 heartbeats are missed."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import rollbox
+from rollbox.embedded import server_process
+from tests.conftest import node_settings
+
+pytestmark = [pytest.mark.root,
+              pytest.mark.skipif(os.geteuid() != 0, reason="needs root and runc")]
+BB = "busybox:test"
+
+
+@pytest.fixture
+def server(tmp_node_dir: Path) -> Iterator[tuple[str, str]]:
+    """A ``rollbox serve`` child on a test node; every sandbox is deleted before it stops."""
+    with server_process(settings=node_settings(tmp_node_dir)) as (url, key):
+        try:
+            yield url, key
+        finally:
+            with rollbox.Client(url, key) as c:
+                for sb in c.list():
+                    sb.delete()
+
+
+async def test_blocked_event_loop_keeps_the_job(server: tuple[str, str]) -> None:
+    url, key = server
+    async with rollbox.AsyncClient(url, key) as c:
+        async with c.job("blocked-step", heartbeat_s=1.0) as job:
+            sb = await job.create(BB)
+            time.sleep(4.0)  # a training step holding the loop for 4 heartbeats (> 3)
+            assert job.lost is None
+            assert [s.id for s in await job.list()] == [sb.id]
+            assert (await sb.exec("echo alive")).stdout == "alive\n"
+        assert await c.list() == []  # leaving the block ended the job and deleted it
+
+
+TRAINER = textwrap.dedent("""
+    import asyncio, sys, rollbox
+
+    async def main():
+        async with rollbox.AsyncClient(sys.argv[1], sys.argv[2]) as c:
+            job = await c.job("killed", heartbeat_s=0.5).open()
+            await job.create_many(16, "busybox:test")  # all 16 requests in flight at once
+            print("all created", flush=True)
+            await asyncio.sleep(3600)
+
+    asyncio.run(main())
+""")
+
+
+async def test_killed_trainer_leaves_no_sandboxes(server: tuple[str, str]) -> None:
+    url, key = server
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, url, key],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        async with rollbox.AsyncClient(url, key) as c:
+            deadline = time.monotonic() + 60
+            seen: set[str] = set()
+            while len(seen) < 3 and time.monotonic() < deadline:
+                assert trainer.poll() is None, trainer.stderr.read() if trainer.stderr else ""
+                seen |= {s.id for s in await c.list(job="killed")}
+                await asyncio.sleep(0.02)
+            assert 3 <= len(seen) < 16, seen  # mid-way through the 16
+            trainer.send_signal(signal.SIGKILL)
+            trainer.wait()
+            # Creates still in flight finish on the server; all of them go with the job.
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                left = await c.list(job="killed")
+                seen |= {s.id for s in left}
+                job = [j for j in await c.jobs() if j.name == "killed"][0]
+                if not left and job.state == "expired":
+                    break
+                await asyncio.sleep(0.2)
+            assert await c.list() == [], "the killed trainer's sandboxes outlived its lease"
+            assert job.state == "expired" and "heartbeats missed" in (job.reason or "")
+            sb = await c.get(sorted(seen)[0])
+            assert sb.info.state == "deleted" and "killed" in (sb.info.dead_reason or "")
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
