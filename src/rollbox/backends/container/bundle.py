@@ -14,6 +14,7 @@ import resource
 from collections.abc import Sequence
 from typing import Any
 
+from rollbox.backends.container.cpuview import CpuView
 from rollbox.errors import BadRequest
 from rollbox.isolation import seccomp
 from rollbox.isolation.userns import RANGE
@@ -81,10 +82,12 @@ def oci_config(
     hostname: str,
     hardened: bool = True,
     hidden_paths: Sequence[str] = (),
+    cpu_view: CpuView | None = None,
 ) -> dict[str, Any]:
     """hidden_paths: paths of the sandbox tree its commands must not see (e.g. a task's
     tests): masked by mounts (an empty read-only tmpfs / /dev/null over them) and, as a second
-    layer, left out of the commands' Landlock rules. The host-side file API still sees them."""
+    layer, left out of the commands' Landlock rules. The host-side file API still sees them.
+    cpu_view: the sandbox's cpuset and its generated /proc/cpuinfo and /sys (cpuview.py)."""
     hidden = normalize_hidden(hidden_paths)
     disk_bytes = resources.disk_mib << 20
     # A user namespace can't raise a hard limit above what runc itself inherited.
@@ -132,11 +135,15 @@ def oci_config(
              "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
             {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
              "options": ["nosuid", "noexec", "nodev"]},
-            # No host /sys: an empty read-only tmpfs (sysfs would need a netns owned by the
-            # sandbox's user namespace, and runc's fallback is a bind of the host's /sys).
+            # No host /sys (sysfs would need a netns owned by the sandbox's user namespace,
+            # and runc's fallback is a bind of the host's /sys): the platform's generated CPU
+            # files, read-only, or an empty read-only tmpfs.
+            {"destination": "/sys", "type": "bind", "source": str(cpu_view.sys),
+             "options": ["bind", "ro", "nosuid", "noexec", "nodev"]} if cpu_view else
             {"destination": "/sys", "type": "tmpfs", "source": "sysfs-empty",
              "options": ["nosuid", "noexec", "nodev", "ro", "size=4k"]},
-        ],
+        ] + ([{"destination": "/proc/cpuinfo", "type": "bind", "source": str(cpu_view.cpuinfo),
+               "options": ["bind", "ro", "nosuid", "noexec", "nodev"]}] if cpu_view else []),
         "linux": {
             "uidMappings": [{"containerID": 0, "hostID": host_uid, "size": RANGE}],
             "gidMappings": [{"containerID": 0, "hostID": host_uid, "size": RANGE}],
@@ -144,7 +151,8 @@ def oci_config(
             "cgroupsPath": cgroups_path,
             "resources": {
                 "memory": {"limit": mem, "swap": mem},
-                "cpu": {"quota": int(resources.cpus * period), "period": period},
+                "cpu": {"quota": int(resources.cpus * period), "period": period,
+                        **({"cpus": cpu_view.cpuset} if cpu_view else {})},
                 "pids": {"limit": resources.pids},
                 "devices": [{"allow": False, "access": "rwm"}],
             },

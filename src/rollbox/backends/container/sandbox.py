@@ -20,6 +20,7 @@ from pathlib import Path
 
 from rollbox.backends.container import bundle
 from rollbox.backends.container.channel import AgentChannel
+from rollbox.backends.container.cpuview import CpuViews
 from rollbox.backends.container.files import SandboxFS
 from rollbox.backends.container.protocol import ExecRequest
 from rollbox.backends.container.rootfs import (
@@ -127,6 +128,7 @@ class ContainerBackend:
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.run_root.mkdir(parents=True, exist_ok=True)
         self.agent_path = self._install_agent()
+        self.cpu_views = CpuViews()
 
     def _install_agent(self) -> Path:
         """Copy the agent binary to a root-owned, content-addressed host dir; returns its path.
@@ -186,6 +188,7 @@ class ContainerBackend:
                         else str(netns.create(netns.PREFIX + sandbox_id)))
 
             ns_path = await asyncio.to_thread(prepare)
+            cpu_view = self.cpu_views.write(rootfs.dir, self.cpu_views.pick(resources.cpus))
             run_dir.mkdir(parents=True, exist_ok=True)
             os.chmod(run_dir, 0o700)
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -198,6 +201,7 @@ class ContainerBackend:
                 netns_path=ns_path,
                 cgroups_path=self.cgroups_path(sandbox_id), resources=resources,
                 hostname=sandbox_id[:63], hardened=hardened, hidden_paths=hidden_paths,
+                cpu_view=cpu_view,
             )
             (rootfs.dir / "config.json").write_text(json.dumps(config))
             agent_fd = os.open(self.agent_path, os.O_RDONLY | os.O_CLOEXEC)
