@@ -105,20 +105,28 @@ def tmp_node_dir() -> Iterator[Path]:
 
 
 @pytest.fixture
-async def edge(tmp_node_dir: Path) -> AsyncIterator:
+def edge_settings() -> dict:
+    """Settings fields the ``edge`` fixture's edge gets (a test module overrides this)."""
+    return {}
+
+
+@pytest.fixture
+async def edge(tmp_node_dir: Path, edge_settings: dict) -> AsyncIterator:
     """A started edge; destroys whatever sandboxes remain at the end and checks no leak."""
     from rollbox.edge.edge import Edge
     from rollbox.events.store import EventLog
 
     settings = node_settings(tmp_node_dir)
+    for name, value in edge_settings.items():
+        setattr(settings, name, value)
     events = EventLog(tmp_node_dir / "events.db")
     e = Edge(settings, events)
     await e.start()
     created: list[str] = []
     orig_create = e.create
 
-    async def tracking_create(spec, owner="test"):  # noqa: ANN001, ANN202
-        info = await orig_create(spec, owner)
+    async def tracking_create(spec, owner="test", **kw):  # noqa: ANN001, ANN003, ANN202
+        info = await orig_create(spec, owner, **kw)
         created.append(info.id)
         return info
 

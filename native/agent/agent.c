@@ -841,9 +841,9 @@ fail:;
 
 static const char *step_names[] = {"unknown", "setsid", "join cgroup", "setgroups", "setgid",
                                    "setuid", "chdir", "open /dev/null", "dup2", "exec",
-                                   "landlock"};
+                                   "landlock", "oom_score_adj"};
 enum { ST_SETSID = 1, ST_CGROUP, ST_SETGROUPS, ST_SETGID, ST_SETUID, ST_CHDIR, ST_DEVNULL,
-       ST_DUP2, ST_EXEC, ST_LANDLOCK };
+       ST_DUP2, ST_EXEC, ST_LANDLOCK, ST_OOM };
 
 static void spawn_failed(uint32_t id, int err, const char *msg)
 {
@@ -884,6 +884,14 @@ static void child_exec(int status_wr, int in_rd, int out_wr, int err_wr, int cgf
         report[0] = ST_SETSID;
         goto fail;
     }
+    /* The edge may shield the agent from the OOM killer; its commands start from 0 again
+     * (raising needs no privilege; they can not go below the floor runc set). */
+    int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    if (oom < 0 || write(oom, "0", 1) != 1) {
+        report[0] = ST_OOM;
+        goto fail;
+    }
+    close(oom);
     if (cgfd >= 0) {
         int fd = openat(cgfd, "cgroup.procs", O_WRONLY | O_CLOEXEC);
         if (fd < 0 || write(fd, "0", 1) != 1) {
@@ -1094,7 +1102,7 @@ static void resolve_spawn(struct session *s)
         return;
     close_watched(&s->status_fd);
     if (n == (ssize_t)sizeof report) {
-        int step = report[0] > 0 && report[0] <= ST_LANDLOCK ? report[0] : 0;
+        int step = report[0] > 0 && report[0] <= ST_OOM ? report[0] : 0;
         char msg[512];
         const char *arg = step == ST_CHDIR ? s->ctx_cwd : step == ST_EXEC ? s->ctx_argv0 : NULL;
         snprintf(msg, sizeof msg, "%s%s%s: %s", step_names[step], arg ? " " : "",

@@ -17,6 +17,21 @@ def _env_path(name: str, default: str | Path) -> Path:
     return Path(os.environ.get(name, str(default)))
 
 
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    return int(raw) if raw.strip() else default
+
+
+def _env_opt_int(name: str) -> int | None:
+    raw = os.environ.get(name, "")
+    return int(raw) if raw.strip() else None
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    return float(raw) if raw.strip() else default
+
+
 def _env_mirrors() -> dict[str, str]:
     """``ROLLBOX_MIRRORS="pypi=http://10.0.0.1:3141/simple/,npm=http://10.0.0.1:4873/"``."""
     out: dict[str, str] = {}
@@ -53,6 +68,27 @@ class Settings:
     images_root: Path | None = field(
         default_factory=lambda: Path(os.environ["ROLLBOX_IMAGES"]) if "ROLLBOX_IMAGES" in os.environ
         else None)
+
+    # Admission (rollbox.edge.admission). Requests set a sandbox's limits, not reservations:
+    # their sums may exceed the host this many times; live use decides the rest.
+    max_sandboxes: int = field(default_factory=lambda: _env_int("ROLLBOX_MAX_SANDBOXES", 4096))
+    memory_overcommit: float = field(
+        default_factory=lambda: _env_float("ROLLBOX_MEMORY_OVERCOMMIT", 160.0))
+    # CPUs are a CFS quota (throttled, never killed): 3,200 one-CPU sandboxes on 2 cores.
+    cpu_overcommit: float = field(
+        default_factory=lambda: _env_float("ROLLBOX_CPU_OVERCOMMIT", 2000.0))
+    # Host memory creates never eat into; None = max(2 GiB, 10% of RAM).
+    memory_reserve_mib: int | None = field(
+        default_factory=lambda: _env_opt_int("ROLLBOX_MEMORY_RESERVE_MIB"))
+    # Limit of the parent memory cgroup of all sandboxes; None = RAM minus the reserve.
+    sandboxes_memory_max_mib: int | None = field(
+        default_factory=lambda: _env_opt_int("ROLLBOX_SANDBOXES_MEMORY_MAX_MIB"))
+    # Share of every budget (count, requests, free memory) only grades and fncall workers use.
+    reserved_share: float = field(
+        default_factory=lambda: _env_float("ROLLBOX_RESERVED_SHARE", 0.10))
+    # Memory PSI ("some", avg10, %) above which new creates are refused.
+    memory_psi_max: float = field(
+        default_factory=lambda: _env_float("ROLLBOX_MEMORY_PSI_MAX", 20.0))
 
     # Package mirrors (docs/mirrors.md). Permission name (pypi, npm, debian, go) -> the mirror's
     # base URL as a sandbox sees it; netpolicy allows that address instead of the registry.

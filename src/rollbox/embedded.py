@@ -19,6 +19,7 @@ from rollbox.config import Settings
 from rollbox.edge.edge import Edge, Limits
 from rollbox.events.store import EventLog
 from rollbox.iam.keys import KeyStore
+from rollbox.iam.quotas import SQLiteQuotas
 from rollbox.placement import Placement
 
 log = logging.getLogger(__name__)
@@ -36,17 +37,19 @@ class EmbeddedNode:
         self.limits = limits
         self.events: EventLog | None = None
         self.keys: KeyStore | None = None
+        self.quotas: SQLiteQuotas | None = None
         self.edge: Edge | None = None
 
     async def start(self):  # noqa: ANN201 - returns the FastAPI app
         s = self.settings
         self.events = EventLog(s.data_dir / "events.db")
         self.keys = KeyStore(s.data_dir / "keys.db")
+        self.quotas = SQLiteQuotas(s.data_dir / "quotas.db")
         self.ensure_admin_key()
-        self.edge = Edge(s, self.events, limits=self.limits)
+        self.edge = Edge(s, self.events, limits=self.limits, quotas=self.quotas)
         await self.edge.start()
         return create_app(Placement([self.edge]), self.events, self.keys,
-                          leases=self.edge.leases)
+                          leases=self.edge.leases, quotas=self.quotas)
 
     def ensure_admin_key(self) -> str:
         """The local admin key, kept root-only next to the data (SDK default on this host)."""
@@ -72,6 +75,8 @@ class EmbeddedNode:
             self.events.close()
         if self.keys:
             self.keys.close()
+        if self.quotas:
+            self.quotas.close()
 
     async def serve(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
         app = await self.start()

@@ -157,6 +157,9 @@ class ExecResult(BaseModel):
     exit_code: int | None
     signal: int | None = None
     timed_out: bool = False
+    # Killed by the kernel's OOM killer (its sandbox's memory limit, or the node's limit on
+    # all sandboxes under overload); then signal is 9.
+    oom_killed: bool = False
     duration_s: float
     stdout: str = ""
     stderr: str = ""
@@ -418,3 +421,14 @@ class FnCallBatchItem(BaseModel):
 
 class FnCallBatchResult(BaseModel):
     results: list[FnCallBatchItem]
+
+
+class Quota(BaseModel):
+    """A project's limits on one node (None = unlimited): live sandboxes, and the sums of the
+    CPUs and memory they request; ``layer_mib``: storage of the project's own layers
+    (snapshots, uploads). Set by an admin (``PUT /v1/projects/{project}/quota``)."""
+    model_config = ConfigDict(extra="forbid")
+    sandboxes: int | None = Field(None, ge=0)
+    cpus: float | None = Field(None, ge=0)
+    memory_mib: int | None = Field(None, ge=0)
+    layer_mib: int | None = Field(None, ge=0)

@@ -27,6 +27,7 @@ from rollbox.edge.interface import EdgeAPI, ExecOutput
 from rollbox.events import EventLog
 from rollbox.iam import KeyStore, Principal
 from rollbox.jobs import LeaseStore
+from rollbox.iam.quotas import QuotaStore, check_project, check_quota
 from rollbox.placement import Placement
 
 log = logging.getLogger(__name__)
@@ -340,10 +341,12 @@ class _Api:
 
 
 def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
-               record_events: bool | None = None, leases: LeaseStore | None = None) -> FastAPI:
+               record_events: bool | None = None, leases: LeaseStore | None = None,
+               quotas: QuotaStore | None = None) -> FastAPI:
     """``record_events``: None (default) = record for every edge that does not write into
     ``events`` itself; True/False forces it for all edges. ``leases``: the trainer-job lease
-    store the edges sweep (None: no jobs on this server; see rollbox.api.jobs)."""
+    store the edges sweep (None: no jobs on this server; see rollbox.api.jobs). ``quotas``:
+    the project quotas the edges enforce (the quota routes answer bad_request without)."""
     api = _Api(placement, events, keys, record_events, leases)
     front_doors: list[contextlib.AbstractAsyncContextManager[None]] = []
 
@@ -642,6 +645,29 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
     async def tar_download(sandbox_id: str, path: PathQ, edge: Edge) -> Response:
         stream = await _primed(edge.download_tar(sandbox_id, path), 10.0)
         return StreamingResponse(stream, media_type="application/x-tar")
+
+    # ---- projects (admin) ----
+    def quota_store(who: Principal, project: str) -> QuotaStore:
+        if not who.admin:
+            raise errors.Unauthorized("project quotas need an admin key")
+        check_project(project)
+        if quotas is None:
+            raise errors.BadRequest("this api has no quota store")
+        return quotas
+
+    @app.get("/v1/projects/{project:path}/quota", response_model=models.Quota,
+             tags=["projects"])
+    async def get_quota(project: str, who: Who) -> models.Quota:
+        return quota_store(who, project).get(project)
+
+    @app.put("/v1/projects/{project:path}/quota", response_model=models.Quota,
+             tags=["projects"])
+    async def set_quota(project: str, body: models.Quota, who: Who) -> models.Quota:
+        """Replace a project's per-node limits (a null field is unlimited). A negative limit
+        or one above a node's capacity is refused and nothing is stored."""
+        store = quota_store(who, project)
+        check_quota(body, await placement.node_limits())
+        return store.set(project, body)
 
     # ---- events ----
     @app.get("/v1/sandboxes/{sandbox_id}/events", tags=["events"],

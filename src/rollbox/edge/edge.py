@@ -20,6 +20,9 @@ from rollbox.backends.container.files import DiskFull
 from rollbox.backends.container.protocol import ExecRequest
 from rollbox.backends.container.sandbox import ContainerBackend, ContainerSandbox
 from rollbox.config import Settings
+from rollbox.edge.admission import (
+    Admission, HostMemory, Limits, Share, Ticket, host_memory_mib, sandboxes_memory_max_mib,
+)
 from rollbox.edge.interface import ExecOutput
 from rollbox.edge.journal import Journal
 from rollbox.edge.sessions import ExecSession
@@ -31,6 +34,7 @@ from rollbox.events.store import EventLog
 from rollbox.images.mounts import LayerMounts
 from rollbox.images.store import Image, ImageStore
 from rollbox.isolation import cgroups
+from rollbox.iam.quotas import QuotaStore
 from rollbox.jobs import LeaseReaper, LeaseStore, SqliteLeaseStore
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import (
@@ -49,14 +53,6 @@ HOST_KILL_GRACE_S = 2.0
 
 
 @dataclass
-class Limits:
-    max_sandboxes: int = 2000
-    max_parallel_creates: int = 16
-    memory_overcommit: float = 8.0  # sum of memory limits may exceed host RAM this much
-    create_queue_timeout_s: float = 30.0
-
-
-@dataclass
 class LiveSandbox:
     info: SandboxInfo
     box: ContainerSandbox
@@ -66,6 +62,8 @@ class LiveSandbox:
     # pause/resume: one freeze change at a time; host-side kills that came due while paused.
     freeze_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     deferred_kills: list[ExecSession] = field(default_factory=list)
+    ticket: Ticket | None = None  # what it holds of the node's admission budgets
+    oom_kills_claimed: int = 0  # OOM kills of its memory cgroup already reported on a command
 
 
 def raise_nofile_limit(target: int = 1 << 20) -> None:
@@ -84,20 +82,24 @@ def raise_nofile_limit(target: int = 1 << 20) -> None:
 
 class Edge:
     def __init__(self, settings: Settings, events: EventLog, store: ImageStore | None = None,
-                 limits: Limits | None = None, leases: LeaseStore | None = None) -> None:
-        """``leases``: the job lease store the api writes (default: this node's own file)."""
+                 limits: Limits | None = None, leases: LeaseStore | None = None,
+                 quotas: QuotaStore | None = None) -> None:
+        """``leases``: the job lease store the api writes (default: this node's own file);
+        ``quotas``: the project quotas admission enforces (None: none)."""
         self.settings = settings
         self.node_id = settings.node_id
         self.event_log = events
         self.store = store or ImageStore(settings.images_dir)
-        self.limits = limits or Limits()
+        self._host_mem_mib = host_memory_mib()
+        self.limits = limits or Limits.from_settings(settings, self._host_mem_mib)
+        self.quotas = quotas
+        self.admission = Admission(self.limits, self._host_mem_mib, os.cpu_count() or 1,
+                                   HostMemory(settings.cgroup_parent), self.node_id)
         self.layer_mounts = LayerMounts(self.store)
         self.slots = UidSlots(settings.uid_base, settings.uid_slots)
         self.backend = ContainerBackend(settings, self.layer_mounts, self.slots)
         self.journal = Journal(settings.data_dir / f"edge-{self.node_id}.db")
         self.live: dict[str, LiveSandbox] = {}
-        self._reserved_mem_mib = 0
-        self._creating = 0
         self._create_sem = asyncio.Semaphore(self.limits.max_parallel_creates)
         self._ttl_task: asyncio.Task | None = None
         self._owns_leases = leases is None
@@ -109,13 +111,16 @@ class Edge:
         self._deleting: dict[str, asyncio.Task] = {}
         self._snapshotting: set[str] = set()
         self._lazy: LazyLoader | None = None  # while the node has lazy layers
-        self._host_mem_mib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
 
     # ---- lifecycle of the edge itself -------------------------------------------------
     async def start(self) -> None:
         # Container inits outlive `runc run -d`; as subreaper the edge gets and reaps them.
         ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         raise_nofile_limit()
+        # One parent memory cgroup for all sandboxes, limited to RAM minus the reserve: an
+        # overload OOM-kills inside a sandbox, never a platform process.
+        cgroups.set_memory_limit(self.settings.cgroup_parent, sandboxes_memory_max_mib(
+            self.settings, self._host_mem_mib) << 20)
         await self._recover()
         self._ttl_task = asyncio.create_task(self._ttl_loop())
         self._reaper_task = asyncio.create_task(self._reaper.run())
@@ -149,7 +154,8 @@ class Edge:
                     await self._quiet_cleanup(info.id, host_uid)
                 self._mark_dead(info, "lost while the edge was down")
                 continue
-            self._register(info, box)
+            self._register(info, box, self.admission.adopt(info.resources, info.owner,
+                                                           _share_of(info)))
             log.info("re-adopted sandbox %s", info.id)
         for orphan in self.backend.host_sandbox_ids(f"{self.node_id}-") - journaled - set(self.live):
             log.warning("cleaning orphan sandbox resources %s", orphan)
@@ -215,21 +221,14 @@ class Edge:
             self.leases.close()
 
     # ---- admission ----------------------------------------------------------------------
-    def capacity(self) -> dict[str, int]:
-        return {
-            "sandboxes": len(self.live) + self._creating,
-            "max_sandboxes": self.limits.max_sandboxes,
-            "free": max(0, self.limits.max_sandboxes - len(self.live) - self._creating),
-        }
-
-    def _admit(self, spec: SandboxSpec) -> None:
-        if len(self.live) + self._creating >= self.limits.max_sandboxes:
-            raise CapacityExceeded(f"node {self.node_id} is full "
-                                   f"({self.limits.max_sandboxes} sandboxes)")
-        budget = self._host_mem_mib * self.limits.memory_overcommit
-        if self._reserved_mem_mib + spec.resources.memory_mib > budget:
-            raise CapacityExceeded(f"node {self.node_id} has no memory left for "
-                                   f"{spec.resources.memory_mib} MiB")
+    def capacity(self) -> dict[str, object]:
+        """Counts, live memory and budgets (``limits``: the most one project's quota may ask,
+        with ``layer_mib`` the size of the image store's filesystem); see edge.admission."""
+        cap = self.admission.capacity()
+        st = os.statvfs(self.store.root)
+        cap["limits"] = {**cap["limits"],  # type: ignore[dict-item]
+                         "layer_mib": st.f_blocks * st.f_frsize >> 20}
+        return cap
 
     # ---- sandboxes ----------------------------------------------------------------------
     def _image_for(self, name: str, owner: str) -> Image:
@@ -253,18 +252,19 @@ class Edge:
         except RollboxError:
             return {}
 
-    async def create(self, spec: SandboxSpec, owner: str) -> SandboxInfo:
+    async def create(self, spec: SandboxSpec, owner: str, share: Share = "new") -> SandboxInfo:
+        """``share="reserved"``: the platform's own sandboxes that must not starve behind new
+        creates (fncall workers; graders go through ``grade``)."""
         image = self._image_for(spec.image, owner)
         layers = list(image.layers)
         for extra in spec.layers:
             layers.extend(self._image_for(extra, owner).layers)
-        return await self._admitted_create(spec, owner, image.config, layers)
+        return await self._admitted_create(spec, owner, image.config, layers, share)
 
     async def _admitted_create(self, spec: SandboxSpec, owner: str, image_config: dict,
-                               layers: list[str]) -> SandboxInfo:
-        self._admit(spec)
-        self._creating += 1
-        self._reserved_mem_mib += spec.resources.memory_mib
+                               layers: list[str], share: Share = "new") -> SandboxInfo:
+        quota = self.quotas.get(owner) if self.quotas is not None and share == "new" else None
+        ticket = await self.admission.admit(spec.resources, owner, share, quota)
         try:
             try:
                 await asyncio.wait_for(self._create_sem.acquire(),
@@ -272,17 +272,15 @@ class Edge:
             except asyncio.TimeoutError:
                 raise CapacityExceeded("node busy: creation queue timed out") from None
             try:
-                return await self._create(spec, owner, image_config, layers)
+                return await self._create(spec, owner, image_config, layers, ticket)
             finally:
                 self._create_sem.release()
         except BaseException:
-            self._reserved_mem_mib -= spec.resources.memory_mib
+            self.admission.release(ticket)
             raise
-        finally:
-            self._creating -= 1
 
     async def _create(self, spec: SandboxSpec, owner: str, image_config: dict,
-                      layers: list[str]) -> SandboxInfo:
+                      layers: list[str], ticket: Ticket) -> SandboxInfo:
         sandbox_id = f"{self.node_id}-{secrets.token_hex(6)}"
         now = time.time()
         info = SandboxInfo(
@@ -308,13 +306,14 @@ class Edge:
             box.image_env.update(box.network.env)
             extra = {"env": box.image_env}
         self.journal.put(info, host_uid=box.host_uid, extra=extra)
-        self._register(info, box)
+        self._register(info, box, ticket)
+        self.admission.started(ticket)
         self.event_log.append(sandbox_id, "sandbox.created", data=json.dumps(
             {"image": spec.image, "layers": layers, "owner": owner}))
         return info
 
-    def _register(self, info: SandboxInfo, box: ContainerSandbox) -> None:
-        live = LiveSandbox(info, box)
+    def _register(self, info: SandboxInfo, box: ContainerSandbox, ticket: Ticket) -> None:
+        live = LiveSandbox(info, box, ticket=ticket)
         self.live[info.id] = live
         live.watcher = asyncio.create_task(self._watch(live))
 
@@ -327,8 +326,12 @@ class Edge:
         if live.info.id in self.live and live.info.id not in self._deleting:
             log.warning("sandbox %s died", live.info.id)
             self._deleting[live.info.id] = asyncio.current_task()  # type: ignore[assignment]
+            # Kills no command result reported: the agent itself (or what it ran) was the
+            # OOM killer's victim. Read before teardown removes the memory cgroup.
+            oom = self._oom_kills(live) > live.oom_kills_claimed
             try:
-                await self._destroy(live, reason="sandbox died (agent exited)", state="dead")
+                await self._destroy(live, reason="oom" if oom else "sandbox died (agent exited)",
+                                    state="dead")
             finally:
                 self._deleting.pop(live.info.id, None)
 
@@ -411,7 +414,8 @@ class Edge:
             await self.backend.destroy(live.box)
         finally:
             self.live.pop(info.id, None)
-            self._reserved_mem_mib -= info.resources.memory_mib
+            if live.ticket is not None:
+                self.admission.release(live.ticket)
             info.state = state  # type: ignore[assignment]
             info.dead_reason = reason
             self.journal.put(info)
@@ -600,7 +604,8 @@ class Edge:
     def _log_exit(self, sandbox_id: str, result: ExecResult) -> None:
         self.event_log.append(sandbox_id, "exec.exited", result.exec_id, json.dumps(
             {"exit_code": result.exit_code, "signal": result.signal,
-             "timed_out": result.timed_out, "duration_s": round(result.duration_s, 6),
+             "timed_out": result.timed_out, "oom_killed": result.oom_killed,
+             "duration_s": round(result.duration_s, 6),
              "stdout_bytes": result.stdout_bytes, "stderr_bytes": result.stderr_bytes}))
 
     async def _pump(self, live: LiveSandbox, session: ExecSession, agent_session) -> None:  # noqa: ANN001
@@ -625,7 +630,8 @@ class Edge:
                                        tails.get("stderr") if ex.stderr_dropped else None)
                     result = session.finish(
                         ex.exit_code if ex.exit_code >= 0 else None,
-                        ex.signal or None, ex.timed_out)
+                        ex.signal or None, ex.timed_out,
+                        oom_killed=ex.signal == 9 and not ex.timed_out and self._claim_oom(live))
                     self._log_exit(sid, result)
                     return
             if not session.done.is_set():
@@ -640,6 +646,17 @@ class Edge:
             if session.cgroup_name and sid in self.live:
                 live.box.drop_session_cgroup(session.cgroup_name)
             self._forget_old_sessions(live)
+
+    def _oom_kills(self, live: LiveSandbox) -> int:
+        return cgroups.oom_kills(self.settings.cgroup_parent, live.info.id)
+
+    def _claim_oom(self, live: LiveSandbox) -> bool:
+        """A SIGKILLed command was the OOM killer's if the sandbox's memory cgroup counts a
+        kill no earlier command has claimed (read only on SIGKILL: free on the common path)."""
+        if self._oom_kills(live) > live.oom_kills_claimed:
+            live.oom_kills_claimed += 1
+            return True
+        return False
 
     def _host_kill(self, live: LiveSandbox, session: ExecSession) -> None:
         if live.info.state == "paused":  # the agent can't act while frozen: kill after resume
@@ -767,7 +784,7 @@ class Edge:
                             ttl_s=spec.timeout_s + 300, labels={"rollbox.grader-of": sandbox_id},
                             env=spec.env)
         grader = await self._admitted_create(gspec, owner, config,
-                                             list(src.info.layers) + extra)
+                                             list(src.info.layers) + extra, share="reserved")
         try:
             copied = 0
             gfs = self._live(grader.id).box.fs
@@ -912,6 +929,13 @@ class Edge:
             if time.monotonic() > deadline:
                 raise InfraError(f"sandbox {sandbox_id} still present")
             await asyncio.sleep(0.02)
+
+
+def _share_of(info: SandboxInfo) -> Share:
+    """The admission share of a journaled sandbox: graders and fncall workers are reserved."""
+    if "rollbox.grader-of" in info.labels or info.labels.get("rollbox.backend") == "fncall":
+        return "reserved"
+    return "new"
 
 
 async def _capped(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[bytes]:

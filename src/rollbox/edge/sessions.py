@@ -78,9 +78,11 @@ class ExecSession:
             self.replay.append(ExecOutput(stream, self.exec_id, kept))  # type: ignore[arg-type]
         self.publish(ExecOutput(stream, self.exec_id, data))  # type: ignore[arg-type]
 
-    def finish(self, exit_code: int | None, signal: int | None, timed_out: bool) -> ExecResult:
+    def finish(self, exit_code: int | None, signal: int | None, timed_out: bool,
+               oom_killed: bool = False) -> ExecResult:
         self.result = ExecResult(
             exec_id=self.exec_id, exit_code=exit_code, signal=signal, timed_out=timed_out,
+            oom_killed=oom_killed,
             duration_s=time.monotonic() - self._t0,
             stdout=self.out.text(), stderr=self.err.text(),
             stdout_bytes=self.out.total, stderr_bytes=self.err.total,

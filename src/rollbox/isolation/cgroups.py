@@ -262,3 +262,75 @@ def set_children_frozen(v2_cgroup: Path, value: bool) -> None:
             (child / "cgroup.freeze").write_text("1" if value else "0")
         except FileNotFoundError:
             pass
+
+
+# ---- memory: the parent limit of all sandboxes, usage, OOM kills ------------------------------
+def _memory_v1(parent: str) -> Path | None:
+    """The v1 memory cgroup of ``parent`` on hybrid hosts, None on v2 hosts."""
+    return ROOT / "memory" / parent if (ROOT / "memory" / "cgroup.procs").exists() else None
+
+
+def set_memory_limit(parent: str, limit_bytes: int) -> Path:
+    """Create the parent cgroup of all sandboxes in the memory hierarchy with this limit, so
+    an overload OOM-kills inside a sandbox and never a platform process; returns its dir.
+    v1: ``memory.limit_in_bytes`` (+ ``memsw`` where swap accounting is on); v2:
+    ``memory.max`` (the memory controller enabled for its children)."""
+    v1 = _memory_v1(parent)
+    try:
+        if v1 is not None:
+            v1.mkdir(parents=True, exist_ok=True)
+            memsw = v1 / "memory.memsw.limit_in_bytes"
+            # memsw must stay >= the limit: raise it first, lower it last.
+            if memsw.exists() and int(memsw.read_text()) < limit_bytes:
+                memsw.write_text(str(limit_bytes))
+            (v1 / "memory.limit_in_bytes").write_text(str(limit_bytes))
+            if memsw.exists():
+                memsw.write_text(str(limit_bytes))
+            return v1
+        v2 = v2_root() / parent
+        v2.mkdir(parents=True, exist_ok=True)
+        (v2_root() / "cgroup.subtree_control").write_text("+memory")
+        (v2 / "memory.max").write_text(str(limit_bytes))
+        (v2 / "cgroup.subtree_control").write_text("+memory")
+        return v2
+    except OSError as exc:
+        raise InfraError(f"can not limit the sandboxes' memory cgroup {parent}: {exc}") from exc
+
+
+def memory_limit(parent: str) -> int | None:
+    """The parent's memory limit in bytes (None: no memory cgroup or unlimited)."""
+    v1 = _memory_v1(parent)
+    try:
+        raw = ((v1 / "memory.limit_in_bytes") if v1 is not None
+               else v2_root() / parent / "memory.max").read_text().strip()
+    except FileNotFoundError:
+        return None
+    return None if raw == "max" or int(raw) >= 1 << 62 else int(raw)
+
+
+def memory_usage(parent: str) -> int | None:
+    """Bytes charged to the sandboxes' parent cgroup (None if it does not exist yet)."""
+    v1 = _memory_v1(parent)
+    path = (v1 / "memory.usage_in_bytes") if v1 is not None else v2_root() / parent / "memory.current"
+    try:
+        return int(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def oom_kills(parent: str, sandbox_id: str) -> int:
+    """How many processes of the sandbox the kernel's OOM killer has killed (its own limit or
+    the parent's): v1 ``memory.oom_control`` ``oom_kill``, v2 ``memory.events``. 0 once the
+    cgroup is gone: read it before teardown."""
+    v1 = _memory_v1(parent)
+    path = (v1 / sandbox_id / "memory.oom_control") if v1 is not None \
+        else v2_root() / parent / sandbox_id / "memory.events"
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return 0
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            return int(value)
+    return 0

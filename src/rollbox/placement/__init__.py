@@ -30,9 +30,8 @@ def split_sandbox_id(sandbox_id: str) -> tuple[str, str]:
     return m["node"], m["rand"]
 
 
-async def _free_capacity(edge: EdgeAPI) -> float | None:
-    """An edge may expose ``capacity()`` (sync or async) returning a number or a mapping with
-    ``free``; higher means more room. None when the edge does not say."""
+async def _capacity(edge: EdgeAPI) -> object:
+    """What an edge's optional ``capacity()`` (sync or async) says; None when it does not."""
     fn = getattr(edge, "capacity", None)
     if fn is None:
         return None
@@ -43,6 +42,12 @@ async def _free_capacity(edge: EdgeAPI) -> float | None:
     except Exception:
         log.warning("capacity() of %s failed", getattr(edge, "node_id", "?"), exc_info=True)
         return None
+    return cap
+
+
+async def _free_capacity(edge: EdgeAPI) -> float | None:
+    """An edge's capacity as a number or a mapping with ``free``; higher means more room."""
+    cap = await _capacity(edge)
     if isinstance(cap, Mapping):
         cap = cap.get("free")
     if isinstance(cap, (int, float)):
@@ -109,6 +114,18 @@ class Placement:
             raise errors.CapacityExceeded("every node is full; retry later",
                                           nodes=len(self.edges))
         raise last
+
+    async def node_limits(self) -> dict[str, float]:
+        """The most any one node can hold, per budget (``capacity()["limits"]`` of the edges:
+        sandboxes, cpus, memory_mib, layer_mib); what a project quota may not exceed."""
+        out: dict[str, float] = {}
+        for cap in await asyncio.gather(*(_capacity(e) for e in self.edges.values())):
+            limits = cap.get("limits") if isinstance(cap, Mapping) else None
+            if isinstance(limits, Mapping):
+                for k, v in limits.items():
+                    if isinstance(v, (int, float)):
+                        out[k] = max(out.get(k, 0.0), float(v))
+        return out
 
     async def list(self, owner: str | None, labels: dict[str, str]) -> list[SandboxInfo]:
         results = await asyncio.gather(

@@ -27,7 +27,7 @@ from rollbox import errors
 from rollbox.models import (
     FnCallResult, FnCallSpec,
     ApiKeyInfo, Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec,
-    JobEnded, JobInfo, JobSpec, Resources, SandboxInfo, SandboxSpec, SnapshotResult,
+    JobEnded, JobInfo, JobSpec, Quota, Resources, SandboxInfo, SandboxSpec, SnapshotResult,
     SnapshotSpec,
 )
 
@@ -672,14 +672,17 @@ class AsyncSandbox:
     async def grade(
         self, cmd: str | list[str], *, files: Iterable[str], layers: Iterable[str] = (),
         cwd: str = "/", env: Mapping[str, str] | None = None, timeout: float = 600,
-        max_bytes: int | None = None,
+        max_bytes: int | None = None, resources: Resources | Mapping[str, Any] | None = None,
     ) -> GradeResult:
         """Run ``cmd`` in a fresh sandbox of this one's pristine layers plus ``layers`` (e.g.
         hidden tests), with only ``files`` (declared paths) copied over from this sandbox.
-        Whatever else the agent changed here (tests, conftest.py, /usr) can not reach it."""
+        Whatever else the agent changed here (tests, conftest.py, /usr) can not reach it.
+        ``resources`` (e.g. ``{"memory_mib": 4096}``): the grader's; default this sandbox's."""
         try:
             spec = GradeSpec(cmd=cmd, files=list(files), layers=list(layers), cwd=cwd,
                              env=dict(env or {}), timeout_s=timeout,
+                             resources=(Resources.model_validate(dict(resources))
+                                        if isinstance(resources, Mapping) else resources),
                              **({"max_bytes": max_bytes} if max_bytes is not None else {}))
         except pydantic.ValidationError as exc:
             raise errors.BadRequest(str(exc)) from None
@@ -862,6 +865,24 @@ class AsyncClient:
     async def revoke_key(self, key_id: str) -> None:
         """Revoke a key; the server refuses it from the next request on."""
         await self._t.request("DELETE", f"/v1/keys/{urllib.parse.quote(key_id, safe='')}")
+
+    # ---- projects (admin key) ----
+    async def project_quota(self, project: str) -> Quota:
+        """A project's per-node limits (None fields: unlimited)."""
+        path = f"/v1/projects/{urllib.parse.quote(project, safe='/')}/quota"
+        return Quota.model_validate((await self._t.request("GET", path)).json())
+
+    async def set_project_quota(self, project: str, *, sandboxes: int | None = None,
+                                cpus: float | None = None, memory_mib: int | None = None,
+                                layer_mib: int | None = None) -> Quota:
+        """Replace a project's per-node limits (an omitted one is unlimited); creates beyond
+        them raise QuotaExceeded. Negative limits or ones above a node's capacity raise
+        BadRequest and change nothing."""
+        body = {"sandboxes": sandboxes, "cpus": cpus, "memory_mib": memory_mib,
+                "layer_mib": layer_mib}
+        path = f"/v1/projects/{urllib.parse.quote(project, safe='/')}/quota"
+        r = await self._t.request("PUT", path, json=body)
+        return Quota.model_validate(r.json())
 
     # ---- fncall: stateless calls on warm pools (no sandbox of your own) ----
     async def fncall(self, code: str, language: str = "python", **kw: Any) -> FnCallResult:

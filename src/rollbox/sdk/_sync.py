@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from rollbox import errors
 from rollbox.models import (
-    ApiKeyInfo, Event, ExecInfo, ExecResult, FileStat, GradeResult, JobEnded, JobInfo,
+    ApiKeyInfo, Event, ExecInfo, ExecResult, FileStat, GradeResult, JobEnded, JobInfo, Quota,
     SandboxInfo, SnapshotResult,
 )
 from rollbox.sdk._async import (
@@ -298,6 +298,14 @@ class Client:
 
     def revoke_key(self, key_id: str) -> None:
         self._p.call(self._c.revoke_key(key_id))
+
+    def project_quota(self, project: str) -> Quota:
+        """See :meth:`AsyncClient.project_quota`."""
+        return self._p.call(self._c.project_quota(project))
+
+    def set_project_quota(self, project: str, **kw: Any) -> Quota:
+        """See :meth:`AsyncClient.set_project_quota`."""
+        return self._p.call(self._c.set_project_quota(project, **kw))
 
     def fncall(self, code: str, language: str = "python", **kw: Any) -> Any:
         """See :meth:`AsyncClient.fncall`."""

@@ -120,7 +120,9 @@ def oci_config(
                 {"type": "RLIMIT_FSIZE", "hard": disk_bytes, "soft": disk_bytes},
             ],
             "noNewPrivileges": hardened,
-            "oomScoreAdj": 500,
+            # 0 written by runc (privileged where it can) fixes the floor the sandbox's
+            # processes can lower themselves to; the edge then protects the agent alone.
+            "oomScoreAdj": 0,
         },
         "root": {"path": rootfs, "readonly": False},
         "hostname": hostname,

@@ -29,7 +29,7 @@ from rollbox.backends.container.rootfs import (
 from rollbox.backends.container.runtime import Runtime, wait_pid
 from rollbox.config import Settings
 from rollbox.errors import InfraError
-from rollbox.isolation import cgroups, netns
+from rollbox.isolation import cgroups, netns, oom
 from rollbox.isolation.userns import UidSlots
 from rollbox.netpolicy import link as netlink
 from rollbox.netpolicy import policy as netpolicy
@@ -211,6 +211,9 @@ class ContainerBackend:
                     run_dir / "agent.log")
             finally:
                 os.close(agent_fd)
+            # The agent is the OOM killer's last choice; its commands start from 0 again
+            # (agent.c), which they can not lower (see isolation.oom).
+            oom.protect(pid)
             listener.close()
             listener = None
             v2 = cgroups.v2_dir(self.settings.cgroup_parent, sandbox_id)

@@ -361,7 +361,8 @@ class FnCallBackend:
             labels={"rollbox.backend": "fncall", "rollbox.fncall.language": language})
         worker: FnWorker | None = None
         try:
-            info = await self.edge.create(spec, owner="fncall")
+            # Reserved share: calls must not starve behind a node full of new sandboxes.
+            info = await self.edge.create(spec, owner="fncall", share="reserved")
             worker = FnWorker(self, info.id)
             await worker.start(self.edge, list(preload), {})
         except asyncio.CancelledError:

@@ -41,6 +41,7 @@ from rollbox.errors import ChunkCorrupt, InfraError, NodeCacheFull, RollboxError
 from rollbox.images.chunks import ChunkStore, LayerManifest, open_store
 from rollbox.images.lazy.paths import LazyPaths, write_json_atomic
 from rollbox.images.store import is_digest
+from rollbox.isolation import oom
 
 log = logging.getLogger("rollbox.lazy")
 
@@ -680,6 +681,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s lazy[%(process)d] %(levelname)s %(message)s")
+    oom.protect()  # sandboxes' reads hang on it: never the OOM killer's choice
     paths = LazyPaths(args.store_root)
     paths.make_dirs()
     mountpoint = paths.mountpoint(args.generation)

@@ -1,0 +1,359 @@
+"""Admission: whether this node takes one more sandbox now.
+
+Requests set a sandbox's limits, not reservations. A sandbox is admitted when
+- the node's budgets allow it: sandbox count, and the sums of requested memory and CPUs under a
+  configurable overcommit of the host (``Settings.memory_overcommit``, ``cpu_overcommit``);
+- live use allows it: host ``MemAvailable`` minus the headroom promised to sandboxes that have
+  not faulted their memory in yet (in-flight creates and ones started within ``SETTLE_S``)
+  stays above the node reserve; and memory PSI (``/proc/pressure/memory``, where the kernel has
+  it) is below ``Settings.memory_psi_max``;
+- its project's quota (``rollbox.models.Quota``) allows it.
+A share of every budget (``Settings.reserved_share``) is kept for grades and fncall workers
+("reserved" admissions): new creates are refused once only that share is left, or while a
+reserved admission waits; reserved admissions wait (up to the create queue timeout) for room,
+so a node full of episodes waiting to grade always drains.
+
+Owns the budgets, the per-project usage of this node, and the cached reading of host memory.
+Refuses with ``CapacityExceeded`` (retryable) or ``QuotaExceeded``. Does not create sandboxes,
+limit cgroups (``isolation.cgroups.set_memory_limit``) or store quotas (``iam.quotas``).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from rollbox.config import Settings
+from rollbox.errors import CapacityExceeded, QuotaExceeded
+from rollbox.isolation import cgroups
+from rollbox.models import Quota, Resources
+
+Share = Literal["new", "reserved"]
+# Host memory is read at most this often (a create costs a dict lookup, not a file read).
+SAMPLE_INTERVAL_S = 0.1
+# A started sandbox's memory shows in MemAvailable within about this time; until then the
+# headroom promised to it is counted as used.
+SETTLE_S = 3.0
+# Least headroom promised to a starting sandbox (agent, shell, page tables, first pages).
+MIN_HEADROOM_MIB = 32
+
+
+@dataclass
+class Limits:
+    """The node's budgets (from Settings; tests may change them on a live edge)."""
+
+    max_sandboxes: int = 4096
+    max_parallel_creates: int = 16
+    create_queue_timeout_s: float = 30.0
+    memory_overcommit: float = 160.0
+    cpu_overcommit: float = 2000.0
+    reserve_mib: int = 2048
+    reserved_share: float = 0.10
+    memory_psi_max: float = 20.0
+
+    @classmethod
+    def from_settings(cls, s: Settings, host_mem_mib: int) -> Limits:
+        return cls(max_sandboxes=s.max_sandboxes, memory_overcommit=s.memory_overcommit,
+                   cpu_overcommit=s.cpu_overcommit,
+                   reserve_mib=node_reserve_mib(s, host_mem_mib),
+                   reserved_share=s.reserved_share, memory_psi_max=s.memory_psi_max)
+
+
+def host_memory_mib() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
+
+
+def node_reserve_mib(s: Settings, host_mem_mib: int) -> int:
+    """Host memory sandboxes never get: max(2 GiB, 10% of RAM) unless configured."""
+    if s.memory_reserve_mib is not None:
+        return s.memory_reserve_mib
+    return max(2048, host_mem_mib // 10)
+
+
+def sandboxes_memory_max_mib(s: Settings, host_mem_mib: int) -> int:
+    """The limit of the parent memory cgroup of all sandboxes: RAM minus the reserve."""
+    if s.sandboxes_memory_max_mib is not None:
+        return s.sandboxes_memory_max_mib
+    return max(256, host_mem_mib - node_reserve_mib(s, host_mem_mib))
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    available_mib: int
+    psi_some_avg10: float | None  # None: the kernel has no PSI
+    sandboxes_mib: int  # charged to the sandboxes' parent cgroup
+    at: float
+
+
+def _meminfo_available_mib(path: Path) -> int:
+    with open(path, "rb") as f:
+        data = f.read()
+    i = data.index(b"MemAvailable:")
+    return int(data[i + 13:data.index(b"kB", i)]) >> 10
+
+
+def _psi_some_avg10(path: Path) -> float | None:
+    try:
+        with open(path, "rb") as f:
+            line = f.readline()  # "some avg10=0.00 avg60=0.00 avg300=0.00 total=736"
+    except (FileNotFoundError, OSError):
+        return None
+    i = line.find(b"avg10=")
+    return float(line[i + 6:line.index(b" ", i)]) if i >= 0 else None
+
+
+class HostMemory:
+    """Live host memory, read at most every ``interval_s`` (cached in between)."""
+
+    def __init__(self, cgroup_parent: str, interval_s: float = SAMPLE_INTERVAL_S,
+                 meminfo: Path = Path("/proc/meminfo"),
+                 psi: Path = Path("/proc/pressure/memory"),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cgroup_parent = cgroup_parent
+        self.interval_s = interval_s
+        self.meminfo = meminfo
+        self.psi = psi
+        self.clock = clock
+        self._sample: MemorySample | None = None
+        self.reads = 0  # file reads done (measured: at most one per interval)
+
+    def sample(self) -> MemorySample:
+        now = self.clock()
+        s = self._sample
+        if s is not None and now - s.at < self.interval_s:
+            return s
+        self.reads += 1
+        usage = cgroups.memory_usage(self.cgroup_parent) or 0
+        s = MemorySample(_meminfo_available_mib(self.meminfo), _psi_some_avg10(self.psi),
+                         usage >> 20, now)
+        self._sample = s
+        return s
+
+    def forget(self) -> None:
+        self._sample = None
+
+
+@dataclass
+class Ticket:
+    """One admitted sandbox: what it holds of the budgets until released."""
+
+    resources: Resources
+    owner: str
+    share: Share
+    headroom_mib: int
+    started_at: float | None = None
+    released: bool = False
+
+
+@dataclass
+class _Usage:
+    sandboxes: int = 0
+    cpus: float = 0.0
+    memory_mib: int = 0
+
+    def add(self, r: Resources, sign: int) -> None:
+        self.sandboxes += sign
+        self.cpus += sign * r.cpus
+        self.memory_mib += sign * r.memory_mib
+
+
+@dataclass
+class Admission:
+    limits: Limits
+    host_mem_mib: int
+    host_cpus: int
+    memory: HostMemory
+    node_id: str = ""
+    clock: Callable[[], float] = time.monotonic
+    total: _Usage = field(default_factory=_Usage)
+    by_owner: dict[str, _Usage] = field(default_factory=dict)  # "new" admissions only
+    _starting_mib: int = 0  # headroom of tickets not started yet
+    _settling: deque[tuple[float, Ticket]] = field(default_factory=deque)
+    _settling_mib: int = 0
+    _reserved_waiting: int = 0
+    _freed: asyncio.Event | None = None
+
+    # ---- budgets ------------------------------------------------------------------------
+    def budgets(self) -> dict[str, float]:
+        """The node's full budgets (what reserved admissions may use; quotas are bounded by
+        them)."""
+        lim = self.limits
+        return {"sandboxes": lim.max_sandboxes,
+                "cpus": lim.cpu_overcommit * self.host_cpus,
+                "memory_mib": lim.memory_overcommit * self.host_mem_mib}
+
+    def _share_factor(self, share: Share) -> float:
+        return 1.0 if share == "reserved" else 1.0 - self.limits.reserved_share
+
+    def _reserved_sandboxes(self) -> int:
+        return int(self.limits.max_sandboxes * self.limits.reserved_share)
+
+    def pending_mib(self) -> int:
+        """Headroom promised to sandboxes whose memory may not show in MemAvailable yet."""
+        now = self.clock()
+        while self._settling and now - self._settling[0][0] >= SETTLE_S:
+            _, t = self._settling.popleft()
+            self._settling_mib -= t.headroom_mib
+        return self._starting_mib + self._settling_mib
+
+    def headroom_mib(self, resources: Resources, sample: MemorySample) -> int:
+        """What a new sandbox is expected to fault in soon: the mean use of the node's
+        sandboxes so far, at least MIN_HEADROOM_MIB, at most its memory limit."""
+        mean = sample.sandboxes_mib // self.total.sandboxes if self.total.sandboxes else 0
+        return min(resources.memory_mib, max(MIN_HEADROOM_MIB, mean))
+
+    def _check_node(self, r: Resources, share: Share) -> int:
+        """Raise CapacityExceeded if the node can not take ``r`` now; returns the headroom."""
+        lim = self.limits
+        where = f"node {self.node_id}" if self.node_id else "node"
+        if share == "new" and self._reserved_waiting:
+            raise CapacityExceeded(f"{where} is draining: grades are waiting for room",
+                                   reason="reserved")
+        max_sb = lim.max_sandboxes - (self._reserved_sandboxes() if share == "new" else 0)
+        if self.total.sandboxes >= max_sb:
+            raise CapacityExceeded(f"{where} is full ({self.total.sandboxes} sandboxes of "
+                                   f"{lim.max_sandboxes})", reason="sandboxes")
+        f = self._share_factor(share)
+        b = self.budgets()
+        if self.total.memory_mib + r.memory_mib > b["memory_mib"] * f:
+            raise CapacityExceeded(f"{where} has no memory to promise for {r.memory_mib} MiB "
+                                   f"(requests {self.total.memory_mib} MiB, "
+                                   f"{lim.memory_overcommit:g}x overcommit)", reason="memory")
+        if self.total.cpus + r.cpus > b["cpus"] * f:
+            raise CapacityExceeded(f"{where} has no CPUs to promise for {r.cpus:g} "
+                                   f"({lim.cpu_overcommit:g}x overcommit)", reason="cpus")
+        sample = self.memory.sample()
+        headroom = self.headroom_mib(r, sample)
+        left = sample.available_mib - self.pending_mib() - headroom
+        floor = lim.reserve_mib
+        if share == "new":  # the reserved share of the sandboxes' memory is left to grades
+            floor += int(lim.reserved_share * max(0, self.host_mem_mib - lim.reserve_mib))
+        if left < floor:
+            raise CapacityExceeded(
+                f"{where} is short of memory ({sample.available_mib} MiB available, "
+                f"{self.pending_mib()} MiB promised to starting sandboxes, reserve "
+                f"{lim.reserve_mib} MiB)", reason="memory_available",
+                available_mib=sample.available_mib)
+        if (share == "new" and sample.psi_some_avg10 is not None
+                and sample.psi_some_avg10 > lim.memory_psi_max):
+            raise CapacityExceeded(f"{where} is under memory pressure (PSI some "
+                                   f"{sample.psi_some_avg10:.1f}%)", reason="memory_pressure")
+        return headroom
+
+    @staticmethod
+    def _check_quota(usage: _Usage | None, r: Resources, quota: Quota, owner: str) -> None:
+        u = usage or _Usage()
+        for name, have, add, cap in (("sandboxes", u.sandboxes, 1, quota.sandboxes),
+                                     ("cpus", u.cpus, r.cpus, quota.cpus),
+                                     ("memory_mib", u.memory_mib, r.memory_mib,
+                                      quota.memory_mib)):
+            if cap is not None and have + add > cap + 1e-9:
+                raise QuotaExceeded(f"project {owner!r} quota: {name} {have:g} + {add:g} > "
+                                    f"{cap:g}", project=owner, field=name, limit=cap)
+
+    # ---- admit / start / release ------------------------------------------------------
+    def try_admit(self, r: Resources, owner: str, share: Share = "new",
+                  quota: Quota | None = None) -> Ticket:
+        """Admit now or raise (QuotaExceeded first: retrying elsewhere will not help)."""
+        if share == "new" and quota is not None:
+            self._check_quota(self.by_owner.get(owner), r, quota, owner)
+        headroom = self._check_node(r, share)
+        return self._take(r, owner, share, headroom)
+
+    async def admit(self, r: Resources, owner: str, share: Share = "new",
+                    quota: Quota | None = None) -> Ticket:
+        """``try_admit``; a reserved admission that does not fit waits for room (ahead of
+        every new create) up to the create queue timeout."""
+        if share == "new":
+            return self.try_admit(r, owner, share, quota)
+        deadline = self.clock() + self.limits.create_queue_timeout_s
+        try:
+            return self.try_admit(r, owner, share, quota)
+        except CapacityExceeded:
+            if self.clock() >= deadline:
+                raise
+        self._reserved_waiting += 1  # new creates are refused meanwhile
+        try:
+            while True:
+                freed = self._freed_event()
+                freed.clear()
+                try:  # a release wakes it at once; live memory is polled
+                    await asyncio.wait_for(freed.wait(), SAMPLE_INTERVAL_S)
+                except asyncio.TimeoutError:
+                    pass
+                try:
+                    return self.try_admit(r, owner, share, quota)
+                except CapacityExceeded:
+                    if self.clock() >= deadline:
+                        raise
+        finally:
+            self._reserved_waiting -= 1
+
+    def _freed_event(self) -> asyncio.Event:
+        if self._freed is None:
+            self._freed = asyncio.Event()
+        return self._freed
+
+    def _take(self, r: Resources, owner: str, share: Share, headroom: int) -> Ticket:
+        t = Ticket(r, owner, share, headroom)
+        self.total.add(r, 1)
+        if share == "new":
+            self.by_owner.setdefault(owner, _Usage()).add(r, 1)
+        self._starting_mib += headroom
+        return t
+
+    def adopt(self, r: Resources, owner: str, share: Share) -> Ticket:
+        """A sandbox re-adopted after an edge restart: counted, no headroom (it runs)."""
+        t = self._take(r, owner, share, 0)
+        t.started_at = self.clock()
+        return t
+
+    def started(self, t: Ticket) -> None:
+        """The sandbox runs: its headroom counts for SETTLE_S more, then MemAvailable shows
+        its use."""
+        if t.released or t.started_at is not None:
+            return
+        t.started_at = self.clock()
+        self._starting_mib -= t.headroom_mib
+        self._settling.append((t.started_at, t))
+        self._settling_mib += t.headroom_mib
+
+    def release(self, t: Ticket) -> None:
+        if t.released:
+            return
+        t.released = True
+        self.total.add(t.resources, -1)
+        if t.share == "new":
+            u = self.by_owner.get(t.owner)
+            if u is not None:
+                u.add(t.resources, -1)
+                if u.sandboxes <= 0:
+                    del self.by_owner[t.owner]
+        if t.started_at is None:
+            self._starting_mib -= t.headroom_mib
+        if self._freed is not None:
+            self._freed.set()
+
+    # ---- reporting ----------------------------------------------------------------------
+    def capacity(self) -> dict[str, object]:
+        lim = self.limits
+        sample = self.memory.sample()
+        free_new = lim.max_sandboxes - self._reserved_sandboxes() - self.total.sandboxes
+        return {
+            "sandboxes": self.total.sandboxes,
+            "max_sandboxes": lim.max_sandboxes,
+            "free": max(0, free_new),
+            "reserved_free": max(0, lim.max_sandboxes - self.total.sandboxes),
+            "requested_memory_mib": self.total.memory_mib,
+            "requested_cpus": round(self.total.cpus, 3),
+            "memory_available_mib": sample.available_mib,
+            "memory_pending_mib": self.pending_mib(),
+            "memory_reserve_mib": lim.reserve_mib,
+            "memory_psi_some_avg10": sample.psi_some_avg10,
+            "limits": self.budgets(),
+        }

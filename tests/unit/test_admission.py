@@ -1,0 +1,226 @@
+"""Admission budgets with a scripted host: overcommit of requests, live MemAvailable with the
+headroom of starting sandboxes, PSI, the reserved share, quotas, and the cost of a check."""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from rollbox import errors
+from rollbox.config import Settings
+from rollbox.edge.admission import (
+    MIN_HEADROOM_MIB, SETTLE_S, Admission, HostMemory, Limits, node_reserve_mib,
+    sandboxes_memory_max_mib,
+)
+from rollbox.models import Quota, Resources
+
+GIB = 1024
+
+
+class Host:
+    """A /proc/meminfo and /proc/pressure/memory the test writes; a clock it moves."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.meminfo = tmp / "meminfo"
+        self.psi = tmp / "memory"
+        self.now = 1000.0
+        self.set(available_mib=20 * GIB, psi=0.0)
+
+    def set(self, available_mib: int, psi: float | None = 0.0) -> None:
+        self.meminfo.write_text(f"MemTotal: {24 << 20} kB\nMemFree: 1 kB\n"
+                                f"MemAvailable:   {available_mib << 10} kB\nBuffers: 0 kB\n")
+        if psi is None:
+            self.psi.unlink(missing_ok=True)
+        else:
+            self.psi.write_text(f"some avg10={psi:.2f} avg60=0.00 avg300=0.00 total=1\n"
+                                "full avg10=0.00 avg60=0.00 avg300=0.00 total=1\n")
+
+    def clock(self) -> float:
+        return self.now
+
+
+def make(tmp: Path, **limits: float) -> tuple[Admission, Host]:
+    host = Host(tmp)
+    mem = HostMemory("rollbox-unit-no-such-cgroup", meminfo=host.meminfo, psi=host.psi,
+                     clock=host.clock)
+    lim = Limits(**{"reserve_mib": 2 * GIB, **limits})  # type: ignore[arg-type]
+    return Admission(lim, 24 * GIB, 2, mem, "u0", clock=host.clock), host
+
+
+def res(mem: int = 1024, cpus: float = 1.0) -> Resources:
+    return Resources(memory_mib=mem, cpus=cpus)
+
+
+def test_defaults_fit_3200_default_sandboxes_and_keep_the_reserve() -> None:
+    s = Settings()
+    host = 24 * GIB
+    lim = Limits.from_settings(s, host)
+    assert lim.reserve_mib == max(2048, host // 10)
+    assert sandboxes_memory_max_mib(s, host) == host - lim.reserve_mib
+    new_share = 1 - lim.reserved_share
+    assert lim.memory_overcommit >= 150
+    assert lim.max_sandboxes * new_share >= 3200
+    assert lim.memory_overcommit * host * new_share >= 3200 * Resources().memory_mib
+    assert lim.cpu_overcommit * 2 * new_share >= 3200 * Resources().cpus
+    s.memory_reserve_mib = 5000
+    assert node_reserve_mib(s, host) == 5000
+
+
+def test_requests_overcommit_is_a_budget(tmp_path: Path) -> None:
+    adm, _ = make(tmp_path, memory_overcommit=1.0, reserved_share=0.0)  # 24 GiB of requests
+    tickets = [adm.try_admit(res(8 * GIB, 0.1), "p") for _ in range(3)]
+    with pytest.raises(errors.CapacityExceeded) as exc:
+        adm.try_admit(res(16), "p")
+    assert exc.value.retryable and exc.value.details["reason"] == "memory"
+    adm.release(tickets[0])
+    adm.try_admit(res(8 * GIB, 0.1), "p")
+    adm2, _ = make(tmp_path / "..", cpu_overcommit=2.0, reserved_share=0.0)  # 4 CPUs
+    adm2.try_admit(res(16, 3.0), "p")
+    with pytest.raises(errors.CapacityExceeded) as exc:
+        adm2.try_admit(res(16, 1.5), "p")
+    assert exc.value.details["reason"] == "cpus"
+
+
+def test_a_burst_can_not_overshoot_memavailable(tmp_path: Path) -> None:
+    """MemAvailable does not move while sandboxes start: each admission promises headroom,
+    so a burst stops before the promises reach the reserve; once they settle, MemAvailable
+    alone counts again."""
+    adm, host = make(tmp_path, reserved_share=0.0)
+    host.set(available_mib=2 * GIB + 10 * MIN_HEADROOM_MIB + 5)
+    burst = []
+    with pytest.raises(errors.CapacityExceeded) as exc:
+        for _ in range(100):
+            burst.append(adm.try_admit(res(), "p"))
+    assert len(burst) == 10 and exc.value.details["reason"] == "memory_available"
+    for t in burst:
+        adm.started(t)
+    with pytest.raises(errors.CapacityExceeded):  # started, not settled: still promised
+        adm.try_admit(res(), "p")
+    host.now += SETTLE_S + 0.01
+    assert adm.pending_mib() == 0
+    adm.started(adm.try_admit(res(), "p"))
+    # A failed create gives its promise back at once.
+    host.now += SETTLE_S
+    t = adm.try_admit(res(), "p")
+    assert adm.pending_mib() == MIN_HEADROOM_MIB
+    adm.release(t)
+    assert adm.pending_mib() == 0
+
+
+def test_headroom_follows_the_mean_use_of_sandboxes(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    adm, host = make(tmp_path)
+    t = adm.try_admit(res(1024), "p")
+    adm.started(t)
+    sample = adm.memory.sample()
+    assert adm.headroom_mib(res(1024), sample) == MIN_HEADROOM_MIB  # nothing used yet
+    from rollbox.edge import admission as mod
+
+    monkeypatch.setattr(mod.cgroups, "memory_usage", lambda parent: 900 << 20)
+    host.now += 1
+    sample = adm.memory.sample()
+    assert sample.sandboxes_mib == 900
+    assert adm.headroom_mib(res(1024), sample) == 900
+    assert adm.headroom_mib(res(256), sample) == 256  # never above its own limit
+
+
+def test_memory_pressure_refuses_new_creates_only(tmp_path: Path) -> None:
+    adm, host = make(tmp_path, memory_psi_max=20.0)
+    host.set(available_mib=20 * GIB, psi=35.0)
+    with pytest.raises(errors.CapacityExceeded) as exc:
+        adm.try_admit(res(), "p")
+    assert exc.value.details["reason"] == "memory_pressure"
+    adm.try_admit(res(), "grader", share="reserved")
+    host.now += 1
+    host.set(available_mib=20 * GIB, psi=None)  # no PSI on this kernel: MemAvailable only
+    adm.try_admit(res(), "p")
+
+
+def test_reserved_share_is_left_to_grades_and_they_go_first(tmp_path: Path) -> None:
+    adm, _ = make(tmp_path, max_sandboxes=10, reserved_share=0.2)
+    for _ in range(8):
+        adm.try_admit(res(16), "p")
+    with pytest.raises(errors.CapacityExceeded) as exc:
+        adm.try_admit(res(16), "p")
+    assert exc.value.details["reason"] == "sandboxes"
+    g1 = adm.try_admit(res(16), "p", share="reserved")
+    adm.try_admit(res(16), "p", share="reserved")
+    with pytest.raises(errors.CapacityExceeded):
+        adm.try_admit(res(16), "p", share="reserved")
+    assert adm.capacity()["free"] == 0 and adm.capacity()["reserved_free"] == 0
+
+    async def scenario() -> None:
+        waiting = asyncio.create_task(adm.admit(res(16), "p", share="reserved"))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        adm.release(g1)  # room frees: the waiting grade takes it, not a new create
+        with pytest.raises(errors.CapacityExceeded) as exc:
+            adm.try_admit(res(16), "p")
+        assert exc.value.details["reason"] in ("reserved", "sandboxes")
+        await asyncio.wait_for(waiting, 1.0)
+
+    asyncio.run(scenario())
+
+
+def test_reserved_share_of_live_memory(tmp_path: Path) -> None:
+    adm, host = make(tmp_path, reserved_share=0.1)
+    floor_new = 2 * GIB + int(0.1 * (24 * GIB - 2 * GIB))
+    host.set(available_mib=floor_new + MIN_HEADROOM_MIB - 1)
+    with pytest.raises(errors.CapacityExceeded):
+        adm.try_admit(res(), "p")
+    adm.try_admit(res(), "p", share="reserved")
+
+
+def test_reserved_wait_times_out(tmp_path: Path) -> None:
+    adm, _ = make(tmp_path, max_sandboxes=1, create_queue_timeout_s=0.2)
+    adm.try_admit(res(16), "p", share="reserved")
+
+    async def scenario() -> None:
+        t0 = time.monotonic()
+        with pytest.raises(errors.CapacityExceeded):
+            await adm.admit(res(16), "p", share="reserved")
+        assert time.monotonic() - t0 < 2
+
+    adm.clock = time.monotonic
+    asyncio.run(scenario())
+
+
+def test_project_quota(tmp_path: Path) -> None:
+    adm, _ = make(tmp_path)
+    q = Quota(sandboxes=2, cpus=3.0, memory_mib=3000)
+    a = adm.try_admit(res(1000, 1.0), "team", quota=q)
+    adm.try_admit(res(1000, 1.0), "team", quota=q)
+    with pytest.raises(errors.QuotaExceeded) as exc:
+        adm.try_admit(res(16, 0.1), "team", quota=q)
+    assert not exc.value.retryable and exc.value.details["field"] == "sandboxes"
+    adm.release(a)
+    with pytest.raises(errors.QuotaExceeded) as exc:
+        adm.try_admit(res(16, 2.5), "team", quota=q)
+    assert exc.value.details["field"] == "cpus"
+    with pytest.raises(errors.QuotaExceeded) as exc:
+        adm.try_admit(res(2048, 0.5), "team", quota=q)
+    assert exc.value.details["field"] == "memory_mib"
+    adm.try_admit(res(16, 5.0), "other", quota=Quota())  # another project: its own count
+    adm.try_admit(res(16), "team", share="reserved", quota=q)  # graders are not counted
+    adm.try_admit(res(1000, 1.0), "team", quota=q)
+
+
+def test_checks_read_host_memory_at_most_every_100ms_and_cost_microseconds(
+        tmp_path: Path) -> None:
+    adm, _ = make(tmp_path, max_sandboxes=100_000, reserved_share=0.0)
+    adm.memory.clock = time.monotonic
+    n = 5000
+    ticks = iter(range(0, 10 * n * int(SETTLE_S) + 10, int(SETTLE_S) + 1))
+    adm.clock = lambda: float(next(ticks))  # every promise settles before the next create
+    t0, c0 = time.monotonic(), time.process_time()
+    for _ in range(n):
+        t = adm.try_admit(res(16, 0.01), "p")
+        adm.started(t)
+        adm.release(t)
+    cpu_us = (time.process_time() - c0) / n * 1e6
+    took = time.monotonic() - t0
+    assert adm.memory.reads <= 2 + took / 0.1
+    print(f"admission: {cpu_us:.1f} us CPU per create (admit + started + release), "
+          f"{adm.memory.reads} host reads in {took:.3f} s")
+    assert cpu_us < 200
