@@ -37,6 +37,12 @@ class BadRequest(RollboxError):
     status = 400
 
 
+class IdempotencyConflict(BadRequest):
+    """An exec idempotency key was reused with a different command (or other spec)."""
+
+    code = "idempotency_conflict"
+
+
 class Unauthorized(RollboxError):
     code = "unauthorized"
     status = 401
@@ -141,11 +147,35 @@ class NodeCacheFull(InfraError):
     retryable = True
 
 
+class ServerUnreachable(InfraError):
+    """The SDK could not reach the server: the request was certainly not processed."""
+
+    code = "unreachable"
+
+
+class ConnectionLost(InfraError):
+    """The connection broke after the request was sent: it may or may not have been processed
+    (the SDK retries what is safe to retry: reads, and exec starts with an idempotency key)."""
+
+    code = "connection_lost"
+
+
+class ExecIndeterminate(ConnectionLost):
+    """An exec may or may not have run: the connection broke after the start was sent and the
+    outcome could not be re-checked (the server stayed unreachable past the SDK's reconnect
+    window, or the edge lost the command across a restart). Not retryable blindly: re-check
+    with the same ``idempotency_key`` (in ``details``) instead of starting it again."""
+
+    code = "exec_indeterminate"
+    retryable = False
+
+
 ERRORS_BY_CODE: dict[str, type[RollboxError]] = {
     cls.code: cls
     for cls in (
         RollboxError,
         BadRequest,
+        IdempotencyConflict,
         Unauthorized,
         Forbidden,
         NotFound,
@@ -161,6 +191,9 @@ ERRORS_BY_CODE: dict[str, type[RollboxError]] = {
         ChunkCorrupt,
         StoreUnreachable,
         NodeCacheFull,
+        ServerUnreachable,
+        ConnectionLost,
+        ExecIndeterminate,
     )
 }
 

@@ -127,6 +127,10 @@ class ExecSpec(BaseModel):
     timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
     stdin: bool = Field(False, description="keep stdin open for exec_stdin; else /dev/null")
     background: bool = False
+    # A retry with the same key (per sandbox) returns the recorded command instead of running
+    # it again, also across a server restart; the same key with another spec is refused.
+    idempotency_key: str | None = Field(None, min_length=1, max_length=128,
+                                        pattern=r"^[A-Za-z0-9._:-]+$")
 
     @field_validator("cmd")
     @classmethod
@@ -167,6 +171,10 @@ class ExecResult(BaseModel):
     stderr_bytes: int = 0
     stdout_dropped: int = 0
     stderr_dropped: int = 0
+    # Of the dropped bytes: the start of the stream lost to a server restart (a restarted edge
+    # rebuilds a command from the agent, which keeps only the last 1 MiB per stream).
+    stdout_truncated_bytes: int = 0
+    stderr_truncated_bytes: int = 0
 
 
 class ExecInfo(BaseModel):

@@ -7,11 +7,22 @@ import asyncio
 
 from rollbox.backends.container import protocol as P
 from rollbox.backends.container.channel import AgentChannel
+from rollbox.backends.container.channel import Session
 from tests.integration.test_agent_channel import (  # noqa: F401 - fixtures
-    ENV, Agent, agent, agent_binary, collect, pytestmark,
+    ENV, Agent, Result, agent, agent_binary, pytestmark,
 )
 
 MIB = 1 << 20
+
+
+async def collect(sess: Session) -> Result:
+    """Output (replayed, then live) and the exit of a session."""
+    parts: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+    async for kind, value in sess.events():
+        if kind == "exited":
+            return Result(b"".join(parts["stdout"]), b"".join(parts["stderr"]), b"", b"", value)
+        parts[kind.removeprefix("replay_").removeprefix("tail_")].append(value)
+    raise AssertionError("events ended without exited")
 
 
 async def _exited(ch: AgentChannel, ids: set[int], timeout: float = 20) -> dict[int, P.SessionEntry]:

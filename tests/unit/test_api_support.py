@@ -144,8 +144,9 @@ class FakeEdge:
 
         async def pump(kind: str, reader: asyncio.StreamReader) -> None:
             while chunk := await reader.read(65536):
+                ex.push(ExecOutput(kind, ex.exec_id, data=chunk,  # type: ignore[arg-type]
+                                   offset=len(out[kind])))
                 out[kind] += chunk
-                ex.push(ExecOutput(kind, ex.exec_id, data=chunk))  # type: ignore[arg-type]
 
         assert ex.proc.stdout and ex.proc.stderr
         pumps = asyncio.gather(pump("stdout", ex.proc.stdout), pump("stderr", ex.proc.stderr))
@@ -176,7 +177,10 @@ class FakeEdge:
             raise errors.NotFound(f"no exec {exec_id}")
         return ex
 
-    async def exec_stream(self, sandbox_id: str, exec_id: str) -> AsyncIterator[ExecOutput]:
+    async def exec_stream(self, sandbox_id: str, exec_id: str,
+                          offsets: tuple[int, int] = (0, 0)) -> AsyncIterator[ExecOutput]:
+        """(Offsets are not applied here: the SDK trims what it already has by each item's
+        offset.)"""
         ex = self._exec(sandbox_id, exec_id)
         i = 0
         while True:

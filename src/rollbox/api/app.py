@@ -187,7 +187,8 @@ def _ndjson(obj: dict[str, Any]) -> bytes:
 
 def _output_line(item: ExecOutput) -> bytes | None:
     if item.kind in ("stdout", "stderr"):
-        return _ndjson({"type": item.kind, "data": base64.b64encode(item.data).decode()})
+        return _ndjson({"type": item.kind, "data": base64.b64encode(item.data).decode(),
+                        "offset": item.offset})
     if item.kind == "exit" and item.result is not None:
         return _ndjson({"type": "exit", "result": item.result.model_dump(mode="json")})
     if item.kind == "error":
@@ -251,6 +252,7 @@ class _Api:
         self._owners: OrderedDict[str, str] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
         self._recorders: dict[str, set[asyncio.Task[None]]] = {}
+        self._recorded_execs: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     # -- auth and ownership --
     def remember_owner(self, sandbox_id: str, owner: str) -> None:
@@ -315,6 +317,16 @@ class _Api:
         tasks = self._recorders.get(sandbox_id)
         if tasks:
             await asyncio.wait(set(tasks), timeout=timeout_s)
+
+    def first_record(self, sandbox_id: str, exec_id: str) -> bool:
+        """False for an exec start that an idempotency key mapped to a recorded exec."""
+        key = (sandbox_id, exec_id)
+        if key in self._recorded_execs:
+            return False
+        self._recorded_execs[key] = None
+        while len(self._recorded_execs) > OWNER_CACHE_SIZE:
+            self._recorded_execs.popitem(last=False)
+        return True
 
     async def record_exec(self, edge: EdgeAPI, sandbox_id: str, exec_id: str) -> None:
         """Copy one command's output into the audit log, independent of any client stream."""
@@ -514,6 +526,9 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
 
     def exec_stream_response(edge: EdgeAPI, sandbox_id: str, exec_id: str,
                              stream: AsyncIterator[ExecOutput] | None = None) -> Response:
+        """NDJSON: started, then stdout/stderr (base64 ``data`` at stream ``offset``: a client
+        that resumes passes what it has; an offset past it is output lost for good), then one
+        exit (or error)."""
         async def body() -> AsyncIterator[bytes]:
             yield _ndjson({"type": "started", "exec_id": exec_id})
             try:
@@ -546,7 +561,7 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
         wait: Annotated[bool, Query(description="return one ExecResult when done")] = False,
     ) -> Response:
         exec_id = await edge.exec_start(sandbox_id, spec)
-        if api.records(edge):
+        if api.records(edge) and api.first_record(sandbox_id, exec_id):
             events.append(sandbox_id, "exec.started", exec_id, json.dumps({
                 "cmd": spec.cmd, "cwd": spec.cwd, "user": spec.user,
                 "timeout_s": spec.timeout_s, "background": spec.background,
@@ -567,8 +582,13 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
 
     @app.get("/v1/sandboxes/{sandbox_id}/exec/{exec_id}/stream", tags=["exec"],
              responses={200: {"content": {NDJSON: {}}}})
-    async def exec_attach(sandbox_id: str, exec_id: str, edge: Edge) -> Response:
-        stream = await _primed(edge.exec_stream(sandbox_id, exec_id), 0.2)
+    async def exec_attach(
+        sandbox_id: str, exec_id: str, edge: Edge,
+        stdout_offset: Annotated[int, Query(ge=0, description="stdout bytes the client has")] = 0,
+        stderr_offset: Annotated[int, Query(ge=0, description="stderr bytes the client has")] = 0,
+    ) -> Response:
+        stream = await _primed(
+            edge.exec_stream(sandbox_id, exec_id, (stdout_offset, stderr_offset)), 0.2)
         return exec_stream_response(edge, sandbox_id, exec_id, stream)
 
     @app.get("/v1/sandboxes/{sandbox_id}/exec/{exec_id}", response_model=models.ExecResult,

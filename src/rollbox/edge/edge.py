@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from rollbox.backends.container.channel import SpawnError
 from rollbox.backends.container.files import DiskFull
-from rollbox.backends.container.protocol import ExecRequest
+from rollbox.backends.container.protocol import RETAIN_LIMIT, ExecRequest
 from rollbox.backends.container.sandbox import ContainerBackend, ContainerSandbox
 from rollbox.config import Settings
 from rollbox.edge.admission import (
@@ -27,8 +27,8 @@ from rollbox.edge.interface import ExecOutput
 from rollbox.edge.journal import Journal
 from rollbox.edge.sessions import ExecSession
 from rollbox.errors import (
-    BadRequest, CapacityExceeded, InfraError, NotFound, PayloadTooLarge, RollboxError,
-    SandboxDead, SandboxPaused,
+    BadRequest, CapacityExceeded, ExecIndeterminate, IdempotencyConflict, InfraError, NotFound,
+    PayloadTooLarge, RollboxError, SandboxDead, SandboxPaused, error_from_payload,
 )
 from rollbox.events.store import EventLog
 from rollbox.images.mounts import LayerMounts
@@ -64,6 +64,9 @@ class LiveSandbox:
     deferred_kills: list[ExecSession] = field(default_factory=list)
     ticket: Ticket | None = None  # what it holds of the node's admission budgets
     oom_kills_claimed: int = 0  # OOM kills of its memory cgroup already reported on a command
+    # exec idempotency keys -> exec id (recorded), and starts with a key still under way
+    keys: dict[str, str] = field(default_factory=dict)
+    key_starts: dict[str, asyncio.Future[str]] = field(default_factory=dict)
 
 
 def raise_nofile_limit(target: int = 1 << 20) -> None:
@@ -156,6 +159,7 @@ class Edge:
                 continue
             self._register(info, box, self.admission.adopt(info.resources, info.owner,
                                                            _share_of(info)))
+            self._rebuild_sessions(self.live[info.id])
             log.info("re-adopted sandbox %s", info.id)
         for orphan in self.backend.host_sandbox_ids(f"{self.node_id}-") - journaled - set(self.live):
             log.warning("cleaning orphan sandbox resources %s", orphan)
@@ -187,6 +191,42 @@ class Edge:
         if was_frozen:
             cgroups.set_children_frozen(v2, False)  # frozen by the parent (paused) or running
         return box
+
+    def _rebuild_sessions(self, live: LiveSandbox) -> None:
+        """Commands of a re-adopted sandbox, from the journal and the agent: recorded ends as
+        recorded; running or uncollected ones re-attached (output replayed from the agent's
+        retained last bytes, exit logged once, when it comes); the rest lost (indeterminate:
+        never started, or dropped by the agent's retention bound)."""
+        sid = live.info.id
+        channel = live.box.channel
+        agent = channel.agent_sessions
+        for rec in self.journal.execs(sid):
+            spec = ExecSpec.model_validate_json(rec.spec)
+            session = ExecSession(rec.exec_id, spec)
+            session.started_at = rec.started_at
+            session.cgroup_name = rec.cgroup
+            live.sessions[rec.exec_id] = session
+            if spec.idempotency_key:
+                live.keys[spec.idempotency_key] = rec.exec_id
+            if rec.exec_id[1:].isdigit():
+                live.box.next_session = max(live.box.next_session, int(rec.exec_id[1:]))
+            if rec.result is not None or rec.error is not None:
+                session.restore(
+                    ExecResult.model_validate_json(rec.result) if rec.result else None,
+                    error_from_payload(json.loads(rec.error)) if rec.error else None)
+                if rec.agent_session in agent:  # crashed between journaling and COLLECT
+                    channel.collect(rec.agent_session)
+            elif rec.agent_session in agent:
+                agent_session = channel.adopt(rec.agent_session, collect=False)
+                session.agent_session = agent_session
+                asyncio.create_task(self._pump(live, session, agent_session))
+            else:
+                err = ExecIndeterminate(
+                    f"exec {rec.exec_id} was lost across a server restart: the agent has no "
+                    "record of it (never started, or its exit was dropped)", exec_id=rec.exec_id)
+                session.fail(err)
+                self.journal.exec_done(sid, rec.exec_id, None, json.dumps(err.to_payload()))
+                self.event_log.append(sid, "exec.error", rec.exec_id, err.message)
 
     def _v1_freezer(self, sandbox_id: str) -> Path:
         return cgroups.ROOT / "freezer" / self.settings.cgroup_parent / sandbox_id
@@ -339,6 +379,7 @@ class Edge:
         info.state = state  # type: ignore[assignment]
         info.dead_reason = reason
         self.journal.put(info)
+        self.journal.exec_forget(info.id)
         self.event_log.append(info.id, f"sandbox.{state}", data=reason)
 
     def _live(self, sandbox_id: str) -> LiveSandbox:
@@ -419,6 +460,7 @@ class Edge:
             info.state = state  # type: ignore[assignment]
             info.dead_reason = reason
             self.journal.put(info)
+            self.journal.exec_forget(info.id)
             self.event_log.append(info.id, f"sandbox.{'dead' if state == 'dead' else 'deleted'}",
                                data=reason or "")
             if state == "dead":
@@ -555,6 +597,45 @@ class Edge:
 
     async def exec_start(self, sandbox_id: str, spec: ExecSpec) -> str:
         live = self._running(sandbox_id)
+        key = spec.idempotency_key
+        if key is None:
+            return await self._exec_start(live, spec)
+        recorded = await self._keyed_exec(live, spec, key)
+        if recorded is not None:
+            return recorded
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        live.key_starts[key] = fut
+        try:
+            exec_id = await self._exec_start(live, spec)
+            fut.set_result(exec_id)
+            return exec_id
+        except BaseException as exc:
+            fut.set_exception(exc if isinstance(exc, Exception) else InfraError("cancelled"))
+            fut.exception()
+            raise
+        finally:
+            live.key_starts.pop(key, None)
+
+    async def _keyed_exec(self, live: LiveSandbox, spec: ExecSpec, key: str) -> str | None:
+        """The exec recorded under ``key`` (None: none), after checking it is the same."""
+        exec_id = live.keys.get(key)
+        if exec_id is None and key in live.key_starts:
+            try:
+                exec_id = await asyncio.shield(live.key_starts[key])
+            except Exception:  # noqa: BLE001 - that start failed: this one tries again
+                return None
+        if exec_id is None or exec_id not in live.sessions:
+            return None
+        recorded = live.sessions[exec_id].spec
+        if recorded.model_dump(exclude={"idempotency_key"}) != spec.model_dump(
+                exclude={"idempotency_key"}):
+            raise IdempotencyConflict(
+                f"idempotency key {key!r} was used for another command in this sandbox "
+                f"(exec {exec_id})", exec_id=exec_id, idempotency_key=key)
+        return exec_id
+
+    async def _exec_start(self, live: LiveSandbox, spec: ExecSpec) -> str:
+        sandbox_id = live.info.id
         uid, gid, home = await self._resolve_user(live, spec.user)
         argv = ["/bin/sh", "-c", spec.cmd] if isinstance(spec.cmd, str) else list(spec.cmd)
         env = dict(live.box.image_env)
@@ -564,37 +645,54 @@ class Edge:
         req = ExecRequest(
             argv=argv, env=[f"{k}={v}" for k, v in env.items()], cwd=spec.cwd, uid=uid, gid=gid,
             timeout_ms=int(spec.timeout_s * 1000) if spec.timeout_s else 0, stdin=spec.stdin,
+            tail_limit=RETAIN_LIMIT,  # what a restarted edge can replay
         )
         cg_name, cg_fd = live.box.new_session_cgroup()
         exec_id = f"e{live.box.next_session}"
         session = ExecSession(exec_id, spec)
         session.cgroup_name = cg_name
+        channel = live.box.channel
+        agent_id = channel.new_session_id()
+        # Journaled before the agent hears of it: after a crash the command is found (running,
+        # exited, or certainly never started), never silently forgotten.
+        self.journal.exec_put(sandbox_id, exec_id, agent_id, spec.model_dump_json(),
+                              spec.idempotency_key, cg_name, session.started_at)
         try:
-            agent_session = await live.box.channel.exec(req, cg_fd)
+            agent_session = await channel.exec(req, cg_fd, session_id=agent_id, collect=False)
         except SpawnError as exc:
             os.close(cg_fd)
             live.box.drop_session_cgroup(cg_name)
             if exc.errno in (2, 13) and "exec" in str(exc):  # command not found / not runnable
-                live.sessions[exec_id] = session
+                self._add_session(live, session)
                 self._log_start(sandbox_id, session)
                 session.output("stderr", f"{exc}\n".encode())
                 result = session.finish(127 if exc.errno == 2 else 126, None, False)
+                self.journal.exec_done(sandbox_id, exec_id, result.model_dump_json())
                 self._log_exit(sandbox_id, result)
                 return exec_id
+            self.journal.exec_forget(sandbox_id, [exec_id])
             raise BadRequest(str(exc)) from None
         except RollboxError:
             os.close(cg_fd)
             live.box.drop_session_cgroup(cg_name)
+            self.journal.exec_forget(sandbox_id, [exec_id])
             raise
         except (ConnectionError, OSError) as exc:
             os.close(cg_fd)
+            self.journal.exec_forget(sandbox_id, [exec_id])
             raise SandboxDead(f"sandbox {sandbox_id} agent unreachable: {exc}") from None
         os.close(cg_fd)
         session.agent_session = agent_session
-        live.sessions[exec_id] = session
+        self._add_session(live, session)
         self._log_start(sandbox_id, session)
         asyncio.create_task(self._pump(live, session, agent_session))
         return exec_id
+
+    @staticmethod
+    def _add_session(live: LiveSandbox, session: ExecSession) -> None:
+        live.sessions[session.exec_id] = session
+        if session.spec.idempotency_key:
+            live.keys[session.spec.idempotency_key] = session.exec_id
 
     def _log_start(self, sandbox_id: str, session: ExecSession) -> None:
         self.event_log.append(sandbox_id, "exec.started", session.exec_id, json.dumps(
@@ -609,21 +707,31 @@ class Edge:
              "stdout_bytes": result.stdout_bytes, "stderr_bytes": result.stderr_bytes}))
 
     async def _pump(self, live: LiveSandbox, session: ExecSession, agent_session) -> None:  # noqa: ANN001
+        """Follow one command to its end. A command re-adopted after a restart starts with the
+        agent's replay (``replay_*``: already in the audit log of the edge before)."""
         sid = live.info.id
         backstop = None
         if session.spec.timeout_s:
             backstop = asyncio.get_running_loop().call_later(
-                session.spec.timeout_s + HOST_KILL_GRACE_S, self._host_kill, live, session)
+                max(0.0, session.spec.timeout_s + HOST_KILL_GRACE_S
+                    - (time.time() - session.started_at)), self._host_kill, live, session)
         tails: dict[str, bytes] = {}
+        starts = agent_session.start_offsets
         try:
             async for kind, payload in agent_session.events():
-                if kind in ("stdout", "stderr"):
-                    session.output(kind, payload)
-                    self.event_log.append(sid, f"exec.{kind}", session.exec_id, payload)
+                if kind in ("stdout", "stderr", "replay_stdout", "replay_stderr"):
+                    stream = kind.removeprefix("replay_")
+                    i = 0 if stream == "stdout" else 1
+                    (session.out, session.err)[i].resume_at(starts[i])
+                    session.output(stream, payload)
+                    if kind == stream:
+                        self.event_log.append(sid, f"exec.{kind}", session.exec_id, payload)
                 elif kind in ("tail_stdout", "tail_stderr"):
                     tails[kind[5:]] = payload  # folded in at exit with the dropped counts
                 elif kind == "exited":
                     ex = payload
+                    session.out.resume_at(starts[0])
+                    session.err.resume_at(starts[1])
                     session.out.settle(ex.stdout_total,
                                        tails.get("stdout") if ex.stdout_dropped else None)
                     session.err.settle(ex.stderr_total,
@@ -632,7 +740,11 @@ class Edge:
                         ex.exit_code if ex.exit_code >= 0 else None,
                         ex.signal or None, ex.timed_out,
                         oom_killed=ex.signal == 9 and not ex.timed_out and self._claim_oom(live))
+                    # Journaled, then logged, then the agent may forget it: a crash in between
+                    # finds the record (no second exec.exited) or the agent's copy (one).
+                    self.journal.exec_done(sid, session.exec_id, result.model_dump_json())
                     self._log_exit(sid, result)
+                    agent_session.collect()
                     return
             if not session.done.is_set():
                 session.fail(SandboxDead(f"sandbox {sid} died during the command"))
@@ -666,13 +778,17 @@ class Edge:
             log.warning("host-side kill of %s/%s past its deadline", live.info.id, session.exec_id)
             cgroups.kill(live.box.v2_cgroup / session.cgroup_name)
 
-    @staticmethod
-    def _forget_old_sessions(live: LiveSandbox, keep: int = 256) -> None:
+    def _forget_old_sessions(self, live: LiveSandbox, keep: int = 256) -> None:
+        """Old finished commands go (with their journal records and idempotency keys)."""
         if len(live.sessions) <= 2 * keep:
             return
         done = [k for k, s in live.sessions.items() if s.done.is_set()]
-        for k in done[: max(0, len(done) - keep)]:
-            live.sessions.pop(k, None)
+        gone = done[: max(0, len(done) - keep)]
+        for k in gone:
+            sess = live.sessions.pop(k, None)
+            if sess is not None and sess.spec.idempotency_key:
+                live.keys.pop(sess.spec.idempotency_key, None)
+        self.journal.exec_forget(live.info.id, gone)
 
     def _session(self, sandbox_id: str, exec_id: str) -> ExecSession:
         live = self.live.get(sandbox_id)
@@ -684,9 +800,10 @@ class Edge:
             raise NotFound(f"exec {exec_id} not found in sandbox {sandbox_id}")
         return sess
 
-    async def exec_stream(self, sandbox_id: str, exec_id: str) -> AsyncIterator[ExecOutput]:
+    async def exec_stream(self, sandbox_id: str, exec_id: str,
+                          offsets: tuple[int, int] = (0, 0)) -> AsyncIterator[ExecOutput]:
         sess = self._session(sandbox_id, exec_id)
-        async for item in sess.stream():
+        async for item in sess.stream(offsets):
             yield item
 
     async def exec_wait(self, sandbox_id: str, exec_id: str) -> ExecResult:

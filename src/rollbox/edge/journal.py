@@ -1,10 +1,13 @@
 """The edge's SQLite journal of its own sandboxes: what it must re-adopt or clean after a
-restart, and what it answers about sandboxes that are dead or deleted."""
+restart, and what it answers about sandboxes that are dead or deleted; and of their commands
+(exec id <-> agent session, spec, idempotency key, final result), so a restarted edge rebuilds
+them from the agent and logs each exit exactly once."""
 from __future__ import annotations
 
 import json
 import sqlite3
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from rollbox.models import SandboxInfo
@@ -20,7 +23,30 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     updated REAL NOT NULL DEFAULT (strftime('%s','now'))
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+CREATE TABLE IF NOT EXISTS execs (
+    sandbox_id TEXT NOT NULL,
+    exec_id TEXT NOT NULL,
+    agent_session INTEGER NOT NULL,
+    idempotency_key TEXT,
+    spec TEXT NOT NULL,
+    cgroup TEXT,
+    started_at REAL NOT NULL,
+    result TEXT,   -- ExecResult JSON once the exit is recorded (exec.exited logged)
+    error TEXT,    -- or the error payload JSON of a command that ended without an exit
+    PRIMARY KEY (sandbox_id, exec_id)
+);
 """
+
+
+@dataclass
+class ExecRecord:
+    exec_id: str
+    agent_session: int
+    spec: str  # ExecSpec JSON
+    cgroup: str | None
+    started_at: float
+    result: str | None
+    error: str | None
 
 
 class Journal:
@@ -64,6 +90,39 @@ class Journal:
             self._db.execute(
                 "DELETE FROM sandboxes WHERE state IN ('dead','deleted')"
                 " AND updated < strftime('%s','now') - ?", (older_than_s,))
+
+    # ---- commands ---------------------------------------------------------------------
+    def exec_put(self, sandbox_id: str, exec_id: str, agent_session: int, spec_json: str,
+                 idempotency_key: str | None, cgroup: str | None, started_at: float) -> None:
+        """Before the command is sent to the agent (a crash after it finds the record)."""
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO execs(sandbox_id, exec_id, agent_session,"
+                " idempotency_key, spec, cgroup, started_at) VALUES(?,?,?,?,?,?,?)",
+                (sandbox_id, exec_id, agent_session, idempotency_key, spec_json, cgroup,
+                 started_at))
+
+    def exec_done(self, sandbox_id: str, exec_id: str, result_json: str | None,
+                  error_json: str | None = None) -> None:
+        with self._lock:
+            self._db.execute("UPDATE execs SET result=?, error=? WHERE sandbox_id=? AND exec_id=?",
+                             (result_json, error_json, sandbox_id, exec_id))
+
+    def exec_forget(self, sandbox_id: str, exec_ids: list[str] | None = None) -> None:
+        """Drop some of a sandbox's command records (None: all of them)."""
+        with self._lock:
+            if exec_ids is None:
+                self._db.execute("DELETE FROM execs WHERE sandbox_id=?", (sandbox_id,))
+            else:
+                self._db.executemany("DELETE FROM execs WHERE sandbox_id=? AND exec_id=?",
+                                     [(sandbox_id, e) for e in exec_ids])
+
+    def execs(self, sandbox_id: str) -> list[ExecRecord]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT exec_id, agent_session, spec, cgroup, started_at, result, error"
+                " FROM execs WHERE sandbox_id=? ORDER BY started_at", (sandbox_id,)).fetchall()
+        return [ExecRecord(*r) for r in rows]
 
     def close(self) -> None:
         with self._lock:

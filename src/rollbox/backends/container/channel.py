@@ -22,7 +22,9 @@ from typing import Any
 from rollbox.backends.container import protocol as P
 from rollbox.errors import BadRequest, InfraError, RollboxError, SandboxDead
 
-EventKind = str  # "stdout" | "stderr" | "tail_stdout" | "tail_stderr" | "exited"
+# "stdout" | "stderr" | "replay_stdout" | "replay_stderr" (an adopted session's retained
+# output, from ``start_offsets``) | "tail_stdout" | "tail_stderr" | "exited"
+EventKind = str
 Event = tuple[EventKind, Any]  # (kind, bytes) or ("exited", protocol.Exited)
 
 _STREAM_KINDS = {
@@ -117,7 +119,7 @@ class Session:
 
     def collect(self) -> None:
         """Tell the agent the exit is recorded: it frees the session's rings and status."""
-        self.channel._post(P.pack(P.COLLECT, self.id))
+        self.channel.collect(self.id)
 
     # -- called by the channel --
     def _push(self, item: Event) -> None:
@@ -294,6 +296,10 @@ class AgentChannel:
         self._post(P.pack(P.REPLAY, session_id, P.OFFSETS.pack(0, 0)))
         return sess
 
+    def collect(self, session_id: int) -> None:
+        """The agent may free an exited session (its exit is recorded elsewhere)."""
+        self._post(P.pack(P.COLLECT, session_id))
+
     async def ping(self, timeout: float | None = None) -> None:
         self._check_open()
         token = next(self._ping_ids) & 0xFFFFFFFF
@@ -416,7 +422,8 @@ class AgentChannel:
                 if not sess._replay_seen[i]:
                     sess._replay_seen[i] = True
                     sess.start_offsets[i] = P.U64.unpack_from(payload)[0]
-                sess._push(("stdout" if i == 0 else "stderr", payload[P.U64.size:]))
+                sess._push(("replay_stdout" if i == 0 else "replay_stderr",
+                            payload[P.U64.size:]))
         elif msg_type == P.REPLAY_END:
             sess = self._sessions.get(sid)
             if sess is not None and sess._replaying:
