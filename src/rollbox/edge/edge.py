@@ -147,6 +147,7 @@ class Edge:
     async def _recover(self) -> None:
         """Re-adopt journaled sandboxes that still run; report the rest dead; clean orphans."""
         journaled = set()
+        ending: list[asyncio.Task] = []
         for info, host_uid, extra in self.journal.live():
             journaled.add(info.id)
             box = None
@@ -159,8 +160,10 @@ class Edge:
                 continue
             self._register(info, box, self.admission.adopt(info.resources, info.owner,
                                                            _share_of(info)))
-            self._rebuild_sessions(self.live[info.id])
+            ending += self._rebuild_sessions(self.live[info.id])
             log.info("re-adopted sandbox %s", info.id)
+        if ending:  # exits that happened while no edge was up: settled before we serve
+            await asyncio.wait(ending, timeout=5.0)
         for orphan in self.backend.host_sandbox_ids(f"{self.node_id}-") - journaled - set(self.live):
             log.warning("cleaning orphan sandbox resources %s", orphan)
             await self._quiet_cleanup(orphan, None)
@@ -192,7 +195,7 @@ class Edge:
             cgroups.set_children_frozen(v2, False)  # frozen by the parent (paused) or running
         return box
 
-    def _rebuild_sessions(self, live: LiveSandbox) -> None:
+    def _rebuild_sessions(self, live: LiveSandbox) -> list[asyncio.Task]:
         """Commands of a re-adopted sandbox, from the journal and the agent: recorded ends as
         recorded; running or uncollected ones re-attached (output replayed from the agent's
         retained last bytes, exit logged once, when it comes); the rest lost (indeterminate:
@@ -200,6 +203,7 @@ class Edge:
         sid = live.info.id
         channel = live.box.channel
         agent = channel.agent_sessions
+        ending = []
         for rec in self.journal.execs(sid):
             spec = ExecSpec.model_validate_json(rec.spec)
             session = ExecSession(rec.exec_id, spec)
@@ -220,6 +224,8 @@ class Edge:
                 agent_session = channel.adopt(rec.agent_session, collect=False)
                 session.agent_session = agent_session
                 asyncio.create_task(self._pump(live, session, agent_session))
+                if agent[rec.agent_session].exited:
+                    ending.append(asyncio.create_task(session.done.wait()))
             else:
                 err = ExecIndeterminate(
                     f"exec {rec.exec_id} was lost across a server restart: the agent has no "
@@ -227,6 +233,7 @@ class Edge:
                 session.fail(err)
                 self.journal.exec_done(sid, rec.exec_id, None, json.dumps(err.to_payload()))
                 self.event_log.append(sid, "exec.error", rec.exec_id, err.message)
+        return ending
 
     def _v1_freezer(self, sandbox_id: str) -> Path:
         return cgroups.ROOT / "freezer" / self.settings.cgroup_parent / sandbox_id
