@@ -24,6 +24,9 @@ import aiohttp
 import pydantic
 
 from rollbox import errors
+from rollbox.sdk._resume import (
+    DEFAULT_RECONNECT_S, Offsets, Reconnect, indeterminate, new_idempotency_key,
+)
 from rollbox.models import (
     FnCallResult, FnCallSpec,
     ApiKeyInfo, Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec,
@@ -89,6 +92,13 @@ def _check_command(result: ExecResult, cmd: str | list[str]) -> None:
 # What a broken connection, refused connect or socket timeout looks like in aiohttp.
 _TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
+
+def _transport_error(what: str, exc: BaseException) -> errors.InfraError:
+    """A refused/failed connect never reached the server; anything later may have."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return errors.ServerUnreachable(f"{what}: {exc!r}")
+    return errors.ConnectionLost(f"{what}: {exc!r}")
+
 Params = Mapping[str, Any] | Iterable[tuple[str, Any]] | None
 
 
@@ -124,7 +134,7 @@ class _Stream:
             async for chunk in self.resp.content.iter_any():
                 yield chunk
         except _TRANSPORT_ERRORS as exc:
-            raise errors.InfraError(f"stream broken: {exc!r}") from exc
+            raise errors.ConnectionLost(f"stream broken: {exc!r}") from exc
 
     async def aclose(self) -> None:
         # Fully read: the connection goes back to the pool; else it is closed (never reused
@@ -187,7 +197,7 @@ class _Transport:
                 body = await resp.read()
                 status = resp.status
         except _TRANSPORT_ERRORS as exc:
-            raise errors.InfraError(f"{method} {url}: {exc!r}") from exc
+            raise _transport_error(f"{method} {url}", exc) from exc
         _raise_for(status, body)
         return _Response(status, body)
 
@@ -200,12 +210,12 @@ class _Transport:
                 method, self.base_url + url, params=_query(params), data=data, headers=hdrs,
                 timeout=self.stream_timeout, allow_redirects=False)
         except _TRANSPORT_ERRORS as exc:
-            raise errors.InfraError(f"{method} {url}: {exc!r}") from exc
+            raise _transport_error(f"{method} {url}", exc) from exc
         if resp.status >= 400:
             try:
                 body = await resp.read()
             except _TRANSPORT_ERRORS as exc:
-                raise errors.InfraError(f"{method} {url}: {exc!r}") from exc
+                raise _transport_error(f"{method} {url}", exc) from exc
             finally:
                 resp.release()
             _raise_for(resp.status, body)
@@ -234,10 +244,12 @@ class _Transport:
 
 
 def _exec_spec(cmd: str | list[str], env: Mapping[str, str] | None, cwd: str, user: str,
-               timeout: float | None, stdin: bool, background: bool) -> dict[str, Any]:
+               timeout: float | None, stdin: bool, background: bool,
+               idempotency_key: str | None) -> dict[str, Any]:
     try:  # validated here so a bad call fails before any request
         spec = ExecSpec(cmd=cmd, env=dict(env or {}), cwd=cwd, user=user, timeout_s=timeout,
-                        stdin=stdin, background=background)
+                        stdin=stdin, background=background,
+                        idempotency_key=idempotency_key or new_idempotency_key())
     except pydantic.ValidationError as exc:
         raise errors.BadRequest(str(exc)) from None
     return spec.model_dump(mode="json")
@@ -252,15 +264,20 @@ class _Decoders:
 async def _consume_exec(
     messages: AsyncIterator[dict[str, Any]],
     on_stdout: OutputCallback | None, on_stderr: OutputCallback | None,
+    offsets: Offsets, dec: dict[str, codecs.IncrementalDecoder],
+    on_started: Callable[[str], None],
 ) -> ExecResult:
+    """Deliver one exec stream (possibly a resumed one: bytes the client has are skipped)."""
     callbacks = {"stdout": on_stdout, "stderr": on_stderr}
-    dec = _Decoders().dec
     async for msg in messages:
         kind = msg.get("type")
-        if kind in ("stdout", "stderr"):
+        if kind == "started":
+            on_started(msg["exec_id"])
+        elif kind in ("stdout", "stderr"):
+            data = offsets.take(msg)
             cb = callbacks[kind]
-            if cb is not None:
-                text = dec[kind].decode(base64.b64decode(msg["data"]))
+            if cb is not None and data:
+                text = dec[kind].decode(data)
                 if text:
                     r = cb(text)
                     if asyncio.iscoroutine(r):
@@ -275,7 +292,9 @@ async def _consume_exec(
             return ExecResult.model_validate(msg["result"])
         elif kind == "error":
             raise errors.error_from_payload(msg, 500)
-    raise errors.InfraError("exec stream ended without an exit status")
+    # EOF without an exit line: the server went away mid-stream (it reports its own failures
+    # in-band), so the stream is resumed.
+    raise errors.ConnectionLost("exec stream ended without an exit status")
 
 
 class AsyncProcess:
@@ -292,20 +311,41 @@ class AsyncProcess:
         return f"<AsyncProcess {self.exec_id} in {self.sandbox.id}>"
 
     async def attach(self) -> AsyncIterator[OutputChunk]:
-        """Output from the start of the command (replayed) until it exits."""
-        resp = await self._t.stream("GET", self._base + "/stream")
-        async for msg in self._t.lines(resp):
-            kind = msg.get("type")
-            if kind in ("stdout", "stderr"):
-                yield OutputChunk(kind, base64.b64decode(msg["data"]))
-            elif kind == "error":
-                raise errors.error_from_payload(msg, 500)
-            elif kind == "exit":
-                return
+        """Output from the start of the command (replayed) until it exits. A stream broken by
+        a server restart is resumed from the bytes already yielded (within the client's
+        reconnect window); output the restarted server no longer had is skipped and counted
+        in ``truncated`` (bytes per stream)."""
+        offsets = Offsets()
+        self.truncated = offsets.truncated
+        retry = Reconnect(self.sandbox.client.reconnect_s)
+        while True:
+            try:
+                resp = await self._t.stream("GET", self._base + "/stream",
+                                            params=offsets.params())
+                async for msg in self._t.lines(resp):
+                    kind = msg.get("type")
+                    if kind in ("stdout", "stderr"):
+                        data = offsets.take(msg)
+                        if data:
+                            yield OutputChunk(kind, data)
+                    elif kind == "error":
+                        raise errors.error_from_payload(msg, 500)
+                    elif kind == "exit":
+                        return
+                raise errors.ConnectionLost("exec stream ended without an exit status")
+            except (errors.ServerUnreachable, errors.ConnectionLost) as exc:
+                await retry.wait(exc)
 
     async def wait(self, *, check: bool = False) -> ExecResult:
-        result = ExecResult.model_validate(
-            (await self._t.request("GET", self._base, long=True)).json())
+        """The command's result; waits through a server restart (reconnect window)."""
+        retry = Reconnect(self.sandbox.client.reconnect_s)
+        while True:
+            try:
+                r = await self._t.request("GET", self._base, long=True)
+                break
+            except (errors.ServerUnreachable, errors.ConnectionLost) as exc:
+                await retry.wait(exc)
+        result = ExecResult.model_validate(r.json())
         if check:
             _check_command(result, self.cmd)
         return result
@@ -572,29 +612,51 @@ class AsyncSandbox:
         self, cmd: str | list[str], *, env: Mapping[str, str] | None = None, cwd: str = "/",
         user: str = "root", timeout: float | None = None, stdin: bytes | str | None = None,
         on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None,
-        check: bool = False,
+        check: bool = False, idempotency_key: str | None = None,
     ) -> ExecResult:
         """Run a command to completion, streaming its output to the callbacks (str chunks).
-        ``timeout`` is enforced inside the sandbox; a timed-out result has ``timed_out``."""
-        body = _exec_spec(cmd, env, cwd, user, timeout, stdin is not None, False)
+        ``timeout`` is enforced inside the sandbox; a timed-out result has ``timed_out``.
+
+        Survives a server restart: the start carries ``idempotency_key`` (a fresh one per call
+        unless given), so a retry after a broken connection returns the recorded command
+        instead of running it twice; a stream broken mid-way is re-attached from the bytes
+        already delivered. Retries back off within the client's ``reconnect_s``. Output the
+        restarted server no longer had (it keeps the last 1 MiB per stream) is counted in the
+        result's ``*_truncated_bytes``. If the server stays unreachable past the window, the
+        call raises ``ExecIndeterminate`` when the start may have reached it (re-check later
+        with the same ``idempotency_key``, in its details) and ``ServerUnreachable`` when it
+        certainly did not."""
+        body = _exec_spec(cmd, env, cwd, user, timeout, stdin is not None, False,
+                          idempotency_key)
+        key = body["idempotency_key"]
+        retry = Reconnect(self.client.reconnect_s)
         if stdin is None and on_stdout is None and on_stderr is None:
             # Nobody watches the output live: one JSON answer is cheaper than a stream.
-            r = await self._t.request("POST", self._base + "/exec", json=body,
-                                      params={"wait": 1}, long=True)
+            while True:
+                try:
+                    r = await self._t.request("POST", self._base + "/exec", json=body,
+                                              params={"wait": 1}, long=True)
+                    break
+                except (errors.ServerUnreachable, errors.ConnectionLost) as exc:
+                    try:
+                        await retry.wait(exc)
+                    except errors.InfraError:
+                        raise indeterminate(exc, key, None, retry.may_have_run) from exc
             result = ExecResult.model_validate(r.json())
             if check:
                 _check_command(result, cmd)
             return result
-        resp = await self._t.stream("POST", self._base + "/exec", json=body)
-        messages = self._t.lines(resp)
+        offsets = Offsets()
+        dec = _Decoders().dec
+        exec_id: str | None = None
         feeder: asyncio.Task[None] | None = None
-        try:
-            if stdin is not None:
-                first = await messages.__anext__()
-                if first.get("type") != "started":
-                    raise errors.InfraError(f"unexpected first exec message {first!r}")
-                proc = AsyncProcess(self, first["exec_id"], cmd)
-                data = stdin.encode() if isinstance(stdin, str) else stdin
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+
+        def started(eid: str) -> None:
+            nonlocal exec_id, feeder
+            exec_id = eid
+            if data is not None and feeder is None:
+                proc = AsyncProcess(self, eid, cmd)
 
                 async def feed() -> None:
                     if data:
@@ -602,7 +664,27 @@ class AsyncSandbox:
                     await proc.close_stdin()
 
                 feeder = asyncio.create_task(feed())
-            result = await _consume_exec(messages, on_stdout, on_stderr)
+
+        try:
+            while True:
+                try:
+                    if exec_id is None:  # (again) with the key: the recorded one if it ran
+                        resp = await self._t.stream("POST", self._base + "/exec", json=body)
+                    else:
+                        resp = await self._t.stream("GET", f"{self._base}/exec/{exec_id}/stream",
+                                                    params=offsets.params())
+                    messages = self._t.lines(resp)
+                    try:
+                        result = await _consume_exec(messages, on_stdout, on_stderr, offsets,
+                                                     dec, started)
+                    finally:
+                        await messages.aclose()
+                    break
+                except (errors.ServerUnreachable, errors.ConnectionLost) as exc:
+                    try:
+                        await retry.wait(exc)
+                    except errors.InfraError:
+                        raise indeterminate(exc, key, exec_id, retry.may_have_run) from exc
             if feeder is not None:
                 try:
                     await feeder
@@ -611,7 +693,6 @@ class AsyncSandbox:
         finally:
             if feeder is not None and not feeder.done():
                 feeder.cancel()
-            await messages.aclose()
         if check:
             _check_command(result, cmd)
         return result
@@ -619,10 +700,22 @@ class AsyncSandbox:
     async def exec_background(
         self, cmd: str | list[str], *, env: Mapping[str, str] | None = None, cwd: str = "/",
         user: str = "root", timeout: float | None = None, stdin: bool = False,
+        idempotency_key: str | None = None,
     ) -> AsyncProcess:
-        body = _exec_spec(cmd, env, cwd, user, timeout, stdin, True)
-        r = await self._t.request("POST", self._base + "/exec", json=body)
-        return AsyncProcess(self, r.json()["exec_id"], cmd)
+        """Start a command and return its handle. Retried through a server restart with an
+        idempotency key like :meth:`exec` (same errors when the window runs out)."""
+        body = _exec_spec(cmd, env, cwd, user, timeout, stdin, True, idempotency_key)
+        retry = Reconnect(self.client.reconnect_s)
+        while True:
+            try:
+                r = await self._t.request("POST", self._base + "/exec", json=body)
+                return AsyncProcess(self, r.json()["exec_id"], cmd)
+            except (errors.ServerUnreachable, errors.ConnectionLost) as exc:
+                try:
+                    await retry.wait(exc)
+                except errors.InfraError:
+                    raise indeterminate(exc, body["idempotency_key"], None,
+                                        retry.may_have_run) from exc
 
     def process(self, exec_id: str) -> AsyncProcess:
         """Handle on an existing command (e.g. one started by a previous trainer process)."""
@@ -739,7 +832,11 @@ async def _delete_created(requests: Iterable[asyncio.Future[AsyncSandbox]]) -> N
 
 class AsyncClient:
     def __init__(self, base_url: str | None = None, api_key: str | None = None,
-                 timeout: float = 60.0, max_connections: int = 1024) -> None:
+                 timeout: float = 60.0, max_connections: int = 1024,
+                 reconnect_s: float = DEFAULT_RECONNECT_S) -> None:
+        """``reconnect_s``: how long exec calls keep retrying (with backoff) while the server
+        is unreachable, e.g. restarting; their commands keep running meanwhile."""
+        self.reconnect_s = reconnect_s
         self.base_url = base_url or os.environ.get("ROLLBOX_URL", DEFAULT_URL)
         api_key = api_key or os.environ.get("ROLLBOX_API_KEY")
         self._t = _Transport(self.base_url, api_key, timeout, max_connections)

@@ -16,6 +16,7 @@ from rollbox.models import (
     ApiKeyInfo, Event, ExecInfo, ExecResult, FileStat, GradeResult, JobEnded, JobInfo, Quota,
     SandboxInfo, SnapshotResult,
 )
+from rollbox.sdk._resume import DEFAULT_RECONNECT_S
 from rollbox.sdk._async import (
     AsyncClient, AsyncFiles, AsyncJob, AsyncProcess, AsyncSandbox, FileContent, OutputCallback,
     OutputChunk,
@@ -155,18 +156,22 @@ class Sandbox:
         self, cmd: str | list[str], *, env: Mapping[str, str] | None = None, cwd: str = "/",
         user: str = "root", timeout: float | None = None, stdin: bytes | str | None = None,
         on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None,
-        check: bool = False,
+        check: bool = False, idempotency_key: str | None = None,
     ) -> ExecResult:
+        """See :meth:`AsyncSandbox.exec` (survives a server restart; ``ExecIndeterminate``)."""
         return self._p.call(self._sb.exec(
             cmd, env=env, cwd=cwd, user=user, timeout=timeout, stdin=stdin,
-            on_stdout=on_stdout, on_stderr=on_stderr, check=check))
+            on_stdout=on_stdout, on_stderr=on_stderr, check=check,
+            idempotency_key=idempotency_key))
 
     def exec_background(
         self, cmd: str | list[str], *, env: Mapping[str, str] | None = None, cwd: str = "/",
         user: str = "root", timeout: float | None = None, stdin: bool = False,
+        idempotency_key: str | None = None,
     ) -> Process:
         return Process(self._p, self._p.call(self._sb.exec_background(
-            cmd, env=env, cwd=cwd, user=user, timeout=timeout, stdin=stdin)))
+            cmd, env=env, cwd=cwd, user=user, timeout=timeout, stdin=stdin,
+            idempotency_key=idempotency_key)))
 
     def process(self, exec_id: str) -> Process:
         return Process(self._p, self._sb.process(exec_id))
@@ -259,11 +264,12 @@ class Client:
     """Blocking client; same arguments and methods as :class:`AsyncClient`."""
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None,
-                 timeout: float = 60.0, max_connections: int = 1024) -> None:
+                 timeout: float = 60.0, max_connections: int = 1024,
+                 reconnect_s: float = DEFAULT_RECONNECT_S) -> None:
         self._p = _Portal()
 
         async def make() -> AsyncClient:
-            return AsyncClient(base_url, api_key, timeout, max_connections)
+            return AsyncClient(base_url, api_key, timeout, max_connections, reconnect_s)
 
         self._c = self._p.call(make())
         self.base_url = self._c.base_url
