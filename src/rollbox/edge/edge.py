@@ -208,6 +208,7 @@ class Edge:
             spec = ExecSpec.model_validate_json(rec.spec)
             session = ExecSession(rec.exec_id, spec)
             session.started_at = rec.started_at
+            session._t0 -= max(0.0, time.time() - rec.started_at)  # durations span the restart
             session.cgroup_name = rec.cgroup
             live.sessions[rec.exec_id] = session
             if spec.idempotency_key:
