@@ -1,5 +1,5 @@
-"""The ``rollbox`` command: serve, image, key, demo, bench. Thin: parses arguments and calls
-the component that owns the work."""
+"""The ``rollbox`` command: serve, image, sandbox, key, demo, bench. Thin: parses arguments and
+calls the component that owns the work (the operator's sandbox and key groups: operator_cli)."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,11 +12,12 @@ import typer
 
 from rollbox.config import REPO_ROOT, Settings
 from rollbox.images.cli import app as image_app
+from rollbox.operator_cli import key_app, sandbox_app
 
 app = typer.Typer(help="rollbox: elastic sandboxes for RL agents", no_args_is_help=True,
                   pretty_exceptions_enable=False)
 app.add_typer(image_app, name="image", help="Build, import and inspect images")
-key_app = typer.Typer(help="API keys", no_args_is_help=True)
+app.add_typer(sandbox_app, name="sandbox")
 app.add_typer(key_app, name="key")
 bench_app = typer.Typer(help="Benchmarks (ratios against a peer measured in the same run)",
                         no_args_is_help=True)
@@ -32,7 +33,7 @@ app.add_typer(project_app, name="project")
 def serve(host: str = typer.Option("127.0.0.1"), port: int = typer.Option(7420),
           verbose: bool = typer.Option(False, "-v")) -> None:
     """Run the embedded node: api + placement + one edge, SQLite state, local images."""
-    from rollbox.embedded import EmbeddedNode, admin_key_path
+    from rollbox.embedded import EmbeddedNode
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -41,23 +42,13 @@ def serve(host: str = typer.Option("127.0.0.1"), port: int = typer.Option(7420),
     oom.protect()  # the platform, never a sandbox's victim (sandboxes: one memory cgroup)
     node = EmbeddedNode()
     typer.echo(f"rollbox serving on http://{host}:{port} (admin key in "
-               f"{admin_key_path(node.settings)})", err=True)
+               f"{node.settings.admin_key_path})", err=True)
     import uvloop
 
     try:
         uvloop.run(node.serve(host, port))  # libuv loop: cheaper per request and per fd
     except KeyboardInterrupt:
         pass
-
-
-@key_app.command("create")
-def key_create(project: str = typer.Option(..., help="project the key acts for"),
-               admin: bool = typer.Option(False)) -> None:
-    from rollbox.iam.keys import KeyStore
-
-    keys = KeyStore(Settings().data_dir / "keys.db")
-    typer.echo(keys.create(project, admin=admin))
-    keys.close()
 
 
 @app.command()

@@ -161,6 +161,12 @@ class Settings:
         return self.run_dir / "roots"
 
     @property
+    def admin_key_path(self) -> Path:
+        """The node's admin API key, root-only (``rollbox serve`` writes it; the SDK's and the
+        operator CLI's default on this host)."""
+        return self.data_dir / "admin.key"
+
+    @property
     def state_db(self) -> Path:
         return self.data_dir / "state.db"
 

@@ -26,10 +26,6 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = 7420
 
 
-def admin_key_path(settings: Settings) -> Path:
-    return settings.data_dir / "admin.key"
-
-
 class EmbeddedNode:
     def __init__(self, settings: Settings | None = None, limits: Limits | None = None) -> None:
         self.settings = settings or Settings()
@@ -54,7 +50,7 @@ class EmbeddedNode:
     def ensure_admin_key(self) -> str:
         """The local admin key, kept root-only next to the data (SDK default on this host)."""
         assert self.keys is not None
-        path = admin_key_path(self.settings)
+        path = self.settings.admin_key_path
         if path.exists():
             key = path.read_text().strip()
             try:
@@ -142,7 +138,7 @@ def server_process(url: str | None = None,
     try:
         wait_healthy(url, proc, log)
         key = ((env is None and os.environ.get("ROLLBOX_API_KEY"))
-               or admin_key_path(settings).read_text().strip())
+               or settings.admin_key_path.read_text().strip())
         yield url, key
     finally:
         if proc is not None:
