@@ -142,6 +142,23 @@ async def edge(tmp_node_dir: Path, edge_settings: dict) -> AsyncIterator:
         assert not leaks, f"sandbox resources leaked: {leaks}"
 
 
+@pytest.fixture
+async def api_server(edge, tmp_path: Path) -> AsyncIterator:  # noqa: ANN001
+    """(url, KeyStore) of the real api (uvicorn on this loop) over ``edge``, with its job
+    leases; make keys with ``keys.create(project)``."""
+    from rollbox.api import BackgroundServer, create_app
+    from rollbox.iam import KeyStore
+    from rollbox.placement import Placement
+
+    keys = KeyStore(tmp_path / "keys.db")
+    app = create_app(Placement([edge]), edge.event_log, keys, leases=edge.leases)
+    try:
+        async with BackgroundServer(app) as srv:
+            yield srv.url, keys
+    finally:
+        keys.close()
+
+
 RUNS_DIR = Path("/run/rollbox-test-runs")  # <run> -> pid of the pytest process that owns it
 STALE_UNOWNED_S = 600.0
 

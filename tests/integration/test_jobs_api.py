@@ -7,20 +7,15 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 
 import rollbox
 from rollbox import errors
-from rollbox.api import BackgroundServer, create_app
 from rollbox.edge.edge import Edge
 from rollbox.events.store import EventLog
-from rollbox.iam import KeyStore
 from rollbox.models import JobSpec, SandboxSpec
-from rollbox.placement import Placement
 from tests.conftest import new_name, node_settings
 
 pytestmark = [pytest.mark.root,
@@ -28,20 +23,9 @@ pytestmark = [pytest.mark.root,
 BB = "busybox:test"
 
 
-@asynccontextmanager
-async def _api(edge, tmp_path: Path) -> AsyncIterator[tuple[str, KeyStore]]:  # noqa: ANN001
-    keys = KeyStore(tmp_path / "keys.db")
-    app = create_app(Placement([edge]), edge.event_log, keys, leases=edge.leases)
-    try:
-        async with BackgroundServer(app) as srv:
-            yield srv.url, keys
-    finally:
-        keys.close()
-
-
-async def test_job_lease_lifecycle_and_bad_input(edge, tmp_path: Path) -> None:  # noqa: ANN001
-    async with _api(edge, tmp_path) as (url, keys), \
-            rollbox.AsyncClient(url, keys.create("proj-a")) as a, \
+async def test_job_lease_lifecycle_and_bad_input(edge, api_server) -> None:  # noqa: ANN001
+    url, keys = api_server
+    async with rollbox.AsyncClient(url, keys.create("proj-a")) as a, \
             rollbox.AsyncClient(url, keys.create("proj-b")) as b:
         job = await a.job("run-42", heartbeat_s=5).open()
         assert job.info is not None and job.info.state == "live"
@@ -99,9 +83,9 @@ async def test_job_lease_lifecycle_and_bad_input(edge, tmp_path: Path) -> None: 
         assert [j.state for j in await a.jobs()] == ["ended"]
 
 
-async def test_create_many_cancelled_leaves_nothing(edge, tmp_path: Path) -> None:  # noqa: ANN001
-    async with _api(edge, tmp_path) as (url, keys), \
-            rollbox.AsyncClient(url, keys.create("proj")) as c:
+async def test_create_many_cancelled_leaves_nothing(edge, api_server) -> None:  # noqa: ANN001
+    url, keys = api_server
+    async with rollbox.AsyncClient(url, keys.create("proj")) as c:
         task = asyncio.ensure_future(c.create_many(16, BB, concurrency=4))
         deadline = time.monotonic() + 30
         while not edge.live and time.monotonic() < deadline:
@@ -147,39 +131,39 @@ async def test_edge_restart_keeps_a_live_jobs_sandboxes(tmp_node_dir: Path) -> N
         events.close()
 
 
-async def test_keys_listed_and_revoked_at_once(edge, tmp_path: Path) -> None:  # noqa: ANN001
-    async with _api(edge, tmp_path) as (url, keys):
-        admin_key = keys.create("ops", admin=True)
-        key = keys.create("team")
-        async with rollbox.AsyncClient(url, admin_key) as admin, \
-                rollbox.AsyncClient(url, key) as team:
-            assert await team.jobs() == []  # the key works (and is cached by the server)
-            listed = await admin.keys()
-            assert {k.project for k in listed} == {"ops", "team"}
-            assert all(key[12:] not in k.model_dump_json() for k in listed)
-            mine = [k for k in await admin.keys(project="team")]
-            assert len(mine) == 1 and mine[0].last_used_at is not None
-            with pytest.raises(errors.Forbidden):
-                await team.keys()
-            with pytest.raises(errors.Forbidden):
-                await team.revoke_key(mine[0].key_id)
+async def test_keys_listed_and_revoked_at_once(api_server) -> None:  # noqa: ANN001
+    url, keys = api_server
+    admin_key = keys.create("ops", admin=True)
+    key = keys.create("team")
+    async with rollbox.AsyncClient(url, admin_key) as admin, \
+            rollbox.AsyncClient(url, key) as team:
+        assert await team.jobs() == []  # the key works (and is cached by the server)
+        listed = await admin.keys()
+        assert {k.project for k in listed} == {"ops", "team"}
+        assert all(key[12:] not in k.model_dump_json() for k in listed)
+        mine = [k for k in await admin.keys(project="team")]
+        assert len(mine) == 1 and mine[0].last_used_at is not None
+        with pytest.raises(errors.Forbidden):
+            await team.keys()
+        with pytest.raises(errors.Forbidden):
+            await team.revoke_key(mine[0].key_id)
+        await admin.revoke_key(mine[0].key_id)
+        with pytest.raises(errors.Unauthorized):
+            await team.jobs()
+        with pytest.raises(errors.NotFound):
             await admin.revoke_key(mine[0].key_id)
-            with pytest.raises(errors.Unauthorized):
-                await team.jobs()
-            with pytest.raises(errors.NotFound):
-                await admin.revoke_key(mine[0].key_id)
-            with pytest.raises(errors.NotFound):
-                await admin.revoke_key("key_nope")
-            assert (await admin.keys(project="team"))[0].revoked_at is not None
+        with pytest.raises(errors.NotFound):
+            await admin.revoke_key("key_nope")
+        assert (await admin.keys(project="team"))[0].revoked_at is not None
 
 
 async def test_unknown_image_names_only_what_the_caller_may_see(  # noqa: ANN001
-        edge, names: list[str], tmp_path: Path) -> None:
+        edge, names: list[str], api_server) -> None:
     secret = new_name(names, "secret-snap")
     bb = edge.store.resolve(BB)
     edge.store.tag(secret, list(bb.layers), {**bb.config, "owner": "proj-a"})
-    async with _api(edge, tmp_path) as (url, keys), \
-            rollbox.AsyncClient(url, keys.create("proj-a")) as a, \
+    url, keys = api_server
+    async with rollbox.AsyncClient(url, keys.create("proj-a")) as a, \
             rollbox.AsyncClient(url, keys.create("proj-b")) as b:
         with pytest.raises(errors.NotFound) as seen_by_b:
             await b.create("no-such/image:1")

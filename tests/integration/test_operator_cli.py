@@ -11,34 +11,18 @@ import pty
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 import rollbox
 from rollbox import errors
-from rollbox.api import BackgroundServer, create_app
 from rollbox.cli import app as cli
-from rollbox.iam import KeyStore
-from rollbox.placement import Placement
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root and runc")]
 BB = "busybox:test"
 NASTY = r"printf 'a\033[2J\033]0;pwned\007b\rc\302\233m\n'"  # ESC CSI OSC BEL CR C1-CSI
-
-
-@pytest.fixture
-async def server(edge, tmp_path: Path) -> AsyncIterator[tuple[str, KeyStore]]:  # noqa: ANN001
-    keys = KeyStore(tmp_path / "keys.db")
-    app = create_app(Placement([edge]), edge.event_log, keys, leases=edge.leases)
-    try:
-        async with BackgroundServer(app) as srv:
-            yield srv.url, keys
-    finally:
-        keys.close()
 
 
 async def _run(url: str, key: str, *args: str, stdin: str | None = None):  # noqa: ANN202
@@ -79,8 +63,8 @@ def _on_a_terminal(url: str, key: str, args: list[str], answer: bytes) -> tuple[
             proc.wait()
 
 
-async def test_sandbox_commands_select_exec_logs_rm(edge, server) -> None:  # noqa: ANN001
-    url, keys = server
+async def test_sandbox_commands_select_exec_logs_rm(edge, api_server) -> None:  # noqa: ANN001
+    url, keys = api_server
     admin = keys.create("ops", admin=True)
     async with rollbox.AsyncClient(url, keys.create("proj-a")) as a, \
             rollbox.AsyncClient(url, keys.create("proj-b")) as b:
@@ -159,8 +143,8 @@ async def test_sandbox_commands_select_exec_logs_rm(edge, server) -> None:  # no
                     pass
 
 
-async def test_key_ls_and_revoke(server) -> None:  # noqa: ANN001
-    url, keys = server
+async def test_key_ls_and_revoke(api_server) -> None:  # noqa: ANN001
+    url, keys = api_server
     admin = keys.create("ops", admin=True)
     team = keys.create("team")
     async with rollbox.AsyncClient(url, team) as c:
