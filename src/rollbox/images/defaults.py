@@ -26,15 +26,22 @@ PYTHON_COMMANDS = [
     "ln -sf /usr/bin/python3 /usr/local/bin/python",
     "apt-get clean",
 ]
+# A sandbox is thrown away after its episode: Debian's PEP 668 marker (EXTERNALLY-MANAGED)
+# would only make the README's `pip install -e .` fail, so pip may install as root into
+# /usr/local (pip's own choice there) without a venv, quietly and without a version check.
+PYTHON_ENV = {"PIP_BREAK_SYSTEM_PACKAGES": "1", "PIP_ROOT_USER_ACTION": "ignore",
+              "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
 
 
 async def build_layer_with_commands(store: ImageStore, base: str, commands: list[str],
                                     name: str, *, settings: Settings | None = None,
                                     network: str = "host", log: Callable[[str], None] = print,
                                     log_file: Path | None = None,
-                                    keep_git_history: bool = False) -> str:
+                                    keep_git_history: bool = False,
+                                    image_env: dict[str, str] | None = None) -> str:
     """Run commands in a sandbox over ``base``; its scrubbed writable upper becomes a new
-    layer and ``name`` is tagged as base + that layer. Returns the new layer's digest."""
+    layer and ``name`` is tagged as base + that layer (its config: base's, plus ``image_env``
+    in its environment). Returns the new layer's digest."""
     from rollbox.backends.container.sandbox import ContainerBackend
     from rollbox.images.mounts import LayerMounts
     from rollbox.isolation.userns import UidSlots
@@ -74,18 +81,26 @@ async def build_layer_with_commands(store: ImageStore, base: str, commands: list
         backend.release_node_resources()
         slots.close()
     config = dict(image.config)
+    config["env"] = {**config.get("env", {}), **(image_env or {})}
     store.tag(name, list(image.layers) + [digest], config)
     return digest
 
 
 def ensure_python_image(store: ImageStore, log: Callable[[str], None] = print) -> None:
     try:
-        store.resolve(PYTHON_IMAGE)
+        image = store.resolve(PYTHON_IMAGE)
     except Exception:  # noqa: BLE001 - missing: build it
         log(f"building {PYTHON_IMAGE} over {BASE_IMAGE} (apt-get in a build sandbox)")
         asyncio.run(build_layer_with_commands(
             store, BASE_IMAGE, PYTHON_COMMANDS, PYTHON_IMAGE, log=log,
-            log_file=store.root / "build-python.log"))
+            log_file=store.root / "build-python.log", image_env=PYTHON_ENV))
+    else:
+        env = image.config.get("env", {})
+        if any(env.get(k) != v for k, v in PYTHON_ENV.items()):
+            # Built before PYTHON_ENV existed: same layers, updated config (no rebuild).
+            log(f"updating {PYTHON_IMAGE}'s environment: {' '.join(PYTHON_ENV)}")
+            store.tag(PYTHON_IMAGE, list(image.layers),
+                      {**image.config, "env": {**env, **PYTHON_ENV}})
     ensure_fncall_image(store, log)
 
 
