@@ -44,6 +44,7 @@
 #define HDR 8
 #define LISTEN_FD 3
 #define AGENT_EXE_FD 4
+#define PLATFORM_SHELL_FD 5 /* the platform's shell (bash-static), never a path of the sandbox */
 
 /* edge -> agent */
 enum { M_EXEC = 1, M_STDIN = 2, M_STDIN_CLOSE = 3, M_SIGNAL = 4, M_KILL = 5, M_PING = 6,
@@ -55,6 +56,8 @@ enum { M_READY = 32, M_STARTED = 33, M_SPAWN_FAILED = 34, M_STDOUT = 35, M_STDER
 
 #define EXEC_STDIN 1u
 #define EXEC_CGROUP 2u
+#define EXEC_PLATFORM_SHELL 4u /* argv runs under the platform shell (exec'd from its fd) */
+#define EXEC_KNOWN_FLAGS (EXEC_STDIN | EXEC_CGROUP | EXEC_PLATFORM_SHELL)
 #define EXEC_HEAD_SIZE 36 /* <IIIIQIII */
 #define EXITED_SIZE 44    /* <iiBxxxQQQQ */
 #define SESSION_ENTRY_SIZE 52 /* <IiBBxxiiQQQQ */
@@ -140,6 +143,7 @@ static size_t pend_count;
 static char *rdbuf;   /* HDR + CHUNK, lazily allocated */
 static char *rxbuf;   /* MAX_PACKET, lazily allocated */
 static int more_work; /* some pump stopped early; poll again without sleeping */
+static int shell_fd = -1; /* PLATFORM_SHELL_FD when the edge passed one */
 
 static void logmsg(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void logmsg(const char *fmt, ...)
@@ -814,6 +818,9 @@ static int landlock_ruleset(void)
         return -1;
     if (ll_add_ancestor(rs, "/") < 0)
         goto fail;
+    /* The platform shell is outside the tree: commands may exec it (only it, by its fd). */
+    if (shell_fd >= 0 && ll_add(rs, shell_fd, LL_EXECUTE | LL_READ_FILE) < 0)
+        goto fail;
     /* Every proper ancestor of every denied path, shallowest first per path. */
     char anc[4096];
     for (int i = 0; i < ll_ndeny; i++) {
@@ -841,9 +848,9 @@ fail:;
 
 static const char *step_names[] = {"unknown", "setsid", "join cgroup", "setgroups", "setgid",
                                    "setuid", "chdir", "open /dev/null", "dup2", "exec",
-                                   "landlock", "oom_score_adj"};
+                                   "landlock", "oom_score_adj", "platform shell"};
 enum { ST_SETSID = 1, ST_CGROUP, ST_SETGROUPS, ST_SETGID, ST_SETUID, ST_CHDIR, ST_DEVNULL,
-       ST_DUP2, ST_EXEC, ST_LANDLOCK, ST_OOM };
+       ST_DUP2, ST_EXEC, ST_LANDLOCK, ST_OOM, ST_SHELL };
 
 static void spawn_failed(uint32_t id, int err, const char *msg)
 {
@@ -872,7 +879,7 @@ static void abandon_spawn(uint32_t id, const char *step, int err, const int *fds
 
 /* Runs in the forked child: never returns. */
 static void child_exec(int status_wr, int in_rd, int out_wr, int err_wr, int cgfd, uid_t uid,
-                       gid_t gid, const char *cwd, char **argv, char **envp)
+                       gid_t gid, const char *cwd, char **argv, char **envp, int platform_shell)
 {
     int32_t report[2] = {0, 0};
     sigset_t all;
@@ -942,6 +949,16 @@ static void child_exec(int status_wr, int in_rd, int out_wr, int err_wr, int cgf
     umask(022);
     if (ruleset >= 0 && syscall(SYS_landlock_restrict_self, ruleset, 0) < 0) {
         report[0] = ST_LANDLOCK;
+        goto fail;
+    }
+    if (platform_shell) {
+        /* By descriptor: no path of the sandbox is looked up, so nothing it renamed or
+         * replaced runs. The fd is close-on-exec (an ELF binary needs no path to it). */
+        if (shell_fd < 0)
+            errno = EBADF;
+        else
+            syscall(SYS_execveat, shell_fd, "", argv, envp, AT_EMPTY_PATH);
+        report[0] = ST_SHELL;
         goto fail;
     }
     environ = envp; /* execvpe searches the PATH of `environ`: make it the command's env */
@@ -1016,6 +1033,13 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
     vec[k] = NULL;
     char *cwd = vec[0], **argv = vec + 1, **envp = vec + 2 + argc;
 
+    if (flags & ~EXEC_KNOWN_FLAGS) {
+        free(vec);
+        if (cgfd >= 0)
+            close(cgfd);
+        spawn_failed(id, EINVAL, "unknown EXEC flags");
+        return 0;
+    }
     if (((flags & EXEC_CGROUP) != 0) != (cgfd >= 0)) {
         free(vec);
         if (cgfd >= 0)
@@ -1047,7 +1071,8 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
     }
     pid_t pid = fork();
     if (pid == 0)
-        child_exec(st[1], in[0], o[1], e[1], cgfd, uid, gid, cwd, argv, envp);
+        child_exec(st[1], in[0], o[1], e[1], cgfd, uid, gid, cwd, argv, envp,
+                   (flags & EXEC_PLATFORM_SHELL) != 0);
     int fork_err = errno;
     close(st[1]);
     close(o[1]);
@@ -1102,7 +1127,7 @@ static void resolve_spawn(struct session *s)
         return;
     close_watched(&s->status_fd);
     if (n == (ssize_t)sizeof report) {
-        int step = report[0] > 0 && report[0] <= ST_OOM ? report[0] : 0;
+        int step = report[0] > 0 && report[0] <= ST_SHELL ? report[0] : 0;
         char msg[512];
         const char *arg = step == ST_CHDIR ? s->ctx_cwd : step == ST_EXEC ? s->ctx_argv0 : NULL;
         snprintf(msg, sizeof msg, "%s%s%s: %s", step_names[step], arg ? " " : "",
@@ -1438,6 +1463,14 @@ int main(void)
     /* runc exec'd us from fd 4 (our own binary, never a path in the sandbox): drop it before
      * anything can inherit it. */
     close(AGENT_EXE_FD);
+    /* The platform shell (an fd of the host's root-owned copy, like fd 4): kept, close-on-exec,
+     * so only the children that exec it hold it, and only until that exec. */
+    struct stat shell_st;
+    if (fstat(PLATFORM_SHELL_FD, &shell_st) == 0 && S_ISREG(shell_st.st_mode) &&
+        fcntl(PLATFORM_SHELL_FD, F_SETFD, FD_CLOEXEC) == 0)
+        shell_fd = PLATFORM_SHELL_FD;
+    else
+        close(PLATFORM_SHELL_FD);
     prctl(PR_SET_NAME, "rollbox-agent", 0, 0, 0); /* exec'd as /proc/self/fd/4, comm was "4" */
     if (getpid() != 1)
         prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);

@@ -56,6 +56,9 @@ class Settings:
     agent_binary: Path = field(
         default_factory=lambda: _env_path("ROLLBOX_AGENT", REPO_ROOT / "build" / "rollbox-agent")
     )
+    # bash-static: interprets command strings in sandboxes (backends/container/platform_shell.py)
+    platform_shell: Path = field(
+        default_factory=lambda: _env_path("ROLLBOX_PLATFORM_SHELL", "/bin/bash-static"))
     runtime: str = field(default_factory=lambda: os.environ.get("ROLLBOX_RUNTIME", "runc"))
     cgroup_parent: str = field(default_factory=lambda: os.environ.get("ROLLBOX_CGROUP", "rollbox"))
     node_id: str = field(default_factory=lambda: os.environ.get("ROLLBOX_NODE", "n0"))

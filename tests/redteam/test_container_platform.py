@@ -16,7 +16,7 @@ async def test_a1_overwritten_shell_does_not_hijack_platform(boxes: Boxes) -> No
     # The agent replaces the shell and helpers with a script that logs "pwned" (the last
     # command uses busybox's builtin printf/chmod-free path: cp of a script prepared first).
     r = await boxes.run(sid, "printf '#!/bin/busybox sh\\necho pwned >> /tmp/pwned\\n' > /tmp/evil"
-                        " && chmod 755 /tmp/evil && for f in /bin/sh /bin/cat /bin/ls /bin/tar; do"
+                        " && busybox chmod 755 /tmp/evil && for f in /bin/sh /bin/cat /bin/ls /bin/tar; do"
                         " rm -f $f; busybox cp /tmp/evil $f; done; echo done")
     assert r.stdout == "done\n", r
     assert b"pwned" in await boxes.edge.file_read(sid, "/bin/sh", 1 << 20)  # really replaced

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from rollbox.backends.container.channel import SpawnError
 from rollbox.backends.container.files import DiskFull
-from rollbox.backends.container.protocol import RETAIN_LIMIT, ExecRequest
+from rollbox.backends.container.protocol import RETAIN_LIMIT, ExecRequest, shell_argv
 from rollbox.backends.container.sandbox import ContainerBackend, ContainerSandbox
 from rollbox.config import Settings
 from rollbox.edge.admission import (
@@ -645,7 +645,8 @@ class Edge:
     async def _exec_start(self, live: LiveSandbox, spec: ExecSpec) -> str:
         sandbox_id = live.info.id
         uid, gid, home = await self._resolve_user(live, spec.user)
-        argv = ["/bin/sh", "-c", spec.cmd] if isinstance(spec.cmd, str) else list(spec.cmd)
+        shell = isinstance(spec.cmd, str)  # a string: the platform shell, never the sandbox's
+        argv = shell_argv(spec.cmd) if isinstance(spec.cmd, str) else list(spec.cmd)
         env = dict(live.box.image_env)
         if spec.user != "root":
             env["HOME"] = home
@@ -654,6 +655,7 @@ class Edge:
             argv=argv, env=[f"{k}={v}" for k, v in env.items()], cwd=spec.cwd, uid=uid, gid=gid,
             timeout_ms=int(spec.timeout_s * 1000) if spec.timeout_s else 0, stdin=spec.stdin,
             tail_limit=RETAIN_LIMIT,  # what a restarted edge can replay
+            platform_shell=shell,
         )
         cg_name, cg_fd = live.box.new_session_cgroup()
         exec_id = f"e{live.box.next_session}"
@@ -670,6 +672,8 @@ class Edge:
         except SpawnError as exc:
             os.close(cg_fd)
             live.box.drop_session_cgroup(cg_name)
+            if shell and str(exc).startswith("platform shell"):  # the node's fault, not the call's
+                raise InfraError(f"sandbox {sandbox_id}: {exc}") from None
             if exc.errno in (2, 13) and "exec" in str(exc):  # command not found / not runnable
                 self._add_session(live, session)
                 self._log_start(sandbox_id, session)

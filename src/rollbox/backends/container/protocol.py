@@ -3,7 +3,8 @@
 The agent is the sandbox's PID 1 (a static binary bind-mounted read-only from the host; never a
 file of the sandbox's writable tree). It talks over a unix SOCK_SEQPACKET socket whose
 *listening* end the edge creates on the host (``<run_dir>/sandboxes/<id>/agent.sock``, root-only)
-and hands to the agent as fd 3 (``runc --preserve-fds 1``). The path does not exist in the
+and hands to the agent as fd 3 (``runc --preserve-fds 3``: fd 4 is the agent's own binary, fd 5
+the platform shell). The path does not exist in the
 sandbox's mount namespace, the fd is close-on-exec, and the agent is non-dumpable, so nothing
 inside the sandbox can reach or forge the channel. A restarted edge reconnects to the same path
 (re-adoption); a new connection replaces the old one.
@@ -17,7 +18,12 @@ Edge -> agent
                  ("K=V"). flags: EXEC_STDIN (stdin is a pipe fed by STDIN, else /dev/null),
                  EXEC_CGROUP (one fd attached with SCM_RIGHTS: the session's cgroup-v2
                  directory; the child joins it before exec and timeouts kill through its
-                 ``cgroup.kill``). The agent answers STARTED or SPAWN_FAILED.
+                 ``cgroup.kill``), EXEC_PLATFORM_SHELL (argv runs under the platform shell:
+                 the agent execs the shell binary it got from the edge as fd 5 at start, by
+                 descriptor, with argv as given; argv[0] is only its name, e.g. ``bash``; no
+                 path of the sandbox is looked up, so a ``/bin/sh`` or ``bash`` the sandbox
+                 replaced never runs). Unknown flags are refused. The agent answers STARTED or
+                 SPAWN_FAILED.
   STDIN(2)       bytes for the session's stdin (at most ``CHUNK`` per packet), credit-based: the
                  edge keeps at most ``STDIN_WINDOW`` bytes per session not yet acknowledged by
                  STDIN_ACK, so a command that never reads its stdin can't stall the connection
@@ -91,6 +97,16 @@ STDIN_WINDOW = 256 * 1024
 
 EXEC_STDIN = 1
 EXEC_CGROUP = 2
+EXEC_PLATFORM_SHELL = 4
+
+# argv[0] of the platform shell (bash-static): bash semantics. ``sh`` would make it bash's
+# POSIX mode, for callers that promise /bin/sh semantics.
+PLATFORM_SHELL_NAME = "bash"
+
+
+def shell_argv(cmd: str, name: str = PLATFORM_SHELL_NAME) -> list[str]:
+    """argv of a command string run by the platform shell (with ``platform_shell=True``)."""
+    return [name, "-c", cmd]
 
 
 def pack(msg_type: int, session: int, payload: bytes = b"", flags: int = 0) -> bytes:
@@ -116,9 +132,11 @@ class ExecRequest:
     stdin: bool = False
     stream_limit: int = 8 << 20
     tail_limit: int = 64 << 10
+    platform_shell: bool = False  # argv runs under the platform shell (EXEC_PLATFORM_SHELL)
 
     def encode(self, session: int, with_cgroup: bool) -> bytes:
-        flags = (EXEC_STDIN if self.stdin else 0) | (EXEC_CGROUP if with_cgroup else 0)
+        flags = ((EXEC_STDIN if self.stdin else 0) | (EXEC_CGROUP if with_cgroup else 0)
+                 | (EXEC_PLATFORM_SHELL if self.platform_shell else 0))
         head = EXEC_HEAD.pack(
             self.uid, self.gid, self.timeout_ms, flags, self.stream_limit, self.tail_limit,
             len(self.argv), len(self.env),

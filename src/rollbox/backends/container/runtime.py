@@ -1,7 +1,8 @@
 """Starting the OCI runtime (runc by default) without a shell and without waiting on pipes.
 
-runc is spawned with posix_spawn so the agent's listening socket lands on fd 3 and the agent
-binary (which runc execs as ``/proc/self/fd/4``) on fd 4 (``--preserve-fds 2``) and its stdio is /dev/null plus a host-side log file; the call returns
+runc is spawned with posix_spawn so the agent's listening socket lands on fd 3, the agent
+binary (which runc execs as ``/proc/self/fd/4``) on fd 4 and the platform shell on fd 5
+(``--preserve-fds 3``), and its stdio is /dev/null plus a host-side log file; the call returns
 once ``runc run -d`` has exited (the container's init is then running on its own).
 """
 from __future__ import annotations
@@ -48,14 +49,14 @@ class Runtime:
         return [self.binary, "--root", str(self.root), *args]
 
     async def run_detached(self, container_id: str, bundle: Path, listen_fd: int, agent_fd: int,
-                           pid_file: Path, log_file: Path) -> int:
+                           shell_fd: int, pid_file: Path, log_file: Path) -> int:
         """``runc run -d``; returns the container init's host pid."""
         devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         log = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:
             pid = os.posix_spawn(
                 self.binary,
-                self._argv("run", "-d", "--preserve-fds", "2", "--pid-file", str(pid_file),
+                self._argv("run", "-d", "--preserve-fds", "3", "--pid-file", str(pid_file),
                            "--bundle", str(bundle), container_id),
                 RUNC_ENV,
                 file_actions=[
@@ -64,6 +65,7 @@ class Runtime:
                     (os.POSIX_SPAWN_DUP2, log, 2),
                     (os.POSIX_SPAWN_DUP2, listen_fd, 3),
                     (os.POSIX_SPAWN_DUP2, agent_fd, 4),
+                    (os.POSIX_SPAWN_DUP2, shell_fd, 5),
                 ],
             )
         finally:

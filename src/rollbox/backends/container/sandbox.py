@@ -18,11 +18,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollbox.backends.container import bundle
+from rollbox.backends.container import bundle, platform_shell
 from rollbox.backends.container.channel import AgentChannel
 from rollbox.backends.container.cpuview import CpuViews
 from rollbox.backends.container.files import SandboxFS
-from rollbox.backends.container.protocol import ExecRequest
+from rollbox.backends.container.protocol import ExecRequest, shell_argv
 from rollbox.backends.container.rootfs import (
     Rootfs, ensure_run_tmpfs, mount_points_under, release_run_tmpfs, remove_flat_dir,
 )
@@ -82,14 +82,14 @@ class ContainerSandbox:
     async def run_shell(self, cmd: str, env: dict[str, str], timeout_s: float,
                         on_output: Callable[[bytes], object] | None = None,
                         tail: int = 4000) -> tuple[int, bytes]:
-        """Run ``cmd`` under the image's ``/bin/sh`` as root, outside the edge's exec sessions:
+        """Run ``cmd`` under the platform shell as root, outside the edge's exec sessions:
         the platform's own work on a sandbox it controls (image builds, benchmarks). Returns
         the exit code (-1 if none came) and the last ``tail`` bytes of stdout+stderr."""
         cg_name, cg_fd = self.new_session_cgroup()
         try:
             session = await self.channel.exec(ExecRequest(
-                argv=["/bin/sh", "-c", cmd], env=[f"{k}={v}" for k, v in env.items()],
-                timeout_ms=int(timeout_s * 1000)), cg_fd)
+                argv=shell_argv(cmd), env=[f"{k}={v}" for k, v in env.items()],
+                timeout_ms=int(timeout_s * 1000), platform_shell=True), cg_fd)
         finally:
             os.close(cg_fd)
         out = b""
@@ -127,22 +127,24 @@ class ContainerBackend:
         self.run_root = settings.run_dir / "sandboxes"
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.run_root.mkdir(parents=True, exist_ok=True)
-        self.agent_path = self._install_agent()
         self.cpu_views = CpuViews()
-
-    def _install_agent(self) -> Path:
-        """Copy the agent binary to a root-owned, content-addressed host dir; returns its path.
-        Sandboxes never see it in their tree: runc execs it from an inherited fd."""
-        src = self.settings.agent_binary
+        src = settings.agent_binary
         if not src.exists():
             raise InfraError(f"agent binary missing at {src} (run `make native`)")
-        data = src.read_bytes()
+        self.agent_path = self._install_host_binary(src.read_bytes(), bundle.AGENT_NAME)
+        self.shell_path = self._install_host_binary(
+            platform_shell.prepared(settings.platform_shell), platform_shell.NAME)
+
+    def _install_host_binary(self, data: bytes, name: str) -> Path:
+        """Copy a binary of the platform (the agent, the platform shell) to a root-owned,
+        content-addressed host dir; returns its path. Sandboxes never see it in their tree:
+        runc execs the agent from an inherited fd, the agent the shell from another."""
         digest = hashlib.sha256(data).hexdigest()[:16]
         target_dir = self.settings.data_dir / "agent" / digest
-        target = target_dir / bundle.AGENT_NAME
+        target = target_dir / name
         if not target.exists():
             target_dir.mkdir(parents=True, exist_ok=True)
-            tmp = target_dir / ".tmp-agent"
+            tmp = target_dir / f".tmp-{name}"
             tmp.write_bytes(data)
             os.chmod(tmp, 0o555)
             os.replace(tmp, target)
@@ -206,9 +208,13 @@ class ContainerBackend:
             (rootfs.dir / "config.json").write_text(json.dumps(config))
             agent_fd = os.open(self.agent_path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                pid = await self.runtime.run_detached(
-                    sandbox_id, rootfs.dir, listener.fileno(), agent_fd, run_dir / "pid",
-                    run_dir / "agent.log")
+                shell_fd = os.open(self.shell_path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    pid = await self.runtime.run_detached(
+                        sandbox_id, rootfs.dir, listener.fileno(), agent_fd, shell_fd,
+                        run_dir / "pid", run_dir / "agent.log")
+                finally:
+                    os.close(shell_fd)
             finally:
                 os.close(agent_fd)
             # The agent is the OOM killer's last choice; its commands start from 0 again
