@@ -99,3 +99,54 @@ async def test_a1_platform_shell_fd_unhardened_twin(boxes: Boxes) -> None:
     r = await boxes.run(sid, "cat /proc/1/fd/5 | wc -c; echo x >> /proc/1/fd/5; echo write=$?")
     out = r.stdout.splitlines()
     assert int(out[0]) > 1_000_000 and out[1] == "write=1", r
+
+
+# An NSS module the sandbox plants: static glibc dlopens what /etc/nsswitch.conf names when bash
+# looks a user up (it does at every start). Its constructor logs that it ran.
+EVIL_NSS = r'''
+#include <fcntl.h>
+#include <unistd.h>
+__attribute__((constructor)) static void pwn(void) {
+    int fd = open("/tmp/pwned", O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (fd >= 0) { write(fd, "ran\n", 4); close(fd); }
+}
+'''
+
+
+async def _plant_nss(boxes: Boxes, sid: str, tmp_path) -> None:  # noqa: ANN001
+    import asyncio
+    import subprocess
+
+    src = tmp_path / "evil.c"
+    src.write_text(EVIL_NSS)
+    lib = tmp_path / "libnss_evil.so.2"
+    await asyncio.to_thread(subprocess.run, ["gcc", "-shared", "-fPIC", "-o", str(lib),
+                                             str(src)], check=True)
+    await boxes.edge.file_write(sid, "/lib/x86_64-linux-gnu/libnss_evil.so.2",
+                                lib.read_bytes(), 0o755)
+    await boxes.edge.file_write(sid, "/etc/nsswitch.conf",
+                                b"passwd: evil files\ngroup: evil files\n", 0o644)
+
+
+async def test_a1_platform_shell_loads_no_nss_module(boxes: Boxes, tmp_path) -> None:  # noqa: ANN001
+    sid = await boxes.make(DEB)
+    await _plant_nss(boxes, sid, tmp_path)
+    r = await boxes.run(sid, "echo ~root ~nosuchuser; id -un")
+    # the command's own tools (id) are the sandbox's, and load its module: that is its code
+    assert r.stdout == "/root ~nosuchuser\nroot\n", r
+    await boxes.edge.file_write(sid, "/tmp/pwned", b"", 0o644)
+    r = await boxes.run(sid, "echo ~root ~nosuchuser; exit 4")
+    assert (r.stdout, r.exit_code) == ("/root ~nosuchuser\n", 4), r
+    assert not await _pwned(boxes, sid)
+
+
+async def test_a1_stock_bash_static_loads_nss_module_twin(boxes: Boxes, tmp_path) -> None:  # noqa: ANN001
+    # twin: the unpatched bash-static, given the same sandbox, runs the planted module
+    from pathlib import Path
+
+    sid = await boxes.make(DEB)
+    await _plant_nss(boxes, sid, tmp_path)
+    await boxes.edge.file_write(sid, "/opt/bash-static", Path("/bin/bash-static").read_bytes(),
+                                0o755)
+    r = await boxes.run(sid, ["/opt/bash-static", "-c", "echo ~nosuchuser"])
+    assert await _pwned(boxes, sid), r
