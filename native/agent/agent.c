@@ -38,7 +38,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define PROTOCOL_VERSION 2
+#define PROTOCOL_VERSION 3
 #define MAX_PACKET (128 * 1024)
 #define CHUNK (64 * 1024)
 #define HDR 8

@@ -70,7 +70,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_PACKET = 128 * 1024
 CHUNK = 64 * 1024
 
