@@ -119,7 +119,8 @@ class SandboxInfo(BaseModel):
 
 class ExecSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    # Either a shell command string (run with /bin/sh -c) or an argv list.
+    # Either a command string (run by the platform shell: bash -c, never the sandbox's shell)
+    # or an argv list.
     cmd: str | list[str]
     env: dict[str, str] = Field(default_factory=dict)
     cwd: str = Field("/", max_length=4096)
