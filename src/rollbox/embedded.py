@@ -114,39 +114,70 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, log: Path | Non
     raise RuntimeError(f"server at {url} not healthy after {timeout}s")
 
 
+class ServerProcess:
+    """``rollbox serve`` as a child process (its own core, as deployed) on a fixed port, which
+    can be killed (``kill -9``) and started again on the same node: restart tests, ``bench``.
+    With ``settings`` (tests) the child runs that node (data dir, cgroup parent, node id, uid
+    range). Its log goes to a file, not a pipe: a pipe nobody drains fills up during a long
+    benchmark and blocks the server on its next log line."""
+
+    def __init__(self, settings: Settings | None = None, port: int | None = None) -> None:
+        self.env = None if settings is None else {**os.environ, **settings.environ()}
+        self.settings = settings or Settings()
+        self.port = port or _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        fd, name = tempfile.mkstemp(prefix="rollbox-serve-", suffix=".log")
+        os.close(fd)
+        self.log = Path(name)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def key(self) -> str:
+        """The admin key (ROLLBOX_API_KEY for the node's own server)."""
+        return ((self.env is None and os.environ.get("ROLLBOX_API_KEY"))
+                or self.settings.admin_key_path.read_text().strip())
+
+    def start(self, wait: bool = True) -> None:
+        with open(self.log, "ab") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rollbox.cli", "serve", "--port", str(self.port)],
+                stdout=subprocess.DEVNULL, stderr=err, env=self.env)
+        if wait:
+            wait_healthy(self.url, self.proc, self.log)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown of any kind (its sandboxes and commands keep running)."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def stop(self) -> None:
+        """Graceful stop (SIGTERM), SIGKILL after 30 s; the log goes."""
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+        self.log.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def server_process(url: str | None = None,
                    settings: Settings | None = None) -> Iterator[tuple[str, str]]:
-    """(url, api key) of a running server: ``url`` if given, else ``rollbox serve`` started as
-    a child process (its own core, as deployed) and stopped on exit; with ``settings`` (tests)
-    the child runs that node (its data dir, cgroup parent, node id, uid range)."""
-    env = None if settings is None else {**os.environ, **settings.environ()}
-    settings = settings or Settings()
-    proc = None
-    # The server's log goes to a file, not a pipe: a pipe nobody drains fills up during a long
-    # benchmark and blocks the server on its next log line.
-    log = None
-    if url is None:
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        fd, name = tempfile.mkstemp(prefix="rollbox-serve-", suffix=".log")
-        log = Path(name)
-        with os.fdopen(fd, "wb") as err:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "rollbox.cli", "serve", "--port", str(port)],
-                stdout=subprocess.DEVNULL, stderr=err, env=env)
+    """(url, api key) of a running server: ``url`` if given, else a :class:`ServerProcess`
+    started for ``settings`` (default: this node) and stopped on exit."""
+    if url is not None:
+        wait_healthy(url, None)
+        yield url, (os.environ.get("ROLLBOX_API_KEY")
+                    or (settings or Settings()).admin_key_path.read_text().strip())
+        return
+    srv = ServerProcess(settings)
     try:
-        wait_healthy(url, proc, log)
-        key = ((env is None and os.environ.get("ROLLBOX_API_KEY"))
-               or settings.admin_key_path.read_text().strip())
-        yield url, key
+        srv.start()
+        yield srv.url, srv.key
     finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if log is not None:
-            log.unlink(missing_ok=True)
+        srv.stop()
