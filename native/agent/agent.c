@@ -19,6 +19,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <malloc.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -1475,6 +1476,9 @@ int main(void)
     if (getpid() != 1)
         prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
     signal(SIGPIPE, SIG_IGN);
+    /* A fixed mmap threshold (glibc raises it after the first big free): retention rings are
+     * their own mappings, so a collected session's memory goes back to the kernel at once. */
+    mallopt(M_MMAP_THRESHOLD, 128 * 1024);
     ensure_stdio();
     landlock_init();
     /* Only SIGCHLD is blocked (for signalfd). Other signals keep SIG_DFL so the host can stop
