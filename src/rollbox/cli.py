@@ -122,6 +122,18 @@ def bench_compat(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out, url=url, n=n)
 
 
+@bench_app.command("rl")
+def bench_rl(quick: bool = typer.Option(False, "--quick"),
+             json_out: bool = typer.Option(False, "--json"),
+             phases: str = typer.Option("grpo,many,write,restart,files",
+                                        help="comma-separated subset of the phases")) -> None:
+    """An RL trainer's load on one node: GRPO burst (podman as peer), 1,024 at once, 64 x 512
+    MiB writes, a server restart with commands mid-stream, 1 GB single-file transfers."""
+    mod = _load_bench("rl")
+    opts = mod.parse_args(["--phases", phases])
+    mod.main(quick=quick, json_out=json_out, phases=opts.phases)
+
+
 @mirror_app.command("serve")
 def mirror_serve(host: Optional[str] = typer.Option(None, help="default: pypi_mirror_host"),  # noqa: UP007
                  port: Optional[int] = typer.Option(None, help="default: pypi_mirror_port"),  # noqa: UP007
