@@ -68,7 +68,7 @@ from bench.container import PODMAN_ULIMITS, podman_prepare  # noqa: E402
 from bench.images import machine_busy_s, proc_cpu_s  # noqa: E402
 from rollbox.config import Settings  # noqa: E402
 from rollbox.demo import _pct  # noqa: E402
-from rollbox.embedded import _free_port, admin_key_path, wait_healthy  # noqa: E402
+from rollbox.embedded import _free_port, wait_healthy  # noqa: E402
 
 IMAGE = "python:3.11"
 PHASES = ("grpo", "many", "write", "restart", "files")
@@ -365,7 +365,7 @@ class Server:
                 [sys.executable, "-m", "rollbox.cli", "serve", "--port", str(self.port)],
                 stdout=subprocess.DEVNULL, stderr=err, env=self.env)
         wait_healthy(self.url, self.proc, self.log, timeout=120)
-        self.key = admin_key_path(self.settings()).read_text().strip()
+        self.key = self.settings().admin_key_path.read_text().strip()
 
     @property
     def pid(self) -> int:
