@@ -100,6 +100,16 @@ class SandboxSpec(BaseModel):
 SandboxState = Literal["creating", "running", "paused", "stopping", "dead", "deleted"]
 
 
+class NetAudit(BaseModel):
+    """What a sandbox's network policy refused so far (red-team audit trail): names the DNS
+    gate answered REFUSED, connects and unconnected UDP sends the BPF filter denied (EPERM),
+    packets it dropped (e.g. of a connection whose rule was removed)."""
+    dns_refused: int = 0
+    connect_denied: int = 0
+    sendmsg_denied: int = 0
+    packets_dropped: int = 0
+
+
 class SandboxInfo(BaseModel):
     id: str
     node: str
@@ -115,6 +125,7 @@ class SandboxInfo(BaseModel):
     hidden_paths: list[str] = Field(default_factory=list)
     network: NetworkPolicy | None = None
     job: str | None = None
+    audit: NetAudit | None = None  # live sandboxes with a network policy, in GET only
 
 
 class ExecSpec(BaseModel):

@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import ctypes
 import json
+import itertools
 import logging
 import os
 import secrets
@@ -38,8 +39,8 @@ from rollbox.iam.quotas import QuotaStore
 from rollbox.jobs import LeaseReaper, LeaseStore, SqliteLeaseStore
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import (
-    Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, NetworkPolicy,
-    SandboxInfo, SandboxSpec, SnapshotResult, SnapshotSpec,
+    Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, NetAudit,
+    NetworkPolicy, SandboxInfo, SandboxSpec, SnapshotResult, SnapshotSpec,
 )
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ PR_SET_CHILD_SUBREAPER = 36
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Grace past a command's own deadline before the edge kills it from the host side.
 HOST_KILL_GRACE_S = 2.0
+AUDIT_EVERY_S = 5  # net.denied events: at most one per sandbox per this many seconds
 
 
 @dataclass
@@ -413,7 +415,10 @@ class Edge:
     async def get(self, sandbox_id: str) -> SandboxInfo:
         live = self.live.get(sandbox_id)
         if live:
-            return live.info
+            net = live.box.network
+            if net is None:
+                return live.info
+            return live.info.model_copy(update={"audit": NetAudit(**net.audit())})
         rec = self.journal.get(sandbox_id)
         if rec is None:
             raise NotFound(f"sandbox {sandbox_id} not found")
@@ -459,6 +464,7 @@ class Edge:
             if not sess.done.is_set():
                 sess.fail(SandboxDead(f"sandbox {info.id} was {state}"
                                       + (f": {reason}" if reason else "")))
+        self._log_net_denied(live)  # the counters go with the sandbox's cgroup
         try:
             await self.backend.destroy(live.box)
         finally:
@@ -559,12 +565,23 @@ class Edge:
             raise SandboxDead(f"sandbox {sid} went away")
 
     async def _ttl_loop(self) -> None:
-        while True:
+        for tick in itertools.count(1):
             await asyncio.sleep(1.0)
             now = time.time()
             for sid, live in list(self.live.items()):
                 if live.info.expires_at <= now:
                     self._destroy_soon(sid, "ttl expired")
+                elif tick % AUDIT_EVERY_S == 0:
+                    self._log_net_denied(live)
+
+    def _log_net_denied(self, live: LiveSandbox) -> None:
+        """A ``net.denied`` event with the totals and what is new, if the sandbox's network
+        policy refused anything since the last one (at most one per AUDIT_EVERY_S)."""
+        net = live.box.network
+        news = net.audit_news() if net is not None else None
+        if news is not None:
+            self.event_log.append(live.info.id, "net.denied",
+                                  data=json.dumps({"total": news[0], "new": news[1]}))
 
     def _destroy_soon(self, sandbox_id: str, reason: str) -> None:
         """Start deleting a live sandbox (TTL, job lease) with ``reason`` in its event log."""

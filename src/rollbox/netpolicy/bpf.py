@@ -10,11 +10,17 @@ hand-assembled programs read it:
   checked against the same map, so removing an entry cuts connections opened earlier too.
   Traffic on ``lo`` (ifindex 1, the sandbox's own loopback) always passes.
 
+Every refusal is also counted, per hook, in the sandbox's counter map (one array entry of
+``len(COUNTERS)`` u64, atomic adds): the audit trail of denied connects, sends and dropped
+packets (``CounterMap.read``). Not counted: non-IPv4 frames the packet filter drops (the
+kernel's own IPv6 neighbour discovery would be noise; a sandbox's IPv6 attempts are counted
+at connect6/sendmsg6).
+
 Programs are attached with BPF_F_ALLOW_MULTI to the sandbox's cgroup-v2 directory; child
 cgroups (the agent's per-command cgroups) inherit them. They are released with the cgroup,
-and the map with them. A policy change is a few map updates (no reload, no re-attach).
-Programs are named ``rbx<hook number><tag>`` and the map ``rbx_<tag>`` (tag: the end of the
-sandbox id), so :func:`objects_of` finds anything of a deleted sandbox still loaded.
+and the maps with them. A policy change is a few map updates (no reload, no re-attach).
+Programs are named ``rbx<hook number><tag>``, the maps ``rbx_<tag>`` and ``rbc_<tag>`` (tag: the
+end of the sandbox id), so :func:`objects_of` finds anything of a deleted sandbox still loaded.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ PROG_LOAD, PROG_ATTACH, PROG_DETACH = 5, 8, 9
 PROG_GET_NEXT_ID, MAP_GET_NEXT_ID = 11, 12
 PROG_GET_FD_BY_ID, MAP_GET_FD_BY_ID, OBJ_GET_INFO_BY_FD, PROG_QUERY = 13, 14, 15, 16
 
+MAP_TYPE_ARRAY = 2
 MAP_TYPE_LPM_TRIE = 11
 F_NO_PREALLOC = 1
 PROG_TYPE_CGROUP_SKB = 8
@@ -60,6 +67,9 @@ KEY_SIZE = 12
 VALUE_SIZE = 4
 MAX_ENTRIES = 4096
 PROG_PREFIX = "rbx_"
+COUNTER_PREFIX = "rbc_"
+# Slots of the counter map's one value, in this order (u64 each).
+COUNTERS = ("connect4", "sendmsg4", "connect6", "sendmsg6", "egress", "ingress")
 
 
 def _bpf(cmd: int, attr: bytes) -> int:
@@ -128,6 +138,10 @@ def exit_() -> bytes:
     return _insn(0x95)
 
 
+def atomic_add64(dst: int, off: int, src: int) -> bytes:
+    return _insn(0xDB, dst, src, off, 0)  # STX | DW | ATOMIC, imm BPF_ADD: *(u64 *)(dst+off) += src
+
+
 def ld_map_fd(dst: int, fd: int) -> bytes:
     return _insn(0x18, dst, 1, 0, fd) + _insn(0, 0, 0, 0, 0)  # BPF_PSEUDO_MAP_FD
 
@@ -165,33 +179,44 @@ HELPER_MAP_LOOKUP = 1
 HELPER_SKB_LOAD_BYTES = 26
 
 
+def _deny_counted(p: _Prog, counters_fd: int, hook: str) -> None:
+    """Label "deny": add 1 to the hook's counter slot, then refuse."""
+    p.label("deny")
+    p.emit(st_imm(_W, R10, -48, 0), ld_map_fd(R1, counters_fd), mov_reg(R2, R10),
+           add_imm(R2, -48), call(HELPER_MAP_LOOKUP))
+    p.jmp_imm(JEQ, R0, 0, "refuse")
+    p.emit(mov_imm(R1, 1), atomic_add64(R0, 8 * COUNTERS.index(hook), R1))
+    p.label("refuse")
+    p.emit(mov_imm(R0, 0), exit_())
+
+
 def _lookup_tail(p: _Prog, map_fd: int, proto_reg: int, port_reg: int, ip_reg: int,
-                 allow: int) -> None:
-    """Build the key at fp-16 from registers, look it up, return allow if found else 0."""
+                 allow: int, counters_fd: int, hook: str) -> None:
+    """Build the key at fp-16 from registers, look it up, return allow if found, else count
+    the refusal and return 0."""
     p.emit(st_imm(_W, R10, -16, 64), st_imm(_W, R10, -12, 0),
            stx(_B, R10, proto_reg, -12), stx(_H, R10, port_reg, -10), stx(_W, R10, ip_reg, -8),
            *[ld_map_fd(R1, map_fd)], mov_reg(R2, R10), add_imm(R2, -16),
            call(HELPER_MAP_LOOKUP))
     p.jmp_imm(JEQ, R0, 0, "deny")
     p.emit(mov_imm(R0, allow), exit_())
-    p.label("deny")
-    p.emit(mov_imm(R0, 0), exit_())
+    _deny_counted(p, counters_fd, hook)
 
 
-def sock_addr4_program(map_fd: int) -> bytes:
+def sock_addr4_program(map_fd: int, counters_fd: int, hook: str) -> bytes:
     """connect4/sendmsg4: allow 127/8 (own loopback) and mapped destinations."""
     p = _Prog()
     p.emit(mov_reg(R6, R1), ldx(_W, R7, R6, 4))          # r7 = user_ip4 (network order)
     p.emit(mov_reg(R3, R7), and_imm(R3, 0xFF))
     p.jmp_imm(JEQ, R3, 127, "allow")
     p.emit(ldx(_W, R8, R6, 24), ldx(_W, R9, R6, 36))     # r8 = user_port, r9 = protocol
-    _lookup_tail(p, map_fd, R9, R8, R7, 1)
+    _lookup_tail(p, map_fd, R9, R8, R7, 1, counters_fd, hook)
     p.label("allow")
     p.emit(mov_imm(R0, 1), exit_())
     return p.build()
 
 
-def sock_addr6_program() -> bytes:
+def sock_addr6_program(counters_fd: int, hook: str) -> bytes:
     """connect6/sendmsg6: only ::1."""
     p = _Prog()
     for off in (8, 12, 16):
@@ -200,18 +225,17 @@ def sock_addr6_program() -> bytes:
     p.emit(ldx(_W, R2, R1, 20))
     p.jmp_imm(JNE, R2, 0x01000000, "deny")
     p.emit(mov_imm(R0, 1), exit_())
-    p.label("deny")
-    p.emit(mov_imm(R0, 0), exit_())
+    _deny_counted(p, counters_fd, hook)
     return p.build()
 
 
-def skb_program(map_fd: int, egress: bool) -> bytes:
+def skb_program(map_fd: int, egress: bool, counters_fd: int) -> bytes:
     """Packet filter: remote = destination on egress, source on ingress."""
     p = _Prog()
     p.emit(mov_reg(R6, R1), ldx(_W, R2, R6, 40))          # ifindex
     p.jmp_imm(JEQ, R2, 1, "allow")                        # the sandbox's own lo
     p.emit(ldx(_W, R2, R6, 16))                           # skb->protocol (be16)
-    p.jmp_imm(JNE, R2, 0x0008, "deny")                    # IPv4 only (ETH_P_IP)
+    p.jmp_imm(JNE, R2, 0x0008, "drop")                    # IPv4 only (ETH_P_IP), uncounted
     # IPv4 header -> fp-40 .. fp-20
     p.emit(mov_reg(R1, R6), mov_imm(R2, 0), mov_reg(R3, R10), add_imm(R3, -40), mov_imm(R4, 20),
            call(HELPER_SKB_LOAD_BYTES))
@@ -229,9 +253,11 @@ def skb_program(map_fd: int, egress: bool) -> bytes:
     p.jmp_imm(JNE, R0, 0, "deny")
     p.emit(ldx(_H, R8, R10, -44 + (2 if egress else 0)))   # r8 = remote port (be16)
     # _lookup_tail defines "deny"; "allow" follows it.
-    _lookup_tail(p, map_fd, R9, R8, R7, 1)
+    _lookup_tail(p, map_fd, R9, R8, R7, 1, counters_fd, "egress" if egress else "ingress")
     p.label("allow")
     p.emit(mov_imm(R0, 1), exit_())
+    p.label("drop")
+    p.emit(mov_imm(R0, 0), exit_())
     return p.build()
 
 
@@ -259,6 +285,31 @@ def create_map(name: str, max_entries: int = MAX_ENTRIES) -> int:
     attr = struct.pack("<IIIIIII16s", MAP_TYPE_LPM_TRIE, KEY_SIZE, VALUE_SIZE, max_entries,
                        F_NO_PREALLOC, 0, 0, name.encode()[:15])
     return _bpf(MAP_CREATE, attr)
+
+
+def create_counter_map(name: str) -> int:
+    attr = struct.pack("<IIIIIII16s", MAP_TYPE_ARRAY, 4, 8 * len(COUNTERS), 1, 0, 0, 0,
+                       name.encode()[:15])
+    return _bpf(MAP_CREATE, attr)
+
+
+class CounterMap:
+    """The sandbox's refusal counters (one value: a u64 per hook of COUNTERS)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def read(self) -> dict[str, int]:
+        kb = ctypes.create_string_buffer(struct.pack("<I", 0), 4)
+        vb = ctypes.create_string_buffer(8 * len(COUNTERS))
+        _bpf(MAP_LOOKUP_ELEM, struct.pack("<IIQQQ", self.fd, 0, ctypes.addressof(kb),
+                                          ctypes.addressof(vb), 0))
+        return dict(zip(COUNTERS, struct.unpack(f"<{len(COUNTERS)}Q", vb.raw), strict=True))
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def attach(cgroup_fd: int, prog_fd: int, attach_type: int) -> None:
@@ -380,6 +431,10 @@ def map_name(tag: str) -> str:
     return f"{PROG_PREFIX}{tag}"[:15]
 
 
+def counter_map_name(tag: str) -> str:
+    return f"{COUNTER_PREFIX}{tag}"[:15]
+
+
 def prog_name(hook: str, tag: str) -> str:
     """``rbx<hook number><tag>``: a leaked program names its sandbox (15 characters max)."""
     return f"{PROG_PREFIX[:3]}{[h for h, _ in HOOKS].index(hook)}{tag}"[:15]
@@ -422,24 +477,32 @@ def objects_of(tag: str) -> list[str]:
                 name = _prog_info(fd)[0] if kind == "prog" else _map_name(fd)
             finally:
                 os.close(fd)
-            if (name in want_progs) if kind == "prog" else name == map_name(tag):
+            if ((name in want_progs) if kind == "prog"
+                    else name in (map_name(tag), counter_map_name(tag))):
                 left.append(f"bpf {kind} {obj_id} {name}")
     return left
 
 
-def attach_policy(cgroup_dir: Path, tag: str) -> AllowMap:
-    """Create the sandbox's (empty: deny-all) map, load and attach the six programs."""
+def attach_policy(cgroup_dir: Path, tag: str) -> tuple[AllowMap, CounterMap]:
+    """Create the sandbox's (empty: deny-all) map and its counters, load and attach the six
+    programs."""
     map_fd = create_map(map_name(tag))
+    try:
+        counters_fd = create_counter_map(counter_map_name(tag))
+    except BaseException:
+        os.close(map_fd)
+        raise
     fds: list[int] = []
     cg = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
+        c = counters_fd
         progs = {
-            "connect4": (PROG_TYPE_CGROUP_SOCK_ADDR, sock_addr4_program(map_fd)),
-            "sendmsg4": (PROG_TYPE_CGROUP_SOCK_ADDR, sock_addr4_program(map_fd)),
-            "connect6": (PROG_TYPE_CGROUP_SOCK_ADDR, sock_addr6_program()),
-            "sendmsg6": (PROG_TYPE_CGROUP_SOCK_ADDR, sock_addr6_program()),
-            "egress": (PROG_TYPE_CGROUP_SKB, skb_program(map_fd, egress=True)),
-            "ingress": (PROG_TYPE_CGROUP_SKB, skb_program(map_fd, egress=False)),
+            "connect4": (PROG_TYPE_CGROUP_SOCK_ADDR, sock_addr4_program(map_fd, c, "connect4")),
+            "sendmsg4": (PROG_TYPE_CGROUP_SOCK_ADDR, sock_addr4_program(map_fd, c, "sendmsg4")),
+            "connect6": (PROG_TYPE_CGROUP_SOCK_ADDR, sock_addr6_program(c, "connect6")),
+            "sendmsg6": (PROG_TYPE_CGROUP_SOCK_ADDR, sock_addr6_program(c, "sendmsg6")),
+            "egress": (PROG_TYPE_CGROUP_SKB, skb_program(map_fd, True, c)),
+            "ingress": (PROG_TYPE_CGROUP_SKB, skb_program(map_fd, False, c)),
         }
         for hook, attach_type in HOOKS:
             ptype, insns = progs[hook]
@@ -449,16 +512,18 @@ def attach_policy(cgroup_dir: Path, tag: str) -> AllowMap:
             attach(cg, fd, attach_type)
     except BaseException:
         os.close(map_fd)
+        os.close(counters_fd)
         raise
     finally:
         for fd in fds:
-            os.close(fd)  # the attachment holds the programs (and they the map)
+            os.close(fd)  # the attachment holds the programs (and they the maps)
         os.close(cg)
-    return AllowMap(map_fd)
+    return AllowMap(map_fd), CounterMap(counters_fd)
 
 
-def find_policy(cgroup_dir: Path) -> AllowMap | None:
-    """The allow map of programs already attached to cgroup_dir (after an edge restart)."""
+def find_policy(cgroup_dir: Path) -> tuple[AllowMap, CounterMap | None] | None:
+    """The allow map and counters of programs already attached to cgroup_dir (after an edge
+    restart); no counters for programs loaded by an edge that predates them."""
     try:
         cg = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -470,8 +535,23 @@ def find_policy(cgroup_dir: Path) -> AllowMap | None:
                 name, map_ids = _prog_info(pfd)
             finally:
                 os.close(pfd)
-            if name.startswith(PROG_PREFIX[:3]) and map_ids:
-                return AllowMap(_bpf(MAP_GET_FD_BY_ID, struct.pack("<I", map_ids[0])))
+            if not name.startswith(PROG_PREFIX[:3]) or not map_ids:
+                continue
+            allow: AllowMap | None = None
+            counters: CounterMap | None = None
+            for map_id in map_ids:
+                mfd = _bpf(MAP_GET_FD_BY_ID, struct.pack("<I", map_id))
+                mname = _map_name(mfd)
+                if mname.startswith(PROG_PREFIX) and allow is None:
+                    allow = AllowMap(mfd)
+                elif mname.startswith(COUNTER_PREFIX) and counters is None:
+                    counters = CounterMap(mfd)
+                else:
+                    os.close(mfd)
+            if allow is not None:
+                return allow, counters
+            if counters is not None:
+                counters.close()
         return None
     finally:
         os.close(cg)

@@ -89,6 +89,7 @@ class DnsGate:
         self.tcp_conns = 0
         self.tasks: set[asyncio.Future] = set()  # type: ignore[type-arg]
         self.refused: list[str] = []  # recent refused names (bounded), for the audit trail
+        self.refused_count = 0  # every REFUSED answer since the gate started
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -148,6 +149,7 @@ class DnsGate:
         q = query.question[0]
         name = q.name.to_text().rstrip(".").lower()
         if not self.allowed(name):
+            self.refused_count += 1
             self.refused.append(name)
             del self.refused[:-64]
             return _reply(query, dns.rcode.REFUSED)

@@ -9,6 +9,12 @@ Addresses learned through the DNS gate stay allowed for the answer's TTL, bounde
 [MIN_TTL, MAX_TTL], so the allow-list of a long-lived sandbox does not grow forever. An expired
 address that a socket of the sandbox still talks to is kept until that socket is gone (the
 packet filter would otherwise cut a download in the middle).
+
+``audit()`` counts what the policy refused: names the gate REFUSED, connects and sends the
+BPF programs denied, packets they dropped (the programs' counter map; the gate's count starts
+again when an edge restarts and re-adopts the sandbox, the BPF counters do not).
+``audit_news()`` says what changed since its last call (the edge logs it as ``net.denied``,
+at most once per sweep).
 """
 from __future__ import annotations
 
@@ -56,10 +62,13 @@ def close_stale(sandbox_id: str, keep: SandboxNetwork | None = None) -> None:
 
 class SandboxNetwork:
     def __init__(self, sandbox_id: str, lnk: link.Link, allow_map: bpf.AllowMap,
-                 settings: object, cgroup_dir: Path | None = None) -> None:
+                 settings: object, cgroup_dir: Path | None = None,
+                 counters: bpf.CounterMap | None = None) -> None:
         self.sandbox_id = sandbox_id
         self.link = lnk
         self.map = allow_map
+        self.counters = counters
+        self._audit_logged: dict[str, int] = {}
         self.settings = settings
         self.cgroup_dir = cgroup_dir
         self.rules: list[str] = []
@@ -70,6 +79,34 @@ class SandboxNetwork:
         self.forbidden = Forbidden.current()
         self.gate: DnsGate | None = None
         self._sweeper: asyncio.Task | None = None  # type: ignore[type-arg]
+
+    def audit(self) -> dict[str, int]:
+        """Refusals so far: dns_refused, connect_denied (TCP/UDP connect, IPv4 and IPv6),
+        sendmsg_denied (unconnected UDP sends), packets_dropped (in and out)."""
+        c = dict.fromkeys(bpf.COUNTERS, 0)
+        if self.counters is not None and self.counters.fd >= 0:
+            try:
+                c = self.counters.read()
+            except OSError as exc:  # the map went with a torn-down cgroup: last known
+                log.debug("sandbox %s: reading counters failed: %s", self.sandbox_id, exc)
+                return dict(self._audit_logged) or self._zero_audit()
+        return {"dns_refused": self.gate.refused_count if self.gate is not None else 0,
+                "connect_denied": c["connect4"] + c["connect6"],
+                "sendmsg_denied": c["sendmsg4"] + c["sendmsg6"],
+                "packets_dropped": c["egress"] + c["ingress"]}
+
+    @staticmethod
+    def _zero_audit() -> dict[str, int]:
+        return {"dns_refused": 0, "connect_denied": 0, "sendmsg_denied": 0,
+                "packets_dropped": 0}
+
+    def audit_news(self) -> tuple[dict[str, int], dict[str, int]] | None:
+        """(totals, increase since the last call) if anything was refused since then."""
+        now = self.audit()
+        before = self._audit_logged or self._zero_audit()
+        delta = {k: max(0, v - before.get(k, 0)) for k, v in now.items()}
+        self._audit_logged = now
+        return (now, delta) if any(delta.values()) else None
 
     @property
     def env(self) -> dict[str, str]:
@@ -216,6 +253,8 @@ class SandboxNetwork:
             self.gate.close()
             self.gate = None
         self.map.close()
+        if self.counters is not None:
+            self.counters.close()
 
 
 def bpf_tag(sandbox_id: str) -> str:
@@ -243,8 +282,8 @@ async def attach(sandbox_id: str, netns_name: str, cgroup_dir: Path, rules: list
     lnk = await asyncio.to_thread(link.create, sandbox_id, netns_name)
     net = None
     try:
-        amap = bpf.attach_policy(cgroup_dir, bpf_tag(sandbox_id))
-        net = SandboxNetwork(sandbox_id, lnk, amap, settings, cgroup_dir)
+        amap, counters = bpf.attach_policy(cgroup_dir, bpf_tag(sandbox_id))
+        net = SandboxNetwork(sandbox_id, lnk, amap, settings, cgroup_dir, counters)
         await asyncio.to_thread(net.apply, rules)
         await net.start_gate()
         return net
@@ -260,12 +299,15 @@ async def adopt(sandbox_id: str, cgroup_dir: Path, rules: list[str],
     """Find the link and map again after an edge restart and restart the gate."""
     close_stale(sandbox_id)
     lnk = await asyncio.to_thread(link.find, sandbox_id)
-    amap = bpf.find_policy(cgroup_dir)
-    if lnk is None or amap is None:
-        if amap is not None:
-            amap.close()
+    found = bpf.find_policy(cgroup_dir)
+    if lnk is None or found is None:
+        if found is not None:
+            found[0].close()
+            if found[1] is not None:
+                found[1].close()
         return None
-    net = SandboxNetwork(sandbox_id, lnk, amap, settings, cgroup_dir)
+    amap, counters = found
+    net = SandboxNetwork(sandbox_id, lnk, amap, settings, cgroup_dir, counters)
     # Entries from before the restart: start from what the map holds, then converge.
     old = set(amap.keys())
     try:
