@@ -81,3 +81,16 @@ async def test_agent_killed_by_oom_reports_sandbox_dead_oom(edge) -> None:  # no
     with pytest.raises(Exception):
         await edge.exec_wait(sb.id, exec_id)
     assert edge.leftovers(sb.id) == []
+
+
+def test_platform_processes_protect_themselves() -> None:
+    """What `rollbox serve`, `rollbox mirror serve` and the lazy daemon call at start."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "from rollbox.isolation import oom; "
+                          "print(oom.protect(), oom.score())"], capture_output=True, text=True,
+                         check=True).stdout.split()
+    want = oom.PROTECTED_SCORE if oom.can_protect() else int(Path("/proc/self/oom_score_adj")
+                                                               .read_text())
+    assert [int(x) for x in out] == [want, want]
