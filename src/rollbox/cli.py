@@ -12,7 +12,7 @@ import typer
 
 from rollbox.config import REPO_ROOT, Settings
 from rollbox.images.cli import app as image_app
-from rollbox.operator_cli import key_app, sandbox_app
+from rollbox.operator_cli import key_app, project_app, sandbox_app
 
 app = typer.Typer(help="rollbox: elastic sandboxes for RL agents", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -24,8 +24,6 @@ bench_app = typer.Typer(help="Benchmarks (ratios against a peer measured in the 
 app.add_typer(bench_app, name="bench")
 mirror_app = typer.Typer(help="Package mirrors (the caching PyPI proxy)", no_args_is_help=True)
 app.add_typer(mirror_app, name="mirror")
-project_app = typer.Typer(help="Projects: per-node quotas (admin key, through the API)",
-                          no_args_is_help=True)
 app.add_typer(project_app, name="project")
 
 
@@ -156,45 +154,6 @@ def mirror_serve(host: Optional[str] = typer.Option(None, help="default: pypi_mi
         uvloop.run(serve_mirror(s, host, port))
     except KeyboardInterrupt:
         pass
-
-
-@project_app.command("quota")
-def project_quota(
-    project: str = typer.Argument(..., help="project name"),
-    sandboxes: Optional[int] = typer.Option(None, help="live sandboxes on one node"),  # noqa: UP007
-    cpus: Optional[float] = typer.Option(None, help="sum of requested CPUs"),  # noqa: UP007
-    memory_mib: Optional[int] = typer.Option(None, help="sum of requested memory"),  # noqa: UP007
-    layer_mib: Optional[int] = typer.Option(None, help="storage of its layers"),  # noqa: UP007
-    clear: bool = typer.Option(False, help="make every limit not given unlimited"),
-    url: Optional[str] = typer.Option(None, help="default: ROLLBOX_URL or the local server"),  # noqa: UP007
-) -> None:
-    """Show a project's quota; with limits, set them (others stay unless --clear)."""
-    import os
-
-    from rollbox import errors
-    from rollbox.embedded import admin_key_path
-    from rollbox.sdk import Client
-
-    key = os.environ.get("ROLLBOX_API_KEY")
-    if not key:
-        try:
-            key = admin_key_path(Settings()).read_text().strip()
-        except OSError as exc:
-            typer.echo(f"no admin key: set ROLLBOX_API_KEY ({exc})", err=True)
-            raise typer.Exit(2) from None
-    given = {"sandboxes": sandboxes, "cpus": cpus, "memory_mib": memory_mib,
-             "layer_mib": layer_mib}
-    with Client(url, key) as client:
-        try:
-            quota = client.project_quota(project)
-            if clear or any(v is not None for v in given.values()):
-                base = {} if clear else quota.model_dump()
-                quota = client.set_project_quota(project, **{
-                    **base, **{k: v for k, v in given.items() if v is not None}})
-        except errors.RollboxError as exc:
-            typer.echo(f"{exc.code}: {exc.message}", err=True)
-            raise typer.Exit(1) from None
-    typer.echo(json.dumps({"project": project, **quota.model_dump()}))
 
 
 def main() -> None:

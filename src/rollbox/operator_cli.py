@@ -1,4 +1,4 @@
-"""`rollbox sandbox ...` and `rollbox key ...`: the operator's commands, through the HTTP API.
+"""`rollbox sandbox|key|project ...`: the operator's commands, through the HTTP API.
 
 Everything goes through the SDK against a running server: ``--url`` / ``ROLLBOX_URL`` (default
 the local node), ``--api-key`` / ``ROLLBOX_API_KEY``, else the node's admin key file
@@ -33,6 +33,7 @@ out = Console(highlight=False)
 sandbox_app = typer.Typer(help="Sandboxes on a running server (by id, label, project or job)",
                           no_args_is_help=True)
 key_app = typer.Typer(help="API keys", no_args_is_help=True)
+project_app = typer.Typer(help="Projects: per-node quotas (admin key)", no_args_is_help=True)
 
 # C0 controls but \n and \t, DEL, C1 controls (0x9b is a one-byte CSI for some terminals), and
 # the bidirectional overrides and isolates (text that reads differently than it runs).
@@ -74,6 +75,7 @@ def _connection(url: Optional[str] = typer.Option(  # noqa: UP007 (typer needs O
 
 sandbox_app.callback()(_connection)
 key_app.callback()(_connection)
+project_app.callback()(_connection)
 
 
 def _api_key() -> str:
@@ -329,3 +331,25 @@ def key_revoke(key_ids: list[str] = typer.Argument(..., help="key ids (key_...)"
         for key_id in key_ids:
             client.revoke_key(key_id)
             typer.echo(f"revoked {key_id}")
+
+
+@project_app.command("quota")
+def project_quota(
+    project: str = typer.Argument(..., help="project name"),
+    sandboxes: Optional[int] = typer.Option(None, help="live sandboxes on one node"),  # noqa: UP007
+    cpus: Optional[float] = typer.Option(None, help="sum of requested CPUs"),  # noqa: UP007
+    memory_mib: Optional[int] = typer.Option(None, help="sum of requested memory"),  # noqa: UP007
+    layer_mib: Optional[int] = typer.Option(None, help="storage of its own layers"),  # noqa: UP007
+    clear: bool = typer.Option(False, help="make every limit not given unlimited"),
+) -> None:
+    """Show a project's quota as JSON; with limits, set them (the others stay unless
+    --clear). A negative limit or one above a node's capacity is refused."""
+    given = {"sandboxes": sandboxes, "cpus": cpus, "memory_mib": memory_mib,
+             "layer_mib": layer_mib}
+    with _client() as client:
+        quota = client.project_quota(project)
+        if clear or any(v is not None for v in given.values()):
+            base = {} if clear else quota.model_dump()
+            quota = client.set_project_quota(project, **{
+                **base, **{k: v for k, v in given.items() if v is not None}})
+    typer.echo(json.dumps({"project": project, **quota.model_dump()}))

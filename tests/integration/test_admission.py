@@ -152,17 +152,16 @@ async def test_quotas_over_the_api_sdk_and_cli(edge, tmp_path: Path) -> None:  #
             assert await a.project_quota("team") == Quota(sandboxes=2, memory_mib=1536)
 
             # The CLI, through the api with an admin key: set keeps the other limits.
-            env = {"ROLLBOX_API_KEY": admin}
+            env = {"ROLLBOX_API_KEY": admin, "ROLLBOX_URL": srv.url}
             runner = CliRunner()
             res = await asyncio.to_thread(runner.invoke, cli_app, [
-                "project", "quota", "team", "--cpus", "4", "--layer-mib", "100",
-                "--url", srv.url], env=env)
+                "project", "quota", "team", "--cpus", "4", "--layer-mib", "100"], env=env)
             assert res.exit_code == 0, res.output
             assert json.loads(res.output) == {"project": "team", "sandboxes": 2, "cpus": 4.0,
                                               "memory_mib": 1536, "layer_mib": 100}
             res = await asyncio.to_thread(runner.invoke, cli_app, [
-                "project", "quota", "team", "--sandboxes", "-3", "--url", srv.url], env=env)
-            assert res.exit_code == 1 and "bad_request" in res.output
+                "project", "quota", "team", "--sandboxes", "-3"], env=env)
+            assert res.exit_code == 2 and "bad_request" in res.output, res.output
             assert (await a.project_quota("team")).sandboxes == 2
             for sb in (two, three):
                 await sb.delete()
