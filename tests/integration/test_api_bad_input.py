@@ -39,6 +39,16 @@ async def test_bad_input_gets_typed_errors(edge, tmp_path: Path) -> None:  # noq
             await sb.exec("true", user="no-such-user")
         with pytest.raises(errors.BadRequest):
             await sb.exec("true", cwd="relative/path")
+        with pytest.raises(errors.BadRequest):  # as sent by a client other than the SDK
+            await c._t.request("POST", f"/v1/sandboxes/{sb.id}/exec",
+                               json={"cmd": "true", "idempotency_key": "bad key!"})
+        keyed = await sb.exec("true", idempotency_key="same")
+        with pytest.raises(errors.IdempotencyConflict):  # a BadRequest: nothing runs
+            await sb.exec("touch /tmp/ran", idempotency_key="same")
+        assert (await sb.exec("ls /tmp")).stdout == ""
+        with pytest.raises(errors.BadRequest):
+            await c._t.request("GET", f"/v1/sandboxes/{sb.id}/exec/{keyed.exec_id}/stream",
+                               params={"stdout_offset": -1})
         # Paths are resolved inside the sandbox root: this lands in the sandbox's /etc.
         await sb.files.write("/../../../etc/rollbox-escape-test", "x")
         assert not Path("/etc/rollbox-escape-test").exists()

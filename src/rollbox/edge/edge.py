@@ -227,8 +227,8 @@ class Edge:
                 agent_session = channel.adopt(rec.agent_session, collect=False)
                 session.agent_session = agent_session
                 asyncio.create_task(self._pump(live, session, agent_session))
-                if agent[rec.agent_session].exited:
-                    ending.append(asyncio.create_task(session.done.wait()))
+                if agent[rec.agent_session].exited and live.info.state != "paused":
+                    ending.append(asyncio.create_task(session.done.wait()))  # (frozen: later)
             else:
                 err = ExecIndeterminate(
                     f"exec {rec.exec_id} was lost across a server restart: the agent has no "
