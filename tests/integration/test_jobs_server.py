@@ -47,6 +47,20 @@ async def test_blocked_event_loop_keeps_the_job(server: tuple[str, str]) -> None
             assert (await sb.exec("echo alive")).stdout == "alive\n"
         assert await c.list() == []  # leaving the block ended the job and deleted it
 
+        # The sync face: same job semantics; a client closed with its job still open stops
+        # heartbeating, so the job expires and takes its sandbox along.
+        with rollbox.Client(url, key) as sync:
+            with sync.job("sync-ended", heartbeat_s=1.0) as ended:
+                assert ended.create(BB).info.job == "sync-ended"
+                assert len(ended.list()) == 1
+            assert sync.list() == [] and ended.info is not None and ended.info.state == "ended"
+            left_open = sync.job("sync-left-open", heartbeat_s=0.5).open()
+            orphan = left_open.create(BB)
+        deadline = time.monotonic() + 15
+        while (await c.get(orphan.id)).info.state == "running" and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert (await c.get(orphan.id)).info.state == "deleted"
+
 
 TRAINER = textwrap.dedent("""
     import asyncio, sys, rollbox

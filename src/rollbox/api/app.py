@@ -419,7 +419,7 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
         if api.records(placement.edge_for(info.id)):
             events.append(info.id, "sandbox.created", None, json.dumps({
                 "owner": who.project, "key_id": who.key_id, "node": info.node,
-                "image": spec.image, "layers": spec.layers, "labels": spec.labels,
+                "image": spec.image, "layers": spec.layers, "labels": spec.labels, "job": spec.job,
                 "resources": spec.resources.model_dump(), "ttl_s": spec.ttl_s,
             }))
         return info

@@ -359,7 +359,7 @@ class Edge:
         self._register(info, box, ticket)
         self.admission.started(ticket)
         self.event_log.append(sandbox_id, "sandbox.created", data=json.dumps(
-            {"image": spec.image, "layers": layers, "owner": owner}))
+            {"image": spec.image, "layers": layers, "owner": owner, "job": spec.job}))
         return info
 
     def _register(self, info: SandboxInfo, box: ContainerSandbox, ticket: Ticket) -> None:

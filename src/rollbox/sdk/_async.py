@@ -840,6 +840,7 @@ class AsyncClient:
         self.base_url = base_url or os.environ.get("ROLLBOX_URL", DEFAULT_URL)
         api_key = api_key or os.environ.get("ROLLBOX_API_KEY")
         self._t = _Transport(self.base_url, api_key, timeout, max_connections)
+        self._heartbeats: set[_Heartbeat] = set()  # of this client's open jobs
 
     async def create(
         self, image: str, *, layers: Iterable[str] = (), cpus: float | None = None,
@@ -1031,6 +1032,9 @@ class AsyncClient:
         return out
 
     async def close(self) -> None:
+        """Close the connections; jobs left open stop heartbeating (their leases expire)."""
+        for heartbeat in list(self._heartbeats):
+            heartbeat.stop()
         await self._t.aclose()
 
     async def __aenter__(self) -> AsyncClient:
@@ -1066,9 +1070,8 @@ class _Heartbeat:
         self._thread.start()
 
     def stop(self) -> None:
+        """No more heartbeats (one in flight may still land: harmless). Never blocks."""
         self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(self.interval_s + 1)
 
     def _connect(self) -> http.client.HTTPConnection:
         cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
@@ -1134,6 +1137,7 @@ class AsyncJob:
             self._heartbeat = _Heartbeat(self._t.base_url, self._t.headers, self.name,
                                          self.spec.heartbeat_s)
             self._heartbeat.start()
+            self.client._heartbeats.add(self._heartbeat)
         return self
 
     async def refresh(self) -> JobInfo:
@@ -1157,6 +1161,7 @@ class AsyncJob:
         """Stop the heartbeats, end the lease and delete the job's sandboxes."""
         if self._heartbeat is not None:
             self._heartbeat.stop()
+            self.client._heartbeats.discard(self._heartbeat)
         r = await self._t.request("DELETE", self._base, long=True)
         ended = JobEnded.model_validate(r.json())
         self.info = ended.job
