@@ -5,7 +5,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 APT_PACKAGES := runc erofs-utils debootstrap podman fuse3 iproute2 gcc libc6-dev make \
-	python3-venv ca-certificates busybox-static util-linux nftables xfslibs-dev bash-static
+	python3-venv ca-certificates busybox-static util-linux nftables xfslibs-dev bash-static \
+	btrfs-progs
 export ROLLBOX_AGENT := $(CURDIR)/build/rollbox-agent
 
 .PHONY: deps venv native images setup demo test bench clean-host

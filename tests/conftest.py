@@ -262,5 +262,27 @@ def no_leaks_after_suite() -> Iterator[None]:
     mounts = run_mounts(TEST_RUN)
     if os.geteuid() == 0 and not left_cg:
         cgroups.remove_parent_if_empty(TEST_CGROUP)
-    assert not (left_cg or left_ns or mounts), (
-        f"leaked after the test suite: cgroups={left_cg} netns={left_ns} mounts={mounts}")
+    loops = run_loop_devices(TEST_RUN)
+    assert not (left_cg or left_ns or mounts or loops), (
+        f"leaked after the test suite: cgroups={left_cg} netns={left_ns} mounts={mounts} "
+        f"loop devices={loops}")
+
+
+def run_loop_devices(run: str, settle_s: float = 2.0) -> list[str]:
+    """Loop devices still attached to a file below the run's temp dirs (disk pools). An
+    unmounted pool's device detaches itself (autoclear) shortly after: wait for that."""
+    import time
+
+    deadline = time.monotonic() + settle_s
+    while True:
+        found = []
+        for block in Path("/sys/block").glob("loop*"):
+            try:
+                backing = (block / "loop" / "backing_file").read_text()
+            except OSError:
+                continue
+            if f"/rollbox-test-{run}-" in backing:
+                found.append(f"/dev/{block.name} ({backing.strip()})")
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)

@@ -53,6 +53,14 @@ class Settings:
     run_dir: Path = field(default_factory=lambda: _env_path("ROLLBOX_RUN", "/run/rollbox"))
     run_tmpfs: bool = field(
         default_factory=lambda: os.environ.get("ROLLBOX_RUN_TMPFS", "1") not in ("", "0"))
+    # Disk pool of the writable layers (backends/container/disk.py): a btrfs partition to use
+    # (formatted by the operator), else a sparse file below the data dir of this many GiB
+    # (0: 80% of the free space of its filesystem when it is first made).
+    disk_pool_device: Path | None = field(
+        default_factory=lambda: Path(os.environ["ROLLBOX_DISK_DEVICE"])
+        if os.environ.get("ROLLBOX_DISK_DEVICE") else None)
+    disk_pool_gib: int = field(
+        default_factory=lambda: int(os.environ.get("ROLLBOX_DISK_POOL_GIB", "0")))
     agent_binary: Path = field(
         default_factory=lambda: _env_path("ROLLBOX_AGENT", REPO_ROOT / "build" / "rollbox-agent")
     )
@@ -168,6 +176,11 @@ class Settings:
         """The node's admin API key, root-only (``rollbox serve`` writes it; the SDK's and the
         operator CLI's default on this host)."""
         return self.data_dir / "admin.key"
+
+    @property
+    def disk_pool_dir(self) -> Path:
+        """The disk pool's file, mount point and lock (``DiskPool``)."""
+        return self.data_dir / "disk"
 
     @property
     def state_db(self) -> Path:

@@ -61,6 +61,10 @@ class SandboxSpec(BaseModel):
     # the job ends or its lease expires.
     job: str | None = Field(None, max_length=128)
     backend: Literal["container"] = "container"
+    # Where the writable layer lives: "disk" (the node's disk pool, capped by disk_mib; writes
+    # past it fail with ENOSPC/EDQUOT) or "memory" (a tmpfs: faster, but its bytes are host
+    # RAM charged to the sandbox's memory limit).
+    disk_tier: Literal["disk", "memory"] = "disk"
 
     @field_validator("job")
     @classmethod
@@ -126,6 +130,7 @@ class SandboxInfo(BaseModel):
     network: NetworkPolicy | None = None
     job: str | None = None
     audit: NetAudit | None = None  # live sandboxes with a network policy, in GET only
+    disk_tier: Literal["disk", "memory"] = "disk"
 
 
 class ExecSpec(BaseModel):

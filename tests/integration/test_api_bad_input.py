@@ -29,6 +29,8 @@ async def test_bad_input_gets_typed_errors(edge, tmp_path: Path) -> None:  # noq
             await c.create(BB, memory_mib=-5)
         with pytest.raises(errors.BadRequest):
             await c.create("Bad Image Name!")
+        with pytest.raises(errors.BadRequest):
+            await c.create(BB, disk_tier="ssd")
         with pytest.raises(errors.NotFound):
             await c.get(f"{edge.node_id}-0123456789ab")
 

@@ -94,7 +94,8 @@ async def test_output_capture_is_bounded(edge) -> None:  # noqa: ANN001
 
 
 async def test_limits_disk_memory_pids(edge) -> None:  # noqa: ANN001
-    sb = await edge.create(SandboxSpec(image=BB, resources=Resources(
+    # The memory tier's tmpfs (test_disk_tier covers the disk tier's qgroup cap).
+    sb = await edge.create(SandboxSpec(image=BB, disk_tier="memory", resources=Resources(
         disk_mib=16, memory_mib=64, pids=64)), "t")
     r = await run(edge, sb.id, "dd if=/dev/zero of=/tmp/big bs=1M count=64", timeout_s=20)
     assert r.signal == 25, r  # SIGXFSZ: RLIMIT_FSIZE is the disk cap

@@ -7,7 +7,7 @@ import asyncio
 import functools
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -24,10 +24,10 @@ class Boxes:
 
     async def make(self, image: str = BB, *, hardened: bool = True,
                    hidden: tuple[str, ...] = (), network: list[str] | None = None,
-                   **resources: Any) -> str:
+                   disk_tier: Literal["disk", "memory"] = "disk", **resources: Any) -> str:
         """network: None = loopback only; a list = a network policy with these allow rules."""
         spec = SandboxSpec(image=image, resources=Resources(**resources),
-                           hidden_paths=list(hidden),
+                           hidden_paths=list(hidden), disk_tier=disk_tier,
                            network=NetworkPolicy(allow=network) if network is not None else None)
         backend = self.edge.backend
         async with self.lock:  # the wrapper is per call: never mix flags across creations

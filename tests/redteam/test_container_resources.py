@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from rollbox.errors import BadRequest
+from rollbox.isolation import btrfs, syscalls
 from rollbox.models import ExecSpec
 from tests.conftest import needs_python
 from tests.redteam.conftest import BB, PY, Boxes, needs_root
@@ -66,9 +67,10 @@ async def test_a6_disk_filler_capped(boxes: Boxes) -> None:
     assert not r.timed_out and time.monotonic() - t0 < 20, r
     st = await boxes.edge.file_stat(sid, "/tmp/f")
     assert st.size <= 32 << 20
-    # The writable layer is on the capped mount, not the host disk.
-    upper = boxes.edge.live[sid].box.rootfs.dir
-    assert os.statvfs(upper / "rw").f_blocks * os.statvfs(upper / "rw").f_frsize <= 40 << 20
+    # The writable layer is on its capped subvolume of the disk pool, not the host disk.
+    rw = boxes.edge.live[sid].box.rootfs.rw
+    assert syscalls.statfs_type(rw) == btrfs.BTRFS_SUPER_MAGIC
+    assert boxes.edge.backend.disk.cap(sid) == 32 << 20
 
 
 async def test_a6_stdout_flood_bounded(boxes: Boxes) -> None:
@@ -150,13 +152,30 @@ async def test_b12_fd_exhaustion(boxes: Boxes) -> None:
     assert r.stdout == "alive\n"
 
 
+INODE_FLOOD = ("mkdir /tmp/i; cd /tmp/i; i=0; while touch f$i 2>/dev/null; do "
+               "i=$((i+1)); [ $i -gt 20000 ] && break; done; echo $i")
+
+
 async def test_b13_inode_exhaustion(boxes: Boxes) -> None:
-    sid = await boxes.make(BB, inodes=300)
-    r = await boxes.run(sid, "mkdir /tmp/i; cd /tmp/i; i=0; while touch f$i 2>/dev/null; do "
-                        "i=$((i+1)); [ $i -gt 5000 ] && break; done; echo $i", timeout_s=30)
-    assert int(r.stdout) < 400, r  # capped by the writable layer's inode limit
+    sid = await boxes.make(BB, disk_tier="memory", inodes=300)
+    r = await boxes.run(sid, INODE_FLOOD, timeout_s=30)
+    assert int(r.stdout) < 400, r  # capped by the memory tier's tmpfs inode limit
     r = await boxes.run(sid, ["echo", "alive"])
     assert r.stdout == "alive\n"
+
+
+async def test_b13_inode_exhaustion_disk_tier(boxes: Boxes) -> None:
+    # btrfs has no inode limit: the qgroup's byte cap counts the inodes' metadata, so a flood
+    # ends at the cap (~350 B each) and the node's pool stays usable for everyone else.
+    sid = await boxes.make(BB, disk_mib=1)
+    r = await boxes.run(sid, INODE_FLOOD, timeout_s=60)
+    assert 500 < int(r.stdout) < 10_000, r
+    r = await boxes.run(sid, "touch /tmp/one-more", timeout_s=10)
+    assert r.exit_code == 1 and "quota" in r.stderr.lower(), r
+    other = await boxes.make(BB)
+    r = await boxes.run(other, "mkdir /tmp/d && for i in $(seq 100); do touch /tmp/d/$i; "
+                        "done && ls /tmp/d | wc -l", timeout_s=30)
+    assert r.stdout.strip() == "100", r
 
 
 @needs_python

@@ -337,7 +337,7 @@ class Edge:
             id=sandbox_id, node=self.node_id, image=spec.image, layers=layers, state="creating",
             created_at=now, expires_at=now + spec.ttl_s, labels=spec.labels,
             resources=spec.resources, owner=owner, hidden_paths=spec.hidden_paths,
-            network=spec.network, job=spec.job,
+            network=spec.network, job=spec.job, disk_tier=spec.disk_tier,
         )
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
         env.update((image_config or {}).get("env", {}))
@@ -346,7 +346,8 @@ class Edge:
         try:
             box = await self.backend.create(
                 sandbox_id, layers, spec.resources, env, hidden_paths=spec.hidden_paths,
-                network_rules=spec.network.allow if spec.network is not None else None)
+                network_rules=spec.network.allow if spec.network is not None else None,
+                disk_tier=spec.disk_tier)
         except BaseException as exc:
             self._mark_dead(info, f"creation failed: {exc}", state="deleted")
             raise
@@ -928,7 +929,7 @@ class Edge:
         config = self._image_config(src.info)
         gspec = SandboxSpec(image=src.info.image, resources=spec.resources or src.info.resources,
                             ttl_s=spec.timeout_s + 300, labels={"rollbox.grader-of": sandbox_id},
-                            env=spec.env)
+                            env=spec.env, disk_tier=src.info.disk_tier)
         grader = await self._admitted_create(gspec, owner, config,
                                              list(src.info.layers) + extra, share="reserved")
         try:

@@ -847,16 +847,20 @@ class AsyncClient:
         memory_mib: int | None = None, disk_mib: int | None = None, ttl_s: float | None = None,
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         hidden_paths: Iterable[str] = (), network: Iterable[str] | None = None,
-        job: str | None = None,
+        job: str | None = None, disk_tier: str | None = None,
     ) -> AsyncSandbox:
         """``hidden_paths``: paths the sandbox's commands can not see (a task's tests).
         ``network``: None = no network at all; a list = default-deny policy allowing those
         permissions/rules (see ``AsyncSandbox.set_network``). ``job``: a live job of this
-        project (see :meth:`job`), which deletes the sandbox when it ends or expires."""
+        project (see :meth:`job`), which deletes the sandbox when it ends or expires.
+        ``disk_tier``: ``"disk"`` (the default: the writable layer on the node's disk, capped
+        by ``disk_mib``) or ``"memory"`` (a tmpfs, its bytes counted in the sandbox's memory)."""
         spec = self._spec(image, layers, cpus, memory_mib, disk_mib, ttl_s, labels, env,
                           hidden_paths, job)
         if network is not None:
             spec["network"] = {"allow": list(network)}
+        if disk_tier is not None:
+            spec["disk_tier"] = disk_tier  # checked by the server (bad_request)
         r = await self._t.request("POST", "/v1/sandboxes", json=spec, long=True)
         return AsyncSandbox(self, SandboxInfo.model_validate(r.json()))
 

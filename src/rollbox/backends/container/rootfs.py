@@ -1,5 +1,6 @@
 """A sandbox's root filesystem: idmapped read-only layers under overlayfs, with the writable
-upper on a size- and inode-capped tmpfs that is verified to be that tmpfs before use."""
+upper on its capped filesystem, verified before use: a btrfs subvolume of the node's disk pool
+(``disk`` tier, bind-mounted; the pool caps it) or a size- and inode-capped tmpfs (``memory``)."""
 from __future__ import annotations
 
 import os
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from rollbox.errors import InfraError
 from rollbox.images.mounts import read_mountinfo
-from rollbox.isolation import syscalls
+from rollbox.isolation import btrfs, syscalls
 
 TMPFS_MAGIC = 0x01021994
 
@@ -91,7 +92,8 @@ def remove_flat_dir(path: Path) -> None:
 
 
 class Rootfs:
-    """Mount layout under ``<sandbox dir>``: ``l<i>`` lowers, ``rw`` tmpfs, ``merged``."""
+    """Mount layout under ``<sandbox dir>``: ``l<i>`` lowers, ``rw`` (tmpfs or bind mount of a
+    subvolume), ``merged``."""
 
     def __init__(self, sandbox_dir: Path) -> None:
         self.dir = sandbox_dir
@@ -101,11 +103,15 @@ class Rootfs:
         self.merged = sandbox_dir / "merged"
 
     def compose(self, layer_mounts: list[Path], userns_fd: int, host_uid: int,
-                disk_mib: int, inodes: int) -> None:
-        """layer_mounts lowest first (base first)."""
+                disk_mib: int, inodes: int, subvolume: Path | None = None) -> None:
+        """layer_mounts lowest first (base first). subvolume: the disk tier's capped subvolume
+        (the pool verified its cap); None: a tmpfs of disk_mib and inodes."""
         self.dir.mkdir(parents=True, exist_ok=True)
         try:
-            self._mount_upper(host_uid, disk_mib, inodes)
+            if subvolume is not None:
+                self._bind_upper(subvolume, host_uid)
+            else:
+                self._mount_upper(host_uid, disk_mib, inodes)
             lowers = []
             for i, src in enumerate(layer_mounts):
                 target = self.dir / f"l{i}"
@@ -132,6 +138,21 @@ class Rootfs:
         vfs = os.statvfs(self.rw)
         if vfs.f_blocks * vfs.f_frsize > (disk_mib << 20) + (1 << 20):
             raise OSError("writable layer cap not applied")
+        self._make_upper(host_uid)
+
+    def _bind_upper(self, subvolume: Path, host_uid: int) -> None:
+        self.rw.mkdir(exist_ok=True)
+        syscalls.mount(str(subvolume), self.rw, None, syscalls.MS_BIND)
+        # The same check as the tmpfs': a bind that did not happen leaves rw on the host disk.
+        st = os.stat(self.rw)
+        if (syscalls.statfs_type(self.rw) != btrfs.BTRFS_SUPER_MAGIC
+                or st.st_ino != btrfs.SUBVOL_ROOT_INO
+                or st.st_dev != os.stat(subvolume).st_dev):
+            raise OSError("writable layer is not on its capped subvolume")
+        os.chmod(self.rw, 0o700)
+        self._make_upper(host_uid)
+
+    def _make_upper(self, host_uid: int) -> None:
         self.upper.mkdir(mode=0o755)
         self.work.mkdir(mode=0o700)
         os.chown(self.upper, host_uid, host_uid)

@@ -1,6 +1,7 @@
 """Lifecycle of container sandboxes on one node: create, adopt after a restart, destroy, verify.
 
-Creation order: uid slot -> capped writable tmpfs (verified) -> idmapped layers -> overlayfs ->
+Creation order: uid slot -> capped writable layer (verified: a subvolume of the node's disk
+pool, or a tmpfs for the memory tier) -> idmapped layers -> overlayfs ->
 named netns -> agent socket -> OCI bundle -> ``runc run -d`` -> cgroup delegation -> agent
 handshake. Destruction kills by cgroup, then unwinds in reverse and checks that no process,
 mount, cgroup, netns or file of the sandbox remains.
@@ -21,6 +22,7 @@ from pathlib import Path
 from rollbox.backends.container import bundle, platform_shell
 from rollbox.backends.container.channel import AgentChannel
 from rollbox.backends.container.cpuview import CpuViews
+from rollbox.backends.container.disk import DiskPool
 from rollbox.backends.container.files import SandboxFS
 from rollbox.backends.container.protocol import ExecRequest, shell_argv
 from rollbox.backends.container.rootfs import (
@@ -28,7 +30,7 @@ from rollbox.backends.container.rootfs import (
 )
 from rollbox.backends.container.runtime import Runtime, wait_pid
 from rollbox.config import Settings
-from rollbox.errors import InfraError
+from rollbox.errors import BadRequest, InfraError
 from rollbox.isolation import cgroups, netns, oom
 from rollbox.isolation.userns import UidSlots
 from rollbox.netpolicy import link as netlink
@@ -120,6 +122,7 @@ class ContainerBackend:
                             "creates)", settings.run_dir)
             self.owns_run_tmpfs = run_fs in ("mounted", "ours")
         self.runtime = Runtime(settings.runtime, settings.run_dir / "runc")
+        self.disk = DiskPool(settings)  # mounted on first use (or found mounted)
         self.sandboxes_dir = settings.sandboxes_dir
         # Where rootfs dirs lived before the run dir held them: sandboxes an older edge left
         # running there are still adopted and cleaned from it.
@@ -163,12 +166,16 @@ class ContainerBackend:
     async def create(self, sandbox_id: str, layers: list[str], resources: Resources,
                      image_env: dict[str, str], network: str = "none", *,
                      hardened: bool = True, hidden_paths: Sequence[str] = (),
-                     network_rules: list[str] | None = None) -> ContainerSandbox:
+                     network_rules: list[str] | None = None,
+                     disk_tier: str = "disk") -> ContainerSandbox:
         """network: "none" (own netns, loopback only) or "host" — the latter only for the
         platform's own image builds from operator-given commands, never from the API.
+        disk_tier: "disk" (a capped subvolume of the node's disk pool) or "memory" (tmpfs).
         hardened=False: the red-team tests' deliberately weak twin (see bundle.py), never from
         the API. hidden_paths: paths of the tree the sandbox's commands can not see."""
         bundle.normalize_hidden(hidden_paths)  # bad input fails before anything is allocated
+        if disk_tier not in ("disk", "memory"):
+            raise BadRequest(f"unknown disk tier {disk_tier!r}", disk_tier=disk_tier)
         if network_rules is not None:
             netpolicy.parse_rules(network_rules)
         if os.environ.get(UNHARDENED_ENV) == "1":
@@ -183,9 +190,11 @@ class ContainerBackend:
         pid: int | None = None
         try:
             def prepare() -> str:  # blocking kernel work, off the event loop
+                subvolume = (self.disk.create(sandbox_id, resources.disk_mib << 20)
+                             if disk_tier == "disk" else None)
                 mounts = [self.layer_mounts.ensure_mounted(d) for d in layers]
                 rootfs.compose(mounts, self.slots.userns_fd(slot), host_uid,
-                               resources.disk_mib, resources.inodes)
+                               resources.disk_mib, resources.inodes, subvolume)
                 return ("host" if network == "host"
                         else str(netns.create(netns.PREFIX + sandbox_id)))
 
@@ -334,6 +343,8 @@ class ContainerBackend:
         left = rootfs.teardown()
         if left:
             problems.append(f"mounts left: {left}")
+        else:  # a subvolume still bind-mounted can not be deleted
+            problems += self.disk.remove(sandbox_id)
         netlink.delete(sandbox_id)
         if netlink.exists(sandbox_id):
             problems.append(f"network link {netlink.link_name(sandbox_id)} left")
@@ -349,6 +360,7 @@ class ContainerBackend:
         cgroups.remove_parent_if_empty(self.settings.cgroup_parent)
         if self.owns_run_tmpfs and release_run_tmpfs(self.settings.run_dir):
             self.owns_run_tmpfs = False
+        self.disk.release()  # unless a subvolume is left in it
 
     def leftovers(self, sandbox_id: str) -> list[str]:
         """Everything of a sandbox still on the host (empty after a clean destroy)."""
@@ -361,6 +373,7 @@ class ContainerBackend:
         if netlink.exists(sandbox_id):
             left.append(f"link {netlink.link_name(sandbox_id)}")
         left += sandbox_net.bpf_leftovers(sandbox_id)
+        left += self.disk.leftovers(sandbox_id)
         for p in (self.sandboxes_dir / sandbox_id, self.legacy_sandboxes_dir / sandbox_id,
                   self.run_root / sandbox_id, self.runtime.state_dir(sandbox_id)):
             if p.exists():
@@ -377,7 +390,19 @@ class ContainerBackend:
         ids |= {n[len(netns.PREFIX):] for n in netns.list_rollbox()}
         ids |= {sid for sid in netlink.list_links().values() if sid}
         ids |= {p.name for p in cgroups.leftover(self.settings.cgroup_parent)}
+        ids |= self.disk.ids()
         return {i for i in ids if i.startswith(prefix)}
+
+    async def clone_upper(self, sb: ContainerSandbox, clone_id: str) -> Path:
+        """A copy-on-write clone of a disk-tier sandbox's writable layer as the subvolume
+        ``clone_id`` of the pool (for fork): a btrfs snapshot, no data copied, capped like the
+        source. Freeze the sandbox first for a consistent copy. Returns the clone's upper dir;
+        the clone is removed with the sandbox of that id (or ``disk.remove``)."""
+        if not self.disk.leftovers(sb.id):
+            raise BadRequest(f"sandbox {sb.id} has no disk-tier writable layer to clone",
+                             sandbox_id=sb.id)
+        clone = await asyncio.to_thread(self.disk.clone, sb.id, clone_id)
+        return clone / sb.rootfs.upper.name
 
     async def cleanup_orphan(self, sandbox_id: str, host_uid: int | None = None) -> None:
         slot = self.slots.slot_of(host_uid) if host_uid is not None else -1
