@@ -235,3 +235,21 @@ async def test_c24_e37_host_info_and_teardown(boxes: Boxes) -> None:
     assert a not in Path("/proc/self/mountinfo").read_text()
     r = await boxes.run(b, ["echo", "neighbour fine"])
     assert r.stdout == "neighbour fine\n"
+
+
+@needs_python
+async def test_b13_no_subvolume_of_its_own(boxes: Boxes) -> None:
+    # A subvolume made from inside would have a qgroup of its own, outside the sandbox's cap.
+    # overlayfs passes no btrfs ioctl to the upper's filesystem: checked on the unhardened twin
+    # (no seccomp), so this layer holds by itself.
+    sid = await boxes.make(PY, hardened=False)
+    code = ("import fcntl, os\nfd = os.open('/tmp', os.O_RDONLY)\nargs = bytearray(4096)\n"
+            "args[8:12] = b'evil'\n"
+            f"for nr in ({btrfs.BTRFS_IOC_SUBVOL_CREATE}, {btrfs.BTRFS_IOC_SNAP_CREATE_V2}):\n"
+            "    try:\n        fcntl.ioctl(fd, nr, args)\n        print('made')\n"
+            "    except OSError as e:\n        print(e.errno)\n")
+    r = await boxes.py(sid, code)
+    assert r.stdout.split() == ["25", "25"], r  # ENOTTY
+    assert boxes.edge.backend.disk.ids() >= {sid}
+    upper = boxes.edge.backend.disk.path(sid) / "upper"
+    assert not [d for d, subdirs, files in os.walk(upper) if "evil" in subdirs + files]
