@@ -107,6 +107,7 @@ class Rootfs:
         """layer_mounts lowest first (base first). subvolume: the disk tier's capped subvolume
         (the pool verified its cap); None: a tmpfs of disk_mib and inodes."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        step = "writable layer"  # named in the error: which mount failed
         try:
             if subvolume is not None:
                 self._bind_upper(subvolume, host_uid)
@@ -114,10 +115,12 @@ class Rootfs:
                 self._mount_upper(host_uid, disk_mib, inodes)
             lowers = []
             for i, src in enumerate(layer_mounts):
+                step = f"layer {src}"
                 target = self.dir / f"l{i}"
                 target.mkdir(exist_ok=True)
                 self._idmapped_bind(src, target, userns_fd)
                 lowers.append(str(target))
+            step = "overlay"
             self.merged.mkdir(exist_ok=True)
             opts = (f"lowerdir={':'.join(reversed(lowers))},upperdir={self.upper},"
                     f"workdir={self.work},redirect_dir=off,metacopy=off")
@@ -126,7 +129,7 @@ class Rootfs:
             syscalls.mount("overlay", self.merged, "overlay", syscalls.MS_NOSUID, opts)
         except OSError as exc:
             self.teardown()
-            raise InfraError(f"rootfs composition failed: {exc}") from exc
+            raise InfraError(f"rootfs composition failed ({step}): {exc}") from exc
 
     def _mount_upper(self, host_uid: int, disk_mib: int, inodes: int) -> None:
         self.rw.mkdir(exist_ok=True)
