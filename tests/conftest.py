@@ -268,9 +268,10 @@ def no_leaks_after_suite() -> Iterator[None]:
         f"loop devices={loops}")
 
 
-def run_loop_devices(run: str, settle_s: float = 2.0) -> list[str]:
+def run_loop_devices(run: str, settle_s: float = 10.0) -> list[str]:
     """Loop devices still attached to a file below the run's temp dirs (disk pools). An
-    unmounted pool's device detaches itself (autoclear) shortly after: wait for that."""
+    unmounted pool's device detaches itself (autoclear) once no mount namespace holds a copy
+    of its mount (a short-lived process that unshared one meanwhile may): wait for that."""
     import time
 
     deadline = time.monotonic() + settle_s

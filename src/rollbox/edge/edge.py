@@ -263,6 +263,7 @@ class Edge:
             if live.watcher:
                 live.watcher.cancel()
             live.box.channel.close()
+            live.box.fs.close()  # its root fd would pin the sandbox's mounts (and disk pool)
         if not self.live and not self.journal.live():
             await asyncio.to_thread(self.backend.release_node_resources)
         self.live.clear()
