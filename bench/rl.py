@@ -68,7 +68,7 @@ from bench.container import PODMAN_ULIMITS, podman_prepare  # noqa: E402
 from bench.images import machine_busy_s, proc_cpu_s  # noqa: E402
 from rollbox.config import Settings  # noqa: E402
 from rollbox.demo import _pct  # noqa: E402
-from rollbox.embedded import _free_port, wait_healthy  # noqa: E402
+from rollbox.embedded import ServerProcess, _free_port  # noqa: E402
 
 IMAGE = "python:3.11"
 PHASES = ("grpo", "many", "write", "restart", "files")
@@ -80,6 +80,7 @@ WRITE_BYTES, WRITE_CHUNK = 512 << 20, 32 << 20
 N_RESTART = 16
 TRANSFER_BYTES, QUICK_TRANSFER_BYTES = 10**9, 256 << 20
 PROBE_BYTES = 256 << 20  # the files phase measures here before it tries TRANSFER_BYTES
+UID_SLOTS = 1040  # the node's sandboxes at most at once (1,024 in `many`), below uid 2^31
 MEM_FLOOR_MIB = 2048  # the issue's target: host MemAvailable never below 2 GiB
 GIB = 1 << 30
 
@@ -103,6 +104,8 @@ WORKLOAD: tuple[tuple[str, str, str], ...] = (
 GRADE = ("cd /work && python3 -c 'from answer import double; assert double(21) == 42; "
          "print(\"reward 1\")'", "reward 1")
 _TIMES = re.compile(r"(\d+)m([\d.]+)s")
+_LOST = re.compile(r"\[\.\.\. (\d+) bytes lost to a server restart \.\.\.\]\n")
+_DROPPED = re.compile(r"\n\[\.\.\. (\d+) bytes dropped \.\.\.\]\n")
 _IDS = re.compile(r"\b(rl[0-9a-f]+-[0-9a-f]{12}|e\d+)\b")  # sandbox and exec ids
 
 
@@ -159,18 +162,22 @@ def split_times(stdout: str) -> tuple[str, float]:
 
 
 def output_within_bound(expected: str, stdout: str, stdout_bytes: int) -> bool:
-    """True when ``stdout`` holds only right bytes at their places: the head kept is a prefix
-    of ``expected``, the tail kept a suffix (around the edge's ``[... N bytes dropped ...]``
-    marker), the byte count is the command's, and at least the last min(64 KiB, all) of it is
-    there."""
+    """True when ``stdout`` holds only right bytes at their places and enough of them: the
+    edge's result is ``[... N bytes lost to a server restart ...]`` (optional), a head from
+    offset N, ``[... M bytes dropped ...]`` and a tail (optional); the head must be the
+    command's bytes from N, the tail its last bytes, the byte count its own, and its last
+    min(64 KiB, what follows the head) must be there."""
     if stdout_bytes != len(expected):
         return False
-    m = re.search(r"\n\[\.\.\. (\d+) bytes dropped \.\.\.\]\n", stdout)
-    head, tail = (stdout[:m.start()], stdout[m.end():]) if m else ("", stdout)
-    if not m and len(stdout) == len(expected):
-        return stdout == expected
-    return (expected.startswith(head) and expected.endswith(tail)
-            and len(tail) >= min(64 << 10, len(expected)))
+    start = 0
+    if m := _LOST.match(stdout):
+        start, stdout = int(m.group(1)), stdout[m.end():]
+    m = _DROPPED.search(stdout)
+    head, tail = (stdout[:m.start()], stdout[m.end():]) if m else (stdout, "")
+    if not expected.startswith(head, start) or not expected.endswith(tail):
+        return False
+    rest = len(expected) - start - len(head)  # after the head
+    return rest == 0 if not tail else len(tail) >= min(64 << 10, rest)
 
 
 def ticker(i: int, ticks: int) -> tuple[str, str, int]:
@@ -328,44 +335,28 @@ async def guarded(work: Awaitable[Any], tripped: asyncio.Event) -> tuple[bool, A
 
 # ---- the server -------------------------------------------------------------------------------
 
-class Server:
-    """``rollbox serve`` in its own process on a scratch node: own data dir (below ``root``),
-    run dir (a tmpfs the backend mounts), cgroup parent and node id, so nothing here meets the
-    node's own sandboxes; the node's images are read, never written. The PyPI mirror runs in
-    the server on ``mirror_port``. ``kill9`` + ``start`` is the restart scenario."""
+class Server(ServerProcess):
+    """``rollbox serve`` in its own process on a scratch node: its own data dir (below
+    ``root``), run dir (a tmpfs the backend mounts), cgroup parent, node id and uid range
+    (above the test runs' bands), so nothing here meets the node's own or a test's sandboxes;
+    the node's images are read, never written. The PyPI mirror runs in the server on
+    ``mirror_port``. ``kill`` + ``start`` is the restart scenario; ``cpu_s`` spans them."""
 
     def __init__(self, root: Path) -> None:
         tag = secrets.token_hex(3)
+        node = Settings()
+        s = Settings.scratch(root)
+        s.run_dir, s.run_tmpfs = Path(f"/run/rollbox-bench-rl-{tag}"), True
+        s.cgroup_parent, s.node_id = f"rollbox-bench-rl-{tag}", f"rl{tag}"
+        s.uid_base = node.uid_base + (node.uid_slots + 64 + 8 * 1024 + 16) * 65536
+        s.uid_slots = UID_SLOTS
+        super().__init__(s)
         self.root = root
-        self.port, self.mirror_port = _free_port(), _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.mirror_port = _free_port()
         self.mirror_url = f"http://127.0.0.1:{self.mirror_port}/simple/"
-        self.run_dir = Path(f"/run/rollbox-bench-rl-{tag}")
-        self.cgroup = f"rollbox-bench-rl-{tag}"
-        self.env = {**os.environ, "ROLLBOX_DATA": str(root / "data"),
-                    "ROLLBOX_RUN": str(self.run_dir), "ROLLBOX_CGROUP": self.cgroup,
-                    "ROLLBOX_NODE": f"rl{tag}", "ROLLBOX_IMAGES": str(Settings().images_dir),
-                    "ROLLBOX_PYPI_MIRROR": "1", "ROLLBOX_PYPI_MIRROR_PORT": str(self.mirror_port),
-                    "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve()
-                                                  .parent.parent / "src"),
-                                                  os.environ.get("PYTHONPATH")) if p)}
-        self.log = root / "serve.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.key = ""
-        self.cpu_dead = 0.0  # CPU of the server processes this run killed (kill9)
-
-    def settings(self) -> Settings:
-        s = Settings()
-        s.data_dir = self.root / "data"
-        return s
-
-    def start(self) -> None:
-        with open(self.log, "ab") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rollbox.cli", "serve", "--port", str(self.port)],
-                stdout=subprocess.DEVNULL, stderr=err, env=self.env)
-        wait_healthy(self.url, self.proc, self.log, timeout=120)
-        self.key = self.settings().admin_key_path.read_text().strip()
+        assert self.env is not None
+        self.env.update(ROLLBOX_PYPI_MIRROR="1", ROLLBOX_PYPI_MIRROR_PORT=str(self.mirror_port))
+        self.cpu_dead = 0.0  # CPU of the server processes this run killed
 
     @property
     def pid(self) -> int:
@@ -373,40 +364,29 @@ class Server:
         return self.proc.pid
 
     def cpu_s(self) -> float:
-        """This server process's CPU and its reaped children's (runc, agents), plus that of
-        server processes this run killed before."""
+        """The server's CPU with its reaped children's (runc, the agents), across restarts."""
         return self.cpu_dead + (proc_cpu_s(self.pid, children=True) if self.proc else 0.0)
 
-    def kill9(self) -> None:
-        assert self.proc is not None
-        cpu = proc_cpu_s(self.pid, children=True)  # before it goes: a zombie has no children
-        self.proc.kill()
-        self.proc.wait()
-        self.cpu_dead += cpu
-        self.proc = None
+    def kill(self) -> None:
+        if self.proc is not None:  # read before it goes: a zombie has no children's time
+            self.cpu_dead += proc_cpu_s(self.pid, children=True)
+        super().kill()
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
+        super().stop()
         with contextlib.suppress(OSError):
-            self.run_dir.rmdir()  # the backend took its tmpfs down when it stopped idle
+            self.settings.run_dir.rmdir()  # the backend took its tmpfs down when it stopped
 
     def writable_layer_fs(self) -> list[str]:
         """Filesystem types mounted below the run dir other than the layers and the overlay:
         what the sandboxes' writable layers sit on (tmpfs = host memory)."""
         from rollbox.images.mounts import read_mountinfo
 
+        run = str(self.settings.run_dir) + "/"
         return sorted({fstype for mnt, fstype, _src in read_mountinfo()
-                       if mnt.startswith(str(self.run_dir) + "/")
-                       and fstype not in ("overlay", "erofs", "proc", "sysfs", "cgroup",
-                                          "cgroup2", "devpts", "mqueue")})
+                       if mnt.startswith(run) and fstype not in (
+                           "overlay", "erofs", "proc", "sysfs", "cgroup", "cgroup2", "devpts",
+                           "mqueue")})
 
     def log_tail(self, n: int = 1500) -> str:
         try:
@@ -775,7 +755,7 @@ async def phase_restart(server: Server) -> dict[str, Any]:
         fg_tasks = {i: asyncio.create_task(fg(i)) for i in foreground}
         await asyncio.sleep(1.0)
         t_kill = time.monotonic()
-        server.kill9()
+        server.kill()
         await asyncio.sleep(3.0)  # the big writer prints its 10 MB now
         await asyncio.to_thread(server.start)
         res["down_s"] = time.monotonic() - t_kill
@@ -818,16 +798,39 @@ async def phase_restart(server: Server) -> dict[str, Any]:
 
 # ---- phase 5: single-file transfers --------------------------------------------------------------
 
+class Pattern:
+    """``size`` bytes: one random MiB over and over, streamed in 1 MiB chunks and checked at
+    any chunking on the way back; neither side holds more than a chunk."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.block = size, os.urandom(1 << 20)
+
+    async def chunks(self) -> Any:
+        for off in range(0, self.size, len(self.block)):
+            yield self.block[:self.size - off]
+
+    def matches(self, off: int, data: bytes) -> bool:
+        n = len(self.block)
+        while data:
+            i = off % n
+            piece = data[:n - i]
+            if piece != self.block[i:i + len(piece)]:
+                return False
+            off, data = off + len(piece), data[len(piece):]
+        return True
+
+
 async def transfers(server: Server, size: int, watch: HostWatch) -> dict[str, Any]:
-    """Four sandboxes; four concurrent writes of ``size`` bytes to one file each, then four
-    concurrent reads of them (checked); the server's peak RSS over both."""
+    """Four sandboxes; four concurrent single-file writes of ``size`` bytes (streamed from an
+    async iterator), then four concurrent streamed reads of them, checked; the server's peak
+    RSS over both."""
     from rollbox import errors
     from rollbox.sdk import AsyncClient
 
     labels = {"bench": "rl-files"}
     mib = -(-size * 2 // (1 << 20))  # room for the file in the writable layer
     res: dict[str, Any] = {"bytes_each": size}
-    data = os.urandom(1 << 20) * (size >> 20) + os.urandom(size % (1 << 20))
+    pattern = Pattern(size)
     floor = MEM_FLOOR_MIB + 1024
     async with AsyncClient(base_url=server.url, api_key=server.key, timeout=600) as client:
         try:
@@ -839,12 +842,18 @@ async def transfers(server: Server, size: int, watch: HostWatch) -> dict[str, An
                 res["server_rss_before_mib"] = rss_mib(server.pid)
                 t0 = time.monotonic()
                 done, _ = await guarded(asyncio.gather(
-                    *(sb.files.write("/root/big.bin", data) for sb in boxes)), tripped)
+                    *(sb.files.write("/root/big.bin", pattern.chunks()) for sb in boxes)),
+                    tripped)
                 res["write_s"] = time.monotonic() - t0
                 res["server_rss_peak_write_mib"] = watch.rss_peak
                 if done:
-                    async def same(sb: Any) -> bool:  # each body dropped once compared
-                        return await sb.files.read("/root/big.bin") == data
+                    async def same(sb: Any) -> bool:
+                        off = 0
+                        async for part in sb.files.read_stream("/root/big.bin"):
+                            if not pattern.matches(off, part):
+                                return False
+                            off += len(part)
+                        return off == size
 
                     t1 = time.monotonic()
                     done, back = await guarded(asyncio.gather(*(same(sb) for sb in boxes)),
@@ -865,7 +874,7 @@ async def transfers(server: Server, size: int, watch: HostWatch) -> dict[str, An
 async def phase_files(server: Server, size: int, watch: HostWatch) -> dict[str, Any]:
     """``transfers`` at ``PROBE_BYTES`` first; from the server's growth there, what ``size``
     would take: run it only if the host has that memory (a server that buffers whole bodies,
-    plus this client's copies, plus a memory-backed writable layer), else report why not."""
+    plus a memory-backed writable layer), else report why not."""
     res: dict[str, Any] = {"n": 4, "bytes_each": size}
     probe = await transfers(server, min(size, PROBE_BYTES), watch)
     if size <= PROBE_BYTES or "server_rss_peak_mib" not in probe:
@@ -874,14 +883,12 @@ async def phase_files(server: Server, size: int, watch: HostWatch) -> dict[str, 
     growth = max(0.0, probe["server_rss_peak_mib"] - probe["server_rss_before_mib"])
     predicted = probe["server_rss_before_mib"] + growth * size / PROBE_BYTES
     in_memory = "tmpfs" in probe.get("writable_layer_fs", [])
-    need = int(MEM_FLOOR_MIB + 1024 + predicted + (5 * size >> 20)
-               + (4 * size >> 20 if in_memory else 0))
+    need = int(MEM_FLOOR_MIB + 1024 + predicted + (4 * size >> 20 if in_memory else 0))
     res["server_rss_peak_mib_predicted"] = predicted
     if (avail := mem_available_mib()) < need:
         res["skipped"] = (f"4 x {size >> 20} MiB would need MemAvailable >= {need} MiB (server "
-                          f"~{predicted:.0f} MiB from the {PROBE_BYTES >> 20} MiB probe, this "
-                          f"client's copies, {'the tmpfs layers, ' if in_memory else ''}the "
-                          f"floor); {avail} MiB")
+                          f"~{predicted:.0f} MiB from the {PROBE_BYTES >> 20} MiB probe, "
+                          f"{'the tmpfs layers, ' if in_memory else ''}the floor); {avail} MiB")
         return res
     return {**res, **await transfers(server, size, watch)}
 
@@ -959,8 +966,8 @@ def main(quick: bool = False, json_out: bool = False,
         res = asyncio.run(run(opts, server, watch))
     finally:
         watch.close()
-        server.stop()
         tail = server.log_tail()
+        server.stop()
         shutil.rmtree(root, ignore_errors=True)
     res["total_s"] = time.monotonic() - t0
     res = {**summary_keys(res), **res}

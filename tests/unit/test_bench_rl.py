@@ -71,8 +71,29 @@ def test_output_within_bound(rl) -> None:  # noqa: ANN001
     assert rl.output_within_bound(big, text, total)  # head + marker + tail, as the edge keeps
     assert not rl.output_within_bound(big, text, total - 1)
     assert not rl.output_within_bound(big, text.replace("line 2999", "line 2998", 1), total)
-    assert rl.output_within_bound(big, big[-HEAD_LIMIT:], len(big))  # the last 1 MiB only
-    assert not rl.output_within_bound(big, big[-100:], len(big))  # too little kept
+    # rebuilt after a restart from the agent's last 1 MiB: a "lost" marker, then that MiB
+    b = StreamBuffer()
+    b.resume_at(len(big) - HEAD_LIMIT)
+    b.add(big[-HEAD_LIMIT:].encode())
+    assert rl.output_within_bound(big, b.text(), b.total)
+    assert not rl.output_within_bound(big, b.text().replace("line 299999", "line 2", 1), b.total)
+    assert not rl.output_within_bound(big, big[-HEAD_LIMIT:], len(big))  # not at offset 0
+    assert not rl.output_within_bound(big, big[:100], len(big))  # too little kept
+
+
+def test_pattern_checks_any_chunking(rl) -> None:  # noqa: ANN001
+    import asyncio
+
+    p = rl.Pattern((3 << 20) + 5)
+
+    async def collect() -> bytes:
+        return b"".join([c async for c in p.chunks()])
+
+    data = asyncio.run(collect())
+    assert len(data) == p.size
+    for step in (4096, 700_001, 1 << 20):
+        assert all(p.matches(off, data[off:off + step]) for off in range(0, len(data), step))
+    assert not p.matches(5, data[6:100])
 
 
 def test_restart_commands_print_what_is_expected(rl) -> None:  # noqa: ANN001
