@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -17,23 +19,29 @@ import pytest
 
 import rollbox
 from rollbox.embedded import server_process
-from tests.conftest import node_settings
+from tests.conftest import TEST_RUN, node_settings
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root and runc")]
 BB = "busybox:test"
 
 
-@pytest.fixture
-def server(tmp_node_dir: Path) -> Iterator[tuple[str, str]]:
-    """A ``rollbox serve`` child on a test node; every sandbox is deleted before it stops."""
-    with server_process(settings=node_settings(tmp_node_dir)) as (url, key):
-        try:
-            yield url, key
-        finally:
-            with rollbox.Client(url, key) as c:
-                for sb in c.list():
-                    sb.delete()
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, str]]:
+    """A ``rollbox serve`` child on a test node, shared by this module's tests (it starts in
+    seconds); every sandbox is deleted before it stops."""
+    root = Path(tempfile.mkdtemp(prefix=f"rollbox-test-{TEST_RUN}-"))
+    root.chmod(0o711)  # as tmp_node_dir: runc resolves the rootfs as the sandbox's host uid
+    try:
+        with server_process(settings=node_settings(root)) as (url, key):
+            try:
+                yield url, key
+            finally:
+                with rollbox.Client(url, key) as c:
+                    for sb in c.list():
+                        sb.delete()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 async def test_blocked_event_loop_keeps_the_job(server: tuple[str, str]) -> None:
