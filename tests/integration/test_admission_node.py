@@ -187,3 +187,36 @@ async def test_grade_takes_resources_in_the_sdk(edge, tmp_path: Path) -> None:  
                     await sb.grade("true", files=["/x"], resources={"memory_mib": -1})
     finally:
         keys.close()
+
+
+async def test_restart_keeps_admission_and_quota_usage(tmp_node_dir: Path) -> None:
+    """Re-adopted sandboxes count again: a restart can not reset a project's usage."""
+    from rollbox.edge.edge import Edge
+    from rollbox.events.store import EventLog
+    from tests.conftest import node_settings
+
+    settings = node_settings(tmp_node_dir)
+    events = EventLog(tmp_node_dir / "events.db")
+    quotas = SQLiteQuotas(tmp_node_dir / "quotas.db")
+    quotas.set("team", Quota(sandboxes=2))
+    e1 = Edge(settings, events, quotas=quotas)
+    await e1.start()
+    made = [await e1.create(SandboxSpec(image=BB, resources=Resources(memory_mib=300)), "team")
+            for _ in range(2)]
+    await e1.close(destroy=False)
+    e2 = Edge(settings, events, quotas=quotas)
+    await e2.start()
+    try:
+        cap = e2.capacity()
+        assert (cap["sandboxes"], cap["requested_memory_mib"]) == (2, 600)
+        with pytest.raises(errors.QuotaExceeded):
+            await e2.create(SandboxSpec(image=BB), "team")
+        await e2.delete(made[0].id)
+        extra = await e2.create(SandboxSpec(image=BB), "team")
+        for sb in (made[1], extra):
+            await e2.delete(sb.id)
+        assert e2.capacity()["sandboxes"] == 0
+    finally:
+        await e2.close(destroy=True)
+        events.close()
+        quotas.close()

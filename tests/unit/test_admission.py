@@ -224,3 +224,13 @@ def test_checks_read_host_memory_at_most_every_100ms_and_cost_microseconds(
     print(f"admission: {cpu_us:.1f} us CPU per create (admit + started + release), "
           f"{adm.memory.reads} host reads in {took:.3f} s")
     assert cpu_us < 200
+
+
+def test_settings_out_of_range_stop_the_edge() -> None:
+    for name, value in (("reserved_share", 1.0), ("reserved_share", -0.1),
+                        ("memory_overcommit", 0.0), ("max_sandboxes", 0),
+                        ("memory_reserve_mib", 24 * GIB)):
+        s = Settings()
+        setattr(s, name, value)
+        with pytest.raises(ValueError):
+            Limits.from_settings(s, 24 * GIB)

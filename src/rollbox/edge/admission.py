@@ -58,6 +58,15 @@ class Limits:
 
     @classmethod
     def from_settings(cls, s: Settings, host_mem_mib: int) -> Limits:
+        """The node's budgets; ValueError for settings that make no sense (the edge does not
+        start on them)."""
+        if not (s.max_sandboxes > 0 and s.memory_overcommit > 0 and s.cpu_overcommit > 0
+                and 0 <= s.reserved_share < 1 and s.memory_psi_max >= 0
+                and (s.memory_reserve_mib is None or 0 <= s.memory_reserve_mib < host_mem_mib)):
+            raise ValueError(
+                "admission settings out of range: max_sandboxes, memory_overcommit and "
+                "cpu_overcommit > 0, 0 <= reserved_share < 1, memory_psi_max >= 0, "
+                f"0 <= memory_reserve_mib < host RAM ({host_mem_mib} MiB)")
         return cls(max_sandboxes=s.max_sandboxes, memory_overcommit=s.memory_overcommit,
                    cpu_overcommit=s.cpu_overcommit,
                    reserve_mib=node_reserve_mib(s, host_mem_mib),

@@ -1,8 +1,11 @@
-"""Identity: API keys -> principals (project, admin). Keys are stored only as SHA-256 hashes.
+"""Identity: API keys -> principals (project, admin), stored only as SHA-256 hashes; per-project
+quotas on one node (``iam.quotas``, its own SQLite file next to the keys).
 
-Owns its own SQLite file. Nested projects with quotas come later (see ``iam.keys.Project``);
-enforcing quotas is not done here yet and nothing here talks to edges.
+Stores and validates; does not count usage (the edge's admission enforces quotas against its
+live sandboxes) and nothing here talks to edges. Nested projects with delegated quotas come
+later (see ``iam.keys.Project``).
 """
 from rollbox.iam.keys import KEY_PREFIX, KeyInfo, KeyStore, Principal
+from rollbox.iam.quotas import QuotaStore, SQLiteQuotas
 
-__all__ = ["KEY_PREFIX", "KeyInfo", "KeyStore", "Principal"]
+__all__ = ["KEY_PREFIX", "KeyInfo", "KeyStore", "Principal", "QuotaStore", "SQLiteQuotas"]
