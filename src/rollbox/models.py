@@ -202,6 +202,9 @@ class ExecInfo(BaseModel):
     exit_code: int | None = None
     timed_out: bool = False
     background: bool = False
+    # bytes of output so far: the offsets to re-attach from (stream ?stdout_offset=...)
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
 
 
 class FileStat(BaseModel):

@@ -55,8 +55,9 @@ class StreamBuffer:
         self.dropped = self.total - len(self.head) - len(self.tail)
 
     def text(self) -> str:
+        # One marker for every gap; ``ExecResult.*_truncated_bytes`` says a restart made one.
         lost = self.dropped - self.start  # between head and tail
-        front = f"[... {self.start} bytes lost to a server restart ...]\n" if self.start else ""
+        front = f"\n[... {self.start} bytes dropped ...]\n" if self.start else ""
         if not self.tail:
             return front + self.head.decode(errors="replace")
         marker = f"\n[... {lost} bytes dropped ...]\n" if lost else ""
@@ -163,6 +164,7 @@ class ExecSession:
             state="exited" if self.done.is_set() else "running", started_at=self.started_at,
             exit_code=self.result.exit_code if self.result else None,
             timed_out=bool(self.result and self.result.timed_out), background=self.spec.background,
+            stdout_bytes=self.out.total, stderr_bytes=self.err.total,
         )
 
 

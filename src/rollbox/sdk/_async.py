@@ -306,6 +306,8 @@ class AsyncProcess:
         self.cmd = cmd
         self._t = sandbox._t
         self._base = f"/v1/sandboxes/{sandbox.id}/exec/{exec_id}"
+        # of the last attach(): output per stream a server restart lost before it was seen
+        self.truncated = {"stdout": 0, "stderr": 0}
 
     def __repr__(self) -> str:
         return f"<AsyncProcess {self.exec_id} in {self.sandbox.id}>"
