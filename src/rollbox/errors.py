@@ -160,7 +160,7 @@ class ConnectionLost(InfraError):
     code = "connection_lost"
 
 
-class ExecIndeterminate(ConnectionLost):
+class ExecIndeterminate(InfraError):
     """An exec may or may not have run: the connection broke after the start was sent and the
     outcome could not be re-checked (the server stayed unreachable past the SDK's reconnect
     window, or the edge lost the command across a restart). Not retryable blindly: re-check

@@ -207,7 +207,15 @@ class Edge:
         agent = channel.agent_sessions
         ending = []
         for rec in self.journal.execs(sid):
-            spec = ExecSpec.model_validate_json(rec.spec)
+            try:
+                spec = ExecSpec.model_validate_json(rec.spec)
+                result = ExecResult.model_validate_json(rec.result) if rec.result else None
+                error = error_from_payload(json.loads(rec.error)) if rec.error else None
+            except ValueError as exc:  # a record this version can't read: not worth a node
+                log.error("sandbox %s: exec %s record unreadable (%s); dropped", sid,
+                          rec.exec_id, exc)
+                self.journal.exec_forget(sid, [rec.exec_id])
+                continue
             session = ExecSession(rec.exec_id, spec)
             session.started_at = rec.started_at
             session._t0 -= max(0.0, time.time() - rec.started_at)  # durations span the restart
@@ -217,10 +225,8 @@ class Edge:
                 live.keys[spec.idempotency_key] = rec.exec_id
             if rec.exec_id[1:].isdigit():
                 live.box.next_session = max(live.box.next_session, int(rec.exec_id[1:]))
-            if rec.result is not None or rec.error is not None:
-                session.restore(
-                    ExecResult.model_validate_json(rec.result) if rec.result else None,
-                    error_from_payload(json.loads(rec.error)) if rec.error else None)
+            if result is not None or error is not None:
+                session.restore(result, error)
                 if rec.agent_session in agent:  # crashed between journaling and COLLECT
                     channel.collect(rec.agent_session)
             elif rec.agent_session in agent:
