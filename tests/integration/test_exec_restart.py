@@ -59,7 +59,8 @@ async def test_commands_are_rebuilt_after_an_edge_restart(tmp_node_dir) -> None:
         r = await e2.exec_wait(sb, big)
         assert r.exit_code == 0 and r.stdout_bytes == 10_000_004
         assert r.stdout_truncated_bytes == 10_000_004 - MIB  # only the last 1 MiB survives
-        assert r.stdout == f"\n[... {10_000_004 - MIB} bytes dropped ...]\n" + "y" * (MIB - 4) + "end\n"
+        assert r.stdout == (f"[... {10_000_004 - MIB} bytes lost to a server restart ...]\n"
+                            + "y" * (MIB - 4) + "end\n")
         assert (await e2.exec_wait(sb, before)).stdout == "before\n"  # from the journal
 
         # re-attach the running one where the client stopped (it had "l1\n")

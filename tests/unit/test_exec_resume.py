@@ -47,7 +47,7 @@ def test_rebuilt_stream_reports_the_lost_start_and_merges_the_agent_tail() -> No
     b.add(b"x" * 100)
     b.settle(1100, None)
     assert (b.total, b.start, b.dropped) == (1100, 1000, 1000)
-    assert b.text() == "\n[... 1000 bytes dropped ...]\n" + "x" * 100
+    assert b.text() == "[... 1000 bytes lost to a server restart ...]\n" + "x" * 100
     # an agent tail overlapping what the head has is not counted twice
     b = StreamBuffer()
     b.add(b"0123456789")

@@ -55,9 +55,10 @@ class StreamBuffer:
         self.dropped = self.total - len(self.head) - len(self.tail)
 
     def text(self) -> str:
-        # One marker for every gap; ``ExecResult.*_truncated_bytes`` says a restart made one.
+        # A restart's loss (before the head; also in ``*_truncated_bytes``) is named apart from
+        # the limit's (between head and tail): bench/rl.py parses both.
         lost = self.dropped - self.start  # between head and tail
-        front = f"\n[... {self.start} bytes dropped ...]\n" if self.start else ""
+        front = f"[... {self.start} bytes lost to a server restart ...]\n" if self.start else ""
         if not self.tail:
             return front + self.head.decode(errors="replace")
         marker = f"\n[... {lost} bytes dropped ...]\n" if lost else ""
