@@ -3,11 +3,14 @@ sandbox installs a pinned package through it, and nothing else (the public index
 host, a raw IP) is reachable from the same sandbox."""
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
+from rollbox.config import Settings
 from rollbox.models import ExecSpec, NetworkPolicy, SandboxSpec
 from rollbox.netpolicy import link
 from rollbox.netpolicy.mirror import running_pypi_mirror
@@ -39,13 +42,20 @@ def pypi_reachable() -> bool:
         return False
 
 
-async def test_pip_install_through_mirror_only(edge) -> None:
+@contextlib.asynccontextmanager
+async def pypi_mirror(edge) -> AsyncIterator[Settings]:  # noqa: ANN001
+    """The edge's settings with the built-in PyPI mirror running on a free loopback port."""
     if not pypi_reachable():
         pytest.skip("PyPI is not reachable from this host (the mirror has no upstream)")
     s = edge.settings
     s.mirrors = {}
     s.pypi_mirror_enabled, s.pypi_mirror_host, s.pypi_mirror_port = True, "127.0.0.1", free_port()
     async with running_pypi_mirror(s):
+        yield s
+
+
+async def test_pip_install_through_mirror_only(edge) -> None:
+    async with pypi_mirror(edge) as s:
         sid = (await edge.create(SandboxSpec(image="python:3.11",
                                              network=NetworkPolicy(allow=["pypi"])))).id
         gate = link.find(sid).gate_ip  # type: ignore[union-attr]

@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 
 from rollbox.models import ExecSpec, NetworkPolicy, SandboxSpec
-from rollbox.netpolicy.mirror import running_pypi_mirror
 from tests.conftest import needs_python
-from tests.integration.test_netpolicy_pypi import free_port, pypi_reachable
+from tests.integration.test_netpolicy_pypi import pypi_mirror
 
 pytestmark = [needs_python, pytest.mark.slow]
 
@@ -29,12 +28,7 @@ dependencies = ["six==1.16.0"]
 async def test_readme_pip_install_editable(edge, layout: str) -> None:  # noqa: ANN001
     """src: setuptools writes its egg-info under src/; flat: in /work/repo itself, a parent of
     the hidden /work/repo/tests, created and read back in one command."""
-    if not pypi_reachable():
-        pytest.skip("PyPI is not reachable from this host (the mirror has no upstream)")
-    s = edge.settings
-    s.mirrors = {}
-    s.pypi_mirror_enabled, s.pypi_mirror_host, s.pypi_mirror_port = True, "127.0.0.1", free_port()
-    async with running_pypi_mirror(s):
+    async with pypi_mirror(edge):
         # As in the README: the task's tests are hidden (Landlock rules around /work/repo).
         sid = (await edge.create(SandboxSpec(image="python:3.11", hidden_paths=[
             "/work/repo/tests"], network=NetworkPolicy(allow=["pypi"])))).id
