@@ -51,6 +51,8 @@ _OVERRIDES = {
     "protocol.allow": "never", "core.untrackedCache": "false", "core.splitIndex": "false",
     "gc.auto": "0", "gc.autoDetach": "false", "maintenance.auto": "false",
     "gc.writeCommitGraph": "false", "core.commitGraph": "false", "pack.threads": "1",
+    # within the address-space limit below, also for large packs
+    "core.packedGitLimit": "1g", "core.packedGitWindowSize": "128m", "pack.windowMemory": "256m",
 }
 _SCRUB_OVERRIDES = {"gc.reflogExpire": "now", "gc.reflogExpireUnreachable": "now",
                     "gc.pruneExpire": "now", "gc.rerereResolved": "now",
