@@ -667,14 +667,20 @@ static void finish_session(struct session *s)
 
 
 /* ---- Landlock: commands get no access to the task's hidden paths (the platform's own binary
- * is not in the sandbox's tree at all: runc execs it from an inherited fd). Landlock only grants, so "everything but X" is: full access beneath every
+ * is not in the sandbox's tree at all: runc execs it from an inherited fd). A hidden path the
+ * platform masked (a mount of an empty tmpfs or /dev/null over it: X is a mount root) needs no
+ * path rule: any Landlock domain forbids its commands every mount, umount, move and
+ * pivot_root, so the mask stays (a layer besides the missing CAP_SYS_ADMIN and seccomp), and
+ * the ruleset grants everything else (no limit on new entries next to X). For a hidden path
+ * that is not masked (absent when the sandbox started, e.g. written later by the platform)
+ * Landlock is the layer: it only grants, so "everything but X" is: full access beneath every
  * entry of X's ancestor directories except X (and the next ancestor), and on the ancestors
  * themselves only listing, creating and removing entries (no reading/executing/writing file
  * contents, no cross-directory rename/link that could carry X out). Entries are enumerated at
- * each exec, so a top-level directory created by a command is fully usable from the next
- * command on. The deny list comes once from the agent's own environment (ROLLBOX_LANDLOCK_DENY,
- * colon-separated); unset means off. If the kernel has no Landlock, it is logged once and
- * commands run without it (the mount masks and read-only binds remain). */
+ * each exec, so a top-level directory created by a command next to such an X is fully usable
+ * from the next command on. The deny list comes once from the agent's own environment
+ * (ROLLBOX_LANDLOCK_DENY, colon-separated); unset means off. If the kernel has no Landlock, it
+ * is logged once and commands run without it (the mount masks and read-only binds remain). */
 #define LL_CREATE_RULESET_VERSION 1u
 #define LL_RULE_PATH_BENEATH 1
 #define LL_EXECUTE (1ull << 0)
@@ -710,6 +716,12 @@ struct ll_path_beneath {
 #define LL_MAX_DENY 64
 static char *ll_deny[LL_MAX_DENY];
 static int ll_ndeny;
+/* The hidden paths that need path rules for the next command: those not masked. */
+static const char *ll_act[LL_MAX_DENY];
+static int ll_nact;
+#ifndef STATX_ATTR_MOUNT_ROOT
+#define STATX_ATTR_MOUNT_ROOT 0x00002000
+#endif
 static uint64_t ll_handled; /* 0: Landlock off */
 
 static void landlock_init(void)
@@ -738,10 +750,20 @@ static void landlock_init(void)
     unsetenv("ROLLBOX_LANDLOCK_DENY");
 }
 
+/* Is the hidden path the root of a mount (the platform's mask; commands can not mount)? */
+static int ll_is_masked(const char *path)
+{
+    struct statx stx;
+    if (statx(AT_FDCWD, path, AT_SYMLINK_NOFOLLOW | AT_NO_AUTOMOUNT, STATX_TYPE, &stx) != 0)
+        return 0;
+    return (stx.stx_attributes_mask & STATX_ATTR_MOUNT_ROOT) &&
+           (stx.stx_attributes & STATX_ATTR_MOUNT_ROOT);
+}
+
 static int ll_is_denied(const char *path)
 {
-    for (int i = 0; i < ll_ndeny; i++)
-        if (strcmp(ll_deny[i], path) == 0)
+    for (int i = 0; i < ll_nact; i++)
+        if (strcmp(ll_act[i], path) == 0)
             return 1;
     return 0;
 }
@@ -752,8 +774,8 @@ static int ll_is_ancestor(const char *path)
     size_t n = strlen(path);
     if (n == 1)
         return 1;
-    for (int i = 0; i < ll_ndeny; i++)
-        if (strncmp(ll_deny[i], path, n) == 0 && ll_deny[i][n] == '/')
+    for (int i = 0; i < ll_nact; i++)
+        if (strncmp(ll_act[i], path, n) == 0 && ll_act[i][n] == '/')
             return 1;
     return 0;
 }
@@ -817,15 +839,28 @@ static int landlock_ruleset(void)
     int rs = (int)syscall(SYS_landlock_create_ruleset, &attr, sizeof attr, 0);
     if (rs < 0)
         return -1;
-    if (ll_add_ancestor(rs, "/") < 0)
-        goto fail;
     /* The platform shell is outside the tree: commands may exec it (only it, by its fd). */
     if (shell_fd >= 0 && ll_add(rs, shell_fd, LL_EXECUTE | LL_READ_FILE) < 0)
         goto fail;
-    /* Every proper ancestor of every denied path, shallowest first per path. */
+    ll_nact = 0;
+    for (int i = 0; i < ll_ndeny; i++)
+        if (!ll_is_masked(ll_deny[i]))
+            ll_act[ll_nact++] = ll_deny[i];
+    if (ll_nact == 0) { /* every hidden path masked: the domain only locks the mount topology */
+        int root = open("/", O_PATH | O_CLOEXEC);
+        int rc = root < 0 ? -1 : ll_add(rs, root, ll_handled);
+        if (root >= 0)
+            close(root);
+        if (rc < 0)
+            goto fail;
+        return rs;
+    }
+    if (ll_add_ancestor(rs, "/") < 0)
+        goto fail;
+    /* Every proper ancestor of every unmasked hidden path, shallowest first per path. */
     char anc[4096];
-    for (int i = 0; i < ll_ndeny; i++) {
-        const char *p = ll_deny[i];
+    for (int i = 0; i < ll_nact; i++) {
+        const char *p = ll_act[i];
         for (const char *slash = strchr(p + 1, '/'); slash; slash = strchr(slash + 1, '/')) {
             size_t n = (size_t)(slash - p);
             if (n >= sizeof anc)
@@ -834,7 +869,7 @@ static int landlock_ruleset(void)
             anc[n] = 0;
             int seen = 0; /* shared with an earlier denied path: already done */
             for (int j = 0; j < i && !seen; j++)
-                seen = strncmp(ll_deny[j], anc, n) == 0 && ll_deny[j][n] == '/';
+                seen = strncmp(ll_act[j], anc, n) == 0 && ll_act[j][n] == '/';
             if (!seen && ll_add_ancestor(rs, anc) < 0)
                 goto fail;
         }

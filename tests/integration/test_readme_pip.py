@@ -24,7 +24,7 @@ dependencies = ["six==1.16.0"]
 """
 
 
-@pytest.mark.parametrize("layout", ["src"])
+@pytest.mark.parametrize("layout", ["src", "flat"])
 async def test_readme_pip_install_editable(edge, layout: str) -> None:  # noqa: ANN001
     """src: setuptools writes its egg-info under src/; flat: in /work/repo itself, a parent of
     the hidden /work/repo/tests, created and read back in one command."""

@@ -91,6 +91,50 @@ async def test_hidden_paths_absent_for_commands_visible_to_platform(boxes: Boxes
     assert r.stdout.startswith("0\n") and "rc=1" in r.stdout and "w=0" not in r.stdout, r
 
 
+async def test_masked_hidden_path_leaves_its_parent_usable(boxes: Boxes) -> None:
+    # The mask hides /etc/group; Landlock then only locks the mount topology, so a directory
+    # made next to it is usable in the same command (pip's <name>.egg-info, .pytest_cache).
+    sid = await boxes.make(BB, hidden=("/etc/group",))
+    r = await boxes.run(sid, "mkdir /etc/newd && echo x > /etc/newd/f && cat /etc/newd/f; "
+                        "cat /etc/group | wc -c")
+    assert r.stdout == "x\n0\n", r
+
+
+async def test_hidden_path_written_after_start_stays_hidden(boxes: Boxes) -> None:
+    """Absent from the image: made (empty) before start, so it is masked, and what the
+    platform writes there later stays under the mask."""
+    sid = await boxes.make(BB, hidden=("/task/tests",))
+    await boxes.edge.file_mkdir(sid, "/task/tests", True)
+    await boxes.edge.file_write(sid, "/task/tests/test_x.py", b"ANSWER = 42\n", 0o644)
+    r = await boxes.run(sid, "cat /task/tests/test_x.py; echo rc=$?; ls /task/tests; "
+                        "echo ls=$?; cp -r /task /tmp/t; cat /tmp/t/tests/test_x.py")
+    assert "ANSWER" not in r.stdout and "rc=0" not in r.stdout, r
+    assert "\nls=0\n" in r.stdout, r  # listable and empty: the mask, not Landlock's refusal
+    assert b"ANSWER" in await boxes.edge.file_read(sid, "/task/tests/test_x.py", 1 << 20)
+    # twin: without Landlock the file is readable
+    twin = await boxes.make(BB, hardened=False, hidden=("/task/tests",))
+    await boxes.edge.file_mkdir(twin, "/task/tests", True)
+    await boxes.edge.file_write(twin, "/task/tests/test_x.py", b"ANSWER = 42\n", 0o644)
+    r = await boxes.run(twin, "cat /task/tests/test_x.py")
+    assert "ANSWER" in r.stdout, r
+
+
+async def test_landlock_hides_an_unmasked_hidden_path(boxes: Boxes,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Landlock layer on its own: a hidden path that could not be made before start has
+    no mask; written later by the platform, it is still unreadable for commands."""
+    monkeypatch.setattr("rollbox.backends.container.sandbox._make_hidden_paths",
+                        lambda *_a: None)
+    sid = await boxes.make(BB, hidden=("/task/tests",))
+    r = await boxes.run(sid, "test -e /task/tests; echo e=$?")
+    assert r.stdout == "e=1\n", r  # really no mask: the path does not exist
+    await boxes.edge.file_mkdir(sid, "/task/tests", True)
+    await boxes.edge.file_write(sid, "/task/tests/test_x.py", b"ANSWER = 42\n", 0o644)
+    r = await boxes.run(sid, "cat /task/tests/test_x.py; echo rc=$?; cp -r /task /tmp/t; "
+                        "cat /tmp/t/tests/test_x.py; ln /task/tests/test_x.py /tmp/l; cat /tmp/l")
+    assert "ANSWER" not in r.stdout and "rc=0" not in r.stdout, r
+
+
 async def test_hidden_paths_unhardened_twin(boxes: Boxes) -> None:
     sid = await boxes.make(BB, hardened=False, hidden=("/etc/group",))
     r = await boxes.run(sid, "cat /etc/group | wc -c")

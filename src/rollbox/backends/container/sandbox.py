@@ -30,7 +30,7 @@ from rollbox.backends.container.rootfs import (
 )
 from rollbox.backends.container.runtime import Runtime, wait_pid
 from rollbox.config import Settings
-from rollbox.errors import BadRequest, InfraError
+from rollbox.errors import BadRequest, InfraError, RollboxError
 from rollbox.isolation import cgroups, netns, oom
 from rollbox.isolation.userns import UidSlots
 from rollbox.netpolicy import link as netlink
@@ -105,6 +105,23 @@ class ContainerSandbox:
                 code = payload.exit_code
         self.drop_session_cgroup(cg_name)
         return code, out
+
+
+def _make_hidden_paths(root: Path, host_uid: int, hidden_paths: Sequence[str]) -> None:
+    """A hidden path missing from the image becomes an empty directory before start, so runc
+    masks it like the others: what the platform writes there later (the task's tests through
+    the file API) stays under the mask. One that can not be made (its parent is a file) is left
+    to the agent's Landlock path rules."""
+    fs = SandboxFS(root, host_uid)
+    try:
+        for path in bundle.normalize_hidden(hidden_paths):
+            try:
+                if not fs.exists(path):
+                    fs.mkdir(path, parents=True)
+            except RollboxError as exc:
+                log.info("hidden path %s not made (%s): Landlock rules only", path, exc)
+    finally:
+        fs.close()
 
 
 class ContainerBackend:
@@ -195,6 +212,8 @@ class ContainerBackend:
                 mounts = [self.layer_mounts.ensure_mounted(d) for d in layers]
                 rootfs.compose(mounts, self.slots.userns_fd(slot), host_uid,
                                resources.disk_mib, resources.inodes, subvolume)
+                if hardened and hidden_paths:
+                    _make_hidden_paths(rootfs.merged, host_uid, hidden_paths)
                 return ("host" if network == "host"
                         else str(netns.create(netns.PREFIX + sandbox_id)))
 
