@@ -32,6 +32,7 @@ from rollbox.compat.e2b.state import (
     pid_of,
     user_of,
 )
+from rollbox.compat.shell import script_of
 from rollbox.edge.interface import EdgeAPI, ExecOutput
 from rollbox.models import ExecSpec, FileStat
 
@@ -350,7 +351,12 @@ def mount_envd(app: FastAPI, api: Any, state: E2BState) -> None:
         if not isinstance(args, list) or not isinstance(envs, dict):
             raise rpc.ConnectError("invalid_argument", "bad process.args or process.envs")
         deadline_s = rpc.timeout_s(request)
-        spec = ExecSpec(cmd=[cmd, *[str(a) for a in args]],
+        argv = [cmd, *[str(a) for a in args]]
+        try:  # commands.run's `/bin/bash -l -c CMD`: the platform shell, not the sandbox's
+            script = script_of(argv)
+        except ValueError as exc:
+            raise rpc.ConnectError("invalid_argument", str(exc)) from None
+        spec = ExecSpec(cmd=argv if script is None else script,
                         env={str(k): str(v) for k, v in envs.items()},
                         cwd=abs_path(proc.get("cwd") or HOME), user=_basic_user(request),
                         timeout_s=deadline_s, stdin=bool(msg.get("stdin")))
@@ -394,7 +400,7 @@ def mount_envd(app: FastAPI, api: Any, state: E2BState) -> None:
         for info in await edge.exec_list(sid):
             if info.state != "running":
                 continue
-            argv = info.cmd if isinstance(info.cmd, list) else ["/bin/sh", "-c", info.cmd]
+            argv = info.cmd if isinstance(info.cmd, list) else ["/bin/bash", "-c", info.cmd]
             procs.append({"config": {"cmd": argv[0], "args": argv[1:], "envs": {}},
                           "pid": pid_of(info.exec_id)})
         return {"processes": procs}

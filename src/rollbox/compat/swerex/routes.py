@@ -342,12 +342,18 @@ class _Message(BaseModel):
 
 async def _execute(edge: EdgeAPI, sandbox_id: str, cmd: wire.Command,
                    started: Callable[[str, ExecSpec], None]) -> wire.CommandResponse:
-    """``subprocess.run`` semantics: a string runs through /bin/sh only with ``shell``; the
-    deadline is enforced inside the sandbox."""
+    """``subprocess.run`` semantics: a string runs through a shell only with ``shell`` (the
+    platform shell, never the sandbox's ``/bin/sh``); the deadline is enforced inside the
+    sandbox."""
     if isinstance(cmd.command, str):
         argv: str | list[str] = cmd.command if cmd.shell else [cmd.command]
+    elif cmd.shell:  # subprocess: the first item is the script, the rest its $0, $1...
+        if len(cmd.command) != 1:
+            raise wire.RemoteError("builtins.ValueError", "shell=True takes a string or a "
+                                   "one-item list here (no positional arguments)")
+        argv = cmd.command[0]
     else:
-        argv = ["/bin/sh", "-c", *cmd.command] if cmd.shell else list(cmd.command)
+        argv = list(cmd.command)
     if cmd.timeout is not None and not 0 < cmd.timeout <= MAX_TIMEOUT_S:
         raise wire.RemoteError("builtins.ValueError", f"timeout out of range: {cmd.timeout}")
     try:

@@ -1,15 +1,29 @@
-"""SWE-ReX bash sessions on top of the edge's exec with stdin.
+"""SWE-ReX bash sessions on top of the edge's exec.
 
-A session is one long-lived ``bash -i`` exec in the sandbox (the user's shell, from the image)
-fed through stdin. All the framing is done here, on the host: each command is sent as one line
-``eval $'<command>'; printf '<marker><exit code>'`` and the output is everything the shell
-wrote before the marker, so exit codes and output are exact without a prompt to parse. The shell
-runs with ``--noediting`` (no echo), ``set +H`` (no history expansion) and stderr joined to
-stdout (one ordered stream, as on a terminal). Interactive mode makes Ctrl-C behave as on a
-terminal: SIGINT to the process group stops the running command and abandons the rest of its
-line, and the shell itself survives SIGINT and SIGTERM. Its prompt (PS1) is a per-session token
-that is cut out of the output and counted: a new prompt after an interrupt means the shell is
-back even when the stopped program had swallowed the resync line sent after the signal.
+Each command of a session is its own exec of the platform shell (bash-static, exec'd by the
+agent from an fd: never a shell of the sandbox's tree), and its exit code and the end of its
+output are the agent's: the exit status of the process it waited on, and the end of that
+process's pipes. Nothing the session's shell prints is parsed for them, so no process of the
+sandbox can forge a command's end or status (a marker printed by a long-lived shell can be:
+by redefining ``printf``, or by a background process that reads the marker's token from the
+shell's stdin pipe or memory, both of the sandbox's uid, and writes it to the shell's stdout).
+
+The session's state is carried from one command to the next by the platform shell: at exit
+(an EXIT trap) it writes its variables (``declare -p``), functions, aliases, ``set``/``shopt``
+options, cwd and umask to its stderr, which carries nothing else (the command's own stderr is
+joined to its stdout, in order, as on a terminal); the next command's shell evals that first.
+The state stays on the host, in this object; no file is left in the sandbox. The script (state,
+framing, command) goes to the shell's stdin, read with ``read -N <byte count>``; what follows on
+that pipe is the command's stdin (``is_interactive_command`` lines for a program it started).
+The state is the session's own: what earlier commands defined (a function named like a tool,
+an alias, a changed PATH) applies to later ones, as in any shell session, so a session an agent
+used is the agent's; grade in a fresh sandbox.
+
+Differences from a long-lived ``bash -i``: the shell is not interactive (``$-`` has no ``i``;
+aliases are expanded anyway); traps, jobs and open file descriptors do not outlive a command
+(background processes keep running, but their stdout/stderr end with the command: redirect
+them); ``exit`` ends the session; an interrupted or failed command (``set -e``, ``set -u``)
+does not.
 
 Owns the sessions' framing and state only; the sandbox's lifetime belongs to the edge.
 """
@@ -19,7 +33,6 @@ import asyncio
 import contextlib
 import logging
 import re
-import secrets
 import signal
 from collections.abc import Callable
 from typing import TypeVar
@@ -27,21 +40,74 @@ from typing import TypeVar
 from rollbox import errors
 from rollbox.compat.swerex import wire
 from rollbox.edge.interface import EdgeAPI
-from rollbox.models import ExecSpec
+from rollbox.models import ExecResult, ExecSpec
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SHELL_ARGV = ["bash", "--noprofile", "--norc", "--noediting", "-i"]
-SETUP = "exec 2>&1; set +H; unset PROMPT_COMMAND HISTFILE; HISTSIZE=0"
-MAX_PENDING = 32 << 20  # unread output kept per session; older bytes are dropped beyond it
+MAX_PENDING = 32 << 20  # unread output kept per command; older bytes are dropped beyond it
+MAX_STATE = 1 << 20  # a larger state dump is not carried over (the previous one is kept)
 STARTUP_TIMEOUT_MIN_S = 10.0  # exec start + sourcing on a loaded node; SWE-ReX's 1 s is tight
 INTERRUPT_TIMEOUT_MIN_S = 0.5
 SYNTAX_CHECK_TIMEOUT_S = 10.0
 _ANSI = re.compile(r"\x1B[@-_][0-?]*[ -/]*[@-~]")
-_ANY_MARKER = re.compile(rb"__RBX[0-9a-f]{16}__-?\d+__\n")
-MARKER_MAX = 64  # longest marker, for resuming a search where the last one stopped
-PROMPT_GRACE_S = 0.2  # after the prompt came back, time for the resync marker to follow
+
+STATE_HEADER = b"rollbox-session-state 1 "
+# Runs first in a fresh platform shell (nothing of the session is defined yet): reads exactly
+# the script's bytes from stdin, leaving the rest of the pipe to the command.
+BOOT = 'LC_ALL=C read -r -N {n} __rbx_src || exit 125; eval "$__rbx_src"'
+# Before the state: keep the exec's stderr (the state channel) on a private fd; errors of
+# restoring the state (readonly variables...) go nowhere.
+PRE = "exec {__rbx_err}>&2 2>/dev/null\n"
+# After the state, before the command. The EXIT trap writes the new state; how the shell ended
+# heads it: "ran", "sig" (interrupted), "error" (`set -e`, `set -u`...), "exit" (the exit
+# builtin: the session ends). An `exit` inside a function runs the trap while the command's
+# redirections still close the channel: no state then, which also means the shell was left.
+POST = r"""exec 2>&1
+unset __rbx_ran __rbx_sig __rbx_exit __rbx_x
+exit() { __rbx_exit=1; builtin exit "$@"; }
+__rbx_end() {
+  __rbx_opts=$(set +o; shopt -p)
+  [[ $__rbx_x == *x* ]] && __rbx_opts+=$'\nset -x'
+  set +eu +o pipefail
+  mapfile -t __rbx_vs < <(compgen -v)
+  {
+    if [[ -n ${__rbx_exit-} ]]; then __rbx_how=exit
+    elif [[ -n ${__rbx_sig-} ]]; then __rbx_how=sig
+    else __rbx_how=${__rbx_ran:-error}; fi
+    builtin printf 'rollbox-session-state 1 %s\n' "$__rbx_how"
+    __rbx_known=' '
+    for __rbx_v in "${__rbx_vs[@]}"; do
+      case $__rbx_v in
+        __rbx_*|BASH*|EUID|PPID|UID|SHELLOPTS|SHLVL|RANDOM|SRANDOM|SECONDS|EPOCH*|LINENO|\
+HISTCMD|FUNCNAME|GROUPS|PIPESTATUS|DIRSTACK|COMP_WORDBREAKS|_) continue;;
+      esac
+      declare -p "$__rbx_v"
+      __rbx_known+="$__rbx_v "
+    done
+    declare -f
+    alias -p
+    builtin printf '__rbx_known=%q\n__rbx_opts=%q\nbuiltin cd -- %q\n' \
+      "$__rbx_known" "$__rbx_opts" "$PWD"
+    umask -p
+  } 2>/dev/null >&"$__rbx_err"
+  builtin exit "$__rbx_rc"
+}
+trap '{ __rbx_rc=$? __rbx_x=${__rbx_x-$-}; set +x; } 2>/dev/null; __rbx_end' EXIT
+trap '__rbx_sig=1; builtin exit 130' INT
+trap '__rbx_sig=1; builtin exit 143' TERM
+if [[ -n ${__rbx_known-} ]]; then
+  mapfile -t __rbx_es < <(compgen -e)
+  for __rbx_v in "${__rbx_es[@]}"; do
+    [[ $__rbx_known == *" $__rbx_v "* ]] || unset "$__rbx_v"
+  done
+fi
+shopt -s expand_aliases
+eval "${__rbx_opts-}"
+"""
+# After the command (which runs as `eval $'...' {__rbx_err}>&-`: its processes never hold the
+# state channel).
+TAIL = "{ __rbx_ran=ran __rbx_rc=$? __rbx_x=$-; set +x; } 2>/dev/null\nbuiltin exit \"$__rbx_rc\"\n"
 
 OnExecStarted = Callable[[str, ExecSpec], None]
 
@@ -67,6 +133,20 @@ def clean_output(raw: bytes) -> str:
     """Decode like SWE-ReX (backslashreplace) and drop ANSI escapes and CRs before newlines."""
     text = raw.decode("utf-8", errors="backslashreplace")
     return _ANSI.sub("", text).replace("\r\n", "\n")
+
+
+def session_script(state: bytes, command: str) -> bytes:
+    """What a session command's shell evals: the previous state, the framing, the command."""
+    return (PRE.encode() + state + POST.encode()
+            + f"eval {ansi_c_quote(command)} {{__rbx_err}}>&-\n{TAIL}".encode())
+
+
+def parse_state(channel: bytes) -> tuple[str, bytes] | None:
+    """(how the shell ended, state) from a command's stderr; None if it wrote none (killed)."""
+    if not channel.startswith(STATE_HEADER):
+        return None
+    how, _, state = channel[len(STATE_HEADER):].partition(b"\n")
+    return how.decode(errors="replace"), state
 
 
 async def check_syntax(command: str) -> None:
@@ -97,7 +177,47 @@ async def check_syntax(command: str) -> None:
 
 
 class SessionGone(Exception):
-    """The session's shell exited (``exit``, killed, sandbox deleted)."""
+    """The session ended (``exit``, closed, sandbox deleted)."""
+
+
+class _Command:
+    """One command of a session: one exec of the platform shell, its output and its end."""
+
+    def __init__(self, exec_id: str) -> None:
+        self.exec_id = exec_id
+        self.buf = bytearray()
+        self.dropped = 0
+        self.channel = bytearray()  # the shell's stderr: the state it leaves
+        self.channel_over = False
+        self.result: ExecResult | None = None
+        self.error = ""
+        self.finished = False
+        self.reader: asyncio.Task[None] | None = None
+
+    def append(self, data: bytes) -> None:
+        self.buf += data
+        over = len(self.buf) - MAX_PENDING
+        if over > 0:
+            del self.buf[:over]
+            self.dropped += over
+
+    def consume(self, end: int | None = None, through: int | None = None) -> str:
+        end = len(self.buf) if end is None else end
+        raw = bytes(self.buf[:end])
+        del self.buf[: end if through is None else through]
+        text = clean_output(raw)
+        if self.dropped:
+            text = f"[rollbox: {self.dropped} bytes of output dropped]\n{text}"
+            self.dropped = 0
+        return text
+
+    def find(self, expect: list[bytes]) -> tuple[str, str] | None:
+        """(output through the first expect string found, that string), consumed."""
+        for e in expect:
+            i = self.buf.find(e)
+            if i >= 0:
+                return self.consume(i, i + len(e)), e.decode()
+        return None
 
 
 class BashSession:
@@ -105,56 +225,57 @@ class BashSession:
         self.edge = edge
         self.sandbox_id = sandbox_id
         self.name = name
-        self.exec_id: str | None = None
+        self.exec_id: str | None = None  # the latest command's
         self.exited = False
         self.exit_note = ""
-        self._buf = bytearray()
-        self._dropped = 0
-        self._stderr_tail = b""
+        self._state = b""
+        self._running: list[_Command] = []  # commands still running, oldest first
         self._changed = asyncio.Event()
         self._lock = asyncio.Lock()
         self._interrupts = 0
-        self._stale_markers = 0  # markers of abandoned commands that may still arrive
-        self._reader: asyncio.Task[None] | None = None
-        self._prompt = f"__RBXPS1{secrets.token_hex(8)}__".encode()
-        self._prompts = 0
-        self._scan: tuple[str, int] = ("", 0)  # (token, buffer offset searched up to)
+        self._on_started: OnExecStarted | None = None
+        self._on_done: list[Callable[[], None]] = []
 
     # ---- lifetime ----
     async def start(self, request: wire.CreateBashSessionRequest,
                     on_started: OnExecStarted | None = None) -> str:
-        ps1 = self._prompt.decode()
-        spec = ExecSpec(cmd=list(SHELL_ARGV), stdin=True, env={"PS1": ps1, "PS2": "", "PS0": ""})
-        self.exec_id = await self.edge.exec_start(self.sandbox_id, spec)
-        if on_started is not None:
-            on_started(self.exec_id, spec)
-        self._reader = asyncio.ensure_future(self._read())
-        lines = [SETUP]
-        lines += [f"source {ansi_c_quote(path)}" for path in request.startup_source]
-        # after the sources, which often set their own prompt
-        lines.append(f"PS1='{ps1}'; PS2=; PS0=; unset PROMPT_COMMAND")
-        await self._write("\n".join(lines) + "\n")
-        token = await self._send_marker()
+        self._on_started = on_started
+        command = "\n".join(f"source {ansi_c_quote(p)}" for p in request.startup_source)
         timeout = max(request.startup_timeout, STARTUP_TIMEOUT_MIN_S)
-        found = await self._wait(lambda: self._take(token), timeout)
-        if found is None:
+        cmd = await self._start(command or ":")
+        if not await self._wait(lambda: cmd.finished or None, timeout):
             raise wire.RemoteError(wire.CommandTimeoutError,
                                    f"timeout after {timeout} seconds while starting the session")
-        return found[0]
+        if self.exited:
+            raise SessionGone(self.exit_note)
+        return cmd.consume()
 
     async def close(self) -> None:
-        self.exited = True
-        if self.exec_id is not None:
+        self._end("the session was closed")
+        running, self._running = self._running, []
+        for cmd in running:
             with contextlib.suppress(errors.RollboxError):
-                await self.edge.exec_kill(self.sandbox_id, self.exec_id, signal.SIGKILL)
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reader
+                await self.edge.exec_kill(self.sandbox_id, cmd.exec_id, signal.SIGKILL)
+            if cmd.reader is not None:
+                cmd.reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await cmd.reader
 
     def add_done_callback(self, fn: Callable[[], None]) -> None:
-        assert self._reader is not None
-        self._reader.add_done_callback(lambda _: fn())
+        if self.exited:
+            fn()
+        else:
+            self._on_done.append(fn)
+
+    def _end(self, note: str) -> None:
+        if self.exited:
+            return
+        self.exited = True
+        self.exit_note = note
+        self._changed.set()
+        callbacks, self._on_done = self._on_done, []
+        for fn in callbacks:
+            fn()
 
     # ---- commands ----
     async def run(self, action: wire.BashAction) -> wire.BashObservation:
@@ -163,22 +284,17 @@ class BashSession:
         await check_syntax(action.command)
         interrupts = self._interrupts
         async with self._lock:
-            token = secrets.token_hex(8)
-            await self._write(
-                f"eval {ansi_c_quote(action.command)}; __rbx_rc=$?; "
-                f"printf '__RBX{token}__%d__\\n' \"$__rbx_rc\"\n")
+            cmd = await self._start(action.command)
             expect = [e.encode() for e in action.expect]
 
             def done() -> tuple[str, int | None, str] | None:
-                got = self._take(token)
+                got = cmd.find(expect)
                 if got is not None:
-                    return got[0], got[1], ""
-                for e in expect:
-                    i = self._buf.find(e)
-                    if i >= 0:
-                        out = self._consume(i, i + len(e))
-                        self._stale_markers += 1  # its marker still comes later
-                        return out, None, e.decode()
+                    return got[0], None, got[1]
+                if cmd.finished:
+                    if self.exited:
+                        raise SessionGone(self.exit_note)
+                    return cmd.consume(), self._exit_code(cmd), ""
                 if self._interrupts != interrupts:
                     raise wire.RemoteError(wire.CommandTimeoutError,
                                            f"command {action.command!r} was interrupted")
@@ -186,7 +302,6 @@ class BashSession:
 
             found = await self._wait(done, action.timeout)
             if found is None:
-                self._stale_markers += 1
                 raise wire.RemoteError(
                     wire.CommandTimeoutError,
                     f"timeout after {action.timeout} seconds while running command "
@@ -204,35 +319,28 @@ class BashSession:
                                     expect_string=expect_string)
 
     async def _run_interactive(self, action: wire.BashAction) -> wire.BashObservation:
-        """A line for a program reading the shell's stdin (gdb, a REPL started with -i...).
-
-        It sees a pipe, not a terminal. Without ``expect`` strings the output of ``timeout``
-        seconds (0.5 s if unset) is returned; ``is_interactive_quit`` waits for the shell."""
+        """A line for the program the latest still-running command started (gdb, a REPL...),
+        on its stdin; with no command running, the line starts one. It sees a pipe, not a
+        terminal. Without ``expect`` strings the output of ``timeout`` seconds (0.5 s if unset)
+        is returned; ``is_interactive_quit`` waits for the command to end."""
         async with self._lock:
-            await self._write(action.command + "\n")
+            cmd = self._foreground()
+            if cmd is None:
+                cmd = await self._start(action.command)
+            else:
+                await self._stdin(cmd, (action.command + "\n").encode())
             expect = [e.encode() for e in action.expect]
             if action.is_interactive_quit:
-                token = await self._send_marker()
-                found = await self._wait(lambda: self._take(token), action.timeout or 5.0)
-                if found is None:
-                    self._stale_markers += 1
+                timeout = action.timeout or 5.0
+                if not await self._wait(lambda: cmd.finished or None, timeout):
                     raise wire.RemoteError(wire.CommandTimeoutError,
-                                           f"timeout after {action.timeout} seconds while "
+                                           f"timeout after {timeout} seconds while "
                                            f"running command {action.command!r}")
-                return wire.BashObservation(output=found[0].strip(), exit_code=0)
-
-            def matched() -> tuple[str, str] | None:
-                for e in expect:
-                    i = self._buf.find(e)
-                    if i >= 0:
-                        return self._consume(i, i + len(e)), e.decode()
-                return None
-
+                return wire.BashObservation(output=cmd.consume().strip(), exit_code=0)
             if not expect:
                 await asyncio.sleep(action.timeout if action.timeout is not None else 0.5)
-                return wire.BashObservation(output=self._consume(len(self._buf)).strip(),
-                                            exit_code=0)
-            got = await self._wait(matched, action.timeout)
+                return wire.BashObservation(output=cmd.consume().strip(), exit_code=0)
+            got = await self._wait(lambda: cmd.find(expect), action.timeout)
             if got is None:
                 raise wire.RemoteError(wire.CommandTimeoutError,
                                        f"timeout after {action.timeout} seconds while running "
@@ -241,75 +349,107 @@ class BashSession:
                                         .strip(), exit_code=0, expect_string=got[1])
 
     async def interrupt(self, action: wire.BashInterruptAction) -> wire.BashObservation:
-        """Ctrl-C: SIGINT to the shell's process group, then wait for the shell to answer a
-        fresh marker; after ``n_retry`` tries SIGTERM (the shell ignores it, commands die)."""
+        """Ctrl-C for the latest still-running command: SIGINT to its process group, then wait
+        for it to end; after ``n_retry`` tries SIGTERM, then SIGKILL (the session's state is
+        what the last finished command left)."""
         self._interrupts += 1
         self._changed.set()  # a waiting run gives up and releases the lock
         timeout = max(action.timeout, INTERRUPT_TIMEOUT_MIN_S)
         async with self._lock:
-            assert self.exec_id is not None
-            signals = [signal.SIGINT] * max(action.n_retry, 1) + [signal.SIGTERM]
-            prompts = self._prompts
+            if self.exited:
+                raise SessionGone(self.exit_note)
+            cmd = self._foreground()
+            if cmd is None:
+                return wire.BashObservation(output="", exit_code=0)
+            signals = [signal.SIGINT] * max(action.n_retry, 1) + [signal.SIGTERM, signal.SIGKILL]
             for sig in signals:
-                if self.exited:
-                    raise SessionGone(self.exit_note)
-                await self.edge.exec_kill(self.sandbox_id, self.exec_id, sig)
-                token = await self._send_marker()
-
-                def back(t: str = token) -> tuple[str, int] | bool | None:
-                    return self._take(t) or (self._prompts > prompts) or None
-
-                found = await self._wait(back, timeout)
-                if found is True:  # the prompt is back; the resync line may have been eaten
-                    found = await self._wait(lambda t=token: self._take(t), PROMPT_GRACE_S)
-                    if found is None:
-                        self._stale_markers += 1
-                        found = (self._consume(len(self._buf)), 0)
-                if isinstance(found, tuple):
-                    return wire.BashObservation(output=found[0].strip(), exit_code=0)
-                self._stale_markers += 1
-        tail = clean_output(bytes(self._buf[-2000:]))
+                with contextlib.suppress(errors.BadRequest):  # ended meanwhile
+                    await self.edge.exec_kill(self.sandbox_id, cmd.exec_id, sig)
+                if await self._wait(lambda: cmd.finished or None, timeout):
+                    if self.exited:
+                        raise SessionGone(self.exit_note)
+                    return wire.BashObservation(output=cmd.consume().strip(), exit_code=0)
+        tail = clean_output(bytes(cmd.buf[-2000:]))
         raise wire.RemoteError(wire.CommandTimeoutError,
                                f"Failed to interrupt session; last output: {tail!r}")
 
-    # ---- framing ----
-    async def _send_marker(self) -> str:
-        token = secrets.token_hex(8)
-        await self._write(f"printf '__RBX{token}__%d__\\n' 0\n")
-        return token
+    # ---- execs ----
+    def _foreground(self) -> _Command | None:
+        self._running = [c for c in self._running if not c.finished]
+        return self._running[-1] if self._running else None
 
-    async def _write(self, text: str) -> None:
+    async def _start(self, command: str) -> _Command:
         if self.exited:
             raise SessionGone(self.exit_note)
-        assert self.exec_id is not None
+        script = session_script(self._state, command)
+        spec = ExecSpec(cmd=BOOT.format(n=len(script)), stdin=True)
+        exec_id = await self.edge.exec_start(self.sandbox_id, spec)
+        self.exec_id = exec_id
+        if self._on_started is not None:
+            self._on_started(exec_id, spec)
+        cmd = _Command(exec_id)
+        cmd.reader = asyncio.ensure_future(self._read(cmd))
+        self._running.append(cmd)
+        await self._stdin(cmd, script)
+        return cmd
+
+    async def _stdin(self, cmd: _Command, data: bytes) -> None:
         try:
-            await self.edge.exec_stdin(self.sandbox_id, self.exec_id, text.encode(), False)
-        except errors.BadRequest as exc:  # "exec has exited": the reader will say why
-            raise SessionGone(str(exc)) from None
+            await self.edge.exec_stdin(self.sandbox_id, cmd.exec_id, data, False)
+        except errors.BadRequest:  # "exec has exited": its reader says how
+            pass
 
-    def _take(self, token: str) -> tuple[str, int] | None:
-        """If ``token``'s marker arrived: (output before it, exit code), consumed."""
-        start = self._scan[1] if self._scan[0] == token else 0
-        m = re.compile(rb"__RBX" + token.encode() + rb"__(-?\d+)__\n").search(self._buf, start)
-        if m is None:
-            self._scan = (token, max(0, len(self._buf) - MARKER_MAX))
+    @staticmethod
+    def _exit_code(cmd: _Command) -> int | None:
+        if cmd.result is None:
             return None
-        self._scan = ("", 0)
-        code = int(m.group(1))  # before _consume: the match views the mutable buffer
-        return self._consume(m.start(), m.end()), code
+        if cmd.result.exit_code is not None:
+            return cmd.result.exit_code
+        return 128 + cmd.result.signal if cmd.result.signal else None
 
-    def _consume(self, end: int, through: int | None = None) -> str:
-        raw = bytes(self._buf[:end])
-        del self._buf[: end if through is None else through]
-        self._scan = ("", 0)
-        if self._stale_markers:
-            raw, n = _ANY_MARKER.subn(b"", raw)
-            self._stale_markers = max(0, self._stale_markers - n)
-        text = clean_output(raw)
-        if self._dropped:
-            text = f"[rollbox: {self._dropped} bytes of output dropped]\n{text}"
-            self._dropped = 0
-        return text
+    async def _read(self, cmd: _Command) -> None:
+        try:
+            async for item in self.edge.exec_stream(self.sandbox_id, cmd.exec_id):
+                if item.kind == "stdout":
+                    cmd.append(item.data)
+                    self._changed.set()
+                elif item.kind == "stderr":
+                    if len(cmd.channel) + len(item.data) <= MAX_STATE + len(STATE_HEADER) + 16:
+                        cmd.channel += item.data
+                    else:
+                        cmd.channel_over = True
+                elif item.kind == "exit":
+                    cmd.result = item.result
+                    break
+                elif item.kind == "error":
+                    cmd.error = f"the session's shell is gone: {item.error}"
+                    break
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the sandbox went away under the session
+            cmd.error = f"the session's shell is gone: {exc!r}"
+        finally:
+            self._settle(cmd)
+
+    def _settle(self, cmd: _Command) -> None:
+        """A command ended: take the state it left; end the session on ``exit`` or a lost
+        sandbox."""
+        cmd.finished = True
+        got = None if cmd.channel_over else parse_state(bytes(cmd.channel))
+        if cmd.channel_over:
+            log.warning("swe-rex session %s: state over %d bytes not carried over", self.name,
+                        MAX_STATE)
+        if got is not None:
+            how, self._state = got
+        else:  # a signal (an interrupt's SIGKILL) keeps the session; else `exit` or `exec` left it
+            how = "killed" if cmd.result is not None and cmd.result.signal else "exit"
+        if how == "exit" and cmd.result is not None:
+            self._end(f"the session's shell exited (exit code {self._exit_code(cmd)})")
+        if cmd.error:
+            self._end(cmd.error)
+        elif cmd.result is None and not self.exited:
+            self._end("the session's shell is gone")
+        self._changed.set()
 
     async def _wait(self, find: Callable[[], T | None], timeout: float | None) -> T | None:
         loop = asyncio.get_running_loop()
@@ -327,44 +467,3 @@ class BashSession:
                 return None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), remaining)
-
-    def _append(self, data: bytes) -> None:
-        start = max(0, len(self._buf) - len(self._prompt) + 1)
-        self._buf += data
-        while (i := self._buf.find(self._prompt, start)) >= 0:
-            del self._buf[i : i + len(self._prompt)]
-            self._prompts += 1
-            start = i
-        over = len(self._buf) - MAX_PENDING
-        if over > 0:
-            del self._buf[:over]
-            self._dropped += over
-            self._scan = ("", 0)
-        self._changed.set()
-
-    async def _read(self) -> None:
-        assert self.exec_id is not None
-        try:
-            async for item in self.edge.exec_stream(self.sandbox_id, self.exec_id):
-                if item.kind == "stdout":
-                    self._append(item.data)
-                elif item.kind == "stderr":  # only before SETUP joined stderr to stdout
-                    self._stderr_tail = (self._stderr_tail + item.data)[-4096:]
-                elif item.kind == "exit" and item.result is not None:
-                    r = item.result
-                    self.exit_note = (f"the session's shell exited (exit code {r.exit_code}, "
-                                      f"signal {r.signal})")
-                    break
-                elif item.kind == "error":
-                    self.exit_note = f"the session's shell is gone: {item.error}"
-                    break
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the sandbox went away under the session
-            self.exit_note = f"the session's shell is gone: {exc!r}"
-        finally:
-            if not self.exit_note:
-                self.exit_note = "the session's shell is gone"
-            self.exited = True
-            self._changed.set()
-

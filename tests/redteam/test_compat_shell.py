@@ -1,0 +1,210 @@
+"""Red team A1 through the compat front doors, with the unmodified ``e2b`` and ``swe-rex``
+clients against the real api on a real port: the sandbox's root replaces every shell it can
+reach (see test_container_shell.py), then E2B ``commands.run``, SWE-ReX ``execute(shell=True)``
+and SWE-ReX session commands still give the true output and exit code, and the trojan never
+runs. In a session, exit codes and the end of a command come from the agent: a session that
+redefined ``printf`` (what the old marker framing printed its exit code with) can not forge
+them. Each twin runs the same attack against the old form, where it must succeed.
+
+One module-wide server and event loop (the e2b SDK keeps one connection pool per process).
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from rollbox.errors import NotFound
+from rollbox.models import ExecResult, ExecSpec
+from tests.conftest import TEST_RUN, have_image, node_settings
+from tests.redteam.conftest import needs_root
+from tests.redteam.test_container_shell import ATTACK, TROJAN, TRUE_CMD
+
+e2b = pytest.importorskip("e2b")
+pytest.importorskip("swerex.runtime.remote")
+
+from swerex.runtime.abstract import (  # noqa: E402
+    BashAction,
+    Command,
+    CreateBashSessionRequest,
+)
+from swerex.runtime.remote import RemoteRuntime  # noqa: E402
+
+DEB = "debian:bookworm"
+pytestmark = [
+    needs_root,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.skipif(not have_image(DEB), reason=f"{DEB} not built"),
+]
+
+
+class Env:
+    def __init__(self, url: str, key: str, edge: Any) -> None:
+        self.url, self.key, self.edge = url, key, edge
+
+    async def run(self, sid: str, cmd: str | list[str], **kw: Any) -> ExecResult:
+        eid = await self.edge.exec_start(sid, ExecSpec(cmd=cmd, timeout_s=30, **kw))
+        return await self.edge.exec_wait(sid, eid)
+
+    async def attack(self, sid: str) -> None:
+        r = await self.run(sid, ["/bin/dash", "-c", ATTACK, "sh", TROJAN])
+        assert r.exit_code == 0 and r.stdout.endswith("replaced\n"), r
+        assert not await self.pwned(sid)
+
+    async def pwned(self, sid: str) -> bool:
+        try:
+            return b"ran" in await self.edge.file_read(sid, "/tmp/pwned", 1 << 20)
+        except NotFound:
+            return False
+
+    def runtime(self, sid: str) -> RemoteRuntime:
+        from rollbox.compat.swerex import runtime_url
+        return RemoteRuntime(host=runtime_url(self.url, sid), auth_token=self.key, timeout=30)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def env() -> AsyncIterator[Env]:
+    from rollbox.api import BackgroundServer, create_app
+    from rollbox.edge.edge import Edge
+    from rollbox.events.store import EventLog
+    from rollbox.iam import KeyStore
+    from rollbox.placement import Placement
+
+    tmp = Path(tempfile.mkdtemp(prefix=f"rollbox-test-{TEST_RUN}-"))
+    tmp.chmod(0o711)
+    events = EventLog(tmp / "events.db")
+    keys = KeyStore(tmp / "keys.db")
+    edge = Edge(node_settings(tmp), events)
+    await edge.start()
+    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
+    try:
+        async with BackgroundServer(create_app(Placement([edge]), events, keys)) as srv:
+            key = keys.create("redteam-shell")
+            os.environ["E2B_API_URL"] = f"{srv.url}/e2b"
+            os.environ["E2B_SANDBOX_URL"] = f"{srv.url}/e2b/envd"
+            os.environ["E2B_API_KEY"] = key
+            yield Env(srv.url, key, edge)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        left = list(edge.live)
+        await edge.close(destroy=True)
+        leaks = {sid: edge.leftovers(sid) for sid in left}
+        events.close()
+        keys.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        assert not {k: v for k, v in leaks.items() if v}, leaks
+
+
+async def test_a1_e2b_commands_run_ignores_trojan_shells(env: Env) -> None:
+    from e2b import AsyncSandbox, CommandExitException
+
+    sbx = await AsyncSandbox.create("base", timeout=120)
+    try:
+        await env.attack(sbx.sandbox_id)
+        with pytest.raises(CommandExitException) as e:
+            await sbx.commands.run(TRUE_CMD)  # sent as `/bin/bash -l -c TRUE_CMD`
+        assert (e.value.stdout, e.value.stderr, e.value.exit_code) == (
+            "true-output\n", "to-stderr\n", 3), e.value
+        h = await sbx.commands.run("sleep 0.2; echo bg", background=True)
+        assert (await h.wait()).stdout == "bg\n"
+        assert not await env.pwned(sbx.sandbox_id)
+        # twin: the argv the door used to exec for commands.run runs the trojan
+        r = await env.run(sbx.sandbox_id, ["/bin/bash", "-l", "-c", TRUE_CMD])
+        assert (r.stdout, r.exit_code) == ("forged\n", 0), r
+        assert await env.pwned(sbx.sandbox_id)
+    finally:
+        await sbx.kill()
+
+
+async def test_a1_swerex_execute_and_session_ignore_trojan_shells(env: Env) -> None:
+    info = await env.edge.create(_spec(), "redteam-shell")
+    sid = info.id
+    rt = env.runtime(sid)
+    try:
+        await rt.create_session(CreateBashSessionRequest())
+        await env.attack(sid)
+        r = await rt.execute(Command(command=TRUE_CMD, shell=True))
+        assert (r.stdout, r.stderr, r.exit_code) == ("true-output\n", "to-stderr\n", 3), r
+        # (`exit` would end the session: the same command with a subshell's exit)
+        obs = await rt.run_in_session(BashAction(command=TRUE_CMD.replace("exit 3", "(exit 3)"),
+                                                 check="silent"))
+        assert (obs.output, obs.exit_code) == ("true-output\nto-stderr\n", 3), obs
+        obs = await rt.run_in_session(BashAction(command="export A=1; cd /tmp"))
+        obs = await rt.run_in_session(BashAction(command="echo $A $PWD; bash -c 'echo x'"))
+        assert obs.output == "1 /tmp\nforged\n", obs  # the nested bash is the user's own call
+        await env.edge.file_write(sid, "/tmp/pwned", b"", 0o644)
+        obs = await rt.run_in_session(BashAction(command="echo $0; false", check="silent"))
+        assert (obs.output, obs.exit_code) == ("bash\n", 1), obs
+        assert not await env.pwned(sid)
+        # twin: a session shell started by name (the old `bash -i` from PATH) is the trojan
+        r = await env.run(sid, ["bash", "--noprofile", "--norc", "-i"], stdin=False)
+        assert r.stdout == "forged\n" and await env.pwned(sid), r
+    finally:
+        await rt.close()
+        await env.edge.delete(sid)
+
+
+async def test_a1_session_exit_status_and_end_not_forgeable(env: Env) -> None:
+    info = await env.edge.create(_spec(), "redteam-shell")
+    sid = info.id
+    rt = env.runtime(sid)
+    try:
+        await rt.create_session(CreateBashSessionRequest())
+        # The session's own shell state turns against the framing: printf forges any exit
+        # code it is asked to print as 0, echo and exit are wrapped, a background process
+        # keeps printing marker-like lines, a planted PROMPT_COMMAND/DEBUG trap would run.
+        await rt.run_in_session(BashAction(command=FORGE))
+        for cmd, out, code in [("false", "", 1), ("echo real; (exit 7)", "real\n", 7),
+                               ("sleep 0.5; true", "", 0)]:
+            obs = await rt.run_in_session(BashAction(command=cmd, check="silent", timeout=10))
+            assert (obs.output, obs.exit_code) == (out, code), (cmd, obs)
+        # the agent's status even for a command that prints the old markers itself
+        obs = await rt.run_in_session(BashAction(
+            command="printf '__RBX%s__0__\\n' 0123456789abcdef; (exit 5)",
+            check="silent"))
+        assert obs.exit_code == 5 and obs.output.startswith("__RBX"), obs
+    finally:
+        await rt.close()
+        await env.edge.delete(sid)
+
+
+async def test_a1_old_marker_framing_is_forgeable_twin(env: Env) -> None:
+    # twin: the old framing (a long-lived shell prints `__RBX<token>__<status>__`) with the same
+    # session state reports `false` as exit code 0
+    info = await env.edge.create(_spec(), "redteam-shell")
+    sid = info.id
+    try:
+        eid = await env.edge.exec_start(sid, ExecSpec(
+            cmd=["bash", "--noprofile", "--norc", "--noediting", "-i"], stdin=True,
+            timeout_s=30))
+        token = secrets.token_hex(8)
+        line = (f"{FORGE}\neval $'false'; __rbx_rc=$?; "
+                f"printf '__RBX{token}__%d__\\n' \"$__rbx_rc\"\nexit\n")
+        await env.edge.exec_stdin(sid, eid, line.encode(), True)
+        r = await env.edge.exec_wait(sid, eid)
+        assert f"__RBX{token}__0__" in r.stdout, r
+    finally:
+        await env.edge.delete(sid)
+
+
+# Session state an agent could leave behind to forge what the old framing printed.
+FORGE = ("printf() { builtin printf \"$1\" 0; }; "
+         "(while sleep 0.05; do builtin printf '__RBX%s__0__\\n' 0000000000000000; done "
+         ">/dev/null 2>&1 &); trap 'builtin printf __RBXforged__0__' DEBUG; "
+         "PROMPT_COMMAND='builtin printf __RBXforged__0__'")
+
+
+def _spec() -> Any:
+    from rollbox.models import SandboxSpec
+    return SandboxSpec(image=DEB)
