@@ -84,6 +84,10 @@ async def env() -> AsyncIterator[Env]:
     edge = Edge(node_settings(tmp), events)
     await edge.start()
     saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
+    # The SDK's one transport per process is bound to the event loop that made it: this module
+    # gets its own, and leaves none behind for the next module's loop.
+    from e2b.api.client_async import AsyncTransportWithLogger
+    AsyncTransportWithLogger.singleton = None
     try:
         async with BackgroundServer(create_app(Placement([edge]), events, keys)) as srv:
             key = keys.create("redteam-shell")
@@ -92,6 +96,9 @@ async def env() -> AsyncIterator[Env]:
             os.environ["E2B_API_KEY"] = key
             yield Env(srv.url, key, edge)
     finally:
+        if AsyncTransportWithLogger.singleton is not None:
+            await AsyncTransportWithLogger.singleton.aclose()
+            AsyncTransportWithLogger.singleton = None
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
