@@ -124,8 +124,11 @@ class Edge:
         raise_nofile_limit()
         # One parent memory cgroup for all sandboxes, limited to RAM minus the reserve: an
         # overload OOM-kills inside a sandbox, never a platform process.
-        cgroups.set_memory_limit(self.settings.cgroup_parent, sandboxes_memory_max_mib(
-            self.settings, self._host_mem_mib) << 20)
+        try:
+            cgroups.set_memory_limit(self.settings.cgroup_parent, sandboxes_memory_max_mib(
+                self.settings, self._host_mem_mib) << 20)
+        except InfraError as exc:  # e.g. lowered below what running sandboxes use now
+            log.error("%s; the sandboxes' memory cgroup keeps its old limit", exc)
         await self._recover()
         self._ttl_task = asyncio.create_task(self._ttl_loop())
         self._reaper_task = asyncio.create_task(self._reaper.run())
