@@ -667,9 +667,10 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
         return StreamingResponse(stream, media_type="application/x-tar")
 
     # ---- projects (admin) ----
-    def quota_store(who: Principal, project: str) -> QuotaStore:
-        if not who.admin:
-            raise errors.Unauthorized("project quotas need an admin key")
+    def quota_store(who: Principal, project: str, write: bool) -> QuotaStore:
+        if not who.admin and (write or project != who.project):
+            raise errors.Unauthorized("setting quotas, or reading another project's, needs an "
+                                      "admin key")
         check_project(project)
         if quotas is None:
             raise errors.BadRequest("this api has no quota store")
@@ -678,14 +679,15 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
     @app.get("/v1/projects/{project:path}/quota", response_model=models.Quota,
              tags=["projects"])
     async def get_quota(project: str, who: Who) -> models.Quota:
-        return quota_store(who, project).get(project)
+        """A project's per-node limits; a project key may read its own."""
+        return quota_store(who, project, write=False).get(project)
 
     @app.put("/v1/projects/{project:path}/quota", response_model=models.Quota,
              tags=["projects"])
     async def set_quota(project: str, body: models.Quota, who: Who) -> models.Quota:
         """Replace a project's per-node limits (a null field is unlimited). A negative limit
         or one above a node's capacity is refused and nothing is stored."""
-        store = quota_store(who, project)
+        store = quota_store(who, project, write=True)
         check_quota(body, await placement.node_limits())
         return store.set(project, body)
 

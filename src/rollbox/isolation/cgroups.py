@@ -311,7 +311,8 @@ def memory_limit(parent: str) -> int | None:
 def memory_usage(parent: str) -> int | None:
     """Bytes charged to the sandboxes' parent cgroup (None if it does not exist yet)."""
     v1 = _memory_v1(parent)
-    path = (v1 / "memory.usage_in_bytes") if v1 is not None else v2_root() / parent / "memory.current"
+    path = ((v1 / "memory.usage_in_bytes") if v1 is not None
+            else v2_root() / parent / "memory.current")
     try:
         return int(path.read_text())
     except (FileNotFoundError, ValueError):

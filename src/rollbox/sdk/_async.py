@@ -972,7 +972,8 @@ class AsyncClient:
 
     # ---- projects (admin key) ----
     async def project_quota(self, project: str) -> Quota:
-        """A project's per-node limits (None fields: unlimited)."""
+        """A project's per-node limits (None fields: unlimited); an admin key, or the
+        project's own."""
         path = f"/v1/projects/{urllib.parse.quote(project, safe='/')}/quota"
         return Quota.model_validate((await self._t.request("GET", path)).json())
 
