@@ -120,6 +120,15 @@ def bench_compat(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out, url=url, n=n)
 
 
+@bench_app.command("disk")
+def bench_disk(quick: bool = typer.Option(False, "--quick"),
+               json_out: bool = typer.Option(False, "--json")) -> None:
+    """Disk tier (btrfs subvolume + qgroup) vs memory tier (tmpfs) of the writable layer:
+    create CPU, idle memory per sandbox, clone of a 500 MB upper."""
+    mod = _load_bench("disk")
+    mod.main(quick=quick, json_out=json_out)
+
+
 @bench_app.command("rl")
 def bench_rl(quick: bool = typer.Option(False, "--quick"),
              json_out: bool = typer.Option(False, "--json"),

@@ -270,12 +270,14 @@ class DiskPool:
             pass
         except OSError as exc:
             return [f"subvolume {self.path(sandbox_id)}: {exc}"]
-        return self.leftovers(sandbox_id)
+        path = self.path(sandbox_id)
+        return [str(path)] if os.path.lexists(path) else []
 
     def leftovers(self, sandbox_id: str) -> list[str]:
         """The sandbox's subvolume if it is still there. An unmounted pool is not mounted for
         this: it is only released with no subvolume left (recovery mounts it: :meth:`ids`)."""
-        if not self._is_mounted():
+        if not (self._mounted and syscalls.statfs_type(self.mnt) == btrfs.BTRFS_SUPER_MAGIC) \
+                and not self._is_mounted():  # the cheap check first: mountinfo is long
             return []
         path = self.path(sandbox_id)
         return [str(path)] if os.path.lexists(path) else []
