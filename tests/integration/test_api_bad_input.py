@@ -31,6 +31,9 @@ async def test_bad_input_gets_typed_errors(edge, tmp_path: Path) -> None:  # noq
             await c.create("Bad Image Name!")
         with pytest.raises(errors.BadRequest):
             await c.create(BB, disk_tier="ssd")
+        mem = await c.create(BB, disk_tier="memory")  # the opt-in tier, through the API
+        assert mem.info.disk_tier == "memory" and neighbour.info.disk_tier == "disk"
+        await mem.delete()
         with pytest.raises(errors.NotFound):
             await c.get(f"{edge.node_id}-0123456789ab")
 

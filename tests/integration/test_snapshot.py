@@ -124,7 +124,8 @@ async def test_snapshot_restores_the_tree(edge, workspace: str, names: list[str]
 
 
 async def test_snapshot_without_pause_and_no_scrub(edge, names: list[str]) -> None:  # noqa: ANN001
-    src = await edge.create(SandboxSpec(image=BB), "p")
+    # pack_diff reads the memory tier's tmpfs upper here (the other tests: the disk tier's).
+    src = await edge.create(SandboxSpec(image=BB, disk_tier="memory"), "p")
     await sh(edge, src.id, "mkdir -p /w/__pycache__")
     await sh(edge, src.id, "echo x > /w/__pycache__/c.pyc && echo t > /tmp/t")
     name = new_name(names)
