@@ -223,3 +223,22 @@ async def test_restart_keeps_admission_and_quota_usage(tmp_node_dir: Path) -> No
         await e2.close(destroy=True)
         events.close()
         quotas.close()
+
+
+async def test_fncall_workers_start_from_the_reserved_share(edge) -> None:  # noqa: ANN001
+    from rollbox.backends.fncall import FnCallBackend, PoolConfig
+    from rollbox.models import FnCallSpec
+    from tests.conftest import have_image
+
+    if not have_image("fncall:1"):
+        pytest.fail("fncall:1 not built (run `make images`)")
+    edge.limits.max_sandboxes = 3
+    edge.limits.reserved_share = 0.34  # 1 of 3 kept
+    held = [await edge.create(SandboxSpec(image=BB), "t") for _ in range(2)]
+    with pytest.raises(errors.CapacityExceeded):
+        await edge.create(SandboxSpec(image=BB), "t")
+    async with FnCallBackend(edge, PoolConfig(max_workers=1)) as fb:
+        r = await fb.call(FnCallSpec(language="python", code="print(6 * 7)"))
+        assert (r.status, r.stdout) == ("ok", "42\n")
+    for sb in held:
+        await edge.delete(sb.id)
