@@ -110,6 +110,15 @@ def bench_images(quick: bool = typer.Option(False, "--quick"),
         raise typer.Exit(1)
 
 
+@bench_app.command("files")
+def bench_files(quick: bool = typer.Option(False, "--quick"),
+                json_out: bool = typer.Option(False, "--json")) -> None:
+    """Server RSS while 4 x 1 GB single files stream in and out (--quick: 4 x 200 MB)."""
+    mod = _load_bench("files")
+    if not mod.main(quick=quick, json_out=json_out)["ok"]:
+        raise typer.Exit(1)
+
+
 @bench_app.command("compat")
 def bench_compat(quick: bool = typer.Option(False, "--quick"),
                  json_out: bool = typer.Option(False, "--json"),

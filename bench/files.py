@@ -1,0 +1,128 @@
+"""``rollbox bench files [--quick] [--json]``: server memory while big single files stream.
+
+N concurrent sandboxes each write one file of SIZE through ``sb.files.write`` (an async
+iterator of 1 MiB chunks) and read it back through ``sb.files.read_stream``; the server is
+``rollbox serve`` in its own process (its own data dir, cgroup parent and node id under a
+scratch dir; the node's images), and its RSS is sampled every 50 ms. Target (issue 11): peak
+RSS <= 300 MiB with four concurrent 1 GB transfers. The last line of ``--json`` is one JSON
+object.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rollbox.config import Settings
+from rollbox.embedded import _free_port, admin_key_path, wait_healthy
+
+IMAGE = "busybox:test"
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def run(url: str, key: str, pid: int, n: int, size: int) -> dict[str, Any]:
+    import rollbox
+
+    async with rollbox.AsyncClient(url, key) as c:
+        boxes = await asyncio.gather(*(c.create(IMAGE, disk_mib=(size >> 20) + 64,
+                                                memory_mib=512) for _ in range(n)))
+        try:
+            base = rss_mib(pid)
+            peak = base
+            done = asyncio.Event()
+
+            async def sample() -> None:
+                nonlocal peak
+                while not done.is_set():
+                    peak = max(peak, rss_mib(pid))
+                    await asyncio.sleep(0.05)
+
+            async def chunks() -> Any:
+                block = bytes(1 << 20)
+                for _ in range(size >> 20):
+                    yield block
+
+            async def roundtrip(sb: Any) -> tuple[float, float]:
+                t0 = time.monotonic()
+                await sb.files.write("/tmp/big", chunks())
+                t1 = time.monotonic()
+                got = 0
+                async for part in sb.files.read_stream("/tmp/big"):
+                    got += len(part)
+                if got != size:
+                    raise RuntimeError(f"read back {got} of {size} bytes")
+                return t1 - t0, time.monotonic() - t1
+
+            sampler = asyncio.create_task(sample())
+            t0 = time.monotonic()
+            times = await asyncio.gather(*(roundtrip(sb) for sb in boxes))
+            wall = time.monotonic() - t0
+            done.set()
+            await sampler
+        finally:
+            await asyncio.gather(*(sb.delete() for sb in boxes), return_exceptions=True)
+    total = n * size
+    return {"transfers": n, "file_bytes": size, "server_rss_base_mib": round(base, 1),
+            "server_rss_peak_mib": round(peak, 1),
+            "server_rss_growth_mib": round(peak - base, 1),
+            "write_mib_s": round(total / 2**20 / max(t[0] for t in times), 1),
+            "read_mib_s": round(total / 2**20 / max(t[1] for t in times), 1),
+            "wall_s": round(wall, 2), "target_peak_mib": 300, "ok": peak <= 300}
+
+
+def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
+    n, size = (4, 200 << 20) if quick else (4, 1 << 30)
+    node = Settings()
+    root = Path(tempfile.mkdtemp(prefix="rollbox-bench-files-"))
+    root.chmod(0o711)
+    env = {**os.environ, "ROLLBOX_DATA": str(root / "data"), "ROLLBOX_RUN": str(root / "run"),
+           "ROLLBOX_RUN_TMPFS": "0", "ROLLBOX_NODE": f"bf{os.getpid()}",
+           "ROLLBOX_CGROUP": f"rollbox-bench-files-{os.getpid()}",
+           "ROLLBOX_IMAGES": str(node.images_dir)}
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = root / "serve.log"
+    say(f"rollbox serve on {url} (scratch {root}); {n} x {size >> 20} MiB write + read")
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "rollbox.cli", "serve", "--port",
+                                 str(port)], env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        wait_healthy(url, proc, log)
+        settings = Settings()
+        settings.data_dir = root / "data"
+        key = admin_key_path(settings).read_text().strip()
+        res = asyncio.run(run(url, key, proc.pid, n, size))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        subprocess.run(["rm", "-rf", str(root)], check=False)
+    say(f"server RSS {res['server_rss_base_mib']} -> peak {res['server_rss_peak_mib']} MiB "
+        f"(target <= 300); write {res['write_mib_s']} MiB/s, read {res['read_mib_s']} MiB/s")
+    if json_out:
+        print(json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    main(quick="--quick" in sys.argv, json_out="--json" in sys.argv)
