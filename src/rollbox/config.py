@@ -124,6 +124,19 @@ class Settings:
     pypi_mirror_index_ttl: float = field(
         default_factory=lambda: float(os.environ.get("ROLLBOX_PYPI_MIRROR_INDEX_TTL", "300")))
 
+    # Layer storage (rollbox.edge.storage): snapshots and uploaded images are refused while
+    # the image store's filesystem has less free space than the reserve (None: max(5 GiB, 5%
+    # of the filesystem)); each project's layers (of the images it owns) are capped at
+    # project_layer_mib unless its quota says otherwise; one image upload (bytes of its files)
+    # at image_upload_max_bytes.
+    image_store_reserve_bytes: int | None = field(
+        default_factory=lambda: int(os.environ["ROLLBOX_IMAGE_STORE_RESERVE"])
+        if "ROLLBOX_IMAGE_STORE_RESERVE" in os.environ else None)
+    project_layer_mib: int = field(
+        default_factory=lambda: int(os.environ.get("ROLLBOX_PROJECT_LAYER_MIB", str(50 << 10))))
+    image_upload_max_bytes: int = field(
+        default_factory=lambda: int(os.environ.get("ROLLBOX_IMAGE_UPLOAD_MAX", str(8 << 30))))
+
     @classmethod
     def scratch(cls, root: Path, images: Path | None = None) -> Settings:
         """Settings of a short-lived node below ``root`` (tests, benchmarks): its data and run

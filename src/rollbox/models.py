@@ -359,6 +359,28 @@ class ApiKeyInfo(BaseModel):
     revoked_at: float | None = None
 
 
+# ---- images of a project (uploads, snapshots; rollbox.edge.storage) -------------------------
+class ImageInfo(BaseModel):
+    name: str
+    layers: list[str]  # lowest first
+    owner: str | None = None  # the project; None: one of the node's own images
+    created: float = 0.0
+    size: int = 0  # bytes of all its layer files
+    layer: str | None = None  # the layer an upload added (uploads only)
+    files: int | None = None  # entries of that layer (uploads only)
+
+
+class LayerUsage(BaseModel):
+    """A project's layer storage on a node: the distinct layers of the images it owns (the
+    node's own images' layers not counted), against its limit."""
+    project: str
+    used_bytes: int
+    limit_bytes: int
+    images: int
+    store_free_bytes: int  # free space of the image store's filesystem
+    store_reserve_bytes: int  # below this, new layers are refused
+
+
 # ---- fncall: stateless calls from warm pools (backends/fncall) ------------------------------
 FnCallLanguage = Literal["python", "bash", "c", "cpp", "nodejs"]
 FnCallStatus = Literal["ok", "runtime_error", "timeout", "memory_exceeded", "compile_error"]

@@ -40,6 +40,8 @@ MAX_TAR_UPLOAD = 2 << 30
 # bounds what a write can store.
 MAX_FILE_STREAM = 16 << 30
 MAX_STDIN_BODY = 16 << 20
+# An image upload's tar (the edge caps the bytes of its files by image_upload_max_bytes).
+MAX_IMAGE_UPLOAD = 64 << 30
 OWNER_CACHE_SIZE = 65536
 T = TypeVar("T")
 
@@ -72,6 +74,8 @@ def _body_limit(method: str, path: str) -> int:
         return MAX_FILE_STREAM
     if method == "PUT" and path.endswith("/tar"):
         return MAX_TAR_UPLOAD
+    if method == "POST" and path == "/v1/images":
+        return MAX_IMAGE_UPLOAD
     if method == "POST" and path.endswith("/stdin"):
         return MAX_STDIN_BODY
     if method == "POST" and path == "/e2b/envd/files":  # E2B's multipart file upload
@@ -232,7 +236,7 @@ async def _primed(agen: AsyncIterator[T], wait_s: float) -> AsyncIterator[T]:
     return rest()
 
 
-async def _body_chunks(request: Request) -> AsyncIterator[bytes]:
+async def body_chunks(request: Request) -> AsyncIterator[bytes]:
     """A request body as it streams in (BodyLimitMiddleware caps it per route)."""
     async for chunk in request.stream():
         if chunk:
@@ -629,7 +633,7 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
             raise errors.BadRequest(f"mode must be octal, got {mode!r}") from None
         if not 0 <= mode_i <= 0o7777:
             raise errors.BadRequest(f"mode out of range: {mode!r}")
-        await edge.file_write_stream(sandbox_id, path, _body_chunks(request), mode_i,
+        await edge.file_write_stream(sandbox_id, path, body_chunks(request), mode_i,
                                      MAX_FILE_STREAM)
         return Response(status_code=204)
 
@@ -657,7 +661,7 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
     @app.put("/v1/sandboxes/{sandbox_id}/tar", tags=["files"])
     async def tar_upload(sandbox_id: str, path: PathQ, request: Request,
                          edge: Edge) -> dict[str, int]:
-        written = await edge.upload_tar(sandbox_id, path, _body_chunks(request))
+        written = await edge.upload_tar(sandbox_id, path, body_chunks(request))
         return {"written": written}
 
     @app.get("/v1/sandboxes/{sandbox_id}/tar", tags=["files"],

@@ -20,6 +20,7 @@ FRONT_DOORS: tuple[str, ...] = (
     "rollbox.netpolicy.mirror",  # no routes: runs the PyPI mirror on its own port when enabled
     "rollbox.compat.swerex",  # SWE-ReX remote runtime per sandbox under /swerex/{sandbox_id}
     "rollbox.images.lazy.api",  # GET /v1/images/stats: lazy-loading counters per layer/sandbox
+    "rollbox.api.images",  # /v1/images: a project's uploaded images and layer storage
     "rollbox.backends.fncall.http",  # /v1/fncall, /v1/fncall/batch: warm-pool stateless calls
     "rollbox.compat.sandboxfusion",  # SandboxFusion POST /run_code on the fncall pools
     "rollbox.api.jobs",  # /v1/jobs: trainer-job leases (open, heartbeat, list, end)

@@ -27,6 +27,7 @@ from rollbox.edge.admission import (
 from rollbox.edge.interface import ExecOutput
 from rollbox.edge.journal import Journal
 from rollbox.edge.sessions import ExecSession
+from rollbox.edge.storage import LayerStorage, project_image_name
 from rollbox.errors import (
     BadRequest, CapacityExceeded, ExecIndeterminate, IdempotencyConflict, InfraError, NotFound,
     PayloadTooLarge, RollboxError, SandboxDead, SandboxPaused, error_from_payload,
@@ -39,8 +40,8 @@ from rollbox.iam.quotas import QuotaStore
 from rollbox.jobs import LeaseReaper, LeaseStore, SqliteLeaseStore
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import (
-    Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, NetAudit,
-    NetworkPolicy, SandboxInfo, SandboxSpec, SnapshotResult, SnapshotSpec,
+    Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, ImageInfo,
+    LayerUsage, NetAudit, NetworkPolicy, SandboxInfo, SandboxSpec, SnapshotResult, SnapshotSpec,
 )
 
 if TYPE_CHECKING:
@@ -101,6 +102,7 @@ class Edge:
         self.admission = Admission(self.limits, self._host_mem_mib, os.cpu_count() or 1,
                                    HostMemory(settings.cgroup_parent), self.node_id)
         self.layer_mounts = LayerMounts(self.store)
+        self.storage = LayerStorage(self.store, settings)
         self.slots = UidSlots(settings.uid_base, settings.uid_slots)
         self.backend = ContainerBackend(settings, self.layer_mounts, self.slots)
         self.journal = Journal(settings.data_dir / f"edge-{self.node_id}.db")
@@ -983,15 +985,9 @@ class Edge:
         from rollbox.images import git
         from rollbox.images import snapshot as snap
         from rollbox.images.chunks import default_store_url, open_store, push_image
-        from rollbox.images.store import validate_name
 
         live = self._live(sandbox_id)
-        validate_name(spec.name)
-        if "/" not in spec.name.split(":")[0]:
-            # Names without a "/" (python:3.11, debian:bookworm) are the operator's: a snapshot
-            # must not squat one before the node builds it.
-            raise BadRequest(f"snapshot image name {spec.name!r} needs a path, e.g. "
-                             "'myproject/env:1'", image=spec.name)
+        project_image_name(spec.name)
         # Image names are node-wide: a snapshot never replaces an image (e.g. python:3.11)
         # that other sandboxes are created from.
         if self.store.exists(spec.name):
@@ -1002,6 +998,8 @@ class Edge:
                     if spec.push else None)
         if sandbox_id in self._snapshotting:
             raise BadRequest(f"a snapshot of sandbox {sandbox_id} is already running")
+        room = self.storage.room(owner)  # the project's layer storage and the store's reserve
+        max_bytes = min(spec.max_bytes, room.bytes)
         self._snapshotting.add(sandbox_id)
         t0 = time.monotonic()
         try:
@@ -1021,7 +1019,7 @@ class Edge:
                     stats = snap.capture_upper(
                         box.rootfs.upper, root, id_shift=box.host_uid,
                         scrub=snap.DEFAULT_SCRUB if spec.scrub else [], exclude=exclude,
-                        max_bytes=spec.max_bytes, max_entries=spec.max_entries)
+                        max_bytes=max_bytes, max_entries=spec.max_entries)
                     if not spec.keep_git_history:  # a repository of a lower layer, changed
                         snap.complete_repos(box.rootfs.merged, root, id_shift=box.host_uid,
                                             max_bytes=spec.max_bytes,
@@ -1032,6 +1030,10 @@ class Edge:
             try:
                 try:
                     stats, paused = await asyncio.to_thread(capture)
+                except PayloadTooLarge as exc:
+                    if max_bytes < spec.max_bytes and exc.details.get("limit") == max_bytes:
+                        raise room.error from exc
+                    raise
                 except OSError as exc:
                     if sandbox_id not in self.live or sandbox_id in self._deleting:
                         raise SandboxDead(f"sandbox {sandbox_id} went away during the "
@@ -1047,9 +1049,7 @@ class Edge:
             finally:
                 await asyncio.to_thread(shutil.rmtree, staging, True)
             layers = list(live.info.layers) + [digest]
-            if self.store.exists(spec.name):
-                raise BadRequest(f"image {spec.name!r} was created meanwhile", image=spec.name)
-            self.store.tag(spec.name, layers, {**config, "owner": owner})
+            await self.storage.commit(owner, spec.name, layers, config, digest)
             if push_url is not None:
                 await push_image(self.store, spec.name, open_store(push_url))
         finally:
@@ -1065,6 +1065,23 @@ class Edge:
         self.event_log.append(sandbox_id, "sandbox.snapshot", data=json.dumps(
             {"image": spec.name, "layer": digest, "files": stats.entries, "by": owner}))
         return result
+
+    # ---- images of a project (uploads, layer storage; rollbox.edge.storage) --------------
+    async def image_upload(self, name: str, chunks: AsyncIterator[bytes], owner: str,
+                           base: str | None = None) -> ImageInfo:
+        """Image ``name`` of project ``owner``: ``base``'s layers (one the project may use) +
+        one layer built here from the tar stream ``chunks``."""
+        image = self._image_for(base, owner) if base is not None else None
+        return await self.storage.upload(owner, name, chunks, image)
+
+    async def image_list(self, owner: str | None) -> list[ImageInfo]:
+        return await asyncio.to_thread(self.storage.visible, owner)
+
+    async def image_delete(self, name: str, owner: str | None) -> None:
+        await asyncio.to_thread(self.storage.delete, name, owner)
+
+    async def image_usage(self, owner: str) -> LayerUsage:
+        return await asyncio.to_thread(self.storage.usage, owner)
 
     # ---- events -------------------------------------------------------------------------
     async def events(self, sandbox_id: str, after_seq: int,

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from rollbox.models import (
-    Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, NetworkPolicy,
-    SandboxInfo, SandboxSpec, SnapshotResult, SnapshotSpec,
+    Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, ImageInfo,
+    LayerUsage, NetworkPolicy, SandboxInfo, SandboxSpec, SnapshotResult, SnapshotSpec,
 )
 
 
@@ -75,6 +75,14 @@ class EdgeAPI(Protocol):
     # tagged as the sandbox's layers + it, so create(spec.name) restores the same tree.
     async def snapshot(self, sandbox_id: str, spec: SnapshotSpec,
                        owner: str) -> SnapshotResult: ...
+
+    # images of a project on this node (rollbox.edge.storage): an upload is a tar stream the
+    # edge builds one layer from (over ``base``); owner None lists/deletes as an admin.
+    async def image_upload(self, name: str, chunks: AsyncIterator[bytes], owner: str,
+                           base: str | None = None) -> ImageInfo: ...
+    async def image_list(self, owner: str | None) -> list[ImageInfo]: ...
+    async def image_delete(self, name: str, owner: str | None) -> None: ...
+    async def image_usage(self, owner: str) -> LayerUsage: ...
 
     # events outlive the sandbox; follow=True keeps streaming until the sandbox is gone.
     def events(self, sandbox_id: str, after_seq: int, follow: bool) -> AsyncIterator[Event]: ...

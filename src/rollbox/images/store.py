@@ -228,9 +228,11 @@ class ImageStore:
 
     def add_layer_from_dir(self, src: Path, *, source: str,
                            progress: Progress | None = None,
-                           git_repos: list[dict[str, Any]] | None = None) -> str:
+                           git_repos: list[dict[str, Any]] | None = None,
+                           exclude: Iterable[str] = ()) -> str:
         """Build an EROFS layer from directory ``src``; returns its digest (idempotent).
-        ``git_repos``: what images.git found in ``src`` (recorded in the layer's metadata)."""
+        ``git_repos``: what images.git found in ``src`` (recorded in the layer's metadata);
+        ``exclude``: paths relative to ``src`` left out of the layer (``src`` is not changed)."""
         src = Path(src)
         if not src.is_dir() or src.is_symlink():
             raise BadRequest(f"layer source {src} is not a directory")
@@ -250,7 +252,7 @@ class ImageStore:
             # deterministic (see EROFS_UUID).
             env["SOURCE_DATE_EPOCH"] = str(newest)
             cmd = ["mkfs.erofs", "--quiet", "--preserve-mtime", f"-U{EROFS_UUID}",
-                   str(tmp), str(src)]
+                   *(f"--exclude-path={p}" for p in exclude), str(tmp), str(src)]
             try:
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             except FileNotFoundError as exc:
@@ -386,6 +388,29 @@ class ImageStore:
                                              if "git_repos" not in m]
         return out
 
+    def remove_layer_if_unused(self, digest: str) -> bool:
+        """Delete one layer that no ref uses and nothing mounts at once (a layer built for an
+        image that was then refused); returns whether it was removed."""
+        from rollbox.images.mounts import LayerMounts
+
+        validate_digest(digest)
+        if any(digest in image.layers for image in self.list()):
+            return False
+        return self._drop_layer(digest, LayerMounts(self))
+
+    def _drop_layer(self, digest: str, mounts: Any) -> bool:
+        try:
+            if mounts.users(digest):
+                return False
+            mounts.unmount(digest)
+        except FileNotFoundError:
+            return False
+        except InfraError:
+            return False  # in use by a running sandbox
+        (self.layers_dir / f"{digest}.erofs").unlink(missing_ok=True)
+        (self.layers_dir / f"{digest}.json").unlink(missing_ok=True)
+        return True
+
     def gc(self, *, grace_seconds: float = GC_GRACE_SECONDS,
            keep: Iterable[str] = ()) -> list[str]:
         """Delete layers no ref uses (older than ``grace_seconds``), unmounting them first.
@@ -403,20 +428,13 @@ class ImageStore:
         for digest in self.list_layers():
             if digest in used:
                 continue
-            path = self.layers_dir / f"{digest}.erofs"
             try:
-                if now - path.stat().st_mtime < grace_seconds:
+                if now - (self.layers_dir / f"{digest}.erofs").stat().st_mtime < grace_seconds:
                     continue
-                if mounts.users(digest):
-                    continue
-                mounts.unmount(digest)
             except FileNotFoundError:
                 continue
-            except InfraError:
-                continue  # in use by a running sandbox
-            path.unlink(missing_ok=True)
-            (self.layers_dir / f"{digest}.json").unlink(missing_ok=True)
-            removed.append(digest)
+            if self._drop_layer(digest, mounts):
+                removed.append(digest)
         for leftover in self.tmp_dir.iterdir():
             # Staging left by a crashed build: its name carries the builder's pid.
             m = re.match(r"[a-z]+-(\d+)-", leftover.name)

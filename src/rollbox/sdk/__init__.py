@@ -5,12 +5,13 @@ it on a private event-loop thread.
 Talks only HTTP to the api; never imports server-side packages beyond shared models/errors.
 """
 from rollbox.sdk._async import (
-    DEFAULT_URL, AsyncClient, AsyncFiles, AsyncJob, AsyncProcess, AsyncSandbox, CommandFailed,
-    OutputChunk,
+    DEFAULT_URL, AsyncClient, AsyncFiles, AsyncImages, AsyncJob, AsyncProcess, AsyncSandbox,
+    CommandFailed, OutputChunk,
 )
-from rollbox.sdk._sync import Client, Files, Job, Process, Sandbox
+from rollbox.sdk._sync import Client, Files, Images, Job, Process, Sandbox
 
 __all__ = [
-    "DEFAULT_URL", "AsyncClient", "AsyncFiles", "AsyncJob", "AsyncProcess", "AsyncSandbox",
-    "CommandFailed", "OutputChunk", "Client", "Files", "Job", "Process", "Sandbox",
+    "DEFAULT_URL", "AsyncClient", "AsyncFiles", "AsyncImages", "AsyncJob", "AsyncProcess",
+    "AsyncSandbox", "CommandFailed", "OutputChunk", "Client", "Files", "Images", "Job",
+    "Process", "Sandbox",
 ]

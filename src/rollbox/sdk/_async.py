@@ -30,8 +30,8 @@ from rollbox.sdk._resume import (
 from rollbox.models import (
     FnCallResult, FnCallSpec,
     ApiKeyInfo, Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec,
-    JobEnded, JobInfo, JobSpec, Quota, Resources, SandboxInfo, SandboxSpec, SnapshotResult,
-    SnapshotSpec,
+    ImageInfo, JobEnded, JobInfo, JobSpec, LayerUsage, Quota, Resources, SandboxInfo,
+    SandboxSpec, SnapshotResult, SnapshotSpec,
 )
 
 DEFAULT_URL = "http://127.0.0.1:7420"
@@ -455,6 +455,67 @@ async def _content_chunks(data: FileContent) -> AsyncIterator[bytes]:
         yield bytes(chunk)  # type: ignore[arg-type]
 
 
+Progress = Callable[[int, int | None], Any]  # (bytes sent, bytes expected or None)
+
+
+async def _counted(chunks: AsyncIterator[bytes], progress: Progress | None,
+                   total: int | None) -> AsyncIterator[bytes]:
+    sent = 0
+    async for chunk in chunks:
+        sent += len(chunk)
+        yield chunk
+        if progress is not None:
+            progress(sent, total)
+
+
+def _tree_bytes(src: Path) -> int:
+    """Bytes of the regular files below ``src`` (what a tar of it carries, headers aside)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(src):
+        for name in files:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(dirpath, name))
+                if not os.path.islink(os.path.join(dirpath, name)):
+                    total += st.st_size
+    return total
+
+
+async def _send_tar(t: _Transport, method: str, url: str, params: Params, src: Path,
+                    progress: Progress | None = None) -> _Response:
+    """Send a tar of directory ``src``'s contents (members named relative to it) as a request
+    body, made by a producer thread as it is sent (memory stays bounded)."""
+    if not src.is_dir():
+        raise errors.BadRequest(f"{src} is not a directory")
+    total = await asyncio.to_thread(_tree_bytes, src) if progress is not None else None
+    pipe = _TarPipe(asyncio.get_running_loop())
+
+    def produce() -> None:
+        try:
+            with tarfile.open(fileobj=pipe, mode="w|") as tf:  # type: ignore[call-overload]
+                for child in sorted(src.iterdir()):
+                    tf.add(child, arcname=child.name)
+        except BaseException as exc:  # reported to the consumer
+            pipe.finish(exc)
+        else:
+            pipe.finish()
+
+    producer = threading.Thread(target=produce, name="rollbox-tar-up", daemon=True)
+    producer.start()
+    try:
+        return await t.request(method, url, params=params, long=True,
+                               content=_counted(pipe.chunks(), progress, total))
+    except errors.InfraError:
+        if pipe.error is not None:  # aiohttp wraps a body's error; raise it as it was
+            raise pipe.error from None
+        raise
+    finally:
+        # Unblock the producer if the request stopped consuming early.
+        while producer.is_alive():
+            while not pipe.queue.empty():
+                pipe.queue.get_nowait()
+            await asyncio.sleep(0.01)
+
+
 class AsyncFiles:
     def __init__(self, sandbox: AsyncSandbox) -> None:
         self._t = sandbox._t
@@ -522,36 +583,7 @@ class AsyncFiles:
 
     async def upload_dir(self, local: str | os.PathLike[str], remote: str) -> int:
         """Upload the contents of a local directory into ``remote`` as a tar stream."""
-        src = Path(local)
-        if not src.is_dir():
-            raise errors.BadRequest(f"{src} is not a directory")
-        pipe = _TarPipe(asyncio.get_running_loop())
-
-        def produce() -> None:
-            try:
-                with tarfile.open(fileobj=pipe, mode="w|") as tf:  # type: ignore[call-overload]
-                    for child in sorted(src.iterdir()):
-                        tf.add(child, arcname=child.name)
-            except BaseException as exc:  # reported to the consumer
-                pipe.finish(exc)
-            else:
-                pipe.finish()
-
-        producer = threading.Thread(target=produce, name="rollbox-tar-up", daemon=True)
-        producer.start()
-        try:
-            r = await self._t.request("PUT", self._base + "/tar", params={"path": remote},
-                                      content=pipe.chunks(), long=True)
-        except errors.InfraError:
-            if pipe.error is not None:  # aiohttp wraps a body's error; raise it as it was
-                raise pipe.error from None
-            raise
-        finally:
-            # Unblock the producer if the request stopped consuming early.
-            while producer.is_alive():
-                while not pipe.queue.empty():
-                    pipe.queue.get_nowait()
-                await asyncio.sleep(0.01)
+        r = await _send_tar(self._t, "PUT", self._base + "/tar", {"path": remote}, Path(local))
         return int(r.json().get("written", 0))
 
     async def download_dir(self, remote: str, local: str | os.PathLike[str]) -> None:
@@ -592,6 +624,48 @@ class AsyncFiles:
                 # Cancelled midway: wake the extractor thread so it ends.
                 with contextlib.suppress(BaseException):
                     await asyncio.wait_for(feed(errors.InfraError("download cancelled")), 5)
+
+
+class AsyncImages:
+    """A project's task images on the node (``client.images``)."""
+
+    def __init__(self, t: _Transport) -> None:
+        self._t = t
+
+    async def upload(self, name: str, source: str | os.PathLike[str], *,
+                     base: str | None = None, progress: Progress | None = None) -> ImageInfo:
+        """Build image ``name`` (with a path: ``myproject/task:1``) owned by your project from
+        a local directory (its contents become the image's tree) or a tar file (optionally
+        gz/bz2/xz), streamed; the server packs the layer itself. With ``base`` the image is
+        ``base``'s layers + this one. ``progress(sent, total)`` is called as bytes go out.
+        Above the node's upload cap: PayloadTooLarge; above your project's layer storage:
+        QuotaExceeded; the node's image store at its reserve: CapacityExceeded (retryable)."""
+        src = Path(source)
+        params = {"name": name, **({"base": base} if base is not None else {})}
+        if src.is_dir():
+            r = await _send_tar(self._t, "POST", "/v1/images", params, src, progress)
+        elif src.is_file():
+            with open(src, "rb") as f:
+                r = await self._t.request(
+                    "POST", "/v1/images", params=params, long=True,
+                    content=_counted(_content_chunks(f), progress, src.stat().st_size))
+        else:
+            raise errors.BadRequest(f"{src} is neither a directory nor a tar file")
+        return ImageInfo.model_validate(r.json())
+
+    async def list(self) -> list[ImageInfo]:
+        """The node's images and your project's own."""
+        return [ImageInfo.model_validate(x)
+                for x in (await self._t.request("GET", "/v1/images")).json()]
+
+    async def delete(self, name: str) -> None:
+        """Delete one of your project's images (its layer storage is freed at once)."""
+        await self._t.request("DELETE", "/v1/images", params={"name": name})
+
+    async def usage(self) -> LayerUsage:
+        """Your project's layer storage on the node (snapshots and uploads)."""
+        return LayerUsage.model_validate(
+            (await self._t.request("GET", "/v1/images/usage")).json())
 
 
 class AsyncSandbox:
@@ -843,6 +917,7 @@ class AsyncClient:
         api_key = api_key or os.environ.get("ROLLBOX_API_KEY")
         self._t = _Transport(self.base_url, api_key, timeout, max_connections)
         self._heartbeats: set[_Heartbeat] = set()  # of this client's open jobs
+        self.images = AsyncImages(self._t)
 
     async def create(
         self, image: str, *, layers: Iterable[str] = (), cpus: float | None = None,

@@ -13,13 +13,13 @@ from typing import Any, TypeVar
 
 from rollbox import errors
 from rollbox.models import (
-    ApiKeyInfo, Event, ExecInfo, ExecResult, FileStat, GradeResult, JobEnded, JobInfo, Quota,
-    SandboxInfo, SnapshotResult,
+    ApiKeyInfo, Event, ExecInfo, ExecResult, FileStat, GradeResult, ImageInfo, JobEnded,
+    JobInfo, LayerUsage, Quota, SandboxInfo, SnapshotResult,
 )
 from rollbox.sdk._resume import DEFAULT_RECONNECT_S
 from rollbox.sdk._async import (
-    AsyncClient, AsyncFiles, AsyncJob, AsyncProcess, AsyncSandbox, FileContent, OutputCallback,
-    OutputChunk,
+    AsyncClient, AsyncFiles, AsyncImages, AsyncJob, AsyncProcess, AsyncSandbox, FileContent,
+    OutputCallback, OutputChunk, Progress,
 )
 
 T = TypeVar("T")
@@ -133,6 +133,28 @@ class Files:
 
     def download_dir(self, remote: str, local: str | os.PathLike[str]) -> None:
         self._p.call(self._f.download_dir(remote, local))
+
+
+class Images:
+    """See :class:`AsyncImages` (``client.images``)."""
+
+    def __init__(self, portal: _Portal, images: AsyncImages) -> None:
+        self._p = portal
+        self._i = images
+
+    def upload(self, name: str, source: str | os.PathLike[str], *, base: str | None = None,
+               progress: Progress | None = None) -> ImageInfo:
+        """``progress`` runs on the SDK's own thread."""
+        return self._p.call(self._i.upload(name, source, base=base, progress=progress))
+
+    def list(self) -> list[ImageInfo]:
+        return self._p.call(self._i.list())
+
+    def delete(self, name: str) -> None:
+        self._p.call(self._i.delete(name))
+
+    def usage(self) -> LayerUsage:
+        return self._p.call(self._i.usage())
 
 
 class Sandbox:
@@ -273,6 +295,7 @@ class Client:
 
         self._c = self._p.call(make())
         self.base_url = self._c.base_url
+        self.images = Images(self._p, self._c.images)
 
     def create(self, image: str, *, layers: Iterable[str] = (), **kw: Any) -> Sandbox:
         return Sandbox(self._p, self._p.call(self._c.create(image, layers=layers, **kw)))
