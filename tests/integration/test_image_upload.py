@@ -116,6 +116,28 @@ async def test_upload_directory_and_tar_then_use(api: Api, names: list[str],
     assert (await api.other.images.usage()).used_bytes == 0
 
 
+async def test_cli_upload_with_progress(edge, names: list[str], tmp_path: Path) -> None:  # noqa: ANN001
+    from typer.testing import CliRunner
+
+    from rollbox.images.cli import app as image_app
+
+    keys = KeyStore(tmp_path / "keys.db")
+    app = create_app(Placement([edge]), edge.event_log, keys)
+    try:
+        async with BackgroundServer(app) as srv:
+            name = new_name(names, "cli")
+            args = ["upload", name, str(tree(tmp_path / "src")), "--base", BB, "--url", srv.url,
+                    "--api-key", keys.create("proj")]
+            res = await asyncio.to_thread(CliRunner().invoke, image_app, args)
+            assert res.exit_code == 0, res.output
+            assert name in res.output and "upload" in res.output  # the progress bar's label
+            assert edge.store.resolve(name).config["owner"] == "proj"
+            res = await asyncio.to_thread(CliRunner().invoke, image_app, args)
+            assert res.exit_code == 2 and "already exists" in res.output
+    finally:
+        keys.close()
+
+
 async def test_bad_uploads_leave_nothing(api: Api, names: list[str], tmp_path: Path) -> None:
     edge = api.edge
     src = tree(tmp_path / "src", size=3 << 20)

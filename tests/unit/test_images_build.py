@@ -14,7 +14,9 @@ from rollbox.errors import BadRequest
 from rollbox.images.build import (
     OPAQUE_XATTR,
     build_busybox_image,
+    build_from_directory,
     default_mirror,
+    dropped_bytecode,
     extract_layer_tar,
     is_opaque,
     is_whiteout,
@@ -191,6 +193,47 @@ def test_layer_from_upper_scrubs(tmp_path: Path) -> None:
     assert (up / "var/cache/apt/archives/x.deb").exists()
     assert os.getxattr(up / "app/main.py", "trusted.overlay.origin") == b"\x00fh"
     assert list(store.tmp_dir.iterdir()) == []
+
+
+def _bytecode_tree(root: Path) -> Path:
+    for d in ("usr/lib/python3/dist-packages/pytest/__pycache__", "usr/lib/python3.11/__pycache__",
+              "usr/local/lib/python3.11/dist-packages/pkg/__pycache__", "work/repo/tests/__pycache__",
+              "opt/venv/lib/python3.11/site-packages/x/__pycache__"):
+        (root / d).mkdir(parents=True)
+        (root / d / "m.cpython-311.pyc").write_bytes(b"bytecode")
+    (root / "usr/lib/python3/dist-packages/pytest/__pycache__/conftest.cpython-311-pytest-7.2.1.pyc"
+     ).write_bytes(b"rewritten by pytest")
+    (root / "work/repo/tests/test_hidden.py").write_text("def test(): pass\n")
+    return root
+
+
+KEPT_BYTECODE = ["usr/lib/python3.11/__pycache__/m.cpython-311.pyc",
+                 "usr/lib/python3/dist-packages/pytest/__pycache__/m.cpython-311.pyc",
+                 "usr/local/lib/python3.11/dist-packages/pkg/__pycache__/m.cpython-311.pyc"]
+
+
+def _layer_files(store: ImageStore, digest: str, out: Path) -> list[str]:
+    subprocess.run(["fsck.erofs", f"--extract={out}", str(store.layer_path(digest))],
+                   check=True, capture_output=True)
+    return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+
+
+def test_builder_layers_keep_only_library_bytecode(tmp_path: Path) -> None:
+    """Layers of the image builder (--run uppers, --from-dir) keep the standard library's and
+    installed packages' __pycache__; bytecode of a workspace or tests (which sandboxes may hide)
+    and pytest's rewritten modules are dropped."""
+    store = ImageStore(tmp_path / "images")
+    up = _bytecode_tree(tmp_path / "upper")
+    want = sorted(KEPT_BYTECODE + ["work/repo/tests/test_hidden.py"])
+    digest = layer_from_upper(store, up, source="upper:test")
+    assert _layer_files(store, digest, tmp_path / "out1") == want
+    src = _bytecode_tree(tmp_path / "dir")
+    image = build_from_directory(store, src, "t/dir:1")
+    assert _layer_files(store, image.layers[0], tmp_path / "out2") == want
+    assert (src / "work/repo/tests/__pycache__").is_dir()  # the source is never changed
+    # An untrusted tree (uploads) drops every __pycache__.
+    assert sorted(dropped_bytecode(src, keep_library=False)) == sorted(
+        str(p.relative_to(src)) for p in src.rglob("__pycache__"))
 
 
 def test_layer_from_upper_refuses_redirect_dirs(tmp_path: Path) -> None:

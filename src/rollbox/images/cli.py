@@ -121,6 +121,43 @@ def import_cmd(tarball: Path = typer.Argument(..., help="docker save or OCI arch
     out.print(f"{image.name} {' '.join(image.layers)}")
 
 
+@app.command("upload")
+def upload_cmd(
+    name: str = typer.Argument(..., help="Image name with a path, e.g. myproject/task:1"),
+    path: Path = typer.Argument(..., help="Directory (its contents) or tar file (gz/bz2/xz)"),
+    base: Optional[str] = typer.Option(None, "--base", help="Stack the layer on this image"),  # noqa: UP007
+    url: Optional[str] = typer.Option(None, "--url", envvar="ROLLBOX_URL",  # noqa: UP007
+                                      help="API (default: this node's rollbox serve)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="ROLLBOX_API_KEY",  # noqa: UP007
+                                          help="API key (default: this node's admin key)"),
+) -> None:
+    """Upload a task image into your project through the API: the server builds the layer
+    from the streamed tree (a filesystem image made by the client is never mounted)."""
+    from rich.progress import BarColumn, DownloadColumn, TransferSpeedColumn
+
+    import rollbox
+    from rollbox.config import Settings
+
+    key = api_key
+    if key is None:
+        try:
+            key = Settings().admin_key_path.read_text().strip()
+        except OSError:
+            console.print("[red]error[/red]: no --api-key, no ROLLBOX_API_KEY and no admin "
+                          "key on this node")
+            raise typer.Exit(code=2) from None
+    with Progress(TextColumn("[bold]upload"), BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("upload", total=None)
+
+        def progress(sent: int, total: int | None) -> None:
+            bar.update(task, completed=sent, total=max(total or 0, sent) or None)
+
+        with rollbox.Client(url, key) as client:
+            info = _run(lambda: client.images.upload(name, path, base=base, progress=progress))
+    out.print(f"{info.name} {' '.join(info.layers)} ({info.size / 2**20:.1f} MiB)")
+
+
 @app.command("ls")
 def ls_cmd() -> None:
     """List named images."""
