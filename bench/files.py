@@ -2,8 +2,8 @@
 
 N concurrent sandboxes each write one file of SIZE through ``sb.files.write`` (an async
 iterator of 1 MiB chunks) and read it back through ``sb.files.read_stream``; the server is
-``rollbox serve`` in its own process (its own data dir, cgroup parent and node id under a
-scratch dir; the node's images), and its RSS is sampled every 50 ms. Target (issue 11): peak
+``rollbox serve`` in its own process (its own data dir, cgroup parent, node id and uid range
+under a scratch dir; the node's images), and its RSS is sampled every 50 ms. Target (issue 11): peak
 RSS <= 300 MiB with four concurrent 1 GB transfers. The last line of ``--json`` is one JSON
 object.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
+import shutil
 import sys
 import tempfile
 import time
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rollbox.config import Settings
-from rollbox.embedded import _free_port, admin_key_path, wait_healthy
+from rollbox.embedded import ServerProcess
 
 IMAGE = "busybox:test"
 
@@ -89,34 +89,22 @@ async def run(url: str, key: str, pid: int, n: int, size: int) -> dict[str, Any]
 
 def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
     n, size = (4, 200 << 20) if quick else (4, 1 << 30)
-    node = Settings()
     root = Path(tempfile.mkdtemp(prefix="rollbox-bench-files-"))
-    root.chmod(0o711)
-    env = {**os.environ, "ROLLBOX_DATA": str(root / "data"), "ROLLBOX_RUN": str(root / "run"),
-           "ROLLBOX_RUN_TMPFS": "0", "ROLLBOX_NODE": f"bf{os.getpid()}",
-           "ROLLBOX_CGROUP": f"rollbox-bench-files-{os.getpid()}",
-           "ROLLBOX_IMAGES": str(node.images_dir)}
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = root / "serve.log"
-    say(f"rollbox serve on {url} (scratch {root}); {n} x {size >> 20} MiB write + read")
-    with open(log, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "rollbox.cli", "serve", "--port",
-                                 str(port)], env=env, stdout=subprocess.DEVNULL, stderr=err)
+    root.chmod(0o711)  # runc resolves the rootfs as the sandbox's unprivileged host uid
+    node = Settings.scratch(root)  # the node's images, used read-only
+    # Its own cgroup parent, node id and uid range: a node's own server may run meanwhile.
+    node.cgroup_parent, node.node_id = "rollbox-bench-files", f"bf{os.getpid()}"
+    node.uid_base += (node.uid_slots + 32) * 65536
+    node.uid_slots = 16
+    say(f"rollbox serve (scratch {root}); {n} x {size >> 20} MiB write + read")
+    srv = ServerProcess(node)
     try:
-        wait_healthy(url, proc, log)
-        settings = Settings()
-        settings.data_dir = root / "data"
-        key = admin_key_path(settings).read_text().strip()
-        res = asyncio.run(run(url, key, proc.pid, n, size))
+        srv.start()
+        assert srv.proc is not None
+        res = asyncio.run(run(srv.url, srv.key, srv.proc.pid, n, size))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        subprocess.run(["rm", "-rf", str(root)], check=False)
+        srv.stop()
+        shutil.rmtree(root, ignore_errors=True)
     say(f"server RSS {res['server_rss_base_mib']} -> peak {res['server_rss_peak_mib']} MiB "
         f"(target <= 300); write {res['write_mib_s']} MiB/s, read {res['read_mib_s']} MiB/s")
     if json_out:
