@@ -230,3 +230,25 @@ async def test_snapshot_counts_against_layer_storage(edge, names: list[str]) -> 
     res = await edge.snapshot(sb.id, SnapshotSpec(name=new_name(names)), "proj")
     assert edge.storage.usage("proj").used_bytes >= res.size
     await edge.delete(sb.id)
+
+
+async def test_project_layer_quota_overrides_the_node_default(api: Api, names: list[str],
+                                                              tmp_path: Path) -> None:
+    from rollbox.iam.quotas import SQLiteQuotas
+    from rollbox.models import Quota
+
+    edge = api.edge
+    quotas = SQLiteQuotas(tmp_path / "quotas.db")
+    quotas.set("other", Quota(layer_mib=1))
+    edge.quotas = quotas
+    try:
+        src = tree(tmp_path / "src", size=2 << 20)
+        with pytest.raises(errors.QuotaExceeded) as over:
+            await api.other.images.upload(new_name(names, "q"), src)
+        assert over.value.details["limit_bytes"] == 1 << 20
+        assert (await api.other.images.usage()).limit_bytes == 1 << 20
+        await api.proj.images.upload(new_name(names, "q"), src)  # no quota: the node default
+        assert (await api.proj.images.usage()).limit_bytes == edge.settings.project_layer_mib << 20
+    finally:
+        edge.quotas = None
+        quotas.close()

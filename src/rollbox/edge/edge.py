@@ -102,7 +102,7 @@ class Edge:
         self.admission = Admission(self.limits, self._host_mem_mib, os.cpu_count() or 1,
                                    HostMemory(settings.cgroup_parent), self.node_id)
         self.layer_mounts = LayerMounts(self.store)
-        self.storage = LayerStorage(self.store, settings)
+        self.storage = LayerStorage(self.store, settings, self._layer_quota_mib)
         self.slots = UidSlots(settings.uid_base, settings.uid_slots)
         self.backend = ContainerBackend(settings, self.layer_mounts, self.slots)
         self.journal = Journal(settings.data_dir / f"edge-{self.node_id}.db")
@@ -1067,6 +1067,10 @@ class Edge:
         return result
 
     # ---- images of a project (uploads, layer storage; rollbox.edge.storage) --------------
+    def _layer_quota_mib(self, project: str) -> int | None:
+        """The project's ``layer_mib`` quota (None: the node's ``project_layer_mib``)."""
+        return self.quotas.get(project).layer_mib if self.quotas is not None else None
+
     async def image_upload(self, name: str, chunks: AsyncIterator[bytes], owner: str,
                            base: str | None = None) -> ImageInfo:
         """Image ``name`` of project ``owner``: ``base``'s layers (one the project may use) +
