@@ -78,9 +78,12 @@ async def test_sdk_write_forms_read_stream_and_download(client: rollbox.AsyncCli
             await sb.files.write("/tmp/text-file", open(local, "r"))  # noqa: SIM115
 
 
+@pytest.mark.parametrize("tier", ["disk", "memory"])
 async def test_host_write_above_disk_cap_is_typed_and_clean(client: rollbox.AsyncClient,
-                                                            tmp_path: Path) -> None:
-    async with await client.create(BB, disk_mib=16) as sb:
+                                                            tmp_path: Path, tier: str) -> None:
+    """Host-side writes count against the sandbox's disk cap on both tiers (a btrfs qgroup:
+    EDQUOT; the memory tier's tmpfs size=: ENOSPC)."""
+    async with await client.create(BB, disk_mib=16, disk_tier=tier) as sb:
         await sb.files.write("/tmp/keep", "kept")
         with pytest.raises(errors.BadRequest) as full:
             await sb.files.write("/tmp/keep", b"\0" * (24 << 20))
@@ -103,11 +106,13 @@ def _big_dir(d: Path) -> Path:
     return d
 
 
-async def test_grade_files_above_grader_disk_cap_fail_typed(edge) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("tier", ["disk", "memory"])
+async def test_grade_files_above_grader_disk_cap_fail_typed(edge, tier: str) -> None:  # noqa: ANN001
     from rollbox.backends.container.files import DiskFull
     from rollbox.models import GradeSpec, Resources, SandboxSpec
 
-    info = await edge.create(SandboxSpec(image=BB, resources=Resources(disk_mib=64)), "proj")
+    info = await edge.create(SandboxSpec(image=BB, resources=Resources(disk_mib=64),
+                                         disk_tier=tier), "proj")
     await edge.file_write(info.id, "/work/out.bin", b"\0" * (20 << 20), 0o644)
     before = set(edge.live)
     with pytest.raises(DiskFull) as ei:
