@@ -30,6 +30,11 @@ for target in ("/sys/devices/system/cpu/online", "/proc/cpuinfo"):
         out["write_" + target] = "ok"
     except OSError as exc:
         out["write_" + target] = exc.errno
+try:
+    os.mkdir("/sys/x")
+    out["mkdir_sys"] = 0
+except OSError as exc:
+    out["mkdir_sys"] = exc.errno
 print(json.dumps(out))
 '''
 HOST_CPUS = sorted(os.sched_getaffinity(0))
@@ -56,6 +61,7 @@ async def test_sandbox_sees_ceil_cpus(edge, cpus: float) -> None:  # noqa: ANN00
     # read-only: EROFS (30) from the bind, or EACCES (13) as the files are host root's 0444
     assert r["write_/sys/devices/system/cpu/online"] in (13, 30), r
     assert r["write_/proc/cpuinfo"] in (13, 30), r
+    assert r["mkdir_sys"] == 30, r  # the /sys tmpfs itself is read-only after the binds
 
 
 @needs_python

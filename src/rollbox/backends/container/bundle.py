@@ -14,7 +14,7 @@ import resource
 from collections.abc import Sequence
 from typing import Any
 
-from rollbox.backends.container.cpuview import CpuView
+from rollbox.backends.container.cpuview import CPU_SYS_FILES, CpuView
 from rollbox.errors import BadRequest
 from rollbox.isolation import seccomp
 from rollbox.isolation.userns import RANGE
@@ -57,6 +57,14 @@ ALL_CAPABILITIES = CAPABILITIES + [
 # Agent environment (read once by the agent, never passed on to commands): colon-separated
 # absolute paths its commands get no Landlock access to; unset = Landlock off.
 LANDLOCK_ENV = "ROLLBOX_LANDLOCK_DENY"
+
+
+def _cpu_view_mounts(view: CpuView) -> list[dict[str, Any]]:
+    ro = ["bind", "ro", "nosuid", "noexec", "nodev"]
+    return [{"destination": "/proc/cpuinfo", "type": "bind", "source": str(view.cpuinfo),
+             "options": ro}] + [
+        {"destination": f"/sys/devices/system/cpu/{name}", "type": "bind",
+         "source": str(view.cpulist), "options": ro} for name in CPU_SYS_FILES]
 
 
 def normalize_hidden(paths: Sequence[str]) -> list[str]:
@@ -139,14 +147,12 @@ def oci_config(
             {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
              "options": ["nosuid", "noexec", "nodev"]},
             # No host /sys (sysfs would need a netns owned by the sandbox's user namespace,
-            # and runc's fallback is a bind of the host's /sys): the platform's generated CPU
-            # files, read-only, or an empty read-only tmpfs.
-            {"destination": "/sys", "type": "bind", "source": str(cpu_view.sys),
-             "options": ["bind", "ro", "nosuid", "noexec", "nodev"]} if cpu_view else
+            # and runc's fallback is a bind of the host's /sys): a small tmpfs holding only
+            # the platform's generated CPU files (bound read-only below; the tmpfs itself is
+            # made read-only after them, readonlyPaths), or an empty read-only tmpfs.
             {"destination": "/sys", "type": "tmpfs", "source": "sysfs-empty",
-             "options": ["nosuid", "noexec", "nodev", "ro", "size=4k"]},
-        ] + ([{"destination": "/proc/cpuinfo", "type": "bind", "source": str(cpu_view.cpuinfo),
-               "options": ["bind", "ro", "nosuid", "noexec", "nodev"]}] if cpu_view else []),
+             "options": ["nosuid", "noexec", "nodev", "size=4k"] + ([] if cpu_view else ["ro"])},
+        ] + (_cpu_view_mounts(cpu_view) if cpu_view else []),
         "linux": {
             "uidMappings": [{"containerID": 0, "hostID": host_uid, "size": RANGE}],
             "gidMappings": [{"containerID": 0, "hostID": host_uid, "size": RANGE}],
@@ -161,7 +167,7 @@ def oci_config(
             },
             "rootfsPropagation": "private",
             "maskedPaths": MASKED_PATHS + hidden if hardened else [],
-            "readonlyPaths": READONLY_PATHS if hardened else [],
+            "readonlyPaths": (READONLY_PATHS if hardened else []) + (["/sys"] if cpu_view else []),
         },
     }
     if hardened:

@@ -5,10 +5,10 @@ with it. Each sandbox gets a cpuset of ceil(cpus) host CPUs (runc's ``linux.reso
 ``nproc``, ``os.sched_getaffinity``), spread round-robin over the CPUs the edge may use so
 sandboxes do not pile onto CPU 0, and read-only generated files for ``/proc/cpuinfo`` (only
 those CPUs' blocks) and ``/sys/devices/system/cpu/{online,possible,present}`` (glibc's
-``sysconf(_SC_NPROCESSORS_ONLN/CONF)``, hence ``os.cpu_count()``). The files are made by the
-platform in the sandbox's own directory (``<sandbox dir>/cpu``, beside, not in, its tree) per
-sandbox, bound read-only into it; ``/sys`` itself is that directory's ``sys`` tree (the sandbox
-never sees the host's sysfs).
+``sysconf(_SC_NPROCESSORS_ONLN/CONF)``, hence ``os.cpu_count()``). The two files (``cpuinfo``,
+``cpulist``) are made by the platform in the sandbox's own directory (beside, not in, its tree)
+and bound read-only into it; ``/sys`` is a small tmpfs holding only those binds, read-only
+after them (the sandbox never sees the host's sysfs).
 
 Must not touch: cgroups (runc sets the cpuset), the sandbox's tree.
 """
@@ -51,7 +51,7 @@ def cpuinfo_for(host_cpuinfo: str, cpus: list[int]) -> str:
 @dataclass(frozen=True)
 class CpuView:
     cpus: list[int]  # host CPU ids of the sandbox's cpuset
-    root: Path  # <sandbox dir>/cpu: cpuinfo and sys/devices/system/cpu/*
+    root: Path  # the sandbox's own dir: cpuinfo and cpulist files beside its tree
 
     @property
     def cpuset(self) -> str:
@@ -62,8 +62,9 @@ class CpuView:
         return self.root / "cpuinfo"
 
     @property
-    def sys(self) -> Path:
-        return self.root / "sys"
+    def cpulist(self) -> Path:
+        """Bound at /sys/devices/system/cpu/{online,possible,present}."""
+        return self.root / "cpulist"
 
 
 class CpuViews:
@@ -73,6 +74,7 @@ class CpuViews:
         self.host_cpus = sorted(os.sched_getaffinity(0))
         self.host_cpuinfo = Path("/proc/cpuinfo").read_text()
         self._next = itertools.count()
+        self._texts: dict[tuple[int, ...], tuple[bytes, bytes]] = {}  # cpuinfo, cpu list
 
     def pick(self, cpus: float) -> list[int]:
         n = min(len(self.host_cpus), max(1, math.ceil(cpus - 1e-9)))
@@ -80,15 +82,19 @@ class CpuViews:
         return sorted(self.host_cpus[(start + i) % len(self.host_cpus)] for i in range(n))
 
     def write(self, sandbox_dir: Path, cpus: list[int]) -> CpuView:
-        """The view's files under the sandbox's own (platform-owned) dir, removed with it."""
-        view = CpuView(cpus=cpus, root=sandbox_dir / "cpu")
-        cpu_dir = view.sys / "devices/system/cpu"
-        cpu_dir.mkdir(parents=True, mode=0o755)
-        for d in (view.root, view.sys, view.sys / "devices", cpu_dir.parent, cpu_dir):
-            os.chmod(d, 0o755)  # runc binds them as the sandbox's uid: search rights needed
-        files = {view.cpuinfo: cpuinfo_for(self.host_cpuinfo, cpus)}
-        files.update({cpu_dir / name: view.cpuset + "\n" for name in CPU_SYS_FILES})
-        for path, text in files.items():
-            path.write_text(text)
-            os.chmod(path, 0o444)
+        """The view's two files in the sandbox's own (platform-owned) dir, removed with it.
+        Plain os calls on precomputed bytes: this runs in every create."""
+        key = tuple(cpus)
+        texts = self._texts.get(key)
+        if texts is None:
+            texts = self._texts[key] = (cpuinfo_for(self.host_cpuinfo, cpus).encode(),
+                                        (cpu_list(cpus) + "\n").encode())
+        view = CpuView(cpus=cpus, root=sandbox_dir)
+        for path, data in ((view.cpuinfo, texts[0]), (view.cpulist, texts[1])):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o444)
+            try:
+                os.write(fd, data)
+                os.fchmod(fd, 0o444)  # whatever the umask: read inside the sandbox
+            finally:
+                os.close(fd)
         return view
