@@ -298,3 +298,25 @@ async def test_round_trip_overhead(env: Env) -> None:
           f"({execute / native:.2f}x)")
     # A session command skips the process start: it must not cost more than a few execs.
     assert session < 5 * native
+
+
+async def test_session_state_carried_between_commands(env: Env) -> None:
+    # Each command is its own exec of the platform shell; the state goes along.
+    rt = env.runtime()
+    await rt.create_session(CreateBashSessionRequest())
+    await rt.run_in_session(BashAction(command=(
+        "alias hi='echo alias-hi'; unset HOME; set -o pipefail; umask 027; arr=(a 'b c');"
+        " declare -A m=([k]=v); readonly RO=1; mkdir -p /tmp/d && cd /tmp/d")))
+    obs = await rt.run_in_session(BashAction(command=(
+        "hi; echo ${HOME-unset} ${arr[1]} ${m[k]} $RO; set -o | grep -c 'pipefail.*on'; umask;"
+        " pwd; echo $0")))
+    assert obs.output == "alias-hi\nunset b c v 1\n1\n0027\n/tmp/d\nbash\n", obs.output
+    # a fatal error of the shell (set -u) ends that command, not the session
+    obs = await rt.run_in_session(BashAction(command="set -u; echo $NOPE", check="silent"))
+    assert obs.exit_code != 0 and "NOPE" in obs.output
+    obs = await rt.run_in_session(BashAction(command="echo ${NOPE-still}; set +u"))
+    assert obs.output == "still\n"
+    # `exit`, also from a function, ends the session
+    with pytest.raises(SessionNotInitializedError):
+        await rt.run_in_session(BashAction(command="f() { exit 2; }; f", timeout=10))
+    await rt.close()

@@ -11,7 +11,8 @@ shell's stdin pipe or memory, both of the sandbox's uid, and writes it to the sh
 The session's state is carried from one command to the next by the platform shell: at exit
 (an EXIT trap) it writes its variables (``declare -p``), functions, aliases, ``set``/``shopt``
 options, cwd and umask to its stderr, which carries nothing else (the command's own stderr is
-joined to its stdout, in order, as on a terminal); the next command's shell evals that first.
+joined to its stdout, in order, as on a terminal; what a command writes to the inherited fd
+only changes the session's own state); the next command's shell evals that first.
 The state stays on the host, in this object; no file is left in the sandbox. The script (state,
 framing, command) goes to the shell's stdin, read with ``read -N <byte count>``; what follows on
 that pipe is the command's stdin (``is_interactive_command`` lines for a program it started).
@@ -61,34 +62,37 @@ BOOT = 'LC_ALL=C read -r -N {n} __rbx_src || exit 125; eval "$__rbx_src"'
 PRE = "exec {__rbx_err}>&2 2>/dev/null\n"
 # After the state, before the command. The EXIT trap writes the new state; how the shell ended
 # heads it: "ran", "sig" (interrupted), "error" (`set -e`, `set -u`...), "exit" (the exit
-# builtin: the session ends). An `exit` inside a function runs the trap while the command's
-# redirections still close the channel: no state then, which also means the shell was left.
+# builtin: the session ends). The command's processes inherit the channel's fd (closing it
+# around the command would let bash reuse its number for a saved fd by the time the trap
+# runs): writing to it only changes the session's own state.
+_NAMES = " ".join(f'"${{!{c}@}}"' for c in "_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+# Variables of bash itself, not of the session (read-only, dynamic or per-process).
+_SKIP = ("__rbx_*|BASH*|EUID|PPID|UID|SHELLOPTS|SHLVL|RANDOM|SRANDOM|SECONDS|EPOCH*|LINENO|"
+         "HISTCMD|FUNCNAME|GROUPS|PIPESTATUS|DIRSTACK|COMP_WORDBREAKS|_")
+# No subshell anywhere (a fork per command costs more than the rest): names come from ${!x@}.
 POST = r"""exec 2>&1
 unset __rbx_ran __rbx_sig __rbx_exit __rbx_x
 exit() { __rbx_exit=1; builtin exit "$@"; }
 __rbx_end() {
-  __rbx_opts=$(set +o; shopt -p)
-  [[ $__rbx_x == *x* ]] && __rbx_opts+=$'\nset -x'
-  set +eu +o pipefail
-  mapfile -t __rbx_vs < <(compgen -v)
+  if [[ -n ${__rbx_exit-} ]]; then __rbx_how=exit
+  elif [[ -n ${__rbx_sig-} ]]; then __rbx_how=sig
+  else __rbx_how=${__rbx_ran:-error}; fi
   {
-    if [[ -n ${__rbx_exit-} ]]; then __rbx_how=exit
-    elif [[ -n ${__rbx_sig-} ]]; then __rbx_how=sig
-    else __rbx_how=${__rbx_ran:-error}; fi
-    builtin printf 'rollbox-session-state 1 %s\n' "$__rbx_how"
+    builtin printf 'rollbox-session-state 1 %s\n__rbx_restore() {\n' "$__rbx_how"
+    set +o
+    shopt -p
+    [[ $__rbx_x != *x* ]] || builtin printf 'set -x\n'
+    builtin printf ':\n}\n'
+    set +eu +o pipefail
     __rbx_known=' '
-    for __rbx_v in "${__rbx_vs[@]}"; do
-      case $__rbx_v in
-        __rbx_*|BASH*|EUID|PPID|UID|SHELLOPTS|SHLVL|RANDOM|SRANDOM|SECONDS|EPOCH*|LINENO|\
-HISTCMD|FUNCNAME|GROUPS|PIPESTATUS|DIRSTACK|COMP_WORDBREAKS|_) continue;;
-      esac
+    for __rbx_v in NAMES; do
+      case $__rbx_v in SKIP) continue;; esac
       declare -p "$__rbx_v"
       __rbx_known+="$__rbx_v "
     done
     declare -f
     alias -p
-    builtin printf '__rbx_known=%q\n__rbx_opts=%q\nbuiltin cd -- %q\n' \
-      "$__rbx_known" "$__rbx_opts" "$PWD"
+    builtin printf '__rbx_known=%q\nbuiltin cd -- %q\n' "$__rbx_known" "$PWD"
     umask -p
   } 2>/dev/null >&"$__rbx_err"
   builtin exit "$__rbx_rc"
@@ -96,17 +100,18 @@ HISTCMD|FUNCNAME|GROUPS|PIPESTATUS|DIRSTACK|COMP_WORDBREAKS|_) continue;;
 trap '{ __rbx_rc=$? __rbx_x=${__rbx_x-$-}; set +x; } 2>/dev/null; __rbx_end' EXIT
 trap '__rbx_sig=1; builtin exit 130' INT
 trap '__rbx_sig=1; builtin exit 143' TERM
-if [[ -n ${__rbx_known-} ]]; then
-  mapfile -t __rbx_es < <(compgen -e)
-  for __rbx_v in "${__rbx_es[@]}"; do
-    [[ $__rbx_known == *" $__rbx_v "* ]] || unset "$__rbx_v"
+if [[ -n ${__rbx_known-} ]]; then  # exported variables the session had unset stay unset
+  for __rbx_v in NAMES; do
+    case $__rbx_v in SKIP) continue;; esac
+    [[ ${!__rbx_v@a} != *x* || $__rbx_known == *" $__rbx_v "* ]] || unset "$__rbx_v"
   done
 fi
 shopt -s expand_aliases
-eval "${__rbx_opts-}"
-"""
-# After the command (which runs as `eval $'...' {__rbx_err}>&-`: its processes never hold the
-# state channel).
+if declare -F __rbx_restore >/dev/null; then
+  { __rbx_restore; unset -f __rbx_restore; } 2>/dev/null  # (an xtrace it turns on: silent)
+fi
+""".replace("NAMES", _NAMES).replace("SKIP", _SKIP)
+# After the command (which runs as `eval $'...'`).
 TAIL = "{ __rbx_ran=ran __rbx_rc=$? __rbx_x=$-; set +x; } 2>/dev/null\nbuiltin exit \"$__rbx_rc\"\n"
 
 OnExecStarted = Callable[[str, ExecSpec], None]
@@ -138,7 +143,7 @@ def clean_output(raw: bytes) -> str:
 def session_script(state: bytes, command: str) -> bytes:
     """What a session command's shell evals: the previous state, the framing, the command."""
     return (PRE.encode() + state + POST.encode()
-            + f"eval {ansi_c_quote(command)} {{__rbx_err}}>&-\n{TAIL}".encode())
+            + f"eval {ansi_c_quote(command)}\n{TAIL}".encode())
 
 
 def parse_state(channel: bytes) -> tuple[str, bytes] | None:
