@@ -238,3 +238,30 @@ def test_bare_and_submodule_stores_are_found(tmp_path: Path) -> None:
        "git init -q --bare w/.git/modules/sub")
     found = sorted(git.rel_path(root, p) for p in git.git_dirs(root))
     assert found == ["/srv/x.git", "/w", "/w/.git/modules/sub"]
+
+
+def test_upper_changing_a_lower_repo_is_scrubbed_whole(tmp_path: Path) -> None:
+    """`image build --base X --run "git ..."` over an image whose repository is in a lower
+    layer: the commands' changes (a solution committed on a branch, then reset) are in the
+    upper only; the layer gets the whole repository from the overlay view, scrubbed."""
+    lower, upper, work, merged = (tmp_path / n for n in ("lower", "upper", "work", "merged"))
+    for d in (lower, upper, work, merged):
+        d.mkdir()
+    repo = lower / "repo"
+    repo.mkdir()
+    sh(repo, "git init -q -b main .", f"echo task > f && git add f && {G} commit -qm task")
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                    f"lowerdir={lower},upperdir={upper},workdir={work}", str(merged)], check=True)
+    try:
+        sh(merged / "repo", f"echo the-answer > f && {G} commit -qam solution",
+           "git branch future && git reset -q --hard HEAD~1")
+        answer = sh(merged / "repo", "echo the-answer | git hash-object --stdin")
+        assert not (upper / "repo/.git/HEAD").exists()  # partial: the repo is the lower's
+        store = ImageStore(tmp_path / "images")
+        digest = layer_from_upper(store, upper, source="upper:test", merged=merged)
+    finally:
+        subprocess.run(["umount", str(merged)], check=True)
+    out = extract(store, digest, tmp_path / "out")
+    assert (out / "repo/.git/HEAD").is_file() and not has_object(out / "repo/.git", answer)
+    assert sh(out / "repo", "git log --all --format=%s") == "task"
+    assert store.layer_meta(digest)["git_repos"][0]["path"] == "/repo"

@@ -677,14 +677,17 @@ def _copy_xattrs_from_upper(src: str, dst: str, rel: str) -> None:
 
 def layer_from_upper(store: ImageStore, upper_dir: Path, *, exclude: list[str] | None = None,
                      source: str, id_shift: int = 0,
-                     progress: Progress | None = None, keep_git_history: bool = False) -> str:
+                     progress: Progress | None = None, keep_git_history: bool = False,
+                     merged: Path | None = None) -> str:
     """Turn an overlayfs upper directory into a layer (the sandbox's changes, scrubbed).
 
     Copies the upper (it may belong to a live sandbox) minus caches and ``exclude`` patterns
     (``/abs/glob`` on the path, ``name`` on a basename); whiteouts always survive. Overlay
     private xattrs are dropped except the opaque marker; redirect/metacopy uppers are refused.
     ``id_shift``: host uid/gid of the sandbox's root, mapped back to 0 in the layer. Git
-    repositories made in the sandbox keep only what HEAD reaches unless ``keep_git_history``.
+    repositories made in the sandbox keep only what HEAD reaches unless ``keep_git_history``;
+    with ``merged`` (the stopped sandbox's overlay view), a repository of a lower layer that the
+    commands changed is taken whole from it and scrubbed too (snapshot.complete_repos).
     """
     upper_dir = Path(upper_dir)
     if not upper_dir.is_dir():
@@ -746,6 +749,10 @@ def layer_from_upper(store: ImageStore, upper_dir: Path, *, exclude: list[str] |
         copy_meta(str(upper_dir), str(root), os.lstat(upper_dir), "/")
         for path, st in reversed(dir_meta):
             os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+        if merged is not None and not keep_git_history:
+            from rollbox.images.snapshot import complete_repos  # snapshot imports this module
+
+            complete_repos(merged, root, id_shift=id_shift)
         repos = git.process_tree(root, keep_history=keep_git_history, scratch=staging)
         return store.add_layer_from_dir(root, source=source, progress=progress,
                                         git_repos=[r.to_dict() for r in repos])

@@ -73,7 +73,7 @@ async def build_layer_with_commands(store: ImageStore, base: str, commands: list
         box.fs.write("/etc/resolv.conf", b"# rollbox: no network by default\n", 0o644)
         digest = await asyncio.to_thread(
             layer_from_upper, store, box.rootfs.upper, source=f"commands over {base}",
-            id_shift=box.host_uid, keep_git_history=keep_git_history)
+            id_shift=box.host_uid, keep_git_history=keep_git_history, merged=box.rootfs.merged)
     finally:
         if out:
             out.close()
