@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, FastAPI, Query, Request, Security
+from fastapi import Depends, FastAPI, Query, Request, Security, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
@@ -203,7 +203,7 @@ def _output_line(item: ExecOutput) -> bytes | None:
     return None
 
 
-async def _primed(agen: AsyncIterator[T], wait_s: float) -> AsyncIterator[T]:
+async def primed(agen: AsyncIterator[T], wait_s: float) -> AsyncIterator[T]:
     """Start ``agen`` and wait briefly for its first item so that an early error (unknown exec,
     missing path) becomes a proper HTTP status instead of a truncated 200 stream."""
     first: asyncio.Future[T] = asyncio.ensure_future(agen.__anext__())  # type: ignore[arg-type]
@@ -241,6 +241,12 @@ async def body_chunks(request: Request) -> AsyncIterator[bytes]:
     async for chunk in request.stream():
         if chunk:
             yield chunk
+
+
+async def upload_chunks(upload: UploadFile, size: int = 1 << 20) -> AsyncIterator[bytes]:
+    """A multipart file part (spooled by Starlette) in chunks, for ``file_write_stream``."""
+    while chunk := await upload.read(size):
+        yield chunk
 
 
 class _Api:
@@ -591,7 +597,7 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
         stdout_offset: Annotated[int, Query(ge=0, description="stdout bytes the client has")] = 0,
         stderr_offset: Annotated[int, Query(ge=0, description="stderr bytes the client has")] = 0,
     ) -> Response:
-        stream = await _primed(
+        stream = await primed(
             edge.exec_stream(sandbox_id, exec_id, (stdout_offset, stderr_offset)), 0.2)
         return exec_stream_response(edge, sandbox_id, exec_id, stream)
 
@@ -621,7 +627,7 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
     @app.get("/v1/sandboxes/{sandbox_id}/files", tags=["files"],
              responses={200: {"content": {"application/octet-stream": {}}}})
     async def file_read(sandbox_id: str, path: PathQ, edge: Edge) -> Response:
-        stream = await _primed(edge.file_read_stream(sandbox_id, path, MAX_FILE_STREAM), 10.0)
+        stream = await primed(edge.file_read_stream(sandbox_id, path, MAX_FILE_STREAM), 10.0)
         return StreamingResponse(stream, media_type="application/octet-stream")
 
     @app.put("/v1/sandboxes/{sandbox_id}/files", status_code=204, tags=["files"])
@@ -667,7 +673,7 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
     @app.get("/v1/sandboxes/{sandbox_id}/tar", tags=["files"],
              responses={200: {"content": {"application/x-tar": {}}}})
     async def tar_download(sandbox_id: str, path: PathQ, edge: Edge) -> Response:
-        stream = await _primed(edge.download_tar(sandbox_id, path), 10.0)
+        stream = await primed(edge.download_tar(sandbox_id, path), 10.0)
         return StreamingResponse(stream, media_type="application/x-tar")
 
     # ---- projects (admin) ----

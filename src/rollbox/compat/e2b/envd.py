@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollbox import errors
+from rollbox.api.app import MAX_FILE_STREAM, primed, upload_chunks
 from rollbox.compat.e2b import connectrpc as rpc
 from rollbox.compat.e2b.state import (
     HOME,
@@ -297,10 +298,11 @@ def mount_envd(app: FastAPI, api: Any, state: E2BState) -> None:
     async def files_get(request: Request, path: str = "") -> Response:
         try:
             sid, edge = await route(request)
-            data = await edge.file_read(sid, abs_path(path), MAX_FILE_READ)
+            stream = await primed(edge.file_read_stream(sid, abs_path(path), MAX_FILE_READ),
+                                  10.0)
         except Exception as exc:  # noqa: BLE001
             return http_error(exc)
-        return Response(data, media_type="application/octet-stream")
+        return StreamingResponse(stream, media_type="application/octet-stream")
 
     @app.post(PREFIX + "/files", include_in_schema=False)
     async def files_post(request: Request, path: str = "") -> Response:
@@ -315,7 +317,8 @@ def mount_envd(app: FastAPI, api: Any, state: E2BState) -> None:
                         raise errors.BadRequest("multipart part without a file name")
                     target = path if path and len(parts) == 1 else (part.filename or "")
                     target = abs_path(target)
-                    await edge.file_write(sid, target, await part.read(), 0o644)
+                    await edge.file_write_stream(sid, target, upload_chunks(part), 0o644,
+                                                 MAX_FILE_STREAM)
                     written.append({"name": posixpath.basename(target), "type": "file",
                                     "path": target})
             finally:

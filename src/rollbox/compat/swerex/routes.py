@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from rollbox import errors
+from rollbox.api.app import MAX_FILE_STREAM, upload_chunks
 from rollbox.compat.swerex import wire
 from rollbox.compat.swerex.session import BashSession, SessionGone
 from rollbox.edge.interface import EdgeAPI
@@ -316,8 +317,8 @@ def mount(app: FastAPI, api: Any) -> contextlib.AbstractAsyncContextManager[None
                 if unzip:
                     await edge.upload_tar(sandbox_id, path, _zip_as_tar(file.file))
                 else:
-                    data = await file.read()
-                    await edge.file_write(sandbox_id, path, data, 0o644)
+                    await edge.file_write_stream(sandbox_id, path, upload_chunks(file), 0o644,
+                                                 MAX_FILE_STREAM)
             finally:
                 await form.close()
             return wire.Empty()
