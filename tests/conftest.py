@@ -271,19 +271,35 @@ def no_leaks_after_suite() -> Iterator[None]:
 def run_loop_devices(run: str, settle_s: float = 10.0) -> list[str]:
     """Loop devices still attached to a file below the run's temp dirs (disk pools). An
     unmounted pool's device detaches itself (autoclear) once no mount namespace holds a copy
-    of its mount (a short-lived process that unshared one meanwhile may): wait for that."""
+    of its mount: wait for that. A copy held in another process's mount namespace (one that
+    unshared its namespace while the pool was mounted, e.g. `ip netns exec` of another run:
+    this host's mounts are private, so our unmount does not reach it) is not a leak of this
+    run; the device goes when that process ends."""
     import time
 
     deadline = time.monotonic() + settle_s
     while True:
-        found = []
+        found = {}
         for block in Path("/sys/block").glob("loop*"):
             try:
                 backing = (block / "loop" / "backing_file").read_text()
             except OSError:
                 continue
             if f"/rollbox-test-{run}-" in backing:
-                found.append(f"/dev/{block.name} ({backing.strip()})")
+                found[f"/dev/{block.name}"] = backing.strip()
         if not found or time.monotonic() > deadline:
-            return found
+            break
         time.sleep(0.05)
+    held: set[str] = set()
+    seen = {os.readlink("/proc/self/ns/mnt")}  # ours: its mounts are run_mounts' business
+    for proc in Path("/proc").iterdir() if found else ():
+        try:
+            ns = os.readlink(proc / "ns" / "mnt") if proc.name.isdigit() else None
+            if ns is None or ns in seen:
+                continue
+            seen.add(ns)
+            mounts = (proc / "mountinfo").read_text()
+        except OSError:
+            continue
+        held |= {dev for dev in found if f" {dev} " in mounts}
+    return [f"{dev} ({backing})" for dev, backing in found.items() if dev not in held]

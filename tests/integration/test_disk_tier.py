@@ -160,3 +160,16 @@ async def test_tiers_and_leftovers(edge) -> None:  # noqa: ANN001
     assert disk.id in edge.backend.host_sandbox_ids(edge.node_id)
     assert pool.remove(disk.id) == []
     assert edge.leftovers(disk.id) == []
+
+
+def test_pool_comes_back_after_a_reboot(tmp_node_dir: Path, pool: DiskPool) -> None:
+    sub = pool.create("survivor", 4 * MiB)
+    (sub / "f").write_bytes(b"kept")
+    os.sync()
+    syscalls.umount(pool.mnt)  # what a reboot leaves: the file, nothing mounted
+    after = DiskPool(node_settings(tmp_node_dir))  # the next edge's recovery lists it
+    assert after.ids() == {"survivor"}
+    assert (after.path("survivor") / "f").read_bytes() == b"kept"
+    assert after.cap("survivor") == 4 * MiB  # the limit lives in the filesystem
+    assert after.remove("survivor") == []
+    assert after.release()

@@ -54,9 +54,11 @@ class DiskPool:
         return self._mounted or self.device is not None or self.image.exists()
 
     def ensure(self) -> None:
-        """Mount the pool (making it on first use) unless this object has checked it is."""
-        if self._mounted:
+        """Mount the pool (making it on first use) unless this object has checked it is and it
+        still is (one statfs): another process of the node may have released it meanwhile."""
+        if self._mounted and syscalls.statfs_type(self.mnt) == btrfs.BTRFS_SUPER_MAGIC:
             return
+        self._mounted = False
         with self._locked():
             if not self._mounted:
                 try:
@@ -67,11 +69,7 @@ class DiskPool:
     @contextmanager
     def _root(self) -> Iterator[int]:
         """A dir fd of the pool's root for one operation. No descriptor is kept between
-        operations: it would keep the pool busy for another process's (or edge's) release.
-        If the pool went meanwhile (released by another process of the node), it is mounted
-        again."""
-        if self._mounted and syscalls.statfs_type(self.mnt) != btrfs.BTRFS_SUPER_MAGIC:
-            self._mounted = False
+        operations: it would keep the pool busy for another process's (or edge's) release."""
         self.ensure()
         fd = os.open(self.mnt, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
