@@ -13,7 +13,7 @@ from rollbox.isolation import btrfs
 NAMES = [
     "BTRFS_IOC_SYNC", "BTRFS_IOC_SUBVOL_CREATE", "BTRFS_IOC_SNAP_DESTROY", "BTRFS_IOC_INO_LOOKUP",
     "BTRFS_IOC_SNAP_CREATE_V2", "BTRFS_IOC_SUBVOL_CREATE_V2", "BTRFS_IOC_FS_INFO",
-    "BTRFS_IOC_QUOTA_CTL", "BTRFS_IOC_QGROUP_CREATE", "BTRFS_IOC_QGROUP_LIMIT",
+    "BTRFS_IOC_QUOTA_CTL", "BTRFS_IOC_QGROUP_CREATE",
     "BTRFS_IOC_SNAP_DESTROY_V2", "BTRFS_SUBVOL_QGROUP_INHERIT", "BTRFS_QGROUP_INHERIT_SET_LIMITS",
     "BTRFS_QGROUP_LIMIT_MAX_RFER", "BTRFS_QUOTA_CTL_ENABLE", "BTRFS_SUPER_MAGIC",
     "BTRFS_FIRST_FREE_OBJECTID", "LOOP_CTL_GET_FREE", "LOOP_CONFIGURE", "LO_FLAGS_AUTOCLEAR",
@@ -29,8 +29,8 @@ LAYOUT = {
     "offsetof(struct btrfs_ioctl_vol_args_v2, qgroup_inherit)": 32,
     "offsetof(struct btrfs_ioctl_vol_args, name)": 8,
     "sizeof(struct btrfs_qgroup_inherit)": 72,
+    "sizeof(struct btrfs_qgroup_limit)": 40,
     "offsetof(struct btrfs_qgroup_inherit, lim)": 32,
-    "sizeof(struct btrfs_ioctl_qgroup_limit_args)": btrfs.QGROUP_LIMIT_SIZE,
     "sizeof(struct btrfs_ioctl_qgroup_create_args)": btrfs.QGROUP_CREATE_SIZE,
     "sizeof(struct btrfs_ioctl_quota_ctl_args)": btrfs.QUOTA_CTL_SIZE,
     "sizeof(struct btrfs_ioctl_ino_lookup_args)": btrfs.INO_LOOKUP_SIZE,

@@ -36,7 +36,6 @@ INO_LOOKUP_SIZE = 4096        # struct btrfs_ioctl_ino_lookup_args {u64 treeid, 
 FS_INFO_SIZE = 1024           # struct btrfs_ioctl_fs_info_args
 QUOTA_CTL_SIZE = 16           # struct btrfs_ioctl_quota_ctl_args {u64 cmd, status}
 QGROUP_CREATE_SIZE = 16       # struct btrfs_ioctl_qgroup_create_args {u64 create, qgroupid}
-QGROUP_LIMIT_SIZE = 48        # struct btrfs_ioctl_qgroup_limit_args {u64 qgroupid; limit (5 u64)}
 
 BTRFS_IOC_SYNC = _ioc(0, 8, 0)
 BTRFS_IOC_SUBVOL_CREATE = _ioc(_IOC_WRITE, 14, VOL_ARGS_SIZE)
@@ -47,7 +46,6 @@ BTRFS_IOC_SUBVOL_CREATE_V2 = _ioc(_IOC_WRITE, 24, VOL_ARGS_V2_SIZE)
 BTRFS_IOC_FS_INFO = _ioc(_IOC_READ, 31, FS_INFO_SIZE)
 BTRFS_IOC_QUOTA_CTL = _ioc(_IOC_READ | _IOC_WRITE, 40, QUOTA_CTL_SIZE)
 BTRFS_IOC_QGROUP_CREATE = _ioc(_IOC_WRITE, 42, QGROUP_CREATE_SIZE)
-BTRFS_IOC_QGROUP_LIMIT = _ioc(_IOC_READ, 43, QGROUP_LIMIT_SIZE)
 BTRFS_IOC_SNAP_DESTROY_V2 = _ioc(_IOC_WRITE, 63, VOL_ARGS_V2_SIZE)
 
 BTRFS_SUBVOL_QGROUP_INHERIT = 1 << 2
@@ -142,12 +140,6 @@ def qgroup_destroy(fd: int, qgroupid: int) -> None:
     """Remove qgroup ``qgroupid`` (level 0: ``0/<subvolume id>``); EBUSY while its subvolume
     is not fully dropped yet."""
     fcntl.ioctl(fd, BTRFS_IOC_QGROUP_CREATE, bytearray(struct.pack("<QQ", 0, qgroupid)))
-
-
-def qgroup_limit(fd: int, max_referenced: int, qgroupid: int = 0) -> None:
-    """Set the referenced-bytes limit of ``qgroupid`` (0: the subvolume ``fd`` lies in)."""
-    fcntl.ioctl(fd, BTRFS_IOC_QGROUP_LIMIT, bytearray(struct.pack(
-        "<6Q", qgroupid, BTRFS_QGROUP_LIMIT_MAX_RFER, max_referenced, 0, 0, 0)))
 
 
 def qgroup_dir(fs_uuid: str, subvolid: int) -> Path:

@@ -157,6 +157,7 @@ class DiskPool:
         with self._locked():
             if not self._is_mounted() or self._subvolume_names():
                 return False
+            self._drop_stale_qgroups()
             self._mounted = False
             try:
                 syscalls.umount(self.mnt)  # not detached: busy means in use
@@ -164,6 +165,22 @@ class DiskPool:
                 log.warning("disk pool %s stays mounted: %s", self.mnt, exc)
                 return False
         return True
+
+    def _drop_stale_qgroups(self) -> None:
+        """With no subvolume left, every level-0 qgroup but the top level's is stale. This
+        kernel removes them itself once their tree is dropped; older ones keep them: removed
+        here (EBUSY: not dropped yet, the next release gets it)."""
+        fd = os.open(self.mnt, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            root = Path("/sys/fs/btrfs") / btrfs.fsid(fd) / "qgroups"
+            for qg in root.glob("0_*"):
+                if qg.name != "0_5":
+                    try:
+                        btrfs.qgroup_destroy(fd, int(qg.name[2:]))
+                    except OSError:
+                        pass
+        finally:
+            os.close(fd)
 
     def sync(self) -> None:
         """Commit the pool's transaction: deleted subvolumes get dropped and their qgroups

@@ -4,7 +4,7 @@ Creation order: uid slot -> capped writable layer (verified: a subvolume of the 
 pool, or a tmpfs for the memory tier) -> idmapped layers -> overlayfs ->
 named netns -> agent socket -> OCI bundle -> ``runc run -d`` -> cgroup delegation -> agent
 handshake. Destruction kills by cgroup, then unwinds in reverse and checks that no process,
-mount, cgroup, netns or file of the sandbox remains.
+mount, subvolume, cgroup, netns or file of the sandbox remains.
 """
 from __future__ import annotations
 
