@@ -287,12 +287,18 @@ def run_loop_devices(run: str, settle_s: float = 10.0) -> list[str]:
                 continue
             if f"/rollbox-test-{run}-" in backing:
                 found[f"/dev/{block.name}"] = backing.strip()
-        if not found or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+        held = _held_elsewhere(found)
+        unheld = {dev: b for dev, b in found.items() if dev not in held}
+        if not unheld or time.monotonic() > deadline:
+            return [f"{dev} ({backing})" for dev, backing in unheld.items()]
+        time.sleep(0.1)
+
+
+def _held_elsewhere(devices: dict[str, str]) -> set[str]:
+    """Which of ``devices`` are the source of a mount in another mount namespace."""
     held: set[str] = set()
     seen = {os.readlink("/proc/self/ns/mnt")}  # ours: its mounts are run_mounts' business
-    for proc in Path("/proc").iterdir() if found else ():
+    for proc in Path("/proc").iterdir() if devices else ():
         try:
             ns = os.readlink(proc / "ns" / "mnt") if proc.name.isdigit() else None
             if ns is None or ns in seen:
@@ -301,5 +307,5 @@ def run_loop_devices(run: str, settle_s: float = 10.0) -> list[str]:
             mounts = (proc / "mountinfo").read_text()
         except OSError:
             continue
-        held |= {dev for dev in found if f" {dev} " in mounts}
-    return [f"{dev} ({backing})" for dev, backing in found.items() if dev not in held]
+        held |= {dev for dev in devices if f" {dev} " in mounts}
+    return held
