@@ -7,19 +7,16 @@ sync SDK runs in a worker thread so it never blocks the loop that serves it.
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import pytest_asyncio
 
-from tests.conftest import TEST_RUN, have_image, node_settings
+from tests.conftest import have_image
+from tests.helpers.e2b_node import e2b_node
 
 e2b = pytest.importorskip("e2b")
 
@@ -36,42 +33,8 @@ class Env:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def env() -> AsyncIterator[Env]:
-    from rollbox.api import BackgroundServer, create_app
-    from rollbox.edge.edge import Edge
-    from rollbox.events.store import EventLog
-    from rollbox.iam import KeyStore
-    from rollbox.placement import Placement
-
-    tmp = Path(tempfile.mkdtemp(prefix=f"rollbox-test-{TEST_RUN}-"))
-    tmp.chmod(0o711)
-    settings = node_settings(tmp)
-    events = EventLog(tmp / "events.db")
-    keys = KeyStore(tmp / "keys.db")
-    edge = Edge(settings, events)
-    await edge.start()
-    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY",
-                                            "E2B_DOMAIN")}
-    try:
-        app = create_app(Placement([edge]), events, keys)
-        async with BackgroundServer(app) as srv:
-            key = keys.create("e2b-proj")
-            os.environ["E2B_API_URL"] = f"{srv.url}/e2b"
-            os.environ["E2B_SANDBOX_URL"] = f"{srv.url}/e2b/envd"
-            os.environ["E2B_API_KEY"] = key
-            yield Env(srv.url, key, edge)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        left = list(edge.live)
-        await edge.close(destroy=True)
-        leaks = {sid: edge.leftovers(sid) for sid in left}
-        events.close()
-        keys.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        assert not {k: v for k, v in leaks.items() if v}, leaks
+    async with e2b_node("e2b-proj") as (url, key, edge):
+        yield Env(url, key, edge)
 
 
 async def test_async_commands(env: Env) -> None:

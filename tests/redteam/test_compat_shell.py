@@ -10,12 +10,8 @@ One module-wide server and event loop (the e2b SDK keeps one connection pool per
 """
 from __future__ import annotations
 
-import os
 import secrets
-import shutil
-import tempfile
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +19,8 @@ import pytest_asyncio
 
 from rollbox.errors import NotFound
 from rollbox.models import ExecResult, ExecSpec
-from tests.conftest import TEST_RUN, have_image, node_settings
+from tests.conftest import have_image
+from tests.helpers.e2b_node import e2b_node
 from tests.redteam.conftest import needs_root
 from tests.redteam.test_container_shell import ATTACK, TROJAN, TRUE_CMD
 
@@ -71,46 +68,8 @@ class Env:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def env() -> AsyncIterator[Env]:
-    from rollbox.api import BackgroundServer, create_app
-    from rollbox.edge.edge import Edge
-    from rollbox.events.store import EventLog
-    from rollbox.iam import KeyStore
-    from rollbox.placement import Placement
-
-    tmp = Path(tempfile.mkdtemp(prefix=f"rollbox-test-{TEST_RUN}-"))
-    tmp.chmod(0o711)
-    events = EventLog(tmp / "events.db")
-    keys = KeyStore(tmp / "keys.db")
-    edge = Edge(node_settings(tmp), events)
-    await edge.start()
-    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
-    # The SDK's one transport per process is bound to the event loop that made it: this module
-    # gets its own, and leaves none behind for the next module's loop.
-    from e2b.api.client_async import AsyncTransportWithLogger
-    AsyncTransportWithLogger.singleton = None
-    try:
-        async with BackgroundServer(create_app(Placement([edge]), events, keys)) as srv:
-            key = keys.create("redteam-shell")
-            os.environ["E2B_API_URL"] = f"{srv.url}/e2b"
-            os.environ["E2B_SANDBOX_URL"] = f"{srv.url}/e2b/envd"
-            os.environ["E2B_API_KEY"] = key
-            yield Env(srv.url, key, edge)
-    finally:
-        if AsyncTransportWithLogger.singleton is not None:
-            await AsyncTransportWithLogger.singleton.aclose()
-            AsyncTransportWithLogger.singleton = None
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        left = list(edge.live)
-        await edge.close(destroy=True)
-        leaks = {sid: edge.leftovers(sid) for sid in left}
-        events.close()
-        keys.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        assert not {k: v for k, v in leaks.items() if v}, leaks
+    async with e2b_node("redteam-shell") as (url, key, edge):
+        yield Env(url, key, edge)
 
 
 async def test_a1_e2b_commands_run_ignores_trojan_shells(env: Env) -> None:

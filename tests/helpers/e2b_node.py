@@ -1,0 +1,63 @@
+"""A node for the unmodified ``e2b`` SDK: a real edge, the real api app on a real port, and
+E2B_API_URL / E2B_SANDBOX_URL / E2B_API_KEY pointed at it for the time it is open.
+
+The SDK keeps one transport per process, bound to the event loop that made it: each node
+starts with none and leaves none behind, so modules with their own loops do not share one.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import TEST_RUN, node_settings
+
+E2B_ENV = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN")
+
+
+@contextlib.asynccontextmanager
+async def e2b_node(project: str) -> AsyncIterator[tuple[str, str, Any]]:
+    """Yields (server url, an api key of ``project``, the edge); checks for leaks at the end."""
+    from e2b.api.client_async import AsyncTransportWithLogger
+
+    from rollbox.api import BackgroundServer, create_app
+    from rollbox.edge.edge import Edge
+    from rollbox.events.store import EventLog
+    from rollbox.iam import KeyStore
+    from rollbox.placement import Placement
+
+    tmp = Path(tempfile.mkdtemp(prefix=f"rollbox-test-{TEST_RUN}-"))
+    tmp.chmod(0o711)
+    events = EventLog(tmp / "events.db")
+    keys = KeyStore(tmp / "keys.db")
+    edge = Edge(node_settings(tmp), events)
+    await edge.start()
+    saved = {k: os.environ.get(k) for k in E2B_ENV}
+    AsyncTransportWithLogger.singleton = None
+    try:
+        async with BackgroundServer(create_app(Placement([edge]), events, keys)) as srv:
+            key = keys.create(project)
+            os.environ["E2B_API_URL"] = f"{srv.url}/e2b"
+            os.environ["E2B_SANDBOX_URL"] = f"{srv.url}/e2b/envd"
+            os.environ["E2B_API_KEY"] = key
+            yield srv.url, key, edge
+    finally:
+        if AsyncTransportWithLogger.singleton is not None:
+            await AsyncTransportWithLogger.singleton.aclose()
+            AsyncTransportWithLogger.singleton = None
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        left = list(edge.live)
+        await edge.close(destroy=True)
+        leaks = {sid: edge.leftovers(sid) for sid in left}
+        events.close()
+        keys.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        assert not {k: v for k, v in leaks.items() if v}, leaks
