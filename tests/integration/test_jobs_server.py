@@ -94,12 +94,12 @@ async def test_killed_trainer_leaves_no_sandboxes(server: tuple[str, str]) -> No
         async with rollbox.AsyncClient(url, key) as c:
             deadline = time.monotonic() + 60
             seen: set[str] = set()
-            while len(seen) < 3 and time.monotonic() < deadline:
+            while not seen and time.monotonic() < deadline:
                 assert trainer.poll() is None, trainer.stderr.read() if trainer.stderr else ""
                 seen |= {s.id for s in await c.list(job="killed")}
-                await asyncio.sleep(0.02)
-            assert 3 <= len(seen) < 16, seen  # mid-way through the 16
-            trainer.send_signal(signal.SIGKILL)
+                await asyncio.sleep(0.01)
+            assert seen
+            trainer.send_signal(signal.SIGKILL)  # at the first sandbox: mid-create_many
             trainer.wait()
             # Creates still in flight finish on the server; all of them go with the job.
             deadline = time.monotonic() + 30
@@ -112,8 +112,9 @@ async def test_killed_trainer_leaves_no_sandboxes(server: tuple[str, str]) -> No
                 await asyncio.sleep(0.2)
             assert await c.list() == [], "the killed trainer's sandboxes outlived its lease"
             assert job.state == "expired" and "heartbeats missed" in (job.reason or "")
-            sb = await c.get(sorted(seen)[0])
-            assert sb.info.state == "deleted" and "killed" in (sb.info.dead_reason or "")
+            for sid in seen:
+                info = (await c.get(sid)).info
+                assert info.state == "deleted" and "killed" in (info.dead_reason or ""), info
     finally:
         if trainer.poll() is None:
             trainer.kill()
