@@ -14,6 +14,7 @@ from rollbox.errors import BadRequest
 from rollbox.images.build import (
     OPAQUE_XATTR,
     build_busybox_image,
+    busybox_image_current,
     build_from_directory,
     default_mirror,
     dropped_bytecode,
@@ -255,6 +256,9 @@ def test_busybox_image_is_reproducible(tmp_path: Path) -> None:
     subprocess.run(["fsck.erofs", f"--extract={out}", str(store.layer_path(a.layers[0]))],
                    check=True, capture_output=True)
     assert os.readlink(out / "bin/sh") == "busybox"
+    # every applet is linked: a command string runs under bash, which finds only those
+    assert all(os.readlink(out / "bin" / a) == "busybox" for a in ("chmod", "grep", "mv"))
+    assert busybox_image_current(store) and not busybox_image_current(store, "busybox:none")
     assert "nobody:x:65534" in (out / "etc/passwd").read_text()
     assert {"tmp", "proc", "dev", "sys", "root"} <= set(os.listdir(out))
 

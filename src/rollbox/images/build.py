@@ -599,6 +599,9 @@ class _LayeredRepos:
         return git.process_tree(base, keep_history=False, scratch=self.scratch)
 
 
+BUSYBOX_RECIPE = "busybox-every-applet-1"
+
+
 def build_busybox_image(store: ImageStore, name: str = "busybox:test", *,
                         busybox: Path = Path("/bin/busybox")) -> Image:
     """A tiny static image for fast tests: /bin/busybox plus a /bin symlink for every applet
@@ -628,11 +631,21 @@ def build_busybox_image(store: ImageStore, name: str = "busybox:test", *,
         for p in sorted(root.rglob("*"), reverse=True) + [root]:
             os.chown(p, 0, 0, follow_symlinks=False)
             os.utime(p, (mtime, mtime), follow_symlinks=False)
-        config = {"env": {"PATH": "/bin", "HOME": "/root"}, "cwd": "/", "user": "root"}
+        config = {"env": {"PATH": "/bin", "HOME": "/root"}, "cwd": "/", "user": "root",
+                  "recipe": BUSYBOX_RECIPE}
         digest = store.add_layer_from_dir(root, source=f"busybox:{busybox}")
         return store.tag(name, [digest], config)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def busybox_image_current(store: ImageStore, name: str = "busybox:test") -> bool:
+    """Whether ``name`` exists and was built by this recipe (an older one linked 20 applets,
+    which a command string, run by the platform's bash, does not find beyond)."""
+    try:
+        return store.resolve(name).config.get("recipe") == BUSYBOX_RECIPE
+    except Exception:  # noqa: BLE001 - missing or unreadable: (re)build it
+        return False
 
 
 # ---- overlay upper -> layer ----------------------------------------------------------------

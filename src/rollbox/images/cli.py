@@ -204,7 +204,7 @@ def ensure_defaults_cmd(
 ) -> None:
     """Build debian:bookworm and busybox:test if missing, then the python image if known."""
     store = _store()
-    if not store.exists("busybox:test"):
+    if not builders.busybox_image_current(store):
         with _progress("build busybox:test"):
             _run(lambda: builders.build_busybox_image(store))
     else:
