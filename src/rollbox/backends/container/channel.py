@@ -399,7 +399,7 @@ class AgentChannel:
                 return
 
     def _dispatch(self, data: bytes) -> None:
-        msg_type, _flags, sid, payload = P.unpack(data)
+        msg_type, flags, sid, payload = P.unpack(data)
         if msg_type in _STREAM_KINDS:
             sess = self._sessions.get(sid)
             if sess is not None and not sess._replaying:  # else: covered by the replay
@@ -435,7 +435,7 @@ class AgentChannel:
                 if sess._held_exit is not None:
                     del self._sessions[sid]
                     sess._push(("exited", sess._held_exit))
-                elif _flags & 1:
+                elif flags & 1:  # no such session
                     del self._sessions[sid]
                     sess._fail(SandboxDead(f"agent has no session {sid}"))
         elif msg_type == P.STDIN_ACK:
