@@ -13,7 +13,8 @@
  * (pipes are not read while the edge socket is congested), so the agent never buffers
  * unboundedly. A session (exit status + the last tail_limit bytes per stream) stays until the
  * edge COLLECTs it, so a restarted edge can rebuild it; uncollected exited sessions are
- * bounded (RETAINED_EXITED_MAX, RETAINED_BYTES_MAX), running ones by MAX_SESSIONS.
+ * bounded (RETAINED_EXITED_MAX, RETAINED_BYTES_MAX), running ones by MAX_SESSIONS, and all
+ * rings together by RING_BYTES_MAX (past it a ring stops growing and keeps fewer bytes).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -79,6 +80,7 @@ enum { M_READY = 32, M_STARTED = 33, M_SPAWN_FAILED = 34, M_STDOUT = 35, M_STDER
 #define MAX_SESSIONS 1024
 #define RETAINED_EXITED_MAX 256
 #define RETAINED_BYTES_MAX (16u << 20)
+#define RING_BYTES_MAX (64u << 20)
 #define RING_MIN (4u << 10)
 #define TAIL_SEND_MAX (64u << 10)    /* TAIL_* at exit: the last bytes of the ring, at most */
 #define DRAIN_MS 50                   /* how long pipes are drained after the main process exits */
@@ -135,7 +137,7 @@ static struct watch w_conns[2] = {{W_CONN, NULL}, {W_CONN, NULL}};
 static struct watch *w_conn = &w_conns[0];
 static uint32_t conn_events;
 static struct session *sessions;
-static size_t session_count, exited_count, exited_bytes;
+static size_t session_count, exited_count, exited_bytes, ring_bytes;
 static uint64_t exit_seq;
 static struct qpkt *outq_head, *outq_tail;
 static size_t outq_bytes;
@@ -404,6 +406,7 @@ static void free_session(struct session *s)
     if (s->cgfd >= 0)
         close(s->cgfd);
     free(s->in_buf);
+    ring_bytes -= s->tail[0].cap + s->tail[1].cap;
     free(s->tail[0].buf);
     free(s->tail[1].buf);
     free(s->ctx_cwd);
@@ -449,12 +452,15 @@ static void ring_grow(struct ring *r, size_t limit, size_t want)
         cap *= 2;
     if (cap > limit)
         cap = limit;
+    if (ring_bytes + (cap - r->cap) > RING_BYTES_MAX)
+        return; /* the agent's budget for all rings: this one keeps what it has */
     char *buf = malloc(cap);
     if (!buf)
         return;
     if (r->len)
         ring_copy(r, 0, buf, r->len);
     free(r->buf);
+    ring_bytes += cap - r->cap;
     r->buf = buf;
     r->cap = cap;
     r->start = 0;

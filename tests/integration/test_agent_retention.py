@@ -109,3 +109,33 @@ async def test_uncollected_exits_are_bounded(agent: Agent) -> None:
         assert agent.anon_kib() < 1024  # collected rings went back to the kernel
     finally:
         ch.close()
+
+
+async def test_all_rings_together_are_bounded(agent: Agent) -> None:
+    """Running commands can't grow the agent without bound either: past 64 MiB of rings in
+    all, a ring stops growing (it keeps fewer bytes; the rest counts as truncated)."""
+    ch = await AgentChannel.connect(str(agent.sock_path))
+    try:
+        sessions = [await ch.exec(P.ExecRequest(
+            argv=["sh", "-c", "head -c 16777216 /dev/zero; sleep 30"], env=ENV,
+            tail_limit=16 * MIB)) for _ in range(5)]  # 80 MiB of rings wanted
+        ids = {s.id for s in sessions}
+        deadline = asyncio.get_running_loop().time() + 20
+        while True:
+            entries = [e for e in await ch.sessions() if e.id in ids]
+            if all(e.stdout_total == 16 * MIB for e in entries):
+                break
+            assert asyncio.get_running_loop().time() < deadline, entries
+            await asyncio.sleep(0.05)
+        retained = sum(e.stdout_retained for e in entries)
+        assert 48 * MIB <= retained <= 64 * MIB
+        assert any(e.stdout_retained < e.stdout_total for e in entries)
+        assert agent.anon_kib() < 72 * 1024
+        for s in sessions:
+            await s.kill()
+        for s in sessions:
+            await asyncio.wait_for(s.wait(), 10)
+        assert await ch.sessions() == []  # after the COLLECTs the exits sent
+        assert agent.anon_kib() < 1024
+    finally:
+        ch.close()

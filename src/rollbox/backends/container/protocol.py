@@ -45,7 +45,8 @@ Agent -> edge
   STDOUT(35) / STDERR(36)  output bytes, streamed until ``stream_limit`` bytes per stream
                  (and only while an edge is connected); the rest is counted as dropped.
                  Independently, every session keeps the last ``tail_limit`` bytes of each
-                 stream (its retention ring; never blocks the command) until COLLECT.
+                 stream (its retention ring; never blocks the command) until COLLECT; all
+                 rings together are capped at 64 MiB (a ring past it keeps fewer bytes).
   TAIL_STDOUT(38) / TAIL_STDERR(39)  the last bytes of the ring (at most 64 KiB), sent just
                  before EXITED when bytes were dropped.
   EXITED(37)     ``<iiBxxxQQQQ`` exit_code (-1 if killed by a signal), signal, timed_out,
