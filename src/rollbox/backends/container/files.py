@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import errno
 import lzma
 import os
@@ -866,7 +867,7 @@ class SandboxFS:
                 except _Stopped:
                     pass
 
-        worker = asyncio.ensure_future(asyncio.to_thread(work))
+        worker = asyncio.ensure_future(_own_thread(work))
         try:
             while True:
                 item = await queue.get()
@@ -1030,13 +1031,40 @@ class SandboxFS:
         return await asyncio.to_thread(self.exists, path)
 
 
+async def _own_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` in a thread of its own, not the loop's default executor. For stream workers,
+    which block until this loop feeds or drains them: held in the shared executor, as many of
+    them as it has threads (cpu_count + 4) starve the ``to_thread`` calls of the other ends
+    they wait for (a grade copy's reads) and every other ``to_thread`` user with them."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(exc: BaseException | None, value: T | None) -> None:
+        if not fut.done():  # the awaiting task may have been cancelled meanwhile
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(value)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            value, exc = fn(), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            value, exc = None, e
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, exc, value)
+
+    threading.Thread(target=run, name="rollbox-stream-worker", daemon=True).start()
+    return await fut
+
+
 async def _pulled(chunks: AsyncIterator[bytes], work: Callable[[_ChunkReader], T]) -> T:
     """Run ``work`` in a worker thread on a reader that pulls ``chunks`` one at a time from
     this loop; a failure of the stream itself is raised as it was."""
     stop = threading.Event()
     reader = _ChunkReader(chunks, asyncio.get_running_loop(), stop)
     try:
-        return await asyncio.to_thread(work, reader)
+        return await _own_thread(lambda: work(reader))
     except _Stopped:
         if reader.source_error is not None:
             raise reader.source_error from None
