@@ -82,6 +82,7 @@ TRANSFER_BYTES, QUICK_TRANSFER_BYTES = 10**9, 256 << 20
 PROBE_BYTES = 256 << 20  # the files phase measures here before it tries TRANSFER_BYTES
 UID_SLOTS = 1040  # the node's sandboxes at most at once (1,024 in `many`), below uid 2^31
 MEM_FLOOR_MIB = 2048  # the issue's target: host MemAvailable never below 2 GiB
+GRPO_FLOOR_MIB = MEM_FLOOR_MIB + 512  # a burst stopped (and reported) before the host is short
 GIB = 1 << 30
 
 # The fixed GRPO workload: (name, shell command, text its output must contain). Not in the
@@ -377,17 +378,6 @@ class Server(ServerProcess):
         with contextlib.suppress(OSError):
             self.settings.run_dir.rmdir()  # the backend took its tmpfs down when it stopped
 
-    def writable_layer_fs(self) -> list[str]:
-        """Filesystem types mounted below the run dir other than the layers and the overlay:
-        what the sandboxes' writable layers sit on (tmpfs = host memory)."""
-        from rollbox.images.mounts import read_mountinfo
-
-        run = str(self.settings.run_dir) + "/"
-        return sorted({fstype for mnt, fstype, _src in read_mountinfo()
-                       if mnt.startswith(run) and fstype not in (
-                           "overlay", "erofs", "proc", "sysfs", "cgroup", "cgroup2", "devpts",
-                           "mqueue")})
-
     def log_tail(self, n: int = 1500) -> str:
         try:
             return self.log.read_text(errors="replace")[-n:]
@@ -474,7 +464,7 @@ def episodes_figures(t: Tally, wall: float, platform_cpu: float, machine_cpu: fl
             "first_errors": t.first_errors}
 
 
-async def phase_grpo(server: Server, groups: int) -> dict[str, Any]:
+async def phase_grpo(server: Server, groups: int, watch: HostWatch) -> dict[str, Any]:
     from rollbox.sdk import AsyncClient
 
     n = groups * SAMPLES
@@ -482,11 +472,17 @@ async def phase_grpo(server: Server, groups: int) -> dict[str, Any]:
         if (why := await warm_mirror(client)) is not None:
             return {"skipped": why}
         t = Tally()
-        c0, s0, m0, w0 = time.process_time(), server.cpu_s(), machine_busy_s(), time.monotonic()
-        await grpo_rollbox(client, groups, t)
-        wall = time.monotonic() - w0
-        own = time.process_time() - c0 + server.cpu_s() - s0
-        res = episodes_figures(t, wall, own, machine_busy_s() - m0, n)
+        with watch.arm(GRPO_FLOOR_MIB) as tripped:
+            c0, s0, m0 = time.process_time(), server.cpu_s(), machine_busy_s()
+            w0 = time.monotonic()
+            done, _ = await guarded(grpo_rollbox(client, groups, t), tripped)
+            wall = time.monotonic() - w0
+            own = time.process_time() - c0 + server.cpu_s() - s0
+            machine = machine_busy_s() - m0
+        res = episodes_figures(t, wall, own, machine, n)
+        if not done:
+            res["aborted"] = f"MemAvailable fell below {GRPO_FLOOR_MIB} MiB"
+            res["left_behind_deleted"] = await delete_all(client, {"bench": "rl-grpo"})
     res["n"] = n
     return res
 
@@ -494,6 +490,7 @@ async def phase_grpo(server: Server, groups: int) -> dict[str, Any]:
 # ---- phase 1, the podman peer (in a child subreaper process) -----------------------------------
 
 PR_SET_CHILD_SUBREAPER = 36
+PODMAN_LABEL = "rollbox-bench-rl"  # = the run's id, on every container of the peer
 
 
 async def podman(*args: str, timeout: float = 600) -> tuple[int, str]:
@@ -518,8 +515,9 @@ def podman_limits() -> list[str]:
             *PODMAN_ULIMITS]
 
 
-async def grpo_podman(tag: str, mirror: str, groups: int, t: Tally, tmp: Path) -> None:
-    limits = podman_limits()
+async def grpo_podman(tag: str, mirror: str, groups: int, run: str, t: Tally,
+                      tmp: Path) -> None:
+    limits = [*podman_limits(), "--label", f"{PODMAN_LABEL}={run}"]
 
     async def sample(cid: str) -> None:
         t0 = time.monotonic()
@@ -569,7 +567,7 @@ def podman_peer_main(arg: str) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="rollbox-bench-rl-podman-"))
     w0 = time.monotonic()
     try:
-        asyncio.run(grpo_podman(cfg["tag"], cfg["mirror"], cfg["groups"], t, tmp))
+        asyncio.run(grpo_podman(cfg["tag"], cfg["mirror"], cfg["groups"], cfg["run"], t, tmp))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     wall = time.monotonic() - w0
@@ -588,25 +586,40 @@ def podman_peer_main(arg: str) -> None:
                       "episode_s": t.episode_s, "first_errors": t.first_errors}), flush=True)
 
 
-async def phase_grpo_podman(server: Server, groups: int) -> dict[str, Any]:
+async def phase_grpo_podman(server: Server, groups: int, watch: HostWatch) -> dict[str, Any]:
     if not shutil.which("podman"):
         return {"skipped": "podman not installed"}
     tag = podman_prepare(IMAGE)
     n = groups * SAMPLES
+    run = secrets.token_hex(4)
     s0, m0 = server.cpu_s(), machine_busy_s()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, __file__, "--podman-peer",
-        json.dumps({"tag": tag, "mirror": server.mirror_url, "groups": groups}),
+        json.dumps({"tag": tag, "mirror": server.mirror_url, "groups": groups, "run": run}),
         stdout=asyncio.subprocess.PIPE)
-    out, _ = await proc.communicate()
+    try:
+        with watch.arm(GRPO_FLOOR_MIB) as tripped:
+            done, got = await guarded(proc.communicate(), tripped)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        # whatever a killed or failed peer left (it removes its own containers)
+        code, ids = await podman("ps", "-aq", "--filter", f"label={PODMAN_LABEL}={run}")
+        left = ids.split() if code == 0 else []
+        if left:
+            await podman("rm", "-f", "-t", "0", *left)
+    if not done:
+        return {"aborted": f"MemAvailable fell below {GRPO_FLOOR_MIB} MiB", "left": len(left)}
     mirror_cpu, machine = server.cpu_s() - s0, machine_busy_s() - m0
+    out = got[0]
     if proc.returncode != 0:
-        return {"skipped": f"podman peer failed ({proc.returncode}): {out[-500:]!r}"}
+        return {"error": f"podman peer failed ({proc.returncode}): {out[-500:]!r}"}
     r = json.loads(out.decode().strip().splitlines()[-1])
     t = Tally(episodes=r["episodes"], errors=r["errors"], workload_cpu_s=r["workload_cpu_s"],
               first_errors=r["first_errors"], episode_s=r["episode_s"])
     res = episodes_figures(t, r["wall_s"], r["cpu_s"] + mirror_cpu, machine, n)
-    res.update({"n": n, "image_tag": tag, "mirror_cpu_s": mirror_cpu})
+    res.update({"n": n, "image_tag": tag, "mirror_cpu_s": mirror_cpu, "left": len(left)})
     return res
 
 
@@ -688,7 +701,7 @@ async def phase_write(server: Server, n: int, watch: HostWatch) -> dict[str, Any
                 t0 = time.monotonic()
                 boxes = await client.create_many(n, IMAGE, labels=labels, ttl_s=1800)
                 res["create_s"] = time.monotonic() - t0
-                res["writable_layer_fs"] = server.writable_layer_fs()
+                res["disk_tier"] = boxes[0].info.disk_tier
 
                 async def writer(sb: Any) -> bool:
                     nonlocal written
@@ -836,7 +849,7 @@ async def transfers(server: Server, size: int, watch: HostWatch) -> dict[str, An
         try:
             boxes = await client.create_many(4, IMAGE, labels=labels, ttl_s=1800,
                                              memory_mib=mib + 256, disk_mib=mib)
-            res["writable_layer_fs"] = server.writable_layer_fs()
+            res["disk_tier"] = boxes[0].info.disk_tier
             with watch.arm(floor) as tripped:
                 watch.window()
                 res["server_rss_before_mib"] = rss_mib(server.pid)
@@ -882,7 +895,7 @@ async def phase_files(server: Server, size: int, watch: HostWatch) -> dict[str, 
     res["probe"] = probe
     growth = max(0.0, probe["server_rss_peak_mib"] - probe["server_rss_before_mib"])
     predicted = probe["server_rss_before_mib"] + growth * size / PROBE_BYTES
-    in_memory = "tmpfs" in probe.get("writable_layer_fs", [])
+    in_memory = probe.get("disk_tier") == "memory"
     need = int(MEM_FLOOR_MIB + 1024 + predicted + (4 * size >> 20 if in_memory else 0))
     res["server_rss_peak_mib_predicted"] = predicted
     if (avail := mem_available_mib()) < need:
@@ -928,10 +941,10 @@ async def run(opts: Options, server: Server, watch: HostWatch) -> dict[str, Any]
     podman_store = podman_store if podman_store.exists() else Path("/var/lib")
     if "grpo" in opts.phases:
         await run_phase("grpo", res, watch, [(data, n_eps * 60 * 10**6, f"{n_eps} x 50 MB")],
-                        lambda: phase_grpo(server, groups))
+                        lambda: phase_grpo(server, groups, watch))
         await run_phase("grpo_podman", res, watch,
                         [(podman_store, n_eps * 60 * 10**6 + GIB, f"{n_eps} x 50 MB + image")],
-                        lambda: phase_grpo_podman(server, groups))
+                        lambda: phase_grpo_podman(server, groups, watch))
     if "many" in opts.phases:
         n = QUICK_N_MANY if q else N_MANY
         await run_phase("many", res, watch, [(data, n * (4 << 20), f"{n} sandboxes")],
