@@ -120,6 +120,23 @@ def test_busy_layer_is_not_unmounted_or_collected(store: ImageStore, mounts: Lay
     assert not mounts.is_mounted(digest) and not store.has_layer(digest)
 
 
+def test_layer_is_not_unmounted_while_a_rootfs_is_composed(store: ImageStore,
+                                                            mounts: LayerMounts,
+                                                            tmp_path: Path) -> None:
+    """Between ensure_mounted and the clone nothing marks a layer as used: another process of
+    the node (an idle edge, a test sweep) must not unmount it then."""
+    digest = store.add_layer_from_dir(tree(tmp_path / "s", {"f": "1"}), source="t")
+    other = LayerMounts(store)  # another edge of the node
+    with mounts.in_use():
+        mounts.ensure_mounted(digest)
+        with pytest.raises(InfraError, match="in use"):
+            other.unmount(digest)
+        assert other.unmount_all() == [digest]
+        assert (mounts.ensure_mounted(digest) / "f").read_text() == "1"
+    other.unmount(digest)  # free once the composition is over
+    assert not mounts.is_mounted(digest)
+
+
 # ---- overlay stacking ----------------------------------------------------------------------
 
 def test_overlay_whiteout_and_opaque_dir_hide_lower_files(store: ImageStore, mounts: LayerMounts,

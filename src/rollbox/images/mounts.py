@@ -76,6 +76,21 @@ class LayerMounts:
             finally:
                 os.close(fd)
 
+    @contextmanager
+    def in_use(self) -> Iterator[None]:
+        """Held while a caller mounts layers and clones them (a sandbox's rootfs): until the
+        clones exist nothing marks the layers as used (``users``), so another process of the
+        node (an idle edge, a test run's sweep) could unmount one in between and the clone
+        would fail or see an empty directory. Shared among users; ``unmount`` needs it
+        exclusively and counts a layer busy while anyone holds it."""
+        self.mnt_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.mnt_dir / ".use.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)
+
     def _current(self, digest: str) -> tuple[str, str] | None:
         """(fstype, source) of what is mounted at the digest's mount point, if anything."""
         target = os.path.realpath(self.mount_point(digest))
@@ -205,27 +220,41 @@ class LayerMounts:
         target = self.mount_point(digest)
         self._verified.pop(digest, None)
         with self._locked(digest):
-            users = self.users(digest)
-            if users and self._current(digest) is not None:
-                raise InfraError(f"layer {digest} is in use at {target} by {users[:3]}",
-                                 digest=digest)
-            while self._current(digest) is not None:
-                try:
-                    syscalls.umount(target, syscalls.UMOUNT_NOFOLLOW)
-                except OSError as exc:
-                    if exc.errno == errno.EBUSY:
-                        raise InfraError(f"layer {digest} is in use at {target}",
-                                         digest=digest) from exc
-                    if exc.errno == errno.EINVAL:
-                        break
-                    raise InfraError(f"cannot unmount {target}: {exc}") from exc
+            use_fd = os.open(self.mnt_dir / ".use.lock",
+                             os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
-                target.rmdir()
-            except FileNotFoundError:
-                pass
+                fcntl.flock(use_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(use_fd)
+                raise InfraError(f"layer {digest} may be in use: a rootfs is being composed",
+                                 digest=digest) from None
+            try:
+                self._unmount_locked(digest, target)
+            finally:
+                os.close(use_fd)
+
+    def _unmount_locked(self, digest: str, target: Path) -> None:
+        users = self.users(digest)
+        if users and self._current(digest) is not None:
+            raise InfraError(f"layer {digest} is in use at {target} by {users[:3]}",
+                             digest=digest)
+        while self._current(digest) is not None:
+            try:
+                syscalls.umount(target, syscalls.UMOUNT_NOFOLLOW)
             except OSError as exc:
-                if exc.errno not in (errno.ENOTEMPTY, errno.EBUSY):
-                    raise
+                if exc.errno == errno.EBUSY:
+                    raise InfraError(f"layer {digest} is in use at {target}",
+                                     digest=digest) from exc
+                if exc.errno == errno.EINVAL:
+                    break
+                raise InfraError(f"cannot unmount {target}: {exc}") from exc
+        try:
+            target.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EBUSY):
+                raise
 
     def unmount_all(self) -> list[str]:
         """Unmount every layer mount of this store; returns the digests still busy."""

@@ -209,9 +209,10 @@ class ContainerBackend:
             def prepare() -> str:  # blocking kernel work, off the event loop
                 subvolume = (self.disk.create(sandbox_id, resources.disk_mib << 20)
                              if disk_tier == "disk" else None)
-                mounts = [self.layer_mounts.ensure_mounted(d) for d in layers]
-                rootfs.compose(mounts, self.slots.userns_fd(slot), host_uid,
-                               resources.disk_mib, resources.inodes, subvolume)
+                with self.layer_mounts.in_use():  # no unmount until the clones exist
+                    mounts = [self.layer_mounts.ensure_mounted(d) for d in layers]
+                    rootfs.compose(mounts, self.slots.userns_fd(slot), host_uid,
+                                   resources.disk_mib, resources.inodes, subvolume)
                 if hardened and hidden_paths:
                     _make_hidden_paths(rootfs.merged, host_uid, hidden_paths)
                 return ("host" if network == "host"
