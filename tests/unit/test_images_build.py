@@ -232,6 +232,9 @@ def test_builder_layers_keep_only_library_bytecode(tmp_path: Path) -> None:
     image = build_from_directory(store, src, "t/dir:1")
     assert _layer_files(store, image.layers[0], tmp_path / "out2") == want
     assert (src / "work/repo/tests/__pycache__").is_dir()  # the source is never changed
+    # The layer's entry count leaves the dropped bytecode out too.
+    assert store.layer_meta(image.layers[0])["files"] == len(
+        [p for p in (tmp_path / "out2").rglob("*")])
     # An untrusted tree (uploads) drops every __pycache__.
     assert sorted(dropped_bytecode(src, keep_library=False)) == sorted(
         str(p.relative_to(src)) for p in src.rglob("__pycache__"))

@@ -137,13 +137,18 @@ def _sha256_file(path: Path) -> str:
     return "sha256-" + h.hexdigest()
 
 
-def scan_tree(src: Path) -> tuple[int, int, int]:
-    """(entries, bytes of regular files, newest mtime in whole seconds rounded up)."""
+def scan_tree(src: Path, exclude: Iterable[str] = ()) -> tuple[int, int, int]:
+    """(entries, bytes of regular files, newest mtime in whole seconds rounded up), leaving
+    out the ``exclude`` paths (relative to ``src``) and what is below them."""
     files = 0
     size = 0
     newest = int(math.ceil(os.lstat(src).st_mtime))
+    skip = {os.path.join(src, p) for p in exclude}
     for dirpath, dirnames, filenames in os.walk(src):
+        dirnames[:] = [d for d in dirnames if os.path.join(dirpath, d) not in skip]
         for name in dirnames + filenames:
+            if os.path.join(dirpath, name) in skip:
+                continue
             st = os.lstat(os.path.join(dirpath, name))
             files += 1
             if stat.S_ISREG(st.st_mode):
@@ -238,7 +243,8 @@ class ImageStore:
             raise BadRequest(f"layer source {src} is not a directory")
         if progress:
             progress(f"scanning {src}")
-        files, size, newest = scan_tree(src)
+        exclude = list(exclude)
+        files, size, newest = scan_tree(src, exclude)
         fd, tmp_name = tempfile.mkstemp(dir=self.tmp_dir, prefix=f"layer-{os.getpid()}-",
                                         suffix=".erofs")
         os.close(fd)
