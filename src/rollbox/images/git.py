@@ -156,8 +156,13 @@ def neutralise(gitdir: Path, what: str) -> str | None:
     config_st = os.lstat(config) if config.exists() else os.lstat(gitdir)
     config.write_text(_SANE_CONFIG)
     os.chown(config, config_st.st_uid, config_st.st_gid)
-    head = (gitdir / "HEAD").read_text(errors="replace").strip()
-    m = re.fullmatch(r"ref: (refs/heads/[A-Za-z0-9._/\-]+)", head)
+    with open(gitdir / "HEAD", errors="replace") as f:  # written by a sandbox: bounded read
+        head = f.read(4096).strip()
+    # git's ref-name rules, enough of them that the name stays inside refs/heads
+    m = re.fullmatch(r"ref: (refs/heads/[^\s~^:?*\[\\]+)", head)
+    if m is not None and (".." in m.group(1) or "//" in m.group(1)
+                          or m.group(1).endswith(("/", ".lock"))):
+        m = None
     if m is None and not _OID.fullmatch(head):
         raise BadRequest(f"git repository {what}: HEAD is {head[:80]!r}")
     return m.group(1) if m else None
@@ -169,10 +174,11 @@ def _keep_only_ref(gitdir: Path, keep: str | None, what: str) -> bool:
     packed = gitdir / "packed-refs"
     keep_line = None
     if packed.is_file():
-        for line in packed.read_text(errors="replace").splitlines():
-            parts = line.split()
-            if len(parts) == 2 and parts[1] == keep:
-                keep_line = parts[0]
+        with open(packed, errors="replace") as f:  # any size: read by bounded lines
+            for line in iter(lambda: f.readline(4096), ""):
+                parts = line.split()
+                if len(parts) == 2 and parts[1] == keep:
+                    keep_line = parts[0]
         packed.unlink()
     refs = gitdir / "refs"
     for dirpath, _dirs, files in os.walk(refs, topdown=False):
@@ -235,7 +241,8 @@ def count_unreachable(gitdir: Path, what: str, scratch: Path) -> RepoFacts:
     caller's ``scratch`` directory (the repository itself is not changed)."""
     check_plain_tree(gitdir, what)
     tmp = Path(tempfile.mkdtemp(dir=scratch, prefix="git-count-")) / "repo"
-    shutil.copytree(gitdir, tmp, symlinks=True, ignore=shutil.ignore_patterns("modules"))
+    shutil.copytree(gitdir, tmp, symlinks=True,  # submodule stores are counted on their own
+                    ignore=lambda d, names: ["modules"] if d == str(gitdir) else [])
     try:
         neutralise(tmp, what)
         every = _all_objects(tmp, what)
