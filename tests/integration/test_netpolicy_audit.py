@@ -96,7 +96,7 @@ async def test_refusals_are_counted_shown_and_logged(edge, testhost: HostServer,
     while not await _events(edge, sid) and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
     events = await _events(edge, sid)
-    assert events and all(set(e) == {"total", "new"} for e in events), events
+    assert events and all(set(e) == {"total", "new", "names"} for e in events), events
     assert sum(e["new"]["connect_denied"] for e in events) <= 3
     await edge.delete(sid)  # flushes what the last sweep did not log
     events = await _events(edge, sid)
@@ -104,6 +104,7 @@ async def test_refusals_are_counted_shown_and_logged(edge, testhost: HostServer,
     assert (last["dns_refused"], last["connect_denied"], last["sendmsg_denied"]) == (1, 3, 1)
     for key in last:
         assert sum(e["new"][key] for e in events) == last[key], events
+    assert [n for e in events for n in e["names"]] == ["exfil.example"], events
 
 
 async def test_allowed_traffic_counts_nothing(edge, testhost: HostServer,  # noqa: F811

@@ -593,8 +593,7 @@ class Edge:
         net = live.box.network
         news = net.audit_news() if net is not None else None
         if news is not None:
-            self.event_log.append(live.info.id, "net.denied",
-                                  data=json.dumps({"total": news[0], "new": news[1]}))
+            self.event_log.append(live.info.id, "net.denied", data=json.dumps(news))
 
     def _destroy_soon(self, sandbox_id: str, reason: str) -> None:
         """Start deleting a live sandbox (TTL, job lease) with ``reason`` in its event log."""

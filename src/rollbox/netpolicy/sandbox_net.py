@@ -100,13 +100,18 @@ class SandboxNetwork:
         return {"dns_refused": 0, "connect_denied": 0, "sendmsg_denied": 0,
                 "packets_dropped": 0}
 
-    def audit_news(self) -> tuple[dict[str, int], dict[str, int]] | None:
-        """(totals, increase since the last call) if anything was refused since then."""
+    def audit_news(self) -> dict[str, object] | None:
+        """{"total", "new" (increase since the last call), "names" (the names refused since
+        then, up to the gate's last 64)} if anything was refused since the last call."""
         now = self.audit()
         before = self._audit_logged or self._zero_audit()
         delta = {k: max(0, v - before.get(k, 0)) for k, v in now.items()}
         self._audit_logged = now
-        return (now, delta) if any(delta.values()) else None
+        if not any(delta.values()):
+            return None
+        names = self.gate.refused[-delta["dns_refused"]:] if (
+            self.gate is not None and delta["dns_refused"]) else []
+        return {"total": now, "new": delta, "names": names}
 
     @property
     def env(self) -> dict[str, str]:
