@@ -296,8 +296,9 @@ async def test_round_trip_overhead(env: Env) -> None:
     print(f"\n{IMAGE}: median of {n}: sdk exec {native:.2f} ms, swe-rex run_in_session "
           f"{session:.2f} ms ({session / native:.2f}x), swe-rex execute {execute:.2f} ms "
           f"({execute / native:.2f}x)")
-    # A session command skips the process start: it must not cost more than a few execs.
-    assert session < 5 * native
+    # A session command is an exec of the platform shell plus the host's syntax check (run
+    # while the exec starts) and the state carried in and out: a few milliseconds over one.
+    assert session < 3 * native + 10
 
 
 async def test_session_state_carried_between_commands(env: Env) -> None:

@@ -286,10 +286,17 @@ class BashSession:
     async def run(self, action: wire.BashAction) -> wire.BashObservation:
         if action.is_interactive_command or action.is_interactive_quit:
             return await self._run_interactive(action)
-        await check_syntax(action.command)
+        # the host's `bash -n` runs while the exec starts; the script goes in only if it passes
+        syntax = asyncio.ensure_future(check_syntax(action.command))
         interrupts = self._interrupts
         async with self._lock:
-            cmd = await self._start(action.command)
+            try:
+                cmd = await self._start(action.command, syntax)
+            finally:
+                if not syntax.done():  # _start failed before waiting for it
+                    syntax.cancel()
+                    with contextlib.suppress(BaseException):
+                        await syntax
             expect = [e.encode() for e in action.expect]
 
             def done() -> tuple[str, int | None, str] | None:
@@ -383,7 +390,9 @@ class BashSession:
         self._running = [c for c in self._running if not c.finished]
         return self._running[-1] if self._running else None
 
-    async def _start(self, command: str) -> _Command:
+    async def _start(self, command: str, gate: asyncio.Future[None] | None = None) -> _Command:
+        """A new exec of the platform shell running ``command``; with ``gate``, the command
+        is sent only once that succeeds (else the exec is killed and its error raised)."""
         if self.exited:
             raise SessionGone(self.exit_note)
         script = session_script(self._state, command)
@@ -395,6 +404,14 @@ class BashSession:
         cmd = _Command(exec_id)
         cmd.reader = asyncio.ensure_future(self._read(cmd))
         self._running.append(cmd)
+        if gate is not None:
+            try:
+                await gate
+            except BaseException:
+                self._running.remove(cmd)
+                with contextlib.suppress(errors.RollboxError):
+                    await self.edge.exec_kill(self.sandbox_id, exec_id, signal.SIGKILL)
+                raise
         await self._stdin(cmd, script)
         return cmd
 
