@@ -287,14 +287,14 @@ def run_loop_devices(run: str, settle_s: float = 10.0) -> list[str]:
                 continue
             if f"/rollbox-test-{run}-" in backing:
                 found[f"/dev/{block.name}"] = backing.strip()
-        held = _held_elsewhere(found)
+        held = held_elsewhere(found)
         unheld = {dev: b for dev, b in found.items() if dev not in held}
         if not unheld or time.monotonic() > deadline:
             return [f"{dev} ({backing})" for dev, backing in unheld.items()]
         time.sleep(0.1)
 
 
-def _held_elsewhere(devices: dict[str, str]) -> set[str]:
+def held_elsewhere(devices: dict[str, str]) -> set[str]:
     """Which of ``devices`` are the source of a mount in another mount namespace."""
     held: set[str] = set()
     seen = {os.readlink("/proc/self/ns/mnt")}  # ours: its mounts are run_mounts' business

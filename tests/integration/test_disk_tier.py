@@ -18,7 +18,7 @@ from rollbox.backends.container.files import DiskFull
 from rollbox.errors import BadRequest, InfraError
 from rollbox.isolation import btrfs, cgroups, syscalls
 from rollbox.models import ExecSpec, Resources, SandboxSpec
-from tests.conftest import node_settings
+from tests.conftest import held_elsewhere, node_settings
 
 BB = "busybox:test"
 MiB = 1 << 20
@@ -32,7 +32,12 @@ def pool(tmp_node_dir: Path) -> Iterator[DiskPool]:
     for name in p.ids():
         p.remove(name)
     assert p.release()
-    assert btrfs.loop_devices_of(p.image) == []  # autoclear detached it with the unmount
+    # Autoclear detaches the device with the unmount, unless a process that unshared its
+    # mount namespace meanwhile (another test run's) still holds a copy of the mount.
+    deadline = time.monotonic() + 10
+    while (devs := btrfs.loop_devices_of(p.image)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(devs) <= held_elsewhere(dict.fromkeys(devs, "")), devs
 
 
 async def run(edge, sid: str, cmd: str, timeout_s: float = 60):  # noqa: ANN001, ANN201
