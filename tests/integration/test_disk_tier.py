@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -178,3 +179,32 @@ def test_pool_comes_back_after_a_reboot(tmp_node_dir: Path, pool: DiskPool) -> N
     assert after.cap("survivor") == 4 * MiB  # the limit lives in the filesystem
     assert after.remove("survivor") == []
     assert after.release()
+
+
+def test_pool_on_a_configured_device(tmp_node_dir: Path) -> None:
+    # A partition the operator formatted; a loop device stands in for it here.
+    part = tmp_node_dir / "partition.img"
+    with open(part, "wb") as f:
+        f.truncate(1 << 30)
+    subprocess.run(["mkfs.btrfs", "-q", "-f", str(part)], check=True, capture_output=True)
+    settings = node_settings(tmp_node_dir)
+    with btrfs.loop_attached(part) as dev:
+        settings.disk_pool_device = Path(dev)
+        pool = DiskPool(settings)
+        assert pool.exists()  # no file made: the device is the pool
+        sub = pool.create("on-device", 2 * MiB)
+        assert fill(sub / "f") <= 2 * MiB
+        assert not pool.image.exists()
+        assert pool.remove("on-device") == []
+        assert pool.release()
+    deadline = time.monotonic() + 10
+    while (devs := btrfs.loop_devices_of(part)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(devs) <= held_elsewhere(dict.fromkeys(devs, "")), devs
+
+
+def test_pool_file_has_the_configured_size(pool: DiskPool) -> None:
+    pool.ensure()
+    assert os.stat(pool.image).st_size == 4 << 30  # ROLLBOX_DISK_POOL_GIB (4 here)
+    assert os.stat(pool.image).st_blocks * 512 < 64 * MiB  # sparse: only what is used
+    assert os.stat(pool.dir).st_mode & 0o777 == 0o700  # sandboxes' data: root only
