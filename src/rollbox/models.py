@@ -23,7 +23,9 @@ class Resources(BaseModel):
     memory_mib: int = Field(1024, ge=16, le=256 * 1024)
     pids: int = Field(1024, ge=8, le=65536)
     disk_mib: int = Field(2048, ge=1, le=1024 * 1024, description="cap on the writable layer")
-    inodes: int = Field(200_000, ge=64, le=50_000_000)
+    inodes: int = Field(200_000, ge=64, le=50_000_000,
+                        description="inode cap of the memory tier's tmpfs; on the disk tier "
+                        "inodes count in disk_mib (~350 bytes each)")
 
 
 class NetworkPolicy(BaseModel):
