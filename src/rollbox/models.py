@@ -5,7 +5,7 @@ Owns the shape of requests and answers only; no behaviour.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -292,6 +292,15 @@ class SnapshotSpec(BaseModel):
         return v
 
 
+class GitRepoFacts(BaseModel):
+    """A git repository of a layer (images.git): its path, whether its history was kept, its
+    objects and how many of them HEAD does not reach (0 once scrubbed)."""
+    path: str
+    history_kept: bool
+    objects: int
+    unreachable: int
+
+
 class SnapshotResult(BaseModel):
     sandbox_id: str
     image: str  # the new image's name: create a sandbox from it
@@ -303,7 +312,7 @@ class SnapshotResult(BaseModel):
     whiteouts: int
     scrubbed: int  # entries dropped by scrub rules and exclude patterns
     git_repos_scrubbed: list[str] = Field(default_factory=list)
-    git_repos: list[dict[str, Any]] = Field(default_factory=list)  # images.git.RepoFacts
+    git_repos: list[GitRepoFacts] = Field(default_factory=list)
     paused_s: float  # how long the sandbox was frozen
     duration_s: float
     pushed_to: str | None = None

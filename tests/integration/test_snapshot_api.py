@@ -82,7 +82,7 @@ async def test_scrub_git_history(edge, names: list[str]) -> None:  # noqa: ANN00
     answer = (await _sh(edge, src.id, "cat /tmp/answer-commit")).strip()
     plain, scrubbed = new_name(names), new_name(names)
     kept = await edge.snapshot(src.id, SnapshotSpec(name=plain, keep_git_history=True), "p")
-    assert kept.git_repos_scrubbed == [] and kept.git_repos[0]["unreachable"] >= 3
+    assert kept.git_repos_scrubbed == [] and kept.git_repos[0].unreachable >= 3
     res = await edge.snapshot(src.id, SnapshotSpec(name=scrubbed), "p")
     assert res.git_repos_scrubbed == ["/repo"]
     leaky = await edge.create(SandboxSpec(image=plain), "p")

@@ -1044,7 +1044,7 @@ class Edge:
                                                 keep_history=spec.keep_git_history)
                 digest = await asyncio.to_thread(
                     self.store.add_layer_from_dir, root, source=f"snapshot:{sandbox_id}",
-                    git_repos=[r.to_dict() for r in repos])
+                    git_repos=repos)
             finally:
                 await asyncio.to_thread(shutil.rmtree, staging, True)
             layers = list(live.info.layers) + [digest]
@@ -1058,7 +1058,7 @@ class Edge:
             size=int(self.store.layer_meta(digest)["size"]), files=stats.entries,
             content_bytes=stats.bytes, whiteouts=stats.whiteouts, scrubbed=stats.scrubbed,
             git_repos_scrubbed=[r.path for r in repos if not r.history_kept],
-            git_repos=[r.to_dict() for r in repos], paused_s=round(paused, 6),
+            git_repos=repos, paused_s=round(paused, 6),
             duration_s=round(time.monotonic() - t0, 6), pushed_to=push_url,
             hidden_paths=list(live.info.hidden_paths))
         self.event_log.append(sandbox_id, "sandbox.snapshot", data=json.dumps(

@@ -24,6 +24,7 @@ from typing import IO, Any
 from rollbox.errors import BadRequest, InfraError
 from rollbox.images import git
 from rollbox.images.store import Image, ImageStore, Progress, validate_name
+from rollbox.models import GitRepoFacts
 
 OPAQUE_XATTR = "trusted.overlay.opaque"
 # Consecutive layers smaller than this (extracted) are merged into one EROFS layer.
@@ -508,7 +509,7 @@ def _import_archive(store: ImageStore, arc: _Archive, tar_path: Path, name: str,
             say(f"building layer {gi + 1}/{len(groups)} ({len(group)} source layers)")
             digests.append(store.add_layer_from_dir(
                 base, source=f"oci:{Path(tar_path).name}#{gi}", progress=progress,
-                git_repos=[r.to_dict() for r in facts]))
+                git_repos=facts))
         say("tagging")
         return store.tag(name, digests, _config_from_oci(config))
     finally:
@@ -530,7 +531,7 @@ def build_from_directory(store: ImageStore, src_dir: Path, name: str,
     if keep_git_history or next(git.git_dirs(src), None) is None:
         repos = git.process_tree(src, keep_history=True, scratch=store.tmp_dir)
         digest = store.add_layer_from_dir(src, source=source, progress=progress,
-                                          git_repos=[r.to_dict() for r in repos],
+                                          git_repos=repos,
                                           exclude=dropped_bytecode(src))
         return store.tag(name, [digest], config)
     staging = store.staging_dir("dir")
@@ -544,7 +545,7 @@ def build_from_directory(store: ImageStore, src_dir: Path, name: str,
             progress("keeping only what HEAD reaches in its git repositories")
         repos = git.process_tree(root, keep_history=False, scratch=staging)
         digest = store.add_layer_from_dir(root, source=source, progress=progress,
-                                          git_repos=[r.to_dict() for r in repos],
+                                          git_repos=repos,
                                           exclude=dropped_bytecode(root))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -568,7 +569,7 @@ class _LayeredRepos:
         if proc.returncode != 0:
             raise InfraError(f"copying git repository {src} failed: {proc.stderr[-300:]}")
 
-    def scrub_layer(self, base: Path, *, bottom: bool) -> list[git.RepoFacts]:
+    def scrub_layer(self, base: Path, *, bottom: bool) -> list[GitRepoFacts]:
         for rel in list(self.union):
             here = base
             for part in rel.strip("/").split("/"):
@@ -768,7 +769,7 @@ def layer_from_upper(store: ImageStore, upper_dir: Path, *, exclude: list[str] |
             complete_repos(merged, root, id_shift=id_shift)
         repos = git.process_tree(root, keep_history=keep_git_history, scratch=staging)
         return store.add_layer_from_dir(root, source=source, progress=progress,
-                                        git_repos=[r.to_dict() for r in repos])
+                                        git_repos=repos)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

@@ -28,10 +28,10 @@ import stat
 import subprocess
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rollbox.errors import BadRequest, PayloadTooLarge
+from rollbox.models import GitRepoFacts
 
 GIT_TIMEOUT_S = 300.0
 GIT_MEMORY_BYTES = 4 << 30
@@ -64,19 +64,6 @@ _REDIRECTS = ("commondir", "objects/info/alternates", "objects/info/http-alterna
 _CODE_AND_LOGS = ("hooks", "logs", "worktrees", "rr-cache")
 _SIDE_HEADS = ("ORIG_HEAD", "FETCH_HEAD", "MERGE_HEAD", "CHERRY_PICK_HEAD", "REVERT_HEAD",
                "AUTO_MERGE", "BISECT_HEAD", "REBASE_HEAD")
-
-
-@dataclass
-class RepoFacts:
-    """One repository of a layer: ``path`` inside the layer, whether its history was kept,
-    how many objects it holds and how many of those HEAD does not reach."""
-    path: str
-    history_kept: bool
-    objects: int
-    unreachable: int
-
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
 
 
 def is_git_dir(path: Path) -> bool:
@@ -200,7 +187,7 @@ def _keep_only_ref(gitdir: Path, keep: str | None, what: str) -> bool:
     return born
 
 
-def scrub(gitdir: Path, what: str) -> RepoFacts:
+def scrub(gitdir: Path, what: str) -> GitRepoFacts:
     """Keep only what HEAD reaches in the staging repository ``gitdir``: other branches, tags,
     remotes, stashes, reflogs, side heads (ORIG_HEAD, FETCH_HEAD, ...), hooks, worktrees and
     every object only they reach are removed (``git gc --prune=now``). Files git writes get
@@ -227,7 +214,7 @@ def scrub(gitdir: Path, what: str) -> RepoFacts:
         for name in dirnames + filenames:
             os.chown(os.path.join(dirpath, name), st.st_uid, st.st_gid, follow_symlinks=False)
     objects = len(_all_objects(gitdir, what))
-    return RepoFacts(path=what, history_kept=False, objects=objects, unreachable=0)
+    return GitRepoFacts(path=what, history_kept=False, objects=objects, unreachable=0)
 
 
 def _all_objects(gitdir: Path, what: str) -> set[str]:
@@ -236,7 +223,7 @@ def _all_objects(gitdir: Path, what: str) -> set[str]:
     return set(out.split())
 
 
-def count_unreachable(gitdir: Path, what: str, scratch: Path) -> RepoFacts:
+def count_unreachable(gitdir: Path, what: str, scratch: Path) -> GitRepoFacts:
     """Objects of the repository HEAD does not reach, counted on a neutralised copy in the
     caller's ``scratch`` directory (the repository itself is not changed)."""
     check_plain_tree(gitdir, what)
@@ -249,13 +236,13 @@ def count_unreachable(gitdir: Path, what: str, scratch: Path) -> RepoFacts:
         reached = run_git(tmp, ["rev-list", "--objects", "--missing=allow-any", "HEAD"],
                           what=what)
         reachable = {line.split(" ", 1)[0] for line in reached.splitlines() if line}
-        return RepoFacts(path=what, history_kept=True, objects=len(every),
+        return GitRepoFacts(path=what, history_kept=True, objects=len(every),
                          unreachable=len(every - reachable))
     finally:
         shutil.rmtree(tmp.parent, ignore_errors=True)
 
 
-def process_tree(root: Path, *, keep_history: bool, scratch: Path) -> list[RepoFacts]:
+def process_tree(root: Path, *, keep_history: bool, scratch: Path) -> list[GitRepoFacts]:
     """Scrub the repositories of the staging tree ``root`` or, keeping history, count what HEAD
     does not reach in each (``root`` then is not changed: it may be a caller's directory)."""
     facts = []

@@ -32,6 +32,7 @@ from typing import Any
 
 from rollbox.config import Settings
 from rollbox.errors import BadRequest, InfraError, NotFound
+from rollbox.models import GitRepoFacts
 
 Progress = Callable[[str], None]
 
@@ -233,7 +234,7 @@ class ImageStore:
 
     def add_layer_from_dir(self, src: Path, *, source: str,
                            progress: Progress | None = None,
-                           git_repos: list[dict[str, Any]] | None = None,
+                           git_repos: list[GitRepoFacts] | None = None,
                            exclude: Iterable[str] = ()) -> str:
         """Build an EROFS layer from directory ``src``; returns its digest (idempotent).
         ``git_repos``: what images.git found in ``src`` (recorded in the layer's metadata);
@@ -291,7 +292,7 @@ class ImageStore:
 
     def _commit_layer(self, tmp: Path, *, source: str, files: int | None,
                       progress: Progress | None = None,
-                      git_repos: list[dict[str, Any]] | None = None) -> str:
+                      git_repos: list[GitRepoFacts] | None = None) -> str:
         if progress:
             progress("hashing layer")
         digest = _sha256_file(tmp)
@@ -310,7 +311,7 @@ class ImageStore:
             if files is not None:
                 meta["files"] = files
             if git_repos is not None:
-                meta["git_repos"] = git_repos
+                meta["git_repos"] = [r.model_dump() for r in git_repos]
             _write_atomic(meta_path, json.dumps(meta, indent=1).encode())
         if progress:
             progress(f"layer {digest[:19]} ({size / 2**20:.1f} MiB)")
