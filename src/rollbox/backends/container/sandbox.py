@@ -437,12 +437,23 @@ class ContainerBackend:
                              slot, pid)
 
 
-async def _reap(pid: int, timeout_s: float = 2.0) -> None:
+_late_reaps: set[asyncio.Task] = set()
+
+
+async def _reap(pid: int, timeout_s: float = 10.0) -> None:
     """Reap the killed agent (a long-lived edge would otherwise pile up zombies, one per
-    sandbox). It leaves its cgroup before it becomes a zombie, so wait for the exit itself."""
+    sandbox). It leaves its cgroup before it becomes a zombie, so wait for the exit itself: as
+    the pid namespace's init it exits only after every other process of the sandbox is
+    reaped, which takes seconds on a loaded node. Past ``timeout_s`` the teardown goes on and
+    a background task still reaps it (given up, it stayed a zombie holding the slot's uid)."""
+    task = asyncio.ensure_future(wait_pid(pid))
     try:
-        await asyncio.wait_for(wait_pid(pid), timeout_s)
+        await asyncio.wait_for(asyncio.shield(task), timeout_s)
     except (ChildProcessError, ProcessLookupError):
         pass  # not our child (adopted from an earlier edge process) or already reaped
     except asyncio.TimeoutError:
-        log.warning("agent %d not reaped after %.1fs", pid, timeout_s)
+        log.warning("agent %d not reaped after %.1fs; reaping it in the background",
+                    pid, timeout_s)
+        _late_reaps.add(task)
+        task.add_done_callback(_late_reaps.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
