@@ -137,12 +137,14 @@ libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
 src = os.open("/tmp/src", os.O_RDWR | os.O_CREAT, 0o644); os.write(src, b"x" * 8192)
 dst = os.open("/tmp/dst", os.O_RDWR | os.O_CREAT, 0o644)
-rng = ctypes.create_string_buffer(256)
+rng = ctypes.create_string_buffer(8192)
+tmp = os.open("/tmp", os.O_RDONLY | os.O_DIRECTORY)  # btrfs subvolume ioctls act on a directory
 out = {}
 for name, nr in json.loads(sys.argv[1]).items():
     for high in (0, 1 << 32, 0xFFFFFFFF00000000):
         a = src if name == "FICLONE" else ctypes.addressof(rng)
-        r = libc.syscall(ctypes.c_long(16), ctypes.c_long(dst), ctypes.c_ulong(nr | high),
+        fd = tmp if name.startswith("BTRFS_IOC_S") else dst
+        r = libc.syscall(ctypes.c_long(16), ctypes.c_long(fd), ctypes.c_ulong(nr | high),
                          ctypes.c_long(a))
         out[f"{name}/{high:x}"] = 0 if r >= 0 else ctypes.get_errno()
 print(json.dumps(out))
@@ -171,7 +173,8 @@ async def test_a3_unhardened_twin_reaches_the_filesystem(boxes: Boxes) -> None:
     # (overlayfs: ENOTTY for the XFS ioctls, EOPNOTSUPP/EXDEV/EINVAL for clone and dedupe), so
     # the EPERM above is seccomp's.
     for name in ("FICLONE", "XFS_IOC_EXCHANGE_RANGE", "XFS_IOC_START_COMMIT",
-                 "XFS_IOC_COMMIT_RANGE", "XFS_IOC_SWAPEXT"):
+                 "XFS_IOC_COMMIT_RANGE", "XFS_IOC_SWAPEXT", "BTRFS_IOC_SUBVOL_CREATE",
+                 "BTRFS_IOC_SNAP_CREATE_V2"):
         assert res[f"{name}/0"] != EPERM and res[f"{name}/100000000"] != EPERM, res
 
 

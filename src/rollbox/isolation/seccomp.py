@@ -39,6 +39,14 @@ DENY_IOCTLS = {
     "XFS_IOC_COMMIT_RANGE": 0x40585883,  # _IOW('X', 131, struct xfs_commit_range)
     "TIOCSTI": 0x5412,
     "TIOCLINUX": 0x541C,
+    # btrfs subvolumes and snapshots: a new subvolume is outside the sandbox's qgroup limit
+    # (the disk tier's cap). overlayfs does not pass them on today (ENOTTY); this keeps it so.
+    "BTRFS_IOC_SUBVOL_CREATE": 0x5000940E,
+    "BTRFS_IOC_SUBVOL_CREATE_V2": 0x50009418,
+    "BTRFS_IOC_SNAP_CREATE": 0x50009401,
+    "BTRFS_IOC_SNAP_CREATE_V2": 0x50009417,
+    "BTRFS_IOC_SNAP_DESTROY": 0x5000940F,
+    "BTRFS_IOC_SNAP_DESTROY_V2": 0x5000943F,
 }
 
 
