@@ -194,7 +194,7 @@ class LayerStorage:
             def build() -> str:
                 repos = git.process_tree(root, keep_history=False, scratch=staging)
                 return self.store.add_layer_from_dir(
-                    root, source=f"upload:{project}", git_repos=[r.to_dict() for r in repos],
+                    root, source=f"upload:{project}", git_repos=repos,
                     exclude=dropped_bytecode(root, keep_library=False))
 
             digest = await asyncio.to_thread(build)
