@@ -1,9 +1,10 @@
 """``rollbox bench rl [--quick] [--json] [--phases a,b]``: one node under an RL trainer's load.
 
-Against ``rollbox serve`` in its own process, on a scratch node of its own (data dir, run dir,
-cgroup parent and node id; the node's images read-only) with the built-in PyPI mirror enabled
-on a free port (``ROLLBOX_PYPI_MIRROR=1``). Phases, each checking free disk first (it names
-what it needs) and skipped with the reason in the JSON when it can not run:
+Against ``rollbox serve`` in its own process (``embedded.ServerProcess``), on a scratch node of
+its own (data dir, run dir, cgroup parent, node id, uid range; the node's images read-only)
+with the built-in PyPI mirror enabled on a free port (``ROLLBOX_PYPI_MIRROR=1``); every phase
+on ``IMAGE``. Phases, each checking free disk first (it names what it needs) and skipped with
+the reason in the JSON when it can not run, each with a timeout:
 
 1. ``grpo``: a GRPO burst, ``GROUPS`` groups x ``SAMPLES`` samples at default resources, every
    group one ``client.create_many``, all groups at once. Per sample the fixed workload
@@ -19,7 +20,7 @@ what it needs) and skipped with the reason in the JSON when it can not run:
 3. ``write``: ``N_WRITE`` sandboxes each writing 512 MiB into its writable layer (32 GiB, more
    than this host's RAM), in 32 MiB appends so that a memory-backed layer can be stopped
    before MemAvailable crosses the floor (``MEM_FLOOR_MIB`` plus what may still be in flight).
-4. ``restart``: 16 sandboxes with commands mid-stream (one printing ~10 MB while the server is
+4. ``restart``: 16 sandboxes with commands mid-stream (one printing ~13 MB while the server is
    down), the server killed with SIGKILL and started again on the same port; half waited for
    by the ``sb.exec`` call started before the kill, half re-attached by exec id
    (``exec_background`` + ``process(id).wait()``). A command is recovered when its exit code
@@ -65,6 +66,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.container import PODMAN_ULIMITS, podman_prepare  # noqa: E402
+from bench.files import rss_mib  # noqa: E402
 from bench.images import machine_busy_s, proc_cpu_s  # noqa: E402
 from rollbox.config import Settings  # noqa: E402
 from rollbox.demo import _pct  # noqa: E402
@@ -260,17 +262,6 @@ def mem_available_mib() -> int:
     raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
-def rss_mib(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
 def disk_short(path: Path, need: int, what: str) -> str | None:
     """None if the filesystem of ``path`` has ``need`` bytes free, else the reason."""
     free = shutil.disk_usage(path).free
@@ -300,7 +291,8 @@ class HostWatch:
             m = mem_available_mib()
             self.mem_min, self.mem_min_all = min(self.mem_min, m), min(self.mem_min_all, m)
             if (proc := self.server.proc) is not None:  # the server of the moment (restarts)
-                self.rss_peak = max(self.rss_peak, rss_mib(proc.pid))
+                with contextlib.suppress(OSError):  # killed meanwhile
+                    self.rss_peak = max(self.rss_peak, rss_mib(proc.pid))
             trip, floor = self._trip, self._floor
             if trip is not None and floor is not None and m < floor:
                 loop, ev = trip
@@ -309,7 +301,9 @@ class HostWatch:
     def window(self) -> None:
         self.mem_min = mem_available_mib()
         proc = self.server.proc
-        self.rss_peak = rss_mib(proc.pid) if proc is not None else 0.0
+        self.rss_peak = 0.0
+        with contextlib.suppress(OSError):
+            self.rss_peak = rss_mib(proc.pid) if proc is not None else 0.0
 
     @contextlib.contextmanager
     def arm(self, floor_mib: int) -> Iterator[asyncio.Event]:
