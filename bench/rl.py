@@ -495,15 +495,22 @@ PODMAN_LABEL = "rollbox-bench-rl"  # = the run's id, on every container of the p
 PODMAN_TAG = "localhost/rollbox-bench-" + IMAGE.replace(":", "-").replace("/", "-")  # its import
 
 
+# podman commands in flight at most, as create_many's default concurrency (a podman exec stays
+# in flight while its command runs, so this bounds the peer's commands too: 32 at once keep two
+# cores busy; more would only queue on them, holding ~50 MB per podman process).
+PODMAN_IN_FLIGHT = asyncio.Semaphore(32)
+
+
 async def podman(*args: str, timeout: float = 600) -> tuple[int, str]:
-    p = await asyncio.create_subprocess_exec(
-        "podman", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    try:
-        out, err = await asyncio.wait_for(p.communicate(), timeout)
-    except TimeoutError:
-        p.kill()
-        await p.wait()
-        return -1, "timeout"
+    async with PODMAN_IN_FLIGHT:
+        p = await asyncio.create_subprocess_exec(
+            "podman", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            out, err = await asyncio.wait_for(p.communicate(), timeout)
+        except TimeoutError:
+            p.kill()
+            await p.wait()
+            return -1, "timeout"
     return p.returncode or 0, (out.decode(errors="replace")
                                + (err.decode(errors="replace") if p.returncode else ""))
 
