@@ -137,6 +137,10 @@ async def test_quotas_over_the_api_sdk_and_cli(edge, tmp_path: Path) -> None:  #
             # A grade is not a new sandbox of the project: it still runs at the quota.
             await two.files.write("/x", "1")
             assert (await two.grade("test -f /x", files=["/x"])).result.exit_code == 0
+            # ... but no way around it: a grade asking more than the quota is refused.
+            with pytest.raises(errors.QuotaExceeded) as exc:
+                await two.grade("true", files=["/x"], resources={"memory_mib": 2048})
+            assert exc.value.details["field"] == "memory_mib"
             await one.delete()
             three = await t.create(BB, memory_mib=512)
 

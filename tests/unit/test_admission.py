@@ -206,6 +206,27 @@ def test_project_quota(tmp_path: Path) -> None:
     adm.try_admit(res(1000, 1.0), "team", quota=q)
 
 
+def test_grades_are_bounded_by_the_quota_on_their_own(tmp_path: Path) -> None:
+    """A project at its quota still grades each of its sandboxes (reserved usage is counted
+    apart), but grades are no way around the quota: at most the quota's worth at once, and a
+    grade asking more than the quota's resources is refused."""
+    adm, _ = make(tmp_path)
+    q = Quota(sandboxes=2, cpus=2.0, memory_mib=2048)
+    for _ in range(2):
+        adm.try_admit(res(1000, 1.0), "team", quota=q)
+    g = adm.try_admit(res(1000, 1.0), "team", share="reserved", quota=q)
+    adm.try_admit(res(1000, 1.0), "team", share="reserved", quota=q)
+    with pytest.raises(errors.QuotaExceeded) as exc:
+        adm.try_admit(res(16, 0.1), "team", share="reserved", quota=q)
+    assert exc.value.details["field"] == "sandboxes"
+    adm.release(g)
+    with pytest.raises(errors.QuotaExceeded) as exc:
+        adm.try_admit(res(16, 8.0), "team", share="reserved", quota=q)  # a grade's resources
+    assert exc.value.details["field"] == "cpus"
+    adm.try_admit(res(1000, 1.0), "team", share="reserved", quota=q)  # a release frees it
+    adm.try_admit(res(16, 0.1), "other", share="reserved", quota=q)  # per project
+
+
 def test_checks_read_host_memory_at_most_every_100ms_and_cost_microseconds(
         tmp_path: Path) -> None:
     adm, _ = make(tmp_path, max_sandboxes=100_000, reserved_share=0.0)

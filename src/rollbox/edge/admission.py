@@ -7,7 +7,9 @@ Requests set a sandbox's limits, not reservations. A sandbox is admitted when
   not faulted their memory in yet (in-flight creates and ones started within ``SETTLE_S``)
   stays above the node reserve; and memory PSI (``/proc/pressure/memory``, where the kernel has
   it) is below ``Settings.memory_psi_max``;
-- its project's quota (``rollbox.models.Quota``) allows it.
+- its project's quota (``rollbox.models.Quota``) allows it. Reserved admissions of a project
+  (its grades) are counted apart and bounded by the same quota again: a project at its quota can
+  still grade every one of its sandboxes at once, but grades are no way around the quota.
 A share of every budget (``Settings.reserved_share``) is kept for grades and fncall workers
 ("reserved" admissions): new creates are refused once only that share is left, or while a
 reserved admission waits; reserved admissions wait (up to the create queue timeout) for room,
@@ -181,6 +183,7 @@ class Admission:
     clock: Callable[[], float] = time.monotonic
     total: _Usage = field(default_factory=_Usage)
     by_owner: dict[str, _Usage] = field(default_factory=dict)  # "new" admissions only
+    reserved_by_owner: dict[str, _Usage] = field(default_factory=dict)  # grades, fncall
     _starting_mib: int = 0  # headroom of tickets not started yet
     _settling: deque[tuple[float, Ticket]] = field(default_factory=deque)
     _settling_mib: int = 0
@@ -269,8 +272,8 @@ class Admission:
     def try_admit(self, r: Resources, owner: str, share: Share = "new",
                   quota: Quota | None = None) -> Ticket:
         """Admit now or raise (QuotaExceeded first: retrying elsewhere will not help)."""
-        if share == "new" and quota is not None:
-            self._check_quota(self.by_owner.get(owner), r, quota, owner)
+        if quota is not None:
+            self._check_quota(self._owners(share).get(owner), r, quota, owner)
         headroom = self._check_node(r, share)
         return self._take(r, owner, share, headroom)
 
@@ -308,11 +311,13 @@ class Admission:
             self._freed = asyncio.Event()
         return self._freed
 
+    def _owners(self, share: Share) -> dict[str, _Usage]:
+        return self.by_owner if share == "new" else self.reserved_by_owner
+
     def _take(self, r: Resources, owner: str, share: Share, headroom: int) -> Ticket:
         t = Ticket(r, owner, share, headroom)
         self.total.add(r, 1)
-        if share == "new":
-            self.by_owner.setdefault(owner, _Usage()).add(r, 1)
+        self._owners(share).setdefault(owner, _Usage()).add(r, 1)
         self._starting_mib += headroom
         return t
 
@@ -337,12 +342,12 @@ class Admission:
             return
         t.released = True
         self.total.add(t.resources, -1)
-        if t.share == "new":
-            u = self.by_owner.get(t.owner)
-            if u is not None:
-                u.add(t.resources, -1)
-                if u.sandboxes <= 0:
-                    del self.by_owner[t.owner]
+        owners = self._owners(t.share)
+        u = owners.get(t.owner)
+        if u is not None:
+            u.add(t.resources, -1)
+            if u.sandboxes <= 0:
+                del owners[t.owner]
         if t.started_at is None:
             self._starting_mib -= t.headroom_mib
         if self._freed is not None:

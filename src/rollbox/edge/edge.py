@@ -325,7 +325,7 @@ class Edge:
 
     async def _admitted_create(self, spec: SandboxSpec, owner: str, image_config: dict,
                                layers: list[str], share: Share = "new") -> SandboxInfo:
-        quota = self.quotas.get(owner) if self.quotas is not None and share == "new" else None
+        quota = self.quotas.get(owner) if self.quotas is not None else None
         ticket = await self.admission.admit(spec.resources, owner, share, quota)
         try:
             try:
