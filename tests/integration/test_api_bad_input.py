@@ -31,6 +31,12 @@ async def test_bad_input_gets_typed_errors(edge, tmp_path: Path) -> None:  # noq
             await c.create("Bad Image Name!")
         with pytest.raises(errors.BadRequest):
             await c.create(BB, disk_tier="ssd")
+        # The platform's labels (graders, fncall workers: a restart re-admits those from the
+        # reserved share, outside the project's quota) are not the caller's to set.
+        for label in ({"rollbox.grader-of": neighbour.id}, {"rollbox.backend": "fncall"}):
+            with pytest.raises(errors.BadRequest):
+                await c.create(BB, labels=label)
+        assert len(await c.list()) == 1  # nothing half-created
         mem = await c.create(BB, disk_tier="memory")  # the opt-in tier, through the API
         assert mem.info.disk_tier == "memory" and neighbour.info.disk_tier == "disk"
         await mem.delete()

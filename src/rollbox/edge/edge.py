@@ -317,6 +317,11 @@ class Edge:
     async def create(self, spec: SandboxSpec, owner: str, share: Share = "new") -> SandboxInfo:
         """``share="reserved"``: the platform's own sandboxes that must not starve behind new
         creates (fncall workers; graders go through ``grade``)."""
+        if share == "new" and any(k.startswith(PLATFORM_LABEL_PREFIX) for k in spec.labels):
+            # They mark the platform's own sandboxes (graders, fncall workers), whose share a
+            # restart reads back from them (_share_of): a project's sandbox must not pass as one.
+            raise BadRequest(f"labels starting with {PLATFORM_LABEL_PREFIX!r} are the "
+                             "platform's", labels=sorted(spec.labels))
         image = self._image_for(spec.image, owner)
         layers = list(image.layers)
         for extra in spec.layers:
@@ -1106,6 +1111,9 @@ class Edge:
             if time.monotonic() > deadline:
                 raise InfraError(f"sandbox {sandbox_id} still present")
             await asyncio.sleep(0.02)
+
+
+PLATFORM_LABEL_PREFIX = "rollbox."
 
 
 def _share_of(info: SandboxInfo) -> Share:
