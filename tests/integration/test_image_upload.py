@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import subprocess
 import tarfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -161,6 +162,20 @@ async def test_bad_uploads_leave_nothing(api: Api, names: list[str], tmp_path: P
     (tmp_path / "escape.tar").write_bytes(bad.getvalue())
     with pytest.raises(errors.BadRequest, match=r"'\.\.'"):
         await api.proj.images.upload(new_name(names, "esc"), tmp_path / "escape.tar")
+    # Errors name no host path (the store, the upload's staging dir).
+    with pytest.raises(errors.NotFound) as gone:
+        await api.proj.images.delete(new_name(names, "never"))
+    broken = tmp_path / "broken"
+    subprocess.run(["bash", "-ec", "git init -q r; echo a > r/a; git -C r add a; "
+                    "git -C r -c user.email=a@b -c user.name=a commit -qm one"],
+                   cwd=broken.mkdir() or broken, check=True, capture_output=True)
+    obj = next(p for p in (broken / "r/.git/objects").glob("??/*"))
+    obj.chmod(0o644)
+    obj.write_bytes(b"")
+    with pytest.raises(errors.BadRequest, match="git") as corrupt:
+        await api.proj.images.upload(new_name(names, "corrupt"), broken)
+    for exc in (gone.value, corrupt.value):
+        assert str(edge.store.root) not in exc.message and "rootfs" not in exc.message
     # Above the node's upload cap.
     edge.settings.image_upload_max_bytes = 1 << 20
     try:

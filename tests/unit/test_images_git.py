@@ -265,3 +265,18 @@ def test_upper_changing_a_lower_repo_is_scrubbed_whole(tmp_path: Path) -> None:
     assert (out / "repo/.git/HEAD").is_file() and not has_object(out / "repo/.git", answer)
     assert sh(out / "repo", "git log --all --format=%s") == "task"
     assert store.layer_meta(digest)["git_repos"][0]["path"] == "/repo"
+
+
+def test_git_errors_do_not_name_host_paths(tmp_path: Path) -> None:
+    """A broken repository's git error reaches the client (uploads, snapshots): the staging
+    dir it names is a host path, shown as $GIT_DIR."""
+    root = tmp_path / "staging-root"
+    root.mkdir()
+    sh(root, "git init -q r", "echo a > r/a", "git -C r add a", f"{G} -C r commit -qm one")
+    obj = next(p for p in (root / "r/.git/objects").rglob("*") if p.is_file()
+               and p.parent.name != "pack" and p.parent.name != "info")
+    obj.chmod(0o644)
+    obj.write_bytes(b"")
+    with pytest.raises(BadRequest) as exc:
+        git.process_tree(root, keep_history=False, scratch=tmp_path)
+    assert "$GIT_DIR/objects/" in exc.value.message and str(tmp_path) not in exc.value.message

@@ -23,6 +23,7 @@ import os
 import shutil
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from rollbox.backends.container.files import SandboxFS
 from rollbox.config import Settings
@@ -48,6 +49,16 @@ def project_image_name(name: str) -> str:
         raise BadRequest(f"image name {name!r} needs a path, e.g. 'myproject/env:1'",
                          image=name)
     return name
+
+
+def _without_path(exc: RollboxError, staging: Path) -> RollboxError:
+    """``exc`` as the client may see it: the upload's staging dir (a host path, in messages of
+    mkfs.erofs or git) shown as the image's root."""
+    root, top = f"{staging}/rootfs", str(staging)
+    message = exc.message.replace(root + "/", "/").replace(root, "/").replace(top, "<staging>")
+    if message == exc.message:
+        return exc
+    return type(exc)(message or "upload failed", **exc.details)
 
 
 @dataclass
@@ -157,7 +168,10 @@ class LayerStorage:
     def delete(self, name: str, project: str | None) -> None:
         """Remove ``project``'s image ``name`` (None: an admin, any project's). The node's own
         images are the operator's (`rollbox image rm`); another project's look absent."""
-        image = self.store.resolve(validate_name(name))
+        try:
+            image = self.store.resolve(validate_name(name))
+        except NotFound:  # the store's own error names its host path
+            raise NotFound(f"no image {name!r}", image=name) from None
         owner = image.config.get("owner")
         if owner is None:
             raise BadRequest(f"image {name!r} is one of the node's own images; the operator "
@@ -197,7 +211,10 @@ class LayerStorage:
                     root, source=f"upload:{project}", git_repos=repos,
                     exclude=dropped_bytecode(root, keep_library=False))
 
-            digest = await asyncio.to_thread(build)
+            try:
+                digest = await asyncio.to_thread(build)
+            except RollboxError as exc:
+                raise _without_path(exc, staging) from None
         finally:
             await asyncio.to_thread(shutil.rmtree, staging, True)
         layers = (list(base.layers) if base is not None else []) + [digest]

@@ -117,8 +117,10 @@ def run_git(gitdir: Path, args: list[str], *, what: str, scrub: bool = False,
     except subprocess.TimeoutExpired:
         raise PayloadTooLarge(f"git {args[0]} on {what} took over {timeout:.0f} s") from None
     if proc.returncode != 0:
+        # git names files by their host path (a staging dir): the caller sees $GIT_DIR instead.
+        stderr = proc.stderr.replace(str(gitdir), "$GIT_DIR").strip()
         raise BadRequest(f"git {args[0]} failed on {what} (is the whole repository in this "
-                         f"tree?): {proc.stderr.strip()[-300:]}")
+                         f"tree?): {stderr[-300:]}")
     return proc.stdout
 
 
