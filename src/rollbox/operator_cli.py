@@ -35,9 +35,12 @@ sandbox_app = typer.Typer(help="Sandboxes on a running server (by id, label, pro
 key_app = typer.Typer(help="API keys", no_args_is_help=True)
 project_app = typer.Typer(help="Projects: per-node quotas (admin key)", no_args_is_help=True)
 
-# C0 controls but \n and \t, DEL, C1 controls (0x9b is a one-byte CSI for some terminals), and
-# the bidirectional overrides and isolates (text that reads differently than it runs).
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+# C0 controls but \n and \t, DEL, C1 controls (0x9b is a one-byte CSI for some terminals), the
+# bidirectional marks, overrides and isolates (text that reads differently than it runs; U+061C
+# too), the line and paragraph separators (a line break to some terminals) and the zero-width
+# characters (invisible text).
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e"
+                      "\u2060-\u2069\ufeff]")
 _NAMED = {"\r": "\\r", "\x1b": "\\e", "\b": "\\b", "\x07": "\\a", "\x0b": "\\v", "\x0c": "\\f",
           "\x00": "\\0"}
 

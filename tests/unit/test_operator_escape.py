@@ -15,6 +15,9 @@ def test_terminal_controls_are_shown_escaped() -> None:
         "\x9b31m": "\\x9b31m",  # one-byte C1 CSI
         "\x00\x7f\x0c\x0b": "\\0\\x7f\\f\\v",
         "safe\u202etxt.exe": "safe\\u202etxt.exe",  # bidi override
+        "a\u061cb\u2067c": "a\\u061cb\\u2067c",  # Arabic letter mark, first-strong isolate
+        "ok\u2028FAKE\u2029": "ok\\u2028FAKE\\u2029",  # line / paragraph separator
+        "zero\u200bwidth\ufeff": "zero\\u200bwidth\\ufeff",  # invisible text
     }
     for raw, shown in attacks.items():
         assert escape_control(raw) == shown
