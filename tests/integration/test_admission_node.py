@@ -154,10 +154,10 @@ async def test_quotas_over_the_api_sdk_and_cli(edge, tmp_path: Path) -> None:  #
                     await a.set_project_quota("team", **bad)
             with pytest.raises(errors.BadRequest):
                 await a.project_quota("bad name!")
-            with pytest.raises(errors.Unauthorized):  # a project key can not raise its own
+            with pytest.raises(errors.Forbidden):  # a project key can not raise its own
                 await t.set_project_quota("team", sandboxes=100)
             assert (await t.project_quota("team")).sandboxes == 2  # but may read it
-            with pytest.raises(errors.Unauthorized):
+            with pytest.raises(errors.Forbidden):
                 await t.project_quota("ops")
             assert await a.project_quota("team") == Quota(sandboxes=2, memory_mib=1536)
 

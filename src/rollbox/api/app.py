@@ -679,8 +679,8 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
     # ---- projects (admin) ----
     def quota_store(who: Principal, project: str, write: bool) -> QuotaStore:
         if not who.admin and (write or project != who.project):
-            raise errors.Unauthorized("setting quotas, or reading another project's, needs an "
-                                      "admin key")
+            raise errors.Forbidden("setting quotas, or reading another project's, needs an "
+                                   "admin key")
         check_project(project)
         if quotas is None:
             raise errors.BadRequest("this api has no quota store")
