@@ -267,3 +267,26 @@ async def test_project_layer_quota_overrides_the_node_default(api: Api, names: l
     finally:
         edge.quotas = None
         quotas.close()
+
+
+async def test_upload_with_many_bytecode_dirs(api: Api, names: list[str],
+                                              tmp_path: Path) -> None:
+    """An upload's dropped bytecode is removed from its staging tree, not named to mkfs.erofs
+    one path per argument: 800 __pycache__ dirs under a 3 KB path (2.4 MB of paths, above
+    ARG_MAX) still make an image, without them."""
+    deep = "/".join(["d" * 250] * 12)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for i in range(800):
+            ti = tarfile.TarInfo(f"{deep}/p{i}/__pycache__/m.pyc")
+            ti.size = 1
+            tf.addfile(ti, io.BytesIO(b"x"))
+        ti = tarfile.TarInfo(f"{deep}/keep.py")
+        ti.size = 1
+        tf.addfile(ti, io.BytesIO(b"y"))
+    (tmp_path / "many.tar").write_bytes(buf.getvalue())
+    info = await api.proj.images.upload(new_name(names, "many"), tmp_path / "many.tar", base=BB)
+    async with await api.proj.create(info.name) as sb:
+        found = await sb.exec(["sh", "-c", f"cd /{deep} && find . -name '*.py*' | sort"])
+    assert found.stdout.split() == ["./keep.py"]
+    assert staged(api.edge) == []

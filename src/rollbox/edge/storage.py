@@ -207,9 +207,16 @@ class LayerStorage:
 
             def build() -> str:
                 repos = git.process_tree(root, keep_history=False, scratch=staging)
-                return self.store.add_layer_from_dir(
-                    root, source=f"upload:{project}", git_repos=repos,
-                    exclude=dropped_bytecode(root, keep_library=False))
+                # Removed from the staging tree (ours), not excluded by mkfs.erofs: one
+                # argument per path would let a tree of many go past ARG_MAX.
+                for rel in dropped_bytecode(root, keep_library=False):
+                    path = root / rel
+                    if path.is_dir() and not path.is_symlink():
+                        shutil.rmtree(path)
+                    else:
+                        path.unlink()
+                return self.store.add_layer_from_dir(root, source=f"upload:{project}",
+                                                     git_repos=repos)
 
             try:
                 digest = await asyncio.to_thread(build)
