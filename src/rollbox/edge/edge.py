@@ -1002,8 +1002,9 @@ class Edge:
                     if spec.push else None)
         if sandbox_id in self._snapshotting:
             raise BadRequest(f"a snapshot of sandbox {sandbox_id} is already running")
-        room = self.storage.room(owner)  # the project's layer storage and the store's reserve
-        max_bytes = min(spec.max_bytes, room.bytes)
+        # the project's layer storage and the store's reserve, promised until the commit
+        room = self.storage.promise(owner, spec.max_bytes)
+        max_bytes = room.bytes
         self._snapshotting.add(sandbox_id)
         t0 = time.monotonic()
         try:
@@ -1057,6 +1058,7 @@ class Edge:
             if push_url is not None:
                 await push_image(self.store, spec.name, open_store(push_url))
         finally:
+            self.storage.release(room)
             self._snapshotting.discard(sandbox_id)
         result = SnapshotResult(
             sandbox_id=sandbox_id, image=spec.name, layer=digest, layers=layers,

@@ -61,12 +61,13 @@ def _without_path(exc: RollboxError, staging: Path) -> RollboxError:
     return type(exc)(message or "upload failed", **exc.details)
 
 
-@dataclass
+@dataclass(eq=False)
 class Room:
     """What a new layer of a project may take now, and the error past that."""
 
     bytes: int
     error: RollboxError
+    project: str = ""
 
 
 class LayerStorage:
@@ -77,6 +78,9 @@ class LayerStorage:
         self.settings = settings
         self._limit_mib = limit_mib
         self._lock = asyncio.Lock()
+        # Rooms promised to layers being made (uploads, snapshots) until their commit: what
+        # their staging copies may still write.
+        self._promised: dict[int, Room] = {}
 
     # ---- accounting ----------------------------------------------------------------------
     def limit_bytes(self, project: str) -> int:
@@ -115,23 +119,42 @@ class LayerStorage:
 
     def room(self, project: str) -> Room:
         """Bytes a new layer of ``project`` may take now: CapacityExceeded (retryable: space
-        may come back) when the store is at its reserve, QuotaExceeded at the project's limit."""
-        free, reserve = self.free_bytes(), self.reserve_bytes()
+        may come back) when the store is at its reserve, QuotaExceeded at the project's limit.
+        Rooms promised to layers still being made count as taken."""
+        promised = list(self._promised.values())
+        free = self.free_bytes() - sum(r.bytes for r in promised)
+        reserve = self.reserve_bytes()
         full = CapacityExceeded(
-            f"the image store has {free >> 20} MiB free, at or below its reserve of "
-            f"{reserve >> 20} MiB: no new layers now", free_bytes=free, reserve_bytes=reserve)
+            f"the image store has {max(free, 0) >> 20} MiB free (beyond what layers being "
+            f"made may still take), at or below its reserve of {reserve >> 20} MiB: no new "
+            "layers now", free_bytes=free, reserve_bytes=reserve)
         if free <= reserve:
             raise full
         used, _ = self._used(project)
+        used += sum(r.bytes for r in promised if r.project == project)
         limit = self.limit_bytes(project)
         over = QuotaExceeded(f"project {project!r} has {used >> 20} of its {limit >> 20} MiB of "
-                             "layer storage in use; delete images to make room",
+                             "layer storage in use or promised to layers being made; delete "
+                             "images to make room",
                              used_bytes=used, limit_bytes=limit)
         if used >= limit:
             raise over
         if limit - used < free - reserve:
             return Room(limit - used, over)
         return Room(free - reserve, full)
+
+    def promise(self, project: str, want: int) -> Room:
+        """:meth:`room`, at most ``want`` bytes of it, promised to one new layer of
+        ``project`` until :meth:`release`: concurrent uploads and snapshots each count the
+        others' promises, so together their staging copies stay within the project's limit and
+        above the store's reserve."""
+        room = self.room(project)
+        promised = Room(min(want, room.bytes), room.error, project)
+        self._promised[id(promised)] = promised
+        return promised
+
+    def release(self, room: Room) -> None:
+        self._promised.pop(id(room), None)
 
     async def commit(self, project: str, name: str, layers: list[str], config: dict,
                      new_layer: str) -> Image:
@@ -188,9 +211,17 @@ class LayerStorage:
         project_image_name(name)
         if self.store.exists(name):
             raise BadRequest(f"image {name!r} already exists; pick a new name", image=name)
-        room = self.room(project)
         upload_max = self.settings.image_upload_max_bytes
-        cap = min(upload_max, room.bytes)
+        room = self.promise(project, upload_max)
+        try:
+            return await self._upload(project, name, chunks, base, room)
+        finally:
+            self.release(room)
+
+    async def _upload(self, project: str, name: str, chunks: AsyncIterator[bytes],
+                      base: Image | None, room: Room) -> ImageInfo:
+        upload_max = self.settings.image_upload_max_bytes
+        cap = room.bytes
         staging = self.store.staging_dir("upload")
         try:
             root = staging / "rootfs"
