@@ -163,3 +163,33 @@ async def test_armed_repo_runs_nothing_on_the_host(edge, names: list[str],  # no
         "cd /repo", f"! git cat-file -e {secret} 2>/dev/null",
         "test ! -e .git/objects/info/alternates && test ! -e .git/hooks",
         "! grep -q fsmonitor .git/config", "test \"$(git log --format=%s)\" = task"]))
+
+
+async def test_snapshot_errors_name_no_host_path(edge, names: list[str],  # noqa: ANN001
+                                                 tmp_path: Path) -> None:
+    """A broken repository in the sandbox's changes fails the snapshot's scrub: git's message
+    reaches the caller without the staging dir's host path."""
+    import io
+    import subprocess
+    import tarfile
+
+    subprocess.run(["bash", "-ec", "git init -q r; echo a > r/a; git -C r add a; "
+                    "git -C r -c user.email=a@b -c user.name=a commit -qm one"],
+                   cwd=tmp_path, check=True, capture_output=True)
+    obj = next((tmp_path / "r/.git/objects").glob("??/*"))
+    obj.chmod(0o644)
+    obj.write_bytes(b"")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        tf.add(tmp_path / "r", "r")
+
+    async def chunks():  # noqa: ANN202
+        yield buf.getvalue()
+
+    src = await edge.create(SandboxSpec(image=BB), "p")
+    await edge.upload_tar(src.id, "/", chunks())
+    with pytest.raises(errors.BadRequest, match="git") as exc:
+        await edge.snapshot(src.id, SnapshotSpec(name=new_name(names)), "p")
+    assert "$GIT_DIR" in exc.value.message
+    assert str(edge.store.root) not in exc.value.message and "rootfs" not in exc.value.message
+    await edge.delete(src.id)

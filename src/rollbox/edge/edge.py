@@ -27,7 +27,7 @@ from rollbox.edge.admission import (
 from rollbox.edge.interface import ExecOutput
 from rollbox.edge.journal import Journal
 from rollbox.edge.sessions import ExecSession
-from rollbox.edge.storage import LayerStorage, project_image_name
+from rollbox.edge.storage import LayerStorage, project_image_name, without_paths
 from rollbox.errors import (
     BadRequest, CapacityExceeded, ExecIndeterminate, IdempotencyConflict, InfraError, NotFound,
     PayloadTooLarge, RollboxError, SandboxDead, SandboxPaused, error_from_payload,
@@ -1043,14 +1043,19 @@ class Edge:
                     if sandbox_id not in self.live or sandbox_id in self._deleting:
                         raise SandboxDead(f"sandbox {sandbox_id} went away during the "
                                           "snapshot") from None
-                    raise InfraError(f"snapshot of {sandbox_id} failed: {exc}") from exc
+                    raise without_paths(InfraError(f"snapshot of {sandbox_id} failed: {exc}"),
+                                        {root: "/", box.rootfs.upper: "/",
+                                         staging: "<staging>"}) from exc
                 if sandbox_id not in self.live or sandbox_id in self._deleting:
                     raise SandboxDead(f"sandbox {sandbox_id} went away during the snapshot")
-                repos = await asyncio.to_thread(git.process_tree, root, scratch=staging,
-                                                keep_history=spec.keep_git_history)
-                digest = await asyncio.to_thread(
-                    self.store.add_layer_from_dir, root, source=f"snapshot:{sandbox_id}",
-                    git_repos=repos)
+                try:  # git's and mkfs.erofs's messages name the staging dir
+                    repos = await asyncio.to_thread(git.process_tree, root, scratch=staging,
+                                                    keep_history=spec.keep_git_history)
+                    digest = await asyncio.to_thread(
+                        self.store.add_layer_from_dir, root, source=f"snapshot:{sandbox_id}",
+                        git_repos=repos)
+                except RollboxError as exc:
+                    raise without_paths(exc, {root: "/", staging: "<staging>"}) from None
             finally:
                 await asyncio.to_thread(shutil.rmtree, staging, True)
             layers = list(live.info.layers) + [digest]

@@ -51,14 +51,16 @@ def project_image_name(name: str) -> str:
     return name
 
 
-def _without_path(exc: RollboxError, staging: Path) -> RollboxError:
-    """``exc`` as the client may see it: the upload's staging dir (a host path, in messages of
-    mkfs.erofs or git) shown as the image's root."""
-    root, top = f"{staging}/rootfs", str(staging)
-    message = exc.message.replace(root + "/", "/").replace(root, "/").replace(top, "<staging>")
+def without_paths(exc: RollboxError, trees: dict[Path, str]) -> RollboxError:
+    """``exc`` as the client may see it: each host directory of ``trees`` (the staging dir of
+    an upload or snapshot, a sandbox's upper, named in messages of mkfs.erofs, git or an
+    OSError) shown as the given name instead ("/" for the image's root)."""
+    message = exc.message
+    for path, shown in sorted(trees.items(), key=lambda t: -len(str(t[0]))):  # longest first
+        message = message.replace(f"{path}/", shown.rstrip("/") + "/").replace(str(path), shown)
     if message == exc.message:
         return exc
-    return type(exc)(message or "upload failed", **exc.details)
+    return type(exc)(message or "failed", **exc.details)
 
 
 @dataclass(eq=False)
@@ -252,7 +254,8 @@ class LayerStorage:
             try:
                 digest = await asyncio.to_thread(build)
             except RollboxError as exc:
-                raise _without_path(exc, staging) from None
+                raise without_paths(exc, {staging / "rootfs": "/",
+                                          staging: "<staging>"}) from None
         finally:
             await asyncio.to_thread(shutil.rmtree, staging, True)
         layers = (list(base.layers) if base is not None else []) + [digest]
