@@ -68,13 +68,8 @@ class LayerMounts:
         # Thread lock for this process, flock for other processes on the node (CLI + edge).
         with LayerMounts._locks_guard:
             lock = LayerMounts._locks.setdefault(digest, threading.Lock())
-        with lock:
-            fd = os.open(self.mnt_dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                yield
-            finally:
-                os.close(fd)
+        with lock, syscalls.flocked(self.mnt_dir / ".lock"):
+            yield
 
     @contextmanager
     def in_use(self) -> Iterator[None]:
@@ -84,12 +79,8 @@ class LayerMounts:
         would fail or see an empty directory. Shared among users; ``unmount`` needs it
         exclusively and counts a layer busy while anyone holds it."""
         self.mnt_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.mnt_dir / ".use.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
+        with syscalls.flocked(self.mnt_dir / ".use.lock", shared=True):
             yield
-        finally:
-            os.close(fd)
 
     def _current(self, digest: str) -> tuple[str, str] | None:
         """(fstype, source) of what is mounted at the digest's mount point, if anything."""

@@ -5,8 +5,11 @@ Every wrapper raises OSError with errno on failure. Nothing here keeps state.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
@@ -121,3 +124,16 @@ def statfs_type(path: str | os.PathLike[str]) -> int:
     buf = ctypes.create_string_buffer(120)
     _check(_libc.statfs(_b(path), buf))
     return int.from_bytes(buf.raw[:8], "little")
+
+
+@contextmanager
+def flocked(path: str | os.PathLike[str], shared: bool = False) -> Iterator[None]:
+    """Hold an flock on the lock file ``path`` (made if missing, root-only) for the block:
+    exclusive, or shared with other holders of ``shared``. For state other processes of the
+    node (CLI, another edge) change too; threads of this process need their own lock."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

@@ -83,12 +83,8 @@ class DiskPool:
         with self._lock:
             self.dir.mkdir(parents=True, exist_ok=True)
             os.chmod(self.dir, 0o700)  # sandboxes' data: no host user walks into the pool
-            fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+            with syscalls.flocked(self.dir / ".lock"):
                 yield
-            finally:
-                os.close(fd)
 
     def _mount(self) -> None:
         self.mnt.mkdir(parents=True, exist_ok=True)
