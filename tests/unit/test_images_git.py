@@ -280,3 +280,28 @@ def test_git_errors_do_not_name_host_paths(tmp_path: Path) -> None:
     with pytest.raises(BadRequest) as exc:
         git.process_tree(root, keep_history=False, scratch=tmp_path)
     assert "$GIT_DIR/objects/" in exc.value.message and str(tmp_path) not in exc.value.message
+
+
+def test_completing_repos_never_follows_a_link_out_of_the_view(tmp_path: Path) -> None:
+    """complete_repos reads repositories from the sandbox's view, which a sandbox that is not
+    frozen (snapshot pause=False) changes meanwhile: a directory of the capture swapped for a
+    symlink to a host directory must not bring a host repository into the layer."""
+    from rollbox.images.snapshot import complete_repos
+
+    host = tmp_path / "host"
+    host.mkdir()
+    sh(host, "git init -q -b main main", f"echo host-secret > main/s && {G} -C main add s",
+       f"{G} -C main commit -qm secret")
+    merged, capture = tmp_path / "merged", tmp_path / "capture"
+    merged.mkdir()
+    os.symlink(host, merged / "w")  # the sandbox swapped w for a link after the capture
+    (capture / "w/main/.git").mkdir(parents=True)  # what the capture saw: real directories
+    (capture / "w/main/.git/config").write_text("partial")
+    assert complete_repos(merged, capture, id_shift=0) == []
+    assert sorted(p.name for p in (capture / "w/main/.git").iterdir()) == ["config"]
+    # A real repository of the view is still completed.
+    sh(merged, "git init -q -b main real", f"echo x > real/x && {G} -C real add x",
+       f"{G} -C real commit -qm x")
+    (capture / "real/.git").mkdir(parents=True)
+    assert complete_repos(merged, capture, id_shift=0) == ["/real/.git"]
+    assert (capture / "real/.git/HEAD").is_file()

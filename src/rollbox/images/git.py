@@ -70,10 +70,23 @@ def is_git_dir(path: Path) -> bool:
     """git's own test of a repository directory (HEAD, objects/, refs/), without following a
     symlink at any of them."""
     try:
-        return (stat.S_ISDIR(os.lstat(path).st_mode)
-                and stat.S_ISREG(os.lstat(path / "HEAD").st_mode)
-                and stat.S_ISDIR(os.lstat(path / "objects").st_mode)
-                and stat.S_ISDIR(os.lstat(path / "refs").st_mode))
+        fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return is_git_dir_at(fd)
+    finally:
+        os.close(fd)
+
+
+def is_git_dir_at(fd: int) -> bool:
+    """:func:`is_git_dir` of the directory open at ``fd``."""
+    def kind(name: str) -> int:
+        return os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+
+    try:
+        return (stat.S_ISREG(kind("HEAD")) and stat.S_ISDIR(kind("objects"))
+                and stat.S_ISDIR(kind("refs")))
     except OSError:
         return False
 

@@ -35,6 +35,7 @@ from rollbox.images.build import (
     make_whiteout,
     set_opaque,
 )
+from rollbox.isolation import syscalls
 from rollbox.isolation.cgroups import (  # noqa: F401 - re-exported: freezing lives with cgroups
     FREEZE_TIMEOUT_S,
     frozen,
@@ -169,6 +170,10 @@ class _Capture:
             fd = os.open(upper, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             raise InfraError(f"can not open the sandbox's writable layer {upper}: {exc}") from exc
+        return self.run_fd(fd)
+
+    def run_fd(self, fd: int) -> CaptureStats:
+        """Capture the directory open at ``fd`` (closed here)."""
         try:
             st = os.fstat(fd)
             os.mkdir(self.dest_root, 0o700)
@@ -310,22 +315,46 @@ def complete_repos(merged: Path, root: Path, *, id_shift: int, max_bytes: int = 
     directory of the capture, that directory is replaced by a copy of the whole repository
     from the view (the same fd-only walk), marked opaque so the lower layers' copy stays
     hidden. Run with the sandbox frozen: the capture's directories are real directories of
-    the upper, so the view's path to each is the sandbox's own. Returns the paths completed."""
+    the upper, so the view's path to each is the sandbox's own; one not frozen may have
+    swapped a directory for a link meanwhile, so a path of the view is only followed if no
+    component of it is a link. Returns the paths completed."""
     done = []
-    for dirpath, dirnames, _files in os.walk(root):
-        rel = os.path.relpath(dirpath, root)
-        dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
-        if rel == "." or not git.is_git_dir(merged / rel):
-            continue
-        dirnames[:] = []
-        tmp = Path(dirpath).with_name(Path(dirpath).name + ".rollbox-repo")
-        _Capture(tmp, id_shift=id_shift, scrub=[], exclude=[], max_bytes=max_bytes,
-                 max_entries=max_entries).run(merged / rel)
-        shutil.rmtree(dirpath)
-        os.rename(tmp, dirpath)
-        set_opaque(dirpath)
-        done.append("/" + rel)
+    view = os.open(merged, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for dirpath, dirnames, _files in os.walk(root):
+            rel = os.path.relpath(dirpath, root)
+            dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+            if rel == ".":
+                continue
+            fd = _open_beneath(view, rel)  # a sandbox not frozen may have swapped in a link
+            if fd is None:
+                continue
+            if not git.is_git_dir_at(fd):
+                os.close(fd)
+                continue
+            dirnames[:] = []
+            tmp = Path(dirpath).with_name(Path(dirpath).name + ".rollbox-repo")
+            _Capture(tmp, id_shift=id_shift, scrub=[], exclude=[], max_bytes=max_bytes,
+                     max_entries=max_entries).run_fd(fd)
+            shutil.rmtree(dirpath)
+            os.rename(tmp, dirpath)
+            set_opaque(dirpath)
+            done.append("/" + rel)
+    finally:
+        os.close(view)
     return done
+
+
+def _open_beneath(dirfd: int, rel: str) -> int | None:
+    """The directory ``rel`` below ``dirfd`` if no component of it is a link (None if not)."""
+    try:
+        return syscalls.openat2(dirfd, rel, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC,
+                                resolve=syscalls.RESOLVE_BENEATH | syscalls.RESOLVE_NO_SYMLINKS
+                                | syscalls.RESOLVE_NO_MAGICLINKS)
+    except OSError:
+        return None
+
+
 
 
 # ---- push targets --------------------------------------------------------------------------
