@@ -1026,8 +1026,9 @@ class Edge:
                         scrub=snap.DEFAULT_SCRUB if spec.scrub else [], exclude=exclude,
                         max_bytes=max_bytes, max_entries=spec.max_entries)
                     if not spec.keep_git_history:  # a repository of a lower layer, changed
+                        # within what is left of the layer's promised room
                         snap.complete_repos(box.rootfs.merged, root, id_shift=box.host_uid,
-                                            max_bytes=spec.max_bytes,
+                                            max_bytes=max(0, max_bytes - stats.bytes),
                                             max_entries=spec.max_entries)
                     paused = time.monotonic() - t_freeze if spec.pause else 0.0
                 return stats, paused
