@@ -425,3 +425,31 @@ async def test_wire_connect_rpc(env: Env) -> None:
         assert r.status_code == 502
         r = await c.delete(f"/e2b/sandboxes/{sid}", headers={"X-API-KEY": env.key})
         assert r.status_code == 404
+
+
+async def test_envd_token_ends_with_its_key(env: Env) -> None:
+    """An envd access token is the key's: once the key that got it is revoked, envd refuses
+    the token at once (the sandbox lives on for its project's other keys)."""
+    from rollbox.iam import KeyStore
+
+    keys = KeyStore(env.edge.settings.data_dir.parent / "keys.db")  # the node's key store
+    try:
+        key = keys.create("e2b-proj")
+        async with httpx.AsyncClient(base_url=env.url, timeout=30) as c:
+            r = await c.post("/e2b/sandboxes", json={"templateID": "base", "timeout": 60},
+                             headers={"X-API-KEY": key})
+            sid, token = r.json()["sandboxID"], r.json()["envdAccessToken"]
+            try:
+                health = {"X-Access-Token": token}
+                assert (await c.get("/e2b/envd/health", headers=health)).status_code == 204
+                keys.revoke(keys.verify(key).key_id)
+                r = await c.get("/e2b/envd/health", headers=health)
+                assert r.status_code == 401
+                # Another key of the project gets its own token for the same sandbox.
+                r = await c.get(f"/e2b/sandboxes/{sid}", headers={"X-API-KEY": env.key})
+                other = {"X-Access-Token": r.json()["envdAccessToken"]}
+                assert (await c.get("/e2b/envd/health", headers=other)).status_code == 204
+            finally:
+                await c.delete(f"/e2b/sandboxes/{sid}", headers={"X-API-KEY": env.key})
+    finally:
+        keys.close()

@@ -155,6 +155,15 @@ class KeyStore:
             self._note_use(principal.key_id)
         return principal
 
+    def check_active(self, key_id: str) -> None:
+        """Unauthorized unless ``key_id`` names a key that is not revoked (for credentials
+        a key was used to get, e.g. E2B envd tokens: read at every use, never cached)."""
+        with self._lock:
+            row = self._db.execute("SELECT revoked_at FROM api_keys WHERE key_id=?",
+                                   (key_id,)).fetchone()
+        if row is None or row[0] is not None:
+            raise errors.Unauthorized("the key this access token was issued to is revoked")
+
     def _note_use(self, key_id: str) -> None:
         """Record a key's use to the minute (called with the lock held)."""
         now = time.time()

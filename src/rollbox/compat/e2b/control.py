@@ -105,10 +105,11 @@ def mount_control(app: FastAPI, api: Any, state: E2BState) -> None:
     def template_of(info: SandboxInfo) -> str:
         return info.labels.get(TEMPLATE_LABEL, info.image)
 
-    def sandbox_json(info: SandboxInfo) -> dict[str, Any]:
+    def sandbox_json(info: SandboxInfo, principal: Principal) -> dict[str, Any]:
         t = template_of(info)
         return {"clientID": CLIENT_ID, "envdVersion": ENVD_VERSION, "sandboxID": info.id,
-                "templateID": t, "alias": t, "envdAccessToken": state.token(info.id)}
+                "templateID": t, "alias": t,
+                "envdAccessToken": state.token(info.id, principal.key_id)}
 
     def listed_json(info: SandboxInfo) -> dict[str, Any]:
         t = template_of(info)
@@ -162,7 +163,7 @@ def mount_control(app: FastAPI, api: Any, state: E2BState) -> None:
                 "image": spec.image, "layers": spec.layers, "labels": spec.labels,
                 "resources": spec.resources.model_dump(), "ttl_s": spec.ttl_s, "via": "e2b",
             }))
-        return JSONResponse(sandbox_json(info), status_code=201)
+        return JSONResponse(sandbox_json(info, principal), status_code=201)
 
     async def _list(request: Request, paged: bool) -> Response:
         principal = who(request)
@@ -212,8 +213,10 @@ def mount_control(app: FastAPI, api: Any, state: E2BState) -> None:
     @handler
     async def get(request: Request) -> Response:
         sid = request.path_params["sandbox_id"]
-        _, info = await live(sid, who(request))
-        return JSONResponse({**listed_json(info), "envdAccessToken": state.token(sid)})
+        principal = who(request)
+        _, info = await live(sid, principal)
+        return JSONResponse({**listed_json(info),
+                             "envdAccessToken": state.token(sid, principal.key_id)})
 
     @handler
     async def kill(request: Request) -> Response:
@@ -262,17 +265,18 @@ def mount_control(app: FastAPI, api: Any, state: E2BState) -> None:
 
     async def _resume(request: Request, must_be_paused: bool) -> Response:
         sid = request.path_params["sandbox_id"]
-        edge, info = await live(sid, who(request))
+        principal = who(request)
+        edge, info = await live(sid, principal)
         ttl = _timeout((await _json(request)).get("timeout"), 300)
         if info.state == "paused":
             info = await edge.resume(sid)
             await edge.set_ttl(sid, ttl)
-            return JSONResponse(sandbox_json(info), status_code=201)
+            return JSONResponse(sandbox_json(info, principal), status_code=201)
         if must_be_paused:
             return e2b_error(409, f"sandbox {sid} is already running")
         if now() + ttl > info.expires_at:  # connect only ever extends a running sandbox
             await edge.set_ttl(sid, ttl)
-        return JSONResponse(sandbox_json(info), status_code=200)
+        return JSONResponse(sandbox_json(info, principal), status_code=200)
 
     @handler
     async def connect(request: Request) -> Response:

@@ -259,8 +259,9 @@ def mount_envd(app: FastAPI, api: Any, state: E2BState) -> None:
     watchers: dict[str, Watcher] = {}
 
     async def route(request: Request) -> tuple[str, EdgeAPI]:
-        sid = state.sandbox_of(request.headers.get("x-access-token"),
-                               request.headers.get("e2b-sandbox-id"))
+        sid, key_id = state.sandbox_of(request.headers.get("x-access-token"),
+                                       request.headers.get("e2b-sandbox-id"))
+        api.keys.check_active(key_id)  # the token ends with the key that got it
         edge = api.placement.edge_for(sid)
         # E2B: a paused sandbox's envd is unreachable until connect/resume (the edge would
         # still serve its files host-side; E2B clients expect the refusal).

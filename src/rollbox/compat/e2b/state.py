@@ -75,21 +75,25 @@ class E2BState:
         self.templates = templates if templates is not None else _templates_from_env()
         self._secret = _load_secret(settings or Settings())
 
-    # -- access tokens: "<sandbox id>.<mac>", so envd calls route by token alone --
-    def token(self, sandbox_id: str) -> str:
-        mac = hmac.new(self._secret, sandbox_id.encode(), hashlib.sha256).hexdigest()[:40]
-        return f"{sandbox_id}.{mac}"
+    # -- access tokens: "<sandbox id>.<key id>.<mac>", so envd calls route by token alone and
+    # end with the key that got the token (a revoked key's tokens are refused at once) --
+    def token(self, sandbox_id: str, key_id: str) -> str:
+        msg = f"{sandbox_id}.{key_id}".encode()
+        mac = hmac.new(self._secret, msg, hashlib.sha256).hexdigest()[:40]
+        return f"{sandbox_id}.{key_id}.{mac}"
 
-    def sandbox_of(self, token: str | None, sandbox_id: str | None) -> str:
-        """The sandbox a request may reach: the token must be the one issued for it."""
+    def sandbox_of(self, token: str | None, sandbox_id: str | None) -> tuple[str, str]:
+        """(sandbox, key id) a request may reach: the token must be the one issued for them.
+        The caller checks the key is still active."""
         if not token:
             raise errors.Unauthorized("missing X-Access-Token")
-        sid, _, _ = token.rpartition(".")
+        parts = token.rsplit(".", 2)
+        sid, key_id = (parts[0], parts[1]) if len(parts) == 3 else ("", "")
         if sandbox_id and sandbox_id != sid:
             raise errors.Unauthorized("access token does not match E2b-Sandbox-Id")
-        if not sid or not hmac.compare_digest(self.token(sid), token):
+        if not sid or not key_id or not hmac.compare_digest(self.token(sid, key_id), token):
             raise errors.Unauthorized("invalid access token")
-        return sid
+        return sid, key_id
 
     def image_of(self, template: str) -> str:
         return self.templates.get(template, template)
