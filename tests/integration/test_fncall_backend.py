@@ -128,3 +128,18 @@ async def test_forked_python_state_does_not_reach_the_next(edge) -> None:  # noq
         calls = [e for e in edge.event_log.read_sync(first.worker) if e.kind == "fncall.call"]
         assert len(calls) == 3 and '"status":"ok"' in calls[0].data, calls
         assert "from-call" not in calls[0].data  # what ran is counted, never copied
+
+
+async def test_workers_belong_to_no_project(edge) -> None:  # noqa: ANN001
+    """Workers run every project's calls: their owner is no project name a key can have
+    (a project named "fncall" listed them and could exec into them)."""
+    from rollbox.backends.fncall.pool import WORKER_OWNER
+    from rollbox.iam.keys import PROJECT_RE
+
+    async with FnCallBackend(edge, PoolConfig(max_workers=1)) as fb:
+        assert (await fb.call(spec("bash", "true"))).status == "ok"
+        workers = await edge.list(None, {"rollbox.backend": "fncall"})
+        assert workers and {w.owner for w in workers} == {WORKER_OWNER}
+        assert not PROJECT_RE.match(WORKER_OWNER)
+        assert await edge.list("fncall", {}) == []
+

@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 WORKER_SOURCE = (Path(__file__).with_name("worker.py")).read_text()
 FNCALL_IMAGE = "fncall:1"
 FALLBACK_IMAGE = "python:3.11"  # python and bash only
+# Owner of the worker sandboxes: not a valid project name (iam.keys.PROJECT_RE), so no
+# project's key lists or reaches the workers that run every project's calls.
+WORKER_OWNER = "@fncall"
 CALL_UID = 1000  # unprivileged uid of every call inside a worker sandbox
 LEN = struct.Struct(">I")
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -362,7 +365,7 @@ class FnCallBackend:
         worker: FnWorker | None = None
         try:
             # Reserved share: calls must not starve behind a node full of new sandboxes.
-            info = await self.edge.create(spec, owner="fncall", share="reserved")
+            info = await self.edge.create(spec, owner=WORKER_OWNER, share="reserved")
             worker = FnWorker(self, info.id)
             await worker.start(self.edge, list(preload), {})
         except asyncio.CancelledError:
