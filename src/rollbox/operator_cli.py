@@ -128,18 +128,24 @@ def _age(ts: float) -> str:
     return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.1f}h"
 
 
+def _cell(value: str) -> str:
+    """A table cell: controls escaped, and newlines and tabs too (a label value with a
+    newline would otherwise forge a row that a script reading the piped table acts on)."""
+    return _text(value).replace("\n", "\\n").replace("\t", "\\t")
+
+
 def _table(headers: list[str], rows: list[list[str]]) -> None:
     """A table on a terminal; tab-separated lines, nothing shortened, when piped."""
     if not out.is_terminal:
         for row in [headers, *rows]:
-            typer.echo("\t".join(_text(c).replace("\t", " ") for c in row))
+            typer.echo("\t".join(_cell(c) for c in row))
         return
     table = Table(*headers)
     # ids are what the other commands take: never shortened, whatever the terminal's width
     table.columns[0].no_wrap = True
     table.columns[0].min_width = max((len(r[0]) for r in rows), default=2)
     for row in rows:
-        table.add_row(*(markup_escape(_text(c)) for c in row))
+        table.add_row(*(markup_escape(_cell(c)) for c in row))
     out.print(table)
 
 

@@ -1,7 +1,9 @@
 """escape_control: nothing a sandbox prints reaches the operator's terminal as a control."""
 from __future__ import annotations
 
-from rollbox.operator_cli import _text, escape_control
+import pytest
+
+from rollbox.operator_cli import _table, _text, escape_control
 
 
 def test_terminal_controls_are_shown_escaped() -> None:
@@ -27,3 +29,13 @@ def test_terminal_controls_are_shown_escaped() -> None:
     for c in range(0x20):
         if chr(c) not in "\n\t":
             assert escape_control(chr(c)).startswith("\\"), c
+
+
+def test_piped_table_rows_can_not_be_forged(capsys: pytest.CaptureFixture[str]) -> None:
+    """A label value (any project may set one) with a newline and tabs stays in its cell: a
+    script reading `rollbox sandbox ls | cut -f1` sees only the real ids."""
+    _table(["ID", "LABELS"], [["sb-real", "k=v\nsb-other\tx"]])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("\t")[0] for line in lines] == ["ID", "sb-real"]
+    assert lines[1] == "sb-real\tk=v\\nsb-other\\tx"
+
