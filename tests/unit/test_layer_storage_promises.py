@@ -1,6 +1,6 @@
-"""LayerStorage's promises: layers being made (uploads, snapshots) count against the project's
-limit and the store's free space until they are committed, so concurrent ones can not together
-stage more than either allows."""
+"""LayerStorage's promises: uploads under way count against the project's limit and the store's
+free space until they are committed, so concurrent ones can not together stage more than
+either allows; a refusal because of them is retryable."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,9 +27,10 @@ def test_promises_count_against_the_project_limit(tmp_path: Path) -> None:
     a = st.promise("team", 8 * MIB)
     assert a.bytes == 8 * MIB
     b = st.promise("team", 8 * MIB)
-    assert b.bytes == 2 * MIB and isinstance(b.error, errors.QuotaExceeded)
-    with pytest.raises(errors.QuotaExceeded):
+    assert b.bytes == 2 * MIB and isinstance(b.error, errors.CapacityExceeded)
+    with pytest.raises(errors.CapacityExceeded) as busy:  # held by uploads: retryable
         st.promise("team", 8 * MIB)
+    assert busy.value.retryable and busy.value.details["held_bytes"] == 10 * MIB
     assert st.promise("other", 8 * MIB).bytes == 8 * MIB  # per project
     st.release(a)
     assert st.promise("team", 8 * MIB).bytes == 8 * MIB

@@ -1002,9 +1002,8 @@ class Edge:
                     if spec.push else None)
         if sandbox_id in self._snapshotting:
             raise BadRequest(f"a snapshot of sandbox {sandbox_id} is already running")
-        # the project's layer storage and the store's reserve, promised until the commit
-        room = self.storage.promise(owner, spec.max_bytes)
-        max_bytes = room.bytes
+        room = self.storage.room(owner)  # the project's layer storage and the store's reserve
+        max_bytes = min(spec.max_bytes, room.bytes)
         self._snapshotting.add(sandbox_id)
         t0 = time.monotonic()
         try:
@@ -1026,7 +1025,7 @@ class Edge:
                         scrub=snap.DEFAULT_SCRUB if spec.scrub else [], exclude=exclude,
                         max_bytes=max_bytes, max_entries=spec.max_entries)
                     if not spec.keep_git_history:  # a repository of a lower layer, changed
-                        # within what is left of the layer's promised room
+                        # within what is left of the layer's room
                         snap.complete_repos(box.rootfs.merged, root, id_shift=box.host_uid,
                                             max_bytes=max(0, max_bytes - stats.bytes),
                                             max_entries=spec.max_entries)
@@ -1064,7 +1063,6 @@ class Edge:
             if push_url is not None:
                 await push_image(self.store, spec.name, open_store(push_url))
         finally:
-            self.storage.release(room)
             self._snapshotting.discard(sandbox_id)
         result = SnapshotResult(
             sandbox_id=sandbox_id, image=spec.name, layer=digest, layers=layers,

@@ -121,35 +121,41 @@ class LayerStorage:
 
     def room(self, project: str) -> Room:
         """Bytes a new layer of ``project`` may take now: CapacityExceeded (retryable: space
-        may come back) when the store is at its reserve, QuotaExceeded at the project's limit.
-        Rooms promised to layers still being made count as taken."""
+        may come back) when the store is at its reserve or the project's rest of its limit is
+        held by uploads under way, QuotaExceeded at the project's limit. Rooms promised to
+        uploads under way count as taken."""
         promised = list(self._promised.values())
         free = self.free_bytes() - sum(r.bytes for r in promised)
         reserve = self.reserve_bytes()
         full = CapacityExceeded(
-            f"the image store has {max(free, 0) >> 20} MiB free (beyond what layers being "
-            f"made may still take), at or below its reserve of {reserve >> 20} MiB: no new "
+            f"the image store has {max(free, 0) >> 20} MiB free (beyond what uploads under "
+            f"way may still take), at or below its reserve of {reserve >> 20} MiB: no new "
             "layers now", free_bytes=free, reserve_bytes=reserve)
         if free <= reserve:
             raise full
         used, _ = self._used(project)
-        used += sum(r.bytes for r in promised if r.project == project)
+        held = sum(r.bytes for r in promised if r.project == project)
         limit = self.limit_bytes(project)
         over = QuotaExceeded(f"project {project!r} has {used >> 20} of its {limit >> 20} MiB of "
-                             "layer storage in use or promised to layers being made; delete "
-                             "images to make room",
+                             "layer storage in use; delete images to make room",
                              used_bytes=used, limit_bytes=limit)
+        busy = CapacityExceeded(f"project {project!r}: {held >> 20} MiB of its layer storage "
+                                "is held by uploads under way; retry when they are done",
+                                used_bytes=used, held_bytes=held, limit_bytes=limit)
         if used >= limit:
             raise over
-        if limit - used < free - reserve:
-            return Room(limit - used, over)
+        if used + held >= limit:
+            raise busy
+        if limit - used - held < free - reserve:
+            return Room(limit - used - held, busy if held else over)
         return Room(free - reserve, full)
 
     def promise(self, project: str, want: int) -> Room:
-        """:meth:`room`, at most ``want`` bytes of it, promised to one new layer of
-        ``project`` until :meth:`release`: concurrent uploads and snapshots each count the
-        others' promises, so together their staging copies stay within the project's limit and
-        above the store's reserve."""
+        """:meth:`room`, at most ``want`` bytes of it, promised to one upload of ``project``
+        until :meth:`release`: concurrent uploads (and snapshots) count the promises, so the
+        uploads' staging copies together stay within the project's limit and above the store's
+        reserve. Snapshots take no promise: many run at once (RL), most far below their cap,
+        and holding the cap of each would refuse them; the final check still bounds them."""
         room = self.room(project)
         promised = Room(min(want, room.bytes), room.error, project)
         self._promised[id(promised)] = promised
