@@ -258,22 +258,30 @@ class Admission:
         return headroom
 
     @staticmethod
-    def _check_quota(usage: _Usage | None, r: Resources, quota: Quota, owner: str) -> None:
+    def _check_quota(usage: _Usage | None, r: Resources, quota: Quota, owner: str,
+                     share: Share = "new") -> None:
         u = usage or _Usage()
         for name, have, add, cap in (("sandboxes", u.sandboxes, 1, quota.sandboxes),
                                      ("cpus", u.cpus, r.cpus, quota.cpus),
                                      ("memory_mib", u.memory_mib, r.memory_mib,
                                       quota.memory_mib)):
-            if cap is not None and have + add > cap + 1e-9:
-                raise QuotaExceeded(f"project {owner!r} quota: {name} {have:g} + {add:g} > "
-                                    f"{cap:g}", project=owner, field=name, limit=cap)
+            if cap is None or have + add <= cap + 1e-9:
+                continue
+            if share == "reserved" and add <= cap + 1e-9:
+                # The project's other grades hold the rest: it comes back when they end.
+                raise CapacityExceeded(f"project {owner!r}: its grades running now hold its "
+                                       f"quota of {name} ({have:g} of {cap:g}); retry",
+                                       reason="project_grades", project=owner, field=name,
+                                       limit=cap)
+            raise QuotaExceeded(f"project {owner!r} quota: {name} {have:g} + {add:g} > "
+                                f"{cap:g}", project=owner, field=name, limit=cap)
 
     # ---- admit / start / release ------------------------------------------------------
     def try_admit(self, r: Resources, owner: str, share: Share = "new",
                   quota: Quota | None = None) -> Ticket:
         """Admit now or raise (QuotaExceeded first: retrying elsewhere will not help)."""
         if quota is not None:
-            self._check_quota(self._owners(share).get(owner), r, quota, owner)
+            self._check_quota(self._owners(share).get(owner), r, quota, owner, share)
         headroom = self._check_node(r, share)
         return self._take(r, owner, share, headroom)
 
@@ -286,8 +294,9 @@ class Admission:
         deadline = self.clock() + self.limits.create_queue_timeout_s
         try:
             return self.try_admit(r, owner, share, quota)
-        except CapacityExceeded:
-            if self.clock() >= deadline:
+        except CapacityExceeded as exc:
+            # A project's own grades holding its quota are no reason to hold the node's creates.
+            if self.clock() >= deadline or exc.details.get("reason") == "project_grades":
                 raise
         self._reserved_waiting += 1  # new creates are refused meanwhile
         try:
@@ -300,8 +309,8 @@ class Admission:
                     pass
                 try:
                     return self.try_admit(r, owner, share, quota)
-                except CapacityExceeded:
-                    if self.clock() >= deadline:
+                except CapacityExceeded as exc:
+                    if self.clock() >= deadline or exc.details.get("reason") == "project_grades":
                         raise
         finally:
             self._reserved_waiting -= 1
