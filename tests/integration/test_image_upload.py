@@ -144,6 +144,9 @@ async def test_bad_uploads_leave_nothing(api: Api, names: list[str], tmp_path: P
     src = tree(tmp_path / "src", size=3 << 20)
     taken = new_name(names, "dup")
     await api.proj.images.upload(taken, src)
+    own = f"proj/own-{os.getpid()}:1"  # under its project's name
+    names.append(own)
+    await api.proj.images.upload(own, src)
     layers = set(edge.store.list_layers())
     refs = {i.name for i in edge.store.list()}
     with pytest.raises(errors.BadRequest, match="needs a path"):
@@ -162,6 +165,11 @@ async def test_bad_uploads_leave_nothing(api: Api, names: list[str], tmp_path: P
     (tmp_path / "escape.tar").write_bytes(bad.getvalue())
     with pytest.raises(errors.BadRequest, match=r"'\.\.'"):
         await api.proj.images.upload(new_name(names, "esc"), tmp_path / "escape.tar")
+    # Names under another project's name are that project's: not taken, not probed (an
+    # image of it that exists gets the same answer as a free name).
+    for name in (own, own.replace("/own-", "/free-")):
+        with pytest.raises(errors.BadRequest, match="that project's"):
+            await api.other.images.upload(name, src)
     # Errors name no host path (the store, the upload's staging dir).
     with pytest.raises(errors.NotFound) as gone:
         await api.proj.images.delete(new_name(names, "never"))

@@ -293,6 +293,18 @@ class _Api:
                 return None
         return None
 
+    def check_image_name(self, owner: str, name: str) -> None:
+        """An image name under another project's name (``teamA/...``) is that project's: no
+        other project may take it (squatting its names, or probing them through the
+        name-taken error). Names under no project's name stay node-wide."""
+        if name.startswith(f"{owner}/"):
+            return
+        for project in self.keys.projects():
+            if project.name != owner and name.startswith(f"{project.name}/"):
+                raise errors.BadRequest(f"image {name!r}: names under {project.name + '/'!r} "
+                                        f"are that project's; use e.g. '{owner}/...'",
+                                        image=name)
+
     def lease_store(self) -> LeaseStore:
         if self.leases is None:
             raise errors.BadRequest("this server keeps no job leases")
@@ -532,6 +544,7 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
         tagged as the sandbox's layers + it (create sandboxes from it on this node). The image
         belongs to the sandbox's project: other projects can't see or use it."""
         owner = (await edge.get(sandbox_id)).owner
+        api.check_image_name(owner, spec.name)
         return await edge.snapshot(sandbox_id, spec, owner)
 
     def exec_stream_response(edge: EdgeAPI, sandbox_id: str, exec_id: str,

@@ -29,6 +29,7 @@ def mount(app: FastAPI, api: Any) -> contextlib.AbstractAsyncContextManager[None
                            ) -> models.ImageInfo:
         """Build image ``name`` (it needs a path: ``myproject/task:1``) owned by the caller's
         project from the tar body: one new layer, over ``base``'s layers if given."""
+        api.check_image_name(who.project, name)
         edge = next(iter(edges.values()))
         return await edge.image_upload(name, body_chunks(request), who.project, base)
 
