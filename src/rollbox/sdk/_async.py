@@ -25,7 +25,7 @@ import pydantic
 
 from rollbox import errors
 from rollbox.sdk._resume import (
-    DEFAULT_RECONNECT_S, Offsets, Reconnect, indeterminate, new_idempotency_key,
+    DEFAULT_RECONNECT_S, Offsets, Reconnect, new_idempotency_key,
 )
 from rollbox.models import (
     FnCallResult, FnCallSpec,
@@ -340,13 +340,8 @@ class AsyncProcess:
 
     async def wait(self, *, check: bool = False) -> ExecResult:
         """The command's result; waits through a server restart (reconnect window)."""
-        retry = Reconnect(self.sandbox.client.reconnect_s)
-        while True:
-            try:
-                r = await self._t.request("GET", self._base, long=True)
-                break
-            except (errors.ServerUnreachable, errors.ConnectionLost) as exc:
-                await retry.wait(exc)
+        r = await Reconnect(self.sandbox.client.reconnect_s).call(
+            lambda: self._t.request("GET", self._base, long=True))
         result = ExecResult.model_validate(r.json())
         if check:
             _check_command(result, self.cmd)
@@ -708,16 +703,8 @@ class AsyncSandbox:
         retry = Reconnect(self.client.reconnect_s)
         if stdin is None and on_stdout is None and on_stderr is None:
             # Nobody watches the output live: one JSON answer is cheaper than a stream.
-            while True:
-                try:
-                    r = await self._t.request("POST", self._base + "/exec", json=body,
-                                              params={"wait": 1}, long=True)
-                    break
-                except (errors.ServerUnreachable, errors.ConnectionLost) as exc:
-                    try:
-                        await retry.wait(exc)
-                    except errors.InfraError:
-                        raise indeterminate(exc, key, None, retry.may_have_run) from exc
+            r = await retry.call(lambda: self._t.request(
+                "POST", self._base + "/exec", json=body, params={"wait": 1}, long=True), key)
             result = ExecResult.model_validate(r.json())
             if check:
                 _check_command(result, cmd)
@@ -757,10 +744,7 @@ class AsyncSandbox:
                         await messages.aclose()
                     break
                 except (errors.ServerUnreachable, errors.ConnectionLost) as exc:
-                    try:
-                        await retry.wait(exc)
-                    except errors.InfraError:
-                        raise indeterminate(exc, key, exec_id, retry.may_have_run) from exc
+                    await retry.wait_exec(exc, key, exec_id)
             if feeder is not None:
                 try:
                     await feeder
@@ -781,17 +765,10 @@ class AsyncSandbox:
         """Start a command and return its handle. Retried through a server restart with an
         idempotency key like :meth:`exec` (same errors when the window runs out)."""
         body = _exec_spec(cmd, env, cwd, user, timeout, stdin, True, idempotency_key)
-        retry = Reconnect(self.client.reconnect_s)
-        while True:
-            try:
-                r = await self._t.request("POST", self._base + "/exec", json=body)
-                return AsyncProcess(self, r.json()["exec_id"], cmd)
-            except (errors.ServerUnreachable, errors.ConnectionLost) as exc:
-                try:
-                    await retry.wait(exc)
-                except errors.InfraError:
-                    raise indeterminate(exc, body["idempotency_key"], None,
-                                        retry.may_have_run) from exc
+        r = await Reconnect(self.client.reconnect_s).call(
+            lambda: self._t.request("POST", self._base + "/exec", json=body),
+            body["idempotency_key"])
+        return AsyncProcess(self, r.json()["exec_id"], cmd)
 
     def process(self, exec_id: str) -> AsyncProcess:
         """Handle on an existing command (e.g. one started by a previous trainer process)."""

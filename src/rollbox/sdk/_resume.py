@@ -16,10 +16,12 @@ import base64
 import random
 import secrets
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from rollbox import errors
 
+T = TypeVar("T")
 DEFAULT_RECONNECT_S = 60.0
 _FIRST_DELAY_S = 0.05
 _MAX_DELAY_S = 2.0
@@ -49,6 +51,27 @@ class Reconnect:
             raise exc
         await asyncio.sleep(self.delay * random.uniform(0.5, 1.0))
         self.delay = min(self.delay * 2, _MAX_DELAY_S)
+
+
+    async def wait_exec(self, exc: errors.InfraError, key: str, exec_id: str | None) -> None:
+        """:meth:`wait` for an exec start (or its stream): once the window is over it raises
+        what :func:`indeterminate` says instead of ``exc``."""
+        try:
+            await self.wait(exc)
+        except errors.InfraError:
+            raise indeterminate(exc, key, exec_id, self.may_have_run) from exc
+
+    async def call(self, attempt: Callable[[], Awaitable[T]], key: str | None = None) -> T:
+        """``attempt()`` until the server answers, waiting between tries; ``key``: the call is
+        an exec start with that idempotency key (see :meth:`wait_exec`)."""
+        while True:
+            try:
+                return await attempt()
+            except (errors.ServerUnreachable, errors.ConnectionLost) as exc:
+                if key is None:
+                    await self.wait(exc)
+                else:
+                    await self.wait_exec(exc, key, None)
 
 
 def indeterminate(exc: errors.InfraError, key: str, exec_id: str | None,
