@@ -159,6 +159,49 @@ async def api_server(edge, tmp_path: Path) -> AsyncIterator:  # noqa: ANN001
         keys.close()
 
 
+class NodeRestarts:
+    """One test node's edges started one after another (restart tests), on the same settings
+    and event log: ``start()`` makes the next edge, ``stop()`` closes the current one the way
+    a crash leaves it (its sandboxes keep running). At the end the current edge, or a new one
+    that re-adopts what a stopped one left, destroys every sandbox."""
+
+    def __init__(self, tmp: Path) -> None:
+        from rollbox.events.store import EventLog
+
+        self.settings = node_settings(tmp)
+        self.events = EventLog(tmp / "events.db")
+        self.edge = None
+
+    async def start(self):  # noqa: ANN201 - an Edge
+        from rollbox.edge.edge import Edge
+
+        self.edge = Edge(self.settings, self.events)
+        await self.edge.start()
+        return self.edge
+
+    async def stop(self) -> None:
+        edge, self.edge = self.edge, None
+        assert edge is not None
+        await edge.close(destroy=False)
+
+    async def close(self) -> None:
+        try:
+            if self.edge is None:
+                await self.start()
+            await self.edge.close(destroy=True)
+        finally:
+            self.events.close()
+
+
+@pytest.fixture
+async def restarts(tmp_node_dir: Path) -> AsyncIterator[NodeRestarts]:
+    r = NodeRestarts(tmp_node_dir)
+    try:
+        yield r
+    finally:
+        await r.close()
+
+
 RUNS_DIR = Path("/run/rollbox-test-runs")  # <run> -> pid of the pytest process that owns it
 STALE_UNOWNED_S = 600.0
 

@@ -8,9 +8,7 @@ import pytest
 
 from rollbox.edge.edge import Edge
 from rollbox.errors import ExecIndeterminate, IdempotencyConflict
-from rollbox.events.store import EventLog
 from rollbox.models import ExecSpec, SandboxSpec
-from tests.conftest import node_settings
 
 MIB = 1 << 20
 
@@ -25,70 +23,57 @@ async def _stream(edge: Edge, sid: str, eid: str, offsets: tuple[int, int] = (0,
     return out, result
 
 
-async def test_commands_are_rebuilt_after_an_edge_restart(tmp_node_dir) -> None:  # noqa: ANN001
-    settings = node_settings(tmp_node_dir)
-    events = EventLog(tmp_node_dir / "events.db")
-    e1 = Edge(settings, events)
-    await e1.start()
-    e2 = None
-    try:
-        sb = (await e1.create(SandboxSpec(image="busybox:test"), "t")).id
-        before = await e1.exec_start(sb, ExecSpec(cmd="echo before", idempotency_key="k-before"))
-        assert (await e1.exec_wait(sb, before)).stdout == "before\n"
-        exits = await e1.exec_start(sb, ExecSpec(cmd="echo a; sleep 0.4; echo b >&2; exit 3"))
-        big = await e1.exec_start(sb, ExecSpec(
-            cmd="sleep 0.3; head -c 10000000 /dev/zero | tr '\\0' y; echo end"))
-        long = await e1.exec_start(sb, ExecSpec(cmd="echo l1; sleep 2.5; echo l2; exit 4",
-                                                background=True, idempotency_key="k-long"))
-        await asyncio.sleep(0.15)
-        await e1.close(destroy=False)  # the edge goes away mid-stream; sandboxes keep running
-        e1 = None
-        await asyncio.sleep(1.0)  # `exits` and `big` end while no edge is up
+async def test_commands_are_rebuilt_after_an_edge_restart(restarts) -> None:  # noqa: ANN001
+    e1 = await restarts.start()
+    sb = (await e1.create(SandboxSpec(image="busybox:test"), "t")).id
+    before = await e1.exec_start(sb, ExecSpec(cmd="echo before", idempotency_key="k-before"))
+    assert (await e1.exec_wait(sb, before)).stdout == "before\n"
+    exits = await e1.exec_start(sb, ExecSpec(cmd="echo a; sleep 0.4; echo b >&2; exit 3"))
+    big = await e1.exec_start(sb, ExecSpec(
+        cmd="sleep 0.3; head -c 10000000 /dev/zero | tr '\\0' y; echo end"))
+    long = await e1.exec_start(sb, ExecSpec(cmd="echo l1; sleep 2.5; echo l2; exit 4",
+                                            background=True, idempotency_key="k-long"))
+    await asyncio.sleep(0.15)
+    await restarts.stop()  # the edge goes away mid-stream; sandboxes keep running
+    await asyncio.sleep(1.0)  # `exits` and `big` end while no edge is up
 
-        e2 = Edge(settings, events)
-        await e2.start()
-        infos = {i.exec_id: i for i in await e2.exec_list(sb)}
-        assert set(infos) == {before, exits, big, long}
-        assert infos[long].state == "running" and infos[long].background
-        assert (infos[exits].state, infos[exits].exit_code) == ("exited", 3)
-        assert (infos[big].stdout_bytes, infos[exits].stderr_bytes) == (10_000_004, 2)
+    e2 = await restarts.start()
+    infos = {i.exec_id: i for i in await e2.exec_list(sb)}
+    assert set(infos) == {before, exits, big, long}
+    assert infos[long].state == "running" and infos[long].background
+    assert (infos[exits].state, infos[exits].exit_code) == ("exited", 3)
+    assert (infos[big].stdout_bytes, infos[exits].stderr_bytes) == (10_000_004, 2)
 
-        r = await e2.exec_wait(sb, exits)
-        assert (r.exit_code, r.stdout, r.stderr) == (3, "a\n", "b\n")
-        assert r.stdout_truncated_bytes == 0
-        r = await e2.exec_wait(sb, big)
-        assert r.exit_code == 0 and r.stdout_bytes == 10_000_004
-        assert r.stdout_truncated_bytes == 10_000_004 - MIB  # only the last 1 MiB survives
-        assert r.stdout == (f"[... {10_000_004 - MIB} bytes lost to a server restart ...]\n"
-                            + "y" * (MIB - 4) + "end\n")
-        assert (await e2.exec_wait(sb, before)).stdout == "before\n"  # from the journal
+    r = await e2.exec_wait(sb, exits)
+    assert (r.exit_code, r.stdout, r.stderr) == (3, "a\n", "b\n")
+    assert r.stdout_truncated_bytes == 0
+    r = await e2.exec_wait(sb, big)
+    assert r.exit_code == 0 and r.stdout_bytes == 10_000_004
+    assert r.stdout_truncated_bytes == 10_000_004 - MIB  # only the last 1 MiB survives
+    assert r.stdout == (f"[... {10_000_004 - MIB} bytes lost to a server restart ...]\n"
+                        + "y" * (MIB - 4) + "end\n")
+    assert (await e2.exec_wait(sb, before)).stdout == "before\n"  # from the journal
 
-        # re-attach the running one where the client stopped (it had "l1\n")
-        out, result = await asyncio.wait_for(_stream(e2, sb, long, (3, 0)), 10)
-        assert out == [(3, b"l2\n")] and result is not None and result.exit_code == 4
-        out, _ = await _stream(e2, sb, long)
-        assert b"".join(d for _, d in out) == b"l1\nl2\n"
+    # re-attach the running one where the client stopped (it had "l1\n")
+    out, result = await asyncio.wait_for(_stream(e2, sb, long, (3, 0)), 10)
+    assert out == [(3, b"l2\n")] and result is not None and result.exit_code == 4
+    out, _ = await _stream(e2, sb, long)
+    assert b"".join(d for _, d in out) == b"l1\nl2\n"
 
-        # the exit of every command is logged exactly once, also across the restart
-        evs = await events.read(sb, 0, 100000)
-        exited = [e.exec_id for e in evs if e.kind == "exec.exited"]
-        assert sorted(exited) == sorted([before, exits, big, long])
+    # the exit of every command is logged exactly once, also across the restart
+    evs = await restarts.events.read(sb, 0, 100000)
+    exited = [e.exec_id for e in evs if e.kind == "exec.exited"]
+    assert sorted(exited) == sorted([before, exits, big, long])
 
-        # idempotency keys survive the restart
-        assert await e2.exec_start(sb, ExecSpec(cmd="echo l1; sleep 2.5; echo l2; exit 4",
-                                                background=True, idempotency_key="k-long")) == long
-        with pytest.raises(IdempotencyConflict):
-            await e2.exec_start(sb, ExecSpec(cmd="echo other", idempotency_key="k-before"))
-        fresh = await e2.exec_start(sb, ExecSpec(cmd="echo new"))
-        assert fresh not in (before, exits, big, long)
-        assert (await e2.exec_wait(sb, fresh)).stdout == "new\n"
-        assert not await e2.live[sb].box.channel.sessions()  # every exit collected
-    finally:
-        if e1 is not None:
-            await e1.close(destroy=True)
-        if e2 is not None:
-            await e2.close(destroy=True)
-        events.close()
+    # idempotency keys survive the restart
+    assert await e2.exec_start(sb, ExecSpec(cmd="echo l1; sleep 2.5; echo l2; exit 4",
+                                            background=True, idempotency_key="k-long")) == long
+    with pytest.raises(IdempotencyConflict):
+        await e2.exec_start(sb, ExecSpec(cmd="echo other", idempotency_key="k-before"))
+    fresh = await e2.exec_start(sb, ExecSpec(cmd="echo new"))
+    assert fresh not in (before, exits, big, long)
+    assert (await e2.exec_wait(sb, fresh)).stdout == "new\n"
+    assert not await e2.live[sb].box.channel.sessions()  # every exit collected
 
 
 async def test_idempotency_key_dedupes_concurrent_and_later_retries(edge) -> None:  # noqa: ANN001
@@ -104,32 +89,20 @@ async def test_idempotency_key_dedupes_concurrent_and_later_retries(edge) -> Non
     assert other != ids[0] and (await edge.exec_wait(sb, other)).stdout == "x\nx\n"
 
 
-async def test_a_command_the_agent_lost_is_indeterminate(tmp_node_dir) -> None:  # noqa: ANN001
-    settings = node_settings(tmp_node_dir)
-    events = EventLog(tmp_node_dir / "events.db")
-    e1 = Edge(settings, events)
-    await e1.start()
-    e2 = None
-    try:
-        sb = (await e1.create(SandboxSpec(image="busybox:test"), "t")).id
-        eid = await e1.exec_start(sb, ExecSpec(cmd="sleep 0.2"))
-        # the agent forgets it (as its retention bound would) before any edge collects it
-        agent_id = e1.live[sb].sessions[eid].agent_session.id
-        await e1.close(destroy=False)
-        e1 = None
-        await asyncio.sleep(0.5)
-        from rollbox.backends.container.channel import AgentChannel
-        ch = await AgentChannel.connect(str(settings.run_dir / "sandboxes" / sb / "agent.sock"))
-        ch.collect(agent_id)
-        await ch.ping()
-        ch.close()
-        e2 = Edge(settings, events)
-        await e2.start()
-        with pytest.raises(ExecIndeterminate):
-            await e2.exec_wait(sb, eid)
-    finally:
-        if e1 is not None:
-            await e1.close(destroy=True)
-        if e2 is not None:
-            await e2.close(destroy=True)
-        events.close()
+async def test_a_command_the_agent_lost_is_indeterminate(restarts) -> None:  # noqa: ANN001
+    e1 = await restarts.start()
+    sb = (await e1.create(SandboxSpec(image="busybox:test"), "t")).id
+    eid = await e1.exec_start(sb, ExecSpec(cmd="sleep 0.2"))
+    # the agent forgets it (as its retention bound would) before any edge collects it
+    agent_id = e1.live[sb].sessions[eid].agent_session.id
+    await restarts.stop()
+    await asyncio.sleep(0.5)
+    from rollbox.backends.container.channel import AgentChannel
+    sock = restarts.settings.run_dir / "sandboxes" / sb / "agent.sock"
+    ch = await AgentChannel.connect(str(sock))
+    ch.collect(agent_id)
+    await ch.ping()
+    ch.close()
+    e2 = await restarts.start()
+    with pytest.raises(ExecIndeterminate):
+        await e2.exec_wait(sb, eid)

@@ -7,16 +7,13 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from pathlib import Path
 
 import pytest
 
 import rollbox
 from rollbox import errors
-from rollbox.edge.edge import Edge
-from rollbox.events.store import EventLog
 from rollbox.models import JobSpec, SandboxSpec
-from tests.conftest import new_name, node_settings
+from tests.conftest import new_name
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root and runc")]
@@ -97,38 +94,26 @@ async def test_create_many_cancelled_leaves_nothing(edge, api_server) -> None:  
         assert await c.list() == [] and not edge.live
 
 
-async def test_edge_restart_keeps_a_live_jobs_sandboxes(tmp_node_dir: Path) -> None:
+async def test_edge_restart_keeps_a_live_jobs_sandboxes(restarts) -> None:
     """The edge was down longer than 3 heartbeats: its restart gives the trainer 3 more
     before the job's sandboxes go; then, without heartbeats, they go."""
-    settings = node_settings(tmp_node_dir)
-    events = EventLog(tmp_node_dir / "events.db")
-    e1 = Edge(settings, events)
-    await e1.start()
-    e2 = None
-    try:
-        e1.leases.open("p", JobSpec(name="j", heartbeat_s=0.5))
-        sb = await e1.create(SandboxSpec(image=BB, job="j"), "p")
-        await e1.close(destroy=False)
-        await asyncio.sleep(2.0)  # down for 4 heartbeats
-        e2 = Edge(settings, events)
-        await e2.start()
-        assert e2.leases.get("p", "j").state == "live"
-        for _ in range(4):  # the trainer's heartbeats get through again
-            await asyncio.sleep(0.5)
-            e2.leases.heartbeat("p", "j")
-        assert (await e2.get(sb.id)).state == "running"
-        await asyncio.sleep(1.5 + 0.3 + 0.5)  # 3 missed + a sweep + slack
-        await e2.wait_deleted(sb.id, 10)
-        info = await e2.get(sb.id)
-        assert info.state == "deleted" and "heartbeats missed" in (info.dead_reason or "")
-        assert e2.leases.get("p", "j").state == "expired"
-        assert e2.leftovers(sb.id) == []
-    finally:
-        if e2 is not None:
-            await e2.close(destroy=True)
-        else:
-            await e1.close(destroy=True)
-        events.close()
+    e1 = await restarts.start()
+    e1.leases.open("p", JobSpec(name="j", heartbeat_s=0.5))
+    sb = await e1.create(SandboxSpec(image=BB, job="j"), "p")
+    await restarts.stop()
+    await asyncio.sleep(2.0)  # down for 4 heartbeats
+    e2 = await restarts.start()
+    assert e2.leases.get("p", "j").state == "live"
+    for _ in range(4):  # the trainer's heartbeats get through again
+        await asyncio.sleep(0.5)
+        e2.leases.heartbeat("p", "j")
+    assert (await e2.get(sb.id)).state == "running"
+    await asyncio.sleep(1.5 + 0.3 + 0.5)  # 3 missed + a sweep + slack
+    await e2.wait_deleted(sb.id, 10)
+    info = await e2.get(sb.id)
+    assert info.state == "deleted" and "heartbeats missed" in (info.dead_reason or "")
+    assert e2.leases.get("p", "j").state == "expired"
+    assert e2.leftovers(sb.id) == []
 
 
 async def test_keys_listed_and_revoked_at_once(api_server) -> None:  # noqa: ANN001

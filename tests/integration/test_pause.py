@@ -13,12 +13,10 @@ import rollbox
 from rollbox import errors
 from rollbox.api import BackgroundServer, create_app
 from rollbox.edge.edge import Edge
-from rollbox.events.store import EventLog
 from rollbox.iam import KeyStore
 from rollbox.isolation import cgroups
 from rollbox.models import ExecSpec, SandboxSpec
 from rollbox.placement import Placement
-from tests.conftest import node_settings
 
 BB = "busybox:test"
 # A counter written every 20 ms: it advances only while the sandbox's processes run.
@@ -146,50 +144,38 @@ async def test_command_deadline_does_not_fire_while_paused(edge) -> None:  # noq
     await edge.delete(sb.id)
 
 
-async def test_restart_readopts_paused_sandbox(tmp_node_dir) -> None:  # noqa: ANN001
-    settings = node_settings(tmp_node_dir)
-    events = EventLog(tmp_node_dir / "events.db")
-    e1 = Edge(settings, events)
-    await e1.start()
-    e2 = None
-    try:
-        paused = await e1.create(SandboxSpec(image=BB), "t")
-        running = await e1.create(SandboxSpec(image=BB), "t")
-        for sid in (paused.id, running.id):
-            await e1.exec_start(sid, ExecSpec(cmd=COUNTER))
-            await _advancing(e1, sid)
-        await e1.pause(paused.id)
-        # `running` is left frozen behind the journal's back (an edge crash in the middle of a
-        # snapshot): the journal's state wins at re-adoption.
-        cgroups.freeze(e1.live[running.id].box.v2_cgroup)
-        await e1.close(destroy=False)  # sandboxes outlive the edge
+async def test_restart_readopts_paused_sandbox(restarts) -> None:  # noqa: ANN001
+    e1 = await restarts.start()
+    paused = await e1.create(SandboxSpec(image=BB), "t")
+    running = await e1.create(SandboxSpec(image=BB), "t")
+    for sid in (paused.id, running.id):
+        await e1.exec_start(sid, ExecSpec(cmd=COUNTER))
+        await _advancing(e1, sid)
+    await e1.pause(paused.id)
+    # `running` is left frozen behind the journal's back (an edge crash in the middle of a
+    # snapshot): the journal's state wins at re-adoption.
+    cgroups.freeze(e1.live[running.id].box.v2_cgroup)
+    await restarts.stop()  # sandboxes outlive the edge
 
-        e2 = Edge(settings, events)
-        await e2.start()
-        assert (await e2.get(paused.id)).state == "paused"
-        assert (await e2.get(running.id)).state == "running"
-        assert not cgroups.is_frozen(e2.live[running.id].box.v2_cgroup)
-        await _advancing(e2, running.id)
-        v2 = e2.live[paused.id].box.v2_cgroup
-        assert cgroups.is_frozen(v2)
-        c1 = await _count(e2, paused.id)
-        await asyncio.sleep(0.4)
-        assert await _count(e2, paused.id) == c1
-        with pytest.raises(errors.SandboxPaused):
-            await e2.exec_start(paused.id, ExecSpec(cmd="true"))
-        await e2.resume(paused.id)
-        assert await _advancing(e2, paused.id) > c1  # the pre-restart process goes on
-        eid = await e2.exec_start(paused.id, ExecSpec(cmd="echo ok"))
-        assert (await e2.exec_wait(paused.id, eid)).stdout == "ok\n"
-        for sid in (paused.id, running.id):
-            await e2.delete(sid)
-            assert e2.leftovers(sid) == []
-    finally:
-        if e2 is not None:
-            await e2.close(destroy=True)
-        else:
-            await e1.close(destroy=True)
-        events.close()
+    e2 = await restarts.start()
+    assert (await e2.get(paused.id)).state == "paused"
+    assert (await e2.get(running.id)).state == "running"
+    assert not cgroups.is_frozen(e2.live[running.id].box.v2_cgroup)
+    await _advancing(e2, running.id)
+    v2 = e2.live[paused.id].box.v2_cgroup
+    assert cgroups.is_frozen(v2)
+    c1 = await _count(e2, paused.id)
+    await asyncio.sleep(0.4)
+    assert await _count(e2, paused.id) == c1
+    with pytest.raises(errors.SandboxPaused):
+        await e2.exec_start(paused.id, ExecSpec(cmd="true"))
+    await e2.resume(paused.id)
+    assert await _advancing(e2, paused.id) > c1  # the pre-restart process goes on
+    eid = await e2.exec_start(paused.id, ExecSpec(cmd="echo ok"))
+    assert (await e2.exec_wait(paused.id, eid)).stdout == "ok\n"
+    for sid in (paused.id, running.id):
+        await e2.delete(sid)
+        assert e2.leftovers(sid) == []
 
 
 async def test_pause_resume_through_api_and_sdk(edge, tmp_path: Path) -> None:  # noqa: ANN001
