@@ -3,6 +3,7 @@ local image store. No external service. ``rollbox serve`` runs it."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import socket
@@ -24,6 +25,7 @@ from rollbox.placement import Placement
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 7420
+PR_SET_CHILD_SUBREAPER = 36
 
 
 class EmbeddedNode:
@@ -138,6 +140,9 @@ class ServerProcess:
                 or self.settings.admin_key_path.read_text().strip())
 
     def start(self, wait: bool = True) -> None:
+        # A killed server's agents become this process's children (not init's, which on some
+        # hosts never reaps): reap_orphans() can then reap them once a later server kills them.
+        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         with open(self.log, "ab") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "rollbox.cli", "serve", "--port", str(self.port)],
@@ -163,6 +168,23 @@ class ServerProcess:
                 self.proc.wait()
             self.proc = None
         self.log.unlink(missing_ok=True)
+        self.reap_orphans()
+
+    def reap_orphans(self) -> None:
+        """Reap the zombies of this node's sandboxes that a killed server left to this process:
+        their agents, killed by a later server that was not their parent. (Unreaped, each
+        holds a uid slot's ids, which later sandboxes reuse.) Only processes in one of this
+        node's sandbox cgroups are waited for, never another child of this process."""
+        me, node = os.getpid(), f"/{self.settings.node_id}-"
+        for d in Path("/proc").iterdir():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                cgroup = (d / "cgroup").read_text()
+            except (OSError, IndexError):
+                continue
+            if fields[0] == "Z" and int(fields[1]) == me and node in cgroup:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(int(d.name), 0)
 
 
 @contextlib.contextmanager

@@ -5,10 +5,6 @@ outcome can't be re-checked is indeterminate, not a plain connection error."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
-import os
-from pathlib import Path
 
 import pytest
 
@@ -31,27 +27,8 @@ async def _until(pred, timeout: float = 10.0) -> None:  # noqa: ANN001
         await asyncio.sleep(0.02)
 
 
-def _reap_orphans(node_id: str) -> None:
-    """Reap the zombies of this node's sandboxes that the killed server left to us: their
-    agents, killed by a later server that was not their parent. (Unreaped, they would hold a
-    uid slot's ids, which later sandboxes reuse.)"""
-    me = os.getpid()
-    for d in Path("/proc").iterdir():
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            cgroup = (d / "cgroup").read_text()
-        except (OSError, IndexError):
-            continue
-        if fields[0] == "Z" and int(fields[1]) == me and f"/{node_id}-" in cgroup:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(int(d.name), 0)
-
-
 async def test_commands_survive_kill_9_of_the_server(tmp_node_dir) -> None:  # noqa: ANN001
     settings = node_settings(tmp_node_dir)
-    # The killed server's sandboxes (their agents) become our children, not init's: this
-    # host's PID 1 does not reap, and we do (_reap_orphans).
-    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
     srv = ServerProcess(settings)
     srv.start()
     client = AsyncClient(srv.url, srv.key, reconnect_s=60)
@@ -132,5 +109,5 @@ async def test_commands_survive_kill_9_of_the_server(tmp_node_dir) -> None:  # n
         await edge.start()
         await edge.close(destroy=True)
         events.close()
-        _reap_orphans(settings.node_id)
+        srv.reap_orphans()  # the agents that in-process edge killed too
 
