@@ -1,7 +1,7 @@
 /*
  * rollbox-agent: the in-sandbox exec agent (PID 1 of a container sandbox).
  *
- * Wire protocol: src/rollbox/backends/container/protocol.py (the contract; keep in sync).
+ * Wire protocol: src/rollbox/agent/protocol.py (the contract; keep in sync).
  * fd 3 is an inherited listening AF_UNIX SOCK_SEQPACKET socket. One edge connection at a time;
  * a new connection replaces the old one. Single-threaded epoll loop; every fd is CLOEXEC and
  * non-blocking on our side; nothing here ever blocks forever, and bad input only drops the

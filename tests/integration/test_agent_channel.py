@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from rollbox.backends.container import protocol as P
-from rollbox.backends.container.channel import AgentChannel, Session, SpawnError
+from rollbox.agent import protocol as P
+from rollbox.agent.channel import AgentChannel, Session, SpawnError
 from rollbox.errors import SandboxDead
 
 REPO = Path(__file__).resolve().parents[2]

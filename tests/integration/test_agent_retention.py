@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from rollbox.backends.container import protocol as P
-from rollbox.backends.container.channel import AgentChannel
-from rollbox.backends.container.channel import Session
+from rollbox.agent import protocol as P
+from rollbox.agent.channel import AgentChannel
+from rollbox.agent.channel import Session
 from tests.integration.test_agent_channel import (  # noqa: F401 - fixtures
     ENV, Agent, Result, agent, agent_binary, pytestmark,
 )

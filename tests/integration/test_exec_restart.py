@@ -97,7 +97,7 @@ async def test_a_command_the_agent_lost_is_indeterminate(restarts) -> None:  # n
     agent_id = e1.live[sb].sessions[eid].agent_session.id
     await restarts.stop()
     await asyncio.sleep(0.5)
-    from rollbox.backends.container.channel import AgentChannel
+    from rollbox.agent.channel import AgentChannel
     sock = restarts.settings.run_dir / "sandboxes" / sb / "agent.sock"
     ch = await AgentChannel.connect(str(sock))
     ch.collect(agent_id)

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rollbox.backends.container.channel import SpawnError
+from rollbox.agent.channel import SpawnError
 from rollbox.backends.container.files import DiskFull
-from rollbox.backends.container.protocol import RETAIN_LIMIT, ExecRequest, shell_argv
+from rollbox.agent.protocol import RETAIN_LIMIT, ExecRequest, shell_argv
 from rollbox.backends.container.sandbox import ContainerBackend, ContainerSandbox
 from rollbox.config import Settings
 from rollbox.edge.admission import (

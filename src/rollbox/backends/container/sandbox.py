@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollbox.backends.container import bundle, platform_shell
-from rollbox.backends.container.channel import AgentChannel
+from rollbox.agent.channel import AgentChannel
 from rollbox.backends.container.cpuview import CpuViews
 from rollbox.backends.container.disk import DiskPool
 from rollbox.backends.container.files import SandboxFS
-from rollbox.backends.container.protocol import ExecRequest, shell_argv
+from rollbox.agent.protocol import ExecRequest, shell_argv
 from rollbox.backends.container.rootfs import (
     Rootfs, ensure_run_tmpfs, mount_points_under, release_run_tmpfs, remove_flat_dir,
 )

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollbox.backends.container.protocol import ExecRequest
+from rollbox.agent.protocol import ExecRequest
 from rollbox.errors import BadRequest, CapacityExceeded, InfraError, RollboxError
 from rollbox.models import FnCallResult, FnCallSpec, FnCallStep, Resources, SandboxSpec
 

@@ -6,7 +6,7 @@ non-blocking socket with ``loop.add_reader``/``add_writer``. Bounding output is 
 (``stream_limit``); each session gets its own unbounded queue so one slow consumer never stalls
 the others or the socket.
 
-Wire format: :mod:`rollbox.backends.container.protocol`.
+Wire format: :mod:`rollbox.agent.protocol`.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from rollbox.backends.container import protocol as P
+from rollbox.agent import protocol as P
 from rollbox.errors import BadRequest, InfraError, RollboxError, SandboxDead
 
 # "stdout" | "stderr" | "replay_stdout" | "replay_stderr" (an adopted session's retained
