@@ -62,7 +62,9 @@ class SandboxSpec(BaseModel):
     # A live trainer job of the caller's project (see JobSpec): the sandbox is deleted when
     # the job ends or its lease expires.
     job: str | None = Field(None, max_length=128)
-    backend: Literal["container"] = "container"
+    # The kind of sandbox (rollbox.backends.base): "container" or "microvm"; one a node does
+    # not offer is refused with bad_request naming the offered kinds.
+    backend: str = Field("container", min_length=1, max_length=32, pattern=r"^[a-z][a-z0-9_-]*$")
     # Where the writable layer lives: "disk" (the node's disk pool, capped by disk_mib; writes
     # past it fail with ENOSPC/EDQUOT) or "memory" (a tmpfs: faster, but its bytes are host
     # RAM charged to the sandbox's memory limit).
@@ -133,6 +135,10 @@ class SandboxInfo(BaseModel):
     job: str | None = None
     audit: NetAudit | None = None  # live sandboxes with a network policy, in GET only
     disk_tier: Literal["disk", "memory"] = "disk"
+    backend: str = "container"
+    # True when what the sandbox reports comes from code its own user controls (a microVM's
+    # agent runs under the guest's root): exec results are the guest's word, not the host's.
+    guest_reported: bool = False
 
 
 class ExecSpec(BaseModel):
@@ -194,6 +200,9 @@ class ExecResult(BaseModel):
     # rebuilds a command from the agent, which keeps only the last 1 MiB per stream).
     stdout_truncated_bytes: int = 0
     stderr_truncated_bytes: int = 0
+    # True: exit code and output were reported by a guest the sandbox's user controls (a
+    # microVM), not observed by the host; grading never trusts them (a grade runs elsewhere).
+    guest_reported: bool = False
 
 
 class ExecInfo(BaseModel):

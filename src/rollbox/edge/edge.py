@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ctypes
 import json
 import itertools
@@ -20,6 +21,7 @@ from rollbox.agent.channel import SpawnError
 from rollbox.backends.container.files import DiskFull
 from rollbox.agent.protocol import RETAIN_LIMIT, ExecRequest, shell_argv
 from rollbox.backends.container.sandbox import ContainerBackend, ContainerSandbox
+from rollbox.backends.base import Backend
 from rollbox.config import Settings
 from rollbox.edge.admission import (
     Admission, HostMemory, Limits, Share, Ticket, host_memory_mib, sandboxes_memory_max_mib,
@@ -105,6 +107,8 @@ class Edge:
         self.storage = LayerStorage(self.store, settings, self._layer_quota_mib)
         self.slots = UidSlots(settings.uid_base, settings.uid_slots)
         self.backend = ContainerBackend(settings, self.layer_mounts, self.slots)
+        # One backend per kind (rollbox.backends.base); SandboxSpec.backend picks one.
+        self.backends: dict[str, Backend] = {self.backend.kind: self.backend}
         self.journal = Journal(settings.data_dir / f"edge-{self.node_id}.db")
         self.live: dict[str, LiveSandbox] = {}
         self._create_sem = asyncio.Semaphore(self.limits.max_parallel_creates)
@@ -285,11 +289,13 @@ class Edge:
     # ---- admission ----------------------------------------------------------------------
     def capacity(self) -> dict[str, object]:
         """Counts, live memory and budgets (``limits``: the most one project's quota may ask,
-        with ``layer_mib`` the size of the image store's filesystem); see edge.admission."""
+        with ``layer_mib`` the size of the image store's filesystem; ``backends``: each kind
+        this node has, offered or not, with its facts); see edge.admission."""
         cap = self.admission.capacity()
         st = os.statvfs(self.store.root)
         cap["limits"] = {**cap["limits"],  # type: ignore[dict-item]
                          "layer_mib": st.f_blocks * st.f_frsize >> 20}
+        cap["backends"] = {k: dataclasses.asdict(b.capacity()) for k, b in self.backends.items()}
         return cap
 
     # ---- sandboxes ----------------------------------------------------------------------
@@ -322,11 +328,22 @@ class Edge:
             # restart reads back from them (_share_of): a project's sandbox must not pass as one.
             raise BadRequest(f"labels starting with {PLATFORM_LABEL_PREFIX!r} are the "
                              "platform's", labels=sorted(spec.labels))
+        self._backend_for(spec)
         image = self._image_for(spec.image, owner)
         layers = list(image.layers)
         for extra in spec.layers:
             layers.extend(self._image_for(extra, owner).layers)
         return await self._admitted_create(spec, owner, image.config, layers, share)
+
+    def _backend_for(self, spec: SandboxSpec) -> Backend:
+        """The backend of ``spec.backend``: BadRequest if this node does not offer it."""
+        backend = self.backends.get(spec.backend)
+        offered = sorted(k for k, b in self.backends.items() if b.capacity().offered)
+        if backend is None or spec.backend not in offered:
+            raise BadRequest(f"backend {spec.backend!r} is not offered by node {self.node_id} "
+                             f"(offered: {', '.join(offered) or 'none'})",
+                             backend=spec.backend, offered=offered)
+        return backend
 
     async def _admitted_create(self, spec: SandboxSpec, owner: str, image_config: dict,
                                layers: list[str], share: Share = "new") -> SandboxInfo:

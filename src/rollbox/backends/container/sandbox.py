@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rollbox.backends.base import BackendCapacity
 from rollbox.backends.container import bundle, platform_shell
 from rollbox.agent.channel import AgentChannel
 from rollbox.backends.container.cpuview import CpuViews
@@ -125,6 +126,8 @@ def _make_hidden_paths(root: Path, host_uid: int, hidden_paths: Sequence[str]) -
 
 
 class ContainerBackend:
+    kind = "container"
+
     def __init__(self, settings: Settings, layer_mounts, slots: UidSlots) -> None:  # noqa: ANN001
         self.settings = settings
         self.layer_mounts = layer_mounts
@@ -272,6 +275,11 @@ class ContainerBackend:
                 listener.close()
             await asyncio.shield(self._teardown(sandbox_id, rootfs, run_dir, slot, pid))
             raise
+
+    def capacity(self) -> BackendCapacity:
+        """Offered wherever the edge runs; no per-sandbox cap beyond admission (a CPU limit
+        above the node's cores is a CFS quota, not a reservation)."""
+        return BackendCapacity(kind=self.kind, facts={"runtime": self.settings.runtime})
 
     async def attach_network(self, sb: ContainerSandbox, rules: list[str]) -> SandboxNetwork:
         """Give a running sandbox its link, BPF allow-list and DNS gate (policy = rules)."""

@@ -1,0 +1,187 @@
+"""The contract between the edge core and a sandbox backend: types only, no behaviour.
+
+The edge (``rollbox.edge``) holds one :class:`Backend` per kind (``SandboxSpec.backend``:
+"container", "microvm") and speaks to it only through this module; it never imports a
+backend's internals. A backend makes, adopts and destroys sandboxes and answers for one live
+sandbox through its :class:`SandboxHandle`: the agent channel (the same protocol for every
+backend, ``rollbox.agent``), the files (:class:`SandboxFiles`), the per-backend state the
+journal stores and hands back to :meth:`Backend.adopt` after an edge restart.
+
+Owns these shapes only. Must not hold behaviour, touch the journal, admission, the api or any
+backend's internals. Changes are additive (new optional members), so every lane and a remote
+edge keep coding against it.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from rollbox.models import FileStat, Resources
+
+if TYPE_CHECKING:
+    from rollbox.agent.channel import AgentChannel
+    from rollbox.images.snapshot import CaptureStats
+
+BackendKind = str  # "container" | "microvm" (a spec's ``backend``)
+DiskTier = Literal["disk", "memory"]
+
+
+@dataclass(frozen=True)
+class ResolvedSpec:
+    """What a backend needs to make (or re-adopt) one sandbox. The edge resolved the image and
+    extra layers to digests, merged the environment and validated the spec; a backend checks
+    only what is its own (disk tier, hidden paths it can mask, network rules it can enforce,
+    resources above what it can give: typed BadRequest before anything is allocated)."""
+
+    image: str  # the image name the sandbox was made from (template keys, logs)
+    layers: tuple[str, ...]  # layer digests, lowest first (the image's + the spec's extras)
+    resources: Resources
+    env: dict[str, str]  # the base environment of every command (image env + spec env)
+    hidden_paths: tuple[str, ...] = ()
+    # None: no network at all (loopback only, no link/NIC). A list (maybe empty): a link with
+    # this allow-list (named permissions and HOST:PORT rules, rollbox.netpolicy), default deny.
+    network_rules: tuple[str, ...] | None = None
+    disk_tier: DiskTier = "disk"
+
+
+@dataclass
+class BackendCapacity:
+    """What a backend tells node capacity (``Edge.capacity()["backends"][kind]``): whether
+    this node offers it, the most one sandbox may ask (None: no limit beyond admission), and
+    facts such as the accelerator ("kvm" | "tcg") or the runtime."""
+
+    kind: BackendKind
+    offered: bool = True
+    reason: str | None = None  # why not offered (e.g. "no guest kernel: run make guest")
+    max_cpus: float | None = None
+    max_memory_mib: int | None = None
+    max_disk_mib: int | None = None
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Usage:
+    """Live use of one sandbox as the host sees it (None: the backend can not tell)."""
+
+    memory_bytes: int | None = None  # charged on the host (a VM: QEMU's RSS)
+    cpu_usage_us: int | None = None
+    oom_kills: int = 0  # OOM kills of the sandbox's memory limit so far
+    disk_bytes: int | None = None  # used of its writable layer
+
+
+@dataclass(frozen=True)
+class SessionSlot:
+    """Where one exec session runs: ``name`` identifies it to the backend (its cgroup, journaled
+    with the exec); ``cgroup_fd`` is the O_PATH cgroup dir the agent joins the command to, or
+    None where the agent makes the session's cgroup itself (inside a VM). The edge closes
+    ``cgroup_fd`` once the agent has it."""
+
+    name: str
+    cgroup_fd: int | None = None
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    """How a snapshot copies the writable layer (see rollbox.images.snapshot)."""
+
+    pause: bool  # frozen during the copy (a paused sandbox stays so after it)
+    scrub: list[str]
+    exclude: list[str]
+    max_bytes: int
+    max_entries: int
+    complete_repos: bool  # make repositories of lower layers the upper touches whole
+
+
+@dataclass
+class CaptureResult:
+    stats: CaptureStats
+    paused_s: float  # how long the sandbox was frozen for the copy (0 if not paused)
+
+
+class NetworkAttachment(Protocol):
+    """A live sandbox's network policy enforcement (link, allow-list, DNS gate)."""
+
+    env: dict[str, str]  # joins the commands' env (package mirrors)
+
+    def audit(self) -> dict[str, int]: ...  # NetAudit fields: totals so far
+    def audit_news(self) -> dict[str, Any] | None: ...  # totals + new since last; None: none
+
+
+class SandboxFiles(Protocol):
+    """Files of one sandbox, every path resolved inside its root (links never lead out).
+    Container: host-side descriptors on its overlay; microVM: through the agent. Sizes are
+    capped; errors are typed (NotFound, BadRequest, PayloadTooLarge, DiskFull)."""
+
+    async def read(self, path: str, max_bytes: int | None = None) -> bytes: ...
+    async def write(self, path: str, data: bytes, mode: int = 0o644) -> None: ...
+    def read_stream(self, path: str, max_bytes: int | None = None) -> AsyncIterator[bytes]: ...
+    async def write_stream(self, path: str, chunks: AsyncIterator[bytes], mode: int = 0o644,
+                           max_bytes: int | None = None) -> int: ...
+    async def stat(self, path: str) -> FileStat: ...
+    async def list(self, path: str) -> list[FileStat]: ...
+    async def mkdir(self, path: str, parents: bool = False) -> None: ...
+    async def remove(self, path: str, recursive: bool = False) -> None: ...
+    # links=False: symlinks and hard links are skipped (grading).
+    async def upload_tar(self, path: str, chunks: AsyncIterator[bytes], *,
+                         links: bool = True) -> int: ...
+    def download_tar(self, path: str) -> AsyncIterator[bytes]: ...
+    def close(self) -> None: ...
+
+
+class SandboxHandle(Protocol):
+    """One live sandbox of some backend, as the edge core holds it."""
+
+    id: str
+    kind: BackendKind
+    channel: AgentChannel  # the same agent protocol for every backend
+    files: SandboxFiles
+    # True for VMs: exec results come from an untrusted guest (ExecResult.guest_reported).
+    guest_reported: bool
+    image_env: dict[str, str]  # the commands' base env (the edge adds the network's env)
+    network: NetworkAttachment | None  # None: no network policy attached
+    next_session: int  # the last session number handed out (exec ids are e<n>)
+
+    def state(self) -> dict[str, Any]: ...  # JSON-able; journaled, fed back to adopt()
+    def new_session(self) -> SessionSlot: ...  # bumps next_session
+    def drop_session(self, name: str) -> None: ...  # after the command's end (best effort)
+
+
+class Backend(Protocol):
+    """A kind of sandbox on one node. Every method raises typed errors (rollbox.errors);
+    a failed create leaves nothing behind."""
+
+    kind: BackendKind
+
+    async def start(self) -> None: ...  # node start (probes, e.g. the accelerator)
+    def capacity(self) -> BackendCapacity: ...
+    async def create(self, sandbox_id: str, spec: ResolvedSpec) -> SandboxHandle: ...
+    # After an edge restart: reconnect to a sandbox an earlier edge made (spec rebuilt from
+    # the journal, state as its handle's state() was journaled); paused: leave it frozen.
+    # None: it is gone (the backend cleaned what was left).
+    async def adopt(self, sandbox_id: str, spec: ResolvedSpec, state: dict[str, Any],
+                    paused: bool) -> SandboxHandle | None: ...
+    async def destroy(self, h: SandboxHandle) -> None: ...  # verified teardown, also paused
+    def detach(self, h: SandboxHandle) -> None: ...  # edge stops, sandbox keeps running
+    # Clean what a sandbox left that is not live (state None: an orphan found on the host).
+    async def cleanup(self, sandbox_id: str, state: dict[str, Any] | None) -> None: ...
+    def host_sandbox_ids(self, prefix: str = "") -> set[str]: ...  # orphans after a restart
+    def leftovers(self, sandbox_id: str) -> list[str]: ...  # empty after a clean destroy
+    def release_node_resources(self) -> None: ...  # no sandbox of this backend left
+
+    async def pause(self, h: SandboxHandle) -> None: ...  # freeze all of it (InfraError)
+    async def resume(self, h: SandboxHandle) -> None: ...
+    # Network policy: attach a link with ``rules`` or change the rules of the attached one
+    # (existing connections cut where no longer allowed); BadRequest leaves it unchanged.
+    async def set_network(self, h: SandboxHandle, rules: list[str]) -> None: ...
+    # Snapshot: copy the writable layer, as an overlay upper, into the new host dir ``dest``
+    # that storage builds a layer from; parsed as hostile, capped by ``opts``.
+    async def capture_writable(self, h: SandboxHandle, dest: Path,
+                               opts: CaptureOptions) -> CaptureResult: ...
+
+    def usage(self, h: SandboxHandle) -> Usage: ...
+    def oom_kills(self, h: SandboxHandle) -> int: ...  # cheap: read on SIGKILL exits only
+    # Host-side backstop past a command's deadline: kill its session (VM: through the agent
+    # or nothing; the guest's own timeout comes first).
+    def kill_session(self, h: SandboxHandle, name: str) -> None: ...
