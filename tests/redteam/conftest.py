@@ -1,6 +1,12 @@
 """Red-team helpers: real sandboxes through the `edge` fixture, hardened or (for the twin tests
 that prove an attack works without hardening) deliberately unhardened. The unhardened twin is
-reached only by wrapping the backend's create here; the HTTP API has no way to ask for it."""
+reached only by wrapping the backend's create here; the HTTP API has no way to ask for it.
+
+Every test that takes the ``boxes`` fixture runs once per backend (``[container]``,
+``[microvm]``). An attack that only makes sense for containers says so with
+``@container_only("why")``: its microVM run is reported as skipped with that reason, never as a
+pass. The microVM runs are behind the ``microvm_slow`` marker (VMs under TCG are slow) except
+the few marked ``@microvm_default``, which the default tier runs."""
 from __future__ import annotations
 
 import asyncio
@@ -17,16 +23,48 @@ BB = "busybox:test"
 PY = "python:3.11"
 
 
+BACKENDS = ("container", "microvm")
+
+
+def container_only(reason: str) -> pytest.MarkDecorator:
+    """The attack targets a container-only layer (seccomp, Landlock, the user namespace, runc's
+    fd passing...): on a microVM the guest's root owns the guest, so it is not an attack there."""
+    return pytest.mark.container_only(reason=reason)
+
+
+# Also run on microVMs in the default tier (keep this set small: one VM boot each).
+microvm_default = pytest.mark.microvm_default
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "boxes" not in metafunc.fixturenames:
+        return
+    params = []
+    for kind in BACKENDS:
+        marks: list[pytest.MarkDecorator] = []
+        if kind == "microvm":
+            only = metafunc.definition.get_closest_marker("container_only")
+            if only is not None:
+                marks.append(pytest.mark.skip(reason=f"container only: {only.kwargs['reason']}"))
+            elif metafunc.definition.get_closest_marker("microvm_default") is None:
+                marks.append(pytest.mark.microvm_slow)
+        params.append(pytest.param(kind, marks=marks, id=kind))
+    metafunc.parametrize("backend_kind", params)
+
+
 @dataclass
 class Boxes:
     edge: Any
     lock: asyncio.Lock
+    kind: str = "container"
 
     async def make(self, image: str = BB, *, hardened: bool = True,
                    hidden: tuple[str, ...] = (), network: list[str] | None = None,
                    disk_tier: Literal["disk", "memory"] = "disk", **resources: Any) -> str:
         """network: None = loopback only; a list = a network policy with these allow rules."""
-        spec = SandboxSpec(image=image, resources=Resources(**resources),
+        if not hardened:
+            assert self.kind == "container", "the unhardened twin is a container-backend switch"
+        spec = SandboxSpec(image=image, resources=Resources(**resources), backend=self.kind,
                            hidden_paths=list(hidden), disk_tier=disk_tier,
                            network=NetworkPolicy(allow=network) if network is not None else None)
         backend = self.edge.backend
@@ -49,8 +87,12 @@ class Boxes:
 
 
 @pytest.fixture
-async def boxes(edge) -> Boxes:
-    return Boxes(edge, asyncio.Lock())
+async def boxes(edge, backend_kind: str) -> Boxes:  # noqa: ANN001
+    try:
+        SandboxSpec(image=BB, backend=backend_kind)  # type: ignore[arg-type]
+    except ValueError:
+        pytest.skip(f"no {backend_kind} backend in this build")
+    return Boxes(edge, asyncio.Lock(), backend_kind)
 
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (runc sandboxes)")

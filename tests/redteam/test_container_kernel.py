@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import needs_python
-from tests.redteam.conftest import BB, PY, Boxes, needs_root
+from tests.redteam.conftest import BB, PY, Boxes, container_only, microvm_default, needs_root
 
 pytestmark = [needs_root, needs_python]
 
@@ -101,6 +101,7 @@ MUST_FAIL = [
 ]
 
 
+@container_only("container seccomp + user namespace; in a VM these syscalls reach only the guest's own kernel (in-guest root is expected)")
 async def test_c14_c23_dangerous_syscalls_refused(boxes: Boxes) -> None:
     sid = await boxes.make(PY)
     r = await boxes.py(sid, HARDENED_PROBE)
@@ -114,6 +115,7 @@ async def test_c14_c23_dangerous_syscalls_refused(boxes: Boxes) -> None:
     assert {k: res[k] for k in seccomp_denied} == {k: EPERM for k in seccomp_denied}, res
 
 
+@container_only("unhardened twin of a container layer (hardened=False is a container-backend switch)")
 async def test_c14_c18_unhardened_twin(boxes: Boxes) -> None:
     sid = await boxes.make(PY, hardened=False)
     r = await boxes.py(sid, TWIN_PROBE)
@@ -159,6 +161,7 @@ async def extent_probe(boxes: Boxes, sid: str) -> dict[str, int]:
     return json.loads(r.stdout)
 
 
+@container_only("container seccomp on overlayfs over the host's btrfs pool; a VM's ioctls reach only its own ext4 disk")
 async def test_a3_extent_ioctls_refused_even_with_high_bits(boxes: Boxes) -> None:
     sid = await boxes.make(PY)
     res = await extent_probe(boxes, sid)
@@ -166,6 +169,7 @@ async def test_a3_extent_ioctls_refused_even_with_high_bits(boxes: Boxes) -> Non
     assert set(res.values()) == {EPERM}, res  # seccomp, on the low 32 bits of the number
 
 
+@container_only("unhardened twin of a container layer (hardened=False is a container-backend switch)")
 async def test_a3_unhardened_twin_reaches_the_filesystem(boxes: Boxes) -> None:
     sid = await boxes.make(PY, hardened=False)
     res = await extent_probe(boxes, sid)
@@ -189,6 +193,7 @@ def abi32_helper() -> bytes:
         return out.read_bytes()
 
 
+@container_only("container seccomp bad-arch action; the 32-bit ABI of a VM reaches only the guest kernel")
 async def test_c23_32bit_abi_refused(boxes: Boxes, abi32_helper: bytes) -> None:
     sid = await boxes.make(BB)
     await boxes.edge.file_write(sid, "/tmp/abi32", abi32_helper, 0o755)
@@ -200,6 +205,7 @@ async def test_c23_32bit_abi_refused(boxes: Boxes, abi32_helper: bytes) -> None:
     assert r.signal == 31 or (r.exit_code == 0 and int(r.stdout) < 0), r
 
 
+@container_only("unhardened twin of a container layer (hardened=False is a container-backend switch)")
 async def test_c23_unhardened_twin_int80_works(boxes: Boxes, abi32_helper: bytes) -> None:
     sid = await boxes.make(BB, hardened=False)
     await boxes.edge.file_write(sid, "/tmp/abi32", abi32_helper, 0o755)
@@ -209,6 +215,7 @@ async def test_c23_unhardened_twin_int80_works(boxes: Boxes, abi32_helper: bytes
     assert r.exit_code == 0 and int(r.stdout) > 1, r
 
 
+@container_only("guest root may leave the command chroot for its own VM's initramfs (the guest is its own); leaving the VM is F41")
 async def test_c14_chroot_escape_stays_in_sandbox(boxes: Boxes) -> None:
     sid = await boxes.make(PY)
     code = ("import os\nos.makedirs('/tmp/j/k', exist_ok=True)\nopen('/marker', 'w').close()\n"
@@ -220,6 +227,7 @@ async def test_c14_chroot_escape_stays_in_sandbox(boxes: Boxes) -> None:
     assert r.stdout == "True False\n", r  # still the sandbox's root, not the host's
 
 
+@container_only("container cgroup namespace over the host's cgroups; a VM's cgroupfs is the guest kernel's own")
 async def test_c15_cgroupfs_unreachable(boxes: Boxes) -> None:
     sid = await boxes.make(BB)
     r = await boxes.run(sid, "cat /proc/self/cgroup; ls /sys/fs 2>&1; mkdir -p /tmp/cg; "
@@ -231,6 +239,7 @@ async def test_c15_cgroupfs_unreachable(boxes: Boxes) -> None:
     assert "m=0" not in r.stdout and "w=0" not in r.stdout, r
 
 
+@container_only("unhardened twin of a container layer (hardened=False is a container-backend switch)")
 async def test_c15_unhardened_twin_can_mount_cgroupfs(boxes: Boxes) -> None:
     sid = await boxes.make(BB, hardened=False)
     r = await boxes.run(sid, "mkdir -p /tmp/cg; mount -t cgroup2 none /tmp/cg; echo m=$?; "
@@ -238,6 +247,7 @@ async def test_c15_unhardened_twin_can_mount_cgroupfs(boxes: Boxes) -> None:
     assert "m=0" in r.stdout, r
 
 
+@microvm_default
 async def test_c16_c17_platform_processes_untouchable(boxes: Boxes) -> None:
     sid = await boxes.make(BB)
     r = await boxes.run(sid, "kill -9 1; kill -TERM 1; kill -9 -1; echo sent; "
@@ -250,6 +260,7 @@ async def test_c16_c17_platform_processes_untouchable(boxes: Boxes) -> None:
     assert r.stdout == "agent survived\n"
 
 
+@container_only("a VM's devices are its own emulated ones, guest root may use them; what they reach on the host is F41")
 async def test_c20_devices(boxes: Boxes) -> None:
     sid = await boxes.make(BB)
     r = await boxes.run(sid, "ls /dev; cat /dev/mem; echo mem=$?; ls /dev | grep -c -E "
@@ -257,6 +268,7 @@ async def test_c20_devices(boxes: Boxes) -> None:
     assert "mem=0" not in r.stdout and r.stdout.strip().endswith("0"), r
 
 
+@container_only("nosuid/no_new_privs against host root in a container; in a VM root of the guest is expected")
 async def test_c21_setuid_gives_nothing(boxes: Boxes) -> None:
     sid = await boxes.make(PY)
     r = await boxes.run(sid, "cp $(command -v python3) /tmp/suid-py && chmod 4755 /tmp/suid-py"
@@ -267,6 +279,7 @@ async def test_c21_setuid_gives_nothing(boxes: Boxes) -> None:
     assert r.stdout.strip() == "1000", r  # nosuid root mount + no_new_privs
 
 
+@container_only("container seccomp; a VM has no terminal of a platform process to inject into")
 async def test_c22_tiocsti_refused(boxes: Boxes) -> None:
     sid = await boxes.make(PY)
     code = ("import os, fcntl, pty\nm, s = pty.openpty()\n"

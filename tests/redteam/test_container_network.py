@@ -27,9 +27,11 @@ from tests.integration.test_netpolicy_targets import (  # noqa: F401 - fixtures
     internet,
     upstream,
 )
-from tests.redteam.conftest import PY, Boxes, needs_root
+from tests.redteam.conftest import PY, Boxes, container_only, needs_root
 
-pytestmark = [needs_root, needs_python]
+pytestmark = [needs_root, needs_python, container_only(
+    "these aim at a container's veth, cgroup-BPF filters and DNS gate; class D on microVMs is "
+    "enforced at the tap and tested by the microVM network tests")]
 A, AAAA, TXT, ANY = 1, 28, 16, 255
 
 

@@ -17,7 +17,7 @@ from rollbox.errors import BadRequest
 from rollbox.isolation import btrfs, syscalls
 from rollbox.models import ExecSpec
 from tests.conftest import needs_python
-from tests.redteam.conftest import BB, PY, Boxes, needs_root
+from tests.redteam.conftest import BB, PY, Boxes, container_only, microvm_default, needs_root
 
 pytestmark = needs_root
 
@@ -73,6 +73,7 @@ async def test_a6_disk_filler_capped(boxes: Boxes) -> None:
     assert boxes.edge.backend.disk.cap(sid) == 32 << 20
 
 
+@microvm_default
 async def test_a6_stdout_flood_bounded(boxes: Boxes) -> None:
     sid = await boxes.make(BB)
     r = await boxes.run(sid, "yes", timeout_s=3)
@@ -197,6 +198,7 @@ async def test_d_only_loopback_and_host_loopback_unreachable(boxes: Boxes) -> No
         listener.close()
 
 
+@microvm_default
 async def test_e33_injection_through_exec_fields(boxes: Boxes) -> None:
     sid = await boxes.make(BB)
     with pytest.raises(BadRequest):
@@ -238,6 +240,7 @@ async def test_c24_e37_host_info_and_teardown(boxes: Boxes) -> None:
 
 
 @needs_python
+@container_only("btrfs subvolume of a container's upper on the host pool; a VM writes only its own ext4 image")
 async def test_b13_no_subvolume_of_its_own(boxes: Boxes) -> None:
     # A subvolume made from inside would have a qgroup of its own, outside the sandbox's cap.
     # overlayfs passes no btrfs ioctl to the upper's filesystem: checked on the unhardened twin

@@ -10,7 +10,7 @@ import pytest
 
 from rollbox.errors import NotFound
 from tests.conftest import have_image
-from tests.redteam.conftest import BB, Boxes, needs_root
+from tests.redteam.conftest import BB, Boxes, container_only, needs_root
 
 DEB = "debian:bookworm"
 pytestmark = [needs_root, pytest.mark.skipif(not have_image(DEB), reason=f"{DEB} not built")]
@@ -59,6 +59,7 @@ async def test_a1_trojan_shells_never_interpret_string_commands(boxes: Boxes) ->
     assert not await _pwned(boxes, sid)
 
 
+@container_only("unhardened twin of a container layer (hardened=False is a container-backend switch)")
 async def test_a1_trojan_shells_unhardened_twin(boxes: Boxes) -> None:
     # twin: the same attack against the old form of a string command (the sandbox's /bin/sh)
     sid = await boxes.make(DEB)
@@ -76,6 +77,7 @@ async def test_a1_string_commands_in_busybox(boxes: Boxes) -> None:
     assert (r.stdout, r.exit_code) == ("5\n1\n", 7), r
 
 
+@container_only("the platform shell as runc's fd 5 in a non-dumpable agent; in a VM guest root may read its own initramfs")
 async def test_a1_platform_shell_fd_unreachable(boxes: Boxes) -> None:
     sid = await boxes.make(BB)
     # The agent's fd of the platform shell: not listable or openable (non-dumpable PID 1);
@@ -92,6 +94,7 @@ async def test_a1_platform_shell_fd_unreachable(boxes: Boxes) -> None:
     assert lines[3] == "0" and lines[4] == "write=1" and int(lines[5]) > 1_000_000, r
 
 
+@container_only("unhardened twin of a container layer (hardened=False is a container-backend switch)")
 async def test_a1_platform_shell_fd_unhardened_twin(boxes: Boxes) -> None:
     # twin: with every capability (CAP_SYS_PTRACE) the agent's fd 5 is reachable, which the
     # hardened sandbox refuses above; even then the shell binary can not be written.
