@@ -99,6 +99,7 @@ STDIN_WINDOW = 256 * 1024
 EXEC_STDIN = 1
 EXEC_CGROUP = 2
 EXEC_PLATFORM_SHELL = 4
+EXEC_PLATFORM_TOOL = 8  # argv[0] names an applet of the platform's busybox, run by descriptor
 
 # argv[0] of the platform shell (bash-static): bash semantics. ``sh`` would make it bash's
 # POSIX mode, for callers that promise /bin/sh semantics.
@@ -134,10 +135,12 @@ class ExecRequest:
     stream_limit: int = 8 << 20
     tail_limit: int = 64 << 10
     platform_shell: bool = False  # argv runs under the platform shell (EXEC_PLATFORM_SHELL)
+    platform_tool: bool = False  # argv[0] is a platform busybox applet (EXEC_PLATFORM_TOOL)
 
     def encode(self, session: int, with_cgroup: bool) -> bytes:
         flags = ((EXEC_STDIN if self.stdin else 0) | (EXEC_CGROUP if with_cgroup else 0)
-                 | (EXEC_PLATFORM_SHELL if self.platform_shell else 0))
+                 | (EXEC_PLATFORM_SHELL if self.platform_shell else 0)
+                 | (EXEC_PLATFORM_TOOL if self.platform_tool else 0))
         head = EXEC_HEAD.pack(
             self.uid, self.gid, self.timeout_ms, flags, self.stream_limit, self.tail_limit,
             len(self.argv), len(self.env),

@@ -1,0 +1,229 @@
+"""The agent-based file API (``rollbox.agent.files``: the platform's busybox applets run in the
+sandbox's root through its agent, every byte back parsed as hostile), on a real sandbox.
+
+On containers the platform tool is reached through the platform shell exec'ing the image's own
+busybox (busybox:test): the parsing, caps, flow control and error mapping under test are the
+same as on a microVM, where the agent runs the platform's busybox by descriptor."""
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import tarfile
+from collections.abc import AsyncIterator
+
+import pytest
+
+from rollbox import errors
+from rollbox.agent import protocol as P
+from rollbox.agent.files import AgentFiles
+from rollbox.agent.tools import PlatformTools
+from rollbox.models import Resources, SandboxSpec
+
+BB = "busybox:test"
+
+
+def image_busybox(argv: list[str], stdin: bool, timeout_ms: int, stream_limit: int
+                  ) -> P.ExecRequest:
+    """A container stand-in for EXEC_PLATFORM_TOOL: the platform shell execs busybox."""
+    return P.ExecRequest(argv=["bash", "-c", 'exec -a "$0" /bin/busybox "$@"', *argv], env=[],
+                         timeout_ms=timeout_ms, stdin=stdin, stream_limit=stream_limit,
+                         tail_limit=0, platform_shell=True)
+
+
+@pytest.fixture
+async def files(edge) -> AsyncIterator[AgentFiles]:  # noqa: ANN001
+    info = await edge.create(SandboxSpec(image=BB, resources=Resources(disk_mib=64)), "t")
+    live = edge._live(info.id)
+    tools = PlatformTools(lambda: live.box.channel, request=image_busybox)
+    fs = AgentFiles(tools)
+    fs.sandbox_id = info.id  # type: ignore[attr-defined]
+    try:
+        yield fs
+    finally:
+        await edge.delete(info.id)
+
+
+async def sh(edge, fs: AgentFiles, cmd: str) -> str:  # noqa: ANN001
+    from rollbox.models import ExecSpec
+    sid = fs.sandbox_id  # type: ignore[attr-defined]
+    r = await edge.exec_wait(sid, await edge.exec_start(sid, ExecSpec(cmd=cmd)))
+    assert r.exit_code == 0, r
+    return r.stdout
+
+
+async def test_write_read_stat_list_mkdir_remove(edge, files: AgentFiles) -> None:  # noqa: ANN001
+    await files.write("/work/a/b.txt", b"hello\n", mode=0o4640)
+    assert await files.read("/work/a/b.txt") == b"hello\n"
+    s = await files.stat("/work/a/b.txt")
+    assert (s.type, s.size, s.mode, s.uid, s.name, s.path) == (
+        "file", 6, 0o640, 0, "b.txt", "/work/a/b.txt")  # setuid stripped
+    await files.write("/work/a/b.txt", b"two")  # replaced atomically
+    assert await files.read("/work/a/b.txt") == b"two"
+    odd = "/work/we'ird\nname -> 'x'"
+    await files.write(odd, b"")
+    await sh(edge, files, "ln -s /work/a/b.txt /work/l; ln -s \"/x' -> 'y\" /work/q; "
+             "mkfifo /work/ff; mknod /work/null c 1 3 2>/dev/null || true")
+    listing = {f.name: (f.type, f.link_target) for f in await files.list("/work")}
+    assert listing["a"] == ("dir", None) and listing["ff"] == ("other", None)
+    assert listing["l"] == ("symlink", "/work/a/b.txt")
+    assert listing["q"] == ("symlink", "/x' -> 'y")
+    assert listing[odd[6:]] == ("file", None)
+    assert [f.name for f in await files.list("/work")] == sorted(listing)
+    assert {f.name for f in await files.list("/")} >= {"work", "bin", "etc"}
+    # through a link: list and read follow it in-root, stat does not
+    assert [f.name for f in await files.list("/work/a")] == ["b.txt"]
+    assert await files.read("/work/l") == b"two"
+    assert (await files.stat("/work/l")).type == "symlink"
+    await files.mkdir("/work/m")
+    await files.mkdir("/work/p/q/r", parents=True)
+    await files.mkdir("/work/p/q/r", parents=True)  # no error if it exists
+    assert (await files.stat("/work/p/q/r")).type == "dir"
+    with pytest.raises(errors.BadRequest, match="already exists"):
+        await files.mkdir("/work/m")
+    with pytest.raises(errors.NotFound):
+        await files.mkdir("/work/nope/x")
+    with pytest.raises(errors.BadRequest, match="not a directory"):
+        await files.mkdir("/work/a/b.txt/x", parents=True)
+    with pytest.raises(errors.BadRequest, match="directory not empty"):
+        await files.remove("/work/p")
+    await files.remove("/work/p", recursive=True)
+    await files.remove("/work/l")  # the link goes, not its target
+    assert await files.read("/work/a/b.txt") == b"two"
+    await files.remove("/work/m")
+    with pytest.raises(errors.NotFound):
+        await files.stat("/work/p")
+    with pytest.raises(errors.BadRequest):
+        await files.remove("/")
+
+
+async def test_bad_input_and_special_files(edge, files: AgentFiles) -> None:  # noqa: ANN001
+    await files.mkdir("/d")
+    with pytest.raises(errors.BadRequest, match="is a directory"):
+        await files.write("/d", b"x")
+    assert await files.list("/d") == []  # no temp file left
+    for bad in ("relative", "", "/a\0b", "/" + "a" * 5000):
+        with pytest.raises(errors.BadRequest):
+            await files.write(bad, b"x")
+        with pytest.raises(errors.BadRequest):
+            await files.stat(bad)
+    with pytest.raises(errors.BadRequest):
+        await files.write("/", b"x")
+    with pytest.raises(errors.BadRequest, match="not a directory"):
+        await files.write("/bin/busybox/x", b"x")
+    with pytest.raises(errors.NotFound):
+        await files.read("/nope")
+    await sh(edge, files, "mkfifo /d/ff; ln -s /d/ff /d/lf; ln -s /d/loop /d/loop; "
+             "truncate -s 60M /d/sparse")
+    for path in ("/d/ff", "/d/lf", "/dev/zero", "/d"):  # never opened: no hang
+        with pytest.raises(errors.BadRequest, match="not a regular file|directory"):
+            await asyncio.wait_for(files.read(path), 30)
+    with pytest.raises(errors.BadRequest, match="symbolic links"):
+        await files.read("/d/loop")
+    with pytest.raises(errors.PayloadTooLarge):
+        await files.read("/d/sparse", max_bytes=1 << 20)
+    with pytest.raises(errors.PayloadTooLarge):
+        await anext(files.read_stream("/d/sparse", max_bytes=1 << 20))
+    with pytest.raises(errors.PayloadTooLarge):
+        await files.read("/bin/busybox", max_bytes=100)
+
+
+async def test_streams_bounded_and_disk_cap(edge, files: AgentFiles) -> None:  # noqa: ANN001
+    blob = os.urandom(24 << 20)
+
+    async def chunks(data: bytes, step: int = 1 << 20) -> AsyncIterator[bytes]:
+        for i in range(0, len(data), step):
+            yield data[i:i + step]
+
+    assert await files.write_stream("/s/blob", chunks(blob), mode=0o600) == len(blob)
+    assert (await files.stat("/s/blob")).mode == 0o600
+    got = bytearray()
+    peak = 0
+    async for c in files.read_stream("/s/blob"):
+        got += c
+        await asyncio.sleep(0.002)  # a slow consumer: the command is stopped, not buffered
+        peak = max(peak, files.tools.peak_buffered)
+    assert bytes(got) == blob
+    assert 0 < peak <= 16 << 20
+    # a stream above its cap or past the disk cap leaves no file, no temp file
+    with pytest.raises(errors.PayloadTooLarge):
+        await files.write_stream("/s/capped", chunks(blob), max_bytes=1 << 20)
+    with pytest.raises(errors.BadRequest) as exc:  # DiskFull keeps the bad_request code
+        await files.write_stream("/s/huge", chunks(os.urandom(1 << 20) * 80))
+    assert exc.value.details.get("reason") == "disk_full"
+    assert [f.name for f in await files.list("/s")] == ["blob"]
+
+    async def failing() -> AsyncIterator[bytes]:
+        yield b"partial"
+        raise errors.InfraError("client went away")
+
+    with pytest.raises(errors.InfraError, match="client went away"):
+        await files.write_stream("/s/broken", failing())
+    assert [f.name for f in await files.list("/s")] == ["blob"]
+
+
+def make_tar(members: list[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for ti, data in members:
+            if data is not None:
+                ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data) if data is not None else None)
+    return buf.getvalue()
+
+
+def member(name: str, kind: bytes = tarfile.REGTYPE, linkname: str = "", mode: int = 0o644
+           ) -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(name)
+    ti.type, ti.linkname, ti.mode = kind, linkname, mode
+    return ti
+
+
+async def once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+async def test_tar_round_trip_and_hostile_members(edge, files: AgentFiles) -> None:  # noqa: ANN001
+    tar = make_tar([
+        (member("pkg", tarfile.DIRTYPE, mode=0o755), None),
+        (member("pkg/run.sh", mode=0o4755), b"#!/bin/sh\necho hi\n"),
+        (member("pkg/link", tarfile.SYMTYPE, "/etc/passwd"), None),
+        (member("pkg/hard", tarfile.LNKTYPE, "pkg/run.sh"), None),
+        (member("pkg/dev", tarfile.CHRTYPE), None),
+        (member("pkg/fifo", tarfile.FIFOTYPE), None),
+        (member("pkg/" + "n" * 200), b"long name"),
+    ])
+    assert await files.upload_tar("/up", once(tar)) == 18 + 9
+    listing = {f.name: f for f in await files.list("/up/pkg")}
+    assert set(listing) == {"run.sh", "link", "hard", "n" * 200}  # no device, no FIFO
+    assert listing["run.sh"].mode == 0o755  # no setuid
+    assert listing["link"].link_target == "/etc/passwd"
+    for bad in ("../escape", "/abs", "a/../../b"):
+        with pytest.raises(errors.BadRequest):
+            await files.upload_tar("/up", once(make_tar([(member(bad), b"x")])))
+    with pytest.raises(errors.BadRequest, match="malformed"):
+        await files.upload_tar("/up", once(b"not a tar" * 200))
+    assert await files.upload_tar("/nolinks", once(tar), links=False) == 27
+    assert {f.name for f in await files.list("/nolinks/pkg")} == {"run.sh", "n" * 200}
+    # download: members relative to the directory; specials left out; a file is one member
+    await sh(edge, files, "mkfifo /up/pkg/ff")
+    raw = b"".join([c async for c in files.download_tar("/up")])
+    with tarfile.open(fileobj=io.BytesIO(raw)) as tf:
+        got = {m.name: m for m in tf}
+        assert set(got) == {"pkg", "pkg/run.sh", "pkg/link", "pkg/hard", "pkg/" + "n" * 200}
+        assert got["pkg/link"].issym() and got["pkg/link"].linkname == "/etc/passwd"
+        assert tf.extractfile(got["pkg/run.sh"]).read() == b"#!/bin/sh\necho hi\n"  # type: ignore[union-attr]
+    one = b"".join([c async for c in files.download_tar("/up/pkg/run.sh")])
+    with tarfile.open(fileobj=io.BytesIO(one)) as tf:
+        assert tf.getnames() == ["run.sh"]
+    # a copy of a tree through both directions
+    assert await files.upload_tar("/copy", files.download_tar("/up")) == 27
+    assert {f.name for f in await files.list("/copy/pkg")} == {"run.sh", "link", "hard",
+                                                               "n" * 200}
+    with pytest.raises(errors.NotFound):
+        await anext(files.download_tar("/nope"))
+    await sh(edge, files, "truncate -s 60M /up/sparse")  # counted at its full size
+    small = AgentFiles(files.tools, max_upload=8 << 20)
+    with pytest.raises(errors.PayloadTooLarge):
+        async for _ in small.download_tar("/up"):
+            pass
