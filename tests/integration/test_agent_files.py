@@ -19,6 +19,8 @@ from rollbox.agent import protocol as P
 from rollbox.agent.files import AgentFiles
 from rollbox.agent.tools import PlatformTools
 from rollbox.models import Resources, SandboxSpec
+from tests.redteam.test_file_paths import make_tar, once
+from tests.redteam.test_file_paths import member as redteam_member
 
 BB = "busybox:test"
 
@@ -162,25 +164,11 @@ async def test_streams_bounded_and_disk_cap(edge, files: AgentFiles) -> None:  #
     assert [f.name for f in await files.list("/s")] == ["blob"]
 
 
-def make_tar(members: list[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
-        for ti, data in members:
-            if data is not None:
-                ti.size = len(data)
-            tf.addfile(ti, io.BytesIO(data) if data is not None else None)
-    return buf.getvalue()
-
-
 def member(name: str, kind: bytes = tarfile.REGTYPE, linkname: str = "", mode: int = 0o644
            ) -> tarfile.TarInfo:
-    ti = tarfile.TarInfo(name)
-    ti.type, ti.linkname, ti.mode = kind, linkname, mode
+    ti = redteam_member(name, kind, linkname)
+    ti.mode = mode
     return ti
-
-
-async def once(data: bytes) -> AsyncIterator[bytes]:
-    yield data
 
 
 async def test_tar_round_trip_and_hostile_members(edge, files: AgentFiles) -> None:  # noqa: ANN001
