@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 APT_PACKAGES := runc erofs-utils debootstrap podman fuse3 iproute2 gcc libc6-dev make \
 	python3-venv ca-certificates busybox-static util-linux nftables xfslibs-dev bash-static \
-	btrfs-progs
+	btrfs-progs qemu-system-x86 qemu-utils
 export ROLLBOX_AGENT := $(CURDIR)/build/rollbox-agent
 
 .PHONY: deps venv native images setup demo test bench clean-host
@@ -24,8 +24,13 @@ $(BIN)/rollbox: requirements.lock pyproject.toml | deps
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e .
 	touch $@
 
-native: build/rollbox-agent
+native: build/rollbox-agent build/rollbox-jailer
 build/rollbox-agent: native/agent/agent.c | deps
+	mkdir -p build
+	gcc -static -O2 -Wall -Wextra -o $@ $<
+
+# Starts QEMU jailed for a microVM (backends/microvm/jail.py)
+build/rollbox-jailer: native/jailer/jailer.c | deps
 	mkdir -p build
 	gcc -static -O2 -Wall -Wextra -o $@ $<
 

@@ -68,6 +68,28 @@ class Settings:
     platform_shell: Path = field(
         default_factory=lambda: _env_path("ROLLBOX_PLATFORM_SHELL", "/bin/bash-static"))
     runtime: str = field(default_factory=lambda: os.environ.get("ROLLBOX_RUNTIME", "runc"))
+    # microVM backend (backends/microvm): QEMU, the jailer it runs under, the guest kernel and
+    # initramfs (`make guest`), the accelerator ("auto": KVM if a probe boot reaches the agent,
+    # else TCG), how long a guest may take to answer, QEMU's memory on top of the guest's.
+    qemu_binary: Path = field(
+        default_factory=lambda: _env_path("ROLLBOX_QEMU", "/usr/bin/qemu-system-x86_64"))
+    vm_jailer: Path = field(
+        default_factory=lambda: _env_path("ROLLBOX_JAILER",
+                                          REPO_ROOT / "build" / "rollbox-jailer"))
+    vm_kernel: Path = field(
+        default_factory=lambda: _env_path("ROLLBOX_VM_KERNEL",
+                                          REPO_ROOT / "build" / "guest" / "vmlinux"))
+    vm_initrd: Path = field(
+        default_factory=lambda: _env_path("ROLLBOX_VM_INITRD",
+                                          REPO_ROOT / "build" / "guest" / "initramfs.cpio"))
+    vm_accel: str = field(default_factory=lambda: os.environ.get("ROLLBOX_VM_ACCEL", "auto"))
+    # Probe results per (kernel, QEMU, /dev/kvm): a node start re-probes only when one changes.
+    vm_accel_cache: Path = field(
+        default_factory=lambda: _env_path("ROLLBOX_VM_ACCEL_CACHE", "/run/rollbox-accel"))
+    vm_boot_timeout_s: float = field(
+        default_factory=lambda: _env_float("ROLLBOX_VM_BOOT_TIMEOUT", 60.0))
+    vm_overhead_mib: int = field(default_factory=lambda: _env_int("ROLLBOX_VM_OVERHEAD_MIB", 256))
+    vm_tb_size_mib: int = field(default_factory=lambda: _env_int("ROLLBOX_VM_TB_MIB", 64))
     cgroup_parent: str = field(default_factory=lambda: os.environ.get("ROLLBOX_CGROUP", "rollbox"))
     node_id: str = field(default_factory=lambda: os.environ.get("ROLLBOX_NODE", "n0"))
     # First host uid of the sandbox uid ranges; each sandbox slot gets 65536 ids above it.
@@ -157,6 +179,8 @@ class Settings:
             "ROLLBOX_AGENT": str(self.agent_binary), "ROLLBOX_RUNTIME": self.runtime,
             "ROLLBOX_CGROUP": self.cgroup_parent, "ROLLBOX_NODE": self.node_id,
             "ROLLBOX_UID_BASE": str(self.uid_base), "ROLLBOX_UID_SLOTS": str(self.uid_slots),
+            "ROLLBOX_JAILER": str(self.vm_jailer), "ROLLBOX_VM_KERNEL": str(self.vm_kernel),
+            "ROLLBOX_VM_INITRD": str(self.vm_initrd), "ROLLBOX_VM_ACCEL": self.vm_accel,
         }
         if self.images_root is not None:
             env["ROLLBOX_IMAGES"] = str(self.images_root)

@@ -1,0 +1,108 @@
+"""A microVM's disks: its EROFS layers (read-only) and its writable ext4 disk.
+
+Layers are the image store's plain EROFS files, handed to QEMU read-only as virtio-blk (the
+guest mounts them; the host page cache holds one copy for every VM of a layer). A lazy layer
+(served by the FUSE loader) is pulled whole into the store first: QEMU reads a local file,
+never a FUSE mount that could stall a vCPU.
+
+The writable disk is a sparse file ``rw.img`` of exactly the sandbox's ``disk_mib`` in its
+own subvolume ``<id>`` of the node's btrfs disk pool (``backends/container/disk.py``), so a
+template's disk is cloned by snapshot/reflink and the qgroup bounds what the file can ever
+take on the host (twice the cap plus metadata: copy-on-write rewrites may briefly reference
+more than the file's size). The host formats it (``mkfs.ext4`` on the fresh, never-booted
+file) and never mounts it: once a guest has had it, its content is the guest's, read only
+through the agent or a userspace parser.
+
+Owns the disk files; does not know QEMU or the jail.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from pathlib import Path
+
+from rollbox.backends.container.disk import DiskPool
+from rollbox.errors import InfraError
+from rollbox.images.store import ImageStore
+
+RW_NAME = "rw.img"
+QGROUP_SLACK = 64 << 20
+
+
+def qgroup_cap(disk_bytes: int) -> int:
+    return 2 * disk_bytes + QGROUP_SLACK
+
+
+class VmDisks:
+    def __init__(self, pool: DiskPool, store: ImageStore) -> None:
+        self.pool = pool
+        self.store = store
+
+    async def layer_files(self, digests: list[str]) -> list[Path]:
+        """Local EROFS files of the layers, pulling lazy ones whole first."""
+        files = []
+        for digest in digests:
+            if self.store.is_lazy(digest):
+                await self._materialize(digest)
+            files.append(self.store.layer_path(digest))  # NotFound for an unknown layer
+        return files
+
+    async def _materialize(self, digest: str) -> None:
+        from rollbox.images.chunks import open_store, pull_layer
+        from rollbox.images.lazy.paths import read_record
+
+        record = read_record(self.store.root, digest) or {}
+        try:
+            await pull_layer(open_store(record.get("store")), digest, self.store)
+        except OSError as exc:
+            raise InfraError(f"layer {digest} could not be pulled for a microVM: {exc}",
+                             digest=digest) from exc
+
+    def rw_path(self, sandbox_id: str) -> Path:
+        return self.pool.path(sandbox_id) / RW_NAME
+
+    def create_rw(self, sandbox_id: str, disk_bytes: int, owner_uid: int) -> Path:
+        """A fresh ext4 disk of ``disk_bytes`` for the sandbox, owned by its QEMU's uid."""
+        subvol = self.pool.create(sandbox_id, qgroup_cap(disk_bytes))
+        path = subvol / RW_NAME
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.ftruncate(fd, disk_bytes)
+            finally:
+                os.close(fd)
+            res = subprocess.run(
+                ["mkfs.ext4", "-q", "-F", "-m", "0", "-L", "rollbox-rw",
+                 "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard", str(path)],
+                capture_output=True, text=True, timeout=60)
+            if res.returncode != 0:
+                raise InfraError(f"mkfs.ext4 of {sandbox_id}'s disk failed: "
+                                 f"{res.stderr.strip()[-300:]}")
+            os.chown(path, owner_uid, owner_uid)
+        except BaseException:
+            self.pool.remove(sandbox_id)
+            raise
+        return path
+
+    def clone_rw(self, src_id: str, dst_id: str, owner_uid: int) -> Path:
+        """A copy-on-write clone of ``src_id``'s disk as ``dst_id``'s (template restore,
+        fork): the subvolume is snapshotted, nothing copied. The source VM must be stopped
+        or saved for the copy to be consistent."""
+        self.pool.clone(src_id, dst_id)
+        path = self.rw_path(dst_id)
+        try:
+            os.chown(path, owner_uid, owner_uid)
+        except BaseException:
+            self.pool.remove(dst_id)
+            raise
+        return path
+
+    def remove_rw(self, sandbox_id: str) -> list[str]:
+        return self.pool.remove(sandbox_id)
+
+    def leftovers(self, sandbox_id: str) -> list[str]:
+        return self.pool.leftovers(sandbox_id)
+
+    async def create_rw_async(self, sandbox_id: str, disk_bytes: int, owner_uid: int) -> Path:
+        return await asyncio.to_thread(self.create_rw, sandbox_id, disk_bytes, owner_uid)

@@ -1,0 +1,248 @@
+"""The jail QEMU runs in: an unprivileged host uid, its own cgroups, namespaces and root.
+
+Per sandbox the edge keeps a root-only host dir ``<run_dir>/vm/<id>/`` holding the listening
+sockets it bound (``agent.sock``, ``qmp.sock``, ``console.sock``: QEMU gets them as fds 3-5
+and never sees their paths), QEMU's pid and its stderr log, and ``root/``, an empty directory
+the jailer (``native/jailer/jailer.c``) mounts the jail's tmpfs root on inside a mount
+namespace of its own. Inside, QEMU sees ``/usr`` read-only, ``/proc`` of its own pid namespace
+(pids only), the device nodes it is given (``/dev/kvm`` only with KVM) and its files at fixed
+paths (``qemu.py``); nothing else of the host. It runs as the sandbox's slot uid (the first
+uid of its 65536-uid band, used by nothing else), in cgroups ``<parent>/<id>`` of the memory,
+cpu and pids hierarchies (the sandbox's limits: QEMU's own RSS counts against the memory
+limit) and the v2 hierarchy (``cgroup.kill``), in the sandbox's network namespace or an empty
+one, with no capabilities, no_new_privs, and QEMU's own seccomp filter
+(``-sandbox on,...``: no exec, no setuid, no resource control).
+
+Owns spawning and killing the jailed process and its cgroups and host dir; does not know what
+runs inside (``qemu.py``) or the disks (``disks.py``).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollbox.backends.container.rootfs import remove_flat_dir
+from rollbox.backends.container.runtime import wait_pid
+from rollbox.errors import InfraError
+from rollbox.isolation import cgroups
+
+log = logging.getLogger(__name__)
+
+SOCKETS = ("agent", "qmp", "console")  # fds 3, 4, 5 in this order
+JAILER_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    memory_bytes: int     # guest RAM + QEMU's own overhead
+    cpus: float           # CFS quota in cores
+    pids: int             # QEMU's threads
+
+
+@dataclass(frozen=True)
+class Bind:
+    src: Path
+    dst: str              # fixed jail path, e.g. /vm/layer0
+    writable: bool = False
+
+
+def _controller_dirs(parent: str, sandbox_id: str) -> dict[str, Path]:
+    """The sandbox's cgroup dir per controller this jail limits, plus "v2" for membership."""
+    dirs: dict[str, Path] = {"v2": cgroups.v2_dir(parent, sandbox_id)}
+    if not cgroups.is_pure_v2():
+        for h in cgroups.hierarchies():
+            if h.name in ("memory", "cpu", "pids"):
+                dirs[h.name] = h / parent / sandbox_id
+            elif h.name.startswith("cpu,") and "cpu" not in dirs:  # cpu,cpuacct co-mounted
+                dirs["cpu"] = h / parent / sandbox_id
+    return dirs
+
+
+def make_cgroups(parent: str, sandbox_id: str, limits: Limits) -> list[Path]:
+    """Create the sandbox's cgroups with its limits; returns the dirs QEMU joins."""
+    dirs = _controller_dirs(parent, sandbox_id)
+    period = 100_000
+    quota = max(1000, int(limits.cpus * period))
+    try:
+        for d in dirs.values():
+            d.mkdir(parents=True, exist_ok=True)
+        if cgroups.is_pure_v2():
+            v2 = dirs["v2"]
+            for ctl in ("memory", "cpu", "pids"):
+                try:
+                    (v2.parent / "cgroup.subtree_control").write_text(f"+{ctl}")
+                except OSError:
+                    pass
+            (v2 / "memory.max").write_text(str(limits.memory_bytes))
+            if (v2 / "memory.swap.max").exists():
+                (v2 / "memory.swap.max").write_text("0")
+            (v2 / "cpu.max").write_text(f"{quota} {period}")
+            (v2 / "pids.max").write_text(str(limits.pids))
+        else:
+            mem = dirs["memory"]
+            (mem / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
+            memsw = mem / "memory.memsw.limit_in_bytes"
+            if memsw.exists():
+                memsw.write_text(str(limits.memory_bytes))
+            (dirs["cpu"] / "cpu.cfs_period_us").write_text(str(period))
+            (dirs["cpu"] / "cpu.cfs_quota_us").write_text(str(quota))
+            (dirs["pids"] / "pids.max").write_text(str(limits.pids))
+    except (OSError, KeyError) as exc:
+        raise InfraError(f"cgroups of {sandbox_id} not made: {exc}") from exc
+    return list(dirs.values())
+
+
+class Jail:
+    """The host side of one sandbox's jail (its dir, sockets, cgroups, process)."""
+
+    def __init__(self, run_root: Path, cgroup_parent: str, sandbox_id: str) -> None:
+        self.sandbox_id = sandbox_id
+        self.dir = run_root / sandbox_id
+        self.cgroup_parent = cgroup_parent
+        self.v2 = cgroups.v2_dir(cgroup_parent, sandbox_id)
+
+    def socket_path(self, name: str) -> Path:
+        return self.dir / f"{name}.sock"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.dir / "pid"
+
+    @property
+    def log_file(self) -> Path:
+        return self.dir / "qemu.log"
+
+    def read_pid(self) -> int | None:
+        try:
+            return int(self.pid_file.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def alive(self, pid: int | None) -> bool:
+        """Whether ``pid`` is this jail's QEMU (still in the sandbox's v2 cgroup)."""
+        return pid is not None and pid in cgroups.procs(self.v2)
+
+    def prepare(self) -> list[socket.socket]:
+        """Make the host dir and bind the listening sockets (agent, qmp, console)."""
+        self.dir.mkdir(parents=True, exist_ok=False)
+        os.chmod(self.dir, 0o700)
+        (self.dir / "root").mkdir(mode=0o755)
+        socks: list[socket.socket] = []
+        try:
+            for name in SOCKETS:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+                socks.append(s)
+                s.bind(str(self.socket_path(name)))
+                os.chmod(self.socket_path(name), 0o600)
+                s.listen(4)
+        except BaseException:
+            for s in socks:
+                s.close()
+            raise
+        return socks
+
+    async def spawn(self, jailer: Path, qemu_argv: list[str], host_uid: int, limits: Limits,
+                    binds: list[Bind], sockets: list[socket.socket], *,
+                    netns: Path | None = None, devices: tuple[str, ...] = ()) -> int:
+        """Start QEMU in the jail; returns its host pid once it has exec'd."""
+        cg_dirs = await asyncio.to_thread(make_cgroups, self.cgroup_parent, self.sandbox_id,
+                                          limits)
+        args = [str(jailer), "--root", str(self.dir / "root"), "--uid", str(host_uid),
+                "--gid", str(host_uid), "--pidfile", str(self.pid_file),
+                "--keep-fds", str(len(sockets))]
+        for d in cg_dirs:
+            args += ["--cgroup", str(d)]
+        if netns is not None:
+            args += ["--netns", str(netns)]
+        for dev in devices:
+            args += ["--dev", dev]
+        for b in binds:
+            args += ["--rw" if b.writable else "--ro", f"{b.src}:{b.dst}"]
+        args += ["--", *qemu_argv]
+        devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        logfd = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+                        0o600)
+        try:
+            actions = [(os.POSIX_SPAWN_DUP2, devnull, 0), (os.POSIX_SPAWN_DUP2, devnull, 1),
+                       (os.POSIX_SPAWN_DUP2, logfd, 2)]
+            actions += [(os.POSIX_SPAWN_DUP2, s.fileno(), 3 + i) for i, s in enumerate(sockets)]
+            pid = os.posix_spawn(str(jailer), args, {}, file_actions=actions)
+        finally:
+            os.close(devnull)
+            os.close(logfd)
+        try:
+            code = await asyncio.wait_for(wait_pid(pid), JAILER_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            os.kill(pid, 9)
+            await wait_pid(pid)
+            raise InfraError(f"jailer of {self.sandbox_id} did not finish in "
+                             f"{JAILER_TIMEOUT_S:.0f} s") from None
+        if code != 0:
+            raise InfraError(f"QEMU of {self.sandbox_id} not started: {self.log_tail()}")
+        qpid = self.read_pid()
+        if qpid is None:
+            raise InfraError(f"QEMU of {self.sandbox_id} not started: no pid")
+        return qpid
+
+    def log_tail(self, limit: int = 2000) -> str:
+        try:
+            with open(self.log_file, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - limit))
+                return f.read().decode(errors="replace").strip()
+        except OSError:
+            return ""
+
+    async def kill(self, pid: int | None, timeout_s: float = 10.0) -> list[str]:
+        """Kill everything in the sandbox's cgroup, wait until it is empty and reap QEMU if it
+        is our child; returns what survives."""
+        cgroups.kill(self.v2)
+        deadline = time.monotonic() + timeout_s
+        while not await cgroups.wait_empty(self.v2, 0.5):
+            cgroups.kill(self.v2)
+            if time.monotonic() > deadline:
+                return [f"processes survive in {self.v2}: {cgroups.procs(self.v2)}"]
+        if pid is not None:
+            try:
+                await asyncio.wait_for(wait_pid(pid), 5.0)
+            except (ChildProcessError, ProcessLookupError, asyncio.TimeoutError):
+                pass  # not our child (adopted) or already reaped
+        return []
+
+    def release(self) -> list[str]:
+        """Remove the cgroups and host dir of a jail with no process left; returns what is
+        left."""
+        problems: list[str] = []
+        for path in cgroups.sandbox_dirs(self.cgroup_parent, self.sandbox_id):
+            try:
+                cgroups.remove_tree(path)
+            except OSError as exc:
+                problems.append(f"cgroup {path}: {exc}")
+        root = self.dir / "root"
+        try:
+            root.rmdir()  # an empty mount point (the jail's mounts were never on the host)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            problems.append(f"{root}: {exc}")
+        remove_flat_dir(self.dir)
+        if self.dir.exists():
+            problems.append(str(self.dir))
+        return problems
+
+    def leftovers(self) -> list[str]:
+        left = [str(p) for p in cgroups.sandbox_dirs(self.cgroup_parent, self.sandbox_id)
+                if p.exists()]
+        if self.dir.exists():
+            left.append(str(self.dir))
+        return left
+
+
+def vcpus(cpus: float) -> int:
+    return max(1, math.ceil(cpus))

@@ -1,0 +1,128 @@
+"""QEMU's command line for one microVM, with every per-sandbox file at a fixed path.
+
+The command line names only jail paths and inherited descriptors, never a host path or a
+sandbox id, so two sandboxes of the same image, layers and resources get the *same* argv
+(a saved template restores into any of them: lane template keys on :func:`argv`):
+
+- ``/vm/kernel`` the PVH vmlinux, ``/vm/initrd`` the initramfs (agent as /init),
+- ``/vm/layer0`` .. ``/vm/layer{N-1}`` the EROFS layers, read-only virtio-blk with serial
+  ``layer<i>`` (i = index in the spec's layer list, the order the container backend stacks
+  them), ``/vm/rw.img`` the writable ext4 disk, virtio-blk serial ``rw``,
+- fd 3: the agent's virtio-serial port ``org.rollbox.agent`` (listening unix socket the edge
+  bound), fd 4: QMP, fd 5: the serial console (read by the edge during boot only).
+
+Guest kernel command line (read by the agent as init): ``rollbox.layers=N`` and
+``rollbox.rw=1`` say which disks exist (the agent finds them by their virtio serial, not by
+probe order); ``tsc_early_khz``/``lpj`` skip the PIT calibration microvm can hang on under
+TCG; ``quiet`` because every console byte costs an emulated UART write.
+
+Owns the argv and the host facts it needs (TSC kHz, QEMU version); does not start processes
+(``jail.py``) or know sandboxes (``backend.py``).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+from dataclasses import dataclass, field
+
+KERNEL = "/vm/kernel"
+INITRD = "/vm/initrd"
+RW_DISK = "/vm/rw.img"
+AGENT_PORT = "org.rollbox.agent"
+# Descriptors QEMU inherits from the jailer (listening sockets bound by the edge).
+AGENT_FD, QMP_FD, CONSOLE_FD = 3, 4, 5
+KEPT_FDS = 3
+HZ = 250  # CONFIG_HZ of Debian's cloud kernel: lpj = kHz * 1000 / HZ
+
+
+def layer_path(index: int) -> str:
+    return f"/vm/layer{index}"
+
+
+@dataclass(frozen=True)
+class MachineSpec:
+    """Everything the argv depends on; equal specs give equal argvs."""
+    cpus: int
+    memory_mib: int
+    layers: int
+    rw_disk: bool = True
+    accel: str = "tcg"           # "tcg" | "kvm"
+    tsc_khz: int = 0             # 0: leave the kernel to calibrate
+    tb_size_mib: int = 64        # TCG translation cache (QEMU's default, 1 GiB, costs RSS)
+    incoming: bool = False       # start paused waiting for ``migrate-incoming`` (restore)
+    extra_cmdline: tuple[str, ...] = field(default=())
+
+
+def kernel_cmdline(spec: MachineSpec) -> str:
+    args = ["console=ttyS0", "quiet", "panic=-1", "reboot=t", "pci=off",
+            f"rollbox.layers={spec.layers}"]
+    if spec.rw_disk:
+        args.append("rollbox.rw=1")
+    if spec.tsc_khz > 0:
+        args += [f"tsc_early_khz={spec.tsc_khz}", f"lpj={spec.tsc_khz * 1000 // HZ}"]
+    return " ".join(args + list(spec.extra_cmdline))
+
+
+def argv(spec: MachineSpec, binary: str = "/usr/bin/qemu-system-x86_64") -> list[str]:
+    if spec.accel == "kvm":
+        accel = ["-accel", "kvm", "-cpu", "host"]
+    elif spec.accel == "tcg":
+        accel = ["-accel", f"tcg,tb-size={spec.tb_size_mib}", "-cpu", "max"]
+    else:
+        raise ValueError(f"unknown accelerator {spec.accel!r}")
+    args = [
+        binary, "-M", "microvm,rtc=on,x-option-roms=off", *accel,
+        "-smp", str(spec.cpus), "-m", str(spec.memory_mib),
+        "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+        # modern virtio-mmio: free page reporting is a feature bit above 32
+        "-global", "virtio-mmio.force-legacy=false",
+        "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+        "-kernel", KERNEL, "-initrd", INITRD, "-append", kernel_cmdline(spec),
+        "-chardev", f"socket,id=console,fd={CONSOLE_FD},server=on,wait=off",
+        "-serial", "chardev:console",
+        "-chardev", f"socket,id=qmp,fd={QMP_FD},server=on,wait=off",
+        "-mon", "chardev=qmp,mode=control",
+        "-device", "virtio-serial-device,max_ports=2",
+        "-chardev", f"socket,id=agent,fd={AGENT_FD},server=on,wait=off",
+        "-device", f"virtserialport,chardev=agent,name={AGENT_PORT}",
+        "-device", "virtio-balloon-device,free-page-reporting=on,deflate-on-oom=on",
+    ]
+    for i in range(spec.layers):
+        args += ["-drive", f"id=layer{i},file={layer_path(i)},format=raw,if=none,readonly=on",
+                 "-device", f"virtio-blk-device,drive=layer{i},serial=layer{i}"]
+    if spec.rw_disk:
+        args += ["-drive", f"id=rw,file={RW_DISK},format=raw,if=none,discard=unmap,"
+                 "detect-zeroes=unmap",
+                 "-device", "virtio-blk-device,drive=rw,serial=rw"]
+    if spec.incoming:
+        args += ["-incoming", "defer"]
+    return args
+
+
+@functools.lru_cache(maxsize=1)
+def host_tsc_khz() -> int:
+    """The host's TSC rate in kHz (TCG's guest TSC runs at the host's); 0 if unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("cpu MHz"):
+                    return int(float(line.split(":", 1)[1]) * 1000)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+@functools.lru_cache(maxsize=8)
+def _version(binary: str, mtime_ns: int) -> str:
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+    return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout else ""
+
+
+def version(binary: str) -> str:
+    """``QEMU emulator version ...`` of the binary (part of a template's key); "" if it does
+    not run."""
+    try:
+        return _version(binary, os.stat(binary).st_mtime_ns)
+    except (OSError, subprocess.SubprocessError):
+        return ""
