@@ -53,11 +53,12 @@ class Bind:
 
 
 def _controller_dirs(parent: str, sandbox_id: str) -> dict[str, Path]:
-    """The sandbox's cgroup dir per controller this jail limits, plus "v2" for membership."""
+    """The sandbox's cgroup dir per controller this jail limits (and cpuacct, for its CPU
+    use), plus "v2" for membership and cgroup.kill."""
     dirs: dict[str, Path] = {"v2": cgroups.v2_dir(parent, sandbox_id)}
     if not cgroups.is_pure_v2():
         for h in cgroups.hierarchies():
-            if h.name in ("memory", "cpu", "pids"):
+            if h.name in ("memory", "cpu", "cpuacct", "pids"):
                 dirs[h.name] = h / parent / sandbox_id
             elif h.name.startswith("cpu,") and "cpu" not in dirs:  # cpu,cpuacct co-mounted
                 dirs["cpu"] = h / parent / sandbox_id

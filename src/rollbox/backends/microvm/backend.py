@@ -1,0 +1,563 @@
+"""Lifecycle of microVM sandboxes on one node: create, adopt after a restart, destroy, verify.
+
+Creation order: checks against the node (vCPUs, memory) -> uid slot -> layer files (lazy ones
+pulled) -> writable disk (sparse ext4 file in its own capped subvolume) -> jail dir and the
+listening sockets -> cgroups with the sandbox's limits -> QEMU in its jail -> the guest's
+agent answers on the virtio-serial port within the boot timeout (watched: a QEMU that dies
+ends the wait at once). Any failure tears everything down and raises a typed error; a guest
+that never answers is an InfraError after ``vm_boot_timeout_s``.
+
+QEMU outlives the edge: after a restart :meth:`adopt` finds it by its journaled pid (checked
+to be in the sandbox's cgroup) and reconnects to the agent's socket. Destruction kills by
+cgroup, reaps, removes the cgroups, the jail dir with its sockets and the disk's subvolume,
+and checks that nothing of the sandbox is left (:meth:`leftovers`: QEMU processes of its uid,
+cgroups, jail dir and sockets, disk, netns).
+
+Trust: the guest's root owns the guest (it can stop or impersonate the agent), so every exec
+result is marked guest-reported; the channel reaches only this VM (a listening socket the
+edge bound in a root-only dir, handed to QEMU as an fd).
+
+Owns the VM handles and the order of the pieces; does not touch the journal, admission or the
+API (the edge's), nor the agent protocol (``rollbox.agent``).
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollbox.backends.base import (
+    BackendCapacity, CaptureOptions, CaptureResult, NetworkAttachment, ResolvedSpec,
+    SessionSlot, Usage,
+)
+from rollbox.backends.container.disk import DiskPool
+from rollbox.backends.microvm import balloon, qemu, qmp
+from rollbox.backends.microvm.accel import AccelChoice, probe_accel
+from rollbox.backends.microvm.disks import VmDisks
+from rollbox.backends.microvm.jail import Bind, Jail, Limits, vcpus
+from rollbox.config import Settings
+from rollbox.errors import BadRequest, InfraError
+from rollbox.images.store import ImageStore
+from rollbox.isolation import cgroups, netns, syscalls
+from rollbox.isolation.userns import UidSlots
+from rollbox.models import FileStat
+
+log = logging.getLogger(__name__)
+
+CONSOLE_KEEP = 16 << 10
+ADOPT_TIMEOUT_S = 5.0
+QEMU_PIDS = 256
+PR_SET_CHILD_SUBREAPER = 36  # QEMU's threads: vCPUs, main loop, RCU, the block layer's worker pool
+
+# (socket path, timeout) -> the agent's channel once it said READY. The agent's byte-stream
+# transport is rollbox.agent's (lane guest); tests of the VM plumbing before it existed gave
+# their own.
+AgentConnector = Callable[[str, float], Awaitable[Any]]
+
+
+async def connect_agent_stream(path: str, timeout: float) -> Any:
+    from rollbox.agent.channel import AgentChannel
+
+    return await AgentChannel.connect_stream(path, timeout=timeout)
+
+
+class UnavailableFiles:
+    """Files of a microVM before the agent-side file operations exist: every call is a
+    typed refusal, never a host-side access to the guest's disk."""
+
+    def _refuse(self) -> BadRequest:
+        return BadRequest("file operations are not available on microVM sandboxes yet")
+
+    async def read(self, path: str, max_bytes: int | None = None) -> bytes:
+        raise self._refuse()
+
+    async def write(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        raise self._refuse()
+
+    async def read_stream(self, path: str, max_bytes: int | None = None
+                          ) -> AsyncIterator[bytes]:
+        raise self._refuse()
+        yield b""  # pragma: no cover
+
+    async def write_stream(self, path: str, chunks: AsyncIterator[bytes], mode: int = 0o644,
+                           max_bytes: int | None = None) -> int:
+        raise self._refuse()
+
+    async def stat(self, path: str) -> FileStat:
+        raise self._refuse()
+
+    async def list(self, path: str) -> list[FileStat]:
+        raise self._refuse()
+
+    async def mkdir(self, path: str, parents: bool = False) -> None:
+        raise self._refuse()
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        raise self._refuse()
+
+    async def upload_tar(self, path: str, chunks: AsyncIterator[bytes], *,
+                         links: bool = True) -> int:
+        raise self._refuse()
+
+    async def download_tar(self, path: str) -> AsyncIterator[bytes]:
+        raise self._refuse()
+        yield b""  # pragma: no cover
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class MicroVM:
+    """One live microVM sandbox (a ``SandboxHandle``)."""
+    id: str
+    slot: int
+    host_uid: int
+    jail: Jail
+    pid: int
+    machine: qemu.MachineSpec
+    channel: Any
+    image_env: dict[str, str] = field(default_factory=dict)
+    files: Any = field(default_factory=UnavailableFiles)
+    network: NetworkAttachment | None = None
+    next_session: int = 0
+    squeezed: bool = False
+    paused: bool = False
+    kind: str = "microvm"
+    guest_reported: bool = True
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def state(self) -> dict[str, Any]:
+        return {"host_uid": self.host_uid, "pid": self.pid, "squeezed": self.squeezed,
+                "machine": {**asdict(self.machine),
+                            "extra_cmdline": list(self.machine.extra_cmdline)}}
+
+    def new_session(self) -> SessionSlot:
+        # The agent makes the session's cgroup inside the guest: no fd crosses the VM.
+        self.next_session += 1
+        return SessionSlot(name=f"x{self.next_session}", cgroup_fd=None)
+
+    def drop_session(self, name: str) -> None:
+        pass  # the guest's session cgroups are the agent's
+
+    @property
+    def qmp_path(self) -> Path:
+        return self.jail.socket_path("qmp")
+
+    @property
+    def agent_path(self) -> Path:
+        return self.jail.socket_path("agent")
+
+
+class ConsoleTail:
+    """Reads the guest's serial console during boot, keeping the last bytes (diagnostics of a
+    guest that never answers); closed once the agent is up, so a chatty guest costs nothing
+    after boot (QEMU drops console bytes nobody reads)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data = bytearray()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, str(self.path))
+            while True:
+                chunk = await loop.sock_recv(sock, 65536)
+                if not chunk:
+                    return
+                self.data += chunk
+                del self.data[:-CONSOLE_KEEP]
+        except OSError:
+            return
+        finally:
+            sock.close()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+
+    def tail(self, n: int = 2000) -> str:
+        return bytes(self.data[-n:]).decode(errors="replace")
+
+
+async def _pid_exited(pid: int) -> None:
+    """Returns once ``pid`` has exited (pidfd readable); at once if it is gone."""
+    loop = asyncio.get_running_loop()
+    try:
+        fd = syscalls.pidfd_open(pid)
+    except OSError:
+        return
+    fut: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+    try:
+        await fut
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+
+def _host_memory_mib() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024
+    return 0
+
+
+class MicroVMBackend:
+    kind = "microvm"
+    files_for: Callable[[MicroVM], Any] = staticmethod(lambda vm: UnavailableFiles())
+
+    def __init__(self, settings: Settings, slots: UidSlots, store: ImageStore,
+                 pool: DiskPool | None = None, *,
+                 connect_agent: AgentConnector = connect_agent_stream) -> None:
+        self.settings = settings
+        self.slots = slots
+        self.store = store
+        self.disks = VmDisks(pool or DiskPool(settings), store)
+        self.connect_agent = connect_agent
+        self.run_root = settings.run_dir / "vm"
+        self.accel: AccelChoice | None = None
+
+    # ---- node -----------------------------------------------------------------------------
+    def _missing(self) -> str | None:
+        """Why this node can not run microVMs (None: it can)."""
+        for what, path in (("QEMU", self.settings.qemu_binary),
+                           ("the jailer (make native)", self.settings.vm_jailer),
+                           ("the guest kernel (make guest)", self.settings.vm_kernel),
+                           ("the guest initramfs (make guest)", self.settings.vm_initrd)):
+            if not Path(path).is_file():
+                return f"{what} missing at {path}"
+        return None
+
+    async def start(self) -> None:
+        """Node start: choose the accelerator (a probe boot decides whether KVM works)."""
+        # QEMU outlives its jailer (which exits once it exec'd); as subreaper this process
+        # gets and reaps it (this host's init never reaps).
+        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        if self._missing() is None:
+            self.accel = await probe_accel(self)
+            log.info("microvm accelerator: %s (%s)", self.accel.accel, self.accel.reason)
+
+    def capacity(self) -> BackendCapacity:
+        missing = self._missing()
+        facts: dict[str, Any] = {"qemu": qemu.version(str(self.settings.qemu_binary))}
+        if self.accel is not None:
+            facts.update(accel=self.accel.accel, accel_reason=self.accel.reason)
+        return BackendCapacity(
+            kind=self.kind, offered=missing is None, reason=missing,
+            max_cpus=float(os.cpu_count() or 1), max_memory_mib=_host_memory_mib(),
+            facts=facts)
+
+    def _accel_name(self) -> str:
+        return self.accel.accel if self.accel is not None else "tcg"
+
+    # ---- create ---------------------------------------------------------------------------
+    def check_spec(self, spec: ResolvedSpec) -> None:
+        """Refuse (BadRequest) what this backend can not give, before anything is made."""
+        r = spec.resources
+        if vcpus(r.cpus) > (os.cpu_count() or 1):
+            raise BadRequest(f"cpus={r.cpus} is more than this node's {os.cpu_count()} CPUs",
+                             reason="resources")
+        host = _host_memory_mib()
+        if r.memory_mib > host:
+            raise BadRequest(f"memory_mib={r.memory_mib} is more than this node's {host} MiB",
+                             reason="resources")
+        if spec.disk_tier != "disk":
+            raise BadRequest("microVMs have a disk-backed writable disk only (disk_tier "
+                             "'disk')", disk_tier=spec.disk_tier)
+        if spec.network_rules is not None:
+            raise BadRequest("network policies are not available on microVMs yet")
+        if spec.hidden_paths:
+            raise BadRequest("hidden paths are not available on microVMs yet")
+        missing = self._missing()
+        if missing is not None:
+            raise BadRequest(f"this node does not offer microVMs: {missing}")
+
+    def machine_for(self, spec: ResolvedSpec) -> qemu.MachineSpec:
+        return qemu.MachineSpec(
+            cpus=vcpus(spec.resources.cpus), memory_mib=spec.resources.memory_mib,
+            layers=len(spec.layers), rw_disk=True, accel=self._accel_name(),
+            tsc_khz=qemu.host_tsc_khz(), tb_size_mib=self.settings.vm_tb_size_mib)
+
+    def limits_for(self, machine: qemu.MachineSpec, cpus: float) -> Limits:
+        tb = machine.tb_size_mib if machine.accel == "tcg" else 0
+        mem = (machine.memory_mib + self.settings.vm_overhead_mib + tb) << 20
+        return Limits(memory_bytes=mem, cpus=cpus, pids=QEMU_PIDS)
+
+    async def create(self, sandbox_id: str, spec: ResolvedSpec, *,
+                     boot_timeout_s: float | None = None,
+                     machine: qemu.MachineSpec | None = None) -> MicroVM:
+        self.check_spec(spec)
+        machine = machine or self.machine_for(spec)
+        slot = self.slots.acquire()
+        host_uid = self.slots.host_uid(slot)
+        jail = Jail(self.run_root, self.settings.cgroup_parent, sandbox_id)
+        try:
+            layer_files = await self.disks.layer_files(list(spec.layers))
+            rw = await self.disks.create_rw_async(sandbox_id, spec.resources.disk_mib << 20,
+                                                  host_uid)
+            binds = [Bind(self.settings.vm_kernel, qemu.KERNEL),
+                     Bind(self.settings.vm_initrd, qemu.INITRD)]
+            binds += [Bind(f, qemu.layer_path(i)) for i, f in enumerate(layer_files)]
+            binds.append(Bind(rw, qemu.RW_DISK, writable=True))
+            return await self._launch(sandbox_id, slot, host_uid, jail, machine, binds,
+                                      spec.resources.cpus, spec.env,
+                                      boot_timeout_s or self.settings.vm_boot_timeout_s)
+        except BaseException as exc:
+            await asyncio.shield(self._teardown(sandbox_id, jail, slot, jail.read_pid()))
+            if isinstance(exc, (InfraError, BadRequest)) or not isinstance(exc, Exception):
+                raise
+            raise InfraError(f"microVM {sandbox_id} not created: {exc}") from exc
+
+    async def _launch(self, sandbox_id: str, slot: int, host_uid: int, jail: Jail,
+                      machine: qemu.MachineSpec, binds: list[Bind], cpus: float,
+                      env: dict[str, str], boot_timeout_s: float) -> MicroVM:
+        """Start QEMU in its jail and wait for the agent; the caller tears down on failure."""
+        devices = ("/dev/kvm",) if machine.accel == "kvm" else ()
+        sockets = await asyncio.to_thread(jail.prepare)
+        try:
+            pid = await jail.spawn(self.settings.vm_jailer,
+                                   qemu.argv(machine, str(self.settings.qemu_binary)),
+                                   host_uid, self.limits_for(machine, cpus), binds, sockets,
+                                   devices=devices)
+        finally:
+            for s in sockets:
+                s.close()  # QEMU holds its own copies
+        channel = await self._wait_agent(jail, pid, boot_timeout_s)
+        vm = MicroVM(id=sandbox_id, slot=slot, host_uid=host_uid, jail=jail, pid=pid,
+                     machine=machine, channel=channel, image_env=dict(env))
+        vm.files = self.files_for(vm)
+        return vm
+
+    async def _wait_agent(self, jail: Jail, pid: int, timeout_s: float) -> Any:
+        """The agent's channel once it answers; InfraError if QEMU dies or the wait runs out
+        (the console's last lines go to the log, never to the caller: guest-written)."""
+        console = ConsoleTail(jail.socket_path("console"))
+        console.start()
+        t0 = time.monotonic()
+        connect = asyncio.ensure_future(
+            self.connect_agent(str(jail.socket_path("agent")), timeout_s))
+        died = asyncio.ensure_future(_pid_exited(pid))
+        try:
+            done, _ = await asyncio.wait({connect, died}, timeout=timeout_s + 1,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if connect in done and connect.exception() is None:
+                return connect.result()
+            if died in done:
+                why = f"QEMU exited during boot ({jail.log_tail(500) or 'no message'})"
+            elif connect in done:
+                why = f"the agent did not answer ({connect.exception()})"
+            else:
+                why = f"the agent did not answer in {timeout_s:.0f} s"
+            log.warning("microVM %s: %s after %.1f s; console: %r", jail.sandbox_id, why,
+                        time.monotonic() - t0, console.tail())
+            raise InfraError(f"microVM {jail.sandbox_id} did not boot: {why}",
+                             sandbox_id=jail.sandbox_id)
+        finally:
+            for t in (connect, died):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(connect, died, return_exceptions=True)
+            await console.stop()
+
+    # ---- adopt / destroy ------------------------------------------------------------------
+    async def adopt(self, sandbox_id: str, spec: ResolvedSpec, state: dict[str, Any],
+                    paused: bool) -> MicroVM | None:
+        """Reconnect to a VM an earlier edge started; None if it is gone (then cleaned)."""
+        host_uid = int(state["host_uid"])
+        slot = self.slots.slot_of(host_uid)
+        self.slots.claim(slot)
+        jail = Jail(self.run_root, self.settings.cgroup_parent, sandbox_id)
+        pid = int(state.get("pid") or 0) or None
+        m = dict(state["machine"])
+        m["extra_cmdline"] = tuple(m.get("extra_cmdline") or ())
+        machine = qemu.MachineSpec(**m)
+        try:
+            if not jail.alive(pid):
+                raise InfraError("QEMU not running")
+            if paused:  # a stopped guest can not answer the handshake
+                async with qmp.session(jail.socket_path("qmp")) as q:
+                    await q.cont()
+            channel = await self.connect_agent(str(jail.socket_path("agent")),
+                                               ADOPT_TIMEOUT_S)
+        except (OSError, ValueError, InfraError) as exc:
+            log.warning("microVM %s can not be adopted (%s); cleaning up", sandbox_id, exc)
+            await self._teardown(sandbox_id, jail, slot, pid)
+            return None
+        assert pid is not None
+        vm = MicroVM(id=sandbox_id, slot=slot, host_uid=host_uid, jail=jail, pid=pid,
+                     machine=machine, channel=channel, image_env=dict(spec.env),
+                     squeezed=bool(state.get("squeezed")))
+        vm.files = self.files_for(vm)
+        if paused:
+            await self.pause(vm)
+        return vm
+
+    async def destroy(self, h: MicroVM) -> None:  # type: ignore[override]
+        h.channel.close()
+        h.files.close()
+        await self._teardown(h.id, h.jail, h.slot, h.pid)
+
+    def detach(self, h: MicroVM) -> None:  # type: ignore[override]
+        """The edge stops; the VM keeps running (adopted by the next edge)."""
+        h.channel.close()
+        h.files.close()
+
+    async def cleanup(self, sandbox_id: str, state: dict[str, Any] | None) -> None:
+        slot = -1
+        if state is not None and "host_uid" in state:
+            slot = self.slots.slot_of(int(state["host_uid"]))
+            self.slots.claim(slot)
+        jail = Jail(self.run_root, self.settings.cgroup_parent, sandbox_id)
+        await self._teardown(sandbox_id, jail, slot, jail.read_pid())
+
+    async def _teardown(self, sandbox_id: str, jail: Jail, slot: int, pid: int | None) -> None:
+        problems = await jail.kill(pid)
+        if not problems:
+            problems += await asyncio.to_thread(jail.release)
+            problems += await asyncio.to_thread(self.disks.remove_rw, sandbox_id)
+        if problems:
+            log.error("teardown of microVM %s incomplete: %s", sandbox_id, problems)
+            raise InfraError(f"teardown of {sandbox_id} incomplete", problems=problems)
+        if slot >= 0:
+            self.slots.release(slot)
+
+    def _uid_processes(self, sandbox_id: str) -> list[str]:
+        """Host processes running as a uid of this sandbox's slot (its QEMU)."""
+        pid_file = self.run_root / sandbox_id / "pid"
+        try:
+            pid = int(pid_file.read_text())
+        except (OSError, ValueError):
+            return []
+        try:
+            st = os.stat(f"/proc/{pid}")
+        except OSError:
+            return []
+        lo = self.settings.uid_base
+        hi = lo + self.settings.uid_slots * 65536
+        return [f"process {pid} (uid {st.st_uid})"] if lo <= st.st_uid < hi else []
+
+    def leftovers(self, sandbox_id: str) -> list[str]:
+        jail = Jail(self.run_root, self.settings.cgroup_parent, sandbox_id)
+        left = self._uid_processes(sandbox_id) + jail.leftovers()
+        left += self.disks.leftovers(sandbox_id)
+        if netns.netns_path(netns.PREFIX + sandbox_id).exists():
+            left.append(str(netns.netns_path(netns.PREFIX + sandbox_id)))
+        return left
+
+    def host_sandbox_ids(self, prefix: str = "") -> set[str]:
+        ids: set[str] = set()
+        if self.run_root.is_dir():
+            ids |= {p.name for p in self.run_root.iterdir() if p.is_dir()}
+        return {i for i in ids if i.startswith(prefix)}
+
+    def release_node_resources(self) -> None:
+        try:
+            self.run_root.rmdir()
+        except OSError:
+            pass
+        cgroups.remove_parent_if_empty(self.settings.cgroup_parent)
+
+    # ---- running VMs ----------------------------------------------------------------------
+    async def pause(self, h: MicroVM) -> None:  # type: ignore[override]
+        """Stop the vCPUs (QMP ``stop``): the guest and every command halt, memory stays."""
+        async with h.lock:
+            async with qmp.session(h.qmp_path) as q:
+                await q.stop()
+            h.paused = True
+
+    async def resume(self, h: MicroVM) -> None:  # type: ignore[override]
+        async with h.lock:
+            async with qmp.session(h.qmp_path) as q:
+                await q.cont()
+            h.paused = False
+
+    async def status(self, h: MicroVM) -> str:
+        """QEMU's run state (``running``, ``paused``, ...)."""
+        async with h.lock:
+            async with qmp.session(h.qmp_path) as q:
+                return await q.status()
+
+    async def squeeze(self, h: MicroVM) -> int:
+        """Squeeze an idle VM's memory (balloon up to the floor); returns the target bytes."""
+        async with h.lock:
+            async with qmp.session(h.qmp_path) as q:
+                target = await balloon.squeeze(q, h.machine.memory_mib)
+            h.squeezed = True
+            return target
+
+    async def prepare_exec(self, h: MicroVM) -> None:
+        """Before a command: a squeezed VM gets its memory back first (deflate on demand)."""
+        if not h.squeezed:
+            return
+        async with h.lock:
+            if not h.squeezed:
+                return
+            async with qmp.session(h.qmp_path) as q:
+                if not await balloon.deflate(q, h.machine.memory_mib):
+                    log.warning("microVM %s: balloon not fully deflated in time", h.id)
+            h.squeezed = False
+
+    async def set_network(self, h: MicroVM, rules: list[str]) -> None:  # type: ignore[override]
+        raise BadRequest("network policies are not available on microVMs yet")
+
+    async def capture_writable(self, h: MicroVM, dest: Path,  # type: ignore[override]
+                               opts: CaptureOptions) -> CaptureResult:
+        raise BadRequest("snapshots of microVMs are not available yet")
+
+    def usage(self, h: MicroVM) -> Usage:  # type: ignore[override]
+        return Usage(memory_bytes=_cgroup_memory(self.settings.cgroup_parent, h.id),
+                     cpu_usage_us=_cgroup_cpu_us(self.settings.cgroup_parent, h.id),
+                     oom_kills=self.oom_kills(h))
+
+    def oom_kills(self, h: MicroVM) -> int:  # type: ignore[override]
+        return cgroups.oom_kills(self.settings.cgroup_parent, h.id)
+
+    def kill_session(self, h: MicroVM, name: str) -> None:  # type: ignore[override]
+        """No host-side backstop inside a VM: the agent's own deadline kills the session (a
+        guest that ignores it only wastes its own vCPU quota)."""
+
+
+def _cgroup_memory(parent: str, sandbox_id: str) -> int | None:
+    for path in (cgroups.ROOT / "memory" / parent / sandbox_id / "memory.usage_in_bytes",
+                 cgroups.v2_dir(parent, sandbox_id) / "memory.current"):
+        try:
+            return int(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _cgroup_cpu_us(parent: str, sandbox_id: str) -> int | None:
+    for path in (cgroups.ROOT / "cpuacct" / parent / sandbox_id / "cpuacct.usage",
+                 cgroups.ROOT / "cpu,cpuacct" / parent / sandbox_id / "cpuacct.usage"):
+        try:
+            return int(path.read_text()) // 1000
+        except (OSError, ValueError):
+            continue
+    try:
+        for line in (cgroups.v2_dir(parent, sandbox_id) / "cpu.stat").read_text().splitlines():
+            if line.startswith("usage_usec "):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None

@@ -1,0 +1,121 @@
+"""A tiny guest for tests of the microVM plumbing (QEMU, jail, QMP, disks) that do not need
+the agent: the guest kernel (lane guest's ``build/guest/vmlinux``, else extracted here from the
+unpacked Debian kernel deb) and a busybox initramfs whose /init loads the virtio modules and
+writes one line ``READY <serials of its disks>`` to the agent's port, or nothing at all when
+the kernel command line says ``rollbox.test=silent`` (a guest that never answers)."""
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import struct
+import subprocess
+from pathlib import Path
+
+KPROBE = Path("/tmp/kprobe/x")
+MODULES = ["drivers/virtio/virtio_ring.ko", "drivers/virtio/virtio.ko",
+           "drivers/virtio/virtio_mmio.ko", "drivers/char/virtio_console.ko",
+           "drivers/block/virtio_blk.ko", "drivers/virtio/virtio_balloon.ko"]
+
+INIT = """#!/bin/busybox sh
+B=/bin/busybox
+$B mount -t proc proc /proc
+$B mount -t sysfs sys /sys
+$B mount -t devtmpfs dev /dev
+for m in virtio_ring virtio virtio_mmio virtio_console virtio_blk virtio_balloon; do
+  $B insmod /lib/modules/$m.ko
+done
+if $B grep -q rollbox.test=silent /proc/cmdline; then
+  while true; do $B sleep 1000; done
+fi
+n=0
+while [ ! -e /sys/class/virtio-ports ] && [ $n -lt 100 ]; do $B sleep 0.05; n=$((n+1)); done
+port=/dev/$($B grep -l org.rollbox.agent /sys/class/virtio-ports/*/name | $B cut -d/ -f5)
+serials=""
+for f in /sys/block/vd*/serial; do serials="$serials $($B cat $f)"; done
+echo "READY $serials" > $port
+while true; do $B sleep 1000; done
+"""
+
+
+def _cpio_entry(out, name: str, mode: int, data: bytes, ino: int) -> None:  # noqa: ANN001
+    name_b = name.encode() + b"\0"
+    fields = (ino, mode, 0, 0, 1, 0, len(data), 0, 0, 0, 0, len(name_b), 0)
+    out.write(("070701" + "".join(f"{v:08X}" for v in fields)).encode() + name_b)
+    out.write(b"\0" * (-(110 + len(name_b)) % 4))
+    out.write(data + b"\0" * (-len(data) % 4))
+
+
+def write_cpio(root: Path, dst: Path) -> None:
+    """A newc cpio of the tree at ``root`` (regular files, dirs, symlinks), owned by root."""
+    ino = 1
+    with open(dst, "wb") as out:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            rel = os.path.relpath(dirpath, root)
+            if rel != ".":
+                ino += 1
+                _cpio_entry(out, rel, stat.S_IFDIR | 0o755, b"", ino)
+            for fn in sorted(filenames):
+                p = Path(dirpath) / fn
+                r = os.path.normpath(os.path.join(rel, fn))
+                st = p.lstat()
+                ino += 1
+                if stat.S_ISLNK(st.st_mode):
+                    _cpio_entry(out, r, stat.S_IFLNK | 0o777, os.readlink(p).encode(), ino)
+                else:
+                    _cpio_entry(out, r, stat.S_IFREG | (st.st_mode & 0o7777), p.read_bytes(),
+                                ino)
+        _cpio_entry(out, "TRAILER!!!", 0, b"", ino + 1)
+
+
+def kernel_release() -> str | None:
+    mods = KPROBE / "lib" / "modules"
+    return next((p.name for p in mods.iterdir()), None) if mods.is_dir() else None
+
+
+def extract_vmlinux(vmlinuz: Path, dst: Path) -> None:
+    """The ELF vmlinux inside a bzImage (its payload; LZ4 in Debian's cloud kernel)."""
+    data = vmlinuz.read_bytes()
+    setup_sects = data[0x1F1] or 4
+    offset, length = struct.unpack_from("<II", data, 0x248)
+    start = (setup_sects + 1) * 512 + offset
+    payload = data[start:start + length]
+    tool = {b"\x02\x21\x4c\x18": ["lz4", "-d", "-c"], b"\x28\xb5\x2f\xfd": ["zstd", "-d", "-c"],
+            b"\xfd7zX": ["xz", "-d", "-c"]}.get(payload[:4])
+    if tool is None:
+        raise RuntimeError(f"unknown kernel payload {payload[:4].hex()}")
+    # The payload ends with the decompressed size, which lz4 reports as trailing garbage:
+    # the exit status says nothing, the ELF header does.
+    out = subprocess.run(tool, input=payload, capture_output=True).stdout
+    if out[:4] != b"\x7fELF":
+        raise RuntimeError("kernel payload is not an ELF")
+    dst.write_bytes(out)
+
+
+def build_test_guest(dest: Path, guest_build: Path) -> tuple[Path, Path] | None:
+    """(kernel, initramfs) of the test guest under ``dest``; None if no kernel is at hand."""
+    release = kernel_release()
+    if release is None or shutil.which("busybox") is None:
+        return None
+    dest.mkdir(parents=True, exist_ok=True)
+    kernel = guest_build / "vmlinux"
+    if not kernel.is_file():
+        kernel = dest / "vmlinux"
+        if not kernel.exists():
+            vmlinuz = KPROBE / "boot" / f"vmlinuz-{release}"
+            extract_vmlinux(vmlinuz, dest / "vmlinux.tmp")
+            os.replace(dest / "vmlinux.tmp", kernel)
+    tree = dest / "initramfs"
+    shutil.rmtree(tree, ignore_errors=True)
+    for d in ("bin", "lib/modules", "dev", "proc", "sys"):
+        (tree / d).mkdir(parents=True)
+    shutil.copy(shutil.which("busybox"), tree / "bin" / "busybox")  # type: ignore[arg-type]
+    for m in MODULES:
+        shutil.copy(KPROBE / "lib" / "modules" / release / "kernel" / m,
+                    tree / "lib" / "modules" / Path(m).name)
+    (tree / "init").write_text(INIT)
+    (tree / "init").chmod(0o755)
+    initrd = dest / "initramfs.cpio"
+    write_cpio(tree, initrd)
+    return kernel, initrd

@@ -1,0 +1,35 @@
+"""QEMU's command line for microVMs: fixed jail paths only, equal for equal machines."""
+from __future__ import annotations
+
+from rollbox.backends.microvm import qemu
+
+
+def test_equal_machines_have_equal_command_lines_with_jail_paths_only() -> None:
+    m = qemu.MachineSpec(cpus=1, memory_mib=512, layers=2, tsc_khz=2_000_000)
+    a, b = qemu.argv(m), qemu.argv(qemu.MachineSpec(**m.__dict__))
+    assert a == b
+    paths = [p for arg in a for p in arg.replace(",", "=").split("=") if p.startswith("/")]
+    assert set(paths) == {"/usr/bin/qemu-system-x86_64", qemu.KERNEL, qemu.INITRD,
+                          qemu.layer_path(0), qemu.layer_path(1), qemu.RW_DISK}
+    assert qemu.argv(qemu.MachineSpec(cpus=1, memory_mib=1024, layers=2)) != a
+
+
+def test_command_line_has_the_hardening_and_devices() -> None:
+    argv = qemu.argv(qemu.MachineSpec(cpus=2, memory_mib=256, layers=1, tsc_khz=2_245_780))
+    joined = " ".join(argv)
+    assert "-sandbox on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny" \
+        in joined
+    for flag in ("-nodefaults", "-no-user-config", "-nographic", "-no-reboot"):
+        assert flag in argv
+    assert argv[argv.index("-M") + 1].startswith("microvm,rtc=on")
+    assert "virtio-balloon-device,free-page-reporting=on" in joined
+    assert f"name={qemu.AGENT_PORT}" in joined and f"fd={qemu.AGENT_FD}" in joined
+    assert "readonly=on" in argv[argv.index("-drive") + 1]  # layer0 read-only
+    assert argv[argv.index("-smp") + 1] == "2" and argv[argv.index("-m") + 1] == "256"
+    cmdline = argv[argv.index("-append") + 1].split()
+    assert "tsc_early_khz=2245780" in cmdline and f"lpj={2_245_780 * 1000 // 250}" in cmdline
+    assert "rollbox.layers=1" in cmdline and "rollbox.rw=1" in cmdline
+    assert argv[argv.index("-accel") + 1].startswith("tcg,tb-size=")
+    assert "-incoming" not in argv
+    assert qemu.argv(qemu.MachineSpec(cpus=1, memory_mib=256, layers=0, incoming=True))[-2:] \
+        == ["-incoming", "defer"]
