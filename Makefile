@@ -9,7 +9,7 @@ APT_PACKAGES := runc erofs-utils debootstrap podman fuse3 iproute2 gcc libc6-dev
 	btrfs-progs qemu-system-x86 qemu-utils
 export ROLLBOX_AGENT := $(CURDIR)/build/rollbox-agent
 
-.PHONY: deps venv native images setup demo test bench clean-host
+.PHONY: deps venv native images setup demo test test-browser bench clean-host
 deps: build/.apt-stamp
 build/.apt-stamp:
 	mkdir -p build
@@ -47,3 +47,7 @@ test: images
 
 bench: images
 	$(BIN)/rollbox bench container
+
+# The browser tier: builds browser:1 (chromium + MiniWoB++; minutes, ~1 GiB), never run by `make test`.
+test-browser: images
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m browser tests/integration/test_browser.py

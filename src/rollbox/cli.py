@@ -6,6 +6,7 @@ import importlib.util
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -50,13 +51,34 @@ def serve(host: str = typer.Option("127.0.0.1"), port: int = typer.Option(7420),
 
 
 @app.command()
-def demo(n: int = typer.Option(32, "-n", help="concurrent episodes"),
+def demo(n: Optional[int] = typer.Option(None, "-n", help="episodes (swe: 32 concurrent; "  # noqa: UP007
+                                         "browser: 2, one at a time)"),
          url: Optional[str] = typer.Option(None, help="an already running server"),  # noqa: UP007
+         task: str = typer.Option("swe", "--task", help="swe | browser (MiniWoB++ in chromium)"),
+         backend: str = typer.Option("container", "--backend",
+                                     help="browser task: container | microvm"),
+         miniwob: str = typer.Option("click-button", "--miniwob",
+                                     help="browser task: click-button | click-test"),
+         out: Optional[Path] = typer.Option(None, "--out", help="browser task: screenshots dir"),  # noqa: UP007
          json_out: bool = typer.Option(False, "--json")) -> None:
-    """The main job: N concurrent SWE-style episodes with grading in fresh sandboxes."""
-    from rollbox.demo import run_demo
+    """The main job: N concurrent SWE-style episodes with grading in fresh sandboxes; or
+    (--task browser) MiniWoB++ episodes driven by input events, graded by replay."""
+    if task == "browser":
+        from rollbox.browser.episode import TASKS, run_browser_demo
 
-    summary = run_demo(n=n, url=url)
+        if miniwob not in TASKS:
+            raise typer.BadParameter(f"--miniwob: one of {', '.join(TASKS)}")
+        summary = run_browser_demo(n=n or 2, url=url, backend=backend, task=miniwob,
+                                   out_dir=out)
+    elif task == "swe":
+        if backend != "container":
+            raise typer.BadParameter("the swe demo runs on containers; --backend is for "
+                                     "--task browser")
+        from rollbox.demo import run_demo
+
+        summary = run_demo(n=n or 32, url=url)
+    else:
+        raise typer.BadParameter("--task: swe or browser")
     if json_out:
         typer.echo(json.dumps(summary))
     if summary.get("errors"):

@@ -228,6 +228,18 @@ def ensure_defaults_cmd(
     _run(lambda: ensure_python(store))
 
 
+@app.command("ensure-browser")
+def ensure_browser_cmd() -> None:
+    """Build browser:1 (chromium + chromium-driver + MiniWoB++ tasks) if missing; never built
+    by ensure-defaults (minutes, ~1 GiB)."""
+    from rollbox.browser.image import ensure_browser_image
+
+    store = _store()
+    with _progress("ensure browser:1") as say:
+        name = _run(lambda: ensure_browser_image(store, log=say))
+    out.print(name)
+
+
 # ---- chunk store: push / pull / squash (rollbox.images.chunks, rollbox.images.squash) -------
 
 def _chunk_store_url(url: Optional[str]) -> str:  # noqa: UP007

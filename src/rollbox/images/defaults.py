@@ -148,10 +148,12 @@ BENCH_REPO_COMMANDS = [
 ]
 
 
-def _pip_layer(store: ImageStore, packages: list[str], log: Callable[[str], None]) -> str:
+def pip_layer(store: ImageStore, packages: list[str], log: Callable[[str], None], *,
+              no_deps: bool = False) -> str:
     """A layer holding ``packages`` under /usr/local/lib/python3.11/dist-packages (on Debian's
     sys.path), installed by the host's pip: the host has the same Python and glibc as the
-    image, and its pip has the host's index and CA settings, which a build sandbox lacks."""
+    image, and its pip has the host's index and CA settings, which a build sandbox lacks.
+    ``no_deps``: only the named packages (e.g. one whose data files alone are wanted)."""
     import shutil
     import subprocess
     import sys
@@ -162,10 +164,11 @@ def _pip_layer(store: ImageStore, packages: list[str], log: Callable[[str], None
         target.mkdir(parents=True)
         log(f"pip install --target (host): {' '.join(packages)}")
         proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-cache-dir",
-                               "--ignore-installed", "--only-binary=:all:", "--target",
+                               "--ignore-installed", "--only-binary=:all:",
+                               *(["--no-deps"] if no_deps else []), "--target",
                                str(target), *packages], capture_output=True, text=True)
         if proc.returncode != 0:
-            raise InfraError(f"pip install for the bench image failed: {proc.stderr[-2000:]}")
+            raise InfraError(f"pip install for an image layer failed: {proc.stderr[-2000:]}")
         for dirpath, _dirs, _files in os.walk(staging):
             os.chmod(dirpath, 0o755)
         return store.add_layer_from_dir(staging, source="pip:" + ",".join(packages),
@@ -184,7 +187,7 @@ def ensure_bench_image(store: ImageStore, log: Callable[[str], None] = print) ->
     pip_image = "python-big-deps:3.11"
     if not store.exists(pip_image):
         base = store.resolve(PYTHON_IMAGE)
-        digest = _pip_layer(store, BENCH_PIP_PACKAGES, log)
+        digest = pip_layer(store, BENCH_PIP_PACKAGES, log)
         store.tag(pip_image, list(base.layers) + [digest], base.config)
     size = sum(int(store.layer_meta(d)["size"]) for d in store.resolve(pip_image).layers)
     if size < BENCH_MIN_BYTES:
