@@ -1,0 +1,90 @@
+"""Red team F41: QEMU itself not jailed, QMP or other VMs' sockets reachable from a VM or from
+another sandbox's QEMU, the host reached through emulated devices.
+
+The checker (``qemu_jail.problems``) is proved able to fail on QEMU processes started here
+without one layer of the jail at a time (host root, no ``-sandbox``, the host's namespaces);
+then every microVM sandbox's QEMU must pass it."""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.redteam import qemu_jail
+from tests.redteam.conftest import needs_root
+
+pytestmark = needs_root
+QEMU = "/usr/bin/qemu-system-x86_64"
+# Stopped before the first instruction (-S): no kernel needed, nothing runs in the guest.
+IDLE_QEMU = [QEMU, "-M", "microvm", "-nodefaults", "-no-user-config", "-display", "none",
+             "-S", "-m", "32"]
+SANDBOX = ["-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,"
+           "resourcecontrol=deny"]
+
+
+@contextlib.contextmanager
+def qemu(prefix: list[str], extra: list[str]) -> Iterator[int]:
+    """Start QEMU (under ``prefix``: setpriv/unshare) and yield the QEMU process's pid."""
+    p = subprocess.Popen(prefix + IDLE_QEMU + extra, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        pid = None
+        for _ in range(100):  # unshare --fork: QEMU is a child of the unshare process
+            pids = [p.pid] + [int(x) for x in
+                              open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()]
+            pid = next((q for q in pids if open(f"/proc/{q}/comm").read().startswith("qemu")),
+                       None)
+            if pid is not None and qemu_jail.status(pid).get("Seccomp") is not None:
+                time.sleep(0.3)  # past QEMU's start-up (the -sandbox filter is set early)
+                break
+            time.sleep(0.05)
+        assert pid is not None and p.poll() is None, p.stderr.read() if p.stderr else ""
+        yield pid
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_f41_checker_fails_an_unjailed_qemu() -> None:
+    # twin: plain QEMU as host root, no seccomp, the host's namespaces: every layer missing.
+    with qemu([], []) as pid:
+        found = qemu_jail.problems(qemu_jail.inspect(pid), "no-such-sandbox")
+    text = "\n".join(found)
+    for missing in ("uid/gid 0", "capabilities", "seccomp mode 0", "mnt, pid, net",
+                    "not in a cgroup"):
+        assert missing in text, found
+
+
+def test_f41_checker_sees_each_layer_on_its_own() -> None:
+    # -sandbox alone: seccomp filter (mode 2) and no_new_privs, still root in the host's ns.
+    with qemu([], SANDBOX) as pid:
+        r = qemu_jail.inspect(pid)
+        found = "\n".join(qemu_jail.problems(r))
+    assert r.seccomp == 2 and r.no_new_privs == 1, r
+    assert "seccomp" not in found and "uid/gid 0" in found and "mnt, pid, net" in found
+    # An unprivileged uid in its own mount/pid/net namespaces, no -sandbox: only seccomp and
+    # no_new_privs are missing.
+    prefix = ["unshare", "--mount", "--pid", "--net", "--fork", "--",
+              "setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+              "--inh-caps=-all", "--bounding-set=-all", "--"]
+    with qemu(prefix, []) as pid:
+        r = qemu_jail.inspect(pid)
+        found = qemu_jail.problems(r)
+    assert r.uids == (65534,) * 4 and not r.shared_ns and r.cap_eff == 0, r
+    assert found == ["seccomp mode 0 (no -sandbox filter)", "no_new_privs not set"], found
+
+
+def test_f41_visible_files_walks_the_process_mount_namespace() -> None:
+    # The helper reads another process's view (its mount namespace), not this one's: a QEMU in
+    # a fresh mount namespace with a tmpfs over /mnt sees the tmpfs's file, the host does not.
+    marker = f"rbx-f41-{os.getpid()}"
+    prefix = ["unshare", "--mount", "--fork", "--", "sh", "-c",
+              f"mount -t tmpfs none /mnt && touch /mnt/{marker} && exec \"$@\"", "sh"]
+    with qemu(prefix, []) as pid:
+        seen = qemu_jail.visible_files(pid, "/mnt")
+    assert f"/mnt/{marker}" in seen, seen[:20]
+    assert not os.path.exists(f"/mnt/{marker}")
