@@ -7,13 +7,17 @@ then every microVM sandbox's QEMU must pass it."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
 import pytest
 
+from rollbox.backends.microvm.backend import MicroVMBackend
+from tests.integration.test_microvm_backend import backend, guest, spec  # noqa: F401 - fixtures
 from tests.redteam import qemu_jail
 from tests.redteam.conftest import needs_root
 
@@ -88,3 +92,76 @@ def test_f41_visible_files_walks_the_process_mount_namespace() -> None:
         seen = qemu_jail.visible_files(pid, "/mnt")
     assert f"/mnt/{marker}" in seen, seen[:20]
     assert not os.path.exists(f"/mnt/{marker}")
+
+
+# Run as a separate process: optionally enter a QEMU's mount and network namespaces and take
+# its host uid/gid (what code that took over that QEMU would have), then try every target:
+# "connect:<path>" a unix socket, "open:<path>" read a file, "list:<path>" a directory.
+PROBE = r"""
+import ctypes, json, os, socket, sys
+libc = ctypes.CDLL(None, use_errno=True)
+args = json.loads(sys.argv[1])
+if args["as_jail"]:
+    fds = {ns: os.open(f"/proc/{args['pid']}/ns/{ns}", os.O_RDONLY) for ns in ("net", "mnt")}
+    for ns, fd in fds.items():
+        if libc.setns(fd, 0) != 0:
+            raise SystemExit(f"setns {ns}: {os.strerror(ctypes.get_errno())}")
+    os.setgroups([])
+    os.setresgid(args["uid"], args["uid"], args["uid"])
+    os.setresuid(args["uid"], args["uid"], args["uid"])
+out = {}
+for t in args["targets"]:
+    kind, _, path = t.partition(":")
+    try:
+        if kind == "connect":
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(2)
+            s.connect(path)
+            s.close()
+        elif kind == "open":
+            os.close(os.open(path, os.O_RDONLY))
+        else:
+            os.listdir(path)
+        out[t] = "ok"
+    except OSError as e:
+        out[t] = e.strerror
+print(json.dumps(out))
+"""
+
+
+def probe(targets: list[str], *, as_jail_of: tuple[int, int] | None) -> dict[str, str]:
+    args = {"targets": targets, "as_jail": as_jail_of is not None,
+            "pid": as_jail_of[0] if as_jail_of else 0, "uid": as_jail_of[1] if as_jail_of else 0}
+    r = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args)], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+async def test_f41_other_vms_sockets_and_disks_unreachable_from_a_qemu(
+        backend: MicroVMBackend) -> None:  # noqa: F811 - the fixture
+    a = await backend.create("vmtest-f41a", spec())
+    try:
+        b = await backend.create("vmtest-f41b", spec())
+        try:
+            for vm in (a, b):  # every VM's QEMU passes the checker
+                assert qemu_jail.qemu_pids_of(vm.id) == [vm.pid]
+                assert qemu_jail.problems(qemu_jail.inspect(vm.pid), vm.id) == []
+            b_files = [str(b.agent_path), str(b.qmp_path), str(b.jail.socket_path("console"))]
+            targets = ([f"connect:{p}" for p in b_files] + [f"list:{b.jail.dir}",
+                       f"list:/proc/{b.pid}/root/", f"open:/proc/{b.pid}/root{'/vm/rw.img'}"])
+            # twin: host root in the host's namespaces reaches every one of B's sockets
+            twin = probe(targets, as_jail_of=None)
+            assert all(twin[f"connect:{p}"] == "ok" for p in b_files), twin
+            # A's QEMU (its namespaces and uid): nothing of B, by any path
+            got = probe(targets, as_jail_of=(a.pid, a.host_uid))
+            assert not [t for t, v in got.items() if v == "ok"], got
+            # nor anything of the host's state: its own jail view has only its own files
+            seen = qemu_jail.visible_files(a.pid, "/vm")
+            assert b.id not in "".join(seen) and not any(
+                s.endswith(".sock") for s in seen), seen
+        finally:
+            await backend.destroy(b)
+    finally:
+        await backend.destroy(a)
+    assert backend.leftovers(a.id) == [] and backend.leftovers(b.id) == []
