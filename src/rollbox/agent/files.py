@@ -211,6 +211,44 @@ class AgentFiles:
         out.sort(key=lambda f: f.name)
         return out
 
+    async def entry_names(self, dirs: list[str], max_entries: int
+                          ) -> dict[str, set[str] | None]:
+        """The entry names of each directory of ``dirs`` (in-root paths), links not followed;
+        None where it can not be told (gone, not a directory). At most ``max_entries`` in
+        all (PayloadTooLarge past it)."""
+        self._check()
+        out: dict[str, set[str] | None] = {d: set() for d in dirs}
+        total = 0
+        i = 0
+        while i < len(dirs):
+            batch, size = [], 0
+            while i < len(dirs) and (not batch or size + len(dirs[i]) + 1 < ARGV_BYTES):
+                batch.append(dirs[i])
+                size += len(dirs[i].encode("utf-8", "surrogateescape")) + 1
+                i += 1
+            res = await self.tools.run(["find", *batch, "-mindepth", "1", "-maxdepth", "1",
+                                        "-print0"], max_stdout=MAX_LIST_BYTES,
+                                       timeout_s=STREAM_TIMEOUT_S)
+            seen: set[str] = set()
+            asked = set(batch)
+            for raw in res.stdout.split(b"\0")[:-1] if res.stdout else []:
+                parent, _, name = raw.decode("utf-8", "surrogateescape").rpartition("/")
+                parent = parent or "/"
+                names = out.get(parent)
+                if names is None or parent not in asked or not name or name in (".", ".."):
+                    raise errors.InfraError("malformed listing from the sandbox")
+                names.add(name)
+                seen.add(parent)
+                total += 1
+                if total > max_entries:
+                    raise errors.PayloadTooLarge(f"more than {max_entries} entries",
+                                                 limit=max_entries)
+            if not res.ok:  # some were not listed: an empty one is then unknown, not empty
+                for d in batch:
+                    if d not in seen:
+                        out[d] = None
+        return out
+
     async def mkdir(self, path: str, parents: bool = False) -> None:
         """Create directory ``path``; with ``parents`` like ``mkdir -p``."""
         self._check()
