@@ -37,6 +37,15 @@ class BadRequest(RollboxError):
     status = 400
 
 
+class DiskFull(BadRequest):
+    """The sandbox's writable layer (or inode budget) is full. Keeps the ``bad_request`` wire
+    code so older SDKs still map it; ``details.reason == "disk_full"`` tells it apart."""
+
+    def __init__(self, message: str = "sandbox disk full", **details: Any) -> None:
+        details.setdefault("reason", "disk_full")
+        super().__init__(message, **details)
+
+
 class IdempotencyConflict(BadRequest):
     """An exec idempotency key was reused with a different command (or other spec)."""
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from rollbox.backends.base import BackendCapacity
 from rollbox.errors import BadRequest
-from rollbox.models import ExecSpec, SandboxSpec
+from rollbox.models import ExecSpec, Resources, SandboxSpec
 
 BB = "busybox:test"
 
@@ -32,3 +33,43 @@ async def test_container_is_the_default_and_reported(edge) -> None:  # noqa: ANN
         await edge.delete(sb.id)
     cap = edge.capacity()["backends"]
     assert cap["container"]["offered"] is True and cap["container"]["kind"] == "container"
+
+
+class _Unusable:
+    """A registered kind the edge must refuse before asking it anything but capacity()."""
+
+    def __init__(self, kind: str, **cap: object) -> None:
+        self.kind = kind
+        self.cap = cap
+        self.created = 0
+
+    def capacity(self) -> BackendCapacity:
+        return BackendCapacity(kind=self.kind, **self.cap)  # type: ignore[arg-type]
+
+    async def create(self, *_a: object) -> None:
+        self.created += 1
+        raise AssertionError("the edge asked a backend it should have refused")
+
+
+async def test_not_offered_and_above_the_node_are_refused(edge) -> None:  # noqa: ANN001
+    off = _Unusable("vmx", offered=False, reason="no guest kernel")
+    small = _Unusable("tiny", max_cpus=1.0, max_memory_mib=512, max_disk_mib=64)
+    edge.backends.update({"vmx": off, "tiny": small})
+    try:
+        with pytest.raises(BadRequest) as exc:
+            await edge.create(SandboxSpec(image=BB, backend="vmx"), "t")
+        assert "no guest kernel" in exc.value.message
+        assert "vmx" not in exc.value.details["offered"]
+        assert "tiny" in exc.value.details["offered"]
+        fits = {"cpus": 1, "memory_mib": 512, "disk_mib": 64}
+        for name, above in (("cpus", 2), ("memory_mib", 513), ("disk_mib", 65)):
+            with pytest.raises(BadRequest) as exc:
+                await edge.create(SandboxSpec(image=BB, backend="tiny", resources=Resources(
+                    **{**fits, name: above})), "t")
+            assert exc.value.details["resource"] == name, exc.value.message
+        assert off.created == small.created == 0
+        assert edge.journal.live() == [] and edge.admission.capacity()["sandboxes"] == 0
+        cap = edge.capacity()["backends"]
+        assert cap["vmx"]["offered"] is False and cap["tiny"]["max_cpus"] == 1.0
+    finally:
+        del edge.backends["vmx"], edge.backends["tiny"]

@@ -98,6 +98,7 @@ class CaptureOptions:
 class CaptureResult:
     stats: CaptureStats
     paused_s: float  # how long the sandbox was frozen for the copy (0 if not paused)
+    copy_s: float = 0.0  # how long the copy took (frozen or not)
 
 
 class NetworkAttachment(Protocol):

@@ -1,10 +1,10 @@
-"""Edge implementation for one node with the container backend (see ``edge/__init__``)."""
+"""Edge implementation for one node: the core (admission, journal, sessions, TTL, files, grading,
+snapshots) over one backend per kind, spoken to only through ``rollbox.backends.base`` (see
+``edge/__init__``)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import ctypes
 import json
 import itertools
 import logging
@@ -12,16 +12,14 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollbox.agent.channel import SpawnError
-from rollbox.backends.container.files import DiskFull
 from rollbox.agent.protocol import RETAIN_LIMIT, ExecRequest, shell_argv
-from rollbox.backends.container.sandbox import ContainerBackend, ContainerSandbox
-from rollbox.backends.base import Backend
+from rollbox.backends.base import Backend, CaptureOptions, ResolvedSpec, SandboxHandle
+from rollbox.backends.registry import make_backends
 from rollbox.config import Settings
 from rollbox.edge.admission import (
     Admission, HostMemory, Limits, Share, Ticket, host_memory_mib, sandboxes_memory_max_mib,
@@ -31,7 +29,7 @@ from rollbox.edge.journal import Journal
 from rollbox.edge.sessions import ExecSession
 from rollbox.edge.storage import LayerStorage, project_image_name, without_paths
 from rollbox.errors import (
-    BadRequest, CapacityExceeded, ExecIndeterminate, IdempotencyConflict, InfraError, NotFound,
+    BadRequest, CapacityExceeded, DiskFull, ExecIndeterminate, IdempotencyConflict, InfraError, NotFound,
     PayloadTooLarge, RollboxError, SandboxDead, SandboxPaused, error_from_payload,
 )
 from rollbox.events.store import EventLog
@@ -50,7 +48,6 @@ if TYPE_CHECKING:
     from rollbox.images.lazy.loader import LazyLoader
 
 log = logging.getLogger(__name__)
-PR_SET_CHILD_SUBREAPER = 36
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Grace past a command's own deadline before the edge kills it from the host side.
 HOST_KILL_GRACE_S = 2.0
@@ -60,7 +57,8 @@ AUDIT_EVERY_S = 5  # net.denied events: at most one per sandbox per this many se
 @dataclass
 class LiveSandbox:
     info: SandboxInfo
-    box: ContainerSandbox
+    box: SandboxHandle  # of the backend of info.backend
+    backend: Backend
     sessions: dict[str, ExecSession] = field(default_factory=dict)
     users: dict[str, tuple[int, int, str]] = field(default_factory=dict)
     watcher: asyncio.Task | None = None
@@ -106,9 +104,12 @@ class Edge:
         self.layer_mounts = LayerMounts(self.store)
         self.storage = LayerStorage(self.store, settings, self._layer_quota_mib)
         self.slots = UidSlots(settings.uid_base, settings.uid_slots)
-        self.backend = ContainerBackend(settings, self.layer_mounts, self.slots)
-        # One backend per kind (rollbox.backends.base); SandboxSpec.backend picks one.
-        self.backends: dict[str, Backend] = {self.backend.kind: self.backend}
+        # One backend per kind (rollbox.backends.base); SandboxSpec.backend picks one. The
+        # edge core speaks to them only through that contract (edge.backends builds them).
+        self.backends: dict[str, Backend] = make_backends(settings, self.layer_mounts,
+                                                          self.slots)
+        # The container backend, for the platform's tools and tests that work on it directly.
+        self.backend = self.backends["container"]
         self.journal = Journal(settings.data_dir / f"edge-{self.node_id}.db")
         self.live: dict[str, LiveSandbox] = {}
         self._create_sem = asyncio.Semaphore(self.limits.max_parallel_creates)
@@ -125,8 +126,8 @@ class Edge:
 
     # ---- lifecycle of the edge itself -------------------------------------------------
     async def start(self) -> None:
-        # Container inits outlive `runc run -d`; as subreaper the edge gets and reaps them.
-        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        for backend in self.backends.values():
+            await backend.start()
         raise_nofile_limit()
         # One parent memory cgroup for all sandboxes, limited to RAM minus the reserve: an
         # overload OOM-kills inside a sandbox, never a platform process.
@@ -159,52 +160,50 @@ class Edge:
         """Re-adopt journaled sandboxes that still run; report the rest dead; clean orphans."""
         journaled = set()
         ending: list[asyncio.Task] = []
-        for info, host_uid, extra in self.journal.live():
+        host_ids = {kind: b.host_sandbox_ids(f"{self.node_id}-")
+                    for kind, b in self.backends.items()}
+        for info, state, extra in self.journal.live():
             journaled.add(info.id)
+            backend = self.backends.get(info.backend)
+            if backend is None:  # a kind this node no longer has: nothing can reach it
+                self._mark_dead(info, f"backend {info.backend!r} is not available on this node")
+                continue
             box = None
-            if info.state in ("running", "paused") and host_uid is not None:
-                box = await self._adopt(info, host_uid, extra)
+            if info.state in ("running", "paused") and state is not None:
+                box = await backend.adopt(info.id, self._spec_of(info, extra), state,
+                                          paused=info.state == "paused")
             if box is None:
-                if host_uid is not None and info.state not in ("running", "paused"):
-                    await self._quiet_cleanup(info.id, host_uid)
+                if info.state not in ("running", "paused") and (
+                        state is not None or info.id in host_ids[info.backend]):
+                    await self._quiet_cleanup(backend, info.id, state)
                 self._mark_dead(info, "lost while the edge was down")
                 continue
-            self._register(info, box, self.admission.adopt(info.resources, info.owner,
-                                                           _share_of(info)))
+            if info.state == "paused":
+                try:  # frozen by adopt already; an error: it could not freeze it again
+                    await backend.pause(box)
+                except InfraError as exc:
+                    log.error("sandbox %s: can not freeze it again (%s); it runs", info.id, exc)
+                    info.state = "running"
+                    self.journal.put(info)
+            self._register(info, box, backend, self.admission.adopt(info.resources, info.owner,
+                                                                    _share_of(info)))
             ending += self._rebuild_sessions(self.live[info.id])
             log.info("re-adopted sandbox %s", info.id)
         if ending:  # exits that happened while no edge was up: settled before we serve
             await asyncio.wait(ending, timeout=5.0)
-        for orphan in self.backend.host_sandbox_ids(f"{self.node_id}-") - journaled - set(self.live):
-            log.warning("cleaning orphan sandbox resources %s", orphan)
-            await self._quiet_cleanup(orphan, None)
+        for kind, backend in self.backends.items():
+            for orphan in host_ids[kind] - journaled - set(self.live):
+                log.warning("cleaning orphan sandbox resources %s", orphan)
+                await self._quiet_cleanup(backend, orphan, None)
 
-    async def _adopt(self, info: SandboxInfo, host_uid: int,
-                     extra: dict) -> ContainerSandbox | None:
-        """Re-adopt one sandbox. A frozen one (paused, or left frozen by a crash mid-snapshot)
-        can not answer the handshake: its commands are frozen on their own, the agent alone is
-        thawed for the handshake, then the journal's state is restored (paused: frozen again)."""
-        v2 = cgroups.v2_dir(self.settings.cgroup_parent, info.id)
-        v1 = self._v1_freezer(info.id)
-        was_frozen = await asyncio.to_thread(cgroups.is_frozen, v2, v1)
-        if was_frozen:
-            cgroups.set_children_frozen(v2, True)
-            cgroups.thaw(v2, v1)
-        box = await self.backend.adopt(
-            info.id, host_uid, extra.get("env", {}),
-            network_rules=info.network.allow if info.network else None)
-        if box is None:
-            return None
-        if info.state == "paused":
-            try:
-                await asyncio.to_thread(cgroups.freeze, v2, v1)
-            except InfraError as exc:
-                log.error("sandbox %s: can not freeze it again (%s); it runs", info.id, exc)
-                info.state = "running"
-                self.journal.put(info)
-        if was_frozen:
-            cgroups.set_children_frozen(v2, False)  # frozen by the parent (paused) or running
-        return box
+    @staticmethod
+    def _spec_of(info: SandboxInfo, extra: dict) -> ResolvedSpec:
+        """A journaled sandbox's spec as its backend got it (env: as journaled since)."""
+        return ResolvedSpec(
+            image=info.image, layers=tuple(info.layers), resources=info.resources,
+            env=dict(extra.get("env", {})), hidden_paths=tuple(info.hidden_paths),
+            network_rules=tuple(info.network.allow) if info.network is not None else None,
+            disk_tier=info.disk_tier)
 
     def _rebuild_sessions(self, live: LiveSandbox) -> list[asyncio.Task]:
         """Commands of a re-adopted sandbox, from the journal and the agent: recorded ends as
@@ -253,12 +252,10 @@ class Edge:
                 self.event_log.append(sid, "exec.error", rec.exec_id, err.message)
         return ending
 
-    def _v1_freezer(self, sandbox_id: str) -> Path:
-        return cgroups.ROOT / "freezer" / self.settings.cgroup_parent / sandbox_id
-
-    async def _quiet_cleanup(self, sandbox_id: str, host_uid: int | None) -> None:
+    async def _quiet_cleanup(self, backend: Backend, sandbox_id: str,
+                             state: dict | None) -> None:
         try:
-            await self.backend.cleanup_orphan(sandbox_id, host_uid)
+            await backend.cleanup(sandbox_id, state)
         except RollboxError as exc:
             log.error("clean-up of %s failed: %s", sandbox_id, exc)
 
@@ -277,10 +274,10 @@ class Edge:
         for live in self.live.values():
             if live.watcher:
                 live.watcher.cancel()
-            live.box.channel.close()
-            live.box.fs.close()  # its root fd would pin the sandbox's mounts (and disk pool)
+            live.backend.detach(live.box)
         if not self.live and not self.journal.live():
-            await asyncio.to_thread(self.backend.release_node_resources)
+            for backend in self.backends.values():
+                await asyncio.to_thread(backend.release_node_resources)
         self.live.clear()
         self.journal.close()
         if self._owns_leases:
@@ -336,14 +333,26 @@ class Edge:
         return await self._admitted_create(spec, owner, image.config, layers, share)
 
     def _backend_for(self, spec: SandboxSpec) -> Backend:
-        """The backend of ``spec.backend``: BadRequest if this node does not offer it."""
-        backend = self.backends.get(spec.backend)
-        offered = sorted(k for k, b in self.backends.items() if b.capacity().offered)
-        if backend is None or spec.backend not in offered:
-            raise BadRequest(f"backend {spec.backend!r} is not offered by node {self.node_id} "
-                             f"(offered: {', '.join(offered) or 'none'})",
+        """The backend of ``spec.backend``: BadRequest if this node does not offer it, or if
+        the spec asks more than it can give one sandbox here."""
+        caps = {k: b.capacity() for k, b in self.backends.items()}
+        offered = sorted(k for k, c in caps.items() if c.offered)
+        if spec.backend not in offered:
+            why = caps[spec.backend].reason if spec.backend in caps else None
+            raise BadRequest(f"backend {spec.backend!r} is not offered by node {self.node_id}"
+                             + (f" ({why})" if why else "")
+                             + f"; offered: {', '.join(offered) or 'none'}",
                              backend=spec.backend, offered=offered)
-        return backend
+        cap, r = caps[spec.backend], spec.resources
+        for name, asked, most in (("cpus", r.cpus, cap.max_cpus),
+                                  ("memory_mib", r.memory_mib, cap.max_memory_mib),
+                                  ("disk_mib", r.disk_mib, cap.max_disk_mib)):
+            if most is not None and asked > most:
+                raise BadRequest(f"resources.{name} {asked:g} is above what node {self.node_id}"
+                                 f" gives one {spec.backend} sandbox ({most:g})",
+                                 resource=name, requested=asked, limit=most,
+                                 backend=spec.backend)
+        return self.backends[spec.backend]
 
     async def _admitted_create(self, spec: SandboxSpec, owner: str, image_config: dict,
                                layers: list[str], share: Share = "new") -> SandboxInfo:
@@ -365,6 +374,7 @@ class Edge:
 
     async def _create(self, spec: SandboxSpec, owner: str, image_config: dict,
                       layers: list[str], ticket: Ticket) -> SandboxInfo:
+        backend = self._backend_for(spec)
         sandbox_id = f"{self.node_id}-{secrets.token_hex(6)}"
         now = time.time()
         info = SandboxInfo(
@@ -372,33 +382,33 @@ class Edge:
             created_at=now, expires_at=now + spec.ttl_s, labels=spec.labels,
             resources=spec.resources, owner=owner, hidden_paths=spec.hidden_paths,
             network=spec.network, job=spec.job, disk_tier=spec.disk_tier,
+            backend=spec.backend,
         )
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
         env.update((image_config or {}).get("env", {}))
         env.update(spec.env)
         self.journal.put(info, extra={"env": env})
         try:
-            box = await self.backend.create(
-                sandbox_id, layers, spec.resources, env, hidden_paths=spec.hidden_paths,
-                network_rules=spec.network.allow if spec.network is not None else None,
-                disk_tier=spec.disk_tier)
+            box = await backend.create(sandbox_id, self._spec_of(info, {"env": env}))
         except BaseException as exc:
             self._mark_dead(info, f"creation failed: {exc}", state="deleted")
             raise
         info.state = "running"
+        info.guest_reported = box.guest_reported
         extra = None
         if box.network is not None:  # the package tools' mirror settings join the env
             box.image_env.update(box.network.env)
             extra = {"env": box.image_env}
-        self.journal.put(info, host_uid=box.host_uid, extra=extra)
-        self._register(info, box, ticket)
+        self.journal.put(info, backend_state=box.state(), extra=extra)
+        self._register(info, box, backend, ticket)
         self.admission.started(ticket)
         self.event_log.append(sandbox_id, "sandbox.created", data=json.dumps(
             {"image": spec.image, "layers": layers, "owner": owner, "job": spec.job}))
         return info
 
-    def _register(self, info: SandboxInfo, box: ContainerSandbox, ticket: Ticket) -> None:
-        live = LiveSandbox(info, box, ticket=ticket)
+    def _register(self, info: SandboxInfo, box: SandboxHandle, backend: Backend,
+                  ticket: Ticket) -> None:
+        live = LiveSandbox(info, box, backend, ticket=ticket)
         self.live[info.id] = live
         live.watcher = asyncio.create_task(self._watch(live))
 
@@ -488,11 +498,8 @@ class Edge:
 
     async def _destroy(self, live: LiveSandbox, reason: str | None, state: str) -> None:
         info = live.info
-        was_paused = info.state == "paused"
         info.state = "stopping"
         self.journal.put(info)
-        if was_paused and not (live.box.v2_cgroup / "cgroup.freeze").exists():
-            cgroups.thaw(live.box.v2_cgroup, self._v1_freezer(info.id))  # v1: kill needs thaw
         if live.watcher and live.watcher is not asyncio.current_task():
             live.watcher.cancel()
         for sess in live.sessions.values():
@@ -501,7 +508,7 @@ class Edge:
                                       + (f": {reason}" if reason else "")))
         self._log_net_denied(live)  # the counters go with the sandbox's cgroup
         try:
-            await self.backend.destroy(live.box)
+            await live.backend.destroy(live.box)  # also a paused one
         finally:
             self.live.pop(info.id, None)
             if live.ticket is not None:
@@ -530,12 +537,9 @@ class Edge:
         rules = list(policy.allow) if policy is not None else []
         box = live.box
         old_env = box.network.env if box.network is not None else {}
-        if box.network is None:
-            if policy is None:
-                return live.info
-            await self.backend.attach_network(box, rules)
-        else:
-            await asyncio.to_thread(box.network.apply, rules)  # BadRequest: nothing changed
+        if box.network is None and policy is None:
+            return live.info
+        await live.backend.set_network(box, rules)  # BadRequest: nothing changed
         assert box.network is not None
         for k in old_env:
             box.image_env.pop(k, None)
@@ -556,7 +560,7 @@ class Edge:
             if live.info.state == "paused":
                 return live.info
             self._check_freezable(live)
-            await self._freeze_change(live, cgroups.freeze)
+            await self._freeze_change(live, live.backend.pause)
             live.info.state = "paused"
             self.journal.put(live.info)
         self.event_log.append(sandbox_id, "sandbox.paused")
@@ -571,7 +575,7 @@ class Edge:
             if live.info.state != "paused":
                 return live.info
             self._check_freezable(live)
-            await self._freeze_change(live, cgroups.thaw)
+            await self._freeze_change(live, live.backend.resume)
             live.info.state = "running"
             self.journal.put(live.info)
             loop = asyncio.get_running_loop()
@@ -588,10 +592,10 @@ class Edge:
                              "pause or resume after it")
 
     async def _freeze_change(self, live: LiveSandbox,
-                             change: Callable[[Path, Path | None], object]) -> None:
+                             change: Callable[[SandboxHandle], Awaitable[None]]) -> None:
         sid = live.info.id
         try:
-            await asyncio.to_thread(change, live.box.v2_cgroup, self._v1_freezer(sid))
+            await change(live.box)
         except InfraError:
             if sid not in self.live or sid in self._deleting:
                 raise SandboxDead(f"sandbox {sid} went away") from None
@@ -641,8 +645,7 @@ class Edge:
             return (uid, gid, "/")
         # A name: look it up in the sandbox's /etc/passwd, read as data from the host side.
         try:
-            text = (await asyncio.to_thread(live.box.fs.read, "/etc/passwd", 1 << 20)).decode(
-                errors="replace")
+            text = (await live.box.files.read("/etc/passwd", 1 << 20)).decode(errors="replace")
         except RollboxError:
             text = ""
         for line in text.splitlines():
@@ -708,7 +711,8 @@ class Edge:
             tail_limit=RETAIN_LIMIT,  # what a restarted edge can replay
             platform_shell=shell,
         )
-        cg_name, cg_fd = live.box.new_session_cgroup()
+        slot = live.box.new_session()
+        cg_name, cg_fd = slot.name, slot.cgroup_fd
         exec_id = f"e{live.box.next_session}"
         session = ExecSession(exec_id, spec)
         session.cgroup_name = cg_name
@@ -721,8 +725,8 @@ class Edge:
         try:
             agent_session = await channel.exec(req, cg_fd, session_id=agent_id, collect=False)
         except SpawnError as exc:
-            os.close(cg_fd)
-            live.box.drop_session_cgroup(cg_name)
+            _close(cg_fd)
+            live.box.drop_session(cg_name)
             if shell and str(exc).startswith("platform shell"):  # the node's fault, not the call's
                 raise InfraError(f"sandbox {sandbox_id}: {exc}") from None
             if exc.errno in (2, 13) and "exec" in str(exc):  # command not found / not runnable
@@ -736,15 +740,15 @@ class Edge:
             self.journal.exec_forget(sandbox_id, [exec_id])
             raise BadRequest(str(exc)) from None
         except RollboxError:
-            os.close(cg_fd)
-            live.box.drop_session_cgroup(cg_name)
+            _close(cg_fd)
+            live.box.drop_session(cg_name)
             self.journal.exec_forget(sandbox_id, [exec_id])
             raise
         except (ConnectionError, OSError) as exc:
-            os.close(cg_fd)
+            _close(cg_fd)
             self.journal.exec_forget(sandbox_id, [exec_id])
             raise SandboxDead(f"sandbox {sandbox_id} agent unreachable: {exc}") from None
-        os.close(cg_fd)
+        _close(cg_fd)
         session.agent_session = agent_session
         self._add_session(live, session)
         self._log_start(sandbox_id, session)
@@ -819,11 +823,12 @@ class Edge:
             if backstop:
                 backstop.cancel()
             if session.cgroup_name and sid in self.live:
-                live.box.drop_session_cgroup(session.cgroup_name)
+                live.box.drop_session(session.cgroup_name)
             self._forget_old_sessions(live)
 
-    def _oom_kills(self, live: LiveSandbox) -> int:
-        return cgroups.oom_kills(self.settings.cgroup_parent, live.info.id)
+    @staticmethod
+    def _oom_kills(live: LiveSandbox) -> int:
+        return live.backend.oom_kills(live.box)
 
     def _claim_oom(self, live: LiveSandbox) -> bool:
         """A SIGKILLed command was the OOM killer's if the sandbox's memory cgroup counts a
@@ -839,7 +844,7 @@ class Edge:
             return
         if not session.done.is_set() and session.cgroup_name:
             log.warning("host-side kill of %s/%s past its deadline", live.info.id, session.exec_id)
-            cgroups.kill(live.box.v2_cgroup / session.cgroup_name)
+            live.backend.kill_session(live.box, session.cgroup_name)
 
     def _forget_old_sessions(self, live: LiveSandbox, keep: int = 256) -> None:
         """Old finished commands go (with their journal records and idempotency keys)."""
@@ -907,41 +912,40 @@ class Edge:
 
     # ---- files --------------------------------------------------------------------------
     async def file_read(self, sandbox_id: str, path: str, max_bytes: int) -> bytes:
-        return await asyncio.to_thread(self._live(sandbox_id).box.fs.read, path, max_bytes)
+        return await self._live(sandbox_id).box.files.read(path, max_bytes)
 
     async def file_write(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None:
-        fs = self._live(sandbox_id).box.fs
-        await asyncio.to_thread(fs.write, path, data, mode)
+        await self._live(sandbox_id).box.files.write(path, data, mode)
 
     async def file_read_stream(self, sandbox_id: str, path: str,
                                max_bytes: int) -> AsyncIterator[bytes]:
-        fs = self._live(sandbox_id).box.fs
-        async for chunk in fs.read_stream(path, max_bytes):
+        files = self._live(sandbox_id).box.files
+        async for chunk in files.read_stream(path, max_bytes):
             yield chunk
 
     async def file_write_stream(self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes],
                                 mode: int, max_bytes: int) -> int:
-        fs = self._live(sandbox_id).box.fs
-        return await fs.write_stream(path, chunks, mode, max_bytes=max_bytes)
+        files = self._live(sandbox_id).box.files
+        return await files.write_stream(path, chunks, mode, max_bytes=max_bytes)
 
     async def file_stat(self, sandbox_id: str, path: str) -> FileStat:
-        return await asyncio.to_thread(self._live(sandbox_id).box.fs.stat, path)
+        return await self._live(sandbox_id).box.files.stat(path)
 
     async def file_list(self, sandbox_id: str, path: str) -> list[FileStat]:
-        return await asyncio.to_thread(self._live(sandbox_id).box.fs.list, path)
+        return await self._live(sandbox_id).box.files.list(path)
 
     async def file_mkdir(self, sandbox_id: str, path: str, parents: bool) -> None:
-        await asyncio.to_thread(self._live(sandbox_id).box.fs.mkdir, path, parents)
+        await self._live(sandbox_id).box.files.mkdir(path, parents)
 
     async def file_remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
-        await asyncio.to_thread(self._live(sandbox_id).box.fs.remove, path, recursive)
+        await self._live(sandbox_id).box.files.remove(path, recursive)
 
     async def upload_tar(self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes]) -> int:
-        return await self._live(sandbox_id).box.fs.upload_tar(path, chunks)
+        return await self._live(sandbox_id).box.files.upload_tar(path, chunks)
 
     async def download_tar(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
-        fs = self._live(sandbox_id).box.fs
-        async for chunk in fs.download_tar(path):
+        files = self._live(sandbox_id).box.files
+        async for chunk in files.download_tar(path):
             yield chunk
 
     # ---- grading ------------------------------------------------------------------------
@@ -962,15 +966,16 @@ class Edge:
         config = self._image_config(src.info)
         gspec = SandboxSpec(image=src.info.image, resources=spec.resources or src.info.resources,
                             ttl_s=spec.timeout_s + 300, labels={"rollbox.grader-of": sandbox_id},
-                            env=spec.env, disk_tier=src.info.disk_tier)
+                            env=spec.env, disk_tier=src.info.disk_tier,
+                            backend=src.info.backend)
         grader = await self._admitted_create(gspec, owner, config,
                                              list(src.info.layers) + extra, share="reserved")
         try:
             copied = 0
-            gfs = self._live(grader.id).box.fs
+            gfs = self._live(grader.id).box.files
             for path, st in declared:
                 try:
-                    await asyncio.to_thread(gfs.remove, path, True)  # the pristine copy goes
+                    await gfs.remove(path, True)  # the pristine copy goes
                 except NotFound:
                     pass
                 budget = spec.max_bytes - copied
@@ -1025,44 +1030,30 @@ class Edge:
         t0 = time.monotonic()
         try:
             config = self._image_config(live.info)
-            box = live.box
-            v1_freezer = self._v1_freezer(sandbox_id)
             staging = self.store.staging_dir("snapshot")
             root = staging / "rootfs"
-
-            def capture() -> tuple[snap.CaptureStats, float]:
-                # A paused sandbox is frozen already and stays so after the copy.
-                pause = (snap.frozen(box.v2_cgroup, v1_freezer)
-                         if spec.pause and live.info.state != "paused"
-                         else contextlib.nullcontext(0.0))
-                with pause:
-                    t_freeze = time.monotonic()
-                    stats = snap.capture_upper(
-                        box.rootfs.upper, root, id_shift=box.host_uid,
-                        scrub=snap.DEFAULT_SCRUB if spec.scrub else [], exclude=exclude,
-                        max_bytes=max_bytes, max_entries=spec.max_entries)
-                    if not spec.keep_git_history:  # a repository of a lower layer, changed
-                        # within what is left of the layer's room
-                        snap.complete_repos(box.rootfs.merged, root, id_shift=box.host_uid,
-                                            max_bytes=max(0, max_bytes - stats.bytes),
-                                            max_entries=spec.max_entries)
-                    paused = time.monotonic() - t_freeze if spec.pause else 0.0
-                return stats, paused
-
+            # A paused sandbox is frozen already and stays so after the copy.
+            opts = CaptureOptions(
+                pause=spec.pause and live.info.state != "paused",
+                scrub=snap.DEFAULT_SCRUB if spec.scrub else [], exclude=exclude,
+                max_bytes=max_bytes, max_entries=spec.max_entries,
+                complete_repos=not spec.keep_git_history)
             try:
                 try:
-                    stats, paused = await asyncio.to_thread(capture)
+                    captured = await live.backend.capture_writable(live.box, root, opts)
                 except PayloadTooLarge as exc:
                     if max_bytes < spec.max_bytes and exc.details.get("limit") == max_bytes:
                         raise room.error from exc
                     raise
-                except OSError as exc:
+                except (OSError, InfraError) as exc:
                     if sandbox_id not in self.live or sandbox_id in self._deleting:
                         raise SandboxDead(f"sandbox {sandbox_id} went away during the "
                                           "snapshot") from None
-                    raise without_paths(InfraError(f"snapshot of {sandbox_id} failed: {exc}"),
-                                        {root: "/", box.rootfs.upper: "/",
-                                         staging: "<staging>"}) from exc
+                    err = (exc if isinstance(exc, InfraError)
+                           else InfraError(f"snapshot of {sandbox_id} failed: {exc}"))
+                    raise without_paths(err, {root: "/", staging: "<staging>"}) from exc
+                stats = captured.stats
+                paused = captured.copy_s if spec.pause else 0.0
                 if sandbox_id not in self.live or sandbox_id in self._deleting:
                     raise SandboxDead(f"sandbox {sandbox_id} went away during the snapshot")
                 try:  # git's and mkfs.erofs's messages name the staging dir
@@ -1126,7 +1117,7 @@ class Edge:
 
     # ---- inspection (tests, leak checks) ------------------------------------------------
     def leftovers(self, sandbox_id: str) -> list[str]:
-        return self.backend.leftovers(sandbox_id)
+        return [x for b in self.backends.values() for x in b.leftovers(sandbox_id)]
 
     async def wait_deleted(self, sandbox_id: str, timeout: float = 10) -> None:
         deadline = time.monotonic() + timeout
@@ -1155,3 +1146,9 @@ async def _capped(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[byt
             raise PayloadTooLarge(f"declared files exceed the {limit}-byte grading cap",
                                   limit=limit)
         yield chunk
+
+
+def _close(fd: int | None) -> None:
+    """Close a session's cgroup fd once the agent has it (None: the backend passes none)."""
+    if fd is not None:
+        os.close(fd)

@@ -1,5 +1,6 @@
 """The edge's SQLite journal of its own sandboxes: what it must re-adopt or clean after a
-restart, and what it answers about sandboxes that are dead or deleted; and of their commands
+restart (each with its backend's own state, ``SandboxHandle.state()``: the kind is in the
+info), and what it answers about sandboxes that are dead or deleted; and of their commands
 (exec id <-> agent session, spec, idempotency key, final result), so a restarted edge rebuilds
 them from the agent and logs each exit exactly once."""
 from __future__ import annotations
@@ -9,6 +10,7 @@ import sqlite3
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rollbox.models import SandboxInfo
 
@@ -17,12 +19,13 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     id TEXT PRIMARY KEY,
     state TEXT NOT NULL,
     owner TEXT NOT NULL,
-    host_uid INTEGER,
+    host_uid INTEGER,  -- before backend_state: a container's uid (read as its state)
     info TEXT NOT NULL,
     extra TEXT NOT NULL DEFAULT '{}',
     updated REAL NOT NULL DEFAULT (strftime('%s','now'))
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+-- (sandboxes.backend_state: added by Journal.__init__ to journals made before it)
 CREATE TABLE IF NOT EXISTS execs (
     sandbox_id TEXT NOT NULL,
     exec_id TEXT NOT NULL,
@@ -36,6 +39,18 @@ CREATE TABLE IF NOT EXISTS execs (
     PRIMARY KEY (sandbox_id, exec_id)
 );
 """
+
+
+_COLUMNS = "info, backend_state, host_uid, extra"
+
+
+def _row(row: tuple) -> tuple[SandboxInfo, dict[str, Any] | None, dict]:
+    info = SandboxInfo.model_validate_json(row[0])
+    if row[1] is not None:
+        state = json.loads(row[1])
+    else:  # journaled before backend_state: containers kept their uid only
+        state = {"host_uid": row[2]} if row[2] is not None else None
+    return info, state, json.loads(row[3])
 
 
 @dataclass
@@ -56,34 +71,41 @@ class Journal:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        cols = {r[1] for r in self._db.execute("PRAGMA table_info(sandboxes)")}
+        if "backend_state" not in cols:  # JSON of the backend's state(); NULL: none yet
+            self._db.execute("ALTER TABLE sandboxes ADD COLUMN backend_state TEXT")
         self._lock = threading.Lock()
 
-    def put(self, info: SandboxInfo, host_uid: int | None = None, extra: dict | None = None) -> None:
+    def put(self, info: SandboxInfo, backend_state: dict[str, Any] | None = None,
+            extra: dict | None = None) -> None:
+        """Record ``info``; ``backend_state`` and ``extra`` (e.g. the commands' env) replace
+        the recorded ones when given, else the recorded ones stay."""
         with self._lock:
             self._db.execute(
-                "INSERT INTO sandboxes(id, state, owner, host_uid, info, extra) VALUES(?,?,?,?,?,?)"
+                "INSERT INTO sandboxes(id, state, owner, backend_state, info, extra)"
+                " VALUES(?,?,?,?,?,?)"
                 " ON CONFLICT(id) DO UPDATE SET state=excluded.state, info=excluded.info,"
-                " host_uid=COALESCE(excluded.host_uid, sandboxes.host_uid),"
+                " backend_state=COALESCE(excluded.backend_state, sandboxes.backend_state),"
                 " extra=CASE WHEN excluded.extra='{}' THEN sandboxes.extra ELSE excluded.extra END,"
                 " updated=strftime('%s','now')",
-                (info.id, info.state, info.owner, host_uid, info.model_dump_json(),
-                 json.dumps(extra or {})),
+                (info.id, info.state, info.owner,
+                 json.dumps(backend_state) if backend_state is not None else None,
+                 info.model_dump_json(), json.dumps(extra or {})),
             )
 
-    def get(self, sandbox_id: str) -> tuple[SandboxInfo, int | None, dict] | None:
+    def get(self, sandbox_id: str) -> tuple[SandboxInfo, dict[str, Any] | None, dict] | None:
+        """(info, backend state or None, extra) of a journaled sandbox."""
         with self._lock:
             row = self._db.execute(
-                "SELECT info, host_uid, extra FROM sandboxes WHERE id=?", (sandbox_id,)).fetchone()
-        if not row:
-            return None
-        return SandboxInfo.model_validate_json(row[0]), row[1], json.loads(row[2])
+                f"SELECT {_COLUMNS} FROM sandboxes WHERE id=?", (sandbox_id,)).fetchone()
+        return _row(row) if row else None
 
-    def live(self) -> list[tuple[SandboxInfo, int | None, dict]]:
+    def live(self) -> list[tuple[SandboxInfo, dict[str, Any] | None, dict]]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT info, host_uid, extra FROM sandboxes WHERE state IN"
+                f"SELECT {_COLUMNS} FROM sandboxes WHERE state IN"
                 " ('creating','running','paused','stopping')").fetchall()
-        return [(SandboxInfo.model_validate_json(r[0]), r[1], json.loads(r[2])) for r in rows]
+        return [_row(r) for r in rows]
 
     def purge_finished(self, older_than_s: float) -> None:
         with self._lock:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rollbox import errors
+from rollbox.errors import DiskFull
 from rollbox.isolation.syscalls import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, openat2
 from rollbox.models import FileStat
 
@@ -52,15 +53,6 @@ _TMP_PREFIX = ".rollbox-tmp-"
 # the sandbox's disk cap bounds what a write can store anyway.
 MAX_STREAM_FILE = 16 << 30
 STREAM_CHUNK = 1 << 20
-
-
-class DiskFull(errors.BadRequest):
-    """The sandbox's writable layer (or inode budget) is full. Keeps the ``bad_request`` wire
-    code so older SDKs still map it; ``details.reason == "disk_full"`` tells it apart."""
-
-    def __init__(self, message: str = "sandbox disk full", **details: Any) -> None:
-        details.setdefault("reason", "disk_full")
-        super().__init__(message, **details)
 
 
 class _Stopped(Exception):
@@ -1029,6 +1021,49 @@ class SandboxFS:
 
     async def aexists(self, path: str) -> bool:
         return await asyncio.to_thread(self.exists, path)
+
+
+class ContainerFiles:
+    """A container's :class:`SandboxFS` as the backends' async ``SandboxFiles``
+    (rollbox.backends.base): blocking calls run in a worker thread."""
+
+    def __init__(self, fs: SandboxFS) -> None:
+        self.fs = fs
+
+    async def read(self, path: str, max_bytes: int | None = None) -> bytes:
+        return await self.fs.aread(path, max_bytes)
+
+    async def write(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        await self.fs.awrite(path, data, mode)
+
+    def read_stream(self, path: str, max_bytes: int | None = None) -> AsyncIterator[bytes]:
+        return self.fs.read_stream(path, max_bytes)
+
+    async def write_stream(self, path: str, chunks: AsyncIterator[bytes], mode: int = 0o644,
+                           max_bytes: int | None = None) -> int:
+        return await self.fs.write_stream(path, chunks, mode, max_bytes=max_bytes)
+
+    async def stat(self, path: str) -> FileStat:
+        return await self.fs.astat(path)
+
+    async def list(self, path: str) -> list[FileStat]:
+        return await self.fs.alist(path)
+
+    async def mkdir(self, path: str, parents: bool = False) -> None:
+        await self.fs.amkdir(path, parents)
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        await self.fs.aremove(path, recursive)
+
+    async def upload_tar(self, path: str, chunks: AsyncIterator[bytes], *,
+                         links: bool = True) -> int:
+        return await self.fs.upload_tar(path, chunks, links=links)
+
+    def download_tar(self, path: str) -> AsyncIterator[bytes]:
+        return self.fs.download_tar(path)
+
+    def close(self) -> None:
+        self.fs.close()
 
 
 async def _own_thread(fn: Callable[[], T]) -> T:

@@ -9,6 +9,8 @@ mount, subvolume, cgroup, netns or file of the sandbox remains.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import hashlib
 import json
 import logging
@@ -17,15 +19,18 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, ClassVar, overload
 from pathlib import Path
 
-from rollbox.backends.base import BackendCapacity
+from rollbox.backends import platform_work
+from rollbox.backends.base import (
+    BackendCapacity, CaptureOptions, CaptureResult, ResolvedSpec, SessionSlot, Usage,
+)
 from rollbox.backends.container import bundle, platform_shell
 from rollbox.agent.channel import AgentChannel
 from rollbox.backends.container.cpuview import CpuViews
 from rollbox.backends.container.disk import DiskPool
-from rollbox.backends.container.files import SandboxFS
-from rollbox.agent.protocol import ExecRequest, shell_argv
+from rollbox.backends.container.files import ContainerFiles, SandboxFS
 from rollbox.backends.container.rootfs import (
     Rootfs, ensure_run_tmpfs, mount_points_under, release_run_tmpfs, remove_flat_dir,
 )
@@ -46,6 +51,7 @@ log = logging.getLogger(__name__)
 # second server started with it): every sandbox of this process is the unhardened twin. Never
 # set it on a node that runs real work.
 UNHARDENED_ENV = "ROLLBOX_UNHARDENED_FOR_BENCH"
+PR_SET_CHILD_SUBREAPER = 36
 
 
 @dataclass
@@ -63,6 +69,12 @@ class ContainerSandbox:
     next_session: int = 0
     # Network policy (veth + BPF + DNS gate); None: loopback only, nothing attached.
     network: SandboxNetwork | None = None
+    kind: ClassVar[str] = "container"
+    guest_reported: ClassVar[bool] = False  # the host observes exits itself (pidfd, cgroup)
+    files: ContainerFiles = field(init=False)  # fs as the backends' async SandboxFiles
+
+    def __post_init__(self) -> None:
+        self.files = ContainerFiles(self.fs)
 
     @property
     def socket_path(self) -> Path:
@@ -82,30 +94,23 @@ class ContainerSandbox:
             except OSError:
                 pass  # still populated by processes the command left behind
 
+    # ---- SandboxHandle (rollbox.backends.base) ---------------------------------------
+    def state(self) -> dict[str, Any]:
+        """What the journal keeps for adopt(): the uid (its slot); the rest is found by id."""
+        return {"host_uid": self.host_uid}
+
+    def new_session(self) -> SessionSlot:
+        name, fd = self.new_session_cgroup()
+        return SessionSlot(name, fd)
+
+    def drop_session(self, name: str) -> None:
+        self.drop_session_cgroup(name)
+
     async def run_shell(self, cmd: str, env: dict[str, str], timeout_s: float,
                         on_output: Callable[[bytes], object] | None = None,
                         tail: int = 4000) -> tuple[int, bytes]:
-        """Run ``cmd`` under the platform shell as root, outside the edge's exec sessions:
-        the platform's own work on a sandbox it controls (image builds, benchmarks). Returns
-        the exit code (-1 if none came) and the last ``tail`` bytes of stdout+stderr."""
-        cg_name, cg_fd = self.new_session_cgroup()
-        try:
-            session = await self.channel.exec(ExecRequest(
-                argv=shell_argv(cmd), env=[f"{k}={v}" for k, v in env.items()],
-                timeout_ms=int(timeout_s * 1000), platform_shell=True), cg_fd)
-        finally:
-            os.close(cg_fd)
-        out = b""
-        code = -1
-        async for kind, payload in session.events():
-            if kind in ("stdout", "stderr"):
-                out = (out + payload)[-tail:]
-                if on_output is not None:
-                    on_output(payload)
-            elif kind == "exited":
-                code = payload.exit_code
-        self.drop_session_cgroup(cg_name)
-        return code, out
+        """The platform's own command (image builds): see rollbox.backends.platform_work."""
+        return await platform_work.run_shell(self, cmd, env, timeout_s, on_output, tail)
 
 
 def _make_hidden_paths(root: Path, host_uid: int, hidden_paths: Sequence[str]) -> None:
@@ -183,11 +188,38 @@ class ContainerBackend:
             return Rootfs(legacy)
         return Rootfs(self.sandboxes_dir / sandbox_id)
 
-    async def create(self, sandbox_id: str, layers: list[str], resources: Resources,
+    # ---- Backend (rollbox.backends.base) ----------------------------------------------
+    async def start(self) -> None:
+        """Container inits outlive ``runc run -d``: as subreaper the edge gets and reaps them."""
+        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+    @overload
+    async def create(self, sandbox_id: str, spec: ResolvedSpec, *,
+                     hardened: bool = True) -> ContainerSandbox: ...
+    @overload
+    async def create(self, sandbox_id: str, spec: list[str], resources: Resources,
                      image_env: dict[str, str], network: str = "none", *,
                      hardened: bool = True, hidden_paths: Sequence[str] = (),
                      network_rules: list[str] | None = None,
-                     disk_tier: str = "disk") -> ContainerSandbox:
+                     disk_tier: str = "disk") -> ContainerSandbox: ...
+
+    async def create(self, sandbox_id: str, spec: ResolvedSpec | list[str],
+                     *args: Any, hardened: bool = True, **kw: Any) -> ContainerSandbox:
+        """The contract's create from a resolved spec, or :meth:`create_container`'s own
+        arguments (layers, resources, env, ...: the platform's build sandboxes)."""
+        if isinstance(spec, ResolvedSpec):
+            return await self.create_container(
+                sandbox_id, list(spec.layers), spec.resources, spec.env, hardened=hardened,
+                hidden_paths=spec.hidden_paths, disk_tier=spec.disk_tier,
+                network_rules=list(spec.network_rules) if spec.network_rules is not None
+                else None)
+        return await self.create_container(sandbox_id, spec, *args, hardened=hardened, **kw)
+
+    async def create_container(self, sandbox_id: str, layers: list[str], resources: Resources,
+                               image_env: dict[str, str], network: str = "none", *,
+                               hardened: bool = True, hidden_paths: Sequence[str] = (),
+                               network_rules: list[str] | None = None,
+                               disk_tier: str = "disk") -> ContainerSandbox:
         """network: "none" (own netns, loopback only) or "host" — the latter only for the
         platform's own image builds from operator-given commands, never from the API.
         disk_tier: "disk" (a capped subvolume of the node's disk pool) or "memory" (tmpfs).
@@ -289,9 +321,105 @@ class ContainerBackend:
         await asyncio.to_thread(sb.fs.write, sandbox_net.RESOLV_CONF, net.resolv_conf(), 0o644)
         return net
 
-    async def adopt(self, sandbox_id: str, host_uid: int,
-                    image_env: dict[str, str],
-                    network_rules: list[str] | None = None) -> ContainerSandbox | None:
+    async def adopt(self, sandbox_id: str, spec: ResolvedSpec, state: dict[str, Any],
+                    paused: bool) -> ContainerSandbox | None:
+        """Re-adopt one sandbox. A frozen one (paused, or left frozen by a crash mid-snapshot)
+        can not answer the handshake: its commands are frozen on their own, the agent alone is
+        thawed for the handshake, then it is frozen again if ``paused``."""
+        host_uid = state.get("host_uid")
+        if not isinstance(host_uid, int):
+            log.warning("sandbox %s: journaled state has no uid (%r); cleaning up", sandbox_id,
+                        state)
+            await self.cleanup(sandbox_id, None)
+            return None
+        v2 = cgroups.v2_dir(self.settings.cgroup_parent, sandbox_id)
+        v1 = self._v1_freezer(sandbox_id)
+        was_frozen = await asyncio.to_thread(cgroups.is_frozen, v2, v1)
+        if was_frozen:
+            cgroups.set_children_frozen(v2, True)
+            cgroups.thaw(v2, v1)
+        box = await self._reconnect(
+            sandbox_id, host_uid, spec.env,
+            network_rules=list(spec.network_rules) if spec.network_rules is not None else None)
+        if box is None:
+            return None
+        if paused:
+            try:
+                await asyncio.to_thread(cgroups.freeze, v2, v1)
+            except InfraError as exc:  # the edge's pause() after adopt tells it apart
+                log.error("sandbox %s: can not freeze it again (%s)", sandbox_id, exc)
+        if was_frozen:
+            cgroups.set_children_frozen(v2, False)  # frozen by the parent (paused) or running
+        return box
+
+    def _v1_freezer(self, sandbox_id: str) -> Path:
+        return cgroups.ROOT / "freezer" / self.settings.cgroup_parent / sandbox_id
+
+    def detach(self, sb: ContainerSandbox) -> None:  # type: ignore[override]
+        """The edge stops; the sandbox runs on. Its root fd would pin its mounts (disk pool)."""
+        sb.channel.close()
+        sb.fs.close()
+
+    async def cleanup(self, sandbox_id: str, state: dict[str, Any] | None) -> None:
+        host_uid = state.get("host_uid") if state else None
+        await self.cleanup_orphan(sandbox_id, host_uid if isinstance(host_uid, int) else None)
+
+    async def pause(self, sb: ContainerSandbox) -> None:  # type: ignore[override]
+        """Freeze the agent and every command in the sandbox's cgroup (InfraError: thawed)."""
+        await asyncio.to_thread(cgroups.freeze, sb.v2_cgroup, self._v1_freezer(sb.id))
+
+    async def resume(self, sb: ContainerSandbox) -> None:  # type: ignore[override]
+        await asyncio.to_thread(cgroups.thaw, sb.v2_cgroup, self._v1_freezer(sb.id))
+
+    async def set_network(self, sb: ContainerSandbox,  # type: ignore[override]
+                          rules: list[str]) -> None:
+        if sb.network is None:
+            await self.attach_network(sb, rules)
+        else:
+            await asyncio.to_thread(sb.network.apply, rules)  # BadRequest: nothing changed
+
+    async def capture_writable(self, sb: ContainerSandbox, dest: Path,  # type: ignore[override]
+                               opts: CaptureOptions) -> CaptureResult:
+        """The overlay upper, copied as hostile data (rollbox.images.snapshot) into ``dest``;
+        lower layers' repositories the upper touches are completed from the merged view."""
+        from rollbox.images import snapshot as snap
+        from rollbox.edge.storage import without_paths
+
+        def capture() -> CaptureResult:
+            pause = (cgroups.frozen(sb.v2_cgroup, self._v1_freezer(sb.id)) if opts.pause
+                     else contextlib.nullcontext(0.0))
+            with pause:
+                t0 = time.monotonic()
+                stats = snap.capture_upper(
+                    sb.rootfs.upper, dest, id_shift=sb.host_uid, scrub=opts.scrub,
+                    exclude=opts.exclude, max_bytes=opts.max_bytes,
+                    max_entries=opts.max_entries)
+                if opts.complete_repos:  # within what is left of the layer's room
+                    snap.complete_repos(sb.rootfs.merged, dest, id_shift=sb.host_uid,
+                                        max_bytes=max(0, opts.max_bytes - stats.bytes),
+                                        max_entries=opts.max_entries)
+                copy_s = time.monotonic() - t0
+            return CaptureResult(stats, copy_s if opts.pause else 0.0, copy_s)
+
+        try:
+            return await asyncio.to_thread(capture)
+        except OSError as exc:
+            raise without_paths(InfraError(f"snapshot of {sb.id} failed: {exc}"),
+                                {dest: "/", sb.rootfs.upper: "/"}) from exc
+
+    def usage(self, sb: ContainerSandbox) -> Usage:  # type: ignore[override]
+        return Usage(memory_bytes=_read_int(sb.v2_cgroup / "memory.current"),
+                     oom_kills=self.oom_kills(sb))
+
+    def oom_kills(self, sb: ContainerSandbox) -> int:  # type: ignore[override]
+        return cgroups.oom_kills(self.settings.cgroup_parent, sb.id)
+
+    def kill_session(self, sb: ContainerSandbox, name: str) -> None:  # type: ignore[override]
+        cgroups.kill(sb.v2_cgroup / name)
+
+    async def _reconnect(self, sandbox_id: str, host_uid: int,
+                         image_env: dict[str, str],
+                         network_rules: list[str] | None = None) -> ContainerSandbox | None:
         """Reconnect to a sandbox started by an earlier edge process; None if it is gone."""
         slot = self.slots.slot_of(host_uid)
         self.slots.claim(slot)
@@ -328,7 +456,10 @@ class ContainerBackend:
                 return None
         return sb
 
-    async def destroy(self, sb: ContainerSandbox) -> None:
+    async def destroy(self, sb: ContainerSandbox) -> None:  # type: ignore[override]
+        v1 = self._v1_freezer(sb.id)
+        if not (sb.v2_cgroup / "cgroup.freeze").exists() and cgroups.is_frozen(sb.v2_cgroup, v1):
+            cgroups.thaw(sb.v2_cgroup, v1)  # v1: a frozen task can not take the kill
         if sb.network is not None:
             sb.network.close()  # gate stops; link below, programs + map with the cgroup
         sb.channel.close()
@@ -443,6 +574,13 @@ class ContainerBackend:
             pass
         await self._teardown(sandbox_id, self.rootfs_of(sandbox_id), self.run_root / sandbox_id,
                              slot, pid)
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 _late_reaps: set[asyncio.Task] = set()
