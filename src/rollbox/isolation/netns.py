@@ -11,7 +11,9 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from rollbox.isolation import syscalls
 
@@ -61,25 +63,57 @@ def create(name: str) -> Path:
         return path
     fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o444)
     os.close(fd)
+
+    def work() -> None:
+        syscalls.unshare(syscalls.CLONE_NEWNET)
+        syscalls.mount(f"/proc/self/task/{threading.get_native_id()}/ns/net", path, None,
+                       syscalls.MS_BIND)
+        _loopback_up()
+
+    try:
+        _on_own_thread(work, f"netns-{name}")
+    except BaseException:
+        delete(name)
+        raise
+    return path
+
+
+T = TypeVar("T")
+
+
+def _on_own_thread(fn: Callable[[], T], thread_name: str) -> T:
+    """fn() on a short-lived thread (a namespace change moves only that thread); its result,
+    or its exception raised here."""
+    result: list[T] = []
     errors: list[BaseException] = []
 
     def work() -> None:
-        # unshare(CLONE_NEWNET) moves only this thread; it ends right after.
         try:
-            syscalls.unshare(syscalls.CLONE_NEWNET)
-            syscalls.mount(f"/proc/self/task/{threading.get_native_id()}/ns/net", path, None,
-                           syscalls.MS_BIND)
-            _loopback_up()
+            result.append(fn())
         except BaseException as exc:  # noqa: BLE001 - reported to the caller
             errors.append(exc)
 
-    t = threading.Thread(target=work, name=f"netns-{name}")
+    t = threading.Thread(target=work, name=thread_name)
     t.start()
     t.join()
     if errors:
-        delete(name)
         raise errors[0]
-    return path
+    return result[0]
+
+
+def run_inside(name: str, fn: Callable[[], T]) -> T:
+    """fn() on a thread inside the named namespace (the caller's own never changes)."""
+    path = netns_path(name)
+
+    def work() -> T:
+        ns_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            syscalls.setns(ns_fd, syscalls.CLONE_NEWNET)
+        finally:
+            os.close(ns_fd)
+        return fn()
+
+    return _on_own_thread(work, f"in-{name}")
 
 
 def _is_mounted(path: Path) -> bool:

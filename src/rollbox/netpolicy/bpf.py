@@ -306,6 +306,10 @@ class CounterMap:
                                           ctypes.addressof(vb), 0))
         return dict(zip(COUNTERS, struct.unpack(f"<{len(COUNTERS)}Q", vb.raw), strict=True))
 
+    @property
+    def is_open(self) -> bool:
+        return self.fd >= 0
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)

@@ -93,8 +93,10 @@ def _sysctl_iface(name: str, key: str, value: str) -> None:
     Path(f"/proc/sys/net/ipv4/conf/{name}/{key}").write_text(value)
 
 
-def create(sandbox_id: str, netns_name: str) -> Link:
-    """veth pair + addresses + default route inside; the /30 is chosen under a node lock."""
+def create(sandbox_id: str, netns_name: str, inner_address: bool = True) -> Link:
+    """veth pair + addresses + default route inside; the /30 is chosen under a node lock.
+    inner_address=False: the namespace end is only brought up (a microVM's guest holds the
+    sandbox address, its packets forwarded to this end by tapfilter.py)."""
     ensure_node_tables()
     name = link_name(sandbox_id)
     pool = link_pool()
@@ -126,7 +128,8 @@ def create(sandbox_id: str, netns_name: str) -> Link:
         _ip(["-n", netns_name, "-b", "-"], batch=(
             f"addr add {inner}/30 dev {SANDBOX_IFACE}\n"
             f"link set {SANDBOX_IFACE} up\n"
-            f"route add default via {gate}\n"))
+            f"route add default via {gate}\n") if inner_address else (
+            f"link set {SANDBOX_IFACE} up\n"))
     except BaseException:
         delete(sandbox_id)
         raise

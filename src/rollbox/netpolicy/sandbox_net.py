@@ -23,7 +23,9 @@ import errno
 import ipaddress
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Protocol
 
 from rollbox.isolation import cgroups
 from rollbox.netpolicy import bpf, link
@@ -48,6 +50,24 @@ _LIVE_STATES = {"01", "02", "03", "04", "05", "08", "09", "0B"}
 _mirror_ports_added: set[int] = set()
 
 
+class AllowList(Protocol):
+    """Where a sandbox's allowed entries are enforced: its cgroup's BPF map (containers,
+    bpf.AllowMap) or the nftables set at its guest's tap (microVMs, tapfilter.TapFilter)."""
+
+    def add(self, entries: Iterable[Entry]) -> None: ...
+    def remove(self, entries: Iterable[Entry]) -> None: ...
+    def close(self) -> None: ...
+
+
+class DropCounters(Protocol):
+    """Refusals counted by the enforcement, under the names of bpf.COUNTERS."""
+
+    @property
+    def is_open(self) -> bool: ...
+    def read(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+
+
 _running: dict[str, SandboxNetwork] = {}  # sandbox id -> the network whose gate runs here
 
 
@@ -61,9 +81,9 @@ def close_stale(sandbox_id: str, keep: SandboxNetwork | None = None) -> None:
 
 
 class SandboxNetwork:
-    def __init__(self, sandbox_id: str, lnk: link.Link, allow_map: bpf.AllowMap,
+    def __init__(self, sandbox_id: str, lnk: link.Link, allow_map: AllowList,
                  settings: object, cgroup_dir: Path | None = None,
-                 counters: bpf.CounterMap | None = None) -> None:
+                 counters: DropCounters | None = None) -> None:
         self.sandbox_id = sandbox_id
         self.link = lnk
         self.map = allow_map
@@ -84,7 +104,7 @@ class SandboxNetwork:
         """Refusals so far: dns_refused, connect_denied (TCP/UDP connect, IPv4 and IPv6),
         sendmsg_denied (unconnected UDP sends), packets_dropped (in and out)."""
         c = dict.fromkeys(bpf.COUNTERS, 0)
-        if self.counters is not None and self.counters.fd >= 0:
+        if self.counters is not None and self.counters.is_open:
             try:
                 c = self.counters.read()
             except OSError as exc:  # the map went with a torn-down cgroup: last known
