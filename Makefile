@@ -6,10 +6,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 APT_PACKAGES := runc erofs-utils debootstrap podman fuse3 iproute2 gcc libc6-dev make \
 	python3-venv ca-certificates busybox-static util-linux nftables xfslibs-dev bash-static \
-	btrfs-progs qemu-system-x86 qemu-utils
+	btrfs-progs qemu-system-x86 qemu-utils lz4
 export ROLLBOX_AGENT := $(CURDIR)/build/rollbox-agent
 
-.PHONY: deps venv native images setup demo test test-browser bench clean-host
+.PHONY: deps venv native guest images setup demo test test-browser bench clean-host
 deps: build/.apt-stamp
 build/.apt-stamp:
 	mkdir -p build
@@ -34,7 +34,16 @@ build/rollbox-jailer: native/jailer/jailer.c | deps
 	mkdir -p build
 	gcc -static -O2 -Wall -Wextra -o $@ $<
 
-setup: deps venv native
+# The microVM guest (src/rollbox/guest/build.py): kernel deb fetched and unpacked (cached by
+# version under build/guest/cache), PVH vmlinux, initramfs with the agent as /init, manifest.
+# Only the standard library and rollbox's own modules: runs without the venv (worktrees).
+GUEST_SOURCES := src/rollbox/guest/build.py src/rollbox/guest/artifacts.py \
+	src/rollbox/backends/container/platform_shell.py
+guest: build/guest/manifest.json
+build/guest/manifest.json: build/rollbox-agent $(GUEST_SOURCES) | deps
+	PYTHONPATH=$(CURDIR)/src $(PY) -m rollbox.guest.build
+
+setup: deps venv native guest
 
 images: setup
 	$(BIN)/rollbox image ensure-defaults

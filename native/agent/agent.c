@@ -1,11 +1,19 @@
 /*
- * rollbox-agent: the in-sandbox exec agent (PID 1 of a container sandbox).
+ * rollbox-agent: the in-sandbox exec agent (PID 1 of a container sandbox, or a microVM's init).
  *
  * Wire protocol: src/rollbox/agent/protocol.py (the contract; keep in sync).
- * fd 3 is an inherited listening AF_UNIX SOCK_SEQPACKET socket. One edge connection at a time;
- * a new connection replaces the old one. Single-threaded epoll loop; every fd is CLOEXEC and
- * non-blocking on our side; nothing here ever blocks forever, and bad input only drops the
- * connection (logged to stderr), never the agent.
+ * Transports:
+ *  - container: fd 3 is an inherited listening AF_UNIX SOCK_SEQPACKET socket (one packet per
+ *    message, SCM_RIGHTS for session cgroups);
+ *  - stream: fd 3 is a listening SOCK_STREAM socket, or (guest mode) the virtio-serial port
+ *    org.rollbox.agent: length-prefixed frames, a HELLO/SYNC handshake per host connection
+ *    (so a new host connection resyncs whatever the old one left half-sent), no descriptors.
+ * Guest mode (PID 1 with no fd 3, i.e. started by a kernel): the agent first builds the
+ * sandbox root (guest_init: /proc, /sys, /dev, cgroup2, modules, EROFS layers, ext4 upper,
+ * overlayfs), then serves; commands run chrooted there in per-session cgroups it makes itself.
+ * One edge connection at a time; a new connection replaces the old one. Single-threaded epoll
+ * loop; every fd is CLOEXEC and non-blocking on our side; nothing here ever blocks forever, and
+ * bad input only drops the connection (logged to stderr), never the agent.
  *
  * Memory: no big static buffers. A 64 KiB read buffer and a 128 KiB receive buffer are
  * allocated on first use; per-session state and the output retention rings are allocated per
@@ -28,7 +36,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <dirent.h>
+#include <linux/random.h>
+#include <poll.h>
 #include <sys/epoll.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -36,6 +48,7 @@
 #include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/uio.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -47,19 +60,24 @@
 #define LISTEN_FD 3
 #define AGENT_EXE_FD 4
 #define PLATFORM_SHELL_FD 5 /* the platform's shell (bash-static), never a path of the sandbox */
+#define PLATFORM_TOOL_FD 6  /* the platform's busybox (container mode, when the edge passes it) */
 
 /* edge -> agent */
 enum { M_EXEC = 1, M_STDIN = 2, M_STDIN_CLOSE = 3, M_SIGNAL = 4, M_KILL = 5, M_PING = 6,
-       M_PONG = 7, M_LIST = 8, M_REPLAY = 9, M_COLLECT = 10 };
+       M_PONG = 7, M_LIST = 8, M_REPLAY = 9, M_COLLECT = 10, M_RESEED = 11,
+       M_SET_MACHINE_ID = 12, M_SET_HOSTNAME = 13, M_SET_CLOCK = 14, M_BOOT_INFO = 15,
+       M_HELLO = 16 };
 /* agent -> edge */
 enum { M_READY = 32, M_STARTED = 33, M_SPAWN_FAILED = 34, M_STDOUT = 35, M_STDERR = 36,
        M_EXITED = 37, M_TAIL_STDOUT = 38, M_TAIL_STDERR = 39, M_SESSIONS = 40,
-       M_STDIN_ACK = 41, M_REPLAY_OUT = 42, M_REPLAY_ERR = 43, M_REPLAY_END = 44 };
+       M_STDIN_ACK = 41, M_REPLAY_OUT = 42, M_REPLAY_ERR = 43, M_REPLAY_END = 44,
+       M_RESULT = 45, M_BOOT_INFO_REPLY = 46, M_SYNC = 47 };
 
 #define EXEC_STDIN 1u
 #define EXEC_CGROUP 2u
 #define EXEC_PLATFORM_SHELL 4u /* argv runs under the platform shell (exec'd from its fd) */
-#define EXEC_KNOWN_FLAGS (EXEC_STDIN | EXEC_CGROUP | EXEC_PLATFORM_SHELL)
+#define EXEC_PLATFORM_TOOL 8u  /* argv[0] names a busybox applet of the platform's busybox */
+#define EXEC_KNOWN_FLAGS (EXEC_STDIN | EXEC_CGROUP | EXEC_PLATFORM_SHELL | EXEC_PLATFORM_TOOL)
 #define EXEC_HEAD_SIZE 36 /* <IIIIQIII */
 #define EXITED_SIZE 44    /* <iiBxxxQQQQ */
 #define SESSION_ENTRY_SIZE 52 /* <IiBBxxiiQQQQ */
@@ -86,6 +104,22 @@ enum { M_READY = 32, M_STARTED = 33, M_SPAWN_FAILED = 34, M_STDOUT = 35, M_STDER
 #define DRAIN_MS 50                   /* how long pipes are drained after the main process exits */
 #define FINAL_DRAIN_MAX (256u << 10)  /* last non-blocking read per stream at the drain deadline */
 #define READS_PER_TURN 4              /* chunks per stream per loop turn (fairness) */
+/* Stream transport: each message is a little-endian u32 length (HDR..MAX_PACKET) then the
+ * packet. A host connection starts with HELLO (HELLO_MAGIC + 8-byte nonce); until the agent
+ * has seen one it only scans for the magic, and it answers with a SYNC frame (SYNC_MAGIC +
+ * the same nonce) before READY, so the host can skip whatever an earlier connection left in
+ * the byte stream. */
+#define FRAME_PREFIX 4
+#define HELLO_MAGIC "rollbox-hello-v1"
+#define SYNC_MAGIC "rollbox-sync--v1"
+#define MAGIC_LEN 16
+#define NONCE_LEN 8
+#define STREAM_IN_CAP (FRAME_PREFIX + MAX_PACKET + CHUNK)
+/* Guest mode */
+#define SANDBOX_ROOT "/sandbox"
+#define GUEST_PORT_NAME "org.rollbox.agent"
+#define GUEST_DEVICE_WAIT_MS 20000
+#define BOOT_ERR_MAX 200
 
 enum watch_kind { W_LISTEN, W_CONN, W_SIGNAL, W_OUT, W_ERR, W_IN, W_STATUS };
 
@@ -116,7 +150,8 @@ struct session {
     uint64_t stream_limit, total[2], dropped[2];
     size_t tail_limit;
     struct ring tail[2];
-    int reaped, wstatus, timed_out;
+    int reaped, wstatus, timed_out, oom_kills;
+    uint64_t cg_seq; /* guest mode: the session cgroup the agent made (0: none) */
     uint64_t exited_seq; /* order of exit, for evicting the oldest uncollected session */
     int64_t deadline_ms, drain_deadline_ms;
     char *ctx_cwd, *ctx_argv0; /* for spawn error messages */
@@ -147,6 +182,20 @@ static char *rdbuf;   /* HDR + CHUNK, lazily allocated */
 static char *rxbuf;   /* MAX_PACKET, lazily allocated */
 static int more_work; /* some pump stopped early; poll again without sleeping */
 static int shell_fd = -1; /* PLATFORM_SHELL_FD when the edge passed one */
+static int tool_fd = -1;  /* the platform's busybox: PLATFORM_TOOL_FD, or /platform/busybox */
+/* Transport: stream framing (a SOCK_STREAM listener, or the guest's virtio port). */
+static int stream_mode, guest_mode, conn_is_port, port_et;
+enum { C_HUNT, C_LIVE } conn_state; /* stream: LIVE once a HELLO was seen */
+static unsigned char conn_nonce[NONCE_LEN];
+static char *inbuf;   /* stream receive buffer (STREAM_IN_CAP), lazily allocated */
+static size_t in_have;
+static unsigned in_gen; /* bumped when the input buffer is discarded (drop_conn) */
+/* Guest mode: the sandbox root, where commands run (chroot); cgroup sequence; boot record. */
+static int root_fd = -1;
+static uint64_t cg_counter;
+static uint64_t t_init, t_modules, t_disks, t_mounts, t_ready; /* CLOCK_BOOTTIME ns */
+static int boot_errno;
+static char boot_err[BOOT_ERR_MAX];
 
 static void logmsg(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void logmsg(const char *fmt, ...)
@@ -202,14 +251,17 @@ static void close_watched(int *fd)
 
 /* ---------- edge connection: send queue ---------- */
 
+/* An edge is connected and has said hello (seqpacket: from accept on). */
+static int conn_up(void) { return conn_fd >= 0 && conn_state == C_LIVE; }
+
 static void update_conn_events(void)
 {
-    if (conn_fd < 0)
+    if (conn_fd < 0 || port_et)
         return;
-    uint32_t want = EPOLLRDHUP;
+    uint32_t want = conn_is_port ? 0 : EPOLLRDHUP;
     if (outq_bytes < OUTQ_SOFT_MAX)
         want |= EPOLLIN;
-    if (outq_head)
+    if (outq_head && conn_up())
         want |= EPOLLOUT;
     if (want != conn_events) {
         struct epoll_event ev = {.events = want, .data.ptr = w_conn};
@@ -219,6 +271,15 @@ static void update_conn_events(void)
 }
 
 static void drop_conn(const char *why);
+static void remove_session_cgroup(uint64_t seq);
+static int cgroup_oom_kills(int cgfd);
+static void read_conn(int hangup);
+static void ensure_stdio(void);
+static int handle_packet(const char *pkt, size_t len, int fd);
+static int handle_reseed(uint32_t id, const char *p, size_t plen);
+static int handle_machine_id(uint32_t id, const char *p, size_t plen);
+static void handle_boot_info(uint32_t id);
+static int send_result(uint32_t id, int err, const char *what);
 
 static void pend_push(struct qpkt *q)
 {
@@ -248,17 +309,29 @@ static void outq_push(struct qpkt *q)
     outq_bytes += q->len;
 }
 
+/* Write (part of) a queued message: whole packets on seqpacket, bytes on a stream. */
+static ssize_t conn_write(const char *data, size_t len)
+{
+    if (stream_mode)
+        return conn_is_port ? write(conn_fd, data, len)
+                            : send(conn_fd, data, len, MSG_DONTWAIT | MSG_NOSIGNAL);
+    return send(conn_fd, data, len, MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
 static void flush_outq(void)
 {
-    while (conn_fd >= 0 && outq_head) {
+    while (conn_up() && outq_head) {
         struct qpkt *q = outq_head;
-        ssize_t n = send(conn_fd, q->data, q->len, MSG_DONTWAIT | MSG_NOSIGNAL);
+        ssize_t n = conn_write(q->data + q->off, q->len - q->off);
         if (n < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
                 break;
             drop_conn("send failed");
             return;
         }
+        q->off += (size_t)n;
+        if (q->off < q->len)
+            continue; /* a stream took part of it: try the rest (EAGAIN ends the loop) */
         outq_head = q->next;
         if (!outq_head)
             outq_tail = NULL;
@@ -268,39 +341,63 @@ static void flush_outq(void)
     update_conn_events();
 }
 
+/* A queued copy of a packet, as the transport writes it (stream: with its length prefix). */
+static struct qpkt *make_qpkt(const char *data, size_t len, int is_exited)
+{
+    size_t pre = stream_mode ? FRAME_PREFIX : 0;
+    struct qpkt *q = malloc(sizeof *q + pre + len);
+    if (!q)
+        return NULL;
+    if (pre)
+        put_u32(q->data, (uint32_t)len);
+    memcpy(q->data + pre, data, len);
+    q->len = pre + len;
+    q->off = 0;
+    q->is_exited = is_exited;
+    q->next = NULL;
+    return q;
+}
+
 /* Send a packet now if possible, else queue a copy. Returns 0 when sent/queued. */
 static int send_packet(const char *data, size_t len, int is_exited)
 {
-    if (conn_fd < 0) {
+    if (!conn_up()) {
         if (!is_exited)
             return -1;
-        struct qpkt *q = malloc(sizeof *q + len);
+        struct qpkt *q = make_qpkt(data, len, 1);
         if (!q)
             return -1;
-        q->len = len;
-        q->is_exited = 1;
-        memcpy(q->data, data, len);
         pend_push(q);
         return 0;
     }
+    size_t sent = 0;
     if (!outq_head) {
-        ssize_t n = send(conn_fd, data, len, MSG_DONTWAIT | MSG_NOSIGNAL);
-        if (n >= 0)
+        ssize_t n;
+        if (stream_mode) {
+            char pre[FRAME_PREFIX];
+            put_u32(pre, (uint32_t)len);
+            struct iovec iov[2] = {{pre, FRAME_PREFIX}, {(void *)data, len}};
+            n = writev(conn_fd, iov, 2); /* the port and stream sockets: non-blocking fds */
+        } else {
+            n = send(conn_fd, data, len, MSG_DONTWAIT | MSG_NOSIGNAL);
+        }
+        if (n >= 0 && (size_t)n == len + (stream_mode ? FRAME_PREFIX : 0))
             return 0;
-        if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+        if (n >= 0)
+            sent = (size_t)n; /* a stream took part of it: queue the rest */
+        else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
             drop_conn("send failed");
             return send_packet(data, len, is_exited);
         }
     }
-    struct qpkt *q = malloc(sizeof *q + len);
+    struct qpkt *q = make_qpkt(data, len, is_exited);
     if (!q) {
         logmsg("out of memory queueing a packet");
+        if (sent)
+            drop_conn("out of memory mid-frame"); /* the stream can't be left half a frame */
         return -1;
     }
-    q->len = len;
-    q->off = 0;
-    q->is_exited = is_exited;
-    memcpy(q->data, data, len);
+    q->off = sent;
     outq_push(q);
     update_conn_events();
     return 0;
@@ -317,14 +414,9 @@ static void send_small(int type, uint32_t session, const void *payload, size_t p
     send_packet(buf, HDR + plen, type == M_EXITED);
 }
 
-static void drop_conn(const char *why)
+/* Forget what was queued for the connection; its EXITED are kept for the next one. */
+static void discard_outq(void)
 {
-    if (conn_fd < 0)
-        return;
-    logmsg("dropping edge connection: %s", why);
-    close_watched(&conn_fd);
-    conn_events = 0;
-    /* EXITED already queued for the lost connection are kept for the next one. */
     struct qpkt *q = outq_head;
     while (q) {
         struct qpkt *next = q->next;
@@ -340,6 +432,70 @@ static void drop_conn(const char *why)
     rxbuf = NULL;
 }
 
+static void drop_conn(const char *why)
+{
+    if (conn_fd < 0 || (conn_is_port && conn_state != C_LIVE))
+        return;
+    logmsg("dropping edge connection: %s", why);
+    discard_outq();
+    if (conn_is_port) {
+        /* The port stays open: wait for the next HELLO (a new host connection, or this one
+         * resyncing). Input of the dropped connection is discarded. */
+        conn_state = C_HUNT;
+        memset(conn_nonce, 0, sizeof conn_nonce);
+        in_have = 0;
+        in_gen++;
+    } else {
+        close_watched(&conn_fd);
+        conn_events = 0;
+        conn_state = C_HUNT;
+        in_have = 0;
+        in_gen++;
+    }
+    update_conn_events();
+}
+
+/* The connection is established (seqpacket: accepted; stream: HELLO seen): READY, then the
+ * EXITED of sessions that ended while nobody listened. */
+static void conn_established(void)
+{
+    conn_state = C_LIVE;
+    if (stream_mode) {
+        char sync[HDR + MAGIC_LEN + NONCE_LEN];
+        set_header(sync, M_SYNC, 0);
+        memcpy(sync + HDR, SYNC_MAGIC, MAGIC_LEN);
+        memcpy(sync + HDR + MAGIC_LEN, conn_nonce, NONCE_LEN);
+        send_packet(sync, sizeof sync, 0);
+    }
+    char v[4];
+    put_u32(v, PROTOCOL_VERSION);
+    send_small(M_READY, 0, v, 4);
+    while (pend_head && conn_up()) {
+        struct qpkt *p = pend_head;
+        pend_head = p->next;
+        if (!pend_head)
+            pend_tail = NULL;
+        pend_count--;
+        outq_push(p);
+    }
+    flush_outq();
+}
+
+/* HELLO (stream transports): a new host connection, unless it repeats the current nonce
+ * (the host resends HELLO until it sees SYNC). */
+static void on_hello(const unsigned char *nonce)
+{
+    if (conn_state == C_LIVE && memcmp(nonce, conn_nonce, NONCE_LEN) == 0)
+        return;
+    if (conn_state == C_LIVE) {
+        /* Same transport, new host connection: drop what was queued for the old one. */
+        logmsg("new host connection (HELLO)");
+        discard_outq();
+    }
+    memcpy(conn_nonce, nonce, NONCE_LEN);
+    conn_established();
+}
+
 static void accept_conn(void)
 {
     for (;;) {
@@ -350,25 +506,18 @@ static void accept_conn(void)
                 logmsg("accept: %s", strerror(errno));
             return;
         }
-        if (conn_fd >= 0)
+        if (conn_fd >= 0) {
+            conn_state = C_LIVE; /* a stream connection still waiting for HELLO goes too */
             drop_conn("replaced by a new connection");
+        }
         conn_fd = fd;
         conn_events = EPOLLIN | EPOLLRDHUP;
         w_conn = w_conn == &w_conns[0] ? &w_conns[1] : &w_conns[0];
         ep_add(fd, conn_events, w_conn);
-        char v[4];
-        put_u32(v, PROTOCOL_VERSION);
-        send_small(M_READY, 0, v, 4);
-        /* Queued EXITED of sessions that ended while nobody listened. */
-        while (pend_head && conn_fd >= 0) {
-            struct qpkt *p = pend_head;
-            pend_head = p->next;
-            if (!pend_head)
-                pend_tail = NULL;
-            pend_count--;
-            outq_push(p);
-        }
-        flush_outq();
+        if (stream_mode)
+            conn_state = C_HUNT; /* nothing is sent before the host's HELLO */
+        else
+            conn_established();
     }
 }
 
@@ -405,6 +554,7 @@ static void free_session(struct session *s)
     close_watched(&s->status_fd);
     if (s->cgfd >= 0)
         close(s->cgfd);
+    remove_session_cgroup(s->cg_seq); /* again: leftovers may have gone since the exit */
     free(s->in_buf);
     ring_bytes -= s->tail[0].cap + s->tail[1].cap;
     free(s->tail[0].buf);
@@ -649,6 +799,9 @@ static void finish_session(struct session *s)
     memcpy(body, &code, 4);
     memcpy(body + 4, &sig, 4);
     body[8] = (char)(s->timed_out ? 1 : 0);
+    if (s->cgfd >= 0 && guest_mode)
+        s->oom_kills = cgroup_oom_kills(s->cgfd);
+    body[9] = (char)(s->oom_kills > 255 ? 255 : s->oom_kills);
     put_u64(body + 12, s->total[0]);
     put_u64(body + 20, s->total[1]);
     put_u64(body + 28, s->dropped[0]);
@@ -661,6 +814,7 @@ static void finish_session(struct session *s)
         close(s->cgfd);
         s->cgfd = -1;
     }
+    remove_session_cgroup(s->cg_seq);
     free(s->in_buf);
     s->in_buf = NULL;
     s->in_len = 0;
@@ -848,6 +1002,8 @@ static int landlock_ruleset(void)
     /* The platform shell is outside the tree: commands may exec it (only it, by its fd). */
     if (shell_fd >= 0 && ll_add(rs, shell_fd, LL_EXECUTE | LL_READ_FILE) < 0)
         goto fail;
+    if (tool_fd >= 0 && ll_add(rs, tool_fd, LL_EXECUTE | LL_READ_FILE) < 0)
+        goto fail;
     ll_nact = 0;
     for (int i = 0; i < ll_ndeny; i++)
         if (!ll_is_masked(ll_deny[i]))
@@ -890,9 +1046,10 @@ fail:;
 
 static const char *step_names[] = {"unknown", "setsid", "join cgroup", "setgroups", "setgid",
                                    "setuid", "chdir", "open /dev/null", "dup2", "exec",
-                                   "landlock", "oom_score_adj", "platform shell"};
+                                   "landlock", "oom_score_adj", "platform shell",
+                                   "platform tool", "chroot"};
 enum { ST_SETSID = 1, ST_CGROUP, ST_SETGROUPS, ST_SETGID, ST_SETUID, ST_CHDIR, ST_DEVNULL,
-       ST_DUP2, ST_EXEC, ST_LANDLOCK, ST_OOM, ST_SHELL };
+       ST_DUP2, ST_EXEC, ST_LANDLOCK, ST_OOM, ST_SHELL, ST_TOOL, ST_CHROOT, ST_LAST = ST_CHROOT };
 
 static void spawn_failed(uint32_t id, int err, const char *msg)
 {
@@ -921,7 +1078,7 @@ static void abandon_spawn(uint32_t id, const char *step, int err, const int *fds
 
 /* Runs in the forked child: never returns. */
 static void child_exec(int status_wr, int in_rd, int out_wr, int err_wr, int cgfd, uid_t uid,
-                       gid_t gid, const char *cwd, char **argv, char **envp, int platform_shell)
+                       gid_t gid, const char *cwd, char **argv, char **envp, uint32_t flags)
 {
     int32_t report[2] = {0, 0};
     sigset_t all;
@@ -954,6 +1111,11 @@ static void child_exec(int status_wr, int in_rd, int out_wr, int err_wr, int cgf
     int ruleset = landlock_ruleset();
     if (ruleset == -1) {
         report[0] = ST_LANDLOCK;
+        goto fail;
+    }
+    /* Guest mode: the agent lives in the initramfs; commands see only the sandbox root. */
+    if (root_fd >= 0 && (fchdir(root_fd) < 0 || chroot(".") < 0)) {
+        report[0] = ST_CHROOT;
         goto fail;
     }
     if (uid != getuid() || gid != getgid()) {
@@ -993,14 +1155,16 @@ static void child_exec(int status_wr, int in_rd, int out_wr, int err_wr, int cgf
         report[0] = ST_LANDLOCK;
         goto fail;
     }
-    if (platform_shell) {
+    if (flags & (EXEC_PLATFORM_SHELL | EXEC_PLATFORM_TOOL)) {
         /* By descriptor: no path of the sandbox is looked up, so nothing it renamed or
-         * replaced runs. The fd is close-on-exec (an ELF binary needs no path to it). */
-        if (shell_fd < 0)
+         * replaced runs. The fd is close-on-exec (an ELF binary needs no path to it). The
+         * platform's busybox picks its applet from argv[0]. */
+        int fd = (flags & EXEC_PLATFORM_SHELL) ? shell_fd : tool_fd;
+        if (fd < 0)
             errno = EBADF;
         else
-            syscall(SYS_execveat, shell_fd, "", argv, envp, AT_EMPTY_PATH);
-        report[0] = ST_SHELL;
+            syscall(SYS_execveat, fd, "", argv, envp, AT_EMPTY_PATH);
+        report[0] = (flags & EXEC_PLATFORM_SHELL) ? ST_SHELL : ST_TOOL;
         goto fail;
     }
     environ = envp; /* execvpe searches the PATH of `environ`: make it the command's env */
@@ -1027,6 +1191,57 @@ static void copy_trunc(char **dst, const char *src)
         memcpy(*dst, src, n);
         (*dst)[n] = 0;
     }
+}
+
+/* Guest mode: a cgroup per session, made by the agent under the guest's cgroup2 root
+ * (memory, pids and cpu enabled at boot): timeouts kill through its cgroup.kill, its
+ * memory.events tells whether the OOM killer struck. */
+static void session_cgroup_path(uint64_t seq, char *buf, size_t n)
+{
+    snprintf(buf, n, "/sys/fs/cgroup/rollbox/s%llu", (unsigned long long)seq);
+}
+
+static int make_session_cgroup(uint64_t *seq)
+{
+    char path[96];
+    *seq = ++cg_counter;
+    session_cgroup_path(*seq, path, sizeof path);
+    if (mkdir(path, 0755) < 0 && errno != EEXIST)
+        return -1;
+    int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) {
+        int err = errno;
+        rmdir(path);
+        errno = err;
+    }
+    return fd;
+}
+
+/* Best effort: a cgroup with processes left in it (a daemon the command started) stays. */
+static void remove_session_cgroup(uint64_t seq)
+{
+    if (!seq)
+        return;
+    char path[96];
+    session_cgroup_path(seq, path, sizeof path);
+    if (rmdir(path) < 0 && errno != ENOENT && errno != EBUSY)
+        logmsg("rmdir %s: %s", path, strerror(errno));
+}
+
+/* oom_kill count of a session cgroup (memory.events), 0 if unknown. */
+static int cgroup_oom_kills(int cgfd)
+{
+    int fd = openat(cgfd, "memory.events", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    char buf[512];
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = 0;
+    const char *k = strstr(buf, "oom_kill ");
+    return k ? atoi(k + 9) : 0;
 }
 
 /* EXEC. payload/plen: after the header. cgfd: attached fd or -1 (ownership taken). */
@@ -1082,6 +1297,13 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
         spawn_failed(id, EINVAL, "unknown EXEC flags");
         return 0;
     }
+    if ((flags & EXEC_PLATFORM_SHELL) && (flags & EXEC_PLATFORM_TOOL)) {
+        free(vec);
+        if (cgfd >= 0)
+            close(cgfd);
+        spawn_failed(id, EINVAL, "EXEC_PLATFORM_SHELL and EXEC_PLATFORM_TOOL exclude each other");
+        return 0;
+    }
     if (((flags & EXEC_CGROUP) != 0) != (cgfd >= 0)) {
         free(vec);
         if (cgfd >= 0)
@@ -1103,18 +1325,29 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
         spawn_failed(id, EAGAIN, "too many sessions in this sandbox");
         return 0;
     }
+    uint64_t cg_seq = 0;
+    if (guest_mode && cgfd < 0) {
+        cgfd = make_session_cgroup(&cg_seq);
+        if (cgfd < 0) {
+            free(vec);
+            char msg[96];
+            snprintf(msg, sizeof msg, "session cgroup: %s", strerror(errno));
+            spawn_failed(id, errno, msg);
+            return 0;
+        }
+    }
     struct session *s = calloc(1, sizeof *s);
     int st[2] = {-1, -1}, o[2] = {-1, -1}, e[2] = {-1, -1}, in[2] = {-1, -1};
     if (!s || pipe2(st, O_CLOEXEC) < 0 || pipe2(o, O_CLOEXEC) < 0 || pipe2(e, O_CLOEXEC) < 0 ||
         ((flags & EXEC_STDIN) && pipe2(in, O_CLOEXEC) < 0)) {
         int fds[] = {st[0], st[1], o[0], o[1], e[0], e[1], in[0], in[1], cgfd};
         abandon_spawn(id, "pipe", errno, fds, sizeof fds / sizeof fds[0], s, vec);
+        remove_session_cgroup(cg_seq);
         return 0;
     }
     pid_t pid = fork();
     if (pid == 0)
-        child_exec(st[1], in[0], o[1], e[1], cgfd, uid, gid, cwd, argv, envp,
-                   (flags & EXEC_PLATFORM_SHELL) != 0);
+        child_exec(st[1], in[0], o[1], e[1], cgfd, uid, gid, cwd, argv, envp, flags);
     int fork_err = errno;
     close(st[1]);
     close(o[1]);
@@ -1124,12 +1357,14 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
     if (pid < 0) {
         int fds[] = {st[0], o[0], e[0], in[1], cgfd};
         abandon_spawn(id, "fork", fork_err, fds, sizeof fds / sizeof fds[0], s, vec);
+        remove_session_cgroup(cg_seq);
         return 0;
     }
     s->id = id;
     s->pid = pid;
     s->state = S_SPAWNING;
     s->cgfd = cgfd;
+    s->cg_seq = cg_seq;
     s->status_fd = st[0];
     s->out_fd[0] = o[0];
     s->out_fd[1] = e[0];
@@ -1169,7 +1404,7 @@ static void resolve_spawn(struct session *s)
         return;
     close_watched(&s->status_fd);
     if (n == (ssize_t)sizeof report) {
-        int step = report[0] > 0 && report[0] <= ST_SHELL ? report[0] : 0;
+        int step = report[0] > 0 && report[0] <= ST_LAST ? report[0] : 0;
         char msg[512];
         const char *arg = step == ST_CHDIR ? s->ctx_cwd : step == ST_EXEC ? s->ctx_argv0 : NULL;
         snprintf(msg, sizeof msg, "%s%s%s: %s", step_names[step], arg ? " " : "",
@@ -1215,6 +1450,7 @@ static void handle_list(uint32_t id)
         memcpy(e + 4, &pid, 4);
         e[8] = (char)(s->state == S_EXITED ? 2 : 1);
         e[9] = (char)(s->timed_out ? 1 : 0);
+        e[10] = (char)(s->oom_kills > 255 ? 255 : s->oom_kills);
         if (s->state == S_EXITED)
             exit_status(s, &code, &sig);
         memcpy(e + 12, &code, 4);
@@ -1261,6 +1497,98 @@ static void handle_replay(uint32_t id, const char *p, size_t plen)
     put_u64(end + HDR, s->total[0]);
     put_u64(end + HDR + 8, s->total[1]);
     send_packet(end, sizeof end, 0);
+}
+
+/* RESULT of a platform command: errno (0: done) and what failed. Returns 0. */
+static int send_result(uint32_t id, int err, const char *what)
+{
+    char buf[4 + 160];
+    int32_t e = err;
+    memcpy(buf, &e, 4);
+    int n = err ? snprintf(buf + 4, sizeof buf - 4, "%s: %s", what, strerror(err)) : 0;
+    if (n < 0)
+        n = 0;
+    if ((size_t)n > sizeof buf - 4)
+        n = (int)(sizeof buf - 4);
+    send_small(M_RESULT, id, buf, 4 + (size_t)n);
+    return 0;
+}
+
+/* RESEED: mix host bytes into the kernel's pool, credited, and reseed the CRNG at once (a
+ * restored template's clones must not share their RNG state). */
+static int handle_reseed(uint32_t id, const char *p, size_t plen)
+{
+    if (plen == 0 || plen > 4096)
+        return send_result(id, EINVAL, "reseed: 1 to 4096 bytes");
+    struct rand_pool_info *info = malloc(sizeof *info + plen);
+    if (!info)
+        return send_result(id, ENOMEM, "reseed");
+    info->entropy_count = (int)(plen * 8);
+    info->buf_size = (int)plen;
+    memcpy(info->buf, p, plen);
+    int err = 0;
+    int fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
+    if (fd < 0 || ioctl(fd, RNDADDENTROPY, info) < 0 || ioctl(fd, RNDRESEEDCRNG) < 0)
+        err = errno;
+    if (fd >= 0)
+        close(fd);
+    free(info);
+    return send_result(id, err, "reseed");
+}
+
+/* SET_MACHINE_ID: 32 lowercase hex digits into the sandbox root's /etc/machine-id (written
+ * in place of whatever is there; a link there is not followed). */
+static int handle_machine_id(uint32_t id, const char *p, size_t plen)
+{
+    int hex = plen == 32;
+    for (size_t j = 0; hex && j < plen; j++)
+        hex = (p[j] >= '0' && p[j] <= '9') || (p[j] >= 'a' && p[j] <= 'f');
+    if (!hex)
+        return send_result(id, EINVAL, "machine-id: 32 lowercase hex digits");
+    int base = root_fd >= 0 ? root_fd : AT_FDCWD;
+    int etc = openat(base, root_fd >= 0 ? "etc" : "/etc",
+                     O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (etc < 0)
+        return send_result(id, errno, "open /etc");
+    char line[33];
+    memcpy(line, p, 32);
+    line[32] = '\n';
+    unlinkat(etc, "machine-id.rollbox", 0);
+    int err = 0;
+    int fd = openat(etc, "machine-id.rollbox", O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW |
+                    O_CLOEXEC, 0444);
+    if (fd < 0 || write(fd, line, sizeof line) != (ssize_t)sizeof line ||
+        renameat(etc, "machine-id.rollbox", etc, "machine-id") < 0)
+        err = errno;
+    if (fd >= 0)
+        close(fd);
+    if (err)
+        unlinkat(etc, "machine-id.rollbox", 0);
+    close(etc);
+    return send_result(id, err, "write /etc/machine-id");
+}
+
+static uint64_t boottime_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_BOOTTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* BOOT_INFO_REPLY: <iQQQQQQ errno of the failed boot step (0: none), CLOCK_BOOTTIME ns at
+ * init start, modules loaded, disks found, mounts done, serving, now; then the message. */
+static void handle_boot_info(uint32_t id)
+{
+    char buf[HDR + 52 + BOOT_ERR_MAX];
+    set_header(buf, M_BOOT_INFO_REPLY, id);
+    int32_t e = boot_errno;
+    memcpy(buf + HDR, &e, 4);
+    uint64_t t[6] = {t_init, t_modules, t_disks, t_mounts, t_ready, boottime_ns()};
+    for (int i = 0; i < 6; i++)
+        put_u64(buf + HDR + 4 + 8 * i, t[i]);
+    size_t n = strnlen(boot_err, BOOT_ERR_MAX);
+    memcpy(buf + HDR + 52, boot_err, n);
+    send_packet(buf, HDR + 52 + n, 0);
 }
 
 /* Returns -1 on a malformed packet (the caller drops the connection). */
@@ -1338,15 +1666,133 @@ static int handle_packet(const char *pkt, size_t len, int fd)
         if (s && s->state == S_EXITED)
             free_session(s);
         return 0;
+    case M_RESEED:
+        return handle_reseed(id, p, plen);
+    case M_SET_MACHINE_ID:
+        return handle_machine_id(id, p, plen);
+    case M_SET_HOSTNAME:
+        if (plen == 0 || plen > 64 || memchr(p, 0, plen) || memchr(p, '/', plen))
+            return send_result(id, EINVAL, "hostname: 1 to 64 bytes, no NUL or '/'");
+        return send_result(id, sethostname(p, plen) < 0 ? errno : 0, "sethostname");
+    case M_SET_CLOCK:
+        if (plen != 12)
+            return -1;
+        {
+            struct timespec ts;
+            int64_t sec;
+            memcpy(&sec, p, 8);
+            ts.tv_sec = (time_t)sec;
+            ts.tv_nsec = (long)get_u32(p + 8);
+            if (ts.tv_nsec >= 1000000000L || sec < 0)
+                return send_result(id, EINVAL, "clock: bad timespec");
+            return send_result(id, clock_settime(CLOCK_REALTIME, &ts) < 0 ? errno : 0,
+                               "clock_settime");
+        }
+    case M_BOOT_INFO:
+        handle_boot_info(id);
+        return 0;
     default:
         logmsg("unknown packet type %d", type);
         return -1;
     }
 }
 
+/* Stream input: scan for HELLO while not LIVE, else take whole frames. Returns 0, or -1
+ * when the connection was dropped (the buffer is gone). */
+static int parse_stream(void)
+{
+    size_t off = 0;
+    unsigned gen = in_gen;
+    while (off < in_have) {
+        if (conn_state != C_LIVE) {
+            const char *m = memmem(inbuf + off, in_have - off, HELLO_MAGIC, MAGIC_LEN);
+            if (!m) { /* keep a possible start of the magic */
+                size_t keep = in_have - off < MAGIC_LEN - 1 ? in_have - off : MAGIC_LEN - 1;
+                off = in_have - keep;
+                break;
+            }
+            off = (size_t)(m - inbuf);
+            if (in_have - off < MAGIC_LEN + NONCE_LEN)
+                break;
+            on_hello((const unsigned char *)inbuf + off + MAGIC_LEN);
+            off += MAGIC_LEN + NONCE_LEN;
+            continue;
+        }
+        if (in_have - off < FRAME_PREFIX)
+            break;
+        uint32_t len = get_u32(inbuf + off);
+        if (len < HDR || len > MAX_PACKET) {
+            drop_conn("bad frame length");
+            return -1;
+        }
+        if (in_have - off < FRAME_PREFIX + (size_t)len)
+            break;
+        const char *pkt = inbuf + off + FRAME_PREFIX;
+        off += FRAME_PREFIX + len;
+        if ((unsigned char)pkt[0] == M_HELLO) {
+            if (len != HDR + MAGIC_LEN + NONCE_LEN || memcmp(pkt + HDR, HELLO_MAGIC, MAGIC_LEN)) {
+                drop_conn("malformed HELLO");
+                return -1;
+            }
+            on_hello((const unsigned char *)pkt + HDR + MAGIC_LEN);
+            continue;
+        }
+        if (handle_packet(pkt, len, -1) < 0) {
+            drop_conn("malformed packet");
+            return -1;
+        }
+        if (gen != in_gen)
+            return -1;
+    }
+    memmove(inbuf, inbuf + off, in_have - off);
+    in_have -= off;
+    return 0;
+}
+
+static void read_stream(int hangup)
+{
+    if (!inbuf && !(inbuf = malloc(STREAM_IN_CAP))) {
+        logmsg("out of memory");
+        return;
+    }
+    for (int iter = 0; (hangup || iter < 64) && conn_fd >= 0; iter++) {
+        if (!hangup && outq_bytes >= OUTQ_SOFT_MAX)
+            break; /* EPOLLIN is off until the queue drains (update_conn_events) */
+        ssize_t n = read(conn_fd, inbuf + in_have, STREAM_IN_CAP - in_have);
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+                break;
+            if (conn_is_port) {
+                logmsg("port read: %s", strerror(errno));
+                break;
+            }
+            drop_conn("recv failed");
+            return;
+        }
+        if (n == 0) {
+            if (conn_is_port) /* nothing buffered and the host is not connected */
+                break;
+            drop_conn("edge closed the connection");
+            return;
+        }
+        in_have += (size_t)n;
+        if (parse_stream() < 0 && !conn_is_port)
+            return;
+        if (in_have == STREAM_IN_CAP) { /* cannot happen with frames <= MAX_PACKET */
+            drop_conn("input buffer full");
+            return;
+        }
+    }
+    update_conn_events();
+}
+
 /* hangup: the peer is gone; read what it sent before (finite) regardless of backpressure. */
 static void read_conn(int hangup)
 {
+    if (stream_mode) {
+        read_stream(hangup);
+        return;
+    }
     for (int iter = 0; (hangup || iter < 64) && conn_fd >= 0; iter++) {
         if (!hangup && outq_bytes >= OUTQ_SOFT_MAX)
             break;
@@ -1498,10 +1944,337 @@ static void ensure_stdio(void)
         }
 }
 
-int main(void)
+
+/* ---------- guest mode: the agent as a microVM's init ---------- */
+
+/* Record the first failed boot step (BOOT_INFO tells the host; the agent serves anyway so
+ * the host learns why instead of waiting for a timeout). */
+static void boot_fail(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void boot_fail(int err, const char *fmt, ...)
+{
+    char msg[BOOT_ERR_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    logmsg("boot: %s: %s", msg, strerror(err));
+    if (!boot_errno) {
+        boot_errno = err ? err : EIO;
+        if (snprintf(boot_err, sizeof boot_err, "%s: %s", msg, strerror(boot_errno)) < 0)
+            boot_err[0] = 0;
+    }
+}
+
+static int mount_at(const char *src, const char *dst, const char *type, unsigned long flags,
+                    const char *opts)
+{
+    mkdir(dst, 0755);
+    if (mount(src, dst, type, flags, opts) < 0) {
+        boot_fail(errno, "mount %s on %s", type, dst);
+        return -1;
+    }
+    return 0;
+}
+
+static int write_file(const char *path, const char *text)
+{
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    ssize_t n = write(fd, text, strlen(text));
+    int err = errno;
+    close(fd);
+    errno = err;
+    return n == (ssize_t)strlen(text) ? 0 : -1;
+}
+
+/* The value of `key=` on the kernel command line, into buf (empty if absent). */
+static void cmdline_value(const char *cmdline, const char *key, char *buf, size_t n)
+{
+    size_t klen = strlen(key);
+    buf[0] = 0;
+    for (const char *p = cmdline; (p = strstr(p, key)); p += klen) {
+        if ((p == cmdline || p[-1] == ' ') && p[klen] == '=') {
+            size_t len = strcspn(p + klen + 1, " \n");
+            if (len >= n)
+                len = n - 1;
+            memcpy(buf, p + klen + 1, len);
+            buf[len] = 0;
+            return;
+        }
+    }
+}
+
+static void load_modules(void)
+{
+    FILE *f = fopen("/lib/modules/load.list", "re");
+    if (!f) {
+        boot_fail(errno, "open /lib/modules/load.list");
+        return;
+    }
+    char name[128], path[192];
+    while (fgets(name, sizeof name, f)) {
+        name[strcspn(name, "\n")] = 0;
+        if (!name[0] || strchr(name, '/'))
+            continue;
+        snprintf(path, sizeof path, "/lib/modules/%s", name);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0 || (syscall(SYS_finit_module, fd, "", 0) < 0 && errno != EEXIST))
+            boot_fail(errno, "load module %s", name);
+        if (fd >= 0)
+            close(fd);
+    }
+    fclose(f);
+}
+
+/* /dev/<vdX> of the virtio disk whose serial is `serial`, into dev; 0 when found. */
+static int disk_by_serial(const char *serial, char *dev, size_t n)
+{
+    DIR *d = opendir("/sys/block");
+    if (!d)
+        return -1;
+    struct dirent *e;
+    int found = -1;
+    while (found < 0 && (e = readdir(d))) {
+        if (strncmp(e->d_name, "vd", 2) != 0)
+            continue;
+        char path[300], buf[64];
+        snprintf(path, sizeof path, "/sys/block/%s/serial", e->d_name);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0)
+            continue;
+        ssize_t r = read(fd, buf, sizeof buf - 1);
+        close(fd);
+        if (r <= 0)
+            continue;
+        buf[r] = 0;
+        buf[strcspn(buf, "\n")] = 0;
+        if (strcmp(buf, serial) == 0) {
+            if (snprintf(dev, n, "/dev/%s", e->d_name) < (int)n)
+                found = access(dev, F_OK) == 0 ? 0 : -1;
+        }
+    }
+    closedir(d);
+    return found;
+}
+
+/* /dev/<vportNpM> of the virtio-serial port named `name` (no udev: no /dev/virtio-ports). */
+static int port_by_name(const char *name, char *dev, size_t n)
+{
+    DIR *d = opendir("/sys/class/virtio-ports");
+    if (!d)
+        return -1;
+    struct dirent *e;
+    int found = -1;
+    while (found < 0 && (e = readdir(d))) {
+        if (e->d_name[0] == '.')
+            continue;
+        char path[300], buf[128];
+        snprintf(path, sizeof path, "/sys/class/virtio-ports/%s/name", e->d_name);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0)
+            continue;
+        ssize_t r = read(fd, buf, sizeof buf - 1);
+        close(fd);
+        if (r <= 0)
+            continue;
+        buf[r] = 0;
+        buf[strcspn(buf, "\n")] = 0;
+        if (strcmp(buf, name) == 0) {
+            if (snprintf(dev, n, "/dev/%s", e->d_name) < (int)n)
+                found = access(dev, F_OK) == 0 ? 0 : -1;
+        }
+    }
+    closedir(d);
+    return found;
+}
+
+static void sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+/* Mount everything the sandbox root needs; on failure the first error is recorded and the
+ * agent still serves. Returns the fd of the open virtio port, or -1. */
+static int guest_init(void)
+{
+    t_init = boottime_ns();
+    mkdir("/proc", 0555);
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    mount("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    mount("devtmpfs", "/dev", "devtmpfs", MS_NOSUID, "mode=0755");
+    mount_at("cgroup2", "/sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+             "nsdelegate");
+    mount("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755");
+    /* fds 0-2 are /dev/console when the initramfs has it; else make them /dev/null. */
+    ensure_stdio();
+    if (write_file("/sys/fs/cgroup/cgroup.subtree_control", "+memory +pids +cpu") < 0)
+        boot_fail(errno, "enable cgroup controllers");
+    if (mkdir("/sys/fs/cgroup/rollbox", 0755) < 0 ||
+        write_file("/sys/fs/cgroup/rollbox/cgroup.subtree_control", "+memory +pids +cpu") < 0)
+        boot_fail(errno, "session cgroup parent");
+
+    load_modules();
+    t_modules = boottime_ns();
+
+    char cmdline[4096] = "", val[32];
+    int cfd = open("/proc/cmdline", O_RDONLY | O_CLOEXEC);
+    if (cfd >= 0) {
+        ssize_t r = read(cfd, cmdline, sizeof cmdline - 1);
+        cmdline[r > 0 ? r : 0] = 0;
+        close(cfd);
+    }
+    cmdline_value(cmdline, "rollbox.layers", val, sizeof val);
+    int layers = atoi(val);
+    cmdline_value(cmdline, "rollbox.rw", val, sizeof val);
+    int rw = strcmp(val, "0") != 0;
+    if (layers < 1 || layers > 64) {
+        boot_fail(EINVAL, "rollbox.layers=%d (1 to 64)", layers);
+        layers = 0;
+    }
+
+    /* Disks appear as virtio-blk probes them (asynchronously): wait, bounded. */
+    char devs[65][32], port[64] = "";
+    int have = 0, port_ok = -1;
+    int64_t deadline = now_ms() + GUEST_DEVICE_WAIT_MS;
+    for (;;) {
+        have = 0;
+        for (int i = 0; i < layers; i++) {
+            char serial[32];
+            snprintf(serial, sizeof serial, "rbx-layer%d", i);
+            have += disk_by_serial(serial, devs[i], sizeof devs[i]) == 0;
+        }
+        int rw_ok = !rw || disk_by_serial("rbx-rw", devs[64], sizeof devs[64]) == 0;
+        if (port_ok < 0)
+            port_ok = port_by_name(GUEST_PORT_NAME, port, sizeof port);
+        if ((have == layers && rw_ok && port_ok == 0) || now_ms() > deadline) {
+            if (have < layers)
+                boot_fail(ENODEV, "%d of %d layer disks found (serial rbx-layerN)", have,
+                          layers);
+            if (!rw_ok)
+                boot_fail(ENODEV, "writable disk (serial rbx-rw) not found");
+            break;
+        }
+        sleep_ms(2);
+    }
+    t_disks = boottime_ns();
+
+    int ok = have == layers && layers > 0;
+    char lower[64 * 16 + 1] = "";
+    for (int i = layers - 1; ok && i >= 0; i--) {
+        char dir[32];
+        snprintf(dir, sizeof dir, "/layers/%d", i);
+        ok = mount_at(devs[i], dir, "erofs", MS_RDONLY | MS_NODEV, NULL) == 0;
+        size_t len = strlen(lower);
+        snprintf(lower + len, sizeof lower - len, "%s%s", len ? ":" : "", dir);
+    }
+    if (ok)
+        ok = rw ? mount_at(devs[64], "/rw", "ext4", MS_NODEV, NULL) == 0
+                : mount_at("tmpfs", "/rw", "tmpfs", MS_NODEV, "mode=0755") == 0;
+    if (ok && ((mkdir("/rw/upper", 0755) < 0 && errno != EEXIST) ||
+               (mkdir("/rw/work", 0755) < 0 && errno != EEXIST))) {
+        boot_fail(errno, "upper and work dirs on the writable disk");
+        ok = 0;
+    }
+    if (ok) {
+        char opts[64 * 16 + 128];
+        snprintf(opts, sizeof opts,
+                 "lowerdir=%s,upperdir=/rw/upper,workdir=/rw/work,redirect_dir=off,"
+                 "metacopy=off", lower);
+        /* redirect_dir=off: the upper stays a self-contained layer (snapshot). */
+        ok = mount_at("overlay", SANDBOX_ROOT, "overlay", 0, opts) == 0;
+    }
+    if (ok) {
+        ok = mount_at("proc", SANDBOX_ROOT "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                      NULL) == 0 &&
+             mount_at("sysfs", SANDBOX_ROOT "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                      NULL) == 0 &&
+             mount_at("cgroup2", SANDBOX_ROOT "/sys/fs/cgroup", "cgroup2",
+                      MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) == 0 &&
+             mount_at("devtmpfs", SANDBOX_ROOT "/dev", "devtmpfs", MS_NOSUID, "mode=0755") == 0 &&
+             mount_at("devpts", SANDBOX_ROOT "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+                      "newinstance,ptmxmode=0666,mode=0620") == 0 &&
+             mount_at("tmpfs", SANDBOX_ROOT "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV,
+                      "mode=1777") == 0 &&
+             mount_at("tmpfs", SANDBOX_ROOT "/run", "tmpfs", MS_NOSUID | MS_NODEV,
+                      "mode=0755") == 0;
+        if (ok) {
+            root_fd = open(SANDBOX_ROOT, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+            if (root_fd < 0)
+                boot_fail(errno, "open the sandbox root");
+        }
+    }
+    t_mounts = boottime_ns();
+    sethostname("sandbox", 7);
+
+    shell_fd = open("/platform/bash", O_RDONLY | O_CLOEXEC);
+    tool_fd = open("/platform/busybox", O_RDONLY | O_CLOEXEC);
+    if (shell_fd < 0 || tool_fd < 0)
+        boot_fail(errno, "platform tools in the initramfs");
+    if (port_ok != 0) {
+        boot_fail(ENODEV, "virtio-serial port %s not found", GUEST_PORT_NAME);
+        return -1;
+    }
+    int fd = open(port, O_RDWR | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+    if (fd < 0)
+        boot_fail(errno, "open %s", port);
+    return fd;
+}
+
+/* The virtio port while the host is not connected: reads return 0 and poll says POLLHUP
+ * until it is, so it is watched edge-triggered (woken when the host connects) instead of
+ * level-triggered (a busy loop). */
+static void port_set_mode(int et)
+{
+    port_et = et;
+    struct epoll_event ev = {.events = et ? (EPOLLIN | EPOLLET) : EPOLLIN, .data.ptr = w_conn};
+    epoll_ctl(ep, EPOLL_CTL_MOD, conn_fd, &ev);
+    conn_events = et ? 0 : EPOLLIN;
+    if (!et)
+        update_conn_events();
+}
+
+static void port_discard_input(void)
+{
+    char buf[4096];
+    while (read(conn_fd, buf, sizeof buf) > 0)
+        ;
+    in_have = 0;
+}
+
+static void port_event(uint32_t e)
+{
+    if (port_et) {
+        struct pollfd pfd = {.fd = conn_fd, .events = POLLIN};
+        if (poll(&pfd, 1, 0) < 0 || (pfd.revents & POLLHUP)) {
+            port_discard_input();
+            return;
+        }
+        port_set_mode(0); /* the host is back: wait for its HELLO */
+        read_conn(0);
+        return;
+    }
+    if (e & EPOLLHUP) {
+        drop_conn("host disconnected (POLLHUP on the port)");
+        port_discard_input();
+        conn_state = C_HUNT;
+        port_set_mode(1);
+        return;
+    }
+    if (e & EPOLLOUT)
+        flush_outq();
+    if (e & EPOLLIN)
+        read_conn(0);
+}
+
+int main(int argc, char **argv)
 {
     /* First: nothing in the sandbox may ptrace us or open /proc/1/{fd,mem}. */
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    /* Started by a kernel (a microVM's /init): no listening socket, we build the root. */
+    guest_mode = (getpid() == 1 && fcntl(LISTEN_FD, F_GETFD) < 0) ||
+                 (argc > 1 && strcmp(argv[1], "--guest") == 0);
     /* runc exec'd us from fd 4 (our own binary, never a path in the sandbox): drop it before
      * anything can inherit it. */
     close(AGENT_EXE_FD);
@@ -1513,6 +2286,11 @@ int main(void)
         shell_fd = PLATFORM_SHELL_FD;
     else
         close(PLATFORM_SHELL_FD);
+    if (fstat(PLATFORM_TOOL_FD, &shell_st) == 0 && S_ISREG(shell_st.st_mode) &&
+        fcntl(PLATFORM_TOOL_FD, F_SETFD, FD_CLOEXEC) == 0)
+        tool_fd = PLATFORM_TOOL_FD;
+    else
+        close(PLATFORM_TOOL_FD);
     prctl(PR_SET_NAME, "rollbox-agent", 0, 0, 0); /* exec'd as /proc/self/fd/4, comm was "4" */
     if (getpid() != 1)
         prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
@@ -1534,15 +2312,33 @@ int main(void)
         logmsg("signalfd/epoll: %s", strerror(errno));
         return 1;
     }
-    int fl = fcntl(LISTEN_FD, F_GETFD);
-    if (fl < 0) {
-        logmsg("fd 3 (listening socket) is not open");
-        return 1;
-    }
-    fcntl(LISTEN_FD, F_SETFD, fl | FD_CLOEXEC);
-    set_nonblock(LISTEN_FD);
-    ep_add(LISTEN_FD, EPOLLIN, &w_listen);
     ep_add(sig_fd, EPOLLIN, &w_signal);
+    if (guest_mode) {
+        stream_mode = conn_is_port = 1;
+        conn_state = C_HUNT;
+        conn_fd = guest_init();
+        if (conn_fd >= 0) {
+            conn_events = EPOLLIN;
+            ep_add(conn_fd, conn_events, w_conn); /* a HUP event switches it to ET */
+        } else {
+            logmsg("no agent port: commands can not reach this guest");
+        }
+    } else {
+        int fl = fcntl(LISTEN_FD, F_GETFD);
+        if (fl < 0) {
+            logmsg("fd 3 (listening socket) is not open");
+            return 1;
+        }
+        int type = 0;
+        socklen_t tlen = sizeof type;
+        if (getsockopt(LISTEN_FD, SOL_SOCKET, SO_TYPE, &type, &tlen) == 0 &&
+            type == SOCK_STREAM)
+            stream_mode = 1; /* framed, HELLO per connection: the VM transport on a socket */
+        fcntl(LISTEN_FD, F_SETFD, fl | FD_CLOEXEC);
+        set_nonblock(LISTEN_FD);
+        ep_add(LISTEN_FD, EPOLLIN, &w_listen);
+    }
+    t_ready = boottime_ns();
 
     struct epoll_event evs[64];
     for (;;) {
@@ -1565,6 +2361,10 @@ int main(void)
             case W_CONN:
                 if (w != w_conn || conn_fd < 0)
                     break; /* stale event of a replaced connection */
+                if (conn_is_port) {
+                    port_event(e);
+                    break;
+                }
                 if (e & EPOLLOUT)
                     flush_outq();
                 if (e & (EPOLLHUP | EPOLLERR | EPOLLRDHUP)) {

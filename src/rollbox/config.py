@@ -67,6 +67,16 @@ class Settings:
     # bash-static: interprets command strings in sandboxes (backends/container/platform_shell.py)
     platform_shell: Path = field(
         default_factory=lambda: _env_path("ROLLBOX_PLATFORM_SHELL", "/bin/bash-static"))
+    # busybox-static: the platform's own tools in a microVM guest (rollbox.guest.build)
+    platform_busybox: Path = field(
+        default_factory=lambda: _env_path("ROLLBOX_PLATFORM_BUSYBOX", "/bin/busybox"))
+    # The microVM guest (`make guest`): vmlinux, initramfs.cpio and manifest.json here, built
+    # from the kernel Debian's meta package names.
+    guest_dir: Path = field(
+        default_factory=lambda: _env_path("ROLLBOX_GUEST_DIR", REPO_ROOT / "build" / "guest"))
+    guest_kernel_package: str = field(
+        default_factory=lambda: os.environ.get("ROLLBOX_GUEST_KERNEL_PKG",
+                                               "linux-image-cloud-amd64"))
     runtime: str = field(default_factory=lambda: os.environ.get("ROLLBOX_RUNTIME", "runc"))
     # microVM backend (backends/microvm): QEMU, the jailer it runs under, the guest kernel and
     # initramfs (`make guest`), the accelerator ("auto": KVM if a probe boot reaches the agent,
@@ -176,7 +186,8 @@ class Settings:
         env = {
             "ROLLBOX_DATA": str(self.data_dir), "ROLLBOX_RUN": str(self.run_dir),
             "ROLLBOX_RUN_TMPFS": "1" if self.run_tmpfs else "0",
-            "ROLLBOX_AGENT": str(self.agent_binary), "ROLLBOX_RUNTIME": self.runtime,
+            "ROLLBOX_AGENT": str(self.agent_binary), "ROLLBOX_GUEST_DIR": str(self.guest_dir),
+            "ROLLBOX_RUNTIME": self.runtime,
             "ROLLBOX_CGROUP": self.cgroup_parent, "ROLLBOX_NODE": self.node_id,
             "ROLLBOX_UID_BASE": str(self.uid_base), "ROLLBOX_UID_SLOTS": str(self.uid_slots),
             "ROLLBOX_JAILER": str(self.vm_jailer), "ROLLBOX_VM_KERNEL": str(self.vm_kernel),
@@ -218,6 +229,21 @@ class Settings:
     def disk_pool_dir(self) -> Path:
         """The disk pool's file, mount point and lock (``DiskPool``)."""
         return self.data_dir / "disk"
+
+    @property
+    def guest_kernel(self) -> Path:
+        """The guest's PVH vmlinux (QEMU ``-kernel``)."""
+        return self.guest_dir / "vmlinux"
+
+    @property
+    def guest_initramfs(self) -> Path:
+        """The guest's initramfs: the agent as /init, modules, platform tools."""
+        return self.guest_dir / "initramfs.cpio"
+
+    @property
+    def guest_manifest(self) -> Path:
+        """Kernel version and digests of the guest artifacts (``rollbox.guest.artifacts``)."""
+        return self.guest_dir / "manifest.json"
 
     @property
     def state_db(self) -> Path:

@@ -179,6 +179,15 @@ class ExecIndeterminate(InfraError):
     retryable = False
 
 
+class AgentProtocolError(InfraError):
+    """The in-sandbox agent broke the wire protocol (garbage, an oversized or truncated frame,
+    output past the bounds the edge asked for): the edge closed the channel. From a microVM
+    this is the guest's doing (its root owns the agent); retrying the same sandbox won't help."""
+
+    code = "agent_protocol"
+    retryable = False
+
+
 ERRORS_BY_CODE: dict[str, type[RollboxError]] = {
     cls.code: cls
     for cls in (
@@ -203,6 +212,7 @@ ERRORS_BY_CODE: dict[str, type[RollboxError]] = {
         ServerUnreachable,
         ConnectionLost,
         ExecIndeterminate,
+        AgentProtocolError,
     )
 }
 

@@ -1,10 +1,18 @@
-"""Edge-side client of the in-sandbox agent (``native/agent/agent.c``) over its SEQPACKET socket.
+"""Edge-side client of the in-sandbox agent (``native/agent/agent.c``), over either transport.
 
 One :class:`AgentChannel` per sandbox connection; many concurrent :class:`Session` objects on it.
-asyncio streams neither keep packet boundaries nor carry SCM_RIGHTS, so the channel drives a
-non-blocking socket with ``loop.add_reader``/``add_writer``. Bounding output is the agent's job
-(``stream_limit``); each session gets its own unbounded queue so one slow consumer never stalls
-the others or the socket.
+:meth:`AgentChannel.connect`: the container's SEQPACKET socket (one packet per message,
+SCM_RIGHTS for session cgroups); :meth:`AgentChannel.connect_stream`: a byte stream (a microVM's
+virtio-serial port behind QEMU's unix socket chardev) with length-prefixed frames and the
+HELLO/SYNC handshake. asyncio streams neither keep packet boundaries nor carry SCM_RIGHTS, so
+the channel drives a non-blocking socket with ``loop.add_reader``/``add_writer``.
+
+Everything the agent sends is parsed as hostile (a guest's root owns its agent): a frame that is
+too short or too long, a message that does not decode, output past the ``stream_limit`` the edge
+asked for (or past the tail/replay bounds), or more unclaimed exits than an agent can hold closes
+the channel with :class:`~rollbox.errors.AgentProtocolError`; memory is bounded by one partial
+frame plus one read, and each session's queue by the limits its exec asked for (each session
+has its own queue so one slow consumer never stalls the others or the socket).
 
 Wire format: :mod:`rollbox.agent.protocol`.
 """
@@ -15,12 +23,15 @@ import collections
 import errno as errno_mod
 import itertools
 import random
+import secrets
 import socket
+import struct
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from rollbox.agent import protocol as P
-from rollbox.errors import BadRequest, InfraError, RollboxError, SandboxDead
+from rollbox.errors import AgentProtocolError, BadRequest, InfraError, RollboxError, SandboxDead
 
 # "stdout" | "stderr" | "replay_stdout" | "replay_stderr" (an adopted session's retained
 # output, from ``start_offsets``) | "tail_stdout" | "tail_stderr" | "exited"
@@ -34,6 +45,14 @@ _STREAM_KINDS = {
     P.TAIL_STDERR: "tail_stderr",
 }
 
+# Bounds on what an agent may send (beyond them: AgentProtocolError).
+TAIL_MAX = 64 << 10            # TAIL_* per stream at exit (the agent's TAIL_SEND_MAX)
+REPLAY_MAX = 16 << 20          # REPLAY_* per stream (the agent's TAIL_LIMIT_MAX)
+UNCLAIMED_EXITS_MAX = 4096     # EXITED of sessions this channel does not know (PENDING_EXITED_MAX)
+HUNT_MAX = 16 << 20            # stream: bytes skipped looking for SYNC (an earlier connection's)
+RECV_CHUNK = 256 << 10         # stream: one read
+HELLO_RESEND_S = 1.0           # stream: HELLO again until SYNC (a misaligned agent missed it)
+
 
 class SpawnError(BadRequest):
     """The agent could not start the command (bad cwd, missing binary, bad user...)."""
@@ -46,9 +65,16 @@ class SpawnError(BadRequest):
 class Session:
     """One command running in the sandbox. Created by :meth:`AgentChannel.exec`."""
 
-    def __init__(self, channel: "AgentChannel", session_id: int, collect: bool = True) -> None:
+    def __init__(self, channel: "AgentChannel", session_id: int, collect: bool = True,
+                 stream_limit: int = P.ExecRequest.stream_limit,
+                 replay_limit: int = REPLAY_MAX) -> None:
         self.channel = channel
         self.id = session_id
+        # What the agent may send per stream (stdout, stderr); more is a protocol violation.
+        self._allowed = {"stdout": stream_limit, "stderr": stream_limit,
+                         "tail_stdout": TAIL_MAX, "tail_stderr": TAIL_MAX,
+                         "replay_stdout": replay_limit, "replay_stderr": replay_limit}
+        self._received = dict.fromkeys(self._allowed, 0)
         self.pid: int | None = None
         # collect: free the agent's copy as soon as the exit arrives; else the owner calls
         # collect() once it has recorded the exit (the edge, after journaling it).
@@ -122,6 +148,13 @@ class Session:
         self.channel.collect(self.id)
 
     # -- called by the channel --
+    def _account(self, kind: str, n: int) -> None:
+        self._received[kind] += n
+        if self._received[kind] > self._allowed[kind]:
+            raise AgentProtocolError(
+                f"agent sent more {kind} for session {self.id} than allowed "
+                f"({self._allowed[kind]} bytes)", session=self.id)
+
     def _push(self, item: Event) -> None:
         self._queue.put_nowait(item)
         if item[0] == "exited" and not self._exited.done():
@@ -152,8 +185,16 @@ class AgentChannel:
         self,
         sock: socket.socket,
         on_close: Callable[[RollboxError | None], None] | None = None,
+        stream_nonce: bytes | None = None,
     ) -> None:
         self._sock = sock
+        # Stream transport: frames, and nothing before SYNC_MAGIC + this nonce counts.
+        self._stream = stream_nonce is not None
+        self._sync_pattern = P.SYNC_MAGIC + stream_nonce if stream_nonce is not None else b""
+        self._synced = False
+        self._hunted = 0
+        self._rx = bytearray()
+        self._head_off = 0  # bytes of the first queued frame already written
         self._loop = asyncio.get_running_loop()
         self._sessions: dict[int, Session] = {}
         # EXITED of sessions this channel did not start (ended while no edge was connected).
@@ -162,6 +203,7 @@ class AgentChannel:
         self.agent_sessions: dict[int, P.SessionEntry] = {}
         self._reserved: set[int] = set()
         self._pings: dict[int, asyncio.Future[None]] = {}
+        self._calls: dict[int, tuple[int, asyncio.Future[bytes]]] = {}  # token: (reply, fut)
         self._lists: collections.deque[asyncio.Future[list[P.SessionEntry]]] = collections.deque()
         self._ready: asyncio.Future[int] = self._loop.create_future()
         self._outq: collections.deque[tuple[bytes, list[int], asyncio.Future[None]]] = (
@@ -207,6 +249,58 @@ class AgentChannel:
         ch._reserved.update(ch.agent_sessions)
         return ch
 
+    @classmethod
+    async def connect_stream(
+        cls,
+        sock_path: str,
+        timeout: float = 5.0,
+        on_close: Callable[[RollboxError | None], None] | None = None,
+    ) -> "AgentChannel":
+        """Connect over a byte stream (a VM's agent port behind a unix socket): HELLO until
+        SYNC, then as :meth:`connect`. The agent may not be up yet (a booting guest): HELLO
+        waits in the stream until it reads it."""
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.setblocking(False)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, str(sock_path)), timeout)
+        except (OSError, asyncio.TimeoutError) as exc:
+            sock.close()
+            raise InfraError(f"cannot connect to agent at {sock_path}: {exc!r}") from exc
+        nonce = secrets.token_bytes(P.NONCE_LEN)
+        ch = cls(sock, on_close, stream_nonce=nonce)
+        deadline = loop.time() + timeout
+        try:
+            while True:
+                await ch._send_raw(P.hello(nonce))
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise asyncio.TimeoutError
+                try:
+                    version = await asyncio.wait_for(asyncio.shield(ch._ready),
+                                                     min(HELLO_RESEND_S, left))
+                    break
+                except asyncio.TimeoutError:
+                    if loop.time() >= deadline:
+                        raise
+            if version != P.PROTOCOL_VERSION:
+                raise InfraError(f"agent speaks protocol {version}, expected {P.PROTOCOL_VERSION}")
+            entries = await asyncio.wait_for(ch.sessions(), max(0.1, deadline - loop.time()))
+        except asyncio.TimeoutError as exc:
+            ch.close()
+            raise InfraError(f"agent at {sock_path} did not answer within {timeout}s") from exc
+        except RollboxError as exc:
+            ch.close()
+            raise exc if isinstance(exc, InfraError) else InfraError(exc.message) from exc
+        ch.agent_sessions = {e.id: e for e in entries}
+        ch._reserved.update(ch.agent_sessions)
+        return ch
+
+    @property
+    def stream(self) -> bool:
+        """True over a byte stream (a VM): no descriptors, the agent makes session cgroups."""
+        return self._stream
+
     def close(self) -> None:
         """Close the connection (the agent keeps running; its sessions continue)."""
         self._shutdown(None)
@@ -227,11 +321,13 @@ class AgentChannel:
         for sess in list(self._sessions.values()):
             sess._fail(err)
         self._sessions.clear()
-        for fut in [*self._pings.values(), *self._lists]:
+        for fut in [*self._pings.values(), *self._lists,
+                    *(f for _, f in self._calls.values())]:
             if not fut.done():
                 fut.set_exception(err)
                 fut.exception()
         self._pings.clear()
+        self._calls.clear()
         self._lists.clear()
         while self._outq:
             _, _, fut = self._outq.popleft()
@@ -259,10 +355,14 @@ class AgentChannel:
         ``collect=False``: the agent keeps the exit and rings until ``Session.collect()``."""
         if not req.argv:
             raise BadRequest("argv must not be empty")
+        if cgroup_fd is not None and self._stream:
+            raise BadRequest("a stream channel carries no descriptors (the agent makes the "
+                             "session's cgroup itself)")
         self._check_open()
         sid = session_id if session_id is not None else self.new_session_id()
         self._reserved.discard(sid)
-        sess = Session(self, sid, collect)
+        sess = Session(self, sid, collect, stream_limit=req.stream_limit,
+                       replay_limit=min(req.tail_limit, REPLAY_MAX))
         self._sessions[sid] = sess
         try:
             await self._send(req.encode(sid, cgroup_fd is not None),
@@ -275,15 +375,17 @@ class AgentChannel:
             raise
         return sess
 
-    def adopt(self, session_id: int, collect: bool = True) -> Session:
+    def adopt(self, session_id: int, collect: bool = True,
+              stream_limit: int = P.ExecRequest.stream_limit) -> Session:
         """Take over a session started by an earlier connection: its retained output (as far
         back as the agent's ring reaches; see ``start_offsets``), its later output and its
-        exit. A session the agent does not know fails with SandboxDead."""
+        exit. A session the agent does not know fails with SandboxDead. ``stream_limit``: the
+        one its exec asked for (what the agent may still stream)."""
         self._check_open()
         sess = self._sessions.get(session_id)
         if sess is not None:
             return sess
-        sess = Session(self, session_id, collect)
+        sess = Session(self, session_id, collect, stream_limit=stream_limit)
         entry = self.agent_sessions.get(session_id)
         sess._started.set_result(entry.pid if entry is not None else 0)
         sess.pid = entry.pid if entry is not None else None
@@ -323,6 +425,59 @@ class AgentChannel:
         await self._send(P.pack(P.LIST, 0))
         return await fut
 
+    # ---------- platform commands (uniqueness of a restored clone, boot record) ----------
+    async def _call(self, msg_type: int, payload: bytes, reply: int, timeout: float) -> bytes:
+        self._check_open()
+        token = next(self._ping_ids) & 0xFFFFFFFF
+        fut: asyncio.Future[bytes] = self._loop.create_future()
+        self._calls[token] = (reply, fut)
+        try:
+            await self._send(P.pack(msg_type, token, payload))
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            raise InfraError(f"agent did not answer message {msg_type} within {timeout}s") \
+                from None
+        finally:
+            self._calls.pop(token, None)
+
+    async def _command(self, msg_type: int, payload: bytes, timeout: float) -> None:
+        answer = await self._call(msg_type, payload, P.RESULT, timeout)
+        (err,) = P.I32.unpack_from(answer)
+        if err:
+            message = answer[P.I32.size:].decode("utf-8", "replace")
+            raise InfraError(f"agent: {message or errno_mod.errorcode.get(err, str(err))}",
+                             errno=err)
+
+    async def reseed(self, entropy: bytes, timeout: float = 5.0) -> None:
+        """Mix host random bytes into the kernel's pool (credited) and reseed its CRNG."""
+        if not 1 <= len(entropy) <= 4096:
+            raise BadRequest("reseed takes 1 to 4096 bytes")
+        await self._command(P.RESEED, entropy, timeout)
+
+    async def set_machine_id(self, machine_id: str, timeout: float = 5.0) -> None:
+        """Write the sandbox root's /etc/machine-id (32 lowercase hex digits)."""
+        if len(machine_id) != 32 or any(c not in "0123456789abcdef" for c in machine_id):
+            raise BadRequest("machine-id must be 32 lowercase hex digits")
+        await self._command(P.SET_MACHINE_ID, machine_id.encode(), timeout)
+
+    async def set_hostname(self, hostname: str, timeout: float = 5.0) -> None:
+        raw = hostname.encode()
+        if not 1 <= len(raw) <= 64 or b"\0" in raw or b"/" in raw:
+            raise BadRequest("hostname must be 1 to 64 bytes, without NUL or '/'")
+        await self._command(P.SET_HOSTNAME, raw, timeout)
+
+    async def set_clock(self, unix_ns: int | None = None, timeout: float = 5.0) -> None:
+        """Step the sandbox's CLOCK_REALTIME (default: the host's now)."""
+        ns = time.time_ns() if unix_ns is None else unix_ns
+        if ns < 0:
+            raise BadRequest("clock must not be before 1970")
+        await self._command(P.SET_CLOCK, P.CLOCK.pack(ns // 10**9, ns % 10**9), timeout)
+
+    async def boot_info(self, timeout: float = 5.0) -> P.BootInfo:
+        """How the agent's boot went (a guest: timestamps of its steps, the first failure)."""
+        return P.BootInfo.decode(await self._call(P.BOOT_INFO_REQ, b"", P.BOOT_INFO_REPLY,
+                                                  timeout))
+
     async def _kill_quietly(self, sid: int) -> None:
         try:
             await self._send(P.pack(P.KILL, sid))
@@ -340,7 +495,7 @@ class AgentChannel:
             return
         fut: asyncio.Future[None] = self._loop.create_future()
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._outq.append((packet, [], fut))
+        self._outq.append((P.frame(packet) if self._stream else packet, [], fut))
         if not self._writing:
             self._flush()
 
@@ -349,8 +504,15 @@ class AgentChannel:
         self._check_open()
         if len(packet) > P.MAX_PACKET:
             raise BadRequest(f"request too large ({len(packet)} > {P.MAX_PACKET} bytes)")
+        if fds and self._stream:
+            raise BadRequest("a stream channel carries no descriptors")
+        await self._send_raw(P.frame(packet) if self._stream else packet, fds)
+
+    async def _send_raw(self, data: bytes, fds: list[int] | None = None) -> None:
+        """Queue bytes as the transport carries them (a packet, or a stream's frame)."""
+        self._check_open()
         fut: asyncio.Future[None] = self._loop.create_future()
-        self._outq.append((packet, fds or [], fut))
+        self._outq.append((data, fds or [], fut))
         if not self._writing:
             self._flush()
         await fut
@@ -359,7 +521,13 @@ class AgentChannel:
         while self._outq:
             packet, fds, fut = self._outq[0]
             try:
-                if fds:
+                if self._stream:
+                    # A stream may take part of a frame: the rest goes first next time.
+                    self._head_off += self._sock.send(memoryview(packet)[self._head_off:])
+                    if self._head_off < len(packet):
+                        continue
+                    self._head_off = 0
+                elif fds:
                     socket.send_fds(self._sock, [packet], fds)
                 else:
                     self._sock.send(packet)
@@ -379,6 +547,9 @@ class AgentChannel:
             self._loop.remove_writer(self._sock.fileno())
 
     def _on_readable(self) -> None:
+        if self._stream:
+            self._read_stream()
+            return
         for _ in range(256):  # bounded per wakeup so other tasks get to run
             if self.closed.done():
                 return
@@ -394,21 +565,83 @@ class AgentChannel:
                 return
             try:
                 self._dispatch(data)
-            except (ValueError, KeyError) as exc:  # struct.error is a ValueError
-                self._shutdown(InfraError(f"malformed packet from agent: {exc!r}"))
+            except AgentProtocolError as exc:
+                self._shutdown(exc)
                 return
+            except (ValueError, KeyError, struct.error) as exc:
+                self._shutdown(AgentProtocolError(f"malformed packet from agent: {exc!r}"))
+                return
+
+    def _read_stream(self) -> None:
+        for _ in range(64):  # bounded per wakeup so other tasks get to run
+            if self.closed.done():
+                return
+            try:
+                data = self._sock.recv(RECV_CHUNK)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._shutdown(SandboxDead(f"agent connection lost: {exc}"))
+                return
+            if not data:
+                self._shutdown(SandboxDead("agent closed the connection (sandbox dead?)"))
+                return
+            self._rx += data
+            try:
+                self._parse_stream()
+            except AgentProtocolError as exc:
+                self._shutdown(exc)
+                return
+            except (ValueError, KeyError, struct.error) as exc:
+                self._shutdown(AgentProtocolError(f"malformed message from agent: {exc!r}"))
+                return
+
+    def _parse_stream(self) -> None:
+        """Take the complete frames of ``_rx`` (after the SYNC of this connection)."""
+        buf, off = self._rx, 0
+        if not self._synced:
+            at = buf.find(self._sync_pattern)
+            if at < 0:
+                skip = max(0, len(buf) - (len(self._sync_pattern) - 1))
+                self._hunted += skip
+                del buf[:skip]
+            else:
+                self._hunted += at
+                off = at + len(self._sync_pattern)  # the end of the SYNC frame
+                self._synced = True
+            if self._hunted > HUNT_MAX:
+                raise AgentProtocolError(f"no SYNC from the agent in {self._hunted} bytes")
+            if not self._synced:
+                return
+        while len(buf) - off >= P.FRAME_LEN.size:
+            (n,) = P.FRAME_LEN.unpack_from(buf, off)
+            if not P.HEADER.size <= n <= P.MAX_PACKET:
+                raise AgentProtocolError(f"frame of {n} bytes from agent")
+            end = off + P.FRAME_LEN.size + n
+            if end > len(buf):
+                break
+            packet = bytes(buf[off + P.FRAME_LEN.size:end])
+            off = end
+            self._dispatch(packet)
+            if self.closed.done():
+                return
+        del buf[:off]
 
     def _dispatch(self, data: bytes) -> None:
         msg_type, flags, sid, payload = P.unpack(data)
         if msg_type in _STREAM_KINDS:
             sess = self._sessions.get(sid)
             if sess is not None and not sess._replaying:  # else: covered by the replay
-                sess._push((_STREAM_KINDS[msg_type], payload))
+                kind = _STREAM_KINDS[msg_type]
+                sess._account(kind, len(payload))
+                sess._push((kind, payload))
         elif msg_type == P.EXITED:
             exited = P.Exited.decode(payload)
             sess = self._sessions.get(sid)
             if sess is None:
                 self.unclaimed_exits[sid] = exited
+                if len(self.unclaimed_exits) > UNCLAIMED_EXITS_MAX:
+                    raise AgentProtocolError("agent reported more unknown exits than it holds")
             elif sess._replaying:
                 sess._held_exit = exited
             else:
@@ -422,8 +655,10 @@ class AgentChannel:
                 if not sess._replay_seen[i]:
                     sess._replay_seen[i] = True
                     sess.start_offsets[i] = P.U64.unpack_from(payload)[0]
-                sess._push(("replay_stdout" if i == 0 else "replay_stderr",
-                            payload[P.U64.size:]))
+                kind = "replay_stdout" if i == 0 else "replay_stderr"
+                body = payload[P.U64.size:]
+                sess._account(kind, len(body))
+                sess._push((kind, body))
         elif msg_type == P.REPLAY_END:
             sess = self._sessions.get(sid)
             if sess is not None and sess._replaying:
@@ -467,5 +702,11 @@ class AgentChannel:
         elif msg_type == P.READY:
             if not self._ready.done():
                 self._ready.set_result(P.U32.unpack_from(payload)[0])
+        elif msg_type in (P.RESULT, P.BOOT_INFO_REPLY):
+            call = self._calls.get(sid)
+            if call is not None and call[0] == msg_type and not call[1].done():
+                call[1].set_result(payload)
+        elif msg_type == P.SYNC and self._stream:
+            pass  # a repeat (the agent answered a resent HELLO before ours was seen)
         else:
             raise ValueError(f"unknown message type {msg_type}")

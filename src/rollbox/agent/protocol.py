@@ -1,5 +1,22 @@
 """Wire format between the edge and the in-sandbox agent (``native/agent/agent.c``).
 
+Two transports carry the same messages (``channel.py`` speaks both):
+
+- **seqpacket** (containers, described first below): one message per packet, descriptors with
+  SCM_RIGHTS.
+- **stream** (microVMs: the virtio-serial port ``org.rollbox.agent``, host side a unix stream
+  socket; or a SOCK_STREAM listener as fd 3): each message is a ``<I`` length (``HEADER.size``
+  to ``MAX_PACKET``) then the packet; no descriptors (EXEC_CGROUP is refused: in a guest the
+  agent makes every session's cgroup itself). A byte stream has no boundaries a reconnect can
+  resync on, so every host connection starts with HELLO(16), payload ``HELLO_MAGIC`` + an
+  8-byte nonce; the agent scans for the magic until it has seen one (and again after any bad
+  frame), drops what it had queued for an earlier connection, and answers SYNC(47) with
+  ``SYNC_MAGIC`` + the same nonce, then READY and the queued EXITED. The host skips every byte
+  before ``SYNC_MAGIC + nonce`` (what an earlier connection left half-sent; bounded), and
+  resends HELLO (same nonce: the agent ignores a repeat) until it sees it. In a guest the agent
+  learns that the host went away from POLLHUP on the port (then it stops streaming output and
+  queues EXITED until the next HELLO).
+
 The agent is the sandbox's PID 1 (a static binary bind-mounted read-only from the host; never a
 file of the sandbox's writable tree). It talks over a unix SOCK_SEQPACKET socket whose
 *listening* end the edge creates on the host (``<run_dir>/sandboxes/<id>/agent.sock``, root-only)
@@ -22,8 +39,11 @@ Edge -> agent
                  the agent execs the shell binary it got from the edge as fd 5 at start, by
                  descriptor, with argv as given; argv[0] is only its name, e.g. ``bash``; no
                  path of the sandbox is looked up, so a ``/bin/sh`` or ``bash`` the sandbox
-                 replaced never runs). Unknown flags are refused. The agent answers STARTED or
-                 SPAWN_FAILED.
+                 replaced never runs), EXEC_PLATFORM_TOOL (the same by descriptor for the
+                 platform's busybox-static: argv[0] is the applet; in a guest that is the
+                 initramfs's ``/platform/busybox``, run chrooted in the sandbox root; in a
+                 container fd 6 when the edge passes one). Unknown flags are refused. The agent
+                 answers STARTED or SPAWN_FAILED.
   STDIN(2)       bytes for the session's stdin (at most ``CHUNK`` per packet), credit-based: the
                  edge keeps at most ``STDIN_WINDOW`` bytes per session not yet acknowledged by
                  STDIN_ACK, so a command that never reads its stdin can't stall the connection
@@ -37,6 +57,15 @@ Edge -> agent
                  answered by REPLAY_OUT/REPLAY_ERR packets then REPLAY_END. Live output the
                  agent sent before the REPLAY_END is covered by the replay.
   COLLECT(10)    the edge has the session's exit for good (journaled): the agent frees it.
+  Platform commands (a restored template's clone is made unique with them before its first
+  command), each answered by RESULT(45) with the request's session id as a token:
+  RESEED(11)     1..4096 host random bytes, added to the kernel's pool credited
+                 (RNDADDENTROPY), then the CRNG reseeded at once (RNDRESEEDCRNG).
+  SET_MACHINE_ID(12) 32 lowercase hex digits -> the sandbox root's /etc/machine-id.
+  SET_HOSTNAME(13) 1..64 bytes -> sethostname (the guest's or the container's UTS name).
+  SET_CLOCK(14)  ``<qI`` seconds, nanoseconds of CLOCK_REALTIME -> clock_settime.
+  BOOT_INFO(15)  answered by BOOT_INFO_REPLY(46).
+  HELLO(16)      stream transports only (see above).
 
 Agent -> edge
   READY(32)      ``<I`` protocol version, sent on every new connection.
@@ -49,22 +78,33 @@ Agent -> edge
                  rings together are capped at 64 MiB (a ring past it keeps fewer bytes).
   TAIL_STDOUT(38) / TAIL_STDERR(39)  the last bytes of the ring (at most 64 KiB), sent just
                  before EXITED when bytes were dropped.
-  EXITED(37)     ``<iiBxxxQQQQ`` exit_code (-1 if killed by a signal), signal, timed_out,
-                 stdout_total, stderr_total, stdout_dropped, stderr_dropped. Sent when the
+  EXITED(37)     ``<iiBBxxQQQQ`` exit_code (-1 if killed by a signal), signal, timed_out,
+                 oom_kills (the OOM killer's kills in the session's cgroup, capped at 255; a
+                 guest's agent reads its own session cgroup's memory.events, a container's
+                 agent sends 0: the edge reads the cgroup it made), stdout_total,
+                 stderr_total, stdout_dropped, stderr_dropped. Sent when the
                  main process has exited and its pipes are drained (at most ~50 ms after exit;
                  processes it left behind keep running but lose their stdout/stderr).
                  EXITED of sessions that end while no edge is connected are queued (bounded)
                  and delivered after the next READY. The session itself (exit status and
                  rings) stays until COLLECT; uncollected exited sessions are bounded (at most
                  256 and 16 MiB of rings; the oldest are dropped first).
-  SESSIONS(40)   ``<I`` count then count x ``<IiBBxxiiQQQQ`` (session id, main pid, state 1
-                 running / 2 exited, timed_out, exit_code, signal, stdout_total, stderr_total,
-                 stdout_retained, stderr_retained) of every running or uncollected session.
+  SESSIONS(40)   ``<I`` count then count x ``<IiBBBxiiQQQQ`` (session id, main pid, state 1
+                 running / 2 exited, timed_out, oom_kills, exit_code, signal, stdout_total,
+                 stderr_total, stdout_retained, stderr_retained) of every running or
+                 uncollected session.
   STDIN_ACK(41)  ``<I`` stdin bytes of the session consumed (written to the pipe, or discarded
                  because the command closed its stdin or the session is unknown).
   REPLAY_OUT(42) / REPLAY_ERR(43)  ``<Q`` stream offset of the first byte, then bytes.
   REPLAY_END(44) ``<QQ`` stdout and stderr totals when the replay was taken; flags 1: no such
                  session.
+  RESULT(45)     ``<i`` errno (0: done), then a UTF-8 message naming what failed.
+  BOOT_INFO_REPLY(46) ``<iQQQQQQ`` errno of the first failed boot step (0: none; the agent of
+                 a guest that could not mount its layers still serves, to say why), then
+                 CLOCK_BOOTTIME ns at: init start, modules loaded, disks found, mounts done,
+                 serving, now; then the failed step as UTF-8. A container's agent reports 0s
+                 for the steps it has not got.
+  SYNC(47)       stream transports only (see above); a later one is ignored.
 """
 from __future__ import annotations
 
@@ -77,22 +117,30 @@ CHUNK = 64 * 1024
 
 HEADER = struct.Struct("<BBHI")
 EXEC_HEAD = struct.Struct("<IIIIQIII")
-EXITED_BODY = struct.Struct("<iiBxxxQQQQ")
+EXITED_BODY = struct.Struct("<iiBBxxQQQQ")
 I32 = struct.Struct("<i")
 U32 = struct.Struct("<I")
-SESSION_ENTRY = struct.Struct("<IiBBxxiiQQQQ")
+SESSION_ENTRY = struct.Struct("<IiBBBxiiQQQQ")
 U64 = struct.Struct("<Q")
 OFFSETS = struct.Struct("<QQ")
+FRAME_LEN = struct.Struct("<I")  # stream transports: the length before each packet
+CLOCK = struct.Struct("<qI")
+BOOT_INFO = struct.Struct("<iQQQQQQ")
+HELLO_MAGIC = b"rollbox-hello-v1"
+SYNC_MAGIC = b"rollbox-sync--v1"
+NONCE_LEN = 8
 
 # edge -> agent
 EXEC, STDIN, STDIN_CLOSE, SIGNAL, KILL, PING, PONG, LIST, REPLAY, COLLECT = (
     1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+RESEED, SET_MACHINE_ID, SET_HOSTNAME, SET_CLOCK, BOOT_INFO_REQ, HELLO = 11, 12, 13, 14, 15, 16
 # agent -> edge
 READY, STARTED, SPAWN_FAILED, STDOUT, STDERR, EXITED, TAIL_STDOUT, TAIL_STDERR, SESSIONS = (
     32, 33, 34, 35, 36, 37, 38, 39, 40,
 )
 STDIN_ACK = 41
 REPLAY_OUT, REPLAY_ERR, REPLAY_END = 42, 43, 44
+RESULT, BOOT_INFO_REPLY, SYNC = 45, 46, 47
 RETAIN_LIMIT = 1 << 20  # the edge's tail_limit: bytes per stream a restarted edge can replay
 STDIN_WINDOW = 256 * 1024
 
@@ -158,11 +206,12 @@ class Exited:
     stderr_total: int
     stdout_dropped: int
     stderr_dropped: int
+    oom_kills: int = 0
 
     @classmethod
     def decode(cls, payload: bytes) -> "Exited":
-        code, sig, to, ot, et, od, ed = EXITED_BODY.unpack_from(payload)
-        return cls(code, sig, bool(to), ot, et, od, ed)
+        code, sig, to, oom, ot, et, od, ed = EXITED_BODY.unpack_from(payload)
+        return cls(code, sig, bool(to), ot, et, od, ed, oom)
 
 
 @dataclass
@@ -179,13 +228,44 @@ class SessionEntry:
     stderr_total: int
     stdout_retained: int
     stderr_retained: int
+    oom_kills: int = 0
 
     @classmethod
     def decode(cls, payload: bytes, offset: int) -> "SessionEntry":
-        sid, pid, state, to, code, sig, ot, et, orr, er = SESSION_ENTRY.unpack_from(payload, offset)
-        return cls(sid, pid, state == 2, bool(to), code, sig, ot, et, orr, er)
+        sid, pid, state, to, oom, code, sig, ot, et, orr, er = SESSION_ENTRY.unpack_from(
+            payload, offset)
+        return cls(sid, pid, state == 2, bool(to), code, sig, ot, et, orr, er, oom)
 
     def exited_record(self) -> Exited:
         """The exit as EXITED would have told it (what was dropped is unknown: 0)."""
         return Exited(self.exit_code, self.signal, self.timed_out, self.stdout_total,
-                      self.stderr_total, 0, 0)
+                      self.stderr_total, 0, 0, self.oom_kills)
+
+
+@dataclass
+class BootInfo:
+    """BOOT_INFO_REPLY: how the guest's boot went, in CLOCK_BOOTTIME ns (0: not reached)."""
+
+    errno: int
+    init_ns: int
+    modules_ns: int
+    disks_ns: int
+    mounts_ns: int
+    ready_ns: int
+    now_ns: int
+    error: str
+
+    @classmethod
+    def decode(cls, payload: bytes) -> "BootInfo":
+        err, *times = BOOT_INFO.unpack_from(payload)
+        message = payload[BOOT_INFO.size:].decode("utf-8", "replace")
+        return cls(err, *times, message)
+
+
+def frame(packet: bytes) -> bytes:
+    """A packet as the stream transports carry it."""
+    return FRAME_LEN.pack(len(packet)) + packet
+
+
+def hello(nonce: bytes) -> bytes:
+    return frame(pack(HELLO, 0, HELLO_MAGIC + nonce))
