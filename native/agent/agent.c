@@ -2027,19 +2027,23 @@ static void load_modules(void)
     fclose(f);
 }
 
-/* /dev/<vdX> of the virtio disk whose serial is `serial`, into dev; 0 when found. */
-static int disk_by_serial(const char *serial, char *dev, size_t n)
+/* /dev/<entry> of the entry of sysfs directory `dir` (names starting with `prefix`) whose
+ * attribute file `attr` reads `want`, into dev; 0 when found and its node exists. Disks by
+ * serial (/sys/block/vdX/serial), the agent's port by name (no udev: no /dev/virtio-ports). */
+static int sysfs_dev(const char *dir, const char *prefix, const char *attr, const char *want,
+                     char *dev, size_t n)
 {
-    DIR *d = opendir("/sys/block");
+    DIR *d = opendir(dir);
     if (!d)
         return -1;
     struct dirent *e;
     int found = -1;
     while (found < 0 && (e = readdir(d))) {
-        if (strncmp(e->d_name, "vd", 2) != 0)
+        if (e->d_name[0] == '.' || strncmp(e->d_name, prefix, strlen(prefix)) != 0)
             continue;
-        char path[300], buf[64];
-        snprintf(path, sizeof path, "/sys/block/%s/serial", e->d_name);
+        char path[320], buf[128];
+        if (snprintf(path, sizeof path, "%s/%s/%s", dir, e->d_name, attr) >= (int)sizeof path)
+            continue;
         int fd = open(path, O_RDONLY | O_CLOEXEC);
         if (fd < 0)
             continue;
@@ -2049,44 +2053,21 @@ static int disk_by_serial(const char *serial, char *dev, size_t n)
             continue;
         buf[r] = 0;
         buf[strcspn(buf, "\n")] = 0;
-        if (strcmp(buf, serial) == 0) {
-            if (snprintf(dev, n, "/dev/%s", e->d_name) < (int)n)
-                found = access(dev, F_OK) == 0 ? 0 : -1;
-        }
+        if (strcmp(buf, want) == 0 && snprintf(dev, n, "/dev/%s", e->d_name) < (int)n)
+            found = access(dev, F_OK) == 0 ? 0 : -1;
     }
     closedir(d);
     return found;
 }
 
-/* /dev/<vportNpM> of the virtio-serial port named `name` (no udev: no /dev/virtio-ports). */
+static int disk_by_serial(const char *serial, char *dev, size_t n)
+{
+    return sysfs_dev("/sys/block", "vd", "serial", serial, dev, n);
+}
+
 static int port_by_name(const char *name, char *dev, size_t n)
 {
-    DIR *d = opendir("/sys/class/virtio-ports");
-    if (!d)
-        return -1;
-    struct dirent *e;
-    int found = -1;
-    while (found < 0 && (e = readdir(d))) {
-        if (e->d_name[0] == '.')
-            continue;
-        char path[300], buf[128];
-        snprintf(path, sizeof path, "/sys/class/virtio-ports/%s/name", e->d_name);
-        int fd = open(path, O_RDONLY | O_CLOEXEC);
-        if (fd < 0)
-            continue;
-        ssize_t r = read(fd, buf, sizeof buf - 1);
-        close(fd);
-        if (r <= 0)
-            continue;
-        buf[r] = 0;
-        buf[strcspn(buf, "\n")] = 0;
-        if (strcmp(buf, name) == 0) {
-            if (snprintf(dev, n, "/dev/%s", e->d_name) < (int)n)
-                found = access(dev, F_OK) == 0 ? 0 : -1;
-        }
-    }
-    closedir(d);
-    return found;
+    return sysfs_dev("/sys/class/virtio-ports", "", "name", name, dev, n);
 }
 
 static void sleep_ms(int ms)

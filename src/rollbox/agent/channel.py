@@ -225,29 +225,7 @@ class AgentChannel:
         on_close: Callable[[RollboxError | None], None] | None = None,
     ) -> "AgentChannel":
         """Connect, wait for READY and learn which session ids are taken (re-adoption)."""
-        loop = asyncio.get_running_loop()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        sock.setblocking(False)
-        try:
-            await asyncio.wait_for(loop.sock_connect(sock, str(sock_path)), timeout)
-        except (OSError, asyncio.TimeoutError) as exc:
-            sock.close()
-            raise InfraError(f"cannot connect to agent at {sock_path}: {exc!r}") from exc
-        ch = cls(sock, on_close)
-        try:
-            version = await asyncio.wait_for(asyncio.shield(ch._ready), timeout)
-            if version != P.PROTOCOL_VERSION:
-                raise InfraError(f"agent speaks protocol {version}, expected {P.PROTOCOL_VERSION}")
-            entries = await asyncio.wait_for(ch.sessions(), timeout)
-        except asyncio.TimeoutError as exc:
-            ch.close()
-            raise InfraError(f"agent at {sock_path} did not answer within {timeout}s") from exc
-        except RollboxError as exc:
-            ch.close()
-            raise exc if isinstance(exc, InfraError) else InfraError(exc.message) from exc
-        ch.agent_sessions = {e.id: e for e in entries}
-        ch._reserved.update(ch.agent_sessions)
-        return ch
+        return await cls._open(socket.SOCK_SEQPACKET, sock_path, timeout, on_close)
 
     @classmethod
     async def connect_stream(
@@ -259,29 +237,35 @@ class AgentChannel:
         """Connect over a byte stream (a VM's agent port behind a unix socket): HELLO until
         SYNC, then as :meth:`connect`. The agent may not be up yet (a booting guest): HELLO
         waits in the stream until it reads it."""
+        return await cls._open(socket.SOCK_STREAM, sock_path, timeout, on_close)
+
+    @classmethod
+    async def _open(cls, sock_type: int, sock_path: str, timeout: float,
+                    on_close: Callable[[RollboxError | None], None] | None) -> "AgentChannel":
         loop = asyncio.get_running_loop()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock = socket.socket(socket.AF_UNIX, sock_type | socket.SOCK_CLOEXEC)
         sock.setblocking(False)
         try:
             await asyncio.wait_for(loop.sock_connect(sock, str(sock_path)), timeout)
         except (OSError, asyncio.TimeoutError) as exc:
             sock.close()
             raise InfraError(f"cannot connect to agent at {sock_path}: {exc!r}") from exc
-        nonce = secrets.token_bytes(P.NONCE_LEN)
+        nonce = secrets.token_bytes(P.NONCE_LEN) if sock_type == socket.SOCK_STREAM else None
         ch = cls(sock, on_close, stream_nonce=nonce)
         deadline = loop.time() + timeout
         try:
             while True:
-                await ch._send_raw(P.hello(nonce))
+                if nonce is not None:
+                    await ch._send_raw(P.hello(nonce))
                 left = deadline - loop.time()
                 if left <= 0:
                     raise asyncio.TimeoutError
                 try:
-                    version = await asyncio.wait_for(asyncio.shield(ch._ready),
-                                                     min(HELLO_RESEND_S, left))
+                    version = await asyncio.wait_for(
+                        asyncio.shield(ch._ready), min(HELLO_RESEND_S, left) if nonce else left)
                     break
                 except asyncio.TimeoutError:
-                    if loop.time() >= deadline:
+                    if nonce is None or loop.time() >= deadline:
                         raise
             if version != P.PROTOCOL_VERSION:
                 raise InfraError(f"agent speaks protocol {version}, expected {P.PROTOCOL_VERSION}")
