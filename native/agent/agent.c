@@ -2109,7 +2109,7 @@ static int guest_init(void)
     cmdline_value(cmdline, "rollbox.layers", val, sizeof val);
     int layers = atoi(val);
     cmdline_value(cmdline, "rollbox.rw", val, sizeof val);
-    int rw = strcmp(val, "0") != 0;
+    int rw = strcmp(val, "1") == 0; /* else the upper is a tmpfs */
     if (layers < 1 || layers > 64) {
         boot_fail(EINVAL, "rollbox.layers=%d (1 to 64)", layers);
         layers = 0;
@@ -2123,18 +2123,18 @@ static int guest_init(void)
         have = 0;
         for (int i = 0; i < layers; i++) {
             char serial[32];
-            snprintf(serial, sizeof serial, "rbx-layer%d", i);
+            snprintf(serial, sizeof serial, "layer%d", i);
             have += disk_by_serial(serial, devs[i], sizeof devs[i]) == 0;
         }
-        int rw_ok = !rw || disk_by_serial("rbx-rw", devs[64], sizeof devs[64]) == 0;
+        int rw_ok = !rw || disk_by_serial("rw", devs[64], sizeof devs[64]) == 0;
         if (port_ok < 0)
             port_ok = port_by_name(GUEST_PORT_NAME, port, sizeof port);
         if ((have == layers && rw_ok && port_ok == 0) || now_ms() > deadline) {
             if (have < layers)
-                boot_fail(ENODEV, "%d of %d layer disks found (serial rbx-layerN)", have,
+                boot_fail(ENODEV, "%d of %d layer disks found (serial layerN)", have,
                           layers);
             if (!rw_ok)
-                boot_fail(ENODEV, "writable disk (serial rbx-rw) not found");
+                boot_fail(ENODEV, "writable disk (serial rw) not found");
             break;
         }
         sleep_ms(2);

@@ -70,12 +70,10 @@ class Settings:
     # busybox-static: the platform's own tools in a microVM guest (rollbox.guest.build)
     platform_busybox: Path = field(
         default_factory=lambda: _env_path("ROLLBOX_PLATFORM_BUSYBOX", "/bin/busybox"))
-    # The microVM guest (`make guest`): vmlinux, initramfs.cpio and manifest.json here, built
-    # from the kernel Debian's meta package names.
-    guest_dir: Path = field(
-        default_factory=lambda: _env_path("ROLLBOX_GUEST_DIR", REPO_ROOT / "build" / "guest"))
-    guest_kernel_package: str = field(
-        default_factory=lambda: os.environ.get("ROLLBOX_GUEST_KERNEL_PKG",
+    # The microVM guest's kernel package: `make guest` unpacks the kernel this Debian meta
+    # package depends on (rollbox.guest.build); vm_kernel/vm_initrd below are its outputs.
+    vm_kernel_package: str = field(
+        default_factory=lambda: os.environ.get("ROLLBOX_VM_KERNEL_PKG",
                                                "linux-image-cloud-amd64"))
     runtime: str = field(default_factory=lambda: os.environ.get("ROLLBOX_RUNTIME", "runc"))
     # microVM backend (backends/microvm): QEMU, the jailer it runs under, the guest kernel and
@@ -92,6 +90,11 @@ class Settings:
     vm_initrd: Path = field(
         default_factory=lambda: _env_path("ROLLBOX_VM_INITRD",
                                           REPO_ROOT / "build" / "guest" / "initramfs.cpio"))
+    # Kernel version and digests of vm_kernel/vm_initrd (part of a template's key); the deb
+    # and its unpacked tree are cached in a `cache` directory beside it.
+    vm_guest_manifest: Path = field(
+        default_factory=lambda: _env_path("ROLLBOX_VM_GUEST_MANIFEST",
+                                          REPO_ROOT / "build" / "guest" / "manifest.json"))
     vm_accel: str = field(default_factory=lambda: os.environ.get("ROLLBOX_VM_ACCEL", "auto"))
     # Probe results per (kernel, QEMU, /dev/kvm): a node start re-probes only when one changes.
     vm_accel_cache: Path = field(
@@ -186,12 +189,12 @@ class Settings:
         env = {
             "ROLLBOX_DATA": str(self.data_dir), "ROLLBOX_RUN": str(self.run_dir),
             "ROLLBOX_RUN_TMPFS": "1" if self.run_tmpfs else "0",
-            "ROLLBOX_AGENT": str(self.agent_binary), "ROLLBOX_GUEST_DIR": str(self.guest_dir),
-            "ROLLBOX_RUNTIME": self.runtime,
+            "ROLLBOX_AGENT": str(self.agent_binary), "ROLLBOX_RUNTIME": self.runtime,
             "ROLLBOX_CGROUP": self.cgroup_parent, "ROLLBOX_NODE": self.node_id,
             "ROLLBOX_UID_BASE": str(self.uid_base), "ROLLBOX_UID_SLOTS": str(self.uid_slots),
             "ROLLBOX_JAILER": str(self.vm_jailer), "ROLLBOX_VM_KERNEL": str(self.vm_kernel),
             "ROLLBOX_VM_INITRD": str(self.vm_initrd), "ROLLBOX_VM_ACCEL": self.vm_accel,
+            "ROLLBOX_VM_GUEST_MANIFEST": str(self.vm_guest_manifest),
         }
         if self.images_root is not None:
             env["ROLLBOX_IMAGES"] = str(self.images_root)
@@ -229,21 +232,6 @@ class Settings:
     def disk_pool_dir(self) -> Path:
         """The disk pool's file, mount point and lock (``DiskPool``)."""
         return self.data_dir / "disk"
-
-    @property
-    def guest_kernel(self) -> Path:
-        """The guest's PVH vmlinux (QEMU ``-kernel``)."""
-        return self.guest_dir / "vmlinux"
-
-    @property
-    def guest_initramfs(self) -> Path:
-        """The guest's initramfs: the agent as /init, modules, platform tools."""
-        return self.guest_dir / "initramfs.cpio"
-
-    @property
-    def guest_manifest(self) -> Path:
-        """Kernel version and digests of the guest artifacts (``rollbox.guest.artifacts``)."""
-        return self.guest_dir / "manifest.json"
 
     @property
     def state_db(self) -> Path:

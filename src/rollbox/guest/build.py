@@ -14,7 +14,8 @@
    (part of a template's key: any change rebuilds templates).
 
 Re-running with the same inputs changes nothing (the deb and its unpacked tree are cached by
-version). Owns the files under ``Settings.guest_dir`` only.
+version). Owns ``Settings.vm_kernel``, ``vm_initrd``, ``vm_guest_manifest`` and the cache
+directory beside the manifest, nothing else.
 """
 from __future__ import annotations
 
@@ -32,7 +33,6 @@ from pathlib import Path
 from rollbox.backends.container import platform_shell
 from rollbox.config import Settings, get_settings
 from rollbox.errors import InfraError
-from rollbox.guest import artifacts
 
 # What the guest needs as modules (ext4 is built in): the virtio-mmio transport, disks,
 # the agent's serial port, balloon, pmem (+DAX), layers and overlay, network, entropy.
@@ -258,10 +258,11 @@ def _sha256(data: bytes) -> str:
 
 
 def build(settings: Settings) -> dict[str, object]:
-    out = settings.guest_dir
-    cache = out / "cache"
+    cache = settings.vm_guest_manifest.parent / "cache"
     cache.mkdir(parents=True, exist_ok=True)
-    pkg = resolve_kernel_package(settings.guest_kernel_package)
+    for path in (settings.vm_kernel, settings.vm_initrd):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    pkg = resolve_kernel_package(settings.vm_kernel_package)
     version = pkg.removeprefix("linux-image-")
     deb = fetch_deb(pkg, cache)
     tree = unpack_deb(deb, cache)
@@ -270,16 +271,16 @@ def build(settings: Settings) -> dict[str, object]:
     if not vmlinuz.exists() or not moddir.is_dir():
         raise InfraError(f"{deb.name}: no boot/vmlinuz-{version} or lib/modules/{version}")
 
-    kernel = settings.guest_kernel
+    kernel = settings.vm_kernel
     extract_vmlinux(vmlinuz, kernel)
     modules = modules_in_load_order(moddir, WANTED_MODULES)
     agent = _static_elf(settings.agent_binary)
     busybox = _static_elf(settings.platform_busybox)
     bash = platform_shell.prepared(settings.platform_shell)
     initramfs = build_initramfs(agent, busybox, bash, modules)
-    tmp = settings.guest_initramfs.with_suffix(".tmp")
+    tmp = settings.vm_initrd.with_suffix(".tmp")
     tmp.write_bytes(initramfs)
-    os.replace(tmp, settings.guest_initramfs)
+    os.replace(tmp, settings.vm_initrd)
 
     manifest: dict[str, object] = {
         "kernel_package": pkg,
@@ -291,11 +292,10 @@ def build(settings: Settings) -> dict[str, object]:
         "busybox_sha256": _sha256(busybox),
         "bash_sha256": _sha256(bash),
         "modules": [ko.name for ko in modules],
-        "agent_port": artifacts.AGENT_PORT,
     }
-    tmp = settings.guest_manifest.with_suffix(".tmp")
+    tmp = settings.vm_guest_manifest.with_suffix(".tmp")
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, settings.guest_manifest)
+    os.replace(tmp, settings.vm_guest_manifest)
     return manifest
 
 
