@@ -531,14 +531,13 @@ class AgentChannel:
             self._loop.remove_writer(self._sock.fileno())
 
     def _on_readable(self) -> None:
-        if self._stream:
-            self._read_stream()
-            return
-        for _ in range(256):  # bounded per wakeup so other tasks get to run
+        # Bounded per wakeup so other tasks get to run. A packet socket gives one message per
+        # recv; a stream gives bytes, cut into frames by _parse_stream.
+        for _ in range(64 if self._stream else 256):
             if self.closed.done():
                 return
             try:
-                data = self._sock.recv(P.MAX_PACKET)
+                data = self._sock.recv(RECV_CHUNK if self._stream else P.MAX_PACKET)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
@@ -548,31 +547,11 @@ class AgentChannel:
                 self._shutdown(SandboxDead("agent closed the connection (sandbox dead?)"))
                 return
             try:
-                self._dispatch(data)
-            except AgentProtocolError as exc:
-                self._shutdown(exc)
-                return
-            except (ValueError, KeyError, struct.error) as exc:
-                self._shutdown(AgentProtocolError(f"malformed packet from agent: {exc!r}"))
-                return
-
-    def _read_stream(self) -> None:
-        for _ in range(64):  # bounded per wakeup so other tasks get to run
-            if self.closed.done():
-                return
-            try:
-                data = self._sock.recv(RECV_CHUNK)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                self._shutdown(SandboxDead(f"agent connection lost: {exc}"))
-                return
-            if not data:
-                self._shutdown(SandboxDead("agent closed the connection (sandbox dead?)"))
-                return
-            self._rx += data
-            try:
-                self._parse_stream()
+                if self._stream:
+                    self._rx += data
+                    self._parse_stream()
+                else:
+                    self._dispatch(data)
             except AgentProtocolError as exc:
                 self._shutdown(exc)
                 return
