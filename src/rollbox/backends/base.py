@@ -181,6 +181,10 @@ class Backend(Protocol):
     async def capture_writable(self, h: SandboxHandle, dest: Path,
                                opts: CaptureOptions) -> CaptureResult: ...
 
+    # Before a command starts (after the edge checked it is not paused): make the sandbox
+    # ready to run it, e.g. a squeezed VM's balloon deflated (container: nothing).
+    async def prepare_exec(self, h: SandboxHandle) -> None: ...
+
     def usage(self, h: SandboxHandle) -> Usage: ...
     def oom_kills(self, h: SandboxHandle) -> int: ...  # cheap: read on SIGKILL exits only
     # Host-side backstop past a command's deadline: kill its session (VM: through the agent

@@ -14,14 +14,19 @@ from rollbox.backends.base import Backend
 if TYPE_CHECKING:
     from rollbox.config import Settings
     from rollbox.images.mounts import LayerMounts
+    from rollbox.images.store import ImageStore
     from rollbox.isolation.userns import UidSlots
 
 
-def make_backends(settings: Settings, layer_mounts: LayerMounts,
-                  slots: UidSlots) -> dict[str, Backend]:
-    """The node's backends by kind; "container" is always there."""
+def make_backends(settings: Settings, layer_mounts: LayerMounts, slots: UidSlots,
+                  store: ImageStore) -> dict[str, Backend]:
+    """The node's backends by kind; "container" is always there, "microvm" too (offered where
+    QEMU, the jailer and the guest kernel/initramfs are at hand). They share the node's uid
+    slots and its disk pool (one owner of the pool's mount; writable layers of either kind are
+    subvolumes named by sandbox id)."""
     from rollbox.backends.container.sandbox import ContainerBackend
+    from rollbox.backends.microvm.backend import MicroVMBackend
 
     container = ContainerBackend(settings, layer_mounts, slots)
-    backends: dict[str, Backend] = {container.kind: container}  # type: ignore[dict-item]
-    return backends
+    microvm = MicroVMBackend(settings, slots, store, container.disk)
+    return {container.kind: container, microvm.kind: microvm}  # type: ignore[dict-item]

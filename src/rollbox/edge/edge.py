@@ -107,7 +107,7 @@ class Edge:
         # One backend per kind (rollbox.backends.base); SandboxSpec.backend picks one. The
         # edge core speaks to them only through that contract (edge.backends builds them).
         self.backends: dict[str, Backend] = make_backends(settings, self.layer_mounts,
-                                                          self.slots)
+                                                          self.slots, self.store)
         # The container backend, for the platform's tools and tests that work on it directly.
         self.backend = self.backends["container"]
         self.journal = Journal(settings.data_dir / f"edge-{self.node_id}.db")
@@ -224,7 +224,7 @@ class Edge:
                           rec.exec_id, exc)
                 self.journal.exec_forget(sid, [rec.exec_id])
                 continue
-            session = ExecSession(rec.exec_id, spec)
+            session = ExecSession(rec.exec_id, spec, live.box.guest_reported)
             session.started_at = rec.started_at
             session._t0 -= max(0.0, time.time() - rec.started_at)  # durations span the restart
             session.cgroup_name = rec.cgroup
@@ -335,15 +335,15 @@ class Edge:
     def _backend_for(self, spec: SandboxSpec) -> Backend:
         """The backend of ``spec.backend``: BadRequest if this node does not offer it, or if
         the spec asks more than it can give one sandbox here."""
-        caps = {k: b.capacity() for k, b in self.backends.items()}
-        offered = sorted(k for k, c in caps.items() if c.offered)
-        if spec.backend not in offered:
-            why = caps[spec.backend].reason if spec.backend in caps else None
+        backend = self.backends.get(spec.backend)
+        cap = backend.capacity() if backend is not None else None
+        if backend is None or cap is None or not cap.offered:
+            offered = sorted(k for k, b in self.backends.items() if b.capacity().offered)
+            why = f" ({cap.reason})" if cap is not None and cap.reason else ""
             raise BadRequest(f"backend {spec.backend!r} is not offered by node {self.node_id}"
-                             + (f" ({why})" if why else "")
-                             + f"; offered: {', '.join(offered) or 'none'}",
+                             f"{why}; offered: {', '.join(offered) or 'none'}",
                              backend=spec.backend, offered=offered)
-        cap, r = caps[spec.backend], spec.resources
+        r = spec.resources
         for name, asked, most in (("cpus", r.cpus, cap.max_cpus),
                                   ("memory_mib", r.memory_mib, cap.max_memory_mib),
                                   ("disk_mib", r.disk_mib, cap.max_disk_mib)):
@@ -352,7 +352,7 @@ class Edge:
                                  f" gives one {spec.backend} sandbox ({most:g})",
                                  resource=name, requested=asked, limit=most,
                                  backend=spec.backend)
-        return self.backends[spec.backend]
+        return backend
 
     async def _admitted_create(self, spec: SandboxSpec, owner: str, image_config: dict,
                                layers: list[str], share: Share = "new") -> SandboxInfo:
@@ -698,6 +698,7 @@ class Edge:
 
     async def _exec_start(self, live: LiveSandbox, spec: ExecSpec) -> str:
         sandbox_id = live.info.id
+        await live.backend.prepare_exec(live.box)  # e.g. a squeezed VM gets its memory back
         uid, gid, home = await self._resolve_user(live, spec.user)
         shell = isinstance(spec.cmd, str)  # a string: the platform shell, never the sandbox's
         argv = shell_argv(spec.cmd) if isinstance(spec.cmd, str) else list(spec.cmd)
@@ -714,7 +715,7 @@ class Edge:
         slot = live.box.new_session()
         cg_name, cg_fd = slot.name, slot.cgroup_fd
         exec_id = f"e{live.box.next_session}"
-        session = ExecSession(exec_id, spec)
+        session = ExecSession(exec_id, spec, live.box.guest_reported)
         session.cgroup_name = cg_name
         channel = live.box.channel
         agent_id = channel.new_session_id()
@@ -1117,7 +1118,9 @@ class Edge:
 
     # ---- inspection (tests, leak checks) ------------------------------------------------
     def leftovers(self, sandbox_id: str) -> list[str]:
-        return [x for b in self.backends.values() for x in b.leftovers(sandbox_id)]
+        # Each backend's view (kinds share the disk pool: a subvolume is named once).
+        return list(dict.fromkeys(x for b in self.backends.values()
+                                  for x in b.leftovers(sandbox_id)))
 
     async def wait_deleted(self, sandbox_id: str, timeout: float = 10) -> None:
         deadline = time.monotonic() + timeout

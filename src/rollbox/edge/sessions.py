@@ -67,9 +67,10 @@ class StreamBuffer:
 
 
 class ExecSession:
-    def __init__(self, exec_id: str, spec: ExecSpec) -> None:
+    def __init__(self, exec_id: str, spec: ExecSpec, guest_reported: bool = False) -> None:
         self.exec_id = exec_id
         self.spec = spec
+        self.guest_reported = guest_reported  # its exit comes from a guest (a microVM's agent)
         self.started_at = time.time()
         self._t0 = time.monotonic()
         self.out = StreamBuffer()
@@ -106,6 +107,7 @@ class ExecSession:
             stdout_bytes=self.out.total, stderr_bytes=self.err.total,
             stdout_dropped=self.out.dropped, stderr_dropped=self.err.dropped,
             stdout_truncated_bytes=self.out.start, stderr_truncated_bytes=self.err.start,
+            guest_reported=self.guest_reported,
         )
         item = ExecOutput("exit", self.exec_id, result=self.result)
         self.replay.append(item)

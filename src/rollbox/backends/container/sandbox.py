@@ -407,6 +407,9 @@ class ContainerBackend:
             raise without_paths(InfraError(f"snapshot of {sb.id} failed: {exc}"),
                                 {dest: "/", sb.rootfs.upper: "/"}) from exc
 
+    async def prepare_exec(self, sb: ContainerSandbox) -> None:  # type: ignore[override]
+        """Nothing: a container's memory is never taken back while it idles."""
+
     def usage(self, sb: ContainerSandbox) -> Usage:  # type: ignore[override]
         return Usage(memory_bytes=_read_int(sb.v2_cgroup / "memory.current"),
                      oom_kills=self.oom_kills(sb))
