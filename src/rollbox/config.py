@@ -103,6 +103,17 @@ class Settings:
         default_factory=lambda: _env_float("ROLLBOX_VM_BOOT_TIMEOUT", 60.0))
     vm_overhead_mib: int = field(default_factory=lambda: _env_int("ROLLBOX_VM_OVERHEAD_MIB", 256))
     vm_tb_size_mib: int = field(default_factory=lambda: _env_int("ROLLBOX_VM_TB_MIB", 64))
+    # microVM templates (backends/microvm/template.py): creates restore a VM saved once per
+    # key instead of booting; the node keeps at most this many templates and bytes (saved
+    # state + disk), least recently used out first; a failed build is retried after retry_s.
+    vm_templates: bool = field(
+        default_factory=lambda: os.environ.get("ROLLBOX_VM_TEMPLATES", "1") not in ("", "0"))
+    vm_template_max_count: int = field(
+        default_factory=lambda: _env_int("ROLLBOX_VM_TEMPLATE_MAX", 16))
+    vm_template_max_bytes: int = field(
+        default_factory=lambda: _env_int("ROLLBOX_VM_TEMPLATE_MAX_BYTES", 8 << 30))
+    vm_template_retry_s: float = field(
+        default_factory=lambda: _env_float("ROLLBOX_VM_TEMPLATE_RETRY_S", 60.0))
     cgroup_parent: str = field(default_factory=lambda: os.environ.get("ROLLBOX_CGROUP", "rollbox"))
     node_id: str = field(default_factory=lambda: os.environ.get("ROLLBOX_NODE", "n0"))
     # First host uid of the sandbox uid ranges; each sandbox slot gets 65536 ids above it.
@@ -195,6 +206,7 @@ class Settings:
             "ROLLBOX_JAILER": str(self.vm_jailer), "ROLLBOX_VM_KERNEL": str(self.vm_kernel),
             "ROLLBOX_VM_INITRD": str(self.vm_initrd), "ROLLBOX_VM_ACCEL": self.vm_accel,
             "ROLLBOX_VM_GUEST_MANIFEST": str(self.vm_guest_manifest),
+            "ROLLBOX_VM_TEMPLATES": "1" if self.vm_templates else "0",
         }
         if self.images_root is not None:
             env["ROLLBOX_IMAGES"] = str(self.images_root)
@@ -232,6 +244,11 @@ class Settings:
     def disk_pool_dir(self) -> Path:
         """The disk pool's file, mount point and lock (``DiskPool``)."""
         return self.data_dir / "disk"
+
+    @property
+    def vm_template_dir(self) -> Path:
+        """Saved microVM templates (``TemplateCache``); their disks are in the disk pool."""
+        return self.data_dir / "vm-templates"
 
     @property
     def state_db(self) -> Path:

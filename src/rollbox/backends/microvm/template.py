@@ -1,0 +1,379 @@
+"""MicroVM templates: boot a VM once per key, save it to a file, create sandboxes by restoring it.
+
+A template is a VM the backend booted cold with no user process (the agent up, the layers and
+the writable disk mounted), then stopped and saved with QMP ``migrate`` to a file the edge
+opened (``getfd``; QEMU's ``spawn=deny`` forbids ``exec:``), plus its writable disk *as saved*:
+the build VM's subvolume is snapshotted once QEMU has stopped (a stop flushes the block layer),
+and every restored sandbox gets a copy-on-write snapshot of that (``VmDisks.clone_rw``), never
+a fresh disk under a guest that had one mounted. A restore starts a fresh jailed QEMU with the
+*same* argv plus ``-incoming defer`` (every per-sandbox file is at a fixed jail path, so the
+saved device state fits any sandbox), passes the saved state by ``getfd`` to
+``migrate-incoming``, ``cont``s, and makes the guest unique before it takes a command
+(:func:`make_unique`: kernel RNG reseeded with host entropy, new machine-id, hostname, clock;
+this guest kernel has no VMGENID driver, so no ``vmgenid`` device is added).
+
+Key (:class:`TemplateKey`): the layer digests, the disk size, the guest artifacts' digest
+(kernel, initramfs: file contents, and ``manifest.json`` when there is one), QEMU's version and
+the exact QEMU argv (vCPUs, memory, accelerator, TSC rate, kernel command line, devices). Any
+change gives another key, so a stale template is never restored; the image *name* is not in
+the key: two images with the same layers boot the same guest and share a template. Nothing of
+a template comes from a sandbox: it is built from the platform's artifacts and the image's
+read-only layers before any user command, so a template is shared only by sandboxes that would
+boot the very same guest.
+
+Cache (:class:`TemplateCache`): ``<data dir>/vm-templates/<key digest>/`` holds ``meta.json``
+(written last: a dir without it is an unfinished build, removed) and ``state``; the disk is
+subvolume ``tpl-<digest>`` of the disk pool. Bounded by count and bytes (state + the disk's
+allocated bytes), least recently used first out; a template in use by a restore under way is
+never evicted (it goes when the last user is done). Concurrent creates of one key wait for one
+build. A build that fails is not retried for ``vm_template_retry_s`` (those creates boot cold);
+a template that fails to load (truncated/corrupt state, QEMU refuses it, the guest never
+answers) is dropped, logged, and the create falls back to a cold boot.
+
+Owns the template files, the cache policy and the save/restore sequence; does not own the jail,
+the disks or the QEMU argv (``jail.py``, ``disks.py``, ``qemu.py``), nor when the backend uses
+a template (``backend.py``).
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from rollbox.errors import InfraError
+
+log = logging.getLogger(__name__)
+
+STATE_NAME = "state"
+META_NAME = "meta.json"
+DISK_PREFIX = "tpl-"          # pool subvolumes of templates (sandbox ids start with the node id)
+BUILD_PREFIX = "tplb-"        # sandbox ids of build VMs (jail dirs, cleaned at start)
+META_VERSION = 1
+MIGRATION_POLL_S = 0.005
+ENTROPY_BYTES = 256
+
+
+class TemplateLoadError(InfraError):
+    """A saved template could not be restored (the caller drops it and boots cold)."""
+
+
+# ---- the key ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TemplateKey:
+    layers: tuple[str, ...]
+    disk_mib: int
+    guest_digest: str
+    qemu_version: str
+    argv: tuple[str, ...]       # QEMU's full argv without ``-incoming``
+
+    @property
+    def digest(self) -> str:
+        doc = json.dumps({"v": META_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(doc.encode()).hexdigest()
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "layers": list(self.layers), "argv": list(self.argv)}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> TemplateKey:
+        if not isinstance(doc, dict):
+            raise ValueError("template key is not an object")
+        layers, argv = doc["layers"], doc["argv"]
+        if not (isinstance(layers, list) and all(isinstance(x, str) for x in layers)
+                and isinstance(argv, list) and all(isinstance(x, str) for x in argv)):
+            raise ValueError("template key has malformed lists")
+        return cls(layers=tuple(layers), disk_mib=int(doc["disk_mib"]),
+                   guest_digest=str(doc["guest_digest"]),
+                   qemu_version=str(doc["qemu_version"]), argv=tuple(argv))
+
+
+_file_digests: dict[tuple[str, int, int, int, int], str] = {}
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's content, remembered per (inode, size, mtime): a rebuilt kernel or
+    initramfs gets a new digest without hashing ~50 MB on every create."""
+    st = os.stat(path)
+    ident = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    digest = _file_digests.get(ident)
+    if digest is None:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        digest = _file_digests[ident] = h.hexdigest()
+    return digest
+
+
+def guest_digest(kernel: Path, initrd: Path, manifest: Path | None = None) -> str:
+    """One digest of the guest the VM boots: kernel and initramfs contents, and the guest
+    build's manifest (kernel version, agent digest) when there is one."""
+    parts = [file_digest(kernel), file_digest(initrd)]
+    if manifest is not None and manifest.is_file():
+        parts.append(file_digest(manifest))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+# ---- uniqueness -------------------------------------------------------------------------------
+class UniqueChannel(Protocol):
+    """The agent commands a restored guest is made unique with (``rollbox.agent.channel``)."""
+
+    async def reseed(self, entropy: bytes, timeout: float = ...) -> None: ...
+    async def set_machine_id(self, machine_id: str, timeout: float = ...) -> None: ...
+    async def set_hostname(self, hostname: str, timeout: float = ...) -> None: ...
+    async def set_clock(self, unix_ns: int | None = None, timeout: float = ...) -> None: ...
+
+
+async def make_unique(channel: UniqueChannel, hostname: str) -> str:
+    """Before a restored guest takes a command: its CRNG reseeded with host entropy (so two
+    clones of one saved RNG state diverge: /dev/urandom, getrandom, Python's seed), a new
+    machine-id, the sandbox's hostname, the clock stepped to the host's (it stood still since
+    the save). Returns the machine-id."""
+    machine_id = secrets.token_hex(16)
+    await channel.reseed(os.urandom(ENTROPY_BYTES))
+    await channel.set_clock(time.time_ns())
+    await channel.set_machine_id(machine_id)
+    await channel.set_hostname(hostname[:63])
+    return machine_id
+
+
+# ---- the cache --------------------------------------------------------------------------------
+@dataclass
+class Template:
+    key: TemplateKey
+    dir: Path
+    disk_id: str               # the disk pool subvolume holding the disk as saved
+    state_bytes: int
+    disk_bytes: int            # allocated bytes of the disk file when saved
+    created: float
+    last_used: float
+    users: int = 0
+    dropped: bool = False
+
+    @property
+    def digest(self) -> str:
+        return self.key.digest
+
+    @property
+    def state_path(self) -> Path:
+        return self.dir / STATE_NAME
+
+    @property
+    def size(self) -> int:
+        return self.state_bytes + self.disk_bytes
+
+
+@dataclass
+class Built:
+    """What a build made in its staging dir (``state`` written there) and the disk's id."""
+    disk_id: str
+    disk_bytes: int
+
+
+# (key, staging dir, disk id to snapshot the saved disk as) -> what was built
+Builder = Callable[[TemplateKey, Path, str], Awaitable[Built]]
+
+
+class TemplateCache:
+    """The node's templates: on disk under ``root``, bounded by ``max_count`` and
+    ``max_bytes``, least recently used evicted first. ``remove_disk(disk_id)`` deletes a
+    template's disk subvolume (returns what is left)."""
+
+    def __init__(self, root: Path, max_count: int, max_bytes: int,
+                 remove_disk: Callable[[str], list[str]], retry_s: float = 60.0) -> None:
+        self.root = root
+        self.max_count = max_count
+        self.max_bytes = max_bytes
+        self.retry_s = retry_s
+        self._remove_disk = remove_disk
+        self._templates: dict[str, Template] = {}
+        self._building: dict[str, asyncio.Future[Template | None]] = {}
+        self._failed: dict[str, float] = {}   # digest -> monotonic time of the failed build
+        self._loaded = False
+
+    # ---- on disk ------------------------------------------------------------------------
+    def load(self, disk_ids: set[str] | None = None) -> None:
+        """Read the templates a previous edge left; remove unfinished builds, unreadable
+        dirs and (given the pool's ``disk_ids``) template disks no template owns."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        self._templates.clear()
+        for d in sorted(self.root.iterdir()):
+            tpl = self._read(d)
+            if tpl is None:
+                log.info("vm template %s incomplete or unreadable: removed", d.name)
+                self._remove_files(d)
+                continue
+            self._templates[tpl.digest] = tpl
+        if disk_ids is not None:
+            owned = {t.disk_id for t in self._templates.values()}
+            for disk_id in disk_ids:
+                if disk_id.startswith(DISK_PREFIX) and disk_id not in owned:
+                    log.info("vm template disk %s has no template: removed", disk_id)
+                    self._remove_disk(disk_id)
+        self._loaded = True
+        self._evict()
+
+    def _read(self, d: Path) -> Template | None:
+        if d.name.startswith(".") or not d.is_dir():
+            return None
+        try:
+            meta = json.loads((d / META_NAME).read_text())
+            key = TemplateKey.from_json(meta["key"])
+            if meta.get("version") != META_VERSION or key.digest != d.name:
+                return None
+            state_bytes = (d / STATE_NAME).stat().st_size
+            if state_bytes != int(meta["state_bytes"]):
+                return None  # truncated after the save
+            mtime = (d / META_NAME).stat().st_mtime
+            return Template(key=key, dir=d, disk_id=str(meta["disk_id"]),
+                            state_bytes=state_bytes, disk_bytes=int(meta["disk_bytes"]),
+                            created=float(meta["created"]), last_used=mtime)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    @staticmethod
+    def _remove_files(d: Path) -> None:
+        shutil.rmtree(d, ignore_errors=True)
+
+    def _write_meta(self, staging: Path, key: TemplateKey, built: Built) -> None:
+        meta = {"version": META_VERSION, "key": key.to_json(), "disk_id": built.disk_id,
+                "state_bytes": (staging / STATE_NAME).stat().st_size,
+                "disk_bytes": built.disk_bytes, "created": time.time()}
+        tmp = staging / (META_NAME + ".tmp")
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, staging / META_NAME)
+
+    # ---- lookup and build ---------------------------------------------------------------
+    def templates(self) -> list[Template]:
+        return sorted(self._templates.values(), key=lambda t: t.last_used)
+
+    def total_bytes(self) -> int:
+        return sum(t.size for t in self._templates.values())
+
+    def disk_id_for(self, key: TemplateKey) -> str:
+        return DISK_PREFIX + key.digest[:32]
+
+    async def acquire(self, key: TemplateKey, build: Builder) -> Template | None:
+        """The template of ``key``, built if there is none (one build per key however many
+        creates ask at once); None when there is none to use (the build failed now or
+        recently, or the template alone is above the byte bound): boot cold. The caller
+        :meth:`release`\\ s it after the restore (until then it is never evicted)."""
+        if not self._loaded:
+            self.load()
+        digest = key.digest
+        tpl = self._templates.get(digest)
+        if tpl is None:
+            fut = self._building.get(digest)
+            if fut is None:
+                failed = self._failed.get(digest)
+                if failed is not None and time.monotonic() - failed < self.retry_s:
+                    return None
+                fut = asyncio.get_running_loop().create_future()
+                self._building[digest] = fut
+                try:
+                    fut.set_result(await self._build(key, build))
+                except BaseException as exc:  # cancelled: the waiters must not hang
+                    fut.set_result(None)
+                    if not isinstance(exc, Exception):
+                        raise
+                finally:
+                    del self._building[digest]
+            tpl = await asyncio.shield(fut)
+            if tpl is None or tpl.dropped:
+                return None
+        tpl.users += 1
+        tpl.last_used = time.time()
+        try:
+            os.utime(tpl.dir / META_NAME)  # the LRU order survives a restart
+        except OSError:
+            pass
+        return tpl
+
+    def release(self, tpl: Template) -> None:
+        tpl.users -= 1
+        if tpl.dropped and tpl.users <= 0:
+            self._delete(tpl)
+
+    async def _build(self, key: TemplateKey, build: Builder) -> Template | None:
+        digest = key.digest
+        staging = self.root / f".build-{digest[:16]}-{secrets.token_hex(4)}"
+        disk_id = self.disk_id_for(key)
+        t0 = time.monotonic()
+        try:
+            staging.mkdir(mode=0o700)
+            self._remove_disk(disk_id)  # a leftover of a crashed build of this key
+            built = await build(key, staging, disk_id)
+            await asyncio.to_thread(self._write_meta, staging, key, built)
+            final = self.root / digest
+            os.replace(staging, final)
+        except Exception as exc:  # noqa: BLE001  any failure: boot cold, retry later
+            log.warning("vm template %s not built (%s): creates boot cold for %.0f s",
+                        digest[:12], exc, self.retry_s)
+            self._failed[digest] = time.monotonic()
+            self._remove_files(staging)
+            self._remove_disk(disk_id)
+            return None
+        except BaseException:
+            self._remove_files(staging)
+            self._remove_disk(disk_id)
+            raise
+        tpl = self._read(final)
+        if tpl is None:
+            self._remove_files(final)
+            self._remove_disk(disk_id)
+            self._failed[digest] = time.monotonic()
+            return None
+        self._failed.pop(digest, None)
+        self._templates[digest] = tpl
+        log.info("vm template %s built in %.2f s (%d MiB state, %d MiB disk)", digest[:12],
+                 time.monotonic() - t0, tpl.state_bytes >> 20, tpl.disk_bytes >> 20)
+        self._evict(keep=digest)
+        if tpl.size > self.max_bytes:
+            log.warning("vm template %s (%d MiB) is above the cache's %d MiB: not kept",
+                        digest[:12], tpl.size >> 20, self.max_bytes >> 20)
+            self.drop(tpl, "above the cache's byte bound")
+            return None
+        return tpl
+
+    # ---- eviction -----------------------------------------------------------------------
+    def drop(self, tpl: Template, why: str, bad: bool = True) -> None:
+        """Forget a template (bad, or evicted); its files go once no restore uses it."""
+        if self._templates.get(tpl.digest) is tpl:
+            del self._templates[tpl.digest]
+        if not tpl.dropped:
+            log.log(logging.WARNING if bad else logging.INFO, "vm template %s dropped: %s",
+                    tpl.digest[:12], why)
+        tpl.dropped = True
+        if tpl.users <= 0:
+            self._delete(tpl)
+
+    def _delete(self, tpl: Template) -> None:
+        self._remove_files(tpl.dir)
+        left = self._remove_disk(tpl.disk_id)
+        if left:
+            log.error("vm template %s: disk not removed: %s", tpl.digest[:12], left)
+
+    def _evict(self, keep: str | None = None) -> None:
+        """Least recently used first, until within both bounds (``keep`` and templates in
+        use stay)."""
+        for tpl in self.templates():
+            if len(self._templates) <= self.max_count and self.total_bytes() <= self.max_bytes:
+                return
+            if tpl.digest == keep or tpl.users > 0:
+                continue
+            self.drop(tpl, "evicted (least recently used)", bad=False)
+
+    def clear(self) -> None:
+        """Drop every template (node teardown, tests)."""
+        for tpl in list(self._templates.values()):
+            self.drop(tpl, "cache cleared", bad=False)
