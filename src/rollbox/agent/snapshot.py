@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from rollbox import errors
 from rollbox.agent.files import AgentFiles
 from rollbox.agent.tools import ToolResult, tool_error
 from rollbox.backends.base import CaptureOptions, CaptureResult
@@ -64,6 +66,17 @@ async def capture_writable(files: AgentFiles, upper: UpperSource, dest: Path,
     streams the tar of the upper made in the sandbox. The sandbox is not frozen (its own
     kernel runs it): a change during the copy changes what is copied, never where the host
     writes."""
+    t0 = time.monotonic()
+    try:
+        return await _capture_writable(files, upper, dest, opts, t0)
+    except OSError as exc:  # the staging dir's path is the host's, not the caller's
+        from rollbox.edge.storage import without_paths
+
+        raise without_paths(errors.InfraError(f"snapshot failed: {exc}"), {dest: "/"}) from exc
+
+
+async def _capture_writable(files: AgentFiles, upper: UpperSource, dest: Path,
+                            opts: CaptureOptions, t0: float) -> CaptureResult:
     stats, tree = await _capture(upper(_raw_cap(opts.max_bytes, opts.max_entries)), dest,
                                  scrub=opts.scrub, exclude=opts.exclude,
                                  max_bytes=opts.max_bytes, max_entries=opts.max_entries)
@@ -77,7 +90,7 @@ async def capture_writable(files: AgentFiles, upper: UpperSource, dest: Path,
         if path.is_dir() and not path.is_symlink():
             set_opaque(path)
             stats.opaque_dirs += 1
-    return CaptureResult(stats=stats, paused_s=0.0)
+    return CaptureResult(stats=stats, paused_s=0.0, copy_s=time.monotonic() - t0)
 
 
 async def _complete_repos(files: AgentFiles, dest: Path, tree: UpperTree,

@@ -41,6 +41,8 @@ from rollbox.backends.container.disk import DiskPool
 from rollbox.backends.microvm import balloon, qemu, qmp
 from rollbox.backends.microvm.accel import AccelChoice, probe_accel
 from rollbox.backends.microvm.disks import VmDisks
+from rollbox.backends.microvm.files import capture as vm_capture
+from rollbox.backends.microvm.files import vm_files
 from rollbox.backends.microvm.jail import Bind, Jail, Limits, vcpus
 from rollbox.config import Settings
 from rollbox.errors import BadRequest, InfraError
@@ -224,7 +226,7 @@ def _host_memory_mib() -> int:
 
 class MicroVMBackend:
     kind = "microvm"
-    files_for: Callable[[MicroVM], Any] = staticmethod(lambda vm: UnavailableFiles())
+    files_for: Callable[[MicroVM], Any] = staticmethod(vm_files)
 
     def __init__(self, settings: Settings, slots: UidSlots, store: ImageStore,
                  pool: DiskPool | None = None, *,
@@ -522,7 +524,7 @@ class MicroVMBackend:
 
     async def capture_writable(self, h: MicroVM, dest: Path,  # type: ignore[override]
                                opts: CaptureOptions) -> CaptureResult:
-        raise BadRequest("snapshots of microVMs are not available yet")
+        return await vm_capture(h.files, dest, opts)
 
     def usage(self, h: MicroVM) -> Usage:  # type: ignore[override]
         return Usage(memory_bytes=_cgroup_memory(self.settings.cgroup_parent, h.id),

@@ -1,0 +1,34 @@
+"""Files and snapshots of a microVM: through its agent, never on the host.
+
+The host never mounts the guest's disk (a crafted ext4 image attacks the host's kernel), so
+the file API is ``rollbox.agent.files`` (the platform's busybox applets in the sandbox's root,
+their output parsed as hostile) and a snapshot is ``rollbox.agent.snapshot`` (busybox tar of
+the overlay upper, which the guest's agent shows read-only at :data:`GUEST_UPPER` inside the
+sandbox root, on the /run tmpfs, so the view itself is not part of the upper).
+
+Owns this wiring only.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rollbox.agent import snapshot as agent_snapshot
+from rollbox.agent.files import AgentFiles
+from rollbox.agent.tools import PlatformTools
+from rollbox.backends.base import CaptureOptions, CaptureResult
+
+GUEST_UPPER = "/run/rollbox/upper"  # agent.c: the read-only view of /rw/upper
+
+
+def vm_files(vm: Any) -> AgentFiles:
+    """The files of ``vm`` (a MicroVM handle; its channel is read at each call: an adopted
+    VM gets a new one)."""
+    return AgentFiles(PlatformTools(lambda: vm.channel))
+
+
+async def capture(files: AgentFiles, dest: Path, opts: CaptureOptions) -> CaptureResult:
+    """The VM's writable layer as an overlay upper in ``dest`` (see agent.snapshot). The guest
+    keeps running: ``opts.pause`` can not freeze it without stopping its agent too."""
+    return await agent_snapshot.capture_writable(
+        files, lambda cap: agent_snapshot.tar_stream(files, GUEST_UPPER, cap), dest, opts)
