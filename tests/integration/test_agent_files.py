@@ -10,7 +10,8 @@ import asyncio
 import io
 import os
 import tarfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import pytest
 
@@ -18,7 +19,7 @@ from rollbox import errors
 from rollbox.agent import protocol as P
 from rollbox.agent.files import AgentFiles
 from rollbox.agent.tools import PlatformTools
-from rollbox.models import Resources, SandboxSpec
+from rollbox.models import ExecSpec, Resources, SandboxSpec
 from tests.redteam.test_file_paths import make_tar, once
 from tests.redteam.test_file_paths import member as redteam_member
 
@@ -33,135 +34,155 @@ def image_busybox(argv: list[str], stdin: bool, timeout_ms: int, stream_limit: i
                          tail_limit=0, platform_shell=True)
 
 
+@dataclass
+class Box:
+    """One sandbox under test: its agent-based files and a shell of the sandbox."""
+
+    files: AgentFiles
+    sh: Callable[[str], Awaitable[str]]
+
+
 @pytest.fixture
-async def files(edge) -> AsyncIterator[AgentFiles]:  # noqa: ANN001
+async def box(edge) -> AsyncIterator[Box]:  # noqa: ANN001
     info = await edge.create(SandboxSpec(image=BB, resources=Resources(disk_mib=64)), "t")
     live = edge._live(info.id)
     tools = PlatformTools(lambda: live.box.channel, request=image_busybox)
-    fs = AgentFiles(tools)
-    fs.sandbox_id = info.id  # type: ignore[attr-defined]
+
+    async def sh(cmd: str) -> str:
+        r = await edge.exec_wait(info.id, await edge.exec_start(info.id, ExecSpec(cmd=cmd)))
+        assert r.exit_code == 0, r
+        return r.stdout
+
     try:
-        yield fs
+        yield Box(AgentFiles(tools), sh)
     finally:
         await edge.delete(info.id)
 
 
-async def sh(edge, fs: AgentFiles, cmd: str) -> str:  # noqa: ANN001
-    from rollbox.models import ExecSpec
-    sid = fs.sandbox_id  # type: ignore[attr-defined]
-    r = await edge.exec_wait(sid, await edge.exec_start(sid, ExecSpec(cmd=cmd)))
-    assert r.exit_code == 0, r
-    return r.stdout
+async def test_ops(box: Box) -> None:
+    await check_write_read_stat_list_mkdir_remove(box)
 
 
-async def test_write_read_stat_list_mkdir_remove(edge, files: AgentFiles) -> None:  # noqa: ANN001
-    await files.write("/work/a/b.txt", b"hello\n", mode=0o4640)
-    assert await files.read("/work/a/b.txt") == b"hello\n"
-    s = await files.stat("/work/a/b.txt")
+async def test_bad_input(box: Box) -> None:
+    await check_bad_input_and_special_files(box)
+
+
+async def test_streams(box: Box) -> None:
+    await check_streams_bounded_and_disk_cap(box)
+
+
+async def test_tar(box: Box) -> None:
+    await check_tar_round_trip_and_hostile_members(box)
+
+
+async def check_write_read_stat_list_mkdir_remove(box: Box) -> None:
+    await box.files.write("/work/a/b.txt", b"hello\n", mode=0o4640)
+    assert await box.files.read("/work/a/b.txt") == b"hello\n"
+    s = await box.files.stat("/work/a/b.txt")
     assert (s.type, s.size, s.mode, s.uid, s.name, s.path) == (
         "file", 6, 0o640, 0, "b.txt", "/work/a/b.txt")  # setuid stripped
-    await files.write("/work/a/b.txt", b"two")  # replaced atomically
-    assert await files.read("/work/a/b.txt") == b"two"
+    await box.files.write("/work/a/b.txt", b"two")  # replaced atomically
+    assert await box.files.read("/work/a/b.txt") == b"two"
     odd = "/work/we'ird\nname -> 'x'"
-    await files.write(odd, b"")
-    await sh(edge, files, "ln -s /work/a/b.txt /work/l; ln -s \"/x' -> 'y\" /work/q; "
+    await box.files.write(odd, b"")
+    await box.sh("ln -s /work/a/b.txt /work/l; ln -s \"/x' -> 'y\" /work/q; "
              "mkfifo /work/ff; mknod /work/null c 1 3 2>/dev/null || true")
-    listing = {f.name: (f.type, f.link_target) for f in await files.list("/work")}
+    listing = {f.name: (f.type, f.link_target) for f in await box.files.list("/work")}
     assert listing["a"] == ("dir", None) and listing["ff"] == ("other", None)
     assert listing["l"] == ("symlink", "/work/a/b.txt")
     assert listing["q"] == ("symlink", "/x' -> 'y")
     assert listing[odd[6:]] == ("file", None)
-    assert [f.name for f in await files.list("/work")] == sorted(listing)
-    assert {f.name for f in await files.list("/")} >= {"work", "bin", "etc"}
+    assert [f.name for f in await box.files.list("/work")] == sorted(listing)
+    assert {f.name for f in await box.files.list("/")} >= {"work", "bin", "etc"}
     # through a link: list and read follow it in-root, stat does not
-    assert [f.name for f in await files.list("/work/a")] == ["b.txt"]
-    assert await files.read("/work/l") == b"two"
-    assert (await files.stat("/work/l")).type == "symlink"
-    await files.mkdir("/work/m")
-    await files.mkdir("/work/p/q/r", parents=True)
-    await files.mkdir("/work/p/q/r", parents=True)  # no error if it exists
-    assert (await files.stat("/work/p/q/r")).type == "dir"
+    assert [f.name for f in await box.files.list("/work/a")] == ["b.txt"]
+    assert await box.files.read("/work/l") == b"two"
+    assert (await box.files.stat("/work/l")).type == "symlink"
+    await box.files.mkdir("/work/m")
+    await box.files.mkdir("/work/p/q/r", parents=True)
+    await box.files.mkdir("/work/p/q/r", parents=True)  # no error if it exists
+    assert (await box.files.stat("/work/p/q/r")).type == "dir"
     with pytest.raises(errors.BadRequest, match="already exists"):
-        await files.mkdir("/work/m")
+        await box.files.mkdir("/work/m")
     with pytest.raises(errors.NotFound):
-        await files.mkdir("/work/nope/x")
+        await box.files.mkdir("/work/nope/x")
     with pytest.raises(errors.BadRequest, match="not a directory"):
-        await files.mkdir("/work/a/b.txt/x", parents=True)
+        await box.files.mkdir("/work/a/b.txt/x", parents=True)
     with pytest.raises(errors.BadRequest, match="directory not empty"):
-        await files.remove("/work/p")
-    await files.remove("/work/p", recursive=True)
-    await files.remove("/work/l")  # the link goes, not its target
-    assert await files.read("/work/a/b.txt") == b"two"
-    await files.remove("/work/m")
+        await box.files.remove("/work/p")
+    await box.files.remove("/work/p", recursive=True)
+    await box.files.remove("/work/l")  # the link goes, not its target
+    assert await box.files.read("/work/a/b.txt") == b"two"
+    await box.files.remove("/work/m")
     with pytest.raises(errors.NotFound):
-        await files.stat("/work/p")
+        await box.files.stat("/work/p")
     with pytest.raises(errors.BadRequest):
-        await files.remove("/")
+        await box.files.remove("/")
 
 
-async def test_bad_input_and_special_files(edge, files: AgentFiles) -> None:  # noqa: ANN001
-    await files.mkdir("/d")
+async def check_bad_input_and_special_files(box: Box) -> None:
+    await box.files.mkdir("/d")
     with pytest.raises(errors.BadRequest, match="is a directory"):
-        await files.write("/d", b"x")
-    assert await files.list("/d") == []  # no temp file left
+        await box.files.write("/d", b"x")
+    assert await box.files.list("/d") == []  # no temp file left
     for bad in ("relative", "", "/a\0b", "/" + "a" * 5000):
         with pytest.raises(errors.BadRequest):
-            await files.write(bad, b"x")
+            await box.files.write(bad, b"x")
         with pytest.raises(errors.BadRequest):
-            await files.stat(bad)
+            await box.files.stat(bad)
     with pytest.raises(errors.BadRequest):
-        await files.write("/", b"x")
+        await box.files.write("/", b"x")
     with pytest.raises(errors.BadRequest, match="not a directory"):
-        await files.write("/bin/busybox/x", b"x")
+        await box.files.write("/bin/busybox/x", b"x")
     with pytest.raises(errors.NotFound):
-        await files.read("/nope")
-    await sh(edge, files, "mkfifo /d/ff; ln -s /d/ff /d/lf; ln -s /d/loop /d/loop; "
+        await box.files.read("/nope")
+    await box.sh("mkfifo /d/ff; ln -s /d/ff /d/lf; ln -s /d/loop /d/loop; "
              "truncate -s 60M /d/sparse")
     for path in ("/d/ff", "/d/lf", "/dev/zero", "/d"):  # never opened: no hang
         with pytest.raises(errors.BadRequest, match="not a regular file|directory"):
-            await asyncio.wait_for(files.read(path), 30)
+            await asyncio.wait_for(box.files.read(path), 30)
     with pytest.raises(errors.BadRequest, match="symbolic links"):
-        await files.read("/d/loop")
+        await box.files.read("/d/loop")
     with pytest.raises(errors.PayloadTooLarge):
-        await files.read("/d/sparse", max_bytes=1 << 20)
+        await box.files.read("/d/sparse", max_bytes=1 << 20)
     with pytest.raises(errors.PayloadTooLarge):
-        await anext(files.read_stream("/d/sparse", max_bytes=1 << 20))
+        await anext(box.files.read_stream("/d/sparse", max_bytes=1 << 20))
     with pytest.raises(errors.PayloadTooLarge):
-        await files.read("/bin/busybox", max_bytes=100)
+        await box.files.read("/bin/busybox", max_bytes=100)
 
 
-async def test_streams_bounded_and_disk_cap(edge, files: AgentFiles) -> None:  # noqa: ANN001
+async def check_streams_bounded_and_disk_cap(box: Box) -> None:
     blob = os.urandom(24 << 20)
 
     async def chunks(data: bytes, step: int = 1 << 20) -> AsyncIterator[bytes]:
         for i in range(0, len(data), step):
             yield data[i:i + step]
 
-    assert await files.write_stream("/s/blob", chunks(blob), mode=0o600) == len(blob)
-    assert (await files.stat("/s/blob")).mode == 0o600
+    assert await box.files.write_stream("/s/blob", chunks(blob), mode=0o600) == len(blob)
+    assert (await box.files.stat("/s/blob")).mode == 0o600
     got = bytearray()
     peak = 0
-    async for c in files.read_stream("/s/blob"):
+    async for c in box.files.read_stream("/s/blob"):
         got += c
         await asyncio.sleep(0.002)  # a slow consumer: the command is stopped, not buffered
-        peak = max(peak, files.tools.peak_buffered)
+        peak = max(peak, box.files.tools.peak_buffered)
     assert bytes(got) == blob
     assert 0 < peak <= 16 << 20
     # a stream above its cap or past the disk cap leaves no file, no temp file
     with pytest.raises(errors.PayloadTooLarge):
-        await files.write_stream("/s/capped", chunks(blob), max_bytes=1 << 20)
+        await box.files.write_stream("/s/capped", chunks(blob), max_bytes=1 << 20)
     with pytest.raises(errors.BadRequest) as exc:  # DiskFull keeps the bad_request code
-        await files.write_stream("/s/huge", chunks(os.urandom(1 << 20) * 80))
+        await box.files.write_stream("/s/huge", chunks(os.urandom(1 << 20) * 80))
     assert exc.value.details.get("reason") == "disk_full"
-    assert [f.name for f in await files.list("/s")] == ["blob"]
+    assert [f.name for f in await box.files.list("/s")] == ["blob"]
 
     async def failing() -> AsyncIterator[bytes]:
         yield b"partial"
         raise errors.InfraError("client went away")
 
     with pytest.raises(errors.InfraError, match="client went away"):
-        await files.write_stream("/s/broken", failing())
-    assert [f.name for f in await files.list("/s")] == ["blob"]
+        await box.files.write_stream("/s/broken", failing())
+    assert [f.name for f in await box.files.list("/s")] == ["blob"]
 
 
 def member(name: str, kind: bytes = tarfile.REGTYPE, linkname: str = "", mode: int = 0o644
@@ -171,7 +192,7 @@ def member(name: str, kind: bytes = tarfile.REGTYPE, linkname: str = "", mode: i
     return ti
 
 
-async def test_tar_round_trip_and_hostile_members(edge, files: AgentFiles) -> None:  # noqa: ANN001
+async def check_tar_round_trip_and_hostile_members(box: Box) -> None:
     tar = make_tar([
         (member("pkg", tarfile.DIRTYPE, mode=0o755), None),
         (member("pkg/run.sh", mode=0o4755), b"#!/bin/sh\necho hi\n"),
@@ -181,37 +202,37 @@ async def test_tar_round_trip_and_hostile_members(edge, files: AgentFiles) -> No
         (member("pkg/fifo", tarfile.FIFOTYPE), None),
         (member("pkg/" + "n" * 200), b"long name"),
     ])
-    assert await files.upload_tar("/up", once(tar)) == 18 + 9
-    listing = {f.name: f for f in await files.list("/up/pkg")}
+    assert await box.files.upload_tar("/up", once(tar)) == 18 + 9
+    listing = {f.name: f for f in await box.files.list("/up/pkg")}
     assert set(listing) == {"run.sh", "link", "hard", "n" * 200}  # no device, no FIFO
     assert listing["run.sh"].mode == 0o755  # no setuid
     assert listing["link"].link_target == "/etc/passwd"
     for bad in ("../escape", "/abs", "a/../../b"):
         with pytest.raises(errors.BadRequest):
-            await files.upload_tar("/up", once(make_tar([(member(bad), b"x")])))
+            await box.files.upload_tar("/up", once(make_tar([(member(bad), b"x")])))
     with pytest.raises(errors.BadRequest, match="malformed"):
-        await files.upload_tar("/up", once(b"not a tar" * 200))
-    assert await files.upload_tar("/nolinks", once(tar), links=False) == 27
-    assert {f.name for f in await files.list("/nolinks/pkg")} == {"run.sh", "n" * 200}
+        await box.files.upload_tar("/up", once(b"not a tar" * 200))
+    assert await box.files.upload_tar("/nolinks", once(tar), links=False) == 27
+    assert {f.name for f in await box.files.list("/nolinks/pkg")} == {"run.sh", "n" * 200}
     # download: members relative to the directory; specials left out; a file is one member
-    await sh(edge, files, "mkfifo /up/pkg/ff")
-    raw = b"".join([c async for c in files.download_tar("/up")])
+    await box.sh("mkfifo /up/pkg/ff")
+    raw = b"".join([c async for c in box.files.download_tar("/up")])
     with tarfile.open(fileobj=io.BytesIO(raw)) as tf:
         got = {m.name: m for m in tf}
         assert set(got) == {"pkg", "pkg/run.sh", "pkg/link", "pkg/hard", "pkg/" + "n" * 200}
         assert got["pkg/link"].issym() and got["pkg/link"].linkname == "/etc/passwd"
         assert tf.extractfile(got["pkg/run.sh"]).read() == b"#!/bin/sh\necho hi\n"  # type: ignore[union-attr]
-    one = b"".join([c async for c in files.download_tar("/up/pkg/run.sh")])
+    one = b"".join([c async for c in box.files.download_tar("/up/pkg/run.sh")])
     with tarfile.open(fileobj=io.BytesIO(one)) as tf:
         assert tf.getnames() == ["run.sh"]
     # a copy of a tree through both directions
-    assert await files.upload_tar("/copy", files.download_tar("/up")) == 27
-    assert {f.name for f in await files.list("/copy/pkg")} == {"run.sh", "link", "hard",
+    assert await box.files.upload_tar("/copy", box.files.download_tar("/up")) == 27
+    assert {f.name for f in await box.files.list("/copy/pkg")} == {"run.sh", "link", "hard",
                                                                "n" * 200}
     with pytest.raises(errors.NotFound):
-        await anext(files.download_tar("/nope"))
-    await sh(edge, files, "truncate -s 60M /up/sparse")  # counted at its full size
-    small = AgentFiles(files.tools, max_upload=8 << 20)
+        await anext(box.files.download_tar("/nope"))
+    await box.sh("truncate -s 60M /up/sparse")  # counted at its full size
+    small = AgentFiles(box.files.tools, max_upload=8 << 20)
     with pytest.raises(errors.PayloadTooLarge):
         async for _ in small.download_tar("/up"):
             pass
