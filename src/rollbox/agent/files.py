@@ -371,13 +371,22 @@ class AgentFiles:
             raise errors.BadRequest("cannot write to /")
         p = _join(parts)
         parent = _join(parts[:-1])
-        if parent != "/":
-            await self.mkdir(parent, parents=True)
+        if parent != "/" and not isinstance(content, bytes):
+            await self.mkdir(parent, parents=True)  # a stream can not be sent twice
         tmp = f"{parent.rstrip('/')}/{_TMP_PREFIX}{secrets.token_hex(8)}"
+        dd = ["dd", f"of={tmp}", "bs=64k", "status=none"]
         try:
-            await self._run(["dd", f"of={tmp}", "bs=64k", "status=none"], p, stdin=content,
-                            max_stdout=4096, timeout_s=STREAM_TIMEOUT_S)
-            await self._run(["chmod", f"{mode & MODE_MASK:o}", "--", tmp], p)
+            try:
+                await self._run(dd, p, stdin=content, max_stdout=4096,
+                                timeout_s=STREAM_TIMEOUT_S)
+            except errors.NotFound:
+                if parent == "/" or not isinstance(content, bytes):
+                    raise
+                await self.mkdir(parent, parents=True)  # one run less when it exists
+                await self._run(dd, p, stdin=content, max_stdout=4096,
+                                timeout_s=STREAM_TIMEOUT_S)
+            if mode & MODE_MASK != 0o644:  # what dd made under the agent's umask 022
+                await self._run(["chmod", f"{mode & MODE_MASK:o}", "--", tmp], p)
             res = await self.tools.run(["mv", "-fT", "--", tmp, p])
             if not res.ok:
                 if res.message().endswith("is a directory"):
