@@ -38,6 +38,7 @@ def node_settings(tmp: Path, node: str | None = None, run_dir: Path | None = Non
     s.node_id = node or f"{TEST_NODE}{secrets.token_hex(3)}"
     s.uid_base = BASE_UID
     s.uid_slots = 1024
+    s.vm_templates = False  # microVMs boot cold; the one template of a run: vm_template_node
     return s
 
 
@@ -102,6 +103,25 @@ def tmp_node_dir() -> Iterator[Path]:
     d.chmod(0o711)  # runc resolves the rootfs as the sandbox's unprivileged host uid
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def vm_template_node() -> Iterator[Settings]:
+    """A test node whose microVM template cache holds this session's one template
+    (tests/helpers/vm_template.py: python:3.11, 256 MiB); built on first use."""
+    from tests.helpers.vm_template import TEMPLATE_IMAGE, template_node
+
+    s = Settings()
+    if os.geteuid() != 0 or not have_image(TEMPLATE_IMAGE) or not s.vm_kernel.is_file() \
+            or not s.vm_jailer.is_file():
+        pytest.skip("needs root, python:3.11, make guest and make native")
+    d = Path(tempfile.mkdtemp(prefix=f"rollbox-test-{TEST_RUN}-"))
+    d.chmod(0o711)
+    try:
+        with template_node(node_settings(d)) as settings:
+            yield settings
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,9 @@ from rollbox.backends.microvm.disks import VmDisks
 from rollbox.backends.microvm.files import capture as vm_capture
 from rollbox.backends.microvm.files import vm_files
 from rollbox.backends.microvm.jail import Bind, Jail, Limits, vcpus
+from rollbox.backends.microvm.template import (
+    BUILD_PREFIX, Template, TemplateLoadError, VmTemplates, make_unique,
+)
 from rollbox.config import Settings
 from rollbox.errors import BadRequest, InfraError
 from rollbox.images.store import ImageStore
@@ -132,6 +135,7 @@ class MicroVM:
     next_session: int = 0
     squeezed: bool = False
     paused: bool = False
+    template: str = ""      # digest of the template it was restored from ("": booted cold)
     kind: str = "microvm"
     guest_reported: bool = True
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -238,6 +242,7 @@ class MicroVMBackend:
         self.connect_agent = connect_agent
         self.run_root = settings.run_dir / "vm"
         self.accel: AccelChoice | None = None
+        self.templates = VmTemplates(self) if settings.vm_templates else None
 
     # ---- node -----------------------------------------------------------------------------
     def _missing(self) -> str | None:
@@ -255,6 +260,10 @@ class MicroVMBackend:
         # QEMU outlives its jailer (which exits once it exec'd); as subreaper this process
         # gets and reaps it (this host's init never reaps).
         ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        if self.templates is not None:  # build VMs an earlier edge left, then the cache
+            for build_id in self.host_sandbox_ids(BUILD_PREFIX):
+                await self.cleanup(build_id, None)
+            await asyncio.to_thread(self.templates.recover)
         if self._missing() is None:
             self.accel = await probe_accel(self)
             log.info("microvm accelerator: %s (%s)", self.accel.accel, self.accel.reason)
@@ -308,22 +317,56 @@ class MicroVMBackend:
     async def create(self, sandbox_id: str, spec: ResolvedSpec, *,
                      boot_timeout_s: float | None = None,
                      machine: qemu.MachineSpec | None = None) -> MicroVM:
+        """A microVM whose agent answered: restored from the spec's template when templates
+        are on (the first create of a key builds it), else, or when that fails, booted cold.
+        ``machine`` overrides the spec's (probe, tests) and always boots cold."""
         self.check_spec(spec)
-        machine = machine or self.machine_for(spec)
+        timeout = boot_timeout_s or self.settings.vm_boot_timeout_s
+        if machine is None and self.templates is not None:
+            vm = await self._restore(sandbox_id, spec, self.machine_for(spec), timeout)
+            if vm is not None:
+                return vm
+        return await self.boot(sandbox_id, spec, machine or self.machine_for(spec), timeout)
+
+    async def _restore(self, sandbox_id: str, spec: ResolvedSpec, machine: qemu.MachineSpec,
+                       timeout_s: float) -> MicroVM | None:
+        """The sandbox restored from its template; None (logged): boot cold instead."""
+        assert self.templates is not None
+        tpl = await self.templates.acquire(spec, machine, timeout_s)
+        if tpl is None:
+            return None
+        try:
+            return await self.boot(sandbox_id, spec, machine, timeout_s, template=tpl)
+        except TemplateLoadError as exc:
+            self.templates.cache.drop(tpl, str(exc))
+            log.warning("microVM %s: template failed to load, booting cold: %s", sandbox_id, exc)
+        except InfraError as exc:
+            log.warning("microVM %s: restore failed, booting cold: %s", sandbox_id, exc)
+        finally:
+            self.templates.cache.release(tpl)
+        return None
+
+    async def boot(self, sandbox_id: str, spec: ResolvedSpec, machine: qemu.MachineSpec,
+                   timeout_s: float, template: Template | None = None) -> MicroVM:
+        """Boot cold, or restore ``template`` (its disk cloned as saved); everything torn
+        down on failure."""
         slot = self.slots.acquire()
         host_uid = self.slots.host_uid(slot)
         jail = Jail(self.run_root, self.settings.cgroup_parent, sandbox_id)
         try:
             layer_files = await self.disks.layer_files(list(spec.layers))
-            rw = await self.disks.create_rw_async(sandbox_id, spec.resources.disk_mib << 20,
-                                                  host_uid)
+            if template is None:
+                rw = await self.disks.create_rw_async(sandbox_id,
+                                                      spec.resources.disk_mib << 20, host_uid)
+            else:
+                rw = await asyncio.to_thread(self.disks.clone_rw, template.disk_id, sandbox_id,
+                                             host_uid)
             binds = [Bind(self.settings.vm_kernel, qemu.KERNEL),
                      Bind(self.settings.vm_initrd, qemu.INITRD)]
             binds += [Bind(f, qemu.layer_path(i)) for i, f in enumerate(layer_files)]
             binds.append(Bind(rw, qemu.RW_DISK, writable=True))
             return await self._launch(sandbox_id, slot, host_uid, jail, machine, binds,
-                                      spec.resources.cpus, spec.env,
-                                      boot_timeout_s or self.settings.vm_boot_timeout_s)
+                                      spec.resources.cpus, spec.env, timeout_s, template)
         except BaseException as exc:
             await asyncio.shield(self._teardown(sandbox_id, jail, slot, jail.read_pid()))
             if isinstance(exc, (InfraError, BadRequest)) or not isinstance(exc, Exception):
@@ -332,21 +375,40 @@ class MicroVMBackend:
 
     async def _launch(self, sandbox_id: str, slot: int, host_uid: int, jail: Jail,
                       machine: qemu.MachineSpec, binds: list[Bind], cpus: float,
-                      env: dict[str, str], boot_timeout_s: float) -> MicroVM:
-        """Start QEMU in its jail and wait for the agent; the caller tears down on failure."""
+                      env: dict[str, str], boot_timeout_s: float,
+                      template: Template | None = None) -> MicroVM:
+        """Start QEMU in its jail (a restore: paused until the template's state is loaded)
+        and wait for the agent; the caller tears down on failure."""
         devices = ("/dev/kvm",) if machine.accel == "kvm" else ()
+        argv = qemu.argv(replace(machine, incoming=template is not None),
+                         str(self.settings.qemu_binary))
         sockets = await asyncio.to_thread(jail.prepare)
         try:
-            pid = await jail.spawn(self.settings.vm_jailer,
-                                   qemu.argv(machine, str(self.settings.qemu_binary)),
-                                   host_uid, self.limits_for(machine, cpus), binds, sockets,
+            pid = await jail.spawn(self.settings.vm_jailer, argv, host_uid,
+                                   self.limits_for(machine, cpus), binds, sockets,
                                    devices=devices)
         finally:
             for s in sockets:
                 s.close()  # QEMU holds its own copies
-        channel = await self._wait_agent(jail, pid, boot_timeout_s)
+        if template is None:
+            channel = await self._wait_agent(jail, pid, boot_timeout_s)
+        else:
+            assert self.templates is not None
+            await self.templates.load(template, jail, boot_timeout_s)
+            try:
+                channel = await self._wait_agent(jail, pid, boot_timeout_s)
+            except InfraError as exc:
+                raise TemplateLoadError(f"restored guest did not answer: {exc}") from exc
+            try:
+                await make_unique(channel, sandbox_id)  # before any command
+            except BaseException as exc:
+                channel.close()
+                if isinstance(exc, InfraError):
+                    raise TemplateLoadError(f"restored guest not made unique: {exc}") from exc
+                raise
         vm = MicroVM(id=sandbox_id, slot=slot, host_uid=host_uid, jail=jail, pid=pid,
-                     machine=machine, channel=channel, image_env=dict(env))
+                     machine=machine, channel=channel, image_env=dict(env),
+                     template=template.digest if template is not None else "")
         vm.files = self.files_for(vm)
         return vm
 

@@ -45,11 +45,17 @@ import secrets
 import shutil
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from rollbox.backends.base import ResolvedSpec
+from rollbox.backends.microvm import qemu, qmp
+from rollbox.backends.microvm.jail import Jail
 from rollbox.errors import InfraError
+
+if TYPE_CHECKING:
+    from rollbox.backends.microvm.backend import MicroVMBackend
 
 log = logging.getLogger(__name__)
 
@@ -377,3 +383,118 @@ class TemplateCache:
         """Drop every template (node teardown, tests)."""
         for tpl in list(self._templates.values()):
             self.drop(tpl, "cache cleared", bad=False)
+
+
+# ---- save and restore -------------------------------------------------------------------------
+async def wait_migration(q: qmp.QMP, timeout_s: float) -> dict[str, Any]:
+    """Poll ``query-migrate`` until the migration completed; InfraError if it failed or the
+    wait ran out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = await q.query_migrate()
+        status = st.get("status")
+        if status == "completed":
+            return st
+        if status in ("failed", "cancelled"):
+            raise InfraError(f"migration {status}: {str(st.get('error-desc', ''))[:300]}")
+        if time.monotonic() > deadline:
+            raise InfraError(f"migration not done in {timeout_s:.0f} s (status {status})")
+        await asyncio.sleep(MIGRATION_POLL_S)
+
+
+class VmTemplates:
+    """The backend's templates: the key of a create, the build (cold boot, stop, save, keep
+    the disk as saved) and the load step of a restore (``migrate-incoming``)."""
+
+    def __init__(self, backend: MicroVMBackend) -> None:
+        s = backend.settings
+        self.backend = backend
+        self.cache = TemplateCache(s.vm_template_dir, s.vm_template_max_count,
+                                   s.vm_template_max_bytes, backend.disks.remove_rw,
+                                   retry_s=s.vm_template_retry_s)
+
+    def recover(self) -> None:
+        """Node start: templates of a previous edge are kept (their disks checked), build VMs
+        it left are cleaned by the backend (``host_sandbox_ids`` lists them: :data:`BUILD_PREFIX`
+        ids are never the edge's)."""
+        disks = self.backend.disks
+        ids = disks.pool.ids() if disks.pool.exists() else set()
+        for disk_id in ids:
+            if disk_id.startswith(BUILD_PREFIX):  # a build VM's disk whose jail was gone
+                disks.remove_rw(disk_id)
+        self.cache.load(ids)
+
+    def key_for(self, spec: ResolvedSpec, machine: qemu.MachineSpec) -> TemplateKey:
+        s = self.backend.settings
+        argv = qemu.argv(replace(machine, incoming=False), str(s.qemu_binary))
+        return TemplateKey(layers=tuple(spec.layers), disk_mib=spec.resources.disk_mib,
+                           guest_digest=guest_digest(s.vm_kernel, s.vm_initrd,
+                                                     s.vm_guest_manifest),
+                           qemu_version=qemu.version(str(s.qemu_binary)), argv=tuple(argv))
+
+    async def acquire(self, spec: ResolvedSpec, machine: qemu.MachineSpec,
+                      timeout_s: float) -> Template | None:
+        """The template for this create (built now if needed), or None: boot cold."""
+        try:
+            key = await asyncio.to_thread(self.key_for, spec, machine)
+        except OSError as exc:
+            log.warning("vm template key not computed (%s): booting cold", exc)
+            return None
+
+        async def build(k: TemplateKey, staging: Path, disk_id: str) -> Built:
+            return await self._build(spec, machine, k, staging, disk_id, timeout_s)
+
+        return await self.cache.acquire(key, build)
+
+    async def _build(self, spec: ResolvedSpec, machine: qemu.MachineSpec, key: TemplateKey,
+                     staging: Path, disk_id: str, timeout_s: float) -> Built:
+        build_id = f"{BUILD_PREFIX}{key.digest[:12]}{secrets.token_hex(3)}"
+        vm = await self.backend.boot(build_id, spec, machine, timeout_s)
+        try:
+            state = staging / STATE_NAME
+            async with qmp.session(vm.qmp_path, timeout_s) as q:
+                await q.stop()  # flushes the block layer: the disk file is as saved
+                fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                try:
+                    await q.getfd(fd, "template")
+                finally:
+                    os.close(fd)
+                await q.migrate("fd:template")
+                await wait_migration(q, timeout_s)
+            disk_bytes = await asyncio.to_thread(self._keep_disk, build_id, disk_id)
+        finally:
+            await self.backend.destroy(vm)
+        return Built(disk_id=disk_id, disk_bytes=disk_bytes)
+
+    def _keep_disk(self, build_id: str, disk_id: str) -> int:
+        """Snapshot the stopped build VM's disk subvolume as the template's (root-owned:
+        no QEMU uid keeps access to it); returns its allocated bytes."""
+        disks = self.backend.disks
+        disks.pool.clone(build_id, disk_id)
+        path = disks.rw_path(disk_id)
+        os.chown(path, 0, 0)
+        return os.stat(path).st_blocks * 512
+
+    async def load(self, tpl: Template, jail: Jail, timeout_s: float) -> None:
+        """Restore step of a QEMU started with ``-incoming defer``: the saved state through an
+        fd, then run. TemplateLoadError if QEMU refuses or dies (it exits on a bad stream)."""
+        try:
+            fd = os.open(tpl.state_path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise TemplateLoadError(f"template state unreadable: {exc}") from exc
+        try:
+            async with qmp.session(jail.socket_path("qmp"), timeout_s) as q:
+                try:
+                    await q.getfd(fd, "template")
+                finally:
+                    os.close(fd)
+                    fd = -1
+                await q.migrate_incoming("fd:template")
+                await wait_migration(q, timeout_s)
+                if await q.status() != "running":
+                    await q.cont()
+        except (InfraError, OSError, asyncio.TimeoutError) as exc:  # QEMU exited: reset
+            raise TemplateLoadError(f"template {tpl.digest[:12]} not loaded: {exc!r}") from exc
+        finally:
+            if fd >= 0:
+                os.close(fd)

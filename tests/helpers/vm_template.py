@@ -1,0 +1,77 @@
+"""A microVM backend on a test node's settings, and the test session's one template node
+(tests/conftest.py ``vm_template_node``): the default tier builds one template per session."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import TypeVar
+
+from rollbox.backends.base import ResolvedSpec
+from rollbox.backends.container.disk import DiskPool
+from rollbox.backends.microvm.backend import MicroVMBackend
+from rollbox.config import Settings
+from rollbox.images.store import ImageStore
+from rollbox.isolation.userns import UidSlots
+from rollbox.models import Resources
+
+TEMPLATE_IMAGE = "python:3.11"  # Python's random seeding is part of what clones must not share
+T = TypeVar("T")
+
+
+def template_spec(settings: Settings, image: str = TEMPLATE_IMAGE, memory_mib: int = 256,
+                  disk_mib: int = 64) -> ResolvedSpec:
+    img = ImageStore(settings.images_dir).resolve(image)
+    return ResolvedSpec(image=image, layers=tuple(img.layers), env=dict(img.config.get("env") or {}),
+                        resources=Resources(cpus=1, memory_mib=memory_mib, disk_mib=disk_mib))
+
+
+@asynccontextmanager
+async def vm_backend(settings: Settings) -> AsyncIterator[MicroVMBackend]:
+    """A started MicroVMBackend of ``settings`` (templates and disk pool of its data dir)."""
+    slots = UidSlots(settings.uid_base, settings.uid_slots)
+    pool = DiskPool(settings)
+    b = MicroVMBackend(settings, slots, ImageStore(settings.images_dir), pool)
+    await b.start()
+    try:
+        yield b
+    finally:
+        b.release_node_resources()
+        slots.close()
+
+
+def run_apart(fn: Callable[[], Awaitable[T]]) -> T:
+    """Run a coroutine to the end in a loop of its own thread (from sync session fixtures,
+    whatever loop the test runs in)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        return ex.submit(lambda: asyncio.run(fn())).result()  # type: ignore[arg-type]
+
+
+@contextmanager
+def template_node(settings: Settings) -> Iterator[Settings]:
+    """``settings`` (a test node's) with templates on, whose cache holds the template of
+    :func:`template_spec` (built by one create, then destroyed); the cache and the pool are
+    emptied at the end."""
+    settings.vm_templates = True
+    settings.vm_accel = "tcg"
+
+    async def warm() -> None:
+        async with vm_backend(settings) as b:
+            vm = await b.create(f"{settings.node_id}-tplwarm", template_spec(settings))
+            try:
+                assert vm.template, "the session's template was not built"
+            finally:
+                await b.destroy(vm)
+
+    async def clear() -> None:
+        async with vm_backend(settings) as b:
+            assert b.templates is not None
+            b.templates.cache.clear()
+            b.disks.pool.release()
+
+    try:
+        run_apart(warm)
+        yield settings
+    finally:
+        run_apart(clear)

@@ -1,0 +1,158 @@
+"""MicroVM templates on real jailed QEMU guests (the lane guest's kernel, initramfs and agent):
+restored VMs come from the session's one template (tests/conftest.py ``vm_template_node``),
+are unique before their first command (RNG, machine-id, Python's seed, hostname) and get the
+template's disk as saved, each its own copy; a template that fails to load is dropped and
+the create boots cold. Heavier runs (more builds) are behind ``microvm_slow``."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from dataclasses import replace
+
+import pytest
+
+from rollbox.backends.microvm import template as T
+from rollbox.backends.microvm.backend import MicroVM
+from rollbox.backends.platform_work import run_shell
+from rollbox.config import Settings
+from tests.conftest import node_settings
+from tests.helpers.vm_template import template_node, template_spec, vm_backend
+
+pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
+
+
+async def sh(vm: MicroVM, cmd: str, timeout_s: float = 60) -> str:
+    code, out = await run_shell(vm, cmd, vm.image_env, timeout_s)
+    assert code == 0, out
+    return out.decode()
+
+
+def template_dirs(settings: Settings) -> list[str]:
+    return sorted(p.name for p in settings.vm_template_dir.iterdir())
+
+
+async def test_restored_vms_are_unique_and_each_gets_the_disk_as_saved(
+        vm_template_node: Settings) -> None:
+    settings = vm_template_node
+    before = template_dirs(settings)
+    assert len(before) == 1
+    async with vm_backend(settings) as b:
+        spec = template_spec(settings)
+        ids = [f"{settings.node_id}-u{i}" for i in range(2)]
+        vms = await asyncio.gather(*(b.create(i, spec) for i in ids))
+        try:
+            assert [vm.template for vm in vms] == before * 2  # restored, not rebuilt
+            probe = ("head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; "
+                     "cat /etc/machine-id; hostname; "
+                     "python3 -c 'import random; print(random.random())'")
+            outs = [(await sh(vm, probe)).split("\n") for vm in vms]
+            for what, a, b_ in zip(("urandom", "machine-id", "hostname", "random"), *outs):
+                assert a and a != b_, f"{what} shared by two restored VMs: {a!r}"
+            assert [o[2] for o in outs] == ids
+            assert all(len(o[1]) == 32 for o in outs)
+            # each has its own copy of the template's disk: a write in one is not in the
+            # other, and the next restore starts from the disk as saved again
+            await sh(vms[0], "echo mine > /root/only-in-a && sync")
+            assert "absent" in await sh(vms[1], "test -e /root/only-in-a || echo absent")
+        finally:
+            for vm in vms:
+                await b.destroy(vm)
+        vm = await b.create(f"{settings.node_id}-u2", spec)
+        try:
+            assert vm.template == before[0]
+            assert "absent" in await sh(vm, "test -e /root/only-in-a || echo absent")
+        finally:
+            await b.destroy(vm)
+        for i in [*ids, f"{settings.node_id}-u2"]:
+            assert b.leftovers(i) == []
+    assert template_dirs(settings) == before
+
+
+async def test_a_template_that_fails_to_load_is_dropped_and_the_create_boots_cold(
+        vm_template_node: Settings, caplog: pytest.LogCaptureFixture) -> None:
+    """A copy of the session's template planted under another key (disk 65 MiB) with its
+    state cut in half (and its meta saying so, as if it had been saved that way): QEMU
+    refuses it, the template is dropped, the create boots cold and works."""
+    settings = vm_template_node
+    (good_digest,) = template_dirs(settings)
+    spec = template_spec(settings, disk_mib=65)
+    async with vm_backend(settings) as b:
+        assert b.templates is not None
+        key = b.templates.key_for(spec, b.machine_for(spec))
+        good = settings.vm_template_dir / good_digest
+        bad = settings.vm_template_dir / key.digest
+        bad.mkdir(mode=0o700)
+        state = (good / T.STATE_NAME).read_bytes()
+        (bad / T.STATE_NAME).write_bytes(state[:len(state) // 2])
+        meta = json.loads((good / T.META_NAME).read_text())
+        good_disk, disk_id = meta["disk_id"], b.templates.cache.disk_id_for(key)
+        assert good_disk != disk_id
+        b.disks.pool.clone(good_disk, disk_id)
+        meta.update(key=key.to_json(), state_bytes=len(state) // 2, disk_id=disk_id)
+        (bad / T.META_NAME).write_text(json.dumps(meta))
+        b.templates.recover()  # the cache now knows the planted one
+        assert key.digest in {t.digest for t in b.templates.cache.templates()}
+        sid = f"{settings.node_id}-bad"
+        with caplog.at_level(logging.WARNING, logger="rollbox.backends.microvm"):
+            vm = await b.create(sid, spec)
+        try:
+            assert vm.template == ""  # booted cold
+            assert "hello" in await sh(vm, "echo hello")
+            assert any("failed to load" in r.getMessage() for r in caplog.records)
+        finally:
+            await b.destroy(vm)
+        assert b.leftovers(sid) == []
+        assert not bad.exists() and disk_id not in b.disks.pool.ids()
+        assert template_dirs(settings) == [good_digest]
+
+
+async def test_every_part_of_the_key_is_read_from_the_create(
+        vm_template_node: Settings) -> None:
+    """Resources, layers, disk size and the guest files each change the key (no boot)."""
+    settings = vm_template_node
+    async with vm_backend(settings) as b:
+        assert b.templates is not None
+        spec = template_spec(settings)
+        base = b.templates.key_for(spec, b.machine_for(spec))
+        others = [template_spec(settings, memory_mib=512), template_spec(settings, disk_mib=65),
+                  template_spec(settings, image="busybox:test"),
+                  replace(spec, resources=spec.resources.model_copy(update={"cpus": 2}))]
+        digests = {b.templates.key_for(s, b.machine_for(s)).digest for s in others}
+        assert base.digest not in digests and len(digests) == len(others)
+        # cpus=0.5 and 1 are both one vCPU: the same guest, the same template
+        half = replace(spec, resources=spec.resources.model_copy(update={"cpus": 0.5}))
+        assert b.templates.key_for(half, b.machine_for(half)) == base
+        assert base.qemu_version.startswith("QEMU emulator version")
+        assert "-incoming" not in base.argv
+
+
+@pytest.mark.microvm_slow
+async def test_concurrent_creates_of_a_new_key_build_one_template(
+        tmp_node_dir: os.PathLike[str]) -> None:
+    with template_node(node_settings(tmp_node_dir)) as settings:  # builds one (warm-up)
+        assert len(template_dirs(settings)) == 1
+        async with vm_backend(settings) as b:
+            spec = template_spec(settings, memory_mib=320)
+            ids = [f"{settings.node_id}-c{i}" for i in range(3)]
+            vms = await asyncio.gather(*(b.create(i, spec) for i in ids))
+            try:
+                assert len({vm.template for vm in vms}) == 1 and vms[0].template
+                assert len(template_dirs(settings)) == 2
+            finally:
+                for vm in vms:
+                    await b.destroy(vm)
+
+
+@pytest.mark.microvm_slow
+async def test_the_cache_bound_evicts_the_least_recently_used(
+        tmp_node_dir: os.PathLike[str]) -> None:
+    with template_node(node_settings(tmp_node_dir)) as settings:
+        settings.vm_template_max_count = 1
+        async with vm_backend(settings) as b:
+            first = template_dirs(settings)
+            vm = await b.create(f"{settings.node_id}-e0", template_spec(settings, disk_mib=80))
+            await b.destroy(vm)
+            after = template_dirs(settings)
+            assert len(after) == 1 and after != first and vm.template == after[0]
