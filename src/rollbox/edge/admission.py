@@ -28,14 +28,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 from rollbox.config import Settings
+from rollbox.edge.interface import Share
 from rollbox.errors import CapacityExceeded, QuotaExceeded
 from rollbox.isolation import cgroups
 from rollbox.models import Quota, Resources
 
-Share = Literal["new", "reserved"]
 # Host memory is read at most this often (a create costs a dict lookup, not a file read).
 SAMPLE_INTERVAL_S = 0.1
 # A started sandbox's memory shows in MemAvailable within about this time; until then the

@@ -14,17 +14,18 @@ import shutil
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rollbox.agent.channel import SpawnError
 from rollbox.agent.protocol import RETAIN_LIMIT, ExecRequest, shell_argv
 from rollbox.backends.base import Backend, CaptureOptions, ResolvedSpec, SandboxHandle
+from rollbox.backends import platform_work
 from rollbox.backends.registry import make_backends
 from rollbox.config import Settings
 from rollbox.edge.admission import (
     Admission, HostMemory, Limits, Share, Ticket, host_memory_mib, sandboxes_memory_max_mib,
 )
-from rollbox.edge.interface import ExecOutput
+from rollbox.edge.interface import ExecOutput, PlatformProcess
 from rollbox.edge.journal import Journal
 from rollbox.edge.sessions import ExecSession
 from rollbox.edge.storage import LayerStorage, project_image_name, without_paths
@@ -1115,6 +1116,42 @@ class Edge:
         else:
             for ev in await self.event_log.read(sandbox_id, after_seq):
                 yield ev
+
+    def record_event(self, sandbox_id: str, kind: str, data: str) -> None:
+        self.event_log.append(sandbox_id, kind, data=data)
+
+    # ---- the platform's own work in a sandbox -------------------------------------------
+    async def platform_exec(self, sandbox_id: str, req: ExecRequest) -> PlatformProcess:
+        """See EdgeAPI.platform_exec. Its session cgroup goes with the sandbox."""
+        live = self._running(sandbox_id)
+        await live.backend.prepare_exec(live.box)
+        slot = live.box.new_session()
+        try:
+            return await live.box.channel.exec(req, slot.cgroup_fd)
+        finally:
+            _close(slot.cgroup_fd)
+
+    async def run_shell(self, sandbox_id: str, cmd: str, env: dict[str, str], timeout_s: float,
+                        tail: int = 4000, *,
+                        on_output: Callable[[bytes], object] | None = None) -> tuple[int, bytes]:
+        live = self._running(sandbox_id)
+        await live.backend.prepare_exec(live.box)
+        return await platform_work.run_shell(live.box, cmd, env, timeout_s, on_output, tail)
+
+    # ---- images: lazy-loading counters --------------------------------------------------
+    async def image_stats(self, project: str | None) -> dict[str, Any]:
+        """See EdgeAPI.image_stats; a sandbox's counters say whether it is live."""
+        from rollbox.images.lazy.loader import loader_for
+
+        st = await asyncio.to_thread(loader_for(self.store).stats,
+                                     cgroup_parent=self.settings.cgroup_parent)
+        sandboxes = {}
+        for sid, counters in st["sandboxes"].items():
+            live = self.live.get(sid)
+            if project is None or (live is not None and live.info.owner == project):
+                sandboxes[sid] = {**counters, "live": live is not None}
+        st["sandboxes"] = sandboxes
+        return st
 
     # ---- inspection (tests, leak checks) ------------------------------------------------
     def leftovers(self, sandbox_id: str) -> list[str]:

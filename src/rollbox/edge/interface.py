@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
+from rollbox.agent.protocol import ExecRequest
 from rollbox.models import (
     Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, ImageInfo,
     LayerUsage, NetworkPolicy, SandboxInfo, SandboxSpec, SnapshotResult, SnapshotSpec,
@@ -26,10 +27,31 @@ class ExecOutput:
     error: Exception | None = None
 
 
+# Whose share of the node's budgets a create takes (edge.admission): "reserved" is the
+# platform's own sandboxes that must not starve behind new creates (fncall workers).
+Share = Literal["new", "reserved"]
+
+
+class PlatformProcess(Protocol):
+    """One of the platform's own processes in a sandbox (``EdgeAPI.platform_exec``): the agent
+    channel's session. ``events()`` yields ("stdout"|"stderr", bytes) and ends with
+    ("exited", rollbox.agent.protocol.Exited)."""
+
+    def events(self) -> AsyncIterator[tuple[str, Any]]: ...
+    async def write_stdin(self, data: bytes) -> None: ...
+    async def close_stdin(self) -> None: ...
+    async def kill(self) -> None: ...
+
+
 class EdgeAPI(Protocol):
     node_id: str
 
-    async def create(self, spec: SandboxSpec, owner: str) -> SandboxInfo: ...
+    # Counts, memory and budgets of the node (edge.admission), ``free`` (placement ranks by
+    # it), ``max_sandboxes``, and ``backends``: each kind with whether it is offered and its
+    # facts (rollbox.backends.base.BackendCapacity).
+    def capacity(self) -> dict[str, object]: ...
+
+    async def create(self, spec: SandboxSpec, owner: str, share: Share = "new") -> SandboxInfo: ...
     async def get(self, sandbox_id: str) -> SandboxInfo: ...
     async def list(self, owner: str | None, labels: dict[str, str]) -> list[SandboxInfo]: ...
     async def delete(self, sandbox_id: str) -> None: ...
@@ -84,5 +106,20 @@ class EdgeAPI(Protocol):
     async def image_delete(self, name: str, owner: str | None) -> None: ...
     async def image_usage(self, owner: str) -> LayerUsage: ...
 
+    # lazy-loading counters of the node's image store (per layer; per sandbox, filtered to
+    # ``project`` unless None: admin), see rollbox.images.lazy.
+    async def image_stats(self, project: str | None) -> dict[str, Any]: ...
+
     # events outlive the sandbox; follow=True keeps streaming until the sandbox is gone.
     def events(self, sandbox_id: str, after_seq: int, follow: bool) -> AsyncIterator[Event]: ...
+    # an event of the platform's own about a sandbox (e.g. fncall.call), into its audit trail.
+    def record_event(self, sandbox_id: str, kind: str, data: str) -> None: ...
+
+    # The platform's own processes in a sandbox it owns (fncall workers, image builds,
+    # benchmarks), never a project's command: run as ``req`` says through the agent, in a
+    # session of their own, not journaled, not in the event log, no exec id. A paused
+    # sandbox answers SandboxPaused.
+    async def platform_exec(self, sandbox_id: str, req: ExecRequest) -> PlatformProcess: ...
+    # ``cmd`` under the platform shell as root; (exit code or -1, last ``tail`` output bytes).
+    async def run_shell(self, sandbox_id: str, cmd: str, env: dict[str, str],
+                        timeout_s: float, tail: int = 4000) -> tuple[int, bytes]: ...

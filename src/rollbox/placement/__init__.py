@@ -31,16 +31,14 @@ def split_sandbox_id(sandbox_id: str) -> tuple[str, str]:
 
 
 async def _capacity(edge: EdgeAPI) -> object:
-    """What an edge's optional ``capacity()`` (sync or async) says; None when it does not."""
-    fn = getattr(edge, "capacity", None)
-    if fn is None:
-        return None
+    """What an edge's ``capacity()`` (EdgeAPI; sync, or async for a remote edge) says; None
+    when it fails."""
     try:
-        cap = fn()
+        cap = edge.capacity()
         if inspect.isawaitable(cap):
             cap = await cap
     except Exception:
-        log.warning("capacity() of %s failed", getattr(edge, "node_id", "?"), exc_info=True)
+        log.warning("capacity() of %s failed", edge.node_id, exc_info=True)
         return None
     return cap
 

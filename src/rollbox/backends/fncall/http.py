@@ -5,7 +5,7 @@ re-validation; the body is parsed by pydantic-core straight from JSON and the re
 straight to JSON, the OpenAPI schema is declared by hand); ``POST /v1/fncall/batch`` many,
 bounded concurrency, results in order; ``GET /v1/fncall/stats`` the pools. The backend lives on ``app.state.fncall`` (other
 front doors, e.g. SandboxFusion's ``/run_code``, use the same pools) and is built at start-up
-over the first local edge of the api's placement.
+over the first edge of the api's placement.
 """
 
 import contextlib
@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from rollbox import errors
 from rollbox.api.app import Who, request_key, validation_message
 from rollbox.backends.fncall.pool import FnCallBackend
+from rollbox.edge.interface import EdgeAPI
 from rollbox.models import (
     FnCallBatchItem,
     FnCallBatchRequest,
@@ -27,17 +28,16 @@ from rollbox.models import (
 )
 
 
-def local_edge(api: Any) -> Any:
-    for edge in api.placement.edges.values():
-        if hasattr(edge, "live"):
-            return edge
-    return None
+def pool_edge(api: Any) -> EdgeAPI | None:
+    """The edge the pools make their workers on: the placement's first (its faces the pools
+    need, ``platform_exec`` and ``capacity``, are EdgeAPI methods: local or remote alike)."""
+    return next(iter(api.placement.edges.values()), None)
 
 
 def backend_of(request: Request) -> FnCallBackend:
     backend = getattr(request.app.state, "fncall", None)
     if backend is None:
-        raise errors.InfraError("the fncall backend is not available on this api (no local edge)")
+        raise errors.InfraError("the fncall backend is not available on this api (no edge)")
     return backend
 
 
@@ -70,7 +70,7 @@ def mount(app: FastAPI, api: Any) -> contextlib.AbstractAsyncContextManager[None
 
     @contextlib.asynccontextmanager
     async def lifetime() -> AsyncIterator[None]:
-        edge = local_edge(api)
+        edge = pool_edge(api)
         if edge is None:
             yield
             return

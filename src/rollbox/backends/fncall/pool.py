@@ -2,7 +2,9 @@
 
 A worker is a locked-down container sandbox made through the edge (no network, small
 resources, the edge's admission/journal/TTL apply) running ``worker.py`` as one long-running
-exec whose stdin/stdout carry framed requests and results over the agent channel. A call never
+platform process (``EdgeAPI.platform_exec``) whose stdin/stdout carry framed requests and
+results over the agent channel. The pools use only the EdgeAPI interface, so the edge may be
+local or remote. A call never
 creates a sandbox: it takes an idle worker of its pool (one pool per (language, image,
 preloaded modules)), or waits for one while the pool grows under load up to a node-derived cap.
 Workers that fail, time out or answer nonsense are destroyed and replaced.
@@ -18,11 +20,13 @@ import os
 import struct
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rollbox.agent.protocol import ExecRequest
+from rollbox.edge.interface import EdgeAPI
 from rollbox.errors import BadRequest, CapacityExceeded, InfraError, RollboxError
 from rollbox.models import FnCallResult, FnCallSpec, FnCallStep, Resources, SandboxSpec
 
@@ -54,11 +58,12 @@ class PoolConfig:
     worker_ttl_s: float = 24 * 3600
 
 
-def default_cap(edge: Any) -> int:
+def default_cap(edge: EdgeAPI) -> int:
     """Workers on this node: bounded by the edge's sandbox limit and by cores (a worker mostly
     waits on its call; 8 per core keeps all cores busy without thrashing)."""
-    limits = getattr(edge, "limits", None)
-    max_sb = getattr(limits, "max_sandboxes", 64)
+    cap = edge.capacity()
+    max_sb = cap.get("max_sandboxes") if isinstance(cap, Mapping) else None
+    max_sb = max_sb if isinstance(max_sb, int) else 64
     return max(2, min(max_sb // 4, 8 * (os.cpu_count() or 1), 64))
 
 
@@ -77,20 +82,14 @@ class FnWorker:
         self._reader: asyncio.Task[None] | None = None
         self.info: dict[str, Any] = {}
 
-    async def start(self, edge: Any, preload: list[str], env: dict[str, str]) -> None:
-        live = edge.live[self.sandbox_id]
-        box = live.box
-        _cg_name, cg_fd = box.new_session_cgroup()
+    async def start(self, edge: EdgeAPI, preload: list[str], env: dict[str, str]) -> None:
         cfg = {"call_uid": CALL_UID, "preload": preload,
                "env": {"PATH": PATH, "LANG": "C.UTF-8", **env}}
         req = ExecRequest(
             argv=["/usr/bin/python3", "-I", "-c", WORKER_SOURCE, json.dumps(cfg)],
             env=[f"PATH={PATH}", "LANG=C.UTF-8", "PYTHONDONTWRITEBYTECODE=1"],
             cwd="/", stdin=True, stream_limit=1 << 62, tail_limit=0)
-        try:
-            self.session = await box.channel.exec(req, cg_fd)
-        finally:
-            os.close(cg_fd)
+        self.session = await edge.platform_exec(self.sandbox_id, req)
         self._reader = asyncio.create_task(self._read())
         ready = await asyncio.wait_for(self._frames.get(), 60)
         if not ready or not ready.get("ready"):
@@ -155,9 +154,7 @@ class Pool:
 class FnCallBackend:
     """Runs :class:`FnCallSpec` calls on warm workers of one local edge."""
 
-    def __init__(self, edge: Any, config: PoolConfig | None = None) -> None:
-        if not hasattr(edge, "live"):
-            raise InfraError("the fncall backend needs a local edge")
+    def __init__(self, edge: EdgeAPI, config: PoolConfig | None = None) -> None:
         self.edge = edge
         self.config = config or PoolConfig()
         self.cap = self.config.max_workers or default_cap(edge)
@@ -202,29 +199,30 @@ class FnCallBackend:
             for k, p in self.pools.items()]}
 
     # ---- routing ---------------------------------------------------------------------------
-    def _image_for(self, spec: FnCallSpec) -> str:
+    async def _image_for(self, spec: FnCallSpec) -> str:
         if spec.image:
             return spec.image
-        if self._has_image(FNCALL_IMAGE):
+        if await self._has_image(FNCALL_IMAGE):
             return FNCALL_IMAGE
-        if spec.language in ("python", "bash") and self._has_image(FALLBACK_IMAGE):
+        if spec.language in ("python", "bash") and await self._has_image(FALLBACK_IMAGE):
             return FALLBACK_IMAGE
         raise InfraError(f"image {FNCALL_IMAGE} is not built (run `rollbox image "
                          "ensure-defaults`)")
 
-    def _has_image(self, name: str) -> bool:
+    async def _has_image(self, name: str) -> bool:
+        """Whether the node has image ``name`` (one of its own: no project's), remembered."""
         if name not in self._images:
             try:
-                self.edge.store.resolve(name)
-                self._images[name] = True
+                images = await self.edge.image_list(None)
             except RollboxError:
-                self._images[name] = False
+                return False
+            self._images[name] = any(i.name == name and i.owner is None for i in images)
         return self._images[name]
 
     async def call(self, spec: FnCallSpec) -> FnCallResult:
         if self._closed:
             raise InfraError("fncall backend closed")
-        key = (spec.language, self._image_for(spec), tuple(spec.preload))
+        key = (spec.language, await self._image_for(spec), tuple(spec.preload))
         pool = self.pools.get(key)
         if pool is None:
             pool = self.pools[key] = Pool(key)
@@ -269,7 +267,7 @@ class FnCallBackend:
                            "wall_ms": round(float(run.get("wall_s") or 0) * 1000, 2),
                            "code_bytes": len(spec.code)}, separators=(",", ":"))
         try:
-            self.edge.event_log.append(worker.sandbox_id, "fncall.call", data=data)
+            self.edge.record_event(worker.sandbox_id, "fncall.call", data)
         except Exception as exc:  # noqa: BLE001 - the audit trail never fails a call
             log.warning("fncall: audit event for %s: %s", worker.sandbox_id, exc)
 
@@ -429,7 +427,7 @@ class FnCallBackend:
         """Bring a pool to at least ``n`` workers (before a burst, or for benchmarks)."""
         spec = FnCallSpec(language=language, code="", preload=preload or [],  # type: ignore[arg-type]
                           image=image)
-        key = (spec.language, self._image_for(spec), tuple(spec.preload))
+        key = (spec.language, await self._image_for(spec), tuple(spec.preload))
         pool = self.pools.setdefault(key, Pool(key))
         need = min(n, self.cap) - pool.size
         starts = []
