@@ -73,3 +73,18 @@ async def test_not_offered_and_above_the_node_are_refused(edge) -> None:  # noqa
         assert cap["vmx"]["offered"] is False and cap["tiny"]["max_cpus"] == 1.0
     finally:
         del edge.backends["vmx"], edge.backends["tiny"]
+
+
+async def test_backend_refusals_through_the_http_api(api_server) -> None:  # noqa: ANN001
+    import httpx
+
+    url, keys = api_server
+    headers = {"X-API-Key": keys.create("proj")}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as h:
+        r = await h.post("/v1/sandboxes", json={"image": BB, "backend": "firecracker"})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "bad_request" and "container" in err["details"]["offered"]
+        r = await h.post("/v1/sandboxes", json={"image": BB, "backend": "Not A Kind"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request"
+        assert (await h.get("/v1/sandboxes")).json() == []  # nothing half-created
