@@ -8,6 +8,7 @@ import asyncio
 import os
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -35,6 +36,9 @@ class ReadyLine:
 
     def close(self) -> None:
         self.sock.close()
+
+    async def boot_info(self) -> SimpleNamespace:  # the agent's BOOT_INFO: no failed step
+        return SimpleNamespace(errno=0, error="")
 
 
 async def read_ready(path: str, timeout: float) -> ReadyLine:
@@ -108,7 +112,8 @@ async def test_vm_boots_jailed_pauses_and_leaves_nothing(backend: MicroVMBackend
         assert vm.kind == "microvm" and vm.guest_reported
         # the guest saw its disks by serial: every layer read-only, then the writable one
         serials = vm.channel.line.split()[1:]
-        assert sorted(serials) == sorted([f"layer{i}" for i in range(len(layers))] + ["rw"])
+        assert sorted(serials) == sorted([f"rbx-layer{i}" for i in range(len(layers))]
+                                         + ["rbx-rw"])
         st = proc_status(vm.pid)
         uid = str(vm.host_uid)
         assert st["Uid"].split() == [uid] * 4 and st["Gid"].split() == [uid] * 4

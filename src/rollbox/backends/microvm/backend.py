@@ -316,17 +316,21 @@ class MicroVMBackend:
 
     async def create(self, sandbox_id: str, spec: ResolvedSpec, *,
                      boot_timeout_s: float | None = None,
-                     machine: qemu.MachineSpec | None = None) -> MicroVM:
+                     machine: qemu.MachineSpec | None = None,
+                     check_boot: bool = True) -> MicroVM:
         """A microVM whose agent answered: restored from the spec's template when templates
         are on (the first create of a key builds it), else, or when that fails, booted cold.
-        ``machine`` overrides the spec's (probe, tests) and always boots cold."""
+        ``machine`` overrides the spec's (probe, tests) and always boots cold;
+        ``check_boot=False`` accepts a guest whose agent answers although its boot failed
+        (the accelerator probe has no layers to mount)."""
         self.check_spec(spec)
         timeout = boot_timeout_s or self.settings.vm_boot_timeout_s
         if machine is None and self.templates is not None:
             vm = await self._restore(sandbox_id, spec, self.machine_for(spec), timeout)
             if vm is not None:
                 return vm
-        return await self.boot(sandbox_id, spec, machine or self.machine_for(spec), timeout)
+        return await self.boot(sandbox_id, spec, machine or self.machine_for(spec), timeout,
+                               check_boot=check_boot)
 
     async def _restore(self, sandbox_id: str, spec: ResolvedSpec, machine: qemu.MachineSpec,
                        timeout_s: float) -> MicroVM | None:
@@ -347,7 +351,8 @@ class MicroVMBackend:
         return None
 
     async def boot(self, sandbox_id: str, spec: ResolvedSpec, machine: qemu.MachineSpec,
-                   timeout_s: float, template: Template | None = None) -> MicroVM:
+                   timeout_s: float, template: Template | None = None,
+                   check_boot: bool = True) -> MicroVM:
         """Boot cold, or restore ``template`` (its disk cloned as saved); everything torn
         down on failure."""
         slot = self.slots.acquire()
@@ -366,7 +371,8 @@ class MicroVMBackend:
             binds += [Bind(f, qemu.layer_path(i)) for i, f in enumerate(layer_files)]
             binds.append(Bind(rw, qemu.RW_DISK, writable=True))
             return await self._launch(sandbox_id, slot, host_uid, jail, machine, binds,
-                                      spec.resources.cpus, spec.env, timeout_s, template)
+                                      spec.resources.cpus, spec.env, timeout_s, template,
+                                      check_boot)
         except BaseException as exc:
             await asyncio.shield(self._teardown(sandbox_id, jail, slot, jail.read_pid()))
             if isinstance(exc, (InfraError, BadRequest)) or not isinstance(exc, Exception):
@@ -376,7 +382,8 @@ class MicroVMBackend:
     async def _launch(self, sandbox_id: str, slot: int, host_uid: int, jail: Jail,
                       machine: qemu.MachineSpec, binds: list[Bind], cpus: float,
                       env: dict[str, str], boot_timeout_s: float,
-                      template: Template | None = None) -> MicroVM:
+                      template: Template | None = None,
+                      check_boot: bool = True) -> MicroVM:
         """Start QEMU in its jail (a restore: paused until the template's state is loaded)
         and wait for the agent; the caller tears down on failure."""
         devices = ("/dev/kvm",) if machine.accel == "kvm" else ()
@@ -391,7 +398,7 @@ class MicroVMBackend:
             for s in sockets:
                 s.close()  # QEMU holds its own copies
         if template is None:
-            channel = await self._wait_agent(jail, pid, boot_timeout_s)
+            channel = await self._wait_agent(jail, pid, boot_timeout_s, check_boot)
         else:
             assert self.templates is not None
             await self.templates.load(template, jail, boot_timeout_s)
@@ -412,7 +419,8 @@ class MicroVMBackend:
         vm.files = self.files_for(vm)
         return vm
 
-    async def _wait_agent(self, jail: Jail, pid: int, timeout_s: float) -> Any:
+    async def _wait_agent(self, jail: Jail, pid: int, timeout_s: float,
+                          check_boot: bool = True) -> Any:
         """The agent's channel once it answers; InfraError if QEMU dies or the wait runs out
         (the console's last lines go to the log, never to the caller: guest-written)."""
         console = ConsoleTail(jail.socket_path("console"))
@@ -425,7 +433,14 @@ class MicroVMBackend:
             done, _ = await asyncio.wait({connect, died}, timeout=timeout_s + 1,
                                          return_when=asyncio.FIRST_COMPLETED)
             if connect in done and connect.exception() is None:
-                return connect.result()
+                channel = connect.result()
+                try:
+                    if check_boot:
+                        await self._check_boot(channel, jail.sandbox_id)
+                except BaseException:
+                    channel.close()
+                    raise
+                return channel
             if died in done:
                 why = f"QEMU exited during boot ({jail.log_tail(500) or 'no message'})"
             elif connect in done:
@@ -442,6 +457,14 @@ class MicroVMBackend:
                     t.cancel()
             await asyncio.gather(connect, died, return_exceptions=True)
             await console.stop()
+
+    async def _check_boot(self, channel: Any, sandbox_id: str) -> None:
+        """A guest whose agent answers but whose boot failed (a layer it can not mount, a
+        missing disk) is no sandbox: InfraError with the agent's first failed step."""
+        info = await channel.boot_info()
+        if info.errno:
+            raise InfraError(f"microVM {sandbox_id} did not boot: {info.error[:300]}",
+                             sandbox_id=sandbox_id, reason="guest_boot")
 
     # ---- adopt / destroy ------------------------------------------------------------------
     async def adopt(self, sandbox_id: str, spec: ResolvedSpec, state: dict[str, Any],
