@@ -441,7 +441,10 @@ class MicroVMBackend:
                     channel.close()
                     raise
                 return channel
-            if died in done:
+            if died not in done and connect in done:
+                # a QEMU that died closed the agent's socket: the connect fails first
+                await asyncio.wait({died}, timeout=2.0)
+            if died.done():
                 why = f"QEMU exited during boot ({jail.log_tail(500) or 'no message'})"
             elif connect in done:
                 why = f"the agent did not answer ({connect.exception()})"
