@@ -112,8 +112,7 @@ async def test_vm_boots_jailed_pauses_and_leaves_nothing(backend: MicroVMBackend
         assert vm.kind == "microvm" and vm.guest_reported
         # the guest saw its disks by serial: every layer read-only, then the writable one
         serials = vm.channel.line.split()[1:]
-        assert sorted(serials) == sorted([f"rbx-layer{i}" for i in range(len(layers))]
-                                         + ["rbx-rw"])
+        assert sorted(serials) == sorted([f"layer{i}" for i in range(len(layers))] + ["rw"])
         st = proc_status(vm.pid)
         uid = str(vm.host_uid)
         assert st["Uid"].split() == [uid] * 4 and st["Gid"].split() == [uid] * 4

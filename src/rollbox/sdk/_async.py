@@ -901,9 +901,10 @@ class AsyncClient:
         memory_mib: int | None = None, disk_mib: int | None = None, ttl_s: float | None = None,
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         hidden_paths: Iterable[str] = (), network: Iterable[str] | None = None,
-        job: str | None = None, disk_tier: str | None = None,
+        job: str | None = None, disk_tier: str | None = None, backend: str | None = None,
     ) -> AsyncSandbox:
-        """``hidden_paths``: paths the sandbox's commands can not see (a task's tests).
+        """``backend``: the kind of sandbox (``"container"``, the default, or ``"microvm"``;
+        a kind no node offers is a bad_request). ``hidden_paths``: paths the sandbox's commands can not see (a task's tests).
         ``network``: None = no network at all; a list = default-deny policy allowing those
         permissions/rules (see ``AsyncSandbox.set_network``). ``job``: a live job of this
         project (see :meth:`job`), which deletes the sandbox when it ends or expires.
@@ -915,6 +916,8 @@ class AsyncClient:
             spec["network"] = {"allow": list(network)}
         if disk_tier is not None:
             spec["disk_tier"] = disk_tier  # checked by the server (bad_request)
+        if backend is not None:
+            spec["backend"] = backend
         r = await self._t.request("POST", "/v1/sandboxes", json=spec, long=True)
         return AsyncSandbox(self, SandboxInfo.model_validate(r.json()))
 

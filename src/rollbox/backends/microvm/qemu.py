@@ -6,8 +6,8 @@ sandbox id, so two sandboxes of the same image, layers and resources get the *sa
 
 - ``/vm/kernel`` the PVH vmlinux, ``/vm/initrd`` the initramfs (agent as /init),
 - ``/vm/layer0`` .. ``/vm/layer{N-1}`` the EROFS layers, read-only virtio-blk with serial
-  ``rbx-layer<i>`` (i = index in the spec's layer list, lowest first), ``/vm/rw.img`` the
-  writable ext4 disk, virtio-blk serial ``rbx-rw``,
+  ``layer<i>`` (i = index in the spec's layer list, lowest first), ``/vm/rw.img`` the
+  writable ext4 disk, virtio-blk serial ``rw``,
 - fd 3: the agent's virtio-serial port ``org.rollbox.agent`` (listening unix socket the edge
   bound), fd 4: QMP, fd 5: the serial console (read by the edge during boot only).
 
@@ -90,11 +90,11 @@ def argv(spec: MachineSpec, binary: str = "/usr/bin/qemu-system-x86_64") -> list
     ]
     for i in range(spec.layers):
         args += ["-drive", f"id=layer{i},file={layer_path(i)},format=raw,if=none,readonly=on",
-                 "-device", f"virtio-blk-device,drive=layer{i},serial=rbx-layer{i}"]
+                 "-device", f"virtio-blk-device,drive=layer{i},serial=layer{i}"]
     if spec.rw_disk:
         args += ["-drive", f"id=rw,file={RW_DISK},format=raw,if=none,discard=unmap,"
                  "detect-zeroes=unmap",
-                 "-device", "virtio-blk-device,drive=rw,serial=rbx-rw"]
+                 "-device", "virtio-blk-device,drive=rw,serial=rw"]
     if spec.incoming:
         args += ["-incoming", "defer"]
     return args
