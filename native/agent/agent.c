@@ -117,6 +117,13 @@ enum { M_READY = 32, M_STARTED = 33, M_SPAWN_FAILED = 34, M_STDOUT = 35, M_STDER
 #define STREAM_IN_CAP (FRAME_PREFIX + MAX_PACKET + CHUNK)
 /* Guest mode */
 #define SANDBOX_ROOT "/sandbox"
+/* Where the platform's tools run in guest mode (the host's file API and snapshots): a bind of
+ * the sandbox's overlay alone, so they see its files as a container's host-side file API does
+ * (none of the sandbox's /proc, /dev, /run mounts or masks over hidden paths), with the
+ * overlay upper read-only over its /proc, a directory nothing of the sandbox's sees (its own
+ * /proc is procfs): busybox tar reads whiteouts there for a snapshot. */
+#define TOOL_VIEW "/view"
+#define TOOL_VIEW_UPPER TOOL_VIEW "/proc"
 #define GUEST_PORT_NAME "org.rollbox.agent"
 #define GUEST_DEVICE_WAIT_MS 20000
 #define BOOT_ERR_MAX 200
@@ -192,6 +199,7 @@ static size_t in_have;
 static unsigned in_gen; /* bumped when the input buffer is discarded (drop_conn) */
 /* Guest mode: the sandbox root, where commands run (chroot); cgroup sequence; boot record. */
 static int root_fd = -1;
+static int view_fd = -1; /* TOOL_VIEW: the platform tools' root */
 static uint64_t cg_counter;
 static uint64_t t_init, t_modules, t_disks, t_mounts, t_ready; /* CLOCK_BOOTTIME ns */
 static int boot_errno;
@@ -1113,8 +1121,18 @@ static void child_exec(int status_wr, int in_rd, int out_wr, int err_wr, int cgf
         report[0] = ST_LANDLOCK;
         goto fail;
     }
-    /* Guest mode: the agent lives in the initramfs; commands see only the sandbox root. */
-    if (root_fd >= 0 && (fchdir(root_fd) < 0 || chroot(".") < 0)) {
+    /* The view may have no /dev/null of its own: opened before the chroot. */
+    if (in_rd < 0) {
+        in_rd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+        if (in_rd < 0) {
+            report[0] = ST_DEVNULL;
+            goto fail;
+        }
+    }
+    /* Guest mode: the agent lives in the initramfs; commands see only the sandbox root, the
+     * platform's tools only the overlay (TOOL_VIEW). */
+    int chroot_fd = (flags & EXEC_PLATFORM_TOOL) && view_fd >= 0 ? view_fd : root_fd;
+    if (chroot_fd >= 0 && (fchdir(chroot_fd) < 0 || chroot(".") < 0)) {
         report[0] = ST_CHROOT;
         goto fail;
     }
@@ -2184,6 +2202,19 @@ static int guest_init(void)
             root_fd = open(SANDBOX_ROOT, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
             if (root_fd < 0)
                 boot_fail(errno, "open the sandbox root");
+        }
+        /* Not recursive: the view holds the overlay alone (see TOOL_VIEW). */
+        if (ok && mount_at(SANDBOX_ROOT, TOOL_VIEW, NULL, MS_BIND, NULL) == 0 &&
+            mount(NULL, TOOL_VIEW, NULL, MS_PRIVATE, NULL) == 0 &&
+            mount("/rw/upper", TOOL_VIEW_UPPER, NULL, MS_BIND, NULL) == 0 &&
+            mount(NULL, TOOL_VIEW_UPPER, NULL,
+                  MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                  NULL) == 0) {
+            view_fd = open(TOOL_VIEW, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+            if (view_fd < 0)
+                boot_fail(errno, "open the platform tools' view");
+        } else if (ok) {
+            boot_fail(errno, "the platform tools' view of the sandbox");
         }
     }
     t_mounts = boottime_ns();

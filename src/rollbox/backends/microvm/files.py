@@ -3,8 +3,9 @@
 The host never mounts the guest's disk (a crafted ext4 image attacks the host's kernel), so
 the file API is ``rollbox.agent.files`` (the platform's busybox applets in the sandbox's root,
 their output parsed as hostile) and a snapshot is ``rollbox.agent.snapshot`` (busybox tar of
-the overlay upper, which the guest's agent shows read-only at :data:`GUEST_UPPER` inside the
-sandbox root, on the /run tmpfs, so the view itself is not part of the upper).
+the overlay upper). The guest's agent runs the platform's tools in a view of the overlay alone
+(none of the sandbox's mounts, nor masks over hidden paths: what a container's host-side file
+API sees), with the upper read-only at :data:`GUEST_UPPER` of that view.
 
 Owns this wiring only.
 """
@@ -18,7 +19,7 @@ from rollbox.agent.files import AgentFiles
 from rollbox.agent.tools import PlatformTools
 from rollbox.backends.base import CaptureOptions, CaptureResult
 
-GUEST_UPPER = "/run/rollbox/upper"  # agent.c: the read-only view of /rw/upper
+GUEST_UPPER = "/proc"  # agent.c TOOL_VIEW_UPPER: /rw/upper, read-only, in the tools' view
 
 
 def vm_files(vm: Any) -> AgentFiles:
