@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rollbox.backends.base import BackendCapacity
-from rollbox.errors import BadRequest
+from rollbox.errors import BadRequest, InfraError
 from rollbox.models import ExecSpec, Resources, SandboxSpec
 
 BB = "busybox:test"
@@ -88,3 +88,30 @@ async def test_backend_refusals_through_the_http_api(api_server) -> None:  # noq
         r = await h.post("/v1/sandboxes", json={"image": BB, "backend": "Not A Kind"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request"
         assert (await h.get("/v1/sandboxes")).json() == []  # nothing half-created
+
+
+class _FailsToStart(_Unusable):
+    async def start(self) -> None:
+        raise InfraError("probe failed")
+
+    def host_sandbox_ids(self, prefix: str = "") -> set[str]:
+        return set()
+
+    def release_node_resources(self) -> None:
+        pass
+
+
+async def test_a_backend_failing_at_node_start_leaves_the_others_serving(restarts) -> None:  # noqa: ANN001
+    e1 = await restarts.start()
+    sb = await e1.create(SandboxSpec(image=BB), "t")
+    await restarts.stop()
+    from rollbox.edge.edge import Edge
+
+    e2 = Edge(restarts.settings, restarts.events)
+    e2.backends["vmx"] = _FailsToStart("vmx")
+    restarts.edge = e2
+    await e2.start()
+    assert sb.id in e2.live  # the container came back though another kind failed
+    eid = await e2.exec_start(sb.id, ExecSpec(cmd=["true"]))
+    assert (await e2.exec_wait(sb.id, eid)).exit_code == 0
+    await e2.delete(sb.id)

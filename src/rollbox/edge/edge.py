@@ -127,8 +127,11 @@ class Edge:
 
     # ---- lifecycle of the edge itself -------------------------------------------------
     async def start(self) -> None:
-        for backend in self.backends.values():
-            await backend.start()
+        for kind, backend in self.backends.items():
+            try:
+                await backend.start()
+            except RollboxError as exc:  # the other kinds' sandboxes still come back
+                log.error("backend %s did not start: %s", kind, exc)
         raise_nofile_limit()
         # One parent memory cgroup for all sandboxes, limited to RAM minus the reserve: an
         # overload OOM-kills inside a sandbox, never a platform process.
