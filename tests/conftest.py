@@ -326,9 +326,26 @@ def no_leaks_after_suite() -> Iterator[None]:
     if os.geteuid() == 0 and not left_cg:
         cgroups.remove_parent_if_empty(TEST_CGROUP)
     loops = run_loop_devices(TEST_RUN)
-    assert not (left_cg or left_ns or mounts or loops), (
+    qemus = run_qemu_processes()
+    assert not (left_cg or left_ns or mounts or loops or qemus), (
         f"leaked after the test suite: cgroups={left_cg} netns={left_ns} mounts={mounts} "
-        f"loop devices={loops}")
+        f"loop devices={loops} QEMU processes={qemus}")
+
+
+def run_qemu_processes() -> list[int]:
+    """QEMU processes running as a uid of this run's band (microVM sandboxes left behind)."""
+    hi = BASE_UID + 1024 * 65536
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            uid = os.stat(f"/proc/{entry}").st_uid
+            if BASE_UID <= uid < hi and "qemu" in Path(f"/proc/{entry}/comm").read_text():
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
 
 
 def run_loop_devices(run: str, settle_s: float = 10.0) -> list[str]:
