@@ -91,10 +91,33 @@ class Placement:
             return random.choice(pair)
         return pair[0] if a > b else pair[1]
 
+    async def _offering(self, kind: str) -> list[str]:
+        """Nodes whose capacity says they offer backend ``kind`` (an edge that does not list
+        its backends stays a candidate: it refuses by itself). BadRequest if none does."""
+        if len(self.edges) == 1:
+            return list(self.edges)  # the edge's own refusal names its reason
+        caps = await asyncio.gather(*(_capacity(e) for e in self.edges.values()))
+        out, offered = [], set()
+        for node, cap in zip(self.edges, caps):
+            backends = cap.get("backends") if isinstance(cap, Mapping) else None
+            if not isinstance(backends, Mapping):
+                out.append(node)
+                continue
+            kinds = {k for k, b in backends.items() if isinstance(b, Mapping) and b.get("offered")}
+            offered |= kinds
+            if kind in kinds:
+                out.append(node)
+        if not out:
+            raise errors.BadRequest(f"backend {kind!r} is not offered by any node; offered: "
+                                    f"{', '.join(sorted(offered)) or 'none'}",
+                                    backend=kind, offered=sorted(offered))
+        return out
+
     async def create(self, spec: SandboxSpec, owner: str) -> SandboxInfo:
-        """Create on a chosen edge; an edge that refuses (capacity / infra) is skipped and
-        another tried. Raises the last retryable error when every edge refused."""
-        candidates = list(self.edges)
+        """Create on a chosen edge of those offering ``spec.backend``; an edge that refuses
+        (capacity / infra) is skipped and another tried. Raises the last retryable error when
+        every edge refused."""
+        candidates = await self._offering(spec.backend)
         last: errors.InfraError | None = None
         while candidates:
             node = await self._pick(candidates)
