@@ -78,6 +78,9 @@ class EmbeddedNode:
 
     async def serve(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
         app = await self.start()
+        assert self.edge is not None
+        for line in backend_lines(self.edge.capacity()):  # e.g. the microVM accelerator
+            print(line, file=sys.stderr, flush=True)
         try:
             await serve_app(app, host, port)
         finally:
@@ -89,6 +92,22 @@ class EmbeddedNode:
         srv = BackgroundServer(app, host, port)
         await srv.start()
         return srv
+
+
+def backend_lines(capacity: dict) -> list[str]:
+    """One line per backend kind for `rollbox serve`: offered or why not, and its facts."""
+    lines = []
+    for kind, cap in sorted(dict(capacity.get("backends", {})).items()):
+        if not cap.get("offered"):
+            lines.append(f"backend {kind}: not offered ({cap.get('reason')})")
+            continue
+        facts = cap.get("facts") or {}
+        if "accel" in facts:
+            lines.append(f"backend {kind}: accelerator {facts['accel']} "
+                         f"({facts.get('accel_reason', '')})")
+        else:
+            lines.append(f"backend {kind}: offered")
+    return lines
 
 
 def _free_port() -> int:

@@ -33,3 +33,15 @@ def test_command_line_has_the_hardening_and_devices() -> None:
     assert "-incoming" not in argv
     assert qemu.argv(qemu.MachineSpec(cpus=1, memory_mib=256, layers=0, incoming=True))[-2:] \
         == ["-incoming", "defer"]
+
+
+def test_serve_prints_each_backend_and_the_microvm_accelerator() -> None:
+    from rollbox.embedded import backend_lines
+
+    cap = {"backends": {
+        "container": {"offered": True, "facts": {"runtime": "runc"}},
+        "microvm": {"offered": True, "facts": {"accel": "tcg", "accel_reason": "probe"}}}}
+    assert backend_lines(cap) == ["backend container: offered",
+                                  "backend microvm: accelerator tcg (probe)"]
+    cap["backends"]["microvm"] = {"offered": False, "reason": "no guest"}
+    assert backend_lines(cap)[1] == "backend microvm: not offered (no guest)"
