@@ -1,0 +1,477 @@
+"""``rollbox bench microvm [--quick] [--json]``: microVM sandboxes on this node, with a plain
+QEMU cold boot of the same guest as the peer, in one run.
+
+Against ``rollbox serve`` in its own process on a scratch node (its own data dir, run dir,
+cgroup parent, node id, uid range; the node's images and guest artifacts read-only), image
+``IMAGE``, one vCPU per VM. Phases:
+
+1. ``restore``: create -> first ``exec(["true"])`` with templates (the template of the key is
+   built by a warm-up create first, not timed), p50/p99 over ``n`` sequential creates.
+2. ``exec``: ``exec(["true"])`` round trip through the SDK in one live VM, p50/p99; beside it
+   the guest-side cost of one fork+exec+wait of ``/bin/true`` (a busybox shell loop timed inside
+   the guest with its own clock), which no host-side change can take away.
+3. ``cycles``: create -> exec ``true`` -> destroy at concurrency 1 and 8 (restore path).
+4. ``cold``: the same create -> first exec with templates off (a second server,
+   ``ROLLBOX_MICROVM_TEMPLATES=0``), p50/p99, and the boot breakdown the guest reports (QEMU
+   start, kernel, modules, mounts, agent ready) from the agent's timestamps.
+5. ``idle``: host memory per idle VM = drop of MemAvailable / N after 10 s idle, with the
+   balloon's free-page reporting (the default) and without (a server with
+   ``ROLLBOX_MICROVM_FREE_PAGE_REPORTING=0``).
+6. ``density``: idle VMs created one batch at a time until MemAvailable would cross the host
+   reserve (``HOST_RESERVE_MIB``); a VM counts only if it answers an exec within 5 s; host CPU
+   while they idle (``/proc/stat``, cores busy) is reported.
+7. ``pmem``: 16 VMs running the same Python workload (``PY_WORKLOAD``) with the layers as
+   read-only virtio-blk and as virtio-pmem + DAX (q35), the MemAvailable drop of each set, and
+   the ratio pmem/blk.
+8. ``plain``: the peer: ``qemu-system-x86_64 -M microvm`` started by this file (no rollbox, no
+   jail, no template) with the best settings known (PVH vmlinux, RTC on, ``tsc_early_khz`` and
+   ``lpj`` of this host), the same kernel, initramfs, agent and image layers; create -> first
+   exec of ``true`` -> kill at concurrency 1 and 8. ``ratio_vs_plain_qemu_c8`` = rollbox c8 /
+   plain c8.
+
+The last line of ``--json`` is one JSON object.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.container import meminfo, run_cycles, say  # noqa: E402
+from bench.images import machine_busy_s  # noqa: E402
+from rollbox.backends.microvm.qemu import HZ as KERNEL_HZ  # noqa: E402
+from rollbox.backends.microvm.qemu import host_tsc_khz  # noqa: E402
+from rollbox.config import Settings  # noqa: E402
+from rollbox.demo import _pct  # noqa: E402
+from rollbox.embedded import ServerProcess  # noqa: E402
+
+IMAGE = "busybox:test"
+PY_IMAGE = "python:3.11"
+BACKEND = "microvm"
+# Every VM, rollbox's and the peer's: one vCPU, this much guest memory and writable disk.
+VM_MEMORY_MIB = 256
+VM_DISK_MIB = 256
+VM = {"cpus": 1, "memory_mib": VM_MEMORY_MIB, "disk_mib": VM_DISK_MIB}
+HOST_RESERVE_MIB = 2048  # density stops before MemAvailable would cross this
+IDLE_SETTLE_S = 10.0  # idle time before MemAvailable is read (balloon, free-page reporting)
+EXEC_ANSWER_S = 5.0  # a VM counts as held only if it answers an exec within this
+# Same work in every VM: import a few modules and keep 40 MiB of Python objects alive.
+PY_WORKLOAD = ("import json, decimal, sqlite3, email.parser, xml.dom.minidom, time\n"
+               "x = [bytes(1024) for _ in range(40 * 1024)]\nprint('ready', flush=True)\n"
+               "time.sleep(600)\n")
+# The guest-side cost of fork+exec: N runs of /bin/true timed by the guest's own clock.
+FORK_EXEC_N = 100
+FORK_EXEC_LOOP = (f"i=0; t0=$(date +%s%N); while [ $i -lt {FORK_EXEC_N} ]; do /bin/true; "
+                  "i=$((i+1)); done; t1=$(date +%s%N); echo $(( (t1 - t0) / 1000 ))")
+
+
+def mem_available() -> int:
+    return meminfo()["MemAvailable"]
+
+
+# ---- the server ------------------------------------------------------------------------------
+
+class Server(ServerProcess):
+    """``rollbox serve`` on a scratch node of its own (as ``bench/rl.py``'s), with extra
+    ``ROLLBOX_*`` variables (the microVM switches this benchmark compares)."""
+
+    def __init__(self, root: Path, extra_env: dict[str, str] | None = None) -> None:
+        tag = secrets.token_hex(3)
+        node = Settings()
+        s = Settings.scratch(root)
+        s.run_dir, s.run_tmpfs = Path(f"/run/rollbox-bench-vm-{tag}"), True
+        s.cgroup_parent, s.node_id = f"rollbox-bench-vm-{tag}", f"vm{tag}"
+        s.uid_base = node.uid_base + (node.uid_slots + 64 + 8 * 1024 + 48) * 65536
+        s.uid_slots = 1024
+        super().__init__(s)
+        assert self.env is not None
+        self.env.update(extra_env or {})
+
+    def stop(self) -> None:
+        super().stop()
+        with contextlib.suppress(OSError):
+            self.settings.run_dir.rmdir()
+
+
+@contextlib.contextmanager
+def server(extra_env: dict[str, str] | None = None) -> Iterator[tuple[str, str]]:
+    root = Path(tempfile.mkdtemp(prefix="rollbox-bench-vm-"))
+    srv = Server(root, extra_env)
+    try:
+        srv.start()
+        yield srv.url, srv.key
+    finally:
+        srv.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- rollbox phases --------------------------------------------------------------------------
+
+async def first_exec(client: Any, image: str, n: int) -> dict[str, Any]:
+    """n sequential creates: create -> first exec ``true`` (then delete, not timed)."""
+    lat: list[float] = []
+    errors = 0
+    for _ in range(n):
+        t = time.monotonic()
+        sb = await client.create(image, backend=BACKEND, **VM, ttl_s=300)
+        try:
+            r = await sb.exec(["true"])
+            if r.exit_code == 0:
+                lat.append(time.monotonic() - t)
+            else:
+                errors += 1
+        finally:
+            await sb.delete()
+    return {"p50_ms": _pct(lat, 50) * 1000, "p99_ms": _pct(lat, 99) * 1000, "n": n,
+            "errors": errors}
+
+
+async def exec_rtt(client: Any, image: str, n: int) -> dict[str, float]:
+    sb = await client.create(image, backend=BACKEND, **VM, ttl_s=600)
+    try:
+        for _ in range(10):
+            await sb.exec(["true"])
+        lat = []
+        for _ in range(n):
+            t = time.monotonic()
+            await sb.exec(["true"])
+            lat.append(time.monotonic() - t)
+        r = await sb.exec(FORK_EXEC_LOOP)
+        guest_us = int(r.stdout.strip()) / FORK_EXEC_N if r.exit_code == 0 else float("nan")
+    finally:
+        await sb.delete()
+    return {"p50_ms": _pct(lat, 50) * 1000, "p99_ms": _pct(lat, 99) * 1000,
+            "guest_fork_exec_ms": guest_us / 1000}
+
+
+async def cycles(client: Any, image: str, n: int, conc: int) -> dict[str, Any]:
+    async def cycle() -> bool:
+        sb = await client.create(image, backend=BACKEND, **VM, ttl_s=300)
+        try:
+            r = await sb.exec(["true"])
+        finally:
+            await sb.delete()
+        return r.exit_code == 0
+
+    return await run_cycles(cycle, n, conc)
+
+
+async def answers(sb: Any) -> bool:
+    """True if the VM runs ``true`` within EXEC_ANSWER_S."""
+    try:
+        r = await asyncio.wait_for(sb.exec(["true"]), EXEC_ANSWER_S)
+        return r.exit_code == 0
+    except Exception:  # noqa: BLE001 - a VM that fails to answer is just not held
+        return False
+
+
+async def delete_all(boxes: list[Any], conc: int = 8) -> None:
+    sem = asyncio.Semaphore(conc)
+
+    async def rm(sb: Any) -> None:
+        async with sem:
+            with contextlib.suppress(Exception):
+                await sb.delete()
+
+    await asyncio.gather(*(rm(sb) for sb in boxes))
+
+
+async def idle_memory(client: Any, image: str, n: int) -> dict[str, Any]:
+    """MemAvailable drop / n after IDLE_SETTLE_S of n idle VMs."""
+    await asyncio.sleep(2)
+    before = mem_available()
+    boxes: list[Any] = []
+    try:
+        for _ in range(n):
+            boxes.append(await client.create(image, backend=BACKEND, **VM, ttl_s=900))
+        await asyncio.sleep(IDLE_SETTLE_S)
+        after = mem_available()
+        alive = sum([await answers(sb) for sb in boxes])
+    finally:
+        await delete_all(boxes)
+    return {"n": n, "alive": alive, "mib_per_vm": (before - after) / n / (1 << 20)}
+
+
+async def density(client: Any, image: str, limit: int, batch: int = 8) -> dict[str, Any]:
+    """Create idle VMs a batch at a time until the next batch would cross the host reserve
+    (estimated from the last batch's cost) or ``limit``; count those that answer in 5 s."""
+    reserve = HOST_RESERVE_MIB << 20
+    boxes: list[Any] = []
+    failed = 0
+    stop_reason = "limit"
+    try:
+        while len(boxes) < limit:
+            avail0 = mem_available()
+            got = await asyncio.gather(*(client.create(image, backend=BACKEND, **VM, ttl_s=1800)
+                                         for _ in range(min(batch, limit - len(boxes)))),
+                                       return_exceptions=True)
+            for g in got:
+                if isinstance(g, BaseException):
+                    failed += 1
+                    say(f"  density create failed: {type(g).__name__}: {g}")
+                else:
+                    boxes.append(g)
+            if failed > 8:
+                stop_reason = "create failures"
+                break
+            per_batch = max(0, avail0 - mem_available())
+            if mem_available() - 2 * per_batch < reserve:
+                stop_reason = "host reserve"
+                break
+        await asyncio.sleep(IDLE_SETTLE_S)
+        b0, t0 = machine_busy_s(), time.monotonic()
+        await asyncio.sleep(10)
+        idle_cores = (machine_busy_s() - b0) / (time.monotonic() - t0)
+        held = 0
+        for sb in boxes:  # sequential: each answer timed on its own
+            held += await answers(sb)
+        return {"created": len(boxes), "held": held, "create_failed": failed,
+                "stop": stop_reason, "mem_available_mib": mem_available() >> 20,
+                "idle_host_cpu_cores": idle_cores}
+    finally:
+        await delete_all(boxes)
+
+
+def boot_breakdown(info: Any, connected_s: float, info_s: float) -> dict[str, float]:
+    """ms per boot step from the guest's own CLOCK_BOOTTIME stamps (``BOOT_INFO``) and two host
+    times since QEMU was spawned: when the channel was up, when the boot record came back.
+    The record's ``now`` against the host's time of its arrival gives when the guest's clock
+    started: before that is QEMU's start (process, kernel and initrd loaded); ``host_wait``
+    is how long after the agent was ready the host's channel was up."""
+    ms = 1e-6
+    clock0 = info_s * 1000 - info.now_ns * ms
+    return {"qemu_start_ms": clock0,
+            "kernel_ms": info.init_ns * ms,
+            "modules_ms": (info.modules_ns - info.init_ns) * ms,
+            "disks_ms": (info.disks_ns - info.modules_ns) * ms,
+            "mounts_ms": (info.mounts_ns - info.disks_ns) * ms,
+            "agent_ms": (info.ready_ns - info.mounts_ns) * ms,
+            "host_wait_ms": connected_s * 1000 - clock0 - info.ready_ns * ms}
+
+
+async def exec_true_over_stream(sock: Path, spawned: float, timeout: float
+                                ) -> tuple[int, dict[str, float]]:
+    """Connect to an agent over its byte stream (waiting while the guest boots), read its boot
+    record and run ``true``: (exit code, boot breakdown). ``spawned``: monotonic time QEMU was
+    started."""
+    from rollbox.agent import protocol as P
+    from rollbox.agent.channel import AgentChannel
+
+    ch = await AgentChannel.connect_stream(str(sock), timeout=timeout)
+    try:
+        connected = time.monotonic() - spawned
+        info = await ch.boot_info()
+        breakdown = boot_breakdown(info, connected, time.monotonic() - spawned)
+        sess = await ch.exec(P.ExecRequest(argv=["true"], env=["PATH=/usr/bin:/bin"]))
+        return (await asyncio.wait_for(sess.wait(), timeout)).exit_code, breakdown
+    finally:
+        ch.close()
+
+
+# ---- the peer: plain QEMU --------------------------------------------------------------------
+
+class PlainQemu:
+    """One cold boot of the guest by plain QEMU, no rollbox: the same PVH vmlinux, initramfs
+    (agent as init), image layers (read-only virtio-blk) and a fresh writable ext4 disk, with
+    the best settings known for microvm under TCG (RTC on, ``tsc_early_khz``/``lpj`` so the
+    kernel skips PIT calibration, no option ROMs, no console output). No jail, no seccomp, no
+    balloon, no template: what one would run by hand."""
+
+    def __init__(self, workdir: Path, layers: list[Path], memory_mib: int, disk_mib: int) -> None:
+        s = Settings()
+        self.kernel, self.initrd = s.guest_kernel, s.guest_initramfs
+        self.layers, self.memory_mib, self.disk_mib = layers, memory_mib, disk_mib
+        self.dir = Path(tempfile.mkdtemp(prefix="vm-", dir=workdir))
+        self.sock = self.dir / "agent.sock"
+        self.rw = self.dir / "rw.img"
+        self.proc: asyncio.subprocess.Process | None = None
+        self.breakdown: dict[str, float] = {}
+
+    def argv(self) -> list[str]:
+        khz = host_tsc_khz()
+        cmdline = ["quiet", "panic=-1", "reboot=t", "pci=off", f"rollbox.layers={len(self.layers)}",
+                   "rollbox.rw=1"]
+        if khz:
+            cmdline += [f"tsc_early_khz={khz}", f"lpj={khz * 1000 // KERNEL_HZ}"]
+        args = ["qemu-system-x86_64", "-M", "microvm,rtc=on,x-option-roms=off,isa-serial=off",
+                "-accel", "tcg,tb-size=64", "-cpu", "max", "-smp", "1",
+                "-m", str(self.memory_mib), "-nodefaults", "-no-user-config", "-nographic",
+                "-no-reboot", "-global", "virtio-mmio.force-legacy=false",
+                "-kernel", str(self.kernel), "-initrd", str(self.initrd),
+                "-append", " ".join(cmdline),
+                "-device", "virtio-serial-device,max_ports=2",
+                "-chardev", f"socket,id=agent,path={self.sock},server=on,wait=off",
+                "-device", "virtserialport,chardev=agent,name=org.rollbox.agent"]
+        for i, layer in enumerate(self.layers):
+            args += ["-drive", f"id=layer{i},file={layer},format=raw,if=none,readonly=on",
+                     "-device", f"virtio-blk-device,drive=layer{i},serial=layer{i}"]
+        args += ["-drive", f"id=rw,file={self.rw},format=raw,if=none",
+                 "-device", "virtio-blk-device,drive=rw,serial=rw"]
+        return args
+
+    async def boot_and_exec(self) -> float:
+        """Seconds from start until ``true`` ran in the guest (exit 0)."""
+        t0 = time.monotonic()
+        with open(self.rw, "wb") as f:
+            f.truncate(self.disk_mib << 20)
+        mkfs = await asyncio.create_subprocess_exec(
+            "mkfs.ext4", "-q", "-F", "-E", "nodiscard,lazy_itable_init=1", str(self.rw),
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        if await mkfs.wait() != 0:
+            raise RuntimeError("mkfs.ext4 failed")
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.argv(), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL)
+        spawned = time.monotonic()
+        while not self.sock.exists():
+            if self.proc.returncode is not None:
+                raise RuntimeError(f"qemu exited {self.proc.returncode}")
+            await asyncio.sleep(0.005)
+        code, self.breakdown = await exec_true_over_stream(self.sock, spawned, timeout=60)
+        if code != 0:
+            raise RuntimeError(f"true exited {code}")
+        self.breakdown["host_prep_ms"] = (spawned - t0) * 1000  # writable disk + mkfs.ext4
+        return time.monotonic() - t0
+
+    async def close(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+async def plain_cycles(layers: list[Path], n: int, conc: int, memory_mib: int,
+                       disk_mib: int, workdir: Path) -> dict[str, Any]:
+    first: list[float] = []
+    steps: list[dict[str, float]] = []
+
+    async def cycle() -> bool:
+        vm = PlainQemu(workdir, layers, memory_mib, disk_mib)
+        try:
+            first.append(await vm.boot_and_exec())
+            steps.append(vm.breakdown)
+            return True
+        finally:
+            await vm.close()
+
+    res = await run_cycles(cycle, n, conc)
+    res["first_exec_p50_ms"] = _pct(first, 50) * 1000
+    res["first_exec_p99_ms"] = _pct(first, 99) * 1000
+    res["boot_p50_ms"] = {k: _pct([s[k] for s in steps], 50) for k in (steps[0] if steps else {})}
+    return res
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+# The switches compared (read by the microVM backend through config.py).
+TEMPLATES_OFF = {"ROLLBOX_VM_TEMPLATES": "0"}
+FREE_PAGE_REPORTING_OFF = {"ROLLBOX_VM_FREE_PAGE_REPORTING": "0"}
+
+
+def image_layers(image: str) -> list[Path]:
+    from rollbox.images.store import ImageStore
+
+    store = ImageStore(Settings().images_dir)
+    return [store.layer_path(d) for d in store.resolve(image).layers]
+
+
+async def rollbox_phases(url: str, key: str, quick: bool, res: dict[str, Any]) -> None:
+    """Everything on the default server (templates and free-page reporting on)."""
+    from rollbox.sdk import AsyncClient
+
+    async with AsyncClient(base_url=url, api_key=key, timeout=300) as client:
+        warm = await first_exec(client, IMAGE, 2)  # builds the template of the key
+        say(f"warm-up (template build): {warm}")
+        r = await first_exec(client, IMAGE, 8 if quick else 30)
+        res["restore_first_exec_p50_ms"], res["restore_first_exec_p99_ms"] = r["p50_ms"], r["p99_ms"]
+        res["restore_errors"] = r["errors"]
+        say(f"restore -> first exec p50 {r['p50_ms']:.0f} ms p99 {r['p99_ms']:.0f} ms")
+        rtt = await exec_rtt(client, IMAGE, 50 if quick else 500)
+        res["exec_p50_ms"], res["exec_p99_ms"] = rtt["p50_ms"], rtt["p99_ms"]
+        res["guest_fork_exec_ms"] = rtt["guest_fork_exec_ms"]
+        say(f"exec true p50 {rtt['p50_ms']:.2f} ms p99 {rtt['p99_ms']:.2f} ms; guest-side "
+            f"fork+exec {rtt['guest_fork_exec_ms']:.2f} ms")
+        for c, n in ((1, 6 if quick else 20), (8, 16 if quick else 64)):
+            r = await cycles(client, IMAGE, n, c)
+            res[f"per_s_c{c}"], res[f"cycle_p50_ms_c{c}"] = r["per_s"], r["p50_ms"]
+            res[f"cycle_errors_c{c}"] = r["errors"]
+            say(f"create/exec/destroy c{c}: {r['per_s']:.2f}/s p50 {r['p50_ms']:.0f} ms "
+                f"errors {r['errors']}")
+        idle = await idle_memory(client, IMAGE, 4 if quick else 16)
+        res["idle_mib_per_vm"], res["idle_alive"] = idle["mib_per_vm"], idle["alive"]
+        say(f"idle (free-page reporting on): {idle['mib_per_vm']:.1f} MiB per VM "
+            f"({idle['alive']}/{idle['n']} answer)")
+        d = await density(client, IMAGE, 8 if quick else 400)
+        res["idle_vms"] = d["held"]
+        res["density"] = d
+        say(f"density: {d}")
+
+
+async def cold_phases(url: str, key: str, quick: bool, res: dict[str, Any]) -> None:
+    from rollbox.sdk import AsyncClient
+
+    async with AsyncClient(base_url=url, api_key=key, timeout=300) as client:
+        r = await first_exec(client, IMAGE, 3 if quick else 12)
+        res["cold_first_exec_p50_ms"], res["cold_first_exec_p99_ms"] = r["p50_ms"], r["p99_ms"]
+        res["cold_errors"] = r["errors"]
+        say(f"cold boot -> first exec p50 {r['p50_ms']:.0f} ms p99 {r['p99_ms']:.0f} ms")
+
+
+async def no_reporting_phase(url: str, key: str, quick: bool, res: dict[str, Any]) -> None:
+    from rollbox.sdk import AsyncClient
+
+    async with AsyncClient(base_url=url, api_key=key, timeout=300) as client:
+        await first_exec(client, IMAGE, 1)  # the template of this key
+        idle = await idle_memory(client, IMAGE, 4 if quick else 16)
+        res["idle_mib_per_vm_no_reporting"] = idle["mib_per_vm"]
+        say(f"idle (free-page reporting off): {idle['mib_per_vm']:.1f} MiB per VM")
+
+
+async def plain_phase(quick: bool, res: dict[str, Any]) -> None:
+    layers = image_layers(IMAGE)
+    with tempfile.TemporaryDirectory(prefix="rollbox-bench-plain-") as d:
+        for c, n in ((1, 3 if quick else 10), (8, 8 if quick else 32)):
+            r = await plain_cycles(layers, n, c, VM_MEMORY_MIB, VM_DISK_MIB, Path(d))
+            res[f"plain_qemu_per_s_c{c}"] = r["per_s"]
+            res[f"plain_qemu_first_exec_p50_ms_c{c}"] = r["first_exec_p50_ms"]
+            res[f"plain_qemu_errors_c{c}"] = r["errors"]
+            if c == 1:
+                res["plain_qemu_boot_breakdown_p50_ms"] = r["boot_p50_ms"]
+            say(f"plain QEMU c{c}: {r['per_s']:.2f}/s first exec p50 "
+                f"{r['first_exec_p50_ms']:.0f} ms errors {r['errors']}")
+
+
+def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
+    res: dict[str, Any] = {"image": IMAGE, "quick": quick, "load_start": os.getloadavg()[0],
+                           "cores": os.cpu_count()}
+    t0 = time.monotonic()
+    with server() as (url, key):
+        asyncio.run(rollbox_phases(url, key, quick, res))
+    with server(TEMPLATES_OFF) as (url, key):
+        asyncio.run(cold_phases(url, key, quick, res))
+    with server(FREE_PAGE_REPORTING_OFF) as (url, key):
+        asyncio.run(no_reporting_phase(url, key, quick, res))
+    asyncio.run(plain_phase(quick, res))
+    res["ratio_vs_plain_qemu_c8"] = res["per_s_c8"] / res["plain_qemu_per_s_c8"]
+    res["ratio_vs_plain_qemu_c1"] = res["per_s_c1"] / res["plain_qemu_per_s_c1"]
+    res["wall_s"] = time.monotonic() - t0
+    res["load_end"] = os.getloadavg()[0]
+    res = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}
+    if json_out:
+        print(json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    main(quick="--quick" in sys.argv, json_out="--json" in sys.argv)
