@@ -372,6 +372,186 @@ async def plain_cycles(layers: list[Path], n: int, conc: int, memory_mib: int,
     return res
 
 
+# ---- layers as virtio-blk vs virtio-pmem + DAX (q35) ----------------------------------------
+
+# /init of the layer-device probe guest, appended to the guest's own initramfs (a later cpio
+# member replaces an earlier one): the guest's modules plus virtio-pci, the image's layers
+# mounted read-only from /dev/pmemN (EROFS with dax=always: reads map the host's page cache)
+# or /dev/vdX (read through the guest's own page cache), an overlay with a tmpfs upper, and
+# the Python workload chrooted there. "probe-ready" on the console when it has run.
+PROBE_INIT = r"""#!/platform/busybox sh
+B=/platform/busybox
+$B mount -t proc proc /proc; $B mount -t sysfs sys /sys; $B mount -t devtmpfs dev /dev
+for m in virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_blk \
+         virtio_balloon libnvdimm nd_virtio virtio_pmem nd_btt nd_pmem libcrc32c erofs overlay; do
+  $B insmod /probe/$m.ko 2>/dev/null || $B insmod /lib/modules/$m.ko 2>/dev/null
+done
+mode=$($B sed -n 's/.*probe.mode=\([a-z]*\).*/\1/p' /proc/cmdline)
+n=$($B sed -n 's/.*probe.layers=\([0-9]*\).*/\1/p' /proc/cmdline)
+i=0; lower=""
+for d in a b c d e f g h; do
+  [ $i -lt $n ] || break
+  if [ "$mode" = pmem ]; then dev=/dev/pmem$i; opt=ro,dax=always; else dev=/dev/vd$d; opt=ro; fi
+  k=0; while [ ! -b $dev ] && [ $k -lt 200 ]; do $B sleep 0.05; k=$((k+1)); done
+  $B mkdir -p /layers/$i && $B mount -t erofs -o $opt $dev /layers/$i || echo "probe-fail mount $dev"
+  lower="/layers/$i${lower:+:$lower}"; i=$((i+1))
+done
+$B mount -t tmpfs -o size=64m none /rw && $B mkdir /rw/u /rw/w
+$B mount -t overlay overlay -o lowerdir=$lower,upperdir=/rw/u,workdir=/rw/w /sandbox
+$B mount -t proc proc /sandbox/proc; $B mount -t devtmpfs dev /sandbox/dev
+export PATH=/usr/local/bin:/usr/bin:/bin
+$B chroot /sandbox python3 -c "$($B cat /probe/workload.py)" > /dev/ttyS0 2>&1
+echo probe-fail exit > /dev/ttyS0
+while true; do $B sleep 1000; done
+"""
+PROBE_MODULES = ("drivers/virtio/virtio_pci.ko", "drivers/virtio/virtio_pci_modern_dev.ko",
+                 "drivers/virtio/virtio_pci_legacy_dev.ko")
+
+
+def kernel_modules_dir() -> Path:
+    """The unpacked guest kernel's modules (what ``make guest`` unpacked from the deb)."""
+    found = sorted(Settings().guest_dir.glob("cache/*/lib/modules/*/kernel"))
+    if not found:
+        raise RuntimeError(f"no unpacked guest kernel below {Settings().guest_dir}/cache")
+    return found[-1]
+
+
+def cpio_newc(entries: list[tuple[str, int, bytes]]) -> bytes:
+    """A newc archive of (name, mode, data), owned by root, ending with the trailer."""
+    out = bytearray()
+    for ino, (name, mode, data) in enumerate([*entries, ("TRAILER!!!", 0, b"")], start=1):
+        raw = name.encode() + b"\0"
+        fields = (ino, mode, 0, 0, 1, 0, len(data), 0, 0, 0, 0, len(raw), 0)
+        out += ("070701" + "".join(f"{v:08X}" for v in fields)).encode() + raw
+        out += b"\0" * (-(110 + len(raw)) % 4)
+        out += data + b"\0" * (-len(data) % 4)
+    return bytes(out)
+
+
+def probe_initrd(dest: Path) -> Path:
+    mods = kernel_modules_dir()
+    extra = [("probe", 0o40755, b""), ("init", 0o100755, PROBE_INIT.encode()),
+             ("probe/workload.py", 0o100644,
+              PY_WORKLOAD.replace("print('ready'", "print('probe-ready'").encode())]
+    extra += [(f"probe/{Path(m).name}", 0o100644, (mods / m).read_bytes()) for m in PROBE_MODULES]
+    out = dest / "probe-initrd.cpio"
+    out.write_bytes(Settings().guest_initramfs.read_bytes() + cpio_newc(extra))
+    return out
+
+
+def padded_layers(layers: list[Path], dest: Path) -> list[Path]:
+    """Copies of the layer files padded to 2 MiB (virtio-pmem's alignment), used by both
+    variants so that they read the very same files."""
+    out = []
+    for i, layer in enumerate(layers):
+        dst = dest / f"layer{i}.erofs"
+        shutil.copyfile(layer, dst)
+        size = dst.stat().st_size
+        os.truncate(dst, -(-size // (2 << 20)) * (2 << 20))
+        out.append(dst)
+    return out
+
+
+class LayerProbeVM:
+    """One q35 guest of the probe (same kernel, one vCPU, ``VM_MEMORY_MIB``, balloon with
+    free-page reporting as rollbox's VMs) with the layers as ``mode`` ("blk" | "pmem")."""
+
+    def __init__(self, workdir: Path, kernel: Path, initrd: Path, layers: list[Path],
+                 mode: str, index: int) -> None:
+        self.console = workdir / f"{mode}-{index}.console"
+        self.kernel, self.initrd, self.layers, self.mode = kernel, initrd, layers, mode
+        self.proc: asyncio.subprocess.Process | None = None
+
+    def argv(self) -> list[str]:
+        khz = host_tsc_khz()
+        cmdline = ["console=ttyS0", "quiet", "panic=-1", f"probe.mode={self.mode}",
+                   f"probe.layers={len(self.layers)}"]
+        if khz:
+            cmdline += [f"tsc_early_khz={khz}", f"lpj={khz * 1000 // KERNEL_HZ}"]
+        total = sum(p.stat().st_size for p in self.layers) >> 20
+        args = ["qemu-system-x86_64", "-M", "q35", "-accel", "tcg,tb-size=64", "-cpu", "max",
+                "-smp", "1", "-m", f"{VM_MEMORY_MIB},slots=8,maxmem={VM_MEMORY_MIB + total + 64}M",
+                "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+                "-kernel", str(self.kernel), "-initrd", str(self.initrd),
+                "-append", " ".join(cmdline), "-serial", f"file:{self.console}",
+                "-device", "virtio-balloon-pci,free-page-reporting=on,addr=0x9"]
+        for i, layer in enumerate(self.layers):
+            addr = f"addr={0x10 + i:#x}"
+            if self.mode == "pmem":
+                args += ["-object", f"memory-backend-file,id=mem{i},share=on,readonly=on,"
+                         f"mem-path={layer},size={layer.stat().st_size}",
+                         "-device", f"virtio-pmem-pci,memdev=mem{i},id=pmem{i},{addr}"]
+            else:
+                args += ["-drive", f"id=layer{i},file={layer},format=raw,if=none,readonly=on",
+                         "-device", f"virtio-blk-pci,drive=layer{i},{addr}"]
+        return args
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.argv(), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE)
+
+    async def ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.console.read_text(errors="replace") if self.console.exists() else ""
+            if "probe-ready" in text:
+                return
+            if "probe-fail" in text or (self.proc is not None and self.proc.returncode is not None):
+                raise RuntimeError(f"layer probe ({self.mode}) failed: {text[-500:]}")
+            await asyncio.sleep(0.2)
+        raise RuntimeError(f"layer probe ({self.mode}) not ready in {timeout}s")
+
+    async def close(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+def pss_kib(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+async def layer_device_memory(n: int, quick: bool) -> dict[str, Any]:
+    """n VMs per variant running PY_WORKLOAD; MemAvailable drop and QEMU PSS per variant."""
+    out: dict[str, Any] = {"n": n}
+    s = Settings()
+    with tempfile.TemporaryDirectory(prefix="rollbox-bench-pmem-") as d:
+        work = Path(d)
+        layers = padded_layers(image_layers(PY_IMAGE), work)
+        initrd = probe_initrd(work)
+        for mode in ("blk", "pmem"):
+            await asyncio.sleep(2)
+            before = mem_available()
+            vms = [LayerProbeVM(work, s.guest_kernel, initrd, layers, mode, i) for i in range(n)]
+            try:
+                for vm in vms:
+                    await vm.start()
+                await asyncio.gather(*(vm.ready(600) for vm in vms))
+                await asyncio.sleep(IDLE_SETTLE_S)
+                drop = before - mem_available()
+                pss = sum(pss_kib(vm.proc.pid) for vm in vms if vm.proc) << 10
+            finally:
+                await asyncio.gather(*(vm.close() for vm in vms))
+            out[f"{mode}_mem_available_drop_mib"] = drop / (1 << 20)
+            out[f"{mode}_qemu_pss_mib"] = pss / (1 << 20)
+            say(f"{n} VMs, layers as {mode}: MemAvailable -{drop / (1 << 20):.0f} MiB, "
+                f"QEMU PSS {pss / (1 << 20):.0f} MiB")
+    # The key ratio is of the QEMUs' PSS (shared pages split among their sharers, so the one
+    # host copy of a DAX-mapped layer counts once): on a host others use at the same time,
+    # MemAvailable moves by more than these VMs' difference. Both are reported.
+    out["ratio"] = out["pmem_qemu_pss_mib"] / out["blk_qemu_pss_mib"]
+    out["mem_available_ratio"] = (out["pmem_mem_available_drop_mib"]
+                                  / max(1e-9, out["blk_mem_available_drop_mib"]))
+    return out
+
+
 # ---- the run ---------------------------------------------------------------------------------
 
 # The switches compared (read by the microVM backend through config.py).
@@ -463,6 +643,9 @@ def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
     with server(FREE_PAGE_REPORTING_OFF) as (url, key):
         asyncio.run(no_reporting_phase(url, key, quick, res))
     asyncio.run(plain_phase(quick, res))
+    layer = asyncio.run(layer_device_memory(4 if quick else 16, quick))
+    res["pmem_vs_blk_mem_ratio"] = layer["ratio"]
+    res["layer_devices"] = layer
     res["ratio_vs_plain_qemu_c8"] = res["per_s_c8"] / res["plain_qemu_per_s_c8"]
     res["ratio_vs_plain_qemu_c1"] = res["per_s_c1"] / res["plain_qemu_per_s_c1"]
     res["wall_s"] = time.monotonic() - t0
