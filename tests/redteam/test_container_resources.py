@@ -77,7 +77,9 @@ async def test_a6_disk_filler_capped(boxes: Boxes) -> None:
 async def test_a6_stdout_flood_bounded(boxes: Boxes) -> None:
     sid = await boxes.make(BB)
     r = await boxes.run(sid, "yes", timeout_s=3)
-    assert r.timed_out and r.stdout_bytes > 10 << 20, r.stdout_bytes
+    # Under TCG a guest's `yes` makes ~1 MB/s: past the stream limit all the same.
+    flood = 10 << 20 if boxes.kind == "container" else 1 << 20
+    assert r.timed_out and r.stdout_bytes > flood, r.stdout_bytes
     assert len(r.stdout) < 10 << 20 and r.stdout_dropped > 0
 
 

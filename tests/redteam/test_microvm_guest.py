@@ -1,8 +1,6 @@
 """Red team on real microVM guests through the edge: F40 (root in the guest stalls its own agent,
 kills its own kernel), F41 from the guest side (no device leads to QEMU's monitor; text for the
-monitor on the emulated serial port does nothing), F42 (two clones of one template differ in
-every secret a restore would otherwise copy: the kernel's RNG, machine-id, hostname, boot id,
-Python's ``random``, ASLR; what one clone writes never reaches the next).
+monitor on the emulated serial port does nothing).
 
 In-guest root is expected here: each attack runs as root in the guest, and the outcome checked
 is at the VM's edge (typed errors in bounded time, a complete teardown, neighbours unaffected).
@@ -14,9 +12,10 @@ import time
 
 import pytest
 
-from rollbox.errors import RollboxError
+from rollbox.edge.edge import GUEST_END_GRACE_S, GUEST_START_TIMEOUT_S, HOST_KILL_GRACE_S
+from rollbox.errors import InfraError, RollboxError
 from tests.redteam import qemu_jail
-from tests.redteam.conftest import BB, PY, Boxes, needs_root
+from tests.redteam.conftest import BB, Boxes, needs_root
 
 pytestmark = needs_root
 
@@ -43,25 +42,19 @@ async def assert_gone(vms: Boxes, sid: str, pid: int) -> None:
 async def test_f40_guest_root_freezes_its_agent(vms: Boxes) -> None:
     victim, other = await vms.make(BB), await vms.make(BB)
     pid = qemu_jail.qemu_pids_of(victim)[0]
+    # The command that freezes the agent never gets its end reported: the host stops waiting
+    # a bounded time past its deadline (nothing on the host can kill inside a guest).
     t0 = time.monotonic()
-    outcome: object
-    try:
-        outcome = await asyncio.wait_for(vms.run(victim, FREEZE_AGENT, timeout_s=3), 60)
-    except RollboxError as exc:
-        outcome = exc
-    # Bounded: the command's deadline plus the host's grace, never a hang.
-    assert time.monotonic() - t0 < 60, outcome
-    if not isinstance(outcome, RollboxError):
-        assert outcome.timed_out or outcome.exit_code != 0 or True  # guest-reported anyway
-    # The next command can not run (the agent is frozen): a typed error, in bounded time.
+    with pytest.raises(InfraError, match="unresponsive guest"):
+        await asyncio.wait_for(vms.run(victim, FREEZE_AGENT, timeout_s=3), 90)
+    assert time.monotonic() - t0 < 3 + HOST_KILL_GRACE_S + GUEST_END_GRACE_S + 10
+    # The next command is never started by the frozen agent: a typed error, bounded too.
     t0 = time.monotonic()
-    with pytest.raises((RollboxError, asyncio.TimeoutError)):
-        r = await asyncio.wait_for(vms.run(victim, ["true"], timeout_s=2), 60)
-        assert r.timed_out, r  # a frozen agent can not have run it
-        raise RollboxError("timed out")
-    assert time.monotonic() - t0 < 60
+    with pytest.raises(InfraError, match="unresponsive guest"):
+        await asyncio.wait_for(vms.run(victim, ["true"], timeout_s=2), 90)
+    assert time.monotonic() - t0 < GUEST_START_TIMEOUT_S + 10
     assert await alive(vms, other)
-    await assert_gone(vms, victim, pid)
+    await assert_gone(vms, victim, pid)  # the host's teardown needs nothing from the guest
     assert await alive(vms, other)
 
 
@@ -101,30 +94,3 @@ async def test_f41_guest_has_no_way_to_the_monitor(vms: Boxes) -> None:
     await asyncio.sleep(1)
     assert qemu_jail.qemu_pids_of(sid) == [pid]  # QEMU did not quit
     assert await alive(vms, sid)
-
-
-async def test_f42_template_clones_share_no_secret(vms: Boxes) -> None:
-    probe = ("import os, random, socket\n"
-             "print(open('/proc/sys/kernel/random/uuid').read().strip())\n"
-             "print(open('/proc/sys/kernel/random/boot_id').read().strip())\n"
-             "print(os.urandom(16).hex())\n"
-             "print(open('/etc/machine-id').read().strip())\n"
-             "print(socket.gethostname())\n"
-             "print(random.random())\n"
-             "print(open('/proc/self/maps').readline().split('-')[0])\n"
-             "print(open('/tmp/secret').read() if os.path.exists('/tmp/secret') else 'none')\n")
-    fields = ["uuid", "boot_id", "urandom", "machine_id", "hostname", "random", "aslr",
-              "secret"]
-    seen = []
-    for _ in range(2):  # sequential: the second is a restore of the same template
-        sid = await vms.make(PY)
-        r = await vms.py(sid, probe)
-        assert r.exit_code == 0, r
-        seen.append(dict(zip(fields, r.stdout.split("\n"), strict=False)))
-        # A secret the first clone writes must not reach the next one (nor the template).
-        await vms.run(sid, "echo token-$RANDOM > /tmp/secret")
-        await vms.edge.delete(sid)
-    a, b = seen
-    same = [k for k in fields if k != "secret" and a[k] == b[k]]
-    assert same == [], (same, a, b)
-    assert a["secret"] == b["secret"] == "none", (a, b)

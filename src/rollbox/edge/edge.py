@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Grace past a command's own deadline before the edge kills it from the host side.
 HOST_KILL_GRACE_S = 2.0
+# A guest's agent (microVM) is the guest root's to stop: the host can not kill its commands.
+# Bounds on waiting for it: to start a command, and to end one past its deadline + the grace.
+GUEST_START_TIMEOUT_S = 30.0
+GUEST_END_GRACE_S = 15.0
 AUDIT_EVERY_S = 5  # net.denied events: at most one per sandbox per this many seconds
 
 
@@ -729,7 +733,16 @@ class Edge:
         self.journal.exec_put(sandbox_id, exec_id, agent_id, spec.model_dump_json(),
                               spec.idempotency_key, cg_name, session.started_at)
         try:
-            agent_session = await channel.exec(req, cg_fd, session_id=agent_id, collect=False)
+            start = channel.exec(req, cg_fd, session_id=agent_id, collect=False)
+            if live.box.guest_reported:
+                try:
+                    agent_session = await asyncio.wait_for(start, GUEST_START_TIMEOUT_S)
+                except asyncio.TimeoutError:
+                    raise InfraError(f"sandbox {sandbox_id}: the guest's agent did not start "
+                                     f"the command within {GUEST_START_TIMEOUT_S:.0f} s "
+                                     "(unresponsive guest)") from None
+            else:
+                agent_session = await start
         except SpawnError as exc:
             _close(cg_fd)
             live.box.drop_session(cg_name)
@@ -783,11 +796,18 @@ class Edge:
         """Follow one command to its end. A command re-adopted after a restart starts with the
         agent's replay (``replay_*``: already in the audit log of the edge before)."""
         sid = live.info.id
-        backstop = None
+        backstop = abandon = None
+        abandoned: list[bool] = []
         if session.spec.timeout_s:
-            backstop = asyncio.get_running_loop().call_later(
-                max(0.0, session.spec.timeout_s + HOST_KILL_GRACE_S
-                    - (time.time() - session.started_at)), self._host_kill, live, session)
+            due = max(0.0, session.spec.timeout_s + HOST_KILL_GRACE_S
+                      - (time.time() - session.started_at))
+            loop = asyncio.get_running_loop()
+            backstop = loop.call_later(due, self._host_kill, live, session)
+            if session.guest_reported:  # nothing on the host can end it: stop waiting
+                me = asyncio.current_task()
+                assert me is not None
+                abandon = loop.call_later(due + GUEST_END_GRACE_S,
+                                          lambda: (abandoned.append(True), me.cancel()))
         tails: dict[str, bytes] = {}
         starts = agent_session.start_offsets
         try:
@@ -821,6 +841,14 @@ class Edge:
                     return
             if not session.done.is_set():
                 session.fail(SandboxDead(f"sandbox {sid} died during the command"))
+        except asyncio.CancelledError:
+            if not abandoned:
+                raise
+            if not session.done.is_set():
+                session.fail(InfraError(
+                    f"sandbox {sid}: the guest did not end {session.exec_id} within "
+                    f"{HOST_KILL_GRACE_S + GUEST_END_GRACE_S:.0f} s past its deadline "
+                    "(unresponsive guest)"))
         except Exception as exc:  # noqa: BLE001 - the session must end, whatever happened
             if not session.done.is_set():
                 session.fail(exc if isinstance(exc, RollboxError)
@@ -828,6 +856,8 @@ class Edge:
         finally:
             if backstop:
                 backstop.cancel()
+            if abandon:
+                abandon.cancel()
             if session.cgroup_name and sid in self.live:
                 live.box.drop_session(session.cgroup_name)
             self._forget_old_sessions(live)
