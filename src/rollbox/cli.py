@@ -160,6 +160,15 @@ def bench_disk(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out)
 
 
+@bench_app.command("microvm")
+def bench_microvm(quick: bool = typer.Option(False, "--quick"),
+                  json_out: bool = typer.Option(False, "--json")) -> None:
+    """microVMs: create -> first exec (template restore, cold boot), exec round trip, c1/c8
+    cycles, idle memory and density, virtio-blk vs virtio-pmem layers; plain QEMU as peer."""
+    mod = _load_bench("microvm")
+    mod.main(quick=quick, json_out=json_out)
+
+
 @bench_app.command("rl")
 def bench_rl(quick: bool = typer.Option(False, "--quick"),
              json_out: bool = typer.Option(False, "--json"),
