@@ -77,7 +77,11 @@ enum { M_READY = 32, M_STARTED = 33, M_SPAWN_FAILED = 34, M_STDOUT = 35, M_STDER
 #define EXEC_CGROUP 2u
 #define EXEC_PLATFORM_SHELL 4u /* argv runs under the platform shell (exec'd from its fd) */
 #define EXEC_PLATFORM_TOOL 8u  /* argv[0] names a busybox applet of the platform's busybox */
-#define EXEC_KNOWN_FLAGS (EXEC_STDIN | EXEC_CGROUP | EXEC_PLATFORM_SHELL | EXEC_PLATFORM_TOOL)
+/* With EXEC_PLATFORM_TOOL in guest mode: run in the sandbox's own root (where its commands run:
+ * the host masks hidden paths there), not the tools' view. */
+#define EXEC_TOOL_IN_SANDBOX 16u
+#define EXEC_KNOWN_FLAGS (EXEC_STDIN | EXEC_CGROUP | EXEC_PLATFORM_SHELL | EXEC_PLATFORM_TOOL | \
+                          EXEC_TOOL_IN_SANDBOX)
 #define EXEC_HEAD_SIZE 36 /* <IIIIQIII */
 #define EXITED_SIZE 44    /* <iiBxxxQQQQ */
 #define SESSION_ENTRY_SIZE 52 /* <IiBBxxiiQQQQ */
@@ -1131,7 +1135,8 @@ static void child_exec(int status_wr, int in_rd, int out_wr, int err_wr, int cgf
     }
     /* Guest mode: the agent lives in the initramfs; commands see only the sandbox root, the
      * platform's tools only the overlay (TOOL_VIEW). */
-    int chroot_fd = (flags & EXEC_PLATFORM_TOOL) && view_fd >= 0 ? view_fd : root_fd;
+    int in_view = (flags & EXEC_PLATFORM_TOOL) && !(flags & EXEC_TOOL_IN_SANDBOX);
+    int chroot_fd = in_view && view_fd >= 0 ? view_fd : root_fd;
     if (chroot_fd >= 0 && (fchdir(chroot_fd) < 0 || chroot(".") < 0)) {
         report[0] = ST_CHROOT;
         goto fail;
@@ -1320,6 +1325,13 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
         if (cgfd >= 0)
             close(cgfd);
         spawn_failed(id, EINVAL, "EXEC_PLATFORM_SHELL and EXEC_PLATFORM_TOOL exclude each other");
+        return 0;
+    }
+    if ((flags & EXEC_TOOL_IN_SANDBOX) && !(flags & EXEC_PLATFORM_TOOL)) {
+        free(vec);
+        if (cgfd >= 0)
+            close(cgfd);
+        spawn_failed(id, EINVAL, "EXEC_TOOL_IN_SANDBOX needs EXEC_PLATFORM_TOOL");
         return 0;
     }
     if (((flags & EXEC_CGROUP) != 0) != (cgfd >= 0)) {

@@ -24,6 +24,7 @@ from tests.integration import test_agent_files as checks
 pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
               pytest.mark.asyncio(loop_scope="module")]
 GUEST = REPO_ROOT / "build" / "guest"
+HIDDEN = ("/srv/tests", "/etc/group")  # missing from the image / a file of it
 
 
 async def vm_sh(vm: MicroVM, cmd: str) -> str:
@@ -56,7 +57,7 @@ async def vm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[Mi
     await backend.start()
     layers = tuple(ImageStore(settings.images_dir).resolve(checks.BB).layers)
     vm = await backend.create("vmfiles-files", ResolvedSpec(
-        image=checks.BB, layers=layers, env={},
+        image=checks.BB, layers=layers, env={}, hidden_paths=HIDDEN,
         resources=Resources(cpus=1, memory_mib=256, disk_mib=64)))
     try:
         yield vm, backend
@@ -94,3 +95,13 @@ async def test_streams(box: checks.Box) -> None:
 
 async def test_tar(box: checks.Box) -> None:
     await checks.check_tar_round_trip_and_hostile_members(box)
+
+
+async def test_hidden_paths(box: checks.Box) -> None:
+    """Masked for the sandbox's commands, reached by the file API (the tools' view)."""
+    await box.files.write("/srv/tests/test_x.py", b"secret")
+    assert await box.sh("cat /etc/group; ls -A /srv/tests") == ""
+    assert await box.sh("echo x > /srv/tests/y 2>/dev/null || echo refused") == "refused\n"
+    assert b"root:x:0:" in await box.files.read("/etc/group")
+    assert await box.files.read("/srv/tests/test_x.py") == b"secret"
+    assert [f.name for f in await box.files.list("/srv/tests")] == ["test_x.py"]

@@ -41,8 +41,10 @@ Edge -> agent
                  path of the sandbox is looked up, so a ``/bin/sh`` or ``bash`` the sandbox
                  replaced never runs), EXEC_PLATFORM_TOOL (the same by descriptor for the
                  platform's busybox-static: argv[0] is the applet; in a guest that is the
-                 initramfs's ``/platform/busybox``, run chrooted in the sandbox root; in a
-                 container fd 6 when the edge passes one). Unknown flags are refused. The agent
+                 initramfs's ``/platform/busybox``, run chrooted in the tools' view of the
+                 overlay (none of the sandbox's mounts or masks), or with EXEC_TOOL_IN_SANDBOX
+                 in the sandbox root itself (to mask hidden paths there); in a container fd 6
+                 when the edge passes one). Unknown flags are refused. The agent
                  answers STARTED or SPAWN_FAILED.
   STDIN(2)       bytes for the session's stdin (at most ``CHUNK`` per packet), credit-based: the
                  edge keeps at most ``STDIN_WINDOW`` bytes per session not yet acknowledged by
@@ -148,6 +150,7 @@ EXEC_STDIN = 1
 EXEC_CGROUP = 2
 EXEC_PLATFORM_SHELL = 4
 EXEC_PLATFORM_TOOL = 8  # argv[0] names an applet of the platform's busybox, run by descriptor
+EXEC_TOOL_IN_SANDBOX = 16  # with EXEC_PLATFORM_TOOL (guest): in the sandbox root, not the view
 
 # argv[0] of the platform shell (bash-static): bash semantics. ``sh`` would make it bash's
 # POSIX mode, for callers that promise /bin/sh semantics.
@@ -184,11 +187,13 @@ class ExecRequest:
     tail_limit: int = 64 << 10
     platform_shell: bool = False  # argv runs under the platform shell (EXEC_PLATFORM_SHELL)
     platform_tool: bool = False  # argv[0] is a platform busybox applet (EXEC_PLATFORM_TOOL)
+    tool_in_sandbox: bool = False  # ...run in the sandbox root (EXEC_TOOL_IN_SANDBOX)
 
     def encode(self, session: int, with_cgroup: bool) -> bytes:
         flags = ((EXEC_STDIN if self.stdin else 0) | (EXEC_CGROUP if with_cgroup else 0)
                  | (EXEC_PLATFORM_SHELL if self.platform_shell else 0)
-                 | (EXEC_PLATFORM_TOOL if self.platform_tool else 0))
+                 | (EXEC_PLATFORM_TOOL if self.platform_tool else 0)
+                 | (EXEC_TOOL_IN_SANDBOX if self.tool_in_sandbox else 0))
         head = EXEC_HEAD.pack(
             self.uid, self.gid, self.timeout_ms, flags, self.stream_limit, self.tail_limit,
             len(self.argv), len(self.env),

@@ -41,8 +41,9 @@ from rollbox.backends.container.disk import DiskPool
 from rollbox.backends.microvm import balloon, qemu, qmp
 from rollbox.backends.microvm.accel import AccelChoice, probe_accel
 from rollbox.backends.microvm.disks import VmDisks
+from rollbox.backends.container.bundle import normalize_hidden
 from rollbox.backends.microvm.files import capture as vm_capture
-from rollbox.backends.microvm.files import vm_files
+from rollbox.backends.microvm.files import mask_hidden, vm_files
 from rollbox.backends.microvm.jail import Bind, Jail, Limits, vcpus
 from rollbox.backends.microvm.template import (
     BUILD_PREFIX, Template, TemplateLoadError, VmTemplates, make_unique,
@@ -297,8 +298,7 @@ class MicroVMBackend:
                              "'disk')", disk_tier=spec.disk_tier)
         if spec.network_rules is not None:
             raise BadRequest("network policies are not available on microVMs yet")
-        if spec.hidden_paths:
-            raise BadRequest("hidden paths are not available on microVMs yet")
+        normalize_hidden(spec.hidden_paths)  # BadRequest before anything is made
         missing = self._missing()
         if missing is not None:
             raise BadRequest(f"this node does not offer microVMs: {missing}")
@@ -370,9 +370,15 @@ class MicroVMBackend:
                      Bind(self.settings.vm_initrd, qemu.INITRD)]
             binds += [Bind(f, qemu.layer_path(i)) for i, f in enumerate(layer_files)]
             binds.append(Bind(rw, qemu.RW_DISK, writable=True))
-            return await self._launch(sandbox_id, slot, host_uid, jail, machine, binds,
-                                      spec.resources.cpus, spec.env, timeout_s, template,
-                                      check_boot)
+            vm = await self._launch(sandbox_id, slot, host_uid, jail, machine, binds,
+                                    spec.resources.cpus, spec.env, timeout_s, template,
+                                    check_boot)
+            try:
+                await mask_hidden(vm, spec.hidden_paths)  # before any command of the sandbox
+            except BaseException:
+                vm.channel.close()
+                raise
+            return vm
         except BaseException as exc:
             await asyncio.shield(self._teardown(sandbox_id, jail, slot, jail.read_pid()))
             if isinstance(exc, (InfraError, BadRequest)) or not isinstance(exc, Exception):

@@ -7,6 +7,14 @@ the overlay upper). The guest's agent runs the platform's tools in a view of the
 (none of the sandbox's mounts, nor masks over hidden paths: what a container's host-side file
 API sees), with the upper read-only at :data:`GUEST_UPPER` of that view.
 
+Hidden paths (the task's tests, answers) are masked in the sandbox's own root before its first
+command: an empty read-only tmpfs over a directory, /dev/null over a file, a missing one made an
+empty directory first (as containers do). The tools' view has no masks, so the file API and
+grading still reach them. Unlike a container's, a VM's root holds every capability inside its
+guest and can unmount a mask: a hidden path keeps honest commands and tools from seeing the
+files, while grading's defence is that it runs in a fresh VM the agent never touched (add the
+secret files to the grade, ``GradeSpec.layers``, rather than to the agent's image).
+
 Owns this wiring only.
 """
 from __future__ import annotations
@@ -14,10 +22,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rollbox import errors
+from rollbox.agent import protocol as P
 from rollbox.agent import snapshot as agent_snapshot
 from rollbox.agent.files import AgentFiles
-from rollbox.agent.tools import PlatformTools
+from rollbox.agent.tools import PlatformTools, tool_error
 from rollbox.backends.base import CaptureOptions, CaptureResult
+from rollbox.backends.container.bundle import normalize_hidden
 
 GUEST_UPPER = "/proc"  # agent.c TOOL_VIEW_UPPER: /rw/upper, read-only, in the tools' view
 
@@ -33,3 +44,35 @@ async def capture(files: AgentFiles, dest: Path, opts: CaptureOptions) -> Captur
     keeps running: ``opts.pause`` can not freeze it without stopping its agent too."""
     return await agent_snapshot.capture_writable(
         files, lambda cap: agent_snapshot.tar_stream(files, GUEST_UPPER, cap), dest, opts)
+
+
+def _in_sandbox_request(argv: list[str], stdin: bool, timeout_ms: int, stream_limit: int
+                        ) -> P.ExecRequest:
+    return P.ExecRequest(argv=argv, env=[], timeout_ms=timeout_ms, stdin=stdin,
+                         stream_limit=stream_limit, tail_limit=0, platform_tool=True,
+                         tool_in_sandbox=True)
+
+
+async def mask_hidden(vm: Any, paths: tuple[str, ...] | list[str]) -> None:
+    """Mask each hidden path in the sandbox's root (see the module docstring)."""
+    tools = PlatformTools(lambda: vm.channel, request=_in_sandbox_request)
+    for path in normalize_hidden(paths):
+        res = await tools.run(["stat", "-L", "-c", "%F", "--", path])
+        kind = res.stdout.strip()
+        if not res.ok:
+            err = tool_error(res, path, "stat")
+            if not isinstance(err, errors.NotFound):
+                raise err
+            made = await tools.run(["mkdir", "-p", "-m", "755", "--", path])
+            if not made.ok:
+                raise tool_error(made, path, "mkdir")
+            kind = b"directory"
+        if kind == b"directory":
+            argv = ["mount", "-t", "tmpfs", "-o", "ro,nosuid,nodev,noexec,size=4k,mode=0555",
+                    "rollbox-hidden", path]
+        else:
+            argv = ["mount", "-o", "bind", "/dev/null", path]
+        res = await tools.run(argv)
+        if not res.ok:
+            raise errors.InfraError(f"hidden path {path} not masked in the microVM: "
+                                    f"{res.message()}", path=path)
