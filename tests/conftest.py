@@ -333,7 +333,8 @@ def no_leaks_after_suite() -> Iterator[None]:
 
 
 def run_qemu_processes() -> list[int]:
-    """QEMU processes running as a uid of this run's band (microVM sandboxes left behind)."""
+    """QEMU processes of this run's microVM sandboxes left behind: a uid of the run's band (other
+    runs may share it) and a cgroup under the run's parent."""
     hi = BASE_UID + 1024 * 65536
     found = []
     for entry in os.listdir("/proc"):
@@ -341,7 +342,9 @@ def run_qemu_processes() -> list[int]:
             continue
         try:
             uid = os.stat(f"/proc/{entry}").st_uid
-            if BASE_UID <= uid < hi and "qemu" in Path(f"/proc/{entry}/comm").read_text():
+            if not (BASE_UID <= uid < hi) or "qemu" not in Path(f"/proc/{entry}/comm").read_text():
+                continue
+            if f"/{TEST_CGROUP}/" in Path(f"/proc/{entry}/cgroup").read_text():
                 found.append(int(entry))
         except OSError:
             continue

@@ -110,3 +110,36 @@ async def test_agent_exec_squeeze_deflate_pause_and_adopt(tmp_node_dir: Path) ->
         assert backend.leftovers(vm.id) == []
         backend.release_node_resources()
         pool.release()
+
+
+async def test_a_layer_the_guest_can_not_mount_is_an_infra_error_and_torn_down(
+        tmp_node_dir: Path) -> None:
+    """A layer file with EROFS's magic but a superblock the guest's erofs refuses: the agent
+    answers, its BOOT_INFO names the failed mount, the create fails typed, nothing is left."""
+    from rollbox.errors import InfraError
+
+    store = ImageStore(tmp_node_dir / "images")
+    good = ImageStore(Settings().images_dir).resolve("busybox:test").layers[0]
+    data = bytearray(ImageStore(Settings().images_dir).layer_path(good).read_bytes())
+    data[1024 + 12] = 30  # blkszbits: 1 GiB blocks
+    crafted = tmp_node_dir / "crafted.erofs"
+    crafted.write_bytes(bytes(data))
+    bad = store.add_layer_file(crafted)
+    settings = node_settings(tmp_node_dir)
+    settings.vm_accel = "tcg"
+    settings.images_root = store.root
+    slots = UidSlots(settings.uid_base, settings.uid_slots)
+    pool = DiskPool(settings)
+    backend = backend_for(settings, slots, pool)
+    await backend.start()
+    spec = ResolvedSpec(image="crafted", layers=(bad,), env={},
+                        resources=Resources(cpus=1, memory_mib=256, disk_mib=64))
+    try:
+        with pytest.raises(InfraError) as exc:
+            await backend.create(f"{settings.node_id}-vmbadlayer", spec)
+        assert exc.value.details.get("reason") == "guest_boot"
+        assert "erofs" in exc.value.message
+        assert backend.leftovers(f"{settings.node_id}-vmbadlayer") == []
+    finally:
+        backend.release_node_resources()
+        pool.release()
