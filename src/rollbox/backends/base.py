@@ -190,6 +190,3 @@ class Backend(Protocol):
     # Host-side backstop past a command's deadline: kill its session (VM: through the agent
     # or nothing; the guest's own timeout comes first).
     def kill_session(self, h: SandboxHandle, name: str) -> None: ...
-    # Before a command starts (exec): make the sandbox ready to run it (a microVM squeezed
-    # while idle gets its memory back first). Containers: nothing.
-    async def prepare_exec(self, h: SandboxHandle) -> None: ...

@@ -720,7 +720,6 @@ class Edge:
             tail_limit=RETAIN_LIMIT,  # what a restarted edge can replay
             platform_shell=shell,
         )
-        await live.backend.prepare_exec(live.box)  # e.g. a squeezed VM's memory back
         slot = live.box.new_session()
         cg_name, cg_fd = slot.name, slot.cgroup_fd
         exec_id = f"e{live.box.next_session}"

@@ -417,9 +417,6 @@ class ContainerBackend:
     def oom_kills(self, sb: ContainerSandbox) -> int:  # type: ignore[override]
         return cgroups.oom_kills(self.settings.cgroup_parent, sb.id)
 
-    async def prepare_exec(self, sb: ContainerSandbox) -> None:  # type: ignore[override]
-        """Nothing to do: a container's memory is never taken away while it idles."""
-
     def kill_session(self, sb: ContainerSandbox, name: str) -> None:  # type: ignore[override]
         cgroups.kill(sb.v2_cgroup / name)
 
