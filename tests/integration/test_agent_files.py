@@ -65,6 +65,7 @@ async def test_ops(box: Box) -> None:
 
 async def test_bad_input(box: Box) -> None:
     await check_bad_input_and_special_files(box)
+    await check_paths_stay_in_root(box)
 
 
 async def test_streams(box: Box) -> None:
@@ -119,6 +120,26 @@ async def check_write_read_stat_list_mkdir_remove(box: Box) -> None:
         await box.files.stat("/work/p")
     with pytest.raises(errors.BadRequest):
         await box.files.remove("/")
+
+
+async def check_paths_stay_in_root(box: Box) -> None:
+    """Red team E31: links and ``..`` resolve inside the sandbox's root (on a microVM, the
+    guest's own init and platform tools outside it stay out of reach too)."""
+    await box.sh("mkdir -p /e && ln -s ../../../../../../.. /e/up && ln -s / /e/abs")
+    assert (await box.files.stat("/e/up")).link_target == "../../../../../../.."
+    root = [f.name for f in await box.files.list("/")]
+    assert [f.name for f in await box.files.list("/e/up")] == root
+    assert [f.name for f in await box.files.list("/../../..")] == root
+    await box.files.write("/e/up/escaped.txt", b"in root")
+    assert await box.files.read("/escaped.txt") == b"in root"
+    await box.files.upload_tar("/e/abs/t", once(make_tar([(member("a"), b"a")])))
+    assert await box.files.read("/t/a") == b"a"
+    for outside in ("/e/up/init", "/e/up/platform/busybox", "/../platform/bash",
+                    "/e/abs/../../view/proc"):
+        with pytest.raises(errors.NotFound):
+            await box.files.read(outside)
+    for p in ("/escaped.txt", "/t", "/e"):
+        await box.files.remove(p, recursive=True)
 
 
 async def check_bad_input_and_special_files(box: Box) -> None:

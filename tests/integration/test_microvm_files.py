@@ -87,6 +87,7 @@ async def test_ops(box: checks.Box) -> None:
 
 async def test_bad_input(box: checks.Box) -> None:
     await checks.check_bad_input_and_special_files(box)
+    await checks.check_paths_stay_in_root(box)
 
 
 async def test_streams(box: checks.Box) -> None:
