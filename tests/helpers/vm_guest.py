@@ -93,8 +93,10 @@ def extract_vmlinux(vmlinuz: Path, dst: Path) -> None:
     dst.write_bytes(out)
 
 
-def build_test_guest(dest: Path, guest_build: Path) -> tuple[Path, Path] | None:
-    """(kernel, initramfs) of the test guest under ``dest``; None if no kernel is at hand."""
+def build_test_guest(dest: Path, guest_build: Path, init: str = INIT,
+                     modules: list[str] = MODULES) -> tuple[Path, Path] | None:
+    """(kernel, initramfs) of the test guest under ``dest``; None if no kernel is at hand.
+    init/modules: another /init script and the modules it loads (from /lib/modules)."""
     release = kernel_release()
     if release is None or shutil.which("busybox") is None:
         return None
@@ -108,13 +110,13 @@ def build_test_guest(dest: Path, guest_build: Path) -> tuple[Path, Path] | None:
             os.replace(dest / "vmlinux.tmp", kernel)
     tree = dest / "initramfs"
     shutil.rmtree(tree, ignore_errors=True)
-    for d in ("bin", "lib/modules", "dev", "proc", "sys"):
+    for d in ("bin", "lib/modules", "dev", "proc", "sys", "tmp"):
         (tree / d).mkdir(parents=True)
     shutil.copy(shutil.which("busybox"), tree / "bin" / "busybox")  # type: ignore[arg-type]
-    for m in MODULES:
+    for m in modules:
         shutil.copy(KPROBE / "lib" / "modules" / release / "kernel" / m,
                     tree / "lib" / "modules" / Path(m).name)
-    (tree / "init").write_text(INIT)
+    (tree / "init").write_text(init)
     (tree / "init").chmod(0o755)
     initrd = dest / "initramfs.cpio"
     write_cpio(tree, initrd)

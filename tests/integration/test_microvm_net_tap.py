@@ -104,14 +104,27 @@ class QemuStandIn:
             # A link-local IPv6 address at once (no duplicate detection): the guest's root
             # tries IPv6 too.
             subprocess.run(["ip", "netns", "exec", self.ns, "sysctl", "-qw",
+                            "net.ipv6.conf.all.accept_dad=0",
                             "net.ipv6.conf.eth0.accept_dad=0"], check=True)
             for argv in guest.commands():
                 _ip("-n", self.ns, *argv[1:])
             self.thread = threading.Thread(target=self._relay, daemon=True)
             self.thread.start()
+            self._wait_link_local()
         except BaseException:
             self.close()
             raise
+
+    def _wait_link_local(self) -> None:
+        """Until eth0 has its IPv6 link-local address (the guest's IPv6 attempts must leave)."""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            out = subprocess.run(["ip", "-n", self.ns, "-6", "addr", "show", "dev", "eth0",
+                                  "scope", "link"], capture_output=True, text=True).stdout
+            if "fe80" in out and "tentative" not in out:
+                return
+            time.sleep(0.05)
+        raise AssertionError("the guest's eth0 got no IPv6 link-local address")
 
     def _relay(self) -> None:
         peer = {self.vm_fd: self.guest_fd, self.guest_fd: self.vm_fd}
@@ -182,7 +195,6 @@ class VmBox:
         self.net.close()
         os.close(self.tap_fd)
         await asyncio.to_thread(vmnet.delete, self.sid)
-        netns.delete(self.ns)
 
 
 @pytest.fixture
@@ -199,7 +211,13 @@ async def vmboxes(tmp_path: Path, internet: FakeInternet  # noqa: F811
         except BaseException:
             netns.delete(vmnet.netns_name(sid))
             raise
-        box = VmBox(sid, net, fd, internet)
+        try:
+            box = VmBox(sid, net, fd, internet)
+        except BaseException:
+            net.close()
+            os.close(fd)
+            await asyncio.to_thread(vmnet.delete, sid)
+            raise
         made.append(box)
         return box
 
@@ -485,8 +503,7 @@ async def test_teardown_leaves_nothing(tmp_path: Path, internet: FakeInternet  #
     finally:
         net.close()
         os.close(fd)  # QEMU's descriptor going: the tap goes
-        await asyncio.to_thread(vmnet.delete, sid)
-        netns.delete(ns)
+        assert await asyncio.to_thread(vmnet.delete, sid) == []
     assert vmnet.leftovers(sid) == []
     assert not netns.netns_path(ns).exists()
     assert sid not in link.list_links().values()

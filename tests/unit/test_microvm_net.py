@@ -2,12 +2,14 @@
 the guest's configuration and QEMU's NIC arguments."""
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 
 import pytest
 
 from rollbox.backends.microvm import net as vmnet
+from rollbox.backends.microvm import qemu
 from rollbox.netpolicy import tapfilter
 from rollbox.netpolicy.bpf import PROTO_TCP, PROTO_UDP, Entry
 
@@ -68,6 +70,8 @@ def test_guest_config_and_qemu_args() -> None:
     assert g.commands()[-1] == ["ip", "route", "replace", "default", "via", "10.213.0.5",
                                 "dev", "eth0"]
     assert g.resolv_conf().startswith(b"nameserver 10.213.0.5\n")
-    assert vmnet.qemu_args(3) == ["-netdev", "tap,id=net0,fd=3,vhost=off", "-device",
-                                  f"virtio-net-device,netdev=net0,mac={vmnet.GUEST_MAC}"]
-    assert vmnet.qemu_args(3, pci=True)[3].startswith("virtio-net-pci,romfile=,")
+    m = qemu.MachineSpec(cpus=1, memory_mib=256, layers=1)
+    assert "-netdev" not in qemu.argv(m)  # no policy: no network device at all
+    with_nic = qemu.argv(dataclasses.replace(m, nic=True))
+    assert with_nic[-4:] == ["-netdev", f"tap,id=net0,fd={qemu.TAP_FD},vhost=off", "-device",
+                             f"virtio-net-device,netdev=net0,mac={vmnet.GUEST_MAC}"]

@@ -39,6 +39,7 @@ from rollbox.backends.base import (
 )
 from rollbox.backends.container.disk import DiskPool
 from rollbox.backends.microvm import balloon, qemu, qmp
+from rollbox.backends.microvm import net as vmnet
 from rollbox.backends.microvm.accel import AccelChoice, probe_accel
 from rollbox.backends.microvm.disks import VmDisks
 from rollbox.backends.container.bundle import normalize_hidden
@@ -52,12 +53,15 @@ from rollbox.config import Settings
 from rollbox.errors import BadRequest, InfraError
 from rollbox.images.store import ImageStore
 from rollbox.isolation import cgroups, netns, syscalls
+from rollbox.agent.tools import PlatformTools
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import FileStat
+from rollbox.netpolicy.policy import parse_rules
 
 log = logging.getLogger(__name__)
 
 CONSOLE_KEEP = 16 << 10
+NET_CONFIG_TIMEOUT_S = 20.0
 ADOPT_TIMEOUT_S = 5.0
 QEMU_PIDS = 256
 PR_SET_CHILD_SUBREAPER = 36  # QEMU's threads: vCPUs, main loop, RCU, the block layer's worker pool
@@ -297,7 +301,7 @@ class MicroVMBackend:
             raise BadRequest("microVMs have a disk-backed writable disk only (disk_tier "
                              "'disk')", disk_tier=spec.disk_tier)
         if spec.network_rules is not None:
-            raise BadRequest("network policies are not available on microVMs yet")
+            parse_rules(list(spec.network_rules))  # BadRequest before anything is made
         normalize_hidden(spec.hidden_paths)  # BadRequest before anything is made
         missing = self._missing()
         if missing is not None:
@@ -307,7 +311,8 @@ class MicroVMBackend:
         return qemu.MachineSpec(
             cpus=vcpus(spec.resources.cpus), memory_mib=spec.resources.memory_mib,
             layers=len(spec.layers), rw_disk=True, accel=self._accel_name(),
-            tsc_khz=qemu.host_tsc_khz(), tb_size_mib=self.settings.vm_tb_size_mib)
+            tsc_khz=qemu.host_tsc_khz(), tb_size_mib=self.settings.vm_tb_size_mib,
+            nic=spec.network_rules is not None)
 
     def limits_for(self, machine: qemu.MachineSpec, cpus: float) -> Limits:
         tb = machine.tb_size_mib if machine.accel == "tcg" else 0
@@ -358,7 +363,16 @@ class MicroVMBackend:
         slot = self.slots.acquire()
         host_uid = self.slots.host_uid(slot)
         jail = Jail(self.run_root, self.settings.cgroup_parent, sandbox_id)
+        net: vmnet.VmNetwork | None = None
+        tap_fd = -1
         try:
+            if machine.nic:
+                # The network first: QEMU joins its namespace and gets the tap at TAP_FD. A
+                # template's build VM gets none of the creator's rules (deny everything).
+                await asyncio.to_thread(netns.create, vmnet.netns_name(sandbox_id))
+                rules = ([] if sandbox_id.startswith(BUILD_PREFIX)
+                         else list(spec.network_rules or ()))
+                net, tap_fd = await vmnet.attach(sandbox_id, rules, self.settings)
             layer_files = await self.disks.layer_files(list(spec.layers))
             if template is None:
                 rw = await self.disks.create_rw_async(sandbox_id,
@@ -372,34 +386,61 @@ class MicroVMBackend:
             binds.append(Bind(rw, qemu.RW_DISK, writable=True))
             vm = await self._launch(sandbox_id, slot, host_uid, jail, machine, binds,
                                     spec.resources.cpus, spec.env, timeout_s, template,
-                                    check_boot)
+                                    check_boot, tap_fd=tap_fd)
             try:
+                if net is not None:
+                    vm.network = net
+                    await self.configure_guest_network(vm, net.guest)  # after a restore too
                 await mask_hidden(vm, spec.hidden_paths)  # before any command of the sandbox
             except BaseException:
                 vm.channel.close()
                 raise
             return vm
         except BaseException as exc:
+            if net is not None:
+                net.close()
             await asyncio.shield(self._teardown(sandbox_id, jail, slot, jail.read_pid()))
             if isinstance(exc, (InfraError, BadRequest)) or not isinstance(exc, Exception):
                 raise
             raise InfraError(f"microVM {sandbox_id} not created: {exc}") from exc
+        finally:
+            if tap_fd >= 0:
+                os.close(tap_fd)  # QEMU holds its own (the tap lives as long as QEMU)
+
+    async def configure_guest_network(self, vm: MicroVM, guest: vmnet.GuestConfig) -> None:
+        """The guest's interface, route and resolver, set by the platform's own tools through
+        the agent (the guest kernel has no ip= autoconfiguration). The filter at the tap does
+        not rely on any of it: a guest that sets something else only loses its network."""
+        tools = PlatformTools(lambda: vm.channel, timeout_s=NET_CONFIG_TIMEOUT_S)
+        for argv in guest.commands():
+            res = await tools.run(argv, max_stdout=4096)
+            if not res.ok:
+                raise InfraError(f"microVM {vm.id}: {' '.join(argv[:3])} failed in the guest: "
+                                 f"{res.message()[:200]}")
+        res = await tools.run(["tee", vmnet.RESOLV_CONF], stdin=guest.resolv_conf(),
+                              max_stdout=4096)
+        if not res.ok:
+            raise InfraError(f"microVM {vm.id}: {vmnet.RESOLV_CONF} not written: "
+                             f"{res.message()[:200]}")
 
     async def _launch(self, sandbox_id: str, slot: int, host_uid: int, jail: Jail,
                       machine: qemu.MachineSpec, binds: list[Bind], cpus: float,
                       env: dict[str, str], boot_timeout_s: float,
                       template: Template | None = None,
-                      check_boot: bool = True) -> MicroVM:
+                      check_boot: bool = True, tap_fd: int = -1) -> MicroVM:
         """Start QEMU in its jail (a restore: paused until the template's state is loaded)
-        and wait for the agent; the caller tears down on failure."""
+        and wait for the agent; the caller tears down on failure. With a NIC, QEMU runs in
+        the sandbox's network namespace with the tap at TAP_FD."""
         devices = ("/dev/kvm",) if machine.accel == "kvm" else ()
         argv = qemu.argv(replace(machine, incoming=template is not None),
                          str(self.settings.qemu_binary))
         sockets = await asyncio.to_thread(jail.prepare)
+        ns = netns.netns_path(vmnet.netns_name(sandbox_id)) if machine.nic else None
         try:
             pid = await jail.spawn(self.settings.vm_jailer, argv, host_uid,
                                    self.limits_for(machine, cpus), binds, sockets,
-                                   devices=devices)
+                                   devices=devices, netns=ns,
+                                   extra_fds=(tap_fd,) if machine.nic else ())
         finally:
             for s in sockets:
                 s.close()  # QEMU holds its own copies
@@ -504,17 +545,31 @@ class MicroVMBackend:
                      machine=machine, channel=channel, image_env=dict(spec.env),
                      squeezed=bool(state.get("squeezed")))
         vm.files = self.files_for(vm)
+        if spec.network_rules is not None:
+            try:
+                vm.network = await vmnet.adopt(sandbox_id, list(spec.network_rules),
+                                               self.settings)
+            except Exception as exc:  # noqa: BLE001 - fail closed: torn down below
+                log.warning("microVM %s: network re-attach failed: %s", sandbox_id, exc)
+            if vm.network is None or not machine.nic:
+                log.warning("microVM %s: network can not be re-attached; cleaning up",
+                            sandbox_id)
+                self.detach(vm)
+                await self._teardown(sandbox_id, jail, slot, pid)
+                return None
         if paused:
             await self.pause(vm)
         return vm
 
     async def destroy(self, h: MicroVM) -> None:  # type: ignore[override]
-        h.channel.close()
-        h.files.close()
+        self.detach(h)
         await self._teardown(h.id, h.jail, h.slot, h.pid)
 
     def detach(self, h: MicroVM) -> None:  # type: ignore[override]
-        """The edge stops; the VM keeps running (adopted by the next edge)."""
+        """The edge stops; the VM keeps running (adopted by the next edge). Its DNS gate
+        stops with this edge (the next one starts it again); the filter stays in force."""
+        if isinstance(h.network, vmnet.VmNetwork):
+            h.network.close()
         h.channel.close()
         h.files.close()
 
@@ -531,6 +586,9 @@ class MicroVMBackend:
         if not problems:
             problems += await asyncio.to_thread(jail.release)
             problems += await asyncio.to_thread(self.disks.remove_rw, sandbox_id)
+            # With QEMU gone its tap is gone; the link's host end and the namespace (the
+            # filter table goes with it) are removed here.
+            problems += await asyncio.to_thread(vmnet.delete, sandbox_id)
         if problems:
             log.error("teardown of microVM %s incomplete: %s", sandbox_id, problems)
             raise InfraError(f"teardown of {sandbox_id} incomplete", problems=problems)
@@ -556,6 +614,7 @@ class MicroVMBackend:
         jail = Jail(self.run_root, self.settings.cgroup_parent, sandbox_id)
         left = self._uid_processes(sandbox_id) + jail.leftovers()
         left += self.disks.leftovers(sandbox_id)
+        left += vmnet.leftovers(sandbox_id)
         if netns.netns_path(netns.PREFIX + sandbox_id).exists():
             left.append(str(netns.netns_path(netns.PREFIX + sandbox_id)))
         return left
@@ -614,7 +673,11 @@ class MicroVMBackend:
             h.squeezed = False
 
     async def set_network(self, h: MicroVM, rules: list[str]) -> None:  # type: ignore[override]
-        raise BadRequest("network policies are not available on microVMs yet")
+        """A new policy for a VM created with one (the set at the tap replaced: connections the
+        new policy leaves out are cut at once). A VM created without one has no NIC: refused."""
+        if not isinstance(h.network, vmnet.VmNetwork):
+            raise vmnet.refuse_late_attach(h.id)
+        await asyncio.to_thread(h.network.apply, rules)
 
     async def capture_writable(self, h: MicroVM, dest: Path,  # type: ignore[override]
                                opts: CaptureOptions) -> CaptureResult:

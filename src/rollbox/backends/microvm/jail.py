@@ -150,13 +150,15 @@ class Jail:
 
     async def spawn(self, jailer: Path, qemu_argv: list[str], host_uid: int, limits: Limits,
                     binds: list[Bind], sockets: list[socket.socket], *,
-                    netns: Path | None = None, devices: tuple[str, ...] = ()) -> int:
-        """Start QEMU in the jail; returns its host pid once it has exec'd."""
+                    netns: Path | None = None, devices: tuple[str, ...] = (),
+                    extra_fds: tuple[int, ...] = ()) -> int:
+        """Start QEMU in the jail; returns its host pid once it has exec'd. ``extra_fds``
+        follow the sockets (a VM's tap at fd 6)."""
         cg_dirs = await asyncio.to_thread(make_cgroups, self.cgroup_parent, self.sandbox_id,
                                           limits)
         args = [str(jailer), "--root", str(self.dir / "root"), "--uid", str(host_uid),
                 "--gid", str(host_uid), "--pidfile", str(self.pid_file),
-                "--keep-fds", str(len(sockets))]
+                "--keep-fds", str(len(sockets) + len(extra_fds))]
         for d in cg_dirs:
             args += ["--cgroup", str(d)]
         if netns is not None:
@@ -172,7 +174,8 @@ class Jail:
         try:
             actions = [(os.POSIX_SPAWN_DUP2, devnull, 0), (os.POSIX_SPAWN_DUP2, devnull, 1),
                        (os.POSIX_SPAWN_DUP2, logfd, 2)]
-            actions += [(os.POSIX_SPAWN_DUP2, s.fileno(), 3 + i) for i, s in enumerate(sockets)]
+            fds = [s.fileno() for s in sockets] + list(extra_fds)
+            actions += [(os.POSIX_SPAWN_DUP2, fd, 3 + i) for i, fd in enumerate(fds)]
             pid = os.posix_spawn(str(jailer), args, {}, file_actions=actions)
         finally:
             os.close(devnull)

@@ -17,7 +17,7 @@ Inside a VM the guest's root owns the guest's network stack (raw sockets, IPv6, 
 addresses, another MAC): the tap filter is the only layer, and assumes nothing of the guest.
 
 Owns: the VM's tap, its filter table and its link (through link.py). Must not touch QEMU's
-process, jail or command line beyond the arguments ``qemu_args`` returns (lane vmm's).
+process, jail or command line (qemu.py puts the NIC on the tap's descriptor, TAP_FD).
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollbox.backends.microvm.qemu import GUEST_MAC
 from rollbox.errors import BadRequest, InfraError
 from rollbox.isolation import netns
 from rollbox.netpolicy import link
@@ -39,7 +40,6 @@ from rollbox.netpolicy.sandbox_net import RESOLV_CONF, SandboxNetwork, close_sta
 from rollbox.netpolicy.tapfilter import GUEST_IFACE, TapFilter
 
 log = logging.getLogger(__name__)
-GUEST_MAC = "52:54:00:72:62:78"
 GUEST_IFACE_IN_VM = "eth0"  # virtio_net's first interface in the guest
 TUNSETIFF = 0x400454CA
 IFF_TAP = 0x0002
@@ -48,14 +48,6 @@ IFF_NO_PI = 0x1000
 
 def netns_name(sandbox_id: str) -> str:
     return netns.PREFIX + sandbox_id
-
-
-def qemu_args(tap_fd: int, pci: bool = False) -> list[str]:
-    """QEMU arguments for the VM's NIC on the tap descriptor ``tap_fd`` (inherited by QEMU at
-    that number). pci: q35's virtio-net-pci (no option ROM), else microvm's virtio-mmio."""
-    dev = ("virtio-net-pci,romfile=" if pci else "virtio-net-device")
-    return ["-netdev", f"tap,id=net0,fd={tap_fd},vhost=off",
-            "-device", f"{dev},netdev=net0,mac={GUEST_MAC}"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +60,7 @@ class GuestConfig:
     def commands(self) -> list[list[str]]:
         """argv of the platform's own busybox applets (EXEC_PLATFORM_TOOL), in order."""
         return [["ip", "link", "set", self.iface, "up"],
+                ["ip", "-4", "addr", "flush", "dev", self.iface],  # a template's, after a restore
                 ["ip", "addr", "replace", self.address, "dev", self.iface],
                 ["ip", "route", "replace", "default", "via", self.gateway, "dev", self.iface]]
 
@@ -191,11 +184,16 @@ def refuse_late_attach(sandbox_id: str) -> BadRequest:
                       "everything) to change the policy later", sandbox_id=sandbox_id)
 
 
-def delete(sandbox_id: str) -> None:
-    """Remove the host end of the link (its peer goes with it). The tap goes with QEMU's
-    descriptor and the filter table with the namespace (lane vmm deletes it)."""
+def delete(sandbox_id: str) -> list[str]:
+    """With QEMU gone (its tap with it): remove the host end of the link (its peer goes with
+    it) and the namespace (the filter table with it); returns what is left."""
     if link.exists(sandbox_id):
         subprocess.run(["ip", "link", "del", link.link_name(sandbox_id)], capture_output=True)
+    netns.delete(netns_name(sandbox_id))
+    left = leftovers(sandbox_id)
+    if netns.netns_path(netns_name(sandbox_id)).exists():
+        left.append(str(netns.netns_path(netns_name(sandbox_id))))
+    return left
 
 
 def leftovers(sandbox_id: str) -> list[str]:
@@ -207,4 +205,4 @@ def leftovers(sandbox_id: str) -> list[str]:
 
 
 __all__ = ["GUEST_MAC", "GuestConfig", "RESOLV_CONF", "VmNetwork", "adopt", "attach",
-           "delete", "leftovers", "netns_name", "open_tap", "qemu_args", "refuse_late_attach"]
+           "delete", "leftovers", "netns_name", "open_tap", "refuse_late_attach"]

@@ -9,7 +9,9 @@ sandbox id, so two sandboxes of the same image, layers and resources get the *sa
   ``layer<i>`` (i = index in the spec's layer list, lowest first), ``/vm/rw.img`` the
   writable ext4 disk, virtio-blk serial ``rw``,
 - fd 3: the agent's virtio-serial port ``org.rollbox.agent`` (listening unix socket the edge
-  bound), fd 4: QMP, fd 5: the serial console (read by the edge during boot only).
+  bound), fd 4: QMP, fd 5: the serial console (read by the edge during boot only),
+- fd 6 with a network policy only: the tap of the VM's NIC (``net.py``); without one the VM
+  has no network device at all.
 
 Guest kernel command line (read by the agent as init): ``rollbox.layers=N`` and
 ``rollbox.rw=1`` say which disks exist (the agent finds them by their virtio serial, not by
@@ -33,6 +35,10 @@ AGENT_PORT = "org.rollbox.agent"
 # Descriptors QEMU inherits from the jailer (listening sockets bound by the edge).
 AGENT_FD, QMP_FD, CONSOLE_FD = 3, 4, 5
 KEPT_FDS = 3
+# With a network policy: the tap (net.py) at fd 6, the NIC's fixed MAC (every VM is alone on
+# its segment; equal argvs for a template's sandboxes).
+TAP_FD = 6
+GUEST_MAC = "52:54:00:72:62:78"
 HZ = 250  # CONFIG_HZ of Debian's cloud kernel: lpj = kHz * 1000 / HZ
 
 
@@ -51,6 +57,7 @@ class MachineSpec:
     tsc_khz: int = 0             # 0: leave the kernel to calibrate
     tb_size_mib: int = 64        # TCG translation cache (QEMU's default, 1 GiB, costs RSS)
     incoming: bool = False       # start paused waiting for ``migrate-incoming`` (restore)
+    nic: bool = False            # a virtio-net NIC on the tap at TAP_FD (network policy)
     extra_cmdline: tuple[str, ...] = field(default=())
 
 
@@ -95,6 +102,9 @@ def argv(spec: MachineSpec, binary: str = "/usr/bin/qemu-system-x86_64") -> list
         args += ["-drive", f"id=rw,file={RW_DISK},format=raw,if=none,discard=unmap,"
                  "detect-zeroes=unmap",
                  "-device", "virtio-blk-device,drive=rw,serial=rw"]
+    if spec.nic:
+        args += ["-netdev", f"tap,id=net0,fd={TAP_FD},vhost=off",
+                 "-device", f"virtio-net-device,netdev=net0,mac={GUEST_MAC}"]
     if spec.incoming:
         args += ["-incoming", "defer"]
     return args
