@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from rollbox.agent.tools import PlatformTools
 from rollbox.backends.base import (
     BackendCapacity, CaptureOptions, CaptureResult, NetworkAttachment, ResolvedSpec,
     SessionSlot, Usage,
@@ -53,7 +54,6 @@ from rollbox.config import Settings
 from rollbox.errors import BadRequest, InfraError
 from rollbox.images.store import ImageStore
 from rollbox.isolation import cgroups, netns, syscalls
-from rollbox.agent.tools import PlatformTools
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import FileStat
 from rollbox.netpolicy.policy import parse_rules
