@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -96,6 +97,9 @@ class GuestShell:
                     out.append(line)
             rc = await asyncio.wait_for(collect(), timeout)
         return rc, "\n".join(out)
+
+    async def boot_info(self) -> SimpleNamespace:  # the agent's BOOT_INFO: no failed step
+        return SimpleNamespace(errno=0, error="")
 
     def close(self) -> None:
         self.sock.close()
