@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import lzma
 import posixpath
 import secrets
 import stat as st
 import tarfile
 import threading
-import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TypeVar
 
 from rollbox import errors
@@ -36,19 +34,19 @@ from rollbox.backends.container.files import (
     ID_RANGE,
     MAX_PATH,
     MAX_STREAM_FILE,
+    MALFORMED_TAR,
     MAX_TAR_META,
     MODE_MASK,
     OVERFLOW_ID,
-    DiskFull,
     _ChunkReader,
     _ftype,
     _join,
     _kind,
-    _own_thread,
     _QueueWriter,
     _SafeTarInfo,
     _split,
     _Stopped,
+    produced,
 )
 from rollbox.models import FileStat
 
@@ -72,6 +70,21 @@ def _fmt(nonce: str) -> str:
     """busybox ``stat -c`` format of one record: raw mode (hex), size, uid, gid, mtime, then
     the name (``'name' -> 'target'`` for a link), newline-terminated."""
     return f"{nonce} %f %s %u %g %Y %N"
+
+
+def _batches(paths: list[str]) -> Iterator[list[str]]:
+    """``paths`` in runs whose argv stays below ARGV_BYTES (at least one path each)."""
+    batch: list[str] = []
+    size = 0
+    for p in paths:
+        n = len(p.encode("utf-8", "surrogateescape")) + 1
+        if batch and size + n >= ARGV_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(p)
+        size += n
+    if batch:
+        yield batch
 
 
 def _id(v: int) -> int:
@@ -156,13 +169,7 @@ class AgentFiles:
     async def _stat_many(self, paths: list[str], follow: bool = False) -> list[FileStat]:
         """lstat (``follow``: stat) of each path, in order; vanished ones are left out."""
         out: list[FileStat] = []
-        i = 0
-        while i < len(paths):
-            batch, size = [], 0
-            while i < len(paths) and (not batch or size + len(paths[i]) + 1 < ARGV_BYTES):
-                batch.append(paths[i])
-                size += len(paths[i].encode("utf-8", "surrogateescape")) + 1
-                i += 1
+        for batch in _batches(paths):
             nonce = _nonce()
             argv = ["stat", *(["-L"] if follow else []), "-c", _fmt(nonce), "--", *batch]
             res = await self.tools.run(argv, max_stdout=len(batch) * (2 * MAX_PATH + 128))
@@ -219,13 +226,7 @@ class AgentFiles:
         self._check()
         out: dict[str, set[str] | None] = {d: set() for d in dirs}
         total = 0
-        i = 0
-        while i < len(dirs):
-            batch, size = [], 0
-            while i < len(dirs) and (not batch or size + len(dirs[i]) + 1 < ARGV_BYTES):
-                batch.append(dirs[i])
-                size += len(dirs[i].encode("utf-8", "surrogateescape")) + 1
-                i += 1
+        for batch in _batches(dirs):
             res = await self.tools.run(["find", *batch, "-mindepth", "1", "-maxdepth", "1",
                                         "-print0"], max_stdout=MAX_LIST_BYTES,
                                        timeout_s=STREAM_TIMEOUT_S)
@@ -514,8 +515,7 @@ class _TarRewrite:
                     self._member(tf, dst, m)
         except (errors.RollboxError, _Stopped):
             raise
-        except (tarfile.TarError, EOFError, ValueError, UnicodeError, zlib.error,
-                lzma.LZMAError) as exc:
+        except MALFORMED_TAR as exc:
             raise self._bad(f"malformed tar stream: {exc}") from exc
         except OSError as exc:
             if exc.errno is None:  # decompressors report bad data as a bare OSError
@@ -573,42 +573,10 @@ async def _transformed(chunks: AsyncIterator[bytes],
                        work: Callable[[_ChunkReader, _QueueWriter], None],
                        queue_chunks: int = 8) -> AsyncIterator[bytes]:
     """``work(reader, writer)`` in a worker thread, reading ``chunks`` one at a time and
-    writing chunks this yields (bounded queue): memory stays bounded both ways. A failure of
-    ``chunks`` itself is raised as it was."""
-    loop = asyncio.get_running_loop()
+    writing chunks this yields: memory stays bounded both ways. A failure of ``chunks``
+    itself is raised as it was."""
     stop = threading.Event()
-    reader = _ChunkReader(chunks, loop, stop)
-    queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue(queue_chunks)
-    writer = _QueueWriter(queue, loop, stop)
-
-    def run() -> None:
-        try:
-            work(reader, writer)
-            writer.flush()
-            writer.put(None)
-        except _Stopped:
-            if reader.source_error is not None:
-                try:
-                    writer.put(reader.source_error)
-                except _Stopped:
-                    pass
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            try:
-                writer.put(exc)
-            except _Stopped:
-                pass
-
-    worker = asyncio.ensure_future(_own_thread(run))
-    try:
-        while True:
-            item = await queue.get()
-            if item is None:
-                break
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        while not queue.empty():
-            queue.get_nowait()
-        await asyncio.shield(worker)
+    reader = _ChunkReader(chunks, asyncio.get_running_loop(), stop)
+    async for chunk in produced(lambda out: work(reader, out), queue_chunks, source=reader,
+                                stop=stop):
+        yield chunk

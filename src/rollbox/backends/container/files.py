@@ -55,6 +55,11 @@ MAX_STREAM_FILE = 16 << 30
 STREAM_CHUNK = 1 << 20
 
 
+# What tarfile and the decompressors raise on bad data (besides a bare OSError).
+MALFORMED_TAR = (tarfile.TarError, EOFError, ValueError, UnicodeError, zlib.error,
+                 lzma.LZMAError)
+
+
 class _Stopped(Exception):
     """The consumer of a streaming transfer went away."""
 
@@ -727,8 +732,7 @@ class SandboxFS:
                         written += self._extract_member(rfd, parts, tf, member, written)
             except (errors.RollboxError, _Stopped):
                 raise
-            except (tarfile.TarError, EOFError, ValueError, UnicodeError, zlib.error,
-                    lzma.LZMAError) as exc:
+            except MALFORMED_TAR as exc:
                 raise errors.BadRequest(f"malformed tar stream: {exc}") from exc
             except OSError as exc:
                 if exc.errno is None:  # decompressors report bad data as a bare OSError
@@ -841,39 +845,8 @@ class SandboxFS:
         sockets and devices are skipped; ids are unshifted. Memory stays bounded: the worker
         blocks while ``queue_chunks`` chunks of 256 KiB wait for the consumer."""
         parts = _split(path)
-        loop = asyncio.get_running_loop()
-        stop = threading.Event()
-        queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue(queue_chunks)
-        writer = _QueueWriter(queue, loop, stop)
-
-        def work() -> None:
-            try:
-                self._archive(parts, writer)
-                writer.flush()
-                writer.put(None)
-            except _Stopped:
-                pass
-            except BaseException as exc:
-                try:
-                    writer.put(exc)
-                except _Stopped:
-                    pass
-
-        worker = asyncio.ensure_future(_own_thread(work))
-        try:
-            while True:
-                item = await queue.get()
-                if item is None:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            stop.set()
-            # Unblock a worker waiting on a full queue, then wait for it (it exits promptly).
-            while not queue.empty():
-                queue.get_nowait()
-            await asyncio.shield(worker)
+        async for chunk in produced(lambda out: self._archive(parts, out), queue_chunks):
+            yield chunk
 
     def _archive(self, parts: list[str], out: _QueueWriter) -> None:
         where = _join(parts)
@@ -1091,6 +1064,48 @@ async def _own_thread(fn: Callable[[], T]) -> T:
 
     threading.Thread(target=run, name="rollbox-stream-worker", daemon=True).start()
     return await fut
+
+
+async def produced(work: Callable[[_QueueWriter], None], queue_chunks: int = 8, *,
+                   source: _ChunkReader | None = None,
+                   stop: threading.Event | None = None) -> AsyncIterator[bytes]:
+    """What ``work(writer)`` writes, run in a worker thread, as chunks of at most 256 KiB: the
+    worker blocks while ``queue_chunks`` wait for the consumer (memory stays bounded). With
+    ``source`` (a reader ``work`` pulls from, sharing ``stop``), a failure of that source is
+    raised as it was."""
+    loop = asyncio.get_running_loop()
+    stop = stop if stop is not None else threading.Event()
+    queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue(queue_chunks)
+    writer = _QueueWriter(queue, loop, stop)
+
+    def run() -> None:
+        try:
+            work(writer)
+            writer.flush()
+            writer.put(None)
+        except _Stopped:
+            if source is not None and source.source_error is not None:
+                with contextlib.suppress(_Stopped):
+                    writer.put(source.source_error)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            with contextlib.suppress(_Stopped):
+                writer.put(exc)
+
+    worker = asyncio.ensure_future(_own_thread(run))
+    try:
+        while True:
+            item = await queue.get()
+            if item is None:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        # Unblock a worker waiting on a full queue, then wait for it (it exits promptly).
+        while not queue.empty():
+            queue.get_nowait()
+        await asyncio.shield(worker)
 
 
 async def _pulled(chunks: AsyncIterator[bytes], work: Callable[[_ChunkReader], T]) -> T:
