@@ -12,7 +12,7 @@
  *      pivot_root()s into it,
  *   5. forks: the child is PID 1 of the new pid namespace; it drops to --uid/--gid with no
  *      supplementary groups, an empty capability bounding set, no_new_privs, a new session,
- *      RLIMIT_CORE 0, an empty environment, only fds 0-2 and 3..3+--keep-fds-1 open, and execs
+ *      RLIMIT_CORE 0, no transparent huge pages, an empty environment, only fds 0-2 and 3..3+--keep-fds-1 open, and execs
  *      the program;
  *   6. the parent writes the child's host pid to --pidfile and exits 0 once the exec happened
  *      (or 1 with the failing step on stderr). The program then runs on its own (the edge, a
@@ -175,6 +175,10 @@ static void drop_privileges(uid_t uid, gid_t gid) {
         die("clear ambient caps");
     struct rlimit zero = {0, 0};
     if (setrlimit(RLIMIT_CORE, &zero)) die("RLIMIT_CORE");
+    /* No transparent huge pages for QEMU (inherited across exec; QEMU's MADV_HUGEPAGE on guest
+     * RAM is then ignored): a guest touching 4 KiB costs the host 4 KiB, not 2 MiB (an idle
+     * 512 MiB busybox guest: 91 instead of 98 MiB of guest RAM resident). */
+    if (prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0)) die("PR_SET_THP_DISABLE");
 }
 
 int main(int argc, char **argv) {

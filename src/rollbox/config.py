@@ -103,6 +103,10 @@ class Settings:
         default_factory=lambda: _env_float("ROLLBOX_VM_BOOT_TIMEOUT", 60.0))
     vm_overhead_mib: int = field(default_factory=lambda: _env_int("ROLLBOX_VM_OVERHEAD_MIB", 256))
     vm_tb_size_mib: int = field(default_factory=lambda: _env_int("ROLLBOX_VM_TB_MIB", 64))
+    # A microVM with no command running and none started for this long is squeezed (balloon
+    # to its floor) until its next command; 0: never.
+    vm_idle_squeeze_s: float = field(
+        default_factory=lambda: _env_float("ROLLBOX_VM_IDLE_SQUEEZE_S", 60.0))
     # microVM templates (backends/microvm/template.py): creates restore a VM saved once per
     # key instead of booting; the node keeps at most this many templates and bytes (saved
     # state + disk), least recently used out first; a failed build is retried after retry_s.

@@ -33,7 +33,10 @@ def backend_for(settings: Settings, slots: UidSlots, pool: DiskPool) -> MicroVMB
     return MicroVMBackend(settings, slots, ImageStore(settings.images_dir), pool)
 
 
-async def run(vm: MicroVM, argv: list[str], timeout_ms: int = 60_000) -> tuple[int, bytes]:
+async def run(vm: MicroVM, argv: list[str], timeout_ms: int = 60_000,
+              backend: MicroVMBackend | None = None) -> tuple[int, bytes]:
+    if backend is not None:  # as the edge does before every exec
+        await backend.prepare_exec(vm)
     session = await vm.channel.exec(ExecRequest(argv=argv, env=[PATH], timeout_ms=timeout_ms))
     out = b""
     code = -1
@@ -48,6 +51,7 @@ async def run(vm: MicroVM, argv: list[str], timeout_ms: int = 60_000) -> tuple[i
 async def test_agent_exec_squeeze_deflate_pause_and_adopt(tmp_node_dir: Path) -> None:
     settings = node_settings(tmp_node_dir)
     settings.vm_accel = "tcg"
+    settings.vm_idle_squeeze_s = 2.0
     slots = UidSlots(settings.uid_base, settings.uid_slots)
     pool = DiskPool(settings)
     backend = backend_for(settings, slots, pool)
@@ -65,9 +69,22 @@ async def test_agent_exec_squeeze_deflate_pause_and_adopt(tmp_node_dir: Path) ->
         assert code == 0 and out.startswith(b"hi\n")
         assert int(out.split()[2]) <= 512  # the overlay's size is the writable disk's
 
-        # squeeze: the balloon takes the guest down to its floor ...
-        target = await backend.squeeze(vm)
-        from rollbox.backends.microvm import qmp
+        # a command running keeps it from being squeezed however long it runs ...
+        await backend.prepare_exec(vm)
+        long = await vm.channel.exec(ExecRequest(argv=["sleep", "5"], env=[PATH]))
+        await asyncio.sleep(4.0)
+        assert not vm.squeezed
+        assert (await long.wait()).exit_code == 0
+        # idle for vm_idle_squeeze_s with no command running: squeezed, the balloon takes the
+        # guest down to its floor ...
+        from rollbox.backends.microvm import balloon, qmp
+
+        for _ in range(100):
+            if vm.squeezed:
+                break
+            await asyncio.sleep(0.1)
+        assert vm.squeezed
+        target = balloon.squeeze_target(512)
 
         for _ in range(100):
             async with qmp.session(vm.qmp_path) as q:
@@ -85,7 +102,7 @@ async def test_agent_exec_squeeze_deflate_pause_and_adopt(tmp_node_dir: Path) ->
         assert not vm.squeezed
         async with qmp.session(vm.qmp_path) as q:
             assert await q.query_balloon() == 512 << 20
-        code, out = await run(vm, workload)
+        code, out = await run(vm, workload, backend=backend)
         assert code == 0 and out.strip() == str(200 << 8).encode()
 
         # pause: the guest stops (the agent can not answer), resume: it answers again

@@ -119,6 +119,7 @@ async def test_vm_boots_jailed_pauses_and_leaves_nothing(backend: MicroVMBackend
         assert st["CapEff"] == st["CapPrm"] == st["CapBnd"] == "0" * 16
         assert st["NoNewPrivs"] == "1" and st["Seccomp"] == "2"  # QEMU's -sandbox filter
         assert st["NSpid"].split()[-1] == "1"  # PID 1 of its own pid namespace
+        assert st["THP_enabled"] == "0"  # guest RAM in 4 KiB pages (jailer.c)
         for ns in ("mnt", "pid", "net", "ipc", "uts"):
             assert os.readlink(f"/proc/{vm.pid}/ns/{ns}") != os.readlink(f"/proc/self/ns/{ns}")
         # only its own files, at the fixed paths, and nothing of the host's state dirs

@@ -323,6 +323,10 @@ class AgentChannel:
             self._on_close(reason)
 
     # ---------- requests ----------
+    def busy(self) -> bool:
+        """Whether a session this channel knows of has not exited yet."""
+        return any(not sess.done for sess in self._sessions.values())
+
     def new_session_id(self) -> int:
         """A session id no session of this agent has (to journal before :meth:`exec`)."""
         while True:

@@ -140,6 +140,7 @@ class MicroVM:
     next_session: int = 0
     squeezed: bool = False
     paused: bool = False
+    last_active: float = field(default_factory=time.monotonic)  # last command started
     template: str = ""      # digest of the template it was restored from ("": booted cold)
     kind: str = "microvm"
     guest_reported: bool = True
@@ -247,6 +248,8 @@ class MicroVMBackend:
         self.connect_agent = connect_agent
         self.run_root = settings.run_dir / "vm"
         self.accel: AccelChoice | None = None
+        self._vms: dict[str, MicroVM] = {}  # live VMs of this backend (the idle squeezer's)
+        self._squeezer: asyncio.Task[None] | None = None
         self.templates = VmTemplates(self) if settings.vm_templates else None
 
     # ---- node -----------------------------------------------------------------------------
@@ -330,12 +333,36 @@ class MicroVMBackend:
         (the accelerator probe has no layers to mount)."""
         self.check_spec(spec)
         timeout = boot_timeout_s or self.settings.vm_boot_timeout_s
+        vm = None
         if machine is None and self.templates is not None:
             vm = await self._restore(sandbox_id, spec, self.machine_for(spec), timeout)
-            if vm is not None:
-                return vm
-        return await self.boot(sandbox_id, spec, machine or self.machine_for(spec), timeout,
-                               check_boot=check_boot)
+        if vm is None:
+            vm = await self.boot(sandbox_id, spec, machine or self.machine_for(spec), timeout,
+                                 check_boot=check_boot)
+        self._track(vm)
+        return vm
+
+    # ---- idle squeeze ---------------------------------------------------------------------
+    def _track(self, vm: MicroVM) -> None:
+        self._vms[vm.id] = vm
+        if self.settings.vm_idle_squeeze_s > 0 and (
+                self._squeezer is None or self._squeezer.done()):
+            self._squeezer = asyncio.ensure_future(self._squeeze_idle())
+
+    async def _squeeze_idle(self) -> None:
+        """Squeeze every VM that runs no command and started none for ``vm_idle_squeeze_s``
+        (it gets its memory back in ``prepare_exec``); ends when the backend has no VM."""
+        idle_s = self.settings.vm_idle_squeeze_s
+        while self._vms:
+            await asyncio.sleep(min(5.0, idle_s / 2))
+            now = time.monotonic()
+            for vm in list(self._vms.values()):
+                if vm.squeezed or vm.paused or now - vm.last_active < idle_s:
+                    continue
+                try:
+                    await self.squeeze(vm, idle_for_s=idle_s)
+                except InfraError as exc:  # gone meanwhile, or QMP refused: try next round
+                    log.debug("microVM %s not squeezed: %s", vm.id, exc)
 
     async def _restore(self, sandbox_id: str, spec: ResolvedSpec, machine: qemu.MachineSpec,
                        timeout_s: float) -> MicroVM | None:
@@ -559,6 +586,7 @@ class MicroVMBackend:
                 return None
         if paused:
             await self.pause(vm)
+        self._track(vm)
         return vm
 
     async def destroy(self, h: MicroVM) -> None:  # type: ignore[override]
@@ -568,6 +596,7 @@ class MicroVMBackend:
     def detach(self, h: MicroVM) -> None:  # type: ignore[override]
         """The edge stops; the VM keeps running (adopted by the next edge). Its DNS gate
         stops with this edge (the next one starts it again); the filter stays in force."""
+        self._vms.pop(h.id, None)
         if isinstance(h.network, vmnet.VmNetwork):
             h.network.close()
         h.channel.close()
@@ -626,6 +655,8 @@ class MicroVMBackend:
         return {i for i in ids if i.startswith(prefix)}
 
     def release_node_resources(self) -> None:
+        if self._squeezer is not None and not self._vms:
+            self._squeezer.cancel()
         try:
             self.run_root.rmdir()
         except OSError:
@@ -652,16 +683,27 @@ class MicroVMBackend:
             async with qmp.session(h.qmp_path) as q:
                 return await q.status()
 
-    async def squeeze(self, h: MicroVM) -> int:
-        """Squeeze an idle VM's memory (balloon up to the floor); returns the target bytes."""
+    async def squeeze(self, h: MicroVM, idle_for_s: float | None = None) -> int | None:
+        """Squeeze a VM's memory (balloon up to the floor); returns the target bytes. With
+        ``idle_for_s``: only if it is still idle that long (checked under its lock), else None.
+        ``squeezed`` is set before QEMU hears of it, so a ``prepare_exec`` that comes in the
+        meantime waits and deflates."""
         async with h.lock:
-            async with qmp.session(h.qmp_path) as q:
-                target = await balloon.squeeze(q, h.machine.memory_mib)
+            if idle_for_s is not None and (
+                    h.squeezed or h.paused or h.channel.busy()
+                    or time.monotonic() - h.last_active < idle_for_s):
+                return None
             h.squeezed = True
-            return target
+            try:
+                async with qmp.session(h.qmp_path) as q:
+                    return await balloon.squeeze(q, h.machine.memory_mib)
+            except BaseException:
+                h.squeezed = False
+                raise
 
     async def prepare_exec(self, h: MicroVM) -> None:
         """Before a command: a squeezed VM gets its memory back first (deflate on demand)."""
+        h.last_active = time.monotonic()
         if not h.squeezed:
             return
         async with h.lock:
@@ -671,6 +713,7 @@ class MicroVMBackend:
                 if not await balloon.deflate(q, h.machine.memory_mib):
                     log.warning("microVM %s: balloon not fully deflated in time", h.id)
             h.squeezed = False
+            h.last_active = time.monotonic()
 
     async def set_network(self, h: MicroVM, rules: list[str]) -> None:  # type: ignore[override]
         """A new policy for a VM created with one (the set at the tap replaced: connections the
