@@ -172,7 +172,10 @@ class AgentFiles:
         for batch in _batches(paths):
             nonce = _nonce()
             argv = ["stat", *(["-L"] if follow else []), "-c", _fmt(nonce), "--", *batch]
-            res = await self.tools.run(argv, max_stdout=len(batch) * (2 * MAX_PATH + 128))
+            res = await self.tools.run(
+                argv, max_stdout=len(batch) * (2 * MAX_PATH + 128),
+                overflow=lambda: errors.InfraError("the sandbox sent more stat output than "
+                                                   "the names asked for can make"))
             if res.code != 0 and len(batch) == 1:
                 raise tool_error(res, batch[0], "stat")
             want = iter(batch)
