@@ -1355,6 +1355,16 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
         spawn_failed(id, EAGAIN, "too many sessions in this sandbox");
         return 0;
     }
+    if (guest_mode && root_fd < 0) {
+        /* Never run a command in the initramfs (the agent's own root). */
+        free(vec);
+        if (cgfd >= 0)
+            close(cgfd);
+        char msg[BOOT_ERR_MAX + 40];
+        snprintf(msg, sizeof msg, "no sandbox root (boot failed: %s)", boot_err);
+        spawn_failed(id, boot_errno ? boot_errno : ENOENT, msg);
+        return 0;
+    }
     uint64_t cg_seq = 0;
     if (guest_mode && cgfd < 0) {
         cgfd = make_session_cgroup(&cg_seq);

@@ -7,6 +7,7 @@ tree under /sys/fs/cgroup/unified/rollbox-test-<random>; the finalizer kills tha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import secrets
@@ -96,23 +97,28 @@ class Agent:
         raise AssertionError("no Anonymous")
 
 
-@pytest.fixture
-def agent(agent_binary: Path, tmp_path: Path) -> Iterator[Agent]:
+@contextlib.contextmanager
+def started_agent(agent_binary: Path, tmp_path: Path, sock_type: int = socket.SOCK_SEQPACKET,
+                  tool: Path | None = None) -> Iterator[Agent]:
+    """The agent with a listening socket of ``sock_type`` as fd 3 (SOCK_STREAM: the framed
+    transport of VMs) and, given ``tool``, that file as fd 6 (the platform's busybox)."""
     root = CGROUP2 / f"rollbox-test-{secrets.token_hex(4)}"
     root.mkdir()
     (root / "agent").mkdir()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener = socket.socket(socket.AF_UNIX, sock_type)
     sock_path = tmp_path / "agent.sock"
     listener.bind(str(sock_path))
     listener.listen(16)
     log = tmp_path / "agent.log"
     proc = None
+    redirect = ' 6<"$3"' if tool is not None else ""
     try:
         with open(log, "wb") as logf:
             # bash (dash knows only fds 0-9) puts the listener on fd 3, then becomes the agent.
             proc = subprocess.Popen(
-                ["/bin/bash", "-c", 'echo $$ > "$2"; exec "$0" 3<&"$1"', str(agent_binary),
-                 str(listener.fileno()), str(root / "agent" / "cgroup.procs")],
+                ["/bin/bash", "-c", f'echo $$ > "$2"; exec "$0" 3<&"$1"{redirect}',
+                 str(agent_binary), str(listener.fileno()), str(root / "agent" / "cgroup.procs"),
+                 str(tool or "")],
                 pass_fds=(listener.fileno(),), stdin=subprocess.DEVNULL, stderr=logf,
             )
         a = Agent(proc, sock_path, root, log)
@@ -127,6 +133,12 @@ def agent(agent_binary: Path, tmp_path: Path) -> Iterator[Agent]:
         if proc is not None:
             for fd in a.cgroup_fds:
                 os.close(fd)
+
+
+@pytest.fixture
+def agent(agent_binary: Path, tmp_path: Path) -> Iterator[Agent]:
+    with started_agent(agent_binary, tmp_path) as a:
+        yield a
 
 
 @pytest.fixture

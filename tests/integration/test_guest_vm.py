@@ -1,0 +1,270 @@
+"""The agent as a real microVM's init: QEMU ``-M microvm`` (TCG, one vCPU, the PVH vmlinux and
+initramfs of ``make guest``, the kernel command line of backends/microvm/qemu.py), the
+busybox:test layer as read-only virtio-blk, an ext4 writable disk the host only mkfs'd, the
+agent's virtio-serial port on a unix socket. Two boots: one serves every test of the
+module, one with a layer that is not EROFS. QEMU here is unjailed on purpose: this tests the
+guest side; the jailed launcher is backends/microvm (test_microvm_backend.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from rollbox.agent import protocol as P
+from rollbox.agent.channel import AgentChannel, SpawnError
+from rollbox.backends.microvm import qemu
+from rollbox.config import Settings
+from rollbox.guest import build as guest_build
+from rollbox.guest.artifacts import GuestArtifacts
+from rollbox.images.store import ImageStore
+from tests.conftest import have_image
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mkfs, QEMU devices)"),
+    pytest.mark.skipif(not have_image("busybox:test"), reason="needs the busybox:test image"),
+]
+BOOT_TIMEOUT_S = 90.0  # TCG on a shared 2-core machine
+
+
+@dataclass
+class Guest:
+    proc: subprocess.Popen[bytes]
+    sock: Path
+    console: Path
+
+    async def connect(self, timeout: float = BOOT_TIMEOUT_S) -> AgentChannel:
+        deadline = time.monotonic() + timeout
+        while not self.sock.exists():
+            assert self.proc.poll() is None, f"QEMU died: {self.console.read_text()}"
+            assert time.monotonic() < deadline, "no agent socket"
+            await asyncio.sleep(0.01)
+        return await AgentChannel.connect_stream(str(self.sock), timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def artifacts() -> GuestArtifacts:
+    settings = Settings()
+    if not settings.vm_guest_manifest.exists():
+        guest_build.build(settings)  # what `make guest` does (make test runs it first)
+    return GuestArtifacts.load(settings)
+
+
+@contextlib.contextmanager
+def booted(artifacts: GuestArtifacts, workdir: Path, layers: list[Path]) -> Iterator[Guest]:
+    """One microVM with these layer files and a fresh writable disk; killed and its files
+    removed on exit, also when the test fails."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    rw, sock, console = workdir / "rw.img", workdir / "agent.sock", workdir / "console.log"
+    with open(rw, "wb") as f:
+        f.truncate(256 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "nodiscard", str(rw)], check=True)
+    spec = qemu.MachineSpec(cpus=1, memory_mib=256, layers=len(layers),
+                            tsc_khz=qemu.host_tsc_khz())
+    argv = ["qemu-system-x86_64", "-M", "microvm,rtc=on,x-option-roms=off", "-accel", "tcg",
+            "-cpu", "max", "-smp", "1", "-m", "256", "-nodefaults", "-no-user-config",
+            "-nographic", "-no-reboot", "-serial", f"file:{console}",
+            "-kernel", str(artifacts.kernel), "-initrd", str(artifacts.initramfs),
+            "-append", qemu.kernel_cmdline(spec),
+            "-device", "virtio-serial-device,max_ports=2",
+            "-chardev", f"socket,id=agent,path={sock},server=on,wait=off",
+            "-device", f"virtserialport,chardev=agent,name={qemu.AGENT_PORT}"]
+    for i, layer in enumerate(layers):
+        argv += ["-drive", f"id=layer{i},file={layer},format=raw,if=none,readonly=on",
+                 "-device", f"virtio-blk-device,drive=layer{i},serial=layer{i}"]
+    argv += ["-drive", f"id=rw,file={rw},format=raw,if=none",
+             "-device", "virtio-blk-device,drive=rw,serial=rw"]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        yield Guest(proc, sock, console)
+    finally:
+        proc.kill()
+        proc.wait()
+        for f in (rw, sock):
+            f.unlink(missing_ok=True)
+
+
+def busybox_layers() -> list[Path]:
+    store = ImageStore(Settings().images_dir)
+    return [store.layer_path(d) for d in store.resolve("busybox:test").layers]
+
+
+@pytest.fixture(scope="module")
+def vm(artifacts: GuestArtifacts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Guest]:
+    with booted(artifacts, tmp_path_factory.mktemp("vm"), busybox_layers()) as g:
+        yield g
+
+
+@pytest.fixture
+async def ch(vm: Guest) -> AsyncIterator[AgentChannel]:
+    channel = await vm.connect()
+    try:
+        yield channel
+    finally:
+        channel.close()
+
+
+ENV = ["PATH=/bin"]
+
+
+async def sh(ch: AgentChannel, cmd: str, **kw: object) -> tuple[bytes, P.Exited]:
+    sess = await ch.exec(P.ExecRequest(argv=["sh", "-c", cmd], env=ENV, **kw))  # type: ignore
+    out = bytearray()
+    async for kind, value in sess.events():
+        if kind == "exited":
+            return bytes(out), value
+        if kind == "stdout":
+            out += value
+    raise AssertionError("no exit")
+
+
+async def test_boot_builds_the_sandbox_root_and_reports_its_steps(ch: AgentChannel) -> None:
+    info = await ch.boot_info()
+    assert info.errno == 0 and info.error == "", info
+    assert 0 < info.init_ns <= info.modules_ns <= info.disks_ns <= info.mounts_ns <= \
+        info.ready_ns <= info.now_ns
+    print(f"guest boot (ms since kernel start): init {info.init_ns / 1e6:.0f}, "
+          f"modules {info.modules_ns / 1e6:.0f}, disks {info.disks_ns / 1e6:.0f}, "
+          f"mounts {info.mounts_ns / 1e6:.0f}, ready {info.ready_ns / 1e6:.0f}")
+    out, ex = await sh(ch, "id -u; cat /proc/self/cgroup; ls /; grep ' / ' /proc/mounts; "
+                           "test -e /platform || test -e /init || echo confined")
+    lines = out.decode().splitlines()
+    assert ex.exit_code == 0 and lines[0] == "0"
+    assert lines[1].startswith("0::/rollbox/s")  # its own session cgroup, made in the guest
+    assert "bin" in lines and "init" not in lines  # the image's root, not the initramfs
+    root = next(line for line in lines if line.startswith("overlay / overlay"))
+    assert "lowerdir=/layers/0" in root and "upperdir=/rw/upper" in root
+    assert lines[-1] == "confined"
+    # the writable layer is the ext4 disk: what a command writes lands there
+    out, ex = await sh(ch, "echo kept > /root/f; cat /root/f; grep ' /rw ' /proc/mounts || "
+                           "echo no-rw-in-sandbox")
+    assert out.decode().splitlines() == ["kept", "no-rw-in-sandbox"]
+
+
+async def test_stdin_timeout_and_oom_inside_the_guest(ch: AgentChannel) -> None:
+    sess = await ch.exec(P.ExecRequest(argv=["sha256sum"], env=ENV, stdin=True))
+    data = os.urandom(300_000)  # past the stdin window: credit flows back over the port
+    await sess.write_stdin(data)
+    await sess.close_stdin()
+    out = bytearray()
+    async for kind, value in sess.events():
+        if kind == "stdout":
+            out += value
+    assert out.split()[0].decode() == hashlib.sha256(data).hexdigest()
+
+    # A timeout kills the session's whole cgroup, background processes included.
+    t0 = time.monotonic()
+    _, ex = await sh(ch, "sleep 100 & sleep 100", timeout_ms=500)
+    assert ex.timed_out and ex.signal == signal.SIGKILL and time.monotonic() - t0 < 20
+    out, _ = await sh(ch, "ps -o comm | grep -c '^sleep' || true")
+    assert out.strip() == b"0"
+
+    # OOM in the session's cgroup is reported with the exit (a 16 MiB limit the command
+    # sets on its own cgroup, then a pipe tail must hold whole).
+    out, ex = await sh(ch, "cg=/sys/fs/cgroup$(cut -d: -f3 /proc/self/cgroup); "
+                           "echo 16M > $cg/memory.max; echo 0 > $cg/memory.swap.max 2>/dev/null; "
+                           "head -c 64000000 /dev/zero | tail -n 1 | wc -c")
+    assert ex.oom_kills >= 1, (out, ex)
+    _, ex = await sh(ch, "true")
+    assert ex.oom_kills == 0
+
+
+async def test_platform_tool_and_uniqueness_commands(ch: AgentChannel) -> None:
+    sess = await ch.exec(P.ExecRequest(argv=["cat", "/etc/machine-id"], env=[],
+                                       platform_tool=True))
+    [e async for e in sess.events()]  # the image may have none: only that it runs matters
+    mid = secrets.token_hex(16)
+    await ch.set_machine_id(mid)
+    await ch.set_hostname("clone-7")
+    await ch.reseed(os.urandom(64))
+    when = 1_900_000_000
+    await ch.set_clock(when * 10**9)
+    out, _ = await sh(ch, "cat /etc/machine-id; hostname; date +%s")
+    got_mid, host, now = out.decode().split()
+    assert (got_mid, host) == (mid, "clone-7") and when <= int(now) < when + 30
+    await ch.set_clock()  # back to the host's time
+    # the platform's busybox, by descriptor, chrooted in the sandbox root, as root
+    sess = await ch.exec(P.ExecRequest(argv=["cat", "/etc/machine-id"], env=[],
+                                       platform_tool=True))
+    out = b"".join(v for k, v in [e async for e in sess.events()] if k == "stdout")
+    assert out == f"{mid}\n".encode()
+
+
+async def test_reconnect_resyncs_and_reattaches_a_running_session(vm: Guest) -> None:
+    ch = await vm.connect()
+    sess = await ch.exec(P.ExecRequest(
+        argv=["sh", "-c", "i=0; while [ $i -lt 2000 ]; do echo line $i; i=$((i+1)); done; "
+                          "sleep 1; echo end"],
+        env=ENV, tail_limit=P.RETAIN_LIMIT), collect=False)
+    await asyncio.wait_for(sess.events().__anext__(), 30)
+    ch.close()  # the guest sees POLLHUP on its port, output in flight is cut off
+    await asyncio.sleep(0.2)
+    ch2 = await vm.connect()
+    try:
+        assert sess.id in ch2.agent_sessions
+        again = ch2.adopt(sess.id, collect=False)
+        out = bytearray()
+        async for kind, value in again.events():
+            if kind == "exited":
+                assert value.exit_code == 0
+                break
+            out += value
+        expected = b"".join(b"line %d\n" % i for i in range(2000)) + b"end\n"
+        assert bytes(out) == expected
+        again.collect()
+    finally:
+        ch2.close()
+
+
+async def test_garbage_from_the_host_side_then_a_new_connection(vm: Guest) -> None:
+    loop = asyncio.get_running_loop()
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.setblocking(False)
+    await loop.sock_connect(raw, str(vm.sock))
+    nonce = secrets.token_bytes(P.NONCE_LEN)
+    await loop.sock_sendall(raw, P.hello(nonce) + P.FRAME_LEN.pack(7) + b"\xee" * 300)
+    got = bytearray()
+    while P.SYNC_MAGIC + nonce not in got:
+        got += await asyncio.wait_for(loop.sock_recv(raw, 65536), 30)
+    # The bad frame made the agent drop this connection's state (it can not close a port);
+    # a fresh HELLO on the same byte stream is answered.
+    nonce2 = secrets.token_bytes(P.NONCE_LEN)
+    await loop.sock_sendall(raw, P.hello(nonce2))
+    got = bytearray()
+    while P.SYNC_MAGIC + nonce2 not in got:
+        got += await asyncio.wait_for(loop.sock_recv(raw, 65536), 30)
+    raw.close()
+    ch = await vm.connect()
+    try:
+        out, ex = await sh(ch, "echo alive")
+        assert (out, ex.exit_code) == (b"alive\n", 0)
+    finally:
+        ch.close()
+
+
+async def test_a_layer_that_is_not_erofs_is_reported_not_hung(
+        artifacts: GuestArtifacts, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.erofs"
+    bad.write_bytes(os.urandom(1 << 20))
+    with booted(artifacts, tmp_path / "vm", [bad]) as g:
+        ch = await g.connect()
+        try:
+            info = await ch.boot_info()
+            assert info.errno != 0 and "mount erofs on /layers/0" in info.error, info
+            # Nothing runs in the initramfs instead (the agent's own root).
+            with pytest.raises(SpawnError, match="no sandbox root .*mount erofs"):
+                await ch.exec(P.ExecRequest(argv=["true"], env=ENV))
+        finally:
+            ch.close()
