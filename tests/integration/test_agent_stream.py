@@ -78,19 +78,26 @@ async def test_reattach_after_the_connection_drops_mid_output(stream_agent: Agen
     ch.close()
     ch2 = await AgentChannel.connect_stream(path, timeout=5)
     try:
-        assert sess.id in ch2.agent_sessions
-        again = ch2.adopt(sess.id, collect=False)
-        out = bytearray()
-        async for kind, value in again.events():
-            if kind == "exited":
-                assert value.exit_code == 0
-                break
-            out += value
-        expected = b"".join(b"line %d\n" % i for i in range(1, 3001)) + b"end\n"
-        assert again.start_offsets == [0, 0] and bytes(out) == expected
-        again.collect()
+        out = await reattach(ch2, sess.id)
+        assert out == b"".join(b"line %d\n" % i for i in range(1, 3001)) + b"end\n"
     finally:
         ch2.close()
+
+
+async def reattach(ch: AgentChannel, session_id: int) -> bytes:
+    """Adopt a session an earlier connection started and read it to a clean exit: all its
+    output (replayed from the start, then live), which a test compares whole."""
+    assert session_id in ch.agent_sessions
+    again = ch.adopt(session_id, collect=False)
+    out = bytearray()
+    async for kind, value in again.events():
+        if kind == "exited":
+            assert value.exit_code == 0
+            break
+        out += value
+    assert again.start_offsets == [0, 0]
+    again.collect()
+    return bytes(out)
 
 
 async def test_garbage_then_hello_resyncs_and_a_repeated_hello_is_ignored(

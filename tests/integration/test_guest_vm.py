@@ -30,6 +30,7 @@ from rollbox.guest import build as guest_build
 from rollbox.guest.artifacts import GuestArtifacts
 from rollbox.images.store import ImageStore
 from tests.conftest import have_image
+from tests.integration.test_agent_stream import reattach
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mkfs, QEMU devices)"),
@@ -213,17 +214,8 @@ async def test_reconnect_resyncs_and_reattaches_a_running_session(vm: Guest) -> 
     await asyncio.sleep(0.2)
     ch2 = await vm.connect()
     try:
-        assert sess.id in ch2.agent_sessions
-        again = ch2.adopt(sess.id, collect=False)
-        out = bytearray()
-        async for kind, value in again.events():
-            if kind == "exited":
-                assert value.exit_code == 0
-                break
-            out += value
-        expected = b"".join(b"line %d\n" % i for i in range(2000)) + b"end\n"
-        assert bytes(out) == expected
-        again.collect()
+        out = await reattach(ch2, sess.id)
+        assert out == b"".join(b"line %d\n" % i for i in range(2000)) + b"end\n"
     finally:
         ch2.close()
 
