@@ -220,24 +220,33 @@ async def test_reconnect_resyncs_and_reattaches_a_running_session(vm: Guest) -> 
         ch2.close()
 
 
+async def hello_until_sync(raw: socket.socket, nonce: bytes, after: bytes = b"") -> None:
+    """Send HELLO (then ``after``) until the agent's SYNC for ``nonce`` comes back, resending
+    as AgentChannel does: the guest learns of a new host connection asynchronously (its
+    port's open/close events), so a HELLO can land in the previous connection's state."""
+    loop = asyncio.get_running_loop()
+    got = bytearray()
+    deadline = time.monotonic() + 60
+    while P.SYNC_MAGIC + nonce not in got:
+        assert time.monotonic() < deadline, "no SYNC"
+        await loop.sock_sendall(raw, P.hello(nonce) + after)
+        with contextlib.suppress(asyncio.TimeoutError):
+            got += await asyncio.wait_for(loop.sock_recv(raw, 65536), 1)
+
+
 async def test_garbage_from_the_host_side_then_a_new_connection(vm: Guest) -> None:
     loop = asyncio.get_running_loop()
     raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     raw.setblocking(False)
-    await loop.sock_connect(raw, str(vm.sock))
-    nonce = secrets.token_bytes(P.NONCE_LEN)
-    await loop.sock_sendall(raw, P.hello(nonce) + P.FRAME_LEN.pack(7) + b"\xee" * 300)
-    got = bytearray()
-    while P.SYNC_MAGIC + nonce not in got:
-        got += await asyncio.wait_for(loop.sock_recv(raw, 65536), 30)
-    # The bad frame made the agent drop this connection's state (it can not close a port);
-    # a fresh HELLO on the same byte stream is answered.
-    nonce2 = secrets.token_bytes(P.NONCE_LEN)
-    await loop.sock_sendall(raw, P.hello(nonce2))
-    got = bytearray()
-    while P.SYNC_MAGIC + nonce2 not in got:
-        got += await asyncio.wait_for(loop.sock_recv(raw, 65536), 30)
-    raw.close()
+    try:
+        await loop.sock_connect(raw, str(vm.sock))
+        # A bad frame after HELLO makes the agent drop the connection's state (it can not
+        # close a port); a fresh HELLO on the same byte stream is answered.
+        await hello_until_sync(raw, secrets.token_bytes(P.NONCE_LEN),
+                               after=P.FRAME_LEN.pack(7) + b"\xee" * 300)
+        await hello_until_sync(raw, secrets.token_bytes(P.NONCE_LEN))
+    finally:
+        raw.close()
     ch = await vm.connect()
     try:
         out, ex = await sh(ch, "echo alive")
