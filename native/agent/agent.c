@@ -1645,6 +1645,16 @@ static int handle_packet(const char *pkt, size_t len, int fd)
     size_t plen = len - HDR;
     if (type == M_EXEC)
         return handle_exec(id, p, plen, fd);
+    /* The platform commands are the guest's (a container's agent is no machine's init: its
+     * clock, RNG and names are the host's or runc's), BOOT_INFO the stream transports'; on a
+     * container's socket they stay unknown types, as before they existed. */
+    if (((type >= M_RESEED && type <= M_SET_CLOCK) && !guest_mode) ||
+        (type == M_BOOT_INFO && !stream_mode)) {
+        if (fd >= 0)
+            close(fd);
+        logmsg("packet type %d is not served on this transport", type);
+        return -1;
+    }
     if (fd >= 0)
         close(fd); /* fds are only expected with EXEC */
     struct session *s = find_session(id);

@@ -60,7 +60,8 @@ Edge -> agent
                  agent sent before the REPLAY_END is covered by the replay.
   COLLECT(10)    the edge has the session's exit for good (journaled): the agent frees it.
   Platform commands (a restored template's clone is made unique with them before its first
-  command), each answered by RESULT(45) with the request's session id as a token:
+  command), each answered by RESULT(45) with the request's session id as a token; served by
+  a guest's agent only (elsewhere, like BOOT_INFO off the stream transports, an unknown type):
   RESEED(11)     1..4096 host random bytes, added to the kernel's pool credited
                  (RNDADDENTROPY), then the CRNG reseeded at once (RNDRESEEDCRNG).
   SET_MACHINE_ID(12) 32 lowercase hex digits -> the sandbox root's /etc/machine-id.
