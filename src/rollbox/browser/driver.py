@@ -68,6 +68,9 @@ VIEWPORT = (500, 400)
 # The task's own time limit (MiniWoB++'s default is 10 s); chromium under TCG needs longer
 # for the agent's observe round trips. Set identically by ``start`` and ``grade``.
 EPISODE_MAX_MS = 120_000
+# Waits poll this often: on a one-vCPU microVM under TCG a tight poll takes the CPU that
+# chromium needs.
+POLL_S = 0.5
 ELEMENT_KEY = "element-6066-11e4-a52e-4f735466cecf"  # W3C WebDriver's element reference key
 
 # Bounds of a replayed action log: it comes from the agent's sandbox.
@@ -197,7 +200,7 @@ def start_chromedriver(log_path: Path) -> subprocess.Popen[bytes]:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             raise DriverError(f"chromedriver did not start (exit {proc.poll()})")
-        time.sleep(0.2)
+        time.sleep(POLL_S)
 
 
 def validate_task(task: str, html_root: str = MINIWOB_HTML) -> str:
@@ -273,7 +276,7 @@ def cmd_wait_ready(args: argparse.Namespace) -> int:
         if err.exists():
             print(err.read_text(), file=sys.stderr)
             return 1
-        time.sleep(0.1)
+        time.sleep(POLL_S)
     print("browser not ready in time", file=sys.stderr)
     return 1
 
@@ -423,7 +426,7 @@ def cmd_grade(args: argparse.Namespace) -> int:
                 break  # the first episode's end is the outcome; later ones are retries
         deadline = time.monotonic() + 3
         while not state["episodes_ended"] and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(POLL_S)
             state = page_state(wd)
     ended = bool(state["episodes_ended"])
     raw = state["raw_reward"] if ended else 0
