@@ -68,6 +68,9 @@ VIEWPORT = (500, 400)
 # The task's own time limit (MiniWoB++'s default is 10 s); chromium under TCG needs longer
 # for the agent's observe round trips. Set identically by ``start`` and ``grade``.
 EPISODE_MAX_MS = 120_000
+# One WebDriver call: a cold chromium's first page load on a one-vCPU TCG guest of a busy
+# host took over 2 minutes.
+CALL_TIMEOUT_S = 900
 # Waits poll this often: on a one-vCPU microVM under TCG a tight poll takes the CPU that
 # chromium needs.
 POLL_S = 0.5
@@ -94,7 +97,8 @@ class WebDriver:
         self.url = url.rstrip("/")
         self.session = session
 
-    def call(self, method: str, path: str, body: Any = None, timeout: float = 120) -> Any:
+    def call(self, method: str, path: str, body: Any = None,
+             timeout: float = CALL_TIMEOUT_S) -> Any:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method,
                                      headers={"Content-Type": "application/json"})
@@ -129,8 +133,12 @@ class WebDriver:
                 "--remote-debugging-pipe"]
         caps = {"capabilities": {"alwaysMatch": {
             "browserName": "chrome", "pageLoadStrategy": "normal",
+            # chromedriver's own waits on the renderer (session start, page loads): its 60 s
+            # start-up wait ran out on a TCG guest.
+            "timeouts": {"pageLoad": CALL_TIMEOUT_S * 1000, "script": CALL_TIMEOUT_S * 1000,
+                         "implicit": 0},
             "goog:chromeOptions": {"binary": CHROMIUM, "args": args}}}}
-        self.session = self.call("POST", "/session", caps, timeout=300)["sessionId"]
+        self.session = self.call("POST", "/session", caps)["sessionId"]
 
     # element reads (DOM only: what a screen reader would see)
     def find_all(self, css: str) -> list[str]:
