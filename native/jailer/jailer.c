@@ -7,13 +7,14 @@
  *   3. unshares pid, mount, ipc and uts namespaces,
  *   4. builds a new root on a tmpfs mounted over --root DIR (inside the new mount namespace
  *      only: the host never sees these mounts): /usr read-only, the lib/bin symlinks of a
- *      merged-/usr system, /proc of the new pid namespace (pids only), the device nodes named
- *      by --dev, and each --ro/--rw SRC:DST bind at its fixed path (e.g. /vm/kernel), then
+ *      merged-/usr system, /proc of the new pid namespace (pids only), a /dev with only null
+ *      and the device nodes named by --dev (made with the host's numbers, owned by --uid), and
+ *      each --ro/--rw SRC:DST bind at its fixed path (e.g. /vm/kernel), then
  *      pivot_root()s into it,
  *   5. forks: the child is PID 1 of the new pid namespace; it drops to --uid/--gid with no
  *      supplementary groups, an empty capability bounding set, no_new_privs, a new session,
- *      RLIMIT_CORE 0, no transparent huge pages, an empty environment, only fds 0-2 and 3..3+--keep-fds-1 open, and execs
- *      the program;
+ *      RLIMIT_CORE 0, no transparent huge pages, an empty environment, only fds 0-2 and
+ *      3..3+--keep-fds-1 open, and execs the program;
  *   6. the parent writes the child's host pid to --pidfile and exits 0 once the exec happened
  *      (or 1 with the failing step on stderr). The program then runs on its own (the edge, a
  *      child subreaper, reaps it).
@@ -133,7 +134,28 @@ static void join_cgroups(void) {
     }
 }
 
-static void build_root(const char *root) {
+/* /dev: its own small tmpfs (the root's is nodev) holding /dev/null (QEMU probes file locks
+ * on it) and a node of each --dev device, made here with the host device's numbers and owned
+ * by the jail's uid (the host's /dev/kvm is root-only); read-only once the root is pivoted. */
+static void make_devices(uid_t uid, gid_t gid) {
+    if (mkdir("dev", 0755)) die("mkdir /dev");
+    if (mount("jaildev", "dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=16k,nr_inodes=32,mode=0755"))
+        die("tmpfs at /dev");
+    struct stat st;
+    if (stat("/dev/null", &st) || !S_ISCHR(st.st_mode)) die("/dev/null");
+    if (mknod("dev/null", S_IFCHR | 0666, st.st_rdev) || chmod("dev/null", 0666))
+        die("mknod /dev/null");
+    for (int i = 0; i < ndevs; i++) {
+        const char *dev = devs[i];
+        if (strncmp(dev, "/dev/", 5) || strstr(dev, "..")) { errno = EINVAL; die("device %s", dev); }
+        if (stat(dev, &st) || !S_ISCHR(st.st_mode)) { errno = ENODEV; die("device %s", dev); }
+        make_parents(dev, 0755);
+        if (mknod(dev + 1, S_IFCHR | 0600, st.st_rdev) || chown(dev + 1, uid, gid))
+            die("mknod %s", dev);
+    }
+}
+
+static void build_root(const char *root, uid_t uid, gid_t gid) {
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL)) die("make / private");
     if (mount("jail", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=256,mode=0755"))
         die("tmpfs at %s", root);
@@ -147,9 +169,7 @@ static void build_root(const char *root) {
         if (lstat(links[i][0], &st) == 0 && symlink(links[i][0], links[i][1]))
             die("symlink %s", links[i][1]);
     }
-    if (mkdir("dev", 0755)) die("mkdir /dev");
-    for (int i = 0; i < ndevs; i++)
-        bind_at(devs[i], devs[i], MS_NOSUID | MS_NOEXEC);
+    make_devices(uid, gid);
     for (int i = 0; i < nbinds; i++)
         bind_at(binds[i].src, binds[i].dst,
                 MS_NOSUID | MS_NODEV | MS_NOEXEC | (binds[i].rw ? 0 : MS_RDONLY));
@@ -162,6 +182,8 @@ static void build_root(const char *root) {
     /* the root tmpfs itself read-only: nothing in the jail can add files */
     if (mount(NULL, "/", NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL))
         die("remount / read-only");
+    if (mount(NULL, "/dev", NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC, NULL))
+        die("remount /dev read-only");
 }
 
 static void drop_privileges(uid_t uid, gid_t gid) {
@@ -236,7 +258,7 @@ int main(int argc, char **argv) {
         err_pipe = pipefd[1];
         if (unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS)) die("unshare");
         if (sethostname("vm", 2)) die("sethostname");
-        build_root(root);
+        build_root(root, (uid_t)uid, (gid_t)gid);
         if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
                   "hidepid=2,subset=pid"))
             die("mount /proc");

@@ -125,8 +125,10 @@ async def test_vm_boots_jailed_pauses_and_leaves_nothing(backend: MicroVMBackend
         # only its own files, at the fixed paths, and nothing of the host's state dirs
         mounts = Path(f"/proc/{vm.pid}/mountinfo").read_text()
         targets = {line.split()[4] for line in mounts.splitlines()}
-        assert targets == {"/", "/usr", "/proc", qemu.KERNEL, qemu.INITRD, qemu.RW_DISK,
+        assert targets == {"/", "/usr", "/proc", "/dev", qemu.KERNEL, qemu.INITRD, qemu.RW_DISK,
                            *(qemu.layer_path(i) for i in range(len(layers)))}
+        # /dev holds only null (no /dev/kvm under TCG)
+        assert sorted(os.listdir(f"/proc/{vm.pid}/root/dev")) == ["null"]
         assert vm.pid in cgroups.procs(vm.jail.v2)
         limit = int((cgroups.ROOT / "memory" / backend.settings.cgroup_parent / vm.id
                      / "memory.limit_in_bytes").read_text())
@@ -186,3 +188,48 @@ async def test_resources_above_the_node_are_refused_before_anything(
         await backend.create("vmtest-big", memory_tier)
     assert backend.leftovers("vmtest-big") == []
     assert backend.slots._used == set()
+
+
+async def test_accelerator_probe_boots_under_kvm_and_caches_its_choice(
+        tmp_node_dir: Path) -> None:
+    """auto: a probe boot under KVM decides (here /dev/kvm is PVM: the probe guest never
+    reaches its agent, so TCG, with the reason); the choice is cached per kernel, initramfs,
+    QEMU and /dev/kvm, so the next node start does not boot again."""
+    from rollbox.backends.microvm import accel
+
+    settings = node_settings(tmp_node_dir)
+    if not settings.vm_initrd.is_file():
+        pytest.skip("no guest (make guest)")
+    settings.vm_accel = "auto"
+    settings.vm_accel_cache = tmp_node_dir / "accel"
+    slots = UidSlots(settings.uid_base, settings.uid_slots)
+    pool = DiskPool(settings)
+    b = MicroVMBackend(settings, slots, ImageStore(settings.images_dir), pool)
+    accel._memo.clear()
+    try:
+        await b.start()
+        assert b.accel is not None
+        if accel._kvm_openable() is not None:
+            assert b.accel.accel == "tcg" and "no usable KVM" in b.accel.reason
+            return
+        assert b.accel.probe_s is not None  # a probe boot happened
+        assert b.accel.accel in ("kvm", "tcg") and "probe" in b.accel.reason
+        assert b.capacity().facts["accel"] == b.accel.accel
+        assert [p.suffix for p in settings.vm_accel_cache.iterdir()] == [".json"]
+        assert b.host_sandbox_ids() == set()  # the probe VM is gone
+        accel._memo.clear()  # a new process: the cache file answers, no boot
+        b2 = MicroVMBackend(settings, slots, ImageStore(settings.images_dir), pool)
+        created: list[str] = []
+        orig = b2.create
+
+        async def no_boot(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+            created.append(a[0])
+            return await orig(*a, **kw)
+
+        b2.create = no_boot  # type: ignore[method-assign]
+        await b2.start()
+        assert b2.accel == b.accel and created == []
+    finally:
+        b.release_node_resources()
+        pool.release()
+        slots.close()

@@ -106,8 +106,9 @@ async def _probe_boot(backend: MicroVMBackend) -> AccelChoice:
                                   machine=machine, check_boot=False)
     except RollboxError as exc:
         log.info("KVM probe boot failed (%s): microVMs use TCG", exc)
-        return AccelChoice("tcg", f"a KVM guest did not reach its agent in "
-                                  f"{KVM_PROBE_TIMEOUT_S:.0f} s (probe boot)",
+        why = exc.message.split(": ", 1)[-1].replace("\n", " ")[:200]
+        return AccelChoice("tcg", f"a KVM probe guest did not reach its agent within "
+                                  f"{KVM_PROBE_TIMEOUT_S:.0f} s ({why})",
                            round(time.monotonic() - t0, 2))
     took = round(time.monotonic() - t0, 2)
     await backend.destroy(vm)
