@@ -292,6 +292,8 @@ static int handle_reseed(uint32_t id, const char *p, size_t plen);
 static int handle_machine_id(uint32_t id, const char *p, size_t plen);
 static void handle_boot_info(uint32_t id);
 static int send_result(uint32_t id, int err, const char *what);
+static int sysfs_dev(const char *dir, const char *prefix, const char *attr, const char *want,
+                     char *dev, size_t n, int need_node);
 
 static void pend_push(struct qpkt *q)
 {
@@ -2055,6 +2057,16 @@ static void cmdline_value(const char *cmdline, const char *key, char *buf, size_
     }
 }
 
+/* Is there a virtio device of this id (/sys/bus/virtio/devices/<d>/device: "0x0001")? */
+static int virtio_device_present(int id)
+{
+    char want[16], dev[64];
+    snprintf(want, sizeof want, "0x%04x", id);
+    return sysfs_dev("/sys/bus/virtio/devices", "virtio", "device", want, dev, sizeof dev, 0) == 0;
+}
+
+/* /lib/modules/load.list: "<file>" or "<file> <virtio device id>" (loaded only if such a
+ * device exists: no NIC, no pmem, no driver to load), dependencies first. */
 static void load_modules(void)
 {
     FILE *f = fopen("/lib/modules/load.list", "re");
@@ -2065,6 +2077,12 @@ static void load_modules(void)
     char name[128], path[192];
     while (fgets(name, sizeof name, f)) {
         name[strcspn(name, "\n")] = 0;
+        char *dev = strchr(name, ' ');
+        if (dev) {
+            *dev++ = 0;
+            if (!virtio_device_present(atoi(dev)))
+                continue;
+        }
         if (!name[0] || strchr(name, '/'))
             continue;
         snprintf(path, sizeof path, "/lib/modules/%s", name);
@@ -2078,10 +2096,11 @@ static void load_modules(void)
 }
 
 /* /dev/<entry> of the entry of sysfs directory `dir` (names starting with `prefix`) whose
- * attribute file `attr` reads `want`, into dev; 0 when found and its node exists. Disks by
- * serial (/sys/block/vdX/serial), the agent's port by name (no udev: no /dev/virtio-ports). */
+ * attribute file `attr` reads `want`, into dev; 0 when found (and, with need_node, its node
+ * exists). Disks by serial (/sys/block/vdX/serial), the agent's port by name (no udev: no
+ * /dev/virtio-ports), virtio devices by id. */
 static int sysfs_dev(const char *dir, const char *prefix, const char *attr, const char *want,
-                     char *dev, size_t n)
+                     char *dev, size_t n, int need_node)
 {
     DIR *d = opendir(dir);
     if (!d)
@@ -2104,7 +2123,7 @@ static int sysfs_dev(const char *dir, const char *prefix, const char *attr, cons
         buf[r] = 0;
         buf[strcspn(buf, "\n")] = 0;
         if (strcmp(buf, want) == 0 && snprintf(dev, n, "/dev/%s", e->d_name) < (int)n)
-            found = access(dev, F_OK) == 0 ? 0 : -1;
+            found = !need_node || access(dev, F_OK) == 0 ? 0 : -1;
     }
     closedir(d);
     return found;
@@ -2112,12 +2131,12 @@ static int sysfs_dev(const char *dir, const char *prefix, const char *attr, cons
 
 static int disk_by_serial(const char *serial, char *dev, size_t n)
 {
-    return sysfs_dev("/sys/block", "vd", "serial", serial, dev, n);
+    return sysfs_dev("/sys/block", "vd", "serial", serial, dev, n, 1);
 }
 
 static int port_by_name(const char *name, char *dev, size_t n)
 {
-    return sysfs_dev("/sys/class/virtio-ports", "", "name", name, dev, n);
+    return sysfs_dev("/sys/class/virtio-ports", "", "name", name, dev, n, 1);
 }
 
 static void sleep_ms(int ms)

@@ -26,6 +26,7 @@ from rollbox.agent import protocol as P
 from rollbox.agent.channel import AgentChannel, SpawnError
 from rollbox.backends.microvm import qemu
 from rollbox.config import Settings
+from rollbox.errors import InfraError
 from rollbox.guest import build as guest_build
 from rollbox.guest.artifacts import GuestArtifacts
 from rollbox.images.store import ImageStore
@@ -47,11 +48,17 @@ class Guest:
 
     async def connect(self, timeout: float = BOOT_TIMEOUT_S) -> AgentChannel:
         deadline = time.monotonic() + timeout
-        while not self.sock.exists():
+        while True:  # QEMU binds the path before it listens: refused until then
             assert self.proc.poll() is None, f"QEMU died: {self.console.read_text()}"
             assert time.monotonic() < deadline, "no agent socket"
+            if self.sock.exists():
+                try:
+                    return await AgentChannel.connect_stream(
+                        str(self.sock), timeout=max(1.0, deadline - time.monotonic()))
+                except InfraError as exc:
+                    if "ConnectionRefused" not in exc.message:
+                        raise
             await asyncio.sleep(0.01)
-        return await AgentChannel.connect_stream(str(self.sock), timeout=timeout)
 
 
 @pytest.fixture(scope="module")

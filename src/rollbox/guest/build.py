@@ -36,11 +36,15 @@ from rollbox.errors import InfraError
 
 # What the guest needs as modules (ext4 is built in): the virtio-mmio transport, disks,
 # the agent's serial port, balloon, pmem (+DAX), layers and overlay, network, entropy.
-WANTED_MODULES = (
-    "virtio_mmio", "virtio_blk", "virtio_console", "virtio_balloon", "virtio_pmem", "nd_pmem",
-    "erofs", "overlay", "virtio_net", "virtio_rng",
-)
+# Module -> the virtio device id it drives when only that device needs it (0: always loaded).
+# The agent loads such a module (and the dependencies only it needs) only when a virtio device
+# of that id exists: a VM without a NIC or pmem does not pay for their drivers at boot.
+WANTED_MODULES = {
+    "virtio_mmio": 0, "virtio_blk": 0, "virtio_console": 0, "erofs": 0, "overlay": 0,
+    "virtio_balloon": 5, "virtio_pmem": 27, "nd_pmem": 27, "virtio_net": 1, "virtio_rng": 4,
+}
 LZ4_LEGACY_MAGIC = b"\x02\x21\x4c\x18"
+MODULE_SIG_MAGIC = b"~Module signature appended~\n"
 XEN_ELFNOTE_PHYS32_ENTRY = 18
 
 
@@ -165,14 +169,35 @@ def module_info(ko: bytes) -> dict[str, str]:
     return {}
 
 
-def modules_in_load_order(moddir: Path, wanted: tuple[str, ...]) -> list[Path]:
-    """The .ko files of ``wanted`` and their dependencies, each after what it depends on."""
+def without_signature(ko: bytes) -> bytes:
+    """The module without its appended signature. The kernel does not require one
+    (CONFIG_MODULE_SIG_FORCE is off) and checking an RSA signature per module is slow under
+    TCG; the modules' integrity is the initramfs digest's (manifest), not the guest's check."""
+    if not ko.endswith(MODULE_SIG_MAGIC):
+        return ko
+    # struct module_signature (12 bytes, sig_len big-endian last) precedes the magic
+    end = len(ko) - len(MODULE_SIG_MAGIC)
+    (sig_len,) = struct.unpack_from(">I", ko, end - 4)
+    cut = end - 12 - sig_len
+    if cut <= 0:
+        raise InfraError("malformed module signature")
+    return ko[:cut]
+
+
+def modules_in_load_order(moddir: Path, wanted: dict[str, int]) -> list[tuple[Path, int]]:
+    """The .ko files of ``wanted`` and their dependencies, each after what it depends on, with
+    the virtio device id that decides whether it is loaded (0: always; a dependency shared by
+    modules of different devices, or by one always loaded, is always loaded)."""
     files = {p.stem.replace("-", "_"): p for p in moddir.rglob("*.ko")}
     order: list[Path] = []
     seen: set[str] = set()
+    needed_for: dict[str, set[int]] = {}
 
     def visit(name: str, chain: tuple[str, ...]) -> None:
+        needed_for.setdefault(name, set()).add(wanted[chain[0]] if chain else wanted[name])
         if name in seen:
+            for dep in deps_of.get(name, ()):  # already placed: still note who needs it
+                visit(dep, chain + (name,))
             return
         if name in chain:
             raise InfraError(f"module dependency cycle: {' -> '.join(chain + (name,))}")
@@ -180,14 +205,20 @@ def modules_in_load_order(moddir: Path, wanted: tuple[str, ...]) -> list[Path]:
         if path is None:
             raise InfraError(f"kernel module {name} not in {moddir}")
         deps = module_info(path.read_bytes()).get("depends", "")
-        for dep in filter(None, deps.split(",")):
-            visit(dep.replace("-", "_"), chain + (name,))
+        deps_of[name] = [d.replace("-", "_") for d in deps.split(",") if d]
+        for dep in deps_of[name]:
+            visit(dep, chain + (name,))
         seen.add(name)
         order.append(path)
 
+    deps_of: dict[str, list[str]] = {}
     for name in wanted:
         visit(name, ())
-    return order
+    out = []
+    for path in order:
+        ids = needed_for[path.stem.replace("-", "_")]
+        out.append((path, ids.pop() if len(ids) == 1 else 0))
+    return out
 
 
 class Cpio:
@@ -236,7 +267,8 @@ def _static_elf(path: Path) -> bytes:
     return data
 
 
-def build_initramfs(agent: bytes, busybox: bytes, bash: bytes, modules: list[Path]) -> bytes:
+def build_initramfs(agent: bytes, busybox: bytes, bash: bytes,
+                    modules: list[tuple[Path, int]]) -> bytes:
     c = Cpio()
     for d in ("dev", "proc", "sys", "run", "tmp", "layers", "rw", "sandbox", "platform", "lib",
               "lib/modules"):
@@ -247,9 +279,11 @@ def build_initramfs(agent: bytes, busybox: bytes, bash: bytes, modules: list[Pat
     c.file("init", agent, 0o755)
     c.file("platform/busybox", busybox, 0o555)
     c.file("platform/bash", bash, 0o555)
-    for ko in modules:
-        c.file(f"lib/modules/{ko.name}", ko.read_bytes(), 0o644)
-    c.file("lib/modules/load.list", "".join(f"{ko.name}\n" for ko in modules).encode())
+    for ko, _ in modules:
+        c.file(f"lib/modules/{ko.name}", without_signature(ko.read_bytes()), 0o644)
+    # "<file>" or "<file> <virtio device id>": the agent loads them in this order
+    c.file("lib/modules/load.list", "".join(
+        f"{ko.name} {dev}\n" if dev else f"{ko.name}\n" for ko, dev in modules).encode())
     return c.finish()
 
 
@@ -291,7 +325,7 @@ def build(settings: Settings) -> dict[str, object]:
         "agent_sha256": _sha256(agent),
         "busybox_sha256": _sha256(busybox),
         "bash_sha256": _sha256(bash),
-        "modules": [ko.name for ko in modules],
+        "modules": [ko.name for ko, _ in modules],
     }
     tmp = settings.vm_guest_manifest.with_suffix(".tmp")
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
