@@ -290,7 +290,7 @@ class PlainQemu:
 
     def __init__(self, workdir: Path, layers: list[Path], memory_mib: int, disk_mib: int) -> None:
         s = Settings()
-        self.kernel, self.initrd = s.guest_kernel, s.guest_initramfs
+        self.kernel, self.initrd = s.vm_kernel, s.vm_initrd
         self.layers, self.memory_mib, self.disk_mib = layers, memory_mib, disk_mib
         self.dir = Path(tempfile.mkdtemp(prefix="vm-", dir=workdir))
         self.sock = self.dir / "agent.sock"
@@ -410,9 +410,10 @@ PROBE_MODULES = ("drivers/virtio/virtio_pci.ko", "drivers/virtio/virtio_pci_mode
 
 def kernel_modules_dir() -> Path:
     """The unpacked guest kernel's modules (what ``make guest`` unpacked from the deb)."""
-    found = sorted(Settings().guest_dir.glob("cache/*/lib/modules/*/kernel"))
+    cache = Settings().vm_guest_manifest.parent / "cache"  # rollbox.guest.build's
+    found = sorted(cache.glob("*/lib/modules/*/kernel"))
     if not found:
-        raise RuntimeError(f"no unpacked guest kernel below {Settings().guest_dir}/cache")
+        raise RuntimeError(f"no unpacked guest kernel below {cache} (make guest)")
     return found[-1]
 
 
@@ -435,7 +436,7 @@ def probe_initrd(dest: Path) -> Path:
               PY_WORKLOAD.replace("print('ready'", "print('probe-ready'").encode())]
     extra += [(f"probe/{Path(m).name}", 0o100644, (mods / m).read_bytes()) for m in PROBE_MODULES]
     out = dest / "probe-initrd.cpio"
-    out.write_bytes(Settings().guest_initramfs.read_bytes() + cpio_newc(extra))
+    out.write_bytes(Settings().vm_initrd.read_bytes() + cpio_newc(extra))
     return out
 
 
@@ -529,7 +530,7 @@ async def layer_device_memory(n: int, quick: bool) -> dict[str, Any]:
         for mode in ("blk", "pmem"):
             await asyncio.sleep(2)
             before = mem_available()
-            vms = [LayerProbeVM(work, s.guest_kernel, initrd, layers, mode, i) for i in range(n)]
+            vms = [LayerProbeVM(work, s.vm_kernel, initrd, layers, mode, i) for i in range(n)]
             try:
                 for vm in vms:
                     await vm.start()
