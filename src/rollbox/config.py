@@ -107,6 +107,11 @@ class Settings:
     # to its floor) until its next command; 0: never.
     vm_idle_squeeze_s: float = field(
         default_factory=lambda: _env_float("ROLLBOX_VM_IDLE_SQUEEZE_S", 60.0))
+    # The balloon's free-page reporting (pages the guest frees go back to the host); off only
+    # to measure what it saves (`rollbox bench microvm`).
+    vm_free_page_reporting: bool = field(
+        default_factory=lambda: os.environ.get("ROLLBOX_VM_FREE_PAGE_REPORTING", "1")
+        not in ("", "0"))
     # microVM templates (backends/microvm/template.py): creates restore a VM saved once per
     # key instead of booting; the node keeps at most this many templates and bytes (saved
     # state + disk), least recently used out first; a failed build is retried after retry_s.

@@ -33,6 +33,10 @@ def test_command_line_has_the_hardening_and_devices() -> None:
     assert "-incoming" not in argv
     assert qemu.argv(qemu.MachineSpec(cpus=1, memory_mib=256, layers=0, incoming=True))[-2:] \
         == ["-incoming", "defer"]
+    # free-page reporting goes off only when asked (the benchmark's comparison)
+    quiet = qemu.argv(qemu.MachineSpec(cpus=1, memory_mib=256, layers=1,
+                                       free_page_reporting=False))
+    assert "virtio-balloon-device,free-page-reporting=off,deflate-on-oom=on" in quiet
 
 
 def test_serve_prints_each_backend_and_the_microvm_accelerator() -> None:

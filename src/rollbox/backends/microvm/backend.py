@@ -315,7 +315,8 @@ class MicroVMBackend:
             cpus=vcpus(spec.resources.cpus), memory_mib=spec.resources.memory_mib,
             layers=len(spec.layers), rw_disk=True, accel=self._accel_name(),
             tsc_khz=qemu.host_tsc_khz(), tb_size_mib=self.settings.vm_tb_size_mib,
-            nic=spec.network_rules is not None)
+            nic=spec.network_rules is not None,
+            free_page_reporting=self.settings.vm_free_page_reporting)
 
     def limits_for(self, machine: qemu.MachineSpec, cpus: float) -> Limits:
         tb = machine.tb_size_mib if machine.accel == "tcg" else 0

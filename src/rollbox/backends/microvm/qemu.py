@@ -58,6 +58,7 @@ class MachineSpec:
     tb_size_mib: int = 64        # TCG translation cache (QEMU's default, 1 GiB, costs RSS)
     incoming: bool = False       # start paused waiting for ``migrate-incoming`` (restore)
     nic: bool = False            # a virtio-net NIC on the tap at TAP_FD (network policy)
+    free_page_reporting: bool = True  # off only to measure what it saves (bench microvm)
     extra_cmdline: tuple[str, ...] = field(default=())
 
 
@@ -93,7 +94,8 @@ def argv(spec: MachineSpec, binary: str = "/usr/bin/qemu-system-x86_64") -> list
         "-device", "virtio-serial-device,max_ports=2",
         "-chardev", f"socket,id=agent,fd={AGENT_FD},server=on,wait=off",
         "-device", f"virtserialport,chardev=agent,name={AGENT_PORT}",
-        "-device", "virtio-balloon-device,free-page-reporting=on,deflate-on-oom=on",
+        "-device", "virtio-balloon-device,free-page-reporting="
+        f"{'on' if spec.free_page_reporting else 'off'},deflate-on-oom=on",
     ]
     for i in range(spec.layers):
         args += ["-drive", f"id=layer{i},file={layer_path(i)},format=raw,if=none,readonly=on",
