@@ -12,7 +12,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import shutil
+import subprocess
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import pytest
@@ -108,3 +112,15 @@ async def vms(edge) -> Boxes:  # noqa: ANN001
 
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (runc sandboxes)")
+
+
+def static_helper(name: str) -> bytes:
+    """``helpers/<name>.c`` compiled static on the host (skips without gcc): a program the
+    test plants in a sandbox."""
+    if not shutil.which("gcc"):
+        pytest.skip("gcc not on the host")
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / name
+        subprocess.run(["gcc", "-static", "-O2", "-o", str(out),
+                        str(Path(__file__).parent / "helpers" / f"{name}.c")], check=True)
+        return out.read_bytes()

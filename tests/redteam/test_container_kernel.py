@@ -7,15 +7,13 @@ keeps the user namespace: its root is still an unprivileged host uid)."""
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import needs_python
-from tests.redteam.conftest import BB, PY, Boxes, container_only, microvm_default, needs_root
+from tests.redteam.conftest import (
+    BB, PY, Boxes, container_only, microvm_default, needs_root, static_helper,
+)
 
 pytestmark = [needs_root, needs_python]
 
@@ -184,13 +182,7 @@ async def test_a3_unhardened_twin_reaches_the_filesystem(boxes: Boxes) -> None:
 
 @pytest.fixture(scope="module")
 def abi32_helper() -> bytes:
-    if not shutil.which("gcc"):
-        pytest.skip("gcc not on the host")
-    with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "abi32"
-        subprocess.run(["gcc", "-static", "-O2", "-o", str(out),
-                        str(Path(__file__).parent / "helpers" / "abi32.c")], check=True)
-        return out.read_bytes()
+    return static_helper("abi32")
 
 
 @container_only("container seccomp bad-arch action; the 32-bit ABI of a VM reaches only the guest kernel")

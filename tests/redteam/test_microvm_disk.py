@@ -12,10 +12,8 @@ from __future__ import annotations
 import io
 import os
 import secrets
-import shutil
 import subprocess
 import tarfile
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,21 +23,14 @@ from rollbox.images.mounts import read_mountinfo
 from rollbox.models import ExecSpec, SandboxSpec, SnapshotSpec
 from tests.conftest import new_name
 from tests.redteam import qemu_jail
-from tests.redteam.conftest import BB, Boxes, needs_root
+from tests.redteam.conftest import BB, Boxes, needs_root, static_helper
 
 pytestmark = needs_root
-HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
 def evil_busybox() -> bytes:
-    if not shutil.which("gcc"):
-        pytest.skip("gcc not on the host")
-    with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "evil"
-        subprocess.run(["gcc", "-static", "-O2", "-o", str(out),
-                        str(HERE / "helpers" / "evil_busybox.c")], check=True)
-        return out.read_bytes()
+    return static_helper("evil_busybox")
 
 
 def crafted_tar(canary: str, climbing: bool) -> bytes:
