@@ -112,14 +112,18 @@ async def test_agent_exec_squeeze_deflate_pause_and_adopt(tmp_node_dir: Path) ->
         await backend.resume(vm)
         await vm.channel.ping(timeout=10.0)
 
-        # an edge restart: this backend lets go, a new one adopts the running QEMU
+        # an edge restart: this backend lets go, a new one adopts the running QEMU; squeezed
+        # since the state was taken (journaled at create), so the adopter must find that out
         state = vm.state()
+        await backend.squeeze(vm)
         backend.detach(vm)
         backend2 = backend_for(settings, UidSlots(settings.uid_base, settings.uid_slots), pool)
         await backend2.start()
         adopted = await backend2.adopt(vm.id, spec, state, paused=False)
         assert adopted is not None and adopted.pid == vm.pid
-        code, out = await run(adopted, ["cat", "/root/f"])
+        assert adopted.squeezed  # read off the balloon: the next exec deflates it
+        code, out = await run(adopted, ["cat", "/root/f"], backend=backend2)
+        assert not adopted.squeezed
         assert (code, out) == (0, b"hi\n")
         backend, vm = backend2, adopted
     finally:

@@ -559,9 +559,13 @@ class MicroVMBackend:
         try:
             if not jail.alive(pid):
                 raise InfraError("QEMU not running")
-            if paused:  # a stopped guest can not answer the handshake
-                async with qmp.session(jail.socket_path("qmp")) as q:
+            async with qmp.session(jail.socket_path("qmp")) as q:
+                if paused:  # a stopped guest can not answer the handshake
                     await q.cont()
+                # Squeezes after the create are not in the journal: the jail dir's marker
+                # (or a balloon still short of the full size) says so; the next exec deflates.
+                squeezed = (jail.squeeze_marker.exists()
+                            or await q.query_balloon() < (machine.memory_mib - 1) << 20)
             channel = await self.connect_agent(str(jail.socket_path("agent")),
                                                ADOPT_TIMEOUT_S)
         except (OSError, ValueError, InfraError) as exc:
@@ -571,7 +575,7 @@ class MicroVMBackend:
         assert pid is not None
         vm = MicroVM(id=sandbox_id, slot=slot, host_uid=host_uid, jail=jail, pid=pid,
                      machine=machine, channel=channel, image_env=dict(spec.env),
-                     squeezed=bool(state.get("squeezed")))
+                     squeezed=squeezed)
         vm.files = self.files_for(vm)
         if spec.network_rules is not None:
             try:
@@ -696,10 +700,12 @@ class MicroVMBackend:
                 return None
             h.squeezed = True
             try:
+                h.jail.squeeze_marker.touch()
                 async with qmp.session(h.qmp_path) as q:
                     return await balloon.squeeze(q, h.machine.memory_mib)
             except BaseException:
                 h.squeezed = False
+                h.jail.squeeze_marker.unlink(missing_ok=True)
                 raise
 
     async def prepare_exec(self, h: MicroVM) -> None:
@@ -714,6 +720,7 @@ class MicroVMBackend:
                 if not await balloon.deflate(q, h.machine.memory_mib):
                     log.warning("microVM %s: balloon not fully deflated in time", h.id)
             h.squeezed = False
+            h.jail.squeeze_marker.unlink(missing_ok=True)
             h.last_active = time.monotonic()
 
     async def set_network(self, h: MicroVM, rules: list[str]) -> None:  # type: ignore[override]

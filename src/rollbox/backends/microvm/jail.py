@@ -116,6 +116,11 @@ class Jail:
         return self.dir / "pid"
 
     @property
+    def squeeze_marker(self) -> Path:
+        """Present while the VM is squeezed (a restarted edge reads it back)."""
+        return self.dir / "squeezed"
+
+    @property
     def log_file(self) -> Path:
         return self.dir / "qemu.log"
 
