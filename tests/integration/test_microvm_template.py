@@ -70,6 +70,18 @@ async def test_restored_vms_are_unique_and_each_gets_the_disk_as_saved(
     assert template_dirs(settings) == before
 
 
+async def test_a_restored_vm_masks_its_own_hidden_paths(vm_template_node: Settings) -> None:
+    settings = vm_template_node
+    async with vm_backend(settings) as b:
+        spec = replace(template_spec(settings), hidden_paths=("/etc/os-release",))
+        vm = await b.create(f"{settings.node_id}-hid", spec)
+        try:
+            assert vm.template
+            assert await sh(vm, "wc -c < /etc/os-release") == "0\n"
+        finally:
+            await b.destroy(vm)
+
+
 async def test_a_template_that_fails_to_load_is_dropped_and_the_create_boots_cold(
         vm_template_node: Settings, caplog: pytest.LogCaptureFixture) -> None:
     """A copy of the session's template planted under another key (disk 65 MiB) with its
@@ -156,3 +168,24 @@ async def test_the_cache_bound_evicts_the_least_recently_used(
             await b.destroy(vm)
             after = template_dirs(settings)
             assert len(after) == 1 and after != first and vm.template == after[0]
+
+
+@pytest.mark.microvm_slow
+async def test_the_first_creators_hidden_paths_are_not_in_the_template(
+        tmp_node_dir: os.PathLike[str]) -> None:
+    with template_node(node_settings(tmp_node_dir)) as settings:
+        async with vm_backend(settings) as b:
+            spec = template_spec(settings, memory_mib=288)  # a key of its own: built here
+            first = await b.create(f"{settings.node_id}-h0",
+                                   replace(spec, hidden_paths=("/etc/os-release",)))
+            try:
+                assert first.template
+                assert await sh(first, "wc -c < /etc/os-release") == "0\n"
+            finally:
+                await b.destroy(first)
+            second = await b.create(f"{settings.node_id}-h1", spec)
+            try:
+                assert second.template == first.template
+                assert "ID=" in await sh(second, "cat /etc/os-release")
+            finally:
+                await b.destroy(second)

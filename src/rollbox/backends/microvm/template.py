@@ -452,7 +452,11 @@ class VmTemplates:
     async def _build(self, spec: ResolvedSpec, machine: qemu.MachineSpec, key: TemplateKey,
                      staging: Path, disk_id: str, timeout_s: float) -> Built:
         build_id = f"{BUILD_PREFIX}{key.digest[:12]}{secrets.token_hex(3)}"
-        vm = await self.backend.boot(build_id, spec, machine, timeout_s)
+        # Nothing of the first creator's own spec goes into the saved guest: no hidden-path
+        # masks (each restore masks its own), no allow-list (a NIC denies all until restored).
+        bare = replace(spec, hidden_paths=(),
+                       network_rules=None if spec.network_rules is None else ())
+        vm = await self.backend.boot(build_id, bare, machine, timeout_s)
         try:
             await self._warm(vm, timeout_s)
             state = staging / STATE_NAME
