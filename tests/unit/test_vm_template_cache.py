@@ -201,6 +201,12 @@ async def test_load_keeps_good_templates_and_removes_the_rest(tmp_path: Path) ->
     meta = json.loads((root / key(1).digest / T.META_NAME).read_text())
     meta["key"]["disk_mib"] = 999
     (root / key(1).digest / T.META_NAME).write_text(json.dumps(meta))
+    # a meta naming a disk that is not its own (e.g. a sandbox's): never deleted through it
+    (root / key(3).digest).mkdir()
+    (root / key(3).digest / T.STATE_NAME).write_bytes(b"s")
+    (root / key(3).digest / T.META_NAME).write_text(json.dumps(
+        {**json.loads((root / key(2).digest / T.META_NAME).read_text()),
+         "key": key(3).to_json(), "state_bytes": 1, "disk_id": "n0-sandbox"}))
     disks.ids.add("tpl-orphan")
     disks.ids.add("n0-sandbox")  # a sandbox's subvolume: not the cache's business
     c2 = cache(tmp_path, disks)

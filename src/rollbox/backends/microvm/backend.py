@@ -478,7 +478,8 @@ class MicroVMBackend:
             assert self.templates is not None
             await self.templates.load(template, jail, boot_timeout_s)
             try:
-                channel = await self._wait_agent(jail, pid, boot_timeout_s)
+                # no BOOT_INFO check: the template's boot passed it before the save
+                channel = await self._wait_agent(jail, pid, boot_timeout_s, check_boot=False)
             except InfraError as exc:
                 raise TemplateLoadError(f"restored guest did not answer: {exc}") from exc
             try:

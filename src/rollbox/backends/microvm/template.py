@@ -238,8 +238,9 @@ class TemplateCache:
         try:
             meta = json.loads((d / META_NAME).read_text())
             key = TemplateKey.from_json(meta["key"])
-            if meta.get("version") != META_VERSION or key.digest != d.name:
-                return None
+            if meta.get("version") != META_VERSION or key.digest != d.name \
+                    or meta["disk_id"] != self.disk_id_for(key):
+                return None  # (a disk id is deleted with its template: only our own names)
             state_bytes = (d / STATE_NAME).stat().st_size
             if state_bytes != int(meta["state_bytes"]):
                 return None  # truncated after the save
