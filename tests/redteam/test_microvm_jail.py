@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -35,8 +36,8 @@ def qemu(prefix: list[str], extra: list[str]) -> Iterator[int]:
     """Start QEMU (under ``prefix``: setpriv/unshare) and yield the QEMU process's pid."""
     p = subprocess.Popen(prefix + IDLE_QEMU + extra, stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    pid: int | None = None
     try:
-        pid = None
         for _ in range(100):  # unshare --fork: QEMU is a child of the unshare process
             pids = [p.pid] + [int(x) for x in
                               open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()]
@@ -49,6 +50,10 @@ def qemu(prefix: list[str], extra: list[str]) -> Iterator[int]:
         assert pid is not None and p.poll() is None, p.stderr.read() if p.stderr else ""
         yield pid
     finally:
+        # unshare --fork leaves QEMU running when only unshare is killed: kill QEMU itself.
+        if pid is not None and pid != p.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         p.kill()
         p.wait()
 
