@@ -82,6 +82,27 @@ async def test_a_restored_vm_masks_its_own_hidden_paths(vm_template_node: Settin
             await b.destroy(vm)
 
 
+async def test_a_restored_vm_is_adopted_after_an_edge_restart(
+        vm_template_node: Settings) -> None:
+    settings = vm_template_node
+    spec = template_spec(settings)
+    sid = f"{settings.node_id}-adopt"
+    async with vm_backend(settings) as first:
+        vm = await first.create(sid, spec)
+        assert vm.template
+        await sh(vm, "echo kept > /root/kept")
+        state = vm.state()
+        first.detach(vm)  # the edge stops; QEMU runs on
+    async with vm_backend(settings) as second:
+        again = await second.adopt(sid, spec, state, paused=False)
+        assert again is not None
+        try:
+            assert (await sh(again, "cat /root/kept; hostname")).split() == ["kept", sid]
+        finally:
+            await second.destroy(again)
+        assert second.leftovers(sid) == []
+
+
 async def test_a_template_that_fails_to_load_is_dropped_and_the_create_boots_cold(
         vm_template_node: Settings, caplog: pytest.LogCaptureFixture) -> None:
     """A copy of the session's template planted under another key (disk 65 MiB) with its
