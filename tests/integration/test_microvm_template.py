@@ -210,3 +210,32 @@ async def test_the_first_creators_hidden_paths_are_not_in_the_template(
                 assert "ID=" in await sh(second, "cat /etc/os-release")
             finally:
                 await b.destroy(second)
+
+
+@pytest.fixture
+def edge_settings() -> dict:
+    return {"vm_accel": "tcg", "vm_templates": True}  # for the edge fixture's test below
+
+
+@pytest.mark.microvm_slow
+async def test_sdk_creates_through_the_edge_restore_one_template(edge, api_server) -> None:  # noqa: ANN001
+    import rollbox
+
+    url, keys = api_server
+    settings = edge.settings
+    vm_backend_ = edge.backends["microvm"]
+    try:
+        async with rollbox.AsyncClient(url, keys.create("proj")) as client:
+            boxes = [await client.create("busybox:test", backend="microvm", memory_mib=256,
+                                         disk_mib=64) for _ in range(2)]
+            try:
+                outs = [(await sb.exec("hostname; cat /etc/machine-id")).stdout.split()
+                        for sb in boxes]
+                assert [o[0] for o in outs] == [sb.id for sb in boxes]
+                assert outs[0][1] != outs[1][1]
+            finally:
+                for sb in boxes:
+                    await sb.delete()
+        assert len(template_dirs(settings)) == 1
+    finally:
+        vm_backend_.templates.cache.clear()  # the pool is released with the edge
