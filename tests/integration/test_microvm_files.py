@@ -65,9 +65,10 @@ async def vm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[Mi
         await backend.destroy(vm)
         left = backend.leftovers(vm.id)
         backend.release_node_resources()
-        pool.release()
+        released = pool.release()
         slots.close()
         assert left == [], left
+        assert released, "the disk pool stayed mounted"
 
 
 @pytest.fixture

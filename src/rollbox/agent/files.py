@@ -18,13 +18,14 @@ agent, or the sandbox's lifecycle.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import posixpath
 import secrets
 import stat as st
 import tarfile
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import TypeVar
 
 from rollbox import errors
@@ -327,11 +328,12 @@ class AgentFiles:
             if not res.ok:
                 raise tool_error(res, path, "cat")
 
-        async for chunk in self.tools.stream(
+        async with contextlib.aclosing(self.tools.stream(
                 ["cat", "--", p], max_stdout=cap, on_end=end,
                 overflow=lambda: errors.PayloadTooLarge(f"{path} grew above the {cap}-byte cap",
-                                                        path=path, limit=cap)):
-            yield chunk
+                                                        path=path, limit=cap))) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     # ---- write ------------------------------------------------------------------------------
 
@@ -459,8 +461,9 @@ class AgentFiles:
         source = self.tools.stream(argv, max_stdout=raw_cap, on_end=end)
         clean = _TarRewrite(self.max_upload, self.max_entries, links=True, upload=False,
                             single=single)
-        async for chunk in _transformed(source, clean.rewrite):
-            yield chunk
+        async with contextlib.aclosing(_transformed(source, clean.rewrite)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
 
 class _TarRewrite:
@@ -580,6 +583,17 @@ async def _transformed(chunks: AsyncIterator[bytes],
     itself is raised as it was."""
     stop = threading.Event()
     reader = _ChunkReader(chunks, asyncio.get_running_loop(), stop)
-    async for chunk in produced(lambda out: work(reader, out), queue_chunks, source=reader,
-                                stop=stop):
-        yield chunk
+    try:
+        async with contextlib.aclosing(produced(lambda out: work(reader, out), queue_chunks,
+                                                source=reader, stop=stop)) as out:
+            async for chunk in out:
+                yield chunk
+    finally:
+        await close_source(chunks)
+
+
+async def close_source(chunks: object) -> None:
+    """Close an async generator a worker stopped pulling from (its tool session, say, ends
+    now rather than at a later GC)."""
+    if isinstance(chunks, AsyncGenerator):
+        await chunks.aclose()

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from rollbox import errors
-from rollbox.agent.files import AgentFiles
+from rollbox.agent.files import AgentFiles, close_source
 from rollbox.agent.tools import ToolResult, tool_error
 from rollbox.backends.base import CaptureOptions, CaptureResult
 from rollbox.backends.container.files import _pulled
@@ -50,9 +50,12 @@ def _raw_cap(max_bytes: int, max_entries: int) -> int:
 async def _capture(source: AsyncIterator[bytes], dest: Path, *, scrub: list[str],
                    exclude: list[str], max_bytes: int, max_entries: int
                    ) -> tuple[CaptureStats, UpperTree]:
-    return await _pulled(source, lambda reader: capture_tar(
-        reader, str(dest), scrub=scrub, exclude=exclude, max_bytes=max_bytes,
-        max_entries=max_entries))
+    try:
+        return await _pulled(source, lambda reader: capture_tar(
+            reader, str(dest), scrub=scrub, exclude=exclude, max_bytes=max_bytes,
+            max_entries=max_entries))
+    finally:
+        await close_source(source)  # a failed capture ends the sandbox's tar now
 
 
 def _in_root(rel: str) -> str:

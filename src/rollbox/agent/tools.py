@@ -21,7 +21,7 @@ import contextlib
 import errno as errno_mod
 import os
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 
 from rollbox import errors
@@ -257,7 +257,11 @@ async def _feed(sess: Session, stdin: AsyncIterator[bytes] | bytes) -> None:
         if stdin:
             await sess.write_stdin(bytes(stdin))
     else:
-        async for chunk in stdin:
-            if chunk:
-                await sess.write_stdin(bytes(chunk))
+        try:
+            async for chunk in stdin:
+                if chunk:
+                    await sess.write_stdin(bytes(chunk))
+        finally:  # also when cancelled: the source's own clean-up runs now
+            if isinstance(stdin, AsyncGenerator):
+                await stdin.aclose()
     await sess.close_stdin()

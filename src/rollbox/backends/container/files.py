@@ -845,8 +845,11 @@ class SandboxFS:
         sockets and devices are skipped; ids are unshifted. Memory stays bounded: the worker
         blocks while ``queue_chunks`` chunks of 256 KiB wait for the consumer."""
         parts = _split(path)
-        async for chunk in produced(lambda out: self._archive(parts, out), queue_chunks):
-            yield chunk
+        # aclosing: a consumer that stops early stops the worker now, not at a later GC
+        async with contextlib.aclosing(produced(lambda out: self._archive(parts, out),
+                                                queue_chunks)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     def _archive(self, parts: list[str], out: _QueueWriter) -> None:
         where = _join(parts)
