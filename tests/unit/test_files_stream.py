@@ -108,3 +108,15 @@ async def test_write_stream_disk_full_is_typed_and_clean() -> None:
         if mounted:
             syscalls.umount(tmp, syscalls.MNT_DETACH)
         shutil.rmtree(tmp)
+
+
+async def test_download_closed_early_stops_its_worker(box: tuple[SandboxFS, Path]) -> None:
+    """A consumer that closes the stream after one chunk ends the worker at once (it held the
+    root fd: the sandbox's mounts stay busy until it ends)."""
+    fs, root = box
+    (root / "big").write_bytes(os.urandom(8 << 20))
+    gen = fs.download_tar("/")
+    await anext(gen)
+    assert fs._users == 1
+    await gen.aclose()
+    assert fs._users == 0
