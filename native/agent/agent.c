@@ -37,6 +37,7 @@
 #include <string.h>
 #include <dirent.h>
 #include <linux/random.h>
+#include <net/if.h>
 #include <poll.h>
 #include <sys/epoll.h>
 #include <sys/ioctl.h>
@@ -2230,6 +2231,21 @@ static void sleep_ms(int ms)
 
 /* Mount everything the sandbox root needs; on failure the first error is recorded and the
  * agent still serves. Returns the fd of the open virtio port, or -1. */
+/* The guest's loopback up (a VM's kernel starts with it down): commands' own local services
+ * (a test server, a browser task's page) reach 127.0.0.1 whether or not the VM has a NIC. */
+static void loopback_up(void)
+{
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    strcpy(ifr.ifr_name, "lo");
+    if (s < 0 || ioctl(s, SIOCGIFFLAGS, &ifr) < 0 ||
+        (ifr.ifr_flags |= IFF_UP, ioctl(s, SIOCSIFFLAGS, &ifr) < 0))
+        boot_fail(errno, "loopback up");
+    if (s >= 0)
+        close(s);
+}
+
 static int guest_init(void)
 {
     t_init = boottime_ns();
@@ -2252,6 +2268,7 @@ static int guest_init(void)
 
     load_modules();
     t_modules = boottime_ns();
+    loopback_up();
 
     char cmdline[4096] = "", val[32];
     int cfd = open("/proc/cmdline", O_RDONLY | O_CLOEXEC);

@@ -237,10 +237,10 @@ def HostListener6() -> HostListener:  # noqa: N802 - a dual-stack host service
     return HostListener("::", socket.AF_INET6)
 
 
-def host_link_local(box: VmBox) -> str:
-    info = json.loads(subprocess.run(["ip", "-j", "-6", "addr", "show", "dev",
-                                      box.net.link.host_if], capture_output=True,
-                                     text=True).stdout or "[]")
+def host_link_local(host_if: str) -> str:
+    """The IPv6 link-local address of a link's host end."""
+    info = json.loads(subprocess.run(["ip", "-j", "-6", "addr", "show", "dev", host_if],
+                                     capture_output=True, text=True).stdout or "[]")
     for it in info:
         for a in it.get("addr_info", []):
             if a["local"].startswith("fe80"):
@@ -386,7 +386,7 @@ async def test_guest_root_tricks(vmboxes, internet: FakeInternet) -> None:  # no
     try:
         assert srv.stdout is not None and srv.stdout.readline().strip() == b"up"
         gate = box.net.link.gate_ip
-        lla = host_link_local(box)
+        lla = host_link_local(box.net.link.host_if)
         got = await box.guest.probe(
             ("tcp", "169.254.169.254", 80), ("tcp", gate, 22), ("tcp", gate, 7420),
             ("tcp", other.net.link.sandbox_ip, 9999), ("tcp", other.net.link.gate_ip, 9999),
@@ -431,7 +431,7 @@ async def _attack(rule: str, box: VmBox, internet: FakeInternet) -> bool:  # noq
             v6.bind(("::", 0))
             v6.settimeout(1.5)
             box.guest.inject(udp6_frame(box.host_mac(), gm, "fe80::5054:ff:fe72:6278",
-                                        host_link_local(box), 4000, v6.getsockname()[1],
+                                        host_link_local(box.net.link.host_if), 4000, v6.getsockname()[1],
                                         marker.encode()))
             out = await box.guest.run(
                 "import socket,sys\ns=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"

@@ -233,9 +233,10 @@ async def test_d28_other_sandboxes(boxes: Boxes, internet: FakeInternet) -> None
 # ---- D29: a connection opened during setup, kept after the phase closes it ----------------
 HOLD = """
 import socket, sys, time
-tcp = socket.create_connection((sys.argv[1], 8080), timeout=3)
+slack = float(sys.argv[3]) if len(sys.argv) > 3 else 1.0  # timeouts x slack (a slow guest)
+tcp = socket.create_connection((sys.argv[1], 8080), timeout=3 * slack)
 udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); udp.connect((sys.argv[1], 8080))
-udp.settimeout(0.5); tcp.settimeout(0.5)
+udp.settimeout(0.5 * slack); tcp.settimeout(0.5 * slack)
 print('open', flush=True)
 ok = 0
 t0 = time.monotonic()

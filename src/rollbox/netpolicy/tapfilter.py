@@ -20,9 +20,11 @@ whole in one nft transaction (atomic: never empty in between) with disjoint elem
 collapsed per protocol and port; nft's interval sets misbehave on overlapping elements).
 Each forwarded guest packet refreshes its destination in the ``active`` set (dynamic, 30 s
 timeout): what :meth:`TapFilter.active` reports as in use (the guest's sockets are not visible
-from the host). Named counters count drops: ``out_tcp`` (TCP connection attempts: SYN without
-ACK), ``out_udp``, ``out_other`` (everything else from the guest: IPv6, ICMP, spoofed,
-fragments), ``in_drop`` (towards the guest).
+from the host). Named counters count drops: ``out_tcp`` (TCP connection attempts, SYN without
+ACK, IPv4 or IPv6), ``out_udp`` (IPv4 or IPv6), ``out_other`` (any other IPv4 from the guest:
+ICMP, fragments; and frames from another MAC, address or spoofed ARP), ``in_drop`` (IPv4
+towards the guest). Other frames are dropped uncounted: the guest kernel's own IPv6 neighbour
+discovery would be noise in the audit trail.
 
 Owns: the ``netdev rollbox_vm`` table inside a sandbox's namespace. Must not touch anything in
 the host's namespace (the host end of the link and the node-wide table are link.py's).
@@ -92,9 +94,11 @@ def ruleset(guest_ip: str, guest_mac: str, guest_if: str = GUEST_IFACE,
         + (r("allow_out", "meta l4proto . th dport . ip daddr @allow "
              f"update @active {{ ip daddr }} fwd to {up}")
            if "allow_out" not in skip else f"    fwd to {up}\n")
+        # Counted refusals: TCP connects and UDP sends (IPv4 or IPv6), any other IPv4. Other
+        # frames (the guest kernel's own IPv6 neighbour discovery...) drop uncounted (noise).
         + '    tcp flags & (syn | ack) == syn counter name "out_tcp" drop\n'
         + '    meta l4proto udp counter name "out_udp" drop\n'
-        + '    counter name "out_other" drop\n'
+        + '    meta protocol ip counter name "out_other" drop\n'
         + "  }\n"
         "  chain to_guest {\n"
         f"    type filter hook ingress device {up} priority filter; policy drop;\n"
@@ -102,7 +106,7 @@ def ruleset(guest_ip: str, guest_mac: str, guest_if: str = GUEST_IFACE,
         + r("daddr", f'ip daddr != {guest_ip} counter name "in_drop" drop')
         + (r("allow_in", f"meta l4proto . th sport . ip saddr @allow fwd to {gst}")
            if "allow_in" not in skip else f"    fwd to {gst}\n")
-        + '    counter name "in_drop" drop\n'
+        + '    meta protocol ip counter name "in_drop" drop\n'
         + "  }\n"
         "}\n")
 
