@@ -3,7 +3,8 @@ input actions only, graded by replay in a fresh sandbox (rollbox.browser.episode
 
 Each cheat is tested on its own against the defence that stops it: a score set by script in the
 agent's own page (the grader never reads that page), a script entry forged into the action log
-(the grader refuses any log with a non-input action, so a correct click beside it is worth 0)."""
+(the grader refuses any log with a non-input action, so a correct click beside it is worth 0).
+On a microVM (TCG here: a cold chromium takes minutes) one honest and one cheating episode."""
 from __future__ import annotations
 
 import os
@@ -11,16 +12,28 @@ from pathlib import Path
 
 import pytest
 
-from rollbox.browser.episode import ACTIONS, DRIVER, episode, parse_grade
+from rollbox.browser.episode import (
+    ACTIONS, BROWSER_TB_MIB, CHEATS, DRIVER, episode, parse_grade,
+)
 from rollbox.browser.image import ensure_browser_image
 from rollbox.config import Settings
 from rollbox.images.store import ImageStore
 from rollbox.sdk import AsyncClient
+from tests.conftest import have_image
 
 pytestmark = [pytest.mark.browser, pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root and runc"),
               pytest.mark.timeout(1800)]
 PNG = b"\x89PNG\r\n\x1a\n"
+needs_microvm = pytest.mark.skipif(
+    not Settings().vm_initrd.is_file() or not Settings().vm_jailer.is_file()
+    or not have_image("python:3.11"), reason="no guest or jailer (make guest native)")
+
+
+@pytest.fixture
+def edge_settings() -> dict:
+    # TCG (the KVM probe has its own slow test), chromium-sized translation cache
+    return {"vm_accel": "tcg", "vm_tb_size_mib": BROWSER_TB_MIB}
 
 
 @pytest.fixture(scope="session")
@@ -40,15 +53,29 @@ async def client(api_server, browser_image):  # noqa: ANN001, ANN201
         yield c
 
 
-@pytest.mark.parametrize("task", ["click-button", "click-test"])
-async def test_honest_agent_is_rewarded(client, task: str, tmp_path: Path) -> None:  # noqa: ANN001
-    r = await episode(client, 0, backend="container", task=task, seed=7, out_dir=tmp_path,
-                      timings=_timings())
+def _assert_rewarded(r: dict) -> None:
     assert r["page_said_reward"] == 1, r
     assert r["reward"] == 1.0 and r["grade"]["ended"] and r["grade"]["actions_replayed"] == 1, r
     for shot in r["screenshots"]:
         data = Path(shot).read_bytes()
         assert data.startswith(PNG) and len(data) > 2000, shot
+
+
+@pytest.mark.parametrize("task", ["click-button", "click-test"])
+async def test_honest_agent_is_rewarded(client, task: str, tmp_path: Path) -> None:  # noqa: ANN001
+    _assert_rewarded(await episode(client, 0, backend="container", task=task, seed=7,
+                                   out_dir=tmp_path, timings=_timings()))
+
+
+@needs_microvm
+@pytest.mark.timeout(3600)
+async def test_microvm_honest_rewarded_cheater_zero(client, tmp_path: Path) -> None:  # noqa: ANN001
+    """The demo's two episodes on microVMs: the grader is a fresh microVM that replays the log."""
+    _assert_rewarded(await episode(client, 0, backend="microvm", task="click-button", seed=11,
+                                   out_dir=tmp_path, timings=_timings()))
+    r = await episode(client, 1, backend="microvm", task="click-button", seed=12,
+                      out_dir=tmp_path, timings=_timings(), cheats=CHEATS)
+    assert r["page_said_reward"] == 1 and r["reward"] == 0.0, r
 
 
 async def test_score_set_by_script_gets_zero(client, tmp_path: Path) -> None:  # noqa: ANN001

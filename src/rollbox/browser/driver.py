@@ -71,6 +71,7 @@ EPISODE_MAX_MS = 120_000
 # One WebDriver call: a cold chromium's first page load on a one-vCPU TCG guest of a busy
 # host took over 2 minutes.
 CALL_TIMEOUT_S = 900
+SESSION_ATTEMPTS = 3
 # Waits poll this often: on a one-vCPU microVM under TCG a tight poll takes the CPU that
 # chromium needs.
 POLL_S = 0.5
@@ -241,7 +242,15 @@ def browser(log_path: Path):  # noqa: ANN201
     proc = start_chromedriver(log_path)
     wd = WebDriver(f"http://127.0.0.1:{DRIVER_PORT}")
     try:
-        wd.new_session()
+        for attempt in range(SESSION_ATTEMPTS):
+            try:
+                wd.new_session()
+                break
+            except DriverError as exc:
+                # chromedriver gives a starting chromium a fixed 60 s, which a cold start on
+                # a TCG guest can exceed; the next try finds the binary's pages cached.
+                if "session not created" not in str(exc) or attempt == SESSION_ATTEMPTS - 1:
+                    raise
         yield wd
     finally:
         if wd.session:

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shlex
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,8 @@ TASKS = ("click-button", "click-test")
 MEMORY_MIB = 2048
 # Under TCG a cold chromium takes minutes; generous, and the same for every step.
 STEP_TIMEOUT_S = 1200
+# TCG translation cache for a microVM running chromium (see run_browser_demo).
+BROWSER_TB_MIB = 512
 # The grader's answer is one JSON line; anything longer is not a grader's answer.
 MAX_GRADE_LINE = 4096
 
@@ -122,7 +126,8 @@ async def episode(client: Any, i: int, *, backend: str, task: str, seed: int,
     took("create", t0)
     try:
         t = time.monotonic()
-        await sb.exec_background(f"{DRIVER} start --task {shlex.quote(task)} --seed {seed}")
+        env_proc = await sb.exec_background(
+            f"{DRIVER} start --task {shlex.quote(task)} --seed {seed}")
         try:
             await _run(sb, f"{DRIVER} wait-ready --timeout {STEP_TIMEOUT_S - 30}",
                        "browser start", timeout=STEP_TIMEOUT_S)
@@ -150,6 +155,10 @@ async def episode(client: Any, i: int, *, backend: str, task: str, seed: int,
             local = out_dir / f"browser-{i}-{name}.png"
             await sb.files.download_file(f"/work/episode/{name}.png", local)
             shots.append(str(local))
+        # The episode is over: stop the agent's browser (SIGTERM: the driver closes its
+        # session), so a microVM grader does not share the host's CPU with an idle chromium.
+        await env_proc.kill(signal.SIGTERM)
+        await env_proc.wait()
         t = time.monotonic()
         g = await sb.grade(f"{DRIVER} grade --task {shlex.quote(task)} --seed {seed} "
                            f"--actions {ACTIONS}", files=[ACTIONS], timeout=STEP_TIMEOUT_S,
@@ -252,6 +261,11 @@ def run_browser_demo(n: int = 2, url: str | None = None, *, backend: str = "cont
 
     ensure_browser_image(ImageStore(Settings().images_dir))
     out = out_dir or Path("rollbox-demo-browser")
+    if url is None and backend == "microvm":
+        # The embedded node's TCG translation cache: chromium's code does not fit QEMU's
+        # 64 MiB default (every flush retranslates all of it; its start-up ran into
+        # chromedriver's 60 s wait). An explicit ROLLBOX_VM_TB_MIB wins.
+        os.environ.setdefault("ROLLBOX_VM_TB_MIB", str(BROWSER_TB_MIB))
     with server_process(url) as (base_url, key):
         summary = asyncio.run(run_browser_episodes(n, base_url, key, backend=backend,
                                                    task=task, out_dir=out))
