@@ -489,6 +489,38 @@ async def test_each_rule_on_its_own(rule: str, vmboxes, internet: FakeInternet  
     assert await box.guest.probe(("udp", internet.ips[1], 8080)) == ["ok hi"]
 
 
+async def test_adopt_after_an_edge_restart(vmboxes, internet: FakeInternet,  # noqa: F811
+                                           upstream: FakeUpstream, tmp_path: Path) -> None:  # noqa: F811
+    """A new edge finds the link and the table again: the set as it was (a name's learned
+    address still open), the gate answering again; a changed policy converges the set. The
+    filter keeps enforcing while no edge runs."""
+    named = internet.ips[0]
+    rules = ["allowed.example:8080", f"{internet.ips[1]}:8080"]
+    box = await vmboxes(rules)
+    gate = box.net.link.gate_ip
+    dns = DNS_CLIENT.replace("open('/etc/resolv.conf').read().split()[1]", repr(gate))
+    await box.guest.run(dns, json.dumps([["allowed.example", 1, False]]))
+    assert await box.guest.probe(("tcp", named, 8080)) == ["ok hi"]
+    box.net.close()  # the edge stops (its gate with it); the VM and its filter stay
+    assert await box.guest.probe(("tcp", named, 8080), ("tcp", internet.ips[2], 8080)) == [
+        "ok hi", "timeout"]
+    adopted = await vmnet.adopt(box.sid, rules, node_settings(tmp_path))
+    assert adopted is not None
+    box.net = adopted
+    assert adopted.current == box.net.filter.entries
+    assert await box.guest.probe(("tcp", named, 8080), ("tcp", internet.ips[1], 8080)) == [
+        "ok hi", "ok hi"]
+    got = json.loads(await box.guest.run(dns, json.dumps([["nope.example", 1, False]])))
+    assert list(got.values()) == ["rcode 5 answers 0"]  # the gate is back
+    await asyncio.to_thread(adopted.apply, [f"{internet.ips[1]}:8080"])
+    assert await box.guest.probe(("tcp", named, 8080), ("tcp", internet.ips[1], 8080)) == [
+        "timeout", "ok hi"]
+    # No table (or no link): nothing to adopt, the caller tears down (fail closed).
+    box.net.close()
+    box.net.filter.delete()
+    assert await vmnet.adopt(box.sid, rules, node_settings(tmp_path)) is None
+
+
 async def test_teardown_leaves_nothing(tmp_path: Path, internet: FakeInternet  # noqa: F811
                                        ) -> None:
     sid = f"{TEST_NODE}vn{secrets.token_hex(4)}"

@@ -174,6 +174,7 @@ def in_ns(sid: str, *argv: str) -> str:
                           capture_output=True, text=True).stdout
 
 
+@pytest.mark.microvm_slow  # (the default tier has the red team D25/D26 on a real guest)
 async def test_vm_network_at_the_tap(backend: ShellGuestBackend, internet: FakeInternet,  # noqa: F811
                                      upstream: FakeUpstream) -> None:  # noqa: F811
     """One VM with a policy: allowed and refused destinations, the DNS gate opening a name,
