@@ -2421,6 +2421,15 @@ static void port_event(uint32_t e)
         return;
     }
     if (e & EPOLLHUP) {
+        /* The guest learns of host (dis)connections asynchronously: a HUP of the previous
+         * host can be reported after the next one's HELLO. Only a HUP that still holds
+         * drops the connection. */
+        struct pollfd pfd = {.fd = conn_fd, .events = POLLIN};
+        if (poll(&pfd, 1, 0) == 1 && !(pfd.revents & POLLHUP)) {
+            flush_outq();
+            read_conn(0);
+            return;
+        }
         drop_conn("host disconnected (POLLHUP on the port)");
         port_discard_input();
         conn_state = C_HUNT;
