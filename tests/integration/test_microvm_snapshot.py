@@ -5,10 +5,13 @@ VM of the pristine layers plus only the declared files (the source VM is never t
 from __future__ import annotations
 
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from rollbox.models import ExecSpec, GradeSpec, Resources, SandboxSpec, SnapshotSpec
+from rollbox.images.build import build_from_directory
 from tests.conftest import have_image, new_name
 
 pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
@@ -50,14 +53,33 @@ async def sh(edge, sid: str, cmd: str) -> str:  # noqa: ANN001
     return res.stdout
 
 
+def repo_layer(edge, names: list[str], tmp: Path) -> str:  # noqa: ANN001
+    """A layer with a git repository at /work/repo whose history goes past its HEAD."""
+    repo = tmp / "ws/work/repo"
+    repo.mkdir(parents=True)
+    git = ["git", "-C", str(repo), "-c", "user.email=a@x", "-c", "user.name=a"]
+    for cmd in (["init", "-q", "-b", "main"], ["commit", "-q", "--allow-empty", "-m", "task"],
+                ["commit", "-q", "--allow-empty", "-m", "the-answer"],
+                ["branch", "future"], ["reset", "-q", "--hard", "HEAD~1"]):
+        subprocess.run(git + cmd, check=True, capture_output=True)
+    name = new_name(names, "vm-repo")
+    build_from_directory(edge.store, tmp / "ws", name)
+    return name
+
+
 async def test_vm_snapshot_boots_as_container_and_grades_in_a_fresh_vm(  # noqa: ANN001
-        edge, names: list[str]) -> None:
-    src = await edge.create(SandboxSpec(image=BB, backend="microvm", resources=VM), "p")
+        edge, names: list[str], tmp_path: Path) -> None:
+    repo = repo_layer(edge, names, tmp_path)
+    src = await edge.create(SandboxSpec(image=BB, layers=[repo], backend="microvm",
+                                        resources=VM), "p")
     await sh(edge, src.id, CHANGES)
+    # touches a repository of a lower layer: completed from the merged view, then scrubbed
+    await sh(edge, src.id, "echo touched > /work/repo/.git/description")
     name = new_name(names)
     res = await edge.snapshot(src.id, SnapshotSpec(name=name, exclude=["/work/secret.txt"]),
                               "p")
     assert res.whiteouts >= 1 and res.scrubbed >= 1 and res.layers[-1] == res.layer
+    assert res.git_repos_scrubbed == ["/work/repo"]
     copy = await edge.create(SandboxSpec(image=name), "p")  # a container
     assert copy.backend == "container"
     await sh(edge, copy.id, EXPECTED)
