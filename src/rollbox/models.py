@@ -118,6 +118,15 @@ class NetAudit(BaseModel):
     packets_dropped: int = 0
 
 
+class SandboxUsage(BaseModel):
+    """Live use of a sandbox as the host sees it (its backend's ``usage()``); None: unknown.
+    A microVM's memory is its QEMU's, whatever the guest says."""
+    memory_bytes: int | None = None
+    cpu_usage_us: int | None = None
+    oom_kills: int = 0
+    disk_bytes: int | None = None
+
+
 class SandboxInfo(BaseModel):
     id: str
     node: str
@@ -134,6 +143,7 @@ class SandboxInfo(BaseModel):
     network: NetworkPolicy | None = None
     job: str | None = None
     audit: NetAudit | None = None  # live sandboxes with a network policy, in GET only
+    usage: SandboxUsage | None = None  # live sandboxes, in GET only
     disk_tier: Literal["disk", "memory"] = "disk"
     backend: str = "container"
     # True when what the sandbox reports comes from code its own user controls (a microVM's

@@ -115,3 +115,19 @@ async def test_a_backend_failing_at_node_start_leaves_the_others_serving(restart
     eid = await e2.exec_start(sb.id, ExecSpec(cmd=["true"]))
     assert (await e2.exec_wait(sb.id, eid)).exit_code == 0
     await e2.delete(sb.id)
+
+
+async def test_get_shows_the_backends_live_usage(edge) -> None:  # noqa: ANN001
+    sb = await edge.create(SandboxSpec(image=BB, resources=Resources(memory_mib=256)), "t")
+    try:
+        before = (await edge.get(sb.id)).usage
+        assert before is not None and before.memory_bytes and before.oom_kills == 0
+        eid = await edge.exec_start(sb.id, ExecSpec(
+            cmd="i=0; while [ $i -lt 200000 ]; do i=$((i+1)); done"))
+        assert (await edge.exec_wait(sb.id, eid)).exit_code == 0
+        after = (await edge.get(sb.id)).usage
+        assert after is not None and after.cpu_usage_us > (before.cpu_usage_us or 0)
+        assert all(i.usage is None for i in await edge.list(None, {}))  # GET only
+    finally:
+        await edge.delete(sb.id)
+    assert (await edge.get(sb.id)).usage is None  # a deleted sandbox has none

@@ -42,7 +42,8 @@ from rollbox.jobs import LeaseReaper, LeaseStore, SqliteLeaseStore
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import (
     Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, ImageInfo,
-    LayerUsage, NetAudit, NetworkPolicy, SandboxInfo, SandboxSpec, SnapshotResult, SnapshotSpec,
+    LayerUsage, NetAudit, NetworkPolicy, SandboxInfo, SandboxSpec, SandboxUsage, SnapshotResult,
+    SnapshotSpec,
 )
 
 if TYPE_CHECKING:
@@ -469,9 +470,9 @@ class Edge:
         live = self.live.get(sandbox_id)
         if live:
             net = live.box.network
-            if net is None:
-                return live.info
-            return live.info.model_copy(update={"audit": NetAudit(**net.audit())})
+            usage = SandboxUsage(**dataclasses.asdict(live.backend.usage(live.box)))
+            audit = NetAudit(**net.audit()) if net is not None else None
+            return live.info.model_copy(update={"audit": audit, "usage": usage})
         rec = self.journal.get(sandbox_id)
         if rec is None:
             raise NotFound(f"sandbox {sandbox_id} not found")

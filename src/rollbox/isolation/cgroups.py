@@ -335,3 +335,32 @@ def oom_kills(parent: str, sandbox_id: str) -> int:
         if key == "oom_kill":
             return int(value)
     return 0
+
+
+def memory_bytes(parent: str, sandbox_id: str) -> int | None:
+    """Memory charged to the sandbox's cgroup (v1 usage_in_bytes, v2 memory.current); None
+    once it is gone."""
+    for path in (ROOT / "memory" / parent / sandbox_id / "memory.usage_in_bytes",
+                 v2_dir(parent, sandbox_id) / "memory.current"):
+        try:
+            return int(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def cpu_usage_us(parent: str, sandbox_id: str) -> int | None:
+    """CPU time used by the sandbox's cgroup in microseconds (v1 cpuacct, v2 cpu.stat)."""
+    for path in (ROOT / "cpuacct" / parent / sandbox_id / "cpuacct.usage",
+                 ROOT / "cpu,cpuacct" / parent / sandbox_id / "cpuacct.usage"):
+        try:
+            return int(path.read_text()) // 1000
+        except (OSError, ValueError):
+            continue
+    try:
+        for line in (v2_dir(parent, sandbox_id) / "cpu.stat").read_text().splitlines():
+            if line.startswith("usage_usec "):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None

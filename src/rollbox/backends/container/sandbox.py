@@ -411,7 +411,9 @@ class ContainerBackend:
         """Nothing: a container's memory is never taken back while it idles."""
 
     def usage(self, sb: ContainerSandbox) -> Usage:  # type: ignore[override]
-        return Usage(memory_bytes=_read_int(sb.v2_cgroup / "memory.current"),
+        parent = self.settings.cgroup_parent
+        return Usage(memory_bytes=cgroups.memory_bytes(parent, sb.id),
+                     cpu_usage_us=cgroups.cpu_usage_us(parent, sb.id),
                      oom_kills=self.oom_kills(sb))
 
     def oom_kills(self, sb: ContainerSandbox) -> int:  # type: ignore[override]
@@ -577,13 +579,6 @@ class ContainerBackend:
             pass
         await self._teardown(sandbox_id, self.rootfs_of(sandbox_id), self.run_root / sandbox_id,
                              slot, pid)
-
-
-def _read_int(path: Path) -> int | None:
-    try:
-        return int(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 _late_reaps: set[asyncio.Task] = set()

@@ -736,8 +736,8 @@ class MicroVMBackend:
         return await vm_capture(h.files, dest, opts)
 
     def usage(self, h: MicroVM) -> Usage:  # type: ignore[override]
-        return Usage(memory_bytes=_cgroup_memory(self.settings.cgroup_parent, h.id),
-                     cpu_usage_us=_cgroup_cpu_us(self.settings.cgroup_parent, h.id),
+        return Usage(memory_bytes=cgroups.memory_bytes(self.settings.cgroup_parent, h.id),
+                     cpu_usage_us=cgroups.cpu_usage_us(self.settings.cgroup_parent, h.id),
                      oom_kills=self.oom_kills(h))
 
     def oom_kills(self, h: MicroVM) -> int:  # type: ignore[override]
@@ -746,29 +746,3 @@ class MicroVMBackend:
     def kill_session(self, h: MicroVM, name: str) -> None:  # type: ignore[override]
         """No host-side backstop inside a VM: the agent's own deadline kills the session (a
         guest that ignores it only wastes its own vCPU quota)."""
-
-
-def _cgroup_memory(parent: str, sandbox_id: str) -> int | None:
-    for path in (cgroups.ROOT / "memory" / parent / sandbox_id / "memory.usage_in_bytes",
-                 cgroups.v2_dir(parent, sandbox_id) / "memory.current"):
-        try:
-            return int(path.read_text())
-        except (OSError, ValueError):
-            continue
-    return None
-
-
-def _cgroup_cpu_us(parent: str, sandbox_id: str) -> int | None:
-    for path in (cgroups.ROOT / "cpuacct" / parent / sandbox_id / "cpuacct.usage",
-                 cgroups.ROOT / "cpu,cpuacct" / parent / sandbox_id / "cpuacct.usage"):
-        try:
-            return int(path.read_text()) // 1000
-        except (OSError, ValueError):
-            continue
-    try:
-        for line in (cgroups.v2_dir(parent, sandbox_id) / "cpu.stat").read_text().splitlines():
-            if line.startswith("usage_usec "):
-                return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return None
