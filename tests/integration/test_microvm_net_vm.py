@@ -212,6 +212,7 @@ async def test_vm_network_at_the_tap(backend: ShellGuestBackend, internet: FakeI
             f"ip addr add {b}/32 dev eth0 && echo hi | timeout 4 nc -w 2 -s {b} {a} 8080;"
             f" ip addr del {b}/32 dev eth0")
         assert "hi" not in out, out
+        await asyncio.to_thread(vm.network.refresh_counts)
         audit = vm.network.audit()
         assert audit["connect_denied"] >= 3 and audit["dns_refused"] == 1, audit
         # D29: a connection open across a phase change is cut at once (it echoes a byte

@@ -12,11 +12,12 @@ address never receives a sandbox's queries on the gate address.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import ipaddress
 import logging
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import dns.asyncquery
 import dns.exception
@@ -51,10 +52,11 @@ def upstream() -> tuple[str, int]:
 
 
 # allowed(qname) -> whether the name may be resolved; admit(qname, addresses, ttl) -> (the
-# addresses that may be answered (forbidden destinations left out), seconds they stay allowed).
+# addresses that may be answered (forbidden destinations left out), seconds they stay allowed),
+# or an awaitable of it (an allow-list whose update blocks: a microVM's nft set).
 Allowed = Callable[[str], bool]
-Admit = Callable[[str, list[ipaddress.IPv4Address], int],
-                 tuple[list[ipaddress.IPv4Address], int]]
+Admitted = tuple[list[ipaddress.IPv4Address], int]
+Admit = Callable[[str, list[ipaddress.IPv4Address], int], Admitted | Awaitable[Admitted]]
 
 
 class _Protocol(asyncio.DatagramProtocol):
@@ -172,7 +174,10 @@ class DnsGate:
                 ttl = min(ttl, rrset.ttl)
                 addrs.extend(ipaddress.IPv4Address(r.address) for r in rrset)
         # In the allow map before the answer leaves; answered TTL <= how long they stay allowed.
-        addrs, keep = self.admit(name, addrs, ttl)
+        admitted = self.admit(name, addrs, ttl)
+        if inspect.isawaitable(admitted):
+            admitted = await admitted
+        addrs, keep = admitted
         out = _reply(query, dns.rcode.NOERROR if addrs or resp.rcode() == dns.rcode.NOERROR
                      else resp.rcode(), raw=True)
         if addrs:

@@ -26,7 +26,11 @@ import fcntl
 import logging
 import os
 import struct
+import ipaddress
 import subprocess
+import threading
+import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,12 +38,13 @@ from rollbox.backends.microvm.qemu import GUEST_MAC
 from rollbox.errors import BadRequest, InfraError
 from rollbox.isolation import netns
 from rollbox.netpolicy import link
-from rollbox.netpolicy.bpf import Entry
+from rollbox.netpolicy.bpf import COUNTERS, Entry
 from rollbox.netpolicy.policy import parse_rules
 from rollbox.netpolicy.sandbox_net import RESOLV_CONF, SandboxNetwork, close_stale
 from rollbox.netpolicy.tapfilter import GUEST_IFACE, TapFilter
 
 log = logging.getLogger(__name__)
+COUNTS_MAX_AGE_S = 2.0  # audit(): drop counters older than this are read again (off the loop)
 GUEST_IFACE_IN_VM = "eth0"  # virtio_net's first interface in the guest
 TUNSETIFF = 0x400454CA
 IFF_TAP = 0x0002
@@ -105,16 +110,69 @@ class VmNetwork(SandboxNetwork):
                  settings: object) -> None:
         super().__init__(sandbox_id, lnk, tap_filter, settings, None, tap_filter)
         self.filter = tap_filter
+        self._counts: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._counted_at = float("-inf")
+        self._reading: asyncio.Future[dict[str, int]] | None = None
+        self._lock = threading.RLock()
+
+    def refresh_counts(self) -> dict[str, int]:
+        """Read the filter's drop counters now (a subprocess in the namespace: blocking, call
+        off the event loop); later audit() calls return them."""
+        try:
+            self._counts = self.filter.read()
+        except InfraError as exc:  # the namespace is going: the last known counts
+            log.debug("sandbox %s: counters: %s", self.sandbox_id, exc)
+        self._counted_at = time.monotonic()
+        return self._counts
+
+    def audit(self) -> dict[str, int]:
+        """As SandboxNetwork.audit, from the drop counters as last read: the edge calls this on
+        its event loop (GET, its audit sweep), so a read older than COUNTS_MAX_AGE_S starts a
+        new one off the loop instead of blocking (the figures lag by at most one read)."""
+        if time.monotonic() - self._counted_at > COUNTS_MAX_AGE_S and self._reading is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self.refresh_counts()  # no loop: a plain caller, read at once
+            else:
+                self._reading = loop.run_in_executor(None, self.refresh_counts)
+                self._reading.add_done_callback(self._read_done)
+        c = self._counts
+        return {"dns_refused": self.gate.refused_count if self.gate is not None else 0,
+                "connect_denied": c["connect4"] + c["connect6"],
+                "sendmsg_denied": c["sendmsg4"] + c["sendmsg6"],
+                "packets_dropped": c["egress"] + c["ingress"]}
+
+    def _read_done(self, fut: asyncio.Future[dict[str, int]]) -> None:
+        self._reading = None
+        if not fut.cancelled() and fut.exception() is not None:
+            log.debug("sandbox %s: counters: %s", self.sandbox_id, fut.exception())
 
     @property
     def guest(self) -> GuestConfig:
         return GuestConfig(f"{self.link.sandbox_ip}/30", self.link.gate_ip)
 
+    # The set's updates run nft (blocking): off the event loop, in threads (a DNS answer, the
+    # expiry sweep, a policy change), one at a time.
     def _sync(self) -> None:
-        want = self._desired()
-        if want != self.filter.entries:
-            self.filter.replace(want)  # one nft transaction
-        self.current = want
+        with self._lock:
+            want = self._desired()
+            if want != self.filter.entries:
+                self.filter.replace(want)  # one nft transaction
+            self.current = want
+
+    def apply(self, rules: list[str], sync: bool = True) -> dict[str, str]:
+        with self._lock:
+            return super().apply(rules, sync)
+
+    def expire(self, now: float | None = None) -> int:
+        with self._lock:
+            return super().expire(now)
+
+    def _admit(self, qname: str, addrs: list[ipaddress.IPv4Address],  # type: ignore[override]
+               ttl: int) -> Awaitable[tuple[list[ipaddress.IPv4Address], int]]:
+        """The gate's callback: the set updated in a thread before the answer leaves."""
+        return asyncio.to_thread(super()._admit, qname, addrs, ttl)
 
     def in_use(self):  # type: ignore[no-untyped-def]
         try:
