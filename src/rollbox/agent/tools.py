@@ -38,6 +38,8 @@ HOST_GRACE_S = 10.0
 HIGH_WATER = 4 << 20
 LOW_WATER = 1 << 20
 HARD_WATER = 32 << 20
+# A stream whose tool sends nothing and does not end for this long is given up (killed).
+STREAM_IDLE_S = 120.0
 
 # strerror text -> errno, to read busybox's "applet: can't open 'x': No such file or directory".
 _STRERRORS = sorted(((os.strerror(e), e) for e in errno_mod.errorcode), key=lambda t: -len(t[0]))
@@ -136,6 +138,8 @@ class _Run:
     async def take(self) -> bytes | None:
         """The next stdout chunk; None at the end (then ``exited`` or ``failure`` is set)."""
         while True:
+            if self.failure is not None:
+                return None  # failed (flood, overflow, channel): what is buffered is moot
             if self.chunks:
                 data = self.chunks.popleft()
                 self.buffered -= len(data)
@@ -146,7 +150,11 @@ class _Run:
             if self.pump.done():
                 return None
             self.wake.clear()
-            await self.wake.wait()
+            try:  # waiting for the sandbox, not for our consumer: bounded
+                await asyncio.wait_for(self.wake.wait(), STREAM_IDLE_S)
+            except asyncio.TimeoutError:
+                raise errors.InfraError(f"a platform tool's stream from the sandbox sent nothing "
+                                        f"for {STREAM_IDLE_S:.0f}s") from None
 
     async def close(self) -> None:
         if not self.pump.done():
