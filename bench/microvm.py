@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -100,6 +101,14 @@ class Server(ServerProcess):
         super().__init__(s)
         assert self.env is not None
         self.env.update(extra_env or {})
+
+    def accel(self) -> tuple[str, str]:
+        """The accelerator the server's node picked and why (``rollbox serve`` prints it)."""
+        for line in self.log.read_text(errors="replace").splitlines():
+            m = re.search(r"backend microvm: accelerator (\S+) \((.*)\)", line)
+            if m:
+                return m.group(1), m.group(2)
+        return "unknown", "not printed by rollbox serve"
 
     def stop(self) -> None:
         super().stop()
@@ -603,6 +612,8 @@ async def rollbox_phases(srv: Server, quick: bool, res: dict[str, Any]) -> None:
     """Everything on the default server (templates and free-page reporting on)."""
     from rollbox.sdk import AsyncClient
 
+    res["accel"], res["accel_reason"] = srv.accel()
+    say(f"accelerator: {res['accel']} ({res['accel_reason']})")
     async with AsyncClient(base_url=srv.url, api_key=srv.key, timeout=300) as client:
         warm = await first_exec(client, IMAGE, 2)  # builds the template of the key
         say(f"warm-up (template build): {warm}")
