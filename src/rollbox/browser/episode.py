@@ -46,6 +46,8 @@ TASKS = ("click-button", "click-test")
 MEMORY_MIB = 2048
 # Under TCG a cold chromium takes minutes; generous, and the same for every step.
 STEP_TIMEOUT_S = 1200
+# How long the agent's browser may take to close its session once told to stop.
+STOP_TIMEOUT_S = 120
 # TCG translation cache for a microVM running chromium (see run_browser_demo).
 BROWSER_TB_MIB = 512
 # The grader's answer is one JSON line; anything longer is not a grader's answer.
@@ -158,7 +160,10 @@ async def episode(client: Any, i: int, *, backend: str, task: str, seed: int,
         # The episode is over: stop the agent's browser (SIGTERM: the driver closes its
         # session), so a microVM grader does not share the host's CPU with an idle chromium.
         await env_proc.kill(signal.SIGTERM)
-        await env_proc.wait()
+        try:
+            await asyncio.wait_for(env_proc.wait(), STOP_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            await env_proc.kill(signal.SIGKILL)
         t = time.monotonic()
         g = await sb.grade(f"{DRIVER} grade --task {shlex.quote(task)} --seed {seed} "
                            f"--actions {ACTIONS}", files=[ACTIONS], timeout=STEP_TIMEOUT_S,
