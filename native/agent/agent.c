@@ -845,7 +845,8 @@ static void finish_session(struct session *s)
     s->exited_seq = ++exit_seq;
     exited_count++;
     exited_bytes += s->tail[0].cap + s->tail[1].cap;
-    evict_exited();
+    /* evict_exited() runs after the caller's walk of the list: it may free any exited
+     * session, the walk's next one included. */
 }
 
 
@@ -2045,6 +2046,7 @@ static void service_sessions(int64_t now)
         if (drained)
             finish_session(s);
     }
+    evict_exited();
 }
 
 static int next_timeout(int64_t now)

@@ -269,7 +269,7 @@ class AgentChannel:
                         raise
             if version != P.PROTOCOL_VERSION:
                 raise InfraError(f"agent speaks protocol {version}, expected {P.PROTOCOL_VERSION}")
-            entries = await asyncio.wait_for(ch.sessions(), max(0.1, deadline - loop.time()))
+            entries = await asyncio.wait_for(ch.sessions(), timeout)  # as long again, as before
         except asyncio.TimeoutError as exc:
             ch.close()
             raise InfraError(f"agent at {sock_path} did not answer within {timeout}s") from exc
