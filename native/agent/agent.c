@@ -1268,10 +1268,8 @@ static int make_session_cgroup(uint64_t *seq, int *oom_base)
         *oom_base = cg_pool[cg_pool_n].oom;
         session_cgroup_path(*seq, path, sizeof path);
         int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-        if (fd >= 0) {
-            reset_session_cgroup(fd);
-            return fd;
-        }
+        if (fd >= 0)
+            return fd; /* reset when it was pooled, after its EXITED went out */
         rmdir(path);
     }
     *seq = ++cg_counter;
@@ -1303,6 +1301,7 @@ static int pool_session_cgroup(uint64_t seq, int cgfd, int oom_total)
     buf[n] = 0;
     if (!strstr(buf, "populated 0"))
         return 0; /* processes left behind (a daemon the command started) */
+    reset_session_cgroup(cgfd); /* here, off the next exec's path */
     cg_pool[cg_pool_n].seq = seq;
     cg_pool[cg_pool_n].oom = oom_total;
     cg_pool_n++;
