@@ -112,6 +112,16 @@ class Settings:
     vm_free_page_reporting: bool = field(
         default_factory=lambda: os.environ.get("ROLLBOX_VM_FREE_PAGE_REPORTING", "1")
         not in ("", "0"))
+    # Host page merging of microVM guest RAM (backends/microvm/ksm.py): on, the node starts
+    # the host's ksmd scanning at least this many pages per 20 ms (clones of a template share
+    # their identical pages); off, its VMs get mem-merge=off. A cross-VM side channel: see
+    # docs/security.md.
+    vm_ksm: bool = field(
+        default_factory=lambda: os.environ.get("ROLLBOX_VM_KSM", "1") not in ("", "0"))
+    vm_ksm_pages_to_scan: int = field(
+        default_factory=lambda: _env_int("ROLLBOX_VM_KSM_PAGES", 1000))
+    vm_ksm_sysfs: Path = field(
+        default_factory=lambda: _env_path("ROLLBOX_VM_KSM_SYSFS", "/sys/kernel/mm/ksm"))
     # microVM templates (backends/microvm/template.py): creates restore a VM saved once per
     # key instead of booting; the node keeps at most this many templates and bytes (saved
     # state + disk), least recently used out first; a failed build is retried after retry_s.

@@ -39,7 +39,7 @@ from rollbox.backends.base import (
     SessionSlot, Usage,
 )
 from rollbox.backends.container.disk import DiskPool
-from rollbox.backends.microvm import balloon, qemu, qmp
+from rollbox.backends.microvm import balloon, ksm, qemu, qmp
 from rollbox.backends.microvm import net as vmnet
 from rollbox.backends.microvm.accel import AccelChoice, probe_accel
 from rollbox.backends.microvm.disks import VmDisks
@@ -248,6 +248,7 @@ class MicroVMBackend:
         self.connect_agent = connect_agent
         self.run_root = settings.run_dir / "vm"
         self.accel: AccelChoice | None = None
+        self.ksm = ksm.KsmStatus("off")
         self._vms: dict[str, MicroVM] = {}  # live VMs of this backend (the idle squeezer's)
         self._squeezer: asyncio.Task[None] | None = None
         self.templates = VmTemplates(self) if settings.vm_templates else None
@@ -272,6 +273,10 @@ class MicroVMBackend:
             for build_id in self.host_sandbox_ids(BUILD_PREFIX):
                 await self.cleanup(build_id, None)
             await asyncio.to_thread(self.templates.recover)
+        if self.settings.vm_ksm:
+            self.ksm = await asyncio.to_thread(
+                ksm.enable, self.settings.vm_ksm_pages_to_scan, self.settings.vm_ksm_sysfs)
+            log.info("microvm KSM: %s %s", self.ksm.state, self.ksm.reason)
         if self._missing() is None:
             self.accel = await probe_accel(self)
             log.info("microvm accelerator: %s (%s)", self.accel.accel, self.accel.reason)
@@ -281,6 +286,7 @@ class MicroVMBackend:
         facts: dict[str, Any] = {"qemu": qemu.version(str(self.settings.qemu_binary))}
         if self.accel is not None:
             facts.update(accel=self.accel.accel, accel_reason=self.accel.reason)
+        facts.update(ksm.status(self.settings.vm_ksm_sysfs, self.settings.vm_ksm).facts())
         return BackendCapacity(
             kind=self.kind, offered=missing is None, reason=missing,
             max_cpus=float(os.cpu_count() or 1), max_memory_mib=_host_memory_mib(),
@@ -316,7 +322,8 @@ class MicroVMBackend:
             layers=len(spec.layers), rw_disk=True, accel=self._accel_name(),
             tsc_khz=qemu.host_tsc_khz(), tb_size_mib=self.settings.vm_tb_size_mib,
             nic=spec.network_rules is not None,
-            free_page_reporting=self.settings.vm_free_page_reporting)
+            free_page_reporting=self.settings.vm_free_page_reporting,
+            mem_merge=self.settings.vm_ksm)
 
     def limits_for(self, machine: qemu.MachineSpec, cpus: float) -> Limits:
         tb = machine.tb_size_mib if machine.accel == "tcg" else 0

@@ -59,6 +59,7 @@ class MachineSpec:
     incoming: bool = False       # start paused waiting for ``migrate-incoming`` (restore)
     nic: bool = False            # a virtio-net NIC on the tap at TAP_FD (network policy)
     free_page_reporting: bool = True  # off only to measure what it saves (bench microvm)
+    mem_merge: bool = True       # guest RAM mergeable by the host's KSM (ksm.py)
     extra_cmdline: tuple[str, ...] = field(default=())
 
 
@@ -80,7 +81,8 @@ def argv(spec: MachineSpec, binary: str = "/usr/bin/qemu-system-x86_64") -> list
     else:
         raise ValueError(f"unknown accelerator {spec.accel!r}")
     args = [
-        binary, "-M", "microvm,rtc=on,x-option-roms=off", *accel,
+        binary, "-M", "microvm,rtc=on,x-option-roms=off,mem-merge="
+        f"{'on' if spec.mem_merge else 'off'}", *accel,
         "-smp", str(spec.cpus), "-m", str(spec.memory_mib),
         "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
         # modern virtio-mmio: free page reporting is a feature bit above 32
