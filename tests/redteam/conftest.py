@@ -36,6 +36,13 @@ def container_only(reason: str) -> pytest.MarkDecorator:
     return pytest.mark.container_only(reason=reason)
 
 
+def microvm_open(reason: str) -> pytest.MarkDecorator:
+    """The attack applies to microVMs and is not (yet) defended or checked there: its microVM
+    run is an expected failure with ``reason`` (reported as xfailed, never as a pass; strict,
+    so a fix shows up as a failure to update)."""
+    return pytest.mark.microvm_open(reason=reason)
+
+
 # Also run on microVMs in the default tier (keep this set small: one VM boot each).
 microvm_default = pytest.mark.microvm_default
 
@@ -52,6 +59,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                 marks.append(pytest.mark.skip(reason=f"container only: {only.kwargs['reason']}"))
             elif metafunc.definition.get_closest_marker("microvm_default") is None:
                 marks.append(pytest.mark.microvm_slow)
+            open_ = metafunc.definition.get_closest_marker("microvm_open")
+            if open_ is not None and only is None:
+                marks.append(pytest.mark.xfail(reason=f"open on microVMs: "
+                                               f"{open_.kwargs['reason']}", strict=True))
         params.append(pytest.param(kind, marks=marks, id=kind))
     metafunc.parametrize("backend_kind", params)
 

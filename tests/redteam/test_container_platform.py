@@ -6,7 +6,7 @@ import pytest
 
 from rollbox.errors import NotFound
 from tests.conftest import needs_python
-from tests.redteam.conftest import BB, PY, Boxes, container_only, needs_root
+from tests.redteam.conftest import BB, PY, Boxes, container_only, microvm_open, needs_root
 
 pytestmark = needs_root
 
@@ -77,6 +77,7 @@ async def test_landlock_keeps_the_tree_usable(boxes: Boxes) -> None:
     assert r.exit_code == 0, r
 
 
+@microvm_open("finding: a hidden file (/etc/group) is still readable by a command in the guest")
 async def test_hidden_paths_absent_for_commands_visible_to_platform(boxes: Boxes) -> None:
     sid = await boxes.make(BB, hidden=("/etc/group",))
     r = await boxes.run(sid, "cat /etc/group | wc -c; cat /etc/passwd | wc -c")
@@ -113,6 +114,8 @@ async def test_hidden_path_written_after_start_stays_hidden(boxes: Boxes) -> Non
     assert "ANSWER" not in r.stdout and "rc=0" not in r.stdout, r
     assert "\nls=0\n" in r.stdout, r  # listable and empty: the mask, not Landlock's refusal
     assert b"ANSWER" in await boxes.edge.file_read(sid, "/task/tests/test_x.py", 1 << 20)
+    if boxes.kind != "container":
+        return  # the twin below is a container-backend switch
     # twin: without Landlock the file is readable
     twin = await boxes.make(BB, hardened=False, hidden=("/task/tests",))
     await boxes.edge.file_mkdir(twin, "/task/tests", True)

@@ -9,6 +9,7 @@ import asyncio
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,10 @@ from rollbox.errors import BadRequest
 from rollbox.isolation import btrfs, syscalls
 from rollbox.models import ExecSpec
 from tests.conftest import needs_python
-from tests.redteam.conftest import BB, PY, Boxes, container_only, microvm_default, needs_root
+from tests.redteam import qemu_jail
+from tests.redteam.conftest import (
+    BB, PY, Boxes, container_only, microvm_default, microvm_open, needs_root,
+)
 
 pytestmark = needs_root
 
@@ -32,6 +36,15 @@ def host_pids_of_uid(uid: int) -> list[int]:
             except FileNotFoundError:
                 pass
     return out
+
+
+def sandbox_host_pids(boxes: Boxes, sid: str) -> Callable[[], list[int]]:
+    """Host processes of a sandbox, also after its deletion: its uid's (a container), its
+    QEMU's (a VM: by the cgroup naming it; a freed uid slot may already run another VM)."""
+    if boxes.kind == "container":
+        uid = boxes.edge.live[sid].box.host_uid
+        return lambda: host_pids_of_uid(uid)
+    return lambda: qemu_jail.qemu_pids_of(sid)
 
 
 def describe(pids: list[int]) -> list[str]:
@@ -53,13 +66,15 @@ async def test_a5_crawl_proc_and_sys(boxes: Boxes) -> None:
     # sensitive is read and the sandbox stays usable (the exec timeout ends it).
     r = await boxes.run(sid, "grep -r -s -l rollbox / >/dev/null", timeout_s=8)
     assert r.exit_code is not None or r.timed_out
-    r = await boxes.run(sid, "cat /proc/kpagecgroup /proc/kpageflags /proc/kpagecount "
-                        "/proc/kcore | wc -c")
-    assert r.stdout.strip() == "0", r  # masked: /dev/null over /proc/kpage*, kcore
+    if boxes.kind == "container":  # a guest's /proc is its own kernel's: nothing to mask
+        r = await boxes.run(sid, "cat /proc/kpagecgroup /proc/kpageflags /proc/kpagecount "
+                            "/proc/kcore | wc -c")
+        assert r.stdout.strip() == "0", r  # masked: /dev/null over /proc/kpage*, kcore
     r = await boxes.run(sid, ["echo", "alive"])
     assert r.stdout == "alive\n"
 
 
+@microvm_open("the check reads container internals (the upper on its btrfs subvolume); under TCG the fill also takes > 20 s")
 async def test_a6_disk_filler_capped(boxes: Boxes) -> None:
     sid = await boxes.make(BB, disk_mib=32)
     t0 = time.monotonic()
@@ -83,6 +98,7 @@ async def test_a6_stdout_flood_bounded(boxes: Boxes) -> None:
     assert len(r.stdout) < 10 << 20 and r.stdout_dropped > 0
 
 
+@microvm_open("finding: the sandbox's pids limit is not applied to a guest's session cgroups; ~900 processes remain after the timeout (inside its own VM: the host and neighbours are unaffected)")
 async def test_b7_fork_bomb_contained(boxes: Boxes) -> None:
     sid = await boxes.make(BB, pids=64)
     r = await boxes.run(sid, "b(){ b | b & }; b", timeout_s=3)
@@ -106,6 +122,7 @@ async def test_b8_memory_bomb_contained(boxes: Boxes) -> None:
 
 
 @needs_python
+@microvm_open("the guest's own CPU times do not see the host's throttling of QEMU; a host-side measure (backend usage) is not written yet")
 async def test_b9_cpu_storm_throttled(boxes: Boxes) -> None:
     sid = await boxes.make(PY, cpus=0.5)
     code = ("import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n"
@@ -118,7 +135,6 @@ async def test_b9_cpu_storm_throttled(boxes: Boxes) -> None:
 
 async def test_b10_survivors_killed_on_timeout_and_delete(boxes: Boxes) -> None:
     sid = await boxes.make(BB)
-    host_uid = boxes.edge.live[sid].box.host_uid
     r = await boxes.run(sid, "(setsid sleep 1000 &); (nohup sleep 1001 >/dev/null 2>&1 &); "
                         "(sleep 1002 &) & sleep 1003", timeout_s=0.5)
     assert r.timed_out
@@ -128,9 +144,10 @@ async def test_b10_survivors_killed_on_timeout_and_delete(boxes: Boxes) -> None:
                                                     background=True))
     assert eid
     await asyncio.sleep(0.2)
-    assert host_pids_of_uid(host_uid)
+    host_pids = sandbox_host_pids(boxes, sid)
+    assert host_pids()
     await boxes.edge.delete(sid)
-    left = host_pids_of_uid(host_uid)
+    left = host_pids()
     assert left == [], describe(left)
     assert boxes.edge.leftovers(sid) == []
 
@@ -159,6 +176,7 @@ INODE_FLOOD = ("mkdir /tmp/i; cd /tmp/i; i=0; while touch f$i 2>/dev/null; do "
                "i=$((i+1)); [ $i -gt 20000 ] && break; done; echo $i")
 
 
+@container_only("the memory tier (tmpfs) is a container's; microVMs have a disk-backed writable disk only")
 async def test_b13_inode_exhaustion(boxes: Boxes) -> None:
     sid = await boxes.make(BB, disk_tier="memory", inodes=300)
     r = await boxes.run(sid, INODE_FLOOD, timeout_s=30)
@@ -172,9 +190,14 @@ async def test_b13_inode_exhaustion_disk_tier(boxes: Boxes) -> None:
     # ends at the cap (~350 B each) and the node's pool stays usable for everyone else.
     sid = await boxes.make(BB, disk_mib=1)
     r = await boxes.run(sid, INODE_FLOOD, timeout_s=60)
-    assert 500 < int(r.stdout) < 10_000, r
-    r = await boxes.run(sid, "touch /tmp/one-more", timeout_s=10)
-    assert r.exit_code == 1 and "quota" in r.stderr.lower(), r
+    if boxes.kind == "container":
+        assert 500 < int(r.stdout) < 10_000, r
+        r = await boxes.run(sid, "touch /tmp/one-more", timeout_s=10)
+        assert r.exit_code == 1 and "quota" in r.stderr.lower(), r
+    else:  # a VM's 1 MiB ext4 disk has its inode count fixed by mkfs: the flood ends there
+        assert int(r.stdout) < 10_000, r
+        r = await boxes.run(sid, "touch /tmp/one-more", timeout_s=10)
+        assert r.exit_code == 1 and "space" in r.stderr.lower(), r
     other = await boxes.make(BB)
     r = await boxes.run(other, "mkdir /tmp/d && for i in $(seq 100); do touch /tmp/d/$i; "
                         "done && ls /tmp/d | wc -l", timeout_s=30)
@@ -220,7 +243,8 @@ async def test_e34_clock_tampering(boxes: Boxes) -> None:
     t0 = time.monotonic()
     r = await boxes.run(sid, "date -s '2000-01-01 00:00:00'; date +%Y; sleep 30", timeout_s=1)
     assert r.timed_out and time.monotonic() - t0 < 5, r  # deadlines use the host's clock
-    assert r.stdout.splitlines()[-1] != "2000" and "not permitted" in r.stderr, r
+    if boxes.kind == "container":  # a guest's clock is its root's to set: only its own
+        assert r.stdout.splitlines()[-1] != "2000" and "not permitted" in r.stderr, r
     assert abs(time.time() - os.stat("/proc/self").st_mtime) < 3600 * 24 * 365  # host clock
 
 
@@ -230,11 +254,16 @@ async def test_c24_e37_host_info_and_teardown(boxes: Boxes) -> None:
     r = await boxes.run(a, "hostname; cat /proc/self/mountinfo /proc/self/cgroup; ps -A")
     assert b not in r.stdout  # nothing of another tenant shows
     box = boxes.edge.live[a].box
-    host_uid, agent_pid = box.host_uid, box.agent_pid
+    host_pids = sandbox_host_pids(boxes, a)
+    pids = host_pids()
+    agent_pid = box.agent_pid if boxes.kind == "container" else box.pid  # VM: its QEMU
     await boxes.run(a, "(setsid sleep 1000 &); mkdir -p /tmp/d; echo x > /tmp/d/f")
     await boxes.edge.delete(a)
     assert boxes.edge.leftovers(a) == []
-    left = host_pids_of_uid(host_uid)
+    if boxes.kind == "container":
+        left = host_pids_of_uid(box.host_uid)
+    else:
+        left = [p for p in pids if os.path.exists(f"/proc/{p}")] + host_pids()
     assert left == [] and not os.path.exists(f"/proc/{agent_pid}"), describe(left)
     assert a not in Path("/proc/self/mountinfo").read_text()
     r = await boxes.run(b, ["echo", "neighbour fine"])
