@@ -114,10 +114,10 @@ class Settings:
         not in ("", "0"))
     # Host page merging of microVM guest RAM (backends/microvm/ksm.py): on, the node starts
     # the host's ksmd scanning at least this many pages per 20 ms (clones of a template share
-    # their identical pages); off, its VMs get mem-merge=off. A cross-VM side channel: see
-    # docs/security.md.
+    # their identical pages); off, its VMs get mem-merge=off. Off by default: merging is a
+    # cross-tenant side channel (docs/security.md), an opt-in for single-tenant nodes.
     vm_ksm: bool = field(
-        default_factory=lambda: os.environ.get("ROLLBOX_VM_KSM", "1") not in ("", "0"))
+        default_factory=lambda: os.environ.get("ROLLBOX_VM_KSM", "0") not in ("", "0"))
     vm_ksm_pages_to_scan: int = field(
         default_factory=lambda: _env_int("ROLLBOX_VM_KSM_PAGES", 1000))
     vm_ksm_sysfs: Path = field(

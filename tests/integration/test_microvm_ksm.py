@@ -42,7 +42,7 @@ def guest_ram(vm: MicroVM) -> dict[str, object]:
 
 
 async def test_clones_share_pages_with_ksm_and_not_without(vm_template_node: Settings) -> None:
-    settings = vm_template_node
+    settings = replace(vm_template_node, vm_ksm=True)  # off by default (a side channel)
     async with vm_backend(settings) as b:
         assert b.capacity().facts["ksm"] == "on"
         spec = template_spec(settings)
