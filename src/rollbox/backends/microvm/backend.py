@@ -46,7 +46,7 @@ from rollbox.backends.microvm.disks import VmDisks
 from rollbox.backends.container.bundle import normalize_hidden
 from rollbox.backends.microvm.files import capture as vm_capture
 from rollbox.backends.microvm.files import mask_hidden, vm_files
-from rollbox.backends.microvm.jail import Bind, Jail, Limits, vcpus
+from rollbox.backends.microvm.jail import Bind, Jail, Limits, uid_processes, vcpus
 from rollbox.backends.microvm.template import (
     BUILD_PREFIX, Template, TemplateLoadError, VmTemplates, make_unique,
 )
@@ -251,6 +251,9 @@ class MicroVMBackend:
         self.ksm = ksm.KsmStatus("off")
         self._vms: dict[str, MicroVM] = {}  # live VMs of this backend (the idle squeezer's)
         self._squeezer: asyncio.Task[None] | None = None
+        # sandbox id -> first uid of its slot, kept after the teardown so leftovers() still
+        # sees a process of the slot (bounded: oldest dropped)
+        self._slot_uids: dict[str, int] = {}
         self.templates = VmTemplates(self) if settings.vm_templates else None
 
     # ---- node -----------------------------------------------------------------------------
@@ -624,7 +627,14 @@ class MicroVMBackend:
         await self._teardown(sandbox_id, jail, slot, jail.read_pid())
 
     async def _teardown(self, sandbox_id: str, jail: Jail, slot: int, pid: int | None) -> None:
-        problems = await jail.kill(pid)
+        """Kill, reap and remove everything of the sandbox; the uid slot goes back to the pool
+        only once no process of its uids is left (else InfraError, the slot stays out)."""
+        if slot >= 0:
+            self._slot_uids.pop(sandbox_id, None)
+            self._slot_uids[sandbox_id] = self.slots.host_uid(slot)
+            if len(self._slot_uids) > 4096:
+                del self._slot_uids[next(iter(self._slot_uids))]
+        problems = await jail.kill(pid, self.slots.host_uid(slot) if slot >= 0 else None)
         if not problems:
             problems += await asyncio.to_thread(jail.release)
             problems += await asyncio.to_thread(self.disks.remove_rw, sandbox_id)
@@ -638,19 +648,22 @@ class MicroVMBackend:
             self.slots.release(slot)
 
     def _uid_processes(self, sandbox_id: str) -> list[str]:
-        """Host processes running as a uid of this sandbox's slot (its QEMU)."""
-        pid_file = self.run_root / sandbox_id / "pid"
-        try:
-            pid = int(pid_file.read_text())
-        except (OSError, ValueError):
-            return []
-        try:
-            st = os.stat(f"/proc/{pid}")
-        except OSError:
-            return []
-        lo = self.settings.uid_base
-        hi = lo + self.settings.uid_slots * 65536
-        return [f"process {pid} (uid {st.st_uid})"] if lo <= st.st_uid < hi else []
+        """Host processes running as a uid of this sandbox's slot (its QEMU), zombies
+        included; the slot is known from the pid file's process while the jail dir exists,
+        and remembered by :meth:`_teardown` after it is gone."""
+        host_uid = self._slot_uids.get(sandbox_id)
+        if host_uid is None:
+            try:
+                pid = int((self.run_root / sandbox_id / "pid").read_text())
+                uid = os.stat(f"/proc/{pid}").st_uid
+            except (OSError, ValueError):
+                return []
+            lo = self.settings.uid_base
+            if not lo <= uid < lo + self.settings.uid_slots * 65536:
+                return []
+            host_uid = self.slots.host_uid(self.slots.slot_of(uid))
+        return [f"process {p} (uid slot {host_uid}, state {st})"
+                for p, st in sorted(uid_processes(host_uid).items())]
 
     def leftovers(self, sandbox_id: str) -> list[str]:
         jail = Jail(self.run_root, self.settings.cgroup_parent, sandbox_id)

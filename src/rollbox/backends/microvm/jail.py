@@ -31,6 +31,7 @@ from rollbox.backends.container.rootfs import remove_flat_dir
 from rollbox.backends.container.runtime import wait_pid
 from rollbox.errors import InfraError
 from rollbox.isolation import cgroups
+from rollbox.isolation.userns import RANGE as UID_RANGE
 
 log = logging.getLogger(__name__)
 
@@ -208,9 +209,13 @@ class Jail:
         except OSError:
             return ""
 
-    async def kill(self, pid: int | None, timeout_s: float = 10.0) -> list[str]:
-        """Kill everything in the sandbox's cgroup, wait until it is empty and reap QEMU if it
-        is our child; returns what survives."""
+    async def kill(self, pid: int | None, host_uid: int | None = None,
+                   timeout_s: float = 10.0) -> list[str]:
+        """Kill everything in the sandbox's cgroup, wait until it is empty, reap QEMU (and any
+        other exited child of ours running as the slot's uids: a jailer or QEMU whose pid was
+        never written), then check that no host process of the slot's uids is left, zombies
+        included; returns what survives. An empty cgroup is not enough: a dying QEMU leaves
+        it before it is reaped, and a slot handed on then shares its uid with it."""
         cgroups.kill(self.v2)
         deadline = time.monotonic() + timeout_s
         while not await cgroups.wait_empty(self.v2, 0.5):
@@ -221,8 +226,10 @@ class Jail:
             try:
                 await asyncio.wait_for(wait_pid(pid), 5.0)
             except (ChildProcessError, ProcessLookupError, asyncio.TimeoutError):
-                pass  # not our child (adopted) or already reaped
-        return []
+                pass  # not our child (adopted) or already reaped: the uid check decides
+        if host_uid is None:
+            return []
+        return await reap_uid_range(host_uid, max(1.0, deadline - time.monotonic()))
 
     def release(self) -> list[str]:
         """Remove the cgroups and host dir of a jail with no process left; returns what is
@@ -251,6 +258,51 @@ class Jail:
         if self.dir.exists():
             left.append(str(self.dir))
         return left
+
+
+def uid_processes(host_uid: int) -> dict[int, str]:
+    """Host processes (zombies too) running as a uid of the slot starting at ``host_uid``:
+    pid -> state letter."""
+    found: dict[int, str] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if not host_uid <= os.stat(f"/proc/{name}").st_uid < host_uid + UID_RANGE:
+                continue
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        found[int(name)] = stat[stat.rfind(b")") + 2:][:1].decode()
+    return found
+
+
+def _reap_ours(pids: dict[int, str]) -> None:
+    """Reap the exited ones that are our children (this process is the node's subreaper)."""
+    for pid, state in pids.items():
+        if state in ("Z", "X"):
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass  # another process's child: it reaps it
+
+
+async def reap_uid_range(host_uid: int, timeout_s: float) -> list[str]:
+    """Wait (bounded) until no host process of the slot's uids is left, reaping our own
+    exited children; returns what is left."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while True:
+        left = uid_processes(host_uid)
+        if not left:
+            return []
+        _reap_ours(left)
+        if time.monotonic() > deadline:
+            return [f"process {p} (state {st}) still runs as a uid of slot {host_uid}"
+                    for p, st in sorted(left.items())]
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def vcpus(cpus: float) -> int:
