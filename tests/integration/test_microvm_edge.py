@@ -5,10 +5,12 @@ running VM, and delete leaves nothing (no QEMU, jail dir, socket, disk or cgroup
 boot: the default tier's share of this file."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from rollbox.errors import SandboxPaused
-from rollbox.models import ExecSpec, Resources, SandboxSpec
+from rollbox.models import ExecSpec, Resources, SandboxSpec, SnapshotSpec
 from tests.conftest import have_image
 
 BB = "busybox:test"
@@ -33,7 +35,17 @@ async def test_microvm_through_the_edge_across_a_restart(restarts) -> None:  # n
     await e1.pause(sb.id)
     with pytest.raises(SandboxPaused):
         await e1.exec_start(sb.id, ExecSpec(cmd=["true"]))
+    # files and snapshots are the frozen agent's: refused at once, not after the deadline
+    t0 = time.monotonic()
+    with pytest.raises(SandboxPaused, match="resume it first"):
+        await e1.file_read(sb.id, "/tmp/x", 100)
+    with pytest.raises(SandboxPaused):
+        await e1.file_write(sb.id, "/tmp/y", b"no", 0o644)
+    with pytest.raises(SandboxPaused):
+        await e1.snapshot(sb.id, SnapshotSpec(name=f"test/paused-{sb.id}:1"), "t")
+    assert time.monotonic() - t0 < 10
     await e1.resume(sb.id)
+    assert (await e1.file_read(sb.id, "/tmp/x", 100)) == b"kept"
     state = e1.journal.get(sb.id)[1]
     assert state is not None and state.get("pid")  # the backend's own state, journaled
 

@@ -15,6 +15,9 @@ guest and can unmount a mask: a hidden path keeps honest commands and tools from
 files, while grading's defence is that it runs in a fresh VM the agent never touched (add the
 secret files to the grade, ``GradeSpec.layers``, rather than to the agent's image).
 
+Files, tar and snapshots of a paused VM fail at once with SandboxPaused (its agent is frozen
+with the vCPUs); a container's are served while paused (host side).
+
 Owns this wiring only.
 """
 from __future__ import annotations
@@ -33,10 +36,21 @@ from rollbox.backends.container.bundle import normalize_hidden
 GUEST_UPPER = "/proc"  # agent.c TOOL_VIEW_UPPER: /rw/upper, read-only, in the tools' view
 
 
+def live_channel(vm: Any) -> Any:
+    """``vm``'s agent channel for a file operation; SandboxPaused at once when the VM is
+    paused: its agent is stopped with the vCPUs and would answer only after the resume (the
+    caller waited out the host deadline for an InfraError)."""
+    if vm.paused:
+        raise errors.SandboxPaused(
+            f"sandbox {vm.id} is a paused microVM: its files are served by its agent, which "
+            "is stopped with it; resume it first", sandbox_id=vm.id)
+    return vm.channel
+
+
 def vm_files(vm: Any) -> AgentFiles:
     """The files of ``vm`` (a MicroVM handle; its channel is read at each call: an adopted
-    VM gets a new one)."""
-    return AgentFiles(PlatformTools(lambda: vm.channel))
+    VM gets a new one; a paused one answers SandboxPaused, see :func:`live_channel`)."""
+    return AgentFiles(PlatformTools(lambda: live_channel(vm)))
 
 
 async def capture(files: AgentFiles, dest: Path, opts: CaptureOptions) -> CaptureResult:
