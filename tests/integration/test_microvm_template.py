@@ -97,6 +97,7 @@ async def test_a_restored_vm_is_adopted_after_an_edge_restart(
         again = await second.adopt(sid, spec, state, paused=False)
         assert again is not None
         try:
+            assert again.template == vm.template  # journaled with the backend's state
             assert (await sh(again, "cat /root/kept; hostname")).split() == ["kept", sid]
         finally:
             await second.destroy(again)

@@ -148,6 +148,7 @@ class MicroVM:
 
     def state(self) -> dict[str, Any]:
         return {"host_uid": self.host_uid, "pid": self.pid, "squeezed": self.squeezed,
+                "template": self.template,
                 "machine": {**asdict(self.machine),
                             "extra_cmdline": list(self.machine.extra_cmdline)}}
 
@@ -586,7 +587,7 @@ class MicroVMBackend:
         assert pid is not None
         vm = MicroVM(id=sandbox_id, slot=slot, host_uid=host_uid, jail=jail, pid=pid,
                      machine=machine, channel=channel, image_env=dict(spec.env),
-                     squeezed=squeezed)
+                     squeezed=squeezed, template=str(state.get("template") or ""))
         vm.files = self.files_for(vm)
         if spec.network_rules is not None:
             try:
