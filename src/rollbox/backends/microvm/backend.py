@@ -252,9 +252,9 @@ class MicroVMBackend:
         self.ksm = ksm.KsmStatus("off")
         self._vms: dict[str, MicroVM] = {}  # live VMs of this backend (the idle squeezer's)
         self._squeezer: asyncio.Task[None] | None = None
-        # sandbox id -> first uid of its slot, kept after the teardown so leftovers() still
-        # sees a process of the slot (bounded: oldest dropped)
-        self._slot_uids: dict[str, int] = {}
+        # sandbox id -> (first uid of its slot, QEMU's pid), kept after the teardown so
+        # leftovers() still sees a process of the slot (bounded: oldest dropped)
+        self._slot_uids: dict[str, tuple[int, int | None]] = {}
         self.templates = VmTemplates(self) if settings.vm_templates else None
 
     # ---- node -----------------------------------------------------------------------------
@@ -632,7 +632,7 @@ class MicroVMBackend:
         only once no process of its uids is left (else InfraError, the slot stays out)."""
         if slot >= 0:
             self._slot_uids.pop(sandbox_id, None)
-            self._slot_uids[sandbox_id] = self.slots.host_uid(slot)
+            self._slot_uids[sandbox_id] = (self.slots.host_uid(slot), pid)
             if len(self._slot_uids) > 4096:
                 del self._slot_uids[next(iter(self._slot_uids))]
         problems = await jail.kill(pid, self.slots.host_uid(slot) if slot >= 0 else None)
@@ -650,10 +650,10 @@ class MicroVMBackend:
 
     def _uid_processes(self, sandbox_id: str) -> list[str]:
         """Host processes running as a uid of this sandbox's slot (its QEMU), zombies
-        included; the slot is known from the pid file's process while the jail dir exists,
+        included (see jail.uid_processes); the slot is known from the pid file's process while the jail dir exists,
         and remembered by :meth:`_teardown` after it is gone."""
-        host_uid = self._slot_uids.get(sandbox_id)
-        if host_uid is None:
+        known = self._slot_uids.get(sandbox_id)
+        if known is None:
             try:
                 pid = int((self.run_root / sandbox_id / "pid").read_text())
                 uid = os.stat(f"/proc/{pid}").st_uid
@@ -662,9 +662,10 @@ class MicroVMBackend:
             lo = self.settings.uid_base
             if not lo <= uid < lo + self.settings.uid_slots * 65536:
                 return []
-            host_uid = self.slots.host_uid(self.slots.slot_of(uid))
+            known = (self.slots.host_uid(self.slots.slot_of(uid)), pid)
+        host_uid, qemu_pid = known
         return [f"process {p} (uid slot {host_uid}, state {st})"
-                for p, st in sorted(uid_processes(host_uid).items())]
+                for p, st in sorted(uid_processes(host_uid, qemu_pid).items())]
 
     def leftovers(self, sandbox_id: str) -> list[str]:
         jail = Jail(self.run_root, self.settings.cgroup_parent, sandbox_id)

@@ -213,8 +213,8 @@ class Jail:
                    timeout_s: float = 10.0) -> list[str]:
         """Kill everything in the sandbox's cgroup, wait until it is empty, reap QEMU (and any
         other exited child of ours running as the slot's uids: a jailer or QEMU whose pid was
-        never written), then check that no host process of the slot's uids is left, zombies
-        included; returns what survives. An empty cgroup is not enough: a dying QEMU leaves
+        never written), then check that none of them is left, zombies included (see
+        :func:`uid_processes`); returns what survives. An empty cgroup is not enough: a dying QEMU leaves
         it before it is reaped, and a slot handed on then shares its uid with it."""
         cgroups.kill(self.v2)
         deadline = time.monotonic() + timeout_s
@@ -229,7 +229,7 @@ class Jail:
                 pass  # not our child (adopted) or already reaped: the uid check decides
         if host_uid is None:
             return []
-        return await reap_uid_range(host_uid, max(1.0, deadline - time.monotonic()))
+        return await reap_uid_range(host_uid, pid, max(1.0, deadline - time.monotonic()))
 
     def release(self) -> list[str]:
         """Remove the cgroups and host dir of a jail with no process left; returns what is
@@ -260,10 +260,13 @@ class Jail:
         return left
 
 
-def uid_processes(host_uid: int) -> dict[int, str]:
-    """Host processes (zombies too) running as a uid of the slot starting at ``host_uid``:
-    pid -> state letter."""
+def uid_processes(host_uid: int, pid: int | None = None) -> dict[int, str]:
+    """The sandbox's host processes of the slot starting at ``host_uid``, zombies too: its
+    QEMU ``pid`` and any child of this process (the node's subreaper: the jailer's QEMU is
+    reparented to it) running as a uid of the slot; pid -> state letter. Processes of the
+    slot's uids with another parent are another edge's (test runs may share a uid band)."""
     found: dict[int, str] = {}
+    me = os.getpid()
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -274,12 +277,14 @@ def uid_processes(host_uid: int) -> dict[int, str]:
                 stat = f.read()
         except OSError:
             continue  # gone meanwhile
-        found[int(name)] = stat[stat.rfind(b")") + 2:][:1].decode()
+        state, ppid = stat[stat.rfind(b")") + 2:].split()[:2]
+        if int(name) == pid or int(ppid) == me:
+            found[int(name)] = state.decode()
     return found
 
 
 def _reap_ours(pids: dict[int, str]) -> None:
-    """Reap the exited ones that are our children (this process is the node's subreaper)."""
+    """Reap the exited ones that are our children."""
     for pid, state in pids.items():
         if state in ("Z", "X"):
             try:
@@ -288,13 +293,13 @@ def _reap_ours(pids: dict[int, str]) -> None:
                 pass  # another process's child: it reaps it
 
 
-async def reap_uid_range(host_uid: int, timeout_s: float) -> list[str]:
-    """Wait (bounded) until no host process of the slot's uids is left, reaping our own
-    exited children; returns what is left."""
+async def reap_uid_range(host_uid: int, pid: int | None, timeout_s: float) -> list[str]:
+    """Wait (bounded) until none of the sandbox's processes of the slot's uids (see
+    :func:`uid_processes`) is left, reaping our own exited children; returns what is left."""
     deadline = time.monotonic() + timeout_s
     pause = 0.001
     while True:
-        left = uid_processes(host_uid)
+        left = uid_processes(host_uid, pid)
         if not left:
             return []
         _reap_ours(left)
