@@ -18,20 +18,9 @@ from rollbox.errors import InfraError
 from rollbox.images.store import ImageStore
 from rollbox.isolation.userns import UidSlots
 from tests.conftest import node_settings
+from tests.redteam.test_container_resources import host_pids_of_uid as pids_of_uid
 
 pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
-
-
-def pids_of_uid(uid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                if os.stat(f"/proc/{d}").st_uid == uid:
-                    out.append(int(d))
-            except FileNotFoundError:
-                pass
-    return out
 
 
 @pytest.fixture
