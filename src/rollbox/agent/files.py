@@ -29,13 +29,18 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import TypeVar
 
 from rollbox import errors
+from rollbox.agent.filecaps import (
+    MALFORMED_TAR,
+    capped_members,
+    check_write_data,
+    tar_malformed,
+)
 from rollbox.agent.tools import PlatformTools, ToolResult, tool_error
 from rollbox.backends.container.files import (
     _TMP_PREFIX,
     ID_RANGE,
     MAX_PATH,
     MAX_STREAM_FILE,
-    MALFORMED_TAR,
     MAX_TAR_META,
     MODE_MASK,
     OVERFLOW_ID,
@@ -340,12 +345,7 @@ class AgentFiles:
     async def write(self, path: str, data: bytes, mode: int = 0o644) -> None:
         """Atomically replace ``path`` with ``data`` (a symlink there is replaced, not
         followed); missing parents are created."""
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise errors.BadRequest("file content must be bytes")
-        if len(data) > self.max_write:
-            raise errors.PayloadTooLarge(f"{len(data)} bytes is above the "
-                                         f"{self.max_write}-byte write cap",
-                                         size=len(data), limit=self.max_write)
+        check_write_data(data, self.max_write)
         await self._write(path, bytes(data), mode)
 
     async def write_stream(self, path: str, chunks: AsyncIterator[bytes], mode: int = 0o644,
@@ -512,19 +512,13 @@ class _TarRewrite:
                               tarinfo=_SafeTarInfo) as tf, \
                     tarfile.open(fileobj=out, mode="w|",  # type: ignore[call-overload]
                                  format=fmt) as dst:
-                for m in tf:
+                for m in capped_members(tf, self.max_entries):
                     self.entries += 1
-                    if self.entries > self.max_entries:
-                        raise errors.PayloadTooLarge(
-                            f"tar has more than {self.max_entries} entries",
-                            limit=self.max_entries)
                     self._member(tf, dst, m)
         except (errors.RollboxError, _Stopped):
             raise
-        except MALFORMED_TAR as exc:
-            raise self._bad(f"malformed tar stream: {exc}") from exc
-        except OSError as exc:
-            if exc.errno is None:  # decompressors report bad data as a bare OSError
+        except (*MALFORMED_TAR, OSError) as exc:
+            if tar_malformed(exc):
                 raise self._bad(f"malformed tar stream: {exc}") from exc
             raise
 

@@ -19,20 +19,24 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
-import lzma
 import os
 import posixpath
 import secrets
 import stat as st
 import tarfile
 import threading
-import zlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 from rollbox import errors
+from rollbox.agent.filecaps import (
+    MALFORMED_TAR,
+    capped_members,
+    check_write_data,
+    tar_malformed,
+)
 from rollbox.errors import DiskFull
 from rollbox.isolation.syscalls import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, openat2
 from rollbox.models import FileStat
@@ -53,11 +57,6 @@ _TMP_PREFIX = ".rollbox-tmp-"
 # the sandbox's disk cap bounds what a write can store anyway.
 MAX_STREAM_FILE = 16 << 30
 STREAM_CHUNK = 1 << 20
-
-
-# What tarfile and the decompressors raise on bad data (besides a bare OSError).
-MALFORMED_TAR = (tarfile.TarError, EOFError, ValueError, UnicodeError, zlib.error,
-                 lzma.LZMAError)
 
 
 class _Stopped(Exception):
@@ -465,12 +464,7 @@ class SandboxFS:
               parents: bool = True) -> None:
         """Atomically replace ``path`` with ``data`` (a symlink there is replaced, not
         followed); missing parents are created when ``parents``."""
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise errors.BadRequest("file content must be bytes")
-        if len(data) > self.max_write:
-            raise errors.PayloadTooLarge(f"{len(data)} bytes is above the "
-                                         f"{self.max_write}-byte write cap",
-                                         size=len(data), limit=self.max_write)
+        check_write_data(data, self.max_write)
         self._write(path, lambda fd: _write_all(fd, data), mode, uid, gid, parents)
 
     async def write_stream(self, path: str, chunks: AsyncIterator[bytes], mode: int = 0o644,
@@ -717,26 +711,19 @@ class SandboxFS:
             except OSError as exc:
                 raise _os_error(exc, _join(parts)) from exc
             written = 0
-            entries = 0
             try:
                 with tarfile.open(fileobj=reader, mode="r|*",  # type: ignore[call-overload]
                                   tarinfo=_SafeTarInfo) as tf:
-                    for member in tf:
-                        entries += 1
-                        if entries > self.max_entries:
-                            raise errors.PayloadTooLarge(
-                                f"tar has more than {self.max_entries} entries",
-                                limit=self.max_entries)
+                    for member in capped_members(tf, self.max_entries):
                         if not links and (member.issym() or member.islnk()):
                             continue
                         written += self._extract_member(rfd, parts, tf, member, written)
             except (errors.RollboxError, _Stopped):
                 raise
-            except MALFORMED_TAR as exc:
-                raise errors.BadRequest(f"malformed tar stream: {exc}") from exc
-            except OSError as exc:
-                if exc.errno is None:  # decompressors report bad data as a bare OSError
+            except (*MALFORMED_TAR, OSError) as exc:
+                if tar_malformed(exc):
                     raise errors.BadRequest(f"malformed tar stream: {exc}") from exc
+                assert isinstance(exc, OSError)
                 raise _os_error(exc, _join(parts)) from exc
             return written
 
