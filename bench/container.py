@@ -48,6 +48,26 @@ def used_without_page_cache() -> int:
             + m["Shmem"])
 
 
+async def exec_round_trips(sb: Any, n: int) -> list[float]:
+    """Seconds of each of ``n`` ``true`` execs in ``sb``, after ten to warm up."""
+    for _ in range(10):
+        await sb.exec(["true"])
+    lat = []
+    for _ in range(n):
+        t = time.monotonic()
+        await sb.exec(["true"])
+        lat.append(time.monotonic() - t)
+    return lat
+
+
+def report(res: dict[str, Any], json_out: bool) -> dict[str, Any]:
+    """A bench's result with floats rounded; printed as the last line when ``json_out``."""
+    res = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}
+    if json_out:
+        print(json.dumps(res))
+    return res
+
+
 async def run_cycles(cycle: Callable[[], Awaitable[bool]], n: int, conc: int) -> dict[str, Any]:
     """Run ``n`` cycles, ``conc`` at a time; a cycle returns False (or raises) on failure."""
     sem = asyncio.Semaphore(conc)
@@ -92,13 +112,7 @@ async def cycles(client: Any, image: str, n: int, conc: int) -> dict[str, Any]:
 
 async def exec_rtt(client: Any, image: str, n: int) -> dict[str, float]:
     async with await client.create(image, ttl_s=300) as sb:
-        for _ in range(10):
-            await sb.exec(["true"])
-        lat = []
-        for _ in range(n):
-            t = time.monotonic()
-            await sb.exec(["true"])
-            lat.append(time.monotonic() - t)
+        lat = await exec_round_trips(sb, n)
     return {"p50_ms": _pct(lat, 50) * 1000, "p99_ms": _pct(lat, 99) * 1000}
 
 
@@ -252,10 +266,7 @@ def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
     with server_process() as (url, key):
         res = asyncio.run(run(quick, url, key))
     hardening_overhead(quick, res)
-    res = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}
-    if json_out:
-        print(json.dumps(res))
-    return res
+    return report(res, json_out)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
 import secrets
@@ -49,7 +48,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.container import meminfo, run_cycles, say  # noqa: E402
+from bench.container import exec_round_trips, meminfo, report, run_cycles, say  # noqa: E402
 from bench.images import machine_busy_s, proc_cpu_s  # noqa: E402
 from rollbox.backends.microvm.qemu import HZ as KERNEL_HZ  # noqa: E402
 from rollbox.backends.microvm.qemu import host_tsc_khz  # noqa: E402
@@ -164,13 +163,7 @@ async def first_exec(client: Any, image: str, n: int) -> dict[str, Any]:
 async def exec_rtt(client: Any, image: str, n: int) -> dict[str, float]:
     sb = await client.create(image, backend=BACKEND, **VM, ttl_s=600)
     try:
-        for _ in range(10):
-            await sb.exec(["true"])
-        lat = []
-        for _ in range(n):
-            t = time.monotonic()
-            await sb.exec(["true"])
-            lat.append(time.monotonic() - t)
+        lat = await exec_round_trips(sb, n)
         r = await sb.exec(FORK_EXEC_LOOP)
         if r.exit_code == 0:
             t0, t1 = (float(x) for x in r.stdout.split())
@@ -707,10 +700,7 @@ def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
     res["ratio_vs_plain_qemu_c1"] = res["per_s_c1"] / res["plain_qemu_per_s_c1"]
     res["wall_s"] = time.monotonic() - t0
     res["load_end"] = os.getloadavg()[0]
-    res = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}
-    if json_out:
-        print(json.dumps(res))
-    return res
+    return report(res, json_out)
 
 
 if __name__ == "__main__":
