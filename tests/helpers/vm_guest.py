@@ -10,7 +10,18 @@ import shutil
 import stat
 import struct
 import subprocess
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollbox.backends.container.disk import DiskPool
+from rollbox.backends.microvm.backend import MicroVMBackend
+from rollbox.images.store import ImageStore
+from rollbox.isolation.userns import UidSlots
+from tests.conftest import node_settings
 
 KPROBE = Path("/tmp/kprobe/x")
 MODULES = ["drivers/virtio/virtio_ring.ko", "drivers/virtio/virtio.ko",
@@ -121,3 +132,34 @@ def build_test_guest(dest: Path, guest_build: Path, init: str = INIT,
     initrd = dest / "initramfs.cpio"
     write_cpio(tree, initrd)
     return kernel, initrd
+
+
+def guest_or_skip(dest: Path, guest_build: Path, **kw: Any) -> tuple[Path, Path]:
+    """``build_test_guest``, or skip the test when no kernel is at hand."""
+    built = build_test_guest(dest, guest_build, **kw)
+    if built is None:
+        pytest.skip("no guest kernel at hand (/tmp/kprobe or make guest)")
+    return built
+
+
+@asynccontextmanager
+async def started_guest_backend(tmp_node_dir: Path, guest: tuple[Path, Path],
+                                connect_agent: Callable[[str, float], Awaitable[Any]],
+                                backend_cls: type[MicroVMBackend] = MicroVMBackend,
+                                ) -> AsyncIterator[MicroVMBackend]:
+    """A started microVM backend (TCG) of the test node booting the test guest, whose agent
+    channel is ``connect_agent``'s stand-in; its node resources released afterwards."""
+    settings = node_settings(tmp_node_dir)
+    settings.vm_kernel, settings.vm_initrd = guest
+    settings.vm_accel = "tcg"
+    slots = UidSlots(settings.uid_base, settings.uid_slots)
+    pool = DiskPool(settings)
+    b = backend_cls(settings, slots, ImageStore(settings.images_dir), pool,
+                    connect_agent=connect_agent)
+    await b.start()
+    try:
+        yield b
+    finally:
+        b.release_node_resources()
+        pool.release()
+        slots.close()

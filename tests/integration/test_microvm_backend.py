@@ -23,7 +23,7 @@ from rollbox.isolation import cgroups
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import Resources
 from tests.conftest import have_image, node_settings
-from tests.helpers.vm_guest import build_test_guest
+from tests.helpers.vm_guest import guest_or_skip, started_guest_backend
 
 pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
 
@@ -67,26 +67,13 @@ async def read_ready(path: str, timeout: float) -> ReadyLine:
 
 @pytest.fixture(scope="module")
 def guest(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    built = build_test_guest(tmp_path_factory.mktemp("guest"), REPO_ROOT / "build" / "guest")
-    if built is None:
-        pytest.skip("no guest kernel at hand (/tmp/kprobe or make guest)")
-    return built
+    return guest_or_skip(tmp_path_factory.mktemp("guest"), REPO_ROOT / "build" / "guest")
 
 
 @pytest.fixture
 async def backend(tmp_node_dir: Path, guest: tuple[Path, Path]):  # noqa: ANN201
-    settings = node_settings(tmp_node_dir)
-    settings.vm_kernel, settings.vm_initrd = guest
-    settings.vm_accel = "tcg"
-    slots = UidSlots(settings.uid_base, settings.uid_slots)
-    pool = DiskPool(settings)
-    b = MicroVMBackend(settings, slots, ImageStore(settings.images_dir), pool,
-                       connect_agent=read_ready)
-    await b.start()
-    yield b
-    b.release_node_resources()
-    pool.release()
-    slots.close()
+    async with started_guest_backend(tmp_node_dir, guest, read_ready) as b:
+        yield b
 
 
 def spec(layers: tuple[str, ...] = (), **res: int) -> ResolvedSpec:

@@ -17,19 +17,16 @@ from types import SimpleNamespace
 import pytest
 
 from rollbox.backends.base import ResolvedSpec
-from rollbox.backends.container.disk import DiskPool
 from rollbox.backends.microvm import net as vmnet
 from rollbox.backends.microvm.backend import MicroVM, MicroVMBackend
 from rollbox.config import REPO_ROOT
 from rollbox.errors import BadRequest, InfraError
-from rollbox.images.store import ImageStore
 from rollbox.isolation import netns
-from rollbox.isolation.userns import UidSlots
 from rollbox.models import Resources
 from rollbox.netpolicy import link
 from rollbox.netpolicy.tapfilter import TABLE
-from tests.conftest import TEST_NODE, node_settings
-from tests.helpers.vm_guest import MODULES, build_test_guest
+from tests.conftest import TEST_NODE
+from tests.helpers.vm_guest import MODULES, guest_or_skip, started_guest_backend
 from tests.integration.test_netpolicy_targets import (  # noqa: F401 - fixtures
     FakeInternet,
     FakeUpstream,
@@ -134,27 +131,15 @@ class ShellGuestBackend(MicroVMBackend):
 
 @pytest.fixture(scope="module")
 def net_guest(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    built = build_test_guest(tmp_path_factory.mktemp("netguest"), REPO_ROOT / "build" / "guest",
-                             init=SHELL_INIT, modules=NET_MODULES)
-    if built is None:
-        pytest.skip("no guest kernel at hand (/tmp/kprobe or make guest)")
-    return built
+    return guest_or_skip(tmp_path_factory.mktemp("netguest"), REPO_ROOT / "build" / "guest",
+                         init=SHELL_INIT, modules=NET_MODULES)
 
 
 @pytest.fixture
 async def backend(tmp_node_dir: Path, net_guest: tuple[Path, Path]):  # noqa: ANN201
-    settings = node_settings(tmp_node_dir)
-    settings.vm_kernel, settings.vm_initrd = net_guest
-    settings.vm_accel = "tcg"
-    slots = UidSlots(settings.uid_base, settings.uid_slots)
-    pool = DiskPool(settings)
-    b = ShellGuestBackend(settings, slots, ImageStore(settings.images_dir), pool,
-                          connect_agent=shell_connect)
-    await b.start()
-    yield b
-    b.release_node_resources()
-    pool.release()
-    slots.close()
+    async with started_guest_backend(tmp_node_dir, net_guest, shell_connect,
+                                     ShellGuestBackend) as b:
+        yield b
 
 
 def spec(rules: list[str] | None) -> ResolvedSpec:
