@@ -141,13 +141,21 @@ def agent(agent_binary: Path, tmp_path: Path) -> Iterator[Agent]:
         yield a
 
 
-@pytest.fixture
-async def channel(agent: Agent) -> AsyncIterator[AgentChannel]:
-    ch = await AgentChannel.connect(str(agent.sock_path), timeout=5)
+@contextlib.asynccontextmanager
+async def connected(agent: Agent, *, stream: bool = False) -> AsyncIterator[AgentChannel]:
+    """A channel to ``agent`` (over its stream transport when ``stream``), closed after."""
+    connect = AgentChannel.connect_stream if stream else AgentChannel.connect
+    ch = await connect(str(agent.sock_path), timeout=5)
     try:
         yield ch
     finally:
         ch.close()
+
+
+@pytest.fixture
+async def channel(agent: Agent) -> AsyncIterator[AgentChannel]:
+    async with connected(agent) as ch:
+        yield ch
 
 
 @dataclass

@@ -20,6 +20,7 @@ from tests.integration.test_agent_channel import (  # noqa: F401 - fixtures
     Agent,
     agent_binary,
     collect,
+    connected,
     pytestmark,
     run,
     started_agent,
@@ -36,11 +37,8 @@ def stream_agent(agent_binary: Path, tmp_path: Path) -> Iterator[Agent]:  # noqa
 
 @pytest.fixture
 async def channel(stream_agent: Agent) -> AsyncIterator[AgentChannel]:
-    ch = await AgentChannel.connect_stream(str(stream_agent.sock_path), timeout=5)
-    try:
+    async with connected(stream_agent, stream=True) as ch:
         yield ch
-    finally:
-        ch.close()
 
 
 async def test_exec_stdin_and_timeout_over_the_stream(channel: AgentChannel) -> None:
@@ -123,11 +121,8 @@ async def test_garbage_then_hello_resyncs_and_a_repeated_hello_is_ignored(
         pass
     raw.close()
     assert b"bad frame length" in stream_agent.log.read_bytes()
-    ch = await AgentChannel.connect_stream(str(stream_agent.sock_path), timeout=5)
-    try:
+    async with connected(stream_agent, stream=True) as ch:
         assert (await run(ch, ["true"])).exited.exit_code == 0
-    finally:
-        ch.close()
 
 
 async def test_platform_tool_runs_busybox_by_descriptor(channel: AgentChannel) -> None:
