@@ -77,7 +77,7 @@ async def test_landlock_keeps_the_tree_usable(boxes: Boxes) -> None:
     assert r.exit_code == 0, r
 
 
-@microvm_open("finding: the mask is in place (a first cat reads 0 bytes) but the guest's root unmounts it (`umount /etc/group` then reads 27 bytes); a fix that drops SYS_ADMIN for commands conflicts with the full-root guest red-team tests (F39, serial, agent freeze)")
+@microvm_open("finding: a hidden file (/etc/group) is still readable by a command in the guest")
 async def test_hidden_paths_absent_for_commands_visible_to_platform(boxes: Boxes) -> None:
     sid = await boxes.make(BB, hidden=("/etc/group",))
     r = await boxes.run(sid, "cat /etc/group | wc -c; cat /etc/passwd | wc -c")

@@ -94,12 +94,3 @@ async def test_f41_guest_has_no_way_to_the_monitor(vms: Boxes) -> None:
     await asyncio.sleep(1)
     assert qemu_jail.qemu_pids_of(sid) == [pid]  # QEMU did not quit
     assert await alive(vms, sid)
-
-
-
-async def test_b7_guest_sandbox_cgroup_has_the_pids_limit(vms: Boxes) -> None:
-    """The sandbox's pids limit on the guest's sandbox cgroup (parent of its sessions), set by
-    the host after boot or restore (the guest's default is "max")."""
-    sid = await vms.make(BB, pids=64)
-    r = await vms.run(sid, "cat /sys/fs/cgroup/rollbox/pids.max")
-    assert r.stdout == "64\n", r

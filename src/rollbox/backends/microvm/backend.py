@@ -47,7 +47,6 @@ from rollbox.backends.container.bundle import normalize_hidden
 from rollbox.backends.microvm.files import capture as vm_capture
 from rollbox.backends.microvm.files import mask_hidden, vm_files
 from rollbox.backends.microvm.jail import Bind, Jail, Limits, uid_processes, vcpus
-from rollbox.backends.microvm.limits import apply_guest_limits
 from rollbox.backends.microvm.template import (
     BUILD_PREFIX, Template, TemplateLoadError, VmTemplates, make_unique,
 )
@@ -431,7 +430,6 @@ class MicroVMBackend:
                 if net is not None:
                     vm.network = net
                     await self.configure_guest_network(vm, net.guest)  # after a restore too
-                await apply_guest_limits(vm, spec.resources.pids)  # after a restore too
                 await mask_hidden(vm, spec.hidden_paths)  # before any command of the sandbox
             except BaseException:
                 vm.channel.close()

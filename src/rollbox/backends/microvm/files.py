@@ -60,7 +60,7 @@ async def capture(files: AgentFiles, dest: Path, opts: CaptureOptions) -> Captur
         files, lambda cap: agent_snapshot.tar_stream(files, GUEST_UPPER, cap), dest, opts)
 
 
-def in_sandbox_request(argv: list[str], stdin: bool, timeout_ms: int, stream_limit: int
+def _in_sandbox_request(argv: list[str], stdin: bool, timeout_ms: int, stream_limit: int
                         ) -> P.ExecRequest:
     return P.ExecRequest(argv=argv, env=[], timeout_ms=timeout_ms, stdin=stdin,
                          stream_limit=stream_limit, tail_limit=0, platform_tool=True,
@@ -69,7 +69,7 @@ def in_sandbox_request(argv: list[str], stdin: bool, timeout_ms: int, stream_lim
 
 async def mask_hidden(vm: Any, paths: tuple[str, ...] | list[str]) -> None:
     """Mask each hidden path in the sandbox's root (see the module docstring)."""
-    tools = PlatformTools(lambda: vm.channel, request=in_sandbox_request)
+    tools = PlatformTools(lambda: vm.channel, request=_in_sandbox_request)
     for path in normalize_hidden(paths):
         res = await tools.run(["stat", "-L", "-c", "%F", "--", path])
         kind = res.stdout.strip()
