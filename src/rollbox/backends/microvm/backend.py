@@ -618,6 +618,7 @@ class MicroVMBackend:
             h.network.close()
         h.channel.close()
         h.files.close()
+        h.jail.close_log()
 
     async def cleanup(self, sandbox_id: str, state: dict[str, Any] | None) -> None:
         slot = -1

@@ -2,7 +2,8 @@
 
 Per sandbox the edge keeps a root-only host dir ``<run_dir>/vm/<id>/`` holding the listening
 sockets it bound (``agent.sock``, ``qmp.sock``, ``console.sock``: QEMU gets them as fds 3-5
-and never sees their paths), QEMU's pid and its stderr log, and ``root/``, an empty directory
+and never sees their paths), QEMU's pid and its stderr log (size-capped, see :class:`QemuLog`),
+and ``root/``, an empty directory
 the jailer (``native/jailer/jailer.c``) mounts the jail's tmpfs root on inside a mount
 namespace of its own. Inside, QEMU sees ``/usr`` read-only, ``/proc`` of its own pid namespace
 (pids only), the device nodes it is given (``/dev/kvm`` only with KVM) and its files at fixed
@@ -37,6 +38,12 @@ log = logging.getLogger(__name__)
 
 SOCKETS = ("agent", "qmp", "console")  # fds 3, 4, 5 in this order
 JAILER_TIMEOUT_S = 10.0
+# QEMU's stderr log: past LOG_MAX bytes the file is cut to its last LOG_KEEP; the edge reads
+# at most LOG_READ bytes per LOG_PAUSE_S (a guest that makes QEMU print costs it that much).
+LOG_MAX = 256 << 10
+LOG_KEEP = 64 << 10
+LOG_READ = 64 << 10
+LOG_PAUSE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,91 @@ def make_cgroups(parent: str, sandbox_id: str, limits: Limits) -> list[Path]:
     return list(dirs.values())
 
 
+class QemuLog:
+    """QEMU's stderr, capped. QEMU (and the jailer before it) writes to a pipe whose write end
+    is non-blocking: a reader that falls behind drops messages, QEMU never waits (it ignores
+    SIGPIPE, and so does this process, so a pipe whose reader is gone only loses them). The
+    edge reads it into ``path``, which stays under LOG_MAX bytes: past it the file is rewritten
+    as a marker and its last LOG_KEEP bytes (the tail is what error messages quote). The
+    guest can make QEMU print (device errors, warnings): nothing of it grows without bound.
+    Only the edge that started QEMU reads it: after an edge restart the messages are dropped
+    (the file keeps what came before)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.read_fd, self.write_fd = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        os.set_blocking(self.read_fd, False)
+        self.size = 0
+        self.dropped = 0
+        self._file = open(path, "ab", buffering=0)  # noqa: SIM115 - closed by close()
+        self.size = self._file.tell()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._later: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        """Read in the background (after the spawn closed our copy of the write end)."""
+        os.close(self.write_fd)
+        self.write_fd = -1
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self.read_fd, self._on_readable)
+
+    def _on_readable(self) -> None:
+        assert self._loop is not None
+        self._loop.remove_reader(self.read_fd)
+        if self.drain(LOG_READ) and self.read_fd >= 0:
+            self._later = self._loop.call_later(
+                LOG_PAUSE_S, self._loop.add_reader, self.read_fd, self._on_readable)
+
+    def drain(self, limit: int = LOG_MAX) -> bool:
+        """Move what QEMU wrote (at most ``limit`` bytes) to the file; False once it ended
+        (every write end closed: QEMU is gone), then the pipe is closed."""
+        got = 0
+        while self.read_fd >= 0 and got < limit:
+            try:
+                data = os.read(self.read_fd, min(65536, limit - got))
+            except (BlockingIOError, InterruptedError):
+                return True
+            if not data:
+                self.close()
+                return False
+            got += len(data)
+            self._append(data)
+        return self.read_fd >= 0
+
+    def _append(self, data: bytes) -> None:
+        if self._file.closed:
+            return
+        try:
+            self._file.write(data)
+            self.size += len(data)
+            if self.size > LOG_MAX:
+                with open(self.path, "rb") as f:
+                    f.seek(self.size - LOG_KEEP)
+                    tail = f.read()
+                self.dropped += self.size - len(tail)
+                head = f"[rollbox: {self.dropped} earlier bytes of QEMU's log dropped]\n"
+                self._file.seek(0)
+                self._file.truncate()
+                self._file.write(head.encode() + tail)
+                self.size = self._file.tell()
+        except OSError as exc:  # the jail dir went (teardown): nothing to keep
+            log.debug("QEMU log %s: %s", self.path, exc)
+            self._file.close()
+
+    def close(self) -> None:
+        if self._later is not None:
+            self._later.cancel()
+        if self.read_fd >= 0:
+            if self._loop is not None:
+                self._loop.remove_reader(self.read_fd)
+            os.close(self.read_fd)
+            self.read_fd = -1
+        if self.write_fd >= 0:
+            os.close(self.write_fd)
+            self.write_fd = -1
+        self._file.close()
+
+
 class Jail:
     """The host side of one sandbox's jail (its dir, sockets, cgroups, process)."""
 
@@ -108,6 +200,7 @@ class Jail:
         self.dir = run_root / sandbox_id
         self.cgroup_parent = cgroup_parent
         self.v2 = cgroups.v2_dir(cgroup_parent, sandbox_id)
+        self.qemu_log: QemuLog | None = None  # read by the edge that spawned QEMU
 
     def socket_path(self, name: str) -> Path:
         return self.dir / f"{name}.sock"
@@ -175,17 +268,20 @@ class Jail:
             args += ["--rw" if b.writable else "--ro", f"{b.src}:{b.dst}"]
         args += ["--", *qemu_argv]
         devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
-        logfd = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
-                        0o600)
+        self.close_log()
+        self.qemu_log = qlog = QemuLog(self.log_file)
         try:
             actions = [(os.POSIX_SPAWN_DUP2, devnull, 0), (os.POSIX_SPAWN_DUP2, devnull, 1),
-                       (os.POSIX_SPAWN_DUP2, logfd, 2)]
+                       (os.POSIX_SPAWN_DUP2, qlog.write_fd, 2)]
             fds = [s.fileno() for s in sockets] + list(extra_fds)
             actions += [(os.POSIX_SPAWN_DUP2, fd, 3 + i) for i, fd in enumerate(fds)]
             pid = os.posix_spawn(str(jailer), args, {}, file_actions=actions)
+        except BaseException:
+            self.close_log()
+            raise
         finally:
             os.close(devnull)
-            os.close(logfd)
+        qlog.start()
         try:
             code = await asyncio.wait_for(wait_pid(pid), JAILER_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -201,6 +297,9 @@ class Jail:
         return qpid
 
     def log_tail(self, limit: int = 2000) -> str:
+        """The end of QEMU's stderr log (what it wrote so far, read first)."""
+        if self.qemu_log is not None:
+            self.qemu_log.drain()
         try:
             with open(self.log_file, "rb") as f:
                 f.seek(0, os.SEEK_END)
@@ -231,9 +330,16 @@ class Jail:
             return []
         return await reap_uid_range(host_uid, pid, max(1.0, deadline - time.monotonic()))
 
+    def close_log(self) -> None:
+        """Stop reading QEMU's stderr (the edge stops or the jail goes)."""
+        if self.qemu_log is not None:
+            self.qemu_log.close()
+            self.qemu_log = None
+
     def release(self) -> list[str]:
         """Remove the cgroups and host dir of a jail with no process left; returns what is
         left."""
+        self.close_log()
         problems: list[str] = []
         for path in cgroups.sandbox_dirs(self.cgroup_parent, self.sandbox_id):
             try:
