@@ -15,7 +15,7 @@ import pytest
 
 from rollbox.backends.container.disk import DiskPool
 from rollbox.backends.container.rootfs import TMPFS_MAGIC, Rootfs
-from rollbox.backends.container.files import DiskFull
+from rollbox.errors import DiskFull
 from rollbox.errors import BadRequest, InfraError
 from rollbox.isolation import btrfs, cgroups, syscalls
 from rollbox.models import ExecSpec, Resources, SandboxSpec

@@ -112,7 +112,7 @@ def _big_dir(d: Path) -> Path:
 
 @pytest.mark.parametrize("tier", ["disk", "memory"])
 async def test_grade_files_above_grader_disk_cap_fail_typed(edge, tier: str) -> None:  # noqa: ANN001
-    from rollbox.backends.container.files import DiskFull
+    from rollbox.errors import DiskFull
     from rollbox.models import GradeSpec, Resources, SandboxSpec
 
     info = await edge.create(SandboxSpec(image=BB, resources=Resources(disk_mib=64),

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from rollbox import errors
-from rollbox.backends.container.files import SandboxFS
+from rollbox.hostfs import SandboxFS
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (chown, mknod)")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rollbox.backends.container.files import SandboxFS
+from rollbox.hostfs import SandboxFS
 
 # A sandbox uid shift as the edge would choose one (a multiple of 65536).
 SHIFT = 1_000_000_000 // 65536 * 65536

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from rollbox import errors
-from rollbox.backends.container.files import DiskFull, SandboxFS
+from rollbox.errors import DiskFull
+from rollbox.hostfs import SandboxFS
 from rollbox.isolation import syscalls
 from tests.unit.conftest import SHIFT
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from rollbox import errors
-from rollbox.backends.container.files import STREAM_CHUNK, DiskFull, SandboxFS
+from rollbox.errors import DiskFull
+from rollbox.hostfs import STREAM_CHUNK, SandboxFS
 from rollbox.isolation import syscalls
 from tests.unit.conftest import SHIFT
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rollbox import errors
-from rollbox.backends.container.files import SandboxFS
+from rollbox.hostfs import SandboxFS
 from tests.unit.conftest import SHIFT
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (chown)")

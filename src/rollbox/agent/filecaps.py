@@ -1,5 +1,5 @@
 """Checks both file APIs apply to hostile input alike: the host-side one of containers
-(``backends.container.files``) and the one through the agent (``agent.files``). Here, below
+(``rollbox.hostfs``) and the one through the agent (``agent.files``). Here, below
 both, so each imports the one copy (``agent`` sits below ``backends``).
 
 Owns: the write-size check, the tar entry cap and what counts as a malformed tar stream. Not:

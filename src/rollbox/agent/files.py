@@ -1,6 +1,6 @@
 """Sandbox file operations through the agent, for sandboxes whose files the host can not touch
 (a microVM: the host never mounts a filesystem the guest could write). The same contract and
-typed errors as the host-side implementation of containers (``backends.container.files``).
+typed errors as the host-side implementation of containers (``rollbox.hostfs``).
 
 Every operation runs the platform's own busybox applets (``rollbox.agent.tools``) as root in
 the sandbox's root: paths resolve there (absolute links and ``..`` stay inside it), nothing of
@@ -36,7 +36,7 @@ from rollbox.agent.filecaps import (
     tar_malformed,
 )
 from rollbox.agent.tools import PlatformTools, ToolResult, tool_error
-from rollbox.backends.container.files import (
+from rollbox.hostfs import (
     _TMP_PREFIX,
     ID_RANGE,
     MAX_PATH,

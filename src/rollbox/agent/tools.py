@@ -81,7 +81,7 @@ def errno_of(message: str) -> int | None:
 
 def tool_error(res: ToolResult, path: str, what: str) -> errors.RollboxError:
     """The typed error of a failed tool run on sandbox ``path`` (the file API's mapping)."""
-    from rollbox.backends.container.files import _os_error as os_error  # one mapping
+    from rollbox.hostfs import _os_error as os_error  # one mapping
 
     msg = res.message()
     e = errno_of(msg)

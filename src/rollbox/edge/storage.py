@@ -14,7 +14,7 @@ scrubbed like a snapshot (every ``__pycache__``; git history beyond HEAD) and pa
 mkfs.erofs on this host: a client-supplied filesystem image is never mounted.
 
 Owns: this accounting and the upload staging. Not: the store's layout (images.store), tar
-extraction (backends.container.files), sandboxes and their snapshots (edge.edge).
+extraction (rollbox.hostfs), sandboxes and their snapshots (edge.edge).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollbox.backends.container.files import SandboxFS
+from rollbox.hostfs import SandboxFS
 from rollbox.config import Settings
 from rollbox.errors import (
     BadRequest, CapacityExceeded, NotFound, PayloadTooLarge, QuotaExceeded, RollboxError,

@@ -30,7 +30,8 @@ from rollbox.backends.container import bundle, platform_shell
 from rollbox.agent.channel import AgentChannel
 from rollbox.backends.container.cpuview import CpuViews
 from rollbox.backends.container.disk import DiskPool
-from rollbox.backends.container.files import ContainerFiles, SandboxFS
+from rollbox.backends.container.files import ContainerFiles
+from rollbox.hostfs import SandboxFS
 from rollbox.backends.container.rootfs import (
     Rootfs, ensure_run_tmpfs, mount_points_under, release_run_tmpfs, remove_flat_dir,
 )
