@@ -39,6 +39,7 @@ def node_settings(tmp: Path, node: str | None = None, run_dir: Path | None = Non
     s.uid_base = BASE_UID
     s.uid_slots = 1024
     s.vm_templates = False  # microVMs boot cold; the one template of a run: vm_template_node
+    register_run_owner()
     return s
 
 
@@ -222,8 +223,32 @@ async def restarts(tmp_node_dir: Path) -> AsyncIterator[NodeRestarts]:
         await r.close()
 
 
-RUNS_DIR = Path("/run/rollbox-test-runs")  # <run> -> pid of the pytest process that owns it
+RUNS_DIR = Path("/run/rollbox-test-runs")  # <run> -> pid of the process that owns it
+# A run parent with no owner record (left by a process that never made one) is swept once it
+# is this old. A run with a record is swept only when its owner process is gone, however long
+# it has been running (a microVM browser episode takes longer than this).
 STALE_UNOWNED_S = 600.0
+
+
+def register_run_owner() -> None:
+    """Record this process as the owner of this run's sandboxes (pytest, or a script that made
+    a test node with :func:`node_settings`): another run's sweep leaves them alone while this
+    process lives. Root only (only root has sandboxes to sweep). The record is the bare pid,
+    the form every run's sweep reads: a reused pid can only keep a dead run unswept longer."""
+    if os.geteuid() != 0:
+        return
+    path = RUNS_DIR / TEST_RUN
+    with contextlib.suppress(OSError):
+        if path.read_text() == str(os.getpid()):
+            return
+    RUNS_DIR.mkdir(exist_ok=True)
+    path.write_text(str(os.getpid()))
+
+
+def run_owner_alive(record: str) -> bool:
+    """Whether the owner a run record names still runs; a garbled record counts as dead."""
+    pid = record.strip()
+    return pid.isdigit() and int(pid) > 0 and os.path.exists(f"/proc/{int(pid)}")
 
 
 # A test sandbox's id is "t<run><6 hex>-<12 hex>" (node_settings); its mounts sit under
@@ -246,19 +271,20 @@ def run_mounts(run: str) -> list[str]:
 def sweep_dead_runs() -> list[str]:
     """Remove what test runs killed mid-way (timeout, Ctrl-C twice) left on this host: their
     sandboxes' processes, cgroups, network namespaces and mounts. A run is dead when its pytest
-    process is gone; a run parent with no owner record counts as dead once it is 10 minutes old.
+    process (pytest or a script's, see :func:`register_run_owner`) is gone; a run parent with no
+    owner record counts as dead once it is STALE_UNOWNED_S old.
     Returns the runs swept."""
     import time
 
     from rollbox.isolation import syscalls
 
-    owners: dict[str, int] = {}
+    owners: dict[str, str] = {}
     if RUNS_DIR.exists():
         for f in RUNS_DIR.iterdir():
             try:
-                owners[f.name] = int(f.read_text())
-            except (OSError, ValueError):
-                owners[f.name] = 0
+                owners[f.name] = f.read_text()
+            except OSError:
+                owners[f.name] = ""
     runs: set[str] = set(owners)
     for h in cgroups.hierarchies():
         runs |= {p.name[len("rollbox-test-"):] for p in h.glob("rollbox-test-*") if p.is_dir()}
@@ -268,15 +294,15 @@ def sweep_dead_runs() -> list[str]:
     for run in sorted(runs):
         if run == TEST_RUN:
             continue
-        pid = owners.get(run)
-        if pid is None:
+        owner = owners.get(run)
+        if owner is None:
             v2 = cgroups.v2_root() / f"rollbox-test-{run}"
             try:
                 if time.time() - v2.stat().st_mtime < STALE_UNOWNED_S:
                     continue
             except FileNotFoundError:
                 pass
-        elif pid and os.path.exists(f"/proc/{pid}"):
+        elif run_owner_alive(owner):
             continue
         dead.append(run)
         parent = f"rollbox-test-{run}"
@@ -316,8 +342,7 @@ def sweep_dead_runs() -> list[str]:
 def no_leaks_after_suite() -> Iterator[None]:
     if os.geteuid() == 0:
         sweep_dead_runs()
-        RUNS_DIR.mkdir(exist_ok=True)
-        (RUNS_DIR / TEST_RUN).write_text(str(os.getpid()))
+        register_run_owner()
     yield
     (RUNS_DIR / TEST_RUN).unlink(missing_ok=True)
     left_cg = cgroups.leftover(TEST_CGROUP) if os.geteuid() == 0 else []
