@@ -32,7 +32,17 @@ async def test_microvm_through_the_edge_across_a_restart(restarts) -> None:  # n
     r = await run(e1, sb.id, "echo hi; cat /proc/1/comm")
     assert r.exit_code == 0 and r.stdout.startswith("hi\n") and r.guest_reported
     await e1.file_write(sb.id, "/tmp/x", b"kept", 0o644)
+    # a file stream in progress when the VM is paused fails at once (its agent stops too)
+    assert (await run(e1, sb.id, "truncate -s 64M /tmp/big")).exit_code == 0
+    stream = e1.file_read_stream(sb.id, "/tmp/big", 1 << 30)
+    assert len(await stream.__anext__()) > 0
     await e1.pause(sb.id)
+    t0 = time.monotonic()
+    with pytest.raises(SandboxPaused, match="paused during"):
+        while True:  # what was buffered before the pause is not handed out either
+            await stream.__anext__()
+    assert time.monotonic() - t0 < 10
+    await stream.aclose()
     with pytest.raises(SandboxPaused):
         await e1.exec_start(sb.id, ExecSpec(cmd=["true"]))
     # files and snapshots are the frozen agent's: refused at once, not after the deadline

@@ -7,8 +7,10 @@ sandbox's tree), as its root. Everything such a tool sends back passed through a
 root may have replaced the agent, so it is hostile input: output is capped (the command is
 killed past the cap), memory stays bounded whatever the size (a stream's command is stopped
 with SIGSTOP while the consumer is behind and continued after; one that keeps sending while
-stopped is killed), every run has a deadline on the host side too, and messages are mapped to
-typed errors without ever trusting them to be well formed.
+stopped is killed), every run has a deadline on the host side too (its start included), and
+messages are mapped to typed errors without ever trusting them to be well formed. A run can be
+cut from outside (:meth:`PlatformTools.interrupt`: a microVM being paused stops its agent, so
+what waits on it fails at once instead of waiting out the deadline).
 
 Owns: running one applet and the mapping of its messages to errors. Not: what the applets do
 (``rollbox.agent.files``), the channel (``rollbox.agent.channel``).
@@ -40,6 +42,8 @@ LOW_WATER = 1 << 20
 HARD_WATER = 32 << 20
 # A stream whose tool sends nothing and does not end for this long is given up (killed).
 STREAM_IDLE_S = 120.0
+# A tool the agent has not started within this long is given up.
+START_TIMEOUT_S = 60.0
 
 # strerror text -> errno, to read busybox's "applet: can't open 'x': No such file or directory".
 _STRERRORS = sorted(((os.strerror(e), e) for e in errno_mod.errorcode), key=lambda t: -len(t[0]))
@@ -94,7 +98,8 @@ def tool_error(res: ToolResult, path: str, what: str) -> errors.RollboxError:
 class _Run:
     """One tool session: its stdout buffered (bounded by flow control), stderr's head kept."""
 
-    def __init__(self, sess: Session, max_stdout: int, flow: bool) -> None:
+    def __init__(self, sess: Session, max_stdout: int, flow: bool,
+                 cut: asyncio.Future[None]) -> None:
         self.sess = sess
         self.max_stdout = max_stdout
         self.flow = flow
@@ -105,8 +110,19 @@ class _Run:
         self.exited: P.Exited | None = None
         self.failure: BaseException | None = None
         self.stopped = False
+        self.was_cut = False
         self.wake = asyncio.Event()
         self.pump = asyncio.ensure_future(self._pump())
+        cut.add_done_callback(self._on_cut)
+
+    def _on_cut(self, cut: asyncio.Future[None]) -> None:
+        """Interrupted from outside: fail now, whatever the sandbox does (see close())."""
+        if self.pump.done():
+            return
+        self.failure = cut.exception()
+        self.was_cut = True
+        self.pump.cancel()
+        self.wake.set()
 
     async def _pump(self) -> None:
         try:
@@ -129,6 +145,8 @@ class _Run:
                     self.exited = value
                 self.wake.set()
         except BaseException as exc:  # noqa: BLE001 - handed to the reader
+            if self.was_cut:
+                return  # close() kills it without waiting
             self.failure = exc
             with contextlib.suppress(errors.RollboxError):
                 await self.sess.kill()
@@ -157,6 +175,14 @@ class _Run:
                                         f"for {STREAM_IDLE_S:.0f}s") from None
 
     async def close(self) -> None:
+        if self.was_cut:
+            # The sandbox may not read now (a stopped VM): the kill is queued on the channel,
+            # not awaited; it is delivered when the sandbox runs again.
+            kill = asyncio.ensure_future(self.sess.kill())
+            kill.add_done_callback(lambda f: f.cancelled() or f.exception())
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.pump
+            return
         if not self.pump.done():
             with contextlib.suppress(errors.RollboxError):
                 await self.sess.kill()
@@ -183,12 +209,42 @@ class PlatformTools:
         self._request = request
         self.timeout_s = timeout_s
         self.peak_buffered = 0  # most stdout bytes a stream held at once (diagnostics, tests)
+        self._cut: asyncio.Future[None] | None = None  # failed by interrupt()
+
+    def interrupt(self, exc: errors.RollboxError) -> None:
+        """Fail every run in progress with ``exc`` at once (their tools are killed when the
+        sandbox reads again); later runs are not affected."""
+        if self._cut is not None and not self._cut.done():
+            self._cut.set_exception(exc)
+        self._cut = None
+
+    def _cut_future(self) -> asyncio.Future[None]:
+        if self._cut is None:
+            self._cut = asyncio.get_running_loop().create_future()
+            self._cut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return self._cut
 
     async def _start(self, argv: list[str], stdin: bool, timeout_s: float | None,
-                     max_stdout: int) -> Session:
+                     max_stdout: int, cut: asyncio.Future[None]) -> Session:
+        """The tool's session once the agent started it: bounded by START_TIMEOUT_S and cut
+        by :meth:`interrupt` (a stopped guest never answers)."""
         timeout_ms = 0 if timeout_s is None else max(1, int(timeout_s * 1000))
         req = self._request(argv, stdin, timeout_ms, max_stdout + 1)
-        return await self._channel().exec(req)
+        start = asyncio.ensure_future(self._channel().exec(req))
+        try:
+            await asyncio.wait({start, cut}, timeout=START_TIMEOUT_S,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not start.done():
+                start.cancel()  # the channel kills a command it may have started
+                with contextlib.suppress(asyncio.CancelledError, BaseException):
+                    await start
+        if start.cancelled():
+            if cut.done() and not cut.cancelled() and cut.exception() is not None:
+                raise cut.exception()  # type: ignore[misc]
+            raise errors.InfraError(f"{argv[0]} was not started in the sandbox within "
+                                    f"{START_TIMEOUT_S:.0f}s")
+        return start.result()
 
     async def run(self, argv: list[str], *, stdin: AsyncIterator[bytes] | bytes | None = None,
                   max_stdout: int = 1 << 20, timeout_s: float | None = None,
@@ -196,8 +252,9 @@ class PlatformTools:
         """Run ``argv`` to its end; its whole stdout (at most ``max_stdout`` bytes: past that
         the command is killed and ``overflow()`` raised, PayloadTooLarge by default)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        sess = await self._start(argv, stdin is not None, timeout, max_stdout)
-        run = _Run(sess, max_stdout, flow=False)
+        cut = self._cut_future()
+        sess = await self._start(argv, stdin is not None, timeout, max_stdout, cut)
+        run = _Run(sess, max_stdout, flow=False, cut=cut)
         feeder = (asyncio.ensure_future(_feed(sess, stdin)) if stdin is not None else None)
         try:
             deadline = asyncio.get_running_loop().time() + timeout + HOST_GRACE_S
@@ -228,8 +285,9 @@ class PlatformTools:
         """``argv``'s stdout as it comes, memory bounded by flow control. At the end
         ``on_end(result)`` (result.stdout empty) may raise the typed error of a failed run.
         Stopping the iteration early kills the command."""
-        sess = await self._start(argv, False, None, max_stdout)
-        run = _Run(sess, max_stdout, flow=True)
+        cut = self._cut_future()
+        sess = await self._start(argv, False, None, max_stdout, cut)
+        run = _Run(sess, max_stdout, flow=True, cut=cut)
         try:
             while (data := await run.take()) is not None:
                 self.peak_buffered = max(self.peak_buffered, run.buffered + len(data))

@@ -45,7 +45,7 @@ from rollbox.backends.microvm.accel import AccelChoice, probe_accel
 from rollbox.backends.microvm.disks import VmDisks
 from rollbox.backends.container.bundle import normalize_hidden
 from rollbox.backends.microvm.files import capture as vm_capture
-from rollbox.backends.microvm.files import mask_hidden, vm_files
+from rollbox.backends.microvm.files import cut_file_ops, mask_hidden, vm_files
 from rollbox.backends.microvm.jail import Bind, Jail, Limits, uid_processes, vcpus
 from rollbox.backends.microvm.template import (
     BUILD_PREFIX, Template, TemplateLoadError, VmTemplates, make_unique,
@@ -694,11 +694,18 @@ class MicroVMBackend:
 
     # ---- running VMs ----------------------------------------------------------------------
     async def pause(self, h: MicroVM) -> None:  # type: ignore[override]
-        """Stop the vCPUs (QMP ``stop``): the guest and every command halt, memory stays."""
+        """Stop the vCPUs (QMP ``stop``): the guest and every command halt, memory stays.
+        File operations fail with SandboxPaused from here on, those in progress too (its agent
+        stops with it: they would wait out their deadline)."""
         async with h.lock:
-            async with qmp.session(h.qmp_path) as q:
-                await q.stop()
             h.paused = True
+            cut_file_ops(h)
+            try:
+                async with qmp.session(h.qmp_path) as q:
+                    await q.stop()
+            except BaseException:
+                h.paused = False
+                raise
 
     async def resume(self, h: MicroVM) -> None:  # type: ignore[override]
         async with h.lock:

@@ -16,7 +16,9 @@ files, while grading's defence is that it runs in a fresh VM the agent never tou
 secret files to the grade, ``GradeSpec.layers``, rather than to the agent's image).
 
 Files, tar and snapshots of a paused VM fail at once with SandboxPaused (its agent is frozen
-with the vCPUs); a container's are served while paused (host side).
+with the vCPUs); those in progress when the pause comes fail with it at once too
+(:func:`cut_file_ops`; what they did in the guest before stays, their tools are killed on
+resume). A container's are served while paused (host side).
 
 Owns this wiring only.
 """
@@ -36,15 +38,27 @@ from rollbox.backends.container.bundle import normalize_hidden
 GUEST_UPPER = "/proc"  # agent.c TOOL_VIEW_UPPER: /rw/upper, read-only, in the tools' view
 
 
+def paused_error(vm: Any, *, during: bool = False) -> errors.SandboxPaused:
+    what = "was paused during the file operation" if during else "is a paused microVM"
+    return errors.SandboxPaused(
+        f"sandbox {vm.id} {what}: its files are served by its agent, which is stopped with "
+        "it; resume it first", sandbox_id=vm.id)
+
+
 def live_channel(vm: Any) -> Any:
     """``vm``'s agent channel for a file operation; SandboxPaused at once when the VM is
     paused: its agent is stopped with the vCPUs and would answer only after the resume (the
     caller waited out the host deadline for an InfraError)."""
     if vm.paused:
-        raise errors.SandboxPaused(
-            f"sandbox {vm.id} is a paused microVM: its files are served by its agent, which "
-            "is stopped with it; resume it first", sandbox_id=vm.id)
+        raise paused_error(vm)
     return vm.channel
+
+
+def cut_file_ops(vm: Any) -> None:
+    """``vm`` is being paused: its file operations in progress fail with SandboxPaused now
+    (set ``vm.paused`` first, so none starts meanwhile)."""
+    if isinstance(vm.files, AgentFiles):
+        vm.files.tools.interrupt(paused_error(vm, during=True))
 
 
 def vm_files(vm: Any) -> AgentFiles:
