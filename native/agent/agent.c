@@ -665,7 +665,10 @@ static void handle_output(struct session *s, int i, size_t n)
 {
     char *data = rdbuf + HDR;
     size_t fwd = 0;
-    if (conn_fd >= 0 && s->total[i] < s->stream_limit) {
+    /* Only a live connection gets it (a stream connection still waiting for HELLO does not):
+     * what is not sent counts as dropped, so TAIL_* at exit is sent exactly when the edge
+     * missed bytes. */
+    if (conn_up() && s->total[i] < s->stream_limit) {
         uint64_t room = s->stream_limit - s->total[i];
         fwd = n < room ? n : (size_t)room;
     }
@@ -806,7 +809,7 @@ static void evict_exited(void)
  * rings and exit status) until the edge COLLECTs it. */
 static void finish_session(struct session *s)
 {
-    if (conn_fd >= 0) {
+    if (conn_up()) {
         send_tail(s, 0);
         send_tail(s, 1);
     }
@@ -1609,6 +1612,10 @@ static void handle_replay(uint32_t id, const char *p, size_t plen)
     for (int i = 0; i < 2; i++) {
         struct ring *r = &s->tail[i];
         uint64_t from = get_u64(p + 8 * i), first = s->total[i] - r->len;
+        /* From here on this connection has every byte from `from` but those the ring no
+         * longer holds: only they (and later output past stream_limit) count as dropped, so
+         * EXITED and TAIL_* describe what this connection missed, not an earlier one's. */
+        s->dropped[i] = from < first ? first - from : 0;
         if (from < first)
             from = first;
         while (from < s->total[i]) {

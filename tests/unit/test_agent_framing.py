@@ -278,3 +278,41 @@ async def test_results_of_platform_commands(pair) -> None:
                                     P.BOOT_INFO.pack(0, 1, 2, 3, 4, 5, 6) + b"")))
     info = await task
     assert (info.init_ns, info.ready_ns, info.error) == (1, 5, "")
+
+
+def exited_totals(sid: int, out_total: int, out_dropped: int) -> bytes:
+    body = P.EXITED_BODY.pack(0, 0, 0, 0, out_total, 0, out_dropped, 0)
+    return P.frame(P.pack(P.EXITED, sid, body))
+
+
+async def test_an_adopted_session_yields_each_byte_once_by_offset(pair) -> None:
+    # Re-attach after a dropped connection: the agent counted as dropped what the old
+    # connection missed (and sends TAIL), but the replay gave it back; live output sent before
+    # REPLAY_END is covered by the replay. Every byte is yielded exactly once, in order.
+    ch, peer = pair
+    sess = ch.adopt(4242, collect=False)
+    msg, _, sid, payload = P.unpack(await peer.read_frame())
+    assert (msg, sid, P.OFFSETS.unpack(payload)) == (P.REPLAY, 4242, (0, 0))
+    await peer.write(
+        P.frame(P.pack(P.STDOUT, sid, b"cd"))  # live, sent before the agent read REPLAY
+        + P.frame(P.pack(P.REPLAY_OUT, sid, P.U64.pack(0) + b"abcd"))
+        + P.frame(P.pack(P.REPLAY_END, sid, P.OFFSETS.pack(4, 0)))
+        + P.frame(P.pack(P.STDOUT, sid, b"ef"))
+        + P.frame(P.pack(P.TAIL_STDOUT, sid, b"abcdef"))
+        + exited_totals(sid, 6, 4))
+    out = [e async for e in sess.events()]
+    assert [k for k, _ in out] == ["replay_stdout", "stdout", "exited"]
+    assert b"".join(v for k, v in out[:-1]) == b"abcdef"
+    assert sess.start_offsets == [0, 0]
+
+
+async def test_a_session_that_missed_bytes_gets_the_tail(pair) -> None:
+    ch, peer = pair
+    sess, sid = await start(ch, peer)
+    await peer.write(P.frame(P.pack(P.STDOUT, sid, b"ab"))
+                     + P.frame(P.pack(P.TAIL_STDOUT, sid, b"xy"))
+                     + P.frame(P.pack(P.TAIL_STDOUT, sid, b"z"))
+                     + exited_totals(sid, 10, 8))
+    out = [e async for e in sess.events()]
+    assert [(k, v) for k, v in out[:-1]] == [("stdout", b"ab"), ("tail_stdout", b"xyz")]
+    assert out[-1][0] == "exited" and out[-1][1].stdout_dropped == 8

@@ -34,7 +34,9 @@ from rollbox.agent import protocol as P
 from rollbox.errors import AgentProtocolError, BadRequest, InfraError, RollboxError, SandboxDead
 
 # "stdout" | "stderr" | "replay_stdout" | "replay_stderr" (an adopted session's retained
-# output, from ``start_offsets``) | "tail_stdout" | "tail_stderr" | "exited"
+# output, from ``start_offsets``) | "tail_stdout" | "tail_stderr" (just before "exited", the
+# last bytes of the stream ending at the exit's total, may overlap what was yielded; only when
+# this Session missed bytes) | "exited"
 EventKind = str
 Event = tuple[EventKind, Any]  # (kind, bytes) or ("exited", protocol.Exited)
 
@@ -85,6 +87,7 @@ class Session:
         self._replaying = False
         self._replay_seen = [False, False]
         self._held_exit: P.Exited | None = None
+        self._tails: dict[str, bytearray] = {}  # TAIL_* held until EXITED says if needed
         self._queue: asyncio.Queue[Event | RollboxError] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self._started: asyncio.Future[int] = loop.create_future()
@@ -155,7 +158,25 @@ class Session:
                 f"agent sent more {kind} for session {self.id} than allowed "
                 f"({self._allowed[kind]} bytes)", session=self.id)
 
+    def _yielded_end(self, i: int) -> int:
+        """Stream offset just past the last byte of stream ``i`` this Session yielded."""
+        name = "stdout" if i == 0 else "stderr"
+        return self.start_offsets[i] + self._received[name] + self._received["replay_" + name]
+
     def _push(self, item: Event) -> None:
+        if item[0] in ("tail_stdout", "tail_stderr"):
+            # Held: only EXITED's totals tell whether it holds a byte this Session has not
+            # yielded (an agent counts as dropped what an earlier connection missed and a
+            # replay gave back since; the tail is then all duplicate).
+            self._tails.setdefault(item[0], bytearray()).extend(item[1])
+            return
+        if item[0] == "exited":
+            ex: P.Exited = item[1]
+            for i, kind, total in ((0, "tail_stdout", ex.stdout_total),
+                                   (1, "tail_stderr", ex.stderr_total)):
+                tail = self._tails.pop(kind, None)
+                if tail and self._yielded_end(i) < total:
+                    self._queue.put_nowait((kind, bytes(tail)))
         self._queue.put_nowait(item)
         if item[0] == "exited" and not self._exited.done():
             self._exited.set_result(item[1])

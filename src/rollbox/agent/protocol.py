@@ -80,12 +80,14 @@ Agent -> edge
                  stream (its retention ring; never blocks the command) until COLLECT; all
                  rings together are capped at 64 MiB (a ring past it keeps fewer bytes).
   TAIL_STDOUT(38) / TAIL_STDERR(39)  the last bytes of the ring (at most 64 KiB), sent just
-                 before EXITED when bytes were dropped.
+                 before EXITED when bytes were dropped (they end at the stream's total, so
+                 they may overlap what the edge has: the channel compares offsets).
   EXITED(37)     ``<iiBBxxQQQQ`` exit_code (-1 if killed by a signal), signal, timed_out,
                  oom_kills (the OOM killer's kills in the session's cgroup, capped at 255; a
                  guest's agent reads its own session cgroup's memory.events, a container's
                  agent sends 0: the edge reads the cgroup it made), stdout_total,
-                 stderr_total, stdout_dropped, stderr_dropped. Sent when the
+                 stderr_total, stdout_dropped, stderr_dropped (bytes this connection did
+                 not get: not streamed, and after a REPLAY not in it either). Sent when the
                  main process has exited and its pipes are drained (at most ~50 ms after exit;
                  processes it left behind keep running but lose their stdout/stderr).
                  EXITED of sessions that end while no edge is connected are queued (bounded)
