@@ -268,6 +268,56 @@ def run_mounts(run: str) -> list[str]:
     return out
 
 
+RUN_NAME = re.compile(r"rollbox-(?:test-|t)([0-9a-f]{4})")  # cgroup parent, dir, netns, node id
+
+
+def _note(found: dict[str, float], run: str, path: str | Path) -> None:
+    """``run`` has a resource at ``path``: remember its newest change time (0: unknown)."""
+    try:
+        mtime = os.stat(path).st_mtime
+    except OSError:
+        mtime = 0.0
+    found[run] = max(found.get(run, 0.0), mtime)
+
+
+def run_resources() -> dict[str, float]:
+    """Every test run something of which is on this host, by each kind of resource a run
+    makes (a killed run leaves any subset of them): cgroup parents, sandbox mounts, network
+    namespaces (sandboxes' and tests' own, e.g. ``rollbox-t<run>vn<hex>``), QEMU processes (by
+    their cgroup), loop devices and temp dirs (disk pools, disk files, jail dirs). run -> the
+    newest change time among them (the age of a run that has no owner record)."""
+    found: dict[str, float] = {}
+    for h in cgroups.hierarchies():
+        for p in h.glob("rollbox-test-*"):
+            if p.is_dir() and (m := RUN_NAME.fullmatch(p.name)):
+                _note(found, m.group(1), p)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            if m := TEST_SANDBOX_MOUNT.search(mp := line.split()[4]):
+                _note(found, m.group(1), mp)
+    for name in netns.list_rollbox():
+        if m := RUN_NAME.match(name):
+            _note(found, m.group(1), netns.netns_path(name))
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and "qemu" in Path(f"/proc/{pid}/comm").read_text():
+                for m in RUN_NAME.finditer(Path(f"/proc/{pid}/cgroup").read_text()):
+                    _note(found, m.group(1), f"/proc/{pid}")
+        except OSError:
+            continue
+    for block in Path("/sys/block").glob("loop*"):
+        try:
+            backing = (block / "loop" / "backing_file").read_text().strip()
+        except OSError:
+            continue
+        if m := re.search(r"/rollbox-test-([0-9a-f]{4})-", backing):
+            _note(found, m.group(1), backing)
+    for d in Path(tempfile.gettempdir()).glob("rollbox-test-*-*"):
+        if m := RUN_NAME.match(d.name):
+            _note(found, m.group(1), d)
+    return found
+
+
 def sweep_dead_runs() -> list[str]:
     """Remove what test runs killed mid-way (timeout, Ctrl-C twice) left on this host: their
     sandboxes' processes, cgroups, network namespaces and mounts. A run is dead when its pytest
@@ -285,23 +335,16 @@ def sweep_dead_runs() -> list[str]:
                 owners[f.name] = f.read_text()
             except OSError:
                 owners[f.name] = ""
-    runs: set[str] = set(owners)
-    for h in cgroups.hierarchies():
-        runs |= {p.name[len("rollbox-test-"):] for p in h.glob("rollbox-test-*") if p.is_dir()}
-    with open("/proc/self/mountinfo") as f:
-        runs |= {m.group(1) for line in f if (m := TEST_SANDBOX_MOUNT.search(line.split()[4]))}
+    resources = run_resources()
+    runs: set[str] = set(owners) | set(resources)
     dead = []
     for run in sorted(runs):
         if run == TEST_RUN:
             continue
         owner = owners.get(run)
         if owner is None:
-            v2 = cgroups.v2_root() / f"rollbox-test-{run}"
-            try:
-                if time.time() - v2.stat().st_mtime < STALE_UNOWNED_S:
-                    continue
-            except FileNotFoundError:
-                pass
+            if time.time() - resources.get(run, 0.0) < STALE_UNOWNED_S:
+                continue
         elif run_owner_alive(owner):
             continue
         dead.append(run)

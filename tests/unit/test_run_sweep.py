@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +72,50 @@ def test_sweep_spares_a_live_owners_run_and_sweeps_it_after() -> None:
         (RUNS_DIR / run).unlink(missing_ok=True)
         cgroups.kill(parent)
         cgroups.remove_tree(parent)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (netns, loop devices)")
+def test_runs_are_found_by_every_kind_of_resource(tmp_path) -> None:  # noqa: ANN001
+    """A killed run may leave no cgroup parent: a test's own netns (rollbox-t<run>vn<hex>), a
+    temp dir with a disk file, a loop device on it. Each makes the run a sweep candidate; a
+    live owner's run is left alone, a dead owner's is swept."""
+    import tempfile
+
+    from rollbox.isolation import btrfs, netns
+    from tests.conftest import run_resources
+
+    runs = {kind: secrets.token_hex(2) for kind in ("netns", "tmp", "loop")}
+    ns = f"rollbox-t{runs['netns']}vn{secrets.token_hex(4)}"
+    tmps = {kind: Path(tempfile.mkdtemp(prefix=f"rollbox-test-{run}-"))
+            for kind, run in runs.items() if kind != "netns"}
+    disk = tmps["loop"] / "disk.img"
+    disk.write_bytes(b"\0" * (1 << 20))
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    RUNS_DIR.mkdir(exist_ok=True)
+    try:
+        netns.create(ns)
+        with btrfs.loop_attached(disk) as dev:
+            found = run_resources()
+            assert set(runs.values()) <= set(found)
+            disk.unlink()  # the loop device alone names the run now
+            tmps["loop"].rmdir()
+            assert runs["loop"] in run_resources() and dev
+        for run in runs.values():
+            (RUNS_DIR / run).write_text(str(owner.pid))
+        assert not set(runs.values()) & set(sweep_dead_runs())
+        assert netns.netns_path(ns).exists() and tmps["tmp"].is_dir()
+        owner.kill()
+        owner.wait()
+        swept = sweep_dead_runs()
+        assert {runs["netns"], runs["tmp"]} <= set(swept)
+        assert not netns.netns_path(ns).exists() and not tmps["tmp"].exists()
+    finally:
+        owner.kill()
+        owner.wait()
+        for run in runs.values():
+            (RUNS_DIR / run).unlink(missing_ok=True)
+        if netns.netns_path(ns).exists():
+            netns.delete(ns)
+        for d in tmps.values():
+            shutil.rmtree(d, ignore_errors=True)
