@@ -40,6 +40,7 @@
 #include <net/if.h>
 #include <poll.h>
 #include <sys/epoll.h>
+#include <sys/inotify.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
@@ -133,7 +134,7 @@ enum { M_READY = 32, M_STARTED = 33, M_SPAWN_FAILED = 34, M_STDOUT = 35, M_STDER
 #define GUEST_DEVICE_WAIT_MS 20000
 #define BOOT_ERR_MAX 200
 
-enum watch_kind { W_LISTEN, W_CONN, W_SIGNAL, W_OUT, W_ERR, W_IN, W_STATUS };
+enum watch_kind { W_LISTEN, W_CONN, W_SIGNAL, W_OUT, W_ERR, W_IN, W_STATUS, W_PIDS };
 
 struct session;
 struct watch {
@@ -180,6 +181,7 @@ struct qpkt {
 
 static int ep = -1, sig_fd = -1, conn_fd = -1;
 static struct watch w_listen = {W_LISTEN, NULL}, w_signal = {W_SIGNAL, NULL};
+static struct watch w_pids = {W_PIDS, NULL};
 /* Two alternating watches: an event still pending for a replaced connection is recognised. */
 static struct watch w_conns[2] = {{W_CONN, NULL}, {W_CONN, NULL}};
 static struct watch *w_conn = &w_conns[0];
@@ -289,6 +291,7 @@ static void remove_session_cgroup(uint64_t seq);
 static int pool_session_cgroup(uint64_t seq, int cgfd, int oom_total);
 static void boot_fail(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int cgroup_oom_kills(int cgfd);
+static int write_file(const char *path, const char *text);
 static void read_conn(int hangup);
 static void ensure_stdio(void);
 static int handle_packet(const char *pkt, size_t len, int fd);
@@ -1261,6 +1264,83 @@ static void reset_session_cgroup(int fd)
     }
 }
 
+/* Guest mode: the pids limit's refusals, per session cgroup (inotify on its pids.events: the
+ * kernel counts a refused fork in the cgroup of the forking task). A session whose command
+ * has ended and whose leftovers still fork into the sandbox's limit is a fork bomb nobody
+ * waits on: it is killed whole (cgroup.kill), like a command at its deadline. Without this a
+ * bomb under TCG keeps the guest at its limit for minutes after its command exited (a
+ * container's collapses within a second); a running command is left to its deadline. */
+static int pids_fd = -1;
+static struct { int wd; uint64_t seq; } *pids_watches;
+static size_t pids_watch_n, pids_watch_cap;
+
+static void watch_session_pids(uint64_t seq, const char *path)
+{
+    if (pids_fd < 0)
+        return;
+    char file[128];
+    snprintf(file, sizeof file, "%s/pids.events", path);
+    int wd = inotify_add_watch(pids_fd, file, IN_MODIFY);
+    if (wd < 0) {
+        logmsg("watch %s: %s", file, strerror(errno));
+        return;
+    }
+    for (size_t i = 0; i < pids_watch_n; i++)
+        if (pids_watches[i].wd == wd) {
+            pids_watches[i].seq = seq;
+            return;
+        }
+    if (pids_watch_n == pids_watch_cap) {
+        size_t cap = pids_watch_cap ? pids_watch_cap * 2 : 32;
+        void *p = realloc(pids_watches, cap * sizeof *pids_watches);
+        if (!p) {
+            inotify_rm_watch(pids_fd, wd);
+            return;
+        }
+        pids_watches = p;
+        pids_watch_cap = cap;
+    }
+    pids_watches[pids_watch_n].wd = wd;
+    pids_watches[pids_watch_n].seq = seq;
+    pids_watch_n++;
+}
+
+static void kill_leftover_bomb(uint64_t seq)
+{
+    for (struct session *s = sessions; s; s = s->next)
+        if (s->cg_seq == seq && !s->reaped && s->state != S_FAILED)
+            return; /* its command still runs: its deadline (or the caller) ends it */
+    char path[128];
+    session_cgroup_path(seq, path, sizeof path);
+    strcat(path, "/cgroup.kill");
+    if (write_file(path, "1") < 0 && errno != ENOENT)
+        logmsg("%s: %s", path, strerror(errno));
+    else
+        logmsg("session cgroup s%llu: leftovers hit the pids limit after their command "
+               "ended: killed", (unsigned long long)seq);
+}
+
+static void pids_events(void)
+{
+    char buf[4096] __attribute__((aligned(__alignof__(struct inotify_event))));
+    ssize_t n;
+    while ((n = read(pids_fd, buf, sizeof buf)) > 0) {
+        for (char *p = buf; p < buf + n;) {
+            struct inotify_event *ev = (struct inotify_event *)p;
+            p += sizeof *ev + ev->len;
+            for (size_t i = 0; i < pids_watch_n; i++) {
+                if (pids_watches[i].wd != ev->wd)
+                    continue;
+                if (ev->mask & IN_IGNORED) /* the cgroup was removed */
+                    pids_watches[i] = pids_watches[--pids_watch_n];
+                else
+                    kill_leftover_bomb(pids_watches[i].seq);
+                break;
+            }
+        }
+    }
+}
+
 static int make_session_cgroup(uint64_t *seq, int *oom_base)
 {
     char path[96];
@@ -1284,6 +1364,8 @@ static int make_session_cgroup(uint64_t *seq, int *oom_base)
         int err = errno;
         rmdir(path);
         errno = err;
+    } else {
+        watch_session_pids(*seq, path);
     }
     return fd;
 }
@@ -2268,6 +2350,9 @@ static int guest_init(void)
     ensure_stdio();
     if (write_file("/sys/fs/cgroup/cgroup.subtree_control", "+memory +pids +cpu") < 0)
         boot_fail(errno, "enable cgroup controllers");
+    pids_fd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+    if (pids_fd < 0)
+        logmsg("inotify: %s (leftovers of ended commands are not watched)", strerror(errno));
     if (mkdir("/sys/fs/cgroup/rollbox", 0755) < 0 ||
         write_file("/sys/fs/cgroup/rollbox/cgroup.subtree_control", "+memory +pids +cpu") < 0)
         boot_fail(errno, "session cgroup parent");
@@ -2289,6 +2374,14 @@ static int guest_init(void)
     int layers = atoi(val);
     cmdline_value(cmdline, "rollbox.rw", val, sizeof val);
     int rw = strcmp(val, "1") == 0; /* else the upper is a tmpfs */
+    /* The sandbox's pids limit on the parent of every session cgroup (a fork bomb fills it,
+     * not the guest's process table); on the command line, so a template's restored guest
+     * has the limit of its key. */
+    cmdline_value(cmdline, "rollbox.pids", val, sizeof val);
+    if (val[0] && strspn(val, "0123456789") != strlen(val))
+        boot_fail(EINVAL, "rollbox.pids=%s", val);
+    else if (val[0] && write_file("/sys/fs/cgroup/rollbox/pids.max", val) < 0)
+        boot_fail(errno, "rollbox.pids=%s", val);
     if (layers < 1 || layers > 64) {
         boot_fail(EINVAL, "rollbox.layers=%d (1 to 64)", layers);
         layers = 0;
@@ -2505,6 +2598,8 @@ int main(int argc, char **argv)
         } else {
             logmsg("no agent port: commands can not reach this guest");
         }
+        if (pids_fd >= 0)
+            ep_add(pids_fd, EPOLLIN, &w_pids);
     } else {
         int fl = fcntl(LISTEN_FD, F_GETFD);
         if (fl < 0) {
@@ -2572,6 +2667,9 @@ int main(int argc, char **argv)
                 break;
             case W_STATUS:
                 resolve_spawn(w->s);
+                break;
+            case W_PIDS:
+                pids_events();
                 break;
             }
         }

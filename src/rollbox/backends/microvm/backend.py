@@ -327,7 +327,7 @@ class MicroVMBackend:
             tsc_khz=qemu.host_tsc_khz(), tb_size_mib=self.settings.vm_tb_size_mib,
             nic=spec.network_rules is not None,
             free_page_reporting=self.settings.vm_free_page_reporting,
-            mem_merge=self.settings.vm_ksm)
+            mem_merge=self.settings.vm_ksm, pids=spec.resources.pids)
 
     def limits_for(self, machine: qemu.MachineSpec, cpus: float) -> Limits:
         tb = machine.tb_size_mib if machine.accel == "tcg" else 0

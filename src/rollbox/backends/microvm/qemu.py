@@ -15,7 +15,8 @@ sandbox id, so two sandboxes of the same image, layers and resources get the *sa
 
 Guest kernel command line (read by the agent as init): ``rollbox.layers=N`` and
 ``rollbox.rw=1`` say which disks exist (the agent finds them by their virtio serial, not by
-probe order); ``tsc_early_khz``/``lpj`` skip the PIT calibration microvm can hang on under
+probe order); ``rollbox.pids=N`` is the sandbox's pids limit, set by the agent on the parent of
+its session cgroups (on the command line, so it is part of a template's key); ``tsc_early_khz``/``lpj`` skip the PIT calibration microvm can hang on under
 TCG; ``quiet`` because every console byte costs an emulated UART write.
 
 Owns the argv and the host facts it needs (TSC kHz, QEMU version); does not start processes
@@ -60,6 +61,7 @@ class MachineSpec:
     nic: bool = False            # a virtio-net NIC on the tap at TAP_FD (network policy)
     free_page_reporting: bool = True  # off only to measure what it saves (bench microvm)
     mem_merge: bool = True       # guest RAM mergeable by the host's KSM (ksm.py)
+    pids: int = 0                # the sandbox's pids limit in the guest (0: none)
     extra_cmdline: tuple[str, ...] = field(default=())
 
 
@@ -68,6 +70,8 @@ def kernel_cmdline(spec: MachineSpec) -> str:
             f"rollbox.layers={spec.layers}"]
     if spec.rw_disk:
         args.append("rollbox.rw=1")
+    if spec.pids > 0:
+        args.append(f"rollbox.pids={spec.pids}")
     if spec.tsc_khz > 0:
         args += [f"tsc_early_khz={spec.tsc_khz}", f"lpj={spec.tsc_khz * 1000 // HZ}"]
     return " ".join(args + list(spec.extra_cmdline))
