@@ -37,7 +37,6 @@ import asyncio
 import contextlib
 import os
 import re
-import secrets
 import shutil
 import sys
 import tempfile
@@ -50,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.container import exec_round_trips, meminfo, report, run_cycles, say  # noqa: E402
 from bench.images import machine_busy_s, proc_cpu_s  # noqa: E402
+from bench.rl import scratch_server_settings  # noqa: E402
 from rollbox.backends.microvm.qemu import HZ as KERNEL_HZ  # noqa: E402
 from rollbox.backends.microvm.qemu import host_tsc_khz  # noqa: E402
 from rollbox.config import Settings  # noqa: E402
@@ -90,14 +90,7 @@ class Server(ServerProcess):
     ``ROLLBOX_*`` variables (the microVM switches this benchmark compares)."""
 
     def __init__(self, root: Path, extra_env: dict[str, str] | None = None) -> None:
-        tag = secrets.token_hex(3)
-        node = Settings()
-        s = Settings.scratch(root)
-        s.run_dir, s.run_tmpfs = Path(f"/run/rollbox-bench-vm-{tag}"), True
-        s.cgroup_parent, s.node_id = f"rollbox-bench-vm-{tag}", f"vm{tag}"
-        s.uid_base = node.uid_base + (node.uid_slots + 64 + 8 * 1024 + 48) * 65536
-        s.uid_slots = 1024
-        super().__init__(s)
+        super().__init__(scratch_server_settings(root, "vm", 48, 1024))
         assert self.env is not None
         self.env.update(extra_env or {})
 

@@ -337,6 +337,21 @@ async def guarded(work: Awaitable[Any], tripped: asyncio.Event) -> tuple[bool, A
 
 # ---- the server -------------------------------------------------------------------------------
 
+def scratch_server_settings(root: Path, name: str, band: int, uid_slots: int) -> Settings:
+    """Settings of a benchmark's scratch server node ``rollbox-bench-<name>-<tag>``: data dir
+    below ``root``, a run tmpfs, its own cgroup parent and node id, and uid band ``band``
+    above the test runs' bands (each benchmark its own), so it never meets the node's own or
+    a test's sandboxes."""
+    tag = secrets.token_hex(3)
+    node = Settings()
+    s = Settings.scratch(root)
+    s.run_dir, s.run_tmpfs = Path(f"/run/rollbox-bench-{name}-{tag}"), True
+    s.cgroup_parent, s.node_id = f"rollbox-bench-{name}-{tag}", f"{name}{tag}"
+    s.uid_base = node.uid_base + (node.uid_slots + 64 + 8 * 1024 + band) * 65536
+    s.uid_slots = uid_slots
+    return s
+
+
 class Server(ServerProcess):
     """``rollbox serve`` in its own process on a scratch node: its own data dir (below
     ``root``), run dir (a tmpfs the backend mounts), cgroup parent, node id and uid range
@@ -345,14 +360,7 @@ class Server(ServerProcess):
     ``mirror_port``. ``kill`` + ``start`` is the restart scenario; ``cpu_s`` spans them."""
 
     def __init__(self, root: Path) -> None:
-        tag = secrets.token_hex(3)
-        node = Settings()
-        s = Settings.scratch(root)
-        s.run_dir, s.run_tmpfs = Path(f"/run/rollbox-bench-rl-{tag}"), True
-        s.cgroup_parent, s.node_id = f"rollbox-bench-rl-{tag}", f"rl{tag}"
-        s.uid_base = node.uid_base + (node.uid_slots + 64 + 8 * 1024 + 16) * 65536
-        s.uid_slots = UID_SLOTS
-        super().__init__(s)
+        super().__init__(scratch_server_settings(root, "rl", 16, UID_SLOTS))
         self.root = root
         self.mirror_port = _free_port()
         self.mirror_url = f"http://127.0.0.1:{self.mirror_port}/simple/"

@@ -21,7 +21,21 @@ from rollbox.backends.container.disk import DiskPool
 from rollbox.backends.microvm.backend import MicroVMBackend
 from rollbox.images.store import ImageStore
 from rollbox.isolation.userns import UidSlots
-from tests.conftest import node_settings
+from rollbox.config import Settings
+from tests.conftest import have_image, node_settings
+
+
+
+def real_guest_marks(*images: str) -> list[pytest.MarkDecorator]:
+    """A test module's marks for booting the real guest (``make guest``) as root with
+    ``images`` built: skipped, with the reason, where one of them is missing."""
+    marks = [pytest.mark.root,
+             pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
+             pytest.mark.skipif(not Settings().vm_initrd.is_file(),
+                                reason="no guest (make guest)")]
+    return marks + [pytest.mark.skipif(not have_image(i), reason=f"{i} not built")
+                    for i in images]
+
 
 KPROBE = Path("/tmp/kprobe/x")
 MODULES = ["drivers/virtio/virtio_ring.ko", "drivers/virtio/virtio.ko",

@@ -4,7 +4,6 @@ agent, deflate on demand after a squeeze, pause/resume by QMP and re-adoption by
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import pytest
@@ -17,15 +16,11 @@ from rollbox.config import Settings
 from rollbox.images.store import ImageStore
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import Resources
-from tests.conftest import have_image, node_settings
+from tests.conftest import node_settings
+from tests.helpers.vm_guest import real_guest_marks
 
 PY = "python:3.11"
-pytestmark = [
-    pytest.mark.root,
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
-    pytest.mark.skipif(not Settings().vm_initrd.is_file(), reason="no guest (make guest)"),
-    pytest.mark.skipif(not have_image(PY), reason=f"{PY} not built"),
-]
+pytestmark = real_guest_marks(PY)
 PATH = "PATH=/usr/local/bin:/usr/bin:/bin"
 
 

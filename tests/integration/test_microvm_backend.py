@@ -24,6 +24,7 @@ from rollbox.isolation.userns import UidSlots
 from rollbox.models import Resources
 from tests.conftest import have_image, node_settings
 from tests.helpers.vm_guest import guest_or_skip, started_guest_backend
+from tests.redteam import qemu_jail
 
 pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
 
@@ -82,14 +83,6 @@ def spec(layers: tuple[str, ...] = (), **res: int) -> ResolvedSpec:
     return ResolvedSpec(image="test", layers=layers, resources=resources, env={})
 
 
-def proc_status(pid: int) -> dict[str, str]:
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        k, _, v = line.partition(":")
-        out[k] = v.strip()
-    return out
-
-
 async def test_vm_boots_jailed_pauses_and_leaves_nothing(backend: MicroVMBackend) -> None:
     layers: tuple[str, ...] = ()
     if have_image("busybox:test"):
@@ -100,7 +93,7 @@ async def test_vm_boots_jailed_pauses_and_leaves_nothing(backend: MicroVMBackend
         # the guest saw its disks by serial: every layer read-only, then the writable one
         serials = vm.channel.line.split()[1:]
         assert sorted(serials) == sorted([f"layer{i}" for i in range(len(layers))] + ["rw"])
-        st = proc_status(vm.pid)
+        st = qemu_jail.status(vm.pid)
         uid = str(vm.host_uid)
         assert st["Uid"].split() == [uid] * 4 and st["Gid"].split() == [uid] * 4
         assert st["CapEff"] == st["CapPrm"] == st["CapBnd"] == "0" * 16

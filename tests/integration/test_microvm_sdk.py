@@ -3,21 +3,13 @@ microVM (TCG): streamed output, stdin, a timeout enforced in the guest, a backgr
 re-attached by id, guest-reported results, a verified teardown. One VM."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
 import rollbox
-from rollbox.config import Settings
-from tests.conftest import have_image
+from tests.helpers.vm_guest import real_guest_marks
 
 BB = "busybox:test"
-pytestmark = [
-    pytest.mark.root,
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
-    pytest.mark.skipif(not Settings().vm_initrd.is_file(), reason="no guest (make guest)"),
-    pytest.mark.skipif(not have_image(BB), reason=f"{BB} not built"),
-]
+pytestmark = real_guest_marks(BB)
 
 
 @pytest.fixture

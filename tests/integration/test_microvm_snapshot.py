@@ -4,7 +4,6 @@ container boots from, a container's snapshot boots as a VM, and a VM's grade run
 VM of the pristine layers plus only the declared files (the source VM is never trusted)."""
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -12,11 +11,11 @@ import pytest
 
 from rollbox.models import ExecSpec, GradeSpec, Resources, SandboxSpec, SnapshotSpec
 from rollbox.images.build import build_from_directory
-from tests.conftest import have_image, new_name
+from tests.conftest import new_name
+from tests.helpers.vm_guest import real_guest_marks
 
-pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
-              pytest.mark.skipif(not have_image("busybox:test"), reason="no busybox:test")]
 BB = "busybox:test"
+pytestmark = real_guest_marks(BB)
 VM = Resources(cpus=1, memory_mib=256, disk_mib=64)
 
 CHANGES = " && ".join([

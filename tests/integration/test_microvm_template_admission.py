@@ -11,11 +11,9 @@ import pytest
 
 from rollbox.backends.microvm.template import BUILD_PREFIX
 from rollbox.models import Resources, SandboxSpec
-from tests.conftest import have_image
+from tests.helpers.vm_guest import real_guest_marks
 
-pytestmark = [pytest.mark.root,
-              pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
-              pytest.mark.skipif(not have_image("busybox:test"), reason="busybox:test not built")]
+pytestmark = real_guest_marks("busybox:test")
 
 
 @pytest.fixture
