@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.container import exec_round_trips, meminfo, report, run_cycles, say  # noqa: E402
 from bench.images import machine_busy_s, proc_cpu_s  # noqa: E402
 from bench.rl import scratch_server_settings  # noqa: E402
+from rollbox.backends.microvm.qemu import FAST_BOOT_CMDLINE, TCG_CPU  # noqa: E402
 from rollbox.backends.microvm.qemu import HZ as KERNEL_HZ  # noqa: E402
 from rollbox.backends.microvm.qemu import host_tsc_khz  # noqa: E402
 from rollbox.config import Settings  # noqa: E402
@@ -324,8 +325,9 @@ class PlainQemu:
     """One cold boot of the guest by plain QEMU, no rollbox: the same PVH vmlinux, initramfs
     (agent as init), image layers (read-only virtio-blk) and a fresh writable ext4 disk, with
     the best settings known for microvm under TCG (RTC on, ``tsc_early_khz``/``lpj`` so the
-    kernel skips PIT calibration, no option ROMs, no console output). No jail, no seccomp, no
-    balloon, no template: what one would run by hand."""
+    kernel skips PIT calibration, no option ROMs, no console output, the backend's guest CPU
+    model and boot parameters ``qemu.TCG_CPU``, ``qemu.FAST_BOOT_CMDLINE``). No jail, no
+    seccomp, no balloon, no template: what one would run by hand."""
 
     def __init__(self, workdir: Path, layers: list[Path], memory_mib: int, disk_mib: int) -> None:
         s = Settings()
@@ -339,12 +341,12 @@ class PlainQemu:
 
     def argv(self) -> list[str]:
         khz = host_tsc_khz()
-        cmdline = ["quiet", "panic=-1", "reboot=t", "pci=off", f"rollbox.layers={len(self.layers)}",
-                   "rollbox.rw=1"]
+        cmdline = ["quiet", "panic=-1", "reboot=t", "pci=off", *FAST_BOOT_CMDLINE,
+                   f"rollbox.layers={len(self.layers)}", "rollbox.rw=1"]
         if khz:
             cmdline += [f"tsc_early_khz={khz}", f"lpj={khz * 1000 // KERNEL_HZ}"]
         args = ["qemu-system-x86_64", "-M", "microvm,rtc=on,x-option-roms=off,isa-serial=off",
-                "-accel", "tcg,tb-size=64", "-cpu", "max", "-smp", "1",
+                "-accel", "tcg,tb-size=64", "-cpu", TCG_CPU, "-smp", "1",
                 "-m", str(self.memory_mib), "-nodefaults", "-no-user-config", "-nographic",
                 "-no-reboot", "-global", "virtio-mmio.force-legacy=false",
                 "-kernel", str(self.kernel), "-initrd", str(self.initrd),

@@ -81,7 +81,7 @@ def booted(artifacts: GuestArtifacts, workdir: Path, layers: list[Path]) -> Iter
     spec = qemu.MachineSpec(cpus=1, memory_mib=256, layers=len(layers),
                             tsc_khz=qemu.host_tsc_khz())
     argv = ["qemu-system-x86_64", "-M", "microvm,rtc=on,x-option-roms=off", "-accel", "tcg",
-            "-cpu", "max", "-smp", "1", "-m", "256", "-nodefaults", "-no-user-config",
+            "-cpu", qemu.TCG_CPU, "-smp", "1", "-m", "256", "-nodefaults", "-no-user-config",
             "-nographic", "-no-reboot", "-serial", f"file:{console}",
             "-kernel", str(artifacts.kernel), "-initrd", str(artifacts.initramfs),
             "-append", qemu.kernel_cmdline(spec),
@@ -159,6 +159,16 @@ async def test_boot_builds_the_sandbox_root_and_reports_its_steps(ch: AgentChann
     out, ex = await sh(ch, "echo kept > /root/f; cat /root/f; grep ' /rw ' /proc/mounts || "
                            "echo no-rw-in-sandbox")
     assert out.decode().splitlines() == ["kept", "no-rw-in-sandbox"]
+
+
+async def test_guest_cpu_is_x86_64_v2(ch: AgentChannel) -> None:
+    """The backend's TCG CPU model (qemu.TCG_CPU) gives guest userspace x86-64-v2 (wheels
+    and browsers built for it), and is AMD: no page table isolation in the guest kernel."""
+    out, ex = await sh(ch, "grep -m1 '^flags' /proc/cpuinfo; grep -m1 '^vendor_id' /proc/cpuinfo")
+    flags, vendor = out.decode().splitlines()
+    assert ex.exit_code == 0
+    assert {"ssse3", "sse4_1", "sse4_2", "popcnt", "cx16", "lahf_lm"} <= set(flags.split()), flags
+    assert "AuthenticAMD" in vendor and "pti" not in flags.split()
 
 
 async def test_stdin_timeout_and_oom_inside_the_guest(ch: AgentChannel) -> None:

@@ -30,6 +30,10 @@ def test_command_line_has_the_hardening_and_devices() -> None:
     assert "tsc_early_khz=2245780" in cmdline and f"lpj={2_245_780 * 1000 // 250}" in cmdline
     assert "rollbox.layers=1" in cmdline and "rollbox.rw=1" in cmdline
     assert argv[argv.index("-accel") + 1].startswith("tcg,tb-size=")
+    # the guest CPU: x86-64-v2 for the guest's userspace, not `max` (slower boot and exec)
+    cpu = argv[argv.index("-cpu") + 1].split(",")
+    assert cpu[0] == "qemu64" and {"+ssse3", "+sse4.1", "+sse4.2", "+popcnt"} <= set(cpu)
+    assert {"cryptomgr.notests", "noreplace-smp", "init_on_alloc=0"} <= set(cmdline)
     assert "-incoming" not in argv
     assert qemu.argv(qemu.MachineSpec(cpus=1, memory_mib=256, layers=0, incoming=True))[-2:] \
         == ["-incoming", "defer"]

@@ -16,8 +16,11 @@ sandbox id, so two sandboxes of the same image, layers and resources get the *sa
 Guest kernel command line (read by the agent as init): ``rollbox.layers=N`` and
 ``rollbox.rw=1`` say which disks exist (the agent finds them by their virtio serial, not by
 probe order); ``rollbox.pids=N`` is the sandbox's pids limit, set by the agent on the parent of
-its session cgroups (on the command line, so it is part of a template's key); ``tsc_early_khz``/``lpj`` skip the PIT calibration microvm can hang on under
-TCG; ``quiet`` because every console byte costs an emulated UART write.
+its session cgroups (on the command line, so it is part of a template's key);
+``tsc_early_khz``/``lpj`` skip the PIT calibration microvm can hang on under TCG; ``quiet``
+because every console byte costs an emulated UART write; the rest of
+:data:`FAST_BOOT_CMDLINE` cuts boot work that costs much under TCG (measured, see there and
+docs/backends/microvm.md).
 
 Owns the argv and the host facts it needs (TSC kHz, QEMU version); does not start processes
 (``jail.py``) or know sandboxes (``backend.py``).
@@ -41,6 +44,26 @@ KEPT_FDS = 3
 TAP_FD = 6
 GUEST_MAC = "52:54:00:72:62:78"
 HZ = 250  # CONFIG_HZ of Debian's cloud kernel: lpj = kHz * 1000 / HZ
+# The guest CPU under TCG: QEMU's qemu64 (AMD vendor, x86-64 baseline) plus what makes it
+# x86-64-v2 (SSSE3, SSE4.1, SSE4.2, POPCNT; qemu64 has CX16 and LAHF): glibc's
+# hwcaps and Python wheels (numpy) or chromium built for v2 need no more. Not `max`: its many
+# features make the kernel patch more alternatives at boot and glibc pick AVX2/ERMS string
+# code that TCG emulates slowly (measured here, plain QEMU, interleaved: boot CPU 2025 vs
+# 1770 ms, 100 fork+exec in the guest 1469 vs 776 ms). Not an Intel model (Nehalem...):
+# the guest kernel then assumes Meltdown/MDS and turns on page table isolation, a TLB flush
+# per syscall under TCG (100 fork+exec 1720 ms). Both QEMU 7.2 and 10 support every flag.
+TCG_CPU = "qemu64,+ssse3,+sse4.1,+sse4.2,+popcnt"
+# Kernel parameters that cut boot work (each measured under TCG, plain QEMU, interleaved;
+# QEMU CPU to the first exec 2690 -> 2010 ms for the three):
+# - cryptomgr.notests: no self-tests of the crypto algorithms at registration (RSA/DH
+#   modular arithmetic, ~0.3 s of emulated CPU); they check implementations, not inputs;
+# - noreplace-smp: keep the lock prefixes a one-vCPU kernel would rewrite, one `text_poke`
+#   (a page-table switch, i.e. a full TCG TLB flush) per site; a lock prefix costs TCG
+#   nothing with one vCPU;
+# - init_on_alloc=0: no zeroing of every page and slab object the guest kernel allocates
+#   (a hardening of the guest kernel against its own uninitialised-memory leaks; the memory
+#   came zeroed from the host, and the guest's root is not trusted anyway: docs/security.md).
+FAST_BOOT_CMDLINE = ("cryptomgr.notests", "noreplace-smp", "init_on_alloc=0")
 
 
 def layer_path(index: int) -> str:
@@ -67,7 +90,7 @@ class MachineSpec:
 
 def kernel_cmdline(spec: MachineSpec) -> str:
     args = ["console=ttyS0", "quiet", "panic=-1", "reboot=t", "pci=off",
-            f"rollbox.layers={spec.layers}"]
+            *FAST_BOOT_CMDLINE, f"rollbox.layers={spec.layers}"]
     if spec.rw_disk:
         args.append("rollbox.rw=1")
     if spec.pids > 0:
@@ -81,7 +104,7 @@ def argv(spec: MachineSpec, binary: str = "/usr/bin/qemu-system-x86_64") -> list
     if spec.accel == "kvm":
         accel = ["-accel", "kvm", "-cpu", "host"]
     elif spec.accel == "tcg":
-        accel = ["-accel", f"tcg,tb-size={spec.tb_size_mib}", "-cpu", "max"]
+        accel = ["-accel", f"tcg,tb-size={spec.tb_size_mib}", "-cpu", TCG_CPU]
     else:
         raise ValueError(f"unknown accelerator {spec.accel!r}")
     args = [
