@@ -6,7 +6,13 @@ cgroup parent, node id, uid range; the node's images and guest artifacts read-on
 ``IMAGE``, one vCPU per VM. Phases:
 
 1. ``restore``: create -> first ``exec(["true"])`` with templates (the template of the key is
-   built by a warm-up create first, not timed), p50/p99 over ``n`` sequential creates.
+   built by a warm-up create first, not timed), p50/p99 over ``n`` sequential creates, and
+   ``restore_breakdown_p50_ms``: the p50 of each step of the backend's create (the server's
+   ``vm_step_log``: template lookup, disk clone, jail, cgroups, jailer, QMP up, state load,
+   cont, agent connect, make_unique, ...), ``edge_and_api`` (the client's create time minus
+   the backend's), the client's ``create`` and ``first_exec``, and ``second_exec`` (the same
+   command again: first - second is what a fresh QEMU pays to translate the guest's code
+   again under TCG).
 2. ``exec``: ``exec(["true"])`` round trip through the SDK in one live VM, p50/p99; beside it
    the guest-side cost of one fork+exec+wait of ``/bin/true`` (a busybox shell loop timed inside
    the guest with its own clock), which no host-side change can take away.
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -93,7 +100,15 @@ class Server(ServerProcess):
     def __init__(self, root: Path, extra_env: dict[str, str] | None = None) -> None:
         super().__init__(scratch_server_settings(root, "vm", 48, 1024))
         assert self.env is not None
-        self.env.update(extra_env or {})
+        self.step_log = root / "vm-steps.jsonl"  # one line per create (backends/microvm/steps.py)
+        self.env.update({"ROLLBOX_VM_STEP_LOG": str(self.step_log), **(extra_env or {})})
+
+    def step_lines(self) -> list[dict[str, Any]]:
+        try:
+            text = self.step_log.read_text()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
 
     def accel(self) -> tuple[str, str]:
         """The accelerator the server's node picked and why (``rollbox serve`` prints it)."""
@@ -136,22 +151,45 @@ def drop_scratch(root: Path) -> None:
 # ---- rollbox phases --------------------------------------------------------------------------
 
 async def first_exec(client: Any, image: str, n: int) -> dict[str, Any]:
-    """n sequential creates: create -> first exec ``true`` (then delete, not timed)."""
+    """n sequential creates: create -> first exec ``true`` (then a second one and the
+    delete, not timed in the latency); per create the client's ``create``, ``first_exec``
+    and ``second_exec`` ms by sandbox id."""
     lat: list[float] = []
     errors = 0
+    client_ms: dict[str, dict[str, float]] = {}
     for _ in range(n):
         t = time.monotonic()
         sb = await client.create(image, backend=BACKEND, **VM, ttl_s=300)
         try:
+            t1 = time.monotonic()
             r = await sb.exec(["true"])
+            t2 = time.monotonic()
             if r.exit_code == 0:
-                lat.append(time.monotonic() - t)
+                lat.append(t2 - t)
+                await sb.exec(["true"])
+                client_ms[sb.id] = {"create": (t1 - t) * 1000, "first_exec": (t2 - t1) * 1000,
+                                    "second_exec": (time.monotonic() - t2) * 1000}
             else:
                 errors += 1
         finally:
             await sb.delete()
     return {"p50_ms": _pct(lat, 50) * 1000, "p99_ms": _pct(lat, 99) * 1000, "n": n,
-            "errors": errors}
+            "errors": errors, "client_ms": client_ms}
+
+
+def create_breakdown(lines: list[dict[str, Any]], client_ms: dict[str, dict[str, float]],
+                     kind: str) -> dict[str, float]:
+    """p50 per step of the measured creates of ``kind`` (the server's step log joined with
+    the client's times by sandbox id); ``edge_and_api`` = client create - backend total."""
+    per: dict[str, list[float]] = {}
+    for line in lines:
+        mine = client_ms.get(line.get("id", ""))
+        if mine is None or line.get("kind") != kind:
+            continue
+        for step, ms in {**line["steps"], "backend_total": line["total_ms"], **mine,
+                         "edge_and_api": mine["create"] - line["total_ms"]}.items():
+            per.setdefault(step, []).append(ms)
+    return {step: round(_pct(v, 50), 1) for step, v in per.items()}
 
 
 async def exec_rtt(client: Any, image: str, n: int) -> dict[str, float]:
@@ -616,11 +654,14 @@ async def rollbox_phases(srv: Server, quick: bool, res: dict[str, Any]) -> None:
     say(f"accelerator: {res['accel']} ({res['accel_reason']})")
     async with AsyncClient(base_url=srv.url, api_key=srv.key, timeout=300) as client:
         warm = await first_exec(client, IMAGE, 2)  # builds the template of the key
-        say(f"warm-up (template build): {warm}")
+        say(f"warm-up (template build): p50 {warm['p50_ms']:.0f} ms errors {warm['errors']}")
         r = await first_exec(client, IMAGE, 8 if quick else 20)
         res["restore_first_exec_p50_ms"], res["restore_first_exec_p99_ms"] = r["p50_ms"], r["p99_ms"]
         res["restore_errors"] = r["errors"]
         say(f"restore -> first exec p50 {r['p50_ms']:.0f} ms p99 {r['p99_ms']:.0f} ms")
+        res["restore_breakdown_p50_ms"] = create_breakdown(srv.step_lines(), r["client_ms"],
+                                                           "restore")
+        say(f"restore breakdown p50 ms: {res['restore_breakdown_p50_ms']}")
         rtt = await exec_rtt(client, IMAGE, 50 if quick else 300)
         res["exec_p50_ms"], res["exec_p99_ms"] = rtt["p50_ms"], rtt["p99_ms"]
         res["guest_fork_exec_ms"] = rtt["guest_fork_exec_ms"]
@@ -650,6 +691,7 @@ async def cold_phases(srv: Server, quick: bool, res: dict[str, Any]) -> None:
         r = await first_exec(client, IMAGE, 3 if quick else 8)
         res["cold_first_exec_p50_ms"], res["cold_first_exec_p99_ms"] = r["p50_ms"], r["p99_ms"]
         res["cold_errors"] = r["errors"]
+        res["cold_breakdown_p50_ms"] = create_breakdown(srv.step_lines(), r["client_ms"], "cold")
         say(f"cold boot -> first exec p50 {r['p50_ms']:.0f} ms p99 {r['p99_ms']:.0f} ms")
 
 

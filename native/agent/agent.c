@@ -1768,10 +1768,23 @@ static int handle_machine_id(uint32_t id, const char *p, size_t plen)
     char line[33];
     memcpy(line, p, 32);
     line[32] = '\n';
+    /* A regular file of one link (a template's, written at its build): rewritten in place,
+     * ~10x cheaper under TCG than a create and rename in the overlay (restore path). */
+    int fd = openat(etc, "machine-id", O_WRONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    struct stat st;
+    if (fd >= 0 && fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_nlink == 1 &&
+        pwrite(fd, line, sizeof line, 0) == (ssize_t)sizeof line &&
+        ftruncate(fd, sizeof line) == 0) {
+        close(fd);
+        close(etc);
+        return send_result(id, 0, "write /etc/machine-id");
+    }
+    if (fd >= 0)
+        close(fd);
     unlinkat(etc, "machine-id.rollbox", 0);
     int err = 0;
-    int fd = openat(etc, "machine-id.rollbox", O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW |
-                    O_CLOEXEC, 0444);
+    fd = openat(etc, "machine-id.rollbox", O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW |
+                O_CLOEXEC, 0444);
     if (fd < 0 || write(fd, line, sizeof line) != (ssize_t)sizeof line ||
         renameat(etc, "machine-id.rollbox", etc, "machine-id") < 0)
         err = errno;

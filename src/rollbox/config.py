@@ -133,6 +133,16 @@ class Settings:
         default_factory=lambda: _env_int("ROLLBOX_VM_TEMPLATE_MAX_BYTES", 8 << 30))
     vm_template_retry_s: float = field(
         default_factory=lambda: _env_float("ROLLBOX_VM_TEMPLATE_RETRY_S", 60.0))
+    # A template's RAM as a file its restored VMs map copy-on-write (one copy of what they
+    # have not written, backends/microvm/qemu.py), where QEMU can map it read-only (>= 8.2);
+    # off (or an older QEMU): every restore copies the saved RAM into its own memory.
+    vm_template_shared_ram: bool = field(
+        default_factory=lambda: os.environ.get("ROLLBOX_VM_TEMPLATE_SHARED_RAM", "1")
+        not in ("", "0"))
+    # One JSON line per microVM create with its step timings (backends/microvm/steps.py;
+    # `rollbox bench microvm` sets it for its server); unset: none written.
+    vm_step_log: Path | None = field(
+        default_factory=lambda: Path(p) if (p := os.environ.get("ROLLBOX_VM_STEP_LOG")) else None)
     cgroup_parent: str = field(default_factory=lambda: os.environ.get("ROLLBOX_CGROUP", "rollbox"))
     node_id: str = field(default_factory=lambda: os.environ.get("ROLLBOX_NODE", "n0"))
     # First host uid of the sandbox uid ranges; each sandbox slot gets 65536 ids above it.

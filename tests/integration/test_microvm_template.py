@@ -9,10 +9,12 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 from dataclasses import replace
 
 import pytest
 
+from rollbox.backends.microvm import qemu
 from rollbox.backends.microvm import template as T
 from rollbox.backends.microvm.backend import MicroVM
 from rollbox.backends.platform_work import run_shell
@@ -125,6 +127,9 @@ async def test_a_template_that_fails_to_load_is_dropped_and_the_create_boots_col
         assert good_disk != disk_id
         b.disks.pool.clone(good_disk, disk_id)
         meta.update(key=key.to_json(), state_bytes=len(state) // 2, disk_id=disk_id)
+        if meta.get("shared_ram"):  # the RAM file too: the state is what is broken
+            shutil.copyfile(good / T.RAM_NAME, bad / T.RAM_NAME)
+            (bad / T.RAM_NAME).chmod(0o444)
         (bad / T.META_NAME).write_text(json.dumps(meta))
         b.templates.recover()  # the cache now knows the planted one
         assert key.digest in {t.digest for t in b.templates.cache.templates()}
@@ -140,6 +145,55 @@ async def test_a_template_that_fails_to_load_is_dropped_and_the_create_boots_col
         assert b.leftovers(sid) == []
         assert not bad.exists() and disk_id not in b.disks.pool.ids()
         assert template_dirs(settings) == [good_digest]
+
+
+def qemu_ram_mapping(pid: int) -> tuple[str, int, str]:
+    """(perms of QEMU's mapping of the RAM file, the access mode its fd was opened with, the
+    jail mount's options) of a restored VM's QEMU, read from the host's /proc."""
+    maps = [line.split() for line in open(f"/proc/{pid}/maps")]
+    perms = [m[1] for m in maps if len(m) >= 6 and m[5] == qemu.RAM_FILE]
+    fds = [fd for fd in os.listdir(f"/proc/{pid}/fd")
+           if os.readlink(f"/proc/{pid}/fd/{fd}") == qemu.RAM_FILE]
+    assert len(perms) == 1 and len(fds) == 1, (perms, fds)
+    flags = int(open(f"/proc/{pid}/fdinfo/{fds[0]}").read().split("flags:")[1].split()[0], 8)
+    mounts = [line.split() for line in open(f"/proc/{pid}/mountinfo")]
+    opts = [m[5] for m in mounts if m[4] == qemu.RAM_FILE]
+    assert len(opts) == 1, opts
+    return perms[0], flags & os.O_ACCMODE, opts[0]
+
+
+async def test_restored_vms_share_the_templates_ram_read_only_and_copy_on_write(
+        vm_template_node: Settings) -> None:
+    """With a QEMU that maps a read-only file private (>= 8.2) the template's RAM is a file
+    every restore maps copy-on-write: the state holds the devices only, each clone's QEMU
+    has the file through a read-only fd, on a read-only mount, as a private mapping; a clone
+    that writes most of its RAM and frees it leaves the file as it was."""
+    settings = vm_template_node
+    async with vm_backend(settings) as b:
+        assert b.templates is not None
+        (tpl,) = b.templates.cache.templates()
+        if not tpl.shared_ram:
+            assert not b.templates.shared_ram
+            pytest.skip(f"{qemu.version(str(settings.qemu_binary))}: restores copy the RAM "
+                        "(no read-only private file mapping before QEMU 8.2)")
+        assert b.capacity().facts["template_ram"] == "shared"
+        st = os.stat(tpl.ram_path)
+        assert (st.st_uid, st.st_mode & 0o777) == (0, 0o444)
+        assert st.st_size == 256 << 20 and tpl.state_bytes < 4 << 20  # devices only
+        before = T.file_digest(tpl.ram_path)
+        T._file_digests.clear()
+        vm = await b.create(f"{settings.node_id}-ram", template_spec(settings))
+        try:
+            assert vm.machine.ram == qemu.RAM_CLONE
+            perms, mode, mount_opts = qemu_ram_mapping(vm.pid)
+            assert perms == "rw-p"                       # private: writes are the clone's
+            assert mode == os.O_RDONLY                   # the file opened read-only
+            assert mount_opts.split(",")[0] == "ro"      # on a read-only bind in the jail
+            await sh(vm, "dd if=/dev/zero of=/dev/null bs=160M count=1 2>&1; "
+                         "head -c 64M /dev/urandom | md5sum")
+        finally:
+            await b.destroy(vm)
+        assert T.file_digest(tpl.ram_path) == before
 
 
 async def test_every_part_of_the_key_is_read_from_the_create(

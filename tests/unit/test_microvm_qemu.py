@@ -53,3 +53,34 @@ def test_serve_prints_each_backend_and_the_microvm_accelerator() -> None:
                                   "backend microvm: accelerator tcg (probe)"]
     cap["backends"]["microvm"] = {"offered": False, "reason": "no guest"}
     assert backend_lines(cap)[1] == "backend microvm: not offered (no guest)"
+
+
+def test_template_ram_is_a_file_shared_by_the_build_and_private_read_only_in_clones() -> None:
+    base = qemu.MachineSpec(cpus=1, memory_mib=256, layers=1)
+    assert "memory-backend" not in " ".join(qemu.argv(base))  # anonymous RAM by default
+    build = qemu.argv(qemu.MachineSpec(**{**base.__dict__, "ram": qemu.RAM_SHARED}))
+    clone = qemu.argv(qemu.MachineSpec(**{**base.__dict__, "ram": qemu.RAM_CLONE}))
+    for argv in (build, clone):
+        assert argv[argv.index("-M") + 1].endswith(",memory-backend=ram")
+        backend = argv[argv.index("-object") + 1].split(",")
+        assert backend[:4] == ["memory-backend-file", "id=ram", "size=256M",
+                               f"mem-path={qemu.RAM_FILE}"]
+    assert "share=on" in build[build.index("-object") + 1].split(",")
+    # a clone: a private copy-on-write mapping of a file QEMU opens read-only
+    assert clone[clone.index("-object") + 1].split(",")[4:] == [
+        "share=off", "readonly=on", "rom=off"]
+    try:
+        qemu.argv(qemu.MachineSpec(**{**base.__dict__, "ram": "anything"}))
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("an unknown RAM kind was accepted")
+
+
+def test_qemu_versions_that_map_a_read_only_file_private() -> None:
+    assert qemu.version_tuple("QEMU emulator version 10.0.2 (Debian 1:10.0.2+ds-2)") == (10, 0)
+    assert qemu.version_tuple("QEMU emulator version 7.2.19 (Debian 1:7.2+dfsg-7)") == (7, 2)
+    assert qemu.version_tuple("") == (0, 0) and qemu.version_tuple("garbage") == (0, 0)
+    assert (8, 2) <= qemu.version_tuple("QEMU emulator version 8.2.0") == (8, 2)
+    assert qemu.version_tuple("QEMU emulator version 8.1.5") < qemu.PRIVATE_FILE_RAM_SINCE
+    assert not qemu.private_file_ram("/nonexistent/qemu")

@@ -259,3 +259,37 @@ async def test_make_unique_sends_fresh_values_each_time() -> None:
     assert da["hostname"] == "n0-aaaa"
     assert abs(da["clock"] - __import__("time").time_ns()) < 5 * 10**9  # type: ignore[operator]
     assert [c[0] for c in a.calls][0] == "reseed"  # before anything else
+
+
+class SharedRamBuilder(Builder):
+    """A build that leaves a RAM file (a template with shared RAM), sealed as the real one."""
+
+    async def __call__(self, k: T.TemplateKey, staging: Path, disk_id: str) -> T.Built:
+        built = await super().__call__(k, staging, disk_id)
+        ram = staging / T.RAM_NAME
+        ram.write_bytes(b"r" * 4096)
+        if os.geteuid() == 0:
+            os.chown(ram, 0, 0)
+        ram.chmod(0o444)
+        return replace(built, ram_bytes=4096, shared_ram=True)
+
+
+async def test_a_shared_ram_template_counts_its_ram_and_is_dropped_if_it_is_writable(
+        tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("a sealed RAM file is root's")
+    disks = Disks()
+    c = cache(tmp_path, disks)
+    tpl = await c.acquire(key(0), SharedRamBuilder(disks))
+    assert tpl is not None and tpl.shared_ram and tpl.ram_path.is_file()
+    assert tpl.size == 1000 + 500 + 4096
+    c.release(tpl)
+    reloaded = cache(tmp_path, disks)
+    reloaded.load(set(disks.ids))
+    assert [(t.shared_ram, t.ram_bytes) for t in reloaded.templates()] == [(True, 4096)]
+    # a RAM file anyone could write (or cut short) is never mapped into a VM again
+    tpl.ram_path.chmod(0o644)
+    c2 = cache(tmp_path, disks)
+    c2.load(set(disks.ids))
+    assert c2.templates() == []
+    assert not (tmp_path / "tpl" / key(0).digest).exists()

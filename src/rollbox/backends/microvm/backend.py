@@ -47,6 +47,7 @@ from rollbox.backends.container.bundle import normalize_hidden
 from rollbox.backends.microvm.files import capture as vm_capture
 from rollbox.backends.microvm.files import cut_file_ops, mask_hidden, vm_files
 from rollbox.backends.microvm.jail import Bind, Jail, Limits, uid_processes, vcpus
+from rollbox.backends.microvm.steps import Steps
 from rollbox.backends.microvm.template import (
     BUILD_PREFIX, Template, TemplateLoadError, VmTemplates, make_unique,
 )
@@ -288,6 +289,8 @@ class MicroVMBackend:
     def capacity(self) -> BackendCapacity:
         missing = self._missing()
         facts: dict[str, Any] = {"qemu": qemu.version(str(self.settings.qemu_binary))}
+        if self.templates is not None:  # restores share the template's RAM, or copy it
+            facts["template_ram"] = "shared" if self.templates.shared_ram else "copied"
         if self.accel is not None:
             facts.update(accel=self.accel.accel, accel_reason=self.accel.reason)
         facts.update(ksm.status(self.settings.vm_ksm_sysfs, self.settings.vm_ksm).facts())
@@ -380,11 +383,14 @@ class MicroVMBackend:
                        timeout_s: float) -> MicroVM | None:
         """The sandbox restored from its template; None (logged): boot cold instead."""
         assert self.templates is not None
+        steps = Steps()
         tpl = await self.templates.acquire(spec, machine, timeout_s)
+        steps.lap("template_lookup")
         if tpl is None:
             return None
         try:
-            return await self.boot(sandbox_id, spec, machine, timeout_s, template=tpl)
+            return await self.boot(sandbox_id, spec, self.templates.restore_machine(tpl, machine),
+                                   timeout_s, template=tpl, steps=steps)
         except TemplateLoadError as exc:
             self.templates.cache.drop(tpl, str(exc))
             log.warning("microVM %s: template failed to load, booting cold: %s", sandbox_id, exc)
@@ -396,9 +402,13 @@ class MicroVMBackend:
 
     async def boot(self, sandbox_id: str, spec: ResolvedSpec, machine: qemu.MachineSpec,
                    timeout_s: float, template: Template | None = None,
-                   check_boot: bool = True) -> MicroVM:
-        """Boot cold, or restore ``template`` (its disk cloned as saved); everything torn
-        down on failure."""
+                   check_boot: bool = True, steps: Steps | None = None,
+                   ram_file: Path | None = None) -> MicroVM:
+        """Boot cold, or restore ``template`` (its disk cloned as saved, its RAM file mapped
+        read-only when ``machine.ram`` is RAM_CLONE); everything torn down on failure.
+        ``ram_file``: a template build's RAM file (``machine.ram`` RAM_SHARED), given to this
+        VM's uid and QEMU writable. ``steps`` times it (``vm_step_log``)."""
+        steps = steps or Steps()
         slot = self.slots.acquire()
         host_uid = self.slots.host_uid(slot)
         jail = Jail(self.run_root, self.settings.cgroup_parent, sandbox_id)
@@ -412,28 +422,43 @@ class MicroVMBackend:
                 rules = ([] if sandbox_id.startswith(BUILD_PREFIX)
                          else list(spec.network_rules or ()))
                 net, tap_fd = await vmnet.attach(sandbox_id, rules, self.settings)
+                steps.lap("network")
             layer_files = await self.disks.layer_files(list(spec.layers))
+            steps.lap("layers")
             if template is None:
                 rw = await self.disks.create_rw_async(sandbox_id,
                                                       spec.resources.disk_mib << 20, host_uid)
+                steps.lap("disk_mkfs")
             else:
                 rw = await asyncio.to_thread(self.disks.clone_rw, template.disk_id, sandbox_id,
                                              host_uid)
+                steps.lap("disk_clone")
             binds = [Bind(self.settings.vm_kernel, qemu.KERNEL),
                      Bind(self.settings.vm_initrd, qemu.INITRD)]
             binds += [Bind(f, qemu.layer_path(i)) for i, f in enumerate(layer_files)]
             binds.append(Bind(rw, qemu.RW_DISK, writable=True))
+            if machine.ram == qemu.RAM_SHARED:
+                assert ram_file is not None
+                await asyncio.to_thread(os.chown, ram_file, host_uid, host_uid)
+                binds.append(Bind(ram_file, qemu.RAM_FILE, writable=True))
+            elif machine.ram == qemu.RAM_CLONE:
+                assert template is not None and template.shared_ram
+                binds.append(Bind(template.ram_path, qemu.RAM_FILE))  # read-only bind
             vm = await self._launch(sandbox_id, slot, host_uid, jail, machine, binds,
                                     spec.resources.cpus, spec.env, timeout_s, template,
-                                    check_boot, tap_fd=tap_fd)
+                                    check_boot, tap_fd=tap_fd, steps=steps)
             try:
                 if net is not None:
                     vm.network = net
                     await self.configure_guest_network(vm, net.guest)  # after a restore too
+                    steps.lap("guest_network")
                 await mask_hidden(vm, spec.hidden_paths)  # before any command of the sandbox
+                steps.lap("hidden_paths")
             except BaseException:
                 vm.channel.close()
                 raise
+            steps.write(self.settings.vm_step_log, sandbox_id,
+                        "cold" if template is None else "restore")
             return vm
         except BaseException as exc:
             if net is not None:
@@ -466,35 +491,41 @@ class MicroVMBackend:
                       machine: qemu.MachineSpec, binds: list[Bind], cpus: float,
                       env: dict[str, str], boot_timeout_s: float,
                       template: Template | None = None,
-                      check_boot: bool = True, tap_fd: int = -1) -> MicroVM:
+                      check_boot: bool = True, tap_fd: int = -1,
+                      steps: Steps | None = None) -> MicroVM:
         """Start QEMU in its jail (a restore: paused until the template's state is loaded)
         and wait for the agent; the caller tears down on failure. With a NIC, QEMU runs in
         the sandbox's network namespace with the tap at TAP_FD."""
+        steps = steps or Steps()
         devices = ("/dev/kvm",) if machine.accel == "kvm" else ()
         argv = qemu.argv(replace(machine, incoming=template is not None),
                          str(self.settings.qemu_binary))
         sockets = await asyncio.to_thread(jail.prepare)
+        steps.lap("jail_dir")
         ns = netns.netns_path(vmnet.netns_name(sandbox_id)) if machine.nic else None
         try:
             pid = await jail.spawn(self.settings.vm_jailer, argv, host_uid,
                                    self.limits_for(machine, cpus), binds, sockets,
                                    devices=devices, netns=ns,
-                                   extra_fds=(tap_fd,) if machine.nic else ())
+                                   extra_fds=(tap_fd,) if machine.nic else (), steps=steps)
         finally:
             for s in sockets:
                 s.close()  # QEMU holds its own copies
         if template is None:
             channel = await self._wait_agent(jail, pid, boot_timeout_s, check_boot)
+            steps.lap("boot_to_agent")
         else:
             assert self.templates is not None
-            await self.templates.load(template, jail, boot_timeout_s)
+            await self.templates.load(template, jail, boot_timeout_s, steps)
             try:
                 # no BOOT_INFO check: the template's boot passed it before the save
                 channel = await self._wait_agent(jail, pid, boot_timeout_s, check_boot=False)
             except InfraError as exc:
                 raise TemplateLoadError(f"restored guest did not answer: {exc}") from exc
+            steps.lap("agent_connect")
             try:
                 await make_unique(channel, sandbox_id)  # before any command
+                steps.lap("make_unique")
             except BaseException as exc:
                 channel.close()
                 if isinstance(exc, InfraError):
@@ -724,6 +755,8 @@ class MicroVMBackend:
         ``idle_for_s``: only if it is still idle that long (checked under its lock), else None.
         ``squeezed`` is set before QEMU hears of it, so a ``prepare_exec`` that comes in the
         meantime waits and deflates."""
+        if h.machine.ram == qemu.RAM_CLONE:
+            return None  # QEMU can not discard a clone's RAM (template.restore_machine)
         async with h.lock:
             if idle_for_s is not None and (
                     h.squeezed or h.paused or h.channel.busy()

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from rollbox.backends.container.rootfs import remove_flat_dir
 from rollbox.backends.container.runtime import wait_pid
+from rollbox.backends.microvm.steps import Steps
 from rollbox.errors import InfraError
 from rollbox.isolation import cgroups
 from rollbox.isolation.userns import RANGE as UID_RANGE
@@ -250,11 +251,13 @@ class Jail:
     async def spawn(self, jailer: Path, qemu_argv: list[str], host_uid: int, limits: Limits,
                     binds: list[Bind], sockets: list[socket.socket], *,
                     netns: Path | None = None, devices: tuple[str, ...] = (),
-                    extra_fds: tuple[int, ...] = ()) -> int:
+                    extra_fds: tuple[int, ...] = (), steps: Steps | None = None) -> int:
         """Start QEMU in the jail; returns its host pid once it has exec'd. ``extra_fds``
         follow the sockets (a VM's tap at fd 6)."""
         cg_dirs = await asyncio.to_thread(make_cgroups, self.cgroup_parent, self.sandbox_id,
                                           limits)
+        if steps is not None:
+            steps.lap("cgroups")
         args = [str(jailer), "--root", str(self.dir / "root"), "--uid", str(host_uid),
                 "--gid", str(host_uid), "--pidfile", str(self.pid_file),
                 "--keep-fds", str(len(sockets) + len(extra_fds))]
@@ -294,6 +297,8 @@ class Jail:
         qpid = self.read_pid()
         if qpid is None:
             raise InfraError(f"QEMU of {self.sandbox_id} not started: no pid")
+        if steps is not None:
+            steps.lap("jailer_exec")
         return qpid
 
     def log_tail(self, limit: int = 2000) -> str:

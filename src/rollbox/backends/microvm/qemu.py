@@ -11,7 +11,14 @@ sandbox id, so two sandboxes of the same image, layers and resources get the *sa
 - fd 3: the agent's virtio-serial port ``org.rollbox.agent`` (listening unix socket the edge
   bound), fd 4: QMP, fd 5: the serial console (read by the edge during boot only),
 - fd 6 with a network policy only: the tap of the VM's NIC (``net.py``); without one the VM
-  has no network device at all.
+  has no network device at all,
+- ``/vm/ram`` with a template's shared RAM only (``MachineSpec.ram``): the guest's RAM as a
+  file. A template's build VM (:data:`RAM_SHARED`) maps it shared and writable, so the RAM
+  *is* the file when it is saved (with ``x-ignore-shared``: the state file carries the
+  devices only); a VM restored from it (:data:`RAM_CLONE`) maps it private and copy-on-write
+  from a descriptor opened read-only (``readonly=on,rom=off``, QEMU >= 8.2: QEMU 7.2 would
+  open it read-write, which a file shared by sandboxes must never be): the pages a clone
+  never writes stay the host page cache's, one copy for every clone.
 
 Guest kernel command line (read by the agent as init): ``rollbox.layers=N`` and
 ``rollbox.rw=1`` say which disks exist (the agent finds them by their virtio serial, not by
@@ -33,6 +40,11 @@ import subprocess
 from dataclasses import dataclass, field
 
 KERNEL = "/vm/kernel"
+RAM_FILE = "/vm/ram"
+RAM_SHARED = "shared"  # MachineSpec.ram of a template's build VM
+RAM_CLONE = "clone"    # ... of a VM restored from a template with shared RAM
+# memory-backend-file with readonly=on,rom=off (a private mapping of a read-only fd)
+PRIVATE_FILE_RAM_SINCE = (8, 2)
 INITRD = "/vm/initrd"
 RW_DISK = "/vm/rw.img"
 AGENT_PORT = "org.rollbox.agent"
@@ -85,6 +97,7 @@ class MachineSpec:
     free_page_reporting: bool = True  # off only to measure what it saves (bench microvm)
     mem_merge: bool = True       # guest RAM mergeable by the host's KSM (ksm.py)
     pids: int = 0                # the sandbox's pids limit in the guest (0: none)
+    ram: str = ""                # "": anonymous RAM; RAM_SHARED | RAM_CLONE: /vm/ram (above)
     extra_cmdline: tuple[str, ...] = field(default=())
 
 
@@ -107,9 +120,18 @@ def argv(spec: MachineSpec, binary: str = "/usr/bin/qemu-system-x86_64") -> list
         accel = ["-accel", f"tcg,tb-size={spec.tb_size_mib}", "-cpu", TCG_CPU]
     else:
         raise ValueError(f"unknown accelerator {spec.accel!r}")
+    machine = f"microvm,rtc=on,x-option-roms=off,mem-merge={'on' if spec.mem_merge else 'off'}"
+    ram: list[str] = []
+    if spec.ram:
+        if spec.ram not in (RAM_SHARED, RAM_CLONE):
+            raise ValueError(f"unknown RAM kind {spec.ram!r}")
+        backing = ("share=on" if spec.ram == RAM_SHARED
+                   else "share=off,readonly=on,rom=off")
+        ram = ["-object", f"memory-backend-file,id=ram,size={spec.memory_mib}M,"
+               f"mem-path={RAM_FILE},{backing}"]
+        machine += ",memory-backend=ram"
     args = [
-        binary, "-M", "microvm,rtc=on,x-option-roms=off,mem-merge="
-        f"{'on' if spec.mem_merge else 'off'}", *accel,
+        binary, "-M", machine, *accel, *ram,
         "-smp", str(spec.cpus), "-m", str(spec.memory_mib),
         "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
         # modern virtio-mmio: free page reporting is a feature bit above 32
@@ -158,6 +180,22 @@ def host_tsc_khz() -> int:
 def _version(binary: str, mtime_ns: int) -> str:
     out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
     return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout else ""
+
+
+def version_tuple(text: str) -> tuple[int, int]:
+    """(major, minor) of a ``QEMU emulator version X.Y.Z ...`` line; (0, 0) if none."""
+    words = text.split()
+    try:
+        major, minor = words[words.index("version") + 1].split(".")[:2]
+        return int(major), int(minor)
+    except (ValueError, IndexError):
+        return 0, 0
+
+
+def private_file_ram(binary: str) -> bool:
+    """Whether this QEMU maps a read-only file private and copy-on-write as guest RAM
+    (``memory-backend-file,readonly=on,rom=off``): a template's RAM can then be shared."""
+    return version_tuple(version(binary)) >= PRIVATE_FILE_RAM_SINCE
 
 
 def version(binary: str) -> str:

@@ -167,6 +167,12 @@ class QMP:
     async def migrate_incoming(self, uri: str) -> None:
         await self.execute("migrate-incoming", {"uri": uri})
 
+    async def ignore_shared_ram(self) -> None:
+        """Migrations leave out RAM that is a shared named file (a template's RAM file: the
+        stream carries the devices; both the save and the restore set it)."""
+        await self.execute("migrate-set-capabilities", {"capabilities": [
+            {"capability": "x-ignore-shared", "state": True}]})
+
     async def query_migrate(self) -> dict[str, Any]:
         ret = await self.execute("query-migrate")
         return ret if isinstance(ret, dict) else {}

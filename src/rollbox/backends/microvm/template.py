@@ -12,6 +12,14 @@ saved device state fits any sandbox), passes the saved state by ``getfd`` to
 (:func:`make_unique`: kernel RNG reseeded with host entropy, new machine-id, hostname, clock;
 this guest kernel has no VMGENID driver, so no ``vmgenid`` device is added).
 
+Shared RAM (where QEMU maps a read-only file private, >= 8.2; ``vm_template_shared_ram``):
+the build VM's RAM is the file ``ram`` (``qemu.RAM_SHARED``), saved with ``x-ignore-shared``
+so ``state`` holds the devices only; once its QEMU exited the file is root's, 0444 and
+fsync'd, and restores map it copy-on-write from a read-only fd on a read-only bind
+(``qemu.RAM_CLONE``): the pages no clone wrote are one copy in the host page cache. Such
+templates and their clones have no free-page reporting (QEMU can not discard a read-only
+file's RAM). With an older QEMU a restore copies the saved RAM, as before.
+
 Key (:class:`TemplateKey`): the layer digests, the disk size, the guest artifacts' digest
 (kernel, initramfs: file contents, and ``manifest.json`` when there is one), QEMU's version and
 the exact QEMU argv (vCPUs, memory, accelerator, TSC rate, kernel command line, devices). Any
@@ -53,6 +61,7 @@ from rollbox.agent.protocol import ExecRequest
 from rollbox.backends.base import ResolvedSpec
 from rollbox.backends.microvm import qemu, qmp
 from rollbox.backends.microvm.jail import Jail
+from rollbox.backends.microvm.steps import Steps
 from rollbox.errors import InfraError
 
 if TYPE_CHECKING:
@@ -61,12 +70,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STATE_NAME = "state"
+RAM_NAME = "ram"              # the guest's RAM as saved (templates with shared RAM only)
 META_NAME = "meta.json"
 DISK_PREFIX = "tpl-"          # pool subvolumes of templates (sandbox ids start with the node id)
 BUILD_PREFIX = "tplb-"        # sandbox ids of build VMs (jail dirs, cleaned at start)
 META_VERSION = 1
 MIGRATION_POLL_S = 0.005
 ENTROPY_BYTES = 256
+PLACEHOLDER_MACHINE_ID = "0" * 32  # a template's; every restore writes its own
 
 
 class TemplateLoadError(InfraError):
@@ -165,6 +176,8 @@ class Template:
     disk_bytes: int            # allocated bytes of the disk file when saved
     created: float
     last_used: float
+    ram_bytes: int = 0         # allocated bytes of the RAM file (shared RAM)
+    shared_ram: bool = False   # RAM in ``ram`` (restores map it copy-on-write), not in state
     users: int = 0
     dropped: bool = False
 
@@ -177,15 +190,22 @@ class Template:
         return self.dir / STATE_NAME
 
     @property
+    def ram_path(self) -> Path:
+        return self.dir / RAM_NAME
+
+    @property
     def size(self) -> int:
-        return self.state_bytes + self.disk_bytes
+        return self.state_bytes + self.disk_bytes + self.ram_bytes
 
 
 @dataclass
 class Built:
-    """What a build made in its staging dir (``state`` written there) and the disk's id."""
+    """What a build made in its staging dir (``state``, and ``ram`` with shared RAM, written
+    there) and the disk's id."""
     disk_id: str
     disk_bytes: int
+    ram_bytes: int = 0
+    shared_ram: bool = False
 
 
 # (key, staging dir, disk id to snapshot the saved disk as) -> what was built
@@ -244,10 +264,16 @@ class TemplateCache:
             state_bytes = (d / STATE_NAME).stat().st_size
             if state_bytes != int(meta["state_bytes"]):
                 return None  # truncated after the save
+            shared_ram = bool(meta.get("shared_ram", False))
+            if shared_ram:
+                st = (d / RAM_NAME).stat()
+                if st.st_size != int(meta["ram_size"]) or st.st_uid != 0 or st.st_mode & 0o222:
+                    return None  # cut, or writable by someone: never mapped into a VM
             mtime = (d / META_NAME).stat().st_mtime
             return Template(key=key, dir=d, disk_id=str(meta["disk_id"]),
                             state_bytes=state_bytes, disk_bytes=int(meta["disk_bytes"]),
-                            created=float(meta["created"]), last_used=mtime)
+                            created=float(meta["created"]), last_used=mtime,
+                            ram_bytes=int(meta.get("ram_bytes", 0)), shared_ram=shared_ram)
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -256,9 +282,13 @@ class TemplateCache:
         shutil.rmtree(d, ignore_errors=True)
 
     def _write_meta(self, staging: Path, key: TemplateKey, built: Built) -> None:
-        meta = {"version": META_VERSION, "key": key.to_json(), "disk_id": built.disk_id,
-                "state_bytes": (staging / STATE_NAME).stat().st_size,
-                "disk_bytes": built.disk_bytes, "created": time.time()}
+        meta: dict[str, Any] = {
+            "version": META_VERSION, "key": key.to_json(), "disk_id": built.disk_id,
+            "state_bytes": (staging / STATE_NAME).stat().st_size,
+            "disk_bytes": built.disk_bytes, "created": time.time()}
+        if built.shared_ram:
+            meta.update(shared_ram=True, ram_bytes=built.ram_bytes,
+                        ram_size=(staging / RAM_NAME).stat().st_size)
         tmp = staging / (META_NAME + ".tmp")
         tmp.write_text(json.dumps(meta))
         os.replace(tmp, staging / META_NAME)
@@ -428,9 +458,33 @@ class VmTemplates:
                 disks.remove_rw(disk_id)
         self.cache.load(ids)
 
+    @property
+    def shared_ram(self) -> bool:
+        """Whether new templates keep their RAM in a file restores map copy-on-write."""
+        s = self.backend.settings
+        return s.vm_template_shared_ram and qemu.private_file_ram(str(s.qemu_binary))
+
+    def build_machine(self, machine: qemu.MachineSpec) -> qemu.MachineSpec:
+        """The build VM's machine (its argv is the key's): with shared RAM, RAM in a file and
+        no free-page reporting (see :meth:`restore_machine`)."""
+        if not self.shared_ram:
+            return replace(machine, incoming=False)
+        return replace(machine, incoming=False, ram=qemu.RAM_SHARED, free_page_reporting=False)
+
+    @staticmethod
+    def restore_machine(tpl: Template, machine: qemu.MachineSpec) -> qemu.MachineSpec:
+        """A restored VM's machine: the template's RAM file mapped copy-on-write, if it has
+        one. Such a clone has no free-page reporting: QEMU refuses to discard RAM of a file
+        it opened read-only (it would punch the hole in the shared file), so a report would
+        free nothing (and log an error each time); the balloon device's features must be
+        the saved ones, so the build VM has none either."""
+        if not tpl.shared_ram:
+            return machine
+        return replace(machine, ram=qemu.RAM_CLONE, free_page_reporting=False)
+
     def key_for(self, spec: ResolvedSpec, machine: qemu.MachineSpec) -> TemplateKey:
         s = self.backend.settings
-        argv = qemu.argv(replace(machine, incoming=False), str(s.qemu_binary))
+        argv = qemu.argv(self.build_machine(machine), str(s.qemu_binary))
         return TemplateKey(layers=tuple(spec.layers), disk_mib=spec.resources.disk_mib,
                            guest_digest=guest_digest(s.vm_kernel, s.vm_initrd,
                                                      s.vm_guest_manifest),
@@ -457,12 +511,19 @@ class VmTemplates:
         # masks (each restore masks its own), no allow-list (a NIC denies all until restored).
         bare = replace(spec, hidden_paths=(),
                        network_rules=None if spec.network_rules is None else ())
-        vm = await self.backend.boot(build_id, bare, machine, timeout_s)
+        build = self.build_machine(machine)
+        ram = None
+        if build.ram:
+            ram = staging / RAM_NAME
+            await asyncio.to_thread(self._new_ram_file, ram, build.memory_mib << 20)
+        vm = await self.backend.boot(build_id, bare, build, timeout_s, ram_file=ram)
         try:
             await self._warm(vm, timeout_s)
             state = staging / STATE_NAME
             async with qmp.session(vm.qmp_path, timeout_s) as q:
                 await q.stop()  # flushes the block layer: the disk file is as saved
+                if ram is not None:  # the RAM is the file: the state holds the devices
+                    await q.ignore_shared_ram()
                 fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
                 try:
                     await q.getfd(fd, "template")
@@ -473,14 +534,42 @@ class VmTemplates:
             disk_bytes = await asyncio.to_thread(self._keep_disk, build_id, disk_id)
         finally:
             await self.backend.destroy(vm)
-        return Built(disk_id=disk_id, disk_bytes=disk_bytes)
+        if ram is None:
+            return Built(disk_id=disk_id, disk_bytes=disk_bytes)
+        # QEMU (the only writer) is gone: the file is sealed, root's and read-only
+        ram_bytes = await asyncio.to_thread(self._seal_ram_file, ram)
+        return Built(disk_id=disk_id, disk_bytes=disk_bytes, ram_bytes=ram_bytes,
+                     shared_ram=True)
+
+    @staticmethod
+    def _new_ram_file(path: Path, size: int) -> None:
+        """The build VM's RAM file: sparse, ``size`` bytes (its owner is set by the boot)."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _seal_ram_file(path: Path) -> int:
+        """Once the build VM's QEMU has exited: the RAM file root-owned, mode 0444, on disk
+        (fsync'd before the meta says the template exists); returns its allocated bytes."""
+        os.chown(path, 0, 0)
+        os.chmod(path, 0o444)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+            return os.fstat(fd).st_blocks * 512
+        finally:
+            os.close(fd)
 
     @staticmethod
     async def _warm(vm: MicroVM, timeout_s: float) -> None:
         """One platform command through the agent before the save (the platform's busybox
         ``true``, in a session of its own, exited before the save: no process is left): the
         guest's first fork/exec/session-cgroup paths and the pages they read are then in the
-        saved memory, so a restored VM's first command does not read them from disk."""
+        saved memory, so a restored VM's first command does not read them from disk. Then a
+        placeholder machine-id, so a restore's own is a rewrite in place (no copy-up)."""
         session = await vm.channel.exec(ExecRequest(argv=["true"], env=[], platform_tool=True,
                                                     timeout_ms=int(timeout_s * 1000)), None)
         code = None
@@ -489,6 +578,9 @@ class VmTemplates:
                 code = payload.exit_code
         if code != 0:
             raise InfraError(f"warm-up command of the template exited {code}")
+        # A placeholder machine-id: /etc is copied up into the overlay's upper and the file
+        # exists on the disk as saved, so a restore rewrites it in place (make_unique)
+        await vm.channel.set_machine_id(PLACEHOLDER_MACHINE_ID)
 
     def _keep_disk(self, build_id: str, disk_id: str) -> int:
         """Snapshot the stopped build VM's disk subvolume as the template's (root-owned:
@@ -499,7 +591,8 @@ class VmTemplates:
         os.chown(path, 0, 0)
         return os.stat(path).st_blocks * 512
 
-    async def load(self, tpl: Template, jail: Jail, timeout_s: float) -> None:
+    async def load(self, tpl: Template, jail: Jail, timeout_s: float,
+                   steps: Steps | None = None) -> None:
         """Restore step of a QEMU started with ``-incoming defer``: the saved state through an
         fd, then run. TemplateLoadError if QEMU refuses or dies (it exits on a bad stream)."""
         try:
@@ -507,7 +600,11 @@ class VmTemplates:
         except OSError as exc:
             raise TemplateLoadError(f"template state unreadable: {exc}") from exc
         try:
+            steps = steps or Steps()
             async with qmp.session(jail.socket_path("qmp"), timeout_s) as q:
+                steps.lap("qmp_connect")
+                if tpl.shared_ram:
+                    await q.ignore_shared_ram()
                 try:
                     await q.getfd(fd, "template")
                 finally:
@@ -515,8 +612,10 @@ class VmTemplates:
                     fd = -1
                 await q.migrate_incoming("fd:template")
                 await wait_migration(q, timeout_s)
+                steps.lap("state_load")
                 if await q.status() != "running":
                     await q.cont()
+                steps.lap("cont")
         except (InfraError, OSError, asyncio.TimeoutError) as exc:  # QEMU exited: reset
             raise TemplateLoadError(f"template {tpl.digest[:12]} not loaded: {exc!r}") from exc
         finally:
