@@ -52,6 +52,8 @@
 #include <sys/uio.h>
 #include <sys/time.h>
 #include <sys/wait.h>
+#include <sys/xattr.h>
+#include <limits.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -78,7 +80,8 @@ enum { M_READY = 32, M_STARTED = 33, M_SPAWN_FAILED = 34, M_STDOUT = 35, M_STDER
 #define EXEC_STDIN 1u
 #define EXEC_CGROUP 2u
 #define EXEC_PLATFORM_SHELL 4u /* argv runs under the platform shell (exec'd from its fd) */
-#define EXEC_PLATFORM_TOOL 8u  /* argv[0] names a busybox applet of the platform's busybox */
+#define EXEC_PLATFORM_TOOL 8u  /* argv[0] names a busybox applet of the platform's busybox, or
+                                  * XATTR_TOOL (built into the agent) */
 /* With EXEC_PLATFORM_TOOL in guest mode: run in the sandbox's own root (where its commands run:
  * the host masks hidden paths there), not the tools' view. */
 #define EXEC_TOOL_IN_SANDBOX 16u
@@ -1106,6 +1109,112 @@ static void abandon_spawn(uint32_t id, const char *step, int err, const int *fds
     spawn_failed(id, err, msg);
 }
 
+/* EXEC_PLATFORM_TOOL builtin (no busybox applet lists xattrs; busybox tar carries none):
+ * `rollbox-xattrs DIR` writes the user.* extended attributes of everything below DIR (DIR
+ * included, symlinks never followed, special files have none) to stdout, one record each:
+ * "XA", u16 path length, u16 name length, u32 value length (little endian), then the path
+ * relative to DIR ("" for DIR), the name and the value. The host parses it as hostile. */
+#define XATTR_TOOL "rollbox-xattrs"
+#define XATTR_TOOL_DEPTH 256
+
+static int write_all(int fd, const void *buf, size_t n)
+{
+    const char *p = buf;
+    while (n) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            return -1;
+        }
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+static int xattr_records(int fd, const char *path, size_t plen, char *names, char *value)
+{
+    ssize_t n = flistxattr(fd, names, XATTR_LIST_MAX);
+    for (char *name = names; n > 0 && name < names + n; name += strlen(name) + 1) {
+        if (strncmp(name, "user.", 5) != 0)
+            continue;
+        ssize_t v = fgetxattr(fd, name, value, XATTR_SIZE_MAX);
+        if (v < 0)
+            continue; /* removed meanwhile, or grew: the sandbox runs on */
+        size_t nl = strlen(name);
+        unsigned char hdr[10] = {'X', 'A', plen & 0xff, plen >> 8, nl & 0xff, nl >> 8,
+                                 v & 0xff, (v >> 8) & 0xff, (v >> 16) & 0xff, (v >> 24) & 0xff};
+        if (write_all(1, hdr, sizeof hdr) < 0 || write_all(1, path, plen) < 0 ||
+            write_all(1, name, nl) < 0 || write_all(1, value, (size_t)v) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* `dfd` (closed here) is the directory at `path` (plen bytes, in a PATH_MAX buffer). */
+static int xattr_walk(int dfd, char *path, size_t plen, int depth, char *names, char *value)
+{
+    if (xattr_records(dfd, path, plen, names, value) < 0) {
+        close(dfd);
+        return -1;
+    }
+    DIR *d = fdopendir(dfd);
+    if (!d) {
+        close(dfd);
+        return 0;
+    }
+    int rc = 0;
+    struct dirent *e;
+    while (rc == 0 && (e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+            continue;
+        size_t nl = strlen(e->d_name);
+        if (plen + 1 + nl >= PATH_MAX)
+            continue; /* longer than the host takes anyway */
+        struct stat st;
+        if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0 ||
+            !(S_ISREG(st.st_mode) || S_ISDIR(st.st_mode)))
+            continue;
+        if (S_ISDIR(st.st_mode) && depth >= XATTR_TOOL_DEPTH)
+            continue;
+        int fd = openat(dirfd(d), e->d_name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC |
+                        (S_ISDIR(st.st_mode) ? O_DIRECTORY : 0));
+        if (fd < 0)
+            continue;
+        size_t cl = plen;
+        if (plen)
+            path[cl++] = '/';
+        memcpy(path + cl, e->d_name, nl);
+        cl += nl;
+        if (S_ISDIR(st.st_mode)) {
+            rc = xattr_walk(fd, path, cl, depth + 1, names, value);
+        } else {
+            rc = xattr_records(fd, path, cl, names, value);
+            close(fd);
+        }
+        path[plen] = 0;
+    }
+    closedir(d);
+    return rc;
+}
+
+static int xattr_tool(const char *dir)
+{
+    static char path[PATH_MAX];
+    char *names = malloc(XATTR_LIST_MAX), *value = malloc(XATTR_SIZE_MAX);
+    int fd = dir ? open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC) : -1;
+    if (!names || !value || fd < 0) {
+        fprintf(stderr, XATTR_TOOL ": can't open '%s': %s\n", dir ? dir : "", strerror(errno));
+        return 1;
+    }
+    if (xattr_walk(fd, path, 0, 0, names, value) < 0) {
+        fprintf(stderr, XATTR_TOOL ": write error: %s\n", strerror(errno));
+        return 1;
+    }
+    return 0;
+}
+
 /* Runs in the forked child: never returns. */
 static void child_exec(int status_wr, int in_rd, int out_wr, int err_wr, int cgfd, uid_t uid,
                        gid_t gid, const char *cwd, char **argv, char **envp, uint32_t flags)
@@ -1195,6 +1304,12 @@ static void child_exec(int status_wr, int in_rd, int out_wr, int err_wr, int cgf
     if (ruleset >= 0 && syscall(SYS_landlock_restrict_self, ruleset, 0) < 0) {
         report[0] = ST_LANDLOCK;
         goto fail;
+    }
+    if ((flags & EXEC_PLATFORM_TOOL) && !strcmp(argv[0], XATTR_TOOL)) {
+        /* Started, as an exec would say (the status pipe closes); none of the agent's own
+         * fds stays open in the walker. */
+        syscall(SYS_close_range, 3u, ~0u, 0u);
+        _exit(xattr_tool(argv[1]));
     }
     if (flags & (EXEC_PLATFORM_SHELL | EXEC_PLATFORM_TOOL)) {
         /* By descriptor: no path of the sandbox is looked up, so nothing it renamed or

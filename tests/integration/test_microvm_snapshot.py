@@ -1,9 +1,12 @@
 """Snapshots and grading of microVMs through the edge: a VM's writable layer (its upper,
 streamed out by the guest's busybox tar and parsed as hostile) becomes a layer that a
 container boots from, a container's snapshot boots as a VM, and a VM's grade runs in a fresh
-VM of the pristine layers plus only the declared files (the source VM is never trusted)."""
+VM of the pristine layers plus only the declared files (the source VM is never trusted).
+User xattrs survive a VM's snapshot as a container's (busybox tar carries none: the agent's
+rollbox-xattrs records do)."""
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -52,10 +55,16 @@ async def sh(edge, sid: str, cmd: str) -> str:  # noqa: ANN001
     return res.stdout
 
 
+TAGGED = "work/tagged.txt"  # a file of the lower layer with a user xattr
+
+
 def repo_layer(edge, names: list[str], tmp: Path) -> str:  # noqa: ANN001
-    """A layer with a git repository at /work/repo whose history goes past its HEAD."""
+    """A layer with a git repository at /work/repo whose history goes past its HEAD, and
+    TAGGED with the user xattr user.rollbox.test=kept."""
     repo = tmp / "ws/work/repo"
     repo.mkdir(parents=True)
+    (tmp / "ws" / TAGGED).write_text("tagged\n")
+    os.setxattr(tmp / "ws" / TAGGED, "user.rollbox.test", b"kept")
     git = ["git", "-C", str(repo), "-c", "user.email=a@x", "-c", "user.name=a"]
     for cmd in (["init", "-q", "-b", "main"], ["commit", "-q", "--allow-empty", "-m", "task"],
                 ["commit", "-q", "--allow-empty", "-m", "the-answer"],
@@ -72,6 +81,8 @@ async def test_vm_snapshot_boots_as_container_and_grades_in_a_fresh_vm(  # noqa:
     src = await edge.create(SandboxSpec(image=BB, layers=[repo], backend="microvm",
                                         resources=VM), "p")
     await sh(edge, src.id, CHANGES)
+    # a file of the layer changed: copied up with its xattr, which the snapshot keeps
+    await sh(edge, src.id, f"echo more >> /{TAGGED}")
     # touches a repository of a lower layer: completed from the merged view, then scrubbed
     await sh(edge, src.id, "echo touched > /work/repo/.git/description")
     name = new_name(names)
@@ -79,6 +90,9 @@ async def test_vm_snapshot_boots_as_container_and_grades_in_a_fresh_vm(  # noqa:
                               "p")
     assert res.whiteouts >= 1 and res.scrubbed >= 1 and res.layers[-1] == res.layer
     assert res.git_repos_scrubbed == ["/work/repo"]
+    tagged = edge.layer_mounts.ensure_mounted(res.layer) / TAGGED
+    assert tagged.read_text() == "tagged\nmore\n"
+    assert os.getxattr(tagged, "user.rollbox.test") == b"kept"
     copy = await edge.create(SandboxSpec(image=name), "p")  # a container
     assert copy.backend == "container"
     await sh(edge, copy.id, EXPECTED)

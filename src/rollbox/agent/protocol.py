@@ -189,7 +189,8 @@ class ExecRequest:
     stream_limit: int = 8 << 20
     tail_limit: int = 64 << 10
     platform_shell: bool = False  # argv runs under the platform shell (EXEC_PLATFORM_SHELL)
-    platform_tool: bool = False  # argv[0] is a platform busybox applet (EXEC_PLATFORM_TOOL)
+    platform_tool: bool = False  # argv[0] is a platform busybox applet, or the agent's own
+    # rollbox-xattrs (EXEC_PLATFORM_TOOL)
     tool_in_sandbox: bool = False  # ...run in the sandbox root (EXEC_TOOL_IN_SANDBOX)
 
     def encode(self, session: int, with_cgroup: bool) -> bytes:

@@ -2,7 +2,8 @@
 the guest's disk). The platform's busybox tar streams the overlay upper out of the sandbox;
 :mod:`rollbox.images.snapshot_tar` parses it as hostile into the staging tree the layer
 builder takes (the same tree a container's capture makes); opaque markers, which tar does not
-carry, are inferred from the sandbox's merged view; repositories of lower layers that the
+carry, are inferred from the sandbox's merged view; user.* extended attributes, which busybox
+tar does not carry either, come from the agent's ``rollbox-xattrs`` tool; repositories of lower layers that the
 changes touch are completed from the merged view (so their history can be scrubbed), as
 :func:`rollbox.images.snapshot.complete_repos` does for containers.
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 from rollbox import errors
@@ -24,12 +25,27 @@ from rollbox.backends.base import CaptureOptions, CaptureResult
 from rollbox.hostfs import _pulled
 from rollbox.images.build import set_opaque
 from rollbox.images.snapshot import CaptureStats
-from rollbox.images.snapshot_tar import UpperTree, capture_tar, opaque_dirs
+from rollbox.images.snapshot_tar import UpperTree, apply_xattrs, capture_tar, opaque_dirs
 
 # Bytes of tar framing allowed per entry beyond the content cap (headers, long names, padding).
 _FRAMING_PER_ENTRY = 4096
 
 UpperSource = Callable[[int], AsyncIterator[bytes]]  # raw tar of the upper, capped at n bytes
+XattrSource = Callable[[], Awaitable[bytes]]  # the upper's rollbox-xattrs records
+XATTR_TOOL = "rollbox-xattrs"  # agent.c: a platform tool built into the agent
+XATTR_STREAM_MAX = 64 << 20
+
+
+async def xattr_records(files: AgentFiles, directory: str) -> bytes:
+    """The user.* extended attributes below ``directory`` (a path the platform tools see) as
+    the agent's records (raw: parse them as hostile, :func:`apply_xattrs`)."""
+    res = await files.tools.run([XATTR_TOOL, directory], max_stdout=XATTR_STREAM_MAX,
+                                overflow=lambda: errors.PayloadTooLarge(
+                                    f"the sandbox's extended attributes exceed "
+                                    f"{XATTR_STREAM_MAX} bytes", limit=XATTR_STREAM_MAX))
+    if not res.ok:
+        raise tool_error(res, directory, XATTR_TOOL)
+    return res.stdout
 
 
 def tar_stream(files: AgentFiles, directory: str, cap: int) -> AsyncIterator[bytes]:
@@ -63,15 +79,16 @@ def _in_root(rel: str) -> str:
 
 
 async def capture_writable(files: AgentFiles, upper: UpperSource, dest: Path,
-                           opts: CaptureOptions) -> CaptureResult:
+                           opts: CaptureOptions, xattrs: XattrSource | None = None
+                           ) -> CaptureResult:
     """Copy the sandbox's writable layer into the new host dir ``dest`` as an overlay upper
     (whiteouts, opaque directories), parsed as hostile and capped by ``opts``. ``upper(cap)``
-    streams the tar of the upper made in the sandbox. The sandbox is not frozen (its own
+    streams the tar of the upper made in the sandbox, ``xattrs()`` its user.* attributes. The sandbox is not frozen (its own
     kernel runs it): a change during the copy changes what is copied, never where the host
     writes."""
     t0 = time.monotonic()
     try:
-        return await _capture_writable(files, upper, dest, opts, t0)
+        return await _capture_writable(files, upper, dest, opts, t0, xattrs)
     except OSError as exc:  # the staging dir's path is the host's, not the caller's
         from rollbox.edge.storage import without_paths
 
@@ -79,7 +96,8 @@ async def capture_writable(files: AgentFiles, upper: UpperSource, dest: Path,
 
 
 async def _capture_writable(files: AgentFiles, upper: UpperSource, dest: Path,
-                            opts: CaptureOptions, t0: float) -> CaptureResult:
+                            opts: CaptureOptions, t0: float,
+                            xattrs: XattrSource | None) -> CaptureResult:
     stats, tree = await _capture(upper(_raw_cap(opts.max_bytes, opts.max_entries)), dest,
                                  scrub=opts.scrub, exclude=opts.exclude,
                                  max_bytes=opts.max_bytes, max_entries=opts.max_entries)
@@ -93,6 +111,9 @@ async def _capture_writable(files: AgentFiles, upper: UpperSource, dest: Path,
         if path.is_dir() and not path.is_symlink():
             set_opaque(path)
             stats.opaque_dirs += 1
+    if xattrs is not None:
+        records = await xattrs()
+        await asyncio.to_thread(apply_xattrs, records, str(dest), max(opts.max_entries, 1) * 4)
     return CaptureResult(stats=stats, paused_s=0.0, copy_s=time.monotonic() - t0)
 
 

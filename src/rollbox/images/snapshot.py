@@ -99,6 +99,14 @@ def _matches(rel: str, name: str, patterns: list[str]) -> bool:
     return False
 
 
+def carried_xattr(name: str, size: int = 0) -> bool:
+    """Whether a snapshot carries the extended attribute ``name`` (of ``size`` bytes) over:
+    user.* up to MAX_XATTR_BYTES. trusted.* is overlay bookkeeping; security.capability and
+    ACLs carry host-shifted ids that mean nothing (or too much) in another sandbox."""
+    return (name.startswith("user.") and not name.startswith("user.overlay.")
+            and size <= MAX_XATTR_BYTES)
+
+
 class _Capture:
     """One copy of an upper tree into a staging directory (see the module docstring)."""
 
@@ -151,15 +159,13 @@ class _Capture:
                 with contextlib.suppress(OSError):
                     opaque = os.getxattr(fd, xname) == b"y"
                 continue
-            # trusted.* is overlay bookkeeping; security.capability and ACLs carry host-shifted
-            # ids that mean nothing (or too much) in another sandbox: not carried over.
-            if not xname.startswith("user.") or xname.startswith("user.overlay."):
+            if not carried_xattr(xname):
                 continue
             try:
                 value = os.getxattr(fd, xname)
             except OSError:
                 continue
-            if len(value) <= MAX_XATTR_BYTES:
+            if carried_xattr(xname, len(value)):
                 with contextlib.suppress(OSError):
                     os.setxattr(dst, xname, value, follow_symlinks=False)
         return opaque

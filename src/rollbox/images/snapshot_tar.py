@@ -10,7 +10,10 @@ directory this capture made (never a link: nothing is written through a link of 
 no duplicates, hard links only to regular files already captured, sparse members refused.
 Whiteouts (0:0 character devices) are kept, other devices and sockets skipped, FIFOs kept.
 
-busybox tar carries no xattrs, so an opaque directory's marker does not survive the stream;
+busybox tar carries no xattrs: user.* ones come in a second stream (the agent's
+``rollbox-xattrs`` records, :func:`apply_xattrs`), set on what the capture made, with the
+caps of a container's snapshot (:func:`rollbox.images.snapshot.carried_xattr`), never
+through a link. An opaque directory's marker does not survive the stream either;
 :func:`opaque_dirs` infers the markers from the sandbox's merged view instead (a directory of
 the upper shows no entry of a lower layer anywhere below it: marking it opaque changes nothing
 the sandbox saw, and hides what it deleted and re-created).
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import os
 import stat
+import struct
 import tarfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -29,7 +33,10 @@ from typing import IO
 
 from rollbox.errors import BadRequest, InfraError, PayloadTooLarge
 from rollbox.images.build import make_whiteout
-from rollbox.images.snapshot import MAX_DEPTH, MAX_PATH, CaptureStats, _matches
+from rollbox.images.snapshot import MAX_DEPTH, MAX_PATH, CaptureStats, _matches, carried_xattr
+from rollbox.isolation.syscalls import (
+    RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, openat2,
+)
 
 MAX_TAR_META = 1 << 20
 _CHUNK = 1 << 20
@@ -265,3 +272,57 @@ def opaque_dirs(tree: UpperTree, merged: dict[str, set[str] | None]) -> set[str]
 def dirs_to_list(tree: UpperTree) -> Iterable[str]:
     """The upper's directories whose merged listing :func:`opaque_dirs` needs."""
     return sorted(tree.dirs)
+
+
+_XATTR_HEAD = struct.Struct("<2sHHI")  # "XA", path, name and value lengths
+
+
+def apply_xattrs(records: bytes, dest_root: str, max_records: int) -> int:
+    """Set the user.* attributes of the sandbox's ``rollbox-xattrs`` records (hostile) on the
+    staging tree at ``dest_root``; returns how many were set. A record whose path the capture
+    did not make (scrubbed, excluded, changed meanwhile), is not a regular file or directory,
+    or leads through a link, is skipped; a malformed stream is an InfraError."""
+    root = os.open(dest_root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return _apply_xattrs(memoryview(records), root, max_records)
+    finally:
+        os.close(root)
+
+
+def _apply_xattrs(data: memoryview, root: int, max_records: int) -> int:
+    off = count = applied = 0
+    while off < len(data):
+        if len(data) - off < _XATTR_HEAD.size:
+            raise _bad("truncated extended attribute record")
+        magic, plen, nlen, vlen = _XATTR_HEAD.unpack_from(data, off)
+        off += _XATTR_HEAD.size
+        if magic != b"XA" or off + plen + nlen + vlen > len(data):
+            raise _bad("malformed extended attribute record")
+        raw_path = bytes(data[off:off + plen])
+        name = bytes(data[off + plen:off + plen + nlen]).decode("utf-8", "surrogateescape")
+        value = bytes(data[off + plen + nlen:off + plen + nlen + vlen])
+        off += plen + nlen + vlen
+        count += 1
+        if count > max_records:
+            raise PayloadTooLarge(f"the sandbox's changes carry more than {max_records} "
+                                  "extended attributes", limit=max_records)
+        comps = raw_path.decode("utf-8", "surrogateescape").split("/") if raw_path else []
+        if (not carried_xattr(name, vlen) or "\0" in name or b"\0" in raw_path
+                or any(c in ("", ".", "..") for c in comps) or len(comps) > MAX_DEPTH):
+            continue
+        try:
+            fd = openat2(root, "/".join(comps) or ".",
+                         os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, 0,
+                         RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
+        except OSError:
+            continue
+        try:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+                os.setxattr(fd, name, value)
+                applied += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return applied

@@ -68,10 +68,11 @@ def vm_files(vm: Any) -> AgentFiles:
 
 
 async def capture(files: AgentFiles, dest: Path, opts: CaptureOptions) -> CaptureResult:
-    """The VM's writable layer as an overlay upper in ``dest`` (see agent.snapshot). The guest
-    keeps running: ``opts.pause`` can not freeze it without stopping its agent too."""
+    """The VM's writable layer as an overlay upper in ``dest`` (see agent.snapshot), its user.*
+    extended attributes included (the agent's ``rollbox-xattrs``). The guest keeps running: ``opts.pause`` can not freeze it without stopping its agent too."""
     return await agent_snapshot.capture_writable(
-        files, lambda cap: agent_snapshot.tar_stream(files, GUEST_UPPER, cap), dest, opts)
+        files, lambda cap: agent_snapshot.tar_stream(files, GUEST_UPPER, cap), dest, opts,
+        lambda: agent_snapshot.xattr_records(files, GUEST_UPPER))
 
 
 def _in_sandbox_request(argv: list[str], stdin: bool, timeout_ms: int, stream_limit: int
