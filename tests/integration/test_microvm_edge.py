@@ -10,7 +10,7 @@ import time
 import pytest
 
 from rollbox.errors import SandboxPaused
-from rollbox.models import ExecSpec, Resources, SandboxSpec, SnapshotSpec
+from rollbox.models import ExecSpec, GradeSpec, Resources, SandboxSpec, SnapshotSpec
 from tests.conftest import have_image
 
 BB = "busybox:test"
@@ -53,6 +53,8 @@ async def test_microvm_through_the_edge_across_a_restart(restarts) -> None:  # n
         await e1.file_write(sb.id, "/tmp/y", b"no", 0o644)
     with pytest.raises(SandboxPaused):
         await e1.snapshot(sb.id, SnapshotSpec(name=f"test/paused-{sb.id}:1"), "t")
+    with pytest.raises(SandboxPaused):  # before a grader is spent
+        await e1.grade(sb.id, GradeSpec(cmd="true", files=["/tmp/x"]), "t")
     assert time.monotonic() - t0 < 10
     await e1.resume(sb.id)
     assert (await e1.file_read(sb.id, "/tmp/x", 100)) == b"kept"
