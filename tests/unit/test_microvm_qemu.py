@@ -34,6 +34,8 @@ def test_command_line_has_the_hardening_and_devices() -> None:
     cpu = argv[argv.index("-cpu") + 1].split(",")
     assert cpu[0] == "qemu64" and {"+ssse3", "+sse4.1", "+sse4.2", "+popcnt"} <= set(cpu)
     assert {"cryptomgr.notests", "noreplace-smp", "init_on_alloc=0"} <= set(cmdline)
+    # qboot loads the PVH kernel itself (backports' SeaBIOS microvm build does not)
+    assert argv[argv.index("-bios") + 1] == "qboot.rom"
     assert "-incoming" not in argv
     assert qemu.argv(qemu.MachineSpec(cpus=1, memory_mib=256, layers=0, incoming=True))[-2:] \
         == ["-incoming", "defer"]

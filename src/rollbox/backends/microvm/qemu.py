@@ -76,6 +76,11 @@ TCG_CPU = "qemu64,+ssse3,+sse4.1,+sse4.2,+popcnt"
 #   (a hardening of the guest kernel against its own uninitialised-memory leaks; the memory
 #   came zeroed from the host, and the guest's root is not trusted anyway: docs/security.md).
 FAST_BOOT_CMDLINE = ("cryptomgr.notests", "noreplace-smp", "init_on_alloc=0")
+# microvm's firmware: qboot (QEMU's data files, every QEMU since 4.0) loads the PVH kernel from
+# fw_cfg itself. The default bios-microvm.bin is Debian's SeaBIOS build, and the one that comes
+# with bookworm-backports' QEMU 10 (seabios 1.16.3) does not boot the kernel with
+# x-option-roms=off ("No bootable device"): naming the firmware keeps both QEMUs booting.
+FIRMWARE = "qboot.rom"
 
 
 def layer_path(index: int) -> str:
@@ -133,7 +138,7 @@ def argv(spec: MachineSpec, binary: str = "/usr/bin/qemu-system-x86_64") -> list
     args = [
         binary, "-M", machine, *accel, *ram,
         "-smp", str(spec.cpus), "-m", str(spec.memory_mib),
-        "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+        "-bios", FIRMWARE, "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
         # modern virtio-mmio: free page reporting is a feature bit above 32
         "-global", "virtio-mmio.force-legacy=false",
         "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
