@@ -45,7 +45,9 @@ from rollbox.backends.microvm.accel import AccelChoice, probe_accel
 from rollbox.backends.microvm.disks import VmDisks
 from rollbox.backends.container.bundle import normalize_hidden
 from rollbox.backends.microvm.files import capture as vm_capture
-from rollbox.backends.microvm.files import cut_file_ops, mask_hidden, vm_files
+from rollbox.backends.microvm.files import (
+    cut_file_ops, in_sandbox_request, mask_hidden, vm_files,
+)
 from rollbox.backends.microvm.jail import Bind, Jail, Limits, uid_processes, vcpus
 from rollbox.backends.microvm.steps import Steps
 from rollbox.backends.microvm.template import (
@@ -771,6 +773,13 @@ class MicroVMBackend:
                 h.squeezed = False
                 h.jail.squeeze_marker.unlink(missing_ok=True)
                 raise
+
+    async def zero_free_memory(self, h: MicroVM) -> int:
+        """Zero the guest's free memory (``balloon.zero_free_memory``; a template before its
+        save); returns the MiB zeroed."""
+        tools = PlatformTools(lambda: h.channel, request=in_sandbox_request,
+                              timeout_s=balloon.ZERO_TIMEOUT_S)
+        return await balloon.zero_free_memory(tools, h.machine.memory_mib)
 
     async def prepare_exec(self, h: MicroVM) -> None:
         """Before a command: a squeezed VM gets its memory back first (deflate on demand)."""

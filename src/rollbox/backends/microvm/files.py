@@ -75,8 +75,9 @@ async def capture(files: AgentFiles, dest: Path, opts: CaptureOptions) -> Captur
         lambda: agent_snapshot.xattr_records(files, GUEST_UPPER))
 
 
-def _in_sandbox_request(argv: list[str], stdin: bool, timeout_ms: int, stream_limit: int
-                        ) -> P.ExecRequest:
+def in_sandbox_request(argv: list[str], stdin: bool, timeout_ms: int, stream_limit: int
+                       ) -> P.ExecRequest:
+    """A platform applet in the sandbox's root (its /proc, /dev, /run), not the tools' view."""
     return P.ExecRequest(argv=argv, env=[], timeout_ms=timeout_ms, stdin=stdin,
                          stream_limit=stream_limit, tail_limit=0, platform_tool=True,
                          tool_in_sandbox=True)
@@ -84,7 +85,7 @@ def _in_sandbox_request(argv: list[str], stdin: bool, timeout_ms: int, stream_li
 
 async def mask_hidden(vm: Any, paths: tuple[str, ...] | list[str]) -> None:
     """Mask each hidden path in the sandbox's root (see the module docstring)."""
-    tools = PlatformTools(lambda: vm.channel, request=_in_sandbox_request)
+    tools = PlatformTools(lambda: vm.channel, request=in_sandbox_request)
     for path in normalize_hidden(paths):
         res = await tools.run(["stat", "-L", "-c", "%F", "--", path])
         kind = res.stdout.strip()
