@@ -524,8 +524,8 @@ class VmTemplates:
         vm = await self.backend.boot(build_id, bare, build, timeout_s, ram_file=ram)
         try:
             await self._warm(vm, timeout_s)
-            # its free pages zero pages in the saved state: no restored VM loads them
-            await self.backend.zero_free_memory(vm)
+            if ram is None:  # its free pages zero pages in the state: no restore loads them
+                await self.backend.zero_free_memory(vm)  # (a shared RAM file: no copy to save)
             state = staging / STATE_NAME
             async with qmp.session(vm.qmp_path, timeout_s) as q:
                 await q.stop()  # flushes the block layer: the disk file is as saved
