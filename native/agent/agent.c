@@ -202,6 +202,7 @@ static char *rxbuf;   /* MAX_PACKET, lazily allocated */
 static int more_work; /* some pump stopped early; poll again without sleeping */
 static int shell_fd = -1; /* PLATFORM_SHELL_FD when the edge passed one */
 static int tool_fd = -1;  /* the platform's busybox: PLATFORM_TOOL_FD, or /platform/busybox */
+static int self_fd = -1;  /* guest mode: this agent's own binary (XATTR_TOOL is exec'd from it) */
 /* Transport: stream framing (a SOCK_STREAM listener, or the guest's virtio port). */
 static int stream_mode, guest_mode, conn_is_port, port_et;
 enum { C_HUNT, C_LIVE } conn_state; /* stream: LIVE once a HELLO was seen */
@@ -1111,8 +1112,10 @@ static void abandon_spawn(uint32_t id, const char *step, int err, const int *fds
     spawn_failed(id, err, msg);
 }
 
-/* EXEC_PLATFORM_TOOL builtin (no busybox applet lists xattrs; busybox tar carries none):
- * `rollbox-xattrs DIR` writes the user.* extended attributes of everything below DIR (DIR
+/* EXEC_PLATFORM_TOOL built into the agent (no busybox applet lists xattrs; busybox tar
+ * carries none), exec'd from the agent's own binary like an applet (main() dispatches on
+ * argv[0]: a spawned child shares the agent's memory until its exec, so it runs nothing
+ * itself). `rollbox-xattrs DIR` writes the user.* extended attributes of everything below DIR (DIR
  * included, symlinks never followed, special files have none) to stdout, one record each:
  * "XA", u16 path length, u16 name length, u32 value length (little endian), then the path
  * relative to DIR ("" for DIR), the name and the value. The host parses it as hostile. */
@@ -1308,17 +1311,12 @@ static void child_exec(int status_wr, int in_rd, int out_wr, int err_wr, int cgf
         report[0] = ST_LANDLOCK;
         goto fail;
     }
-    if ((flags & EXEC_PLATFORM_TOOL) && !strcmp(argv[0], XATTR_TOOL)) {
-        /* Started, as an exec would say (the status pipe closes); none of the agent's own
-         * fds stays open in the walker. */
-        syscall(SYS_close_range, 3u, ~0u, 0u);
-        _exit(xattr_tool(argv[1]));
-    }
     if (flags & (EXEC_PLATFORM_SHELL | EXEC_PLATFORM_TOOL)) {
         /* By descriptor: no path of the sandbox is looked up, so nothing it renamed or
          * replaced runs. The fd is close-on-exec (an ELF binary needs no path to it). The
-         * platform's busybox picks its applet from argv[0]. */
-        int fd = (flags & EXEC_PLATFORM_SHELL) ? shell_fd : tool_fd;
+         * platform's busybox picks its applet from argv[0], the agent its XATTR_TOOL. */
+        int fd = (flags & EXEC_PLATFORM_SHELL) ? shell_fd
+                 : strcmp(argv[0], XATTR_TOOL) == 0 ? self_fd : tool_fd;
         if (fd < 0)
             errno = EBADF;
         else
@@ -2718,6 +2716,7 @@ static int guest_init(void)
 
     shell_fd = open("/platform/bash", O_RDONLY | O_CLOEXEC);
     tool_fd = open("/platform/busybox", O_RDONLY | O_CLOEXEC);
+    self_fd = open("/proc/self/exe", O_RDONLY | O_CLOEXEC); /* the initramfs' /init */
     if (shell_fd < 0 || tool_fd < 0)
         boot_fail(errno, "platform tools in the initramfs");
     if (port_ok != 0) {
@@ -2787,6 +2786,8 @@ static void port_event(uint32_t e)
 
 int main(int argc, char **argv)
 {
+    if (argc > 0 && strcmp(argv[0], XATTR_TOOL) == 0) /* a platform tool, exec'd by a spawn */
+        return xattr_tool(argc > 1 ? argv[1] : NULL);
     /* First: nothing in the sandbox may ptrace us or open /proc/1/{fd,mem}. */
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     /* Started by a kernel (a microVM's /init): no listening socket, we build the root. */

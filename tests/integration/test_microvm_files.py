@@ -54,16 +54,18 @@ async def vm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[Mi
     slots = UidSlots(settings.uid_base, settings.uid_slots)
     pool = DiskPool(settings)
     backend = MicroVMBackend(settings, slots, ImageStore(settings.images_dir), pool)
-    await backend.start()
     layers = tuple(ImageStore(settings.images_dir).resolve(checks.BB).layers)
-    vm = await backend.create("vmfiles-files", ResolvedSpec(
-        image=checks.BB, layers=layers, env={}, hidden_paths=HIDDEN,
-        resources=Resources(cpus=1, memory_mib=256, disk_mib=64)))
-    try:
+    vm = None
+    try:  # a create that fails still releases the pool and slots (its own teardown ran)
+        await backend.start()
+        vm = await backend.create("vmfiles-files", ResolvedSpec(
+            image=checks.BB, layers=layers, env={}, hidden_paths=HIDDEN,
+            resources=Resources(cpus=1, memory_mib=256, disk_mib=64)))
         yield vm, backend
     finally:
-        await backend.destroy(vm)
-        left = backend.leftovers(vm.id)
+        if vm is not None:
+            await backend.destroy(vm)
+        left = backend.leftovers("vmfiles-files")
         backend.release_node_resources()
         released = pool.release()
         slots.close()

@@ -56,6 +56,7 @@ async def sh(edge, sid: str, cmd: str) -> str:  # noqa: ANN001
 
 
 TAGGED = "work/tagged.txt"  # a file of the lower layer with a user xattr
+MANY, MANY_FILES = "work/many", 200  # ~100 KiB of xattr records once all are copied up
 
 
 def repo_layer(edge, names: list[str], tmp: Path) -> str:  # noqa: ANN001
@@ -65,6 +66,11 @@ def repo_layer(edge, names: list[str], tmp: Path) -> str:  # noqa: ANN001
     repo.mkdir(parents=True)
     (tmp / "ws" / TAGGED).write_text("tagged\n")
     os.setxattr(tmp / "ws" / TAGGED, "user.rollbox.test", b"kept")
+    many = tmp / "ws" / MANY
+    many.mkdir()
+    for i in range(MANY_FILES):  # more records than a pipe holds: the tool must stream them
+        (many / f"f{i}").write_text("")
+        os.setxattr(many / f"f{i}", "user.rollbox.n", b"%d" % i + b"." * 500)
     git = ["git", "-C", str(repo), "-c", "user.email=a@x", "-c", "user.name=a"]
     for cmd in (["init", "-q", "-b", "main"], ["commit", "-q", "--allow-empty", "-m", "task"],
                 ["commit", "-q", "--allow-empty", "-m", "the-answer"],
@@ -82,7 +88,7 @@ async def test_vm_snapshot_boots_as_container_and_grades_in_a_fresh_vm(  # noqa:
                                         resources=VM), "p")
     await sh(edge, src.id, CHANGES)
     # a file of the layer changed: copied up with its xattr, which the snapshot keeps
-    await sh(edge, src.id, f"echo more >> /{TAGGED}")
+    await sh(edge, src.id, f"echo more >> /{TAGGED} && touch /{MANY}/*")
     # touches a repository of a lower layer: completed from the merged view, then scrubbed
     await sh(edge, src.id, "echo touched > /work/repo/.git/description")
     name = new_name(names)
@@ -93,6 +99,8 @@ async def test_vm_snapshot_boots_as_container_and_grades_in_a_fresh_vm(  # noqa:
     tagged = edge.layer_mounts.ensure_mounted(res.layer) / TAGGED
     assert tagged.read_text() == "tagged\nmore\n"
     assert os.getxattr(tagged, "user.rollbox.test") == b"kept"
+    last = tagged.parent.parent / MANY / f"f{MANY_FILES - 1}"
+    assert os.getxattr(last, "user.rollbox.n") == b"%d" % (MANY_FILES - 1) + b"." * 500
     copy = await edge.create(SandboxSpec(image=name), "p")  # a container
     assert copy.backend == "container"
     await sh(edge, copy.id, EXPECTED)
