@@ -7,12 +7,6 @@ BIN := $(VENV)/bin
 APT_PACKAGES := runc erofs-utils debootstrap podman fuse3 iproute2 gcc libc6-dev make \
 	python3-venv ca-certificates busybox-static util-linux nftables xfslibs-dev bash-static \
 	btrfs-progs qemu-system-x86 qemu-utils lz4
-# QEMU >= 8.2 maps a template's RAM file private and read-only (backends/microvm/qemu.py:
-# shared template RAM); Debian 12 has 7.2, its bookworm-backports 10.x: on bookworm the
-# set-up adds that suite (a sources file of its own; backports are never picked unless
-# asked) and takes these two from it. Elsewhere the distribution's own are used.
-BACKPORTS_SOURCES := /etc/apt/sources.list.d/rollbox-bookworm-backports.sources
-BACKPORTS_PACKAGES := qemu-system-x86 qemu-utils
 export ROLLBOX_AGENT := $(CURDIR)/build/rollbox-agent
 
 .PHONY: deps venv native guest images setup demo test test-browser bench clean-host
@@ -21,13 +15,6 @@ build/.apt-stamp:
 	mkdir -p build
 	@if ! dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(APT_PACKAGES); fi
-	@if grep -qx 'VERSION_CODENAME=bookworm' /etc/os-release && ! dpkg --compare-versions \
-			"$$(dpkg-query -W -f='$${Version}' qemu-system-x86)" ge 1:8.2; then \
-		printf '%s\n' 'Types: deb' 'URIs: http://deb.debian.org/debian' \
-			'Suites: bookworm-backports' 'Components: main' \
-			'Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg' > $(BACKPORTS_SOURCES) && \
-		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
-			-t bookworm-backports $(BACKPORTS_PACKAGES); fi
 	touch $@
 
 venv: $(BIN)/rollbox
