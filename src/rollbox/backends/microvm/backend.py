@@ -518,10 +518,23 @@ class MicroVMBackend:
             steps.lap("boot_to_agent")
         else:
             assert self.templates is not None
-            await self.templates.load(template, jail, boot_timeout_s, steps)
+            # Connected before the state is loaded: the port is then connected as it was at
+            # the save, so the resumed guest gets no close and open events to handle, only
+            # the HELLO waiting in the socket (a new nonce: a new host connection to it).
+            connect = asyncio.ensure_future(
+                self.connect_agent(str(jail.socket_path("agent")), boot_timeout_s))
+            try:
+                await self.templates.load(template, jail, boot_timeout_s, steps)
+            except BaseException:
+                connect.cancel()
+                (early,) = await asyncio.gather(connect, return_exceptions=True)
+                if not isinstance(early, BaseException):
+                    early.close()
+                raise
             try:
                 # no BOOT_INFO check: the template's boot passed it before the save
-                channel = await self._wait_agent(jail, pid, boot_timeout_s, check_boot=False)
+                channel = await self._wait_agent(jail, pid, boot_timeout_s, check_boot=False,
+                                                 connect=connect)
             except InfraError as exc:
                 raise TemplateLoadError(f"restored guest did not answer: {exc}") from exc
             steps.lap("agent_connect")
@@ -540,14 +553,17 @@ class MicroVMBackend:
         return vm
 
     async def _wait_agent(self, jail: Jail, pid: int, timeout_s: float,
-                          check_boot: bool = True) -> Any:
-        """The agent's channel once it answers; InfraError if QEMU dies or the wait runs out
-        (the console's last lines go to the log, never to the caller: guest-written)."""
+                          check_boot: bool = True,
+                          connect: asyncio.Future[Any] | None = None) -> Any:
+        """The agent's channel once it answers (through ``connect`` if the caller started
+        it); InfraError if QEMU dies or the wait runs out (the console's last lines go to the
+        log, never to the caller: guest-written)."""
         console = ConsoleTail(jail.socket_path("console"))
         console.start()
         t0 = time.monotonic()
-        connect = asyncio.ensure_future(
-            self.connect_agent(str(jail.socket_path("agent")), timeout_s))
+        if connect is None:
+            connect = asyncio.ensure_future(
+                self.connect_agent(str(jail.socket_path("agent")), timeout_s))
         died = asyncio.ensure_future(_pid_exited(pid))
         try:
             done, _ = await asyncio.wait({connect, died}, timeout=timeout_s + 1,
