@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rollbox.browser.episode import (
-    ACTIONS, BROWSER_TB_MIB, CHEATS, DRIVER, episode, parse_grade,
+    ACTIONS, BROWSER_TB_MIB, CHEATS, DRIVER, STEP_TIMEOUT_S, episode, parse_grade,
 )
 from rollbox.browser.image import ensure_browser_image
 from rollbox.config import Settings
@@ -49,7 +49,8 @@ def _timings() -> dict[str, list[float]]:
 @pytest.fixture
 async def client(api_server, browser_image):  # noqa: ANN001, ANN201
     url, keys = api_server
-    async with AsyncClient(base_url=url, api_key=keys.create("browser"), timeout=600) as c:
+    async with AsyncClient(base_url=url, api_key=keys.create("browser"),
+                           timeout=STEP_TIMEOUT_S) as c:
         yield c
 
 

@@ -75,6 +75,31 @@ SESSION_ATTEMPTS = 3
 # Waits poll this often: on a one-vCPU microVM under TCG a tight poll takes the CPU that
 # chromium needs.
 POLL_S = 0.5
+# Chromium's command line, the same for the agent's browser and the grader's. Under TCG
+# (microVMs here) every process chromium starts costs seconds to tens of seconds (a fresh
+# exec of a ~250 MiB binary: its relocations, ICU and V8 snapshot, all emulated; measured:
+# each renderer ~20 s, three per page with site isolation), so: one process (browser,
+# renderer, GPU, network and storage services in one: --single-process, no zygote), no site
+# isolation or spare renderer, none of the background services that start their own
+# (on-device model, optimization guide, translate, media router, component updates), and V8
+# without JIT (freshly JIT-compiled code is new translation work under TCG). The sandbox
+# is the isolation, not chromium's own (root in a VM or a user namespace: --no-sandbox).
+CHROMIUM_ARGS = [
+    "--headless=new", "--no-sandbox", "--single-process", "--no-zygote",
+    "--js-flags=--jitless", "--disable-gpu", "--disable-software-rasterizer",
+    "--disable-dev-shm-usage", "--disable-site-isolation-trials",
+    "--disable-features=site-per-process,IsolateOrigins,SpareRendererForSitePerProcess,"
+    "OptimizationGuideModelDownloading,OptimizationHintsFetching,"
+    "OptimizationGuideOnDeviceModel,OnDeviceModelService,Translate,MediaRouter,"
+    "AutofillServerCommunication,CertificateTransparencyComponentUpdater,BackForwardCache",
+    "--renderer-process-limit=1",
+    f"--window-size={VIEWPORT[0]},{VIEWPORT[1]}", "--force-device-scale-factor=1",
+    "--no-first-run", "--no-default-browser-check", "--disable-extensions",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--user-data-dir=/tmp/rollbox-browser-profile",
+    # CDP over a pipe, not a TCP port: nothing to resolve (sandboxes have no /etc/hosts) and
+    # nothing another process could connect to.
+    "--remote-debugging-pipe"]
 ELEMENT_KEY = "element-6066-11e4-a52e-4f735466cecf"  # W3C WebDriver's element reference key
 
 # Bounds of a replayed action log: it comes from the agent's sandbox.
@@ -117,28 +142,13 @@ class WebDriver:
         return self.call(method, f"/session/{self.session}{path}", body)
 
     def new_session(self) -> None:
-        # Fewer processes and no JIT: under TCG (microVMs here) every process start and every
-        # page of freshly JIT-compiled code is costly (new code means new translations);
-        # halves a cold start in a container too. The sandbox is the isolation, not
-        # chromium's own (root in a VM or a user namespace: --no-sandbox, no zygote).
-        args = ["--headless=new", "--no-sandbox", "--no-zygote", "--in-process-gpu",
-                "--js-flags=--jitless", "--disable-gpu", "--disable-software-rasterizer",
-                "--disable-dev-shm-usage",
-                f"--window-size={VIEWPORT[0]},{VIEWPORT[1]}", "--force-device-scale-factor=1",
-                "--no-first-run", "--no-default-browser-check", "--disable-extensions",
-                "--disable-background-networking", "--disable-component-update",
-                "--disable-sync", "--disable-features=Translate,MediaRouter",
-                "--user-data-dir=/tmp/rollbox-browser-profile",
-                # CDP over a pipe, not a TCP port: nothing to resolve (sandboxes have no
-                # /etc/hosts) and nothing another process could connect to.
-                "--remote-debugging-pipe"]
         caps = {"capabilities": {"alwaysMatch": {
             "browserName": "chrome", "pageLoadStrategy": "normal",
             # chromedriver's own waits on the renderer (session start, page loads): its 60 s
             # start-up wait ran out on a TCG guest.
             "timeouts": {"pageLoad": CALL_TIMEOUT_S * 1000, "script": CALL_TIMEOUT_S * 1000,
                          "implicit": 0},
-            "goog:chromeOptions": {"binary": CHROMIUM, "args": args}}}}
+            "goog:chromeOptions": {"binary": CHROMIUM, "args": CHROMIUM_ARGS}}}}
         self.session = self.call("POST", "/session", caps)["sessionId"]
 
     # element reads (DOM only: what a screen reader would see)
