@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.container import exec_round_trips, meminfo, report, run_cycles, say  # noqa: E402
 from bench.images import machine_busy_s, proc_cpu_s  # noqa: E402
 from bench.rl import scratch_server_settings  # noqa: E402
-from rollbox.backends.microvm.qemu import FAST_BOOT_CMDLINE, FIRMWARE, TCG_CPU  # noqa: E402
+from rollbox.backends.microvm.qemu import FAST_BOOT_CMDLINE, TCG_CPU, firmware_args  # noqa: E402
 from rollbox.backends.microvm.qemu import HZ as KERNEL_HZ  # noqa: E402
 from rollbox.backends.microvm.qemu import host_tsc_khz  # noqa: E402
 from rollbox.config import Settings  # noqa: E402
@@ -385,7 +385,8 @@ class PlainQemu:
             cmdline += [f"tsc_early_khz={khz}", f"lpj={khz * 1000 // KERNEL_HZ}"]
         args = ["qemu-system-x86_64", "-M", "microvm,rtc=on,x-option-roms=off,isa-serial=off",
                 "-accel", "tcg,tb-size=64", "-cpu", TCG_CPU, "-smp", "1",
-                "-m", str(self.memory_mib), "-bios", FIRMWARE, "-nodefaults", "-no-user-config",
+                "-m", str(self.memory_mib), *firmware_args(shutil.which("qemu-system-x86_64") or ""),
+                "-nodefaults", "-no-user-config",
                 "-nographic", "-no-reboot", "-global", "virtio-mmio.force-legacy=false",
                 "-kernel", str(self.kernel), "-initrd", str(self.initrd),
                 "-append", " ".join(cmdline),

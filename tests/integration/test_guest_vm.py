@@ -13,6 +13,7 @@ import hashlib
 import os
 import secrets
 import signal
+import shutil
 import socket
 import subprocess
 import time
@@ -81,7 +82,8 @@ def booted(artifacts: GuestArtifacts, workdir: Path, layers: list[Path]) -> Iter
     spec = qemu.MachineSpec(cpus=1, memory_mib=256, layers=len(layers),
                             tsc_khz=qemu.host_tsc_khz())
     argv = ["qemu-system-x86_64", "-M", "microvm,rtc=on,x-option-roms=off", "-accel", "tcg",
-            "-cpu", qemu.TCG_CPU, "-smp", "1", "-m", "256", "-bios", qemu.FIRMWARE,
+            "-cpu", qemu.TCG_CPU, "-smp", "1", "-m", "256",
+            *qemu.firmware_args(shutil.which("qemu-system-x86_64") or ""),
             "-nodefaults", "-no-user-config",
             "-nographic", "-no-reboot", "-serial", f"file:{console}",
             "-kernel", str(artifacts.kernel), "-initrd", str(artifacts.initramfs),

@@ -77,11 +77,13 @@ TCG_CPU = "qemu64,+ssse3,+sse4.1,+sse4.2,+popcnt"
 #   (a hardening of the guest kernel against its own uninitialised-memory leaks; the memory
 #   came zeroed from the host, and the guest's root is not trusted anyway: docs/security.md).
 FAST_BOOT_CMDLINE = ("cryptomgr.notests", "noreplace-smp", "init_on_alloc=0")
-# microvm's firmware: qboot (QEMU's data files, every QEMU since 4.0) loads the PVH kernel from
-# fw_cfg itself. The default bios-microvm.bin is Debian's SeaBIOS build, and the one that comes
-# with bookworm-backports' QEMU 10 (seabios 1.16.3) does not boot the kernel with
-# x-option-roms=off ("No bootable device"): naming the firmware keeps both QEMUs booting.
+# microvm's firmware from QEMU 8 on: qboot (in QEMU's data files since 4.0), which loads the
+# PVH kernel from fw_cfg itself. The default bios-microvm.bin is Debian's SeaBIOS build, and
+# the one bookworm-backports' QEMU 10 comes with (seabios 1.16.3) does not boot the kernel
+# with x-option-roms=off ("No bootable device"). Not on 7.2: there the default (seabios
+# 1.16.2) boots and qboot costs more (QEMU CPU to the first exec +110 ms, 4 of 4 pairs).
 FIRMWARE = "qboot.rom"
+QBOOT_SINCE = (8, 0)
 # No tracefs in the guest (docs/backends/microvm.md, "Memory"): Debian's 6.1 makes ~10k
 # tracefs inodes and dentries at boot, ~8.5 MiB of slab in every VM that nothing in a sandbox
 # uses (tracing inside a guest is not offered).
@@ -144,7 +146,7 @@ def argv(spec: MachineSpec, binary: str = "/usr/bin/qemu-system-x86_64") -> list
     args = [
         binary, "-M", machine, *accel, *ram,
         "-smp", str(spec.cpus), "-m", str(spec.memory_mib),
-        "-bios", FIRMWARE, "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+        *firmware_args(binary), "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
         # modern virtio-mmio: free page reporting is a feature bit above 32
         "-global", "virtio-mmio.force-legacy=false",
         "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
@@ -201,6 +203,11 @@ def version_tuple(text: str) -> tuple[int, int]:
         return int(major), int(minor)
     except (ValueError, IndexError):
         return 0, 0
+
+
+def firmware_args(binary: str) -> list[str]:
+    """``-bios`` for this QEMU's microvm (:data:`FIRMWARE` from :data:`QBOOT_SINCE`), or none."""
+    return ["-bios", FIRMWARE] if version_tuple(version(binary)) >= QBOOT_SINCE else []
 
 
 def private_file_ram(binary: str) -> bool:
