@@ -138,7 +138,7 @@ enum { M_READY = 32, M_STARTED = 33, M_SPAWN_FAILED = 34, M_STDOUT = 35, M_STDER
 #define GUEST_DEVICE_WAIT_MS 20000
 #define BOOT_ERR_MAX 200
 
-enum watch_kind { W_LISTEN, W_CONN, W_SIGNAL, W_OUT, W_ERR, W_IN, W_STATUS, W_PIDS };
+enum watch_kind { W_LISTEN, W_CONN, W_SIGNAL, W_OUT, W_ERR, W_IN, W_PIDS };
 
 struct session;
 struct watch {
@@ -158,7 +158,7 @@ struct session {
     uint32_t id;
     pid_t pid;
     enum sess_state state;
-    int cgfd, status_fd, in_fd, status_fd_watched;
+    int cgfd, in_fd;
     int out_fd[2];
     int out_ready[2];
     int in_ready, in_close_pending;
@@ -172,8 +172,7 @@ struct session {
     int cg_oom_base;  /* its oom_kill count when the session got it (a reused cgroup) */
     uint64_t exited_seq; /* order of exit, for evicting the oldest uncollected session */
     int64_t deadline_ms, drain_deadline_ms;
-    char *ctx_cwd, *ctx_argv0; /* for spawn error messages */
-    struct watch w_out, w_err, w_in, w_status;
+    struct watch w_out, w_err, w_in;
 };
 
 struct qpkt {
@@ -297,7 +296,8 @@ static int pool_session_cgroup(uint64_t seq, int cgfd, int oom_total);
 static void boot_fail(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int cgroup_oom_kills(int cgfd);
 static int write_file(const char *path, const char *text);
-static void resolve_spawn(struct session *s);
+static void resolve_spawn(struct session *s, int step, int err, const char *cwd,
+                          const char *argv0);
 static void read_conn(int hangup);
 static void ensure_stdio(void);
 static int handle_packet(const char *pkt, size_t len, int fd);
@@ -578,7 +578,6 @@ static void free_session(struct session *s)
     close_watched(&s->out_fd[0]);
     close_watched(&s->out_fd[1]);
     close_watched(&s->in_fd);
-    close_watched(&s->status_fd);
     if (s->cgfd >= 0)
         close(s->cgfd);
     remove_session_cgroup(s->cg_seq); /* again: leftovers may have gone since the exit */
@@ -586,8 +585,6 @@ static void free_session(struct session *s)
     ring_bytes -= s->tail[0].cap + s->tail[1].cap;
     free(s->tail[0].buf);
     free(s->tail[1].buf);
-    free(s->ctx_cwd);
-    free(s->ctx_argv0);
     free(s);
 }
 
@@ -1220,11 +1217,12 @@ static int xattr_tool(const char *dir)
     return 0;
 }
 
-/* Runs in the forked child: never returns. */
-static void child_exec(int status_wr, int in_rd, int out_wr, int err_wr, int cgfd, uid_t uid,
-                       gid_t gid, const char *cwd, char **argv, char **envp, uint32_t flags)
+/* Runs in the child: never returns. A step that fails leaves (step, errno) in `report`, in
+ * the agent's memory (the child shares it until exec). */
+static void child_exec(volatile int32_t *report, int in_rd, int out_wr, int err_wr, int cgfd,
+                       uid_t uid, gid_t gid, const char *cwd, char **argv, char **envp,
+                       uint32_t flags)
 {
-    int32_t report[2] = {0, 0};
     sigset_t all;
     sigemptyset(&all);
     sigprocmask(SIG_SETMASK, &all, NULL);
@@ -1329,19 +1327,19 @@ static void child_exec(int status_wr, int in_rd, int out_wr, int err_wr, int cgf
     report[0] = ST_EXEC;
 fail:
     report[1] = errno;
-    ssize_t w = write(status_wr, report, sizeof report);
-    (void)w;
     _exit(127);
 }
 
 /* The child runs on its own stack in the agent's memory (CLONE_VM | CLONE_VFORK, as
  * posix_spawn does): no page tables copied, no copy-on-write faults in either process (each
- * costly under TCG), and the agent resumes only once the child has exec'd or failed, so the
- * status pipe already holds the outcome. One child at a time, so one stack. The child shares
- * the agent's memory until its exec: child_exec only writes its own stack, `environ` (restored
- * by the parent) and errno; it calls nothing that takes a lock (the agent has one thread). */
+ * costly under TCG), and the agent resumes only once the child has exec'd or failed: the
+ * outcome is known then, from `report` (as glibc's posix_spawn does). One child at a time, so
+ * one stack. The child shares the agent's memory until its exec: child_exec only writes its
+ * own stack, `report`, `environ` (restored by the parent) and errno; it calls nothing that
+ * takes a lock (the agent has one thread). */
 struct spawn_args {
-    int status_wr, in_rd, out_wr, err_wr, cgfd;
+    volatile int32_t report[2]; /* step, errno of a failed step; 0: the exec happened */
+    int in_rd, out_wr, err_wr, cgfd;
     uid_t uid;
     gid_t gid;
     const char *cwd;
@@ -1353,7 +1351,7 @@ static char spawn_stack[256 << 10] __attribute__((aligned(64)));
 static int spawn_child(void *arg)
 {
     const struct spawn_args *a = arg;
-    child_exec(a->status_wr, a->in_rd, a->out_wr, a->err_wr, a->cgfd, a->uid, a->gid, a->cwd,
+    child_exec(((struct spawn_args *)arg)->report, a->in_rd, a->out_wr, a->err_wr, a->cgfd, a->uid, a->gid, a->cwd,
                a->argv, a->envp, a->flags);
     return 127;
 }
@@ -1439,16 +1437,6 @@ static int set_nonblock(int fd)
 {
     int fl = fcntl(fd, F_GETFL);
     return fl < 0 ? -1 : fcntl(fd, F_SETFL, fl | O_NONBLOCK);
-}
-
-static void copy_trunc(char **dst, const char *src)
-{
-    size_t n = strnlen(src, 200);
-    *dst = malloc(n + 1);
-    if (*dst) {
-        memcpy(*dst, src, n);
-        (*dst)[n] = 0;
-    }
 }
 
 /* Guest mode: a cgroup per session, made by the agent under the guest's cgroup2 root
@@ -1764,24 +1752,23 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
         }
     }
     struct session *s = calloc(1, sizeof *s);
-    int st[2] = {-1, -1}, o[2] = {-1, -1}, e[2] = {-1, -1}, in[2] = {-1, -1};
-    if (!s || pipe2(st, O_CLOEXEC) < 0 || pipe2(o, O_CLOEXEC) < 0 || pipe2(e, O_CLOEXEC) < 0 ||
+    int o[2] = {-1, -1}, e[2] = {-1, -1}, in[2] = {-1, -1};
+    if (!s || pipe2(o, O_CLOEXEC) < 0 || pipe2(e, O_CLOEXEC) < 0 ||
         ((flags & EXEC_STDIN) && pipe2(in, O_CLOEXEC) < 0)) {
-        int fds[] = {st[0], st[1], o[0], o[1], e[0], e[1], in[0], in[1], cgfd};
+        int fds[] = {o[0], o[1], e[0], e[1], in[0], in[1], cgfd};
         abandon_spawn(id, "pipe", errno, fds, sizeof fds / sizeof fds[0], s, vec);
         remove_session_cgroup(cg_seq);
         return 0;
     }
-    struct spawn_args sa = {st[1], in[0], o[1], e[1], cgfd, uid, gid, cwd, argv, envp, flags};
+    struct spawn_args sa = {{0, 0}, in[0], o[1], e[1], cgfd, uid, gid, cwd, argv, envp, flags};
     pid_t pid = spawn(&sa);
     int fork_err = errno;
-    close(st[1]);
     close(o[1]);
     close(e[1]);
     if (in[0] >= 0)
         close(in[0]);
     if (pid < 0) {
-        int fds[] = {st[0], o[0], e[0], in[1], cgfd};
+        int fds[] = {o[0], e[0], in[1], cgfd};
         abandon_spawn(id, "fork", fork_err, fds, sizeof fds / sizeof fds[0], s, vec);
         remove_session_cgroup(cg_seq);
         return 0;
@@ -1792,7 +1779,6 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
     s->cgfd = cgfd;
     s->cg_seq = cg_seq;
     s->cg_oom_base = cg_oom_base;
-    s->status_fd = st[0];
     s->out_fd[0] = o[0];
     s->out_fd[1] = e[0];
     s->in_fd = in[1];
@@ -1802,11 +1788,6 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
     s->w_out = (struct watch){W_OUT, s};
     s->w_err = (struct watch){W_ERR, s};
     s->w_in = (struct watch){W_IN, s};
-    s->w_status = (struct watch){W_STATUS, s};
-    copy_trunc(&s->ctx_cwd, cwd);
-    copy_trunc(&s->ctx_argv0, argv[0]);
-    free(vec);
-    set_nonblock(s->status_fd);
     set_nonblock(s->out_fd[0]);
     set_nonblock(s->out_fd[1]);
     ep_add(s->out_fd[0], EPOLLIN | EPOLLET, &s->w_out);
@@ -1818,36 +1799,23 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
     s->next = sessions;
     sessions = s;
     session_count++;
-    resolve_spawn(s); /* the child has exec'd or failed already (CLONE_VFORK) */
+    /* The child has exec'd or failed already (CLONE_VFORK). */
+    resolve_spawn(s, sa.report[0], sa.report[1], cwd, argv[0]);
+    free(vec);
     return 0;
 }
 
-/* The status pipe holds the outcome: EOF (the exec happened) or a report (it failed). */
-static void resolve_spawn(struct session *s)
+/* STARTED, or SPAWN_FAILED naming the step that failed (the child exits 127; reaped later). */
+static void resolve_spawn(struct session *s, int step, int err, const char *cwd,
+                          const char *argv0)
 {
-    int32_t report[2];
-    ssize_t n = read(s->status_fd, report, sizeof report);
-    if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
-        /* Not expected after CLONE_VFORK; wait for it rather than guess. */
-        if (!s->status_fd_watched) {
-            ep_add(s->status_fd, EPOLLIN, &s->w_status);
-            s->status_fd_watched = 1;
-        }
-        return;
-    }
-    if (s->status_fd_watched) {
-        close_watched(&s->status_fd);
-    } else {
-        close(s->status_fd);
-        s->status_fd = -1;
-    }
-    if (n == (ssize_t)sizeof report) {
-        int step = report[0] > 0 && report[0] <= ST_LAST ? report[0] : 0;
+    if (step) {
+        step = step > 0 && step <= ST_LAST ? step : 0;
         char msg[512];
-        const char *arg = step == ST_CHDIR ? s->ctx_cwd : step == ST_EXEC ? s->ctx_argv0 : NULL;
-        snprintf(msg, sizeof msg, "%s%s%s: %s", step_names[step], arg ? " " : "",
-                 arg ? arg : "", strerror(report[1]));
-        spawn_failed(s->id, report[1], msg);
+        const char *arg = step == ST_CHDIR ? cwd : step == ST_EXEC ? argv0 : NULL;
+        snprintf(msg, sizeof msg, "%s%s%.200s: %s", step_names[step], arg ? " " : "",
+                 arg ? arg : "", strerror(err));
+        spawn_failed(s->id, err, msg);
         s->state = S_FAILED;
         close_watched(&s->out_fd[0]);
         close_watched(&s->out_fd[1]);
@@ -2911,9 +2879,6 @@ int main(int argc, char **argv)
                 w->s->in_ready = 1;
                 if (e & (EPOLLERR | EPOLLHUP))
                     discard_stdin(w->s);
-                break;
-            case W_STATUS:
-                resolve_spawn(w->s);
                 break;
             case W_PIDS:
                 pids_events();
