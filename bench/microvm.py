@@ -59,7 +59,8 @@ from bench.images import machine_busy_s, proc_cpu_s  # noqa: E402
 from bench.rl import scratch_server_settings  # noqa: E402
 from rollbox.backends.microvm.qemu import FAST_BOOT_CMDLINE, TCG_CPU, firmware_args  # noqa: E402
 from rollbox.backends.microvm.qemu import HZ as KERNEL_HZ  # noqa: E402
-from rollbox.backends.microvm.qemu import host_tsc_khz  # noqa: E402
+from rollbox.backends.microvm.qemu import host_tsc_khz, private_file_ram  # noqa: E402
+from rollbox.backends.microvm.qemu import version as qemu_version  # noqa: E402
 from rollbox.config import Settings  # noqa: E402
 from rollbox.demo import _pct  # noqa: E402
 from rollbox.embedded import ServerProcess  # noqa: E402
@@ -721,8 +722,12 @@ async def plain_phase(quick: bool, res: dict[str, Any]) -> None:
 
 
 def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
+    node = Settings()
     res: dict[str, Any] = {"image": IMAGE, "quick": quick, "load_start": os.getloadavg()[0],
-                           "cores": os.cpu_count()}
+                           "cores": os.cpu_count(), "qemu": qemu_version(str(node.qemu_binary)),
+                           # what the servers' templates do with their RAM (node capacity)
+                           "template_ram": "shared" if node.vm_template_shared_ram
+                           and private_file_ram(str(node.qemu_binary)) else "copied"}
     t0 = time.monotonic()
     with server() as srv:
         asyncio.run(rollbox_phases(srv, quick, res))
