@@ -48,6 +48,7 @@
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/uio.h>
@@ -1080,9 +1081,47 @@ fail:;
 static const char *step_names[] = {"unknown", "setsid", "join cgroup", "setgroups", "setgid",
                                    "setuid", "chdir", "open /dev/null", "dup2", "exec",
                                    "landlock", "oom_score_adj", "platform shell",
-                                   "platform tool", "chroot"};
+                                   "platform tool", "chroot", "drop capabilities"};
 enum { ST_SETSID = 1, ST_CGROUP, ST_SETGROUPS, ST_SETGID, ST_SETUID, ST_CHDIR, ST_DEVNULL,
-       ST_DUP2, ST_EXEC, ST_LANDLOCK, ST_OOM, ST_SHELL, ST_TOOL, ST_CHROOT, ST_LAST = ST_CHROOT };
+       ST_DUP2, ST_EXEC, ST_LANDLOCK, ST_OOM, ST_SHELL, ST_TOOL, ST_CHROOT, ST_CAPS,
+       ST_LAST = ST_CAPS };
+
+/* Guest mode: the capabilities a command keeps, even as the guest's root: a container's set
+ * (rollbox.backends.container.bundle.CAPABILITIES) without SYS_CHROOT, which in a guest leads
+ * out of the sandbox root into the initramfs (its raw layers and the tools' view). Gone with
+ * the rest: SYS_ADMIN (unmount or move a hidden path's mask, mount filesystems), SYS_PTRACE
+ * (/proc/1/root), DAC_READ_SEARCH (open_by_handle_at past the masks), MKNOD, SYS_MODULE,
+ * SYS_RAWIO, NET_RAW, SYS_TIME... Dropped from the bounding set, so root's exec gets no more;
+ * a guest booted with rollbox.fullroot=1 (the red team's unhardened twin) keeps them all. */
+static const int guest_kept_caps[] = {0 /* CHOWN */, 1 /* DAC_OVERRIDE */, 3 /* FOWNER */,
+                                      4 /* FSETID */, 5 /* KILL */, 6 /* SETGID */,
+                                      7 /* SETUID */, 8 /* SETPCAP */,
+                                      10 /* NET_BIND_SERVICE */, 31 /* SETFCAP */};
+static int guest_full_root; /* rollbox.fullroot=1 on the kernel command line */
+
+static int drop_guest_caps(void)
+{
+    for (int cap = 0; cap < 64; cap++) {
+        int keep = 0;
+        for (size_t i = 0; i < sizeof guest_kept_caps / sizeof guest_kept_caps[0]; i++)
+            keep |= guest_kept_caps[i] == cap;
+        if (keep)
+            continue;
+        if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0) {
+            if (errno == EINVAL)
+                break; /* past the kernel's last capability */
+            return -1;
+        }
+    }
+    if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0 && errno != EINVAL)
+        return -1;
+    struct { uint32_t version; int pid; } hdr = {0x20080522 /* _LINUX_CAPABILITY_VERSION_3 */, 0};
+    struct { uint32_t effective, permitted, inheritable; } data[2];
+    if (syscall(SYS_capget, &hdr, data) < 0)
+        return -1;
+    data[0].inheritable = data[1].inheritable = 0;
+    return syscall(SYS_capset, &hdr, data) < 0 ? -1 : 0;
+}
 
 static void spawn_failed(uint32_t id, int err, const char *msg)
 {
@@ -1270,6 +1309,11 @@ static void child_exec(volatile int32_t *report, int in_rd, int out_wr, int err_
     int chroot_fd = in_view && view_fd >= 0 ? view_fd : root_fd;
     if (chroot_fd >= 0 && (fchdir(chroot_fd) < 0 || chroot(".") < 0)) {
         report[0] = ST_CHROOT;
+        goto fail;
+    }
+    if (guest_mode && !guest_full_root && !(flags & EXEC_PLATFORM_TOOL) &&
+        drop_guest_caps() < 0) {
+        report[0] = ST_CAPS;
         goto fail;
     }
     if (uid != getuid() || gid != getgid()) {
@@ -2410,6 +2454,41 @@ static int mount_at(const char *src, const char *dst, const char *type, unsigned
     return 0;
 }
 
+/* The sandbox's /dev: a tmpfs with a container's few character devices, not the guest's
+ * devtmpfs (its raw disks would give a command the layers' bytes past the hidden paths' masks,
+ * and the agent's port). Commands can not make more (no MKNOD) nor mount one (no SYS_ADMIN);
+ * the unhardened twin (rollbox.fullroot=1) gets the devtmpfs. */
+static int sandbox_dev(const char *dev)
+{
+    if (guest_full_root)
+        return mount_at("devtmpfs", dev, "devtmpfs", MS_NOSUID, "mode=0755");
+    if (mount_at("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k") < 0)
+        return -1;
+    static const struct { const char *name; unsigned maj, min; mode_t mode; } nodes[] = {
+        {"null", 1, 3, 0666}, {"zero", 1, 5, 0666}, {"full", 1, 7, 0666},
+        {"random", 1, 8, 0666}, {"urandom", 1, 9, 0666}, {"tty", 5, 0, 0666}};
+    static const char *const links[][2] = {
+        {"fd", "/proc/self/fd"}, {"stdin", "/proc/self/fd/0"}, {"stdout", "/proc/self/fd/1"},
+        {"stderr", "/proc/self/fd/2"}, {"ptmx", "pts/ptmx"}};
+    char path[128];
+    for (size_t i = 0; i < sizeof nodes / sizeof nodes[0]; i++) {
+        snprintf(path, sizeof path, "%s/%s", dev, nodes[i].name);
+        if (mknod(path, S_IFCHR | nodes[i].mode, makedev(nodes[i].maj, nodes[i].min)) < 0 ||
+            chmod(path, nodes[i].mode) < 0) {
+            boot_fail(errno, "mknod %s", path);
+            return -1;
+        }
+    }
+    for (size_t i = 0; i < sizeof links / sizeof links[0]; i++) {
+        snprintf(path, sizeof path, "%s/%s", dev, links[i][0]);
+        if (symlink(links[i][1], path) < 0) {
+            boot_fail(errno, "symlink %s", path);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static int write_file(const char *path, const char *text)
 {
     int fd = open(path, O_WRONLY | O_CLOEXEC);
@@ -2585,6 +2664,8 @@ static int guest_init(void)
     /* The sandbox's pids limit on the parent of every session cgroup (a fork bomb fills it,
      * not the guest's process table); on the command line, so a template's restored guest
      * has the limit of its key. */
+    cmdline_value(cmdline, "rollbox.fullroot", val, sizeof val);
+    guest_full_root = strcmp(val, "1") == 0;
     cmdline_value(cmdline, "rollbox.pids", val, sizeof val);
     if (val[0] && strspn(val, "0123456789") != strlen(val))
         boot_fail(EINVAL, "rollbox.pids=%s", val);
@@ -2653,7 +2734,7 @@ static int guest_init(void)
                       NULL) == 0 &&
              mount_at("cgroup2", SANDBOX_ROOT "/sys/fs/cgroup", "cgroup2",
                       MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) == 0 &&
-             mount_at("devtmpfs", SANDBOX_ROOT "/dev", "devtmpfs", MS_NOSUID, "mode=0755") == 0 &&
+             sandbox_dev(SANDBOX_ROOT "/dev") == 0 &&
              mount_at("devpts", SANDBOX_ROOT "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
                       "newinstance,ptmxmode=0666,mode=0620") == 0 &&
              mount_at("tmpfs", SANDBOX_ROOT "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV,

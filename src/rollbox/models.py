@@ -123,6 +123,7 @@ class SandboxUsage(BaseModel):
     A microVM's memory is its QEMU's, whatever the guest says."""
     memory_bytes: int | None = None
     cpu_usage_us: int | None = None
+    cpu_throttled_us: int | None = None  # time its CPU quota held it back
     oom_kills: int = 0
     disk_bytes: int | None = None
 

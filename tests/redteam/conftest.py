@@ -10,6 +10,7 @@ the few marked ``@microvm_default``, which the default tier runs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import shutil
@@ -17,6 +18,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import pytest
@@ -67,6 +69,19 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("backend_kind", params)
 
 
+@contextlib.contextmanager
+def create_flags(edge: Any, kind: str, **flags: Any) -> Iterator[None]:
+    """The edge's creates of ``kind`` get the backend's test-only ``flags`` (``hardened=False``:
+    a container with every capability and no masks, seccomp or Landlock; a microVM whose
+    commands keep every capability of the guest's root)."""
+    backend = edge.backends[kind]
+    backend.create = functools.partial(type(backend).create, backend, **flags)
+    try:
+        yield
+    finally:
+        del backend.create
+
+
 @dataclass
 class Boxes:
     edge: Any
@@ -77,19 +92,12 @@ class Boxes:
                    hidden: tuple[str, ...] = (), network: list[str] | None = None,
                    disk_tier: Literal["disk", "memory"] = "disk", **resources: Any) -> str:
         """network: None = loopback only; a list = a network policy with these allow rules."""
-        if not hardened:
-            assert self.kind == "container", "the unhardened twin is a container-backend switch"
         spec = SandboxSpec(image=image, resources=Resources(**resources), backend=self.kind,
                            hidden_paths=list(hidden), disk_tier=disk_tier,
                            network=NetworkPolicy(allow=network) if network is not None else None)
-        backend = self.edge.backend
         async with self.lock:  # the wrapper is per call: never mix flags across creations
-            backend.create = functools.partial(type(backend).create, backend,
-                                               hardened=hardened)
-            try:
+            with create_flags(self.edge, self.kind, hardened=hardened):
                 info = await self.edge.create(spec, "redteam")
-            finally:
-                del backend.create
         return info.id
 
     async def run(self, sid: str, cmd: str | list[str], **kw: Any) -> ExecResult:

@@ -21,7 +21,7 @@ from rollbox.errors import NotFound
 from rollbox.models import ExecResult, ExecSpec
 from tests.conftest import have_image
 from tests.helpers.e2b_node import e2b_node
-from tests.redteam.conftest import needs_root
+from tests.redteam.conftest import needs_root, offered_or_skip
 from tests.redteam.test_container_shell import ATTACK, TROJAN, TRUE_CMD
 
 e2b = pytest.importorskip("e2b")
@@ -72,10 +72,22 @@ async def env() -> AsyncIterator[Env]:
         yield Env(url, key, edge)
 
 
-async def test_a1_e2b_commands_run_ignores_trojan_shells(env: Env) -> None:
+# Every door on both backends (E2B creates containers: its microVM run connects to one made
+# through the native API); the microVM runs are in the slow tier.
+KINDS = [pytest.param("container", id="container"),
+         pytest.param("microvm", id="microvm", marks=pytest.mark.microvm_slow)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a1_e2b_commands_run_ignores_trojan_shells(env: Env, kind: str) -> None:
     from e2b import AsyncSandbox, CommandExitException
 
-    sbx = await AsyncSandbox.create("base", timeout=120)
+    if kind == "container":
+        sbx = await AsyncSandbox.create("base", timeout=120)
+    else:
+        offered_or_skip(env.edge, kind)
+        sbx = await AsyncSandbox.connect((await env.edge.create(_spec(kind),
+                                                                "redteam-shell")).id)
     try:
         await env.attack(sbx.sandbox_id)
         with pytest.raises(CommandExitException) as e:
@@ -93,8 +105,10 @@ async def test_a1_e2b_commands_run_ignores_trojan_shells(env: Env) -> None:
         await sbx.kill()
 
 
-async def test_a1_swerex_execute_and_session_ignore_trojan_shells(env: Env) -> None:
-    info = await env.edge.create(_spec(), "redteam-shell")
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a1_swerex_execute_and_session_ignore_trojan_shells(env: Env, kind: str) -> None:
+    offered_or_skip(env.edge, kind)
+    info = await env.edge.create(_spec(kind), "redteam-shell")
     sid = info.id
     rt = env.runtime(sid)
     try:
@@ -121,8 +135,10 @@ async def test_a1_swerex_execute_and_session_ignore_trojan_shells(env: Env) -> N
         await env.edge.delete(sid)
 
 
-async def test_a1_session_exit_status_and_end_not_forgeable(env: Env) -> None:
-    info = await env.edge.create(_spec(), "redteam-shell")
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a1_session_exit_status_and_end_not_forgeable(env: Env, kind: str) -> None:
+    offered_or_skip(env.edge, kind)
+    info = await env.edge.create(_spec(kind), "redteam-shell")
     sid = info.id
     rt = env.runtime(sid)
     try:
@@ -171,6 +187,6 @@ FORGE = ("printf() { builtin printf \"$1\" 0; }; "
          "PROMPT_COMMAND='builtin printf __RBXforged__0__'")
 
 
-def _spec() -> Any:
+def _spec(kind: str = "container") -> Any:
     from rollbox.models import SandboxSpec
-    return SandboxSpec(image=DEB)
+    return SandboxSpec(image=DEB, backend=kind)

@@ -6,7 +6,7 @@ import pytest
 
 from rollbox.errors import NotFound
 from tests.conftest import needs_python
-from tests.redteam.conftest import BB, PY, Boxes, container_only, microvm_open, needs_root
+from tests.redteam.conftest import BB, PY, Boxes, container_only, needs_root
 
 pytestmark = needs_root
 
@@ -77,7 +77,6 @@ async def test_landlock_keeps_the_tree_usable(boxes: Boxes) -> None:
     assert r.exit_code == 0, r
 
 
-@microvm_open("finding: a hidden file (/etc/group) is still readable by a command in the guest")
 async def test_hidden_paths_absent_for_commands_visible_to_platform(boxes: Boxes) -> None:
     sid = await boxes.make(BB, hidden=("/etc/group",))
     r = await boxes.run(sid, "cat /etc/group | wc -c; cat /etc/passwd | wc -c")
@@ -85,13 +84,44 @@ async def test_hidden_paths_absent_for_commands_visible_to_platform(boxes: Boxes
     # The platform (host-side file API, e.g. to grade) still sees the real file.
     assert b"root" in await boxes.edge.file_read(sid, "/etc/group", 1 << 20)
     # Unmounting the mask, renaming it away or hard-linking it out gets nothing.
-    r = await boxes.run(sid, "umount /etc/group; mv /etc/group /etc/g2; mv /etc /e2; "
-                        "cat /etc/group /etc/g2 /e2/group /e2/g2 2>/dev/null | wc -c")
+    r = await boxes.run(sid, UNDO_MASK)
     assert r.stdout.strip() == "0", r
+    if boxes.kind == "microvm":  # the guest's root: not out of its chroot by init's root either
+        r = await boxes.run(sid, ESCAPE_CHROOT)
+        assert r.stdout.split()[0] == "0" and "chroot=0" not in r.stdout, r
     sid = await boxes.make(BB, hidden=("/etc",))
     r = await boxes.run(sid, "ls -A /etc | wc -l; cat /etc/passwd; echo rc=$?; "
                         "echo x > /etc/new; echo w=$?")
     assert r.stdout.startswith("0\n") and "rc=1" in r.stdout and "w=0" not in r.stdout, r
+
+
+UNDO_MASK = ("umount /etc/group; mv /etc/group /etc/g2; mv /etc /e2; "
+             "cat /etc/group /etc/g2 /e2/group /e2/g2 2>/dev/null | wc -c")
+ESCAPE_CHROOT = ("cat /proc/1/root/layers/*/etc/group /proc/1/root/view/etc/group 2>/dev/null"
+                 " | wc -c; chroot / true; echo chroot=$?")
+
+
+@pytest.mark.microvm_slow
+async def test_vm_hidden_path_mask_alone(vms: Boxes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each layer of a guest's hidden path on its own: without the mask the file is readable
+    (so the mask is what hides it); with the mask but the guest's root keeping every
+    capability (the unhardened twin), the root unmounts it (so the capability drop is what
+    keeps it) and leaves the chroot."""
+    full = await vms.make(BB, hidden=("/etc/group",), hardened=False)
+    r = await vms.run(full, "cat /etc/group | wc -c")
+    assert r.stdout.strip() == "0", r  # masked
+    r = await vms.run(full, UNDO_MASK)
+    assert int(r.stdout) > 0, r  # the mask undone by a root that may unmount
+    r = await vms.run(full, ESCAPE_CHROOT)
+    assert int(r.stdout.split()[0]) > 0 and "chroot=0" in r.stdout, r
+    monkeypatch.setattr("rollbox.backends.microvm.backend.mask_hidden", _no_mask)
+    bare = await vms.make(BB, hidden=("/etc/group",))
+    r = await vms.run(bare, "cat /etc/group | wc -c")
+    assert int(r.stdout) > 0, r  # no mask: the dropped capabilities alone hide nothing
+
+
+async def _no_mask(*_a: object) -> None:
+    pass
 
 
 async def test_masked_hidden_path_leaves_its_parent_usable(boxes: Boxes) -> None:

@@ -86,7 +86,7 @@ async def test_f39_crafted_snapshot_and_download_tars(vms: Boxes, evil_busybox: 
                                                       names: list[str]) -> None:
     canary = f"rbx-f39-{secrets.token_hex(4)}"
     for climbing in (True, False):
-        sid = await vms.make(BB)
+        sid = await vms.make(BB, hardened=False)  # the guest's root with every capability
         pid = qemu_jail.qemu_pids_of(sid)[0]
         await hijack_tools(vms, sid, evil_busybox, crafted_tar(canary, climbing))
         name = new_name(names, "f39")
@@ -128,7 +128,7 @@ async def test_f39_crafted_snapshot_and_download_tars(vms: Boxes, evil_busybox: 
 
 
 async def test_f39_guest_garbles_its_own_disk(vms: Boxes) -> None:
-    sid = await vms.make(BB)
+    sid = await vms.make(BB, hardened=False)  # the guest's root with every capability
     # Root in the guest overwrites its writable disk's superblock (and more) under its own
     # mounted ext4: the guest's kernel may complain; the host never reads it as a filesystem.
     r = await vms.run(sid, "mkdir -p /tmp/sys && mount -t sysfs none /tmp/sys; "

@@ -22,6 +22,7 @@ from rollbox import errors
 from rollbox.config import REPO_ROOT
 from rollbox.models import ExecSpec, Resources, SandboxSpec, SnapshotSpec
 from tests.conftest import have_image, new_name
+from tests.redteam.conftest import create_flags
 
 pytestmark = [
     pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
@@ -70,9 +71,10 @@ async def sh(edge, sid: str, cmd: str) -> None:  # noqa: ANN001
 async def test_guest_replaced_platform_busybox(edge, names: list[str]) -> None:  # noqa: ANN001
     before = CANARY.read_bytes()
     other = await edge.create(SandboxSpec(image="busybox:test"), "p")
-    vm = await edge.create(SandboxSpec(image="busybox:test", backend="microvm",
-                                       resources=Resources(cpus=1, memory_mib=256,
-                                                           disk_mib=64)), "p")
+    with create_flags(edge, "microvm", hardened=False):  # the guest's root, every capability
+        vm = await edge.create(SandboxSpec(image="busybox:test", backend="microvm",
+                                           resources=Resources(cpus=1, memory_mib=256,
+                                                               disk_mib=64)), "p")
     staging = edge.store.tmp_dir
     staged_before = set(os.listdir(staging)) if staging.is_dir() else set()
     await edge.file_write(vm.id, "/tmp/evil", tiny_elf(crafted_tar()), 0o755)

@@ -67,6 +67,7 @@ class Usage:
 
     memory_bytes: int | None = None  # charged on the host (a VM: QEMU's RSS)
     cpu_usage_us: int | None = None
+    cpu_throttled_us: int | None = None  # held back by its CPU quota (the host's measure)
     oom_kills: int = 0  # OOM kills of the sandbox's memory limit so far
     disk_bytes: int | None = None  # used of its writable layer
 

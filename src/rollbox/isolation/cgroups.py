@@ -349,6 +349,24 @@ def memory_bytes(parent: str, sandbox_id: str) -> int | None:
     return None
 
 
+def cpu_throttled_us(parent: str, sandbox_id: str) -> int | None:
+    """How long the sandbox's cgroup was held back by its CPU quota, in microseconds (v1
+    ``cpu.stat`` throttled_time, v2 throttled_usec): the host's own evidence of throttling (a
+    VM's guest does not see its QEMU throttled). None if unknown."""
+    for path, key, ns in ((ROOT / "cpu" / parent / sandbox_id / "cpu.stat", "throttled_time", 1),
+                          (ROOT / "cpu,cpuacct" / parent / sandbox_id / "cpu.stat",
+                           "throttled_time", 1),
+                          (v2_dir(parent, sandbox_id) / "cpu.stat", "throttled_usec", 0)):
+        try:
+            for line in path.read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value) // 1000 if ns else int(value)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def cpu_usage_us(parent: str, sandbox_id: str) -> int | None:
     """CPU time used by the sandbox's cgroup in microseconds (v1 cpuacct, v2 cpu.stat)."""
     for path in (ROOT / "cpuacct" / parent / sandbox_id / "cpuacct.usage",

@@ -415,6 +415,7 @@ class ContainerBackend:
         parent = self.settings.cgroup_parent
         return Usage(memory_bytes=cgroups.memory_bytes(parent, sb.id),
                      cpu_usage_us=cgroups.cpu_usage_us(parent, sb.id),
+                     cpu_throttled_us=cgroups.cpu_throttled_us(parent, sb.id),
                      oom_kills=self.oom_kills(sb))
 
     def oom_kills(self, sb: ContainerSandbox) -> int:  # type: ignore[override]

@@ -67,6 +67,7 @@ CONSOLE_KEEP = 16 << 10
 NET_CONFIG_TIMEOUT_S = 20.0
 ADOPT_TIMEOUT_S = 5.0
 QEMU_PIDS = 256
+FULL_ROOT_ARG = "rollbox.fullroot=1"  # the agent leaves commands every capability (agent.c)
 PR_SET_CHILD_SUBREAPER = 36  # QEMU's threads: vCPUs, main loop, RCU, the block layer's worker pool
 
 # (socket path, timeout) -> the agent's channel once it said READY. The agent's byte-stream
@@ -342,15 +343,20 @@ class MicroVMBackend:
     async def create(self, sandbox_id: str, spec: ResolvedSpec, *,
                      boot_timeout_s: float | None = None,
                      machine: qemu.MachineSpec | None = None,
-                     check_boot: bool = True) -> MicroVM:
+                     check_boot: bool = True, hardened: bool = True) -> MicroVM:
         """A microVM whose agent answered: restored from the spec's template when templates
         are on (the first create of a key builds it), else, or when that fails, booted cold.
         ``machine`` overrides the spec's (probe, tests) and always boots cold;
         ``check_boot=False`` accepts a guest whose agent answers although its boot failed
-        (the accelerator probe has no layers to mount)."""
+        (the accelerator probe has no layers to mount). ``hardened=False``: the red-team
+        tests' twin whose commands keep every capability of the guest's root (what a guest
+        kernel exploit gives; never from the API), booted cold."""
         self.check_spec(spec)
         timeout = boot_timeout_s or self.settings.vm_boot_timeout_s
         vm = None
+        if not hardened:
+            base = machine or self.machine_for(spec)
+            machine = replace(base, extra_cmdline=base.extra_cmdline + (FULL_ROOT_ARG,))
         if machine is None and self.templates is not None:
             vm = await self._restore(sandbox_id, spec, self.machine_for(spec), timeout)
         if vm is None:
@@ -826,6 +832,8 @@ class MicroVMBackend:
     def usage(self, h: MicroVM) -> Usage:  # type: ignore[override]
         return Usage(memory_bytes=cgroups.memory_bytes(self.settings.cgroup_parent, h.id),
                      cpu_usage_us=cgroups.cpu_usage_us(self.settings.cgroup_parent, h.id),
+                     cpu_throttled_us=cgroups.cpu_throttled_us(self.settings.cgroup_parent,
+                                                               h.id),
                      oom_kills=self.oom_kills(h))
 
     def oom_kills(self, h: MicroVM) -> int:  # type: ignore[override]
