@@ -179,9 +179,10 @@ async def test_b9_cpu_storm_throttled(boxes: Boxes) -> None:
     used_s, throttled_s, wall, out = await cpu_storm(boxes, sid)
     if boxes.kind == "container":  # the sandbox's own CPU times see its cgroup's quota
         assert float(out) < 1.6, out  # 4 spinners x 2 s would be 8 (or 4 on 2 cores)
-    # The host's measure: held back by its quota, and at most its 0.5 CPU over the wall time.
-    assert throttled_s > 0, (used_s, throttled_s, wall)
+    # The host's measure: at most its 0.5 CPU over the wall time, and held back by its quota
+    # (unless the node was too busy to give it even that much: then nothing needed holding).
     assert used_s > 0.1 and within_quota(used_s, wall, 0.5), (used_s, throttled_s, wall)
+    assert throttled_s > 0 or used_s < 0.5 * wall * 0.9, (used_s, throttled_s, wall)
 
 
 @needs_python
