@@ -1,5 +1,6 @@
-"""What an idle restored microVM costs the host (docs/backends/microvm.md, "Memory"): the guest
-makes no tracefs (thousands of inodes of slab per VM), and a copy restore (no shared template
+"""What an idle restored microVM costs the host (docs/backends/microvm.md, "Memory"): its guest
+idles without a periodic tick (host CPU under TCG), makes no tracefs (thousands of inodes of
+slab per VM), and a copy restore (no shared template
 RAM: QEMU < 8.2 or ``vm_template_shared_ram`` off) does not load the pages its template's
 guest had freed: a template's free memory is zeroed before its save. The first test restores
 the session's one template (tests/conftest.py ``vm_template_node``); the copy restore builds a
@@ -45,9 +46,10 @@ def resident_pages(pid: int, memory_mib: int) -> set[int]:
     return {i for i, pfn in own.items() if n == 1 or pfn != zero_pfn}
 
 
-async def restored_vm_memory(settings: Settings) -> tuple[int, list[str]]:
+async def restored_vm_memory(settings: Settings) -> tuple[int, list[str], str]:
     """One VM restored from the node's template, right after its create: MiB of guest RAM
-    QEMU holds of its own, and the names in its guest's tracefs."""
+    QEMU holds of its own, the names in its guest's tracefs, and its guest's clocksource and
+    tick mode (/proc/timer_list)."""
     async with vm_backend(settings) as b:
         spec = template_spec(settings)
         vm: MicroVM = await b.create(f"{settings.node_id}-mem", spec)
@@ -57,21 +59,34 @@ async def restored_vm_memory(settings: Settings) -> tuple[int, list[str]]:
             held = len(resident_pages(vm.pid, spec.resources.memory_mib)) >> 8
             code, out = await run_shell(
                 vm, "mkdir -p /tmp/t && mount -t tracefs none /tmp/t && echo tracefs: "
-                "$(ls /tmp/t); umount /tmp/t", vm.image_env, 60)
+                "$(ls /tmp/t); umount /tmp/t; "
+                "echo clock: $(cat /sys/devices/system/clocksource/clocksource0/"
+                "current_clocksource) $(grep -E 'nohz_mode|Tick Device' /proc/timer_list)",
+                vm.image_env, 60)
             assert code == 0, out
         finally:
             await b.destroy(vm)
         assert b.leftovers(vm.id) == []
-    return held, out.decode().split("tracefs:", 1)[1].split()
+    text = out.decode()
+    return held, text.split("tracefs:", 1)[1].split("clock:")[0].split(), text.split("clock:")[1]
 
 
-async def test_a_restored_guest_has_no_tracefs(vm_template_node: Settings) -> None:
-    held, listing = await restored_vm_memory(vm_template_node)
+async def test_a_restored_guest_has_no_tracefs_and_idles_without_ticks(
+        vm_template_node: Settings) -> None:
+    held, listing, clock = await restored_vm_memory(vm_template_node)
     # no tracer files, no events of the kernel's own (a module's events come at the root:
     # a few directories)
     assert not {"events", "trace", "available_tracers"} & set(listing), listing
     # shared template RAM (QEMU >= 8.2): what it has not written is the template's page cache
     assert held <= COPY_RESTORED_MAX_MIB, f"{held} MiB of guest RAM of its own"
+    # Tickless idle: the TSC kept as clocksource (tsc=reliable: on a loaded host the boot's
+    # watchdog fell back to jiffies) and the APIC timer one-shot (+arat): an idle guest's
+    # timer fires a few times a second, not 250 (each wakeup is host CPU under TCG; measured
+    # ~0.03 host cores per idle VM with periodic ticks, ~0.003 tickless)
+    words = clock.split()
+    assert words[0] == "tsc", clock
+    assert "nohz_mode : 2" in " ".join(words), clock  # NOHZ_MODE_HIGHRES
+    assert "Tick Device: mode: 1" in " ".join(words), clock  # one-shot, not periodic
 
 
 @pytest.mark.microvm_slow
@@ -80,7 +95,7 @@ async def test_a_copy_restore_does_not_load_the_templates_free_pages(
     settings = node_settings(tmp_node_dir)
     settings.vm_template_shared_ram = False
     with template_node(settings) as node:
-        held, _ = await restored_vm_memory(node)
+        held, _, _ = await restored_vm_memory(node)
     # The host holds what the guest uses (kernel, slab, initramfs, caches), not the pages
     # it had freed before its template was saved
     assert held <= COPY_RESTORED_MAX_MIB, f"{held} MiB of guest RAM resident"

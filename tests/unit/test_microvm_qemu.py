@@ -30,6 +30,7 @@ def test_command_line_has_the_hardening_and_devices() -> None:
     assert argv[argv.index("-smp") + 1] == "2" and argv[argv.index("-m") + 1] == "256"
     cmdline = argv[argv.index("-append") + 1].split()
     assert "tsc_early_khz=2245780" in cmdline and f"lpj={2_245_780 * 1000 // 250}" in cmdline
+    assert "tsc=reliable" in cmdline  # no fallback to jiffies on a loaded host (tickless idle)
     assert "rollbox.layers=1" in cmdline and "rollbox.rw=1" in cmdline
     assert argv[argv.index("-accel") + 1].startswith("tcg,tb-size=")
     # the guest CPU: x86-64-v2 for the guest's userspace, not `max` (slower boot and exec)

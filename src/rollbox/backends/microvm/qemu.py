@@ -24,7 +24,8 @@ Guest kernel command line (read by the agent as init): ``rollbox.layers=N`` and
 ``rollbox.rw=1`` say which disks exist (the agent finds them by their virtio serial, not by
 probe order); ``rollbox.pids=N`` is the sandbox's pids limit, set by the agent on the parent of
 its session cgroups (on the command line, so it is part of a template's key);
-``tsc_early_khz``/``lpj`` skip the PIT calibration microvm can hang on under TCG; ``quiet``
+``tsc_early_khz``/``lpj`` skip the PIT calibration microvm can hang on under TCG (with
+``tsc=reliable``: :data:`TSC_RELIABLE`); ``quiet``
 because every console byte costs an emulated UART write; the rest of
 :data:`FAST_BOOT_CMDLINE` cuts boot work that costs much under TCG (measured, see there and
 docs/backends/microvm.md); no tracefs for the guest's memory
@@ -65,7 +66,17 @@ HZ = 250  # CONFIG_HZ of Debian's cloud kernel: lpj = kHz * 1000 / HZ
 # 1770 ms, 100 fork+exec in the guest 1469 vs 776 ms). Not an Intel model (Nehalem...):
 # the guest kernel then assumes Meltdown/MDS and turns on page table isolation, a TLB flush
 # per syscall under TCG (100 fork+exec 1720 ms). Both QEMU 7.2 and 10 support every flag.
-TCG_CPU = "qemu64,+ssse3,+sse4.1,+sse4.2,+popcnt"
+# +arat (the APIC timer keeps running in idle states): without it the guest's local APIC timer
+# needs a broadcast device in deep idle, microvm has none, so the kernel never leaves periodic
+# ticks for tickless idle: an idle VM woke 250 times a second (~0.03 host cores each, 100 idle
+# VMs more than this host's 2 cores); with it and TSC_RELIABLE below ~8 a second, ~0.003.
+TCG_CPU = "qemu64,+ssse3,+sse4.1,+sse4.2,+popcnt,+arat"
+# The guest's clock under TCG: QEMU's TSC follows the host's clock, so it is reliable; without
+# saying so the kernel's clocksource watchdog compares it with jiffies during boot, and on a
+# loaded host (late ticks) marks it unstable and falls back to refined-jiffies (4 ms clock
+# resolution in the guest, and no high-resolution timers: no tickless idle either). A
+# template saves that choice into every VM restored from it.
+TSC_RELIABLE = "tsc=reliable"
 # Kernel parameters that cut boot work (each measured under TCG, plain QEMU, interleaved;
 # QEMU CPU to the first exec 2690 -> 2010 ms for the three):
 # - cryptomgr.notests: no self-tests of the crypto algorithms at registration (RSA/DH
@@ -122,7 +133,8 @@ def kernel_cmdline(spec: MachineSpec) -> str:
     if spec.pids > 0:
         args.append(f"rollbox.pids={spec.pids}")
     if spec.tsc_khz > 0:
-        args += [f"tsc_early_khz={spec.tsc_khz}", f"lpj={spec.tsc_khz * 1000 // HZ}"]
+        args += [f"tsc_early_khz={spec.tsc_khz}", f"lpj={spec.tsc_khz * 1000 // HZ}",
+                 TSC_RELIABLE]
     return " ".join(args + list(spec.extra_cmdline))
 
 
