@@ -23,9 +23,12 @@ cgroup parent, node id, uid range; the node's images and guest artifacts read-on
 5. ``idle``: host memory per idle VM = drop of MemAvailable / N after 10 s idle, with the
    balloon's free-page reporting (the default) and without (a server with
    ``ROLLBOX_MICROVM_FREE_PAGE_REPORTING=0``).
-6. ``density``: idle VMs created one batch at a time until MemAvailable would cross the host
-   reserve (``HOST_RESERVE_MIB``); a VM counts only if it answers an exec within 5 s; host CPU
-   while they idle (``/proc/stat``, cores busy) is reported.
+6. ``density``: idle VMs created at most ``DENSITY_CONCURRENCY`` at a time until
+   ``DENSITY_MAX``, until MemAvailable less what the creates in flight will take would cross
+   the host reserve (``HOST_RESERVE_MIB``), or after ``DENSITY_FAILURES`` failed creates in a
+   row (the server waits ``DENSITY_BOOT_TIMEOUT_S`` for a guest); a VM counts only if it
+   answers an exec within 5 s; the MemAvailable drop per VM after 10 s idle and host CPU while
+   they idle (``/proc/stat``, cores busy) are reported; every VM of the run is deleted.
 7. ``pmem``: 16 VMs running the same Python workload (``PY_WORKLOAD``) with the layers as
    read-only virtio-blk and as virtio-pmem + DAX (q35), the MemAvailable drop of each set, and
    the ratio pmem/blk.
@@ -35,7 +38,9 @@ cgroup parent, node id, uid range; the node's images and guest artifacts read-on
    exec of ``true`` -> kill at concurrency 1 and 8. ``ratio_vs_plain_qemu_c8`` = rollbox c8 /
    plain c8.
 
-The last line of ``--json`` is one JSON object.
+``--only a,b`` runs just those phases (``PHASES``: restore, exec, cycles, idle, density,
+cold, no_reporting, plain, pmem; the template is built first either way). The last line of
+``--json`` is one JSON object.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import sys
 import tempfile
@@ -57,14 +63,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.container import exec_round_trips, meminfo, report, run_cycles, say  # noqa: E402
 from bench.images import machine_busy_s, proc_cpu_s  # noqa: E402
 from bench.rl import scratch_server_settings  # noqa: E402
-from rollbox.backends.microvm.qemu import FAST_BOOT_CMDLINE, TCG_CPU, firmware_args  # noqa: E402
+from rollbox.backends.microvm.qemu import (  # noqa: E402
+    FAST_BOOT_CMDLINE, TCG_CPU, TSC_RELIABLE, firmware_args,
+)
 from rollbox.backends.microvm.qemu import HZ as KERNEL_HZ  # noqa: E402
 from rollbox.backends.microvm.qemu import host_tsc_khz, private_file_ram  # noqa: E402
 from rollbox.backends.microvm.qemu import version as qemu_version  # noqa: E402
 from rollbox.config import Settings  # noqa: E402
 from rollbox.demo import _pct  # noqa: E402
 from rollbox.embedded import ServerProcess  # noqa: E402
-from rollbox.errors import InfraError  # noqa: E402
+from rollbox.errors import CapacityExceeded, InfraError  # noqa: E402
 
 IMAGE = "busybox:test"
 PY_IMAGE = "python:3.11"
@@ -73,8 +81,13 @@ BACKEND = "microvm"
 VM_MEMORY_MIB = 256
 VM_DISK_MIB = 256
 VM = {"cpus": 1, "memory_mib": VM_MEMORY_MIB, "disk_mib": VM_DISK_MIB}
-HOST_RESERVE_MIB = 2048
-DENSITY_MAX, DENSITY_QUICK = 160, 8  # idle VMs tried at most (the issue's target: 100)  # density stops before MemAvailable would cross this
+HOST_RESERVE_MIB = 2048  # density stops before MemAvailable would cross this
+DENSITY_MAX, DENSITY_QUICK = 160, 8  # idle VMs tried at most (the issue's target: 100)
+DENSITY_CONCURRENCY = 2  # creates in flight in the density phase (2 cores here)
+DENSITY_FAILURES = 4  # failed creates in a row that end the density phase
+# The benchmark's server waits this long for a guest to answer (the node's default is 60 s):
+# a restore next to 100 idle VMs on a host others load too can take more than a minute.
+DENSITY_BOOT_TIMEOUT_S = 180
 IDLE_SETTLE_S = 10.0  # idle time before MemAvailable is read (balloon, free-page reporting)
 EXEC_ANSWER_S = 5.0  # a VM counts as held only if it answers an exec within this
 # Same work in every VM: import a few modules and keep 40 MiB of Python objects alive.
@@ -102,7 +115,9 @@ class Server(ServerProcess):
         super().__init__(scratch_server_settings(root, "vm", 48, 1024))
         assert self.env is not None
         self.step_log = root / "vm-steps.jsonl"  # one line per create (backends/microvm/steps.py)
-        self.env.update({"ROLLBOX_VM_STEP_LOG": str(self.step_log), **(extra_env or {})})
+        self.env.update({"ROLLBOX_VM_STEP_LOG": str(self.step_log),
+                         "ROLLBOX_VM_BOOT_TIMEOUT": str(DENSITY_BOOT_TIMEOUT_S),
+                         **(extra_env or {})})
 
     def step_lines(self) -> list[dict[str, Any]]:
         try:
@@ -272,33 +287,66 @@ def vms_cpu_s(cgroup_parent: str) -> float:
 
 
 async def density(client: Any, image: str, limit: int, cgroup_parent: str,
-                  batch: int = 8) -> dict[str, Any]:
-    """Create idle VMs a batch at a time until the next batch would cross the host reserve
-    (estimated from the last batch's cost) or ``limit``; count those that answer in 5 s."""
+                  conc: int = DENSITY_CONCURRENCY) -> dict[str, Any]:
+    """Create idle VMs, at most ``conc`` at a time (restores are CPU under TCG: more in flight
+    only queue on the host's cores), until ``limit``, until MemAvailable less what the VMs in
+    flight will take (the mean cost so far) would cross the host reserve, or after
+    ``DENSITY_FAILURES`` failed creates in a row; each create may take the server's boot bound
+    (``DENSITY_BOOT_TIMEOUT_S``). After IDLE_SETTLE_S the MemAvailable drop per VM and host CPU
+    over 10 s; then each VM in turn must answer ``true`` in 5 s to count as held. Every VM of
+    the run (found by its label, whether or not its create answered) is deleted at the end."""
     reserve = HOST_RESERVE_MIB << 20
+    label = {"bench": f"density-{secrets.token_hex(4)}"}
     boxes: list[Any] = []
-    failed = 0
+    create_s: list[float] = []
+    failed = in_a_row = 0
     stop_reason = "limit"
+    flying: set[asyncio.Task[Any]] = set()
+    await asyncio.sleep(2)
+    avail0 = mem_available()
+    t_start = time.monotonic()
+
+    async def create() -> Any:
+        t = time.monotonic()
+        sb = await client.create(image, backend=BACKEND, **VM, ttl_s=3600, labels=label)
+        create_s.append(time.monotonic() - t)
+        return sb
+
+    def per_vm_bytes() -> int:
+        """Mean host memory per VM so far (the guest's size before the first one)."""
+        return (max(0, avail0 - mem_available()) // len(boxes) if boxes
+                else VM_MEMORY_MIB << 20)
+
     try:
-        while len(boxes) < limit:
-            avail0 = mem_available()
-            got = await asyncio.gather(*(client.create(image, backend=BACKEND, **VM, ttl_s=1800)
-                                         for _ in range(min(batch, limit - len(boxes)))),
-                                       return_exceptions=True)
-            for g in got:
-                if isinstance(g, BaseException):
-                    failed += 1
-                    say(f"  density create failed: {type(g).__name__}: {g}")
-                else:
-                    boxes.append(g)
-            if failed > 8:
-                stop_reason = "create failures"
+        while True:
+            while (stop_reason == "limit" and len(flying) < conc
+                   and len(boxes) + len(flying) < limit):
+                if mem_available() - per_vm_bytes() * (len(flying) + 1) < reserve:
+                    stop_reason = "host reserve"
+                    break
+                flying.add(asyncio.ensure_future(create()))
+            if not flying:
                 break
-            per_batch = max(0, avail0 - mem_available())
-            if mem_available() - 2 * per_batch < reserve:
-                stop_reason = "host reserve"
-                break
+            done, flying = await asyncio.wait(flying, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                exc = t.exception()
+                if exc is None:
+                    boxes.append(t.result())
+                    in_a_row = 0
+                    if len(boxes) % 10 == 0:
+                        say(f"  density: {len(boxes)} VMs, {mem_available() >> 20} MiB "
+                            f"available, create p50 {_pct(create_s, 50):.1f} s")
+                    continue
+                failed += 1
+                in_a_row += 1
+                say(f"  density create failed: {type(exc).__name__}: {str(exc)[:300]}")
+                if isinstance(exc, CapacityExceeded):
+                    stop_reason = f"admission ({exc.details.get('reason', exc)})"
+                elif in_a_row >= DENSITY_FAILURES and stop_reason == "limit":
+                    stop_reason = "create failures"
+        created_s = time.monotonic() - t_start
         await asyncio.sleep(IDLE_SETTLE_S)
+        after = mem_available()
         b0, v0, t0 = machine_busy_s(), vms_cpu_s(cgroup_parent), time.monotonic()
         await asyncio.sleep(10)
         wall = time.monotonic() - t0
@@ -308,9 +356,21 @@ async def density(client: Any, image: str, limit: int, cgroup_parent: str,
         for sb in boxes:  # sequential: each answer timed on its own
             held += await answers(sb)
         return {"created": len(boxes), "held": held, "create_failed": failed,
-                "stop": stop_reason, "mem_available_mib": mem_available() >> 20,
+                "stop": stop_reason, "concurrency": conc, "create_wall_s": created_s,
+                "create_p50_s": _pct(create_s, 50), "create_p99_s": _pct(create_s, 99),
+                "create_max_s": max(create_s, default=0.0),
+                "mib_per_vm": (avail0 - after) / max(1, len(boxes)) / (1 << 20),
+                "mem_available_mib": after >> 20,
                 "idle_host_cpu_cores": idle_cores, "idle_vms_cpu_cores": vm_cores}
     finally:
+        for t in flying:
+            t.cancel()
+        for r in await asyncio.gather(*flying, return_exceptions=True):
+            if not isinstance(r, BaseException):
+                boxes.append(r)
+        with contextlib.suppress(Exception):  # creates whose answer never came back
+            known = {sb.id for sb in boxes}
+            boxes += [sb for sb in await client.list(labels=label) if sb.id not in known]
         await delete_all(boxes)
 
 
@@ -383,7 +443,8 @@ class PlainQemu:
         cmdline = ["quiet", "panic=-1", "reboot=t", "pci=off", *FAST_BOOT_CMDLINE,
                    f"rollbox.layers={len(self.layers)}", "rollbox.rw=1"]
         if khz:
-            cmdline += [f"tsc_early_khz={khz}", f"lpj={khz * 1000 // KERNEL_HZ}"]
+            cmdline += [f"tsc_early_khz={khz}", f"lpj={khz * 1000 // KERNEL_HZ}",
+                        TSC_RELIABLE]
         args = ["qemu-system-x86_64", "-M", "microvm,rtc=on,x-option-roms=off,isa-serial=off",
                 "-accel", "tcg,tb-size=64", "-cpu", TCG_CPU, "-smp", "1",
                 "-m", str(self.memory_mib), *firmware_args(shutil.which("qemu-system-x86_64") or ""),
@@ -549,7 +610,8 @@ class LayerProbeVM:
         cmdline = ["console=ttyS0", "quiet", "panic=-1", f"probe.mode={self.mode}",
                    f"probe.layers={len(self.layers)}"]
         if khz:
-            cmdline += [f"tsc_early_khz={khz}", f"lpj={khz * 1000 // KERNEL_HZ}"]
+            cmdline += [f"tsc_early_khz={khz}", f"lpj={khz * 1000 // KERNEL_HZ}",
+                        TSC_RELIABLE]
         total = sum(p.stat().st_size for p in self.layers) >> 20
         args = ["qemu-system-x86_64", "-M", "q35", "-accel", "tcg,tb-size=64", "-cpu", "max",
                 "-smp", "1", "-m", f"{VM_MEMORY_MIB},slots=8,maxmem={VM_MEMORY_MIB + total + 64}M",
@@ -636,6 +698,9 @@ async def layer_device_memory(n: int, quick: bool) -> dict[str, Any]:
 
 # ---- the run ---------------------------------------------------------------------------------
 
+# The phases (``--only``): those on the default server, then the other servers' and the peers'.
+ROLLBOX_PHASES = frozenset({"restore", "exec", "cycles", "idle", "density"})
+PHASES = ROLLBOX_PHASES | {"cold", "no_reporting", "plain", "pmem"}
 # The switches compared (read by the microVM backend through config.py).
 TEMPLATES_OFF = {"ROLLBOX_VM_TEMPLATES": "0"}
 FREE_PAGE_REPORTING_OFF = {"ROLLBOX_VM_FREE_PAGE_REPORTING": "0"}
@@ -648,8 +713,10 @@ def image_layers(image: str) -> list[Path]:
     return [store.layer_path(d) for d in store.resolve(image).layers]
 
 
-async def rollbox_phases(srv: Server, quick: bool, res: dict[str, Any]) -> None:
-    """Everything on the default server (templates and free-page reporting on)."""
+async def rollbox_phases(srv: Server, quick: bool, res: dict[str, Any],
+                         phases: frozenset[str] = PHASES) -> None:
+    """Everything on the default server (templates and free-page reporting on); of
+    restore/exec/cycles/idle/density those in ``phases``."""
     from rollbox.sdk import AsyncClient
 
     res["accel"], res["accel_reason"] = srv.accel()
@@ -657,33 +724,53 @@ async def rollbox_phases(srv: Server, quick: bool, res: dict[str, Any]) -> None:
     async with AsyncClient(base_url=srv.url, api_key=srv.key, timeout=300) as client:
         warm = await first_exec(client, IMAGE, 2)  # builds the template of the key
         say(f"warm-up (template build): p50 {warm['p50_ms']:.0f} ms errors {warm['errors']}")
-        r = await first_exec(client, IMAGE, 8 if quick else 20)
-        res["restore_first_exec_p50_ms"], res["restore_first_exec_p99_ms"] = r["p50_ms"], r["p99_ms"]
-        res["restore_errors"] = r["errors"]
-        say(f"restore -> first exec p50 {r['p50_ms']:.0f} ms p99 {r['p99_ms']:.0f} ms")
-        res["restore_breakdown_p50_ms"] = create_breakdown(srv.step_lines(), r["client_ms"],
-                                                           "restore")
-        say(f"restore breakdown p50 ms: {res['restore_breakdown_p50_ms']}")
-        rtt = await exec_rtt(client, IMAGE, 50 if quick else 300)
-        res["exec_p50_ms"], res["exec_p99_ms"] = rtt["p50_ms"], rtt["p99_ms"]
-        res["guest_fork_exec_ms"] = rtt["guest_fork_exec_ms"]
-        say(f"exec true p50 {rtt['p50_ms']:.2f} ms p99 {rtt['p99_ms']:.2f} ms; guest-side "
-            f"fork+exec {rtt['guest_fork_exec_ms']:.2f} ms")
-        for c, n in ((1, 6 if quick else 10), (8, 16 if quick else 32)):
-            r = await cycles(client, IMAGE, n, c)
-            res[f"per_s_c{c}"], res[f"cycle_p50_ms_c{c}"] = r["per_s"], r["p50_ms"]
-            res[f"cycle_errors_c{c}"] = r["errors"]
-            say(f"create/exec/destroy c{c}: {r['per_s']:.2f}/s p50 {r['p50_ms']:.0f} ms "
-                f"errors {r['errors']}")
-        idle = await idle_memory(client, IMAGE, 4 if quick else 16)
-        res["idle_mib_per_vm"], res["idle_alive"] = idle["mib_per_vm"], idle["alive"]
-        say(f"idle (free-page reporting on): {idle['mib_per_vm']:.1f} MiB per VM "
-            f"({idle['alive']}/{idle['n']} answer)")
-        d = await density(client, IMAGE, DENSITY_QUICK if quick else DENSITY_MAX,
-                          srv.settings.cgroup_parent)
-        res["idle_vms"] = d["held"]
-        res["density"] = d
-        say(f"density: {d}")
+        if "restore" in phases:
+            await restore_phase(srv, client, quick, res)
+        if "exec" in phases:
+            await exec_phase(client, quick, res)
+        if "cycles" in phases:
+            await cycles_phase(client, quick, res)
+        if "idle" in phases:
+            idle = await idle_memory(client, IMAGE, 4 if quick else 16)
+            res["idle_mib_per_vm"], res["idle_alive"] = idle["mib_per_vm"], idle["alive"]
+            say(f"idle (free-page reporting on): {idle['mib_per_vm']:.1f} MiB per VM "
+                f"({idle['alive']}/{idle['n']} answer)")
+        if "density" in phases:
+            d = await density(client, IMAGE, DENSITY_QUICK if quick else DENSITY_MAX,
+                              srv.settings.cgroup_parent)
+            res["idle_vms"] = d["held"]
+            res["density"] = d
+            say(f"density: {d}")
+
+
+async def restore_phase(srv: Server, client: Any, quick: bool, res: dict[str, Any]) -> None:
+    """create -> first exec on the restore path (the template is built)."""
+    r = await first_exec(client, IMAGE, 8 if quick else 20)
+    res["restore_first_exec_p50_ms"], res["restore_first_exec_p99_ms"] = r["p50_ms"], r["p99_ms"]
+    res["restore_errors"] = r["errors"]
+    say(f"restore -> first exec p50 {r['p50_ms']:.0f} ms p99 {r['p99_ms']:.0f} ms")
+    res["restore_breakdown_p50_ms"] = create_breakdown(srv.step_lines(), r["client_ms"],
+                                                       "restore")
+    say(f"restore breakdown p50 ms: {res['restore_breakdown_p50_ms']}")
+
+
+async def exec_phase(client: Any, quick: bool, res: dict[str, Any]) -> None:
+    """``exec(["true"])`` round trips, and the guest's own fork+exec beside them."""
+    rtt = await exec_rtt(client, IMAGE, 50 if quick else 300)
+    res["exec_p50_ms"], res["exec_p99_ms"] = rtt["p50_ms"], rtt["p99_ms"]
+    res["guest_fork_exec_ms"] = rtt["guest_fork_exec_ms"]
+    say(f"exec true p50 {rtt['p50_ms']:.2f} ms p99 {rtt['p99_ms']:.2f} ms; guest-side "
+        f"fork+exec {rtt['guest_fork_exec_ms']:.2f} ms")
+
+
+async def cycles_phase(client: Any, quick: bool, res: dict[str, Any]) -> None:
+    """create -> exec -> destroy at c1 and c8."""
+    for c, n in ((1, 6 if quick else 10), (8, 16 if quick else 32)):
+        r = await cycles(client, IMAGE, n, c)
+        res[f"per_s_c{c}"], res[f"cycle_p50_ms_c{c}"] = r["per_s"], r["p50_ms"]
+        res[f"cycle_errors_c{c}"] = r["errors"]
+        say(f"create/exec/destroy c{c}: {r['per_s']:.2f}/s p50 {r['p50_ms']:.0f} ms "
+            f"errors {r['errors']}")
 
 
 async def cold_phases(srv: Server, quick: bool, res: dict[str, Any]) -> None:
@@ -721,30 +808,49 @@ async def plain_phase(quick: bool, res: dict[str, Any]) -> None:
                 f"{r['first_exec_p50_ms']:.0f} ms errors {r['errors']}")
 
 
-def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
+def main(quick: bool = False, json_out: bool = False,
+         only: frozenset[str] | None = None) -> dict[str, Any]:
+    """The whole benchmark, or with ``only`` just those phases (``PHASES``)."""
+    phases = PHASES if only is None else only
+    if not phases or not phases <= PHASES:
+        raise SystemExit(f"bench microvm: phases are {', '.join(sorted(PHASES))}")
     node = Settings()
     res: dict[str, Any] = {"image": IMAGE, "quick": quick, "load_start": os.getloadavg()[0],
-                           "cores": os.cpu_count(), "qemu": qemu_version(str(node.qemu_binary)),
+                           "cores": os.cpu_count(), "phases": sorted(phases),
+                           "qemu": qemu_version(str(node.qemu_binary)),
                            # what the servers' templates do with their RAM (node capacity)
                            "template_ram": "shared" if node.vm_template_shared_ram
                            and private_file_ram(str(node.qemu_binary)) else "copied"}
     t0 = time.monotonic()
-    with server() as srv:
-        asyncio.run(rollbox_phases(srv, quick, res))
-    with server(TEMPLATES_OFF) as srv:
-        asyncio.run(cold_phases(srv, quick, res))
-    with server(FREE_PAGE_REPORTING_OFF) as srv:
-        asyncio.run(no_reporting_phase(srv, quick, res))
-    asyncio.run(plain_phase(quick, res))
-    layer = asyncio.run(layer_device_memory(4 if quick else 16, quick))
-    res["pmem_vs_blk_mem_ratio"] = layer["ratio"]
-    res["layer_devices"] = layer
-    res["ratio_vs_plain_qemu_c8"] = res["per_s_c8"] / res["plain_qemu_per_s_c8"]
-    res["ratio_vs_plain_qemu_c1"] = res["per_s_c1"] / res["plain_qemu_per_s_c1"]
+    if phases & ROLLBOX_PHASES:
+        with server() as srv:
+            asyncio.run(rollbox_phases(srv, quick, res, phases))
+    if "cold" in phases:
+        with server(TEMPLATES_OFF) as srv:
+            asyncio.run(cold_phases(srv, quick, res))
+    if "no_reporting" in phases:
+        with server(FREE_PAGE_REPORTING_OFF) as srv:
+            asyncio.run(no_reporting_phase(srv, quick, res))
+    if "plain" in phases:
+        asyncio.run(plain_phase(quick, res))
+    if "pmem" in phases:
+        layer = asyncio.run(layer_device_memory(4 if quick else 16, quick))
+        res["pmem_vs_blk_mem_ratio"] = layer["ratio"]
+        res["layer_devices"] = layer
+    for c in (8, 1):
+        if f"per_s_c{c}" in res and f"plain_qemu_per_s_c{c}" in res:
+            res[f"ratio_vs_plain_qemu_c{c}"] = (res[f"per_s_c{c}"]
+                                               / res[f"plain_qemu_per_s_c{c}"])
     res["wall_s"] = time.monotonic() - t0
     res["load_end"] = os.getloadavg()[0]
     return report(res, json_out)
 
 
+def parse_only(text: str) -> frozenset[str] | None:
+    """``--only a,b``: those phases; "" : all."""
+    return frozenset(p.strip() for p in text.split(",") if p.strip()) or None
+
+
 if __name__ == "__main__":
-    main(quick="--quick" in sys.argv, json_out="--json" in sys.argv)
+    only = next((sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a == "--only"), "")
+    main(quick="--quick" in sys.argv, json_out="--json" in sys.argv, only=parse_only(only))

@@ -164,11 +164,14 @@ def bench_disk(quick: bool = typer.Option(False, "--quick"),
 
 @bench_app.command("microvm")
 def bench_microvm(quick: bool = typer.Option(False, "--quick"),
-                  json_out: bool = typer.Option(False, "--json")) -> None:
+                  json_out: bool = typer.Option(False, "--json"),
+                  only: str = typer.Option("", "--only", help="comma-separated phases: "
+                                           "restore,exec,cycles,idle,density,cold,"
+                                           "no_reporting,plain,pmem (default: all)")) -> None:
     """microVMs: create -> first exec (template restore, cold boot), exec round trip, c1/c8
     cycles, idle memory and density, virtio-blk vs virtio-pmem layers; plain QEMU as peer."""
     mod = _load_bench("microvm")
-    mod.main(quick=quick, json_out=json_out)
+    mod.main(quick=quick, json_out=json_out, only=mod.parse_only(only))
 
 
 @bench_app.command("rl")
