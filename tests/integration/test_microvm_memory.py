@@ -7,13 +7,16 @@ the session's one template (tests/conftest.py ``vm_template_node``); the copy re
 template of its own (``microvm_slow``)."""
 from __future__ import annotations
 
+import asyncio
 import collections
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from rollbox.backends.microvm.backend import MicroVM
+from rollbox.backends.microvm import balloon
+from rollbox.backends.microvm.backend import MicroVM, qemu_anon_bytes
 from rollbox.backends.platform_work import run_shell
 from rollbox.config import Settings
 from tests.conftest import node_settings
@@ -100,3 +103,20 @@ async def test_a_copy_restore_does_not_load_the_templates_free_pages(
     # The host holds what the guest uses (kernel, slab, initramfs, caches), not the pages
     # it had freed before its template was saved
     assert held <= COPY_RESTORED_MAX_MIB, f"{held} MiB of guest RAM resident"
+
+
+async def test_a_restored_idle_vm_is_not_squeezed_for_nothing(
+        vm_template_node: Settings) -> None:
+    """The idle squeezer leaves a VM alone whose QEMU holds less than the squeeze would keep
+    plus its minimum gain (balloon.worth_squeezing): a squeeze would free nothing and cost the
+    next command its deflate. (A cold-booted VM is squeezed: test_microvm_agent.)"""
+    settings = replace(vm_template_node, vm_idle_squeeze_s=1.0)
+    async with vm_backend(settings) as b:
+        vm: MicroVM = await b.create(f"{settings.node_id}-nosq", template_spec(settings))
+        try:
+            assert not balloon.worth_squeezing(qemu_anon_bytes(vm.pid), vm.machine.memory_mib)
+            await asyncio.sleep(8)  # the squeezer looks every 0.5 s once a VM idled 1 s
+            assert not vm.squeezed and not vm.jail.squeeze_marker.exists()
+        finally:
+            await b.destroy(vm)
+        assert b.leftovers(vm.id) == []

@@ -19,3 +19,13 @@ def test_the_zeroing_leaves_a_margin_that_grows_with_the_guest() -> None:
     assert balloon.zero_fill_mib(175, 256) == 175 - balloon.ZERO_MARGIN_MIB
     assert balloon.zero_fill_mib(10, 256) == 0
     assert balloon.zero_fill_mib(4000, 4096) == 4000 - 4096 // 32
+
+
+def test_an_idle_squeeze_is_done_only_where_it_frees_enough() -> None:
+    target_mib = balloon.squeeze_target(256) >> 20
+    # a restored idle 256 MiB VM (~81 MiB of QEMU anonymous memory): nothing to gain
+    assert not balloon.worth_squeezing(81 << 20, 256)
+    assert not balloon.worth_squeezing((target_mib + balloon.SQUEEZE_MIN_GAIN_MIB - 1) << 20, 256)
+    # a cold-booted one, or one whose commands left page cache and freed memory: squeezed
+    assert balloon.worth_squeezing((target_mib + balloon.SQUEEZE_MIN_GAIN_MIB) << 20, 256)
+    assert balloon.worth_squeezing(160 << 20, 256)

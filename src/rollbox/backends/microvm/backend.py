@@ -231,6 +231,18 @@ async def _pid_exited(pid: int) -> None:
         os.close(fd)
 
 
+def qemu_anon_bytes(pid: int) -> int:
+    """QEMU's anonymous resident memory (``RssAnon`` of /proc/<pid>/status); 0 if gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"RssAnon:"):
+                    return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def _host_memory_mib() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -776,11 +788,15 @@ class MicroVMBackend:
 
     async def squeeze(self, h: MicroVM, idle_for_s: float | None = None) -> int | None:
         """Squeeze a VM's memory (balloon up to the floor); returns the target bytes. With
-        ``idle_for_s``: only if it is still idle that long (checked under its lock), else None.
+        ``idle_for_s``: only if it is still idle that long (checked under its lock) and holds
+        enough to be worth it (``balloon.worth_squeezing``), else None.
         ``squeezed`` is set before QEMU hears of it, so a ``prepare_exec`` that comes in the
         meantime waits and deflates."""
         if h.machine.ram == qemu.RAM_CLONE:
             return None  # QEMU can not discard a clone's RAM (template.restore_machine)
+        if idle_for_s is not None and not balloon.worth_squeezing(
+                qemu_anon_bytes(h.pid), h.machine.memory_mib):
+            return None
         async with h.lock:
             if idle_for_s is not None and (
                     h.squeezed or h.paused or h.channel.busy()
