@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,6 +42,24 @@ def guest_ram(vm: MicroVM) -> dict[str, object]:
     return cur
 
 
+KNOBS = ("pages_to_scan", "sleep_millisecs", "run")
+
+
+@pytest.fixture
+def host_ksm_restored() -> Iterator[None]:
+    """The host's ksmd as it was before the test: enabling KSM is node-wide and outlives the
+    backend, and a test must not leave every later process of the machine merged."""
+    before = {k: (ksm.SYSFS / k).read_text().strip() for k in KNOBS}
+    try:
+        yield
+    finally:
+        if before["run"] != "1":
+            (ksm.SYSFS / "run").write_text("2")  # unmerge what the test's VMs shared
+        for k in KNOBS:
+            (ksm.SYSFS / k).write_text(before[k])
+
+
+@pytest.mark.usefixtures("host_ksm_restored")
 async def test_clones_share_pages_with_ksm_and_not_without(vm_template_node: Settings) -> None:
     settings = replace(vm_template_node, vm_ksm=True)  # off by default (a side channel)
     async with vm_backend(settings) as b:
