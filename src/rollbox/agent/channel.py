@@ -418,7 +418,8 @@ class AgentChannel:
         self._pings[token] = fut
         try:
             await self._send(P.pack(P.PING, token))
-            await asyncio.wait_for(asyncio.shield(fut), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: see _call
+                await asyncio.shield(fut)
         finally:
             self._pings.pop(token, None)
 
@@ -442,8 +443,12 @@ class AgentChannel:
         self._calls[token] = (reply, fut)
         try:
             await self._send(P.pack(msg_type, token, payload))
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: 3.11's wait_for returns the reply when the
+            # caller's cancellation meets it, and the cancel is lost (a cancelled create
+            # went on to finish)
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(fut)
+        except TimeoutError:
             raise InfraError(f"agent did not answer message {msg_type} within {timeout}s") \
                 from None
         finally:

@@ -206,10 +206,9 @@ class ConsoleTail:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
+            # wait() never raises the reader's end: a cancellation of the caller arriving
+            # meanwhile still propagates (an except CancelledError here swallowed it)
+            await asyncio.wait({self._task})
 
     def tail(self, n: int = 2000) -> str:
         return bytes(self.data[-n:]).decode(errors="replace")

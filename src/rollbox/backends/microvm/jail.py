@@ -286,8 +286,11 @@ class Jail:
             os.close(devnull)
         qlog.start()
         try:
-            code = await asyncio.wait_for(wait_pid(pid), JAILER_TIMEOUT_S)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: 3.11's wait_for returns the result when a
+            # cancellation of the caller meets the jailer's exit, and the cancel is lost
+            async with asyncio.timeout(JAILER_TIMEOUT_S):
+                code = await wait_pid(pid)
+        except TimeoutError:
             os.kill(pid, 9)
             await wait_pid(pid)
             raise InfraError(f"jailer of {self.sandbox_id} did not finish in "
