@@ -50,8 +50,13 @@ class QMP:
             await asyncio.wait_for(loop.sock_connect(sock, str(path)), timeout)
             q = cls(sock, timeout)
             greeting = await q._read()
+            for _ in range(MAX_EVENTS):  # an event QEMU queued as this client connected
+                if "event" not in greeting:
+                    break
+                greeting = await q._read()
             if "QMP" not in greeting:
-                raise InfraError("QMP: no greeting")
+                # the keys only (QEMU's words are guest-influenced): what came instead
+                raise InfraError(f"QMP: no greeting (got keys {sorted(greeting)[:5]})")
             await q.execute("qmp_capabilities")
             return q
         except (OSError, asyncio.TimeoutError) as exc:
