@@ -267,8 +267,9 @@ class AgentChannel:
         sock = socket.socket(socket.AF_UNIX, sock_type | socket.SOCK_CLOEXEC)
         sock.setblocking(False)
         try:
-            await asyncio.wait_for(loop.sock_connect(sock, str(sock_path)), timeout)
-        except (OSError, asyncio.TimeoutError) as exc:
+            async with asyncio.timeout(timeout):
+                await loop.sock_connect(sock, str(sock_path))
+        except (OSError, TimeoutError) as exc:
             sock.close()
             raise InfraError(f"cannot connect to agent at {sock_path}: {exc!r}") from exc
         nonce = secrets.token_bytes(P.NONCE_LEN) if sock_type == socket.SOCK_STREAM else None
@@ -280,18 +281,19 @@ class AgentChannel:
                     await ch._send_raw(P.hello(nonce))
                 left = deadline - loop.time()
                 if left <= 0:
-                    raise asyncio.TimeoutError
+                    raise TimeoutError
                 try:
-                    version = await asyncio.wait_for(
-                        asyncio.shield(ch._ready), min(HELLO_RESEND_S, left) if nonce else left)
+                    async with asyncio.timeout(min(HELLO_RESEND_S, left) if nonce else left):
+                        version = await asyncio.shield(ch._ready)
                     break
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if nonce is None or loop.time() >= deadline:
                         raise
             if version != P.PROTOCOL_VERSION:
                 raise InfraError(f"agent speaks protocol {version}, expected {P.PROTOCOL_VERSION}")
-            entries = await asyncio.wait_for(ch.sessions(), timeout)  # as long again, as before
-        except asyncio.TimeoutError as exc:
+            async with asyncio.timeout(timeout):  # as long again, as before
+                entries = await ch.sessions()
+        except TimeoutError as exc:
             ch.close()
             raise InfraError(f"agent at {sock_path} did not answer within {timeout}s") from exc
         except RollboxError as exc:

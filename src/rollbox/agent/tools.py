@@ -169,8 +169,9 @@ class _Run:
                 return None
             self.wake.clear()
             try:  # waiting for the sandbox, not for our consumer: bounded
-                await asyncio.wait_for(self.wake.wait(), STREAM_IDLE_S)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(STREAM_IDLE_S):
+                    await self.wake.wait()
+            except TimeoutError:
                 raise errors.InfraError(f"a platform tool's stream from the sandbox sent nothing "
                                         f"for {STREAM_IDLE_S:.0f}s") from None
 
@@ -180,18 +181,19 @@ class _Run:
             # not awaited; it is delivered when the sandbox runs again.
             kill = asyncio.ensure_future(self.sess.kill())
             kill.add_done_callback(lambda f: f.cancelled() or f.exception())
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.pump
+            await asyncio.wait({self.pump})
             return
         if not self.pump.done():
             with contextlib.suppress(errors.RollboxError):
                 await self.sess.kill()
             # Wait for its end: a command still starting could create files after a clean-up.
-            with contextlib.suppress(asyncio.TimeoutError, BaseException):
-                await asyncio.wait_for(asyncio.shield(self.pump), HOST_GRACE_S)
-            self.pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError, BaseException):
-                await self.pump
+            # wait() never raises the pump's end, and a cancellation of the caller still
+            # propagates (a suppress(BaseException) here swallowed it)
+            try:
+                await asyncio.wait({self.pump}, timeout=HOST_GRACE_S)
+            finally:
+                self.pump.cancel()
+            await asyncio.wait({self.pump})
 
 
 class _Overflow(Exception):

@@ -102,7 +102,8 @@ class BackgroundServer:
             return
         self.server.should_exit = True
         try:
-            await asyncio.wait_for(asyncio.shield(self._task), 10)
+            async with asyncio.timeout(10):
+                await asyncio.shield(self._task)
         except TimeoutError:
             self.server.force_exit = True
             self._task.cancel()

@@ -166,8 +166,9 @@ async def episode(client: Any, i: int, *, backend: str, task: str, seed: int,
         # session), so a microVM grader does not share the host's CPU with an idle chromium.
         await env_proc.kill(signal.SIGTERM)
         try:
-            await asyncio.wait_for(env_proc.wait(), STOP_TIMEOUT_S)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(STOP_TIMEOUT_S):
+                await env_proc.wait()
+        except TimeoutError:
             await env_proc.kill(signal.SIGKILL)
         t = time.monotonic()
         g = await sb.grade(f"{DRIVER} grade --task {shlex.quote(task)} --seed {seed} "

@@ -303,8 +303,9 @@ class Admission:
                 freed = self._freed_event()
                 freed.clear()
                 try:  # a release wakes it at once; live memory is polled
-                    await asyncio.wait_for(freed.wait(), SAMPLE_INTERVAL_S)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(SAMPLE_INTERVAL_S):
+                        await freed.wait()
+                except TimeoutError:
                     pass
                 try:
                     return self.try_admit(r, owner, share, quota)

@@ -369,9 +369,9 @@ class Edge:
         ticket = await self.admission.admit(spec.resources, owner, share, quota)
         try:
             try:
-                await asyncio.wait_for(self._create_sem.acquire(),
-                                       self.limits.create_queue_timeout_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(self.limits.create_queue_timeout_s):
+                    await self._create_sem.acquire()
+            except TimeoutError:
                 raise CapacityExceeded("node busy: creation queue timed out") from None
             try:
                 return await self._create(spec, owner, image_config, layers, ticket)
@@ -736,8 +736,9 @@ class Edge:
             start = channel.exec(req, cg_fd, session_id=agent_id, collect=False)
             if live.box.guest_reported:
                 try:
-                    agent_session = await asyncio.wait_for(start, GUEST_START_TIMEOUT_S)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(GUEST_START_TIMEOUT_S):
+                        agent_session = await start
+                except TimeoutError:
                     raise InfraError(f"sandbox {sandbox_id}: the guest's agent did not start "
                                      f"the command within {GUEST_START_TIMEOUT_S:.0f} s "
                                      "(unresponsive guest)") from None

@@ -258,7 +258,8 @@ class EventLog:
                     if self._closed:
                         return
                     try:
-                        await asyncio.wait_for(wake.wait(), 1.0)
+                        async with asyncio.timeout(1.0):
+                            await wake.wait()
                     except TimeoutError:
                         pass
         finally:

@@ -125,9 +125,10 @@ class DnsGate:
             if self.tcp_conns > TCP_MAX_CONNS:
                 return
             while True:
-                head = await asyncio.wait_for(reader.readexactly(2), TCP_IDLE_S)
-                wire = await asyncio.wait_for(reader.readexactly(struct.unpack(">H", head)[0]),
-                                              TCP_IDLE_S)
+                async with asyncio.timeout(TCP_IDLE_S):
+                    head = await reader.readexactly(2)
+                async with asyncio.timeout(TCP_IDLE_S):
+                    wire = await reader.readexactly(struct.unpack(">H", head)[0])
                 out = await self.answer(wire, tcp=True)
                 if out is None:
                     return

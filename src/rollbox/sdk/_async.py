@@ -618,7 +618,8 @@ class AsyncFiles:
             if not extract.done():
                 # Cancelled midway: wake the extractor thread so it ends.
                 with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(feed(errors.InfraError("download cancelled")), 5)
+                    async with asyncio.timeout(5):
+                        await feed(errors.InfraError("download cancelled"))
 
 
 class AsyncImages:

@@ -594,10 +594,11 @@ async def _reap(pid: int, timeout_s: float = 10.0) -> None:
     a background task still reaps it (given up, it stayed a zombie holding the slot's uid)."""
     task = asyncio.ensure_future(wait_pid(pid))
     try:
-        await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await asyncio.shield(task)
     except (ChildProcessError, ProcessLookupError):
         pass  # not our child (adopted from an earlier edge process) or already reaped
-    except asyncio.TimeoutError:
+    except TimeoutError:
         log.warning("agent %d not reaped after %.1fs; reaping it in the background",
                     pid, timeout_s)
         _late_reaps.add(task)

@@ -91,7 +91,8 @@ class FnWorker:
             cwd="/", stdin=True, stream_limit=1 << 62, tail_limit=0)
         self.session = await edge.platform_exec(self.sandbox_id, req)
         self._reader = asyncio.create_task(self._read())
-        ready = await asyncio.wait_for(self._frames.get(), 60)
+        async with asyncio.timeout(60):
+            ready = await self._frames.get()
         if not ready or not ready.get("ready"):
             raise InfraError(f"fncall worker in {self.sandbox_id} did not start: {ready}")
         self.info = ready
@@ -122,7 +123,8 @@ class FnWorker:
         data = json.dumps(req, separators=(",", ":")).encode()
         await self.session.write_stdin(LEN.pack(len(data)) + data)
         try:
-            res = await asyncio.wait_for(self._frames.get(), backstop_s)
+            async with asyncio.timeout(backstop_s):
+                res = await self._frames.get()
         except TimeoutError:
             self.broken = True
             raise InfraError(f"fncall worker {self.sandbox_id} did not answer in time") from None

@@ -331,8 +331,9 @@ class Jail:
                 return [f"processes survive in {self.v2}: {cgroups.procs(self.v2)}"]
         if pid is not None:
             try:
-                await asyncio.wait_for(wait_pid(pid), 5.0)
-            except (ChildProcessError, ProcessLookupError, asyncio.TimeoutError):
+                async with asyncio.timeout(5.0):
+                    await wait_pid(pid)
+            except (ChildProcessError, ProcessLookupError, TimeoutError):
                 pass  # not our child (adopted) or already reaped: the uid check decides
         if host_uid is None:
             return []

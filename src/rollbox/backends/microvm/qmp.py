@@ -47,7 +47,8 @@ class QMP:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.setblocking(False)
         try:
-            await asyncio.wait_for(loop.sock_connect(sock, str(path)), timeout)
+            async with asyncio.timeout(timeout):
+                await loop.sock_connect(sock, str(path))
             q = cls(sock, timeout)
             greeting = await q._read()
             for _ in range(MAX_EVENTS):  # an event QEMU queued as this client connected
@@ -74,7 +75,8 @@ class QMP:
         while b"\n" not in self._buf:
             if len(self._buf) > MAX_LINE:
                 raise InfraError("QMP: line too long")
-            chunk = await asyncio.wait_for(loop.sock_recv(self.sock, 65536), self.timeout)
+            async with asyncio.timeout(self.timeout):
+                chunk = await loop.sock_recv(self.sock, 65536)
             if not chunk:
                 raise InfraError("QMP: connection closed")
             self._buf += chunk
@@ -98,7 +100,8 @@ class QMP:
         data = json.dumps(msg).encode() + b"\n"
         loop = asyncio.get_running_loop()
         if fd is None:
-            await asyncio.wait_for(loop.sock_sendall(self.sock, data), self.timeout)
+            async with asyncio.timeout(self.timeout):
+                await loop.sock_sendall(self.sock, data)
         else:
             await self._send_with_fd(data, fd)
         while True:
@@ -133,7 +136,8 @@ class QMP:
 
         loop.add_writer(self.sock.fileno(), try_send)
         try:
-            await asyncio.wait_for(fut, self.timeout)
+            async with asyncio.timeout(self.timeout):
+                await fut
         finally:
             loop.remove_writer(self.sock.fileno())
 

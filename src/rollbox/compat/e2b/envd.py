@@ -135,7 +135,8 @@ async def _with_keepalive(items: AsyncIterator[Any], interval: float | None,
                     raise rpc.ConnectError("deadline_exceeded", "deadline exceeded")
                 wait = left if wait is None else min(wait, left)
             try:
-                kind, val = await asyncio.wait_for(queue.get(), wait)
+                async with asyncio.timeout(wait):
+                    kind, val = await queue.get()
             except TimeoutError:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise rpc.ConnectError("deadline_exceeded", "deadline exceeded") from None

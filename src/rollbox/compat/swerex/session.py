@@ -163,8 +163,8 @@ async def check_syntax(command: str) -> None:
         "bash", "-n", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE)
     try:
-        out, err = await asyncio.wait_for(proc.communicate(command.encode()),
-                                          SYNTAX_CHECK_TIMEOUT_S)
+        async with asyncio.timeout(SYNTAX_CHECK_TIMEOUT_S):
+            out, err = await proc.communicate(command.encode())
     except (TimeoutError, asyncio.CancelledError):
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
@@ -488,4 +488,5 @@ class BashSession:
             if remaining is not None and remaining <= 0:
                 return None
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await self._changed.wait()
