@@ -149,7 +149,7 @@ async def idle_density(client: Any, image: str, n: int) -> dict[str, Any]:
 
 def export_rootfs_tar(image: str, dest: Path) -> None:
     """The image's merged root filesystem as a tar (what podman imports)."""
-    from rollbox.images.mounts import LayerMounts
+    from rollbox.images.lazy.mounts import LayerMounts
     from rollbox.images.store import ImageStore
     from rollbox.isolation import syscalls
 

@@ -42,7 +42,7 @@ from typing import Any
 from rollbox.config import Settings
 from rollbox.images import chunks
 from rollbox.images.defaults import BENCH_IMAGE, PYTHON_IMAGE
-from rollbox.images.mounts import LayerMounts
+from rollbox.images.lazy.mounts import LayerMounts
 from rollbox.images.store import ImageStore
 from rollbox.images.stores.loopback_s3 import loopback_s3
 from rollbox.models import Resources
@@ -243,7 +243,7 @@ async def cold_node(mode: str, n: int, image_name: str, url: str, workload: list
     src = chunks.open_store(url)
     try:
         if mode == "lazy":
-            from rollbox.images.lazy import LazyLoader
+            from rollbox.images.lazy.loader import LazyLoader
 
             # The lazy-loading daemon is a node service, started with the node like the edge
             # and the backend above (and outside the timer like them); its cache is cold:

@@ -155,7 +155,7 @@ def server(extra_env: dict[str, str] | None = None) -> Iterator[Server]:
 def drop_scratch(root: Path) -> None:
     """Remove a scratch node's dir: its disk pool stays mounted after the server stops (the
     template cache keeps subvolumes in it), so unmount what is below ``root`` first."""
-    from rollbox.images.mounts import read_mountinfo
+    from rollbox.isolation.syscalls import read_mountinfo
     from rollbox.isolation import syscalls
 
     for mnt, _, _ in reversed(read_mountinfo()):

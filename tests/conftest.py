@@ -57,9 +57,10 @@ def have_image(name: str) -> bool:
 def private_image_store(root: Path) -> Iterator:
     """An ImageStore under ``root``; on exit unmount what was mounted below ``root`` (overlays
     first: they pin the layer mounts) and fail if anything had to be forced."""
-    from rollbox.images.mounts import LayerMounts, read_mountinfo
+    from rollbox.images.mounts import LayerMounts
     from rollbox.images.store import ImageStore
     from rollbox.isolation import syscalls
+    from rollbox.isolation.syscalls import read_mountinfo
 
     store = ImageStore(root / "images")
     yield store

@@ -17,9 +17,10 @@ import pytest
 from rollbox.errors import BadRequest, InfraError, NotFound
 from rollbox.images import build as builders
 from rollbox.images.build import layer_from_upper, make_whiteout, set_opaque
-from rollbox.images.mounts import LayerMounts, read_mountinfo
+from rollbox.images.mounts import LayerMounts
 from rollbox.images.store import ImageStore
 from rollbox.isolation import syscalls
+from rollbox.isolation.syscalls import read_mountinfo
 from tests.conftest import private_image_store
 
 pytestmark = [pytest.mark.root,

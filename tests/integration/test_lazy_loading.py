@@ -20,7 +20,7 @@ from rollbox.config import Settings
 from rollbox.errors import ChunkCorrupt, InfraError, NodeCacheFull, StoreUnreachable
 from rollbox.images import chunks
 from rollbox.images.lazy.loader import LazyLoader, loader_for
-from rollbox.images.mounts import LayerMounts
+from rollbox.images.lazy.mounts import LayerMounts
 from rollbox.images.store import ImageStore
 from rollbox.isolation import syscalls
 from rollbox.models import ExecSpec, SandboxSpec

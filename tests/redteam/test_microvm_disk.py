@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from rollbox.errors import RollboxError
-from rollbox.images.mounts import read_mountinfo
+from rollbox.isolation.syscalls import read_mountinfo
 from rollbox.models import ExecSpec, SandboxSpec, SnapshotSpec
 from tests.conftest import new_name
 from tests.redteam import qemu_jail

@@ -34,7 +34,7 @@ from rollbox.errors import (
     PayloadTooLarge, RollboxError, SandboxDead, SandboxPaused, error_from_payload,
 )
 from rollbox.events.store import EventLog
-from rollbox.images.mounts import LayerMounts
+from rollbox.images.lazy.mounts import LayerMounts
 from rollbox.images.store import Image, ImageStore
 from rollbox.isolation import cgroups
 from rollbox.iam.quotas import QuotaStore

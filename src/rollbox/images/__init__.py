@@ -6,7 +6,3 @@ and ``logs/``. Builds layers from directories, OCI/docker archives, debootstrap 
 upper dirs. Must not compose per-sandbox overlays, idmap mounts or know about sandboxes: the
 container backend does that on top of :meth:`LayerMounts.ensure_mounted`.
 """
-from rollbox.images.mounts import LayerMounts
-from rollbox.images.store import DEFAULT_CONFIG, Image, ImageStore, validate_name
-
-__all__ = ["DEFAULT_CONFIG", "Image", "ImageStore", "LayerMounts", "validate_name"]

@@ -302,15 +302,10 @@ def pull_cmd(
         try:
             image, stats = await chunks.pull_image(src, name, store, lazy=lazy, progress=say)
             if lazy:
-                try:
-                    lazy_mod = importlib.import_module("rollbox.images.lazy")
-                except ModuleNotFoundError:
-                    lazy_mod = None
-                register = getattr(lazy_mod, "register_lazy_image", None)
-                if register is not None:  # the lazy loader tags the image over its cache
-                    result = register(store, image, src.url)
-                    if asyncio.iscoroutine(result):
-                        await result
+                from rollbox.images.lazy.loader import register_lazy_image
+
+                # The lazy loader tags the image over its cache.
+                register_lazy_image(store, image, src.url)
             return image, stats
         finally:
             await src.close()

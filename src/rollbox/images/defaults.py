@@ -43,7 +43,7 @@ async def build_layer_with_commands(store: ImageStore, base: str, commands: list
     layer and ``name`` is tagged as base + that layer (its config: base's, plus ``image_env``
     in its environment). Returns the new layer's digest."""
     from rollbox.backends.container.sandbox import ContainerBackend
-    from rollbox.images.mounts import LayerMounts
+    from rollbox.images.lazy.mounts import LayerMounts
     from rollbox.isolation.userns import UidSlots
 
     settings = settings or Settings()

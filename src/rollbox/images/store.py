@@ -5,7 +5,7 @@ Layout under ``root``::
     layers/<digest>.erofs   digest = "sha256-<hex of the .erofs file>"
     layers/<digest>.json    {"digest", "size", "created", "source", "files"}
     refs/<quoted name>.json {"name", "layers": [lowest, ..., top], "created", "config"}
-    mnt/<digest>            read-only mount point (see mounts.py)
+    mnt/<digest>            read-only mount point (mountpoints.py, mounts.py)
     tmp/                    staging on the same filesystem, so renames are atomic
 
 Every file that readers see is written to a temp file and renamed into place, so concurrent
@@ -32,13 +32,13 @@ from typing import Any
 
 from rollbox.config import Settings
 from rollbox.errors import BadRequest, InfraError, NotFound
+from rollbox.images.lazy.paths import LazyPaths, read_record
+from rollbox.images.mountpoints import LayerMountPoints
+from rollbox.images.names import is_digest, validate_digest, validate_name
 from rollbox.models import GitRepoFacts
 
 Progress = Callable[[str], None]
 
-NAME_RE = re.compile(r"[a-z0-9][a-z0-9._\-/]*(:[A-Za-z0-9._\-]+)?")
-NAME_MAX = 200
-DIGEST_RE = re.compile(r"sha256-[0-9a-f]{64}")
 EROFS_MAGIC = 0xE0F5E1E2
 EROFS_SB_OFFSET = 1024
 # Fixed filesystem UUID: with SOURCE_DATE_EPOCH this makes mkfs.erofs output a pure function of
@@ -49,32 +49,6 @@ GC_GRACE_SECONDS = 600.0
 
 DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
 DEFAULT_CONFIG: dict[str, Any] = {"env": DEFAULT_ENV, "cwd": "/", "user": "root"}
-
-
-def validate_name(name: str) -> str:
-    """Return ``name`` if it is a valid image name, else raise BadRequest."""
-    if not isinstance(name, str) or not name:
-        raise BadRequest("image name must be a non-empty string")
-    if len(name) > NAME_MAX:
-        raise BadRequest(f"image name longer than {NAME_MAX} characters", name=name[:NAME_MAX])
-    repo = name.split(":")[0]
-    if (not NAME_RE.fullmatch(name) or repo.endswith("/")
-            or any(part in ("", ".", "..") for part in repo.split("/"))):
-        raise BadRequest(
-            f"invalid image name {name!r}: expected [a-z0-9][a-z0-9._-/]*(:[A-Za-z0-9._-]+)?",
-            name=name,
-        )
-    return name
-
-
-def validate_digest(digest: str) -> str:
-    if not isinstance(digest, str) or not DIGEST_RE.fullmatch(digest):
-        raise BadRequest(f"invalid layer digest {digest!r}: expected sha256-<64 hex>")
-    return digest
-
-
-def is_digest(value: str) -> bool:
-    return bool(DIGEST_RE.fullmatch(value))
 
 
 def normalize_config(config: dict[str, Any] | None) -> dict[str, Any]:
@@ -192,8 +166,6 @@ class ImageStore:
         path = self.layers_dir / f"{validate_digest(digest)}.erofs"
         if not path.is_file():
             if self.is_lazy(digest):
-                from rollbox.images.lazy.paths import LazyPaths
-
                 return LazyPaths(self.root).served_path(digest)
             raise NotFound(f"layer {digest} is not in the image store", digest=digest)
         return path
@@ -204,15 +176,11 @@ class ImageStore:
 
     def is_lazy(self, digest: str) -> bool:
         """Served lazily: a lazy record and no local file (a full pull wins)."""
-        from rollbox.images.lazy.paths import read_record
-
         return (is_digest(digest) and not (self.layers_dir / f"{digest}.erofs").is_file()
                 and read_record(self.root, digest) is not None)
 
     def layer_meta(self, digest: str) -> dict[str, Any]:
         if self.is_lazy(digest):
-            from rollbox.images.lazy.paths import read_record
-
             record = read_record(self.root, digest) or {}
             return {"digest": digest, "size": int(record.get("size", 0)),
                     "created": record.get("created"), "source": f"lazy:{record.get('store')}",
@@ -398,14 +366,16 @@ class ImageStore:
     def remove_layer_if_unused(self, digest: str) -> bool:
         """Delete one layer that no ref uses and nothing mounts at once (a layer built for an
         image that was then refused); returns whether it was removed."""
-        from rollbox.images.mounts import LayerMounts
-
         validate_digest(digest)
         if any(digest in image.layers for image in self.list()):
             return False
-        return self._drop_layer(digest, LayerMounts(self))
+        return self._drop_layer(digest, self.mount_points())
 
-    def _drop_layer(self, digest: str, mounts: Any) -> bool:
+    def mount_points(self) -> LayerMountPoints:
+        """The layers' mount points (``mnt/``) as the kernel has them."""
+        return LayerMountPoints(self.mnt_dir, self.root)
+
+    def _drop_layer(self, digest: str, mounts: LayerMountPoints) -> bool:
         try:
             if mounts.users(digest):
                 return False
@@ -426,10 +396,8 @@ class ImageStore:
         another mount of this mount namespace names (an overlay stacked on them).
         Returns the removed digests.
         """
-        from rollbox.images.mounts import LayerMounts
-
         used = {d for image in self.list() for d in image.layers} | set(keep)
-        mounts = LayerMounts(self)
+        mounts = self.mount_points()
         now = time.time()
         removed = []
         for digest in self.list_layers():

@@ -1,4 +1,5 @@
-"""Thin ctypes wrappers for the syscalls Python 3.11 lacks (x86_64 numbers).
+"""Thin ctypes wrappers for the syscalls Python 3.11 lacks (x86_64 numbers), and the mount
+table (``/proc/self/mountinfo``) that mount(2) and umount2(2) change.
 
 Every wrapper raises OSError with errno on failure. Nothing here keeps state.
 """
@@ -79,6 +80,33 @@ def mount(source: str | None, target: str | os.PathLike[str], fstype: str | None
 
 def umount(target: str | os.PathLike[str], flags: int = 0) -> None:
     _check(_libc.umount2(_b(target), ctypes.c_int(flags)))
+
+
+def unescape_mountinfo(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as \ooo octal.
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and i + 4 <= len(field) and field[i + 1:i + 4].isdigit():
+            out.append(chr(int(field[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def read_mountinfo() -> list[tuple[str, str, str]]:
+    """(mount point, fstype, source) for every mount in this process's mount namespace (the
+    table mount(2) and umount2(2) change)."""
+    rows = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            lf, rf = left.split(), right.split()
+            if len(lf) < 5 or len(rf) < 2:
+                continue
+            rows.append((unescape_mountinfo(lf[4]), rf[0], unescape_mountinfo(rf[1])))
+    return rows
 
 
 def unshare(flags: int) -> None:

@@ -26,7 +26,6 @@ from pathlib import Path
 
 from rollbox.config import Settings
 from rollbox.errors import InfraError
-from rollbox.images.mounts import read_mountinfo
 from rollbox.isolation import btrfs, syscalls
 
 log = logging.getLogger(__name__)
@@ -144,7 +143,7 @@ class DiskPool:
         sources = ({str(self.device)} if self.device is not None
                    else set(btrfs.loop_devices_of(self.image)))
         mnt = os.path.realpath(self.mnt)
-        top = [src for mp, fstype, src in read_mountinfo() if mp == mnt]
+        top = [src for mp, fstype, src in syscalls.read_mountinfo() if mp == mnt]
         return bool(top) and top[-1] in sources
 
     def release(self) -> bool:

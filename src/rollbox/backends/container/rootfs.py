@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 
 from rollbox.errors import InfraError
-from rollbox.images.mounts import read_mountinfo
 from rollbox.isolation import btrfs, syscalls
 
 TMPFS_MAGIC = 0x01021994
@@ -17,7 +16,8 @@ TMPFS_MAGIC = 0x01021994
 def mount_points_under(prefix: Path) -> list[str]:
     """Mount points at or below prefix, deepest first (from /proc/self/mountinfo)."""
     pre = str(prefix).rstrip("/")
-    found = {mp for mp, _, _ in read_mountinfo() if mp == pre or mp.startswith(pre + "/")}
+    found = {mp for mp, _, _ in syscalls.read_mountinfo()
+             if mp == pre or mp.startswith(pre + "/")}
     return sorted(found, key=len, reverse=True)
 
 
@@ -60,7 +60,7 @@ def release_run_tmpfs(path: Path) -> bool:
 
 def _is_run_tmpfs(path: Path) -> bool:
     """Whether ``path`` is the mount point of a tmpfs :func:`ensure_run_tmpfs` mounted."""
-    return (str(path), "tmpfs", RUN_TMPFS_SOURCE) in read_mountinfo()
+    return (str(path), "tmpfs", RUN_TMPFS_SOURCE) in syscalls.read_mountinfo()
 
 
 def _holds_state(path: Path) -> bool:

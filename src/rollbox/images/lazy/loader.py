@@ -40,8 +40,8 @@ from rollbox.errors import (
     NotFound,
     StoreUnreachable,
 )
+from rollbox.images import chunks
 from rollbox.images.lazy.paths import LazyPaths, read_record, write_json_atomic
-from rollbox.images.mounts import read_mountinfo
 from rollbox.images.store import ImageStore, validate_digest
 from rollbox.isolation import syscalls
 
@@ -71,7 +71,7 @@ def _proc_alive(pid: int) -> bool:
 
 def _fuse_mounts_under(base: Path) -> list[str]:
     prefix = os.path.realpath(base) + "/"
-    return [mnt for mnt, fstype, _src in read_mountinfo()
+    return [mnt for mnt, fstype, _src in syscalls.read_mountinfo()
             if fstype == FUSE_FSTYPE and mnt.startswith(prefix)]
 
 
@@ -126,8 +126,6 @@ class LazyLoader:
     def register(self, layer: str, store_url: str, manifest: Any = None) -> dict[str, Any]:
         """Record ``layer`` as lazily served from ``store_url`` (fetching its manifest if the
         node has none); idempotent."""
-        from rollbox.images import chunks
-
         validate_digest(layer)
         if manifest is None:
             manifest = chunks.load_manifest(self.store, layer)
@@ -185,6 +183,13 @@ class LazyLoader:
 
     def generation(self) -> int:
         return int((self.daemon_state() or {}).get("generation", 0))
+
+    def serves(self, generation: int) -> bool:
+        """Daemon ``generation`` is the live one and answers (LayerMounts' check of a lazy
+        layer mounted on its file)."""
+        state = self.daemon_state()
+        return (state is not None and state.get("generation") == generation
+                and self.healthy(state))
 
     def ensure_daemon(self) -> dict[str, Any]:
         """The live daemon's state, starting (or restarting) it if needed."""
@@ -364,7 +369,7 @@ class LazyLoader:
         """Stop the daemon if no mount uses its files; True if it is gone."""
         state = self.daemon_state()
         base = os.path.realpath(self.paths.fs) + "/"
-        in_use = [mnt for mnt, fstype, src in read_mountinfo()
+        in_use = [mnt for mnt, fstype, src in syscalls.read_mountinfo()
                   if fstype == "erofs" and os.path.realpath(src).startswith(base)]
         if in_use:
             log.info("lazy daemon kept: %d mounts use it", len(in_use))
@@ -411,6 +416,24 @@ def loader_for(store: ImageStore) -> LazyLoader:
     with _LOADERS_GUARD:
         loader = _LOADERS.get(key)
     return loader if loader is not None else LazyLoader(store)
+
+
+class CurrentLoader:
+    """The lazy layers of ``store`` as :class:`rollbox.images.mounts.LayerMounts` gets them
+    (its ``LazyLayers``): this process's loader of the store, looked up at each use, so the
+    newest loader made for a store serves it and none is made before a lazy layer is mounted."""
+
+    def __init__(self, store: ImageStore) -> None:
+        self.store = store
+
+    def ensure_layer_sync(self, layer: str) -> Path:
+        return loader_for(self.store).ensure_layer_sync(layer)
+
+    def generation(self) -> int:
+        return loader_for(self.store).generation()
+
+    def serves(self, generation: int) -> bool:
+        return loader_for(self.store).serves(generation)
 
 
 def register_lazy_image(store: ImageStore, image: Any, store_url: str) -> Any:

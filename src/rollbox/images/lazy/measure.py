@@ -28,7 +28,7 @@ from typing import Any
 from rollbox.config import Settings
 from rollbox.images import chunks
 from rollbox.images.lazy.loader import LazyLoader
-from rollbox.images.mounts import LayerMounts
+from rollbox.images.lazy.mounts import LayerMounts
 from rollbox.images.store import ImageStore
 
 WORKLOAD = (
