@@ -264,6 +264,22 @@ class ImageStore:
         if progress:
             progress("hashing layer")
         digest = _sha256_file(tmp)
+        size = tmp.stat().st_size
+        self._install(tmp, digest, source=source, files=files, git_repos=git_repos)
+        if progress:
+            progress(f"layer {digest[:19]} ({size / 2**20:.1f} MiB)")
+        return digest
+
+    def install_verified_layer(self, tmp: Path, digest: str, *, source: str) -> None:
+        """Rename ``tmp``, a layer file on the store's filesystem whose SHA-256 the caller
+        checked is ``digest`` (a pulled layer), into the store (idempotent; ``tmp`` is gone
+        after)."""
+        validate_digest(digest)
+        self._install(tmp, digest, source=source)
+        tmp.unlink(missing_ok=True)
+
+    def _install(self, tmp: Path, digest: str, *, source: str, files: int | None = None,
+                 git_repos: list[GitRepoFacts] | None = None) -> None:
         final = self.layers_dir / f"{digest}.erofs"
         meta_path = self.layers_dir / f"{digest}.json"
         size = tmp.stat().st_size
@@ -281,9 +297,6 @@ class ImageStore:
             if git_repos is not None:
                 meta["git_repos"] = [r.model_dump() for r in git_repos]
             _write_atomic(meta_path, json.dumps(meta, indent=1).encode())
-        if progress:
-            progress(f"layer {digest[:19]} ({size / 2**20:.1f} MiB)")
-        return digest
 
     # ---- refs ---------------------------------------------------------------------------
 

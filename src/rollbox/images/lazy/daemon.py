@@ -38,9 +38,10 @@ from typing import Any
 import mfusepy
 
 from rollbox.errors import ChunkCorrupt, InfraError, NodeCacheFull, RollboxError
-from rollbox.images.chunks import ChunkStore, LayerManifest, open_store
 from rollbox.images.lazy.paths import LazyPaths, write_json_atomic
-from rollbox.images.store import is_digest
+from rollbox.images.names import is_digest
+from rollbox.images.stores import ChunkStore, open_store
+from rollbox.images.stores.base import LayerManifest
 from rollbox.isolation import oom
 
 log = logging.getLogger("rollbox.lazy")
