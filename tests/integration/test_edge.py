@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import time
 
 import pytest
@@ -31,8 +32,9 @@ async def test_exec_basics(edge) -> None:  # noqa: ANN001
     assert r.stdout.strip() == "65534"
     r = await run(edge, sb.id, ["/no/such/binary"])
     assert r.exit_code == 127
-    with pytest.raises(BadRequest):
+    with pytest.raises(BadRequest) as refused:
         await edge.exec_start(sb.id, ExecSpec(cmd="true", cwd="/does/not/exist"))
+    assert refused.value.details["errno"] == errno.ENOENT  # the agent's, kept for the caller
     with pytest.raises(BadRequest):
         await edge.exec_start(sb.id, ExecSpec(cmd="true", user="nosuchuser"))
 

@@ -758,7 +758,8 @@ class Edge:
                 self._log_exit(sandbox_id, result)
                 return exec_id
             self.journal.exec_forget(sandbox_id, [exec_id])
-            raise BadRequest(str(exc)) from None
+            # the errno says why (EAGAIN: the sandbox is at its process limit; try later)
+            raise BadRequest(str(exc), errno=exc.errno) from None
         except RollboxError:
             _close(cg_fd)
             live.box.drop_session(cg_name)
