@@ -11,27 +11,27 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "AsyncClient": "rollbox.sdk", "AsyncProcess": "rollbox.sdk", "AsyncSandbox": "rollbox.sdk",
     "Client": "rollbox.sdk", "Process": "rollbox.sdk", "Sandbox": "rollbox.sdk",
-    "CommandFailed": "rollbox.sdk", "OutputChunk": "rollbox.sdk",
+    "OutputChunk": "rollbox.sdk",
     "AsyncJob": "rollbox.sdk", "Job": "rollbox.sdk", "JobInfo": "rollbox.models",
     "ExecResult": "rollbox.models", "ExecInfo": "rollbox.models", "Event": "rollbox.models",
     "FileStat": "rollbox.models", "SandboxInfo": "rollbox.models",
     **{name: "rollbox.errors" for name in (
         "RollboxError", "BadRequest", "Unauthorized", "Forbidden", "NotFound", "PayloadTooLarge",
-        "QuotaExceeded", "SandboxDead", "SandboxPaused", "CommandTimeout", "InfraError",
-        "CapacityExceeded")},
+        "QuotaExceeded", "SandboxDead", "SandboxPaused", "CommandTimeout", "CommandFailed",
+        "InfraError", "CapacityExceeded")},
 }
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from rollbox.errors import (
-        BadRequest, CapacityExceeded, CommandTimeout, Forbidden, InfraError, NotFound,
-        PayloadTooLarge,
-        QuotaExceeded, RollboxError, SandboxDead, SandboxPaused, Unauthorized,
+        BadRequest, CapacityExceeded, CommandFailed, CommandTimeout, Forbidden, InfraError,
+        NotFound, PayloadTooLarge, QuotaExceeded, RollboxError, SandboxDead, SandboxPaused,
+        Unauthorized,
     )
     from rollbox.models import Event, ExecInfo, ExecResult, FileStat, JobInfo, SandboxInfo
     from rollbox.sdk import (
-        AsyncClient, AsyncJob, AsyncProcess, AsyncSandbox, Client, CommandFailed, Job,
-        OutputChunk, Process, Sandbox,
+        AsyncClient, AsyncJob, AsyncProcess, AsyncSandbox, Client, Job, OutputChunk, Process,
+        Sandbox,
     )
 
 

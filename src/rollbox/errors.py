@@ -2,11 +2,56 @@
 
 Each error has a stable ``code`` (the JSON ``error.code`` on the wire), an HTTP status and a
 ``retryable`` flag. The API turns any RollboxError into ``{"error": {...}}``; the SDK turns that
-JSON back into the same class with :func:`error_from_payload`. Owns nothing else.
+JSON back into the same class with :func:`error_from_payload` (:data:`ERRORS_BY_CODE`). Owns
+nothing else, imports nothing of rollbox: every layer may raise these.
+
+The tree (class, wire code, HTTP status, ``R`` = retryable: when it is raised)::
+
+    RollboxError                 internal               500    a fault the api did not expect
+    ├── BadRequest               bad_request            400    malformed or invalid input
+    │   ├── DiskFull             bad_request            400    the sandbox's disk/inodes are full
+    │   └── IdempotencyConflict  idempotency_conflict   400    exec key reused, other command
+    ├── Unauthorized             unauthorized           401    no key, or unknown or revoked
+    ├── Forbidden                forbidden              403    a key that may not (admin routes)
+    ├── NotFound                 not_found              404    no such sandbox/image/exec/file/job
+    ├── CommandTimeout           command_timeout        408    SDK: exec(check=True) timed out
+    ├── SandboxPaused            sandbox_paused         409    exec in a paused sandbox
+    ├── SandboxDead              sandbox_dead           410    deleted, expired, OOM-killed, lost
+    ├── PayloadTooLarge          payload_too_large      413    a body/file/tar/diff over its cap
+    ├── QuotaExceeded            quota_exceeded         429    the project's quota says no
+    ├── CommandFailed            command_failed         500    SDK: exec(check=True), exit != 0
+    ├── HashMismatch             hash_mismatch          502    mirror: upstream sha256 is wrong
+    └── InfraError               infrastructure         503 R  a platform fault: retry (elsewhere)
+        ├── CapacityExceeded     capacity               503 R  admission: node/cluster full
+        ├── ChunkStoreError      chunk_store            503 R  the image chunk store failed
+        │   ├── ChunkMissing     chunk_missing          503 R  a manifest's chunk is not stored
+        │   ├── ChunkCorrupt     chunk_corrupt          503 R  a chunk or manifest fails checks
+        │   └── StoreUnreachable store_unreachable      503 R  the store refused or is away
+        ├── NodeCacheFull        cache_full             503 R  lazy-load cache full, none evictable
+        ├── ServerUnreachable    unreachable            503 R  SDK: the request never got there
+        ├── ConnectionLost       connection_lost        503 R  SDK: broke after it was sent
+        ├── ExecIndeterminate    exec_indeterminate     503    an exec may or may not have run
+        ├── AgentProtocolError   agent_protocol         503    the in-sandbox agent broke the wire
+        ├── UpstreamUnavailable  upstream_unavailable   503 R  mirror: upstream down, none cached
+        ├── UpstreamBadResponse  upstream_bad_response  502 R  mirror: upstream answer unusable
+        └── UpstreamTooLarge     upstream_too_large     502    mirror: file larger than the cache
+
+``CommandFailed``, ``CommandTimeout``, ``ServerUnreachable`` and ``ConnectionLost`` are raised
+by the SDK itself, never sent by the api; ``ExecIndeterminate`` by both (the SDK's re-checks ran
+out; the edge lost a command across a restart). ``DiskFull`` travels as ``bad_request``
+(``details.reason == "disk_full"``) and comes back as ``BadRequest``. The mirror's errors answer
+pip (``rollbox.netpolicy.mirror``), not the api. Components raise subclasses without a code of
+their own (``agent.channel.SpawnError``: bad_request; ``backends.microvm``'s ``QMPError`` and
+``TemplateLoadError``: infrastructure): a client sees their parent. Every error with a code of
+its own is defined here; all but ``CommandFailed`` (it carries a result) and ``DiskFull`` are in
+:data:`ERRORS_BY_CODE` (tests/unit/test_errors_tree.py checks the tree against the classes).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # a type only: models import nothing of errors, nor errors of models
+    from rollbox.models import ExecResult
 
 
 class RollboxError(Exception):
@@ -105,6 +150,26 @@ class CommandTimeout(RollboxError):
     status = 408
 
 
+class CommandFailed(RollboxError):
+    """``exec(..., check=True)`` and the command exited non-zero (or by a signal). Raised by
+    the SDK from the result, which it carries (``result``)."""
+
+    code = "command_failed"
+    status = 500
+
+    def __init__(self, message: str, result: ExecResult) -> None:
+        super().__init__(message, exit_code=result.exit_code, signal=result.signal)
+        self.result = result
+
+
+class HashMismatch(RollboxError):
+    """The PyPI mirror: the upstream's bytes do not have the sha256 its index announced;
+    nothing was kept."""
+
+    code = "hash_mismatch"
+    status = 502
+
+
 class InfraError(RollboxError):
     """A fault of the platform, not of the request; safe to retry (maybe on another node)."""
 
@@ -188,6 +253,30 @@ class AgentProtocolError(InfraError):
     retryable = False
 
 
+class UpstreamUnavailable(InfraError):
+    """The PyPI mirror: the upstream could not be reached (or failed) and nothing usable is
+    cached. Retry."""
+
+    code = "upstream_unavailable"
+    status = 503
+
+
+class UpstreamBadResponse(InfraError):
+    """The PyPI mirror: the upstream answered with something the mirror can not use (bad
+    status, bad page, redirect off the allowed hosts)."""
+
+    code = "upstream_bad_response"
+    status = 502
+
+
+class UpstreamTooLarge(InfraError):
+    """The PyPI mirror: the upstream file is larger than the whole cache may hold."""
+
+    code = "upstream_too_large"
+    status = 502
+    retryable = False
+
+
 ERRORS_BY_CODE: dict[str, type[RollboxError]] = {
     cls.code: cls
     for cls in (
@@ -213,6 +302,10 @@ ERRORS_BY_CODE: dict[str, type[RollboxError]] = {
         ConnectionLost,
         ExecIndeterminate,
         AgentProtocolError,
+        HashMismatch,
+        UpstreamUnavailable,
+        UpstreamBadResponse,
+        UpstreamTooLarge,
     )
 }
 

@@ -19,15 +19,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import rollbox
 from rollbox import errors
 from rollbox.api import BackgroundServer, create_app
 from rollbox.edge.interface import ExecOutput
 from rollbox.events import EventLog
 from rollbox.iam import KeyStore
+from rollbox.jobs import SqliteLeaseStore
 from rollbox.models import (
     Event, ExecInfo, ExecResult, ExecSpec, FileStat, SandboxInfo, SandboxSpec,
 )
 from rollbox.placement import Placement
+from rollbox.sdk import ASGITransport, Lifespan
 
 
 @dataclass
@@ -324,10 +327,13 @@ def with_contextless_kill(pgid: int) -> None:
 
 
 class ApiStack:
-    """Edge(s) + placement + event log + key store + a real uvicorn on loopback."""
+    """Edge(s) + placement + event log + key store + the api app, served by a real uvicorn on
+    loopback, or (``serve=False``) called in-process by SDK clients through ASGITransport (the
+    stack runs the app's lifespan, as the server would)."""
 
     def __init__(self, tmp: Path, nodes: tuple[str, ...] = ("n0",), max_sandboxes: int = 1000,
-                 per_sandbox_bytes: int = 16 << 20) -> None:
+                 per_sandbox_bytes: int = 16 << 20, *, serve: bool = True,
+                 leases: bool = False) -> None:
         self.edges = [FakeEdge(n, tmp / "sb" / n, max_sandboxes) for n in nodes]
         self.placement = Placement(self.edges)
         self.events = EventLog(tmp / "events.db", per_sandbox_bytes=per_sandbox_bytes)
@@ -335,19 +341,40 @@ class ApiStack:
         self.key_a = self.keys.create("proj-a")
         self.key_b = self.keys.create("proj-b")
         self.admin_key = self.keys.create("ops", admin=True)
-        self.app = create_app(self.placement, self.events, self.keys)
-        self.server = BackgroundServer(self.app)
+        self.leases = SqliteLeaseStore(tmp / "leases.db") if leases else None
+        self.app = create_app(self.placement, self.events, self.keys, leases=self.leases)
+        self.server = BackgroundServer(self.app) if serve else None
+        self.lifespan = None if serve else Lifespan(self.app)
         self.url = ""
 
+    def client(self, api_key: str, **kw: Any) -> rollbox.AsyncClient:
+        """An SDK client of this stack: over HTTP to the server, or in-process."""
+        if self.server is not None:
+            return rollbox.AsyncClient(self.url, api_key, **kw)
+        return rollbox.AsyncClient(api_key=api_key, **kw,
+                                   transport=ASGITransport(self.app, lifespan=False))
+
     async def __aenter__(self) -> ApiStack:
-        self.url = await self.server.start()
+        if self.server is not None:
+            self.url = await self.server.start()
+        elif self.lifespan is not None:
+            await self.lifespan.__aenter__()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         try:
-            await self.server.stop()
+            if self.server is not None:
+                await self.server.stop()
+            elif self.lifespan is not None:
+                await self.lifespan.__aexit__(*exc)
         finally:
-            for e in self.edges:
-                await e.close()
-            self.events.close()
-            self.keys.close()
+            await self.close()
+
+    async def close(self) -> None:
+        """The edges (their sandboxes) and stores; the app is the caller's business."""
+        for e in self.edges:
+            await e.close()
+        self.events.close()
+        self.keys.close()
+        if self.leases is not None:
+            self.leases.close()

@@ -1,4 +1,6 @@
-"""SDK (async and sync faces) against a real uvicorn on loopback with the test-only FakeEdge."""
+"""SDK (async and sync faces) against the api app with the test-only FakeEdge, called
+in-process (ASGITransport: no server); the sync face also over a real uvicorn on loopback, and
+a refused connection over HTTP."""
 from __future__ import annotations
 
 import asyncio
@@ -10,18 +12,19 @@ import pytest
 
 import rollbox
 from rollbox import errors
+from rollbox.sdk import ASGITransport
 from test_api_support import ApiStack
 
 
 @pytest.fixture
 async def stack(tmp_path: Path) -> AsyncIterator[ApiStack]:
-    async with ApiStack(tmp_path) as s:
+    async with ApiStack(tmp_path, serve=False) as s:
         yield s
 
 
 @pytest.fixture
 async def client(stack: ApiStack) -> AsyncIterator[rollbox.AsyncClient]:
-    async with rollbox.AsyncClient(stack.url, stack.key_a) as c:
+    async with stack.client(stack.key_a) as c:
         yield c
 
 
@@ -125,7 +128,7 @@ async def test_events_after_delete_and_list(client: rollbox.AsyncClient) -> None
 
 async def test_errors_are_typed_and_connection_failure_is_infra(
         stack: ApiStack, client: rollbox.AsyncClient) -> None:
-    async with rollbox.AsyncClient(stack.url, "rbx_wrong") as bad:
+    async with stack.client("rbx_wrong") as bad:
         with pytest.raises(rollbox.Unauthorized):
             await bad.list()
     with pytest.raises(rollbox.BadRequest):
@@ -143,9 +146,9 @@ async def test_errors_are_typed_and_connection_failure_is_infra(
 
 
 async def test_create_many_bounded_with_retries(tmp_path: Path) -> None:
-    async with ApiStack(tmp_path, nodes=("n0",), max_sandboxes=3) as s:
+    async with ApiStack(tmp_path, nodes=("n0",), max_sandboxes=3, serve=False) as s:
         edge = s.edges[0]
-        async with rollbox.AsyncClient(s.url, s.key_a) as c:
+        async with s.client(s.key_a) as c:
 
             async def free_later() -> None:
                 await asyncio.sleep(0.3)
@@ -163,8 +166,18 @@ async def test_create_many_bounded_with_retries(tmp_path: Path) -> None:
             assert len(edge.sandboxes) == 8  # the partial batch was cleaned up
 
 
-def test_sync_client_mirrors_async(tmp_path: Path) -> None:
-    # The stack runs on its own loop thread; the sync client has its private one.
+@pytest.fixture(params=["http", "asgi"])
+def sync_client(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[rollbox.Client]:
+    """A blocking client of a stack: over HTTP (the stack on its own loop thread, the client
+    on its private one), or in-process (the app then runs on the client's private loop)."""
+    if request.param == "asgi":
+        s = ApiStack(tmp_path, serve=False)
+        try:
+            with rollbox.Client(api_key=s.key_a, transport=ASGITransport(s.app)) as c:
+                yield c
+        finally:
+            asyncio.run(s.close())
+        return
     ready = threading.Event()
     stop: asyncio.Event | None = None
     holder: dict[str, ApiStack] = {}
@@ -184,29 +197,34 @@ def test_sync_client_mirrors_async(tmp_path: Path) -> None:
         assert ready.wait(10)
         s = holder["s"]
         with rollbox.Client(s.url, s.key_a) as c:
-            assert c.health()["status"] == "ok"
-            with c.create("debian", labels={"k": "v"}) as sb:
-                got: list[str] = []
-                res = sb.exec("echo sync", on_stdout=got.append)
-                assert res.stdout == "sync\n" and got == ["sync\n"]
-                proc = sb.exec_background("echo bg; echo err >&2")
-                chunks = list(proc.attach())
-                assert {c_.stream for c_ in chunks} == {"stdout", "stderr"}
-                assert proc.wait().exit_code == 0
-                sb.files.write("/f", b"data")
-                assert sb.files.read("/f") == b"data"
-                assert [x.id for x in c.list({"k": "v"})] == [sb.id]
-                evs: Iterator[rollbox.Event] = sb.stream_events(follow=False)
-                assert next(evs).kind == "sandbox.created"
-                evs.close()  # type: ignore[attr-defined]
-            with pytest.raises(rollbox.NotFound):
-                c.get(sb.id)
-            many = c.create_many(3, "debian")
-            assert len(many) == 3
-            for m in many:
-                m.delete()
+            yield c
     finally:
         if stop is not None:
             loop.call_soon_threadsafe(stop.set)
         t.join(30)
         loop.close()
+
+
+def test_sync_client_mirrors_async(sync_client: rollbox.Client) -> None:
+    c = sync_client
+    assert c.health()["status"] == "ok"
+    with c.create("debian", labels={"k": "v"}) as sb:
+        got: list[str] = []
+        res = sb.exec("echo sync", on_stdout=got.append)
+        assert res.stdout == "sync\n" and got == ["sync\n"]
+        proc = sb.exec_background("echo bg; echo err >&2")
+        chunks = list(proc.attach())
+        assert {c_.stream for c_ in chunks} == {"stdout", "stderr"}
+        assert proc.wait().exit_code == 0
+        sb.files.write("/f", b"data")
+        assert sb.files.read("/f") == b"data"
+        assert [x.id for x in c.list({"k": "v"})] == [sb.id]
+        evs: Iterator[rollbox.Event] = sb.stream_events(follow=False)
+        assert next(evs).kind == "sandbox.created"
+        evs.close()  # type: ignore[attr-defined]
+    with pytest.raises(rollbox.NotFound):
+        c.get(sb.id)
+    many = c.create_many(3, "debian")
+    assert len(many) == 3
+    for m in many:
+        m.delete()

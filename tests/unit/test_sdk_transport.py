@@ -1,7 +1,8 @@
 """The SDK's aiohttp transport: typed errors, timeouts, streaming, headers and clean closing.
 
 Against a scripted raw HTTP/1.1 server on loopback (exact bytes on the wire) and the real api
-with the test-only FakeEdge (ApiStack).
+with the test-only FakeEdge (ApiStack); a body's own error also in-process (test_sdk_asgi.py
+has the ASGI transport's own tests).
 """
 from __future__ import annotations
 
@@ -88,6 +89,13 @@ def respond(status: int, body: bytes, ctype: str = "application/json") -> Handle
 @pytest.fixture
 async def stack(tmp_path: Path) -> AsyncIterator[ApiStack]:
     async with ApiStack(tmp_path) as s:
+        yield s
+
+
+@pytest.fixture(params=["http", "asgi"])
+async def either_stack(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[ApiStack]:
+    """The stack served over HTTP, or called in-process (ASGITransport)."""
+    async with ApiStack(tmp_path, serve=request.param == "http") as s:
         yield s
 
 
@@ -206,7 +214,7 @@ async def test_no_unclosed_session_warnings(stack: ApiStack) -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             idle = rollbox.AsyncClient(stack.url, stack.key_a)
-            assert idle._t._session is None  # made lazily, on the first request
+            assert idle._t.transport._session is None  # made lazily, on the first request
             await idle.close()
             async with rollbox.AsyncClient(stack.url, stack.key_a) as c:
                 sb = await c.create("debian")
@@ -279,7 +287,7 @@ def stack_thread_url(tmp_path: Path) -> Any:
 
 
 async def test_upload_dir_raises_the_producers_own_error(
-        stack: ApiStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        either_stack: ApiStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import tarfile
     src = tmp_path / "up"
     src.mkdir()
@@ -288,7 +296,7 @@ async def test_upload_dir_raises_the_producers_own_error(
     def unreadable(self: tarfile.TarFile, *a: Any, **kw: Any) -> None:
         raise PermissionError("denied: a.txt")
 
-    async with rollbox.AsyncClient(stack.url, stack.key_a) as c:
+    async with either_stack.client(either_stack.key_a) as c:
         async with await c.create("debian") as sb:
             assert await sb.files.upload_dir(src, "/up") > 0  # the real path works
             monkeypatch.setattr(tarfile.TarFile, "add", unreadable)

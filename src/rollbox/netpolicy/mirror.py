@@ -34,18 +34,19 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from rollbox.config import Settings
-from rollbox.netpolicy.mirrors.pypi import (
-    PypiMirror,
+from rollbox.errors import (  # the mirror's errors (re-exported here, where they are raised)
+    HashMismatch,
     UpstreamBadResponse,
+    UpstreamTooLarge,
     UpstreamUnavailable,
 )
-from rollbox.netpolicy.mirrors.store import HashMismatch, TooLarge
+from rollbox.netpolicy.mirrors.pypi import PypiMirror
 
 __all__ = [
     "HashMismatch",
     "PypiMirror",
-    "TooLarge",
     "UpstreamBadResponse",
+    "UpstreamTooLarge",
     "UpstreamUnavailable",
     "debian_sources",
     "mount",

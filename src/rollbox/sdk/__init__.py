@@ -1,17 +1,26 @@
-"""Python SDK: ``AsyncClient``/``AsyncSandbox`` (the one implementation, on aiohttp: about a
-sixth of httpx's client CPU per request) and the blocking ``Client``/``Sandbox`` face that runs
-it on a private event-loop thread.
+"""Python SDK: ``AsyncClient``/``AsyncSandbox`` (the one implementation) and the blocking
+``Client``/``Sandbox`` face that runs it on a private event-loop thread.
 
-Talks only HTTP to the api; never imports server-side packages beyond shared models/errors.
+Requests travel through a transport (``_transport``, httpx's seam): ``AiohttpTransport``, HTTP
+to a server (the default: about a sixth of httpx's client CPU per request), or
+``ASGITransport``, an api app called in-process (tests of the SDK: no server, no socket).
+
+Talks only HTTP (or ASGI) to the api; never imports server-side packages beyond shared
+models/errors (an ASGI transport is given the app, it imports nothing of the api).
 """
+from rollbox.errors import CommandFailed
+from rollbox.sdk._aiohttp import AiohttpTransport
+from rollbox.sdk._asgi import ASGITransport, Lifespan
 from rollbox.sdk._async import (
     DEFAULT_URL, AsyncClient, AsyncFiles, AsyncImages, AsyncJob, AsyncProcess, AsyncSandbox,
-    CommandFailed, OutputChunk,
+    OutputChunk,
 )
 from rollbox.sdk._sync import Client, Files, Images, Job, Process, Sandbox
+from rollbox.sdk._transport import AsyncTransport, BlockingTransport, Request, Response
 
 __all__ = [
     "DEFAULT_URL", "AsyncClient", "AsyncFiles", "AsyncImages", "AsyncJob", "AsyncProcess",
     "AsyncSandbox", "CommandFailed", "OutputChunk", "Client", "Files", "Images", "Job",
-    "Process", "Sandbox",
+    "Process", "Sandbox", "AsyncTransport", "BlockingTransport", "Request", "Response",
+    "AiohttpTransport", "ASGITransport", "Lifespan",
 ]

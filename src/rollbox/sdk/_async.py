@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import codecs
 import contextlib
-import http.client
 import io
 import json
 import os
@@ -20,13 +18,16 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Literal
 
-import aiohttp
 import pydantic
 
 from rollbox import errors
+from rollbox.errors import CommandFailed
+from rollbox.sdk._aiohttp import AiohttpTransport
+from rollbox.sdk._http import FullResponse, Http, Params, raise_for_status
 from rollbox.sdk._resume import (
     DEFAULT_RECONNECT_S, Offsets, Reconnect, new_idempotency_key,
 )
+from rollbox.sdk._transport import AsyncTransport, BlockingTransport, Request
 from rollbox.models import (
     FnCallResult, FnCallSpec,
     ApiKeyInfo, Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec,
@@ -35,7 +36,6 @@ from rollbox.models import (
 )
 
 DEFAULT_URL = "http://127.0.0.1:7420"
-NDJSON = "application/x-ndjson"
 TAR_CHUNK = 256 << 10
 FILE_CHUNK = 1 << 20
 
@@ -49,17 +49,6 @@ def _fncall_spec(fields: dict[str, Any]) -> FnCallSpec:
         raise errors.BadRequest(str(exc)) from None
 
 
-class CommandFailed(errors.RollboxError):
-    """``exec(..., check=True)`` and the command exited non-zero (or by a signal)."""
-
-    code = "command_failed"
-    status = 500
-
-    def __init__(self, message: str, result: ExecResult) -> None:
-        super().__init__(message, exit_code=result.exit_code, signal=result.signal)
-        self.result = result
-
-
 @dataclass(frozen=True)
 class OutputChunk:
     stream: Literal["stdout", "stderr"]
@@ -70,16 +59,6 @@ class OutputChunk:
         return self.data.decode("utf-8", "replace")
 
 
-def _raise_for(status: int, body: bytes) -> None:
-    if status < 400:
-        return
-    try:
-        payload: Any = json.loads(body)
-    except ValueError:
-        payload = body.decode("utf-8", "replace")
-    raise errors.error_from_payload(payload, status)
-
-
 def _check_command(result: ExecResult, cmd: str | list[str]) -> None:
     if result.timed_out:
         raise errors.CommandTimeout(f"command timed out: {cmd!r}", exec_id=result.exec_id)
@@ -87,160 +66,6 @@ def _check_command(result: ExecResult, cmd: str | list[str]) -> None:
         how = (f"signal {result.signal}" if result.signal is not None
                else f"exit code {result.exit_code}")
         raise CommandFailed(f"command failed with {how}: {cmd!r}", result)
-
-
-# What a broken connection, refused connect or socket timeout looks like in aiohttp.
-_TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
-
-
-def _transport_error(what: str, exc: BaseException) -> errors.InfraError:
-    """A refused/failed connect never reached the server; anything later may have."""
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return errors.ServerUnreachable(f"{what}: {exc!r}")
-    return errors.ConnectionLost(f"{what}: {exc!r}")
-
-Params = Mapping[str, Any] | Iterable[tuple[str, Any]] | None
-
-
-def _query(params: Params) -> list[tuple[str, str]] | None:
-    """httpx's query encoding (bools as true/false, None as empty); aiohttp refuses both."""
-    if params is None:
-        return None
-    items = params.items() if isinstance(params, Mapping) else params
-    return [(k, "true" if v is True else "false" if v is False else "" if v is None else str(v))
-            for k, v in items]
-
-
-@dataclass(frozen=True, slots=True)
-class _Response:
-    """A fully read answer (status < 400)."""
-
-    status_code: int
-    content: bytes
-
-    def json(self) -> Any:
-        return json.loads(self.content)
-
-
-class _Stream:
-    """An open streamed answer; ``aclose`` it (``_Transport.lines`` does)."""
-
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
-        self.resp = resp
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """Body bytes as they arrive."""
-        try:
-            async for chunk in self.resp.content.iter_any():
-                yield chunk
-        except _TRANSPORT_ERRORS as exc:
-            raise errors.ConnectionLost(f"stream broken: {exc!r}") from exc
-
-    async def aclose(self) -> None:
-        # Fully read: the connection goes back to the pool; else it is closed (never reused
-        # with half a body on it).
-        if self.resp.content.at_eof():
-            self.resp.release()
-        else:
-            self.resp.close()
-
-
-class _Transport:
-    """aiohttp plumbing (about a sixth of httpx's client CPU per request): auth, typed errors,
-    streaming without read timeouts. The session is made on first use, inside the running
-    loop, so a client can be constructed outside one."""
-
-    def __init__(self, base_url: str, api_key: str | None, timeout: float,
-                 max_connections: int) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.max_connections = max_connections
-        # httpx.Timeout(t) semantics: each phase (pool wait, connect, every read) at most t.
-        self.timeout = aiohttp.ClientTimeout(total=None, connect=timeout,
-                                             sock_connect=timeout, sock_read=timeout)
-        # Streams and waits may stay silent for as long as the command runs (and may wait
-        # for a pooled connection behind them).
-        self.stream_timeout = aiohttp.ClientTimeout(total=None, connect=None,
-                                                    sock_connect=timeout, sock_read=None)
-        self._session: aiohttp.ClientSession | None = None
-        self._closed = False
-
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            if self._closed:  # as httpx did: a closed client stays closed
-                raise RuntimeError("the rollbox client has been closed")
-            # Plain http never touches TLS: aiohttp uses its (import-time) SSL context only
-            # for https URLs, so making a session costs no CA-bundle load.
-            self._session = aiohttp.ClientSession(
-                headers=self.headers, timeout=self.timeout,
-                connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0),
-            )
-        return self._session
-
-    def _body(self, json_body: Any, content: Any,
-              headers: dict[str, str] | None) -> tuple[Any, dict[str, str] | None]:
-        if json_body is not None:  # encoded as httpx did
-            return (json.dumps(json_body, ensure_ascii=False, separators=(",", ":"),
-                               allow_nan=False).encode(),
-                    {**(headers or {}), "Content-Type": "application/json"})
-        return content, headers
-
-    async def request(self, method: str, url: str, *, long: bool = False, params: Params = None,
-                      json: Any = None, content: Any = None,
-                      headers: dict[str, str] | None = None) -> _Response:
-        data, hdrs = self._body(json, content, headers)
-        try:
-            async with self._http().request(
-                    method, self.base_url + url, params=_query(params), data=data,
-                    headers=hdrs, timeout=self.stream_timeout if long else self.timeout,
-                    allow_redirects=False) as resp:
-                body = await resp.read()
-                status = resp.status
-        except _TRANSPORT_ERRORS as exc:
-            raise _transport_error(f"{method} {url}", exc) from exc
-        _raise_for(status, body)
-        return _Response(status, body)
-
-    async def stream(self, method: str, url: str, *, params: Params = None, json: Any = None,
-                     content: Any = None, headers: dict[str, str] | None = None) -> _Stream:
-        """Open a streamed response (caller must ``aclose`` it); errors raised before."""
-        data, hdrs = self._body(json, content, headers)
-        try:
-            resp = await self._http().request(
-                method, self.base_url + url, params=_query(params), data=data, headers=hdrs,
-                timeout=self.stream_timeout, allow_redirects=False)
-        except _TRANSPORT_ERRORS as exc:
-            raise _transport_error(f"{method} {url}", exc) from exc
-        if resp.status >= 400:
-            try:
-                body = await resp.read()
-            except _TRANSPORT_ERRORS as exc:
-                raise _transport_error(f"{method} {url}", exc) from exc
-            finally:
-                resp.release()
-            _raise_for(resp.status, body)
-        return _Stream(resp)
-
-    async def lines(self, resp: _Stream) -> AsyncIterator[dict[str, Any]]:
-        """NDJSON messages, each as soon as its line is complete. Split here rather than with
-        aiohttp's readline, which refuses lines over 128 KiB."""
-        tail = b""
-        try:
-            async for chunk in resp.chunks():
-                *done, tail = (tail + chunk).split(b"\n")
-                for line in done:
-                    if line:
-                        yield json.loads(line)
-            if tail.strip():
-                yield json.loads(tail)
-        finally:
-            await resp.aclose()
-
-    async def aclose(self) -> None:
-        self._closed = True
-        if self._session is not None:
-            session, self._session = self._session, None
-            await session.close()
 
 
 def _exec_spec(cmd: str | list[str], env: Mapping[str, str] | None, cwd: str, user: str,
@@ -475,8 +300,8 @@ def _tree_bytes(src: Path) -> int:
     return total
 
 
-async def _send_tar(t: _Transport, method: str, url: str, params: Params, src: Path,
-                    progress: Progress | None = None) -> _Response:
+async def _send_tar(t: Http, method: str, url: str, params: Params, src: Path,
+                    progress: Progress | None = None) -> FullResponse:
     """Send a tar of directory ``src``'s contents (members named relative to it) as a request
     body, made by a producer thread as it is sent (memory stays bounded)."""
     if not src.is_dir():
@@ -500,7 +325,7 @@ async def _send_tar(t: _Transport, method: str, url: str, params: Params, src: P
         return await t.request(method, url, params=params, long=True,
                                content=_counted(pipe.chunks(), progress, total))
     except errors.InfraError:
-        if pipe.error is not None:  # aiohttp wraps a body's error; raise it as it was
+        if pipe.error is not None:  # a transport wraps a body's error; raise it as it was
             raise pipe.error from None
         raise
     finally:
@@ -625,7 +450,7 @@ class AsyncFiles:
 class AsyncImages:
     """A project's task images on the node (``client.images``)."""
 
-    def __init__(self, t: _Transport) -> None:
+    def __init__(self, t: Http) -> None:
         self._t = t
 
     async def upload(self, name: str, source: str | os.PathLike[str], *,
@@ -887,13 +712,23 @@ async def _delete_created(requests: Iterable[asyncio.Future[AsyncSandbox]]) -> N
 class AsyncClient:
     def __init__(self, base_url: str | None = None, api_key: str | None = None,
                  timeout: float = 60.0, max_connections: int = 1024,
-                 reconnect_s: float = DEFAULT_RECONNECT_S) -> None:
+                 reconnect_s: float = DEFAULT_RECONNECT_S, *,
+                 transport: AsyncTransport | None = None) -> None:
         """``reconnect_s``: how long exec calls keep retrying (with backoff) while the server
-        is unreachable, e.g. restarting; their commands keep running meanwhile."""
+        is unreachable, e.g. restarting; their commands keep running meanwhile.
+        ``transport``: how requests travel (default: HTTP with aiohttp to ``base_url``, with
+        ``timeout`` and ``max_connections``); e.g. ``ASGITransport(app)`` calls an api app
+        in-process. A given transport has its own place and limits: no ``base_url`` then. The
+        client closes its transport."""
         self.reconnect_s = reconnect_s
-        self.base_url = base_url or os.environ.get("ROLLBOX_URL", DEFAULT_URL)
+        if transport is None:
+            transport = AiohttpTransport(base_url or os.environ.get("ROLLBOX_URL", DEFAULT_URL),
+                                         timeout=timeout, max_connections=max_connections)
+        elif base_url is not None:
+            raise TypeError("base_url is the transport's: give one or the other")
+        self.base_url = transport.base_url
         api_key = api_key or os.environ.get("ROLLBOX_API_KEY")
-        self._t = _Transport(self.base_url, api_key, timeout, max_connections)
+        self._t = Http(transport, api_key)
         self._heartbeats: set[_Heartbeat] = set()  # of this client's open jobs
         self.images = AsyncImages(self._t)
 
@@ -1110,18 +945,16 @@ class AsyncClient:
 
 
 class _Heartbeat:
-    """A job's heartbeats, from a daemon thread with its own blocking HTTP connection: a
-    training step that blocks the event loop (or holds the GIL in C for a while) does not
-    stop them; a killed process does, which is the point."""
+    """A job's heartbeats, from a daemon thread through the transport's blocking face (over
+    HTTP its own connection): a training step that blocks the event loop (or holds the GIL in
+    C for a while) does not stop them; a killed process does, which is the point."""
 
-    def __init__(self, base_url: str, headers: Mapping[str, str], name: str,
+    def __init__(self, transport: AsyncTransport, headers: Mapping[str, str], name: str,
                  interval_s: float) -> None:
-        url = urllib.parse.urlsplit(base_url)
-        self._https = url.scheme == "https"
-        self._host = url.netloc
-        self._path = (f"{url.path.rstrip('/')}/v1/jobs/"
-                      f"{urllib.parse.quote(name, safe='')}/heartbeat")
-        self._headers = {**headers, "Content-Length": "0"}
+        self._request = Request(
+            "POST", f"/v1/jobs/{urllib.parse.quote(name, safe='')}/heartbeat",
+            headers=dict(headers), body=b"")
+        self._channel: BlockingTransport = transport.blocking(max(1.0, interval_s))
         self.interval_s = interval_s
         self.lost: errors.RollboxError | None = None  # why the lease is gone, once it is
         self.last_ok: float | None = None  # time.time() of the last answered heartbeat
@@ -1136,37 +969,24 @@ class _Heartbeat:
         """No more heartbeats (one in flight may still land: harmless). Never blocks."""
         self._stop.set()
 
-    def _connect(self) -> http.client.HTTPConnection:
-        cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-        return cls(self._host, timeout=max(1.0, self.interval_s))
-
-    def beat(self, conn: http.client.HTTPConnection) -> None:
-        conn.request("POST", self._path, headers=self._headers)
-        resp = conn.getresponse()
-        body = resp.read()
-        _raise_for(resp.status, body)
+    def beat(self) -> None:
+        raise_for_status(*self._channel.handle(self._request))
         self.last_ok = time.time()
 
     def _run(self) -> None:
-        conn: http.client.HTTPConnection | None = None
         wait = self.interval_s
-        while not self._stop.wait(wait):
-            wait = self.interval_s
-            try:
-                conn = conn or self._connect()
-                self.beat(conn)
-            except errors.RollboxError as exc:
-                if not exc.retryable:  # ended, expired, key revoked: nothing to keep alive
-                    self.lost = exc
-                    break
-                wait = self.interval_s / 3
-            except (OSError, http.client.HTTPException):
-                if conn is not None:
-                    conn.close()
-                conn = None
-                wait = self.interval_s / 3  # three misses are allowed: try again sooner
-        if conn is not None:
-            conn.close()
+        try:
+            while not self._stop.wait(wait):
+                wait = self.interval_s
+                try:
+                    self.beat()
+                except errors.RollboxError as exc:
+                    if not exc.retryable:  # ended, expired, key revoked: nothing to keep alive
+                        self.lost = exc
+                        break
+                    wait = self.interval_s / 3  # three misses are allowed: try again sooner
+        finally:
+            self._channel.close()
 
 
 class AsyncJob:
@@ -1197,7 +1017,7 @@ class AsyncJob:
         r = await self._t.request("POST", "/v1/jobs", json=self.spec.model_dump(mode="json"))
         self.info = JobInfo.model_validate(r.json())
         if self._heartbeat is None or self._heartbeat.lost is not None:
-            self._heartbeat = _Heartbeat(self._t.base_url, self._t.headers, self.name,
+            self._heartbeat = _Heartbeat(self._t.transport, self._t.headers, self.name,
                                          self.spec.heartbeat_s)
             self._heartbeat.start()
             self.client._heartbeats.add(self._heartbeat)

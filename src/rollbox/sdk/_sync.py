@@ -21,6 +21,7 @@ from rollbox.sdk._async import (
     AsyncClient, AsyncFiles, AsyncImages, AsyncJob, AsyncProcess, AsyncSandbox, FileContent,
     OutputCallback, OutputChunk, Progress,
 )
+from rollbox.sdk._transport import AsyncTransport
 
 T = TypeVar("T")
 
@@ -283,17 +284,24 @@ class Job:
 
 
 class Client:
-    """Blocking client; same arguments and methods as :class:`AsyncClient`."""
+    """Blocking client; same arguments and methods as :class:`AsyncClient`. With an
+    ``ASGITransport`` the app runs on the client's private loop thread."""
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None,
                  timeout: float = 60.0, max_connections: int = 1024,
-                 reconnect_s: float = DEFAULT_RECONNECT_S) -> None:
+                 reconnect_s: float = DEFAULT_RECONNECT_S, *,
+                 transport: AsyncTransport | None = None) -> None:
         self._p = _Portal()
 
         async def make() -> AsyncClient:
-            return AsyncClient(base_url, api_key, timeout, max_connections, reconnect_s)
+            return AsyncClient(base_url, api_key, timeout, max_connections, reconnect_s,
+                               transport=transport)
 
-        self._c = self._p.call(make())
+        try:
+            self._c = self._p.call(make())
+        except BaseException:
+            self._p.stop()
+            raise
         self.base_url = self._c.base_url
         self.images = Images(self._p, self._c.images)
 

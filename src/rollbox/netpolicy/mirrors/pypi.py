@@ -39,7 +39,7 @@ from starlette.responses import (
 )
 from starlette.routing import Route
 
-from rollbox.errors import InfraError, NotFound, RollboxError
+from rollbox.errors import NotFound, RollboxError, UpstreamBadResponse, UpstreamUnavailable
 from rollbox.netpolicy.mirrors.store import SHA256_RE, BlobStore, read_fd
 
 log = logging.getLogger(__name__)
@@ -52,21 +52,6 @@ MAX_REDIRECTS = 3
 MEMORY_INDEXES = 512
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 _FILENAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+!-]{0,254}$")
-
-
-class UpstreamUnavailable(InfraError):
-    """The upstream could not be reached (or failed) and nothing usable is cached. Retry."""
-
-    code = "upstream_unavailable"
-    status = 503
-
-
-class UpstreamBadResponse(InfraError):
-    """The upstream answered with something the mirror can not use (bad status, bad page,
-    redirect off the allowed hosts)."""
-
-    code = "upstream_bad_response"
-    status = 502
 
 
 def normalize(name: str) -> str:

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
-from rollbox.errors import InfraError, RollboxError
+from rollbox.errors import HashMismatch, InfraError, RollboxError, UpstreamTooLarge
 
 log = logging.getLogger(__name__)
 
@@ -30,21 +30,6 @@ CHUNK = 256 * 1024
 # ``expect_size`` is called once with the announced size (None when unknown).
 Producer = Callable[[Callable[[bytes], Awaitable[None]], Callable[[int | None], None]],
                     Awaitable[None]]
-
-
-class HashMismatch(RollboxError):
-    """The upstream's bytes do not have the sha256 its index announced; nothing was kept."""
-
-    code = "hash_mismatch"
-    status = 502
-
-
-class TooLarge(InfraError):
-    """The upstream file is larger than the whole cache may hold."""
-
-    code = "upstream_too_large"
-    status = 502
-    retryable = False
 
 
 class Fetch:
@@ -143,12 +128,12 @@ class BlobStore:
 
         def expect_size(size: int | None) -> None:
             if size is not None and size > self.max_bytes:
-                raise TooLarge(f"{size} bytes do not fit the {self.max_bytes}-byte cache")
+                raise UpstreamTooLarge(f"{size} bytes do not fit the {self.max_bytes}-byte cache")
             f.size = size
 
         async def sink(chunk: bytes) -> None:
             if f.written + len(chunk) > self.max_bytes:
-                raise TooLarge(f"more than the {self.max_bytes}-byte cache")
+                raise UpstreamTooLarge(f"more than the {self.max_bytes}-byte cache")
             digest.update(chunk)
             os.pwrite(f.fd, chunk, f.written)
             f.written += len(chunk)
