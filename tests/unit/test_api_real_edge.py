@@ -1,27 +1,44 @@
-"""End to end: SDK -> api (real uvicorn) -> the real Edge with runc sandboxes (root only)."""
+"""End to end: SDK -> api (real uvicorn) -> the real Edge with runc sandboxes (root only); the
+same calls with the api app in-process (ASGITransport) over the same real edge."""
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI
 
 import rollbox
 from rollbox.api import BackgroundServer, create_app
 from rollbox.iam import KeyStore
 from rollbox.placement import Placement
+from rollbox.sdk import ASGITransport
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root and runc")]
 BB = "busybox:test"
 
 
-async def test_sdk_over_api_over_real_edge(edge, tmp_path: Path) -> None:  # noqa: ANN001
+@contextlib.asynccontextmanager
+async def sdk_client(app: FastAPI, key: str, transport: str) -> AsyncIterator[rollbox.AsyncClient]:
+    if transport == "asgi":
+        async with rollbox.AsyncClient(api_key=key, transport=ASGITransport(app)) as c:
+            yield c
+        return
+    async with BackgroundServer(app) as srv, rollbox.AsyncClient(srv.url, key) as c:
+        yield c
+
+
+@pytest.mark.parametrize("transport", ["http", "asgi"])
+async def test_sdk_over_api_over_real_edge(edge, tmp_path: Path,  # noqa: ANN001
+                                           transport: str) -> None:
     keys = KeyStore(tmp_path / "keys.db")
     app = create_app(Placement([edge]), edge.event_log, keys)
     key = keys.create("proj")
     try:
-        async with BackgroundServer(app) as srv, rollbox.AsyncClient(srv.url, key) as c:
+        async with sdk_client(app, key, transport) as c:
             async with await c.create(BB, labels={"e2e": "1"}) as sb:
                 assert sb.id.startswith(edge.node_id + "-")
                 got: list[str] = []
