@@ -1,12 +1,13 @@
 """The SDK's aiohttp transport: typed errors, timeouts, streaming, headers and clean closing.
 
 Against a scripted raw HTTP/1.1 server on loopback (exact bytes on the wire) and the real api
-with the test-only FakeEdge (ApiStack); a body's own error also in-process (test_sdk_asgi.py
-has the ASGI transport's own tests).
+with the test-only FakeEdge (ApiStack); error answers and a body's own error also in-process
+(test_sdk_asgi.py has the ASGI transport's own tests).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import warnings
@@ -18,6 +19,7 @@ import pytest
 
 import rollbox
 from rollbox import errors
+from rollbox.sdk import ASGITransport
 from test_api_support import ApiStack
 
 Handler = Callable[[bytes, bytes, asyncio.StreamWriter], Awaitable[None]]
@@ -123,6 +125,25 @@ async def test_transport_failures_are_retryable_infra_errors() -> None:
             await dead._t.stream("GET", "/v1/sandboxes/x/events")
 
 
+@contextlib.asynccontextmanager
+async def answering(transport: str, status: int, body: bytes) -> AsyncIterator[rollbox.AsyncClient]:
+    """A client whose every request is answered ``status`` and ``body``: by a raw HTTP server,
+    or by an ASGI app in-process."""
+    if transport == "http":
+        async with RawServer(respond(status, body)) as srv, rollbox.AsyncClient(srv.url, "k") as c:
+            yield c
+        return
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": status, "headers": []})
+            await send({"type": "http.response.body", "body": body})
+
+    async with rollbox.AsyncClient(api_key="k", transport=ASGITransport(app)) as c:
+        yield c
+
+
+@pytest.mark.parametrize("transport", ["http", "asgi"])
 @pytest.mark.parametrize("status,body", [
     (404, b'{"error":{"code":"not_found","message":"no such sandbox"}}'),
     (409, b'{"error":{"code":"sandbox_dead","message":"oom","details":{}}}'),
@@ -130,13 +151,14 @@ async def test_transport_failures_are_retryable_infra_errors() -> None:
     (502, b"<html>bad gateway</html>"),
     (400, b"plain words"),
 ])
-async def test_http_errors_are_the_payloads_typed_error(status: int, body: bytes) -> None:
+async def test_http_errors_are_the_payloads_typed_error(status: int, body: bytes,
+                                                        transport: str) -> None:
     try:
         payload: Any = json.loads(body)
     except ValueError:
         payload = body.decode()
     want = errors.error_from_payload(payload, status)
-    async with RawServer(respond(status, body)) as srv, rollbox.AsyncClient(srv.url, "k") as c:
+    async with answering(transport, status, body) as c:
         with pytest.raises(errors.RollboxError) as ei:
             await c.get("sb-1")
         assert type(ei.value) is type(want) and str(ei.value) == str(want)
