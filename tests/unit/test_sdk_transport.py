@@ -19,7 +19,7 @@ import pytest
 
 import rollbox
 from rollbox import errors
-from rollbox.sdk import ASGITransport
+from rollbox.sdk import AiohttpTransport, ASGITransport
 from test_api_support import ApiStack
 
 Handler = Callable[[bytes, bytes, asyncio.StreamWriter], Awaitable[None]]
@@ -134,7 +134,7 @@ async def answering(transport: str, status: int, body: bytes) -> AsyncIterator[r
             yield c
         return
 
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             await send({"type": "http.response.start", "status": status, "headers": []})
             await send({"type": "http.response.body", "body": body})
@@ -236,7 +236,9 @@ async def test_no_unclosed_session_warnings(stack: ApiStack) -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             idle = rollbox.AsyncClient(stack.url, stack.key_a)
-            assert idle._t.transport._session is None  # made lazily, on the first request
+            transport = idle._t.transport
+            assert isinstance(transport, AiohttpTransport)
+            assert transport._session is None  # made lazily, on the first request
             await idle.close()
             async with rollbox.AsyncClient(stack.url, stack.key_a) as c:
                 sb = await c.create("debian")
@@ -246,7 +248,7 @@ async def test_no_unclosed_session_warnings(stack: ApiStack) -> None:
                 await sb.delete()
             with pytest.raises(RuntimeError):
                 await c.list()  # closed stays closed
-            del c, sb, idle
+            del c, sb, idle, transport
             gc.collect()
             await asyncio.sleep(0.1)
             gc.collect()

@@ -13,7 +13,7 @@ it may have. Owns the seam's types only.
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,7 +26,7 @@ class Request:
     # The path, as sent (percent-encoded), maybe with a query: "/v1/jobs/a%20b?project=p".
     target: str
     # More query items, encoded by the transport (values already strings).
-    params: Iterable[tuple[str, str]] | None = None
+    params: Sequence[tuple[str, str]] | None = None
     headers: dict[str, str] | None = None
     body: Body = None
     # A stream or a wait: may stay silent for as long as a command runs (no read timeout).
