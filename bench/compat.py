@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from rollbox.embedded import server_process
-from rollbox.images.defaults import BASE_IMAGE
+from rollbox.default_images import BASE_IMAGE
 
 
 def say(msg: str) -> None:

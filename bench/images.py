@@ -41,7 +41,7 @@ from typing import Any
 
 from rollbox.config import Settings
 from rollbox.images import chunks
-from rollbox.images.defaults import BENCH_IMAGE, PYTHON_IMAGE
+from rollbox.default_images import BENCH_IMAGE, PYTHON_IMAGE
 from rollbox.images.lazy.mounts import LayerMounts
 from rollbox.images.store import ImageStore
 from rollbox.images.stores.loopback_s3 import loopback_s3

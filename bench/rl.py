@@ -537,7 +537,7 @@ def podman_options(image: str) -> list[str]:
 
 async def ensure_image() -> None:
     """``IMAGE`` over the current ``BASE_IMAGE``: built, or rebuilt when the base changed."""
-    from rollbox.images.defaults import build_layer_with_commands
+    from rollbox.backends.container.build import build_layer_with_commands
     from rollbox.images.store import ImageStore
 
     store = ImageStore(Settings().images_dir)

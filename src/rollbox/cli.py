@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from rollbox.config import REPO_ROOT, Settings
-from rollbox.images.cli import app as image_app
+from rollbox.image_cli import app as image_app
 from rollbox.operator_cli import key_app, project_app, sandbox_app
 
 app = typer.Typer(help="rollbox: elastic sandboxes for RL agents", no_args_is_help=True,

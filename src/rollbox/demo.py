@@ -72,7 +72,7 @@ def test_median_even():
 
 def ensure_demo_images(settings: Settings | None = None) -> None:
     """Build the workspace and hidden-tests layers (each its own versioned layer)."""
-    from rollbox.images.build import build_from_directory
+    from rollbox.images.sources import build_from_directory
     from rollbox.images.store import ImageStore
 
     store = ImageStore((settings or Settings()).images_dir)

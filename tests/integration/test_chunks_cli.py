@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from rollbox.images.build import build_from_directory
-from rollbox.images.cli import app
+from rollbox.image_cli import app
+from rollbox.images.sources import build_from_directory
 from rollbox.images.store import ImageStore
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("mkfs.erofs") is None,

@@ -12,7 +12,7 @@ import pytest
 
 from rollbox.errors import ChunkCorrupt, ChunkMissing, InfraError, StoreUnreachable
 from rollbox.images import chunks
-from rollbox.images.build import build_from_directory
+from rollbox.images.sources import build_from_directory
 from rollbox.images.store import ImageStore
 from rollbox.images.stores.loopback_s3 import free_port, loopback_s3
 

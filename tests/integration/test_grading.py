@@ -13,7 +13,7 @@ import rollbox
 from rollbox import errors
 from rollbox.api import BackgroundServer, create_app
 from rollbox.iam import KeyStore
-from rollbox.images.build import build_from_directory
+from rollbox.images.sources import build_from_directory
 from rollbox.images.store import ImageStore
 from rollbox.models import ExecSpec, GradeSpec, SandboxSpec
 from rollbox.placement import Placement

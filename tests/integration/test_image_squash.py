@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from rollbox.errors import BadRequest
-from rollbox.images.build import make_whiteout, set_opaque
-from rollbox.images.cli import app
+from rollbox.image_cli import app
+from rollbox.images.overlay import make_whiteout, set_opaque
 from rollbox.images.mounts import LayerMounts
 from rollbox.images.squash import squash_image
 from rollbox.images.store import ImageStore
@@ -132,7 +132,7 @@ def test_build_over_a_base_adds_one_layer_and_reuses_the_base(tmp_path: Path,
     import asyncio
 
     from rollbox.config import Settings
-    from rollbox.images.defaults import build_layer_with_commands
+    from rollbox.backends.container.build import build_layer_with_commands
     from tests.conftest import have_image, node_settings
 
     if not Path(node_settings(tmp_node_dir).agent_binary).exists():

@@ -120,7 +120,7 @@ async def test_upload_directory_and_tar_then_use(api: Api, names: list[str],
 async def test_cli_upload_with_progress(edge, names: list[str], tmp_path: Path) -> None:  # noqa: ANN001
     from typer.testing import CliRunner
 
-    from rollbox.images.cli import app as image_app
+    from rollbox.image_cli import app as image_app
 
     keys = KeyStore(tmp_path / "keys.db")
     app = create_app(Placement([edge]), edge.event_log, keys)

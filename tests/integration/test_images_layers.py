@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 
 from rollbox.errors import BadRequest, InfraError, NotFound
-from rollbox.images import build as builders
-from rollbox.images.build import layer_from_upper, make_whiteout, set_opaque
+from rollbox.images import sources as builders
+from rollbox.images.sources import oci
+from rollbox.images.overlay import make_whiteout, set_opaque
+from rollbox.images.snapshot import layer_from_upper
 from rollbox.images.mounts import LayerMounts
 from rollbox.images.store import ImageStore
 from rollbox.isolation import syscalls
@@ -273,7 +275,7 @@ def test_import_merges_small_layers(store: ImageStore, mounts: LayerMounts, tmp_
 def test_import_keeps_big_layers_separate(store: ImageStore, mounts: LayerMounts,
                                           tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                           make) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(builders, "SMALL_LAYER_BYTES", 4)  # every layer counts as big
+    monkeypatch.setattr(oci, "SMALL_LAYER_BYTES", 4)  # every layer counts as big
     builders.import_oci_archive(store, make(tmp_path / "img.tar"), "imported:2")
     assert len(store.resolve("imported:2").layers) == 3
     check_imported(tmp_path, store, mounts, "imported:2")

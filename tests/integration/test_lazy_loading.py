@@ -301,7 +301,7 @@ async def test_pull_lazy_cli_and_stats_api(lazy_edge, lazy_store: ImageStore,
     import rollbox
     from rollbox.api import BackgroundServer, create_app
     from rollbox.iam import KeyStore
-    from rollbox.images.cli import app as image_cli
+    from rollbox.image_cli import app as image_cli
     from rollbox.placement import Placement
 
     node = ImageStore(Settings().images_dir)

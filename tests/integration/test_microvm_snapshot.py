@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rollbox.models import ExecSpec, GradeSpec, Resources, SandboxSpec, SnapshotSpec
-from rollbox.images.build import build_from_directory
+from rollbox.images.sources import build_from_directory
 from tests.conftest import new_name
 from tests.helpers.vm_guest import real_guest_marks
 

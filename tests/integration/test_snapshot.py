@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rollbox import errors
-from rollbox.images.build import build_from_directory
+from rollbox.images.sources import build_from_directory
 from rollbox.images.snapshot import is_frozen
 from rollbox.images.store import ImageStore
 from rollbox.models import ExecSpec, GradeSpec, SandboxSpec, SnapshotSpec

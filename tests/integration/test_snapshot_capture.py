@@ -15,7 +15,7 @@ import pytest
 
 from rollbox import errors
 from rollbox.images import snapshot as snap
-from rollbox.images.build import make_whiteout, set_opaque
+from rollbox.images.overlay import make_whiteout, set_opaque
 from rollbox.models import ExecSpec, SandboxSpec
 
 pytestmark = [pytest.mark.root,

@@ -11,21 +11,23 @@ from pathlib import Path
 import pytest
 
 from rollbox.errors import BadRequest
-from rollbox.images.build import (
+from rollbox.images.overlay import (
     OPAQUE_XATTR,
-    build_busybox_image,
-    busybox_image_current,
-    build_from_directory,
-    default_mirror,
-    dropped_bytecode,
-    extract_layer_tar,
     is_opaque,
     is_whiteout,
-    layer_from_upper,
     make_whiteout,
     merge_layer_dir,
     set_opaque,
     strip_overlay_markers,
+)
+from rollbox.images.scrub import dropped_bytecode
+from rollbox.images.snapshot import layer_from_upper
+from rollbox.images.sources import (
+    build_busybox_image,
+    build_from_directory,
+    busybox_image_current,
+    default_mirror,
+    extract_layer_tar,
 )
 from rollbox.images.store import ImageStore
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from rollbox.images.build import build_busybox_image
-from rollbox.images.cli import app
+from rollbox.image_cli import app
+from rollbox.images.sources import build_busybox_image
 from rollbox.images.store import ImageStore
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="layers keep root ownership")
@@ -69,7 +69,7 @@ def test_ensure_defaults_skips_missing_python_module(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "images"
     _seed_defaults(root)
-    monkeypatch.setitem(sys.modules, "rollbox.images.defaults", None)  # type: ignore[arg-type]
+    monkeypatch.setitem(sys.modules, "rollbox.default_images", None)  # type: ignore[arg-type]
     code, out = run(root, "ensure-defaults")
     assert code == 0, out
     assert "busybox:test present" in out and "debian:bookworm present" in out
@@ -81,9 +81,9 @@ def test_ensure_defaults_calls_python_image_hook(tmp_path: Path,
     root = tmp_path / "images"
     _seed_defaults(root)
     calls: list[Path] = []
-    fake = types.ModuleType("rollbox.images.defaults")
+    fake = types.ModuleType("rollbox.default_images")
     fake.ensure_python_image = lambda store: calls.append(store.root)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "rollbox.images.defaults", fake)
+    monkeypatch.setitem(sys.modules, "rollbox.default_images", fake)
     code, out = run(root, "ensure-defaults")
     assert code == 0, out
     assert calls == [root]

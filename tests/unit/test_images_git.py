@@ -16,7 +16,8 @@ import pytest
 
 from rollbox.errors import BadRequest
 from rollbox.images import git
-from rollbox.images.build import build_from_directory, import_oci_archive, layer_from_upper
+from rollbox.images.snapshot import layer_from_upper
+from rollbox.images.sources import build_from_directory, import_oci_archive
 from rollbox.images.store import ImageStore
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (layer ownership)")
@@ -101,7 +102,7 @@ def test_archive_repo_changed_by_a_later_layer_is_scrubbed_whole(
     layer's copy is scrubbed at its HEAD and hidden by the top layer's whole, scrubbed repo."""
     import json
 
-    monkeypatch.setattr("rollbox.images.build.SMALL_LAYER_BYTES", 0)  # two layers, not one
+    monkeypatch.setattr("rollbox.images.sources.oci.SMALL_LAYER_BYTES", 0)  # two layers, not one
     store = ImageStore(tmp_path / "images")
     work = tmp_path / "w"
     repo = work / "repo"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rollbox import errors
-from rollbox.images.build import OPAQUE_XATTR
+from rollbox.images.overlay import OPAQUE_XATTR
 from rollbox.images.snapshot_tar import UpperTree, capture_tar, opaque_dirs
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (chown, mknod)")

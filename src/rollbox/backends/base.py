@@ -93,6 +93,10 @@ class CaptureOptions:
     max_bytes: int
     max_entries: int
     complete_repos: bool  # make repositories of lower layers the upper touches whole
+    # Whose writable layer (images.snapshot.CONTENTS): "snapshot" (a sandbox's: hostile) or
+    # "build" (the image builder's: every xattr but overlay's, library bytecode kept); builds
+    # run on the container backend only.
+    content: Literal["snapshot", "build"] = "snapshot"
 
 
 @dataclass

@@ -13,7 +13,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from rollbox.images.defaults import PYTHON_IMAGE, build_layer_with_commands, ensure_python_image
+from rollbox.backends.container.build import build_layer_with_commands
+from rollbox.default_images import PYTHON_IMAGE, ensure_python_image
 from rollbox.images.store import ImageStore
 
 BROWSER_IMAGE = "browser:1"
@@ -57,7 +58,7 @@ def ensure_browser_image(store: ImageStore, log: Callable[[str], None] = print) 
     """Build ``browser:1`` if missing, and re-tag it when the driver changed (only the tools
     layer is rebuilt then). Needs the Debian mirror and PyPI; the first build takes minutes.
     Returns the image name."""
-    from rollbox.images.defaults import pip_layer
+    from rollbox.default_images import pip_layer
 
     ensure_python_image(store, log)
     if not store.exists(BROWSER_DEPS_IMAGE):

@@ -1046,7 +1046,6 @@ class Edge:
         """The sandbox's writable layer, scrubbed, becomes a new layer; ``spec.name`` is tagged
         as the sandbox's layers + that layer (see rollbox.images.snapshot). With ``pause`` the
         sandbox is frozen during the copy and thawed after, also on failure."""
-        from rollbox.images import git
         from rollbox.images import snapshot as snap
         from rollbox.images.chunks import default_store_url, open_store, push_image
 
@@ -1095,11 +1094,10 @@ class Edge:
                 if sandbox_id not in self.live or sandbox_id in self._deleting:
                     raise SandboxDead(f"sandbox {sandbox_id} went away during the snapshot")
                 try:  # git's and mkfs.erofs's messages name the staging dir
-                    repos = await asyncio.to_thread(git.process_tree, root, scratch=staging,
-                                                    keep_history=spec.keep_git_history)
-                    digest = await asyncio.to_thread(
-                        self.store.add_layer_from_dir, root, source=f"snapshot:{sandbox_id}",
-                        git_repos=repos)
+                    digest, repos = await asyncio.to_thread(
+                        snap.layer_from_capture, self.store, root,
+                        source=f"snapshot:{sandbox_id}", scratch=staging,
+                        keep_git_history=spec.keep_git_history)
                 except RollboxError as exc:
                     raise without_paths(exc, {root: "/", staging: "<staging>"}) from None
             finally:

@@ -31,7 +31,7 @@ from rollbox.errors import (
     BadRequest, CapacityExceeded, NotFound, PayloadTooLarge, QuotaExceeded, RollboxError,
 )
 from rollbox.images import git
-from rollbox.images.build import dropped_bytecode
+from rollbox.images.scrub import dropped_bytecode
 from rollbox.images.store import Image, ImageStore, validate_name
 from rollbox.models import ImageInfo, LayerUsage
 

@@ -22,7 +22,7 @@ from rollbox.images.mountpoints import MOUNT_FLAGS, LayerMountPoints
 from rollbox.images.store import ImageStore
 from rollbox.isolation import syscalls
 
-__all__ = ["MOUNT_FLAGS", "LayerMounts", "LazyLayers"]
+__all__ = ["LayerMounts", "LazyLayers"]
 
 
 class LazyLayers(Protocol):

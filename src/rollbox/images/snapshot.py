@@ -1,4 +1,11 @@
-"""Snapshots (``pack_diff``): a sandbox's writable layer, scrubbed, becomes a new image layer.
+"""A writable layer becomes an image layer: snapshots (``pack_diff``) and image builds.
+
+The one path from an overlay upper to a layer: :func:`capture_upper` copies it into a staging
+tree (below), :func:`layer_from_capture` scrubs its git repositories and packs it. Snapshots of
+containers (the backend's ``capture_writable``), image builds by running commands (the same
+``capture_writable``, the builder's :data:`BUILD` content) and :func:`layer_from_upper` all take
+it; a microVM's snapshot makes the same staging tree from a tar stream
+(:mod:`rollbox.images.snapshot_tar`) and packs it with :func:`layer_from_capture` too.
 
 The capture reads the overlay upper of a live sandbox from the host side. The agent controls
 every byte of that tree (symlinks, FIFOs, devices, hard links, sparse files, deep trees,
@@ -17,30 +24,32 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fnmatch
 import os
 import shutil
 import stat
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollbox.errors import BadRequest, InfraError, PayloadTooLarge
+from rollbox.errors import BadRequest, InfraError, PayloadTooLarge, RollboxError
 from rollbox.images import git
-from rollbox.images.build import (
-    _REFUSED_OVERLAY_XATTRS,
+from rollbox.images.overlay import (
+    DROPPED_OVERLAY_XATTRS,
     OPAQUE_XATTR,
-    _map_id,
+    REFUSED_OVERLAY_XATTRS,
     is_whiteout,
     make_whiteout,
+    map_id,
     set_opaque,
 )
+from rollbox.images.scrub import UPPER_CACHE_EXCLUDES, bytecode_dropped, matches
+from rollbox.images.store import ImageStore, Progress
 from rollbox.isolation import syscalls
 from rollbox.isolation.cgroups import (  # noqa: F401 - re-exported: freezing lives with cgroups
     FREEZE_TIMEOUT_S,
     frozen,
     is_frozen,
 )
+from rollbox.models import GitRepoFacts
 
 # What a snapshot drops by default, and why. "/abs/glob" matches the whole path inside the
 # sandbox (fnmatch: "*" also matches "/"), a bare pattern matches any entry's basename.
@@ -66,6 +75,9 @@ DEFAULT_SCRUB = [pattern for pattern, _why in SCRUB_RULES]
 
 DEFAULT_MAX_BYTES = 4 << 30
 DEFAULT_MAX_ENTRIES = 1_000_000
+# An image build's layer has no caps of its own (as good as none): its sandbox's disk bounds it.
+BUILD_MAX_BYTES = 1 << 40
+BUILD_MAX_ENTRIES = 1 << 31
 MAX_DEPTH = 256
 MAX_PATH = 4000  # below PATH_MAX: mkfs.erofs walks the staging copy by path
 MAX_XATTR_BYTES = 64 << 10
@@ -89,16 +101,6 @@ def validate_patterns(patterns: list[str]) -> list[str]:
     return list(patterns)
 
 
-def _matches(rel: str, name: str, patterns: list[str]) -> bool:
-    for pat in patterns:
-        if pat.startswith("/"):
-            if fnmatch.fnmatchcase(rel, pat.rstrip("/") or "/"):
-                return True
-        elif fnmatch.fnmatchcase(name, pat):
-            return True
-    return False
-
-
 def carried_xattr(name: str, size: int = 0) -> bool:
     """Whether a snapshot carries the extended attribute ``name`` (of ``size`` bytes) over:
     user.* up to MAX_XATTR_BYTES. trusted.* is overlay bookkeeping; security.capability and
@@ -107,12 +109,38 @@ def carried_xattr(name: str, size: int = 0) -> bool:
             and size <= MAX_XATTR_BYTES)
 
 
+@dataclass(frozen=True)
+class CaptureContent:
+    """What a capture carries beyond the tree and its scrub patterns, by whose writable layer it
+    is: a sandbox's (a snapshot: hostile) or the image builder's (its commands are the
+    operator's)."""
+
+    all_xattrs: bool  # every xattr but the overlay's private ones; else carried_xattr's
+    builder_bytecode: bool  # drop bytecode as scrub.bytecode_dropped says (library's kept)
+    # An upper made with redirect_dir/metacopy is not a layer: the error and why (after the
+    # path and the xattr's name).
+    refused: type[RollboxError]
+    refused_why: str
+
+
+SNAPSHOT = CaptureContent(
+    all_xattrs=False, builder_bytecode=False, refused=InfraError,
+    refused_why="the sandbox's overlay is not mounted with redirect_dir=off,metacopy=off; its "
+                "upper is not a layer")
+BUILD = CaptureContent(
+    all_xattrs=True, builder_bytecode=True, refused=BadRequest,
+    refused_why="the overlay was mounted with redirect_dir/metacopy; its upper is not a "
+                "self-contained layer (mount with redirect_dir=off,metacopy=off)")
+CONTENTS = {"snapshot": SNAPSHOT, "build": BUILD}  # by CaptureOptions.content
+
+
 class _Capture:
     """One copy of an upper tree into a staging directory (see the module docstring)."""
 
     def __init__(self, dest_root: Path, *, id_shift: int, scrub: list[str], exclude: list[str],
-                 max_bytes: int, max_entries: int) -> None:
+                 max_bytes: int, max_entries: int, content: CaptureContent = SNAPSHOT) -> None:
         self.dest_root = str(dest_root)
+        self.content = content
         self.id_shift = id_shift
         self.scrub = scrub
         self.exclude = exclude
@@ -141,31 +169,32 @@ class _Capture:
 
     # ---- metadata ----
     def _owner(self, dst: str, st: os.stat_result) -> None:
-        os.chown(dst, _map_id(st.st_uid, self.id_shift), _map_id(st.st_gid, self.id_shift),
+        os.chown(dst, map_id(st.st_uid, self.id_shift), map_id(st.st_gid, self.id_shift),
                  follow_symlinks=False)
 
     def _xattrs(self, fd: int, dst: str, rel: str) -> bool:
-        """Copy user.* xattrs and the opaque marker from an open fd; True if opaque."""
+        """Copy the content's xattrs and the opaque marker from an open fd; True if opaque."""
         opaque = False
+        all_xattrs = self.content.all_xattrs
         try:
             names = os.listxattr(fd)
         except OSError:
             return False
         for xname in names:
-            if xname in _REFUSED_OVERLAY_XATTRS:
-                raise InfraError(f"{rel} carries {xname}: the sandbox's overlay is not mounted "
-                                 "with redirect_dir=off,metacopy=off; its upper is not a layer")
-            if xname == OPAQUE_XATTR:
+            if xname in REFUSED_OVERLAY_XATTRS:
+                raise self.content.refused(f"{rel} carries {xname}: {self.content.refused_why}")
+            if xname == OPAQUE_XATTR or (all_xattrs and xname == "user.overlay.opaque"):
                 with contextlib.suppress(OSError):
-                    opaque = os.getxattr(fd, xname) == b"y"
+                    opaque = opaque or os.getxattr(fd, xname) == b"y"
                 continue
-            if not carried_xattr(xname):
+            if not (carried_xattr(xname) or all_xattrs and not xname.startswith(
+                    DROPPED_OVERLAY_XATTRS)):
                 continue
             try:
                 value = os.getxattr(fd, xname)
             except OSError:
                 continue
-            if carried_xattr(xname, len(value)):
+            if all_xattrs or carried_xattr(xname, len(value)):
                 with contextlib.suppress(OSError):
                     os.setxattr(dst, xname, value, follow_symlinks=False)
         return opaque
@@ -217,7 +246,8 @@ class _Capture:
                 make_whiteout(dst)
                 self.stats.whiteouts += 1
                 continue
-            if _matches(rel, name, self.scrub) or _matches(rel, name, self.exclude):
+            if (matches(rel, name, self.scrub) or matches(rel, name, self.exclude)
+                    or self.content.builder_bytecode and bytecode_dropped(rel, name)):
                 self.stats.scrubbed += 1
                 continue
             self._count(rel)
@@ -304,12 +334,57 @@ class _Capture:
 
 def capture_upper(upper: Path, dest_root: Path, *, id_shift: int, scrub: list[str],
                   exclude: list[str], max_bytes: int = DEFAULT_MAX_BYTES,
-                  max_entries: int = DEFAULT_MAX_ENTRIES) -> CaptureStats:
+                  max_entries: int = DEFAULT_MAX_ENTRIES,
+                  content: CaptureContent = SNAPSHOT) -> CaptureStats:
     """Copy the overlay upper ``upper`` into the new directory ``dest_root`` (overlay format),
     minus ``scrub`` and ``exclude`` patterns, with sandbox-shifted ids mapped back to the
     image's (root = 0). Never follows a link of the upper; caps with typed errors."""
     return _Capture(dest_root, id_shift=id_shift, scrub=scrub, exclude=exclude,
-                    max_bytes=max_bytes, max_entries=max_entries).run(upper)
+                    max_bytes=max_bytes, max_entries=max_entries, content=content).run(upper)
+
+
+def layer_from_capture(store: ImageStore, root: Path, *, source: str, scratch: Path,
+                       keep_git_history: bool, progress: Progress | None = None,
+                       ) -> tuple[str, list[GitRepoFacts]]:
+    """Pack the staging tree ``root`` of a capture into a layer of ``store``: its git
+    repositories keep only what HEAD reaches unless ``keep_git_history`` (``scratch``: a
+    private directory on the store's filesystem). Returns (digest, the repositories)."""
+    repos = git.process_tree(root, keep_history=keep_git_history, scratch=scratch)
+    digest = store.add_layer_from_dir(root, source=source, progress=progress, git_repos=repos)
+    return digest, repos
+
+
+def layer_from_upper(store: ImageStore, upper_dir: Path, *, exclude: list[str] | None = None,
+                     source: str, id_shift: int = 0,
+                     progress: Progress | None = None, keep_git_history: bool = False,
+                     merged: Path | None = None) -> str:
+    """Turn an overlayfs upper directory into a layer as the image builder does (its caches,
+    scrub.UPPER_CACHE_EXCLUDES, and ``exclude`` patterns left out; BUILD content): the
+    descriptor-based capture and :func:`layer_from_capture`. The upper is never changed (it
+    may belong to a live sandbox); whiteouts always survive. ``id_shift``: host uid/gid of the
+    sandbox's root, mapped back to 0 in the layer. Git repositories made in the sandbox keep
+    only what HEAD reaches unless ``keep_git_history``; with ``merged`` (the sandbox's overlay
+    view), a repository of a lower layer that the upper changed is taken whole from it and
+    scrubbed too (:func:`complete_repos`)."""
+    upper_dir = Path(upper_dir)
+    if not upper_dir.is_dir():
+        raise BadRequest(f"upper dir {upper_dir} is not a directory")
+    staging = store.staging_dir("upper")
+    root = staging / "rootfs"
+    try:
+        if progress:
+            progress(f"copying {upper_dir}")
+        stats = capture_upper(upper_dir, root, id_shift=id_shift, scrub=UPPER_CACHE_EXCLUDES,
+                              exclude=list(exclude or []), max_bytes=BUILD_MAX_BYTES,
+                              max_entries=BUILD_MAX_ENTRIES, content=BUILD)
+        if merged is not None and not keep_git_history:
+            complete_repos(merged, root, id_shift=id_shift,
+                           max_bytes=BUILD_MAX_BYTES - stats.bytes,
+                           max_entries=BUILD_MAX_ENTRIES)
+        return layer_from_capture(store, root, source=source, scratch=staging,
+                                  keep_git_history=keep_git_history, progress=progress)[0]
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 # ---- git history (red-team E36) ------------------------------------------------------------

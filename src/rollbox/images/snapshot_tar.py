@@ -32,16 +32,15 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from rollbox.errors import BadRequest, InfraError, PayloadTooLarge
-from rollbox.images.build import make_whiteout
-from rollbox.images.snapshot import MAX_DEPTH, MAX_PATH, CaptureStats, _matches, carried_xattr
+from rollbox.images.overlay import ID_RANGE, NOBODY, make_whiteout
+from rollbox.images.scrub import matches
+from rollbox.images.snapshot import MAX_DEPTH, MAX_PATH, CaptureStats, carried_xattr
 from rollbox.isolation.syscalls import (
     RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, openat2,
 )
 
 MAX_TAR_META = 1 << 20
 _CHUNK = 1 << 20
-_ID_RANGE = 65536
-_NOBODY = 65534
 
 
 class _CappedTarInfo(tarfile.TarInfo):
@@ -73,7 +72,7 @@ def _bad(message: str) -> InfraError:
 
 
 def _id(v: int) -> int:
-    return v if 0 <= v < _ID_RANGE else _NOBODY
+    return v if 0 <= v < ID_RANGE else NOBODY
 
 
 class _TarCapture:
@@ -155,8 +154,8 @@ class _TarCapture:
             raise _bad(f"member {rel[:200]!r} is not below a directory of the stream")
         self.tree.dirs[parent].add(name)
         whiteout = m.ischr() and m.devmajor == 0 and m.devminor == 0
-        if not whiteout and (_matches("/" + rel, name, self.scrub)
-                             or _matches("/" + rel, name, self.exclude)):
+        if not whiteout and (matches("/" + rel, name, self.scrub)
+                             or matches("/" + rel, name, self.exclude)):
             self.stats.scrubbed += 1
             if m.isdir():
                 self.dropped.add(rel)

@@ -2,7 +2,7 @@
 
 Each layer is mounted privately (file-backed EROFS, read-only) under a staging directory and
 copied out *with* its overlay markers (whiteout devices, opaque xattrs); the copies are then
-merged top-over-bottom with :func:`rollbox.images.build.merge_layer_dir`, the same code the OCI
+merged top-over-bottom with :func:`rollbox.images.overlay.merge_layer_dir`, the same code the OCI
 importer uses, so the squashed layer over the untouched lower layers shows exactly the tree the
 original stack showed. A squash from layer 0 has nothing below it: its markers are dropped.
 """
@@ -13,12 +13,8 @@ import subprocess
 from pathlib import Path
 
 from rollbox.errors import BadRequest, InfraError
-from rollbox.images.build import (
-    SMALL_LAYER_BYTES,
-    merge_layer_dir,
-    strip_overlay_markers,
-)
-from rollbox.images.mounts import MOUNT_FLAGS
+from rollbox.images.mountpoints import MOUNT_FLAGS
+from rollbox.images.overlay import SMALL_LAYER_BYTES, merge_layer_dir, strip_overlay_markers
 from rollbox.images.store import Image, ImageStore, Progress
 from rollbox.isolation import syscalls
 

@@ -394,7 +394,7 @@ class ContainerBackend:
                 stats = snap.capture_upper(
                     sb.rootfs.upper, dest, id_shift=sb.host_uid, scrub=opts.scrub,
                     exclude=opts.exclude, max_bytes=opts.max_bytes,
-                    max_entries=opts.max_entries)
+                    max_entries=opts.max_entries, content=snap.CONTENTS[opts.content])
                 if opts.complete_repos:  # within what is left of the layer's room
                     snap.complete_repos(sb.rootfs.merged, dest, id_shift=sb.host_uid,
                                         max_bytes=max(0, opts.max_bytes - stats.bytes),

@@ -69,7 +69,11 @@ def vm_files(vm: Any) -> AgentFiles:
 
 async def capture(files: AgentFiles, dest: Path, opts: CaptureOptions) -> CaptureResult:
     """The VM's writable layer as an overlay upper in ``dest`` (see agent.snapshot), its user.*
-    extended attributes included (the agent's ``rollbox-xattrs``). The guest keeps running: ``opts.pause`` can not freeze it without stopping its agent too."""
+    extended attributes included (the agent's ``rollbox-xattrs``). The guest keeps running: ``opts.pause`` can not freeze it without stopping its agent too.
+    A snapshot's content only: image builds run on the container backend."""
+    if opts.content != "snapshot":
+        raise errors.BadRequest(f"a microVM's writable layer is captured as a snapshot, "
+                                f"not as {opts.content!r}")
     return await agent_snapshot.capture_writable(
         files, lambda cap: agent_snapshot.tar_stream(files, GUEST_UPPER, cap), dest, opts,
         lambda: agent_snapshot.xattr_records(files, GUEST_UPPER))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rollbox import errors
 from rollbox.config import Settings
-from rollbox.images.defaults import BASE_IMAGE
+from rollbox.default_images import BASE_IMAGE
 from rollbox.models import LABEL_RE, SandboxInfo
 
 # The envd version rollbox speaks: >= 0.4.0 so the SDK sends no default user, >= 0.3.0 for

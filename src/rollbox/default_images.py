@@ -1,19 +1,22 @@
-"""The default images: ``debian:bookworm`` (debootstrap) and ``python:3.11`` (base + a layer
-built by running commands in a sandbox and capturing its writable upper — the same mechanism
-that later becomes ``pack_diff``)."""
+"""The node's default images beyond ``debian:bookworm`` and ``busybox:test``
+(``rollbox.images.sources``): ``python:3.11``, ``fncall:1`` and the benchmark's
+``python-big:3.11``, each a base + layers built by running commands in a container build
+sandbox (``rollbox.backends.container.build``) and capturing its writable layer the way a
+snapshot (``pack_diff``) does, or by the host's pip.
+
+Above the backends (it runs one): the CLI's ``ensure-defaults`` hook, the browser image and the
+benchmarks use it. Owns these recipes; not how a layer is built from commands
+(``images.sources.commands``).
+"""
 from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 from collections.abc import Callable
-from pathlib import Path
 
-from rollbox.config import Settings
+from rollbox.backends.container.build import build_layer_with_commands
 from rollbox.errors import InfraError
-from rollbox.images.build import layer_from_upper
 from rollbox.images.store import ImageStore
-from rollbox.models import Resources
 
 PYTHON_IMAGE = "python:3.11"
 BASE_IMAGE = "debian:bookworm"
@@ -31,59 +34,6 @@ PYTHON_COMMANDS = [
 # /usr/local (pip's own choice there) without a venv, quietly and without a version check.
 PYTHON_ENV = {"PIP_BREAK_SYSTEM_PACKAGES": "1", "PIP_ROOT_USER_ACTION": "ignore",
               "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-
-
-async def build_layer_with_commands(store: ImageStore, base: str, commands: list[str],
-                                    name: str, *, settings: Settings | None = None,
-                                    network: str = "host", log: Callable[[str], None] = print,
-                                    log_file: Path | None = None,
-                                    keep_git_history: bool = False,
-                                    image_env: dict[str, str] | None = None) -> str:
-    """Run commands in a sandbox over ``base``; its scrubbed writable upper becomes a new
-    layer and ``name`` is tagged as base + that layer (its config: base's, plus ``image_env``
-    in its environment). Returns the new layer's digest."""
-    from rollbox.backends.container.sandbox import ContainerBackend
-    from rollbox.images.lazy.mounts import LayerMounts
-    from rollbox.isolation.userns import UidSlots
-
-    settings = settings or Settings()
-    image = store.resolve(base)
-    # Build sandboxes use uid ranges above the edge's, so a running edge never shares one.
-    slots = UidSlots(settings.uid_base + settings.uid_slots * 65536, 16)
-    backend = ContainerBackend(settings, LayerMounts(store), slots)
-    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-           "HOME": "/root", "LANG": "C.UTF-8"}
-    env.update(image.config.get("env", {}))
-    box = await backend.create(f"build-{secrets.token_hex(5)}", list(image.layers),
-                               Resources(cpus=2, memory_mib=4096, pids=4096, disk_mib=8192,
-                                         inodes=1_000_000), env, network=network)
-    if log_file:
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-    out = open(log_file, "ab") if log_file else None
-    try:
-        if network == "host":
-            box.fs.write("/etc/resolv.conf", Path("/etc/resolv.conf").read_bytes(), 0o644)
-        for cmd in commands:
-            log(f"$ {cmd}")
-            code, tail = await box.run_shell(cmd, env, 30 * 60,
-                                             on_output=out.write if out else None)
-            if code != 0:
-                raise InfraError(f"image build step failed ({code}): {cmd}\n"
-                                 + tail.decode(errors="replace"))
-        box.fs.write("/etc/resolv.conf", b"# rollbox: no network by default\n", 0o644)
-        digest = await asyncio.to_thread(
-            layer_from_upper, store, box.rootfs.upper, source=f"commands over {base}",
-            id_shift=box.host_uid, keep_git_history=keep_git_history, merged=box.rootfs.merged)
-    finally:
-        if out:
-            out.close()
-        await backend.destroy(box)
-        backend.release_node_resources()
-        slots.close()
-    config = dict(image.config)
-    config["env"] = {**config.get("env", {}), **(image_env or {})}
-    store.tag(name, list(image.layers) + [digest], config)
-    return digest
 
 
 def ensure_python_image(store: ImageStore, log: Callable[[str], None] = print) -> None:

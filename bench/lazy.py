@@ -1,4 +1,4 @@
-"""Measurements of the lazy loader against its targets: ``python -m rollbox.images.lazy.measure``.
+"""Measurements of the lazy loader against its targets: ``python bench/lazy.py share|burst|cached``.
 
 - ``share``: bytes of an image fetched by a realistic Python workload (imports, pytest, pip,
   git) in one sandbox, cold node cache;
@@ -8,7 +8,8 @@
   local layer file (backing pages dropped with fadvise in both cases).
 
 Each run uses private image stores, chunk store, cgroup parent and node id under a temp dir, and
-removes all of it (mounts, daemon, sandboxes) at the end. Used by ``bench/images.py`` too.
+removes all of it (mounts, daemon, sandboxes) at the end. A benchmark (it runs an edge), not
+part of ``rollbox.images``.
 """
 from __future__ import annotations
 
@@ -239,7 +240,7 @@ async def cached(image: str = "debian:bookworm", rounds: int = 3) -> dict[str, A
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m rollbox.images.lazy.measure")
+    ap = argparse.ArgumentParser(prog="python bench/lazy.py")
     ap.add_argument("what", choices=("share", "burst", "cached"))
     ap.add_argument("--image", default=None)
     ap.add_argument("-n", type=int, default=16)

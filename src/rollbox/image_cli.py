@@ -1,6 +1,9 @@
 """`rollbox image ...`: build, import, list, remove, inspect images; ensure the defaults.
 
-Mounted by the main CLI; also runnable as ``python -m rollbox.images.cli``.
+Mounted by the main CLI; also runnable as ``python -m rollbox.image_cli``. Thin: the work is
+the image store's, its sources' (``rollbox.images.sources``), the chunk stores' and the default
+images' (``rollbox.default_images``); builds by running commands use a container build sandbox
+(``rollbox.backends.container.build``).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from rollbox.errors import RollboxError
-from rollbox.images import build as builders
+from rollbox.images import sources as builders
 from rollbox.images.store import ImageStore
 
 app = typer.Typer(help="Manage rollbox images (EROFS layers + named refs).", no_args_is_help=True)
@@ -90,7 +93,7 @@ def build_cmd(
         if base is not None:
             import asyncio
 
-            from rollbox.images.defaults import build_layer_with_commands
+            from rollbox.backends.container.build import build_layer_with_commands
 
             _run(lambda: asyncio.run(build_layer_with_commands(
                 store, base, run, name, network="host" if network else "none", log=say,
@@ -215,15 +218,15 @@ def ensure_defaults_cmd(
     else:
         console.print("debian:bookworm present")
     try:
-        defaults = importlib.import_module("rollbox.images.defaults")
+        defaults = importlib.import_module("rollbox.default_images")
     except ModuleNotFoundError as exc:
-        if exc.name != "rollbox.images.defaults":
+        if exc.name != "rollbox.default_images":
             raise
-        console.print("rollbox.images.defaults not available yet: skipping the python image")
+        console.print("rollbox.default_images not available yet: skipping the python image")
         return
     ensure_python = getattr(defaults, "ensure_python_image", None)
     if ensure_python is None:
-        console.print("rollbox.images.defaults has no ensure_python_image: skipping")
+        console.print("rollbox.default_images has no ensure_python_image: skipping")
         return
     _run(lambda: ensure_python(store))
 
@@ -240,7 +243,7 @@ def ensure_browser_cmd() -> None:
     out.print(name)
 
 
-# ---- chunk store: push / pull / squash (rollbox.images.chunks, rollbox.images.squash) -------
+# ---- chunk store: push / pull / squash (rollbox.images.chunks, rollbox.images.squash) ------
 
 def _chunk_store_url(url: Optional[str]) -> str:  # noqa: UP007
     from rollbox.images.chunks import default_store_url
@@ -339,7 +342,7 @@ def squash_cmd(
 @app.command("ensure-bench-images")
 def ensure_bench_images_cmd() -> None:
     """Build the >= 1 GB python-big:3.11 image for `rollbox bench images` (slow; needs PyPI)."""
-    from rollbox.images.defaults import ensure_bench_image
+    from rollbox.default_images import ensure_bench_image
 
     store = _store()
     _run(lambda: ensure_bench_image(store, log=console.print))
