@@ -200,10 +200,12 @@ async def test_ndjson_lines_arrive_as_written_and_may_be_long() -> None:
         chunk(b"")
         await w.drain()
 
-    async with RawServer(ndjson) as srv, rollbox.AsyncClient(srv.url, "k", timeout=0.3) as c:
+    async with RawServer(ndjson) as srv, rollbox.AsyncClient(srv.url, "k", timeout=1.0) as c:
+        # The timeout also bounds the connect, which took > 0.3 s once in a clean-clone CI at a
+        # load average of 30 on 2 cores: 1 s here, and the silence below is longer still.
         lines = c._t.lines(await c._t.stream("GET", "/s"))
         assert await asyncio.wait_for(lines.__anext__(), 2) == {"n": 1}  # before the rest
-        await asyncio.sleep(0.6)  # silent longer than the client timeout: no read timeout
+        await asyncio.sleep(1.5)  # silent longer than the client timeout: no read timeout
         gate.set()
         assert await lines.__anext__() == {"n": 2}
         assert (await lines.__anext__())["big"] == big
