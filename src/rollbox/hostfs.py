@@ -12,7 +12,9 @@ unshifted (ids outside the range show as 65534, like the kernel's overflow id).
 
 Below the backends and the edge, so each uses this one implementation: a container's file API
 (``backends.container.files``), the edge's extraction of an uploaded image's tar
-(``edge.storage``), and the stream plumbing of the agent's file API and snapshots.
+(``edge.storage``), the stream plumbing of the agent's file API and snapshots, and the checks
+both file APIs apply to hostile input alike (write size, tar entry cap, what counts as a
+malformed tar stream).
 
 Owns: this module only. Knows nothing of sandboxes, mounts or the edge; callers hand it a
 directory and the uid shift.
@@ -23,24 +25,20 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
+import lzma
 import os
 import posixpath
 import secrets
 import stat as st
 import tarfile
 import threading
+import zlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 from rollbox import errors
-from rollbox.agent.filecaps import (
-    MALFORMED_TAR,
-    capped_members,
-    check_write_data,
-    tar_malformed,
-)
 from rollbox.errors import DiskFull
 from rollbox.isolation.syscalls import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, openat2
 from rollbox.models import FileStat
@@ -61,6 +59,44 @@ _TMP_PREFIX = ".rollbox-tmp-"
 # the sandbox's disk cap bounds what a write can store anyway.
 MAX_STREAM_FILE = 16 << 30
 STREAM_CHUNK = 1 << 20
+
+
+# ---- checks both file APIs apply to hostile input alike: this one and the agent's
+# (``agent.files``), which imports them from here. Which typed error a bad stream
+# becomes is the caller's (a client's bad tar and a guest's differ).
+
+# What tarfile and the decompressors raise on bad data (besides a bare OSError).
+MALFORMED_TAR = (tarfile.TarError, EOFError, ValueError, UnicodeError, zlib.error,
+                 lzma.LZMAError)
+
+
+def tar_malformed(exc: BaseException) -> bool:
+    """Whether ``exc`` means the tar stream is bad data (not a failing file operation)."""
+    if isinstance(exc, MALFORMED_TAR):
+        return True
+    # decompressors report bad data as a bare OSError
+    return isinstance(exc, OSError) and exc.errno is None
+
+
+def capped_members(tf: tarfile.TarFile, max_entries: int) -> Iterator[tarfile.TarInfo]:
+    """The members of ``tf``; ``PayloadTooLarge`` once there are more than ``max_entries``."""
+    entries = 0
+    for member in tf:
+        entries += 1
+        if entries > max_entries:
+            raise errors.PayloadTooLarge(f"tar has more than {max_entries} entries",
+                                         limit=max_entries)
+        yield member
+
+
+def check_write_data(data: object, max_write: int) -> None:
+    """A whole-file write's content: bytes, at most ``max_write`` of them."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise errors.BadRequest("file content must be bytes")
+    if len(data) > max_write:
+        raise errors.PayloadTooLarge(f"{len(data)} bytes is above the "
+                                     f"{max_write}-byte write cap",
+                                     size=len(data), limit=max_write)
 
 
 class _Stopped(Exception):

@@ -29,16 +29,11 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import TypeVar
 
 from rollbox import errors
-from rollbox.agent.filecaps import (
-    MALFORMED_TAR,
-    capped_members,
-    check_write_data,
-    tar_malformed,
-)
 from rollbox.agent.tools import PlatformTools, ToolResult, tool_error
 from rollbox.hostfs import (
     _TMP_PREFIX,
     ID_RANGE,
+    MALFORMED_TAR,
     MAX_PATH,
     MAX_STREAM_FILE,
     MAX_TAR_META,
@@ -52,7 +47,10 @@ from rollbox.hostfs import (
     _SafeTarInfo,
     _split,
     _Stopped,
+    capped_members,
+    check_write_data,
     produced,
+    tar_malformed,
 )
 from rollbox.models import FileStat
 
