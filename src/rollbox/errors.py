@@ -2,8 +2,9 @@
 
 Each error has a stable ``code`` (the JSON ``error.code`` on the wire), an HTTP status and a
 ``retryable`` flag. The API turns any RollboxError into ``{"error": {...}}``; the SDK turns that
-JSON back into the same class with :func:`error_from_payload` (:data:`ERRORS_BY_CODE`). Owns
-nothing else, imports nothing of rollbox: every layer may raise these.
+JSON back into the same class with :func:`error_from_payload` (:data:`ERRORS_BY_CODE`);
+:func:`without_paths` is an error as a client may see it, with host paths renamed. Owns nothing
+else, imports nothing of rollbox: every layer may raise these.
 
 The tree (class, wire code, HTTP status, ``R`` = retryable: when it is raised)::
 
@@ -48,6 +49,7 @@ its own is defined here; all but ``CommandFailed`` (it carries a result) and ``D
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # a type only: models import nothing of errors, nor errors of models
@@ -319,3 +321,15 @@ def error_from_payload(payload: Any, status: int = 500) -> RollboxError:
     cls = ERRORS_BY_CODE.get(str(err.get("code")), RollboxError)
     exc = cls(str(err.get("message", "")), **(err.get("details") or {}))
     return exc
+
+
+def without_paths(exc: RollboxError, trees: dict[Path, str]) -> RollboxError:
+    """``exc`` as the client may see it: each host directory of ``trees`` (the staging dir of
+    an upload or snapshot, a sandbox's upper, named in messages of mkfs.erofs, git or an
+    OSError) shown as the given name instead ("/" for the image's root)."""
+    message = exc.message
+    for path, shown in sorted(trees.items(), key=lambda t: -len(str(t[0]))):  # longest first
+        message = message.replace(f"{path}/", shown.rstrip("/") + "/").replace(str(path), shown)
+    if message == exc.message:
+        return exc
+    return type(exc)(message or "failed", **exc.details)

@@ -90,9 +90,8 @@ async def capture_writable(files: AgentFiles, upper: UpperSource, dest: Path,
     try:
         return await _capture_writable(files, upper, dest, opts, t0, xattrs)
     except OSError as exc:  # the staging dir's path is the host's, not the caller's
-        from rollbox.edge.storage import without_paths
-
-        raise without_paths(errors.InfraError(f"snapshot failed: {exc}"), {dest: "/"}) from exc
+        raise errors.without_paths(errors.InfraError(f"snapshot failed: {exc}"),
+                                   {dest: "/"}) from exc
 
 
 async def _capture_writable(files: AgentFiles, upper: UpperSource, dest: Path,

@@ -28,10 +28,11 @@ from rollbox.edge.admission import (
 from rollbox.edge.interface import ExecOutput, PlatformProcess
 from rollbox.edge.journal import Journal
 from rollbox.edge.sessions import ExecSession
-from rollbox.edge.storage import LayerStorage, project_image_name, without_paths
+from rollbox.edge.storage import LayerStorage, project_image_name
 from rollbox.errors import (
     BadRequest, CapacityExceeded, DiskFull, ExecIndeterminate, IdempotencyConflict, InfraError, NotFound,
     PayloadTooLarge, RollboxError, SandboxDead, SandboxPaused, error_from_payload,
+    without_paths,
 )
 from rollbox.events.store import EventLog
 from rollbox.images.lazy.mounts import LayerMounts

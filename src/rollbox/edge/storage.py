@@ -29,6 +29,7 @@ from rollbox.hostfs import SandboxFS
 from rollbox.config import Settings
 from rollbox.errors import (
     BadRequest, CapacityExceeded, NotFound, PayloadTooLarge, QuotaExceeded, RollboxError,
+    without_paths,
 )
 from rollbox.images import git
 from rollbox.images.scrub import dropped_bytecode
@@ -49,18 +50,6 @@ def project_image_name(name: str) -> str:
         raise BadRequest(f"image name {name!r} needs a path, e.g. 'myproject/env:1'",
                          image=name)
     return name
-
-
-def without_paths(exc: RollboxError, trees: dict[Path, str]) -> RollboxError:
-    """``exc`` as the client may see it: each host directory of ``trees`` (the staging dir of
-    an upload or snapshot, a sandbox's upper, named in messages of mkfs.erofs, git or an
-    OSError) shown as the given name instead ("/" for the image's root)."""
-    message = exc.message
-    for path, shown in sorted(trees.items(), key=lambda t: -len(str(t[0]))):  # longest first
-        message = message.replace(f"{path}/", shown.rstrip("/") + "/").replace(str(path), shown)
-    if message == exc.message:
-        return exc
-    return type(exc)(message or "failed", **exc.details)
 
 
 @dataclass(eq=False)

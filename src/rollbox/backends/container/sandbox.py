@@ -37,7 +37,7 @@ from rollbox.backends.container.rootfs import (
 )
 from rollbox.backends.container.runtime import Runtime, wait_pid
 from rollbox.config import Settings
-from rollbox.errors import BadRequest, InfraError, RollboxError
+from rollbox.errors import BadRequest, InfraError, RollboxError, without_paths
 from rollbox.isolation import cgroups, netns, oom
 from rollbox.isolation.userns import UidSlots
 from rollbox.netpolicy import link as netlink
@@ -384,7 +384,6 @@ class ContainerBackend:
         """The overlay upper, copied as hostile data (rollbox.images.snapshot) into ``dest``;
         lower layers' repositories the upper touches are completed from the merged view."""
         from rollbox.images import snapshot as snap
-        from rollbox.edge.storage import without_paths
 
         def capture() -> CaptureResult:
             pause = (cgroups.frozen(sb.v2_cgroup, self._v1_freezer(sb.id)) if opts.pause
