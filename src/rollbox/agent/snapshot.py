@@ -21,10 +21,9 @@ from pathlib import Path
 from rollbox import errors
 from rollbox.agent.files import AgentFiles, close_source
 from rollbox.agent.tools import ToolResult, tool_error
-from rollbox.backends.base import CaptureOptions, CaptureResult
 from rollbox.hostfs import _pulled
 from rollbox.images.overlay import set_opaque
-from rollbox.images.snapshot import CaptureStats
+from rollbox.images.snapshot import CaptureOptions, CaptureResult, CaptureStats
 from rollbox.images.snapshot_tar import UpperTree, apply_xattrs, capture_tar, opaque_dirs
 
 # Bytes of tar framing allowed per entry beyond the content cap (headers, long names, padding).

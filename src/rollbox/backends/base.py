@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+# A snapshot's options and answer are the capture's own types (every backend's capture, and
+# the agent's for VMs, fill them); capture_writable below names them.
+from rollbox.images.snapshot import CaptureOptions, CaptureResult
 from rollbox.models import FileStat, Resources
 
 if TYPE_CHECKING:
     from rollbox.agent.channel import AgentChannel
-    from rollbox.images.snapshot import CaptureStats
 
 BackendKind = str  # "container" | "microvm" (a spec's ``backend``)
 DiskTier = Literal["disk", "memory"]
@@ -81,29 +83,6 @@ class SessionSlot:
 
     name: str
     cgroup_fd: int | None = None
-
-
-@dataclass(frozen=True)
-class CaptureOptions:
-    """How a snapshot copies the writable layer (see rollbox.images.snapshot)."""
-
-    pause: bool  # frozen during the copy (a paused sandbox stays so after it)
-    scrub: list[str]
-    exclude: list[str]
-    max_bytes: int
-    max_entries: int
-    complete_repos: bool  # make repositories of lower layers the upper touches whole
-    # Whose writable layer (images.snapshot.CONTENTS): "snapshot" (a sandbox's: hostile) or
-    # "build" (the image builder's: every xattr but overlay's, library bytecode kept); builds
-    # run on the container backend only.
-    content: Literal["snapshot", "build"] = "snapshot"
-
-
-@dataclass
-class CaptureResult:
-    stats: CaptureStats
-    paused_s: float  # how long the sandbox was frozen for the copy (0 if not paused)
-    copy_s: float = 0.0  # how long the copy took (frozen or not)
 
 
 class NetworkAttachment(Protocol):

@@ -29,6 +29,7 @@ import shutil
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from rollbox.errors import BadRequest, InfraError, PayloadTooLarge, RollboxError
 from rollbox.images import git
@@ -92,6 +93,29 @@ class CaptureStats:
     opaque_dirs: int = 0
     scrubbed: int = 0
     skipped: list[str] = field(default_factory=list)  # sockets, devices (first few)
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    """How a snapshot copies the writable layer (``Backend.capture_writable``)."""
+
+    pause: bool  # frozen during the copy (a paused sandbox stays so after it)
+    scrub: list[str]
+    exclude: list[str]
+    max_bytes: int
+    max_entries: int
+    complete_repos: bool  # make repositories of lower layers the upper touches whole
+    # Whose writable layer (CONTENTS): "snapshot" (a sandbox's: hostile) or "build" (the image
+    # builder's: every xattr but overlay's, library bytecode kept); builds run on the container
+    # backend only.
+    content: Literal["snapshot", "build"] = "snapshot"
+
+
+@dataclass
+class CaptureResult:
+    stats: CaptureStats
+    paused_s: float  # how long the sandbox was frozen for the copy (0 if not paused)
+    copy_s: float = 0.0  # how long the copy took (frozen or not)
 
 
 def validate_patterns(patterns: list[str]) -> list[str]:
