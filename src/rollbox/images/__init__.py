@@ -16,6 +16,7 @@ Its modules, each importing only those above it in this list (no cycle)::
     overlay       the overlayfs format of a layer tree; scrub: what layers leave out
     stores        chunk stores: base, local (dir://), posix, s3; open_store
     chunks        push / pull of layers through a chunk store
+    layer_files   a layer as a plain local file (VM disks; a lazy one pulled whole)
     mounts        one read-only mount per layer; lazy layers through the LazyLayers protocol
     lazy.loader   the FUSE daemon's supervisor (a LazyLayers); lazy.daemon; lazy.mounts wires it
     git           git history of layers (the only host-side git)

@@ -1,9 +1,8 @@
 """A microVM's disks: its EROFS layers (read-only) and its writable ext4 disk.
 
-Layers are the image store's plain EROFS files, handed to QEMU read-only as virtio-blk (the
-guest mounts them; the host page cache holds one copy for every VM of a layer). A lazy layer
-(served by the FUSE loader) is pulled whole into the store first: QEMU reads a local file,
-never a FUSE mount that could stall a vCPU.
+Layers are the image store's plain EROFS files (``rollbox.images.layer_files``: a lazy layer
+is pulled whole into the store first), handed to QEMU read-only as virtio-blk; the guest mounts
+them.
 
 The writable disk is a sparse file ``rw.img`` of exactly the sandbox's ``disk_mib`` in its
 own subvolume ``<id>`` of the node's btrfs disk pool (``backends/container/disk.py``), so a
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from rollbox.backends.container.disk import DiskPool
 from rollbox.errors import InfraError
+from rollbox.images.layer_files import local_layer_file
 from rollbox.images.store import ImageStore
 
 RW_NAME = "rw.img"
@@ -40,24 +40,9 @@ class VmDisks:
         self.store = store
 
     async def layer_files(self, digests: list[str]) -> list[Path]:
-        """Local EROFS files of the layers, pulling lazy ones whole first."""
-        files = []
-        for digest in digests:
-            if self.store.is_lazy(digest):
-                await self._materialize(digest)
-            files.append(self.store.layer_path(digest))  # NotFound for an unknown layer
-        return files
-
-    async def _materialize(self, digest: str) -> None:
-        from rollbox.images.chunks import open_store, pull_layer
-        from rollbox.images.lazy.paths import read_record
-
-        record = read_record(self.store.root, digest) or {}
-        try:
-            await pull_layer(open_store(record.get("store")), digest, self.store)
-        except OSError as exc:
-            raise InfraError(f"layer {digest} could not be pulled for a microVM: {exc}",
-                             digest=digest) from exc
+        """Local EROFS files of the layers, pulling lazy ones whole first (NotFound for an
+        unknown layer)."""
+        return [await local_layer_file(self.store, digest) for digest in digests]
 
     def rw_path(self, sandbox_id: str) -> Path:
         return self.pool.path(sandbox_id) / RW_NAME
