@@ -16,12 +16,11 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from rollbox.backends.base import CaptureOptions
 from rollbox.backends.container.sandbox import ContainerBackend, ContainerSandbox
 from rollbox.config import Settings
 from rollbox.images.lazy.mounts import LayerMounts
 from rollbox.images.scrub import UPPER_CACHE_EXCLUDES
-from rollbox.images.snapshot import BUILD_MAX_BYTES, BUILD_MAX_ENTRIES
+from rollbox.images.snapshot import BUILD_MAX_BYTES, BUILD_MAX_ENTRIES, CaptureOptions
 from rollbox.images.sources import commands
 from rollbox.images.store import ImageStore
 from rollbox.isolation.userns import UidSlots
