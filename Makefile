@@ -38,7 +38,7 @@ build/rollbox-jailer: native/jailer/jailer.c | deps
 # version under build/guest/cache), PVH vmlinux, initramfs with the agent as /init, manifest.
 # Only the standard library and rollbox's own modules: runs without the venv (worktrees).
 GUEST_SOURCES := src/rollbox/guest/build.py src/rollbox/guest/artifacts.py \
-	src/rollbox/backends/container/platform_shell.py
+	src/rollbox/agent/platform_shell.py
 guest: build/guest/manifest.json
 build/guest/manifest.json: build/rollbox-agent $(GUEST_SOURCES) | deps
 	PYTHONPATH=$(CURDIR)/src $(PY) -m rollbox.guest.build

@@ -64,7 +64,7 @@ class Settings:
     agent_binary: Path = field(
         default_factory=lambda: _env_path("ROLLBOX_AGENT", REPO_ROOT / "build" / "rollbox-agent")
     )
-    # bash-static: interprets command strings in sandboxes (backends/container/platform_shell.py)
+    # bash-static: interprets command strings in sandboxes (agent/platform_shell.py)
     platform_shell: Path = field(
         default_factory=lambda: _env_path("ROLLBOX_PLATFORM_SHELL", "/bin/bash-static"))
     # busybox-static: the platform's own tools in a microVM guest (rollbox.guest.build)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from rollbox.backends.container import platform_shell
+from rollbox.agent import platform_shell
 from rollbox.errors import InfraError
 
 BASH_STATIC = Path("/bin/bash-static")

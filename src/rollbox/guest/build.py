@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rollbox.backends.container import platform_shell
+from rollbox.agent import platform_shell
 from rollbox.config import Settings, get_settings
 from rollbox.errors import InfraError
 

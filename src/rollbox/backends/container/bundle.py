@@ -24,7 +24,7 @@ AGENT_NAME = "rollbox-agent"
 # The agent is never in the sandbox's tree: runc execs it from this inherited fd (an O_RDONLY
 # fd of the host's root-owned copy; --preserve-fds 3 keeps fds 3, 4 and 5), and the agent closes
 # it first thing. So no path inside the sandbox leads to the platform's binary. Fd 5 is the
-# platform shell (platform_shell.py), which the agent keeps (close-on-exec) to exec it by fd.
+# platform shell (agent/platform_shell.py), which the agent keeps (close-on-exec) to exec it by fd.
 AGENT_EXE_FD = 4
 
 # Docker's default set minus MKNOD, NET_RAW (raw sockets) and AUDIT_WRITE.

@@ -26,7 +26,8 @@ from rollbox.backends import platform_work
 from rollbox.backends.base import (
     BackendCapacity, CaptureOptions, CaptureResult, ResolvedSpec, SessionSlot, Usage,
 )
-from rollbox.backends.container import bundle, platform_shell
+from rollbox.backends.container import bundle
+from rollbox.agent import platform_shell
 from rollbox.agent.channel import AgentChannel
 from rollbox.backends.container.cpuview import CpuViews
 from rollbox.backends.container.disk import DiskPool

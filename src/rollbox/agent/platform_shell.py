@@ -1,4 +1,4 @@
-"""The platform shell: the bash that interprets command strings in container sandboxes
+"""The platform shell: the bash that interprets command strings in sandboxes
 (``sb.exec("...")``, E2B ``commands.run``, SWE-ReX sessions and ``shell=True`` commands, the
 platform's own ``run_shell``).
 
@@ -18,8 +18,10 @@ rewritten, byte for byte, to names under ``/proc`` that nothing in a sandbox can
 then takes its built-in defaults (``files``, i.e. ``/etc/passwd`` read as data) and its built-in
 conversions only. A build of bash-static where a path is not found exactly once is refused.
 
-Owns that copy only: the agent (``native/agent/agent.c``) execs it, the edge and the compat
-doors decide which commands use it (``protocol.ExecRequest.platform_shell``).
+Owns that copy only: the agent (``native/agent/agent.c``) execs it, so it lives with the agent,
+below the container backend that installs it next to the agent binary and the microVM guest
+build that puts it in the initramfs (``/platform/bash``); the edge and the compat doors decide
+which commands use it (``protocol.ExecRequest.platform_shell``).
 """
 from __future__ import annotations
 
