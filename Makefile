@@ -52,7 +52,7 @@ demo: images
 	$(BIN)/rollbox demo
 
 test: images
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -rs -p no:cacheprovider tests
 
 bench: images
 	$(BIN)/rollbox bench container
