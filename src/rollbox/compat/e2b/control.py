@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from rollbox import errors
+from rollbox.api.context import ApiContext
 from rollbox.compat.e2b.state import (
     CLIENT_ID,
     ENVD_VERSION,
@@ -87,7 +88,7 @@ async def _json(request: Request) -> dict[str, Any]:
     return msg
 
 
-def mount_control(app: FastAPI, api: Any, state: E2BState) -> None:
+def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
     def who(request: Request) -> Principal:
         key = request.headers.get("x-api-key")
         if not key:
@@ -305,7 +306,7 @@ def mount_control(app: FastAPI, api: Any, state: E2BState) -> None:
                       include_in_schema=False)
 
 
-def mount_fallback(app: FastAPI, api: Any) -> None:
+def mount_fallback(app: FastAPI, api: ApiContext) -> None:
     """Anything else under /e2b (mounted last): 501 for an authenticated caller."""
 
     async def unsupported(request: Request) -> Response:

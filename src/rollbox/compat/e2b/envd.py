@@ -22,7 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollbox import errors
-from rollbox.api.app import MAX_FILE_STREAM, primed, upload_chunks
+from rollbox.api.bodies import MAX_FILE_STREAM, upload_chunks
+from rollbox.api.context import ApiContext
+from rollbox.api.streams import primed
 from rollbox.compat.e2b import connectrpc as rpc
 from rollbox.compat.e2b.state import (
     HOME,
@@ -256,7 +258,7 @@ class Watcher:
 
 
 # ---- routes -----------------------------------------------------------------------------
-def mount_envd(app: FastAPI, api: Any, state: E2BState) -> None:
+def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
     watchers: dict[str, Watcher] = {}
 
     async def route(request: Request) -> tuple[str, EdgeAPI]:

@@ -7,14 +7,15 @@ which sends no headers — in the path: ``SANDBOX_FUSION_ENDPOINT=http://HOST:PO
 mapping between the two wire formats.
 """
 
-from typing import Any, Literal
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollbox import errors
-from rollbox.api.app import request_key
-from rollbox.backends.fncall.http import backend_of
+from rollbox.api.context import ApiContext
+from rollbox.api.deps import request_key
+from rollbox.api.routes.fncall import backend_of
 from rollbox.models import FnCallResult, FnCallSpec, FnCallStep
 
 # SandboxFusion language names -> fncall languages.
@@ -94,7 +95,7 @@ def to_response(res: FnCallResult) -> RunCodeResponse:
         executor_pod_name=res.worker, files=res.files)
 
 
-def mount(app: FastAPI, api: Any) -> None:
+def mount(app: FastAPI, api: ApiContext) -> None:
     async def run(body: RunCodeRequest, request: Request, key: str | None) -> RunCodeResponse:
         api.keys.verify(request_key(request) if key is None else key)
         return to_response(await backend_of(request).call(to_spec(body)))

@@ -20,14 +20,15 @@ import posixpath
 import tarfile
 import zipfile
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import IO, Any
+from typing import IO
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from rollbox import errors
-from rollbox.api.app import MAX_FILE_STREAM, upload_chunks
+from rollbox.api.bodies import MAX_FILE_STREAM, upload_chunks
+from rollbox.api.context import ApiContext
 from rollbox.compat.swerex import wire
 from rollbox.compat.swerex.session import BashSession, SessionGone
 from rollbox.edge.interface import EdgeAPI
@@ -153,7 +154,7 @@ async def _zip_as_tar(archive: IO[bytes]) -> AsyncIterator[bytes]:
         zf.close()
 
 
-def mount(app: FastAPI, api: Any) -> contextlib.AbstractAsyncContextManager[None]:
+def mount(app: FastAPI, api: ApiContext) -> contextlib.AbstractAsyncContextManager[None]:
     sessions = Sessions()
     router = APIRouter(prefix=PREFIX + "/{sandbox_id}", tags=["swe-rex"])
 

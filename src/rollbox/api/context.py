@@ -1,0 +1,162 @@
+"""The api's state and the route logic its routers and front doors share: :class:`ApiContext`.
+
+One per app (``app.state.api``; kept off the modules so several apps can coexist): the
+placement, audit log, key, lease and quota stores the app was made with, the owner cache that
+authorises a sandbox id, and the recorders that copy commands' output into the audit log. Routes
+reach it through ``api.deps``; front doors get it as the typed argument of their ``mount``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+from collections.abc import Awaitable
+
+from rollbox import errors
+from rollbox.edge.interface import EdgeAPI
+from rollbox.events import EventLog
+from rollbox.iam import KeyStore, Principal
+from rollbox.iam.quotas import QuotaStore, check_project
+from rollbox.jobs import LeaseStore
+from rollbox.placement import Placement
+
+OWNER_CACHE_SIZE = 65536
+
+
+class ApiContext:
+    """``record_events``: None = record for every edge that does not write into ``events``
+    itself; True/False forces it for all edges. ``leases``/``quotas``: None when the server
+    keeps none (their routes answer bad_request)."""
+
+    def __init__(self, placement: Placement, events: EventLog, keys: KeyStore,
+                 record_events: bool | None, leases: LeaseStore | None = None,
+                 quotas: QuotaStore | None = None) -> None:
+        self.placement = placement
+        self.events = events
+        self.keys = keys
+        self.leases = leases
+        self.quotas = quotas
+        self.record_events = record_events
+        self._owners: OrderedDict[str, str] = OrderedDict()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._recorders: dict[str, set[asyncio.Task[None]]] = {}
+        self._recorded_execs: OrderedDict[tuple[str, str], None] = OrderedDict()
+
+    # -- auth and ownership --
+    def remember_owner(self, sandbox_id: str, owner: str) -> None:
+        self._owners[sandbox_id] = owner
+        self._owners.move_to_end(sandbox_id)
+        while len(self._owners) > OWNER_CACHE_SIZE:
+            self._owners.popitem(last=False)
+
+    async def sandbox_edge(self, sandbox_id: str, who: Principal) -> EdgeAPI:
+        """The edge of a sandbox the principal may use; others' sandboxes look absent."""
+        edge = self.placement.edge_for(sandbox_id)
+        owner = self._owners.get(sandbox_id)
+        if owner is None:
+            owner = (await edge.get(sandbox_id)).owner
+            self.remember_owner(sandbox_id, owner)
+        if not who.admin and owner != who.project:
+            raise errors.NotFound(f"no sandbox {sandbox_id!r}")
+        return edge
+
+    async def logged_owner(self, sandbox_id: str) -> str | None:
+        # The first event of every sandbox created through the api is sandbox.created with
+        # its owner: this is what authorises reading the log of a deleted sandbox.
+        first = await self.events.read(sandbox_id, 0, 1)
+        if first and first[0].kind == "sandbox.created":
+            try:
+                return str(json.loads(first[0].data).get("owner"))
+            except (ValueError, AttributeError):
+                return None
+        return None
+
+    def check_image_name(self, owner: str, name: str) -> None:
+        """An image name under another project's name (``teamA/...``) is that project's: no
+        other project may take it (squatting its names, or probing them through the
+        name-taken error). Names under no project's name stay node-wide."""
+        if name.startswith(f"{owner}/"):
+            return
+        for project in self.keys.projects():
+            if project.name != owner and name.startswith(f"{project.name}/"):
+                raise errors.BadRequest(f"image {name!r}: names under {project.name + '/'!r} "
+                                        f"are that project's; use e.g. '{owner}/...'",
+                                        image=name)
+
+    def lease_store(self) -> LeaseStore:
+        if self.leases is None:
+            raise errors.BadRequest("this server keeps no job leases")
+        return self.leases
+
+    def quota_store(self, who: Principal, project: str, write: bool) -> QuotaStore:
+        """The quota store for reading (a project key: its own project) or writing (admin)."""
+        if not who.admin and (write or project != who.project):
+            raise errors.Forbidden("setting quotas, or reading another project's, needs an "
+                                   "admin key")
+        check_project(project)
+        if self.quotas is None:
+            raise errors.BadRequest("this api has no quota store")
+        return self.quotas
+
+    # -- recording --
+    def records(self, edge: EdgeAPI) -> bool:
+        """Whether the api writes the audit trail for this edge's sandboxes. An edge that
+        writes into this same EventLog itself (embedded mode) is not doubled; a remote edge
+        with its own log is recorded here."""
+        if self.record_events is not None:
+            return self.record_events
+        return getattr(edge, "event_log", None) is not self.events
+
+    def spawn(self, coro: Awaitable[None], sandbox_id: str | None = None) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if sandbox_id is not None:
+            per = self._recorders.setdefault(sandbox_id, set())
+            per.add(task)
+
+            def done(t: asyncio.Task[None]) -> None:
+                per.discard(t)
+                if not per and self._recorders.get(sandbox_id) is per:
+                    del self._recorders[sandbox_id]
+
+            task.add_done_callback(done)
+
+    async def drain_recorders(self, sandbox_id: str, timeout_s: float) -> None:
+        """Let the commands' last output and exit reach the log before sandbox.deleted."""
+        tasks = self._recorders.get(sandbox_id)
+        if tasks:
+            await asyncio.wait(set(tasks), timeout=timeout_s)
+
+    def first_record(self, sandbox_id: str, exec_id: str) -> bool:
+        """False for an exec start that an idempotency key mapped to a recorded exec."""
+        key = (sandbox_id, exec_id)
+        if key in self._recorded_execs:
+            return False
+        self._recorded_execs[key] = None
+        while len(self._recorded_execs) > OWNER_CACHE_SIZE:
+            self._recorded_execs.popitem(last=False)
+        return True
+
+    async def record_exec(self, edge: EdgeAPI, sandbox_id: str, exec_id: str) -> None:
+        """Copy one command's output into the audit log, independent of any client stream."""
+        try:
+            async for item in edge.exec_stream(sandbox_id, exec_id):
+                if item.kind == "stdout":
+                    self.events.append(sandbox_id, "exec.stdout", exec_id, item.data)
+                elif item.kind == "stderr":
+                    self.events.append(sandbox_id, "exec.stderr", exec_id, item.data)
+                elif item.kind == "exit" and item.result is not None:
+                    summary = item.result.model_dump(exclude={"stdout", "stderr"})
+                    self.events.append(sandbox_id, "exec.exited", exec_id, json.dumps(summary))
+                elif item.kind == "error":
+                    self.events.append(sandbox_id, "exec.error", exec_id, repr(item.error))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.events.append(sandbox_id, "exec.error", exec_id, repr(exc))
+
+    async def shutdown(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

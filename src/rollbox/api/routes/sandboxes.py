@@ -1,0 +1,145 @@
+"""Routes ``/v1/sandboxes``: create, list, get, delete, TTL, pause/resume, network policy, grade,
+snapshot. Everything after create names a sandbox the caller's project owns (``deps.Edge``);
+what changes a sandbox goes into its audit trail when the api records for its edge."""
+import json
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Response
+from pydantic import BaseModel, Field
+
+from rollbox import errors, models
+from rollbox.api.deps import Api, Edge, Who
+
+router = APIRouter()
+
+
+class TTLRequest(BaseModel):
+    ttl_s: float = Field(..., gt=0, le=models.MAX_TIMEOUT_S)
+
+
+@router.post("/v1/sandboxes", status_code=201, response_model=models.SandboxInfo,
+             tags=["sandboxes"])
+async def create_sandbox(spec: models.SandboxSpec, who: Who, api: Api) -> models.SandboxInfo:
+    if spec.job is not None:  # NotFound unless the project's job is live
+        api.lease_store().live(who.project, spec.job)
+    info = await api.placement.create(spec, who.project)
+    api.remember_owner(info.id, who.project)
+    if api.records(api.placement.edge_for(info.id)):
+        api.events.append(info.id, "sandbox.created", None, json.dumps({
+            "owner": who.project, "key_id": who.key_id, "node": info.node,
+            "image": spec.image, "layers": spec.layers, "labels": spec.labels, "job": spec.job,
+            "resources": spec.resources.model_dump(), "ttl_s": spec.ttl_s,
+        }))
+    return info
+
+
+@router.get("/v1/sandboxes", response_model=list[models.SandboxInfo], tags=["sandboxes"])
+async def list_sandboxes(
+    who: Who, api: Api,
+    label: Annotated[list[str], Query(description="k=v, repeatable; all must match")] = [],
+    state: Annotated[list[models.SandboxState],
+                     Query(description="repeatable; any may match (e.g. paused)")] = [],
+    job: Annotated[str | None, Query(max_length=128, description="a job's sandboxes")] = None,
+    project: Annotated[str | None, Query(max_length=128,
+                                         description="admin: one project's")] = None,
+) -> list[models.SandboxInfo]:
+    labels: dict[str, str] = {}
+    for item in label:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise errors.BadRequest(f"label filter must be k=v, got {item!r}")
+        labels[k] = v
+    owner = None if who.admin else who.project
+    if project is not None and project != who.project:
+        if not who.admin:
+            return []  # another project's sandboxes look absent
+        owner = project
+    found = await api.placement.list(owner, labels)
+    # Filter again here: the edge's own filtering is trusted for speed, not for isolation.
+    return [
+        i for i in found
+        if (owner is None or i.owner == owner)
+        and all(i.labels.get(k) == v for k, v in labels.items())
+        and (not state or i.state in state)
+        and (job is None or i.job == job)
+    ]
+
+
+@router.get("/v1/sandboxes/{sandbox_id}", response_model=models.SandboxInfo,
+            tags=["sandboxes"])
+async def get_sandbox(sandbox_id: str, edge: Edge) -> models.SandboxInfo:
+    return await edge.get(sandbox_id)
+
+
+@router.delete("/v1/sandboxes/{sandbox_id}", status_code=204, tags=["sandboxes"])
+async def delete_sandbox(sandbox_id: str, edge: Edge, who: Who, api: Api) -> Response:
+    await edge.delete(sandbox_id)
+    if api.records(edge):
+        await api.drain_recorders(sandbox_id, 2.0)
+        api.events.append(sandbox_id, "sandbox.deleted", None,
+                          json.dumps({"by": who.key_id, "reason": "api"}))
+    return Response(status_code=204)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/ttl", response_model=models.SandboxInfo,
+             tags=["sandboxes"])
+async def set_ttl(sandbox_id: str, body: TTLRequest, edge: Edge,
+                  api: Api) -> models.SandboxInfo:
+    info = await edge.set_ttl(sandbox_id, body.ttl_s)
+    api.events.append(sandbox_id, "sandbox.ttl", None, json.dumps({"ttl_s": body.ttl_s}))
+    return info
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/pause", response_model=models.SandboxInfo,
+             tags=["sandboxes"])
+async def pause_sandbox(sandbox_id: str, edge: Edge, who: Who,
+                        api: Api) -> models.SandboxInfo:
+    """Freeze the whole sandbox (state ``paused``): exec answers 409 sandbox_paused until
+    resume; files, TTL, network and delete still work; the TTL keeps counting."""
+    info = await edge.pause(sandbox_id)
+    if api.records(edge):
+        api.events.append(sandbox_id, "sandbox.paused", None, json.dumps({"by": who.key_id}))
+    return info
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/resume", response_model=models.SandboxInfo,
+             tags=["sandboxes"])
+async def resume_sandbox(sandbox_id: str, edge: Edge, who: Who,
+                         api: Api) -> models.SandboxInfo:
+    """Thaw a paused sandbox; its processes continue where they stopped."""
+    info = await edge.resume(sandbox_id)
+    if api.records(edge):
+        api.events.append(sandbox_id, "sandbox.resumed", None, json.dumps({"by": who.key_id}))
+    return info
+
+
+@router.put("/v1/sandboxes/{sandbox_id}/network", response_model=models.SandboxInfo,
+            tags=["sandboxes"])
+async def set_network(sandbox_id: str, body: models.NetworkPolicy,
+                      edge: Edge) -> models.SandboxInfo:
+    """Replace the sandbox's network policy (default deny; effective for open connections)."""
+    return await edge.set_network(sandbox_id, body)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/grade", response_model=models.GradeResult,
+             tags=["sandboxes"])
+async def grade(sandbox_id: str, spec: models.GradeSpec, edge: Edge,
+                who: Who, api: Api) -> models.GradeResult:
+    owner = (await edge.get(sandbox_id)).owner
+    result = await edge.grade(sandbox_id, spec, owner)
+    api.events.append(sandbox_id, "sandbox.graded", None, json.dumps(
+        {"grader": result.grader_id, "files": result.files,
+         "exit_code": result.result.exit_code, "by": who.key_id}))
+    return result
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/snapshot", response_model=models.SnapshotResult,
+             tags=["sandboxes"])
+async def snapshot(sandbox_id: str, spec: models.SnapshotSpec, edge: Edge,
+                   api: Api) -> models.SnapshotResult:
+    """pack_diff: the sandbox's writable layer, scrubbed, becomes a new layer; ``name`` is
+    tagged as the sandbox's layers + it (create sandboxes from it on this node). The image
+    belongs to the sandbox's project: other projects can't see or use it."""
+    owner = (await edge.get(sandbox_id)).owner
+    api.check_image_name(owner, spec.name)
+    return await edge.snapshot(sandbox_id, spec, owner)
