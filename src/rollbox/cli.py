@@ -1,4 +1,4 @@
-"""The ``rollbox`` command: serve, image, sandbox, key, demo, bench. Thin: parses arguments and
+"""The ``rollbox`` command: serve, config, image, sandbox, key, demo, bench. Thin: parses arguments and
 calls the component that owns the work (the operator's sandbox and key groups: operator_cli)."""
 from __future__ import annotations
 
@@ -48,6 +48,31 @@ def serve(host: str = typer.Option("127.0.0.1"), port: int = typer.Option(7420),
         uvloop.run(node.serve(host, port))  # libuv loop: cheaper per request and per fd
     except KeyboardInterrupt:
         pass
+
+
+@app.command("config")
+def config_cmd(as_json: bool = typer.Option(False, "--json", help="print as JSON"),
+               markdown: bool = typer.Option(False, "--markdown",
+                                             help="print the settings reference page instead "
+                                             "(docs/settings.md)")) -> None:
+    """The effective settings of this node and where each came from (default or variable)."""
+    from rich.console import Console
+
+    from rollbox import config_cli
+    from rollbox.config import SettingError, describe
+
+    if markdown:
+        typer.echo(config_cli.markdown(), nl=False)
+        return
+    try:
+        entries = describe(Settings())
+    except SettingError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        typer.echo(json.dumps(config_cli.as_json(entries), indent=2))
+    else:
+        Console().print(config_cli.table(entries))
 
 
 @app.command()

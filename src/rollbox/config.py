@@ -1,216 +1,294 @@
-"""Node-wide settings: where rollbox keeps its data and which host resources carry its name.
+"""Node-wide settings: every ``ROLLBOX_*`` variable of a node, read here and nowhere else.
 
 Every host resource a sandbox uses is named so a leak can be found: data under ``data_dir``,
 cgroups under the ``rollbox`` parent, network namespaces ``rollbox-<id>``, the working state of
-live sandboxes (mount points, bundles, sockets, runc state) under ``run_dir``. Environment variables (``ROLLBOX_*``) override the defaults.
+live sandboxes (mount points, bundles, sockets, runc state) under ``run_dir``.
+
+Each setting is one field of :class:`Settings`, declared with :func:`setting`: its variable, its
+group (the component that uses it) and what it means. ``Settings()`` reads the environment when
+it is made, never at import; code gets a Settings (or the values it needs) from its caller. A
+variable that is unset or blank leaves the default; a flag is ``1``/``0`` (or true/false,
+yes/no, on/off); a value that does not parse is a :class:`SettingError` naming the variable.
+:func:`describe` says where each effective value came from (``rollbox config``); the settings
+page of the docs is generated from the same declarations (``rollbox config --markdown``) and a
+test keeps it equal. The one other reader of ``ROLLBOX_*`` is the SDK, for its client's own
+defaults (``ROLLBOX_URL``, ``ROLLBOX_API_KEY``: see ``rollbox.sdk._env``).
 """
 from __future__ import annotations
 
+import copy
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any, TypeVar
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+
+# The groups, in the order ``rollbox config`` and the docs show them: name -> what uses them.
+GROUPS: dict[str, str] = {
+    "node": "The node: its data, working state and the host names of its sandboxes",
+    "container": "Container backend (rollbox.backends.container)",
+    "disk": "Disk pool of the writable layers (rollbox.backends.container.disk)",
+    "microvm": "microVM backend (rollbox.backends.microvm) and its guest (rollbox.guest)",
+    "templates": "microVM templates (rollbox.backends.microvm.template)",
+    "admission": "Admission of creates (rollbox.edge.admission)",
+    "images": "Image store, layer storage and chunk stores (rollbox.images, rollbox.edge.storage)",
+    "lazy": "Lazy loading of layers (rollbox.images.lazy)",
+    "network": "Sandbox networks (rollbox.netpolicy)",
+    "mirrors": "Package mirrors (rollbox.netpolicy.mirror, docs/mirrors.md)",
+    "e2b": "The E2B front door (rollbox.compat.e2b)",
+}
 
 
-def _env_path(name: str, default: str | Path) -> Path:
-    return Path(os.environ.get(name, str(default)))
+class SettingError(ValueError):
+    """A ``ROLLBOX_*`` variable whose value does not parse."""
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "")
-    return int(raw) if raw.strip() else default
+@dataclass(frozen=True)
+class Var:
+    """How one setting is read: its variable, group, default, parser and meaning."""
+    env: str
+    group: str
+    default: Any
+    parse: Callable[[str], Any]
+    doc: str
+    secret: bool = False  # shown as set/unset, never printed
+
+    def read(self, environ: Mapping[str, str]) -> Any:
+        raw = environ.get(self.env, "").strip()
+        if not raw:
+            return copy.copy(self.default)
+        try:
+            return self.parse(raw)
+        except ValueError as exc:
+            raise SettingError(f"{self.env}={raw!r}: {exc}") from None
 
 
-def _env_opt_int(name: str) -> int | None:
-    raw = os.environ.get(name, "")
-    return int(raw) if raw.strip() else None
+def setting(env: str, group: str, default: T, parse: Callable[[str], T], doc: str, *,
+            secret: bool = False) -> T:
+    """A field of Settings read from ``env`` when a Settings is made."""
+    assert group in GROUPS, group
+    var = Var(env, group, default, parse, doc, secret)
+    return field(default_factory=lambda: var.read(os.environ), metadata={"var": var})
 
 
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name, "")
-    return float(raw) if raw.strip() else default
+# ---- parsers: text of a variable (not blank) -> value ---------------------------------------
+
+def flag(raw: str) -> bool:
+    low = raw.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("not a flag (1 or 0)")
 
 
-def _env_mirrors() -> dict[str, str]:
-    """``ROLLBOX_MIRRORS="pypi=http://10.0.0.1:3141/simple/,npm=http://10.0.0.1:4873/"``."""
+def pairs(raw: str) -> dict[str, str]:
+    """``"a=x,b=y"`` -> ``{"a": "x", "b": "y"}``; items without a name or a value are ignored."""
     out: dict[str, str] = {}
-    for item in os.environ.get("ROLLBOX_MIRRORS", "").split(","):
-        name, sep, url = item.strip().partition("=")
-        if sep and name.strip() and url.strip():
-            out[name.strip()] = url.strip()
+    for item in raw.split(","):
+        name, sep, value = item.strip().partition("=")
+        if sep and name.strip() and value.strip():
+            out[name.strip()] = value.strip()
     return out
+
+
+def items(raw: str) -> tuple[str, ...]:
+    """``"a, b"`` -> ``("a", "b")`` (blank items dropped)."""
+    return tuple(u.strip() for u in raw.split(",") if u.strip())
 
 
 @dataclass
 class Settings:
-    data_dir: Path = field(default_factory=lambda: _env_path("ROLLBOX_DATA", "/var/lib/rollbox"))
-    # Working state of live sandboxes: mount points, OCI bundles, agent sockets, runc --root.
-    # It must be on a tmpfs: it dies with the host anyway, and creating and removing its inodes
-    # on a disk filesystem cost ~7 ms of CPU per sandbox on this ext4 host (inode allocation,
-    # journal), a sixth of a create/exec/destroy cycle. With run_tmpfs the container backend
-    # mounts a tmpfs there when the directory is on disk (hosts whose /run is not a tmpfs).
-    run_dir: Path = field(default_factory=lambda: _env_path("ROLLBOX_RUN", "/run/rollbox"))
-    run_tmpfs: bool = field(
-        default_factory=lambda: os.environ.get("ROLLBOX_RUN_TMPFS", "1") not in ("", "0"))
-    # Disk pool of the writable layers (backends/container/disk.py): a btrfs partition to use
-    # (formatted by the operator), else a sparse file below the data dir of this many GiB
-    # (0: 80% of the free space of its filesystem when it is first made).
-    disk_pool_device: Path | None = field(
-        default_factory=lambda: Path(os.environ["ROLLBOX_DISK_DEVICE"])
-        if os.environ.get("ROLLBOX_DISK_DEVICE") else None)
-    disk_pool_gib: int = field(
-        default_factory=lambda: int(os.environ.get("ROLLBOX_DISK_POOL_GIB", "0")))
-    agent_binary: Path = field(
-        default_factory=lambda: _env_path("ROLLBOX_AGENT", REPO_ROOT / "build" / "rollbox-agent")
-    )
-    # bash-static: interprets command strings in sandboxes (agent/platform_shell.py)
-    platform_shell: Path = field(
-        default_factory=lambda: _env_path("ROLLBOX_PLATFORM_SHELL", "/bin/bash-static"))
-    # busybox-static: the platform's own tools in a microVM guest (rollbox.guest.build)
-    platform_busybox: Path = field(
-        default_factory=lambda: _env_path("ROLLBOX_PLATFORM_BUSYBOX", "/bin/busybox"))
-    # The microVM guest's kernel package: `make guest` unpacks the kernel this Debian meta
-    # package depends on (rollbox.guest.build); vm_kernel/vm_initrd below are its outputs.
-    vm_kernel_package: str = field(
-        default_factory=lambda: os.environ.get("ROLLBOX_VM_KERNEL_PKG",
-                                               "linux-image-cloud-amd64"))
-    runtime: str = field(default_factory=lambda: os.environ.get("ROLLBOX_RUNTIME", "runc"))
-    # microVM backend (backends/microvm): QEMU, the jailer it runs under, the guest kernel and
-    # initramfs (`make guest`), the accelerator ("auto": KVM if a probe boot reaches the agent,
-    # else TCG), how long a guest may take to answer, QEMU's memory on top of the guest's.
-    qemu_binary: Path = field(
-        default_factory=lambda: _env_path("ROLLBOX_QEMU", "/usr/bin/qemu-system-x86_64"))
-    vm_jailer: Path = field(
-        default_factory=lambda: _env_path("ROLLBOX_JAILER",
-                                          REPO_ROOT / "build" / "rollbox-jailer"))
-    vm_kernel: Path = field(
-        default_factory=lambda: _env_path("ROLLBOX_VM_KERNEL",
-                                          REPO_ROOT / "build" / "guest" / "vmlinux"))
-    vm_initrd: Path = field(
-        default_factory=lambda: _env_path("ROLLBOX_VM_INITRD",
-                                          REPO_ROOT / "build" / "guest" / "initramfs.cpio"))
-    # Kernel version and digests of vm_kernel/vm_initrd (part of a template's key); the deb
-    # and its unpacked tree are cached in a `cache` directory beside it.
-    vm_guest_manifest: Path = field(
-        default_factory=lambda: _env_path("ROLLBOX_VM_GUEST_MANIFEST",
-                                          REPO_ROOT / "build" / "guest" / "manifest.json"))
-    vm_accel: str = field(default_factory=lambda: os.environ.get("ROLLBOX_VM_ACCEL", "auto"))
-    # Probe results per (kernel, QEMU, /dev/kvm): a node start re-probes only when one changes.
-    vm_accel_cache: Path = field(
-        default_factory=lambda: _env_path("ROLLBOX_VM_ACCEL_CACHE", "/run/rollbox-accel"))
-    vm_boot_timeout_s: float = field(
-        default_factory=lambda: _env_float("ROLLBOX_VM_BOOT_TIMEOUT", 60.0))
-    vm_overhead_mib: int = field(default_factory=lambda: _env_int("ROLLBOX_VM_OVERHEAD_MIB", 256))
-    vm_tb_size_mib: int = field(default_factory=lambda: _env_int("ROLLBOX_VM_TB_MIB", 64))
-    # A microVM with no command running and none started for this long is squeezed (balloon
-    # to its floor) until its next command; 0: never.
-    vm_idle_squeeze_s: float = field(
-        default_factory=lambda: _env_float("ROLLBOX_VM_IDLE_SQUEEZE_S", 60.0))
-    # The balloon's free-page reporting (pages the guest frees go back to the host); off only
-    # to measure what it saves (`rollbox bench microvm`).
-    vm_free_page_reporting: bool = field(
-        default_factory=lambda: os.environ.get("ROLLBOX_VM_FREE_PAGE_REPORTING", "1")
-        not in ("", "0"))
-    # Host page merging of microVM guest RAM (backends/microvm/ksm.py): on, the node starts
-    # the host's ksmd scanning at least this many pages per 20 ms (clones of a template share
-    # their identical pages); off, its VMs get mem-merge=off. Off by default: merging is a
-    # cross-tenant side channel (docs/security.md), an opt-in for single-tenant nodes.
-    vm_ksm: bool = field(
-        default_factory=lambda: os.environ.get("ROLLBOX_VM_KSM", "0") not in ("", "0"))
-    vm_ksm_pages_to_scan: int = field(
-        default_factory=lambda: _env_int("ROLLBOX_VM_KSM_PAGES", 1000))
-    vm_ksm_sysfs: Path = field(
-        default_factory=lambda: _env_path("ROLLBOX_VM_KSM_SYSFS", "/sys/kernel/mm/ksm"))
-    # microVM templates (backends/microvm/template.py): creates restore a VM saved once per
-    # key instead of booting; the node keeps at most this many templates and bytes (saved
-    # state + disk), least recently used out first; a failed build is retried after retry_s.
-    vm_templates: bool = field(
-        default_factory=lambda: os.environ.get("ROLLBOX_VM_TEMPLATES", "1") not in ("", "0"))
-    vm_template_max_count: int = field(
-        default_factory=lambda: _env_int("ROLLBOX_VM_TEMPLATE_MAX", 16))
-    vm_template_max_bytes: int = field(
-        default_factory=lambda: _env_int("ROLLBOX_VM_TEMPLATE_MAX_BYTES", 8 << 30))
-    vm_template_retry_s: float = field(
-        default_factory=lambda: _env_float("ROLLBOX_VM_TEMPLATE_RETRY_S", 60.0))
-    # A template's RAM as a file its restored VMs map copy-on-write (one copy of what they
-    # have not written, backends/microvm/qemu.py), where QEMU can map it read-only (>= 8.2);
-    # off (or an older QEMU): every restore copies the saved RAM into its own memory.
-    vm_template_shared_ram: bool = field(
-        default_factory=lambda: os.environ.get("ROLLBOX_VM_TEMPLATE_SHARED_RAM", "1")
-        not in ("", "0"))
-    # One JSON line per microVM create with its step timings (backends/microvm/steps.py;
-    # `rollbox bench microvm` sets it for its server); unset: none written.
-    vm_step_log: Path | None = field(
-        default_factory=lambda: Path(p) if (p := os.environ.get("ROLLBOX_VM_STEP_LOG")) else None)
-    cgroup_parent: str = field(default_factory=lambda: os.environ.get("ROLLBOX_CGROUP", "rollbox"))
-    node_id: str = field(default_factory=lambda: os.environ.get("ROLLBOX_NODE", "n0"))
-    # First host uid of the sandbox uid ranges; each sandbox slot gets 65536 ids above it.
-    uid_base: int = field(default_factory=lambda: int(os.environ.get(
-        "ROLLBOX_UID_BASE", str(1_000_000_000 // 65536 * 65536))))
-    uid_slots: int = field(default_factory=lambda: int(os.environ.get("ROLLBOX_UID_SLOTS",
-                                                                      "8192")))
-    # Image store; defaults to <data_dir>/images (tests share the node's built images).
-    images_root: Path | None = field(
-        default_factory=lambda: Path(os.environ["ROLLBOX_IMAGES"]) if "ROLLBOX_IMAGES" in os.environ
-        else None)
+    # ---- node ----------------------------------------------------------------------------
+    data_dir: Path = setting(
+        "ROLLBOX_DATA", "node", Path("/var/lib/rollbox"), Path,
+        "Where the node keeps its data: images, state database, admin key, disk pool, chunks.")
+    run_dir: Path = setting(
+        "ROLLBOX_RUN", "node", Path("/run/rollbox"), Path,
+        "Working state of live sandboxes: mount points, OCI bundles, agent sockets, runc "
+        "--root. It must be on a tmpfs: it dies with the host anyway, and creating and "
+        "removing its inodes on a disk filesystem cost ~7 ms of CPU per sandbox on an ext4 "
+        "host (inode allocation, journal), a sixth of a create/exec/destroy cycle.")
+    run_tmpfs: bool = setting(
+        "ROLLBOX_RUN_TMPFS", "node", True, flag,
+        "The container backend mounts a tmpfs on the run dir when it is on disk (hosts whose "
+        "/run is not a tmpfs).")
+    node_id: str = setting("ROLLBOX_NODE", "node", "n0", str,
+                           "This node's id (in sandbox ids and cgroup names).")
+    cgroup_parent: str = setting("ROLLBOX_CGROUP", "node", "rollbox", str,
+                                 "Parent cgroup of every sandbox's cgroup.")
+    uid_base: int = setting(
+        "ROLLBOX_UID_BASE", "node", 1_000_000_000 // 65536 * 65536, int,
+        "First host uid of the sandbox uid ranges; each sandbox slot gets 65536 ids above it.")
+    uid_slots: int = setting("ROLLBOX_UID_SLOTS", "node", 8192, int,
+                             "Number of sandbox uid ranges (slots).")
+    agent_binary: Path = setting(
+        "ROLLBOX_AGENT", "node", REPO_ROOT / "build" / "rollbox-agent", Path,
+        "The in-sandbox agent (`make native`), init of containers and of microVM guests.")
+    platform_shell: Path = setting(
+        "ROLLBOX_PLATFORM_SHELL", "node", Path("/bin/bash-static"), Path,
+        "bash-static: interprets command strings in sandboxes (agent/platform_shell.py).")
 
-    # Admission (rollbox.edge.admission). Requests set a sandbox's limits, not reservations:
-    # their sums may exceed the host this many times; live use decides the rest.
-    max_sandboxes: int = field(default_factory=lambda: _env_int("ROLLBOX_MAX_SANDBOXES", 4096))
-    memory_overcommit: float = field(
-        default_factory=lambda: _env_float("ROLLBOX_MEMORY_OVERCOMMIT", 160.0))
-    # CPUs are a CFS quota (throttled, never killed): 3,200 one-CPU sandboxes on 2 cores.
-    cpu_overcommit: float = field(
-        default_factory=lambda: _env_float("ROLLBOX_CPU_OVERCOMMIT", 2000.0))
-    # Host memory creates never eat into; None = max(2 GiB, 10% of RAM).
-    memory_reserve_mib: int | None = field(
-        default_factory=lambda: _env_opt_int("ROLLBOX_MEMORY_RESERVE_MIB"))
-    # Limit of the parent memory cgroup of all sandboxes; None = RAM minus the reserve.
-    sandboxes_memory_max_mib: int | None = field(
-        default_factory=lambda: _env_opt_int("ROLLBOX_SANDBOXES_MEMORY_MAX_MIB"))
-    # Share of every budget (count, requests, free memory) only grades and fncall workers use.
-    reserved_share: float = field(
-        default_factory=lambda: _env_float("ROLLBOX_RESERVED_SHARE", 0.10))
-    # Memory PSI ("some", avg10, %) above which new creates are refused.
-    memory_psi_max: float = field(
-        default_factory=lambda: _env_float("ROLLBOX_MEMORY_PSI_MAX", 20.0))
+    # ---- container backend ---------------------------------------------------------------
+    runtime: str = setting("ROLLBOX_RUNTIME", "container", "runc", str,
+                           "The OCI runtime that starts containers.")
 
-    # Package mirrors (docs/mirrors.md). Permission name (pypi, npm, debian, go) -> the mirror's
-    # base URL as a sandbox sees it; netpolicy allows that address instead of the registry.
-    mirrors: dict[str, str] = field(default_factory=_env_mirrors)
-    # The built-in caching PyPI proxy (rollbox.netpolicy.mirror); run in-process by the api
-    # only when enabled, else by `rollbox mirror serve`. Never fetches from other hosts.
-    pypi_mirror_enabled: bool = field(
-        default_factory=lambda: os.environ.get("ROLLBOX_PYPI_MIRROR", "0") not in ("", "0"))
-    pypi_mirror_host: str = field(
-        default_factory=lambda: os.environ.get("ROLLBOX_PYPI_MIRROR_HOST", "127.0.0.1"))
-    pypi_mirror_port: int = field(
-        default_factory=lambda: int(os.environ.get("ROLLBOX_PYPI_MIRROR_PORT", "3141")))
-    pypi_mirror_index_upstream: str = field(
-        default_factory=lambda: os.environ.get("ROLLBOX_PYPI_UPSTREAM", "https://pypi.org/simple/"))
-    pypi_mirror_file_upstreams: tuple[str, ...] = field(
-        default_factory=lambda: tuple(u.strip() for u in os.environ.get(
-            "ROLLBOX_PYPI_FILE_UPSTREAMS", "https://files.pythonhosted.org").split(",")
-            if u.strip()))
-    pypi_mirror_max_bytes: int = field(
-        default_factory=lambda: int(os.environ.get("ROLLBOX_PYPI_MIRROR_MAX_BYTES",
-                                                   str(20 << 30))))
-    pypi_mirror_index_ttl: float = field(
-        default_factory=lambda: float(os.environ.get("ROLLBOX_PYPI_MIRROR_INDEX_TTL", "300")))
+    # ---- disk pool -----------------------------------------------------------------------
+    disk_pool_device: Path | None = setting(
+        "ROLLBOX_DISK_DEVICE", "disk", None, Path,
+        "A btrfs partition (formatted by the operator) for the writable layers; unset: a "
+        "sparse file below the data dir.")
+    disk_pool_gib: int = setting(
+        "ROLLBOX_DISK_POOL_GIB", "disk", 0, int,
+        "Size of that sparse file in GiB (0: 80% of the free space of its filesystem when it "
+        "is first made).")
 
-    # Layer storage (rollbox.edge.storage): snapshots and uploaded images are refused while
-    # the image store's filesystem has less free space than the reserve (None: max(5 GiB, 5%
-    # of the filesystem)); each project's layers (of the images it owns) are capped at
-    # project_layer_mib unless its quota says otherwise; one image upload (bytes of its files)
-    # at image_upload_max_bytes.
-    image_store_reserve_bytes: int | None = field(
-        default_factory=lambda: int(os.environ["ROLLBOX_IMAGE_STORE_RESERVE"])
-        if "ROLLBOX_IMAGE_STORE_RESERVE" in os.environ else None)
-    project_layer_mib: int = field(
-        default_factory=lambda: int(os.environ.get("ROLLBOX_PROJECT_LAYER_MIB", str(50 << 10))))
-    image_upload_max_bytes: int = field(
-        default_factory=lambda: int(os.environ.get("ROLLBOX_IMAGE_UPLOAD_MAX", str(8 << 30))))
+    # ---- microVM backend -----------------------------------------------------------------
+    qemu_binary: Path = setting("ROLLBOX_QEMU", "microvm",
+                                Path("/usr/bin/qemu-system-x86_64"), Path, "QEMU.")
+    vm_jailer: Path = setting("ROLLBOX_JAILER", "microvm", REPO_ROOT / "build" / "rollbox-jailer",
+                              Path, "The jailer QEMU runs under (`make native`).")
+    vm_kernel_package: str = setting(
+        "ROLLBOX_VM_KERNEL_PKG", "microvm", "linux-image-cloud-amd64", str,
+        "The guest's kernel package: `make guest` unpacks the kernel this Debian meta package "
+        "depends on (rollbox.guest.build); the kernel and initramfs below are its outputs.")
+    platform_busybox: Path = setting(
+        "ROLLBOX_PLATFORM_BUSYBOX", "microvm", Path("/bin/busybox"), Path,
+        "busybox-static: the platform's own tools in a microVM guest (rollbox.guest.build).")
+    vm_kernel: Path = setting("ROLLBOX_VM_KERNEL", "microvm",
+                              REPO_ROOT / "build" / "guest" / "vmlinux", Path,
+                              "The guest kernel (`make guest`).")
+    vm_initrd: Path = setting("ROLLBOX_VM_INITRD", "microvm",
+                              REPO_ROOT / "build" / "guest" / "initramfs.cpio", Path,
+                              "The guest initramfs, the agent as its /init (`make guest`).")
+    vm_guest_manifest: Path = setting(
+        "ROLLBOX_VM_GUEST_MANIFEST", "microvm", REPO_ROOT / "build" / "guest" / "manifest.json",
+        Path, "Kernel version and digests of the guest kernel and initramfs (part of a "
+        "template's key); the deb and its unpacked tree are cached in a `cache` directory "
+        "beside it.")
+    vm_accel: str = setting(
+        "ROLLBOX_VM_ACCEL", "microvm", "auto", str,
+        "The accelerator: kvm, tcg, or auto (KVM if a probe boot reaches the agent, else TCG).")
+    vm_accel_cache: Path = setting(
+        "ROLLBOX_VM_ACCEL_CACHE", "microvm", Path("/run/rollbox-accel"), Path,
+        "Probe results per (kernel, QEMU, /dev/kvm): a node start re-probes only when one "
+        "changes.")
+    vm_boot_timeout_s: float = setting("ROLLBOX_VM_BOOT_TIMEOUT", "microvm", 60.0, float,
+                                       "Seconds a guest may take to answer.")
+    vm_overhead_mib: int = setting("ROLLBOX_VM_OVERHEAD_MIB", "microvm", 256, int,
+                                   "QEMU's memory (MiB) on top of the guest's.")
+    vm_tb_size_mib: int = setting("ROLLBOX_VM_TB_MIB", "microvm", 64, int,
+                                  "TCG's translation cache (MiB) per VM.")
+    vm_idle_squeeze_s: float = setting(
+        "ROLLBOX_VM_IDLE_SQUEEZE_S", "microvm", 60.0, float,
+        "A microVM with no command running and none started for this many seconds is "
+        "squeezed (balloon to its floor) until its next command; 0: never.")
+    vm_free_page_reporting: bool = setting(
+        "ROLLBOX_VM_FREE_PAGE_REPORTING", "microvm", True, flag,
+        "The balloon's free-page reporting (pages the guest frees go back to the host); off "
+        "only to measure what it saves (`rollbox bench microvm`).")
+    vm_ksm: bool = setting(
+        "ROLLBOX_VM_KSM", "microvm", False, flag,
+        "Host page merging of guest RAM (backends/microvm/ksm.py): on, the node starts the "
+        "host's ksmd (clones of a template share their identical pages); off, VMs get "
+        "mem-merge=off. Off by default: merging is a cross-tenant side channel "
+        "(docs/security.md), an opt-in for single-tenant nodes.")
+    vm_ksm_pages_to_scan: int = setting("ROLLBOX_VM_KSM_PAGES", "microvm", 1000, int,
+                                        "With KSM on: pages ksmd scans at least per 20 ms.")
+    vm_ksm_sysfs: Path = setting("ROLLBOX_VM_KSM_SYSFS", "microvm", Path("/sys/kernel/mm/ksm"),
+                                 Path, "The host's KSM controls.")
+    vm_step_log: Path | None = setting(
+        "ROLLBOX_VM_STEP_LOG", "microvm", None, Path,
+        "A file that gets one JSON line per microVM create with its step timings "
+        "(backends/microvm/steps.py; `rollbox bench microvm` sets it); unset: none written.")
+
+    # ---- microVM templates ---------------------------------------------------------------
+    vm_templates: bool = setting(
+        "ROLLBOX_VM_TEMPLATES", "templates", True, flag,
+        "Creates restore a VM saved once per key instead of booting.")
+    vm_template_max_count: int = setting("ROLLBOX_VM_TEMPLATE_MAX", "templates", 16, int,
+                                         "Templates the node keeps at most (LRU).")
+    vm_template_max_bytes: int = setting(
+        "ROLLBOX_VM_TEMPLATE_MAX_BYTES", "templates", 8 << 30, int,
+        "Bytes of templates (saved state + disk) the node keeps at most (LRU; 8 GiB).")
+    vm_template_retry_s: float = setting("ROLLBOX_VM_TEMPLATE_RETRY_S", "templates", 60.0,
+                                         float, "Seconds before a failed build is retried.")
+    vm_template_shared_ram: bool = setting(
+        "ROLLBOX_VM_TEMPLATE_SHARED_RAM", "templates", True, flag,
+        "A template's RAM as a file its restored VMs map copy-on-write (one copy of what they "
+        "have not written, backends/microvm/qemu.py), where QEMU can map it read-only "
+        "(>= 8.2); off (or an older QEMU): every restore copies the saved RAM.")
+
+    # ---- admission -----------------------------------------------------------------------
+    # Requests set a sandbox's limits, not reservations: their sums may exceed the host many
+    # times; live use decides the rest.
+    max_sandboxes: int = setting("ROLLBOX_MAX_SANDBOXES", "admission", 4096, int,
+                                 "Sandboxes the node holds at most.")
+    memory_overcommit: float = setting(
+        "ROLLBOX_MEMORY_OVERCOMMIT", "admission", 160.0, float,
+        "How many times the memory requests may add up to the host's memory.")
+    cpu_overcommit: float = setting(
+        "ROLLBOX_CPU_OVERCOMMIT", "admission", 2000.0, float,
+        "How many times the CPU requests may add up to the host's CPUs (a CFS quota: "
+        "throttled, never killed; 3,200 one-CPU sandboxes on 2 cores).")
+    memory_reserve_mib: int | None = setting(
+        "ROLLBOX_MEMORY_RESERVE_MIB", "admission", None, int,
+        "Host memory (MiB) creates never eat into; unset: max(2 GiB, 10% of RAM).")
+    sandboxes_memory_max_mib: int | None = setting(
+        "ROLLBOX_SANDBOXES_MEMORY_MAX_MIB", "admission", None, int,
+        "Limit (MiB) of the parent memory cgroup of all sandboxes; unset: RAM minus the "
+        "reserve.")
+    reserved_share: float = setting(
+        "ROLLBOX_RESERVED_SHARE", "admission", 0.10, float,
+        "Share of every budget (count, requests, free memory) only grades and fncall workers "
+        "use.")
+    memory_psi_max: float = setting(
+        "ROLLBOX_MEMORY_PSI_MAX", "admission", 20.0, float,
+        "Memory PSI (\"some\", avg10, %) above which new creates are refused.")
+
+    # ---- images and layer storage --------------------------------------------------------
+    images_root: Path | None = setting(
+        "ROLLBOX_IMAGES", "images", None, Path,
+        "The image store; unset: <data dir>/images.")
+    image_store_reserve_bytes: int | None = setting(
+        "ROLLBOX_IMAGE_STORE_RESERVE", "images", None, int,
+        "Snapshots and uploaded images are refused while the image store's filesystem has "
+        "less free space (bytes); unset: max(5 GiB, 5% of the filesystem).")
+    project_layer_mib: int = setting(
+        "ROLLBOX_PROJECT_LAYER_MIB", "images", 50 << 10, int,
+        "Each project's layers (of the images it owns) are capped at this many MiB unless its "
+        "quota says otherwise (50 GiB).")
+    image_upload_max_bytes: int = setting(
+        "ROLLBOX_IMAGE_UPLOAD_MAX", "images", 8 << 30, int,
+        "Bytes of the files of one image upload at most (8 GiB).")
+
+    # ---- package mirrors -----------------------------------------------------------------
+    mirrors: dict[str, str] = setting(
+        "ROLLBOX_MIRRORS", "mirrors", {}, pairs,
+        "Permission name (pypi, npm, debian, go) -> the mirror's base URL as a sandbox sees "
+        "it, e.g. `pypi=http://10.0.0.1:3141/simple/,npm=http://10.0.0.1:4873/`; netpolicy "
+        "allows that address instead of the registry.")
+    pypi_mirror_enabled: bool = setting(
+        "ROLLBOX_PYPI_MIRROR", "mirrors", False, flag,
+        "Run the built-in caching PyPI proxy in the api process (else `rollbox mirror "
+        "serve` runs it). It never fetches from hosts other than its upstreams.")
+    pypi_mirror_host: str = setting("ROLLBOX_PYPI_MIRROR_HOST", "mirrors", "127.0.0.1", str,
+                                    "Where the PyPI proxy listens.")
+    pypi_mirror_port: int = setting("ROLLBOX_PYPI_MIRROR_PORT", "mirrors", 3141, int,
+                                    "The PyPI proxy's port.")
+    pypi_mirror_index_upstream: str = setting(
+        "ROLLBOX_PYPI_UPSTREAM", "mirrors", "https://pypi.org/simple/", str,
+        "The index the PyPI proxy fetches from.")
+    pypi_mirror_file_upstreams: tuple[str, ...] = setting(
+        "ROLLBOX_PYPI_FILE_UPSTREAMS", "mirrors", ("https://files.pythonhosted.org",), items,
+        "Origins (comma-separated) the PyPI proxy fetches files from, the only others.")
+    pypi_mirror_max_bytes: int = setting("ROLLBOX_PYPI_MIRROR_MAX_BYTES", "mirrors", 20 << 30,
+                                         int, "The PyPI proxy's file cache bound (LRU; 20 GiB).")
+    pypi_mirror_index_ttl: float = setting("ROLLBOX_PYPI_MIRROR_INDEX_TTL", "mirrors", 300.0,
+                                           float, "Seconds an index page stays fresh.")
 
     @classmethod
     def scratch(cls, root: Path, images: Path | None = None) -> Settings:
@@ -226,20 +304,12 @@ class Settings:
     def environ(self) -> dict[str, str]:
         """The ``ROLLBOX_*`` variables that give a child process (``rollbox serve``) this
         node's data, run dir, cgroup parent, node id, uid range and image store."""
-        env = {
-            "ROLLBOX_DATA": str(self.data_dir), "ROLLBOX_RUN": str(self.run_dir),
-            "ROLLBOX_RUN_TMPFS": "1" if self.run_tmpfs else "0",
-            "ROLLBOX_AGENT": str(self.agent_binary), "ROLLBOX_RUNTIME": self.runtime,
-            "ROLLBOX_CGROUP": self.cgroup_parent, "ROLLBOX_NODE": self.node_id,
-            "ROLLBOX_UID_BASE": str(self.uid_base), "ROLLBOX_UID_SLOTS": str(self.uid_slots),
-            "ROLLBOX_JAILER": str(self.vm_jailer), "ROLLBOX_VM_KERNEL": str(self.vm_kernel),
-            "ROLLBOX_VM_INITRD": str(self.vm_initrd), "ROLLBOX_VM_ACCEL": self.vm_accel,
-            "ROLLBOX_VM_GUEST_MANIFEST": str(self.vm_guest_manifest),
-            "ROLLBOX_VM_TEMPLATES": "1" if self.vm_templates else "0",
-        }
+        names = ["data_dir", "run_dir", "run_tmpfs", "agent_binary", "runtime", "cgroup_parent",
+                 "node_id", "uid_base", "uid_slots", "vm_jailer", "vm_kernel", "vm_initrd",
+                 "vm_accel", "vm_guest_manifest", "vm_templates"]
         if self.images_root is not None:
-            env["ROLLBOX_IMAGES"] = str(self.images_root)
-        return env
+            names.append("images_root")
+        return {VARS[n].env: env_text(getattr(self, n)) for n in names}
 
     def mirror_url(self, name: str) -> str | None:
         """The mirror a sandbox with permission ``name`` uses, or None (no mirror configured).
@@ -282,6 +352,48 @@ class Settings:
     @property
     def state_db(self) -> Path:
         return self.data_dir / "state.db"
+
+
+# Field name -> how it is read, in declaration order.
+VARS: dict[str, Var] = {f.name: f.metadata["var"] for f in fields(Settings)}
+
+
+def env_text(value: object) -> str:
+    """A value as its variable's text (what the parsers read back)."""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items())
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return "" if value is None else str(value)
+
+
+@dataclass(frozen=True)
+class Effective:
+    """One setting as it is: its value and where that came from."""
+    name: str
+    var: Var
+    value: Any
+    source: str  # "default", the variable's name, or "program" (set by the code that made it)
+
+
+def describe(settings: Settings, environ: Mapping[str, str] | None = None) -> list[Effective]:
+    """Every setting of ``settings``, grouped (:data:`GROUPS` order), with its source: the
+    variable when it is set in ``environ`` (default: this process's) and gave the value."""
+    env = os.environ if environ is None else environ
+    out = []
+    for name, var in VARS.items():
+        value = getattr(settings, name)
+        if env.get(var.env, "").strip() and var.read(env) == value:
+            source = var.env
+        elif value == var.default:
+            source = "default"
+        else:
+            source = "program"
+        out.append(Effective(name, var, value, source))
+    order = list(GROUPS)
+    return sorted(out, key=lambda e: order.index(e.var.group))
 
 
 def get_settings() -> Settings:
