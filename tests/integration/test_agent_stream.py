@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
+import signal
 import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -15,6 +17,7 @@ import pytest
 
 from rollbox.agent import protocol as P
 from rollbox.agent.channel import AgentChannel, SpawnError
+from rollbox.errors import InfraError
 from tests.integration.test_agent_channel import (  # noqa: F401 - fixtures
     ENV,
     Agent,
@@ -61,6 +64,33 @@ async def test_big_output_arrives_whole_in_order(channel: AgentChannel) -> None:
     # 3 MiB through frames of at most CHUNK: partial writes on both sides keep the framing.
     r = await run(channel, ["sh", "-c", "seq 1 400000"])
     assert r.stdout == b"".join(b"%d\n" % i for i in range(1, 400001))
+
+
+async def test_an_abandoned_session_holds_no_stdin_write_or_signal_of_a_stalled_agent(
+        stream_agent: Agent, channel: AgentChannel) -> None:
+    """An agent that stops reading its stream (a guest's root can stop its agent): stdin writes
+    and signals wait for it like any backpressure, until the host gives up on the session
+    (``abandon``, the edge's at deadline + grace); then each fails with that error at once, and
+    the channel stays usable for the other sessions once the agent reads again."""
+    sess = await channel.exec(P.ExecRequest(argv=["sleep", "30"], env=ENV, stdin=True))
+    os.kill(stream_agent.proc.pid, signal.SIGSTOP)
+    try:
+        # past the socket's buffers: the last chunks wait in the channel's queue
+        writer = asyncio.ensure_future(sess.write_stdin(b"x" * P.STDIN_WINDOW))
+        killer = asyncio.ensure_future(sess.kill())  # queued behind them
+        await asyncio.sleep(0.5)
+        assert not writer.done() and not killer.done()
+        sess.abandon(InfraError("unresponsive agent"))
+        async with asyncio.timeout(2):
+            for waiting in (writer, killer, sess.wait(), sess.close_stdin()):
+                with pytest.raises(InfraError, match="unresponsive agent"):
+                    await waiting
+    finally:
+        os.kill(stream_agent.proc.pid, signal.SIGCONT)
+    assert not channel.busy()
+    async with asyncio.timeout(30):
+        r = await run(channel, ["echo", "after"])
+    assert r.stdout == b"after\n"
 
 
 # Was flaky (session 11): output the old connection missed counted as dropped, so the agent

@@ -16,6 +16,7 @@ import pytest
 
 from rollbox.edge.edge import GUEST_END_GRACE_S, GUEST_START_TIMEOUT_S, HOST_KILL_GRACE_S
 from rollbox.errors import InfraError, RollboxError
+from rollbox.models import ExecSpec
 from tests.redteam import qemu_jail
 from tests.redteam.conftest import BB, Boxes, needs_root
 
@@ -50,10 +51,15 @@ async def test_f40_guest_root_freezes_its_agent(vms: Boxes) -> None:
     assert r.stdout == "rc=0\n", r
     assert await alive(vms, victim)
     # The command that freezes the agent never gets its end reported: the host stops waiting
-    # a bounded time past its deadline (nothing on the host can kill inside a guest).
+    # a bounded time past its deadline (nothing on the host can kill inside a guest). Its
+    # stdin is never read again: a write waits as for any command that does not read, and
+    # ends with the command as the host sees it, not with the guest.
     t0 = time.monotonic()
-    with pytest.raises(InfraError, match="unresponsive guest"):
-        await asyncio.wait_for(vms.run(victim, FREEZE_AGENT, timeout_s=3), 90)
+    eid = await vms.edge.exec_start(victim, ExecSpec(cmd=FREEZE_AGENT, timeout_s=3, stdin=True))
+    for waiting in (vms.edge.exec_stdin(victim, eid, b"x" * (1 << 20), False),
+                    vms.edge.exec_wait(victim, eid)):
+        with pytest.raises(InfraError, match="unresponsive guest"):
+            await asyncio.wait_for(waiting, 90)
     assert time.monotonic() - t0 < 3 + HOST_KILL_GRACE_S + GUEST_END_GRACE_S + 10
     # The next command is never started by the frozen agent: a typed error, bounded too.
     t0 = time.monotonic()

@@ -129,22 +129,49 @@ class Session:
                     self._stdin_credit.clear()
                     await self._stdin_credit.wait()
                 if self.done:
-                    if self._exited.exception() is not None:
-                        raise self._exited.exception()  # type: ignore[misc]
+                    self._raise_failure()
                     return
                 self._stdin_unacked += len(chunk)
-                await self.channel._send(P.pack(P.STDIN, self.id, chunk))
+                await self._send(P.pack(P.STDIN, self.id, chunk))
 
     async def close_stdin(self) -> None:
-        await self.channel._send(P.pack(P.STDIN_CLOSE, self.id))
+        await self._send(P.pack(P.STDIN_CLOSE, self.id))
 
     async def signal(self, sig: int) -> None:
         """Send ``sig`` to the session's process group."""
-        await self.channel._send(P.pack(P.SIGNAL, self.id, P.I32.pack(int(sig))))
+        await self._send(P.pack(P.SIGNAL, self.id, P.I32.pack(int(sig))))
 
     async def kill(self) -> None:
         """Kill everything of the session (its cgroup when it has one, and its process group)."""
-        await self.channel._send(P.pack(P.KILL, self.id))
+        await self._send(P.pack(P.KILL, self.id))
+
+    def abandon(self, exc: RollboxError) -> None:
+        """The host gives up on this session (a guest that did not end it in time: its root may
+        have stopped the agent): whoever waits on it (events, wait, stdin, signals) gets
+        ``exc`` now, and what the agent sends for it later is not this Session's."""
+        if self.done:
+            return
+        if self.channel._sessions.get(self.id) is self:
+            del self.channel._sessions[self.id]
+        self._fail(exc)
+
+    async def _send(self, packet: bytes) -> None:
+        """Send one packet of this session: waits while the socket is congested, never past
+        the session's end (its exit, or a failure: the channel's, or :meth:`abandon` of a
+        guest that stopped reading its port). Unsent, the packet stays queued: it is moot."""
+        flushed = self.channel._queue(packet)
+        if not flushed.done():
+            await asyncio.wait((flushed, self._exited), return_when=asyncio.FIRST_COMPLETED)
+        if flushed.done():
+            flushed.result()
+        else:
+            self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        """Raise why the session failed; nothing when it exited."""
+        exc = self._exited.exception() if self._exited.done() else None
+        if exc is not None:
+            raise exc
 
     def collect(self) -> None:
         """Tell the agent the exit is recorded: it frees the session's rings and status."""
@@ -509,29 +536,36 @@ class AgentChannel:
         """Queue a packet without waiting (from sync code); a failure closes the channel."""
         if self.closed.done():
             return
-        fut: asyncio.Future[None] = self._loop.create_future()
+        fut = self._queue_raw(P.frame(packet) if self._stream else packet, None)
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._outq.append((P.frame(packet) if self._stream else packet, [], fut))
-        if not self._writing:
-            self._flush()
 
     async def _send(self, packet: bytes, fds: list[int] | None = None) -> None:
         """Send one packet; waits while the socket is congested (backpressure from the agent)."""
+        await self._queue(packet, fds)
+
+    def _queue(self, packet: bytes, fds: list[int] | None = None) -> asyncio.Future[None]:
+        """Queue one packet; the future resolves once the socket took it (fails if the
+        channel ends first; retrieved, so nobody has to await it)."""
         self._check_open()
         if len(packet) > P.MAX_PACKET:
             raise BadRequest(f"request too large ({len(packet)} > {P.MAX_PACKET} bytes)")
         if fds and self._stream:
             raise BadRequest("a stream channel carries no descriptors")
-        await self._send_raw(P.frame(packet) if self._stream else packet, fds)
+        fut = self._queue_raw(P.frame(packet) if self._stream else packet, fds)
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return fut
 
     async def _send_raw(self, data: bytes, fds: list[int] | None = None) -> None:
         """Queue bytes as the transport carries them (a packet, or a stream's frame)."""
         self._check_open()
+        await self._queue_raw(data, fds)
+
+    def _queue_raw(self, data: bytes, fds: list[int] | None) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = self._loop.create_future()
         self._outq.append((data, fds or [], fut))
         if not self._writing:
             self._flush()
-        await fut
+        return fut
 
     def _flush(self) -> None:
         while self._outq:

@@ -847,11 +847,13 @@ class Edge:
         except asyncio.CancelledError:
             if not abandoned:
                 raise
+            gone = InfraError(
+                f"sandbox {sid}: the guest did not end {session.exec_id} within "
+                f"{HOST_KILL_GRACE_S + GUEST_END_GRACE_S:.0f} s past its deadline "
+                "(unresponsive guest)")
+            agent_session.abandon(gone)  # its stdin writes and signals stop waiting too
             if not session.done.is_set():
-                session.fail(InfraError(
-                    f"sandbox {sid}: the guest did not end {session.exec_id} within "
-                    f"{HOST_KILL_GRACE_S + GUEST_END_GRACE_S:.0f} s past its deadline "
-                    "(unresponsive guest)"))
+                session.fail(gone)
         except Exception as exc:  # noqa: BLE001 - the session must end, whatever happened
             if not session.done.is_set():
                 session.fail(exc if isinstance(exc, RollboxError)
