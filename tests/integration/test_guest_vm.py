@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from rollbox.agent import protocol as P
-from rollbox.agent.channel import AgentChannel, SpawnError
+from rollbox.agent.channel import AgentChannel, Session, SpawnError
 from rollbox.backends.microvm import qemu
 from rollbox.config import Settings
 from rollbox.errors import InfraError
@@ -128,17 +128,53 @@ async def ch(vm: Guest) -> AsyncIterator[AgentChannel]:
 
 
 ENV = ["PATH=/bin"]
+# Bounds on each command here (each ends within ~5 s under load, ~0.5 s alone): the agent's own
+# deadline ends one that hangs in the guest (reported `timed_out`); the host's, past it, fails
+# the test naming what did not end and how far it got: then the agent itself stopped answering.
+COMMAND_MS = 30_000
+HOST_WAIT_S = 60.0
+
+
+class GuestStalled(AssertionError):
+    """A command did not start or end within HOST_WAIT_S (the agent did not answer)."""
+
+
+async def start(ch: AgentChannel, req: P.ExecRequest) -> Session:
+    try:
+        async with asyncio.timeout(HOST_WAIT_S):
+            return await ch.exec(req)
+    except TimeoutError:
+        raise GuestStalled(f"{req.argv}: not started within {HOST_WAIT_S:.0f} s") from None
+
+
+async def finish(sess: Session, what: object, stdin: bytes | None = None
+                 ) -> tuple[bytes, P.Exited]:
+    """Write ``stdin`` (then close it) and read the session to its exit: its stdout and exit."""
+    out = bytearray()
+    waiting = "for it to take its stdin" if stdin is not None else "for its exit"
+    try:
+        async with asyncio.timeout(HOST_WAIT_S):
+            if stdin is not None:
+                await sess.write_stdin(stdin)
+                await sess.close_stdin()
+                waiting = "for its exit"
+            async for kind, value in sess.events():
+                if kind == "exited":
+                    return bytes(out), value
+                if kind == "stdout":
+                    out += value
+    except TimeoutError:
+        raise GuestStalled(
+            f"{what} (pid {sess.pid} in the guest): waited {HOST_WAIT_S:.0f} s {waiting}, "
+            f"{len(out)} bytes of stdout so far, {sess.stdin_unacked} bytes of stdin not "
+            "acknowledged") from None
+    raise AssertionError(f"{what}: no exit")
 
 
 async def sh(ch: AgentChannel, cmd: str, **kw: object) -> tuple[bytes, P.Exited]:
-    sess = await ch.exec(P.ExecRequest(argv=["sh", "-c", cmd], env=ENV, **kw))  # type: ignore
-    out = bytearray()
-    async for kind, value in sess.events():
-        if kind == "exited":
-            return bytes(out), value
-        if kind == "stdout":
-            out += value
-    raise AssertionError("no exit")
+    kw.setdefault("timeout_ms", COMMAND_MS)
+    sess = await start(ch, P.ExecRequest(argv=["sh", "-c", cmd], env=ENV, **kw))  # type: ignore
+    return await finish(sess, cmd)
 
 
 async def test_boot_builds_the_sandbox_root_and_reports_its_steps(ch: AgentChannel) -> None:
@@ -175,15 +211,11 @@ async def test_guest_cpu_is_x86_64_v2(ch: AgentChannel) -> None:
 
 
 async def test_stdin_timeout_and_oom_inside_the_guest(ch: AgentChannel) -> None:
-    sess = await ch.exec(P.ExecRequest(argv=["sha256sum"], env=ENV, stdin=True))
+    sess = await start(ch, P.ExecRequest(argv=["sha256sum"], env=ENV, stdin=True,
+                                         timeout_ms=COMMAND_MS))
     data = os.urandom(300_000)  # past the stdin window: credit flows back over the port
-    await sess.write_stdin(data)
-    await sess.close_stdin()
-    out = bytearray()
-    async for kind, value in sess.events():
-        if kind == "stdout":
-            out += value
-    assert out.split()[0].decode() == hashlib.sha256(data).hexdigest()
+    out, ex = await finish(sess, "sha256sum", stdin=data)
+    assert not ex.timed_out and out.split()[0].decode() == hashlib.sha256(data).hexdigest()
 
     # A timeout kills the session's whole cgroup, background processes included.
     t0 = time.monotonic()
@@ -197,7 +229,7 @@ async def test_stdin_timeout_and_oom_inside_the_guest(ch: AgentChannel) -> None:
     out, ex = await sh(ch, "cg=/sys/fs/cgroup$(cut -d: -f3 /proc/self/cgroup); "
                            "echo 4M > $cg/memory.max; echo 0 > $cg/memory.swap.max 2>/dev/null; "
                            "head -c 12000000 /dev/zero | tail -n 1 | wc -c")
-    assert ex.oom_kills >= 1, (out, ex)
+    assert ex.oom_kills >= 1 and not ex.timed_out, (out, ex)
     # Session cgroups are reused once empty (making one costs ~35 ms under TCG): the next
     # command gets the default limits back and counts only its own OOM kills.
     cg = "/sys/fs/cgroup$(cut -d: -f3 /proc/self/cgroup)"
@@ -209,9 +241,9 @@ async def test_stdin_timeout_and_oom_inside_the_guest(ch: AgentChannel) -> None:
 
 
 async def test_platform_tool_and_uniqueness_commands(ch: AgentChannel) -> None:
-    sess = await ch.exec(P.ExecRequest(argv=["cat", "/etc/machine-id"], env=[],
-                                       platform_tool=True))
-    [e async for e in sess.events()]  # the image may have none: only that it runs matters
+    tool = P.ExecRequest(argv=["cat", "/etc/machine-id"], env=[], platform_tool=True,
+                         timeout_ms=COMMAND_MS)
+    await finish(await start(ch, tool), "cat")  # the image may have none: only that it runs
     mid = secrets.token_hex(16)
     await ch.set_machine_id(mid)
     await ch.set_hostname("clone-7")
@@ -223,24 +255,24 @@ async def test_platform_tool_and_uniqueness_commands(ch: AgentChannel) -> None:
     assert (got_mid, host) == (mid, "clone-7") and when <= int(now) < when + 30
     await ch.set_clock()  # back to the host's time
     # the platform's busybox, by descriptor, chrooted in the sandbox root, as root
-    sess = await ch.exec(P.ExecRequest(argv=["cat", "/etc/machine-id"], env=[],
-                                       platform_tool=True))
-    out = b"".join(v for k, v in [e async for e in sess.events()] if k == "stdout")
+    out, _ = await finish(await start(ch, tool), "cat")
     assert out == f"{mid}\n".encode()
 
 
 async def test_reconnect_resyncs_and_reattaches_a_running_session(vm: Guest) -> None:
     ch = await vm.connect()
-    sess = await ch.exec(P.ExecRequest(
-        argv=["sh", "-c", "i=0; while [ $i -lt 2000 ]; do echo line $i; i=$((i+1)); done; "
-                          "sleep 1; echo end"],
-        env=ENV, tail_limit=P.RETAIN_LIMIT), collect=False)
+    async with asyncio.timeout(HOST_WAIT_S):
+        sess = await ch.exec(P.ExecRequest(
+            argv=["sh", "-c", "i=0; while [ $i -lt 2000 ]; do echo line $i; i=$((i+1)); done; "
+                              "sleep 1; echo end"],
+            env=ENV, tail_limit=P.RETAIN_LIMIT), collect=False)
     await asyncio.wait_for(sess.events().__anext__(), 30)
     ch.close()  # the guest sees POLLHUP on its port, output in flight is cut off
     await asyncio.sleep(0.2)
     ch2 = await vm.connect()
     try:
-        out = await reattach(ch2, sess.id)
+        async with asyncio.timeout(HOST_WAIT_S):
+            out = await reattach(ch2, sess.id)
         assert out == b"".join(b"line %d\n" % i for i in range(2000)) + b"end\n"
     finally:
         ch2.close()
@@ -304,6 +336,6 @@ async def test_a_layer_that_is_not_erofs_is_reported_not_hung(
             assert info.errno != 0 and "mount erofs on /layers/0" in info.error, info
             # Nothing runs in the initramfs instead (the agent's own root).
             with pytest.raises(SpawnError, match="no sandbox root .*mount erofs"):
-                await ch.exec(P.ExecRequest(argv=["true"], env=ENV))
+                await start(ch, P.ExecRequest(argv=["true"], env=ENV))
         finally:
             ch.close()

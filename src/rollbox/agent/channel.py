@@ -102,6 +102,11 @@ class Session:
     def done(self) -> bool:
         return self._exited.done()
 
+    @property
+    def stdin_unacked(self) -> int:
+        """Bytes of stdin sent and not yet acknowledged by the agent (<= STDIN_WINDOW)."""
+        return self._stdin_unacked
+
     async def events(self) -> AsyncIterator[Event]:
         """Yield output as it arrives, then ("exited", Exited). Raises if the channel dies."""
         while not self._events_done:
