@@ -155,7 +155,9 @@ class ServerProcess:
     @property
     def key(self) -> str:
         """The admin key (ROLLBOX_API_KEY for the node's own server)."""
-        return ((self.env is None and os.environ.get("ROLLBOX_API_KEY"))
+        from rollbox.sdk import default_api_key  # the SDK's client: not for `rollbox serve`
+
+        return ((self.env is None and default_api_key())
                 or self.settings.admin_key_path.read_text().strip())
 
     def start(self, wait: bool = True) -> None:
@@ -212,8 +214,10 @@ def server_process(url: str | None = None,
     """(url, api key) of a running server: ``url`` if given, else a :class:`ServerProcess`
     started for ``settings`` (default: this node) and stopped on exit."""
     if url is not None:
+        from rollbox.sdk import default_api_key
+
         wait_healthy(url, None)
-        yield url, (os.environ.get("ROLLBOX_API_KEY")
+        yield url, (default_api_key()
                     or (settings or Settings()).admin_key_path.read_text().strip())
         return
     srv = ServerProcess(settings)

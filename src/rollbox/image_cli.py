@@ -35,8 +35,8 @@ _state: dict[str, Any] = {"root": None}
 
 @app.callback()
 def _main(root: Optional[Path] = typer.Option(  # noqa: UP007 (typer needs Optional)
-        None, "--root", envvar="ROLLBOX_IMAGES", help="Image store root "
-        "(default: $ROLLBOX_DATA/images)")) -> None:
+        None, "--root", help="Image store root "
+        "(default: $ROLLBOX_IMAGES, else $ROLLBOX_DATA/images)")) -> None:
     _state["root"] = root
 
 
@@ -129,10 +129,10 @@ def upload_cmd(
     name: str = typer.Argument(..., help="Image name with a path, e.g. myproject/task:1"),
     path: Path = typer.Argument(..., help="Directory (its contents) or tar file (gz/bz2/xz)"),
     base: Optional[str] = typer.Option(None, "--base", help="Stack the layer on this image"),  # noqa: UP007
-    url: Optional[str] = typer.Option(None, "--url", envvar="ROLLBOX_URL",  # noqa: UP007
-                                      help="API (default: this node's rollbox serve)"),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="ROLLBOX_API_KEY",  # noqa: UP007
-                                          help="API key (default: this node's admin key)"),
+    url: Optional[str] = typer.Option(  # noqa: UP007
+        None, "--url", help="API (default: $ROLLBOX_URL, else this node's rollbox serve)"),
+    api_key: Optional[str] = typer.Option(  # noqa: UP007
+        None, "--api-key", help="API key (default: $ROLLBOX_API_KEY, else this node's admin key)"),
 ) -> None:
     """Upload a task image into your project through the API: the server builds the layer
     from the streamed tree (a filesystem image made by the client is never mounted)."""
@@ -140,8 +140,9 @@ def upload_cmd(
 
     import rollbox
     from rollbox.config import Settings
+    from rollbox.sdk import default_api_key
 
-    key = api_key
+    key = api_key or default_api_key()
     if key is None:
         try:
             key = Settings().admin_key_path.read_text().strip()

@@ -69,10 +69,10 @@ _conn: dict[str, str | None] = {"url": None, "api_key": None}
 
 
 def _connection(url: Optional[str] = typer.Option(  # noqa: UP007 (typer needs Optional)
-        None, "--url", envvar="ROLLBOX_URL", help="server (default http://127.0.0.1:7420)"),
+        None, "--url", help="server (default: $ROLLBOX_URL, else http://127.0.0.1:7420)"),
         api_key: Optional[str] = typer.Option(  # noqa: UP007
-            None, "--api-key", envvar="ROLLBOX_API_KEY",
-            help="default: the node's admin key file")) -> None:
+            None, "--api-key",
+            help="default: $ROLLBOX_API_KEY, else the node's admin key file")) -> None:
     _conn["url"], _conn["api_key"] = url, api_key
 
 
@@ -82,8 +82,10 @@ project_app.callback()(_connection)
 
 
 def _api_key() -> str:
-    if _conn["api_key"]:
-        return _conn["api_key"]
+    from rollbox.sdk import default_api_key
+
+    if key := _conn["api_key"] or default_api_key():
+        return key
     path = Settings().admin_key_path
     try:
         return path.read_text().strip()

@@ -155,3 +155,17 @@ def test_rollbox_config_markdown_is_the_page() -> None:
     p = _rollbox_config("--markdown", ROLLBOX_NODE="n42")
     assert p.returncode == 0, p.stderr
     assert p.stdout == DOC.read_text()
+
+
+async def test_the_sdk_takes_its_defaults_from_the_client_environment(
+        clean_env: pytest.MonkeyPatch) -> None:
+    from rollbox.sdk import DEFAULT_URL, AsyncClient
+
+    async with AsyncClient() as client:
+        assert client.base_url == DEFAULT_URL and client._t.headers == {}
+    clean_env.setenv("ROLLBOX_URL", "http://10.1.2.3:7000")
+    clean_env.setenv("ROLLBOX_API_KEY", "rbx_k")
+    async with AsyncClient() as client:
+        assert client.base_url == "http://10.1.2.3:7000" and client._t.headers == {"Authorization": "Bearer rbx_k"}
+    async with AsyncClient("http://h:1", "other") as client:
+        assert client.base_url == "http://h:1" and client._t.headers == {"Authorization": "Bearer other"}

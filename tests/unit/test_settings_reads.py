@@ -20,11 +20,9 @@ ENVIRON_METHODS = {"get", "setdefault", "pop"}
 ALLOWED = {"config.py", "sdk/_env.py"}
 # Reads not yet moved into rollbox.config (issue 13, item 3): emptied as they move.
 PENDING = {
-    "browser/episode.py", "compat/e2b/state.py", "compat/swerex/deployment.py", "embedded.py",
-    "image_cli.py", "images/lazy/daemon.py", "images/lazy/loader.py", "images/snapshot.py",
-    "images/stores/__init__.py", "netpolicy/gate.py", "netpolicy/link.py",
-    "netpolicy/policy.py", "operator_cli.py", "sdk/_async.py",
-    "backends/container/sandbox.py",
+    "backends/container/sandbox.py", "browser/episode.py", "compat/e2b/state.py",
+    "images/lazy/daemon.py", "images/lazy/loader.py", "images/snapshot.py",
+    "images/stores/__init__.py", "netpolicy/gate.py", "netpolicy/link.py", "netpolicy/policy.py",
 }
 
 

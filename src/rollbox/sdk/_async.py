@@ -23,6 +23,7 @@ import pydantic
 from rollbox import errors
 from rollbox.errors import CommandFailed
 from rollbox.sdk._aiohttp import AiohttpTransport
+from rollbox.sdk._env import default_api_key, default_url
 from rollbox.sdk._http import FullResponse, Http, Params, raise_for_status
 from rollbox.sdk._resume import (
     DEFAULT_RECONNECT_S, Offsets, Reconnect, new_idempotency_key,
@@ -35,7 +36,6 @@ from rollbox.models import (
     SandboxSpec, SnapshotResult, SnapshotSpec,
 )
 
-DEFAULT_URL = "http://127.0.0.1:7420"
 TAR_CHUNK = 256 << 10
 FILE_CHUNK = 1 << 20
 
@@ -722,12 +722,12 @@ class AsyncClient:
         client closes its transport."""
         self.reconnect_s = reconnect_s
         if transport is None:
-            transport = AiohttpTransport(base_url or os.environ.get("ROLLBOX_URL", DEFAULT_URL),
+            transport = AiohttpTransport(base_url or default_url(),
                                          timeout=timeout, max_connections=max_connections)
         elif base_url is not None:
             raise TypeError("base_url is the transport's: give one or the other")
         self.base_url = transport.base_url
-        api_key = api_key or os.environ.get("ROLLBOX_API_KEY")
+        api_key = api_key or default_api_key()
         self._t = Http(transport, api_key)
         self._heartbeats: set[_Heartbeat] = set()  # of this client's open jobs
         self.images = AsyncImages(self._t)

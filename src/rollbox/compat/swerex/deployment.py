@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -19,7 +18,7 @@ from swerex.runtime.abstract import IsAliveResponse
 from swerex.runtime.remote import RemoteRuntime
 
 from rollbox import errors
-from rollbox.sdk import AsyncClient
+from rollbox.sdk import AsyncClient, default_api_key
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +39,7 @@ class RollboxDeployment(AbstractDeployment):
         self.logger = logger or log
         self.image = image
         self._client = AsyncClient(url, api_key)
-        self._api_key = api_key or os.environ.get("ROLLBOX_API_KEY", "")
+        self._api_key = api_key or default_api_key() or ""
         self._create_kw: dict[str, Any] = {
             "layers": list(layers), "cpus": cpus, "memory_mib": memory_mib,
             "disk_mib": disk_mib, "ttl_s": ttl_s, "labels": dict(labels or {}),
