@@ -49,7 +49,7 @@ from rollbox.backends.microvm.files import (
     cut_file_ops, in_sandbox_request, mask_hidden, vm_files,
 )
 from rollbox.backends.microvm.jail import Bind, Jail, Limits, uid_processes, vcpus
-from rollbox.backends.microvm.steps import Steps
+from rollbox.backends.microvm.steps import Steps, teardown_after, to_the_end
 from rollbox.backends.microvm.template import (
     BUILD_PREFIX, Template, TemplateLoadError, VmTemplates, make_unique,
 )
@@ -212,6 +212,19 @@ class ConsoleTail:
 
     def tail(self, n: int = 2000) -> str:
         return bytes(self.data[-n:]).decode(errors="replace")
+
+
+def _close_sockets(sockets: list[socket.socket]) -> None:
+    for s in sockets:
+        s.close()
+
+
+def _close_network(made: tuple[vmnet.VmNetwork, int]) -> None:
+    """What a network attach made for a create cancelled meanwhile (the teardown removes
+    the link and the namespace)."""
+    net, tap_fd = made
+    net.close()
+    os.close(tap_fd)
 
 
 async def _pid_exited(pid: int) -> None:
@@ -433,24 +446,27 @@ class MicroVMBackend:
         jail = Jail(self.run_root, self.settings.cgroup_parent, sandbox_id)
         net: vmnet.VmNetwork | None = None
         tap_fd = -1
+        # Each step that makes something on the host runs to its end if the create is
+        # cancelled meanwhile (to_the_end): the teardown below then sees all it made.
         try:
             if machine.nic:
                 # The network first: QEMU joins its namespace and gets the tap at TAP_FD. A
                 # template's build VM gets none of the creator's rules (deny everything).
-                await asyncio.to_thread(netns.create, vmnet.netns_name(sandbox_id))
+                await to_the_end(asyncio.to_thread(netns.create, vmnet.netns_name(sandbox_id)))
                 rules = ([] if sandbox_id.startswith(BUILD_PREFIX)
                          else list(spec.network_rules or ()))
-                net, tap_fd = await vmnet.attach(sandbox_id, rules, self.settings)
+                net, tap_fd = await to_the_end(vmnet.attach(sandbox_id, rules, self.settings),
+                                               dispose=_close_network)
                 steps.lap("network")
             layer_files = await self.disks.layer_files(list(spec.layers))
             steps.lap("layers")
             if template is None:
-                rw = await self.disks.create_rw_async(sandbox_id,
-                                                      spec.resources.disk_mib << 20, host_uid)
+                rw = await to_the_end(self.disks.create_rw_async(
+                    sandbox_id, spec.resources.disk_mib << 20, host_uid))
                 steps.lap("disk_mkfs")
             else:
-                rw = await asyncio.to_thread(self.disks.clone_rw, template.disk_id, sandbox_id,
-                                             host_uid)
+                rw = await to_the_end(asyncio.to_thread(self.disks.clone_rw, template.disk_id,
+                                                        sandbox_id, host_uid))
                 steps.lap("disk_clone")
             binds = [Bind(self.settings.vm_kernel, qemu.KERNEL),
                      Bind(self.settings.vm_initrd, qemu.INITRD)]
@@ -482,7 +498,9 @@ class MicroVMBackend:
         except BaseException as exc:
             if net is not None:
                 net.close()
-            await asyncio.shield(self._teardown(sandbox_id, jail, slot, jail.read_pid()))
+            # a cancelled create stays cancelled even if the teardown fails: an InfraError
+            # here made a template build look failed, and the create booted cold and finished
+            await teardown_after(exc, self._teardown(sandbox_id, jail, slot, jail.read_pid()))
             if isinstance(exc, (InfraError, BadRequest)) or not isinstance(exc, Exception):
                 raise
             raise InfraError(f"microVM {sandbox_id} not created: {exc}") from exc
@@ -519,7 +537,7 @@ class MicroVMBackend:
         devices = ("/dev/kvm",) if machine.accel == "kvm" else ()
         argv = qemu.argv(replace(machine, incoming=template is not None),
                          str(self.settings.qemu_binary))
-        sockets = await asyncio.to_thread(jail.prepare)
+        sockets = await to_the_end(asyncio.to_thread(jail.prepare), dispose=_close_sockets)
         steps.lap("jail_dir")
         ns = netns.netns_path(vmnet.netns_name(sandbox_id)) if machine.nic else None
         try:

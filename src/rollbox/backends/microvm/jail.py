@@ -30,7 +30,7 @@ from pathlib import Path
 
 from rollbox.backends.container.rootfs import remove_flat_dir
 from rollbox.backends.container.runtime import wait_pid
-from rollbox.backends.microvm.steps import Steps
+from rollbox.backends.microvm.steps import Steps, to_the_end
 from rollbox.errors import InfraError
 from rollbox.isolation import cgroups
 from rollbox.isolation.userns import RANGE as UID_RANGE
@@ -253,7 +253,16 @@ class Jail:
                     netns: Path | None = None, devices: tuple[str, ...] = (),
                     extra_fds: tuple[int, ...] = (), steps: Steps | None = None) -> int:
         """Start QEMU in the jail; returns its host pid once it has exec'd. ``extra_fds``
-        follow the sockets (a VM's tap at fd 6)."""
+        follow the sockets (a VM's tap at fd 6). A cancellation meanwhile waits for the
+        jailer's end (at most JAILER_TIMEOUT_S): a jailer left running put QEMU in its cgroup
+        after the teardown had emptied it, and that QEMU outlived its sandbox."""
+        return await to_the_end(self._spawn(jailer, qemu_argv, host_uid, limits, binds,
+                                            sockets, netns, devices, extra_fds, steps))
+
+    async def _spawn(self, jailer: Path, qemu_argv: list[str], host_uid: int, limits: Limits,
+                     binds: list[Bind], sockets: list[socket.socket], netns: Path | None,
+                     devices: tuple[str, ...], extra_fds: tuple[int, ...],
+                     steps: Steps | None) -> int:
         cg_dirs = await asyncio.to_thread(make_cgroups, self.cgroup_parent, self.sandbox_id,
                                           limits)
         if steps is not None:

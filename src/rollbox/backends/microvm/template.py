@@ -61,7 +61,7 @@ from rollbox.agent.protocol import ExecRequest
 from rollbox.backends.base import ResolvedSpec
 from rollbox.backends.microvm import qemu, qmp
 from rollbox.backends.microvm.jail import Jail
-from rollbox.backends.microvm.steps import Steps
+from rollbox.backends.microvm.steps import Steps, teardown_after, to_the_end
 from rollbox.errors import InfraError
 
 if TYPE_CHECKING:
@@ -538,9 +538,14 @@ class VmTemplates:
                     os.close(fd)
                 await q.migrate("fd:template")
                 await wait_migration(q, timeout_s)
-            disk_bytes = await asyncio.to_thread(self._keep_disk, build_id, disk_id)
-        finally:
-            await self.backend.destroy(vm)
+            # to its end: a clone made after the cache removed the template's disk would stay
+            disk_bytes = await to_the_end(asyncio.to_thread(self._keep_disk, build_id, disk_id))
+        except BaseException as exc:
+            # a failed teardown of the build VM never turns a cancellation into a failed
+            # build (the create would boot cold and finish)
+            await teardown_after(exc, self.backend.destroy(vm))
+            raise
+        await self.backend.destroy(vm)
         if ram is None:
             return Built(disk_id=disk_id, disk_bytes=disk_bytes)
         # QEMU (the only writer) is gone: the file is sealed, root's and read-only

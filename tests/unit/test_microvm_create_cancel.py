@@ -1,0 +1,84 @@
+"""A microVM create cancelled midway ends cancelled and leaves nothing: a step with host side
+effects (a thread, the jailer) ends before the cancellation goes on, so the teardown sees what
+it made, and a teardown that fails never replaces the cancellation (it did: a template build
+looked failed, the create booted cold and finished)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from rollbox.backends.microvm.steps import teardown_after, to_the_end
+from rollbox.errors import InfraError
+
+
+async def test_a_cancelled_step_ends_before_the_cancellation_goes_on() -> None:
+    made: list[str] = []
+    disposed: list[str] = []
+    started = threading.Event()
+
+    def make() -> str:  # a thread goes on whatever its awaiting task does
+        started.set()
+        time.sleep(0.3)
+        made.append("subvolume")
+        return "subvolume"
+
+    task = asyncio.ensure_future(to_the_end(asyncio.to_thread(make), dispose=disposed.append))
+    while not started.is_set():
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert made == ["subvolume"]  # ended before the caller saw its cancellation
+    assert disposed == ["subvolume"]  # what it made is handed back, not dropped
+
+
+async def test_a_cancelled_step_that_fails_still_raises_the_cancellation() -> None:
+    async def step() -> None:
+        await asyncio.sleep(0.1)
+        raise InfraError("jailer failed")
+
+    task = asyncio.ensure_future(to_the_end(step()))
+    await asyncio.sleep(0.02)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_an_uncancelled_step_returns_or_raises_as_it_is() -> None:
+    async def ok() -> int:
+        return 7
+
+    async def bad() -> None:
+        raise InfraError("no cgroup")
+
+    assert await to_the_end(ok()) == 7
+    with pytest.raises(InfraError, match="no cgroup"):
+        await to_the_end(bad())
+
+
+async def failing_teardown() -> None:
+    raise InfraError("teardown incomplete")
+
+
+async def test_a_failed_teardown_never_replaces_a_cancellation() -> None:
+    async def create() -> None:
+        try:
+            await asyncio.sleep(10)  # booting
+        except BaseException as exc:
+            await teardown_after(exc, failing_teardown())
+            raise
+
+    task = asyncio.ensure_future(create())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_failed_teardown_after_an_error_is_raised() -> None:
+    with pytest.raises(InfraError, match="teardown incomplete"):
+        await teardown_after(InfraError("boot failed"), failing_teardown())
+    await teardown_after(InfraError("boot failed"), asyncio.sleep(0))  # a clean teardown
