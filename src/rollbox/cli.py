@@ -216,7 +216,7 @@ def mirror_serve(host: Optional[str] = typer.Option(None, help="default: pypi_mi
                  port: Optional[int] = typer.Option(None, help="default: pypi_mirror_port"),  # noqa: UP007
                  verbose: bool = typer.Option(False, "-v")) -> None:
     """Serve the caching PyPI proxy (only ever fetches from the configured upstreams)."""
-    from rollbox.netpolicy.mirror import serve as serve_mirror
+    from rollbox.api.mirror import serve as serve_mirror
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

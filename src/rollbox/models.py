@@ -412,7 +412,7 @@ class LayerUsage(BaseModel):
     store_reserve_bytes: int  # below this, new layers are refused
 
 
-# ---- fncall: stateless calls from warm pools (backends/fncall) ------------------------------
+# ---- fncall: stateless calls from warm pools (rollbox.fncall) ------------------------------
 FnCallLanguage = Literal["python", "bash", "c", "cpp", "nodejs"]
 FnCallStatus = Literal["ok", "runtime_error", "timeout", "memory_exceeded", "compile_error"]
 MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")

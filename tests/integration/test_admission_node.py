@@ -233,7 +233,7 @@ async def test_restart_keeps_admission_and_quota_usage(tmp_node_dir: Path) -> No
 
 
 async def test_fncall_workers_start_from_the_reserved_share(edge) -> None:  # noqa: ANN001
-    from rollbox.backends.fncall import FnCallBackend, PoolConfig
+    from rollbox.fncall import FnCallBackend, PoolConfig
     from rollbox.models import FnCallSpec
     from tests.conftest import have_image
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from rollbox.agent.protocol import ExecRequest
-from rollbox.backends.fncall import FnCallBackend, PoolConfig
+from rollbox.fncall import FnCallBackend, PoolConfig
 from rollbox.edge.interface import EdgeAPI
 from rollbox.errors import SandboxPaused
 from rollbox.models import FnCallSpec, SandboxSpec

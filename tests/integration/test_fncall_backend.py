@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rollbox.backends.fncall import FnCallBackend, PoolConfig
+from rollbox.fncall import FnCallBackend, PoolConfig
 from rollbox.errors import BadRequest
 from rollbox.models import FnCallSpec
 from tests.conftest import have_image
@@ -133,7 +133,7 @@ async def test_forked_python_state_does_not_reach_the_next(edge) -> None:  # noq
 async def test_workers_belong_to_no_project(edge) -> None:  # noqa: ANN001
     """Workers run every project's calls: their owner is no project name a key can have
     (a project named "fncall" listed them and could exec into them)."""
-    from rollbox.backends.fncall.pool import WORKER_OWNER
+    from rollbox.fncall.pool import WORKER_OWNER
     from rollbox.iam.keys import PROJECT_RE
 
     async with FnCallBackend(edge, PoolConfig(max_workers=1)) as fb:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from rollbox.config import Settings
-from rollbox.netpolicy.mirror import running_pypi_mirror
+from rollbox.api.mirror import running_pypi_mirror
 
 PINNED = ["six==1.16.0", "iniconfig==2.0.0"]
 

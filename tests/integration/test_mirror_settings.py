@@ -8,6 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from rollbox.api import mirror as mirror_door
 from rollbox.config import Settings
 from rollbox.netpolicy import mirror
 
@@ -37,11 +38,11 @@ async def test_front_door_runs_mirror_on_its_own_port(monkeypatch: pytest.Monkey
                                                       tmp_path: Path) -> None:
     monkeypatch.setenv("ROLLBOX_DATA", str(tmp_path))
     monkeypatch.delenv("ROLLBOX_PYPI_MIRROR", raising=False)
-    assert mirror.mount(None, None) is None  # off by default: nothing listens
+    assert mirror_door.mount(None, None) is None  # off by default: nothing listens
     port = free_port()
     monkeypatch.setenv("ROLLBOX_PYPI_MIRROR", "1")
     monkeypatch.setenv("ROLLBOX_PYPI_MIRROR_PORT", str(port))
-    ctx = mirror.mount(None, None)
+    ctx = mirror_door.mount(None, None)
     assert ctx is not None
     async with ctx, httpx.AsyncClient() as c:
         r = await c.get(f"http://127.0.0.1:{port}/health")

@@ -13,7 +13,7 @@ import pytest
 from rollbox.config import Settings
 from rollbox.models import ExecSpec, NetworkPolicy, SandboxSpec
 from rollbox.netpolicy import link
-from rollbox.netpolicy.mirror import running_pypi_mirror
+from rollbox.api.mirror import running_pypi_mirror
 from tests.conftest import needs_python
 
 pytestmark = [needs_python]

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 FRONT_DOORS: tuple[str, ...] = (
     "rollbox.compat.e2b",  # E2B control plane under /e2b, envd under /e2b/envd
-    "rollbox.netpolicy.mirror",  # no routes: runs the PyPI mirror on its own port when enabled
+    "rollbox.api.mirror",  # no routes: runs the PyPI mirror on its own port when enabled
     "rollbox.compat.swerex",  # SWE-ReX remote runtime per sandbox under /swerex/{sandbox_id}
     "rollbox.compat.sandboxfusion",  # SandboxFusion POST /run_code on the fncall pools
 )

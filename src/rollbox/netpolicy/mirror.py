@@ -23,15 +23,11 @@ Settings (rollbox.config.Settings; env overrides in brackets):
 - ``pypi_mirror_index_ttl = 300.0`` s [``ROLLBOX_PYPI_MIRROR_INDEX_TTL``]: index page freshness.
 - ``mirror_dir`` (property) = ``data_dir / "mirror"``; the PyPI cache is ``mirror_dir / "pypi"``.
 
-Run it: ``rollbox mirror serve [--host H --port P]``, or in-process via :func:`mount` (a front
-door of the api app), or :func:`running_pypi_mirror` from code and tests. Owns the mirrors only;
+Run it: ``rollbox mirror serve [--host H --port P]``, or in-process (``rollbox.api.mirror``: a
+front door of the api app, and ``running_pypi_mirror`` for code and tests). Owns the mirrors only;
 must not touch the allow-lists, veths or DNS gate of the rest of :mod:`rollbox.netpolicy`.
 """
 from __future__ import annotations
-
-import contextlib
-from collections.abc import AsyncIterator
-from typing import Any
 
 from rollbox.config import Settings
 from rollbox.errors import (  # the mirror's errors (re-exported here, where they are raised)
@@ -49,10 +45,7 @@ __all__ = [
     "UpstreamTooLarge",
     "UpstreamUnavailable",
     "debian_sources",
-    "mount",
     "pypi_mirror",
-    "running_pypi_mirror",
-    "serve",
 ]
 
 
@@ -61,46 +54,6 @@ def pypi_mirror(settings: Settings | None = None) -> PypiMirror:
     return PypiMirror(s.mirror_dir / "pypi", index_upstream=s.pypi_mirror_index_upstream,
                       file_upstreams=s.pypi_mirror_file_upstreams,
                       max_bytes=s.pypi_mirror_max_bytes, index_ttl=s.pypi_mirror_index_ttl)
-
-
-@contextlib.asynccontextmanager
-async def running_pypi_mirror(settings: Settings | None = None, host: str | None = None,
-                              port: int | None = None) -> AsyncIterator[str]:
-    """The PyPI proxy served in the current event loop; yields its base URL (port 0 = free)."""
-    from rollbox.api.server import BackgroundServer
-
-    s = settings or Settings()
-    mirror = pypi_mirror(s)
-    server = BackgroundServer(mirror.app,  # type: ignore[arg-type] - any ASGI app serves
-                              host or s.pypi_mirror_host,
-                              s.pypi_mirror_port if port is None else port)
-    async with server:
-        yield server.url
-
-
-async def serve(settings: Settings | None = None, host: str | None = None,
-                port: int | None = None) -> None:
-    """Serve the PyPI proxy in the foreground until SIGINT/SIGTERM (``rollbox mirror serve``)."""
-    from rollbox.api.server import serve_app
-
-    s = settings or Settings()
-    await serve_app(pypi_mirror(s).app,  # type: ignore[arg-type]
-                    host or s.pypi_mirror_host, s.pypi_mirror_port if port is None else port)
-
-
-def mount(app: Any, api: Any) -> contextlib.AbstractAsyncContextManager[None] | None:
-    """Front door: no routes on the api app (sandboxes must never reach the api port); when
-    ``pypi_mirror_enabled``, the api's lifetime runs the proxy on its own address."""
-    s = Settings()
-    if not s.pypi_mirror_enabled:
-        return None
-
-    @contextlib.asynccontextmanager
-    async def lifetime() -> AsyncIterator[None]:
-        async with running_pypi_mirror(s):
-            yield
-
-    return lifetime()
 
 
 def debian_sources(url: str, suite: str = "bookworm") -> str:

@@ -1,4 +1,4 @@
-"""Routes of the fncall service (``rollbox.backends.fncall``).
+"""Routes of the fncall service (``rollbox.fncall``).
 
 ``POST /v1/fncall`` one call (the hot path: no FastAPI dependency solving or response
 re-validation; the body is parsed by pydantic-core straight from JSON and the result dumped
@@ -19,7 +19,7 @@ from rollbox.api.context import ApiContext
 from rollbox.api.deps import Who, context_of, request_key
 from rollbox.api.errors import validation_message
 from rollbox.edge.interface import EdgeAPI
-from rollbox.backends.fncall import FnCallBackend
+from rollbox.fncall import FnCallBackend
 from rollbox.models import (
     FnCallBatchItem,
     FnCallBatchRequest,

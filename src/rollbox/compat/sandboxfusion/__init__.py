@@ -1,5 +1,5 @@
 """SandboxFusion front door: ``POST /run_code`` as the ``sandbox-fusion`` client speaks it,
-served by the fncall backend's warm pools (``app.state.fncall``).
+served by the fncall service's warm pools (``app.state.fncall``).
 
 Auth: an API key in ``Authorization: Bearer`` / ``X-API-Key``, or — for the unmodified client,
 which sends no headers — in the path: ``SANDBOX_FUSION_ENDPOINT=http://HOST:PORT/sandboxfusion/
