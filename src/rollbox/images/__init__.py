@@ -24,6 +24,5 @@ Its modules, each importing only those above it in this list (no cycle)::
     sources       directory, OCI archive, debootstrap, busybox, commands (a caller's sandbox)
     squash        consecutive layers -> one
 
-(``lazy.api``, the ``GET /v1/images/stats`` route, imports the api: it moves under
-``api/routes``.)
+The ``GET /v1/images/stats`` route lives with the api (``api/routes/images.py``).
 """

@@ -4,7 +4,7 @@ top (by :class:`rollbox.images.mounts.LayerMounts`, given the loader as its ``La
 :mod:`.mounts`), so a node has one page cache per layer.
 
 Owns everything under ``<image store root>/lazy`` (see :mod:`.paths`), the daemon process
-(:mod:`.daemon`), its supervisor and the layer records (:mod:`.loader`), and the
-``GET /v1/images/stats`` route (:mod:`.api`). Must not touch the chunk store's contents (it only
+(:mod:`.daemon`), its supervisor and the layer records (:mod:`.loader`); the stats it keeps
+are served by the api's ``GET /v1/images/stats`` (``api/routes/images.py``). Must not touch the chunk store's contents (it only
 reads through :mod:`rollbox.images.chunks`) nor compose sandbox mounts.
 """
