@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from rollbox.backends.container.disk import DiskPool
+from rollbox.backends.container.disk import CACHE_PREFIX, DiskPool
 from rollbox.backends.container.rootfs import TMPFS_MAGIC, Rootfs
 from rollbox.errors import DiskFull
 from rollbox.errors import BadRequest, InfraError
 from rollbox.isolation import btrfs, cgroups, syscalls
+from rollbox.edge.edge import Edge
+from rollbox.events.store import EventLog
 from rollbox.models import ExecSpec, Resources, SandboxSpec
 from tests.conftest import held_elsewhere, node_settings
 
@@ -177,6 +179,62 @@ def test_pool_comes_back_after_a_reboot(tmp_node_dir: Path, pool: DiskPool) -> N
     assert after.cap("survivor") == 4 * MiB  # the limit lives in the filesystem
     assert after.remove("survivor") == []
     assert after.release()
+
+
+
+def pool_mounted(pool: DiskPool) -> bool:
+    return syscalls.statfs_type(pool.mnt) == btrfs.BTRFS_SUPER_MAGIC
+
+
+def test_only_a_cache_left_does_not_keep_the_pool_mounted(tmp_node_dir: Path,
+                                                          pool: DiskPool) -> None:
+    """A microVM template's disk is a cache kept in the pool's file: with only such
+    subvolumes left the pool is released; a sandbox's subvolume still keeps it mounted."""
+    cached = f"{CACHE_PREFIX}0123abcd"
+    (pool.create(cached, 8 * MiB) / "rw.img").write_bytes(b"saved guest disk")
+    pool.create("n0-live", 4 * MiB)
+    assert not pool.release() and pool_mounted(pool)  # a sandbox's: stays (adopt needs it)
+    assert pool.remove("n0-live") == []
+    assert pool.release() and not pool_mounted(pool)
+    after = DiskPool(node_settings(tmp_node_dir))  # the next edge, or a restore: comes back
+    assert after.ids() == {cached}
+    assert (after.path(cached) / "rw.img").read_bytes() == b"saved guest disk"
+    assert after.cap(cached) == 8 * MiB  # its qgroup was kept: a restore's clone gets the cap
+    after.clone(cached, "n0-restored")
+    assert after.cap("n0-restored") == 8 * MiB
+    assert after.remove("n0-restored") == []
+
+
+async def test_edge_stop_releases_a_pool_holding_only_a_cache(tmp_node_dir: Path) -> None:
+    """At edge stop the pool is unmounted though template disks are in it, unless a sandbox
+    lives on (its subvolume must still be there for the next edge's adopt)."""
+    settings = node_settings(tmp_node_dir)
+    settings.disk_pool_gib = 4
+    events = EventLog(tmp_node_dir / "events.db")
+    cached = f"{CACHE_PREFIX}0123abcd"
+    e1 = Edge(settings, events)
+    await e1.start()
+    pool = e1.backend.disk
+    pool.create(cached, 8 * MiB)
+    sb = await e1.create(SandboxSpec(image=BB), "t")
+    r = await run(e1, sb.id, "echo kept > /state")
+    assert r.exit_code == 0, r
+    await e1.close(destroy=False)  # the sandbox lives on
+    assert pool_mounted(pool)
+    e2 = Edge(settings, events)
+    await e2.start()
+    try:
+        r = await run(e2, sb.id, "cat /state")
+        assert r.stdout == "kept\n", r  # adopted with its writable layer
+        await e2.delete(sb.id)
+    finally:
+        await e2.close(destroy=True)
+    assert not pool_mounted(pool)  # only the cache is left
+    after = DiskPool(settings)
+    assert after.ids() == {cached}
+    assert after.remove(cached) == []
+    assert after.release()
+    events.close()
 
 
 def test_pool_on_a_configured_device(tmp_node_dir: Path) -> None:

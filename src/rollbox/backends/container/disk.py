@@ -8,7 +8,9 @@ subvolume ``mnt/<sandbox id>`` whose qgroup limits the bytes it references, data
 alike (so inodes are bounded too: ~350 bytes of metadata each). The cap is read back from the
 kernel (sysfs) before the subvolume is handed out. The pool comes back after a restart (an
 existing loop device of the file is reused, never a second one: two mounts of one btrfs image
-would corrupt it) and is unmounted when no subvolume is left and the node is idle.
+would corrupt it) and is unmounted when the node is idle and no sandbox's subvolume is left:
+subvolumes whose names start with ``CACHE_PREFIX`` (microVM template disks) are a cache that
+stays in the pool's file (with its qgroup caps) and comes back with the next mount.
 
 Owns the pool and its subvolumes; does not know sandboxes' mounts (``rootfs``) or processes.
 """
@@ -34,6 +36,9 @@ MOUNT_FLAGS = syscalls.MS_NOSUID | syscalls.MS_NODEV | syscalls.MS_NOATIME
 # discard=async: space freed by a deleted sandbox goes back to the host (holes punched in the
 # pool file), so the sparse file only holds what live sandboxes use.
 MOUNT_OPTIONS = "discard=async"
+# Subvolumes of a cache, not of a sandbox (microVM template disks, backends/microvm/template.py;
+# sandbox ids start with the node id): they never keep the pool mounted.
+CACHE_PREFIX = "tpl-"
 
 
 class DiskPool:
@@ -147,12 +152,16 @@ class DiskPool:
         return bool(top) and top[-1] in sources
 
     def release(self) -> bool:
-        """Unmount the pool if no subvolume is left in it (the node is idle); the loop device
-        detaches itself. True if unmounted."""
+        """Unmount the pool if no sandbox's subvolume is left in it (the node is idle; a
+        live sandbox's must stay reachable for the next edge's adopt); cache subvolumes stay
+        in the file. The loop device detaches itself. True if unmounted."""
         with self._locked():
-            if not self._is_mounted() or self._subvolume_names():
+            if not self._is_mounted():
                 return False
-            self._drop_stale_qgroups()
+            names = self._subvolume_names()
+            if any(not n.startswith(CACHE_PREFIX) for n in names):
+                return False
+            self._drop_stale_qgroups(keep=names)
             self._mounted = False
             try:
                 syscalls.umount(self.mnt)  # not detached: busy means in use
@@ -161,15 +170,24 @@ class DiskPool:
                 return False
         return True
 
-    def _drop_stale_qgroups(self) -> None:
-        """With no subvolume left, every level-0 qgroup but the top level's is stale. This
-        kernel removes them itself once their tree is dropped; older ones keep them: removed
-        here (EBUSY: not dropped yet, the next release gets it)."""
+    def _drop_stale_qgroups(self, keep: list[str]) -> None:
+        """Every level-0 qgroup but the top level's and those of the subvolumes ``keep``
+        (the cache's: their caps are what clones of them get) is stale. This kernel removes
+        them itself once their tree is dropped; older ones keep them: removed here (EBUSY:
+        not dropped yet, the next release gets it)."""
         fd = os.open(self.mnt, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
+            kept = {"0_5"}
+            for name in keep:
+                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                              dir_fd=fd)
+                try:
+                    kept.add(f"0_{btrfs.subvol_id(sub)}")
+                finally:
+                    os.close(sub)
             root = Path("/sys/fs/btrfs") / btrfs.fsid(fd) / "qgroups"
             for qg in root.glob("0_*"):
-                if qg.name != "0_5":
+                if qg.name not in kept:
                     try:
                         btrfs.qgroup_destroy(fd, int(qg.name[2:]))
                     except OSError:
@@ -285,7 +303,8 @@ class DiskPool:
 
     def leftovers(self, sandbox_id: str) -> list[str]:
         """The sandbox's subvolume if it is still there. An unmounted pool is not mounted for
-        this: it is only released with no subvolume left (recovery mounts it: :meth:`ids`)."""
+        this: it is only released with no sandbox's subvolume left (recovery mounts it:
+        :meth:`ids`)."""
         if not (self._mounted and syscalls.statfs_type(self.mnt) == btrfs.BTRFS_SUPER_MAGIC) \
                 and not self._is_mounted():  # the cheap check first: mountinfo is long
             return []

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rollbox.agent.protocol import ExecRequest
 from rollbox.backends.base import ResolvedSpec
+from rollbox.backends.container.disk import CACHE_PREFIX
 from rollbox.backends.microvm import qemu, qmp
 from rollbox.backends.microvm.jail import Jail
 from rollbox.backends.microvm.steps import Steps, teardown_after, to_the_end
@@ -72,7 +73,7 @@ log = logging.getLogger(__name__)
 STATE_NAME = "state"
 RAM_NAME = "ram"              # the guest's RAM as saved (templates with shared RAM only)
 META_NAME = "meta.json"
-DISK_PREFIX = "tpl-"          # pool subvolumes of templates (sandbox ids start with the node id)
+DISK_PREFIX = CACHE_PREFIX    # pool subvolumes of templates: the pool's cache (see disk.py)
 BUILD_PREFIX = "tplb-"        # sandbox ids of build VMs (jail dirs, cleaned at start)
 META_VERSION = 1
 MIGRATION_POLL_S = 0.005
