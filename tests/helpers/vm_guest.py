@@ -1,10 +1,11 @@
 """A tiny guest for tests of the microVM plumbing (QEMU, jail, QMP, disks) that do not need
-the agent: the guest kernel (lane guest's ``build/guest/vmlinux``, else extracted here from the
-unpacked Debian kernel deb) and a busybox initramfs whose /init loads the virtio modules and
+the agent: the guest kernel (``make guest``'s ``build/guest/vmlinux``, else extracted here from
+the Debian kernel deb ``make guest`` unpacked, whose modules it also takes) and a busybox initramfs whose /init loads the virtio modules and
 writes one line ``READY <serials of its disks>`` to the agent's port, or nothing at all when
 the kernel command line says ``rollbox.test=silent`` (a guest that never answers)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -37,7 +38,6 @@ def real_guest_marks(*images: str) -> list[pytest.MarkDecorator]:
                     for i in images]
 
 
-KPROBE = Path("/tmp/kprobe/x")
 MODULES = ["drivers/virtio/virtio_ring.ko", "drivers/virtio/virtio.ko",
            "drivers/virtio/virtio_mmio.ko", "drivers/char/virtio_console.ko",
            "drivers/block/virtio_blk.ko", "drivers/virtio/virtio_balloon.ko"]
@@ -94,9 +94,17 @@ def write_cpio(root: Path, dst: Path) -> None:
         _cpio_entry(out, "TRAILER!!!", 0, b"", ino + 1)
 
 
-def kernel_release() -> str | None:
-    mods = KPROBE / "lib" / "modules"
-    return next((p.name for p in mods.iterdir()), None) if mods.is_dir() else None
+def unpacked_kernel(guest_build: Path) -> tuple[Path, str] | None:
+    """(tree, release) of the kernel deb ``make guest`` unpacked into ``guest_build``'s cache
+    (named by its manifest), or None before ``make guest``."""
+    try:
+        deb = json.loads((guest_build / "manifest.json").read_text())["deb"]
+    except (OSError, ValueError, KeyError):
+        return None
+    tree = guest_build / "cache" / Path(deb).stem
+    mods = tree / "lib" / "modules"
+    release = next((p.name for p in mods.iterdir()), None) if mods.is_dir() else None
+    return (tree, release) if release else None
 
 
 def extract_vmlinux(vmlinuz: Path, dst: Path) -> None:
@@ -122,15 +130,16 @@ def build_test_guest(dest: Path, guest_build: Path, init: str = INIT,
                      modules: list[str] = MODULES) -> tuple[Path, Path] | None:
     """(kernel, initramfs) of the test guest under ``dest``; None if no kernel is at hand.
     init/modules: another /init script and the modules it loads (from /lib/modules)."""
-    release = kernel_release()
-    if release is None or shutil.which("busybox") is None:
+    unpacked = unpacked_kernel(guest_build)
+    if unpacked is None or shutil.which("busybox") is None:
         return None
+    deb_tree, release = unpacked
     dest.mkdir(parents=True, exist_ok=True)
     kernel = guest_build / "vmlinux"
     if not kernel.is_file():
         kernel = dest / "vmlinux"
         if not kernel.exists():
-            vmlinuz = KPROBE / "boot" / f"vmlinuz-{release}"
+            vmlinuz = deb_tree / "boot" / f"vmlinuz-{release}"
             extract_vmlinux(vmlinuz, dest / "vmlinux.tmp")
             os.replace(dest / "vmlinux.tmp", kernel)
     tree = dest / "initramfs"
@@ -139,7 +148,7 @@ def build_test_guest(dest: Path, guest_build: Path, init: str = INIT,
         (tree / d).mkdir(parents=True)
     shutil.copy(shutil.which("busybox"), tree / "bin" / "busybox")  # type: ignore[arg-type]
     for m in modules:
-        shutil.copy(KPROBE / "lib" / "modules" / release / "kernel" / m,
+        shutil.copy(deb_tree / "lib" / "modules" / release / "kernel" / m,
                     tree / "lib" / "modules" / Path(m).name)
     (tree / "init").write_text(init)
     (tree / "init").chmod(0o755)
@@ -152,7 +161,7 @@ def guest_or_skip(dest: Path, guest_build: Path, **kw: Any) -> tuple[Path, Path]
     """``build_test_guest``, or skip the test when no kernel is at hand."""
     built = build_test_guest(dest, guest_build, **kw)
     if built is None:
-        pytest.skip("no guest kernel at hand (/tmp/kprobe or make guest)")
+        pytest.skip("no guest kernel at hand (run `make guest`)")
     return built
 
 
