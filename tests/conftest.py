@@ -134,15 +134,18 @@ def edge_settings() -> dict:
 
 @pytest.fixture
 async def edge(tmp_node_dir: Path, edge_settings: dict) -> AsyncIterator:
-    """A started edge; destroys whatever sandboxes remain at the end and checks no leak."""
+    """A started edge (with the node's job leases, ``edge.leases``); destroys whatever
+    sandboxes remain at the end and checks no leak."""
     from rollbox.edge.edge import Edge
     from rollbox.events.store import EventLog
+    from rollbox.jobs import SqliteLeaseStore
 
     settings = node_settings(tmp_node_dir)
     for name, value in edge_settings.items():
         setattr(settings, name, value)
     events = EventLog(tmp_node_dir / "events.db")
-    e = Edge(settings, events)
+    leases = SqliteLeaseStore(settings.data_dir / "leases.db")
+    e = Edge(settings, events, leases=leases)
     await e.start()
     created: list[str] = []
     orig_create = e.create
@@ -157,6 +160,7 @@ async def edge(tmp_node_dir: Path, edge_settings: dict) -> AsyncIterator:
         yield e
     finally:
         await e.close(destroy=True)
+        leases.close()
         events.close()
         leaks = {sid: e.leftovers(sid) for sid in created}
         leaks = {k: v for k, v in leaks.items() if v}
@@ -184,8 +188,9 @@ async def api_server(edge, tmp_path: Path) -> AsyncIterator:  # noqa: ANN001
 class NodeRestarts:
     """One test node's edges started one after another (restart tests), on the same settings
     and event log: ``start()`` makes the next edge, ``stop()`` closes the current one the way
-    a crash leaves it (its sandboxes keep running). At the end the current edge, or a new one
-    that re-adopts what a stopped one left, destroys every sandbox."""
+    a crash leaves it (its sandboxes keep running). Each edge opens the node's job leases anew
+    (``edge.leases``, the file a restarted server reopens). At the end the current edge, or a
+    new one that re-adopts what a stopped one left, destroys every sandbox."""
 
     def __init__(self, tmp: Path) -> None:
         from rollbox.events.store import EventLog
@@ -196,21 +201,29 @@ class NodeRestarts:
 
     async def start(self):  # noqa: ANN201 - an Edge
         from rollbox.edge.edge import Edge
+        from rollbox.jobs import SqliteLeaseStore
 
-        self.edge = Edge(self.settings, self.events)
+        self.edge = Edge(self.settings, self.events,
+                         leases=SqliteLeaseStore(self.settings.data_dir / "leases.db"))
         await self.edge.start()
         return self.edge
 
     async def stop(self) -> None:
         edge, self.edge = self.edge, None
         assert edge is not None
-        await edge.close(destroy=False)
+        try:
+            await edge.close(destroy=False)
+        finally:
+            edge.leases.close()
 
     async def close(self) -> None:
         try:
             if self.edge is None:
                 await self.start()
-            await self.edge.close(destroy=True)
+            try:
+                await self.edge.close(destroy=True)
+            finally:
+                self.edge.leases.close()
         finally:
             self.events.close()
 

@@ -21,6 +21,7 @@ from rollbox.edge.edge import Edge, Limits
 from rollbox.events.store import EventLog
 from rollbox.iam.keys import KeyStore
 from rollbox.iam.quotas import SQLiteQuotas
+from rollbox.jobs import SqliteLeaseStore
 from rollbox.placement import Placement
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class EmbeddedNode:
         self.events: EventLog | None = None
         self.keys: KeyStore | None = None
         self.quotas: SQLiteQuotas | None = None
+        self.leases: SqliteLeaseStore | None = None
         self.edge: Edge | None = None
 
     async def start(self):  # noqa: ANN201 - returns the FastAPI app
@@ -43,11 +45,13 @@ class EmbeddedNode:
         self.events = EventLog(s.data_dir / "events.db")
         self.keys = KeyStore(s.data_dir / "keys.db")
         self.quotas = SQLiteQuotas(s.data_dir / "quotas.db")
+        self.leases = SqliteLeaseStore(s.data_dir / "leases.db")
         self.ensure_admin_key()
-        self.edge = Edge(s, self.events, limits=self.limits, quotas=self.quotas)
+        self.edge = Edge(s, self.events, limits=self.limits, leases=self.leases,
+                         quotas=self.quotas)
         await self.edge.start()
         return create_app(Placement([self.edge]), self.events, self.keys,
-                          leases=self.edge.leases, quotas=self.quotas)
+                          leases=self.leases, quotas=self.quotas)
 
     def ensure_admin_key(self) -> str:
         """The local admin key, kept root-only next to the data (SDK default on this host)."""
@@ -75,6 +79,8 @@ class EmbeddedNode:
             self.keys.close()
         if self.quotas:
             self.quotas.close()
+        if self.leases:
+            self.leases.close()
 
     async def serve(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
         app = await self.start()

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from rollbox import errors
-from rollbox.jobs import LeaseReaper, SqliteLeaseStore
+from rollbox.edge.leases import LeaseReaper
+from rollbox.jobs import SqliteLeaseStore
 from rollbox.models import JobSpec, Resources, SandboxInfo
 
 

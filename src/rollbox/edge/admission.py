@@ -17,7 +17,8 @@ so a node full of episodes waiting to grade always drains.
 
 Owns the budgets, the per-project usage of this node, and the cached reading of host memory.
 Refuses with ``CapacityExceeded`` (retryable) or ``QuotaExceeded``. Does not create sandboxes,
-limit cgroups (``isolation.cgroups.set_memory_limit``) or store quotas (``iam.quotas``).
+limit cgroups (``isolation.cgroups.set_memory_limit``) or store quotas: the edge is given them
+as :class:`ProjectQuotas` (``iam.quotas`` implements it, above the edge).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from rollbox.config import Settings
 from rollbox.edge.interface import Share
@@ -42,6 +44,13 @@ SAMPLE_INTERVAL_S = 0.1
 SETTLE_S = 3.0
 # Least headroom promised to a starting sandbox (agent, shell, page tables, first pages).
 MIN_HEADROOM_MIB = 32
+
+
+class ProjectQuotas(Protocol):
+    """The project quotas the edge enforces (admission; ``layer_mib`` for a project's
+    layers). Read on every create: answer quickly (cache)."""
+
+    def get(self, project: str) -> Quota: ...
 
 
 @dataclass

@@ -23,10 +23,12 @@ from rollbox.backends import platform_work
 from rollbox.backends.registry import make_backends
 from rollbox.config import Settings
 from rollbox.edge.admission import (
-    Admission, HostMemory, Limits, Share, Ticket, host_memory_mib, sandboxes_memory_max_mib,
+    Admission, HostMemory, Limits, ProjectQuotas, Share, Ticket, host_memory_mib,
+    sandboxes_memory_max_mib,
 )
 from rollbox.edge.interface import ExecOutput, PlatformProcess
 from rollbox.edge.journal import Journal
+from rollbox.edge.leases import JobLeases, LeaseReaper
 from rollbox.edge.sessions import ExecSession
 from rollbox.edge.storage import LayerStorage, project_image_name
 from rollbox.errors import (
@@ -38,8 +40,6 @@ from rollbox.events.store import EventLog
 from rollbox.images.lazy.mounts import LayerMounts
 from rollbox.images.store import Image, ImageStore
 from rollbox.isolation import cgroups
-from rollbox.iam.quotas import QuotaStore
-from rollbox.jobs import LeaseReaper, LeaseStore, SqliteLeaseStore
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import (
     Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, ImageInfo,
@@ -95,10 +95,11 @@ def raise_nofile_limit(target: int = 1 << 20) -> None:
 
 class Edge:
     def __init__(self, settings: Settings, events: EventLog, store: ImageStore | None = None,
-                 limits: Limits | None = None, leases: LeaseStore | None = None,
-                 quotas: QuotaStore | None = None) -> None:
-        """``leases``: the job lease store the api writes (default: this node's own file);
-        ``quotas``: the project quotas admission enforces (None: none)."""
+                 limits: Limits | None = None, leases: JobLeases | None = None,
+                 quotas: ProjectQuotas | None = None) -> None:
+        """``leases``: the job leases the api writes (``rollbox.jobs``), whose dead jobs'
+        sandboxes this edge deletes (None: no jobs on this node); ``quotas``: the project
+        quotas admission enforces (``iam.quotas``; None: none). The caller owns both."""
         self.settings = settings
         self.node_id = settings.node_id
         self.event_log = events
@@ -121,11 +122,10 @@ class Edge:
         self.live: dict[str, LiveSandbox] = {}
         self._create_sem = asyncio.Semaphore(self.limits.max_parallel_creates)
         self._ttl_task: asyncio.Task | None = None
-        self._owns_leases = leases is None
-        self.leases = leases or SqliteLeaseStore(settings.data_dir / "leases.db")
+        self.leases = leases
         self._reaper = LeaseReaper(
-            self.leases, lambda: [x.info for k, x in self.live.items() if k not in self._deleting],
-            self._destroy_soon)
+            leases, lambda: [x.info for k, x in self.live.items() if k not in self._deleting],
+            self._destroy_soon) if leases is not None else None
         self._reaper_task: asyncio.Task | None = None
         self._deleting: dict[str, asyncio.Task] = {}
         self._snapshotting: set[str] = set()
@@ -148,7 +148,8 @@ class Edge:
             log.error("%s; the sandboxes' memory cgroup keeps its old limit", exc)
         await self._recover()
         self._ttl_task = asyncio.create_task(self._ttl_loop())
-        self._reaper_task = asyncio.create_task(self._reaper.run())
+        if self._reaper is not None:
+            self._reaper_task = asyncio.create_task(self._reaper.run())
         await self._start_lazy_watch()
 
     async def _start_lazy_watch(self) -> None:
@@ -290,8 +291,6 @@ class Edge:
                 await asyncio.to_thread(backend.release_node_resources)
         self.live.clear()
         self.journal.close()
-        if self._owns_leases:
-            self.leases.close()
 
     # ---- admission ----------------------------------------------------------------------
     def capacity(self) -> dict[str, object]:

@@ -34,6 +34,9 @@ FIELDS = ("sandboxes", "cpus", "memory_mib", "layer_mib")
 
 
 class QuotaStore(Protocol):
+    """The api reads and sets quotas; each edge is given the store for ``get`` alone
+    (``edge.admission.ProjectQuotas``)."""
+
     def get(self, project: str) -> Quota: ...
     def set(self, project: str, quota: Quota) -> Quota: ...
 

@@ -4,11 +4,11 @@ is kept alive by its trainer's heartbeats; when it ends or misses
 trainer).
 
 Owns the lease state (:class:`LeaseStore`, journaled in SQLite here; the cluster issue puts a
-cluster-wide implementation behind the same protocol) and the sweep that decides which of a
-node's sandboxes must go (:class:`LeaseReaper`). It deletes nothing itself: the edge passes the
-callable that does. Knows nothing of HTTP or of the edge's internals.
+cluster-wide implementation behind the same protocol). Above the edge: each edge is given the
+store and runs the sweep that decides which of its sandboxes must go
+(``rollbox.edge.leases.LeaseReaper``, over the part of the store it needs,
+``edge.leases.JobLeases``). Knows nothing of HTTP or of the edge's internals.
 """
 from rollbox.jobs.leases import LeaseStore, SqliteLeaseStore
-from rollbox.jobs.reaper import LeaseReaper
 
-__all__ = ["LeaseReaper", "LeaseStore", "SqliteLeaseStore"]
+__all__ = ["LeaseStore", "SqliteLeaseStore"]

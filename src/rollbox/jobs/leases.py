@@ -6,7 +6,7 @@ project has one). A live lease's ``expires_at`` is its last heartbeat plus
 ``MISSED_HEARTBEATS`` intervals; a heartbeat (or a re-open) pushes it forward. A lease leaves
 ``live`` only by :meth:`end` (the trainer) or :meth:`expire` (the reaper); a late heartbeat on
 a live lease past its deadline still counts, which is what lets trainers ride out a server
-restart (the reaper gives that grace, see ``reaper``).
+restart (the edge's reaper gives that grace, see ``rollbox.edge.leases``).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 from rollbox import errors
+from rollbox.edge.leases import JobLeases
 from rollbox.models import MISSED_HEARTBEATS, JobInfo, JobSpec
 
 _SCHEMA = """
@@ -38,9 +39,11 @@ CREATE INDEX IF NOT EXISTS leases_live ON leases(state, expires_at);
 _COLUMNS = "name, project, heartbeat_s, state, created_at, heartbeat_at, expires_at, ended_at, reason"
 
 
-class LeaseStore(Protocol):
-    """Where leases live. Every method is quick and synchronous (a local SQLite file here; a
-    cluster-wide store must answer as fast or be wrapped in a cache of its own)."""
+class LeaseStore(JobLeases, Protocol):
+    """Where leases live: what the api's job routes use, and what each edge's sweep uses
+    (:class:`rollbox.edge.leases.JobLeases`: ``expire``, ``overdue``, ``states``). Every method
+    is quick and synchronous (a local SQLite file here; a cluster-wide store must answer as
+    fast or be wrapped in a cache of its own)."""
 
     def open(self, project: str, spec: JobSpec) -> JobInfo:
         """Create the lease, or resume a live one (its heartbeat interval becomes
@@ -65,18 +68,6 @@ class LeaseStore(Protocol):
 
     def end(self, project: str, name: str, reason: str) -> JobInfo:
         """Mark a live lease ended; NotFound unless it is live."""
-        ...
-
-    def expire(self, project: str, name: str, reason: str) -> None:
-        """Mark a live lease expired (the reaper; a no-op if it is no longer live)."""
-        ...
-
-    def overdue(self, now: float) -> list[JobInfo]:
-        """Live leases whose deadline passed before ``now``."""
-        ...
-
-    def states(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], JobInfo]:
-        """The leases of these (project, name) keys that exist."""
         ...
 
     def close(self) -> None: ...

@@ -1,9 +1,13 @@
-"""The sweep that finds a node's sandboxes whose job is no longer live.
+"""The sweep that finds this node's sandboxes whose trainer job is no longer live.
 
 Each edge runs one over its own sandboxes (so it works the same when the lease store is
 cluster-wide): a live lease past its deadline is marked expired, and every sandbox of a job
 that is not live (ended, expired, unknown) is handed to ``destroy`` with the reason. A sandbox
 created in a job just as the job ended is caught by the next sweep.
+
+The lease state is not the edge's: the node is given it as :class:`JobLeases`, the part of
+``rollbox.jobs.LeaseStore`` (written by the api's job routes, SQLite per node now, cluster-wide
+later) this sweep reads and writes.
 
 Grace after a restart: the trainers could not heartbeat while the server was down, so a lease
 is only expired once ``MISSED_HEARTBEATS`` intervals have passed since this reaper started too.
@@ -14,16 +18,34 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
-from rollbox.jobs.leases import LeaseStore
-from rollbox.models import MISSED_HEARTBEATS, SandboxInfo
+from rollbox.models import MISSED_HEARTBEATS, JobInfo, SandboxInfo
 
 log = logging.getLogger(__name__)
 SWEEP_S = 0.25  # well under the shortest heartbeat interval (models.MIN_HEARTBEAT_S * 3)
 
 
+class JobLeases(Protocol):
+    """The lease state the sweep reads and writes. Every method is quick and synchronous (a
+    local SQLite file here; a cluster-wide store must answer as fast or be wrapped in a cache
+    of its own)."""
+
+    def expire(self, project: str, name: str, reason: str) -> None:
+        """Mark a live lease expired (the reaper; a no-op if it is no longer live)."""
+        ...
+
+    def overdue(self, now: float) -> list[JobInfo]:
+        """Live leases whose deadline passed before ``now``."""
+        ...
+
+    def states(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], JobInfo]:
+        """The leases of these (project, name) keys that exist."""
+        ...
+
+
 class LeaseReaper:
-    def __init__(self, store: LeaseStore, sandboxes: Callable[[], Iterable[SandboxInfo]],
+    def __init__(self, store: JobLeases, sandboxes: Callable[[], Iterable[SandboxInfo]],
                  destroy: Callable[[str, str], object],
                  clock: Callable[[], float] = time.time) -> None:
         """``sandboxes``: the node's live sandboxes (not those being deleted);
