@@ -53,6 +53,10 @@ REPLAY_MAX = 16 << 20          # REPLAY_* per stream (the agent's TAIL_LIMIT_MAX
 UNCLAIMED_EXITS_MAX = 4096     # EXITED of sessions this channel does not know (PENDING_EXITED_MAX)
 HUNT_MAX = 16 << 20            # stream: bytes skipped looking for SYNC (an earlier connection's)
 RECV_CHUNK = 256 << 10         # stream: one read
+# Bytes read per wakeup of the socket: an agent that keeps the socket full as fast as it is
+# read (2 cores) made one wakeup read up to 16 MiB before a consumer ran, and a tool stream
+# stopped at 4 MiB buffered held 6-12 MiB (test_agent_files' stream, 4 of 15 runs under load).
+READ_BUDGET = 1 << 20
 HELLO_RESEND_S = 1.0           # stream: HELLO again until SYNC (a misaligned agent missed it)
 
 
@@ -602,10 +606,13 @@ class AgentChannel:
             self._loop.remove_writer(self._sock.fileno())
 
     def _on_readable(self) -> None:
-        # Bounded per wakeup so other tasks get to run. A packet socket gives one message per
-        # recv; a stream gives bytes, cut into frames by _parse_stream.
+        # Bounded per wakeup (reads and READ_BUDGET) so other tasks get to run: the consumers
+        # too, whose flow control (PlatformTools' SIGSTOP) must see output before much more of
+        # it is read. A packet socket gives one message per recv; a stream gives bytes, cut
+        # into frames by _parse_stream.
+        budget = READ_BUDGET
         for _ in range(64 if self._stream else 256):
-            if self.closed.done():
+            if self.closed.done() or budget <= 0:
                 return
             try:
                 data = self._sock.recv(RECV_CHUNK if self._stream else P.MAX_PACKET)
@@ -617,6 +624,7 @@ class AgentChannel:
             if not data:
                 self._shutdown(SandboxDead("agent closed the connection (sandbox dead?)"))
                 return
+            budget -= len(data)
             try:
                 if self._stream:
                     self._rx += data
