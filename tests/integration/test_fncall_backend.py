@@ -95,8 +95,9 @@ async def test_misbehaving_calls_do_not_reach_the_next(edge) -> None:  # noqa: A
             took = time.monotonic() - after
             assert nxt.status == "ok" and nxt.stdout.startswith("1\n[]\n"), (name, nxt)
             assert "1000" not in nxt.stdout.split("\n", 2)[2].replace(" 1000\n", ""), (name, nxt)
-            assert took < 2.0, (name, took)
-            assert nxt.worker == worker, (name, "the worker was replaced")
+            # before the time bound: a replaced worker (a sandbox start) is seconds by itself
+            assert nxt.worker == worker, (name, r.status, "the worker was replaced")
+            assert took < 2.0, (name, r.status, took)  # ~0.02-0.13 s at load 15-45 here
         assert statuses["loop"] == "timeout"
         assert statuses["memory bomb"] == "memory_exceeded"
         assert statuses["leftovers"] == statuses["locked tree"] == "ok"
