@@ -1,0 +1,55 @@
+"""The layer order of rollbox holds: import-linter checks the contract of pyproject.toml
+(``[tool.importlinter]``) on this tree's ``src/rollbox``: no module imports a layer above its own
+(at module level, inside functions or under TYPE_CHECKING alike), and every module directly
+under rollbox is in a layer."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import rollbox
+
+SRC = Path(rollbox.__file__).parent.parent  # the tree under test (a worktree's, not the venv's)
+PYPROJECT = SRC.parent / "pyproject.toml"
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"  # requirements.lock: import-linter
+
+
+def lint_imports(src: Path) -> subprocess.CompletedProcess[str]:
+    """The linter on the rollbox under ``src``: the venv's editable install points elsewhere, so
+    ``src`` goes first on the path; no cache is written into the tree."""
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache", str(PYPROJECT)], cwd=src, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_layer_contract_is_kept() -> None:
+    res = lint_imports(SRC)
+    assert res.returncode == 0, f"the layer contract is broken:\n{res.stdout}\n{res.stderr}"
+
+
+def copy_of_rollbox(dest: Path) -> Path:
+    shutil.copytree(SRC / "rollbox", dest / "rollbox",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
+def test_the_check_sees_an_upward_import_inside_a_function(tmp_path: Path) -> None:
+    src = copy_of_rollbox(tmp_path)
+    with (src / "rollbox" / "hostfs.py").open("a") as f:
+        f.write("\n\ndef _probe() -> None:\n    from rollbox.edge import storage  # noqa: F401\n")
+    res = lint_imports(src)
+    assert res.returncode != 0
+    assert "rollbox.hostfs is not allowed to import rollbox.edge" in res.stdout, res.stdout
+    assert "rollbox.hostfs -> rollbox.edge.storage" in res.stdout
+
+
+def test_the_check_sees_a_module_in_no_layer(tmp_path: Path) -> None:
+    src = copy_of_rollbox(tmp_path)
+    (src / "rollbox" / "unlayered.py").write_text('"""In no layer of the contract."""\n')
+    res = lint_imports(src)
+    assert res.returncode != 0
+    assert "rollbox.unlayered" in res.stdout, res.stdout
+
