@@ -17,6 +17,7 @@ defaults (``ROLLBOX_URL``, ``ROLLBOX_API_KEY``: see ``rollbox.sdk._env``).
 from __future__ import annotations
 
 import copy
+import ipaddress
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -100,6 +101,11 @@ def items(raw: str) -> tuple[str, ...]:
     return tuple(u.strip() for u in raw.split(",") if u.strip())
 
 
+def ports(raw: str) -> tuple[int, ...]:
+    """``"8080,9000"`` -> ``(8080, 9000)``; items that are not numbers are ignored."""
+    return tuple(int(p) for p in items(raw) if p.isdigit())
+
+
 @dataclass
 class Settings:
     # ---- node ----------------------------------------------------------------------------
@@ -135,6 +141,11 @@ class Settings:
     # ---- container backend ---------------------------------------------------------------
     runtime: str = setting("ROLLBOX_RUNTIME", "container", "runc", str,
                            "The OCI runtime that starts containers.")
+    unhardened_for_bench: bool = setting(
+        "ROLLBOX_UNHARDENED_FOR_BENCH", "container", False, flag,
+        "Benchmark only: every container sandbox is the unhardened twin of the red-team tests "
+        "(`rollbox bench container` starts a second server with it to measure what hardening "
+        "costs). Never on a node that runs real work.")
 
     # ---- disk pool -----------------------------------------------------------------------
     disk_pool_device: Path | None = setting(
@@ -265,6 +276,25 @@ class Settings:
         "ROLLBOX_IMAGE_UPLOAD_MAX", "images", 8 << 30, int,
         "Bytes of the files of one image upload at most (8 GiB).")
 
+    # ---- sandbox networks ----------------------------------------------------------------
+    net_pool: ipaddress.IPv4Network = setting(
+        "ROLLBOX_NET_POOL", "network", ipaddress.IPv4Network("10.213.0.0/16"),
+        ipaddress.IPv4Network,
+        "The addresses of the sandboxes' links (a /30 each): no sandbox reaches another "
+        "sandbox or gate in it.")
+    platform_ports: tuple[int, ...] = setting(
+        "ROLLBOX_PLATFORM_PORTS", "network", (), ports,
+        "Ports of the platform's own services on this host besides the api's 7420 "
+        "(comma-separated): no rule opens them on a host address.")
+    dns_upstream: str | None = setting(
+        "ROLLBOX_DNS_UPSTREAM", "network", None, str,
+        "The DNS server (host[:port]) the sandboxes' DNS gates ask; unset: the host's first "
+        "resolv.conf nameserver.")
+    net_forward: bool = setting(
+        "ROLLBOX_NET_FORWARD", "network", False, flag,
+        "Set the host's net.ipv4.ip_forward=1 when the node's nftables table is made (the "
+        "operator's choice; sandboxes' traffic leaves through it).")
+
     # ---- package mirrors -----------------------------------------------------------------
     mirrors: dict[str, str] = setting(
         "ROLLBOX_MIRRORS", "mirrors", {}, pairs,
@@ -289,6 +319,17 @@ class Settings:
                                          int, "The PyPI proxy's file cache bound (LRU; 20 GiB).")
     pypi_mirror_index_ttl: float = setting("ROLLBOX_PYPI_MIRROR_INDEX_TTL", "mirrors", 300.0,
                                            float, "Seconds an index page stays fresh.")
+
+    # ---- the E2B front door --------------------------------------------------------------
+    e2b_templates: dict[str, str] = setting(
+        "ROLLBOX_E2B_TEMPLATES", "e2b", {}, pairs,
+        "E2B template -> rollbox image, e.g. `base=debian:bookworm,py=python:3.11`, on top "
+        "of `base`, the default base image.")
+    e2b_secret: str | None = setting(
+        "ROLLBOX_E2B_SECRET", "e2b", None, str,
+        "Key of the envd access tokens; unset: a root-only file in the data dir "
+        "(e2b-token.key, tokens stay valid across restarts), else a per-process random key.",
+        secret=True)
 
     @classmethod
     def scratch(cls, root: Path, images: Path | None = None) -> Settings:
@@ -378,20 +419,21 @@ class Effective:
     source: str  # "default", the variable's name, or "program" (set by the code that made it)
 
 
-def describe(settings: Settings, environ: Mapping[str, str] | None = None) -> list[Effective]:
-    """Every setting of ``settings``, grouped (:data:`GROUPS` order), with its source: the
-    variable when it is set in ``environ`` (default: this process's) and gave the value."""
+def source(settings: Settings, name: str, environ: Mapping[str, str] | None = None) -> str:
+    """Where setting ``name`` of ``settings`` came from: its variable when that is set in
+    ``environ`` (default: this process's) and gave the value, else ``default`` when it is the
+    default, else ``program`` (set by the code that made the settings)."""
+    var, value = VARS[name], getattr(settings, name)
     env = os.environ if environ is None else environ
-    out = []
-    for name, var in VARS.items():
-        value = getattr(settings, name)
-        if env.get(var.env, "").strip() and var.read(env) == value:
-            source = var.env
-        elif value == var.default:
-            source = "default"
-        else:
-            source = "program"
-        out.append(Effective(name, var, value, source))
+    if env.get(var.env, "").strip() and var.read(env) == value:
+        return var.env
+    return "default" if value == var.default else "program"
+
+
+def describe(settings: Settings, environ: Mapping[str, str] | None = None) -> list[Effective]:
+    """Every setting of ``settings`` with its :func:`source`, grouped (:data:`GROUPS` order)."""
+    out = [Effective(name, var, getattr(settings, name), source(settings, name, environ))
+           for name, var in VARS.items()]
     order = list(GROUPS)
     return sorted(out, key=lambda e: order.index(e.var.group))
 

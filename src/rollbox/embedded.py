@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from rollbox.api.app import create_app
@@ -145,11 +145,15 @@ class ServerProcess:
     """``rollbox serve`` as a child process (its own core, as deployed) on a fixed port, which
     can be killed (``kill -9``) and started again on the same node: restart tests, ``bench``.
     With ``settings`` (tests) the child runs that node (data dir, cgroup parent, node id, uid
-    range). Its log goes to a file, not a pipe: a pipe nobody drains fills up during a long
-    benchmark and blocks the server on its next log line."""
+    range); ``env``: variables of settings the child has on top (``ROLLBOX_*``). Its log goes
+    to a file, not a pipe: a pipe nobody drains fills up during a long benchmark and blocks the
+    server on its next log line."""
 
-    def __init__(self, settings: Settings | None = None, port: int | None = None) -> None:
-        self.env = None if settings is None else {**os.environ, **settings.environ()}
+    def __init__(self, settings: Settings | None = None, port: int | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.own_node = settings is None
+        self.env = (None if settings is None and env is None else
+                    {**os.environ, **(settings.environ() if settings else {}), **(env or {})})
         self.settings = settings or Settings()
         self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -163,7 +167,7 @@ class ServerProcess:
         """The admin key (ROLLBOX_API_KEY for the node's own server)."""
         from rollbox.sdk import default_api_key  # the SDK's client: not for `rollbox serve`
 
-        return ((self.env is None and default_api_key())
+        return ((self.own_node and default_api_key())
                 or self.settings.admin_key_path.read_text().strip())
 
     def start(self, wait: bool = True) -> None:
@@ -215,10 +219,10 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def server_process(url: str | None = None,
-                   settings: Settings | None = None) -> Iterator[tuple[str, str]]:
+def server_process(url: str | None = None, settings: Settings | None = None,
+                   env: Mapping[str, str] | None = None) -> Iterator[tuple[str, str]]:
     """(url, api key) of a running server: ``url`` if given, else a :class:`ServerProcess`
-    started for ``settings`` (default: this node) and stopped on exit."""
+    started for ``settings`` (default: this node) and ``env`` and stopped on exit."""
     if url is not None:
         from rollbox.sdk import default_api_key
 
@@ -226,7 +230,7 @@ def server_process(url: str | None = None,
         yield url, (default_api_key()
                     or (settings or Settings()).admin_key_path.read_text().strip())
         return
-    srv = ServerProcess(settings)
+    srv = ServerProcess(settings, env=env)
     try:
         srv.start()
         yield srv.url, srv.key

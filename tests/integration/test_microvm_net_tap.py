@@ -200,14 +200,13 @@ class VmBox:
 @pytest.fixture
 async def vmboxes(tmp_path: Path, internet: FakeInternet  # noqa: F811
                   ) -> AsyncIterator[Callable]:  # type: ignore[type-arg]
-    settings = node_settings(tmp_path)
     made: list[VmBox] = []
 
     async def make(rules: list[str]) -> VmBox:
         sid = f"{TEST_NODE}vn{secrets.token_hex(4)}"
         netns.create(vmnet.netns_name(sid))
-        try:
-            net, fd = await vmnet.attach(sid, rules, settings)
+        try:  # settings made now: the test's fixtures (a DNS upstream) are set up
+            net, fd = await vmnet.attach(sid, rules, node_settings(tmp_path))
         except BaseException:
             netns.delete(vmnet.netns_name(sid))
             raise

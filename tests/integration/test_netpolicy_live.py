@@ -138,7 +138,7 @@ async def test_never_reachable(edge, testhost: HostServer, monkeypatch) -> None:
     pport = platform.getsockname()[1]
     loopback = socket.create_server(("127.0.0.1", 0))
     lport = loopback.getsockname()[1]
-    monkeypatch.setenv("ROLLBOX_PLATFORM_PORTS", str(pport))
+    monkeypatch.setattr(edge.settings, "platform_ports", (pport,))
     try:
         a = await edge.create(SandboxSpec(image="python:3.11", network=NetworkPolicy(
             allow=[f"0.0.0.0/0:{pport}", f"0.0.0.0/0:{lport}", "0.0.0.0/0:9999"])))

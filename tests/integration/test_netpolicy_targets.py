@@ -210,10 +210,16 @@ def internet() -> Iterator[FakeInternet]:
 
 
 @pytest.fixture
-def upstream(internet: FakeInternet, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeUpstream]:
-    """A fake resolver the sandboxes' gates use (every name -> internet.ips[0])."""
+def upstream(internet: FakeInternet, monkeypatch: pytest.MonkeyPatch,
+             request: pytest.FixtureRequest) -> Iterator[FakeUpstream]:
+    """A fake resolver the sandboxes' gates use (every name -> internet.ips[0]): the node's
+    dns_upstream in the settings made from now on (ROLLBOX_DNS_UPSTREAM) and in those of the
+    test's ``edge`` fixture, made before."""
     up = FakeUpstream(internet.ips[0])
-    monkeypatch.setenv("ROLLBOX_DNS_UPSTREAM", f"{up.addr[0]}:{up.addr[1]}")
+    addr = f"{up.addr[0]}:{up.addr[1]}"
+    monkeypatch.setenv("ROLLBOX_DNS_UPSTREAM", addr)
+    if "edge" in request.fixturenames:
+        monkeypatch.setattr(request.getfixturevalue("edge").settings, "dns_upstream", addr)
     try:
         yield up
     finally:

@@ -156,7 +156,7 @@ async def test_d27_host_services_metadata_platform(boxes: Boxes, internet: FakeI
     platform = HostListener("0.0.0.0")  # stands for the api port
     mirror = HostListener("127.0.0.1")  # stands for the PyPI mirror
     listeners += [loop_only, wildcard, platform, mirror]
-    monkeypatch.setenv("ROLLBOX_PLATFORM_PORTS", str(platform.port))
+    monkeypatch.setattr(boxes.edge.settings, "platform_ports", (platform.port,))
     boxes.edge.settings.mirrors = {"pypi": f"http://127.0.0.1:{mirror.port}/simple/"}
     broad = [f"0.0.0.0/0:{p}" for p in (loop_only.port, wildcard.port, platform.port, 80)]
     sid = await netbox(boxes, internet, broad + ["pypi"])

@@ -127,7 +127,7 @@ async def test_d27_host_services_metadata_platform(vms: Boxes, internet: FakeInt
     platform = HostListener("0.0.0.0")  # stands for the api port
     mirror = HostListener("127.0.0.1")  # stands for the PyPI mirror
     try:
-        monkeypatch.setenv("ROLLBOX_PLATFORM_PORTS", str(platform.port))
+        monkeypatch.setattr(vms.edge.settings, "platform_ports", (platform.port,))
         vms.edge.settings.mirrors = {"pypi": f"http://127.0.0.1:{mirror.port}/simple/"}
         broad = [f"0.0.0.0/0:{p}" for p in (loop_only.port, wildcard.port, platform.port, 80)]
         sid = await netvm(vms, internet, broad + ["pypi"])

@@ -2,6 +2,7 @@
 made, shown with its source by ``rollbox config``, listed in docs/settings.md."""
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import subprocess
@@ -59,7 +60,12 @@ def test_values_are_parsed_by_type(clean_env: pytest.MonkeyPatch) -> None:
     clean_env.setenv("ROLLBOX_VM_BOOT_TIMEOUT", "2.5")
     clean_env.setenv("ROLLBOX_DISK_DEVICE", "/dev/vdb1")
     clean_env.setenv("ROLLBOX_MIRRORS", "npm=http://10.9.0.1:4873/, bad ,go=http://10.9.0.1:3000")
+    clean_env.setenv("ROLLBOX_PLATFORM_PORTS", "9000, x,9001")
+    clean_env.setenv("ROLLBOX_NET_POOL", "10.99.0.0/20")
+    clean_env.setenv("ROLLBOX_NET_FORWARD", "1")
     s = Settings()
+    assert s.platform_ports == (9000, 9001) and s.net_forward
+    assert s.net_pool == ipaddress.IPv4Network("10.99.0.0/20")
     assert (s.vm_ksm, s.run_tmpfs, s.vm_templates) == (True, False, False)
     assert (s.memory_reserve_mib, s.vm_boot_timeout_s) == (4096, 2.5)
     assert s.disk_pool_device == Path("/dev/vdb1")
@@ -68,7 +74,8 @@ def test_values_are_parsed_by_type(clean_env: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(("name", "value"), [("ROLLBOX_VM_KSM", "maybe"),
                                              ("ROLLBOX_UID_SLOTS", "many"),
-                                             ("ROLLBOX_CPU_OVERCOMMIT", "1,5")])
+                                             ("ROLLBOX_CPU_OVERCOMMIT", "1,5"),
+                                             ("ROLLBOX_NET_POOL", "10.213.0.1/16")])
 def test_a_value_that_does_not_parse_names_its_variable(clean_env: pytest.MonkeyPatch,
                                                         name: str, value: str) -> None:
     clean_env.setenv(name, value)
@@ -131,6 +138,15 @@ def test_rollbox_config_json_gives_values_and_sources() -> None:
     assert rows["pypi_mirror_file_upstreams"]["value"] == ["https://files.pythonhosted.org"]
 
 
+def test_rollbox_config_never_prints_a_secret() -> None:
+    for args in (("--json",), ()):
+        p = _rollbox_config(*args, ROLLBOX_E2B_SECRET="s3cr3t-k3y")
+        assert p.returncode == 0, p.stderr
+        assert "s3cr3t" not in p.stdout and "***" in p.stdout
+    rows = {r["name"]: r for r in json.loads(_rollbox_config("--json").stdout)}
+    assert rows["e2b_secret"]["value"] is None
+
+
 def test_rollbox_config_table_shows_group_variable_value_source() -> None:
     p = _rollbox_config(ROLLBOX_NODE="n42")
     assert p.returncode == 0, p.stderr
@@ -169,3 +185,22 @@ async def test_the_sdk_takes_its_defaults_from_the_client_environment(
         assert client.base_url == "http://10.1.2.3:7000" and client._t.headers == {"Authorization": "Bearer rbx_k"}
     async with AsyncClient("http://h:1", "other") as client:
         assert client.base_url == "http://h:1" and client._t.headers == {"Authorization": "Bearer other"}
+
+
+def test_a_server_child_gets_the_settings_and_variables_it_is_given(
+        clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from rollbox.embedded import ServerProcess
+
+    own = ServerProcess(env={"ROLLBOX_VM_TB_MIB": "512"})
+    scratch = ServerProcess(Settings.scratch(tmp_path), env={"ROLLBOX_VM_TB_MIB": "256"})
+    plain = ServerProcess()
+    try:
+        assert own.own_node and own.env is not None and own.env["ROLLBOX_VM_TB_MIB"] == "512"
+        assert "ROLLBOX_DATA" not in own.env
+        assert not scratch.own_node and scratch.env is not None
+        assert scratch.env["ROLLBOX_DATA"] == str(tmp_path / "data")
+        assert scratch.env["ROLLBOX_VM_TB_MIB"] == "256"
+        assert plain.own_node and plain.env is None  # inherits this process's environment
+    finally:
+        for srv in (own, scratch, plain):
+            srv.log.unlink(missing_ok=True)

@@ -10,7 +10,7 @@ import dns.flags
 import dns.message
 import dns.rcode
 
-from rollbox.netpolicy.gate import DnsGate
+from rollbox.netpolicy.gate import DnsGate, upstream
 from tests.integration.test_netpolicy_targets import FakeUpstream
 
 
@@ -54,3 +54,10 @@ async def test_gate_refuses_forwards_truncates() -> None:
     finally:
         gate.close()
         up.close()
+
+
+def test_the_upstream_is_the_configured_one_else_resolv_conf() -> None:
+    assert upstream("10.0.0.53:5353") == ("10.0.0.53", 5353)
+    assert upstream("10.0.0.53") == ("10.0.0.53", 53)
+    host, port = upstream(None)
+    assert port == 53 and ipaddress.ip_address(host)

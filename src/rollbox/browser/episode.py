@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import shlex
 import signal
@@ -266,18 +265,20 @@ def run_browser_demo(n: int = 2, url: str | None = None, *, backend: str = "cont
     """Build ``browser:1`` if needed, then ``n`` episodes against ``url`` or an embedded
     server; screenshots go to ``out_dir`` (default ./rollbox-demo-browser)."""
     from rollbox.browser.image import ensure_browser_image
-    from rollbox.config import Settings
+    from rollbox.config import VARS, Settings, source
     from rollbox.embedded import server_process
     from rollbox.images.store import ImageStore
 
-    ensure_browser_image(ImageStore(Settings().images_dir))
+    settings = Settings()
+    ensure_browser_image(ImageStore(settings.images_dir))
     out = out_dir or Path("rollbox-demo-browser")
-    if url is None and backend == "microvm":
+    child_env = None
+    if url is None and backend == "microvm" and source(settings, "vm_tb_size_mib") == "default":
         # The embedded node's TCG translation cache: chromium's code does not fit QEMU's
         # 64 MiB default (every flush retranslates all of it; its start-up ran into
         # chromedriver's 60 s wait). An explicit ROLLBOX_VM_TB_MIB wins.
-        os.environ.setdefault("ROLLBOX_VM_TB_MIB", str(BROWSER_TB_MIB))
-    with server_process(url) as (base_url, key):
+        child_env = {VARS["vm_tb_size_mib"].env: str(BROWSER_TB_MIB)}
+    with server_process(url, env=child_env) as (base_url, key):
         summary = asyncio.run(run_browser_episodes(n, base_url, key, backend=backend,
                                                    task=task, out_dir=out))
     print_summary(summary)

@@ -15,7 +15,6 @@ import asyncio
 import inspect
 import ipaddress
 import logging
-import os
 import struct
 from collections.abc import Awaitable, Callable
 
@@ -34,11 +33,12 @@ TCP_MAX_CONNS = 16  # per gate
 TCP_IDLE_S = 10.0
 
 
-def upstream() -> tuple[str, int]:
-    """``ROLLBOX_DNS_UPSTREAM=host[:port]``, else the host's first resolv.conf nameserver."""
-    env = os.environ.get("ROLLBOX_DNS_UPSTREAM")
-    if env:
-        host, _, port = env.rpartition(":") if env.count(":") == 1 else (env, "", "53")
+def upstream(configured: str | None) -> tuple[str, int]:
+    """``configured`` (``host[:port]``, the node's ``dns_upstream``), else the host's first
+    resolv.conf nameserver."""
+    if configured:
+        host, _, port = (configured.rpartition(":") if configured.count(":") == 1
+                         else (configured, "", "53"))
         return host, int(port or 53)
     try:
         with open("/etc/resolv.conf") as f:
@@ -80,12 +80,12 @@ class _Protocol(asyncio.DatagramProtocol):
 
 class DnsGate:
     def __init__(self, bind_ip: str, allowed: Allowed, admit: Admit,
-                 upstream_addr: tuple[str, int] | None = None, port: int = 53) -> None:
+                 upstream_addr: tuple[str, int], port: int = 53) -> None:
         self.bind_ip = bind_ip
         self.port = port  # 0: a free one (tests), the same for UDP and TCP
         self.allowed = allowed
         self.admit = admit
-        self.upstream = upstream_addr or upstream()
+        self.upstream = upstream_addr  # (host, port): upstream(settings.dns_upstream)
         self.transport: asyncio.DatagramTransport | None = None
         self.tcp: asyncio.Server | None = None
         self.tcp_conns = 0

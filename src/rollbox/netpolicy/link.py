@@ -5,7 +5,8 @@ link names its sandbox); the sandbox end is ``eth0`` inside ``rollbox-<id>``. Th
 address is the sandbox's gate (DNS gate, local mirrors). One node-wide nftables table
 ``ip rollbox`` holds: local-mirror DNAT (gate:port -> 127.0.0.1:port, ports listed in a set),
 sandbox-to-sandbox forward drop, masquerade to the outside. Forwarding to the outside needs
-``net.ipv4.ip_forward=1``, written only when ``ROLLBOX_NET_FORWARD=1`` (operator's choice).
+``net.ipv4.ip_forward=1``, written only when the node's ``net_forward`` is on
+(``ROLLBOX_NET_FORWARD``, the operator's choice).
 """
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ import fcntl
 import hashlib
 import ipaddress
 import json
-import os
 import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollbox.config import Settings
 from rollbox.errors import InfraError
-from rollbox.netpolicy.policy import host_addresses, link_pool
+from rollbox.netpolicy.policy import host_addresses
 
 LOCK_PATH = Path("/run/rollbox/net.lock")
 LINK_PREFIX = "rbx"
@@ -57,12 +58,12 @@ def _nft(script: str) -> None:
         raise InfraError(f"nft failed: {proc.stderr.strip()}")
 
 
-def ensure_node_tables() -> None:
+def ensure_node_tables(settings: Settings) -> None:
     """The node-wide table (idempotent; kept for the node's uptime, it only names rbx links)."""
     global _nft_ready
     if _nft_ready:
         return
-    pool = link_pool()
+    pool = settings.net_pool
     _nft(f"""
 table ip {NFT_TABLE} {{
   set mirror_ports {{ type inet_service; }}
@@ -78,14 +79,14 @@ add rule ip {NFT_TABLE} forward iifname "{LINK_PREFIX}*" oifname "{LINK_PREFIX}*
 add rule ip {NFT_TABLE} forward iifname "{LINK_PREFIX}*" ip daddr {pool} drop
 add rule ip {NFT_TABLE} postrouting ip saddr {pool} oifname != "{LINK_PREFIX}*" masquerade
 """)
-    if os.environ.get("ROLLBOX_NET_FORWARD") == "1":
+    if settings.net_forward:
         Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
     _nft_ready = True
 
 
-def allow_local_mirror_ports(ports: set[int]) -> None:
+def allow_local_mirror_ports(ports: set[int], settings: Settings) -> None:
     if ports:
-        ensure_node_tables()
+        ensure_node_tables(settings)
         _nft(f"add element ip {NFT_TABLE} mirror_ports {{ {', '.join(map(str, sorted(ports)))} }}\n")
 
 
@@ -93,13 +94,15 @@ def _sysctl_iface(name: str, key: str, value: str) -> None:
     Path(f"/proc/sys/net/ipv4/conf/{name}/{key}").write_text(value)
 
 
-def create(sandbox_id: str, netns_name: str, inner_address: bool = True) -> Link:
-    """veth pair + addresses + default route inside; the /30 is chosen under a node lock.
-    inner_address=False: the namespace end is only brought up (a microVM's guest holds the
-    sandbox address, its packets forwarded to this end by tapfilter.py)."""
-    ensure_node_tables()
+def create(sandbox_id: str, netns_name: str, settings: Settings,
+           inner_address: bool = True) -> Link:
+    """veth pair + addresses + default route inside; the /30 is chosen under a node lock in
+    the node's link pool. inner_address=False: the namespace end is only brought up (a
+    microVM's guest holds the sandbox address, its packets forwarded to this end by
+    tapfilter.py)."""
+    ensure_node_tables(settings)
     name = link_name(sandbox_id)
-    pool = link_pool()
+    pool = settings.net_pool
     blocks = pool.num_addresses // 4
     start = int(hashlib.sha1(sandbox_id.encode()).hexdigest(), 16) % blocks
     LOCK_PATH.parent.mkdir(parents=True, exist_ok=True)

@@ -17,11 +17,11 @@ rule naming one host address exactly (``A.B.C.D:PORT``) opens it, as a deliberat
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from rollbox.config import Settings
 from rollbox.errors import BadRequest
 from rollbox.netpolicy.bpf import PROTOS, Entry
 from rollbox.netpolicy.permissions import (
@@ -41,18 +41,10 @@ ALWAYS_FORBIDDEN = [ipaddress.IPv4Network(n) for n in (
 DNS_PORT = 53
 
 
-def link_pool() -> ipaddress.IPv4Network:
-    return ipaddress.IPv4Network(os.environ.get("ROLLBOX_NET_POOL", "10.213.0.0/16"))
-
-
-def platform_ports() -> set[int]:
+def platform_ports(settings: Settings) -> set[int]:
     """Ports of the platform's own services on this host (api, mirrors' real listeners are
-    reached only through their permission). ``ROLLBOX_PLATFORM_PORTS`` adds to the default."""
-    ports = {7420}
-    for p in os.environ.get("ROLLBOX_PLATFORM_PORTS", "").split(","):
-        if p.strip().isdigit():
-            ports.add(int(p))
-    return ports
+    reached only through their permission): the api's and ``settings.platform_ports``."""
+    return {7420, *settings.platform_ports}
 
 
 def host_addresses() -> set[ipaddress.IPv4Address]:
@@ -122,8 +114,9 @@ class Forbidden:
     ports: set[int]
 
     @classmethod
-    def current(cls) -> Forbidden:
-        return cls(ALWAYS_FORBIDDEN + [link_pool()], host_addresses(), platform_ports())
+    def current(cls, settings: Settings) -> Forbidden:
+        return cls(ALWAYS_FORBIDDEN + [settings.net_pool], host_addresses(),
+                   platform_ports(settings))
 
     def cut(self, net: ipaddress.IPv4Network, port: int,
             explicit: bool = False) -> list[ipaddress.IPv4Network]:
@@ -165,19 +158,17 @@ class Resolved:
         return out
 
 
-def resolve(rules: list[Rule], gate_ip: str, settings: object,
+def resolve(rules: list[Rule], gate_ip: str, settings: Settings,
             forbidden: Forbidden | None = None) -> Resolved:
-    forbidden = forbidden or Forbidden.current()
+    forbidden = forbidden or Forbidden.current(settings)
     res = Resolved()
     gate = ipaddress.IPv4Network(f"{gate_ip}/32")
     res.entries.add(Entry(PROTOS["udp"], DNS_PORT, gate))
     res.entries.add(Entry(PROTOS["tcp"], DNS_PORT, gate))
-    mirror_url = getattr(settings, "mirror_url", None)
-    mirrors = getattr(settings, "mirrors", {}) or {}
     for rule in rules:
         if rule.kind == "permission":
             perm = PERMISSIONS[rule.value]
-            url = mirror_url(perm.mirror) if mirror_url else mirrors.get(perm.mirror)
+            url = settings.mirror_url(perm.mirror)
             if not url:
                 raise BadRequest(f"network permission {rule.value!r} has no mirror configured "
                                  f"on this node (ROLLBOX_MIRRORS)", permission=rule.value)

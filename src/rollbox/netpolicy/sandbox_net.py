@@ -27,10 +27,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 
+from rollbox.config import Settings
 from rollbox.isolation import cgroups
 from rollbox.netpolicy import bpf, link
 from rollbox.netpolicy.bpf import Entry
-from rollbox.netpolicy.gate import DnsGate
+from rollbox.netpolicy.gate import DnsGate, upstream
 from rollbox.netpolicy.policy import (
     Forbidden,
     Resolved,
@@ -82,7 +83,7 @@ def close_stale(sandbox_id: str, keep: SandboxNetwork | None = None) -> None:
 
 class SandboxNetwork:
     def __init__(self, sandbox_id: str, lnk: link.Link, allow_map: AllowList,
-                 settings: object, cgroup_dir: Path | None = None,
+                 settings: Settings, cgroup_dir: Path | None = None,
                  counters: DropCounters | None = None) -> None:
         self.sandbox_id = sandbox_id
         self.link = lnk
@@ -96,7 +97,7 @@ class SandboxNetwork:
         self.current: set[Entry] = set()
         # name -> address -> monotonic deadline after which it leaves the allow-list
         self.dns_ips: dict[str, dict[ipaddress.IPv4Address, float]] = {}
-        self.forbidden = Forbidden.current()
+        self.forbidden = Forbidden.current(settings)
         self.gate: DnsGate | None = None
         self._sweeper: asyncio.Task | None = None  # type: ignore[type-arg]
 
@@ -159,11 +160,11 @@ class SandboxNetwork:
         """Replace the policy (validated first: a bad rule changes nothing); returns the env.
         sync=False: resolve only (the caller syncs the map)."""
         parsed = parse_rules(rules)
-        self.forbidden = Forbidden.current()
+        self.forbidden = Forbidden.current(self.settings)
         resolved = resolve(parsed, self.link.gate_ip, self.settings, self.forbidden)
         ports = local_mirror_ports(resolved, self.link.gate_ip) - _mirror_ports_added
         if ports:
-            link.allow_local_mirror_ports(ports)
+            link.allow_local_mirror_ports(ports, self.settings)
             _mirror_ports_added.update(ports)
         self.resolved = resolved
         self.rules = list(rules)
@@ -255,7 +256,8 @@ class SandboxNetwork:
 
     async def start_gate(self) -> None:
         close_stale(self.sandbox_id, keep=self)
-        self.gate = DnsGate(self.link.gate_ip, self._allowed, self._admit)
+        self.gate = DnsGate(self.link.gate_ip, self._allowed, self._admit,
+                            upstream(self.settings.dns_upstream))
         for attempt in range(20):
             try:
                 await self.gate.start()
@@ -302,9 +304,9 @@ def bpf_leftovers(sandbox_id: str, wait_s: float = 2.0) -> list[str]:
 
 
 async def attach(sandbox_id: str, netns_name: str, cgroup_dir: Path, rules: list[str],
-                 settings: object) -> SandboxNetwork:
+                 settings: Settings) -> SandboxNetwork:
     parse_rules(rules)  # bad input before anything is made
-    lnk = await asyncio.to_thread(link.create, sandbox_id, netns_name)
+    lnk = await asyncio.to_thread(link.create, sandbox_id, netns_name, settings)
     net = None
     try:
         amap, counters = bpf.attach_policy(cgroup_dir, bpf_tag(sandbox_id))
@@ -320,7 +322,7 @@ async def attach(sandbox_id: str, netns_name: str, cgroup_dir: Path, rules: list
 
 
 async def adopt(sandbox_id: str, cgroup_dir: Path, rules: list[str],
-                settings: object) -> SandboxNetwork | None:
+                settings: Settings) -> SandboxNetwork | None:
     """Find the link and map again after an edge restart and restart the gate."""
     close_stale(sandbox_id)
     lnk = await asyncio.to_thread(link.find, sandbox_id)

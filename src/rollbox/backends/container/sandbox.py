@@ -37,7 +37,7 @@ from rollbox.backends.container.rootfs import (
     Rootfs, ensure_run_tmpfs, mount_points_under, release_run_tmpfs, remove_flat_dir,
 )
 from rollbox.backends.container.runtime import Runtime, wait_pid
-from rollbox.config import Settings
+from rollbox.config import VARS, Settings
 from rollbox.errors import BadRequest, InfraError, RollboxError, without_paths
 from rollbox.isolation import cgroups, netns, oom
 from rollbox.isolation.userns import UidSlots
@@ -49,10 +49,9 @@ from rollbox.models import Resources
 
 log = logging.getLogger(__name__)
 
-# Benchmark-only node switch (`rollbox bench container` measures hardening_overhead with a
-# second server started with it): every sandbox of this process is the unhardened twin. Never
-# set it on a node that runs real work.
-UNHARDENED_ENV = "ROLLBOX_UNHARDENED_FOR_BENCH"
+# The benchmark-only switch's variable (settings.unhardened_for_bench), as bench/container.py
+# sets it for its second server.
+UNHARDENED_ENV = VARS["unhardened_for_bench"].env
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -232,7 +231,7 @@ class ContainerBackend:
             raise BadRequest(f"unknown disk tier {disk_tier!r}", disk_tier=disk_tier)
         if network_rules is not None:
             netpolicy.parse_rules(network_rules)
-        if os.environ.get(UNHARDENED_ENV) == "1":
+        if self.settings.unhardened_for_bench:
             log.warning("%s=1: sandbox %s is NOT hardened (benchmark only)", UNHARDENED_ENV,
                         sandbox_id)
             hardened = False

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollbox.backends.microvm.qemu import GUEST_MAC
+from rollbox.config import Settings
 from rollbox.errors import BadRequest, InfraError
 from rollbox.isolation import netns
 from rollbox.netpolicy import link
@@ -107,7 +108,7 @@ class VmNetwork(SandboxNetwork):
     filter: TapFilter
 
     def __init__(self, sandbox_id: str, lnk: link.Link, tap_filter: TapFilter,
-                 settings: object) -> None:
+                 settings: Settings) -> None:
         super().__init__(sandbox_id, lnk, tap_filter, settings, None, tap_filter)
         self.filter = tap_filter
         self._counts: dict[str, int] = dict.fromkeys(COUNTERS, 0)
@@ -182,7 +183,7 @@ class VmNetwork(SandboxNetwork):
             return set()
 
 
-async def attach(sandbox_id: str, rules: list[str], settings: object
+async def attach(sandbox_id: str, rules: list[str], settings: Settings
                  ) -> tuple[VmNetwork, int]:
     """Link, tap, filter, policy and DNS gate of a VM whose namespace exists (before QEMU
     starts). Returns the network and the tap's descriptor for QEMU (the caller closes its copy
@@ -191,7 +192,7 @@ async def attach(sandbox_id: str, rules: list[str], settings: object
     ns = netns_name(sandbox_id)
     if not netns.netns_path(ns).exists():
         raise InfraError(f"sandbox {sandbox_id} has no network namespace")
-    lnk = await asyncio.to_thread(link.create, sandbox_id, ns, False)
+    lnk = await asyncio.to_thread(link.create, sandbox_id, ns, settings, False)
     tap_fd = -1
     net: VmNetwork | None = None
     try:
@@ -210,7 +211,7 @@ async def attach(sandbox_id: str, rules: list[str], settings: object
         raise
 
 
-async def adopt(sandbox_id: str, rules: list[str], settings: object) -> VmNetwork | None:
+async def adopt(sandbox_id: str, rules: list[str], settings: Settings) -> VmNetwork | None:
     """After an edge restart: the link and the filter table again (their set as it was), the
     policy re-resolved, addresses learned before kept for MAX_TTL, the gate restarted.
     None when the link or the table is gone (the caller tears the sandbox down: fail closed)."""

@@ -32,22 +32,11 @@ HOME = "/root"
 PAUSED_TTL_S = 24 * 3600.0
 
 
-def _templates_from_env() -> dict[str, str]:
-    """``ROLLBOX_E2B_TEMPLATES="base=debian:bookworm,python=python:3.11"``."""
-    out = {"base": BASE_IMAGE}
-    for item in os.environ.get("ROLLBOX_E2B_TEMPLATES", "").split(","):
-        name, sep, image = item.strip().partition("=")
-        if sep and name.strip() and image.strip():
-            out[name.strip()] = image.strip()
-    return out
-
-
 def _load_secret(settings: Settings) -> bytes:
-    """Key of the envd access tokens: ROLLBOX_E2B_SECRET, else a root-only file in the data
+    """Key of the envd access tokens: the node's e2b_secret, else a root-only file in the data
     dir (tokens stay valid across restarts), else a per-process random key."""
-    env = os.environ.get("ROLLBOX_E2B_SECRET")
-    if env:
-        return env.encode()
+    if settings.e2b_secret:
+        return settings.e2b_secret.encode()
     path = Path(settings.data_dir) / "e2b-token.key"
     try:
         return bytes.fromhex(path.read_text().strip())
@@ -72,8 +61,10 @@ def _load_secret(settings: Settings) -> bytes:
 class E2BState:
     def __init__(self, settings: Settings | None = None,
                  templates: dict[str, str] | None = None) -> None:
-        self.templates = templates if templates is not None else _templates_from_env()
-        self._secret = _load_secret(settings or Settings())
+        settings = settings or Settings()
+        self.templates = (templates if templates is not None
+                          else {"base": BASE_IMAGE, **settings.e2b_templates})
+        self._secret = _load_secret(settings)
 
     # -- access tokens: "<sandbox id>.<key id>.<mac>", so envd calls route by token alone and
     # end with the key that got the token (a revoked key's tokens are refused at once) --
