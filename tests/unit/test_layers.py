@@ -1,14 +1,17 @@
 """The layer order of rollbox holds: import-linter checks the contract of pyproject.toml
 (``[tool.importlinter]``) on this tree's ``src/rollbox``: no module imports a layer above its own
 (at module level, inside functions or under TYPE_CHECKING alike), and every module directly
-under rollbox is in a layer."""
+under rollbox is in a layer. docs/architecture.md's picture of the layers is what
+``tools/layers.py`` draws from the contract and the imports now."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import rollbox
 
@@ -53,3 +56,28 @@ def test_the_check_sees_a_module_in_no_layer(tmp_path: Path) -> None:
     assert res.returncode != 0
     assert "rollbox.unlayered" in res.stdout, res.stdout
 
+
+def layers_tool() -> ModuleType:
+    path = SRC.parent / "tools" / "layers.py"
+    spec = importlib.util.spec_from_file_location("rollbox_tools_layers", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_architecture_doc_draws_the_layers_of_the_code() -> None:
+    tool = layers_tool()
+    doc = tool.DOC.read_text()
+    assert tool.with_block(doc, tool.render(SRC, PYPROJECT)) == doc, (
+        "docs/architecture.md's layers picture is stale: python tools/layers.py")
+
+
+def test_the_picture_leaves_out_arrows_a_longer_path_implies() -> None:
+    tool = layers_tool()
+    edges = {"api": {"edge", "backends", "errors"}, "edge": {"backends"},
+             "backends": {"errors"}, "errors": set()}
+    assert tool.without_implied(edges) == {"api": {"edge"}, "edge": {"backends"},
+                                           "backends": {"errors"}, "errors": set()}
+    text = tool.mermaid([["api"], ["edge"], ["backends"], ["errors"]], tool.without_implied(edges))
+    assert "p_api --> p_edge" in text and "p_api --> p_backends" not in text
