@@ -10,35 +10,18 @@ The last line of ``--json`` is one JSON object.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import statistics
-import time
 from typing import Any
 
+from rollbox.benchkit import emit, percentile, ratio, rounded, run_cycles, say
 from rollbox.embedded import server_process
 from rollbox.default_images import BASE_IMAGE
 
 
-def say(msg: str) -> None:
-    print(msg, flush=True)
-
-
 async def _timed(n: int, cycle: Any) -> tuple[float, int]:
-    errors = 0
-
-    async def one(i: int) -> None:
-        nonlocal errors
-        try:
-            if not await cycle(i):
-                errors += 1
-        except Exception as exc:  # noqa: BLE001 - counted, reported
-            errors += 1
-            say(f"  cycle error: {type(exc).__name__}: {exc}")
-
-    t0 = time.monotonic()
-    await asyncio.gather(*(one(i) for i in range(n)))
-    return time.monotonic() - t0, errors
+    """(wall seconds, errors) of ``n`` cycles all at once."""
+    r = await run_cycles(cycle, n, n)
+    return r["wall_s"], r["errors"]
 
 
 async def run(url: str, key: str, n: int, rounds: int) -> dict[str, Any]:
@@ -50,14 +33,14 @@ async def run(url: str, key: str, n: int, rounds: int) -> dict[str, Any]:
     from e2b import AsyncSandbox
 
     async with rollbox.AsyncClient(url, key) as client:
-        async def native(i: int) -> bool:
+        async def native() -> bool:
             sb = await client.create(BASE_IMAGE, ttl_s=300)
             try:
                 return (await sb.exec("echo ok")).stdout == "ok\n"
             finally:
                 await sb.delete()
 
-        async def e2b(i: int) -> bool:
+        async def e2b() -> bool:
             sbx = await AsyncSandbox.create("base", timeout=300)
             try:
                 return (await sbx.commands.run("echo ok")).stdout == "ok\n"
@@ -75,13 +58,13 @@ async def run(url: str, key: str, n: int, rounds: int) -> dict[str, Any]:
                 errs += e
                 walls[name].append(wall)
                 say(f"  round {r + 1}/{rounds} {name}: {n} cycles in {wall:.2f}s ({e} errors)")
-    native_s = statistics.median(walls["native"])
-    e2b_s = statistics.median(walls["e2b"])
+    native_s = percentile(walls["native"], 50)
+    e2b_s = percentile(walls["e2b"], 50)
     return {
         "concurrency": n, "rounds": rounds, "image": BASE_IMAGE,
         "native_wall_s": native_s, "e2b_wall_s": e2b_s,
         "native_cycles_per_s": n / native_s, "e2b_cycles_per_s": n / e2b_s,
-        "e2b_vs_native_ratio": e2b_s / native_s,
+        "e2b_vs_native_ratio": ratio(e2b_s, native_s),
         "native_walls_s": walls["native"], "e2b_walls_s": walls["e2b"], "errors": errs,
     }
 
@@ -90,14 +73,10 @@ def main(quick: bool = False, json_out: bool = False, url: str | None = None,
          n: int = 64) -> dict[str, Any]:
     rounds = 1 if quick else 3
     with server_process(url) as (u, key):
-        res = asyncio.run(run(u, key, n, rounds))
-    res = {k: (round(v, 3) if isinstance(v, float) else
-               [round(x, 3) for x in v] if isinstance(v, list) else v) for k, v in res.items()}
+        res = rounded(asyncio.run(run(u, key, n, rounds)))
     say(f"e2b_vs_native_ratio {res['e2b_vs_native_ratio']} "
         f"(e2b {res['e2b_wall_s']}s vs native {res['native_wall_s']}s for {n} cycles)")
-    if json_out:
-        print(json.dumps(res))
-    return res
+    return emit(res, json_out)
 
 
 if __name__ == "__main__":

@@ -11,86 +11,23 @@ The last line of ``--json`` is one JSON object.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import subprocess
 import tarfile
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from rollbox.benchkit import (
+    emit, latency_ms, percentile, ratio, round_trips, rounded, run_cycles, say,
+    used_without_page_cache,
+)
 from rollbox.config import Settings
-from rollbox.demo import _pct
 from rollbox.embedded import server_process
 
 PODMAN_ULIMITS = ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
-
-
-def say(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def meminfo() -> dict[str, int]:
-    out = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        k, v = line.split(":", 1)
-        out[k] = int(v.split()[0]) * 1024
-    return out
-
-
-def used_without_page_cache() -> int:
-    """Anonymous + kernel memory (+ shmem), i.e. what is not shared, reclaimable page cache."""
-    m = meminfo()
-    return (m["MemTotal"] - m["MemFree"] - m["Buffers"] - m["Cached"] - m["SReclaimable"]
-            + m["Shmem"])
-
-
-async def exec_round_trips(sb: Any, n: int) -> list[float]:
-    """Seconds of each of ``n`` ``true`` execs in ``sb``, after ten to warm up."""
-    for _ in range(10):
-        await sb.exec(["true"])
-    lat = []
-    for _ in range(n):
-        t = time.monotonic()
-        await sb.exec(["true"])
-        lat.append(time.monotonic() - t)
-    return lat
-
-
-def report(res: dict[str, Any], json_out: bool) -> dict[str, Any]:
-    """A bench's result with floats rounded; printed as the last line when ``json_out``."""
-    res = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}
-    if json_out:
-        print(json.dumps(res))
-    return res
-
-
-async def run_cycles(cycle: Callable[[], Awaitable[bool]], n: int, conc: int) -> dict[str, Any]:
-    """Run ``n`` cycles, ``conc`` at a time; a cycle returns False (or raises) on failure."""
-    sem = asyncio.Semaphore(conc)
-    lat: list[float] = []
-    errors = 0
-
-    async def one() -> None:
-        nonlocal errors
-        async with sem:
-            t = time.monotonic()
-            try:
-                if not await cycle():
-                    errors += 1
-            except Exception as exc:  # noqa: BLE001
-                errors += 1
-                say(f"  cycle error: {type(exc).__name__}: {exc}")
-            lat.append(time.monotonic() - t)
-
-    t0 = time.monotonic()
-    await asyncio.gather(*(one() for _ in range(n)))
-    wall = time.monotonic() - t0
-    return {"n": n, "per_s": (n - errors) / wall, "p50_ms": _pct(lat, 50) * 1000,
-            "p99_ms": _pct(lat, 99) * 1000, "errors": errors}
 
 
 async def cycles(client: Any, image: str, n: int, conc: int) -> dict[str, Any]:
@@ -106,14 +43,14 @@ async def cycles(client: Any, image: str, n: int, conc: int) -> dict[str, Any]:
         return r.exit_code == 0
 
     res = await run_cycles(cycle, n, conc)
-    res["first_exec_p50_ms"] = _pct(first_exec, 50) * 1000
+    res["first_exec_p50_ms"] = percentile(first_exec, 50) * 1000
     return res
 
 
 async def exec_rtt(client: Any, image: str, n: int) -> dict[str, float]:
     async with await client.create(image, ttl_s=300) as sb:
-        lat = await exec_round_trips(sb, n)
-    return {"p50_ms": _pct(lat, 50) * 1000, "p99_ms": _pct(lat, 99) * 1000}
+        lat = await round_trips(lambda: sb.exec(["true"]), n)
+    return latency_ms(lat)
 
 
 async def create_latency(client: Any, image: str, n: int) -> float:
@@ -123,7 +60,7 @@ async def create_latency(client: Any, image: str, n: int) -> float:
         sb = await client.create(image, ttl_s=300)
         lat.append(time.monotonic() - t)
         await sb.delete()
-    return _pct(lat, 50) * 1000
+    return percentile(lat, 50) * 1000
 
 
 async def idle_density(client: Any, image: str, n: int) -> dict[str, Any]:
@@ -231,9 +168,10 @@ async def run(quick: bool, url: str, key: str) -> dict[str, Any]:
             res[f"podman_per_s_c{c}"] = r["per_s"]
             res[f"podman_p50_ms_c{c}"] = r["p50_ms"]
             say(f"podman c{c}: {r['per_s']:.1f}/s p50 {r['p50_ms']:.1f} ms")
-        res["ratio_vs_podman_c1"] = res["create_exec_destroy_per_s_c1"] / res["podman_per_s_c1"]
-        res["ratio_vs_podman_c8"] = res["create_exec_destroy_per_s_c8"] / res["podman_per_s_c8"]
-        say(f"ratio vs podman at c8: {res['ratio_vs_podman_c8']:.1f}x")
+        for c in (1, 8):
+            res[f"ratio_vs_podman_c{c}"] = ratio(res[f"create_exec_destroy_per_s_c{c}"],
+                                                 res[f"podman_per_s_c{c}"])
+        say(f"ratio vs podman at c8: {rounded(res['ratio_vs_podman_c8'], 1)}x")
     return res
 
 
@@ -257,16 +195,17 @@ def hardening_overhead(quick: bool, res: dict[str, Any]) -> None:
     finally:
         del os.environ[UNHARDENED_ENV]
     res["unhardened_per_s_c8"] = r["per_s"]
-    res["hardening_overhead"] = 1 - res["create_exec_destroy_per_s_c8"] / r["per_s"]
+    hardened_share = ratio(res["create_exec_destroy_per_s_c8"], r["per_s"])
+    res["hardening_overhead"] = 1 - hardened_share if hardened_share is not None else None
     say(f"unhardened c8: {r['per_s']:.1f}/s; hardening_overhead "
-        f"{res['hardening_overhead'] * 100:.1f}%")
+        f"{rounded(res['hardening_overhead'], 3)}")
 
 
 def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
     with server_process() as (url, key):
         res = asyncio.run(run(quick, url, key))
     hardening_overhead(quick, res)
-    return report(res, json_out)
+    return emit(res, json_out)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,11 @@ Against ``rollbox serve`` in its own process (as ``rollbox bench container`` run
   becomes, is reaped during delete, so delete's children column is ``runc init`` + the agent
   + its commands.
 - **cycle** (concurrency ``--concurrency``, default 8): per cycle, the machine's busy CPU
-  (``/proc/stat``: everything but idle and iowait), the server's, its children's and the
+  (``/proc/stat``: everything but idle, iowait and steal), the server's, its children's and the
   client's (this process).
 
-For finding what to optimise; the targets are measured by ``rollbox bench container``.
+For finding what to optimise; the targets are measured by ``rollbox bench container``. The
+last line is one JSON object.
 """
 from __future__ import annotations
 
@@ -25,16 +26,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.container import cycles  # noqa: E402
-from bench.images import machine_busy_s, proc_cpu_s  # noqa: E402
+from rollbox.benchkit import CpuMeter, emit, machine_busy_s, process_cpu_s  # noqa: E402
 from rollbox.embedded import server_process  # noqa: E402
 
 IMAGE = "python:3.11"
 
 
-def process_cpu_s(pid: int) -> tuple[float, float]:
+def own_and_children_s(pid: int) -> tuple[float, float]:
     """(own, reaped children's) CPU seconds of ``pid``."""
-    own = proc_cpu_s(pid)
-    return own, proc_cpu_s(pid, children=True) - own
+    own = process_cpu_s(pid)
+    return own, process_cpu_s(pid, children=True) - own
 
 
 def server_pid() -> int:
@@ -46,14 +47,14 @@ def server_pid() -> int:
 async def steps(client: Any, pid: int, n: int) -> dict[str, dict[str, float]]:
     tot = {k: [0.0, 0.0] for k in ("create", "exec", "delete")}
     for _ in range(n):
-        a = process_cpu_s(pid)
+        a = own_and_children_s(pid)
         sb = await client.create(IMAGE, ttl_s=300)
-        b = process_cpu_s(pid)
+        b = own_and_children_s(pid)
         await sb.exec(["true"])
-        c = process_cpu_s(pid)
+        c = own_and_children_s(pid)
         await sb.delete()
         await asyncio.sleep(0.005)  # the agent is reaped right after the answer
-        d = process_cpu_s(pid)
+        d = own_and_children_s(pid)
         for k, (x, y) in (("create", (a, b)), ("exec", (b, c)), ("delete", (c, d))):
             tot[k][0] += y[0] - x[0]
             tot[k][1] += y[1] - x[1]
@@ -62,13 +63,15 @@ async def steps(client: Any, pid: int, n: int) -> dict[str, dict[str, float]]:
 
 
 async def cycle(client: Any, pid: int, n: int, conc: int) -> dict[str, float]:
-    s0, m0, t0 = process_cpu_s(pid), machine_busy_s(), os.times()
-    r = await cycles(client, IMAGE, n, conc)
-    s1, m1, t1 = process_cpu_s(pid), machine_busy_s(), os.times()
-    client_s = (t1.user + t1.system) - (t0.user + t0.system)
-    return {"per_s": r["per_s"], "machine_ms": (m1 - m0) / n * 1000,
-            "server_ms": (s1[0] - s0[0]) / n * 1000, "children_ms": (s1[1] - s0[1]) / n * 1000,
-            "client_ms": client_s / n * 1000, "errors": r["errors"]}
+    with CpuMeter({"machine": machine_busy_s, "server": lambda: process_cpu_s(pid),
+                   "server_and_children": lambda: process_cpu_s(pid, children=True),
+                   "client": process_cpu_s}) as m:
+        r = await cycles(client, IMAGE, n, conc)
+    cpu = m.spent
+    return {"per_s": r["per_s"], "machine_ms": cpu["machine"] / n * 1000,
+            "server_ms": cpu["server"] / n * 1000,
+            "children_ms": (cpu["server_and_children"] - cpu["server"]) / n * 1000,
+            "client_ms": cpu["client"] / n * 1000, "errors": r["errors"]}
 
 
 async def run(args: argparse.Namespace, url: str, key: str) -> None:
@@ -77,12 +80,14 @@ async def run(args: argparse.Namespace, url: str, key: str) -> None:
     pid = server_pid()
     async with AsyncClient(base_url=url, api_key=key, timeout=120) as client:
         await cycles(client, IMAGE, 8, 2)  # warm-up: layer mounts, page cache
-        for name, st in (await steps(client, pid, args.steps)).items():
+        split = await steps(client, pid, args.steps)
+        for name, st in split.items():
             print(f"{name:6s} server {st['server_ms']:5.2f} ms  children {st['children_ms']:5.2f} ms")
         r = await cycle(client, pid, args.cycles, args.concurrency)
         print(f"c{args.concurrency}: {r['per_s']:.1f} cycles/s; per cycle: machine "
               f"{r['machine_ms']:.1f} ms, server {r['server_ms']:.2f}, children "
               f"{r['children_ms']:.2f}, client {r['client_ms']:.2f} ms; errors {r['errors']}")
+    emit({"steps": split, f"c{args.concurrency}": r}, json_out=True)
 
 
 def main() -> None:

@@ -23,9 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import resource
 import secrets
 import shutil
 import statistics
@@ -39,6 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rollbox.backends.container.rootfs import Rootfs  # noqa: E402
+from rollbox.benchkit import emit, meminfo, percentile, process_cpu_s  # noqa: E402
 from rollbox.config import Settings  # noqa: E402
 from rollbox.isolation import syscalls  # noqa: E402
 from rollbox.models import ExecSpec, Resources, SandboxSpec  # noqa: E402
@@ -50,17 +48,7 @@ MiB = 1 << 20
 
 def cpu_s() -> float:
     """CPU seconds of this process (all threads) and its reaped children."""
-    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
-
-
-def meminfo() -> dict[str, int]:
-    out = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            k, v = line.split(":")
-            out[k] = int(v.split()[0])  # KiB
-    return out
+    return process_cpu_s(children=True)
 
 
 def fs_slab_kib() -> float:
@@ -116,7 +104,7 @@ async def creates(edge: Any, n: int) -> dict[str, dict[str, float]]:
         cpu[tier].append(cpu_s() - c0)
         await edge.delete(info.id)
     return {t: {"cpu_ms": statistics.mean(cpu[t]) * 1000,
-                "p50_ms": statistics.median(wall[t]) * 1000} for t in TIERS}
+                "p50_ms": percentile(wall[t], 50) * 1000} for t in TIERS}
 
 
 async def idle_memory(edge: Any, tier: str, n: int) -> dict[str, float]:
@@ -138,8 +126,9 @@ async def idle_memory(edge: Any, tier: str, n: int) -> dict[str, float]:
     # MemAvailable moves with everything else on the machine (tests of other runs): shown,
     # but the slab figures are the ones that can be put on the tier.
     used = (m1["MemTotal"] - m1["MemAvailable"]) - (m0["MemTotal"] - m0["MemAvailable"])
-    return {"slab_kib": (m1["Slab"] - m0["Slab"]) / n, "fs_slab_kib": (f1 - f0) / n,
-            "memavailable_drop_kib": used / n, "pool_metadata_kib": (pool1 - pool0) / 1024 / n}
+    return {"slab_kib": (m1["Slab"] - m0["Slab"]) / 1024 / n, "fs_slab_kib": (f1 - f0) / n,
+            "memavailable_drop_kib": used / 1024 / n,
+            "pool_metadata_kib": (pool1 - pool0) / 1024 / n}
 
 
 async def clone(edge: Any, mb: int) -> dict[str, float]:
@@ -224,14 +213,12 @@ async def run(quick: bool) -> dict[str, Any]:
         await edge.close(destroy=True)
         events.close()
         shutil.rmtree(root, ignore_errors=True)
-    return {k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}
+    return res
 
 
 def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
-    res = asyncio.run(run(quick))
-    if json_out:
-        print(json.dumps(res))
-    else:
+    res = emit(asyncio.run(run(quick)), json_out)
+    if not json_out:
         for k, v in res.items():
             print(f"{k:34} {v}")
     return res

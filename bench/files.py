@@ -14,7 +14,6 @@ plus the p50 of small operations (stat, a 4 KiB read, a 4 KiB write) on both bac
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import sys
@@ -23,22 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollbox.benchkit import MiB, emit, percentile, rss_bytes, say
 from rollbox.config import Settings
 from rollbox.embedded import ServerProcess
 
 IMAGE = "busybox:test"
-
-
-def say(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 async def small_ops(sb: Any, n: int = 20) -> dict[str, float]:
@@ -53,7 +41,7 @@ async def small_ops(sb: Any, n: int = 20) -> dict[str, float]:
             t0 = time.monotonic()
             await op(i)
             times.append(time.monotonic() - t0)
-        out[f"{name}_p50_ms"] = round(sorted(times)[len(times) // 2] * 1000, 1)
+        out[f"{name}_p50_ms"] = round(percentile(times, 50) * 1000, 1)
     return out
 
 
@@ -66,14 +54,14 @@ async def run(url: str, key: str, pid: int, n: int, size: int,
                                                 memory_mib=512, backend=backend)
                                        for _ in range(n)))
         try:
-            base = rss_mib(pid)
+            base = rss_bytes(pid) / MiB
             peak = base
             done = asyncio.Event()
 
             async def sample() -> None:
                 nonlocal peak
                 while not done.is_set():
-                    peak = max(peak, rss_mib(pid))
+                    peak = max(peak, rss_bytes(pid) / MiB)
                     await asyncio.sleep(0.05)
 
             async def chunks() -> Any:
@@ -136,9 +124,7 @@ def main(quick: bool = False, json_out: bool = False, backend: str = "container"
         f"(target <= 300); write {res['write_mib_s']} MiB/s, read {res['read_mib_s']} MiB/s; "
         f"stat {res['stat_p50_ms']} ms, 4 KiB read {res['read_4k_p50_ms']} ms, "
         f"4 KiB write {res['write_4k_p50_ms']} ms (p50)")
-    if json_out:
-        print(json.dumps(res))
-    return res
+    return emit(res, json_out, digits=None)
 
 
 if __name__ == "__main__":

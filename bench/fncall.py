@@ -24,49 +24,19 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
+
+from rollbox.benchkit import (
+    CpuMeter, cgroup_cpu_s, emit, latency_ms, machine_busy_s, process_cpu_s, ratio, run_cycles,
+)
 
 PEER = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--net", "--ipc",
         "--uts", "--mount", "python3", "-I", "-c"]
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000
-
-
 async def _run(call: Any, n: int, conc: int) -> dict[str, float]:
-    lat: list[float] = []
-    sem = asyncio.Semaphore(conc)
-
-    async def one() -> None:
-        async with sem:
-            t = time.monotonic()
-            await call()
-            lat.append(time.monotonic() - t)
-
-    t0 = time.monotonic()
-    await asyncio.gather(*(one() for _ in range(n)))
-    took = time.monotonic() - t0
-    return {"calls_per_s": n / took, "p50_ms": _pct(lat, 0.5), "p99_ms": _pct(lat, 0.99)}
-
-
-def _machine_cpu_s() -> float:
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def _cgroups_cpu_s(paths: list[Path]) -> float:
-    total = 0
-    for p in paths:
-        try:
-            for line in (p / "cpu.stat").read_text().splitlines():
-                if line.startswith("usage_usec "):
-                    total += int(line.split()[1])
-        except OSError:
-            pass
-    return total / 1e6
+    r = await run_cycles(call, n, conc, raise_errors=True)
+    return {"calls_per_s": r["per_s"], "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"]}
 
 
 def _worker_cgroups(fb: Any, edge: Any) -> list[Path]:
@@ -74,36 +44,26 @@ def _worker_cgroups(fb: Any, edge: Any) -> list[Path]:
             if w.sandbox_id in edge.live]
 
 
-class _CpuMeter:
-    """CPU seconds spent during a phase: this process, the workers, the whole machine."""
+def _cpu_meter(cgroups: list[Path]) -> CpuMeter:
+    """CPU seconds spent during a phase: this process, the workers' cgroups, the machine."""
+    return CpuMeter({"server": process_cpu_s, "workers": lambda: cgroup_cpu_s(*cgroups),
+                     "machine": machine_busy_s})
 
-    def __init__(self, cgroups: list[Path]) -> None:
-        self.cgroups = cgroups
 
-    def __enter__(self) -> Self:
-        self.t0, self.p0 = time.monotonic(), time.process_time()
-        self.w0, self.m0 = _cgroups_cpu_s(self.cgroups), _machine_cpu_s()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.wall = time.monotonic() - self.t0
-        self.proc = time.process_time() - self.p0
-        self.workers = _cgroups_cpu_s(self.cgroups) - self.w0
-        self.machine = _machine_cpu_s() - self.m0
-
-    def per_call(self, n: int, client_s: float | None = None) -> dict[str, float]:
-        out = {"server_cpu_ms_per_call": self.proc / n * 1000,
-               "workers_cpu_ms_per_call": self.workers / n * 1000,
-               "machine_cpu_ms_per_call": self.machine / n * 1000,
-               "calls_per_machine_cpu_s": n / self.machine if self.machine else 0.0}
-        own = self.proc + self.workers + (client_s or 0.0)
-        if client_s is not None:
-            out["client_cpu_ms_per_call"] = client_s / n * 1000
-        # The platform's own CPU (server, workers, client): what other load on a shared
-        # machine moves least; cores / (own CPU per call) is the CPU-bound ceiling.
-        out["calls_per_own_cpu_s"] = n / own if own else 0.0
-        out["cpu_bound_calls_per_s"] = out["calls_per_own_cpu_s"] * (os.cpu_count() or 1)
-        return out
+def _per_call(cpu: dict[str, float], n: int, client_s: float | None = None) -> dict[str, float]:
+    server, workers, machine = cpu["server"], cpu["workers"], cpu["machine"]
+    out = {"server_cpu_ms_per_call": server / n * 1000,
+           "workers_cpu_ms_per_call": workers / n * 1000,
+           "machine_cpu_ms_per_call": machine / n * 1000,
+           "calls_per_machine_cpu_s": n / machine if machine else 0.0}
+    own = server + workers + (client_s or 0.0)
+    if client_s is not None:
+        out["client_cpu_ms_per_call"] = client_s / n * 1000
+    # The platform's own CPU (server, workers, client): what other load on a shared
+    # machine moves least; cores / (own CPU per call) is the CPU-bound ceiling.
+    out["calls_per_own_cpu_s"] = n / own if own else 0.0
+    out["cpu_bound_calls_per_s"] = out["calls_per_own_cpu_s"] * (os.cpu_count() or 1)
+    return out
 
 
 async def _http_client(url: str, key: str, n: int, conc: int) -> dict[str, float]:
@@ -133,11 +93,10 @@ async def _http_client(url: str, key: str, n: int, conc: int) -> dict[str, float
         finally:
             writer.close()
 
-    t0, c0 = time.monotonic(), time.process_time()
+    t0, c0 = time.monotonic(), process_cpu_s()
     await asyncio.gather(*(conn() for _ in range(conc)))
-    took, cpu = time.monotonic() - t0, time.process_time() - c0
-    return {"calls_per_s": n / took, "p50_ms": _pct(lat, 0.5), "p99_ms": _pct(lat, 0.99),
-            "client_cpu_s": cpu}
+    took, cpu = time.monotonic() - t0, process_cpu_s() - c0
+    return {"calls_per_s": n / took, **latency_ms(lat), "client_cpu_s": cpu}
 
 
 async def _http_run(url: str, key: str, n: int, conc: int, cgroups: list[Path]
@@ -147,7 +106,7 @@ async def _http_run(url: str, key: str, n: int, conc: int, cgroups: list[Path]
         stdout=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.PIPE)
     assert proc.stdout is not None and proc.stdin is not None
     await proc.stdout.readline()  # connected and warm
-    with _CpuMeter(cgroups) as m:
+    with _cpu_meter(cgroups) as m:
         proc.stdin.write(b"go\n")
         await proc.stdin.drain()
         line = await proc.stdout.readline()
@@ -156,7 +115,7 @@ async def _http_run(url: str, key: str, n: int, conc: int, cgroups: list[Path]
         raise RuntimeError(f"http bench client failed ({proc.returncode})")
     res = json.loads(line)
     return {**{k: res[k] for k in ("calls_per_s", "p50_ms", "p99_ms")},
-            **m.per_call(n, res["client_cpu_s"])}
+            **_per_call(m.spent, n, res["client_cpu_s"])}
 
 
 async def _peer(code: str) -> None:
@@ -199,13 +158,13 @@ async def bench(quick: bool) -> dict[str, Any]:
                     async def call(spec: FnCallSpec = spec) -> None:
                         r = await fb.call(spec)
                         assert r.status == "ok", r
-                    with _CpuMeter(_worker_cgroups(fb, edge)) as meter:
+                    with _cpu_meter(_worker_cgroups(fb, edge)) as meter:
                         res = await _run(call, count, conc)
-                    res.update(meter.per_call(count))
+                    res.update(_per_call(meter.spent, count))
                     peer = await _run(lambda code=code: _peer(code), max(16, count // 8), conc)
                     out[f"{name}_c{conc}"] = {**res, "peer": peer,
                                               "ratio_vs_fresh_process":
-                                                  res["calls_per_s"] / peer["calls_per_s"]}
+                                                  ratio(res["calls_per_s"], peer["calls_per_s"])}
             out["pools"] = fb.stats()
         out["http"] = await _bench_http(edge, events, tmp, n)
     finally:
@@ -258,7 +217,7 @@ async def _bench_http(edge: Any, events: Any, tmp: Path, n: dict[int, int]) -> d
 def main(quick: bool = False, json_out: bool = False) -> None:
     res = asyncio.run(bench(quick))
     if json_out:
-        print(json.dumps(res, indent=2))
+        emit(res, json_out, digits=None)
         return
     for key in ("trivial_c1", "trivial_c8", "trivial_c64", "humaneval_c1", "humaneval_c8",
                 "humaneval_c64"):
@@ -281,7 +240,7 @@ def _client_main(url: str, key: str, n: int, conc: int) -> None:
         print("ready", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
         res = await _http_client(url, key, n, conc)
-        print(json.dumps(res), flush=True)
+        emit(res, json_out=True, digits=None)
 
     asyncio.run(run())
 

@@ -33,12 +33,14 @@ import json
 import os
 import secrets
 import shutil
-import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from rollbox.benchkit import (
+    CpuMeter, cgroup_cpu_s, emit, find_pids, machine_busy_s, percentile, process_cpu_s, say,
+)
 from rollbox.config import Settings
 from rollbox.images import chunks
 from rollbox.default_images import BENCH_IMAGE, PYTHON_IMAGE
@@ -73,10 +75,6 @@ WORKLOAD_SMALL = [  # python:3.11 has no packages or repo: the quick fallback
 FULL_CHUNK_SIZE = chunks.DEFAULT_CHUNK_SIZE
 LAZY_CHUNK_SIZE = chunks.DEFAULT_CHUNK_SIZE
 LAZY_READAHEAD = 4  # chunks, after two sequential reads
-
-
-def say(msg: str) -> None:
-    print(msg, flush=True)
 
 
 # ---- page-cache residency (which bytes of a layer file the workload read) -------------------
@@ -144,75 +142,29 @@ async def run_cmd(box: Any, cmd: str, env: dict[str, str]) -> tuple[int, bytes]:
 
 # ---- CPU per component (where a run's time goes) -------------------------------------------
 
-_TICK = os.sysconf("SC_CLK_TCK")
+def component_cpu(url: str, cgroup_parent: str, daemon_pid: int | None) -> CpuMeter:
+    """CPU seconds per component: the lazy FUSE daemon, the moto S3 server, the sandboxes (v1
+    cpuacct of the bench's cgroup parent; 0 until the first sandbox makes it), this process
+    (the bench: edge-side Python) with its reaped children (runc); :func:`with_rest` adds the
+    rest of the machine (system-wide /proc/stat busy time minus those: kernel threads, other
+    users' work)."""
+    moto = next(iter(find_pids(argv_has=(b"moto.server", _store_port(url).encode()))), None)
+    cpuacct = Path("/sys/fs/cgroup/cpuacct") / cgroup_parent
+    return CpuMeter({"machine": machine_busy_s,
+                     "bench": lambda: process_cpu_s(children=True),
+                     "daemon": lambda: process_cpu_s(daemon_pid) if daemon_pid else 0.0,
+                     "moto": lambda: process_cpu_s(moto) if moto else 0.0,
+                     "sandboxes": lambda: cgroup_cpu_s(cpuacct)})
 
 
-def machine_busy_s() -> float:
-    """CPU seconds the machine spent busy since boot: all but idle and iowait."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v[:8]) - v[3] - v[4]) / _TICK
+def _store_port(url: str) -> str:
+    return url.split("endpoint=http://127.0.0.1:", 1)[-1].split("&", 1)[0]
 
 
-def proc_cpu_s(pid: int | str, children: bool = False) -> float:
-    """utime + stime of a process (and of its reaped children), seconds; 0 if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    ticks = int(fields[11]) + int(fields[12])
-    if children:
-        ticks += int(fields[13]) + int(fields[14])
-    return ticks / _TICK
-
-
-def _moto_pid(url: str) -> int | None:
-    port = url.split("endpoint=http://127.0.0.1:", 1)[-1].split("&", 1)[0]
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    argv = f.read().split(b"\0")
-            except OSError:
-                continue
-            if b"moto.server" in argv and port.encode() in argv:
-                return int(d)
-    return None
-
-
-class CpuMeter:
-    """CPU seconds per component between ``start()`` and ``stop()``: the lazy FUSE daemon, the
-    moto S3 server, the sandboxes (v1 cpuacct of the bench's cgroup parent), this process (the
-    bench: edge-side Python) with its reaped children (runc), and the rest of the machine
-    (system-wide /proc/stat busy time minus those: kernel threads, other users' work)."""
-
-    def __init__(self, url: str, cgroup_parent: str) -> None:
-        self.moto = _moto_pid(url)
-        self.cpuacct = Path("/sys/fs/cgroup/cpuacct") / cgroup_parent / "cpuacct.usage"
-        self.daemon: int | None = None
-        self.t: dict[str, float] = {}
-
-    def _sample(self) -> dict[str, float]:
-        try:
-            boxes = int(self.cpuacct.read_text()) / 1e9
-        except (OSError, ValueError):
-            boxes = 0.0
-        return {"machine": machine_busy_s(), "bench": proc_cpu_s("self", children=True),
-                "daemon": proc_cpu_s(self.daemon) if self.daemon else 0.0,
-                "moto": proc_cpu_s(self.moto) if self.moto else 0.0, "sandboxes": boxes,
-                "wall": time.monotonic()}
-
-    def start(self, daemon_pid: int | None) -> None:
-        self.daemon = daemon_pid
-        self.t = self._sample()
-
-    def stop(self) -> dict[str, float]:
-        end = self._sample()
-        d = {k: round(end[k] - self.t[k], 3) for k in end}
-        d["sandboxes"] = round(end["sandboxes"], 3)  # the parent is created after start()
-        d["rest"] = round(d["machine"] - d["bench"] - d["daemon"] - d["moto"] - d["sandboxes"], 3)
-        return d
+def with_rest(spent: dict[str, float]) -> dict[str, float]:
+    d = {"wall" if k == "wall_s" else k: round(v, 3) for k, v in spent.items()}
+    d["rest"] = round(d["machine"] - d["bench"] - d["daemon"] - d["moto"] - d["sandboxes"], 3)
+    return d
 
 
 async def cold_node(mode: str, n: int, image_name: str, url: str, workload: list[str],
@@ -273,9 +225,9 @@ async def cold_node(mode: str, n: int, image_name: str, url: str, workload: list
         first_exec: list[float] = []
         done: list[float] = []
         failures: list[str] = []
-        meter = CpuMeter(url, settings.cgroup_parent)
-        meter.start(int((loader.daemon_state() or {}).get("pid", 0)) or None
-                    if loader is not None else None)
+        meter = component_cpu(url, settings.cgroup_parent,
+                              int((loader.daemon_state() or {}).get("pid", 0)) or None
+                              if loader is not None else None).start()
         t_work = time.monotonic()
 
         async def one(i: int) -> None:
@@ -293,12 +245,12 @@ async def cold_node(mode: str, n: int, image_name: str, url: str, workload: list
 
         results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
-        res["cpu_s"] = meter.stop()
+        res["cpu_s"] = with_rest(meter.stop())
         res["total_s"] = max(done) if done else None
         # The sandboxes' part alone (after the pull / lazy registration): for "full" this is
         # the floor, the same workloads with every layer local and the page cache cold.
         res["work_s"] = max(done) - (t_work - t0) if done else None
-        res["first_exec_s"] = {"min": min(first_exec), "median": statistics.median(first_exec),
+        res["first_exec_s"] = {"min": min(first_exec), "median": percentile(first_exec, 50),
                                "max": max(first_exec)} if first_exec else None
         res["errors"] = [f"{type(e).__name__}: {e}" for e in errors][:3] + failures[:3]
         if mode == "full":
@@ -509,9 +461,7 @@ def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
     res = asyncio.run(run(quick))
     summary = {k: v for k, v in res.items() if k != "runs"}
     say(json.dumps(summary, indent=1))
-    if json_out:
-        print(json.dumps(res))
-    return res
+    return emit(res, json_out, digits=None)
 
 
 if __name__ == "__main__":

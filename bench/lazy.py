@@ -9,13 +9,12 @@
 
 Each run uses private image stores, chunk store, cgroup parent and node id under a temp dir, and
 removes all of it (mounts, daemon, sandboxes) at the end. A benchmark (it runs an edge), not
-part of ``rollbox.images``.
+part of ``rollbox.images``. The last line is one JSON object.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import secrets
 import shutil
@@ -26,6 +25,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from rollbox.benchkit import emit, ratio
 from rollbox.config import Settings
 from rollbox.images import chunks
 from rollbox.images.lazy.loader import LazyLoader
@@ -172,7 +172,7 @@ async def burst(n: int = 16, latency_ms: float = 2.0, image: str = "python:3.11"
             finally:
                 _cleanup(store)
         if "full_s" in out and "lazy_s" in out:
-            out["speedup"] = out["full_s"] / out["lazy_s"]
+            out["speedup"] = ratio(out["full_s"], out["lazy_s"])
         return out
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -231,7 +231,7 @@ async def cached(image: str = "debian:bookworm", rounds: int = 3) -> dict[str, A
                     mounts.unmount(layer)
             best = {k: min(v) for k, v in times.items()}
             return {"image": image, "layer": layer, "bytes": n, "local_s": best["local"],
-                    "lazy_s": best["lazy"], "ratio": best["lazy"] / best["local"]}
+                    "lazy_s": best["lazy"], "ratio": ratio(best["lazy"], best["local"])}
         finally:
             local.unmount_all()
             _cleanup(store)
@@ -252,7 +252,7 @@ def main() -> None:
         res = asyncio.run(burst(args.n, args.latency_ms, args.image or "python:3.11"))
     else:
         res = asyncio.run(cached(args.image or "debian:bookworm"))
-    print(json.dumps(res, indent=1))
+    emit(res, json_out=True, digits=None)
 
 
 if __name__ == "__main__":

@@ -60,8 +60,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.container import exec_round_trips, meminfo, report, run_cycles, say  # noqa: E402
-from bench.images import machine_busy_s, proc_cpu_s  # noqa: E402
 from bench.rl import scratch_server_settings  # noqa: E402
 from rollbox.backends.microvm.qemu import (  # noqa: E402
     FAST_BOOT_CMDLINE, TCG_CPU, TSC_RELIABLE, firmware_args,
@@ -69,8 +67,11 @@ from rollbox.backends.microvm.qemu import (  # noqa: E402
 from rollbox.backends.microvm.qemu import HZ as KERNEL_HZ  # noqa: E402
 from rollbox.backends.microvm.qemu import host_tsc_khz, private_file_ram  # noqa: E402
 from rollbox.backends.microvm.qemu import version as qemu_version  # noqa: E402
+from rollbox.benchkit import (  # noqa: E402
+    emit, find_pids, machine_busy_s, mem_available, percentile, process_cpu_s, ratio,
+    round_trips, run_cycles, say, smaps_rollup,
+)
 from rollbox.config import Settings  # noqa: E402
-from rollbox.demo import _pct  # noqa: E402
 from rollbox.embedded import ServerProcess  # noqa: E402
 from rollbox.errors import CapacityExceeded, InfraError  # noqa: E402
 
@@ -99,10 +100,6 @@ PY_WORKLOAD = ("import json, decimal, sqlite3, email.parser, xml.dom.minidom, ti
 FORK_EXEC_N = 100
 FORK_EXEC_LOOP = (f"t0=$EPOCHREALTIME; for ((i = 0; i < {FORK_EXEC_N}; i++)); do /bin/true; "
                   "done; echo $t0 $EPOCHREALTIME")
-
-
-def mem_available() -> int:
-    return meminfo()["MemAvailable"]
 
 
 # ---- the server ------------------------------------------------------------------------------
@@ -189,7 +186,7 @@ async def first_exec(client: Any, image: str, n: int) -> dict[str, Any]:
                 errors += 1
         finally:
             await sb.delete()
-    return {"p50_ms": _pct(lat, 50) * 1000, "p99_ms": _pct(lat, 99) * 1000, "n": n,
+    return {"p50_ms": percentile(lat, 50) * 1000, "p99_ms": percentile(lat, 99) * 1000, "n": n,
             "errors": errors, "client_ms": client_ms}
 
 
@@ -205,13 +202,13 @@ def create_breakdown(lines: list[dict[str, Any]], client_ms: dict[str, dict[str,
         for step, ms in {**line["steps"], "backend_total": line["total_ms"], **mine,
                          "edge_and_api": mine["create"] - line["total_ms"]}.items():
             per.setdefault(step, []).append(ms)
-    return {step: round(_pct(v, 50), 1) for step, v in per.items()}
+    return {step: round(percentile(v, 50), 1) for step, v in per.items()}
 
 
 async def exec_rtt(client: Any, image: str, n: int) -> dict[str, float]:
     sb = await client.create(image, backend=BACKEND, **VM, ttl_s=600)
     try:
-        lat = await exec_round_trips(sb, n)
+        lat = await round_trips(lambda: sb.exec(["true"]), n)
         r = await sb.exec(FORK_EXEC_LOOP)
         if r.exit_code == 0:
             t0, t1 = (float(x) for x in r.stdout.split())
@@ -221,7 +218,7 @@ async def exec_rtt(client: Any, image: str, n: int) -> dict[str, float]:
             guest_ms = float("nan")
     finally:
         await sb.delete()
-    return {"p50_ms": _pct(lat, 50) * 1000, "p99_ms": _pct(lat, 99) * 1000,
+    return {"p50_ms": percentile(lat, 50) * 1000, "p99_ms": percentile(lat, 99) * 1000,
             "guest_fork_exec_ms": guest_ms}
 
 
@@ -275,15 +272,8 @@ async def idle_memory(client: Any, image: str, n: int) -> dict[str, Any]:
 
 def vms_cpu_s(cgroup_parent: str) -> float:
     """CPU seconds of the QEMU processes in the node's cgroups (this benchmark's VMs)."""
-    total = 0.0
-    for d in Path("/proc").iterdir():
-        try:
-            if d.name.isdigit() and (d / "comm").read_text().startswith("qemu") and \
-                    f"/{cgroup_parent}/" in (d / "cgroup").read_text():
-                total += proc_cpu_s(d.name)
-        except OSError:
-            continue
-    return total
+    return sum(process_cpu_s(pid)
+               for pid in find_pids(comm_prefix="qemu", cgroup_part=f"/{cgroup_parent}/"))
 
 
 async def density(client: Any, image: str, limit: int, cgroup_parent: str,
@@ -335,7 +325,7 @@ async def density(client: Any, image: str, limit: int, cgroup_parent: str,
                     in_a_row = 0
                     if len(boxes) % 10 == 0:
                         say(f"  density: {len(boxes)} VMs, {mem_available() >> 20} MiB "
-                            f"available, create p50 {_pct(create_s, 50):.1f} s")
+                            f"available, create p50 {percentile(create_s, 50):.1f} s")
                     continue
                 failed += 1
                 in_a_row += 1
@@ -357,7 +347,7 @@ async def density(client: Any, image: str, limit: int, cgroup_parent: str,
             held += await answers(sb)
         return {"created": len(boxes), "held": held, "create_failed": failed,
                 "stop": stop_reason, "concurrency": conc, "create_wall_s": created_s,
-                "create_p50_s": _pct(create_s, 50), "create_p99_s": _pct(create_s, 99),
+                "create_p50_s": percentile(create_s, 50), "create_p99_s": percentile(create_s, 99),
                 "create_max_s": max(create_s, default=0.0),
                 "mib_per_vm": (avail0 - after) / max(1, len(boxes)) / (1 << 20),
                 "mem_available_mib": after >> 20,
@@ -511,9 +501,10 @@ async def plain_cycles(layers: list[Path], n: int, conc: int, memory_mib: int,
             await vm.close()
 
     res = await run_cycles(cycle, n, conc)
-    res["first_exec_p50_ms"] = _pct(first, 50) * 1000
-    res["first_exec_p99_ms"] = _pct(first, 99) * 1000
-    res["boot_p50_ms"] = {k: _pct([s[k] for s in steps], 50) for k in (steps[0] if steps else {})}
+    res["first_exec_p50_ms"] = percentile(first, 50) * 1000
+    res["first_exec_p99_ms"] = percentile(first, 99) * 1000
+    res["boot_p50_ms"] = {k: percentile([s[k] for s in steps], 50)
+                          for k in (steps[0] if steps else {})}
     return res
 
 
@@ -655,16 +646,6 @@ class LayerProbeVM:
             await self.proc.wait()
 
 
-def pss_kib(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
 async def layer_device_memory(n: int, quick: bool) -> dict[str, Any]:
     """n VMs per variant running PY_WORKLOAD; MemAvailable drop and QEMU PSS per variant."""
     out: dict[str, Any] = {"n": n}
@@ -683,7 +664,7 @@ async def layer_device_memory(n: int, quick: bool) -> dict[str, Any]:
                 await asyncio.gather(*(vm.ready(600) for vm in vms))
                 await asyncio.sleep(IDLE_SETTLE_S)
                 drop = before - mem_available()
-                pss = sum(pss_kib(vm.proc.pid) for vm in vms if vm.proc) << 10
+                pss = sum(smaps_rollup(vm.proc.pid).get("Pss", 0) for vm in vms if vm.proc)
             finally:
                 await asyncio.gather(*(vm.close() for vm in vms))
             out[f"{mode}_mem_available_drop_mib"] = drop / (1 << 20)
@@ -842,11 +823,11 @@ def main(quick: bool = False, json_out: bool = False,
         res["layer_devices"] = layer
     for c in (8, 1):
         if f"per_s_c{c}" in res and f"plain_qemu_per_s_c{c}" in res:
-            res[f"ratio_vs_plain_qemu_c{c}"] = (res[f"per_s_c{c}"]
-                                               / res[f"plain_qemu_per_s_c{c}"])
+            res[f"ratio_vs_plain_qemu_c{c}"] = ratio(res[f"per_s_c{c}"],
+                                                     res[f"plain_qemu_per_s_c{c}"])
     res["wall_s"] = time.monotonic() - t0
     res["load_end"] = os.getloadavg()[0]
-    return report(res, json_out)
+    return emit(res, json_out)
 
 
 def parse_only(text: str) -> frozenset[str] | None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -24,57 +23,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.container import meminfo, say  # noqa: E402
 from bench.microvm import (BACKEND, IMAGE, VM, answers, delete_all, exec_rtt,  # noqa: E402
                            first_exec, server)
+from rollbox.benchkit import (  # noqa: E402
+    MiB, cgroup_memory_bytes, emit, find_pids, mem_available, process_cpu_s, say, smaps_rollup,
+)
 
 KSM = Path("/sys/kernel/mm/ksm")
 
 
-def qemu_pids(cgroup_parent: str) -> list[int]:
-    out = []
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            if (f"/{cgroup_parent}/" in Path(f"/proc/{p}/cgroup").read_text()
-                    and Path(f"/proc/{p}/comm").read_text().startswith("qemu")):
-                out.append(int(p))
-        except OSError:
-            pass
-    return out
-
-
 def ksmd_cpu_s() -> float:
-    for p in os.listdir("/proc"):
-        try:
-            if p.isdigit() and Path(f"/proc/{p}/comm").read_text().strip() == "ksmd":
-                f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-                return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-        except OSError:
-            pass
-    return 0.0
-
-
-def smaps_mib(pid: int) -> dict[str, float]:
-    d = {}
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        parts = line.split()
-        if len(parts) >= 3 and parts[-1] == "kB":
-            d[parts[0].rstrip(":")] = int(parts[1]) / 1024
-    return d
-
-
-def cgroup_mib(pid: int) -> float:
-    """Charge of the process's memory cgroup (v1 usage_in_bytes, v2 memory.current)."""
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        _, ctl, path = line.split(":", 2)
-        if ctl == "memory":
-            return int(Path(f"/sys/fs/cgroup/memory{path}/memory.usage_in_bytes")
-                       .read_text()) / (1 << 20)
-        if ctl == "" and Path(f"/sys/fs/cgroup{path}/memory.current").is_file():
-            return int(Path(f"/sys/fs/cgroup{path}/memory.current").read_text()) / (1 << 20)
-    return 0.0
+    return sum(process_cpu_s(p) for p in find_pids(comm="ksmd"))
 
 
 async def measure(n: int, samples: list[float], env: dict[str, str]) -> dict[str, Any]:
@@ -88,7 +47,7 @@ async def measure(n: int, samples: list[float], env: dict[str, str]) -> dict[str
             out.update(exec_p50_ms=round(rtt["p50_ms"], 1),
                        guest_fork_exec_ms=round(rtt["guest_fork_exec_ms"], 1))
             await asyncio.sleep(3)
-            before = meminfo()["MemAvailable"]
+            before = mem_available()
             k0, t0 = ksmd_cpu_s(), time.monotonic()
             boxes: list[Any] = []
             try:
@@ -97,16 +56,18 @@ async def measure(n: int, samples: list[float], env: dict[str, str]) -> dict[str
                 created = time.monotonic()
                 for t in samples:
                     await asyncio.sleep(max(0.0, created + t - time.monotonic()))
-                    avail = meminfo()["MemAvailable"]
-                    pids = qemu_pids(srv.settings.cgroup_parent)
-                    sm = [smaps_mib(p) for p in pids]
+                    avail = mem_available()
+                    pids = find_pids(comm_prefix="qemu",
+                                     cgroup_part=f"/{srv.settings.cgroup_parent}/")
+                    sm = [smaps_rollup(p) for p in pids]
                     k = len(pids) or 1
                     out["samples"].append({
                         "idle_s": t, "qemus": len(pids),
-                        "memavail_drop_mib": round((before - avail) / n / (1 << 20), 1),
-                        "pss_mib": round(sum(s["Pss"] for s in sm) / k, 1),
-                        "anon_mib": round(sum(s["Anonymous"] for s in sm) / k, 1),
-                        "cgroup_mib": round(sum(cgroup_mib(p) for p in pids) / k, 1),
+                        "memavail_drop_mib": round((before - avail) / n / MiB, 1),
+                        "pss_mib": round(sum(s.get("Pss", 0) for s in sm) / k / MiB, 1),
+                        "anon_mib": round(sum(s.get("Anonymous", 0) for s in sm) / k / MiB, 1),
+                        "cgroup_mib": round(sum(cgroup_memory_bytes(p) for p in pids) / k / MiB,
+                                            1),
                         "ksmd_cores": round((ksmd_cpu_s() - k0) / (time.monotonic() - t0), 3)})
                     say(json.dumps(out["samples"][-1]))
                 out["alive"] = sum([await answers(sb) for sb in boxes])
@@ -122,7 +83,7 @@ def main(argv: list[str]) -> None:
     env = dict(a.split("=", 1) for a in argv if "=" in a)
     n = int(plain[0]) if plain else 8
     samples = [float(x) for x in plain[1].split(",")] if len(plain) > 1 else [10.0]
-    print(json.dumps(asyncio.run(measure(n, samples, env))), flush=True)
+    emit(asyncio.run(measure(n, samples, env)), json_out=True, digits=None)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Target: both <= 50 ms at p99.
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import shutil
 import socket
@@ -25,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollbox.benchkit import emit, latency_ms
 from rollbox.config import Settings
 from rollbox.models import ExecSpec, NetworkPolicy, SandboxSpec
 
@@ -75,11 +75,6 @@ class Server:
                 pass
 
 
-def _pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
-
-
 async def run(rounds: int) -> dict[str, Any]:
     from rollbox.edge.edge import Edge
     from rollbox.events.store import EventLog
@@ -122,15 +117,8 @@ async def run(rounds: int) -> dict[str, Any]:
             await asyncio.sleep(0.3)  # past the client's 0.2 s stall detection
             cuts.append(max(0.0, srv.last_rx - t0))
         await edge.exec_wait(info.id, eid)
-        ms = 1000.0
-        return {
-            "rounds": rounds,
-            "set_network_call_p50_ms": _pct(calls, 50) * ms,
-            "set_network_call_p99_ms": _pct(calls, 99) * ms,
-            "open_p50_ms": _pct(opens, 50) * ms, "open_p99_ms": _pct(opens, 99) * ms,
-            "cut_p50_ms": _pct(cuts, 50) * ms, "cut_p99_ms": _pct(cuts, 99) * ms,
-            "target_ms": 50,
-        }
+        return {"rounds": rounds, **latency_ms(calls, "set_network_call_"),
+                **latency_ms(opens, "open_"), **latency_ms(cuts, "cut_"), "target_ms": 50}
     finally:
         await edge.close(destroy=True)
         events.close()
@@ -141,11 +129,8 @@ async def run(rounds: int) -> dict[str, Any]:
 
 
 def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
-    res = asyncio.run(run(10 if quick else 40))
-    res = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()}
-    if json_out:
-        print(json.dumps(res))
-    else:
+    res = emit(asyncio.run(run(10 if quick else 40)), json_out, digits=2)
+    if not json_out:
         for k, v in res.items():
             print(f"{k:28s} {v}")
     return res

@@ -50,7 +50,6 @@ import ctypes
 import json
 import os
 import re
-import resource
 import secrets
 import shutil
 import subprocess
@@ -66,10 +65,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.container import PODMAN_ULIMITS, podman_prepare  # noqa: E402
-from bench.files import rss_mib  # noqa: E402
-from bench.images import machine_busy_s, proc_cpu_s  # noqa: E402
+from rollbox.benchkit import (  # noqa: E402
+    MiB, emit, machine_busy_s, mem_available, percentile, process_cpu_s, ratio, rounded, rss_bytes,
+    say,
+)
 from rollbox.config import Settings  # noqa: E402
-from rollbox.demo import _pct  # noqa: E402
 from rollbox.embedded import ServerProcess, _free_port  # noqa: E402
 
 BASE_IMAGE = "python:3.11"
@@ -117,10 +117,6 @@ _TIMES = re.compile(r"(\d+)m([\d.]+)s")
 _LOST = re.compile(r"\[\.\.\. (\d+) bytes lost to a server restart \.\.\.\]\n")
 _DROPPED = re.compile(r"\n\[\.\.\. (\d+) bytes dropped \.\.\.\]\n")
 _IDS = re.compile(r"\b(rl[0-9a-f]+-[0-9a-f]{12}|e\d+)\b")  # sandbox and exec ids
-
-
-def say(msg: str) -> None:
-    print(msg, flush=True)
 
 
 # ---- pure parts (tests/unit/test_bench_rl.py) -----------------------------------------------
@@ -209,8 +205,7 @@ def summary_keys(res: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "episodes_per_s": g.get("episodes_per_s"),
         "errors": g.get("errors"),
-        "ratio_vs_podman": (g["episodes_per_s"] / p["episodes_per_s"]
-                            if g.get("episodes_per_s") and p.get("episodes_per_s") else None),
+        "ratio_vs_podman": ratio(g.get("episodes_per_s") or None, p.get("episodes_per_s")),
         "platform_cpu_s_per_episode": g.get("platform_cpu_s_per_episode"),
         "podman_platform_cpu_s_per_episode": p.get("platform_cpu_s_per_episode"),
         "platform_cpu_s_per_episode_machine": g.get("platform_cpu_s_per_episode_machine"),
@@ -223,12 +218,12 @@ def summary_keys(res: dict[str, Any]) -> dict[str, Any]:
         "server_rss_peak_mib": res.get("files", {}).get("server_rss_peak_mib"),
     }
     cpu, pcpu = out["platform_cpu_s_per_episode"], out["podman_platform_cpu_s_per_episode"]
-    ratio = out["ratio_vs_podman"]
+    vs_podman = out["ratio_vs_podman"]
     mem = out["host_mem_available_min_mib"]
     rss = out["server_rss_peak_mib"]
     out["targets"] = {
         "errors==0": out["errors"] == 0 if out["errors"] is not None else None,
-        "ratio_vs_podman>=1.5": ratio >= 1.5 if ratio is not None else None,
+        "ratio_vs_podman>=1.5": vs_podman >= 1.5 if vs_podman is not None else None,
         "platform_cpu<=podman/3": cpu <= pcpu / 3 if cpu is not None and pcpu else None,
         "sandboxes_1024_ok==1": out["sandboxes_1024_ok"] == 1
         if out["sandboxes_1024_ok"] is not None else None,
@@ -242,24 +237,10 @@ def summary_keys(res: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def rounded(x: Any) -> Any:
-    if isinstance(x, float):
-        return round(x, 4)
-    if isinstance(x, dict):
-        return {k: rounded(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [rounded(v) for v in x]
-    return x
-
-
 # ---- host sampling ----------------------------------------------------------------------------
 
 def mem_available_mib() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) >> 10
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
+    return mem_available() >> 20
 
 
 def disk_short(path: Path, need: int, what: str) -> str | None:
@@ -292,7 +273,7 @@ class HostWatch:
             self.mem_min, self.mem_min_all = min(self.mem_min, m), min(self.mem_min_all, m)
             if (proc := self.server.proc) is not None:  # the server of the moment (restarts)
                 with contextlib.suppress(OSError):  # killed meanwhile
-                    self.rss_peak = max(self.rss_peak, rss_mib(proc.pid))
+                    self.rss_peak = max(self.rss_peak, rss_bytes(proc.pid) / MiB)
             trip, floor = self._trip, self._floor
             if trip is not None and floor is not None and m < floor:
                 loop, ev = trip
@@ -303,7 +284,7 @@ class HostWatch:
         proc = self.server.proc
         self.rss_peak = 0.0
         with contextlib.suppress(OSError):
-            self.rss_peak = rss_mib(proc.pid) if proc is not None else 0.0
+            self.rss_peak = rss_bytes(proc.pid) / MiB if proc is not None else 0.0
 
     @contextlib.contextmanager
     def arm(self, floor_mib: int) -> Iterator[asyncio.Event]:
@@ -375,11 +356,11 @@ class Server(ServerProcess):
 
     def cpu_s(self) -> float:
         """The server's CPU with its reaped children's (runc, the agents), across restarts."""
-        return self.cpu_dead + (proc_cpu_s(self.pid, children=True) if self.proc else 0.0)
+        return self.cpu_dead + (process_cpu_s(self.pid, children=True) if self.proc else 0.0)
 
     def kill(self) -> None:
         if self.proc is not None:  # read before it goes: a zombie has no children's time
-            self.cpu_dead += proc_cpu_s(self.pid, children=True)
+            self.cpu_dead += process_cpu_s(self.pid, children=True)
         super().kill()
 
     def stop(self) -> None:
@@ -466,7 +447,8 @@ def episodes_figures(t: Tally, wall: float, platform_cpu: float, machine_cpu: fl
                      n: int) -> dict[str, Any]:
     return {"episodes": t.episodes, "errors": t.errors, "wall_s": wall,
             "episodes_per_s": t.episodes / wall if wall else 0.0,
-            "episode_p50_s": _pct(t.episode_s, 50), "episode_p99_s": _pct(t.episode_s, 99),
+            "episode_p50_s": percentile(t.episode_s, 50),
+            "episode_p99_s": percentile(t.episode_s, 99),
             "workload_cpu_s_per_episode": t.workload_cpu_s / max(1, n),
             "platform_cpu_s_per_episode": (platform_cpu - t.workload_cpu_s) / max(1, n),
             "platform_cpu_s_per_episode_machine": (machine_cpu - t.workload_cpu_s) / max(1, n),
@@ -482,11 +464,11 @@ async def phase_grpo(server: Server, groups: int, watch: HostWatch) -> dict[str,
             return {"skipped": why}
         t = Tally()
         with watch.arm(GRPO_FLOOR_MIB) as tripped:
-            c0, s0, m0 = time.process_time(), server.cpu_s(), machine_busy_s()
+            c0, s0, m0 = process_cpu_s(), server.cpu_s(), machine_busy_s()
             w0 = time.monotonic()
             done, _ = await guarded(grpo_rollbox(client, groups, t), tripped)
             wall = time.monotonic() - w0
-            own = time.process_time() - c0 + server.cpu_s() - s0
+            own = process_cpu_s() - c0 + server.cpu_s() - s0
             machine = machine_busy_s() - m0
         res = episodes_figures(t, wall, own, machine, n)
         if not done:
@@ -614,11 +596,9 @@ def podman_peer_main(arg: str) -> None:
             break
         if pid == 0:
             time.sleep(0.05)
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-    print(json.dumps({"episodes": t.episodes, "errors": t.errors, "wall_s": wall,
-                      "workload_cpu_s": t.workload_cpu_s, "cpu_s": cpu,
-                      "episode_s": t.episode_s, "first_errors": t.first_errors}), flush=True)
+    emit({"episodes": t.episodes, "errors": t.errors, "wall_s": wall,
+          "workload_cpu_s": t.workload_cpu_s, "cpu_s": process_cpu_s(children=True),
+          "episode_s": t.episode_s, "first_errors": t.first_errors}, json_out=True, digits=None)
 
 
 async def phase_grpo_podman(server: Server, groups: int, watch: HostWatch) -> dict[str, Any]:
@@ -896,7 +876,7 @@ async def transfers(server: Server, size: int, watch: HostWatch) -> dict[str, An
             res["disk_tier"] = boxes[0].info.disk_tier
             with watch.arm(floor) as tripped:
                 watch.window()
-                res["server_rss_before_mib"] = rss_mib(server.pid)
+                res["server_rss_before_mib"] = rss_bytes(server.pid) / MiB
                 t0 = time.monotonic()
                 done, _ = await guarded(asyncio.gather(
                     *(sb.files.write("/root/big.bin", pattern.chunks()) for sb in boxes)),
@@ -973,7 +953,7 @@ async def run_phase(name: str, res: dict[str, Any], watch: HostWatch,
     r["phase_s"] = time.monotonic() - t0
     r["load"] = os.getloadavg()[0]
     res[name] = r
-    say(f"{name}: {json.dumps(rounded({k: v for k, v in r.items() if k != 'first_errors'}))}")
+    say(f"{name}: {json.dumps(rounded({k: v for k, v in r.items() if k != 'first_errors'}, 4))}")
 
 
 async def run(opts: Options, server: Server, watch: HostWatch) -> dict[str, Any]:
@@ -1034,11 +1014,8 @@ def main(quick: bool = False, json_out: bool = False,
     res = {**summary_keys(res), **res}
     if "Traceback" in tail:
         res["server_log_tail"] = tail
-    res = rounded(res)
     say(json.dumps(res["targets"]))
-    if json_out:
-        print(json.dumps(res))
-    return res
+    return emit(res, json_out, digits=4)
 
 
 if __name__ == "__main__":

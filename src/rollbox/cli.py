@@ -2,16 +2,14 @@
 calls the component that owns the work (the operator's sandbox and key groups: operator_cli)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from rollbox.config import REPO_ROOT, Settings
+from rollbox.config import Settings
 from rollbox.image_cli import app as image_app
 from rollbox.operator_cli import key_app, project_app, sandbox_app
 
@@ -111,15 +109,13 @@ def demo(n: Optional[int] = typer.Option(None, "-n", help="episodes (swe: 32 con
 
 
 def _load_bench(name: str):  # noqa: ANN202
-    path = REPO_ROOT / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"rollbox_bench_{name}", path)
-    if spec is None or spec.loader is None or not path.exists():
-        typer.echo(f"benchmark {name} not found at {path}", err=True)
-        raise typer.Exit(2)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    from rollbox.benchkit import load_bench
+
+    try:
+        return load_bench(name)
+    except FileNotFoundError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
 
 
 @bench_app.command("netpolicy")

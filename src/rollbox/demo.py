@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollbox.benchkit import percentile
 from rollbox.config import Settings
 from rollbox.embedded import server_process
 
@@ -120,13 +121,6 @@ async def episode(client: Any, i: int, timings: dict[str, list[float]]) -> dict[
     return {"episode": i, "fixed": fix, "agent_saw_pass": agent_thinks_passed, "reward": reward}
 
 
-def _pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
-
-
 async def run_episodes(n: int, url: str, api_key: str) -> dict[str, Any]:
     from rich.progress import Progress
 
@@ -163,8 +157,8 @@ async def run_episodes(n: int, url: str, api_key: str) -> dict[str, Any]:
         "cheaters_fooled_own_tests": sum(r["agent_saw_pass"] for r in unfixed),
     }
     for k, xs in timings.items():
-        summary[f"{k}_p50_s"] = round(_pct(xs, 50), 4)
-        summary[f"{k}_p99_s"] = round(_pct(xs, 99), 4)
+        summary[f"{k}_p50_s"] = round(percentile(xs, 50), 4)
+        summary[f"{k}_p99_s"] = round(percentile(xs, 99), 4)
     return summary
 
 

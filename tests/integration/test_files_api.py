@@ -133,14 +133,9 @@ async def test_grade_files_above_grader_disk_cap_fail_typed(edge, tier: str) -> 
 # ---- a real server process: RSS stays bounded while big files stream ----
 
 def _bench_files():  # noqa: ANN202 - bench/files.py, the benchmark of the same property
-    import importlib.util
+    from rollbox.benchkit import load_bench
 
-    spec = importlib.util.spec_from_file_location("rollbox_bench_files",
-                                                  REPO_ROOT / "bench" / "files.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("files")
 
 
 async def test_server_rss_bounded_by_concurrent_big_files(tmp_node_dir: Path) -> None:

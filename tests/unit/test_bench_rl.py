@@ -2,26 +2,18 @@
 wrapper of the workload's commands, the restart phase's output check, the JSON summary."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
 
 import pytest
 
-from rollbox.config import REPO_ROOT
+from rollbox.benchkit import load_bench
 from rollbox.edge.sessions import HEAD_LIMIT, StreamBuffer
 
 
 @pytest.fixture(scope="module")
 def rl():  # noqa: ANN201
-    path = REPO_ROOT / "bench" / "rl.py"
-    spec = importlib.util.spec_from_file_location("rollbox_bench_rl_test", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("rl")
 
 
 def test_parse_args(rl) -> None:  # noqa: ANN001

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollbox.benchkit import percentile
 from rollbox.browser.image import BROWSER_IMAGE, DRIVER_PATH
 from rollbox.errors import InfraError
 
@@ -187,13 +188,6 @@ async def episode(client: Any, i: int, *, backend: str, task: str, seed: int,
             "timings_s": mine}
 
 
-def _pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
-
-
 async def run_browser_episodes(n: int, url: str, api_key: str, *, backend: str = "container",
                                task: str = "click-button", out_dir: Path,
                                concurrency: int = 1) -> dict[str, Any]:
@@ -234,7 +228,7 @@ async def run_browser_episodes(n: int, url: str, api_key: str, *, backend: str =
         "results": sorted(results, key=lambda r: r["episode"]),
     }
     for k, xs in timings.items():
-        summary[f"{k}_p50_s"] = round(_pct(xs, 50), 3)
+        summary[f"{k}_p50_s"] = round(percentile(xs, 50), 3)
     return summary
 
 
