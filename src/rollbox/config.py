@@ -275,6 +275,33 @@ class Settings:
     image_upload_max_bytes: int = setting(
         "ROLLBOX_IMAGE_UPLOAD_MAX", "images", 8 << 30, int,
         "Bytes of the files of one image upload at most (8 GiB).")
+    chunk_store: str | None = setting(
+        "ROLLBOX_CHUNK_STORE", "images", None, str,
+        "The node's chunk store (dir://, posix://, s3://... URL, rollbox.images.stores): "
+        "where pushes go and lazy layers come from by default; unset: dir://<data dir>/chunks.")
+    snapshot_push_stores: tuple[str, ...] = setting(
+        "ROLLBOX_SNAPSHOT_PUSH_STORES", "images", (), items,
+        "Chunk stores (comma-separated URLs) a snapshot may be pushed to besides the node's "
+        "own; any other push target is refused.")
+
+    # ---- lazy loading --------------------------------------------------------------------
+    lazy_cache_bytes: int = setting(
+        "ROLLBOX_LAZY_CACHE_BYTES", "lazy", 64 << 30, int,
+        "The node's cache of fetched chunks, bytes at most (64 GiB).")
+    lazy_readahead: int = setting(
+        "ROLLBOX_LAZY_READAHEAD", "lazy", 4, int,
+        "Chunks the daemon fetches ahead of a sequential read.")
+    lazy_read_ahead_kb: int | None = setting(
+        "ROLLBOX_LAZY_READ_AHEAD_KB", "lazy", None, int,
+        "Kernel readahead on the FUSE files (their bdi), KiB; 0: the kernel's; unset: the "
+        "daemon's (1 MiB).")
+    lazy_max_readahead: int | None = setting(
+        "ROLLBOX_LAZY_MAX_READAHEAD", "lazy", None, int,
+        "FUSE max_readahead of the mount, bytes; unset: the kernel's.")
+    lazy_store_traces: bool = setting(
+        "ROLLBOX_LAZY_STORE_TRACES", "lazy", True, flag,
+        "Share chunk-read traces through the chunk store (replay another node's, put ours if "
+        "the store has none); off: node-local traces only.")
 
     # ---- sandbox networks ----------------------------------------------------------------
     net_pool: ipaddress.IPv4Network = setting(

@@ -25,7 +25,7 @@ BB = "busybox:test"
 
 async def test_sdk_snapshot_push_and_restore(edge, names: list[str], tmp_path: Path,  # noqa: ANN001
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ROLLBOX_CHUNK_STORE", f"dir://{tmp_path / 'chunks'}")
+    monkeypatch.setattr(edge.settings, "chunk_store", f"dir://{tmp_path / 'chunks'}")
     keys = KeyStore(tmp_path / "keys.db")
     app = create_app(Placement([edge]), edge.event_log, keys)
     key = keys.create("proj")

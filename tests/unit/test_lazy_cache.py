@@ -13,6 +13,7 @@ from pathlib import Path
 import mfusepy
 import pytest
 
+from rollbox.config import Settings
 from rollbox.errors import NodeCacheFull
 from rollbox.images import chunks
 from rollbox.images.lazy.daemon import Daemon
@@ -42,7 +43,7 @@ def setup(tmp_path: Path):
 
     def new_daemon(**kw) -> Daemon:
         d = Daemon(LazyPaths(store.root), 1, tmp_path / "mnt", cache_limit=kw.pop("limit", 1 << 30),
-                   readahead=kw.pop("readahead", 0))
+                   readahead=kw.pop("readahead", 0), **kw)
         daemons.append(d)
         return d
 
@@ -246,3 +247,38 @@ def test_trace_shared_through_the_store_prefetches_on_a_cold_node(setup, tmp_pat
         assert layer2.counters["cache_misses"] == 0
     finally:
         d2.stop_fetch_loop()
+
+
+def test_node_local_traces_stay_out_of_the_store(setup) -> None:
+    """lazy_store_traces off (the daemon's --no-store-traces): another node's trace in the
+    store is not replayed, this node's is kept on the node and never put into the store."""
+    store, digest, data, url, new_daemon = setup
+    asyncio.run(chunks.open_store(url).put_trace(digest, [4, 6]))
+    d = new_daemon(store_traces=False)
+    layer = d.layer(digest)
+    assert layer is not None
+    time.sleep(0.5)  # on, the store's trace is replayed within milliseconds (the test above)
+    assert layer.counters["chunks_prefetched"] == 0 and not layer.share_trace
+    for i in (3, 1):
+        assert layer.read(10, CHUNK * i, "/a") == data[CHUNK * i:CHUNK * i + 10]
+    layer.save_trace()
+    assert asyncio.run(chunks.open_store(url).get_trace(digest)) == [4, 6]
+
+
+def test_the_loader_runs_the_daemon_with_the_node_settings(tmp_path: Path) -> None:
+    s = Settings.scratch(tmp_path)
+    store = ImageStore(tmp_path / "images")
+    cmd = LazyLoader(store, s).daemon_command(3)
+    assert cmd[cmd.index("--cache-limit") + 1] == str(64 << 30)
+    assert cmd[cmd.index("--readahead") + 1] == "4" and cmd[cmd.index("--generation") + 1] == "3"
+    assert not {"--read-ahead-kb", "--max-readahead", "--no-store-traces"} & set(cmd)
+    s.lazy_cache_bytes, s.lazy_readahead, s.lazy_store_traces = 1 << 20, 8, False
+    s.lazy_read_ahead_kb, s.lazy_max_readahead = 0, 131072
+    cmd = LazyLoader(store, s).daemon_command(1)
+    assert cmd[cmd.index("--cache-limit") + 1] == str(1 << 20)
+    assert cmd[cmd.index("--readahead") + 1] == "8"
+    assert cmd[cmd.index("--read-ahead-kb") + 1] == "0"
+    assert cmd[cmd.index("--max-readahead") + 1] == "131072" and "--no-store-traces" in cmd
+    cmd = LazyLoader(store, s, readahead=0, cache_limit=4096).daemon_command(1)
+    assert cmd[cmd.index("--readahead") + 1] == "0"
+    assert cmd[cmd.index("--cache-limit") + 1] == "4096"

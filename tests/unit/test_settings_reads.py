@@ -18,11 +18,6 @@ ENVIRON_METHODS = {"get", "setdefault", "pop"}
 # own, read where the SDK runs (often a host without a node); reading them through
 # rollbox.config would make the client import the node's settings.
 ALLOWED = {"config.py", "sdk/_env.py"}
-# Reads not yet moved into rollbox.config (issue 13, item 3): emptied as they move.
-PENDING = {
-    "images/lazy/daemon.py", "images/lazy/loader.py", "images/snapshot.py",
-    "images/stores/__init__.py",
-}
 
 
 def _constants(tree: ast.Module) -> dict[str, str]:
@@ -84,14 +79,9 @@ def _reads() -> dict[str, list[int]]:
 
 
 def test_only_config_reads_rollbox_variables() -> None:
-    found = {rel: lines for rel, lines in _reads().items() if rel not in PENDING}
+    found = _reads()
     assert not found, ("read ROLLBOX_* variables in rollbox.config (a setting() of Settings) "
                        f"and hand the value to the code: {found}")
-
-
-def test_pending_reads_are_still_there() -> None:
-    """A module moved to settings leaves PENDING (the list only shrinks)."""
-    assert not PENDING - set(_reads()), PENDING - set(_reads())
 
 
 def test_the_check_sees_each_form(tmp_path: Path) -> None:

@@ -109,7 +109,7 @@ class Edge:
         self.quotas = quotas
         self.admission = Admission(self.limits, self._host_mem_mib, os.cpu_count() or 1,
                                    HostMemory(settings.cgroup_parent), self.node_id)
-        self.layer_mounts = LayerMounts(self.store)
+        self.layer_mounts = LayerMounts(self.store, settings)
         self.storage = LayerStorage(self.store, settings, self._layer_quota_mib)
         self.slots = UidSlots(settings.uid_base, settings.uid_slots)
         # One backend per kind (rollbox.backends.base); SandboxSpec.backend picks one. The
@@ -161,7 +161,7 @@ class Edge:
             return
         from rollbox.images.lazy.loader import loader_for
 
-        self._lazy = loader_for(self.store)
+        self._lazy = loader_for(self.store, self.settings)
         try:
             await self._lazy.start()
         except RollboxError as exc:  # sandboxes on lazy layers report it; the edge still runs
@@ -1059,7 +1059,8 @@ class Edge:
             raise BadRequest(f"image {spec.name!r} already exists; pick a new name",
                              image=spec.name)
         exclude = snap.validate_patterns(spec.exclude)
-        push_url = (snap.allowed_push_url(spec.push, default_store_url(self.settings))
+        push_url = (snap.allowed_push_url(spec.push, default_store_url(self.settings),
+                                          self.settings.snapshot_push_stores)
                     if spec.push else None)
         if sandbox_id in self._snapshotting:
             raise BadRequest(f"a snapshot of sandbox {sandbox_id} is already running")
@@ -1179,7 +1180,7 @@ class Edge:
         """See EdgeAPI.image_stats; a sandbox's counters say whether it is live."""
         from rollbox.images.lazy.loader import loader_for
 
-        st = await asyncio.to_thread(loader_for(self.store).stats,
+        st = await asyncio.to_thread(loader_for(self.store, self.settings).stats,
                                      cgroup_parent=self.settings.cgroup_parent)
         sandboxes = {}
         for sid, counters in st["sandboxes"].items():

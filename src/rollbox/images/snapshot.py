@@ -27,6 +27,7 @@ import errno
 import os
 import shutil
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -464,16 +465,15 @@ def _open_beneath(dirfd: int, rel: str) -> int | None:
 
 # ---- push targets --------------------------------------------------------------------------
 
-def allowed_push_url(url: str, node_default: str) -> str:
+def allowed_push_url(url: str, node_default: str, also_allowed: Iterable[str]) -> str:
     """The chunk store a snapshot may be pushed to: ``default`` (the node's store), that
-    store's URL, or one listed by the operator in ``$ROLLBOX_SNAPSHOT_PUSH_STORES`` (comma
-    separated). Any other URL is refused: a caller-chosen ``dir://`` path would let an API
-    caller write files anywhere on the host, an ``s3://...?endpoint=`` any address."""
+    store's URL, or one the operator listed (``also_allowed``: the node's
+    ``snapshot_push_stores``, ``$ROLLBOX_SNAPSHOT_PUSH_STORES``). Any other URL is refused: a
+    caller-chosen ``dir://`` path would let an API caller write files anywhere on the host, an
+    ``s3://...?endpoint=`` any address."""
     if url == "default":
         return node_default
-    allowed = {node_default} | {u.strip() for u in
-                                os.environ.get("ROLLBOX_SNAPSHOT_PUSH_STORES", "").split(",")
-                                if u.strip()}
+    allowed = {node_default, *also_allowed}
     if url not in allowed:
         raise BadRequest(f"push target {url[:200]!r} is not allowed on this node (allowed: "
                          "'default', the node's chunk store, $ROLLBOX_SNAPSHOT_PUSH_STORES)")

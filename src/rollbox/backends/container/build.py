@@ -62,7 +62,7 @@ class ContainerBuildSandboxes:
                       network: str) -> AsyncIterator[_BuildSandbox]:
         settings = self.settings
         slots = UidSlots(settings.uid_base + settings.uid_slots * 65536, BUILD_SLOTS)
-        backend = ContainerBackend(settings, LayerMounts(self.store), slots)
+        backend = ContainerBackend(settings, LayerMounts(self.store, settings), slots)
         box = None
         try:
             box = await backend.create(f"build-{secrets.token_hex(5)}", layers,

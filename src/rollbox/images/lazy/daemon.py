@@ -333,7 +333,8 @@ class Daemon(mfusepy.Operations):
 
     def __init__(self, paths: LazyPaths, generation: int, mountpoint: Path, *,
                  cache_limit: int, readahead: int, max_readahead: int | None = None,
-                 read_ahead_kb: int | None = FUSE_READ_AHEAD_KB) -> None:
+                 read_ahead_kb: int | None = FUSE_READ_AHEAD_KB,
+                 store_traces: bool = True) -> None:
         self.paths = paths
         self.read_ahead_kb = read_ahead_kb
         self.max_readahead = max_readahead
@@ -355,8 +356,8 @@ class Daemon(mfusepy.Operations):
         self.fetch_sem = asyncio.Semaphore(FETCH_CONCURRENCY)
         self.prefetch_sem = asyncio.Semaphore(PREFETCH_CONCURRENCY)
         # Share chunk-read traces through the store (replay another node's, put ours if the
-        # store has none); ROLLBOX_LAZY_STORE_TRACES=0: node-local traces only.
-        self.store_traces = os.environ.get("ROLLBOX_LAZY_STORE_TRACES", "1") != "0"
+        # store has none); off (the node's lazy_store_traces): node-local traces only.
+        self.store_traces = store_traces
         self._loop_thread = threading.Thread(target=self.loop.run_forever, name="fetch",
                                              daemon=True)
         self._loop_thread.start()
@@ -679,6 +680,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="kernel readahead on the FUSE files (their bdi), KiB; 0: the kernel's")
     ap.add_argument("--max-readahead", type=int, default=None,
                     help="kernel readahead on the FUSE file, bytes (default: the kernel's)")
+    ap.add_argument("--no-store-traces", action="store_true",
+                    help="keep chunk-read traces on this node only")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s lazy[%(process)d] %(levelname)s %(message)s")
@@ -689,7 +692,8 @@ def main(argv: list[str] | None = None) -> None:
     mountpoint.mkdir(mode=0o755, exist_ok=True)
     ops = Daemon(paths, args.generation, mountpoint, cache_limit=args.cache_limit,
                  readahead=args.readahead, max_readahead=args.max_readahead,
-                 read_ahead_kb=args.read_ahead_kb or None)
+                 read_ahead_kb=args.read_ahead_kb or None,
+                 store_traces=not args.no_store_traces)
     mfusepy.FUSE(ops, str(mountpoint), foreground=True, nothreads=False, allow_other=True,
                  fsname="rollbox-lazy", subtype="rollbox-lazy", kernel_cache=True,
                  attr_timeout=3600, entry_timeout=3600, default_permissions=True,

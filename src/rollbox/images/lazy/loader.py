@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rollbox.config import Settings
 from rollbox.errors import (
     ChunkCorrupt,
     ChunkMissing,
@@ -50,8 +51,6 @@ log = logging.getLogger("rollbox.lazy")
 DAEMON_MODULE = "rollbox.images.lazy.daemon"
 FUSE_FSTYPE = "fuse.rollbox-lazy"
 START_TIMEOUT_S = 15.0
-DEFAULT_CACHE_LIMIT = 64 << 30
-DEFAULT_READAHEAD = int(os.environ.get("ROLLBOX_LAZY_READAHEAD", "4"))
 ERRORS = {c.code: c for c in (ChunkCorrupt, ChunkMissing, StoreUnreachable, NodeCacheFull,
                               ChunkStoreError, InfraError)}
 SANDBOX_COMPONENT = re.compile(r".+-[0-9a-f]{12}")
@@ -104,14 +103,20 @@ class LazyLoader:
 
     _guard = threading.Lock()
 
-    def __init__(self, store: ImageStore, *, cache_limit: int | None = None,
-                 readahead: int = DEFAULT_READAHEAD, watch_interval: float = 1.0) -> None:
+    def __init__(self, store: ImageStore, settings: Settings | None = None, *,
+                 cache_limit: int | None = None, readahead: int | None = None,
+                 watch_interval: float = 1.0) -> None:
+        """The daemon's cache and readahead: ``cache_limit``/``readahead`` if given (tests,
+        benchmarks), else the node's lazy settings (default: this process's Settings)."""
+        s = settings or Settings()
         self.store = store
         self.paths = LazyPaths(store.root)
         self.paths.make_dirs()
-        self.cache_limit = cache_limit or int(os.environ.get("ROLLBOX_LAZY_CACHE_BYTES",
-                                                             DEFAULT_CACHE_LIMIT))
-        self.readahead = readahead
+        self.cache_limit = cache_limit or s.lazy_cache_bytes
+        self.readahead = s.lazy_readahead if readahead is None else readahead
+        self.read_ahead_kb = s.lazy_read_ahead_kb
+        self.max_readahead = s.lazy_max_readahead
+        self.store_traces = s.lazy_store_traces
         self.watch_interval = watch_interval
         self.restarts = 0
         self._proc: subprocess.Popen[bytes] | None = None
@@ -226,14 +231,20 @@ class LazyLoader:
                 with contextlib.suppress(OSError):
                     d.rmdir()
 
-    def _spawn(self, gen: int) -> dict[str, Any]:
+    def daemon_command(self, gen: int) -> list[str]:
         cmd = [sys.executable, "-m", DAEMON_MODULE, "--store-root", str(self.store.root),
                "--generation", str(gen), "--cache-limit", str(self.cache_limit),
                "--readahead", str(self.readahead)]
-        if os.environ.get("ROLLBOX_LAZY_READ_AHEAD_KB"):  # default: the daemon's (1 MiB)
-            cmd += ["--read-ahead-kb", os.environ["ROLLBOX_LAZY_READ_AHEAD_KB"]]
-        if os.environ.get("ROLLBOX_LAZY_MAX_READAHEAD"):  # default: the kernel's
-            cmd += ["--max-readahead", os.environ["ROLLBOX_LAZY_MAX_READAHEAD"]]
+        if self.read_ahead_kb is not None:  # default: the daemon's (1 MiB)
+            cmd += ["--read-ahead-kb", str(self.read_ahead_kb)]
+        if self.max_readahead is not None:  # default: the kernel's
+            cmd += ["--max-readahead", str(self.max_readahead)]
+        if not self.store_traces:
+            cmd.append("--no-store-traces")
+        return cmd
+
+    def _spawn(self, gen: int) -> dict[str, Any]:
+        cmd = self.daemon_command(gen)
         logf = open(self.paths.root / "daemon.log", "ab")  # noqa: SIM115
         try:
             env = dict(os.environ)
@@ -410,12 +421,13 @@ _LOADERS: dict[str, LazyLoader] = {}
 _LOADERS_GUARD = threading.Lock()
 
 
-def loader_for(store: ImageStore) -> LazyLoader:
-    """This process's loader of ``store`` (one per store root)."""
+def loader_for(store: ImageStore, settings: Settings | None = None) -> LazyLoader:
+    """This process's loader of ``store`` (one per store root), else a new one with
+    ``settings`` (default: this process's)."""
     key = os.path.realpath(store.root)
     with _LOADERS_GUARD:
         loader = _LOADERS.get(key)
-    return loader if loader is not None else LazyLoader(store)
+    return loader if loader is not None else LazyLoader(store, settings)
 
 
 class CurrentLoader:
@@ -423,17 +435,18 @@ class CurrentLoader:
     (its ``LazyLayers``): this process's loader of the store, looked up at each use, so the
     newest loader made for a store serves it and none is made before a lazy layer is mounted."""
 
-    def __init__(self, store: ImageStore) -> None:
+    def __init__(self, store: ImageStore, settings: Settings | None = None) -> None:
         self.store = store
+        self.settings = settings  # of a loader made here
 
     def ensure_layer_sync(self, layer: str) -> Path:
-        return loader_for(self.store).ensure_layer_sync(layer)
+        return loader_for(self.store, self.settings).ensure_layer_sync(layer)
 
     def generation(self) -> int:
-        return loader_for(self.store).generation()
+        return loader_for(self.store, self.settings).generation()
 
     def serves(self, generation: int) -> bool:
-        return loader_for(self.store).serves(generation)
+        return loader_for(self.store, self.settings).serves(generation)
 
 
 def register_lazy_image(store: ImageStore, image: Any, store_url: str) -> Any:

@@ -7,6 +7,7 @@ tests.
 """
 from __future__ import annotations
 
+from rollbox.config import Settings
 from rollbox.images import mounts
 from rollbox.images.lazy.loader import CurrentLoader
 from rollbox.images.store import ImageStore
@@ -14,7 +15,7 @@ from rollbox.images.store import ImageStore
 
 class LayerMounts(mounts.LayerMounts):
     """:class:`rollbox.images.mounts.LayerMounts` of ``store`` with its lazy layers served by
-    this process's loader of it."""
+    this process's loader of it (made with ``settings`` if there is none yet)."""
 
-    def __init__(self, store: ImageStore) -> None:
-        super().__init__(store, lazy=CurrentLoader(store))
+    def __init__(self, store: ImageStore, settings: Settings | None = None) -> None:
+        super().__init__(store, lazy=CurrentLoader(store, settings))

@@ -13,7 +13,6 @@ Above the store (refs are its :class:`~rollbox.images.store.Image`), below push/
 """
 from __future__ import annotations
 
-import os
 import urllib.parse
 from pathlib import Path
 
@@ -29,11 +28,10 @@ __all__ = ["ChunkStore", "FileChunkStore", "PosixChunkStore", "S3ChunkStore",
 
 
 def default_store_url(settings: Settings | None = None) -> str:
-    """``$ROLLBOX_CHUNK_STORE`` or the embedded default ``dir://<data_dir>/chunks``."""
-    env = os.environ.get("ROLLBOX_CHUNK_STORE")
-    if env:
-        return env
-    return f"dir://{(settings or Settings()).data_dir / 'chunks'}"
+    """The node's ``chunk_store`` (``ROLLBOX_CHUNK_STORE``), else the embedded default
+    ``dir://<data_dir>/chunks``."""
+    s = settings or Settings()
+    return s.chunk_store or f"dir://{s.data_dir / 'chunks'}"
 
 
 def open_store(url: str | None = None) -> ChunkStore:
