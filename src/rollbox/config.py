@@ -227,6 +227,17 @@ class Settings:
         "Bytes of templates (saved state + disk) the node keeps at most (LRU; 8 GiB).")
     vm_template_retry_s: float = setting("ROLLBOX_VM_TEMPLATE_RETRY_S", "templates", 60.0,
                                          float, "Seconds before a failed build is retried.")
+    vm_template_spares: int = setting(
+        "ROLLBOX_VM_TEMPLATE_SPARES", "templates", 1, int,
+        "Spare QEMUs kept per template creates restore from (backends/microvm/spares.py: "
+        "started ahead under -incoming defer, RAM faulted in; a restore loads its state into "
+        "one); 0: none, every restore starts its own QEMU.")
+    vm_template_spares_max: int = setting(
+        "ROLLBOX_VM_TEMPLATE_SPARES_MAX", "templates", 4, int,
+        "Spare QEMUs the node keeps at most over all templates (most recently used first).")
+    vm_template_spare_idle_s: float = setting(
+        "ROLLBOX_VM_TEMPLATE_SPARE_IDLE_S", "templates", 600.0, float,
+        "A template's spares stop when no create restored from it for this many seconds.")
     vm_template_shared_ram: bool = setting(
         "ROLLBOX_VM_TEMPLATE_SHARED_RAM", "templates", True, flag,
         "A template's RAM as a file its restored VMs map copy-on-write (one copy of what they "

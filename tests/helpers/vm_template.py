@@ -29,7 +29,8 @@ def template_spec(settings: Settings, image: str = TEMPLATE_IMAGE, memory_mib: i
 
 @asynccontextmanager
 async def vm_backend(settings: Settings) -> AsyncIterator[MicroVMBackend]:
-    """A started MicroVMBackend of ``settings`` (templates and disk pool of its data dir)."""
+    """A started MicroVMBackend of ``settings`` (templates and disk pool of its data dir),
+    stopped at the end (as an edge stop: its spare QEMUs go)."""
     slots = UidSlots(settings.uid_base, settings.uid_slots)
     pool = DiskPool(settings)
     b = MicroVMBackend(settings, slots, ImageStore(settings.images_dir), pool)
@@ -37,6 +38,7 @@ async def vm_backend(settings: Settings) -> AsyncIterator[MicroVMBackend]:
     try:
         yield b
     finally:
+        await b.stop()  # its templates' spare QEMUs
         b.release_node_resources()
         slots.close()
 

@@ -49,7 +49,7 @@ async def test_slot_released_only_after_exiting_process_is_reaped(
     sid = "fixreap1"
     jail = Jail(backend.run_root, backend.settings.cgroup_parent, sid)
     try:
-        await backend._teardown(sid, jail, slot, None)  # the create-failure path: no pid
+        await backend.teardown(sid, jail, slot, None)  # the create-failure path: no pid
         # this test's own processes (the uid band is shared with the run's other sandboxes,
         # whose processes the teardown rightly does not wait for)
         left = set(pids_of_uid(uid))
@@ -70,13 +70,13 @@ async def test_slot_kept_while_a_process_of_its_uid_lives(backend: MicroVMBacken
     jail = Jail(backend.run_root, backend.settings.cgroup_parent, sid)
     try:
         with pytest.raises(InfraError) as err:
-            await backend._teardown(sid, jail, slot, None)
+            await backend.teardown(sid, jail, slot, None)
         assert str(stray.pid) in str(err.value.details)
         assert not free(backend, slot)  # not handed to the next sandbox
         assert any(str(stray.pid) in x for x in backend.leftovers(sid))
     finally:
         stray.kill()
         stray.wait()
-    await backend._teardown(sid, jail, slot, None)
+    await backend.teardown(sid, jail, slot, None)
     assert free(backend, slot)
     assert backend.leftovers(sid) == []

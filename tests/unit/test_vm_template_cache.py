@@ -293,3 +293,24 @@ async def test_a_shared_ram_template_counts_its_ram_and_is_dropped_if_it_is_writ
     c2.load(set(disks.ids))
     assert c2.templates() == []
     assert not (tmp_path / "tpl" / key(0).digest).exists()
+
+
+async def test_every_dropped_template_is_told_once_evicted_bad_or_cleared(
+        tmp_path: Path) -> None:
+    disks = Disks()
+    told: list[str] = []
+    c = T.TemplateCache(tmp_path / "tpl", 1, 1 << 30, disks.remove,
+                        on_drop=lambda t: told.append(t.digest))
+    b = Builder(disks)
+    t0 = await c.acquire(key(0), b)
+    assert t0 is not None
+    c.release(t0)
+    c.release(await c.acquire(key(1), b))  # type: ignore[arg-type]  # evicts 0
+    assert told == [key(0).digest]
+    t1 = c.templates()[0]
+    c.drop(t1, "QEMU refused it")
+    c.drop(t1, "again")  # already dropped: not told twice
+    assert told == [key(0).digest, key(1).digest]
+    c.release(await c.acquire(key(2), b))  # type: ignore[arg-type]
+    c.clear()
+    assert told == [key(0).digest, key(1).digest, key(2).digest]

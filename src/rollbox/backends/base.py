@@ -140,6 +140,9 @@ class Backend(Protocol):
     kind: BackendKind
 
     async def start(self) -> None: ...  # node start (probes, e.g. the accelerator)
+    # Edge stop: the backend's own node-level work ends (a microVM template's spare QEMUs);
+    # its sandboxes keep running.
+    async def stop(self) -> None: ...
     def capacity(self) -> BackendCapacity: ...
     async def create(self, sandbox_id: str, spec: ResolvedSpec) -> SandboxHandle: ...
     # After an edge restart: reconnect to a sandbox an earlier edge made (spec rebuilt from

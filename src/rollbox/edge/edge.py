@@ -282,6 +282,11 @@ class Edge:
         if destroy:
             await asyncio.gather(*(self.delete(sid) for sid in list(self.live)),
                                  return_exceptions=True)
+        for kind, backend in self.backends.items():
+            try:
+                await backend.stop()
+            except RollboxError as exc:
+                log.error("backend %s did not stop cleanly: %s", kind, exc)
         for live in self.live.values():
             if live.watcher:
                 live.watcher.cancel()

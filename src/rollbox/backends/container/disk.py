@@ -249,6 +249,18 @@ class DiskPool:
             raise InfraError(f"writable layer of {src_id} not cloned: {exc}") from exc
         return self._verified(dst_id, max_bytes)
 
+    def rename(self, src_id: str, dst_id: str) -> Path:
+        """``src_id``'s subvolume as ``dst_id``'s (a microVM spare's disk handed to the sandbox
+        that claimed it; its qgroup and cap go with it, open files stay open)."""
+        try:
+            with self._root() as fd:
+                if os.path.lexists(self.path(dst_id)):
+                    raise FileExistsError(errno.EEXIST, "exists already", dst_id)
+                os.rename(src_id, dst_id, src_dir_fd=fd, dst_dir_fd=fd)
+        except OSError as exc:
+            raise InfraError(f"writable layer of {src_id} not renamed: {exc}") from exc
+        return self.path(dst_id)
+
     def _cap(self, fd: int) -> int:
         """The referenced-bytes limit of the subvolume open at ``fd``, as the kernel has it."""
         qg = btrfs.qgroup_dir(self._uuid, btrfs.subvol_id(fd))

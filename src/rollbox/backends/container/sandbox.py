@@ -194,6 +194,9 @@ class ContainerBackend:
         """Container inits outlive ``runc run -d``: as subreaper the edge gets and reaps them."""
         ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
+    async def stop(self) -> None:
+        """Nothing of the node runs in the background here."""
+
     @overload
     async def create(self, sandbox_id: str, spec: ResolvedSpec, *,
                      hardened: bool = True) -> ContainerSandbox: ...

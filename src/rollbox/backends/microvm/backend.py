@@ -5,7 +5,9 @@ pulled) -> writable disk (sparse ext4 file in its own capped subvolume) -> jail 
 listening sockets -> cgroups with the sandbox's limits -> QEMU in its jail -> the guest's
 agent answers on the virtio-serial port within the boot timeout (watched: a QEMU that dies
 ends the wait at once). Any failure tears everything down and raises a typed error; a guest
-that never answers is an InfraError after ``vm_boot_timeout_s``.
+that never answers is an InfraError after ``vm_boot_timeout_s``. A restore from a template
+takes a spare QEMU of it when there is one (``spares.py``: everything up to QEMU in its jail
+done ahead, RAM faulted in), else makes its own; either way it then loads the saved state.
 
 QEMU outlives the edge: after a restart :meth:`adopt` finds it by its journaled pid (checked
 to be in the sandbox's cgroup) and reconnects to the agent's socket. Destruction kills by
@@ -48,10 +50,13 @@ from rollbox.backends.microvm.files import capture as vm_capture
 from rollbox.backends.microvm.files import (
     cut_file_ops, in_sandbox_request, mask_hidden, vm_files,
 )
-from rollbox.backends.microvm.jail import Bind, Jail, Limits, uid_processes, vcpus
+from rollbox.backends.microvm.jail import (
+    Bind, Jail, Limits, set_cpu_quota, uid_processes, vcpus,
+)
+from rollbox.backends.microvm.spares import Recipe, Spare, Spares
 from rollbox.backends.microvm.steps import Steps, teardown_after, to_the_end
 from rollbox.backends.microvm.template import (
-    BUILD_PREFIX, Template, TemplateLoadError, VmTemplates, make_unique,
+    BUILD_PREFIX, SPARE_PREFIX, Template, TemplateLoadError, VmTemplates, make_unique,
 )
 from rollbox.config import Settings
 from rollbox.errors import BadRequest, InfraError
@@ -280,9 +285,16 @@ class MicroVMBackend:
         self.ksm = ksm.KsmStatus("off")
         self._vms: dict[str, MicroVM] = {}  # live VMs of this backend (the idle squeezer's)
         self._squeezer: asyncio.Task[None] | None = None
-        # sandbox id -> (first uid of its slot, QEMU's pid), kept after the teardown so
-        # leftovers() still sees a process of the slot (bounded: oldest dropped)
-        self._slot_uids: dict[str, tuple[int, int | None]] = {}
+        # sandbox id -> (first uid of its slot, QEMU's pid, slot released), kept after the
+        # teardown so leftovers() still sees a process of the slot (bounded: oldest dropped)
+        self._slot_uids: dict[str, tuple[int, int | None, bool]] = {}
+        # sandbox id -> its cgroups' name when it was a spare's (leftovers() after the jail
+        # dir is gone; bounded like _slot_uids)
+        self._cgroup_names: dict[str, str] = {}
+        self.spares = Spares(self)
+        self._creating = 0  # creates in flight (spares start only when there is none)
+        self._no_create = asyncio.Event()
+        self._no_create.set()
         self.templates = VmTemplates(self) if settings.vm_templates else None
 
     # ---- node -----------------------------------------------------------------------------
@@ -301,9 +313,10 @@ class MicroVMBackend:
         # QEMU outlives its jailer (which exits once it exec'd); as subreaper this process
         # gets and reaps it (this host's init never reaps).
         ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        if self.templates is not None:  # build VMs an earlier edge left, then the cache
-            for build_id in self.host_sandbox_ids(BUILD_PREFIX):
-                await self.cleanup(build_id, None)
+        if self.templates is not None:  # build VMs and spares an earlier edge left, the cache
+            for left_id in self.host_sandbox_ids(BUILD_PREFIX) | self.host_sandbox_ids(
+                    SPARE_PREFIX):
+                await self.cleanup(left_id, None)
             await asyncio.to_thread(self.templates.recover)
         if self.settings.vm_ksm:
             self.ksm = await asyncio.to_thread(
@@ -313,11 +326,16 @@ class MicroVMBackend:
             self.accel = await probe_accel(self)
             log.info("microvm accelerator: %s (%s)", self.accel.accel, self.accel.reason)
 
+    async def stop(self) -> None:
+        """Edge stop: the templates' spare QEMUs go (sandboxes keep running)."""
+        await self.spares.stop()
+
     def capacity(self) -> BackendCapacity:
         missing = self._missing()
         facts: dict[str, Any] = {"qemu": qemu.version(str(self.settings.qemu_binary))}
         if self.templates is not None:  # restores share the template's RAM, or copy it
             facts["template_ram"] = "shared" if self.templates.shared_ram else "copied"
+            facts["template_spares"] = self.spares.facts()
         if self.accel is not None:
             facts.update(accel=self.accel.accel, accel_reason=self.accel.reason)
         facts.update(ksm.status(self.settings.vm_ksm_sysfs, self.settings.vm_ksm).facts())
@@ -381,13 +399,25 @@ class MicroVMBackend:
         if not hardened:
             base = machine or self.machine_for(spec)
             machine = replace(base, extra_cmdline=base.extra_cmdline + (FULL_ROOT_ARG,))
-        if machine is None and self.templates is not None:
-            vm = await self._restore(sandbox_id, spec, self.machine_for(spec), timeout)
-        if vm is None:
-            vm = await self.boot(sandbox_id, spec, machine or self.machine_for(spec), timeout,
-                                 check_boot=check_boot)
+        self._creating += 1
+        self._no_create.clear()
+        try:
+            if machine is None and self.templates is not None:
+                vm = await self._restore(sandbox_id, spec, self.machine_for(spec), timeout)
+            if vm is None:
+                vm = await self.boot(sandbox_id, spec, machine or self.machine_for(spec),
+                                     timeout, check_boot=check_boot)
+        finally:
+            self._creating -= 1
+            if self._creating == 0:
+                self._no_create.set()
         self._track(vm)
         return vm
+
+    async def creates_idle(self) -> None:
+        """Returns once no create of this backend is in flight."""
+        while self._creating:
+            await self._no_create.wait()
 
     # ---- idle squeeze ---------------------------------------------------------------------
     def _track(self, vm: MicroVM) -> None:
@@ -420,9 +450,19 @@ class MicroVMBackend:
         steps.lap("template_lookup")
         if tpl is None:
             return None
+        restored = self.templates.restore_machine(tpl, machine)
         try:
-            return await self.boot(sandbox_id, spec, self.templates.restore_machine(tpl, machine),
-                                   timeout_s, template=tpl, steps=steps)
+            spare = None if machine.nic else self.spares.claim(tpl.digest)
+            if spare is not None:
+                vm = await self._restore_spare(sandbox_id, spec, spare, tpl, timeout_s, steps)
+            else:
+                vm = await self.boot(sandbox_id, spec, restored, timeout_s, template=tpl,
+                                     steps=steps)
+            self.spares.want(tpl, Recipe(
+                machine=restored, layers=tuple(spec.layers), cpus=float(machine.cpus),
+                disk_id=tpl.disk_id, ram_file=tpl.ram_path if tpl.shared_ram else None,
+                pages=None if tpl.shared_ram else tpl.pages_path))
+            return vm
         except TemplateLoadError as exc:
             self.templates.cache.drop(tpl, str(exc))
             log.warning("microVM %s: template failed to load, booting cold: %s", sandbox_id, exc)
@@ -468,45 +508,113 @@ class MicroVMBackend:
                 rw = await to_the_end(asyncio.to_thread(self.disks.clone_rw, template.disk_id,
                                                         sandbox_id, host_uid))
                 steps.lap("disk_clone")
-            binds = [Bind(self.settings.vm_kernel, qemu.KERNEL),
-                     Bind(self.settings.vm_initrd, qemu.INITRD)]
-            binds += [Bind(f, qemu.layer_path(i)) for i, f in enumerate(layer_files)]
-            binds.append(Bind(rw, qemu.RW_DISK, writable=True))
             if machine.ram == qemu.RAM_SHARED:
                 assert ram_file is not None
                 await asyncio.to_thread(os.chown, ram_file, host_uid, host_uid)
-                binds.append(Bind(ram_file, qemu.RAM_FILE, writable=True))
             elif machine.ram == qemu.RAM_CLONE:
                 assert template is not None and template.shared_ram
-                binds.append(Bind(template.ram_path, qemu.RAM_FILE))  # read-only bind
+            binds = self.binds_for(machine, layer_files, rw, build_ram=ram_file,
+                                   clone_ram=template.ram_path if template is not None else None)
             vm = await self._launch(sandbox_id, slot, host_uid, jail, machine, binds,
                                     spec.resources.cpus, spec.env, timeout_s, template,
                                     check_boot, tap_fd=tap_fd, steps=steps)
-            try:
-                if net is not None:
-                    vm.network = net
-                    await self.configure_guest_network(vm, net.guest)  # after a restore too
-                    steps.lap("guest_network")
-                await mask_hidden(vm, spec.hidden_paths)  # before any command of the sandbox
-                steps.lap("hidden_paths")
-            except BaseException:
-                vm.channel.close()
-                raise
-            steps.write(self.settings.vm_step_log, sandbox_id,
-                        "cold" if template is None else "restore")
+            await self._sandbox_ready(vm, spec, net, steps,
+                                      "cold" if template is None else "restore")
             return vm
         except BaseException as exc:
             if net is not None:
                 net.close()
             # a cancelled create stays cancelled even if the teardown fails: an InfraError
             # here made a template build look failed, and the create booted cold and finished
-            await teardown_after(exc, self._teardown(sandbox_id, jail, slot, jail.read_pid()))
+            await teardown_after(exc, self.teardown(sandbox_id, jail, slot, jail.read_pid()))
             if isinstance(exc, (InfraError, BadRequest)) or not isinstance(exc, Exception):
                 raise
             raise InfraError(f"microVM {sandbox_id} not created: {exc}") from exc
         finally:
             if tap_fd >= 0:
                 os.close(tap_fd)  # QEMU holds its own (the tap lives as long as QEMU)
+
+    async def _restore_spare(self, sandbox_id: str, spec: ResolvedSpec, spare: Spare,
+                             template: Template, timeout_s: float, steps: Steps) -> MicroVM:
+        """Restore ``template`` into a spare QEMU of it (``spares.py``): its disk and jail
+        become the sandbox's, its CPU quota the create's; the state load onwards as any
+        restore. Everything torn down on failure."""
+        jail = spare.jail
+        try:
+            await asyncio.to_thread(self.disks.pool.rename, spare.id, sandbox_id)
+            jail = await asyncio.to_thread(spare.jail.renamed, sandbox_id)
+            self._cgroup_names.pop(sandbox_id, None)
+            self._cgroup_names[sandbox_id] = jail.cgroup_name
+            if len(self._cgroup_names) > 4096:
+                del self._cgroup_names[next(iter(self._cgroup_names))]
+            if spec.resources.cpus != spare.cpus:
+                await asyncio.to_thread(set_cpu_quota, self.settings.cgroup_parent,
+                                        jail.cgroup_name, spec.resources.cpus)
+            steps.lap("spare_claim")
+            vm = await self._resume(sandbox_id, spare.slot, spare.host_uid, jail, spare.pid,
+                                    spare.machine, spec.env, timeout_s, template, steps,
+                                    monitor=spare.monitor)
+            await self._sandbox_ready(vm, spec, None, steps, "restore")
+            return vm
+        except BaseException as exc:
+            spare.monitor.close()
+            await asyncio.shield(self.teardown(sandbox_id, jail, spare.slot, spare.pid))
+            await asyncio.to_thread(self.disks.remove_rw, spare.id)  # if not renamed yet
+            if isinstance(exc, (InfraError, BadRequest)) or not isinstance(exc, Exception):
+                raise
+            raise InfraError(f"microVM {sandbox_id} not created: {exc}") from exc
+
+    async def _sandbox_ready(self, vm: MicroVM, spec: ResolvedSpec,
+                             net: vmnet.VmNetwork | None, steps: Steps, kind: str) -> None:
+        """The sandbox's own network and hidden paths, before any command of it; the step
+        line written."""
+        try:
+            if net is not None:
+                vm.network = net
+                await self.configure_guest_network(vm, net.guest)  # after a restore too
+                steps.lap("guest_network")
+            await mask_hidden(vm, spec.hidden_paths)
+            steps.lap("hidden_paths")
+        except BaseException:
+            vm.channel.close()
+            raise
+        steps.write(self.settings.vm_step_log, vm.id, kind)
+
+    def binds_for(self, machine: qemu.MachineSpec, layer_files: list[Path], rw: Path, *,
+                  build_ram: Path | None = None, clone_ram: Path | None = None) -> list[Bind]:
+        """The files of a VM at their jail paths (``qemu.py``): kernel, initramfs, layers,
+        writable disk, and with ``machine.ram`` a template's RAM file (``build_ram`` of a
+        build VM, writable; ``clone_ram`` of a restore, read-only)."""
+        binds = [Bind(self.settings.vm_kernel, qemu.KERNEL),
+                 Bind(self.settings.vm_initrd, qemu.INITRD)]
+        binds += [Bind(f, qemu.layer_path(i)) for i, f in enumerate(layer_files)]
+        binds.append(Bind(rw, qemu.RW_DISK, writable=True))
+        if machine.ram == qemu.RAM_SHARED:
+            assert build_ram is not None
+            binds.append(Bind(build_ram, qemu.RAM_FILE, writable=True))
+        elif machine.ram == qemu.RAM_CLONE:
+            assert clone_ram is not None
+            binds.append(Bind(clone_ram, qemu.RAM_FILE))  # read-only bind
+        return binds
+
+    async def spawn_qemu(self, jail: Jail, machine: qemu.MachineSpec, binds: list[Bind],
+                         host_uid: int, cpus: float, *, netns: Path | None = None,
+                         tap_fd: int = -1, steps: Steps | None = None) -> int:
+        """QEMU of ``machine`` (its argv as is: ``incoming`` for a restore) in a new jail;
+        its pid once it has exec'd."""
+        devices = ("/dev/kvm",) if machine.accel == "kvm" else ()
+        argv = qemu.argv(machine, str(self.settings.qemu_binary))
+        sockets = await to_the_end(asyncio.to_thread(jail.prepare), dispose=_close_sockets)
+        if steps is not None:
+            steps.lap("jail_dir")
+        try:
+            return await jail.spawn(self.settings.vm_jailer, argv, host_uid,
+                                    self.limits_for(machine, cpus), binds, sockets,
+                                    devices=devices, netns=netns,
+                                    extra_fds=(tap_fd,) if tap_fd >= 0 else (), steps=steps)
+        finally:
+            for s in sockets:
+                s.close()  # QEMU holds its own copies
 
     async def configure_guest_network(self, vm: MicroVM, guest: vmnet.GuestConfig) -> None:
         """The guest's interface, route and resolver, set by the platform's own tools through
@@ -534,56 +642,59 @@ class MicroVMBackend:
         and wait for the agent; the caller tears down on failure. With a NIC, QEMU runs in
         the sandbox's network namespace with the tap at TAP_FD."""
         steps = steps or Steps()
-        devices = ("/dev/kvm",) if machine.accel == "kvm" else ()
-        argv = qemu.argv(replace(machine, incoming=template is not None),
-                         str(self.settings.qemu_binary))
-        sockets = await to_the_end(asyncio.to_thread(jail.prepare), dispose=_close_sockets)
-        steps.lap("jail_dir")
         ns = netns.netns_path(vmnet.netns_name(sandbox_id)) if machine.nic else None
+        pid = await self.spawn_qemu(jail, replace(machine, incoming=template is not None),
+                                    binds, host_uid, cpus, netns=ns,
+                                    tap_fd=tap_fd if machine.nic else -1, steps=steps)
+        if template is not None:
+            return await self._resume(sandbox_id, slot, host_uid, jail, pid, machine, env,
+                                      boot_timeout_s, template, steps)
+        channel = await self._wait_agent(jail, pid, boot_timeout_s, check_boot)
+        steps.lap("boot_to_agent")
+        vm = MicroVM(id=sandbox_id, slot=slot, host_uid=host_uid, jail=jail, pid=pid,
+                     machine=machine, channel=channel, image_env=dict(env))
+        vm.files = self.files_for(vm)
+        return vm
+
+    async def _resume(self, sandbox_id: str, slot: int, host_uid: int, jail: Jail, pid: int,
+                      machine: qemu.MachineSpec, env: dict[str, str], timeout_s: float,
+                      template: Template, steps: Steps,
+                      monitor: qmp.QMP | None = None) -> MicroVM:
+        """A QEMU waiting in ``-incoming defer`` gets the template's state, runs, and its guest
+        is made unique before the sandbox exists (``monitor``: its QMP, connected already).
+        The caller tears down on failure."""
+        assert self.templates is not None
+        # Connected before the state is loaded: the port is then connected as it was at the
+        # save, so the resumed guest gets no close and open events to handle, only the HELLO
+        # waiting in the socket (a new nonce: a new host connection to it).
+        connect = asyncio.ensure_future(
+            self.connect_agent(str(jail.socket_path("agent")), timeout_s))
         try:
-            pid = await jail.spawn(self.settings.vm_jailer, argv, host_uid,
-                                   self.limits_for(machine, cpus), binds, sockets,
-                                   devices=devices, netns=ns,
-                                   extra_fds=(tap_fd,) if machine.nic else (), steps=steps)
-        finally:
-            for s in sockets:
-                s.close()  # QEMU holds its own copies
-        if template is None:
-            channel = await self._wait_agent(jail, pid, boot_timeout_s, check_boot)
-            steps.lap("boot_to_agent")
-        else:
-            assert self.templates is not None
-            # Connected before the state is loaded: the port is then connected as it was at
-            # the save, so the resumed guest gets no close and open events to handle, only
-            # the HELLO waiting in the socket (a new nonce: a new host connection to it).
-            connect = asyncio.ensure_future(
-                self.connect_agent(str(jail.socket_path("agent")), boot_timeout_s))
-            try:
-                await self.templates.load(template, jail, boot_timeout_s, steps)
-            except BaseException:
-                connect.cancel()
-                (early,) = await asyncio.gather(connect, return_exceptions=True)
-                if not isinstance(early, BaseException):
-                    early.close()
-                raise
-            try:
-                # no BOOT_INFO check: the template's boot passed it before the save
-                channel = await self._wait_agent(jail, pid, boot_timeout_s, check_boot=False,
-                                                 connect=connect)
-            except InfraError as exc:
-                raise TemplateLoadError(f"restored guest did not answer: {exc}") from exc
-            steps.lap("agent_connect")
-            try:
-                await make_unique(channel, sandbox_id)  # before any command
-                steps.lap("make_unique")
-            except BaseException as exc:
-                channel.close()
-                if isinstance(exc, InfraError):
-                    raise TemplateLoadError(f"restored guest not made unique: {exc}") from exc
-                raise
+            await self.templates.load(template, jail, timeout_s, steps, monitor=monitor)
+        except BaseException:
+            connect.cancel()
+            (early,) = await asyncio.gather(connect, return_exceptions=True)
+            if not isinstance(early, BaseException):
+                early.close()
+            raise
+        try:
+            # no BOOT_INFO check: the template's boot passed it before the save
+            channel = await self._wait_agent(jail, pid, timeout_s, check_boot=False,
+                                             connect=connect)
+        except InfraError as exc:
+            raise TemplateLoadError(f"restored guest did not answer: {exc}") from exc
+        steps.lap("agent_connect")
+        try:
+            await make_unique(channel, sandbox_id)  # before any command
+            steps.lap("make_unique")
+        except BaseException as exc:
+            channel.close()
+            if isinstance(exc, InfraError):
+                raise TemplateLoadError(f"restored guest not made unique: {exc}") from exc
+            raise
         vm = MicroVM(id=sandbox_id, slot=slot, host_uid=host_uid, jail=jail, pid=pid,
                      machine=machine, channel=channel, image_env=dict(env),
-                     template=template.digest if template is not None else "")
+                     template=template.digest)
         vm.files = self.files_for(vm)
         return vm
 
@@ -647,7 +758,7 @@ class MicroVMBackend:
         host_uid = int(state["host_uid"])
         slot = self.slots.slot_of(host_uid)
         self.slots.claim(slot)
-        jail = Jail(self.run_root, self.settings.cgroup_parent, sandbox_id)
+        jail = Jail.of(self.run_root, self.settings.cgroup_parent, sandbox_id)
         pid = int(state.get("pid") or 0) or None
         m = dict(state["machine"])
         m["extra_cmdline"] = tuple(m.get("extra_cmdline") or ())
@@ -666,7 +777,7 @@ class MicroVMBackend:
                                                ADOPT_TIMEOUT_S)
         except (OSError, ValueError, InfraError) as exc:
             log.warning("microVM %s can not be adopted (%s); cleaning up", sandbox_id, exc)
-            await self._teardown(sandbox_id, jail, slot, pid)
+            await self.teardown(sandbox_id, jail, slot, pid)
             return None
         assert pid is not None
         vm = MicroVM(id=sandbox_id, slot=slot, host_uid=host_uid, jail=jail, pid=pid,
@@ -683,7 +794,7 @@ class MicroVMBackend:
                 log.warning("microVM %s: network can not be re-attached; cleaning up",
                             sandbox_id)
                 self.detach(vm)
-                await self._teardown(sandbox_id, jail, slot, pid)
+                await self.teardown(sandbox_id, jail, slot, pid)
                 return None
         if paused:
             await self.pause(vm)
@@ -692,7 +803,7 @@ class MicroVMBackend:
 
     async def destroy(self, h: MicroVM) -> None:  # type: ignore[override]
         self.detach(h)
-        await self._teardown(h.id, h.jail, h.slot, h.pid)
+        await self.teardown(h.id, h.jail, h.slot, h.pid)
 
     def detach(self, h: MicroVM) -> None:  # type: ignore[override]
         """The edge stops; the VM keeps running (adopted by the next edge). Its DNS gate
@@ -709,15 +820,15 @@ class MicroVMBackend:
         if state is not None and "host_uid" in state:
             slot = self.slots.slot_of(int(state["host_uid"]))
             self.slots.claim(slot)
-        jail = Jail(self.run_root, self.settings.cgroup_parent, sandbox_id)
-        await self._teardown(sandbox_id, jail, slot, jail.read_pid())
+        jail = Jail.of(self.run_root, self.settings.cgroup_parent, sandbox_id)
+        await self.teardown(sandbox_id, jail, slot, jail.read_pid())
 
-    async def _teardown(self, sandbox_id: str, jail: Jail, slot: int, pid: int | None) -> None:
+    async def teardown(self, sandbox_id: str, jail: Jail, slot: int, pid: int | None) -> None:
         """Kill, reap and remove everything of the sandbox; the uid slot goes back to the pool
         only once no process of its uids is left (else InfraError, the slot stays out)."""
         if slot >= 0:
             self._slot_uids.pop(sandbox_id, None)
-            self._slot_uids[sandbox_id] = (self.slots.host_uid(slot), pid)
+            self._slot_uids[sandbox_id] = (self.slots.host_uid(slot), pid, False)
             if len(self._slot_uids) > 4096:
                 del self._slot_uids[next(iter(self._slot_uids))]
         problems = await jail.kill(pid, self.slots.host_uid(slot) if slot >= 0 else None)
@@ -731,12 +842,15 @@ class MicroVMBackend:
             log.error("teardown of microVM %s incomplete: %s", sandbox_id, problems)
             raise InfraError(f"teardown of {sandbox_id} incomplete", problems=problems)
         if slot >= 0:
+            self._slot_uids[sandbox_id] = (self.slots.host_uid(slot), pid, True)
             self.slots.release(slot)
 
     def _uid_processes(self, sandbox_id: str) -> list[str]:
         """Host processes running as a uid of this sandbox's slot (its QEMU), zombies
-        included (see jail.uid_processes); the slot is known from the pid file's process while the jail dir exists,
-        and remembered by :meth:`_teardown` after it is gone."""
+        included (see jail.uid_processes); the slot is known from the pid file's process while
+        the jail dir exists, and remembered by :meth:`teardown` after it is gone. Once the
+        teardown gave the slot back (no process of it was left) only that QEMU's pid counts:
+        the slot's next owner (a spare QEMU, another sandbox) runs as the same uids."""
         known = self._slot_uids.get(sandbox_id)
         if known is None:
             try:
@@ -747,13 +861,17 @@ class MicroVMBackend:
             lo = self.settings.uid_base
             if not lo <= uid < lo + self.settings.uid_slots * 65536:
                 return []
-            known = (self.slots.host_uid(self.slots.slot_of(uid)), pid)
-        host_uid, qemu_pid = known
+            known = (self.slots.host_uid(self.slots.slot_of(uid)), pid, False)
+        host_uid, qemu_pid, released = known
         return [f"process {p} (uid slot {host_uid}, state {st})"
-                for p, st in sorted(uid_processes(host_uid, qemu_pid).items())]
+                for p, st in sorted(uid_processes(host_uid, qemu_pid).items())
+                if not released or p == qemu_pid]
 
     def leftovers(self, sandbox_id: str) -> list[str]:
-        jail = Jail(self.run_root, self.settings.cgroup_parent, sandbox_id)
+        jail = Jail.of(self.run_root, self.settings.cgroup_parent, sandbox_id)
+        if jail.cgroup_name == sandbox_id and sandbox_id in self._cgroup_names:
+            jail = Jail(self.run_root, self.settings.cgroup_parent, sandbox_id,
+                        self._cgroup_names[sandbox_id])  # its dir is gone: as remembered
         left = self._uid_processes(sandbox_id) + jail.leftovers()
         left += self.disks.leftovers(sandbox_id)
         left += vmnet.leftovers(sandbox_id)
@@ -863,14 +981,14 @@ class MicroVMBackend:
         return await vm_capture(h.files, dest, opts)
 
     def usage(self, h: MicroVM) -> Usage:  # type: ignore[override]
-        return Usage(memory_bytes=cgroups.memory_bytes(self.settings.cgroup_parent, h.id),
-                     cpu_usage_us=cgroups.cpu_usage_us(self.settings.cgroup_parent, h.id),
-                     cpu_throttled_us=cgroups.cpu_throttled_us(self.settings.cgroup_parent,
-                                                               h.id),
+        parent, name = self.settings.cgroup_parent, h.jail.cgroup_name
+        return Usage(memory_bytes=cgroups.memory_bytes(parent, name),
+                     cpu_usage_us=cgroups.cpu_usage_us(parent, name),
+                     cpu_throttled_us=cgroups.cpu_throttled_us(parent, name),
                      oom_kills=self.oom_kills(h))
 
     def oom_kills(self, h: MicroVM) -> int:  # type: ignore[override]
-        return cgroups.oom_kills(self.settings.cgroup_parent, h.id)
+        return cgroups.oom_kills(self.settings.cgroup_parent, h.jail.cgroup_name)
 
     def kill_session(self, h: MicroVM, name: str) -> None:  # type: ignore[override]
         """No host-side backstop inside a VM: the agent's own deadline kills the session (a

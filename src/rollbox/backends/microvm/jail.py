@@ -8,11 +8,18 @@ the jailer (``native/jailer/jailer.c``) mounts the jail's tmpfs root on inside a
 namespace of its own. Inside, QEMU sees ``/usr`` read-only, ``/proc`` of its own pid namespace
 (pids only), the device nodes it is given (``/dev/kvm`` only with KVM) and its files at fixed
 paths (``qemu.py``); nothing else of the host. It runs as the sandbox's slot uid (the first
-uid of its 65536-uid band, used by nothing else), in cgroups ``<parent>/<id>`` of the memory,
+uid of its 65536-uid band, used by nothing else), in cgroups ``<parent>/<name>`` of the memory,
 cpu and pids hierarchies (the sandbox's limits: QEMU's own RSS counts against the memory
 limit) and the v2 hierarchy (``cgroup.kill``), in the sandbox's network namespace or an empty
 one, with no capabilities, no_new_privs, and QEMU's own seccomp filter
 (``-sandbox on,...``: no exec, no setuid, no resource control).
+
+The cgroups' ``<name>`` is the id the jail was started under: the sandbox's, or a template
+spare's (``spares.py``: a QEMU started before its sandbox existed). A spare's jail becomes a
+sandbox's by :meth:`Jail.renamed`: the host dir is renamed to the sandbox id, the cgroups keep
+their name (a v2 cgroup can not be renamed, and moving QEMU to a new one would leave the memory
+it already holds charged to the old), written in the dir (:data:`CGROUP_FILE`), so
+:meth:`Jail.of` finds them from the sandbox id alone.
 
 Owns spawning and killing the jailed process and its cgroups and host dir; does not know what
 runs inside (``qemu.py``) or the disks (``disks.py``).
@@ -45,6 +52,9 @@ LOG_MAX = 256 << 10
 LOG_KEEP = 64 << 10
 LOG_READ = 64 << 10
 LOG_PAUSE_S = 0.05
+# In the host dir of a jail renamed to a sandbox's (Jail.renamed): the name of its cgroups.
+CGROUP_FILE = "cgroup"
+CGROUP_NAME_MAX = 128
 
 
 @dataclass(frozen=True)
@@ -74,11 +84,18 @@ def _controller_dirs(parent: str, sandbox_id: str) -> dict[str, Path]:
     return dirs
 
 
+CFS_PERIOD_US = 100_000
+
+
+def _cfs_quota_us(cpus: float) -> int:
+    return max(1000, int(cpus * CFS_PERIOD_US))
+
+
 def make_cgroups(parent: str, sandbox_id: str, limits: Limits) -> list[Path]:
     """Create the sandbox's cgroups with its limits; returns the dirs QEMU joins."""
     dirs = _controller_dirs(parent, sandbox_id)
-    period = 100_000
-    quota = max(1000, int(limits.cpus * period))
+    period = CFS_PERIOD_US
+    quota = _cfs_quota_us(limits.cpus)
     try:
         for d in dirs.values():
             d.mkdir(parents=True, exist_ok=True)
@@ -106,6 +123,20 @@ def make_cgroups(parent: str, sandbox_id: str, limits: Limits) -> list[Path]:
     except (OSError, KeyError) as exc:
         raise InfraError(f"cgroups of {sandbox_id} not made: {exc}") from exc
     return list(dirs.values())
+
+
+def set_cpu_quota(parent: str, name: str, cpus: float) -> None:
+    """Change the CFS quota of the cgroup ``name`` made by :func:`make_cgroups` to ``cpus``
+    cores (a spare started for a template's vCPU count, claimed by a sandbox that asked for a
+    fraction of them)."""
+    dirs = _controller_dirs(parent, name)
+    try:
+        if cgroups.is_pure_v2():
+            (dirs["v2"] / "cpu.max").write_text(f"{_cfs_quota_us(cpus)} {CFS_PERIOD_US}")
+        else:
+            (dirs["cpu"] / "cpu.cfs_quota_us").write_text(str(_cfs_quota_us(cpus)))
+    except (OSError, KeyError) as exc:
+        raise InfraError(f"CPU quota of {name} not set: {exc}") from exc
 
 
 class QemuLog:
@@ -194,14 +225,44 @@ class QemuLog:
 
 
 class Jail:
-    """The host side of one sandbox's jail (its dir, sockets, cgroups, process)."""
+    """The host side of one sandbox's jail (its dir, sockets, cgroups, process); its cgroups
+    are named ``cgroup_name`` (default: the sandbox id, see the module's docstring)."""
 
-    def __init__(self, run_root: Path, cgroup_parent: str, sandbox_id: str) -> None:
+    def __init__(self, run_root: Path, cgroup_parent: str, sandbox_id: str,
+                 cgroup_name: str | None = None) -> None:
         self.sandbox_id = sandbox_id
         self.dir = run_root / sandbox_id
         self.cgroup_parent = cgroup_parent
-        self.v2 = cgroups.v2_dir(cgroup_parent, sandbox_id)
+        self.cgroup_name = cgroup_name or sandbox_id
+        self.v2 = cgroups.v2_dir(cgroup_parent, self.cgroup_name)
         self.qemu_log: QemuLog | None = None  # read by the edge that spawned QEMU
+
+    @classmethod
+    def of(cls, run_root: Path, cgroup_parent: str, sandbox_id: str) -> Jail:
+        """The jail of ``sandbox_id`` as its host dir says (cgroups of another name when it was
+        a spare's, :meth:`renamed`)."""
+        name = None
+        try:
+            text = (run_root / sandbox_id / CGROUP_FILE).read_text().strip()
+            if 0 < len(text) <= CGROUP_NAME_MAX and "/" not in text and not text.startswith("."):
+                name = text
+        except (OSError, UnicodeDecodeError):
+            pass
+        return cls(run_root, cgroup_parent, sandbox_id, name)
+
+    def renamed(self, sandbox_id: str) -> Jail:
+        """This jail (a spare's, QEMU running in it) as ``sandbox_id``'s: the host dir renamed
+        (its sockets and pid file with it; QEMU holds its descriptors, never the paths), the
+        cgroups kept and named in the dir. This object is spent."""
+        new = Jail(self.dir.parent, self.cgroup_parent, sandbox_id, self.cgroup_name)
+        if os.path.lexists(new.dir):
+            raise InfraError(f"jail dir of {sandbox_id} exists already")
+        (self.dir / CGROUP_FILE).write_text(self.cgroup_name)  # said before the dir has the id
+        os.rename(self.dir, new.dir)
+        new.qemu_log, self.qemu_log = self.qemu_log, None
+        if new.qemu_log is not None:
+            new.qemu_log.path = new.log_file
+        return new
 
     def socket_path(self, name: str) -> Path:
         return self.dir / f"{name}.sock"
@@ -263,7 +324,7 @@ class Jail:
                      binds: list[Bind], sockets: list[socket.socket], netns: Path | None,
                      devices: tuple[str, ...], extra_fds: tuple[int, ...],
                      steps: Steps | None) -> int:
-        cg_dirs = await asyncio.to_thread(make_cgroups, self.cgroup_parent, self.sandbox_id,
+        cg_dirs = await asyncio.to_thread(make_cgroups, self.cgroup_parent, self.cgroup_name,
                                           limits)
         if steps is not None:
             steps.lap("cgroups")
@@ -356,14 +417,16 @@ class Jail:
 
     def release(self) -> list[str]:
         """Remove the cgroups and host dir of a jail with no process left; returns what is
-        left."""
+        left. A dir that names cgroups still there stays (a later cleanup finds them)."""
         self.close_log()
         problems: list[str] = []
-        for path in cgroups.sandbox_dirs(self.cgroup_parent, self.sandbox_id):
+        for path in cgroups.sandbox_dirs(self.cgroup_parent, self.cgroup_name):
             try:
                 cgroups.remove_tree(path)
             except OSError as exc:
                 problems.append(f"cgroup {path}: {exc}")
+        if problems and self.cgroup_name != self.sandbox_id:
+            return problems
         root = self.dir / "root"
         try:
             root.rmdir()  # an empty mount point (the jail's mounts were never on the host)
@@ -377,7 +440,7 @@ class Jail:
         return problems
 
     def leftovers(self) -> list[str]:
-        left = [str(p) for p in cgroups.sandbox_dirs(self.cgroup_parent, self.sandbox_id)
+        left = [str(p) for p in cgroups.sandbox_dirs(self.cgroup_parent, self.cgroup_name)
                 if p.exists()]
         if self.dir.exists():
             left.append(str(self.dir))

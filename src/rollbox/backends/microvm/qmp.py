@@ -190,7 +190,13 @@ class QMP:
 @asynccontextmanager
 async def session(path: str | Path, timeout: float = 10.0) -> AsyncIterator[QMP]:
     """One QMP connection for a batch of commands."""
-    q = await QMP.connect(path, timeout)
+    async with connected(await QMP.connect(path, timeout)) as q:
+        yield q
+
+
+@asynccontextmanager
+async def connected(q: QMP) -> AsyncIterator[QMP]:
+    """A batch on a connection made earlier (a spare QEMU's), closed at the end."""
     try:
         yield q
     finally:

@@ -20,6 +20,11 @@ fsync'd, and restores map it copy-on-write from a read-only fd on a read-only bi
 templates and their clones have no free-page reporting (QEMU can not discard a read-only
 file's RAM). With an older QEMU a restore copies the saved RAM, as before.
 
+Page map (copy templates): after the save, the build VM's stopped QEMU is asked which pages of
+its guest RAM hold data (``ram.data_pages``), kept as ``pages``; spare QEMUs fault those in
+before a restore loads the state into them (``spares.py``, ``ram.py``). A hint only: a missing
+or wrong map makes a restore slower or a spare bigger, never another guest.
+
 Key (:class:`TemplateKey`): the layer digests, the disk size, the guest artifacts' digest
 (kernel, initramfs: file contents, and ``manifest.json`` when there is one), QEMU's version and
 the exact QEMU argv (vCPUs, memory, accelerator, TSC rate, kernel command line, devices). Any
@@ -30,7 +35,8 @@ read-only layers before any user command, so a template is shared only by sandbo
 boot the very same guest.
 
 Cache (:class:`TemplateCache`): ``<data dir>/vm-templates/<key digest>/`` holds ``meta.json``
-(written last: a dir without it is an unfinished build, removed) and ``state``; the disk is
+(written last: a dir without it is an unfinished build, removed), ``state`` and ``pages``
+(copy templates); the disk is
 subvolume ``tpl-<digest>`` of the disk pool. Bounded by count and bytes (state + the disk's
 allocated bytes), least recently used first out; a template in use by a restore under way is
 never evicted (it goes when the last user is done). Concurrent creates of one key wait for one
@@ -61,6 +67,7 @@ from rollbox.agent.protocol import ExecRequest
 from rollbox.backends.base import ResolvedSpec
 from rollbox.backends.container.disk import CACHE_PREFIX
 from rollbox.backends.microvm import qemu, qmp
+from rollbox.backends.microvm import ram as ram_mod
 from rollbox.backends.microvm.jail import Jail
 from rollbox.backends.microvm.steps import Steps, teardown_after, to_the_end
 from rollbox.errors import InfraError
@@ -72,9 +79,11 @@ log = logging.getLogger(__name__)
 
 STATE_NAME = "state"
 RAM_NAME = "ram"              # the guest's RAM as saved (templates with shared RAM only)
+PAGES_NAME = "pages"          # which pages of the saved RAM hold data (copy templates: ram.py)
 META_NAME = "meta.json"
 DISK_PREFIX = CACHE_PREFIX    # pool subvolumes of templates: the pool's cache (see disk.py)
 BUILD_PREFIX = "tplb-"        # sandbox ids of build VMs (jail dirs, cleaned at start)
+SPARE_PREFIX = "tplp-"        # ids of spare QEMUs (spares.py; jail dirs and disks cleaned at start)
 META_VERSION = 1
 MIGRATION_POLL_S = 0.005
 ENTROPY_BYTES = 256
@@ -200,6 +209,10 @@ class Template:
         return self.dir / RAM_NAME
 
     @property
+    def pages_path(self) -> Path:
+        return self.dir / PAGES_NAME
+
+    @property
     def size(self) -> int:
         return self.state_bytes + self.disk_bytes + self.ram_bytes
 
@@ -221,15 +234,18 @@ Builder = Callable[[TemplateKey, Path, str], Awaitable[Built]]
 class TemplateCache:
     """The node's templates: on disk under ``root``, bounded by ``max_count`` and
     ``max_bytes``, least recently used evicted first. ``remove_disk(disk_id)`` deletes a
-    template's disk subvolume (returns what is left)."""
+    template's disk subvolume (returns what is left); ``on_drop(tpl)`` hears of every template
+    dropped (evicted, bad, cleared)."""
 
     def __init__(self, root: Path, max_count: int, max_bytes: int,
-                 remove_disk: Callable[[str], list[str]], retry_s: float = 60.0) -> None:
+                 remove_disk: Callable[[str], list[str]], retry_s: float = 60.0,
+                 on_drop: Callable[[Template], None] | None = None) -> None:
         self.root = root
         self.max_count = max_count
         self.max_bytes = max_bytes
         self.retry_s = retry_s
         self._remove_disk = remove_disk
+        self._on_drop = on_drop  # a template is forgotten (its spares go: spares.py)
         self._templates: dict[str, Template] = {}
         self._building: dict[str, asyncio.Future[Template | None]] = {}
         self._failed: dict[str, float] = {}   # digest -> monotonic time of the failed build
@@ -399,6 +415,8 @@ class TemplateCache:
         if not tpl.dropped:
             log.log(logging.WARNING if bad else logging.INFO, "vm template %s dropped: %s",
                     tpl.digest[:12], why)
+            if self._on_drop is not None:
+                self._on_drop(tpl)
         tpl.dropped = True
         if tpl.users <= 0:
             self._delete(tpl)
@@ -451,7 +469,8 @@ class VmTemplates:
         self.backend = backend
         self.cache = TemplateCache(s.vm_template_dir, s.vm_template_max_count,
                                    s.vm_template_max_bytes, backend.disks.remove_rw,
-                                   retry_s=s.vm_template_retry_s)
+                                   retry_s=s.vm_template_retry_s,
+                                   on_drop=lambda tpl: backend.spares.forget(tpl.digest))
 
     def recover(self) -> None:
         """Node start: templates of a previous edge are kept (their disks checked), build VMs
@@ -460,7 +479,8 @@ class VmTemplates:
         disks = self.backend.disks
         ids = disks.pool.ids() if disks.pool.exists() else set()
         for disk_id in ids:
-            if disk_id.startswith(BUILD_PREFIX):  # a build VM's disk whose jail was gone
+            # a build VM's or spare's disk whose jail was gone (no spare runs yet)
+            if disk_id.startswith((BUILD_PREFIX, SPARE_PREFIX)):
                 disks.remove_rw(disk_id)
         self.cache.load(ids)
 
@@ -539,6 +559,13 @@ class VmTemplates:
                     os.close(fd)
                 await q.migrate("fd:template")
                 await wait_migration(q, timeout_s)
+            if ram is None:  # QEMU stopped: its guest RAM is the saved RAM
+                pages = await asyncio.to_thread(ram_mod.data_pages, vm.pid,
+                                                build.memory_mib << 20)
+                if pages is not None:
+                    await asyncio.to_thread(ram_mod.write_page_map, staging / PAGES_NAME, pages)
+                else:
+                    log.info("vm template %s: no page map (guest RAM not found)", key.digest[:12])
             # to its end: a clone made after the cache removed the template's disk would stay
             disk_bytes = await to_the_end(asyncio.to_thread(self._keep_disk, build_id, disk_id))
         except BaseException as exc:
@@ -615,17 +642,22 @@ class VmTemplates:
         return os.stat(path).st_blocks * 512
 
     async def load(self, tpl: Template, jail: Jail, timeout_s: float,
-                   steps: Steps | None = None) -> None:
+                   steps: Steps | None = None, monitor: qmp.QMP | None = None) -> None:
         """Restore step of a QEMU started with ``-incoming defer``: the saved state through an
-        fd, then run. TemplateLoadError if QEMU refuses or dies (it exits on a bad stream)."""
+        fd, then run. TemplateLoadError if QEMU refuses or dies (it exits on a bad stream).
+        ``monitor``: QEMU's QMP, connected already (a spare's; closed here)."""
         try:
             fd = os.open(tpl.state_path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
+            if monitor is not None:
+                monitor.close()
             raise TemplateLoadError(f"template state unreadable: {exc}") from exc
         try:
             steps = steps or Steps()
-            async with qmp.session(jail.socket_path("qmp"), timeout_s) as q:
-                steps.lap("qmp_connect")
+            async with qmp.connected(monitor) if monitor is not None \
+                    else qmp.session(jail.socket_path("qmp"), timeout_s) as q:
+                if monitor is None:
+                    steps.lap("qmp_connect")
                 if tpl.shared_ram:
                     await q.ignore_shared_ram()
                 try:
