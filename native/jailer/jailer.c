@@ -2,6 +2,8 @@
  *
  * Shaped after Firecracker's jailer (not copied): the edge runs it as root with everything
  * decided on its command line; it
+ *   0. with --sched idle, takes the SCHED_IDLE policy (passed on to the program and its
+ *      threads: a spare QEMU started ahead of its sandbox; the edge sets it back at claim),
  *   1. joins the sandbox's cgroups (--cgroup DIR, one per hierarchy: limits + cgroup.kill),
  *   2. joins the sandbox's network namespace (--netns PATH) or makes an empty one,
  *   3. unshares pid, mount, ipc and uts namespaces,
@@ -79,6 +81,7 @@ static void usage(void) {
     errno = EINVAL;
     die("usage: rollbox-jailer --root DIR --uid N --gid N --pidfile PATH [--cgroup DIR]... "
         "[--netns PATH] [--ro SRC:DST]... [--rw SRC:DST]... [--dev PATH]... [--keep-fds N] "
+        "[--sched idle|normal] "
         "-- PROGRAM ARGS...");
 }
 
@@ -206,6 +209,7 @@ static void drop_privileges(uid_t uid, gid_t gid) {
 int main(int argc, char **argv) {
     const char *root = NULL, *netns = NULL, *pidfile = NULL;
     long uid = -1, gid = -1, keep_fds = 0;
+    int sched_idle = 0;
     int i = 1;
     for (; i < argc; i++) {
         const char *a = argv[i];
@@ -218,6 +222,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--pidfile")) pidfile = v;
         else if (!strcmp(a, "--netns")) netns = v;
         else if (!strcmp(a, "--keep-fds")) keep_fds = parse_num(v);
+        else if (!strcmp(a, "--sched") && (!strcmp(v, "idle") || !strcmp(v, "normal")))
+            sched_idle = !strcmp(v, "idle");
         else if (!strcmp(a, "--cgroup") && ncgroups < MAX_ITEMS) cgroups_[ncgroups++] = v;
         else if (!strcmp(a, "--dev") && ndevs < MAX_ITEMS) devs[ndevs++] = v;
         else if ((!strcmp(a, "--ro") || !strcmp(a, "--rw")) && nbinds < MAX_ITEMS) {
@@ -236,6 +242,10 @@ int main(int argc, char **argv) {
         usage();
     char **prog = argv + i;
 
+    if (sched_idle) {
+        struct sched_param sp = {0};
+        if (sched_setscheduler(0, SCHED_IDLE, &sp)) die("SCHED_IDLE");
+    }
     join_cgroups();
     if (netns) {
         int fd = open(netns, O_RDONLY | O_CLOEXEC);

@@ -57,6 +57,19 @@ def spare_traces(b: MicroVMBackend, spare_ids: list[str]) -> list[str]:
     return left
 
 
+def cpu_file(settings: Settings, name: str, file: str) -> Path:
+    """A cpu controller file of the cgroup ``name`` (v1 cpu hierarchy or v2)."""
+    for h in cgroups.hierarchies():
+        if h.name == "cpu" or h.name.startswith("cpu,") or cgroups.is_pure_v2():
+            return h / settings.cgroup_parent / name / file
+    raise AssertionError("no cpu hierarchy")
+
+
+def policies(pid: int) -> set[int]:
+    """The scheduling policies of a process's threads."""
+    return {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+
 def settings_with(settings: Settings, tmp_path: Path, **kw: object) -> Settings:
     return replace(settings, vm_step_log=tmp_path / "steps.jsonl", **kw)  # type: ignore[arg-type]
 
@@ -81,6 +94,9 @@ async def test_a_restore_takes_a_spare_that_becomes_the_sandbox(
                 argv = open(f"/proc/{sp.pid}/cmdline").read().split("\0")
                 assert argv[argv.index("-incoming") + 1] == "defer"  # no guest state yet
                 assert sp.pid in cgroups.procs(sp.jail.v2)
+                idle = cpu_file(settings, sp.id, "cpu.idle")
+                assert not idle.exists() or idle.read_text().strip() == "1"  # starts idle
+                assert policies(sp.pid) == {os.SCHED_IDLE}
             if not tpl.shared_ram:  # the page map was made at the build and used
                 pages = ram.read_page_map(tpl.pages_path, 256 << 20)
                 assert pages is not None
@@ -98,6 +114,9 @@ async def test_a_restore_takes_a_spare_that_becomes_the_sandbox(
                 assert vm.jail.cgroup_name == pids[vm.pid]  # the spare's cgroups, kept
                 assert not (b.run_root / pids[vm.pid]).exists()
                 assert (b.usage(vm).memory_bytes or 0) > 0
+                idle = cpu_file(settings, vm.jail.cgroup_name, "cpu.idle")
+                assert not idle.exists() or idle.read_text().strip() == "0"  # a sandbox now
+                assert policies(vm.pid) == {os.SCHED_OTHER}
             lines = [json.loads(x) for x in settings.vm_step_log.read_text().splitlines()]
             steps = {x["id"]: x["steps"] for x in lines}
             assert all("spare_claim" in steps[i] and "jailer_exec" not in steps[i] for i in ids)

@@ -51,7 +51,7 @@ from rollbox.backends.microvm.files import (
     cut_file_ops, in_sandbox_request, mask_hidden, vm_files,
 )
 from rollbox.backends.microvm.jail import (
-    Bind, Jail, Limits, set_cpu_quota, uid_processes, vcpus,
+    Bind, Jail, Limits, set_cpu, set_normal_priority, uid_processes, vcpus,
 )
 from rollbox.backends.microvm.spares import Recipe, Spare, Spares
 from rollbox.backends.microvm.steps import Steps, teardown_after, to_the_end
@@ -547,9 +547,10 @@ class MicroVMBackend:
             self._cgroup_names[sandbox_id] = jail.cgroup_name
             if len(self._cgroup_names) > 4096:
                 del self._cgroup_names[next(iter(self._cgroup_names))]
-            if spec.resources.cpus != spare.cpus:
-                await asyncio.to_thread(set_cpu_quota, self.settings.cgroup_parent,
-                                        jail.cgroup_name, spec.resources.cpus)
+            # normal CPU priority (a spare starts at idle) and the quota the create asked for
+            await asyncio.to_thread(set_cpu, self.settings.cgroup_parent, jail.cgroup_name,
+                                    spec.resources.cpus)
+            await asyncio.to_thread(set_normal_priority, spare.pid)
             steps.lap("spare_claim")
             vm = await self._resume(sandbox_id, spare.slot, spare.host_uid, jail, spare.pid,
                                     spare.machine, spec.env, timeout_s, template, steps,
@@ -599,17 +600,19 @@ class MicroVMBackend:
 
     async def spawn_qemu(self, jail: Jail, machine: qemu.MachineSpec, binds: list[Bind],
                          host_uid: int, cpus: float, *, netns: Path | None = None,
-                         tap_fd: int = -1, steps: Steps | None = None) -> int:
+                         tap_fd: int = -1, steps: Steps | None = None,
+                         idle: bool = False) -> int:
         """QEMU of ``machine`` (its argv as is: ``incoming`` for a restore) in a new jail;
-        its pid once it has exec'd."""
+        its pid once it has exec'd. ``idle``: its cgroup at idle CPU priority (a spare)."""
         devices = ("/dev/kvm",) if machine.accel == "kvm" else ()
         argv = qemu.argv(machine, str(self.settings.qemu_binary))
         sockets = await to_the_end(asyncio.to_thread(jail.prepare), dispose=_close_sockets)
         if steps is not None:
             steps.lap("jail_dir")
         try:
-            return await jail.spawn(self.settings.vm_jailer, argv, host_uid,
-                                    self.limits_for(machine, cpus), binds, sockets,
+            limits = replace(self.limits_for(machine, cpus), idle=idle)
+            return await jail.spawn(self.settings.vm_jailer, argv, host_uid, limits, binds,
+                                    sockets,
                                     devices=devices, netns=netns,
                                     extra_fds=(tap_fd,) if tap_fd >= 0 else (), steps=steps)
         finally:

@@ -62,6 +62,7 @@ class Limits:
     memory_bytes: int     # guest RAM + QEMU's own overhead
     cpus: float           # CFS quota in cores
     pids: int             # QEMU's threads
+    idle: bool = False    # the cgroup at idle CPU priority (cpu.idle: a spare QEMU's start)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ def make_cgroups(parent: str, sandbox_id: str, limits: Limits) -> list[Path]:
                 (v2 / "memory.swap.max").write_text("0")
             (v2 / "cpu.max").write_text(f"{quota} {period}")
             (v2 / "pids.max").write_text(str(limits.pids))
+            _write_cpu_idle(v2, limits.idle)
         else:
             mem = dirs["memory"]
             (mem / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
@@ -120,23 +122,52 @@ def make_cgroups(parent: str, sandbox_id: str, limits: Limits) -> list[Path]:
             (dirs["cpu"] / "cpu.cfs_period_us").write_text(str(period))
             (dirs["cpu"] / "cpu.cfs_quota_us").write_text(str(quota))
             (dirs["pids"] / "pids.max").write_text(str(limits.pids))
+            _write_cpu_idle(dirs["cpu"], limits.idle)
     except (OSError, KeyError) as exc:
         raise InfraError(f"cgroups of {sandbox_id} not made: {exc}") from exc
     return list(dirs.values())
 
 
-def set_cpu_quota(parent: str, name: str, cpus: float) -> None:
-    """Change the CFS quota of the cgroup ``name`` made by :func:`make_cgroups` to ``cpus``
-    cores (a spare started for a template's vCPU count, claimed by a sandbox that asked for a
-    fraction of them)."""
+def _write_cpu_idle(cpu_dir: Path, idle: bool) -> None:
+    """cpu.idle of a cgroup (5.15+: the group runs only on CPU time nothing else wants);
+    without it a spare starts at normal priority."""
+    try:
+        (cpu_dir / "cpu.idle").write_text("1" if idle else "0")
+    except FileNotFoundError:
+        if idle:
+            log.debug("no cpu.idle in %s", cpu_dir)
+
+
+def set_normal_priority(pid: int) -> None:
+    """Every thread of ``pid`` (a spare QEMU started at SCHED_IDLE, claimed) back to the
+    normal policy; threads it starts later inherit it."""
+    for _ in range(3):  # a thread started meanwhile by one not yet changed: once more
+        changed = 0
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                if os.sched_getscheduler(int(tid)) != os.SCHED_OTHER:
+                    os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+                    changed += 1
+            except (ProcessLookupError, PermissionError):
+                continue  # gone meanwhile
+        if not changed:
+            return
+
+
+def set_cpu(parent: str, name: str, cpus: float, idle: bool = False) -> None:
+    """The CFS quota (``cpus`` cores) and idle priority of the cgroup ``name`` made by
+    :func:`make_cgroups` (a spare, started at idle priority for its template's vCPU count,
+    claimed by a sandbox: normal priority, the quota it asked for)."""
     dirs = _controller_dirs(parent, name)
     try:
         if cgroups.is_pure_v2():
             (dirs["v2"] / "cpu.max").write_text(f"{_cfs_quota_us(cpus)} {CFS_PERIOD_US}")
+            _write_cpu_idle(dirs["v2"], idle)
         else:
             (dirs["cpu"] / "cpu.cfs_quota_us").write_text(str(_cfs_quota_us(cpus)))
+            _write_cpu_idle(dirs["cpu"], idle)
     except (OSError, KeyError) as exc:
-        raise InfraError(f"CPU quota of {name} not set: {exc}") from exc
+        raise InfraError(f"CPU limits of {name} not set: {exc}") from exc
 
 
 class QemuLog:
@@ -333,6 +364,8 @@ class Jail:
                 "--keep-fds", str(len(sockets) + len(extra_fds))]
         for d in cg_dirs:
             args += ["--cgroup", str(d)]
+        if limits.idle:  # the jailer and QEMU at SCHED_IDLE too, not only the cgroup
+            args += ["--sched", "idle"]
         if netns is not None:
             args += ["--netns", str(netns)]
         for dev in devices:
