@@ -196,7 +196,8 @@ class Spares:
             if not self._wanted and not self._ready:
                 return
             try:
-                await asyncio.wait_for(self._wake.wait(), max(1.0, min(CHECK_S, self.idle_s)))
+                async with asyncio.timeout(max(1.0, min(CHECK_S, self.idle_s))):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
 
