@@ -8,11 +8,12 @@ cgroup parent, node id, uid range; the node's images and guest artifacts read-on
 1. ``restore``: create -> first ``exec(["true"])`` with templates (the template of the key is
    built by a warm-up create first, not timed), p50/p99 over ``n`` sequential creates, and
    ``restore_breakdown_p50_ms``: the p50 of each step of the backend's create (the server's
-   ``vm_step_log``: template lookup, disk clone, jail, cgroups, jailer, QMP up, state load,
-   cont, agent connect, make_unique, ...), ``edge_and_api`` (the client's create time minus
-   the backend's), the client's ``create`` and ``first_exec``, and ``second_exec`` (the same
-   command again: first - second is what a fresh QEMU pays to translate the guest's code
-   again under TCG).
+   ``vm_step_log``: template lookup, disk clone, jail, cgroups, jailer, QMP up, or
+   ``spare_claim`` for a restore into a spare QEMU (``restore_into_spare`` counts those),
+   state load, cont, agent connect, make_unique, ...), ``edge_and_api`` (the client's create
+   time minus the backend's), the client's ``create`` and ``first_exec``, and ``second_exec``
+   (the same command again: first - second is what a fresh QEMU pays to translate the
+   guest's code again under TCG).
 2. ``exec``: ``exec(["true"])`` round trip through the SDK in one live VM, p50/p99; beside it
    the guest-side cost of one fork+exec+wait of ``/bin/true`` (a busybox shell loop timed inside
    the guest with its own clock), which no host-side change can take away.
@@ -733,9 +734,13 @@ async def restore_phase(srv: Server, client: Any, quick: bool, res: dict[str, An
     res["restore_first_exec_p50_ms"], res["restore_first_exec_p99_ms"] = r["p50_ms"], r["p99_ms"]
     res["restore_errors"] = r["errors"]
     say(f"restore -> first exec p50 {r['p50_ms']:.0f} ms p99 {r['p99_ms']:.0f} ms")
-    res["restore_breakdown_p50_ms"] = create_breakdown(srv.step_lines(), r["client_ms"],
-                                                       "restore")
-    say(f"restore breakdown p50 ms: {res['restore_breakdown_p50_ms']}")
+    lines = srv.step_lines()
+    res["restore_breakdown_p50_ms"] = create_breakdown(lines, r["client_ms"], "restore")
+    # how many of them restored into a spare QEMU of the template (backends/microvm/spares.py)
+    res["restore_into_spare"] = sum(1 for x in lines if x.get("id") in r["client_ms"]
+                                    and "spare_claim" in x.get("steps", {}))
+    say(f"restore breakdown p50 ms: {res['restore_breakdown_p50_ms']} "
+        f"({res['restore_into_spare']} of {len(r['client_ms'])} into a spare QEMU)")
 
 
 async def exec_phase(client: Any, quick: bool, res: dict[str, Any]) -> None:
