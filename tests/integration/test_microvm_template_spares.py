@@ -228,3 +228,51 @@ def _parts(settings: Settings) -> tuple:  # noqa: ANN401
     return (UidSlots(settings.uid_base, settings.uid_slots), ImageStore(settings.images_dir),
             DiskPool(settings))
 
+
+
+async def cancel_at(b: MicroVMBackend, create: asyncio.Task, step: str) -> None:
+    """Cancel ``create`` as it ends the restore step ``step`` (the step clock of its create,
+    steps.py): before the next one starts."""
+    from rollbox.backends.microvm import steps as S
+
+    lap = S.Steps.lap
+
+    def lap_then_cancel(self: S.Steps, name: str) -> None:
+        lap(self, name)
+        if name == step:
+            create.cancel()
+
+    S.Steps.lap = lap_then_cancel  # type: ignore[method-assign]
+    try:
+        for _ in range(100000):
+            if create.done() or create.cancelling():
+                break
+            await asyncio.sleep(0.001)
+    finally:
+        S.Steps.lap = lap  # type: ignore[method-assign]
+    if create.done() and not create.cancelled():
+        await b.destroy(create.result())
+        raise AssertionError(f"the create was done before {step}")
+
+
+async def test_a_create_cancelled_while_it_restores_into_a_spare_leaves_nothing(
+        vm_template_node: Settings, tmp_path: Path) -> None:
+    """Cancels a create as it has claimed a spare (disk and jail dir renamed), loaded the state
+    into it, and reached its agent: the create ends cancelled, and nothing of the sandbox or of
+    the spare it took is left."""
+    settings = settings_with(vm_template_node, tmp_path)
+    spec = template_spec(settings)
+    async with vm_backend(settings) as b:
+        await b.destroy(await b.create(f"{settings.node_id}-k0", spec))
+        for n, point in enumerate(("spare_claim", "state_load", "agent_connect")):
+            (sp,) = await ready_spares(b, 1)
+            sid = f"{settings.node_id}-k{n + 1}"
+            create = asyncio.ensure_future(b.create(sid, spec))
+            await cancel_at(b, create, point)
+            with pytest.raises(asyncio.CancelledError):
+                await create
+            assert b.leftovers(sid) == [], point
+            assert not os.path.exists(f"/proc/{sp.pid}") or \
+                open(f"/proc/{sp.pid}/stat").read().split()[2] in "ZX"
+            assert sp.id not in b.disks.pool.ids() and not (b.run_root / sp.id).exists()
+            assert not [p for p in cgroups.leftover(settings.cgroup_parent) if p.name == sp.id]

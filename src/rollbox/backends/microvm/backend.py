@@ -540,9 +540,11 @@ class MicroVMBackend:
         become the sandbox's, its CPU quota the create's; the state load onwards as any
         restore. Everything torn down on failure."""
         jail = spare.jail
-        try:
-            await asyncio.to_thread(self.disks.pool.rename, spare.id, sandbox_id)
-            jail = await asyncio.to_thread(spare.jail.renamed, sandbox_id)
+        renamed: list[Jail] = []  # the renamed jail, also when a cancellation came meanwhile
+        try:  # the renames run to their end (to_the_end): the teardown must find what it names
+            await to_the_end(asyncio.to_thread(self.disks.pool.rename, spare.id, sandbox_id))
+            jail = await to_the_end(asyncio.to_thread(spare.jail.renamed, sandbox_id),
+                                    dispose=renamed.append)
             self._cgroup_names.pop(sandbox_id, None)
             self._cgroup_names[sandbox_id] = jail.cgroup_name
             if len(self._cgroup_names) > 4096:
@@ -559,11 +561,19 @@ class MicroVMBackend:
             return vm
         except BaseException as exc:
             spare.monitor.close()
-            await asyncio.shield(self.teardown(sandbox_id, jail, spare.slot, spare.pid))
-            await asyncio.to_thread(self.disks.remove_rw, spare.id)  # if not renamed yet
+            await teardown_after(exc, self._spare_teardown(sandbox_id, (renamed or [jail])[0],
+                                                           spare))
             if isinstance(exc, (InfraError, BadRequest)) or not isinstance(exc, Exception):
                 raise
             raise InfraError(f"microVM {sandbox_id} not created: {exc}") from exc
+
+    async def _spare_teardown(self, sandbox_id: str, jail: Jail, spare: Spare) -> None:
+        """A claim that failed: everything of the sandbox, and the spare's disk if the rename
+        did not happen."""
+        await self.teardown(sandbox_id, jail, spare.slot, spare.pid)
+        left = await asyncio.to_thread(self.disks.remove_rw, spare.id)
+        if left:
+            raise InfraError(f"teardown of {sandbox_id} incomplete", problems=left)
 
     async def _sandbox_ready(self, vm: MicroVM, spec: ResolvedSpec,
                              net: vmnet.VmNetwork | None, steps: Steps, kind: str) -> None:

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from rollbox.backends.microvm import qemu, qmp, ram
 from rollbox.backends.microvm.jail import Jail
+from rollbox.backends.microvm.steps import to_the_end
 from rollbox.backends.microvm.template import SPARE_PREFIX, Template
 from rollbox.edge.admission import host_memory_mib, node_reserve_mib
 from rollbox.errors import InfraError
@@ -144,6 +145,7 @@ class Spares:
             if spare.jail.alive(spare.pid):
                 if not lst:
                     del self._ready[digest]
+                self._kick()  # refilled once no create is in flight, however this one ends
                 return spare
             log.warning("spare QEMU %s of template %s is gone: torn down", spare.id,
                         digest[:12])
@@ -265,16 +267,20 @@ class Spares:
         pid: int | None = None
         try:
             layer_files = await b.disks.layer_files(list(recipe.layers))
-            rw = await asyncio.to_thread(b.disks.clone_rw, recipe.disk_id, spare_id, host_uid)
+            # each step that makes something on the host to its end (a stop cancels a start
+            # under way: the teardown then sees all it made)
+            rw = await to_the_end(asyncio.to_thread(b.disks.clone_rw, recipe.disk_id, spare_id,
+                                                    host_uid))
             binds = b.binds_for(machine, layer_files, rw, clone_ram=recipe.ram_file)
             pid = await b.spawn_qemu(jail, machine, binds, host_uid, recipe.cpus, idle=True)
-            monitor = await qmp.QMP.connect(jail.socket_path("qmp"),
-                                            b.settings.vm_boot_timeout_s)
+            monitor = await to_the_end(qmp.QMP.connect(jail.socket_path("qmp"),
+                                                       b.settings.vm_boot_timeout_s),
+                                       dispose=qmp.QMP.close)
             pages = ram.read_page_map(recipe.pages, machine.memory_mib << 20) \
                 if recipe.pages is not None else None
             if machine.ram != qemu.RAM_CLONE:  # a clone's RAM is the template's file
-                await asyncio.to_thread(at_idle_priority, ram.prefault, pid,
-                                        machine.memory_mib << 20, pages)
+                await to_the_end(asyncio.to_thread(at_idle_priority, ram.prefault, pid,
+                                                   machine.memory_mib << 20, pages))
         except BaseException as exc:
             if isinstance(exc, Exception):  # any failure: no spare, retried later
                 log.warning("spare QEMU of template %s not started: %s", digest[:12], exc)
