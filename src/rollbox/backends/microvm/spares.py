@@ -18,9 +18,10 @@ state load (``backend.py``). A spare whose QEMU is gone is torn down, never clai
 
 Policy: ``vm_template_spares`` spares for each template creates restore from (0: none), at most
 ``vm_template_spares_max`` in all, the most recently used templates first. One spare is started
-at a time, only when no create of the backend is in flight (a spare's start is CPU that a
-restore under way would wait for on this host), and only while host MemAvailable stays above
-the node's reserve plus the spare's memory limit. A template's spares are stopped when it is
+at a time, only when no create of the backend is in flight, at idle CPU priority until a
+create claims it (cgroup ``cpu.idle``, SCHED_IDLE: a refill never slows a sandbox), and only
+while the sandboxes' parent memory cgroup (host RAM minus the node's reserve, set by the edge)
+and host MemAvailable have room for the spare's whole memory limit. A template's spares are stopped when it is
 dropped (evicted, bad, cache cleared: :meth:`forget`) or no create restored from it for
 ``vm_template_spare_idle_s``; all of them at :meth:`stop` (edge stop). A spare is no sandbox:
 its id starts with :data:`~rollbox.backends.microvm.template.SPARE_PREFIX` (never a node id), it
@@ -51,7 +52,6 @@ from rollbox.backends.microvm import qemu, qmp, ram
 from rollbox.backends.microvm.jail import Jail
 from rollbox.backends.microvm.steps import to_the_end
 from rollbox.backends.microvm.template import SPARE_PREFIX, Template
-from rollbox.edge.admission import host_memory_mib, node_reserve_mib
 from rollbox.errors import InfraError
 from rollbox.isolation import cgroups
 
@@ -244,16 +244,22 @@ class Spares:
                 self._ready.setdefault(digest, []).append(spare)
 
     def _room(self, recipe: Recipe) -> bool:
-        """Whether host memory has room for one more spare above the node's reserve."""
+        """Whether memory has room for one more spare's whole limit: in the sandboxes' parent
+        cgroup (the edge limits it to host RAM minus the node's reserve) and in host
+        MemAvailable above ``memory_reserve_mib`` when that is set."""
         b = self.backend
-        limit_mib = b.limits_for(recipe.machine, recipe.cpus).memory_bytes >> 20
+        need = b.limits_for(recipe.machine, recipe.cpus).memory_bytes
+        parent = b.settings.cgroup_parent
+        limit, used = cgroups.memory_limit(parent), cgroups.memory_usage(parent)
+        if limit is not None and limit - (used or 0) < need:
+            return False
         try:
             with open("/proc/meminfo", "rb") as f:
-                avail = next(int(line.split()[1]) >> 10 for line in f
+                avail = next(int(line.split()[1]) << 10 for line in f
                              if line.startswith(b"MemAvailable:"))
         except (OSError, StopIteration, ValueError):
             return False
-        return avail - limit_mib >= node_reserve_mib(b.settings, host_memory_mib())
+        return avail - need >= (b.settings.memory_reserve_mib or 0) << 20
 
     async def _start(self, digest: str, recipe: Recipe) -> Spare | None:
         """One spare of the template (None: it did not start, logged, nothing left)."""
