@@ -214,7 +214,7 @@ class NodeRestarts:
         try:
             await edge.close(destroy=False)
         finally:
-            edge.leases.close()
+            _close_leases(edge)
 
     async def close(self) -> None:
         try:
@@ -223,9 +223,15 @@ class NodeRestarts:
             try:
                 await self.edge.close(destroy=True)
             finally:
-                self.edge.leases.close()
+                _close_leases(self.edge)
         finally:
             self.events.close()
+
+
+def _close_leases(edge) -> None:  # noqa: ANN001 - an Edge
+    """The lease store the edge was given (a test may set ``restarts.edge`` to one without)."""
+    if edge.leases is not None:
+        edge.leases.close()
 
 
 @pytest.fixture
