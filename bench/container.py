@@ -11,7 +11,6 @@ The last line of ``--json`` is one JSON object.
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import subprocess
 import tarfile
@@ -184,16 +183,12 @@ async def unhardened_c8(quick: bool, url: str, key: str) -> dict[str, Any]:
 
 
 def hardening_overhead(quick: bool, res: dict[str, Any]) -> None:
-    """Same create/exec/destroy at c8 against a server whose sandboxes are all unhardened (env
-    switch read by the container backend; only this benchmark sets it, only for that server)."""
+    """Same create/exec/destroy at c8 against a server whose sandboxes are all unhardened (the
+    node's unhardened_for_bench; only this benchmark sets it, only for that server)."""
     from rollbox.backends.container.sandbox import UNHARDENED_ENV
 
-    os.environ[UNHARDENED_ENV] = "1"
-    try:
-        with server_process() as (url, key):
-            r = asyncio.run(unhardened_c8(quick, url, key))
-    finally:
-        del os.environ[UNHARDENED_ENV]
+    with server_process(env={UNHARDENED_ENV: "1"}) as (url, key):
+        r = asyncio.run(unhardened_c8(quick, url, key))
     res["unhardened_per_s_c8"] = r["per_s"]
     hardened_share = ratio(res["create_exec_destroy_per_s_c8"], r["per_s"])
     res["hardening_overhead"] = 1 - hardened_share if hardened_share is not None else None

@@ -82,10 +82,11 @@ async def _run(edge: Any, cmd: str) -> None:
         await edge.delete(sb.id)
 
 
-CHUNK_SIZE = int(os.environ.get("ROLLBOX_LAZY_CHUNK_SIZE", str(256 << 10)))
+CHUNK_SIZE = 256 << 10  # of the pushes measured (--chunk-size)
 
 
-async def _prepare(tmp: Path, image: str) -> tuple[ImageStore, str, list[str], dict[str, Any]]:
+async def _prepare(tmp: Path, image: str, chunk_size: int = CHUNK_SIZE
+                   ) -> tuple[ImageStore, str, list[str], dict[str, Any]]:
     """Push ``image``'s layers from the node's store to a private dir:// store."""
     node = ImageStore(Settings().images_dir)
     img = node.resolve(image)
@@ -95,7 +96,7 @@ async def _prepare(tmp: Path, image: str) -> tuple[ImageStore, str, list[str], d
     url = f"dir://{tmp}/chunks"
     dst = chunks.open_store(url)
     for layer in img.layers:
-        await chunks.push_layer(origin, layer, dst, chunk_size=CHUNK_SIZE)
+        await chunks.push_layer(origin, layer, dst, chunk_size=chunk_size)
     return origin, url, list(img.layers), img.config
 
 
@@ -115,11 +116,11 @@ async def _lazy_store(tmp: Path, name: str, url: str, layers: list[str],
     return store
 
 
-async def share(image: str = "python:3.11") -> dict[str, Any]:
+async def share(image: str = "python:3.11", chunk_size: int = CHUNK_SIZE) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="rollbox-lazym-"))
     os.chmod(tmp, 0o711)
     try:
-        _origin, url, layers, config = await _prepare(tmp, image)
+        _origin, url, layers, config = await _prepare(tmp, image, chunk_size)
         store = await _lazy_store(tmp, "lazy", url, layers, config)
         try:
             async with _edge(tmp, store) as edge:
@@ -139,12 +140,13 @@ async def share(image: str = "python:3.11") -> dict[str, Any]:
 
 
 async def burst(n: int = 16, latency_ms: float = 2.0, image: str = "python:3.11",
-                modes: tuple[str, ...] = ("full", "lazy")) -> dict[str, Any]:
+                modes: tuple[str, ...] = ("full", "lazy"), chunk_size: int = CHUNK_SIZE
+                ) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="rollbox-lazym-"))
     os.chmod(tmp, 0o711)
     out: dict[str, Any] = {"sandboxes": n, "latency_ms": latency_ms, "image": image}
     try:
-        _origin, url, layers, config = await _prepare(tmp, image)
+        _origin, url, layers, config = await _prepare(tmp, image, chunk_size)
         slow_url = f"{url}?latency_ms={latency_ms:g}"
         for mode in modes:
             if mode == "full":
@@ -202,11 +204,12 @@ def _read_tree(root: Path) -> int:
     return total
 
 
-async def cached(image: str = "debian:bookworm", rounds: int = 3) -> dict[str, Any]:
+async def cached(image: str = "debian:bookworm", rounds: int = 3,
+                 chunk_size: int = CHUNK_SIZE) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="rollbox-lazym-"))
     os.chmod(tmp, 0o711)
     try:
-        origin, url, layers, config = await _prepare(tmp, image)
+        origin, url, layers, config = await _prepare(tmp, image, chunk_size)
         layer = layers[-1]
         store = await _lazy_store(tmp, "lazy", url, [layer], config)
         loader = LazyLoader(store)
@@ -245,13 +248,15 @@ def main() -> None:
     ap.add_argument("--image", default=None)
     ap.add_argument("-n", type=int, default=16)
     ap.add_argument("--latency-ms", type=float, default=2.0)
+    ap.add_argument("--chunk-size", type=int, default=CHUNK_SIZE, help="bytes per pushed chunk")
     args = ap.parse_args()
     if args.what == "share":
-        res = asyncio.run(share(args.image or "python:3.11"))
+        res = asyncio.run(share(args.image or "python:3.11", args.chunk_size))
     elif args.what == "burst":
-        res = asyncio.run(burst(args.n, args.latency_ms, args.image or "python:3.11"))
+        res = asyncio.run(burst(args.n, args.latency_ms, args.image or "python:3.11",
+                                chunk_size=args.chunk_size))
     else:
-        res = asyncio.run(cached(args.image or "debian:bookworm"))
+        res = asyncio.run(cached(args.image or "debian:bookworm", chunk_size=args.chunk_size))
     emit(res, json_out=True, digits=None)
 
 

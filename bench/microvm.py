@@ -19,11 +19,11 @@ cgroup parent, node id, uid range; the node's images and guest artifacts read-on
    the guest with its own clock), which no host-side change can take away.
 3. ``cycles``: create -> exec ``true`` -> destroy at concurrency 1 and 8 (restore path).
 4. ``cold``: the same create -> first exec with templates off (a second server,
-   ``ROLLBOX_MICROVM_TEMPLATES=0``), p50/p99, and the boot breakdown the guest reports (QEMU
+   ``ROLLBOX_VM_TEMPLATES=0``), p50/p99, and the boot breakdown the guest reports (QEMU
    start, kernel, modules, mounts, agent ready) from the agent's timestamps.
 5. ``idle``: host memory per idle VM = drop of MemAvailable / N after 10 s idle, with the
    balloon's free-page reporting (the default) and without (a server with
-   ``ROLLBOX_MICROVM_FREE_PAGE_REPORTING=0``).
+   ``ROLLBOX_VM_FREE_PAGE_REPORTING=0``).
 6. ``density``: idle VMs created at most ``DENSITY_CONCURRENCY`` at a time until
    ``DENSITY_MAX``, until MemAvailable less what the creates in flight will take would cross
    the host reserve (``HOST_RESERVE_MIB``), or after ``DENSITY_FAILURES`` failed creates in a

@@ -1,7 +1,7 @@
-"""No module of rollbox but ``rollbox.config`` reads a ``ROLLBOX_*`` variable: settings are
-read in one place, when a Settings is made, and handed to the code that needs them (a read
-elsewhere is a setting ``rollbox config`` does not show, and a read at import time ignores a
-later change). Caught forms: ``os.environ.get``/``[...]``/``setdefault``/``pop``,
+"""No module of rollbox (nor a benchmark) but ``rollbox.config`` reads a ``ROLLBOX_*``
+variable: settings are read in one place, when a Settings is made, and handed to the code that
+needs them (a read elsewhere is a setting ``rollbox config`` does not show, and a read at import
+time ignores a later change). Caught forms: ``os.environ.get``/``[...]``/``setdefault``/``pop``,
 ``os.getenv``, ``in os.environ`` (also ``environ`` imported from os), with the name as a
 literal, an f-string or a module constant, and typer's ``envvar=``."""
 from __future__ import annotations
@@ -10,6 +10,7 @@ import ast
 from pathlib import Path
 
 import rollbox
+from rollbox.config import REPO_ROOT
 
 ENVIRON = {"os.environ", "environ"}
 GETTERS = {"os.getenv", "getenv"}
@@ -69,13 +70,14 @@ def env_reads(path: Path) -> list[int]:
 
 
 def _reads() -> dict[str, list[int]]:
+    """Reads in rollbox's modules (named relative to the package) and in the benchmarks
+    (``bench/...``), which give their servers variables in the child's environment instead."""
     src = Path(rollbox.__file__).parent
-    found = {}
-    for path in sorted(src.rglob("*.py")):
-        rel = path.relative_to(src).as_posix()
-        if rel not in ALLOWED and (lines := env_reads(path)):
-            found[rel] = lines
-    return found
+    paths = [(p, p.relative_to(src).as_posix()) for p in sorted(src.rglob("*.py"))]
+    paths += [(p, p.relative_to(REPO_ROOT).as_posix())
+              for p in sorted((REPO_ROOT / "bench").rglob("*.py"))]
+    return {rel: lines for path, rel in paths
+            if rel not in ALLOWED and (lines := env_reads(path))}
 
 
 def test_only_config_reads_rollbox_variables() -> None:
