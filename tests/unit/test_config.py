@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -204,3 +205,19 @@ def test_a_server_child_gets_the_settings_and_variables_it_is_given(
     finally:
         for srv in (own, scratch, plain):
             srv.log.unlink(missing_ok=True)
+
+
+# ROLLBOX_ names the docs may use that are no node setting: the SDK's client defaults, what a
+# sandbox's own environment carries, and docs/mirrors.md's not-implemented allow list.
+NOT_SETTINGS = {"ROLLBOX_URL", "ROLLBOX_API_KEY", "ROLLBOX_LANDLOCK_DENY", "ROLLBOX_DEBIAN_MIRROR",
+                "ROLLBOX_PYPI_MIRROR_ALLOW"}
+
+
+def test_the_docs_name_only_declared_variables() -> None:
+    declared = {v.env for v in VARS.values()}
+    named = {}
+    for doc in [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").rglob("*.md"))]:
+        for name in re.findall(r"ROLLBOX_[A-Z0-9_]*[A-Z0-9]", doc.read_text()):
+            named.setdefault(name, doc.relative_to(REPO_ROOT).as_posix())
+    unknown = {n: where for n, where in named.items() if n not in declared | NOT_SETTINGS}
+    assert not unknown, f"no such setting (rollbox.config): {unknown}"
