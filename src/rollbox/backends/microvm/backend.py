@@ -40,6 +40,7 @@ from rollbox.backends.base import (
     BackendCapacity, CaptureOptions, CaptureResult, NetworkAttachment, ResolvedSpec,
     SessionSlot, Usage,
 )
+from rollbox.backends.cancellation import teardown_after, to_the_end
 from rollbox.backends.container.disk import DiskPool
 from rollbox.backends.microvm import balloon, ksm, qemu, qmp
 from rollbox.backends.microvm import net as vmnet
@@ -54,7 +55,7 @@ from rollbox.backends.microvm.jail import (
     Bind, Jail, Limits, set_cpu, set_normal_priority, uid_processes, vcpus,
 )
 from rollbox.backends.microvm.spares import Recipe, Spare, Spares
-from rollbox.backends.microvm.steps import Steps, teardown_after, to_the_end
+from rollbox.backends.microvm.steps import Steps
 from rollbox.backends.microvm.template import (
     BUILD_PREFIX, SPARE_PREFIX, Template, TemplateLoadError, VmTemplates, make_unique,
 )

@@ -35,9 +35,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollbox.backends.cancellation import to_the_end
 from rollbox.backends.container.rootfs import remove_flat_dir
 from rollbox.backends.container.runtime import wait_pid
-from rollbox.backends.microvm.steps import Steps, to_the_end
+from rollbox.backends.microvm.steps import Steps
 from rollbox.errors import InfraError
 from rollbox.isolation import cgroups
 from rollbox.isolation.userns import RANGE as UID_RANGE

@@ -48,9 +48,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from rollbox.backends.cancellation import to_the_end
 from rollbox.backends.microvm import qemu, qmp, ram
 from rollbox.backends.microvm.jail import Jail
-from rollbox.backends.microvm.steps import to_the_end
 from rollbox.backends.microvm.template import SPARE_PREFIX, Template
 from rollbox.errors import InfraError
 from rollbox.isolation import cgroups

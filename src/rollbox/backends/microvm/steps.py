@@ -5,29 +5,18 @@ to a named step (a step that comes back adds up). With ``vm_step_log`` set (``be
 sets it for its server), the backend appends one JSON line per create to that file: sandbox
 id, ``restore``/``cold``, the steps and the total in ms. Nothing else reads it.
 
-A create cancelled midway (a trainer gave up on it) must end cancelled and leave nothing:
-:func:`to_the_end` lets a step with host side effects (a thread, the jailer) end before the
-cancellation goes on, so the teardown sees what it made; :func:`teardown_after` keeps a
-teardown that fails from replacing the cancellation (a template build that seemed to fail
-would boot the create cold, and it would finish).
-
-Owns the clock, the line format and those two rules; does not decide what a step is
-(``backend.py``, ``template.py`` name them).
+Owns the clock and the line format; does not decide what a step is (``backend.py``,
+``template.py`` name them). How a cancelled create ends: ``rollbox.backends.cancellation``.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 class Steps:
@@ -58,32 +47,3 @@ class Steps:
                 os.close(fd)
         except OSError as exc:
             log.warning("vm step log %s not written: %s", path, exc)
-
-
-async def to_the_end(step: Awaitable[T], dispose: Callable[[T], object] | None = None) -> T:
-    """Await ``step`` to its end even when the caller is cancelled meanwhile, then raise the
-    cancellation: a thread (``to_thread``) or a child process goes on after a cancel and
-    would make its files, cgroups or processes behind the teardown's back. ``dispose`` gets
-    what a step that ended well after all made (its caller will never use it). A second
-    cancellation stops the wait (the step then ends on its own)."""
-    task = asyncio.ensure_future(step)
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await asyncio.wait({task})
-        if dispose is not None and not task.cancelled() and task.exception() is None:
-            dispose(task.result())
-        raise
-
-
-async def teardown_after(failure: BaseException, teardown: Awaitable[object]) -> None:
-    """Run ``teardown`` (shielded) for a step that failed with ``failure``. Its own error
-    propagates after an error, but never replaces a cancellation (it is logged: the create
-    stays cancelled, whatever the teardown left)."""
-    try:
-        await asyncio.shield(teardown)
-    except Exception as exc:
-        if isinstance(failure, Exception):
-            raise
-        log.warning("teardown after a cancellation failed (the cancellation goes on): %s", exc)

@@ -65,11 +65,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rollbox.agent.protocol import ExecRequest
 from rollbox.backends.base import ResolvedSpec
+from rollbox.backends.cancellation import teardown_after, to_the_end
 from rollbox.backends.container.disk import CACHE_PREFIX
 from rollbox.backends.microvm import qemu, qmp
 from rollbox.backends.microvm import ram as ram_mod
 from rollbox.backends.microvm.jail import Jail
-from rollbox.backends.microvm.steps import Steps, teardown_after, to_the_end
+from rollbox.backends.microvm.steps import Steps
 from rollbox.errors import InfraError
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
-"""A microVM create cancelled midway ends cancelled and leaves nothing: a step with host side
-effects (a thread, the jailer) ends before the cancellation goes on, so the teardown sees what
-it made, and a teardown that fails never replaces the cancellation (it did: a template build
-looked failed, the create booted cold and finished)."""
+"""A create cancelled midway (either backend's) ends cancelled and leaves nothing: a step with
+host side effects (a thread, the jailer, runc) ends before the cancellation goes on, so the
+teardown sees what it made, and a teardown that fails never replaces the cancellation (it did:
+a template build looked failed, the create booted cold and finished)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rollbox.backends.microvm.steps import teardown_after, to_the_end
+from rollbox.backends.cancellation import teardown_after, to_the_end
 from rollbox.errors import InfraError
 
 
