@@ -5,11 +5,14 @@ a template build looked failed, the create booted cold and finished)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import threading
 import time
 
 import pytest
 
+from rollbox.agent.channel import AgentChannel
 from rollbox.backends.cancellation import teardown_after, to_the_end
 from rollbox.errors import InfraError
 
@@ -82,3 +85,21 @@ async def test_a_failed_teardown_after_an_error_is_raised() -> None:
     with pytest.raises(InfraError, match="teardown incomplete"):
         await teardown_after(InfraError("boot failed"), failing_teardown())
     await teardown_after(InfraError("boot failed"), asyncio.sleep(0))  # a clean teardown
+
+
+async def test_a_cancelled_agent_handshake_leaves_no_socket(tmp_path) -> None:  # noqa: ANN001
+    """The last step of a container create: a cancel meeting the handshake (an agent that
+    has not said READY yet) closes the channel's socket."""
+    path = tmp_path / "agent.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(path))
+    listener.listen(1)  # the kernel queues the connection; nobody answers it
+    fds = set(os.listdir("/proc/self/fd"))
+    connect = asyncio.ensure_future(AgentChannel.connect(str(path), timeout=30))
+    await asyncio.sleep(0.05)
+    assert not connect.done()
+    connect.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await connect
+    assert set(os.listdir("/proc/self/fd")) <= fds
+    listener.close()

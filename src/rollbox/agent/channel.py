@@ -308,6 +308,9 @@ class AgentChannel:
         except (OSError, TimeoutError) as exc:
             sock.close()
             raise InfraError(f"cannot connect to agent at {sock_path}: {exc!r}") from exc
+        except BaseException:  # cancelled: the socket is not left to the garbage collector
+            sock.close()
+            raise
         nonce = secrets.token_bytes(P.NONCE_LEN) if sock_type == socket.SOCK_STREAM else None
         ch = cls(sock, on_close, stream_nonce=nonce)
         deadline = loop.time() + timeout
@@ -335,6 +338,9 @@ class AgentChannel:
         except RollboxError as exc:
             ch.close()
             raise exc if isinstance(exc, InfraError) else InfraError(exc.message) from exc
+        except BaseException:  # cancelled mid-handshake: no channel is left reading
+            ch.close()
+            raise
         ch.agent_sessions = {e.id: e for e in entries}
         ch._reserved.update(ch.agent_sessions)
         return ch

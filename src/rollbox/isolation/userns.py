@@ -85,6 +85,11 @@ class UidSlots:
                 self._used.discard(slot)
                 self._free.append(slot)
 
+    def in_use(self) -> set[int]:
+        """The slots held now (acquired or claimed, not released)."""
+        with self._lock:
+            return set(self._used)
+
     def userns_fd(self, slot: int) -> int:
         with self._lock:
             fd = self._userns.get(slot)

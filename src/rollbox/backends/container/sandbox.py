@@ -4,7 +4,10 @@ Creation order: uid slot -> capped writable layer (verified: a subvolume of the 
 pool, or a tmpfs for the memory tier) -> idmapped layers -> overlayfs ->
 named netns -> agent socket -> OCI bundle -> ``runc run -d`` -> cgroup delegation -> agent
 handshake. Destruction kills by cgroup, then unwinds in reverse and checks that no process,
-mount, subvolume, cgroup, netns or file of the sandbox remains.
+mount, subvolume, cgroup, netns or file of the sandbox remains. A create that fails or is
+cancelled at any point gets the same teardown; a cancelled one first lets the step under way
+end (the prepare thread, ``runc run -d``, the network attach) and stays cancelled if the
+teardown fails (``rollbox.backends.cancellation``).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from rollbox.backends import platform_work
 from rollbox.backends.base import (
     BackendCapacity, CaptureOptions, CaptureResult, ResolvedSpec, SessionSlot, Usage,
 )
+from rollbox.backends.cancellation import teardown_after, to_the_end
 from rollbox.backends.container import bundle
 from rollbox.agent import platform_shell
 from rollbox.agent.channel import AgentChannel
@@ -244,6 +248,10 @@ class ContainerBackend:
         run_dir = self.run_root / sandbox_id
         listener: socket.socket | None = None
         pid: int | None = None
+        sb: ContainerSandbox | None = None
+        # Each step that makes something on the host (the prepare thread, runc, the network)
+        # runs to its end if the create is cancelled meanwhile (to_the_end): the teardown
+        # below then sees all it made, instead of racing a thread or a runc that goes on.
         try:
             def prepare() -> str:  # blocking kernel work, off the event loop
                 subvolume = (self.disk.create(sandbox_id, resources.disk_mib << 20)
@@ -257,7 +265,7 @@ class ContainerBackend:
                 return ("host" if network == "host"
                         else str(netns.create(netns.PREFIX + sandbox_id)))
 
-            ns_path = await asyncio.to_thread(prepare)
+            ns_path = await to_the_end(asyncio.to_thread(prepare))
             cpu_view = self.cpu_views.write(rootfs.dir, self.cpu_views.pick(resources.cpus))
             run_dir.mkdir(parents=True, exist_ok=True)
             os.chmod(run_dir, 0o700)
@@ -278,9 +286,9 @@ class ContainerBackend:
             try:
                 shell_fd = os.open(self.shell_path, os.O_RDONLY | os.O_CLOEXEC)
                 try:
-                    pid = await self.runtime.run_detached(
+                    pid = await to_the_end(self.runtime.run_detached(
                         sandbox_id, rootfs.dir, listener.fileno(), agent_fd, shell_fd,
-                        run_dir / "pid", run_dir / "agent.log")
+                        run_dir / "pid", run_dir / "agent.log"))
                 finally:
                     os.close(shell_fd)
             finally:
@@ -299,17 +307,20 @@ class ContainerBackend:
                 image_env=image_env,
             )
             if network_rules is not None and network != "host":
-                try:
-                    await self.attach_network(sb, network_rules)
-                except BaseException:
-                    channel.close()
-                    sb.fs.close()
-                    raise
+                await to_the_end(self.attach_network(sb, network_rules))
             return sb
-        except BaseException:
+        except BaseException as exc:
             if listener is not None:
                 listener.close()
-            await asyncio.shield(self._teardown(sandbox_id, rootfs, run_dir, slot, pid))
+            if sb is not None:
+                if sb.network is not None:
+                    sb.network.close()  # its gate and map; the link goes with the teardown
+                sb.channel.close()
+                sb.fs.close()
+            if pid is None:  # runc started the agent, then the cancellation came
+                pid = _agent_pid(run_dir)
+            # a cancelled create stays cancelled even if the teardown fails (it is logged)
+            await teardown_after(exc, self._teardown(sandbox_id, rootfs, run_dir, slot, pid))
             raise
 
     def capacity(self) -> BackendCapacity:
@@ -576,13 +587,17 @@ class ContainerBackend:
         slot = self.slots.slot_of(host_uid) if host_uid is not None else -1
         if slot >= 0:
             self.slots.claim(slot)
-        pid = None
-        try:
-            pid = int((self.run_root / sandbox_id / "pid").read_text())
-        except (OSError, ValueError):
-            pass
+        pid = _agent_pid(self.run_root / sandbox_id)
         await self._teardown(sandbox_id, self.rootfs_of(sandbox_id), self.run_root / sandbox_id,
                              slot, pid)
+
+
+def _agent_pid(run_dir: Path) -> int | None:
+    """The agent's host pid as runc wrote it (None: runc did not get that far)."""
+    try:
+        return int((run_dir / "pid").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 _late_reaps: set[asyncio.Task] = set()
