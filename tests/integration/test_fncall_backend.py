@@ -2,6 +2,7 @@
 misbehave (loop, fork bomb, memory bomb, huge output, leftovers) not reaching the next call."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 
@@ -144,3 +145,32 @@ async def test_workers_belong_to_no_project(edge) -> None:  # noqa: ANN001
         assert not PROJECT_RE.match(WORKER_OWNER)
         assert await edge.list("fncall", {}) == []
 
+
+
+async def test_a_cancelled_worker_start_leaves_no_worker_and_no_sandbox(edge) -> None:  # noqa: ANN001
+    """A prewarm given up on while its worker's sandbox is created, then while its worker
+    process starts: it ends cancelled, the sandbox is gone, and the pool counts no worker
+    (it counted the one that never came, and with the cap reached a call then waited
+    forever)."""
+    async with FnCallBackend(edge, PoolConfig(max_workers=1, min_idle=0)) as fb:
+        points = [("its sandbox created", lambda: [i.id for i, _, _ in edge.journal.live()
+                                                  if i.state == "creating"]),
+                  ("its worker starting", lambda: list(edge.live))]
+        for point, seen in points:
+            prewarm = asyncio.ensure_future(fb.prewarm("python", 1))
+            for _ in range(6000):
+                if seen() or prewarm.done():
+                    break
+                await asyncio.sleep(0.01)
+            ids = seen()
+            assert ids and not prewarm.done(), f"{point}: not seen before the prewarm ended"
+            prewarm.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await prewarm
+            assert fb.stats()["workers"] == 0, point
+            assert [p["size"] for p in fb.stats()["pools"]] == [0], point
+            assert edge.journal.live() == [] and not edge.live, point
+            assert [edge.leftovers(sid) for sid in ids] == [[]], point
+        async with asyncio.timeout(120):  # the cap's one worker is free again
+            r = await fb.call(spec("python", "print(6 * 7)"))
+        assert (r.status, r.stdout) == ("ok", "42\n")

@@ -369,9 +369,15 @@ class FnCallBackend:
             worker = FnWorker(self, info.id)
             await worker.start(self.edge, list(preload), {})
         except asyncio.CancelledError:
+            # A cancelled start (a prewarm given up on, close) is no worker: not counted, or
+            # the pool stayed "full" of workers that never came and its waiters waited forever.
             pool.starting -= 1
+            self._total -= 1
+            pool.size -= 1
             if worker is not None:
-                await self._destroy(worker)
+                await self._destroy(worker)  # logs what it can not delete: stays cancelled
+            if pool.waiters and not self._closed:
+                self._grow(pool)  # the waiters this start was for
             raise
         except Exception as exc:  # noqa: BLE001 - surfaced to the waiters
             log.warning("fncall: starting a %s worker failed: %s", language, exc)
