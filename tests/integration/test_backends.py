@@ -100,6 +100,9 @@ class _FailsToStart(_Unusable):
     def release_node_resources(self) -> None:
         pass
 
+    async def stop(self) -> None:
+        pass
+
 
 async def test_a_backend_failing_at_node_start_leaves_the_others_serving(restarts) -> None:  # noqa: ANN001
     e1 = await restarts.start()
