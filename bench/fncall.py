@@ -195,13 +195,14 @@ async def bench(quick: bool) -> dict[str, Any]:
 async def _bench_http(edge: Any, events: Any, tmp: Path, n: dict[int, int]) -> dict[str, Any]:
     """``print(1)`` through ``POST /v1/fncall`` on a real server over the same edge."""
     from rollbox.api import BackgroundServer, create_app
+    from rollbox.compat.frontdoors import FRONT_DOORS
     from rollbox.iam import KeyStore
     from rollbox.placement import Placement
 
     keys = KeyStore(tmp / "keys.db")
     out: dict[str, Any] = {}
     try:
-        app = create_app(Placement([edge]), events, keys)
+        app = create_app(Placement([edge]), events, keys, front_doors=FRONT_DOORS)
         async with BackgroundServer(app) as srv:
             fb = app.state.fncall
             await fb.prewarm("python", 8)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rollbox.api.app import create_app
 from rollbox.api.server import BackgroundServer, serve_app
+from rollbox.compat.frontdoors import FRONT_DOORS
 from rollbox.config import Settings
 from rollbox.edge.edge import Edge, Limits
 from rollbox.events.store import EventLog
@@ -51,7 +52,7 @@ class EmbeddedNode:
                          quotas=self.quotas)
         await self.edge.start()
         return create_app(Placement([self.edge]), self.events, self.keys,
-                          leases=self.leases, quotas=self.quotas)
+                          leases=self.leases, quotas=self.quotas, front_doors=FRONT_DOORS)
 
     def ensure_admin_key(self) -> str:
         """The local admin key, kept root-only next to the data (SDK default on this host)."""

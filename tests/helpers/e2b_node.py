@@ -25,6 +25,7 @@ async def e2b_node(project: str) -> AsyncIterator[tuple[str, str, Any]]:
     from e2b.api.client_async import AsyncTransportWithLogger
 
     from rollbox.api import BackgroundServer, create_app
+    from rollbox.compat.frontdoors import FRONT_DOORS
     from rollbox.edge.edge import Edge
     from rollbox.events.store import EventLog
     from rollbox.iam import KeyStore
@@ -39,7 +40,8 @@ async def e2b_node(project: str) -> AsyncIterator[tuple[str, str, Any]]:
     saved = {k: os.environ.get(k) for k in E2B_ENV}
     AsyncTransportWithLogger.singleton = None
     try:
-        async with BackgroundServer(create_app(Placement([edge]), events, keys)) as srv:
+        async with BackgroundServer(create_app(Placement([edge]), events, keys,
+                                               front_doors=FRONT_DOORS)) as srv:
             key = keys.create(project)
             os.environ["E2B_API_URL"] = f"{srv.url}/e2b"
             os.environ["E2B_SANDBOX_URL"] = f"{srv.url}/e2b/envd"

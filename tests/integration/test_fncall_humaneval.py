@@ -12,6 +12,7 @@ import pytest
 
 import rollbox
 from rollbox.api import BackgroundServer, create_app
+from rollbox.compat.frontdoors import FRONT_DOORS
 from rollbox.errors import BadRequest
 from rollbox.iam import KeyStore
 from rollbox.placement import Placement
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.skipif(not have_image("fncall:1"),
 async def served(edge, tmp_path: Path) -> AsyncIterator[tuple[str, str]]:  # noqa: ANN001
     keys = KeyStore(tmp_path / "keys.db")
     key = keys.create("fncall")
-    app = create_app(Placement([edge]), edge.event_log, keys)
+    app = create_app(Placement([edge]), edge.event_log, keys, front_doors=FRONT_DOORS)
     async with BackgroundServer(app) as srv:
         yield srv.url, key
 

@@ -22,6 +22,7 @@ from typing import Any
 import rollbox
 from rollbox import errors
 from rollbox.api import BackgroundServer, create_app
+from rollbox.compat.frontdoors import FRONT_DOORS
 from rollbox.edge.interface import ExecOutput
 from rollbox.events import EventLog
 from rollbox.iam import KeyStore
@@ -342,7 +343,8 @@ class ApiStack:
         self.key_b = self.keys.create("proj-b")
         self.admin_key = self.keys.create("ops", admin=True)
         self.leases = SqliteLeaseStore(tmp / "leases.db") if leases else None
-        self.app = create_app(self.placement, self.events, self.keys, leases=self.leases)
+        self.app = create_app(self.placement, self.events, self.keys, leases=self.leases,
+                              front_doors=FRONT_DOORS)
         self.server = BackgroundServer(self.app) if serve else None
         self.lifespan = None if serve else Lifespan(self.app)
         self.url = ""

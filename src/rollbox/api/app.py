@@ -1,19 +1,20 @@
 """The HTTP API (FastAPI): the only path from a trainer to its sandboxes.
 
 :func:`create_app` assembles one app: the body caps (``api.bodies``), the error mapping
-(``api.errors``), the routers of ``api.routes`` and the front doors (``api.frontdoors``), over
-one :class:`ApiContext` (``app.state.api``). Stateless apart from the context's owner cache:
-sandbox ids route through :class:`Placement`, the audit trail goes to :class:`EventLog`,
-principals come from :class:`KeyStore`.
+(``api.errors``), the routers of ``api.routes`` and the front doors it is given
+(``api.frontdoors``), over one :class:`ApiContext` (``app.state.api``). Stateless apart from
+the context's owner cache: sandbox ids route through :class:`Placement`, the audit trail goes
+to :class:`EventLog`, principals come from :class:`KeyStore`.
 """
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from fastapi import FastAPI
 
 from rollbox.api import errors, frontdoors
 from rollbox.api.bodies import BodyLimitMiddleware
 from rollbox.api.context import ApiContext
+from rollbox.api.frontdoors import FrontDoor
 from rollbox.api.routes import ROUTERS, fncall
 from rollbox.events import EventLog
 from rollbox.iam import KeyStore
@@ -24,17 +25,19 @@ from rollbox.placement import Placement
 
 def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
                record_events: bool | None = None, leases: LeaseStore | None = None,
-               quotas: QuotaStore | None = None) -> FastAPI:
+               quotas: QuotaStore | None = None,
+               front_doors: Sequence[FrontDoor] = ()) -> FastAPI:
     """``record_events``: None (default) = record for every edge that does not write into
     ``events`` itself; True/False forces it for all edges. ``leases``: the trainer-job lease
     store the edges sweep (None: no jobs on this server; see rollbox.api.routes.jobs).
     ``quotas``: the project quotas the edges enforce (the quota routes answer bad_request
-    without)."""
+    without). ``front_doors``: mounted after the core routes, in order; the node's list comes
+    from its composition root (``rollbox.embedded``); none: the core ``/v1`` api only."""
     api = ApiContext(placement, events, keys, record_events, leases, quotas)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with front_doors, fncall.pools(app, api):
+        async with front_door_lifetime, fncall.pools(app, api):
             yield
         await api.shutdown()
 
@@ -51,7 +54,8 @@ def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
     app.add_middleware(BodyLimitMiddleware)
     app.state.api = api
     errors.install(app)
-    front_doors = frontdoors.mount_all(app, api)  # entered by lifespan, which runs later
+    # entered by lifespan, which runs later
+    front_door_lifetime = frontdoors.mount_all(app, api, front_doors)
     return app
 
 

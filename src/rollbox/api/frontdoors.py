@@ -1,17 +1,17 @@
 """Extra HTTP surfaces mounted on the api app: peers' protocols and services run with it.
 
-Each entry of :data:`FRONT_DOORS` names a module with a :class:`FrontDoor` ``mount(app, api)``;
-it adds its routes to the FastAPI app and may return an async context manager that the app
-enters at start-up and leaves at shutdown (background tasks, a server of its own). They are
-named, not imported, here: they sit above the api (``compat``) and import it. Owns only this
-list; the front doors own their routes and must not touch the core ``/v1`` routes
-(``api.routes``).
+A :class:`FrontDoor` is a ``mount(app, api)`` function: it adds its routes to the FastAPI app
+and may return an async context manager that the app enters at start-up and leaves at shutdown
+(background tasks, a server of its own). ``create_app(..., front_doors=...)`` mounts the ones it
+is given: most sit above the api (peers' protocols) and import it, so the api can not know them;
+whoever builds a node's app (its composition root) passes the node's list. Owns only the
+protocol and the mounting; the front doors own their routes and must not touch the core ``/v1``
+routes (``api.routes``).
 """
 from __future__ import annotations
 
 import contextlib
-import importlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -19,24 +19,17 @@ if TYPE_CHECKING:
 
     from rollbox.api.context import ApiContext
 
-FRONT_DOORS: tuple[str, ...] = (
-    "rollbox.compat.e2b",  # E2B control plane under /e2b, envd under /e2b/envd
-    "rollbox.api.mirror",  # no routes: runs the PyPI mirror on its own port when enabled
-    "rollbox.compat.swerex",  # SWE-ReX remote runtime per sandbox under /swerex/{sandbox_id}
-    "rollbox.compat.sandboxfusion",  # SandboxFusion POST /run_code on the fncall pools
-)
-
 
 class FrontDoor(Protocol):
     def __call__(self, app: FastAPI, api: ApiContext
                  ) -> contextlib.AbstractAsyncContextManager[None] | None: ...
 
 
-def mount_all(app: FastAPI, api: ApiContext) -> contextlib.AbstractAsyncContextManager[None]:
-    """Mount every front door; the returned context runs their start-up and shutdown."""
+def mount_all(app: FastAPI, api: ApiContext, front_doors: Sequence[FrontDoor]
+              ) -> contextlib.AbstractAsyncContextManager[None]:
+    """Mount ``front_doors`` in order; the returned context runs their start-up and shutdown."""
     contexts = []
-    for name in FRONT_DOORS:
-        mount: FrontDoor = importlib.import_module(name).mount
+    for mount in front_doors:
         ctx = mount(app, api)
         if ctx is not None:
             contexts.append(ctx)

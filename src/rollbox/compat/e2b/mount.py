@@ -1,4 +1,4 @@
-"""``mount(app, api)``: the E2B front door's entry in ``rollbox.api.frontdoors``."""
+"""``mount(app, api)``: the E2B front door (listed in ``rollbox.compat.frontdoors``)."""
 from __future__ import annotations
 
 import contextlib
