@@ -1,0 +1,44 @@
+"""What placement decides from: a cached view of the nodes, filled by the watcher.
+
+A decision reads a snapshot of this view and never calls an edge. The watcher
+(``rollbox.watcher``) implements :class:`ClusterView`; tests and the placement benchmark may
+build :class:`NodeView` lists directly.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+NodeHealth = Literal["alive", "suspect", "dead"]
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One node as its last probe saw it."""
+
+    node_id: str
+    health: NodeHealth
+    # backend kinds the node offers now (its capacity()["backends"][kind]["offered"])
+    backends: frozenset[str]
+    # room left per budget after overcommit, as the edge's admission counts it: "sandboxes",
+    # "cpus", "memory_mib" (a budget the node does not report is not bounded)
+    free: Mapping[str, float]
+    # the most one sandbox may ask there, per budget (capacity()["limits"])
+    limits: Mapping[str, float] = field(default_factory=dict)
+    # creates in progress on the node at the probe
+    starting: int = 0
+    # layer digests present in the node's cache (a bounded bonus for images already there)
+    layers: frozenset[str] = frozenset()
+    # a burst node (started by the autoscaler above the cluster's use threshold)
+    burst: bool = False
+    # monotonic time of the probe this came from
+    seen_at: float = 0.0
+
+
+class ClusterView(Protocol):
+    """A snapshot of every known node; cheap (no I/O), safe to call per decision."""
+
+    def nodes(self) -> Sequence[NodeView]: ...
+
+    def node(self, node_id: str) -> NodeView | None: ...
