@@ -39,6 +39,7 @@ GROUPS: dict[str, str] = {
     "lazy": "Lazy loading of layers (rollbox.images.lazy)",
     "network": "Sandbox networks (rollbox.netpolicy)",
     "mirrors": "Package mirrors (rollbox.netpolicy.mirror, docs/mirrors.md)",
+    "watcher": "The watcher's probes of the edges and its health thresholds (rollbox.watcher)",
     "e2b": "The E2B front door (rollbox.compat.e2b)",
 }
 
@@ -357,6 +358,36 @@ class Settings:
                                          int, "The PyPI proxy's file cache bound (LRU; 20 GiB).")
     pypi_mirror_index_ttl: float = setting("ROLLBOX_PYPI_MIRROR_INDEX_TTL", "mirrors", 300.0,
                                            float, "Seconds an index page stays fresh.")
+
+    # ---- watcher ---------------------------------------------------------------------------
+    # A node that stops answering is dead, and its sandboxes reported node_lost, at most
+    # watch_dead_s + watch_interval_s after its last answer (the contract: within 10 s).
+    watch_interval_s: float = setting(
+        "ROLLBOX_WATCH_INTERVAL", "watcher", 1.0, float,
+        "Seconds between two probes of every edge.")
+    watch_probe_timeout_s: float = setting(
+        "ROLLBOX_WATCH_PROBE_TIMEOUT", "watcher", 2.0, float,
+        "A probe not answered within this many seconds failed (one slow edge never holds "
+        "the probes of the others).")
+    watch_suspect_s: float = setting(
+        "ROLLBOX_WATCH_SUSPECT", "watcher", 3.0, float,
+        "A node whose last answered probe is older than this is suspect: placement skips it.")
+    watch_dead_s: float = setting(
+        "ROLLBOX_WATCH_DEAD", "watcher", 7.0, float,
+        "A node whose last answered probe is older than this is dead: its sandboxes are "
+        "reported dead (node_lost), and are torn down when it comes back.")
+    watch_fence: bool = setting(
+        "ROLLBOX_WATCH_FENCE", "watcher", True, flag,
+        "Probes arm the edge's fence: an edge no probe reached for the dead threshold tears "
+        "its sandboxes down itself (node_lost), and a restart after such a gap does not "
+        "re-adopt them (docs/watcher.md).")
+    watch_reconcile_s: float = setting(
+        "ROLLBOX_WATCH_RECONCILE", "watcher", 5.0, float,
+        "Seconds between two reconciliations of the quota ledger with the edges' live sets.")
+    watch_report_max_sandboxes: int = setting(
+        "ROLLBOX_WATCH_REPORT_MAX", "watcher", 10000, int,
+        "Live sandboxes one probe lists at most (a node with more is counted, not listed, and "
+        "not reconciled).")
 
     # ---- the E2B front door --------------------------------------------------------------
     e2b_templates: dict[str, str] = setting(

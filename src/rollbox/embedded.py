@@ -1,5 +1,5 @@
-"""The embedded default: api, placement and one edge in one process, SQLite for state, the
-local image store. No external service. ``rollbox serve`` runs it."""
+"""The embedded default: api, placement, watcher and one edge in one process, SQLite for state,
+the local image store. No external service. ``rollbox serve`` runs it."""
 from __future__ import annotations
 
 import contextlib
@@ -24,6 +24,8 @@ from rollbox.iam.keys import KeyStore
 from rollbox.iam.quotas import SQLiteQuotas
 from rollbox.jobs import SqliteLeaseStore
 from rollbox.placement import Placement
+from rollbox.placement.registry import EdgeRegistry
+from rollbox.watcher import Watcher
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 7420
@@ -40,6 +42,8 @@ class EmbeddedNode:
         self.quotas: SQLiteQuotas | None = None
         self.leases: SqliteLeaseStore | None = None
         self.edge: Edge | None = None
+        self.registry: EdgeRegistry | None = None
+        self.watcher: Watcher | None = None
 
     async def start(self):  # noqa: ANN201 - returns the FastAPI app
         s = self.settings
@@ -51,8 +55,13 @@ class EmbeddedNode:
         self.edge = Edge(s, self.events, limits=self.limits, leases=self.leases,
                          quotas=self.quotas)
         await self.edge.start()
+        # The node's own edge, probed in this process: not fenced (it stops with the watcher).
+        self.registry = EdgeRegistry([self.edge])
+        self.watcher = Watcher(self.registry, local={self.edge.node_id}, settings=s)
+        await self.watcher.start()
         return create_app(Placement([self.edge]), self.events, self.keys,
-                          leases=self.leases, quotas=self.quotas, front_doors=FRONT_DOORS)
+                          leases=self.leases, quotas=self.quotas, front_doors=FRONT_DOORS,
+                          watcher=self.watcher)
 
     def ensure_admin_key(self) -> str:
         """The local admin key, kept root-only next to the data (SDK default on this host)."""
@@ -72,6 +81,9 @@ class EmbeddedNode:
         return key
 
     async def stop(self, destroy: bool = False) -> None:
+        if self.watcher:
+            await self.watcher.stop()
+            self.watcher = None
         if self.edge:
             await self.edge.close(destroy=destroy)
         if self.events:

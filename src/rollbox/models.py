@@ -513,3 +513,77 @@ class Quota(BaseModel):
     cpus: float | None = Field(None, ge=0)
     memory_mib: int | None = Field(None, ge=0)
     layer_mib: int | None = Field(None, ge=0)
+
+
+# ---- cluster view (rollbox.watcher) -------------------------------------------------------
+# The reason a sandbox is dead when the watcher lost its node (SandboxInfo.dead_reason and the
+# details of SandboxDead).
+NODE_LOST = "node_lost"
+NodeHealth = Literal["alive", "suspect", "dead"]
+
+
+class NodeSandbox(BaseModel):
+    """One live sandbox as its node's report lists it (``NodeReport.sandboxes``)."""
+    id: str
+    owner: str
+    backend: str
+    state: SandboxState
+    cpus: float
+    memory_mib: int
+    created_at: float
+    expires_at: float
+    image: str
+    labels: dict[str, str] = Field(default_factory=dict)
+    job: str | None = None
+
+
+class NodeReport(BaseModel):
+    """What one probe of an edge answers (``EdgeAPI.report``): cheap, from the edge's memory
+    (no per-sandbox I/O). ``free``: room left per budget after overcommit for a new create, as
+    the edge's admission counts it ("sandboxes", "cpus", "memory_mib"); ``limits``: the node's
+    full budgets; ``sandboxes``: its live sandboxes, at most the probe's bound
+    (``sandboxes_total`` counts them all, ``truncated`` when the list stops short)."""
+    node_id: str
+    # random per edge process start: a change means the edge restarted between two probes
+    incarnation: str
+    started_at: float  # wall time the edge process started
+    at: float  # the edge's wall time of the report
+    backends: list[str]  # kinds offered now
+    free: dict[str, float]
+    limits: dict[str, float]
+    # live host memory above the node's reserve now (MemAvailable - promised - reserve)
+    memory_available_mib: int
+    starting: int  # creates in progress
+    sandboxes: list[NodeSandbox]
+    sandboxes_total: int
+    truncated: bool = False
+    layers: list[str] = Field(default_factory=list)  # layer digests in the node's cache
+    by_backend: dict[str, int] = Field(default_factory=dict)
+    by_project: dict[str, int] = Field(default_factory=dict)
+    # seconds this edge tears its sandboxes down after going unprobed (None: not fenced)
+    fence_s: float | None = None
+
+
+class NodeStatus(BaseModel):
+    """One node in ``rollbox cluster status`` (``Watcher.status``)."""
+    node_id: str
+    health: NodeHealth
+    incarnation: str | None = None
+    last_seen_s: float | None = None  # seconds since its last answered probe (None: never)
+    backends: list[str] = Field(default_factory=list)
+    free: dict[str, float] = Field(default_factory=dict)
+    starting: int = 0
+    sandboxes: int = 0  # live (scoped: the caller's project's only)
+    lost: int = 0  # reported dead with reason node_lost (scoped likewise)
+    by_backend: dict[str, int] = Field(default_factory=dict)
+    by_project: dict[str, int] = Field(default_factory=dict)
+
+
+class ClusterStatus(BaseModel):
+    """The watcher's view of the cluster; scoped to one project (``project``), it counts and
+    names only that project's sandboxes."""
+    project: str | None = None
+    nodes: list[NodeStatus]
+    sandboxes: int
+    by_backend: dict[str, int] = Field(default_factory=dict)
+    by_project: dict[str, int] = Field(default_factory=dict)

@@ -21,19 +21,23 @@ from rollbox.iam import KeyStore
 from rollbox.iam.quotas import QuotaStore
 from rollbox.jobs import LeaseStore
 from rollbox.placement import Placement
+from rollbox.watcher import Watcher
 
 
 def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
                record_events: bool | None = None, leases: LeaseStore | None = None,
                quotas: QuotaStore | None = None,
-               front_doors: Sequence[FrontDoor] = ()) -> FastAPI:
+               front_doors: Sequence[FrontDoor] = (),
+               watcher: Watcher | None = None) -> FastAPI:
     """``record_events``: None (default) = record for every edge that does not write into
     ``events`` itself; True/False forces it for all edges. ``leases``: the trainer-job lease
     store the edges sweep (None: no jobs on this server; see rollbox.api.routes.jobs).
     ``quotas``: the project quotas the edges enforce (the quota routes answer bad_request
     without). ``front_doors``: mounted after the core routes, in order; the node's list comes
-    from its composition root (``rollbox.embedded``); none: the core ``/v1`` api only."""
-    api = ApiContext(placement, events, keys, record_events, leases, quotas)
+    from its composition root (``rollbox.embedded``); none: the core ``/v1`` api only.
+    ``watcher``: the nodes' health (rollbox.watcher; its owner starts and stops it): a dead
+    node's sandboxes answer sandbox_dead (reason node_lost), ``/v1/cluster/status``."""
+    api = ApiContext(placement, events, keys, record_events, leases, quotas, watcher)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections import OrderedDict
 from collections.abc import Awaitable
 
@@ -18,7 +19,11 @@ from rollbox.events import EventLog
 from rollbox.iam import KeyStore, Principal
 from rollbox.iam.quotas import QuotaStore, check_project
 from rollbox.jobs import LeaseStore
-from rollbox.placement import Placement
+from rollbox.models import NODE_LOST, SandboxInfo
+from rollbox.placement import Placement, split_sandbox_id
+from rollbox.watcher import Watcher
+
+log = logging.getLogger(__name__)
 
 OWNER_CACHE_SIZE = 65536
 
@@ -26,12 +31,15 @@ OWNER_CACHE_SIZE = 65536
 class ApiContext:
     """``record_events``: None = record for every edge that does not write into ``events``
     itself; True/False forces it for all edges. ``leases``/``quotas``: None when the server
-    keeps none (their routes answer bad_request)."""
+    keeps none (their routes answer bad_request). ``watcher``: the view of the nodes'
+    health (None: every node is taken as alive); a dead node's sandboxes answer SandboxDead
+    (reason node_lost) and are listed dead."""
 
     def __init__(self, placement: Placement, events: EventLog, keys: KeyStore,
                  record_events: bool | None, leases: LeaseStore | None = None,
-                 quotas: QuotaStore | None = None) -> None:
+                 quotas: QuotaStore | None = None, watcher: Watcher | None = None) -> None:
         self.placement = placement
+        self.watcher = watcher
         self.events = events
         self.keys = keys
         self.leases = leases
@@ -50,8 +58,11 @@ class ApiContext:
             self._owners.popitem(last=False)
 
     async def sandbox_edge(self, sandbox_id: str, who: Principal) -> EdgeAPI:
-        """The edge of a sandbox the principal may use; others' sandboxes look absent."""
+        """The edge of a sandbox the principal may use; others' sandboxes look absent. On a
+        node the watcher found dead: SandboxDead with reason node_lost."""
         edge = self.placement.edge_for(sandbox_id)
+        if self.watcher is not None:
+            self._check_node_lost(sandbox_id, who)
         owner = self._owners.get(sandbox_id)
         if owner is None:
             owner = (await edge.get(sandbox_id)).owner
@@ -59,6 +70,46 @@ class ApiContext:
         if not who.admin and owner != who.project:
             raise errors.NotFound(f"no sandbox {sandbox_id!r}")
         return edge
+
+    def _check_node_lost(self, sandbox_id: str, who: Principal) -> None:
+        assert self.watcher is not None
+        node, _ = split_sandbox_id(sandbox_id)
+        if self.watcher.health(node) != "dead":
+            return
+        known = self.watcher.lost(sandbox_id, node)
+        owner = known.owner if known is not None else self._owners.get(sandbox_id)
+        if owner is not None and not who.admin and owner != who.project:
+            raise errors.NotFound(f"no sandbox {sandbox_id!r}")
+        # An id the last report did not list (created just before) is lost with its node too.
+        raise errors.SandboxDead(f"sandbox {sandbox_id} is dead: its node {node} was lost "
+                                 "(no answer from it)", state="dead", reason=NODE_LOST,
+                                 node=node)
+
+    async def list_sandboxes(self, owner: str | None,
+                             labels: dict[str, str]) -> list[SandboxInfo]:
+        """Every node's live sandboxes (owner None: all); with a watcher, a dead node's are
+        listed dead (node_lost) instead of missing, and a node that does not answer within
+        the probe timeout gives its last reported ones."""
+        if self.watcher is None:
+            return await self.placement.list(owner, labels)
+        watcher = self.watcher
+        dead = watcher.dead_nodes()
+        asked = [(n, e) for n, e in self.placement.edges.items() if n not in dead]
+
+        async def one(node: str, edge: EdgeAPI) -> list[SandboxInfo]:
+            try:
+                async with asyncio.timeout(watcher.probe_timeout_s):
+                    return await edge.list(owner, labels)
+            except Exception as exc:  # noqa: BLE001 - the node's last report instead
+                log.warning("listing node %s failed (%r): its last reported sandboxes",
+                            node, exc)
+                return watcher.last_known_infos(node, owner)
+
+        out = [i for part in await asyncio.gather(*(one(n, e) for n, e in asked))
+               for i in part]
+        out += watcher.lost_infos(owner)
+        out.sort(key=lambda i: i.created_at)
+        return out
 
     async def logged_owner(self, sandbox_id: str) -> str | None:
         # The first event of every sandbox created through the api is sandbox.created with

@@ -372,6 +372,31 @@ class Admission:
             self._freed.set()
 
     # ---- reporting ----------------------------------------------------------------------
+    def free(self) -> dict[str, float]:
+        """Room left for new creates per budget after overcommit (the share reserved for
+        grades and fncall workers kept out); all 0 while the node refuses new creates
+        (grades waiting for room, memory pressure)."""
+        lim = self.limits
+        f = self._share_factor("new")
+        b = self.budgets()
+        out = {"sandboxes": float(max(0, lim.max_sandboxes - self._reserved_sandboxes()
+                                      - self.total.sandboxes)),
+               "cpus": max(0.0, round(b["cpus"] * f - self.total.cpus, 3)),
+               "memory_mib": max(0.0, b["memory_mib"] * f - self.total.memory_mib)}
+        psi = self.memory.sample().psi_some_avg10
+        if self._reserved_waiting or (psi is not None and psi > lim.memory_psi_max):
+            out = {k: 0.0 for k in out}
+        return out
+
+    def live_memory_free_mib(self) -> int:
+        """Host memory new creates may still fault in now: MemAvailable minus what starting
+        sandboxes were promised, minus the node reserve and the reserved share."""
+        lim = self.limits
+        sample = self.memory.sample()
+        floor = lim.reserve_mib + int(lim.reserved_share
+                                      * max(0, self.host_mem_mib - lim.reserve_mib))
+        return max(0, sample.available_mib - self.pending_mib() - floor)
+
     def capacity(self) -> dict[str, object]:
         lim = self.limits
         sample = self.memory.sample()

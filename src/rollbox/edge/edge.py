@@ -26,6 +26,7 @@ from rollbox.edge.admission import (
     Admission, HostMemory, Limits, ProjectQuotas, Share, Ticket, host_memory_mib,
     sandboxes_memory_max_mib,
 )
+from rollbox.edge.fence import Fence
 from rollbox.edge.interface import ExecOutput, PlatformProcess
 from rollbox.edge.journal import Journal
 from rollbox.edge.leases import JobLeases, LeaseReaper
@@ -42,9 +43,9 @@ from rollbox.images.store import Image, ImageStore
 from rollbox.isolation import cgroups
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import (
-    Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, ImageInfo,
-    LayerUsage, NetAudit, NetworkPolicy, SandboxInfo, SandboxSpec, SandboxUsage, SnapshotResult,
-    SnapshotSpec,
+    NODE_LOST, Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec,
+    ImageInfo, LayerUsage, NetAudit, NetworkPolicy, NodeReport, NodeSandbox, SandboxInfo,
+    SandboxSpec, SandboxUsage, SnapshotResult, SnapshotSpec,
 )
 
 if TYPE_CHECKING:
@@ -119,6 +120,13 @@ class Edge:
         # The container backend, for the platform's tools and tests that work on it directly.
         self.backend = self.backends["container"]
         self.journal = Journal(settings.data_dir / f"edge-{self.node_id}.db")
+        # Armed by the watcher's probes (report(fence_s=)): see rollbox.edge.fence.
+        self.fence = Fence(settings.data_dir / f"edge-{self.node_id}.probed")
+        # Random per edge process: the watcher tells a restart from a quick answer by it.
+        self.incarnation = secrets.token_hex(8)
+        self.started_at = time.time()
+        self._starting = 0  # creates admitted and not ended yet (report().starting)
+        self._layer_cache: tuple[tuple[float, float], list[str]] | None = None
         self.live: dict[str, LiveSandbox] = {}
         self._create_sem = asyncio.Semaphore(self.limits.max_parallel_creates)
         self._ttl_task: asyncio.Task | None = None
@@ -168,7 +176,14 @@ class Edge:
             log.error("lazy-loading daemon did not start: %s", exc)
 
     async def _recover(self) -> None:
-        """Re-adopt journaled sandboxes that still run; report the rest dead; clean orphans."""
+        """Re-adopt journaled sandboxes that still run; report the rest dead; clean orphans.
+        After a gap without probes longer than the fence (rollbox.edge.fence) nothing is
+        re-adopted: the watcher declared them lost, so they are cleaned up as node_lost."""
+        fenced = self.fence.load()
+        if fenced is not None:
+            log.warning("no watcher probed node %s for %.1f s (fence %.1f s): its sandboxes "
+                        "were declared lost and are not re-adopted", self.node_id, fenced,
+                        self.fence.fence_s)
         journaled = set()
         ending: list[asyncio.Task] = []
         host_ids = {kind: b.host_sandbox_ids(f"{self.node_id}-")
@@ -178,6 +193,11 @@ class Edge:
             backend = self.backends.get(info.backend)
             if backend is None:  # a kind this node no longer has: nothing can reach it
                 self._mark_dead(info, f"backend {info.backend!r} is not available on this node")
+                continue
+            if fenced is not None:
+                if state is not None or info.id in host_ids[info.backend]:
+                    await self._quiet_cleanup(backend, info.id, state)
+                self._mark_dead(info, NODE_LOST)
                 continue
             box = None
             if info.state in ("running", "paused") and state is not None:
@@ -309,6 +329,97 @@ class Edge:
         cap["backends"] = {k: dataclasses.asdict(b.capacity()) for k, b in self.backends.items()}
         return cap
 
+    async def report(self, max_sandboxes: int = 10000,
+                     fence_s: float | None = None) -> NodeReport:
+        """One probe of the watcher (EdgeAPI.report): capacity, live sandboxes (at most
+        ``max_sandboxes`` listed), cached layers and counts, from memory. ``fence_s`` arms the
+        fence (None disarms it); a probe after a gap longer than the fence tears the live
+        sandboxes down first (rollbox.edge.fence)."""
+        if not 0 <= max_sandboxes <= 1_000_000 or (fence_s is not None and not fence_s > 0):
+            raise BadRequest("report: max_sandboxes in [0, 1000000], fence_s > 0 or None")
+        gap = self.fence.probed(fence_s)
+        if gap is not None:
+            self._fence_now(gap)
+        adm = self.admission
+        listed: list[NodeSandbox] = []
+        by_backend: dict[str, int] = {}
+        by_project: dict[str, int] = {}
+        total = 0
+        for sid, live in self.live.items():
+            if sid in self._deleting:
+                continue
+            info = live.info
+            total += 1
+            by_backend[info.backend] = by_backend.get(info.backend, 0) + 1
+            by_project[info.owner] = by_project.get(info.owner, 0) + 1
+            if len(listed) < max_sandboxes:
+                listed.append(NodeSandbox.model_construct(  # from a validated SandboxInfo
+                    id=sid, owner=info.owner, backend=info.backend, state=info.state,
+                    cpus=info.resources.cpus, memory_mib=info.resources.memory_mib,
+                    created_at=info.created_at, expires_at=info.expires_at, image=info.image,
+                    labels=info.labels, job=info.job))
+        fenced = self.fence.expired() is not None
+        free = adm.free()
+        if fenced:
+            free = {k: 0.0 for k in free}
+        return NodeReport(
+            node_id=self.node_id, incarnation=self.incarnation, started_at=self.started_at,
+            at=time.time(),
+            backends=sorted(k for k, b in self.backends.items() if b.capacity().offered),
+            free=free, limits=adm.budgets(),
+            memory_available_mib=adm.live_memory_free_mib(), starting=self._starting,
+            sandboxes=listed, sandboxes_total=total, truncated=len(listed) < total,
+            layers=self._layer_digests(), by_backend=by_backend, by_project=by_project,
+            fence_s=self.fence.fence_s)
+
+    def _layer_digests(self) -> list[str]:
+        """Digests of the layers in the node's store (whole or lazy), re-listed only when one
+        of the two layer directories changed."""
+        from rollbox.images.lazy.paths import LazyPaths
+
+        lazy = LazyPaths(self.store.root).layers
+
+        def mtime(p: os.PathLike[str]) -> float:
+            try:
+                return os.stat(p).st_mtime
+            except FileNotFoundError:
+                return 0.0
+
+        key = (mtime(self.store.layers_dir), mtime(lazy))
+        if self._layer_cache is None or self._layer_cache[0] != key:
+            digests = set(self.store.list_layers())
+            if key[1]:
+                digests.update(p.name[:-len(".json")] for p in lazy.glob("sha256-*.json"))
+            self._layer_cache = (key, sorted(digests))
+        return self._layer_cache[1]
+
+    def _fence_now(self, gap: float) -> None:
+        """No watcher probed this node for ``gap`` s (past the fence): it was declared lost,
+        so its live sandboxes go (dead, node_lost)."""
+        doomed = [sid for sid in self.live if sid not in self._deleting]
+        if doomed:
+            log.warning("node %s: no probe for %.1f s (fence %s s): tearing down its %d "
+                        "sandboxes as %s", self.node_id, gap, self.fence.fence_s,
+                        len(doomed), NODE_LOST)
+        for sid in doomed:
+            self._destroy_soon(sid, NODE_LOST, state="dead")
+
+    async def declare_lost(self, sandbox_ids: list[str]) -> list[str]:
+        """The watcher declared these sandboxes lost (dead, node_lost) while it could not
+        reach this node: the live ones among them are torn down now (their commands fail);
+        returns those. Unknown or already ended ids are skipped."""
+        if len(sandbox_ids) > 1_000_000:
+            raise BadRequest("declare_lost: at most 1000000 ids")
+        doomed = [sid for sid in dict.fromkeys(sandbox_ids)
+                  if sid in self.live and sid not in self._deleting]
+        for sid in doomed:
+            log.warning("sandbox %s was declared lost by the watcher: tearing it down", sid)
+            self._destroy_soon(sid, NODE_LOST, state="dead")
+        tasks = [self._deleting[sid] for sid in doomed if sid in self._deleting]
+        if tasks:
+            await asyncio.wait([asyncio.shield(t) for t in tasks])
+        return doomed
+
     # ---- sandboxes ----------------------------------------------------------------------
     def _image_for(self, name: str, owner: str) -> Image:
         """Resolve an image for ``owner``: images made by a project's sandbox (snapshots carry
@@ -370,8 +481,13 @@ class Edge:
 
     async def _admitted_create(self, spec: SandboxSpec, owner: str, image_config: dict,
                                layers: list[str], share: Share = "new") -> SandboxInfo:
+        gap = self.fence.expired()
+        if gap is not None:
+            raise CapacityExceeded(f"node {self.node_id} is fenced: no watcher probed it for "
+                                   f"{gap:.0f} s", reason="fenced")
         quota = self.quotas.get(owner) if self.quotas is not None else None
         ticket = await self.admission.admit(spec.resources, owner, share, quota)
+        self._starting += 1
         try:
             try:
                 async with asyncio.timeout(self.limits.create_queue_timeout_s):
@@ -385,6 +501,8 @@ class Edge:
         except BaseException:
             self.admission.release(ticket)
             raise
+        finally:
+            self._starting -= 1
 
     async def _create(self, spec: SandboxSpec, owner: str, image_config: dict,
                       layers: list[str], ticket: Ticket) -> SandboxInfo:
@@ -461,7 +579,7 @@ class Edge:
         info = rec[0]
         raise SandboxDead(f"sandbox {sandbox_id} is {info.state}"
                           + (f": {info.dead_reason}" if info.dead_reason else ""),
-                          state=info.state)
+                          state=info.state, reason=info.dead_reason)
 
     def _running(self, sandbox_id: str) -> LiveSandbox:
         """A live sandbox that is not paused: what needs its agent (exec, stdin, signals)."""
@@ -620,6 +738,9 @@ class Edge:
     async def _ttl_loop(self) -> None:
         for tick in itertools.count(1):
             await asyncio.sleep(1.0)
+            gap = self.fence.expired()
+            if gap is not None and self.live:
+                self._fence_now(gap)
             now = time.time()
             for sid, live in list(self.live.items()):
                 if live.info.expires_at <= now:
@@ -635,12 +756,15 @@ class Edge:
         if news is not None:
             self.event_log.append(live.info.id, "net.denied", data=json.dumps(news))
 
-    def _destroy_soon(self, sandbox_id: str, reason: str) -> None:
-        """Start deleting a live sandbox (TTL, job lease) with ``reason`` in its event log."""
+    def _destroy_soon(self, sandbox_id: str, reason: str, state: str = "deleted") -> None:
+        """Start deleting a live sandbox (TTL, job lease; ``state`` dead: node lost) with
+        ``reason`` in its event log."""
         live = self.live.get(sandbox_id)
         if live is None or sandbox_id in self._deleting:
             return
-        task = asyncio.create_task(self._destroy(live, reason, "deleted"))
+        if state == "dead":
+            live.info.dead_reason = reason  # what get/exec answer while it goes
+        task = asyncio.create_task(self._destroy(live, reason, state))
         self._deleting[sandbox_id] = task
         task.add_done_callback(lambda _t, s=sandbox_id: self._deleting.pop(s, None))
 

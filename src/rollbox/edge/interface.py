@@ -13,7 +13,8 @@ from typing import Any, Literal, Protocol
 from rollbox.agent.protocol import ExecRequest
 from rollbox.models import (
     Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, ImageInfo,
-    LayerUsage, NetworkPolicy, SandboxInfo, SandboxSpec, SnapshotResult, SnapshotSpec,
+    LayerUsage, NetworkPolicy, NodeReport, SandboxInfo, SandboxSpec, SnapshotResult,
+    SnapshotSpec,
 )
 
 
@@ -50,6 +51,17 @@ class EdgeAPI(Protocol):
     # it), ``max_sandboxes``, and ``backends``: each kind with whether it is offered and its
     # facts (rollbox.backends.base.BackendCapacity).
     def capacity(self) -> dict[str, object]: ...
+
+    # The watcher's probe (rollbox.watcher), once a second: capacity after overcommit, creates
+    # in progress, the live sandboxes (at most ``max_sandboxes`` listed), cached layers, counts
+    # per backend and project; from memory, no per-sandbox I/O. ``fence_s`` arms the edge's
+    # fence (rollbox.edge.fence: unprobed that long, it tears its sandboxes down as node_lost);
+    # None disarms it.
+    async def report(self, max_sandboxes: int = 10000,
+                     fence_s: float | None = None) -> NodeReport: ...
+    # Sandboxes the watcher reported dead (node_lost) while it could not reach this node: the
+    # live ones among them are torn down (never resurrected stale); returns those ids.
+    async def declare_lost(self, sandbox_ids: list[str]) -> list[str]: ...
 
     async def create(self, spec: SandboxSpec, owner: str, share: Share = "new") -> SandboxInfo: ...
     async def get(self, sandbox_id: str) -> SandboxInfo: ...

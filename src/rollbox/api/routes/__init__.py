@@ -4,6 +4,7 @@ of a sandbox, the app's context), ``api.bodies`` and ``api.streams``."""
 from fastapi import APIRouter
 
 from rollbox.api.routes import (
+    cluster,
     events,
     exec,
     files,
@@ -27,6 +28,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     fncall.router,  # /v1/fncall: warm-pool stateless calls
     jobs.router,  # /v1/jobs: trainer-job leases
     keys.router,  # /v1/keys: list, revoke API keys (admin keys only)
+    cluster.router,  # /v1/cluster/status: the watcher's view of the nodes
 )
 
 __all__ = ["ROUTERS"]

@@ -36,8 +36,8 @@ def _project(who: Principal, project: str | None, name: str) -> str:
 
 
 async def job_sandboxes(api: ApiContext, project: str, name: str) -> list[models.SandboxInfo]:
-    found = await api.placement.list(project, {})
-    return [i for i in found if i.owner == project and i.job == name]
+    found = await api.list_sandboxes(project, {})  # a lost node's are dead already
+    return [i for i in found if i.owner == project and i.job == name and i.state != "dead"]
 
 
 @router.post("/v1/jobs", response_model=models.JobInfo)

@@ -54,7 +54,7 @@ async def list_sandboxes(
         if not who.admin:
             return []  # another project's sandboxes look absent
         owner = project
-    found = await api.placement.list(owner, labels)
+    found = await api.list_sandboxes(owner, labels)
     # Filter again here: the edge's own filtering is trusted for speed, not for isolation.
     return [
         i for i in found
@@ -72,7 +72,15 @@ async def get_sandbox(sandbox_id: str, edge: Edge) -> models.SandboxInfo:
 
 
 @router.delete("/v1/sandboxes/{sandbox_id}", status_code=204, tags=["sandboxes"])
-async def delete_sandbox(sandbox_id: str, edge: Edge, who: Who, api: Api) -> Response:
+async def delete_sandbox(sandbox_id: str, who: Who, api: Api) -> Response:
+    try:
+        edge = await api.sandbox_edge(sandbox_id, who)
+    except errors.SandboxDead as exc:
+        if exc.details.get("reason") != models.NODE_LOST:
+            raise
+        # Dead with its node: deleting a dead sandbox is a no-op (its node tears it down
+        # when it comes back).
+        return Response(status_code=204)
     await edge.delete(sandbox_id)
     if api.records(edge):
         await api.drain_recorders(sandbox_id, 2.0)
