@@ -83,7 +83,8 @@ def markdown() -> str:
         "- Lists are comma-separated; maps are `name=value` items, comma-separated.",
         "",
         "The SDK's own defaults are the client's, not the node's: `ROLLBOX_URL` (the server,",
-        "default `http://127.0.0.1:7420`) and `ROLLBOX_API_KEY` (the key it sends).",
+        "or several API URLs comma-separated to fail over between, docs/sdk.md; default",
+        "`http://127.0.0.1:7420`) and `ROLLBOX_API_KEY` (the key it sends).",
     ]
     for group, title in GROUPS.items():
         rows = [(name, var) for name, var in VARS.items() if var.group == group]

@@ -11,7 +11,7 @@ The tree (class, wire code, HTTP status, ``R`` = retryable: when it is raised)::
     RollboxError                 internal               500    a fault the api did not expect
     ├── BadRequest               bad_request            400    malformed or invalid input
     │   ├── DiskFull             bad_request            400    the sandbox's disk/inodes are full
-    │   └── IdempotencyConflict  idempotency_conflict   400    exec key reused, other command
+    │   └── IdempotencyConflict  idempotency_conflict   400    exec/create key reused, other spec
     ├── Unauthorized             unauthorized           401    no key, or unknown or revoked
     ├── Forbidden                forbidden              403    a key that may not (admin routes)
     ├── NotFound                 not_found              404    no such sandbox/image/exec/file/job
@@ -94,7 +94,7 @@ class DiskFull(BadRequest):
 
 
 class IdempotencyConflict(BadRequest):
-    """An exec idempotency key was reused with a different command (or other spec)."""
+    """An idempotency key was reused with a different command (exec) or spec (create)."""
 
     code = "idempotency_conflict"
 
@@ -231,7 +231,8 @@ class ServerUnreachable(InfraError):
 
 class ConnectionLost(InfraError):
     """The connection broke after the request was sent: it may or may not have been processed
-    (the SDK retries what is safe to retry: reads, and exec starts with an idempotency key)."""
+    (the SDK retries what is safe to retry, on another API URL when it has several: reads, and
+    creates and exec starts with an idempotency key)."""
 
     code = "connection_lost"
 

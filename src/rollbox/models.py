@@ -69,6 +69,11 @@ class SandboxSpec(BaseModel):
     # past it fail with ENOSPC/EDQUOT) or "memory" (a tmpfs: faster, but its bytes are host
     # RAM charged to the sandbox's memory limit).
     disk_tier: Literal["disk", "memory"] = "disk"
+    # Makes a retried create (e.g. by the SDK on another API replica after the connection
+    # broke) return the sandbox the first attempt made (or is making) instead of a second
+    # one: per project, while that sandbox lives; the same key with another spec is
+    # idempotency_conflict.
+    idempotency_key: str | None = Field(None, min_length=1, max_length=128)
 
     @field_validator("job")
     @classmethod
@@ -150,6 +155,7 @@ class SandboxInfo(BaseModel):
     # True when what the sandbox reports comes from code its own user controls (a microVM's
     # agent runs under the guest's root): exec results are the guest's word, not the host's.
     guest_reported: bool = False
+    idempotency_key: str | None = None  # of the create that made it (SandboxSpec's)
 
 
 class ExecSpec(BaseModel):

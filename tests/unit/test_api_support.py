@@ -88,6 +88,10 @@ class FakeEdge:
     async def create(self, spec: SandboxSpec, owner: str) -> SandboxInfo:
         self._check("create")
         self.creates += 1
+        for sb in self.sandboxes.values():  # a keyed create is the edge's once (Edge.create)
+            if spec.idempotency_key is not None and (sb.info.owner, sb.info.idempotency_key) \
+                    == (owner, spec.idempotency_key):
+                return sb.info
         if len(self.sandboxes) >= self.max_sandboxes:
             raise errors.CapacityExceeded(f"node {self.node_id} full")
         sid = f"{self.node_id}-{secrets.token_hex(8)}"
@@ -96,7 +100,8 @@ class FakeEdge:
         now = time.time()
         info = SandboxInfo(id=sid, node=self.node_id, image=spec.image, layers=spec.layers,
                            state="running", created_at=now, expires_at=now + spec.ttl_s,
-                           labels=spec.labels, resources=spec.resources, owner=owner)
+                           labels=spec.labels, resources=spec.resources, owner=owner,
+                           idempotency_key=spec.idempotency_key)
         self.sandboxes[sid] = _Sandbox(info, root)
         return info
 

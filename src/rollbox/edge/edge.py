@@ -138,6 +138,12 @@ class Edge:
         self._deleting: dict[str, asyncio.Task] = {}
         self._snapshotting: set[str] = set()
         self._lazy: LazyLoader | None = None  # while the node has lazy layers
+        # create idempotency keys: (owner, key) -> the live sandbox made under it (rebuilt
+        # from the journaled infos on restart), its spec as asked (None after a restart), and
+        # keyed creates still under way (a retry joins one instead of making a second box).
+        self._create_keys: dict[tuple[str, str], str] = {}
+        self._create_specs: dict[tuple[str, str], dict[str, Any]] = {}
+        self._create_starts: dict[tuple[str, str], asyncio.Future[str]] = {}
 
     # ---- lifecycle of the edge itself -------------------------------------------------
     async def start(self) -> None:
@@ -450,6 +456,47 @@ class Edge:
             # restart reads back from them (_share_of): a project's sandbox must not pass as one.
             raise BadRequest(f"labels starting with {PLATFORM_LABEL_PREFIX!r} are the "
                              "platform's", labels=sorted(spec.labels))
+        key = spec.idempotency_key
+        if key is None:
+            return await self._new_sandbox(spec, owner, share)
+        made = await self._keyed_create(spec, owner, key)
+        if made is not None:
+            return made
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._create_starts[(owner, key)] = fut
+        try:
+            info = await self._new_sandbox(spec, owner, share)
+            self._create_specs[(owner, key)] = spec.model_dump(exclude={"idempotency_key"})
+            fut.set_result(info.id)
+            return info
+        except BaseException as exc:
+            fut.set_exception(exc if isinstance(exc, Exception) else InfraError("cancelled"))
+            fut.exception()  # retrieved: a failed start nobody joined is not an error
+            raise
+        finally:
+            self._create_starts.pop((owner, key), None)
+
+    async def _keyed_create(self, spec: SandboxSpec, owner: str,
+                            key: str) -> SandboxInfo | None:
+        """The live sandbox ``owner`` created under ``key`` (None: none, or its create failed),
+        after checking it was asked for with the same spec; waits for one under way."""
+        sandbox_id = self._create_keys.get((owner, key))
+        if sandbox_id is None and (owner, key) in self._create_starts:
+            try:
+                sandbox_id = await asyncio.shield(self._create_starts[(owner, key)])
+            except Exception:  # noqa: BLE001 - that create failed: this one tries again
+                return None
+        live = self.live.get(sandbox_id) if sandbox_id is not None else None
+        if live is None or sandbox_id in self._deleting:
+            return None
+        recorded = self._create_specs.get((owner, key))
+        if recorded is not None and recorded != spec.model_dump(exclude={"idempotency_key"}):
+            raise IdempotencyConflict(
+                f"idempotency key {key!r} was used for another sandbox spec ({sandbox_id})",
+                sandbox_id=sandbox_id, idempotency_key=key)
+        return live.info.model_copy()
+
+    async def _new_sandbox(self, spec: SandboxSpec, owner: str, share: Share) -> SandboxInfo:
         self._backend_for(spec)
         image = self._image_for(spec.image, owner)
         layers = list(image.layers)
@@ -514,7 +561,7 @@ class Edge:
             created_at=now, expires_at=now + spec.ttl_s, labels=spec.labels,
             resources=spec.resources, owner=owner, hidden_paths=spec.hidden_paths,
             network=spec.network, job=spec.job, disk_tier=spec.disk_tier,
-            backend=spec.backend,
+            backend=spec.backend, idempotency_key=spec.idempotency_key,
         )
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
         env.update((image_config or {}).get("env", {}))
@@ -542,6 +589,8 @@ class Edge:
                   ticket: Ticket) -> None:
         live = LiveSandbox(info, box, backend, ticket=ticket)
         self.live[info.id] = live
+        if info.idempotency_key is not None:
+            self._create_keys[(info.owner, info.idempotency_key)] = info.id
         live.watcher = asyncio.create_task(self._watch(live))
 
     async def _watch(self, live: LiveSandbox) -> None:
@@ -643,6 +692,11 @@ class Edge:
             await live.backend.destroy(live.box)  # also a paused one
         finally:
             self.live.pop(info.id, None)
+            if info.idempotency_key is not None:
+                ident = (info.owner, info.idempotency_key)
+                if self._create_keys.get(ident) == info.id:
+                    del self._create_keys[ident]
+                    self._create_specs.pop(ident, None)
             if live.ticket is not None:
                 self.admission.release(live.ticket)
             info.state = state  # type: ignore[assignment]

@@ -19,8 +19,9 @@ _TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
 def _transport_error(what: str, exc: BaseException) -> errors.InfraError:
-    """A refused/failed connect never reached the server; anything later may have."""
-    if isinstance(exc, aiohttp.ClientConnectorError):
+    """A refused/failed or timed-out connect (or wait for a pooled connection) never reached
+    the server; anything later may have."""
+    if isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
         return errors.ServerUnreachable(f"{what}: {exc!r}")
     return errors.ConnectionLost(f"{what}: {exc!r}")
 
@@ -124,19 +125,22 @@ class HttpClientTransport:
     def handle(self, request: Request) -> tuple[int, bytes]:
         if request.params or not (request.body is None or isinstance(request.body, bytes)):
             raise ValueError("blocking requests take a target with its query and a bytes body")
+        what = f"{request.method} {request.target}"
+        if self._conn is None:
+            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            self._conn = cls(self._host, timeout=self.timeout_s)
+            try:
+                self._conn.connect()
+            except OSError as exc:  # refused, unreachable, timed out: never sent
+                self.close()
+                raise errors.ServerUnreachable(f"{what}: {exc!r}") from exc
         try:
-            if self._conn is None:
-                cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-                self._conn = cls(self._host, timeout=self.timeout_s)
             self._conn.request(request.method, self._prefix + request.target, body=request.body,
                                headers=request.headers or {})
             resp = self._conn.getresponse()
             return resp.status, resp.read()
         except (OSError, http.client.HTTPException) as exc:
             self.close()
-            what = f"{request.method} {request.target}"
-            if isinstance(exc, ConnectionRefusedError):
-                raise errors.ServerUnreachable(f"{what}: {exc!r}") from exc
             raise errors.ConnectionLost(f"{what}: {exc!r}") from exc
 
     def close(self) -> None:

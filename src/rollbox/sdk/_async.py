@@ -12,7 +12,7 @@ import tarfile
 import threading
 import time
 import urllib.parse
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -24,6 +24,7 @@ from rollbox import errors
 from rollbox.errors import CommandFailed
 from rollbox.sdk._aiohttp import AiohttpTransport
 from rollbox.sdk._env import default_api_key, default_url
+from rollbox.sdk._failover import DEFAULT_BACKOFF_S, FailoverTransport, parse_urls
 from rollbox.sdk._http import FullResponse, Http, Params, raise_for_status
 from rollbox.sdk._resume import (
     DEFAULT_RECONNECT_S, Offsets, Reconnect, new_idempotency_key,
@@ -710,27 +711,50 @@ async def _delete_created(requests: Iterable[asyncio.Future[AsyncSandbox]]) -> N
 
 
 class AsyncClient:
-    def __init__(self, base_url: str | None = None, api_key: str | None = None,
+    def __init__(self, base_url: str | Sequence[str] | None = None, api_key: str | None = None,
                  timeout: float = 60.0, max_connections: int = 1024,
                  reconnect_s: float = DEFAULT_RECONNECT_S, *,
-                 transport: AsyncTransport | None = None) -> None:
-        """``reconnect_s``: how long exec calls keep retrying (with backoff) while the server
-        is unreachable, e.g. restarting; their commands keep running meanwhile.
-        ``transport``: how requests travel (default: HTTP with aiohttp to ``base_url``, with
-        ``timeout`` and ``max_connections``); e.g. ``ASGITransport(app)`` calls an api app
-        in-process. A given transport has its own place and limits: no ``base_url`` then. The
-        client closes its transport."""
+                 transport: AsyncTransport | Sequence[AsyncTransport] | None = None,
+                 url_backoff_s: float = DEFAULT_BACKOFF_S) -> None:
+        """``base_url``: the API, or several API URLs (a list, or one string of them
+        comma-separated; default ``$ROLLBOX_URL``, same form, else this host's server) that
+        the client fails over between (docs/sdk.md): a request that could not be sent goes to
+        the next URL at once; one whose connection broke is sent again on the next only when
+        that is safe (reads; creates and exec starts, by their idempotency keys); a URL that
+        failed is skipped for ``url_backoff_s`` (doubling per failure in a row, up to 30 s)
+        while another is not; requests stay on the URL that answered. An empty list, a
+        malformed or repeated URL: BadRequest, here.
+        ``reconnect_s``: how long exec calls keep retrying (with backoff) while no server is
+        reachable, e.g. restarting; their commands keep running meanwhile.
+        ``transport``: how requests travel (default: HTTP with aiohttp to each URL, with
+        ``timeout`` (also each connect's) and ``max_connections`` (per URL)); e.g.
+        ``ASGITransport(app)`` calls an api app in-process; a list of transports is failed
+        over between like URLs. A given transport has its own place and limits: no
+        ``base_url`` then. The client closes its transports."""
         self.reconnect_s = reconnect_s
         if transport is None:
-            transport = AiohttpTransport(base_url or default_url(),
-                                         timeout=timeout, max_connections=max_connections)
+            urls = parse_urls(base_url if base_url not in (None, "") else default_url())
+            places: list[AsyncTransport] = [
+                AiohttpTransport(url, timeout=timeout, max_connections=max_connections)
+                for url in urls]
         elif base_url is not None:
             raise TypeError("base_url is the transport's: give one or the other")
-        self.base_url = transport.base_url
+        else:
+            places = [transport] if not isinstance(transport, Sequence) else list(transport)
+            if not places:
+                raise errors.BadRequest("no API transport given (an empty list)")
+        one: AsyncTransport = (places[0] if len(places) == 1 else
+                               FailoverTransport(places, backoff_s=url_backoff_s))
+        self.urls = [t.base_url for t in places]
         api_key = api_key or default_api_key()
-        self._t = Http(transport, api_key)
+        self._t = Http(one, api_key, places=len(places))
         self._heartbeats: set[_Heartbeat] = set()  # of this client's open jobs
         self.images = AsyncImages(self._t)
+
+    @property
+    def base_url(self) -> str:
+        """The API URL requests go to now (the one that last answered)."""
+        return self._t.transport.base_url
 
     async def create(
         self, image: str, *, layers: Iterable[str] = (), cpus: float | None = None,
@@ -738,6 +762,7 @@ class AsyncClient:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         hidden_paths: Iterable[str] = (), network: Iterable[str] | None = None,
         job: str | None = None, disk_tier: str | None = None, backend: str | None = None,
+        idempotency_key: str | None = None,
     ) -> AsyncSandbox:
         """``backend``: the kind of sandbox (``"container"``, the default, or ``"microvm"``;
         a kind no node offers is a bad_request). ``hidden_paths``: paths the sandbox's commands can not see (a task's tests).
@@ -745,7 +770,11 @@ class AsyncClient:
         permissions/rules (see ``AsyncSandbox.set_network``). ``job``: a live job of this
         project (see :meth:`job`), which deletes the sandbox when it ends or expires.
         ``disk_tier``: ``"disk"`` (the default: the writable layer on the node's disk, capped
-        by ``disk_mib``) or ``"memory"`` (a tmpfs, its bytes counted in the sandbox's memory)."""
+        by ``disk_mib``) or ``"memory"`` (a tmpfs, its bytes counted in the sandbox's memory).
+        ``idempotency_key`` (a fresh one per call unless given): a create whose connection
+        broke is sent again (on the next API URL) with it, and returns the sandbox the first
+        attempt made instead of a second one; the same key with another spec, while that
+        sandbox lives, is ``IdempotencyConflict``."""
         spec = self._spec(image, layers, cpus, memory_mib, disk_mib, ttl_s, labels, env,
                           hidden_paths, job)
         if network is not None:
@@ -754,7 +783,11 @@ class AsyncClient:
             spec["disk_tier"] = disk_tier  # checked by the server (bad_request)
         if backend is not None:
             spec["backend"] = backend
-        r = await self._t.request("POST", "/v1/sandboxes", json=spec, long=True)
+        if idempotency_key is not None and not 1 <= len(idempotency_key) <= 128:
+            raise errors.BadRequest("idempotency_key must be 1 to 128 characters")
+        spec["idempotency_key"] = idempotency_key or new_idempotency_key()
+        r = await self._t.request("POST", "/v1/sandboxes", json=spec, long=True,
+                                  idempotent=True)
         return AsyncSandbox(self, SandboxInfo.model_validate(r.json()))
 
     @staticmethod

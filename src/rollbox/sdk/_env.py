@@ -1,4 +1,5 @@
-"""The client's defaults from its user's environment: ``ROLLBOX_URL`` (the server) and
+"""The client's defaults from its user's environment: ``ROLLBOX_URL`` (the server, or several
+API URLs comma-separated: the client fails over between them, ``_failover``) and
 ``ROLLBOX_API_KEY`` (the key sent). The one reader of ``ROLLBOX_*`` variables outside
 rollbox.config (tests/unit/test_settings_reads.py): these belong to the client, read where the
 SDK runs (often a host with no node), while rollbox.config holds a node's settings, which a
@@ -11,7 +12,8 @@ DEFAULT_URL = "http://127.0.0.1:7420"
 
 
 def default_url() -> str:
-    """``$ROLLBOX_URL``, else this host's ``rollbox serve``."""
+    """``$ROLLBOX_URL`` (as given: one URL, or several comma-separated), else this host's
+    ``rollbox serve``."""
     return os.environ.get("ROLLBOX_URL", "").strip() or DEFAULT_URL
 
 

@@ -1,6 +1,8 @@
 """What every SDK call does over its transport (``_transport``): the API key, JSON bodies and
-query values encoded as httpx did, typed errors from error answers, NDJSON lines. The same for
-every transport; owns no connection.
+query values encoded as httpx did, typed errors from error answers, NDJSON lines, and sending
+again a whole request that is safe to send again when its connection broke (``ConnectionLost``)
+and the client has other API URLs (``_failover``) to send it to. The same for every transport;
+owns no connection.
 """
 from __future__ import annotations
 
@@ -46,12 +48,21 @@ class FullResponse:
         return json.loads(self.content)
 
 
-class Http:
-    """The client's requests over ``transport`` (``client._t``)."""
+# The SDK's attempt number of a call sent again (1 unless it is): a create seen with a key and
+# an attempt above 1 is looked for on every node (api/routes/sandboxes.py).
+ATTEMPT_HEADER = "X-Rollbox-Attempt"
+_SAFE_METHODS = ("GET", "HEAD")
 
-    def __init__(self, transport: AsyncTransport, api_key: str | None) -> None:
+
+class Http:
+    """The client's requests over ``transport`` (``client._t``). ``places``: how many API URLs
+    the transport has (a request safe to send again is sent at most that many times)."""
+
+    def __init__(self, transport: AsyncTransport, api_key: str | None,
+                 places: int = 1) -> None:
         self.transport = transport
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.places = places
 
     def request_of(self, method: str, url: str, *, long: bool = False, params: Params = None,
                    json_body: Any = None, content: Any = None,
@@ -65,17 +76,41 @@ class Http:
 
     async def request(self, method: str, url: str, *, long: bool = False, params: Params = None,
                       json: Any = None, content: Any = None,
-                      headers: dict[str, str] | None = None) -> FullResponse:
-        """A whole answer; an error answer raises its typed error."""
-        resp = await self.transport.handle(self.request_of(
-            method, url, long=long, params=params, json_body=json, content=content,
-            headers=headers))
-        try:
-            body = await resp.read()
-        finally:
-            await resp.aclose()
-        raise_for_status(resp.status, body)
-        return FullResponse(resp.status, body)
+                      headers: dict[str, str] | None = None,
+                      idempotent: bool = False) -> FullResponse:
+        """A whole answer; an error answer raises its typed error. A connection that broke
+        (``ConnectionLost``) is tried again on the next API URL, up to once per URL, when
+        the request is safe to send twice: a GET/HEAD without a body, or ``idempotent`` (a
+        create or exec start with its idempotency key); attempts after the first carry
+        ``X-Rollbox-Attempt``."""
+        safe = idempotent or (method in _SAFE_METHODS and json is None and content is None)
+        attempts = self.places if safe else 1
+        attempt = 1
+        lost: errors.ConnectionLost | None = None
+        while True:
+            hdrs = headers if attempt == 1 else {**(headers or {}), ATTEMPT_HEADER: str(attempt)}
+            try:
+                resp = await self.transport.handle(self.request_of(
+                    method, url, long=long, params=params, json_body=json, content=content,
+                    headers=hdrs))
+                try:
+                    body = await resp.read()
+                finally:
+                    await resp.aclose()
+            except errors.ConnectionLost as exc:
+                lost = lost or exc
+                if attempt >= attempts:
+                    raise
+                attempt += 1
+                continue
+            except errors.ServerUnreachable as exc:
+                if lost is None:
+                    raise
+                # An earlier attempt may have been processed: not "certainly not".
+                raise errors.ConnectionLost(f"{lost.message}; sent again: {exc.message}",
+                                            **exc.details) from exc
+            raise_for_status(resp.status, body)
+            return FullResponse(resp.status, body)
 
     async def stream(self, method: str, url: str, *, params: Params = None, json: Any = None,
                      content: Any = None, headers: dict[str, str] | None = None) -> Response:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -21,6 +21,7 @@ from rollbox.sdk._async import (
     AsyncClient, AsyncFiles, AsyncImages, AsyncJob, AsyncProcess, AsyncSandbox, FileContent,
     OutputCallback, OutputChunk, Progress,
 )
+from rollbox.sdk._failover import DEFAULT_BACKOFF_S
 from rollbox.sdk._transport import AsyncTransport
 
 T = TypeVar("T")
@@ -287,23 +288,29 @@ class Client:
     """Blocking client; same arguments and methods as :class:`AsyncClient`. With an
     ``ASGITransport`` the app runs on the client's private loop thread."""
 
-    def __init__(self, base_url: str | None = None, api_key: str | None = None,
+    def __init__(self, base_url: str | Sequence[str] | None = None, api_key: str | None = None,
                  timeout: float = 60.0, max_connections: int = 1024,
                  reconnect_s: float = DEFAULT_RECONNECT_S, *,
-                 transport: AsyncTransport | None = None) -> None:
+                 transport: AsyncTransport | Sequence[AsyncTransport] | None = None,
+                 url_backoff_s: float = DEFAULT_BACKOFF_S) -> None:
         self._p = _Portal()
 
         async def make() -> AsyncClient:
             return AsyncClient(base_url, api_key, timeout, max_connections, reconnect_s,
-                               transport=transport)
+                               transport=transport, url_backoff_s=url_backoff_s)
 
         try:
             self._c = self._p.call(make())
         except BaseException:
             self._p.stop()
             raise
-        self.base_url = self._c.base_url
+        self.urls = self._c.urls
         self.images = Images(self._p, self._c.images)
+
+    @property
+    def base_url(self) -> str:
+        """The API URL requests go to now (see :attr:`AsyncClient.base_url`)."""
+        return self._c.base_url
 
     def create(self, image: str, *, layers: Iterable[str] = (), **kw: Any) -> Sandbox:
         return Sandbox(self._p, self._p.call(self._c.create(image, layers=layers, **kw)))

@@ -4,7 +4,7 @@ what changes a sandbox goes into its audit trail when the api records for its ed
 import json
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Header, Query, Response
 from pydantic import BaseModel, Field
 
 from rollbox import errors, models
@@ -17,14 +17,37 @@ class TTLRequest(BaseModel):
     ttl_s: float = Field(..., gt=0, le=models.MAX_TIMEOUT_S)
 
 
+async def _made_before(api: Api, spec: models.SandboxSpec,
+                       owner: str) -> models.SandboxInfo | None:
+    """A retried keyed create: the sandbox an earlier attempt made under the key, on
+    whichever node (the attempt may have gone through another replica, whose placement chose
+    another node), asked of that node again so it checks the spec (or waits for a create
+    still under way there). None: no node has one."""
+    found = [i for i in await api.placement.list(owner, {})
+             if i.idempotency_key == spec.idempotency_key and i.owner == owner]
+    if not found:
+        return None
+    return await api.placement.edge_for(found[0].id).create(spec, owner)
+
+
 @router.post("/v1/sandboxes", status_code=201, response_model=models.SandboxInfo,
              tags=["sandboxes"])
-async def create_sandbox(spec: models.SandboxSpec, who: Who, api: Api) -> models.SandboxInfo:
+async def create_sandbox(
+    spec: models.SandboxSpec, who: Who, api: Api,
+    attempt: Annotated[int, Header(alias="X-Rollbox-Attempt", ge=1, le=1000, description=(
+        "the SDK's attempt number of this call; above 1 with an idempotency_key, every node "
+        "is asked for the sandbox an earlier attempt made"))] = 1,
+) -> models.SandboxInfo:
     if spec.job is not None:  # NotFound unless the project's job is live
         api.lease_store().live(who.project, spec.job)
-    info = await api.placement.create(spec, who.project)
+    info = None
+    if attempt > 1 and spec.idempotency_key is not None:
+        info = await _made_before(api, spec, who.project)
+    made_here = info is None
+    if info is None:  # a keyed create on the node that is making it joins it there
+        info = await api.placement.create(spec, who.project)
     api.remember_owner(info.id, who.project)
-    if api.records(api.placement.edge_for(info.id)):
+    if made_here and api.records(api.placement.edge_for(info.id)):
         api.events.append(info.id, "sandbox.created", None, json.dumps({
             "owner": who.project, "key_id": who.key_id, "node": info.node,
             "image": spec.image, "layers": spec.layers, "labels": spec.labels, "job": spec.job,
