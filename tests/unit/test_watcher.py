@@ -170,7 +170,7 @@ async def test_slow_edge_does_not_delay_the_others() -> None:
     slow = FakeEdge("slow")
     slow.mode = "hang"
     fast = [FakeEdge(f"f{i}") for i in range(3)]
-    w = Watcher([slow, *fast], interval_s=0.05, probe_timeout_s=0.4, suspect_s=0.3,
+    w = Watcher([slow, *fast], interval_s=0.05, probe_timeout_s=0.4, suspect_s=0.4,
                 dead_s=0.6, reconcile_s=5.0)
     t0 = time.monotonic()
     await w.start()  # its first round waits for the slow probe's timeout only
@@ -335,6 +335,6 @@ async def test_a_stalled_watcher_does_not_kill_its_nodes() -> None:
 
 def test_bad_thresholds_are_refused() -> None:
     for kw in ({"suspect_s": 5.0, "dead_s": 5.0}, {"interval_s": 0.0},
-               {"probe_timeout_s": -1.0}, {"max_sandboxes": -1}):
+               {"probe_timeout_s": -1.0}, {"probe_timeout_s": 4.0}, {"max_sandboxes": -1}):
         with pytest.raises(errors.BadRequest):
             Watcher([], **kw)

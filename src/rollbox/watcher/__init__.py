@@ -108,12 +108,12 @@ class Watcher:
         self.max_sandboxes = (s.watch_report_max_sandboxes if max_sandboxes is None
                               else max_sandboxes)
         self.fence = s.watch_fence if fence is None else fence
-        if not (0 < self.interval_s and 0 < self.probe_timeout_s
+        if not (0 < self.interval_s and 0 < self.probe_timeout_s <= self.suspect_s
                 and 0 < self.suspect_s < self.dead_s and self.reconcile_s > 0
                 and self.max_sandboxes >= 0):
             raise errors.BadRequest(
-                "watcher settings out of range: interval, probe timeout, reconcile > 0, "
-                "0 < suspect < dead, max sandboxes >= 0",
+                "watcher settings out of range: interval, reconcile > 0, 0 < probe timeout <= "
+                "suspect < dead, max sandboxes >= 0",
                 interval_s=self.interval_s, suspect_s=self.suspect_s, dead_s=self.dead_s)
         self.local = frozenset(local)
         self.ledger = ledger
@@ -187,11 +187,8 @@ class Watcher:
         answers; what the loop does every interval, for start-up and tests."""
         self.tick()
         out = [n.probe for n in self._nodes.values() if n.probe is not None]
-        if out:
+        if out:  # each probe updates its node's health as it ends
             await asyncio.gather(*out, return_exceptions=True)
-        now = self.clock()
-        for node in self._nodes.values():
-            self._update_health(node, now)
 
     def _sync_registry(self) -> None:
         if self.registry.version == self._registry_version:
