@@ -25,7 +25,7 @@ from rollbox import errors
 from rollbox.api import BackgroundServer, create_app
 from rollbox.iam import KeyStore
 from rollbox.placement import Placement
-from rollbox.sdk import AsyncClient
+from rollbox.sdk import AsyncClient, Client
 from rollbox.sdk._failover import FailoverTransport
 from tests.conftest import have_image
 
@@ -126,6 +126,13 @@ async def test_a_dead_first_url_costs_one_connect_attempt(
             assert to_dead == ["/v1/sandboxes"] and client.base_url == a
         finally:
             await sb.delete()
+
+    def sync_face() -> tuple[str, str]:  # the blocking Client, on a thread of its own
+        with Client(f"{dead},{a}", key) as c:
+            with c.create(BB) as box:
+                return box.exec("echo sync").stdout, c.base_url
+
+    assert await asyncio.to_thread(sync_face) == ("sync\n", a)
     assert edge.live == {}
 
 

@@ -364,3 +364,21 @@ async def test_a_create_sent_again_through_another_replica_finds_it_on_its_node(
             r = await client._t.request("POST", "/v1/sandboxes", json={
                 "image": "debian", "idempotency_key": sb.info.idempotency_key})
             assert r.json()["id"] != sb.id and r.json()["node"] != sb.info.node
+
+
+async def test_create_many_keeps_each_sandboxs_key_over_its_attempts() -> None:
+    """An attempt of create_many broken after the server made the sandbox is tried again
+    (ConnectionLost is retryable) with the same key: the server's dedupe makes it that
+    sandbox, not a second one outside the returned list."""
+    def made(r: Request) -> FakeResponse:
+        key = json.loads(r.body)["idempotency_key"]  # type: ignore[arg-type]
+        return FakeResponse(201, [json.dumps({**SANDBOX, "id": f"n1-{key}"}).encode()])
+
+    a = FakeTransport("http://a:1", made)
+    a.lose = 1  # the first create reaches the app, its answer is lost
+    async with client_of(a) as client:
+        sbs = await client.create_many(2, "debian", concurrency=1, backoff_s=0.001,
+                                       idempotency_key="grp")
+    keys = [json.loads(r.body)["idempotency_key"] for r in a.reached]  # type: ignore[arg-type]
+    assert len(keys) == 3 and sorted(set(keys)) == ["grp-0", "grp-1"]
+    assert keys.count(keys[0]) == 2 and sorted(sb.id for sb in sbs) == ["n1-grp-0", "n1-grp-1"]

@@ -813,17 +813,22 @@ class AsyncClient:
         """Create ``n`` sandboxes with at most ``concurrency`` requests in flight, retrying
         retryable errors (capacity, infrastructure) with full-jitter exponential backoff.
         If one finally fails, or the call is cancelled, the ones created are deleted (also
-        those whose request was in flight) and the error raised."""
+        those whose request was in flight) and the error raised. Each of the ``n`` keeps one
+        idempotency key over its attempts (``{idempotency_key}-{i}`` when one is given), so
+        an attempt whose connection broke after the server made its sandbox is that sandbox
+        when tried again, not a second one nobody would delete."""
         sem = asyncio.Semaphore(concurrency)
         requests: list[asyncio.Future[AsyncSandbox]] = []
+        base = kw.pop("idempotency_key", None) or new_idempotency_key()
 
-        async def one() -> AsyncSandbox:
+        async def one(i: int) -> AsyncSandbox:
             attempt = 0
             while True:
                 async with sem:
                     # Shielded: a create the server is running is waited for even when we are
                     # cancelled, so that what it made is known and can be deleted.
-                    request = asyncio.ensure_future(self.create(image, **kw))
+                    request = asyncio.ensure_future(self.create(
+                        image, idempotency_key=f"{base}-{i}", **kw))
                     requests.append(request)
                     try:
                         return await asyncio.shield(request)
@@ -836,7 +841,7 @@ class AsyncClient:
                                                           backoff_s * 2 ** attempt)))
 
         try:
-            results = await asyncio.gather(*(one() for _ in range(n)), return_exceptions=True)
+            results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
         except asyncio.CancelledError:
             cleanup = asyncio.ensure_future(_delete_created(requests))
             _CLEANUPS.add(cleanup)  # a second cancel must not drop it half-way
