@@ -24,6 +24,9 @@ app.add_typer(bench_app, name="bench")
 mirror_app = typer.Typer(help="Package mirrors (the caching PyPI proxy)", no_args_is_help=True)
 app.add_typer(mirror_app, name="mirror")
 app.add_typer(project_app, name="project")
+cluster_app = typer.Typer(help="Cluster mode: Ray nodes, one edge per node, api replicas behind "
+                          "one port (docs/cluster.md)", no_args_is_help=True)
+app.add_typer(cluster_app, name="cluster")
 
 
 @app.command()
@@ -195,6 +198,15 @@ def bench_microvm(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out, only=mod.parse_only(only))
 
 
+@bench_app.command("cluster-control")
+def bench_cluster_control(quick: bool = typer.Option(False, "--quick"),
+                          json_out: bool = typer.Option(False, "--json")) -> None:
+    """A cluster's api -> edge control calls: HTTP (RemoteEdge) vs a Ray actor call, for
+    capacity() and create, on a one-node cluster on this host."""
+    mod = _load_bench("cluster_control")
+    mod.main(quick=quick, json_out=json_out)
+
+
 @bench_app.command("rl")
 def bench_rl(quick: bool = typer.Option(False, "--quick"),
              json_out: bool = typer.Option(False, "--json"),
@@ -229,6 +241,74 @@ def mirror_serve(host: Optional[str] = typer.Option(None, help="default: pypi_mi
         uvloop.run(serve_mirror(s, host, port))
     except KeyboardInterrupt:
         pass
+
+
+def _cluster_call(fn, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+    from rollbox import errors
+
+    try:
+        return fn(*args, **kw)
+    except errors.RollboxError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2 if isinstance(exc, errors.BadRequest) else 1) from None
+
+
+@cluster_app.command("up")
+def cluster_up(replicas: int = typer.Option(2, "--replicas", help="api replicas (1..5)"),
+               nodes: int = typer.Option(1, "--nodes", help="edges on this host, each on a "
+                                         "Ray node of its own (>1: simulated machines)"),
+               json_out: bool = typer.Option(False, "--json")) -> None:
+    """Start a cluster on this host: Ray head, PostgreSQL, the edges, the api replicas."""
+    from rollbox.cluster import local
+
+    state = _cluster_call(local.up, replicas=replicas, nodes=nodes)
+    if json_out:
+        typer.echo(json.dumps({"api": state.api_url, "replicas": state.replica_urls,
+                               "admin_key": state.admin_key, "gcs": state.gcs,
+                               "nodes": [n.node_id for n in state.nodes]}))
+        return
+    typer.echo(f"rollbox cluster up: api {state.api_url} (replicas "
+               f"{', '.join(state.replica_urls)}); admin key in {state.admin_key}")
+    typer.echo(f"Ray head at {state.gcs}; nodes {', '.join(n.node_id for n in state.nodes)}; "
+               f"join with `rollbox cluster join {state.gcs}` (and the token "
+               f"{state.token_file})")
+
+
+@cluster_app.command("join")
+def cluster_join(address: str = typer.Argument(..., help="the Ray head, host[:port]"),
+                 node: Optional[str] = typer.Option(None, "--node", help="this node's id"),  # noqa: UP007
+                 token_file: Optional[Path] = typer.Option(None, "--token-file")) -> None:  # noqa: UP007
+    """Join a cluster: a Ray worker node on this host and its edge."""
+    from rollbox.cluster import local
+
+    rec = _cluster_call(local.join, address, node_id=node, token_file=token_file)
+    typer.echo(f"node {rec.node_id} joined; its edge at {rec.edge_url}")
+
+
+@cluster_app.command("status")
+def cluster_status(json_out: bool = typer.Option(False, "--json")) -> None:
+    """Nodes, their health and their sandboxes per backend and project."""
+    from rollbox.cluster import local
+
+    st = _cluster_call(local.status)
+    if json_out:
+        typer.echo(json.dumps(st))
+        return
+    typer.echo(f"api {st['api']} replicas {', '.join(st['replicas'])}")
+    for n in st["nodes"]:
+        typer.echo(f"node {n['node_id']}: {n['health']} {n['url']} "
+                   f"{json.dumps(n.get('sandboxes', {}))}")
+
+
+@cluster_app.command("down")
+def cluster_down(keep: bool = typer.Option(False, "--keep-sandboxes",
+                                           help="leave sandboxes running (the next edges of "
+                                           "these nodes re-adopt them)")) -> None:
+    """Stop the cluster run from this host: replicas, edges, every Ray process."""
+    from rollbox.cluster import local
+
+    _cluster_call(local.down, destroy=not keep)
+    typer.echo("rollbox cluster down")
 
 
 def main() -> None:

@@ -40,6 +40,7 @@ GROUPS: dict[str, str] = {
     "network": "Sandbox networks (rollbox.netpolicy)",
     "mirrors": "Package mirrors (rollbox.netpolicy.mirror, docs/mirrors.md)",
     "watcher": "The watcher's probes of the edges and its health thresholds (rollbox.watcher)",
+    "cluster": "Cluster mode (rollbox.cluster: Ray nodes, edge actors, api replicas)",
     "e2b": "The E2B front door (rollbox.compat.e2b)",
 }
 
@@ -103,8 +104,16 @@ def items(raw: str) -> tuple[str, ...]:
 
 
 def ports(raw: str) -> tuple[int, ...]:
-    """``"8080,9000"`` -> ``(8080, 9000)``; items that are not numbers are ignored."""
-    return tuple(int(p) for p in items(raw) if p.isdigit())
+    """``"8080,9000,7440-7443"`` -> ``(8080, 9000, 7440, 7441, 7442, 7443)``; items that are
+    not numbers or ranges of numbers are ignored."""
+    out: list[int] = []
+    for p in items(raw):
+        lo, sep, hi = p.partition("-")
+        if p.isdigit():
+            out.append(int(p))
+        elif sep and lo.strip().isdigit() and hi.strip().isdigit():
+            out.extend(range(int(lo), int(hi) + 1))
+    return tuple(out)
 
 
 @dataclass
@@ -324,7 +333,8 @@ class Settings:
     platform_ports: tuple[int, ...] = setting(
         "ROLLBOX_PLATFORM_PORTS", "network", (), ports,
         "Ports of the platform's own services on this host besides the api's 7420 "
-        "(comma-separated): no rule opens them on a host address.")
+        "(comma-separated, ranges as `LOW-HIGH`): no rule opens them on a host address. A "
+        "cluster's edges get the cluster's whole port range here.")
     dns_upstream: str | None = setting(
         "ROLLBOX_DNS_UPSTREAM", "network", None, str,
         "The DNS server (host[:port]) the sandboxes' DNS gates ask; unset: the host's first "
@@ -388,6 +398,25 @@ class Settings:
         "ROLLBOX_WATCH_REPORT_MAX", "watcher", 10000, int,
         "Live sandboxes one probe lists at most (a node with more is counted, not listed, and "
         "not reconciled).")
+    # ---- cluster mode ----------------------------------------------------------------------
+    cluster_dir: Path = setting(
+        "ROLLBOX_CLUSTER_DIR", "cluster", Path("/var/lib/rollbox-cluster"), Path,
+        "State of the cluster run from this host (`rollbox cluster up|join`): its token "
+        "(root-only), its state file, the PostgreSQL data, each node's data dir.")
+    cluster_port_base: int = setting(
+        "ROLLBOX_CLUSTER_PORT_BASE", "cluster", 7440, int,
+        "First port of the cluster's fixed range on this host: Ray's GCS, dashboard, "
+        "PostgreSQL, the api's shared port and replica ports, then 20 per node (raylet, object "
+        "manager, agents, the edge, Ray workers); the whole range is a platform port range "
+        "for the cluster's sandboxes.")
+    cluster_address: str = setting(
+        "ROLLBOX_CLUSTER_ADDRESS", "cluster", "127.0.0.1", str,
+        "The address this host's Ray node and edge advertise to the cluster (loopback for a "
+        "cluster on one host; the host's cluster-network address when nodes join from other "
+        "hosts).")
+    cluster_object_store_mib: int = setting(
+        "ROLLBOX_CLUSTER_OBJECT_STORE_MIB", "cluster", 256, int,
+        "Object store of each Ray node, MiB (the data path never goes through Ray).")
 
     # ---- the E2B front door --------------------------------------------------------------
     e2b_templates: dict[str, str] = setting(

@@ -1,0 +1,252 @@
+"""The edge of one Ray node as a long-lived Ray actor pinned to it, and the edge registry.
+
+Owns the actor's life: it is detached (outlives the driver that made it), restarted by Ray
+without limit when its process dies (``max_restarts=-1``), pinned to its Ray node
+(``NodeAffinitySchedulingStrategy(soft=False)``) and takes no CPU slot (``num_cpus=0``). Its
+constructor builds an :class:`~rollbox.edge.edge.Edge` from the node's settings (the
+``ROLLBOX_*`` variables it is given), starts it (a restarted actor re-adopts the node's
+sandboxes from the edge's journal, commands included), serves it over HTTP with the cluster
+token (``rollbox.edge.service.serve_edge``) on its own event loop thread, and registers
+``(node id, url)`` in the GCS key-value store, where api replicas find it. One edge per
+rollbox node id: the actor's name is ``edge-<node id>`` in the ``rollbox`` namespace, a second
+one is refused (:func:`create_edge` raises BadRequest). Sandboxes are never actors or tasks.
+Does not place, route, or hold api state.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import json
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from rollbox import errors
+
+log = logging.getLogger(__name__)
+
+KV_PREFIX = "edge:"
+NAMESPACE = "rollbox"
+
+
+def actor_name(node_id: str) -> str:
+    return f"edge-{node_id}"
+
+
+class EdgeHost:
+    """An edge and its HTTP server on a loop thread of their own (the Ray actor's methods run
+    on Ray's threads and reach the edge through :meth:`call`)."""
+
+    def __init__(self, env: Mapping[str, str], host: str, port: int, token: str) -> None:
+        self.env = dict(env)
+        self.host, self.port, self.token = host, port, token
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.edge: Any = None
+        self._stop: asyncio.Event | None = None
+        self._stopping: bool | None = None  # shutdown's destroy
+        self._thread: threading.Thread | None = None
+        self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 300) -> None:
+        os.environ.update(self.env)  # this process is the node's edge and nothing else
+        self._thread = threading.Thread(target=self._run, name="rollbox-edge", daemon=True)
+        self._thread.start()
+        self._ready.result(timeout)
+
+    def _run(self) -> None:
+        import uvloop
+
+        self.loop = uvloop.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._main())
+        except BaseException as exc:  # noqa: BLE001 - reported to the constructor
+            if not self._ready.done():
+                self._ready.set_exception(exc)
+            log.exception("edge loop ended")
+
+    async def _main(self) -> None:
+        from rollbox.config import Settings
+        from rollbox.edge.edge import Edge
+        from rollbox.edge.service import serve_edge
+        from rollbox.events.store import EventLog
+        from rollbox.isolation import oom
+
+        oom.protect()
+        s = Settings()
+        s.data_dir.mkdir(parents=True, exist_ok=True)
+        events = EventLog(s.data_dir / "events.db")
+        self.edge = Edge(s, events)
+        self._stop = asyncio.Event()
+        await self.edge.start()
+        server = serve_edge(self.edge, self.host, self.port, self.token)
+        try:
+            await server.start()
+            self._ready.set_result(None)
+            await self._stop.wait()
+        finally:
+            await server.stop()
+            if self._stopping is not None:  # shutdown(): else the edge dies with the process
+                await self.edge.close(destroy=self._stopping)
+            events.close()
+
+    def call(self, coro_fn: Any, timeout: float = 600) -> Any:
+        """Run ``await coro_fn(edge)`` on the edge's loop from a Ray thread."""
+        assert self.loop is not None
+
+        async def run() -> Any:
+            return await coro_fn(self.edge)
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout)
+
+    def shutdown(self, destroy: bool, timeout: float = 300) -> None:
+        """Stop serving, then close the edge (destroying its sandboxes if ``destroy``)."""
+        assert self.loop is not None and self._stop is not None
+        self._stopping = destroy
+        self.loop.call_soon_threadsafe(self._stop.set)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+class EdgeActor:
+    """The Ray actor (see the module docstring); made by :func:`create_edge`."""
+
+    def __init__(self, node_id: str, env: Mapping[str, str], host: str, port: int,
+                 token: str) -> None:
+        import ray
+        from ray.experimental import internal_kv
+
+        logging.basicConfig(level=logging.WARNING,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.node_id = node_id
+        self.ray_node = ray.get_runtime_context().get_node_id()
+        self.host = EdgeHost({**env, "ROLLBOX_NODE": node_id}, host, port, token)
+        self.host.start()
+        internal_kv._internal_kv_put(
+            KV_PREFIX + node_id, json.dumps({"node_id": node_id, "url": self.host.url,
+                                            "ray_node": self.ray_node}),
+            overwrite=True, namespace=NAMESPACE)
+
+    def info(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "url": self.host.url, "ray_node": self.ray_node,
+                "pid": os.getpid()}
+
+    def capacity(self) -> dict[str, Any]:
+        async def cap(edge: Any) -> dict[str, Any]:
+            out = edge.capacity()  # sync on an edge, async across a wire
+            return await out if inspect.isawaitable(out) else out
+
+        return self.host.call(cap)
+
+    def create(self, spec: dict[str, Any], owner: str) -> dict[str, Any]:
+        """A create through a Ray actor call (for the control-path measurement)."""
+        from rollbox.models import SandboxSpec
+
+        async def create(edge: Any) -> dict[str, Any]:
+            info = await edge.create(SandboxSpec.model_validate(spec), owner)
+            return info.model_dump(mode="json")
+
+        return self.host.call(create)
+
+    def delete(self, sandbox_id: str) -> None:
+        async def delete(edge: Any) -> None:
+            await edge.delete(sandbox_id)
+
+        self.host.call(delete)
+
+    def shutdown(self, destroy: bool = True) -> None:
+        """Stop the edge (its sandboxes destroyed unless ``destroy`` is False: then the next
+        edge of this node re-adopts them) and deregister it; the caller kills the actor."""
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_del(KV_PREFIX + self.node_id, namespace=NAMESPACE)
+        self.host.shutdown(destroy)
+
+
+def ray_node_of(node_id: str) -> str:
+    """The Ray node id of rollbox node ``node_id`` (the alive Ray node with its resource)."""
+    import ray
+
+    from rollbox.cluster.ray_nodes import NODE_RESOURCE
+
+    for n in ray.nodes():
+        if n.get("Alive") and NODE_RESOURCE + node_id in n.get("Resources", {}):
+            return str(n["NodeID"])
+    raise errors.NotFound(f"no alive Ray node for rollbox node {node_id!r}", node=node_id)
+
+
+def create_edge(node_id: str, env: Mapping[str, str], host: str, port: int, token: str,
+                timeout: float = 300) -> Any:
+    """Create node ``node_id``'s edge actor and wait until it serves; BadRequest if that node
+    already has one alive (a duplicate node id). Needs ``ray.init`` in namespace rollbox."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    try:
+        existing = ray.get_actor(actor_name(node_id), namespace=NAMESPACE)
+    except ValueError:
+        existing = None
+    if existing is not None:
+        raise errors.BadRequest(f"node id {node_id!r} is already in the cluster",
+                                node=node_id)
+    cls = ray.remote(EdgeActor)
+    try:
+        actor = cls.options(
+            name=actor_name(node_id), namespace=NAMESPACE, lifetime="detached",
+            max_restarts=-1, max_task_retries=0, num_cpus=0, max_concurrency=16,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_of(node_id),
+                                                               soft=False),
+        ).remote(node_id, dict(env), host, port, token)
+    except ValueError as exc:  # the name was taken meanwhile
+        raise errors.BadRequest(f"node id {node_id!r} is already in the cluster",
+                                node=node_id) from exc
+    try:
+        ray.get(actor.info.remote(), timeout=timeout)
+    except Exception:
+        ray.kill(actor, no_restart=True)
+        raise
+    return actor
+
+
+def edge_actor(node_id: str) -> Any:
+    import ray
+
+    try:
+        return ray.get_actor(actor_name(node_id), namespace=NAMESPACE)
+    except ValueError:
+        raise errors.NotFound(f"no edge actor for node {node_id!r}", node=node_id) from None
+
+
+def stop_edge(node_id: str, destroy: bool = True, timeout: float = 120) -> None:
+    """Shut node ``node_id``'s edge down (sandboxes destroyed unless not ``destroy``) and
+    kill its actor for good (no restart)."""
+    import ray
+
+    actor = edge_actor(node_id)
+    try:
+        ray.get(actor.shutdown.remote(destroy), timeout=timeout)
+    finally:
+        ray.kill(actor, no_restart=True)
+
+
+def registered_edges(gcs_address: str) -> dict[str, str]:
+    """node id -> edge url, as the edges registered themselves in the GCS (no ray.init: a
+    GCS client only, what api replicas use)."""
+    from ray._raylet import GcsClient
+
+    client = GcsClient(address=gcs_address)
+    out: dict[str, str] = {}
+    keys = client.internal_kv_keys(KV_PREFIX.encode(), NAMESPACE.encode(), timeout=5)
+    for key in keys:
+        raw = client.internal_kv_get(key, NAMESPACE.encode(), timeout=5)
+        if raw:
+            rec = json.loads(raw)
+            out[rec["node_id"]] = rec["url"]
+    return out

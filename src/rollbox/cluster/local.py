@@ -1,0 +1,418 @@
+"""A cluster run from this host: ``rollbox cluster up|join|status|down``.
+
+Owns the cluster's processes on this host and their record (``<cluster_dir>/state.json``): the
+Ray head and worker nodes (``cluster.ray_nodes``; ``--nodes K`` > 1 simulates K machines with
+K Ray nodes here), one edge actor per node (``cluster.edge_actor``) with the node's own host
+resources (data and run dir, cgroup parent, uid band, sandbox subnet: :func:`node_env`), the api
+replicas (``cluster.replica``) behind one port, the cluster token (generated once, root-only),
+the admin key. ``down`` stops all of them: replicas, edges (their sandboxes destroyed), every Ray
+process and its temp dir. Does not serve requests itself.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollbox import errors
+from rollbox.cluster import ray_nodes
+from rollbox.cluster.ray_nodes import ClusterPorts
+from rollbox.config import VARS, Settings, env_text
+
+# Cluster nodes' host uid bands start above the embedded node's, its image builds' and the test
+# runs' bands (tests/conftest.py), 1024 slots of 65536 ids per node.
+UID_FIRST_SLOT = 20_000
+UID_SLOTS_PER_NODE = 1024
+
+
+@dataclass
+class NodeRecord:
+    node_id: str
+    index: int
+    head: bool
+    edge_url: str
+
+
+@dataclass
+class ReplicaRecord:
+    name: str
+    pid: int
+    url: str
+
+
+@dataclass
+class ClusterState:
+    port_base: int
+    address: str
+    api_url: str
+    admin_key: str
+    token_file: str
+    nodes: list[NodeRecord] = field(default_factory=list)
+    replicas: list[ReplicaRecord] = field(default_factory=list)
+
+    @property
+    def ports(self) -> ClusterPorts:
+        return ClusterPorts(self.port_base)
+
+    @property
+    def gcs(self) -> str:
+        return f"{self.address}:{self.ports.gcs}"
+
+    @property
+    def replica_urls(self) -> list[str]:
+        return [r.url for r in self.replicas]
+
+    @classmethod
+    def load(cls, path: Path) -> ClusterState:
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise errors.NotFound(f"no cluster is up from this host ({path} missing)") from None
+        raw["nodes"] = [NodeRecord(**n) for n in raw.get("nodes", [])]
+        raw["replicas"] = [ReplicaRecord(**r) for r in raw.get("replicas", [])]
+        return cls(**raw)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.replace(path)
+
+
+def state_path(settings: Settings) -> Path:
+    return settings.cluster_dir / "state.json"
+
+
+def write_secret(path: Path, value: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+
+
+def ensure_token(settings: Settings) -> Path:
+    """The cluster token (edges accept only api replicas that present it), made once."""
+    path = settings.cluster_dir / "cluster.token"
+    if not path.exists():
+        write_secret(path, secrets.token_urlsafe(32))
+    return path
+
+
+def node_settings(settings: Settings, node_id: str, index: int) -> Settings:
+    """Settings of cluster node ``node_id`` (its ``index`` on this host): its own data dir,
+    run dir, cgroup parent, host uid band and sandbox subnet, so co-hosted edges never share a
+    host resource; the host's image store (read-only layers); the cluster's port range as
+    platform ports (sandboxes reach none of them)."""
+    ports = ClusterPorts(settings.cluster_port_base)
+    # the /16s (say) next to the embedded node's pool, never that one
+    others = [p for p in settings.net_pool.supernet(
+        new_prefix=max(settings.net_pool.prefixlen - 5, 8)).subnets(
+        new_prefix=settings.net_pool.prefixlen) if p != settings.net_pool]
+    n = copy.copy(settings)
+    n.node_id = node_id
+    n.data_dir = settings.cluster_dir / "nodes" / node_id
+    n.run_dir = Path(f"/run/rollbox-cluster-{ports.base}/{node_id}")
+    n.cgroup_parent = f"rollbox-{node_id}"
+    n.uid_base = settings.uid_base + (UID_FIRST_SLOT + UID_SLOTS_PER_NODE * index) * 65536
+    n.uid_slots = UID_SLOTS_PER_NODE
+    n.images_root = settings.images_dir
+    n.net_pool = others[index % len(others)]
+    n.platform_ports = (*settings.platform_ports, *range(ports.base, ports.last + 1))
+    return n
+
+
+def node_env(settings: Settings, node_id: str, index: int) -> dict[str, str]:
+    """The ``ROLLBOX_*`` variables of :func:`node_settings` (what the edge actor reads)."""
+    n = node_settings(settings, node_id, index)
+    env = n.environ()
+    env[VARS["net_pool"].env] = env_text(n.net_pool)
+    env[VARS["platform_ports"].env] = ports_text(n.platform_ports)
+    return env
+
+
+def ports_text(ports: tuple[int, ...]) -> str:
+    """Ports as ``ROLLBOX_PLATFORM_PORTS`` text, runs of consecutive ports as ``LOW-HIGH``."""
+    out: list[str] = []
+    for p in sorted(set(ports)):
+        if out and "-" in out[-1] and int(out[-1].split("-")[1]) == p - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{p}"
+        elif out and "-" not in out[-1] and int(out[-1]) == p - 1:
+            out[-1] = f"{out[-1]}-{p}"
+        else:
+            out.append(str(p))
+    return ",".join(out)
+
+
+def _ray_init(address: str) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=ray_nodes.RAY_NAMESPACE, log_to_driver=False,
+                 logging_level="warning")
+
+
+def _ray_shutdown() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def start_edge(settings: Settings, address: str, node_id: str, index: int, token: str,
+               head: bool) -> NodeRecord:
+    ports = ClusterPorts(settings.cluster_port_base)
+    from rollbox.cluster.edge_actor import create_edge
+
+    port = ports.edge(index)
+    create_edge(node_id, node_env(settings, node_id, index), address, port, token)
+    return NodeRecord(node_id, index, head, f"http://{address}:{port}")
+
+
+def _admin_key(settings: Settings) -> Path:
+    from rollbox.iam.keys import KeyStore
+
+    path = settings.cluster_dir / "admin.key"
+    keys = KeyStore(settings.cluster_dir / "keys.db")
+    try:
+        if path.exists():
+            try:
+                keys.verify(path.read_text().strip())
+                return path
+            except errors.RollboxError:
+                pass
+        write_secret(path, keys.create("admin", admin=True))
+    finally:
+        keys.close()
+    return path
+
+
+def start_replica(state: ClusterState, settings: Settings, i: int) -> ReplicaRecord:
+    ports = state.ports
+    name = f"r{i}"
+    log = settings.cluster_dir / "replicas" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rollbox.cluster.replica", "--gcs", state.gcs,
+             "--token-file", state.token_file, "--state-dir", str(settings.cluster_dir),
+             "--host", state.address, "--port", str(ports.api), "--own-port",
+             str(ports.replica(i)), "--name", name],
+            stdout=subprocess.DEVNULL, stderr=out, env=ray_nodes.ray_env(),
+            start_new_session=True)
+    return ReplicaRecord(name, proc.pid, f"http://{state.address}:{ports.replica(i)}")
+
+
+def wait_replica(rec: ReplicaRecord, settings: Settings, timeout: float = 120) -> None:
+    """Until the replica answers its health check; InfraError with its log if it exits."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    log = settings.cluster_dir / "replicas" / f"{rec.name}.log"
+    while time.monotonic() < deadline:
+        if not _alive(rec.pid):
+            raise errors.InfraError(f"api replica {rec.name} exited: "
+                                    f"{log.read_text(errors='replace')[-2000:]}")
+        try:
+            if httpx.get(f"{rec.url}/v1/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise errors.InfraError(f"api replica {rec.name} not healthy after {timeout}s")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def stop_pid(pid: int, timeout: float = 15) -> None:
+    if not _alive(pid):
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def up(settings: Settings | None = None, replicas: int = 2, nodes: int = 1) -> ClusterState:
+    """Start a cluster on this host: Ray head (node ``<prefix>0``) and ``nodes - 1``
+    simulated worker nodes, an edge on each, ``replicas`` api replicas behind one port."""
+    s = settings or Settings()
+    if not 1 <= nodes <= ray_nodes.MAX_NODES:
+        raise errors.BadRequest(f"--nodes: 1..{ray_nodes.MAX_NODES}", nodes=nodes)
+    if not 1 <= replicas <= 5:
+        raise errors.BadRequest("--replicas: 1..5", replicas=replicas)
+    ports = ClusterPorts(s.cluster_port_base)
+    if state_path(s).exists() or ray_nodes.local_nodes(ports):
+        raise errors.BadRequest(f"a cluster is already up from this host ({s.cluster_dir}); "
+                                "`rollbox cluster down` first")
+    s.cluster_dir.mkdir(parents=True, exist_ok=True)
+    token_file = ensure_token(s)
+    token = token_file.read_text().strip()
+    state = ClusterState(port_base=ports.base, address=s.cluster_address,
+                         api_url=f"http://{s.cluster_address}:{ports.api}",
+                         admin_key=str(_admin_key(s)), token_file=str(token_file))
+    ids = [f"{s.node_id}c{i}" for i in range(nodes)]
+    try:
+        state.save(state_path(s))
+        ray_nodes.start_node(ports, ids[0], 0, head=True, address=s.cluster_address,
+                             object_store_mib=s.cluster_object_store_mib)
+        _join_nodes(ports, s, ids[1:], start=1)
+        _ray_init(state.gcs)
+        for i, node in enumerate(ids):
+            state.nodes.append(start_edge(s, s.cluster_address, node, i, token, head=i == 0))
+            state.save(state_path(s))
+        _ray_shutdown()
+        for i in range(replicas):
+            state.replicas.append(start_replica(state, s, i))
+            state.save(state_path(s))
+        for rec in state.replicas:
+            wait_replica(rec, s)
+    except BaseException:
+        _ray_shutdown()  # a driver whose GCS goes away aborts its process after 60 s
+        down(s)
+        raise
+    return state
+
+
+def _join_nodes(ports: ClusterPorts, s: Settings, ids: list[str], start: int) -> None:
+    """Start worker Ray nodes at once (each ``ray start`` takes seconds)."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(ids))) as pool:
+        futs = [pool.submit(ray_nodes.start_node, ports, node, start + k, head=False,
+                            address=s.cluster_address,
+                            object_store_mib=s.cluster_object_store_mib)
+                for k, node in enumerate(ids)]
+        for f in futs:
+            f.result()
+
+
+def join(address: str, settings: Settings | None = None, node_id: str | None = None,
+         index: int | None = None, token_file: Path | None = None) -> NodeRecord:
+    """Join the cluster whose head is at ``address`` (host or host:port) with a Ray worker
+    node on this host and its edge. BadRequest if ``node_id`` is already in the cluster."""
+    s = settings or Settings()
+    host, _, port = address.partition(":")
+    ports = ClusterPorts(int(port) if port else s.cluster_port_base)
+    state: ClusterState | None = None
+    if state_path(s).exists():
+        state = ClusterState.load(state_path(s))
+    taken = {n.index for n in state.nodes} if state else set()
+    idx = index if index is not None else next(i for i in range(ray_nodes.MAX_NODES)
+                                               if i not in taken)
+    node = node_id or f"{s.node_id}c{idx}"
+    tf = token_file or s.cluster_dir / "cluster.token"
+    try:
+        token = tf.read_text().strip()
+    except FileNotFoundError:
+        raise errors.BadRequest(f"no cluster token at {tf} (copy the head's "
+                                f"cluster.token, 0600)") from None
+    gcs = f"{host}:{ports.gcs}"
+    _ray_init(gcs)
+    try:
+        from rollbox.cluster.edge_actor import edge_actor
+
+        try:
+            edge_actor(node)
+            raise errors.BadRequest(f"node id {node!r} is already in the cluster", node=node)
+        except errors.NotFound:
+            pass
+        ray_nodes.start_node(ports, node, idx, head=False, address=host,
+                             object_store_mib=s.cluster_object_store_mib)
+        try:
+            rec = start_edge(s, s.cluster_address, node, idx, token, head=False)
+        except BaseException:
+            ray_nodes.kill_node(ports, node)
+            raise
+    finally:
+        _ray_shutdown()
+    if state is not None:
+        state.nodes.append(rec)
+        state.save(state_path(s))
+    return rec
+
+
+def down(settings: Settings | None = None, destroy: bool = True) -> None:
+    """Stop the cluster run from this host: replicas, edges (sandboxes destroyed unless not
+    ``destroy``), every Ray process, the Ray temp dir. Idempotent."""
+    s = settings or Settings()
+    path = state_path(s)
+    try:
+        state: ClusterState | None = ClusterState.load(path)
+    except errors.NotFound:
+        state = None
+    ports = state.ports if state else ClusterPorts(s.cluster_port_base)
+    if state is not None:
+        for rec in state.replicas:
+            stop_pid(rec.pid)
+        if state.nodes and ray_nodes.local_nodes(ports):
+            _stop_edges(state, destroy)
+    ray_nodes.stop_all(ports)
+    path.unlink(missing_ok=True)
+
+
+def _stop_edges(state: ClusterState, destroy: bool) -> None:
+    from rollbox.cluster.edge_actor import stop_edge
+
+    try:
+        _ray_init(state.gcs)
+    except Exception:  # noqa: BLE001 - no GCS: the Ray processes go below anyway
+        return
+    try:
+        for n in state.nodes:
+            try:
+                stop_edge(n.node_id, destroy=destroy)
+            except Exception:  # noqa: BLE001 - one edge that fails does not keep the others
+                import logging
+
+                logging.getLogger(__name__).warning("stopping edge %s failed", n.node_id,
+                                                    exc_info=True)
+    finally:
+        _ray_shutdown()
+
+
+def status(settings: Settings | None = None) -> dict[str, Any]:
+    """Nodes (alive per Ray and per their edge), sandboxes per node, backend and project."""
+    import httpx
+
+    s = settings or Settings()
+    state = ClusterState.load(state_path(s))
+    token = Path(state.token_file).read_text().strip()
+    from rollbox.cluster.edge_actor import registered_edges
+
+    try:
+        urls = registered_edges(state.gcs)
+    except Exception as exc:  # noqa: BLE001
+        raise errors.InfraError(f"Ray GCS at {state.gcs} not answering: {exc}") from None
+    nodes = []
+    for node, url in sorted(urls.items()):
+        entry: dict[str, Any] = {"node_id": node, "url": url}
+        try:
+            r = httpx.post(f"{url}/edge/v1/report", headers={
+                "authorization": f"Bearer {token}"}, timeout=3)
+            r.raise_for_status()
+            entry.update(health="alive", report=r.json())
+        except httpx.HTTPError as exc:
+            entry.update(health="unreachable", error=str(exc)[:200])
+        nodes.append(entry)
+    return {"api": state.api_url, "replicas": state.replica_urls,
+            "admin_key": state.admin_key, "nodes": nodes}

@@ -1,0 +1,164 @@
+"""One api replica of a cluster: a stateless process serving the whole ``/v1`` api.
+
+Owns the replica's wiring: it finds the edges in the Ray GCS (each edge actor registers
+``(node id, url)``; re-read every second, so nodes that join or leave are picked up), holds a
+:class:`~rollbox.edge.remote.RemoteEdge` per edge (HTTP with the cluster token), a
+:class:`~rollbox.placement.Placement` over them, and the cluster's shared IAM. Any replica
+serves any request: a sandbox id names its node, placement routes it. Replicas share one port
+with ``SO_REUSEPORT`` (the kernel spreads new connections over the live listeners: no extra
+hop or balancer process; a dead replica's listener is gone at once and new connections go to the
+others) and each also listens on a port of its own (the SDK's fail-over list, tests).
+Holds no state of its own: killing a replica loses nothing but its open connections.
+Does not start edges, Ray nodes or PostgreSQL (``cluster.local``).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DISCOVERY_PERIOD_S = 1.0
+
+
+def listen(host: str, port: int, reuse_port: bool) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(4096)
+    sock.set_inheritable(True)
+    return sock
+
+
+class EdgeDirectory:
+    """The cluster's edges as this replica knows them: node id -> RemoteEdge, refreshed from
+    the GCS registry; placement's edge set follows it."""
+
+    def __init__(self, gcs: str, token: str) -> None:
+        self.gcs, self.token = gcs, token
+        self.urls: dict[str, str] = {}
+        self.edges: dict[str, Any] = {}
+        self.placement: Any = None
+
+    async def refresh(self) -> None:
+        from rollbox.cluster.edge_actor import registered_edges
+        from rollbox.edge.remote import RemoteEdge
+
+        try:
+            urls = await asyncio.to_thread(registered_edges, self.gcs)
+        except Exception as exc:  # noqa: BLE001 - GCS down: keep the edges we know
+            log.warning("edge registry not readable: %r", exc)
+            return
+        for node, url in urls.items():
+            if self.urls.get(node) != url:
+                old = self.edges.pop(node, None)
+                if old is not None:
+                    await old.close()
+                self.edges[node] = RemoteEdge(node, url, self.token)
+                self.urls[node] = url
+                if self.placement is not None:
+                    self._place(node)
+        # An edge that deregistered (cluster down) is dropped; one that died without it stays
+        # (the watcher reports it and its sandboxes).
+        for node in [n for n in self.urls if n not in urls]:
+            self.urls.pop(node)
+            edge = self.edges.pop(node)
+            if self.placement is not None:
+                self.placement.edges.pop(node, None)
+            await edge.close()
+
+    def _place(self, node: str) -> None:
+        self.placement.edges[node] = self.edges[node]
+        self.placement._inflight.setdefault(node, 0)  # noqa: SLF001 - until Placement.update
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(DISCOVERY_PERIOD_S)
+            await self.refresh()
+
+    async def aclose(self) -> None:
+        for edge in self.edges.values():
+            await edge.close()
+
+
+async def _wait_for_edges(directory: EdgeDirectory, timeout: float) -> None:
+    async with asyncio.timeout(timeout):
+        while True:
+            await directory.refresh()
+            if directory.edges:
+                return
+            await asyncio.sleep(0.2)
+
+
+@contextlib.asynccontextmanager
+async def replica_app(gcs: str, token: str, state_dir: Path,
+                      name: str) -> AsyncIterator[Any]:
+    from rollbox.api.app import create_app
+    from rollbox.compat.frontdoors import FRONT_DOORS
+    from rollbox.events.store import EventLog
+    from rollbox.iam.keys import KeyStore
+    from rollbox.placement import Placement
+
+    directory = EdgeDirectory(gcs, token)
+    await _wait_for_edges(directory, 120)
+    placement = Placement(list(directory.edges.values()))
+    directory.placement = placement
+    own = state_dir / "replicas" / name
+    own.mkdir(parents=True, exist_ok=True)
+    events = EventLog(own / "events.db")
+    keys = KeyStore(state_dir / "keys.db")
+    task = asyncio.create_task(directory.run())
+    try:
+        yield create_app(placement, events, keys, front_doors=FRONT_DOORS)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await directory.aclose()
+        events.close()
+        keys.close()
+
+
+async def serve(gcs: str, token: str, state_dir: Path, host: str, shared_port: int,
+                own_port: int, name: str) -> None:
+    import uvicorn
+
+    socks = [listen(host, shared_port, reuse_port=True), listen(host, own_port, False)]
+    async with replica_app(gcs, token, state_dir, name) as app:
+        config = uvicorn.Config(app, http="httptools", loop="asyncio", lifespan="on",
+                                access_log=False, log_level="warning",
+                                limit_concurrency=65536, backlog=4096, timeout_keep_alive=30,
+                                timeout_graceful_shutdown=5)
+        await uvicorn.Server(config).serve(sockets=socks)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m rollbox.cluster.replica")
+    p.add_argument("--gcs", required=True, help="Ray GCS address host:port")
+    p.add_argument("--token-file", required=True, type=Path)
+    p.add_argument("--state-dir", required=True, type=Path)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", required=True, type=int, help="the replicas' shared port")
+    p.add_argument("--own-port", required=True, type=int)
+    p.add_argument("--name", required=True)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from rollbox.isolation import oom
+
+    oom.protect()
+    import uvloop
+
+    token = a.token_file.read_text().strip()
+    uvloop.run(serve(a.gcs, token, a.state_dir, a.host, a.port, a.own_port, a.name))
+
+
+if __name__ == "__main__":
+    main()

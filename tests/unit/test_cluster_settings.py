@@ -1,0 +1,63 @@
+"""Cluster nodes on one host get disjoint host resources and the cluster's whole port range as
+platform ports; the port range reads back through ROLLBOX_PLATFORM_PORTS."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rollbox import errors
+from rollbox.cluster.local import node_env, node_settings, ports_text
+from rollbox.cluster.ray_nodes import MAX_NODES, ClusterPorts, node_args
+from rollbox.config import Settings, ports
+
+
+def _base(tmp_path: Path) -> Settings:
+    s = Settings()
+    s.cluster_dir = tmp_path
+    s.cluster_port_base = 47100
+    return s
+
+
+def test_co_hosted_nodes_share_no_host_resource(tmp_path: Path) -> None:
+    s = _base(tmp_path)
+    nodes = [node_settings(s, f"n{i}", i) for i in range(MAX_NODES)]
+    for field in ("node_id", "data_dir", "run_dir", "cgroup_parent", "net_pool"):
+        assert len({str(getattr(n, field)) for n in nodes}) == MAX_NODES, field
+    bands = sorted((n.uid_base, n.uid_base + n.uid_slots * 65536) for n in nodes)
+    assert all(a[1] <= b[0] for a, b in zip(bands, bands[1:])), bands
+    # above the embedded node's band and the test runs' bands (tests/conftest.py)
+    assert bands[0][0] >= s.uid_base + (s.uid_slots + 64 + 1024 * 8) * 65536
+    assert all(not n.net_pool.overlaps(s.net_pool) for n in nodes)
+    pools = [n.net_pool for n in nodes]
+    assert all(not a.overlaps(b) for i, a in enumerate(pools) for b in pools[i + 1:])
+    assert all(n.images_dir == s.images_dir for n in nodes)  # built layers, read-only
+
+
+def test_every_port_of_the_cluster_is_a_platform_port(tmp_path: Path) -> None:
+    s = _base(tmp_path)
+    p = ClusterPorts(s.cluster_port_base)
+    env = node_env(s, "n1", 1)
+    platform = set(ports(env["ROLLBOX_PLATFORM_PORTS"]))
+    used = {p.gcs, p.dashboard, p.postgres, p.api, *(p.replica(i) for i in range(5))}
+    for i in range(MAX_NODES):
+        used |= {int(a) for a in node_args(p, i) if a.isdigit()} | {p.edge(i)}
+        b = p.node_block(i)
+        used |= set(range(b + 7, b + 20))  # Ray's worker ports
+    assert used <= platform
+    assert max(used) == p.last
+
+
+def test_ports_text_round_trips() -> None:
+    xs = (80, 7440, 7441, 7442, 9000, 9002, 9003)
+    assert ports_text(xs) == "80,7440-7442,9000,9002-9003"
+    assert ports(ports_text(xs)) == xs
+    assert ports("7440-7442, 8080, x, 5-") == (7440, 7441, 7442, 8080)
+
+
+def test_out_of_range_node_and_replica_are_refused() -> None:
+    p = ClusterPorts(47100)
+    with pytest.raises(errors.BadRequest):
+        p.node_block(MAX_NODES)
+    with pytest.raises(errors.BadRequest):
+        p.replica(5)
