@@ -102,7 +102,12 @@ async def test_alive_suspect_dead_and_back() -> None:
     view = w.node("b")
     assert view is not None and view.backends == {"container"} and view.free["cpus"] == 50.0
     assert view.starting == 1 and view.layers == {"sha256-" + "a" * 64}
-    assert view.limits == {"sandboxes": 110.0} and view.seen_at == clock.t
+    assert view.limits == {"sandboxes": 110.0} and view.seen_at == clock.t  # sent then
+    assert w.nodes() is w.nodes()  # the same snapshot until the view changes
+    snap = w.nodes()
+    clock.t += 0.5
+    await w.poll()
+    assert w.nodes() is not snap and w.node("b").seen_at == clock.t
 
     b.mode = "fail"
     healths = []

@@ -69,6 +69,7 @@ class _Node:
     fence: bool
     report: NodeReport | None = None
     last_ok: float | None = None  # clock() of the last answered probe
+    sent_at: float = 0.0  # clock() when that probe was sent (NodeView.seen_at)
     # what health counts silence from: the last answer (or the join), moved on by the time
     # the watcher itself stalled (a stalled watcher is no evidence against a node)
     quiet_since: float = 0.0
@@ -214,6 +215,7 @@ class Watcher:
 
     async def _probe(self, node: _Node) -> None:
         edge = node.edge
+        sent = self.clock()
         try:
             try:
                 async with asyncio.timeout(self.probe_timeout_s):
@@ -240,7 +242,9 @@ class Watcher:
                          node.report.incarnation, report.incarnation)
             node.report = report
             node.last_ok = node.quiet_since = self.clock()
+            node.sent_at = sent
             node.view = None
+            self._views = None
             self._update_health(node, node.last_ok)
         finally:
             if self._nodes.get(node.node_id) is node:
@@ -301,18 +305,18 @@ class Watcher:
             r = node.report
             if r is None or node.health == "dead":
                 node.view = NodeView(node.node_id, node.health, frozenset(), {},
-                                     seen_at=node.last_ok or 0.0)
+                                     seen_at=node.sent_at)
             else:
                 node.view = NodeView(
                     node.node_id, node.health, frozenset(r.backends), dict(r.free),
                     limits=dict(r.limits), starting=r.starting, layers=frozenset(r.layers),
-                    seen_at=node.last_ok or 0.0)
-            self._views = None
+                    seen_at=node.sent_at)
         return node.view
 
     def nodes(self) -> Sequence[NodeView]:
-        """Every known node as its last probe saw it (no I/O; cached between changes)."""
-        if self._views is None or any(n.view is None for n in self._nodes.values()):
+        """Every known node as its last probe saw it (no I/O): the same tuple until a probe
+        answers, a health changes or a node joins or leaves."""
+        if self._views is None:
             self._views = tuple(self._view_of(n) for n in self._nodes.values())
         return self._views
 

@@ -23,8 +23,9 @@ async def _made_before(api: Api, spec: models.SandboxSpec,
     whichever node (the attempt may have gone through another replica, whose placement chose
     another node), asked of that node again so it checks the spec (or waits for a create
     still under way there). None: no node has one."""
-    found = [i for i in await api.placement.list(owner, {})
-             if i.idempotency_key == spec.idempotency_key and i.owner == owner]
+    found = [i for i in await api.list_sandboxes(owner, {})  # a lost node's: none
+             if i.idempotency_key == spec.idempotency_key and i.owner == owner
+             and i.state != "dead"]
     if not found:
         return None
     return await api.placement.edge_for(found[0].id).create(spec, owner)

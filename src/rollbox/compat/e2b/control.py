@@ -182,7 +182,7 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
             labels.update({lk: lv for lk, lv in labels_of({k: v}, "").items()
                            if lk != TEMPLATE_LABEL})
         owner = None if principal.admin else principal.project
-        found = [i for i in await api.placement.list(owner, labels)
+        found = [i for i in await api.list_sandboxes(owner, labels)
                  if (owner is None or i.owner == owner)
                  and all(i.labels.get(k) == v for k, v in labels.items())
                  and i.state in LIVE_STATES
