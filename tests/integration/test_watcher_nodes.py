@@ -19,6 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
+import rollbox
+from rollbox import errors
 from rollbox.api import BackgroundServer, create_app
 from rollbox.edge.edge import Edge
 from rollbox.events.store import EventLog
@@ -200,6 +202,10 @@ async def test_node_loss_is_reported_and_never_resurrected(nodes: Nodes, fence: 
               f"(suspect {w.suspect_s} s, dead {w.dead_s} s)")
         assert w.health(node_b) == "dead"
         await check_lost_via_api(c, mine, node_b)
+        async with rollbox.AsyncClient(nodes.server.url, api_key=key) as sdk:
+            with pytest.raises(errors.SandboxDead) as exc:  # the SDK's typed error
+                await sdk.get(mine)
+            assert exc.value.details["reason"] == NODE_LOST
         # another project's sandbox on the lost node looks absent
         r = await c.get(f"/v1/sandboxes/{theirs}")
         assert r.status_code == 404 and "p2" not in r.text and NODE_LOST not in r.text
