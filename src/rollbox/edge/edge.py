@@ -126,6 +126,7 @@ class Edge:
         self.incarnation = secrets.token_hex(8)
         self.started_at = time.time()
         self._starting = 0  # creates admitted and not ended yet (report().starting)
+        self._fenced_gap: float | None = None  # at start: unprobed past the fence (seconds)
         self._layer_cache: tuple[tuple[float, float], list[str]] | None = None
         self.live: dict[str, LiveSandbox] = {}
         self._create_sem = asyncio.Semaphore(self.limits.max_parallel_creates)
@@ -147,6 +148,9 @@ class Edge:
 
     # ---- lifecycle of the edge itself -------------------------------------------------
     async def start(self) -> None:
+        # The gap since the last probe is read first: a backend's slow start must not make a
+        # quick restart look like a long absence.
+        self._fenced_gap = self.fence.load()
         for kind, backend in self.backends.items():
             try:
                 await backend.start()
@@ -185,7 +189,7 @@ class Edge:
         """Re-adopt journaled sandboxes that still run; report the rest dead; clean orphans.
         After a gap without probes longer than the fence (rollbox.edge.fence) nothing is
         re-adopted: the watcher declared them lost, so they are cleaned up as node_lost."""
-        fenced = self.fence.load()
+        fenced = self._fenced_gap
         if fenced is not None:
             log.warning("no watcher probed node %s for %.1f s (fence %.1f s): its sandboxes "
                         "were declared lost and are not re-adopted", self.node_id, fenced,
