@@ -41,6 +41,7 @@ GROUPS: dict[str, str] = {
     "mirrors": "Package mirrors (rollbox.netpolicy.mirror, docs/mirrors.md)",
     "watcher": "The watcher's probes of the edges and its health thresholds (rollbox.watcher)",
     "cluster": "Cluster mode (rollbox.cluster: Ray nodes, edge actors, api replicas)",
+    "placement": "Choice of a node for a new sandbox (rollbox.placement)",
     "e2b": "The E2B front door (rollbox.compat.e2b)",
 }
 
@@ -417,6 +418,33 @@ class Settings:
     cluster_object_store_mib: int = setting(
         "ROLLBOX_CLUSTER_OBJECT_STORE_MIB", "cluster", 256, int,
         "Object store of each Ray node, MiB (the data path never goes through Ray).")
+
+    # ---- placement -----------------------------------------------------------------------
+    placement_k: int = setting(
+        "ROLLBOX_PLACEMENT_K", "placement", 2, int,
+        "Power-of-k choices: how many fitting nodes a `batch` create compares (the one with "
+        "the most room left wins).")
+    placement_k_latency: int = setting(
+        "ROLLBOX_PLACEMENT_K_LATENCY", "placement", 4, int,
+        "Nodes a `latency` create (graders, fncall workers, sandboxes asking for it) "
+        "compares: more than `batch`, so it lands with more headroom on average.")
+    placement_max_attempts: int = setting(
+        "ROLLBOX_PLACEMENT_MAX_ATTEMPTS", "placement", 4, int,
+        "Nodes one create is sent to at most: a node that refuses (full, infrastructure "
+        "error) is skipped and the next choice tried, this many in all.")
+    placement_max_starts: int = setting(
+        "ROLLBOX_PLACEMENT_MAX_STARTS", "placement", 32, int,
+        "Creates in progress on one node at most (this replica's own plus those the "
+        "watcher's last probe saw); a create finding every fitting node at it waits.")
+    placement_start_wait_s: float = setting(
+        "ROLLBOX_PLACEMENT_START_WAIT_S", "placement", 5.0, float,
+        "How long a create waits for a node under the starts cap before it is refused "
+        "(capacity, retryable).")
+    placement_layer_bonus: float = setting(
+        "ROLLBOX_PLACEMENT_LAYER_BONUS", "placement", 0.05, float,
+        "The most a node's cache of the image's layers adds to its score, as a share of the "
+        "node's capacity (0.05: a node with every layer wins over one with up to 5% more "
+        "room left).")
 
     # ---- the E2B front door --------------------------------------------------------------
     e2b_templates: dict[str, str] = setting(

@@ -23,7 +23,7 @@ from rollbox.events.store import EventLog
 from rollbox.iam.keys import KeyStore
 from rollbox.iam.quotas import SQLiteQuotas
 from rollbox.jobs import SqliteLeaseStore
-from rollbox.placement import Placement
+from rollbox.placement import Placement, PlacementConfig
 from rollbox.placement.registry import EdgeRegistry
 from rollbox.watcher import Watcher
 
@@ -59,7 +59,9 @@ class EmbeddedNode:
         self.registry = EdgeRegistry([self.edge])
         self.watcher = Watcher(self.registry, local={self.edge.node_id}, settings=s)
         await self.watcher.start()
-        return create_app(Placement([self.edge]), self.events, self.keys,
+        # No view yet: each decision asks the edge (wiring view=self.watcher is lane W's).
+        placement = Placement(self.registry, config=PlacementConfig.from_settings(s))
+        return create_app(placement, self.events, self.keys,
                           leases=self.leases, quotas=self.quotas, front_doors=FRONT_DOORS,
                           watcher=self.watcher)
 

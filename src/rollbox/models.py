@@ -74,6 +74,11 @@ class SandboxSpec(BaseModel):
     # one: per project, while that sandbox lives; the same key with another spec is
     # idempotency_conflict.
     idempotency_key: str | None = Field(None, min_length=1, max_length=128)
+    # Service class (rollbox.placement; the node's CPU scheduling enforces it): "batch" is
+    # best-effort (a project's sandboxes by default; may go to burst nodes), "latency" is
+    # latency-sensitive (graders and fncall workers; placed with more headroom, never on a
+    # burst node).
+    qos: Literal["latency", "batch"] = "batch"
 
     @field_validator("job")
     @classmethod

@@ -52,7 +52,16 @@ async def _run(edge, sid: str, cmd: str) -> None:  # noqa: ANN001
     assert res.exit_code == 0, res
 
 
-async def test_grade_sees_only_declared_files(edge, task_image: str) -> None:  # noqa: ANN001
+async def test_grade_sees_only_declared_files(edge, task_image: str,  # noqa: ANN001
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    specs: list[SandboxSpec] = []
+    admitted_create = edge._admitted_create
+
+    async def recording(spec: SandboxSpec, *args, **kw):  # noqa: ANN002, ANN003, ANN202
+        specs.append(spec)
+        return await admitted_create(spec, *args, **kw)
+
+    monkeypatch.setattr(edge, "_admitted_create", recording)
     sb = await edge.create(SandboxSpec(image=BB, layers=[task_image],
                                        hidden_paths=["/task/tests"]), "p")
     try:
@@ -73,6 +82,9 @@ async def test_grade_sees_only_declared_files(edge, task_image: str) -> None:  #
         assert graded.result.stdout == "x\n"
         assert graded.copied_bytes > 0 and graded.grader_id != sb.id
         assert (await edge.get(graded.grader_id)).state == "deleted"  # the grader is gone
+        # the sandbox is a project's (batch), its grader latency-sensitive
+        assert [(s.qos, "rollbox.grader-of" in s.labels) for s in specs] == [
+            ("batch", False), ("latency", True)]
 
         # A wrong solution fails the same check, whatever the agent planted.
         await _run(edge, sb.id, "echo wrong > /task/src/solution.txt")

@@ -115,6 +115,9 @@ async def test_validation_errors_are_400_bad_request(stack: ApiStack) -> None:
         assert err["code"] == "bad_request" and "cpus" in err["message"]
         r = await c.post("/v1/sandboxes", json={"image": "x", "bogus": 1})
         assert r.status_code == 400 and "bogus" in r.json()["error"]["message"]
+        r = await c.post("/v1/sandboxes", json={"image": "x", "qos": "urgent"})
+        assert r.status_code == 400 and "qos" in r.json()["error"]["message"]
+        await new_sandbox(c, qos="latency")
         r = await c.post("/v1/sandboxes", content=b"{not json",
                          headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request"

@@ -1194,7 +1194,7 @@ class Edge:
         gspec = SandboxSpec(image=src.info.image, resources=spec.resources or src.info.resources,
                             ttl_s=spec.timeout_s + 300, labels={"rollbox.grader-of": sandbox_id},
                             env=spec.env, disk_tier=src.info.disk_tier,
-                            backend=src.info.backend)
+                            backend=src.info.backend, qos="latency")
         grader = await self._admitted_create(gspec, owner, config,
                                              list(src.info.layers) + extra, share="reserved")
         try:

@@ -361,7 +361,8 @@ class FnCallBackend:
         spec = SandboxSpec(image=image, resources=Resources(
             cpus=cfg.worker_cpus, memory_mib=cfg.worker_memory_mib, pids=cfg.worker_pids,
             disk_mib=cfg.worker_disk_mib, inodes=100_000), ttl_s=cfg.worker_ttl_s,
-            labels={"rollbox.backend": "fncall", "rollbox.fncall.language": language})
+            labels={"rollbox.backend": "fncall", "rollbox.fncall.language": language},
+            qos="latency")
         worker: FnWorker | None = None
         try:
             # Reserved share: calls must not starve behind a node full of new sandboxes.

@@ -1,21 +1,34 @@
 """Placement: route a sandbox id to its edge and choose an edge for a new sandbox.
 
 Sandbox ids are ``<node_id>-<random hex>`` so any api replica can route them without shared
-state. Owns no state beyond the list of edges; does not create ids (edges do) nor track health
-(the watcher will).
+state. With a :class:`~rollbox.placement.view.ClusterView` (the watcher's), a create is decided
+from the view alone (``placement.choice``: filter, score, power-of-k, this replica's pending
+placements, the starts cap) and sent to the chosen edge; a refusal is retried on the next
+choice, boundedly. Without one (the embedded node until the watcher is wired in) each decision
+asks the edges' ``capacity()``, as before.
+
+Owns the set of edges (``add_edge``/``remove_edge`` while running) and this replica's pending
+placements; does not create ids (edges do) nor track health (the watcher does).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import random
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from rollbox import errors
+from rollbox.config import Settings
 from rollbox.edge.interface import EdgeAPI
 from rollbox.models import SandboxInfo, SandboxSpec
+from rollbox.placement.choice import Chooser, PlacementConfig, StartsCapped, named_digests
+from rollbox.placement.registry import EdgeRegistry, as_registry
+from rollbox.placement.view import ClusterView
+
+__all__ = ["Placement", "PlacementConfig", "named_digests", "split_sandbox_id"]
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +67,55 @@ async def _free_capacity(edge: EdgeAPI) -> float | None:
 
 
 class Placement:
-    def __init__(self, edges: Sequence[EdgeAPI]) -> None:
-        if not edges:
+    """``edges``: the nodes creates may go to, a shared :class:`EdgeRegistry` (its owner, the
+    cluster's membership, adds and removes nodes; the watcher follows the same one) or a
+    sequence of edges (a registry of its own; :meth:`add_edge` and :meth:`remove_edge` change
+    either); ``view``: the watcher's cached view to decide from (None: ask the edges, the
+    view-less path); ``config``: default from ``Settings()``; ``layers_of``: the layer digests
+    of a spec's image, for the bonus of nodes caching them (default: only the digests the spec
+    names itself, :func:`named_digests`: the api does not know an image name's layers);
+    ``clock``: the clock of ``NodeView.seen_at`` (time.monotonic)."""
+
+    def __init__(self, edges: EdgeRegistry | Sequence[EdgeAPI],
+                 view: ClusterView | None = None, *,
+                 config: PlacementConfig | None = None,
+                 layers_of: Callable[[SandboxSpec], Collection[str]] | None = None,
+                 clock: Callable[[], float] | None = None,
+                 rng: random.Random | None = None) -> None:
+        if not isinstance(edges, EdgeRegistry):
+            ids = [e.node_id for e in edges]
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"duplicate node id in {ids!r}")
+        self.edges = as_registry(edges)
+        if not self.edges and view is None:
             raise ValueError("Placement needs at least one edge")
-        self.edges: dict[str, EdgeAPI] = {}
-        for e in edges:
-            if e.node_id in self.edges:
-                raise ValueError(f"duplicate node id {e.node_id!r}")
-            self.edges[e.node_id] = e
-        # Placements started here and not yet answered: counted against an edge's free room so
-        # a burst does not pile onto the edge that looked emptiest a moment ago.
-        self._inflight: dict[str, int] = {n: 0 for n in self.edges}
+        self.view = view
+        self.config = config or PlacementConfig.from_settings(Settings())
+        self.chooser = (Chooser(view, self.config, self.edges, layers_of, clock, rng)
+                        if view is not None else None)
+        # Set (and replaced) when a create ends: what a create waiting at the starts cap waits on.
+        self._ended = asyncio.Event()
+        self._waiting = 0
+        # View-less path: placements started here and not yet answered, counted against an
+        # edge's free room so a burst does not pile onto the edge that looked emptiest a moment
+        # ago. (With a view, the chooser keeps them, and until the view shows them.)
+        self._inflight: dict[str, int] = {}
+
+    def add_edge(self, edge: EdgeAPI) -> None:
+        """A node joins (into the registry): creates may go to it once the view shows it
+        alive. BadRequest if another edge has its id."""
+        self.edges.add(edge)
+
+    def remove_edge(self, node_id: str) -> EdgeAPI:
+        """A node leaves (the registry): no create goes to it any more and its ids route
+        nowhere (NotFound from :meth:`edge_for`). Creates in flight to it end as they end.
+        NotFound if it is not a member."""
+        edge = self.edges.remove(node_id)
+        if edge is None:
+            raise errors.NotFound(f"no node {node_id[:80]!r}", node=node_id)
+        if self.chooser is not None:
+            self.chooser.forget(node_id)
+        return edge
 
     def edge_for(self, sandbox_id: str) -> EdgeAPI:
         node, _ = split_sandbox_id(sandbox_id)
@@ -73,11 +124,16 @@ class Placement:
             raise errors.NotFound(f"no sandbox {sandbox_id[:80]!r} (unknown node {node!r})")
         return edge
 
+    # ---- the view-less path ---------------------------------------------------------------
+    # The embedded node's until the watcher is wired into embedded.py (lane W of issue 14):
+    # each decision awaits capacity() of the edges. Remove it then, with `view` made required.
     async def _score(self, node: str) -> float:
-        free = await _free_capacity(self.edges[node])
+        edge = self.edges.get(node)
+        free = await _free_capacity(edge) if edge is not None else None
+        inflight = self._inflight.get(node, 0)
         if free is None:
-            return -float(self._inflight[node])
-        return free - self._inflight[node]
+            return -float(inflight)
+        return free - inflight
 
     async def _pick(self, candidates: list[str]) -> str:
         if len(candidates) <= 2:
@@ -94,11 +150,12 @@ class Placement:
     async def _offering(self, kind: str) -> list[str]:
         """Nodes whose capacity says they offer backend ``kind`` (an edge that does not list
         its backends stays a candidate: it refuses by itself). BadRequest if none does."""
-        if len(self.edges) == 1:
-            return list(self.edges)  # the edge's own refusal names its reason
-        caps = await asyncio.gather(*(_capacity(e) for e in self.edges.values()))
+        edges = dict(self.edges)  # as it is now: nodes may join or leave meanwhile
+        if len(edges) == 1:
+            return list(edges)  # the edge's own refusal names its reason
+        caps = await asyncio.gather(*(_capacity(e) for e in edges.values()))
         out, offered = [], set()
-        for node, cap in zip(self.edges, caps):
+        for node, cap in zip(edges, caps):
             backends = cap.get("backends") if isinstance(cap, Mapping) else None
             if not isinstance(backends, Mapping):
                 out.append(node)
@@ -113,17 +170,19 @@ class Placement:
                                     backend=kind, offered=sorted(offered))
         return out
 
-    async def create(self, spec: SandboxSpec, owner: str) -> SandboxInfo:
-        """Create on a chosen edge of those offering ``spec.backend``; an edge that refuses
-        (capacity / infra) is skipped and another tried. Raises the last retryable error when
-        every edge refused."""
+    async def _create_viewless(self, spec: SandboxSpec, owner: str) -> SandboxInfo:
         candidates = await self._offering(spec.backend)
         last: errors.InfraError | None = None
         while candidates:
             node = await self._pick(candidates)
-            self._inflight[node] += 1
+            edge = self.edges.get(node)
+            if edge is None:  # left meanwhile
+                candidates.remove(node)
+                last = last or errors.InfraError(f"node {node!r} left the cluster", node=node)
+                continue
+            self._inflight[node] = self._inflight.get(node, 0) + 1
             try:
-                return await self.edges[node].create(spec, owner)
+                return await edge.create(spec, owner)
             except errors.InfraError as exc:  # CapacityExceeded is an InfraError
                 log.info("edge %s refused a sandbox: %s", node, exc)
                 last = exc
@@ -136,11 +195,91 @@ class Placement:
                                           nodes=len(self.edges))
         raise last
 
+    # ---- create ---------------------------------------------------------------------------
+    async def create(self, spec: SandboxSpec, owner: str) -> SandboxInfo:
+        """Create on a chosen node of those offering ``spec.backend``; a node that refuses
+        (capacity / infra) is skipped and the next choice tried, ``max_attempts`` nodes in all.
+        BadRequest when no node offers the backend; CapacityExceeded when none has room (or
+        every one that has is at the starts cap for ``start_wait_s``); the last refusal's
+        error when every attempt was refused."""
+        if self.chooser is None:
+            return await self._create_viewless(spec, owner)
+        chooser, tried = self.chooser, []
+        last: errors.InfraError | None = None
+        for _ in range(self.config.max_attempts):
+            try:
+                node = chooser.choose(spec, tried)
+            except StartsCapped:
+                node = await self._wait_for_start(spec, tried)
+            except errors.CapacityExceeded:
+                if last is None:
+                    raise
+                break  # no other node fits: say what the nodes tried said
+            edge = self.edges.get(node)
+            try:
+                if edge is None:
+                    raise errors.InfraError(f"node {node!r} left the cluster", node=node)
+                info = await edge.create(spec, owner)
+            except errors.InfraError as exc:  # CapacityExceeded is an InfraError
+                chooser.ended(node, spec, ok=False)
+                chooser.refused(node)
+                self._wake()
+                log.info("node %s refused a sandbox: %s", node, exc)
+                last = exc
+                tried.append(node)
+                continue
+            except BaseException:
+                chooser.ended(node, spec, ok=False)
+                self._wake()
+                raise
+            chooser.ended(node, spec, ok=True)
+            self._wake()
+            return info
+        assert last is not None
+        if isinstance(last, errors.CapacityExceeded):
+            raise errors.CapacityExceeded(f"{len(tried)} nodes refused: full; retry later",
+                                          nodes=tried)
+        raise last
+
+    def _wake(self) -> None:
+        """A create ended: a start slot may be free (for creates waiting at the starts cap)."""
+        if self._waiting:
+            self._ended.set()
+            self._ended = asyncio.Event()
+
+    async def _wait_for_start(self, spec: SandboxSpec, tried: Collection[str]) -> str:
+        """Every node that fits is at the starts cap: decide again when a create of this
+        replica ends or the view may have changed (every 100 ms), for up to start_wait_s."""
+        assert self.chooser is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.start_wait_s
+        while (left := deadline - loop.time()) > 0:
+            self._waiting += 1
+            try:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(0.1, left)):
+                        await self._ended.wait()
+            finally:
+                self._waiting -= 1
+            try:
+                return self.chooser.choose(spec, tried)
+            except StartsCapped:
+                continue
+        raise errors.CapacityExceeded(
+            f"every node with room is starting {self.config.max_starts} sandboxes; retry "
+            "later", reason="starts", max_starts=self.config.max_starts)
+
     async def node_limits(self) -> dict[str, float]:
         """The most any one node can hold, per budget (``capacity()["limits"]`` of the edges:
-        sandboxes, cpus, memory_mib, layer_mib); what a project quota may not exceed."""
+        sandboxes, cpus, memory_mib, layer_mib, or the view's ``limits`` of the member nodes);
+        what a project quota may not exceed."""
         out: dict[str, float] = {}
-        for cap in await asyncio.gather(*(_capacity(e) for e in self.edges.values())):
+        if self.view is not None:
+            caps: Sequence[object] = [{"limits": nv.limits} for nv in self.view.nodes()
+                                      if nv.node_id in self.edges]
+        else:
+            caps = await asyncio.gather(*(_capacity(e) for e in list(self.edges.values())))
+        for cap in caps:
             limits = cap.get("limits") if isinstance(cap, Mapping) else None
             if isinstance(limits, Mapping):
                 for k, v in limits.items():
@@ -149,11 +288,12 @@ class Placement:
         return out
 
     async def list(self, owner: str | None, labels: dict[str, str]) -> list[SandboxInfo]:
+        edges = dict(self.edges)  # as it is now: nodes may join or leave meanwhile
         results = await asyncio.gather(
-            *(e.list(owner, labels) for e in self.edges.values()), return_exceptions=True
+            *(e.list(owner, labels) for e in edges.values()), return_exceptions=True
         )
         out: list[SandboxInfo] = []
-        for node, res in zip(self.edges, results):
+        for node, res in zip(edges, results):
             if isinstance(res, BaseException):
                 # A dead node must not hide the others' sandboxes; the watcher reports it.
                 log.warning("listing node %s failed: %r", node, res)

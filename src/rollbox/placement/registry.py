@@ -7,14 +7,16 @@ watcher's), no choice between edges (placement's).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
 
 from rollbox import errors
 from rollbox.edge.interface import EdgeAPI
 
 
 class EdgeRegistry(Mapping[str, EdgeAPI]):
-    """node id -> edge; ``version`` counts the changes (a reader caches by it)."""
+    """node id -> edge; ``version`` counts the changes (a reader caches by it). A change
+    replaces the inner dict (never changes it in place): an iteration that spans an await
+    (a route asking every node) goes on over the membership it started with."""
 
     def __init__(self, edges: Iterable[EdgeAPI] = ()) -> None:
         self._edges: dict[str, EdgeAPI] = {}
@@ -31,6 +33,16 @@ class EdgeRegistry(Mapping[str, EdgeAPI]):
     def __len__(self) -> int:
         return len(self._edges)
 
+    # Views of the membership as it is now (a later change does not show in them).
+    def keys(self) -> KeysView[str]:
+        return self._edges.keys()
+
+    def items(self) -> ItemsView[str, EdgeAPI]:
+        return self._edges.items()
+
+    def values(self) -> ValuesView[EdgeAPI]:
+        return self._edges.values()
+
     def add(self, edge: EdgeAPI) -> None:
         """A node joins; BadRequest if its id is taken by another edge (a node that joins
         with a duplicate id). Adding the same edge again is a no-op."""
@@ -40,13 +52,14 @@ class EdgeRegistry(Mapping[str, EdgeAPI]):
         if have is not None:
             raise errors.BadRequest(f"node id {edge.node_id!r} is already in the cluster",
                                     node=edge.node_id)
-        self._edges[edge.node_id] = edge
+        self._edges = {**self._edges, edge.node_id: edge}
         self.version += 1
 
     def remove(self, node_id: str) -> EdgeAPI | None:
         """A node leaves (None: it was not there)."""
-        edge = self._edges.pop(node_id, None)
+        edge = self._edges.get(node_id)
         if edge is not None:
+            self._edges = {n: e for n, e in self._edges.items() if n != node_id}
             self.version += 1
         return edge
 
