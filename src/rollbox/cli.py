@@ -219,6 +219,15 @@ def bench_rl(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out, phases=opts.phases)
 
 
+@bench_app.command("placement")
+def bench_placement(quick: bool = typer.Option(False, "--quick"),
+                    json_out: bool = typer.Option(False, "--json")) -> None:
+    """Placement decisions on 160 simulated nodes (DSec-like load, lifetimes compressed 10x):
+    decisions/s on one core and load balance max/mean; random and least-loaded as peers."""
+    mod = _load_bench("placement")
+    mod.main(quick=quick, json_out=json_out)
+
+
 @mirror_app.command("serve")
 def mirror_serve(host: Optional[str] = typer.Option(None, help="default: pypi_mirror_host"),  # noqa: UP007
                  port: Optional[int] = typer.Option(None, help="default: pypi_mirror_port"),  # noqa: UP007

@@ -2,7 +2,8 @@
 sandbox. Synchronous and free of I/O (a decision reads the view, never an edge):
 
 - filter: the node is ``alive``, offers ``spec.backend``, is not a burst node unless the spec
-  may burst (:func:`may_burst`), fits ``spec.resources`` in what the view says is free minus
+  may burst (:func:`may_burst`, which may look only at the spec's backend and qos: pools are
+  cached per both), fits ``spec.resources`` in what the view says is free minus
   this replica's pending placements (and has a sandbox slot), has fewer creates in progress
   than the starts cap (the view's ``starting`` plus this replica's own), and has not refused a
   create since its last probe;
@@ -63,11 +64,13 @@ class PlacementConfig:
                    start_wait_s=s.placement_start_wait_s, layer_bonus=s.placement_layer_bonus)
 
 
-def named_digests(spec: SandboxSpec) -> frozenset[str]:
+def named_digests(spec: SandboxSpec) -> tuple[str, ...]:
     """The layer digests a spec names itself (its image or extra layers given as
     ``sha256-...``): what the api knows of a spec's layers without asking a node. An image
     name's layers need a resolver (``Placement(layers_of=...)``)."""
-    return frozenset(x for x in (spec.image, *spec.layers) if x.startswith("sha256-"))
+    if not spec.layers:  # the common case, per decision: no set, no generator
+        return (spec.image,) if spec.image.startswith("sha256-") else ()
+    return tuple(x for x in dict.fromkeys((spec.image, *spec.layers)) if x.startswith("sha256-"))
 
 
 def may_burst(spec: SandboxSpec) -> bool:
@@ -164,13 +167,16 @@ class _Snapshot:
             if nv.health == "alive":
                 self.offered_alive |= nv.backends
                 self.alive.append(_Node(nv, p, scale))
-        self.pools: dict[tuple[str, bool], list[_Node]] = {}
+        self.pools: dict[tuple[str, str], list[_Node]] = {}
 
-    def pool(self, backend: str, burst_ok: bool) -> list[_Node]:
-        key = (backend, burst_ok)
+    def pool(self, spec: SandboxSpec) -> list[_Node]:
+        """The alive nodes that offer ``spec.backend`` and may take its qos (cached per
+        backend and qos)."""
+        key = (spec.backend, spec.qos)
         pool = self.pools.get(key)
         if pool is None:
-            pool = self.pools[key] = [n for n in self.alive if backend in n.view.backends
+            burst_ok = may_burst(spec)
+            pool = self.pools[key] = [n for n in self.alive if spec.backend in n.view.backends
                                       and (burst_ok or not n.burst)]
         return pool
 
@@ -224,7 +230,9 @@ class Chooser:
         CapacityExceeded when none fits, StartsCapped when those that fit are all starting
         their cap of creates."""
         snap = self.snapshot()
-        pool = snap.pool(spec.backend, may_burst(spec))
+        pool = snap.pools.get((spec.backend, spec.qos))
+        if pool is None:
+            pool = snap.pool(spec)
         if not pool:
             raise snap.no_pool(spec)
         cfg = self.config
@@ -274,7 +282,7 @@ class Chooser:
             keys = self.layers_of(spec) if cfg.layer_bonus else ()
             best_score = -INF
             for x in picks:
-                s = self._score(x, keys)
+                s = self.score(x, keys)
                 if s > best_score:
                     best, best_score = x, s
         p = best.pending
@@ -284,12 +292,24 @@ class Chooser:
         p.memory_mib += mem
         return best.id
 
-    def _score(self, x: _Node, keys: Collection[str]) -> float:
+    def score(self, x: _Node, keys: Collection[str]) -> float:
+        """The share of node ``x`` left after this replica's pending placements (its tightest
+        budget), plus ``layer_bonus`` times the share of ``keys`` (layer digests) it caches."""
         p = x.pending
-        s = min((x.free_s - p.sandboxes) * x.inv_s, (x.free_c - p.cpus) * x.inv_c,
-                (x.free_m - p.memory_mib) * x.inv_m)
+        s = (x.free_s - p.sandboxes) * x.inv_s
+        c = (x.free_c - p.cpus) * x.inv_c
+        m = (x.free_m - p.memory_mib) * x.inv_m
+        if c < s:
+            s = c
+        if m < s:
+            s = m
         if keys and x.layers:
-            s += self.config.layer_bonus * sum(1 for d in keys if d in x.layers) / len(keys)
+            cached = x.layers
+            hits = 0
+            for d in keys:
+                if d in cached:
+                    hits += 1
+            s += self.config.layer_bonus * hits / len(keys)
         return s
 
     def ended(self, node_id: str, spec: SandboxSpec, ok: bool) -> None:

@@ -32,13 +32,18 @@ class NodeView:
     layers: frozenset[str] = frozenset()
     # a burst node (started by the autoscaler above the cluster's use threshold)
     burst: bool = False
-    # monotonic time of the probe this came from
+    # time.monotonic() of this process when the probe this came from was sent: placement
+    # counts its own creates that ended after it as not in the view yet (0: unknown, every
+    # create that ended before the view was handed out is taken to be in it)
     seen_at: float = 0.0
 
 
 class ClusterView(Protocol):
     """A snapshot of every known node; cheap (no I/O), safe to call per decision."""
 
+    # The same sequence object until the view changes (placement rebuilds its indexes of a
+    # snapshot when it is handed another one: a new list per call works, but costs a rebuild
+    # per decision); a node probed again is a new NodeView.
     def nodes(self) -> Sequence[NodeView]: ...
 
     def node(self, node_id: str) -> NodeView | None: ...
