@@ -2,7 +2,10 @@
 
 Simulated in virtual time, decided for real: rollbox's Placement (from a ClusterView, as in a
 cluster) and two baselines in the same run, random and least-loaded (both retry a refusal on
-another node as Placement does), each over the same arrivals, lifetimes and nodes.
+another node as Placement does), each over the same arrivals, lifetimes and nodes. Two more
+runs of Placement: without the layer bonus (what the bonus costs in balance), and as 4 api
+replicas taking turns over the same view, each with its own pending placements (the only way
+a node refuses Placement here: one replica never overfills a node its view shows).
 
 The cluster (DSec-like, issue 14 item 9):
 - 144 container nodes: 3,200 sandboxes, 192 cores x 32 CPU overcommit (6,144 CPUs of
@@ -301,13 +304,20 @@ async def run_policy(name: str, wl: Workload, quick: bool) -> dict[str, Any]:
     rate = wl.steady_rate(slots)
     now = 0.0
     cfg = PlacementConfig.from_settings(Settings())
-    if name == "rollbox":
-        placement: Any = Placement(edges, view, config=cfg, clock=lambda: now,  # type: ignore[arg-type]
-                                   rng=random.Random(wl.seed + 3))
+    if name.startswith("rollbox"):
+        if name == "rollbox_no_layer_bonus":
+            cfg = dataclasses.replace(cfg, layer_bonus=0.0)
+        # rollbox_4_replicas: 4 api replicas take turns, each with its own pending placements
+        # over the same view (as stateless replicas behind one port would).
+        placements: list[Any] = [
+            Placement(edges, view, config=cfg, clock=lambda: now,  # type: ignore[arg-type]
+                      rng=random.Random(wl.seed + 3 + i))
+            for i in range(4 if name == "rollbox_4_replicas" else 1)]
     elif name == "random":
-        placement = RandomPlacement(edges, view, cfg.max_attempts, random.Random(wl.seed + 3))
+        placements = [RandomPlacement(edges, view, cfg.max_attempts, random.Random(wl.seed + 3))]
     else:
-        placement = LeastLoaded(edges, view, cfg.max_attempts, random.Random(wl.seed + 3))
+        placements = [LeastLoaded(edges, view, cfg.max_attempts, random.Random(wl.seed + 3))]
+    replicas = len(placements)
 
     # The steady state at t=0: rate x mean lifetime sandboxes, spread evenly, with residual
     # lifetimes (a length-biased lognormal's, times a uniform share).
@@ -333,7 +343,7 @@ async def run_policy(name: str, wl: Workload, quick: bool) -> dict[str, Any]:
     arrivals = wl.arrivals(rate)
     lognorm, mu = rng.lognormvariate, wl.mu
     decide_s = wall_s = 0.0
-    placed = failed = retried = 0
+    placed = failed = retried = placed_or_not = 0
     samples: list[float] = []
     next_refresh = 0.0
     perf, cpu = time.perf_counter, time.thread_time
@@ -354,10 +364,11 @@ async def run_policy(name: str, wl: Workload, quick: bool) -> dict[str, Any]:
         now = t
         spec = specs[int(rng.random() * nspecs)]
         before = refused.n
+        placed_or_not += 1
         c0 = cpu()
         t0 = perf()
         try:
-            info = await placement.create(spec, "p")
+            info = await placements[placed_or_not % replicas].create(spec, "p")
         except errors.CapacityExceeded:
             wall_s += perf() - t0
             decide_s += cpu() - c0
@@ -412,10 +423,11 @@ async def run(quick: bool, seed: int = 14) -> dict[str, Any]:
     out: dict[str, Any] = {"nodes": 160, "compression": wl.compression,
                            "duration_s": wl.duration_s, "warmup_s": wl.warmup_s}
     results = {}
-    for name in ("rollbox", "random", "least_loaded"):
+    for name in ("rollbox", "rollbox_no_layer_bonus", "rollbox_4_replicas", "random",
+                 "least_loaded"):
         t0 = time.monotonic()
         results[name] = r = await run_policy(name, wl, quick)
-        say(f"  {name:13s} {r['decisions_per_s']:>9,.0f} decisions/s  max/mean "
+        say(f"  {name:22s} {r['decisions_per_s']:>9,.0f} decisions/s  max/mean "
             f"{r['max_over_mean']:.3f} (worst {r['max_over_mean_worst']:.3f})  refusals/create "
             f"{r['refusals_per_create']:.4f}  retried {r['retried_share']:.4f}  "
             f"failed {r['failed_share']:.4f}  "
@@ -431,6 +443,14 @@ async def run(quick: bool, seed: int = 14) -> dict[str, Any]:
                 "placement_failed_share": ours["failed_share"],
                 "placement_creates": ours["creates"],
                 "steady_rate_per_s": ours["steady_rate_per_s"]})
+    for name in ("rollbox_no_layer_bonus", "rollbox_4_replicas"):
+        r = results[name]
+        key = name.replace("rollbox_", "placement_")
+        out.update({f"{key}_max_over_mean": r["max_over_mean"],
+                    f"{key}_refusals_per_create": r["refusals_per_create"],
+                    f"{key}_retried_share": r["retried_share"],
+                    f"{key}_failed_share": r["failed_share"],
+                    f"{key}_decisions_per_s": r["decisions_per_s"]})
     for name in ("random", "least_loaded"):
         r = results[name]
         out.update({f"{name}_decisions_per_s": r["decisions_per_s"],
