@@ -72,12 +72,13 @@ class EdgeDirectory:
             self.urls.pop(node)
             edge = self.edges.pop(node)
             if self.placement is not None:
-                self.placement.edges.pop(node, None)
+                self.placement.edges.remove(node)  # its EdgeRegistry
             await edge.close()
 
     def _place(self, node: str) -> None:
-        self.placement.edges[node] = self.edges[node]
-        self.placement._inflight.setdefault(node, 0)  # noqa: SLF001 - until Placement.update
+        registry = self.placement.edges  # an EdgeRegistry: a new handle replaces the old one
+        registry.remove(node)
+        registry.add(self.edges[node])
 
     async def run(self) -> None:
         while True:
