@@ -30,14 +30,18 @@ BASE_UID = Settings().uid_base + (Settings().uid_slots + 64
 
 
 def node_settings(tmp: Path, node: str | None = None, run_dir: Path | None = None) -> Settings:
-    """Settings of a test edge. Each gets its own node id: an edge cleans up host resources of
-    its node's sandboxes it has no record of, so two edges must never share one."""
+    """Settings of a test edge. Each gets its own node id and cgroup parent (an edge cleans up
+    host resources of its node's sandboxes it has no record of, so two edges must never share
+    one; the host claims refuse it), and takes a free uid band and subnet when it starts."""
     s = Settings.scratch(tmp)  # the node's built images, shared read-only
     s.run_dir = run_dir or s.run_dir  # no run tmpfs here: test_run_tmpfs covers that path
-    s.cgroup_parent = TEST_CGROUP
     s.node_id = node or f"{TEST_NODE}{secrets.token_hex(3)}"
+    s.cgroup_parent = f"{TEST_CGROUP}-{s.node_id}"  # one per edge (host claims)
+    # host_auto (scratch): the edge takes the first free band from here and /22 of the range.
     s.uid_base = BASE_UID
     s.uid_slots = 1024
+    s.net_pool = next(n for n in s.net_host_range.subnets(new_prefix=22)
+                      if not n.overlaps(Settings().net_pool))
     s.vm_templates = False  # microVMs boot cold; the one template of a run: vm_template_node
     register_run_owner()
     return s
@@ -289,6 +293,18 @@ def run_mounts(run: str) -> list[str]:
 
 
 RUN_NAME = re.compile(r"rollbox-(?:test-|t)([0-9a-f]{4})")  # cgroup parent, dir, netns, node id
+# A run's cgroup parents: its edges' (``rollbox-test-<run>-<node>``) and its own.
+RUN_CGROUP = re.compile(r"rollbox-test-([0-9a-f]{4})(?:-[A-Za-z0-9_.-]+)?")
+
+
+def run_cgroup_parents(run: str) -> list[str]:
+    """The cgroup parents of ``run`` in any hierarchy."""
+    names = set()
+    for h in cgroups.hierarchies():
+        for p in h.glob(f"rollbox-test-{run}*"):
+            if p.is_dir() and (m := RUN_CGROUP.fullmatch(p.name)) and m.group(1) == run:
+                names.add(p.name)
+    return sorted(names)
 
 
 def _note(found: dict[str, float], run: str, path: str | Path) -> None:
@@ -309,7 +325,7 @@ def run_resources() -> dict[str, float]:
     found: dict[str, float] = {}
     for h in cgroups.hierarchies():
         for p in h.glob("rollbox-test-*"):
-            if p.is_dir() and (m := RUN_NAME.fullmatch(p.name)):
+            if p.is_dir() and (m := RUN_CGROUP.fullmatch(p.name)):
                 _note(found, m.group(1), p)
     with open("/proc/self/mountinfo") as f:
         for line in f:
@@ -368,17 +384,17 @@ def sweep_dead_runs() -> list[str]:
         elif run_owner_alive(owner):
             continue
         dead.append(run)
-        parent = f"rollbox-test-{run}"
-        v2_parent = cgroups.v2_root() / parent
-        if v2_parent.exists():
-            cgroups.kill(v2_parent)
-            asyncio.run(cgroups.wait_empty(v2_parent, 5.0))
-        for path in cgroups.leftover(parent):
-            try:
-                cgroups.remove_tree(path)
-            except OSError:
-                pass
-        cgroups.remove_parent_if_empty(parent)
+        for parent in run_cgroup_parents(run):
+            v2_parent = cgroups.v2_root() / parent
+            if v2_parent.exists():
+                cgroups.kill(v2_parent)
+                asyncio.run(cgroups.wait_empty(v2_parent, 5.0))
+            for path in cgroups.leftover(parent):
+                try:
+                    cgroups.remove_tree(path)
+                except OSError:
+                    pass
+            cgroups.remove_parent_if_empty(parent)
         for name in netns.list_rollbox():
             if name.startswith(f"rollbox-t{run}"):
                 try:
@@ -408,11 +424,13 @@ def no_leaks_after_suite() -> Iterator[None]:
         register_run_owner()
     yield
     (RUNS_DIR / TEST_RUN).unlink(missing_ok=True)
-    left_cg = cgroups.leftover(TEST_CGROUP) if os.geteuid() == 0 else []
+    parents = run_cgroup_parents(TEST_RUN) if os.geteuid() == 0 else []
+    left_cg = [p for parent in parents for p in cgroups.leftover(parent)]
     left_ns = [n for n in netns.list_rollbox() if n.startswith(f"rollbox-{TEST_NODE}")]
     mounts = run_mounts(TEST_RUN)
     if os.geteuid() == 0 and not left_cg:
-        cgroups.remove_parent_if_empty(TEST_CGROUP)
+        for parent in parents:
+            cgroups.remove_parent_if_empty(parent)
     loops = run_loop_devices(TEST_RUN)
     qemus = run_qemu_processes()
     assert not (left_cg or left_ns or mounts or loops or qemus), (
@@ -421,18 +439,19 @@ def no_leaks_after_suite() -> Iterator[None]:
 
 
 def run_qemu_processes() -> list[int]:
-    """QEMU processes of this run's microVM sandboxes left behind: a uid of the run's band (other
-    runs may share it) and a cgroup under the run's parent."""
-    hi = BASE_UID + 1024 * 65536
+    """QEMU processes of this run's microVM sandboxes left behind: a uid of the run's bands
+    (from BASE_UID up: each edge takes a free one) and a cgroup under one of the run's
+    parents."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             uid = os.stat(f"/proc/{entry}").st_uid
-            if not (BASE_UID <= uid < hi) or "qemu" not in Path(f"/proc/{entry}/comm").read_text():
+            if uid < BASE_UID or "qemu" not in Path(f"/proc/{entry}/comm").read_text():
                 continue
-            if f"/{TEST_CGROUP}/" in Path(f"/proc/{entry}/cgroup").read_text():
+            if re.search(rf"/{TEST_CGROUP}(-[A-Za-z0-9_.]+)?/",
+                         Path(f"/proc/{entry}/cgroup").read_text()):
                 found.append(int(entry))
         except OSError:
             continue

@@ -2,7 +2,10 @@
 
 Every host resource a sandbox uses is named so a leak can be found: data under ``data_dir``,
 cgroups under the ``rollbox`` parent, network namespaces ``rollbox-<id>``, the working state of
-live sandboxes (mount points, bundles, sockets, runc state) under ``run_dir``.
+live sandboxes (mount points, bundles, sockets, runc state) under ``run_dir``. Each of them
+belongs to one edge (node): several edges on one host get disjoint ones from
+:meth:`Settings.for_node`, and an edge claims its own when it starts
+(``rollbox.isolation.hostclaims``; docs/cluster.md, host resources).
 
 Each setting is one field of :class:`Settings`, declared with :func:`setting`: its variable, its
 group (the component that uses it) and what it means. ``Settings()`` reads the environment when
@@ -17,8 +20,10 @@ defaults (``ROLLBOX_URL``, ``ROLLBOX_API_KEY``: see ``rollbox.sdk._env``).
 from __future__ import annotations
 
 import copy
+import hashlib
 import ipaddress
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -104,6 +109,30 @@ def items(raw: str) -> tuple[str, ...]:
     return tuple(u.strip() for u in raw.split(",") if u.strip())
 
 
+NODE_ID_RE = re.compile(r"[A-Za-z0-9_.]{1,32}")
+# Host uid ranges of 65536 ids above an edge's uid_slots kept for its image builds
+# (backends/container/build.py takes 16): part of the edge's band, never another edge's.
+UID_BAND_EXTRA = 64
+UID_RANGE = 65536
+UID_LIMIT = 1 << 32  # host uids are 32-bit (and 2**32-1 is "no uid")
+
+
+def node_name(raw: str) -> str:
+    """A node id: 1-32 letters, digits, ``_`` or ``.``; no ``-``, which ends it in a sandbox
+    id (``<node>-<hex>``): with one, node ``a``'s clean-up of ``a-*`` would take node
+    ``a-b``'s sandboxes for its own."""
+    if not NODE_ID_RE.fullmatch(raw):
+        raise ValueError("a node id is 1-32 of A-Z a-z 0-9 _ . (no '-')")
+    return raw
+
+
+def share(raw: str) -> float:
+    value = float(raw)
+    if not 0 < value <= 1:
+        raise ValueError("a share is a number in (0, 1]")
+    return value
+
+
 def ports(raw: str) -> tuple[int, ...]:
     """``"8080,9000,7440-7443"`` -> ``(8080, 9000, 7440, 7441, 7442, 7443)``; items that are
     not numbers or ranges of numbers are ignored."""
@@ -133,15 +162,35 @@ class Settings:
         "ROLLBOX_RUN_TMPFS", "node", True, flag,
         "The container backend mounts a tmpfs on the run dir when it is on disk (hosts whose "
         "/run is not a tmpfs).")
-    node_id: str = setting("ROLLBOX_NODE", "node", "n0", str,
-                           "This node's id (in sandbox ids and cgroup names).")
-    cgroup_parent: str = setting("ROLLBOX_CGROUP", "node", "rollbox", str,
-                                 "Parent cgroup of every sandbox's cgroup.")
+    node_id: str = setting(
+        "ROLLBOX_NODE", "node", "n0", node_name,
+        "This node's id (in sandbox ids and cgroup names): 1-32 of A-Z a-z 0-9 _ . (no `-`). "
+        "Two live edges on one host never have the same one (the second does not start: "
+        "HostResourceConflict).")
+    cgroup_parent: str = setting(
+        "ROLLBOX_CGROUP", "node", "rollbox", str,
+        "Parent cgroup of every sandbox's cgroup (in every v1 controller and the v2 "
+        "hierarchy); one edge's own: no other live edge on the host has it, or one inside "
+        "or around it.")
     uid_base: int = setting(
         "ROLLBOX_UID_BASE", "node", 1_000_000_000 // 65536 * 65536, int,
-        "First host uid of the sandbox uid ranges; each sandbox slot gets 65536 ids above it.")
+        "First host uid of the node's sandbox uid ranges; each sandbox slot gets 65536 ids "
+        "above it. The node's band is uid_slots + 64 ranges from here (the 64 for its image "
+        "builds); no other live edge on the host has a uid in it.")
     uid_slots: int = setting("ROLLBOX_UID_SLOTS", "node", 8192, int,
                              "Number of sandbox uid ranges (slots).")
+    host_dir: Path = setting(
+        "ROLLBOX_HOST_DIR", "node", Path("/run/rollbox-host"), Path,
+        "Host-wide, shared by every edge of the host (a tmpfs): each live edge's claim of its "
+        "host resources (node id, data and run dirs, cgroup parent, uid band, sandbox "
+        "subnet), a file it holds locked (rollbox.isolation.hostclaims). The same for all "
+        "edges of a host.")
+    host_auto: bool = setting(
+        "ROLLBOX_HOST_AUTO", "node", False, flag,
+        "At start the edge takes the first uid band (from uid_base up, in steps of its band) "
+        "and the first sandbox subnet (net_pool's size, within net_host_range) no live edge "
+        "holds, instead of exactly uid_base and net_pool; what it took is kept in its data "
+        "dir and asked for again at its restarts (test nodes, throw-away edges).")
     agent_binary: Path = setting(
         "ROLLBOX_AGENT", "node", REPO_ROOT / "build" / "rollbox-agent", Path,
         "The in-sandbox agent (`make native`), init of containers and of microVM guests.")
@@ -281,6 +330,18 @@ class Settings:
     memory_psi_max: float = setting(
         "ROLLBOX_MEMORY_PSI_MAX", "admission", 20.0, float,
         "Memory PSI (\"some\", avg10, %) above which new creates are refused.")
+    node_share: float = setting(
+        "ROLLBOX_NODE_SHARE", "admission", 1.0, share,
+        "This node's share of the host's CPUs and memory, in (0, 1] (several edges on one "
+        "host: Settings.for_node(..., nodes=N) gives each 1/N): admission, overcommit, the "
+        "memory reserve and the sandboxes' parent memory cgroup go by the share, not the "
+        "whole host.")
+    node_cpus: float | None = setting(
+        "ROLLBOX_NODE_CPUS", "admission", None, float,
+        "CPUs this node's admission counts (unset: the host's times node_share).")
+    node_memory_mib: int | None = setting(
+        "ROLLBOX_NODE_MEMORY_MIB", "admission", None, int,
+        "Memory (MiB) this node's admission counts (unset: the host's times node_share).")
 
     # ---- images and layer storage --------------------------------------------------------
     images_root: Path | None = setting(
@@ -327,10 +388,16 @@ class Settings:
 
     # ---- sandbox networks ----------------------------------------------------------------
     net_pool: ipaddress.IPv4Network = setting(
-        "ROLLBOX_NET_POOL", "network", ipaddress.IPv4Network("10.213.0.0/16"),
+        "ROLLBOX_NET_POOL", "network", ipaddress.IPv4Network("10.213.0.0/18"),
         ipaddress.IPv4Network,
-        "The addresses of the sandboxes' links (a /30 each): no sandbox reaches another "
-        "sandbox or gate in it.")
+        "This node's sandbox subnet: the addresses of its sandboxes' links (a /30 each). "
+        "Inside net_host_range; no other live edge on the host has an address of it.")
+    net_host_range: ipaddress.IPv4Network = setting(
+        "ROLLBOX_NET_HOST_RANGE", "network", ipaddress.IPv4Network("10.213.0.0/16"),
+        ipaddress.IPv4Network,
+        "The range the edges of this host take their sandbox subnets from (nftables table "
+        "`ip rollbox` for this default, one per other range): no sandbox reaches another "
+        "sandbox or gate in it, of its own edge or another.")
     platform_ports: tuple[int, ...] = setting(
         "ROLLBOX_PLATFORM_PORTS", "network", (), ports,
         "Ports of the platform's own services on this host besides the api's 7420 "
@@ -461,21 +528,98 @@ class Settings:
     def scratch(cls, root: Path, images: Path | None = None) -> Settings:
         """Settings of a short-lived node below ``root`` (tests, benchmarks): its data and run
         dirs there, with no tmpfs mounted over the run dir (it goes with ``root``); layers from
-        ``images``, by default the node's own store (used read-only)."""
+        ``images``, by default the node's own store (used read-only); a cgroup parent of its
+        own and, with ``host_auto``, a free uid band and sandbox subnet taken at start."""
         s = cls()
         s.images_root = images or s.images_dir
         s.data_dir, s.run_dir = root / "data", root / "run"
         s.run_tmpfs = False
+        # Its own cgroup parent; the first free uid band and /20 of the host range when its
+        # edge starts (host_auto): scratch nodes run beside the host's edges and each other.
+        digest = hashlib.sha1(os.path.realpath(root).encode()).hexdigest()[:8]
+        s.cgroup_parent = f"rollbox-s{digest}"
+        s.uid_base = s.uid_band[1]  # above the default node's band and subnet
+        s.net_pool = next(n for n in s.net_host_range.subnets(
+            new_prefix=max(20, s.net_host_range.prefixlen)) if not n.overlaps(s.net_pool))
+        s.host_auto = True
         return s
+
+    @classmethod
+    def for_node(cls, base: Settings, node_id: str, index: int, *, nodes: int | None = None,
+                 uid_slots: int | None = None) -> Settings:
+        """Settings of one of several edges on this host (tests, demos, ``rollbox cluster`` on
+        one machine): a copy of ``base`` whose every host resource is the node's own and
+        none is base's, so an edge may run on ``base`` beside them. ``index`` (0, 1, ...)
+        numbers the co-hosted nodes; ``nodes``: how many share the host (each gets
+        ``base.node_share / nodes`` of its CPUs and memory for admission); ``uid_slots``:
+        the node's sandbox uid ranges (default base's).
+
+        - node id ``node_id`` (not base's); data dir ``<base data>-<node_id>`` and run dir
+          ``<base run>-<node_id>`` (siblings of base's); cgroup parent
+          ``<base parent>-<node_id>``; netns ``rollbox-<node_id>-*`` (by its sandbox ids);
+        - host uid band ``index + 1`` above base's (bands of base's uid_slots + 64 ranges);
+        - sandbox subnet: the ``index``-th /20 of ``base.net_host_range`` that does not
+          overlap ``base.net_pool``;
+        - the image store and chunk store stay base's (content-addressed, shared by design).
+
+        SettingError when the band or subnet does not fit (past uid 2**32, or the range)."""
+        if not NODE_ID_RE.fullmatch(node_id) or node_id == base.node_id:
+            raise SettingError(f"node id {node_id!r}: 1-32 of A-Z a-z 0-9 _ ., not the base "
+                               f"node's ({base.node_id!r})")
+        if index < 0 or (nodes is not None and not 0 <= index < nodes):
+            raise SettingError(f"node index {index} out of range (nodes={nodes})")
+        s = copy.deepcopy(base)
+        s.node_id = node_id
+        s.data_dir = base.data_dir.with_name(f"{base.data_dir.name}-{node_id}")
+        s.run_dir = base.run_dir.with_name(f"{base.run_dir.name}-{node_id}")
+        s.images_root = base.images_dir
+        s.chunk_store = base.chunk_store or f"dir://{base.data_dir / 'chunks'}"
+        s.cgroup_parent = f"{base.cgroup_parent}-{node_id}"
+        s.uid_slots = uid_slots or base.uid_slots
+        s.uid_base = base.uid_band[1] + index * (s.uid_slots + UID_BAND_EXTRA) * UID_RANGE
+        if s.uid_band[1] > UID_LIMIT - 1:
+            raise SettingError(f"node {node_id}: uid band {s.uid_band} is past 2**32; give "
+                               "fewer uid_slots")
+        prefix = max(20, base.net_host_range.prefixlen)
+        subnets = (n for n in base.net_host_range.subnets(new_prefix=prefix)
+                   if not n.overlaps(base.net_pool))
+        s.net_pool = next((n for k, n in enumerate(subnets) if k == index), None)  # type: ignore[assignment]
+        if s.net_pool is None:
+            raise SettingError(f"node index {index}: no /{prefix} of {base.net_host_range} "
+                               f"left beside {base.net_pool}")
+        s.host_auto = False
+        if nodes is not None:
+            s.node_share = base.node_share / nodes
+        return s
+
+    @property
+    def uid_band(self) -> tuple[int, int]:
+        """``[first, end)`` host uids of this node: its sandbox slots and its builds'."""
+        return self.uid_base, self.uid_base + (self.uid_slots + UID_BAND_EXTRA) * UID_RANGE
+
+    @property
+    def sandbox_id_prefix(self) -> str:
+        """Every sandbox id of this node starts with it (and no other node's does)."""
+        return f"{self.node_id}-"
+
+    @property
+    def netns_prefix(self) -> str:
+        """The names of this node's sandboxes' network namespaces start with it
+        (``rollbox.isolation.netns``: ``rollbox-<sandbox id>``)."""
+        return f"rollbox-{self.sandbox_id_prefix}"
 
     def environ(self) -> dict[str, str]:
         """The ``ROLLBOX_*`` variables that give a child process (``rollbox serve``) this
-        node's data, run dir, cgroup parent, node id, uid range and image store."""
+        node's data, run dir, cgroup parent, node id, uid band, subnet, share and image
+        store."""
         names = ["data_dir", "run_dir", "run_tmpfs", "agent_binary", "runtime", "cgroup_parent",
-                 "node_id", "uid_base", "uid_slots", "vm_jailer", "vm_kernel", "vm_initrd",
-                 "vm_accel", "vm_guest_manifest", "vm_templates"]
+                 "node_id", "uid_base", "uid_slots", "host_dir", "host_auto", "net_pool",
+                 "net_host_range", "node_share", "node_cpus", "node_memory_mib", "vm_jailer",
+                 "vm_kernel", "vm_initrd", "vm_accel", "vm_guest_manifest", "vm_templates"]
         if self.images_root is not None:
             names.append("images_root")
+        if self.chunk_store is not None:
+            names.append("chunk_store")
         return {VARS[n].env: env_text(getattr(self, n)) for n in names}
 
     def mirror_url(self, name: str) -> str | None:

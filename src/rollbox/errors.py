@@ -17,6 +17,7 @@ The tree (class, wire code, HTTP status, ``R`` = retryable: when it is raised)::
     ├── NotFound                 not_found              404    no such sandbox/image/exec/file/job
     ├── CommandTimeout           command_timeout        408    SDK: exec(check=True) timed out
     ├── SandboxPaused            sandbox_paused         409    exec in a paused sandbox
+    ├── HostResourceConflict     host_resource_conflict 409    edge start: another edge holds it
     ├── SandboxDead              sandbox_dead           410    deleted, expired, OOM-killed, lost
     ├── PayloadTooLarge          payload_too_large      413    a body/file/tar/diff over its cap
     ├── QuotaExceeded            quota_exceeded         429    the project's quota says no
@@ -180,6 +181,16 @@ class InfraError(RollboxError):
     retryable = True
 
 
+class HostResourceConflict(RollboxError):
+    """An edge asked for a host resource another live edge of this host holds (its node id,
+    data or run dir, cgroup parent, host uid band or sandbox subnet): it does not start.
+    ``details``: ``resource`` (what), ``holder`` (the other edge's node id). Not retryable:
+    the settings must change (``Settings.for_node`` gives co-hosted edges disjoint ones)."""
+
+    code = "host_resource_conflict"
+    status = 409
+
+
 class CapacityExceeded(InfraError):
     """The node (or cluster) is full; admission control refused. Retry later or elsewhere."""
 
@@ -296,6 +307,7 @@ ERRORS_BY_CODE: dict[str, type[RollboxError]] = {
         CommandTimeout,
         InfraError,
         CapacityExceeded,
+        HostResourceConflict,
         ChunkStoreError,
         ChunkMissing,
         ChunkCorrupt,

@@ -92,11 +92,12 @@ def test_settings_are_read_when_made_not_when_imported(clean_env: pytest.MonkeyP
 
 def test_describe_names_each_source(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
     clean_env.setenv("ROLLBOX_NODE", "n9")
-    clean_env.setenv("ROLLBOX_CGROUP", "rollbox")  # set, equal to the default: still the variable
+    clean_env.setenv("ROLLBOX_RUNTIME", "runc")  # set, equal to the default: still the variable
     s = Settings.scratch(tmp_path)
     src = {e.name: e.source for e in describe(s)}
-    assert src["node_id"] == "ROLLBOX_NODE" and src["cgroup_parent"] == "ROLLBOX_CGROUP"
+    assert src["node_id"] == "ROLLBOX_NODE" and src["runtime"] == "ROLLBOX_RUNTIME"
     assert src["data_dir"] == "program" and src["run_tmpfs"] == "program"
+    assert src["cgroup_parent"] == "program"  # a scratch node's own
     assert src["uid_slots"] == "default"
     assert [e.name for e in describe(s)] == [e.name for e in describe(Settings())]
     assert len(src) == len(VARS)
@@ -106,12 +107,14 @@ def test_environ_gives_a_child_the_same_node(clean_env: pytest.MonkeyPatch,
                                              tmp_path: Path) -> None:
     s = Settings.scratch(tmp_path)
     s.uid_base, s.vm_templates, s.node_id = 65536 * 7, False, "t1"
+    s.node_share, s.node_cpus = 0.25, 1.5
     env = s.environ()
     for k, v in env.items():
         clean_env.setenv(k, v)
     child = Settings()
     for name in ("data_dir", "run_dir", "run_tmpfs", "images_root", "uid_base", "vm_templates",
-                 "node_id", "cgroup_parent"):
+                 "node_id", "cgroup_parent", "net_pool", "net_host_range", "host_auto",
+                 "host_dir", "node_share", "node_cpus", "node_memory_mib", "chunk_store"):
         assert getattr(child, name) == getattr(s, name), name
     assert {e.name: e.source for e in describe(child)}["node_id"] == "ROLLBOX_NODE"
 

@@ -87,11 +87,36 @@ def host_memory_mib() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
 
 
+def host_share(s: Settings) -> float:
+    """This node's share of the host (1.0: it has the host to itself)."""
+    if s.node_memory_mib is not None:
+        return min(1.0, s.node_memory_mib / host_memory_mib())
+    return s.node_share
+
+
+def node_memory_mib(s: Settings) -> int:
+    """The memory this node's admission counts: ``node_memory_mib``, else its
+    ``node_share`` of the host's (several edges on one host each count their own share)."""
+    if s.node_memory_mib is not None:
+        return s.node_memory_mib
+    return max(1, int(host_memory_mib() * s.node_share))
+
+
+def node_cpus(s: Settings) -> float:
+    """The CPUs this node's admission counts: ``node_cpus``, else its ``node_share`` of the
+    host's."""
+    if s.node_cpus is not None:
+        return s.node_cpus
+    return (os.cpu_count() or 1) * s.node_share
+
+
 def node_reserve_mib(s: Settings, host_mem_mib: int) -> int:
-    """Host memory sandboxes never get: max(2 GiB, 10% of RAM) unless configured."""
+    """Memory (of ``host_mem_mib``, the node's) sandboxes never get: max(2 GiB, 10%) unless
+    configured; a node with a share of the host keeps that share of the 2 GiB floor."""
     if s.memory_reserve_mib is not None:
         return s.memory_reserve_mib
-    return max(2048, host_mem_mib // 10)
+    floor = 2048 if s.node_memory_mib is None and s.node_share == 1.0 else int(2048 * host_share(s))
+    return max(floor, host_mem_mib // 10)
 
 
 def sandboxes_memory_max_mib(s: Settings, host_mem_mib: int) -> int:
@@ -132,8 +157,12 @@ class HostMemory:
     def __init__(self, cgroup_parent: str, interval_s: float = SAMPLE_INTERVAL_S,
                  meminfo: Path = Path("/proc/meminfo"),
                  psi: Path = Path("/proc/pressure/memory"),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 node_mib: int | None = None) -> None:
+        """``node_mib``: the node's share of the host's memory (several edges on one host):
+        what is available to it is at most that minus what its sandboxes use."""
         self.cgroup_parent = cgroup_parent
+        self.node_mib = node_mib
         self.interval_s = interval_s
         self.meminfo = meminfo
         self.psi = psi
@@ -148,8 +177,10 @@ class HostMemory:
             return s
         self.reads += 1
         usage = cgroups.memory_usage(self.cgroup_parent) or 0
-        s = MemorySample(_meminfo_available_mib(self.meminfo), _psi_some_avg10(self.psi),
-                         usage >> 20, now)
+        available = _meminfo_available_mib(self.meminfo)
+        if self.node_mib is not None:
+            available = min(available, max(0, self.node_mib - (usage >> 20)))
+        s = MemorySample(available, _psi_some_avg10(self.psi), usage >> 20, now)
         self._sample = s
         return s
 
@@ -185,7 +216,7 @@ class _Usage:
 class Admission:
     limits: Limits
     host_mem_mib: int
-    host_cpus: int
+    host_cpus: float
     memory: HostMemory
     node_id: str = ""
     clock: Callable[[], float] = time.monotonic

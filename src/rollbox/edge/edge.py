@@ -23,8 +23,8 @@ from rollbox.backends import platform_work
 from rollbox.backends.registry import make_backends
 from rollbox.config import Settings
 from rollbox.edge.admission import (
-    Admission, HostMemory, Limits, ProjectQuotas, Share, Ticket, host_memory_mib,
-    sandboxes_memory_max_mib,
+    Admission, HostMemory, Limits, ProjectQuotas, Share, Ticket, host_memory_mib, node_cpus,
+    node_memory_mib, sandboxes_memory_max_mib,
 )
 from rollbox.edge.fence import Fence
 from rollbox.edge.interface import ExecOutput, PlatformProcess
@@ -40,7 +40,7 @@ from rollbox.errors import (
 from rollbox.events.store import EventLog
 from rollbox.images.lazy.mounts import LayerMounts
 from rollbox.images.store import Image, ImageStore
-from rollbox.isolation import cgroups
+from rollbox.isolation import cgroups, hostclaims
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import (
     NODE_LOST, Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec,
@@ -105,11 +105,15 @@ class Edge:
         self.node_id = settings.node_id
         self.event_log = events
         self.store = store or ImageStore(settings.images_dir)
-        self._host_mem_mib = host_memory_mib()
+        # This node's share of the host (several edges on one host: Settings.for_node).
+        self._host_mem_mib = node_memory_mib(settings)
         self.limits = limits or Limits.from_settings(settings, self._host_mem_mib)
         self.quotas = quotas
-        self.admission = Admission(self.limits, self._host_mem_mib, os.cpu_count() or 1,
-                                   HostMemory(settings.cgroup_parent), self.node_id)
+        self.admission = Admission(
+            self.limits, self._host_mem_mib, node_cpus(settings),
+            HostMemory(settings.cgroup_parent,
+                       node_mib=self._host_mem_mib if self._host_mem_mib < host_memory_mib()
+                       else None), self.node_id)
         self.layer_mounts = LayerMounts(self.store, settings)
         self.storage = LayerStorage(self.store, settings, self._layer_quota_mib)
         self.slots = UidSlots(settings.uid_base, settings.uid_slots)
@@ -145,9 +149,24 @@ class Edge:
         self._create_keys: dict[tuple[str, str], str] = {}
         self._create_specs: dict[tuple[str, str], dict[str, Any]] = {}
         self._create_starts: dict[tuple[str, str], asyncio.Future[str]] = {}
+        self.host_claim: hostclaims.HostClaim | None = None  # held from start to close
 
     # ---- lifecycle of the edge itself -------------------------------------------------
     async def start(self) -> None:
+        """Claim the node's host resources (HostResourceConflict: another live edge of this
+        host holds one; nothing was touched), then start the backends and re-adopt or clean
+        what an earlier edge of this node left (only this node's: its sandbox ids, run dir,
+        cgroup parent)."""
+        self.host_claim = await asyncio.to_thread(hostclaims.claim, self.settings)
+        self.slots.base = self.settings.uid_base  # host_auto: the band the claim chose
+        try:
+            await self._start()
+        except BaseException:
+            self.host_claim.release()
+            self.host_claim = None
+            raise
+
+    async def _start(self) -> None:
         # The gap since the last probe is read first: a backend's slow start must not make a
         # quick restart look like a long absence.
         self._fenced_gap = self.fence.load()
@@ -196,7 +215,7 @@ class Edge:
                         self.fence.fence_s)
         journaled = set()
         ending: list[asyncio.Task] = []
-        host_ids = {kind: b.host_sandbox_ids(f"{self.node_id}-")
+        host_ids = {kind: b.host_sandbox_ids(self.settings.sandbox_id_prefix)
                     for kind, b in self.backends.items()}
         for info, state, extra in self.journal.live():
             journaled.add(info.id)
@@ -326,6 +345,9 @@ class Edge:
                 await asyncio.to_thread(backend.release_node_resources)
         self.live.clear()
         self.journal.close()
+        if self.host_claim is not None:
+            self.host_claim.release()
+            self.host_claim = None
 
     # ---- admission ----------------------------------------------------------------------
     def capacity(self) -> dict[str, object]:

@@ -2,9 +2,12 @@
 
 The host end is ``rbx<hash of the sandbox id>`` with the alias ``rollbox:<id>`` (so a leaked
 link names its sandbox); the sandbox end is ``eth0`` inside ``rollbox-<id>``. The host end's
-address is the sandbox's gate (DNS gate, local mirrors). One node-wide nftables table
-``ip rollbox`` holds: local-mirror DNAT (gate:port -> 127.0.0.1:port, ports listed in a set),
-sandbox-to-sandbox forward drop, masquerade to the outside. Forwarding to the outside needs
+address is the sandbox's gate (DNS gate, local mirrors). One host-wide nftables table
+per host range (``ip rollbox`` for the default ``net_host_range``; the same for every edge of
+that range) holds: local-mirror DNAT (gate:port ->
+127.0.0.1:port, ports listed in a set), sandbox-to-sandbox forward drop (any two ``rbx`` links,
+of one edge or two, and anything into the host's ``net_host_range``), masquerade to the
+outside. Each edge takes its links' /30s from its own subnet (``net_pool``). Forwarding to the outside needs
 ``net.ipv4.ip_forward=1``, written only when the node's ``net_forward`` is on
 (``ROLLBOX_NET_FORWARD``, the operator's choice).
 """
@@ -19,7 +22,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollbox.config import Settings
+from rollbox.config import VARS, Settings
 from rollbox.errors import InfraError
 from rollbox.netpolicy.policy import host_addresses
 
@@ -29,8 +32,9 @@ ALIAS_PREFIX = "rollbox:"
 SANDBOX_IFACE = "eth0"
 NFT_TABLE = "rollbox"
 NETNS_PREFIX = "rollbox-"  # rollbox.isolation.netns.PREFIX
+DEFAULT_HOST_RANGE = VARS["net_host_range"].default
 _thread_lock = threading.Lock()
-_nft_ready = False
+_nft_ready: set[str] = set()  # tables made by this process
 
 
 def link_name(sandbox_id: str) -> str:
@@ -58,36 +62,48 @@ def _nft(script: str) -> None:
         raise InfraError(f"nft failed: {proc.stderr.strip()}")
 
 
+def table_name(settings: Settings) -> str:
+    """The nftables table of the node's host range: ``rollbox`` for the default range, else
+    one named after the range (edges of other ranges on the host keep their own rules)."""
+    rng = settings.net_host_range
+    if rng == DEFAULT_HOST_RANGE:
+        return NFT_TABLE
+    return f"{NFT_TABLE}_{str(rng).replace('.', '_').replace('/', '_')}"
+
+
 def ensure_node_tables(settings: Settings) -> None:
-    """The node-wide table (idempotent; kept for the node's uptime, it only names rbx links)."""
-    global _nft_ready
-    if _nft_ready:
+    """The table of the node's host range (idempotent; kept for the host's uptime, it only
+    names rbx links and the range every edge of the range takes its subnet from, so every
+    such edge writes the same rules)."""
+    table = table_name(settings)
+    if table in _nft_ready:
         return
-    pool = settings.net_pool
+    pool = settings.net_host_range
     _nft(f"""
-table ip {NFT_TABLE} {{
+table ip {table} {{
   set mirror_ports {{ type inet_service; }}
   chain prerouting {{ type nat hook prerouting priority dstnat; }}
   chain postrouting {{ type nat hook postrouting priority srcnat; }}
   chain forward {{ type filter hook forward priority filter; }}
 }}
-flush chain ip {NFT_TABLE} prerouting
-flush chain ip {NFT_TABLE} postrouting
-flush chain ip {NFT_TABLE} forward
-add rule ip {NFT_TABLE} prerouting iifname "{LINK_PREFIX}*" fib daddr type local tcp dport @mirror_ports dnat to 127.0.0.1
-add rule ip {NFT_TABLE} forward iifname "{LINK_PREFIX}*" oifname "{LINK_PREFIX}*" drop
-add rule ip {NFT_TABLE} forward iifname "{LINK_PREFIX}*" ip daddr {pool} drop
-add rule ip {NFT_TABLE} postrouting ip saddr {pool} oifname != "{LINK_PREFIX}*" masquerade
+flush chain ip {table} prerouting
+flush chain ip {table} postrouting
+flush chain ip {table} forward
+add rule ip {table} prerouting iifname "{LINK_PREFIX}*" fib daddr type local tcp dport @mirror_ports dnat to 127.0.0.1
+add rule ip {table} forward iifname "{LINK_PREFIX}*" oifname "{LINK_PREFIX}*" drop
+add rule ip {table} forward iifname "{LINK_PREFIX}*" ip daddr {pool} drop
+add rule ip {table} postrouting ip saddr {pool} oifname != "{LINK_PREFIX}*" masquerade
 """)
     if settings.net_forward:
         Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
-    _nft_ready = True
+    _nft_ready.add(table)
 
 
 def allow_local_mirror_ports(ports: set[int], settings: Settings) -> None:
     if ports:
         ensure_node_tables(settings)
-        _nft(f"add element ip {NFT_TABLE} mirror_ports {{ {', '.join(map(str, sorted(ports)))} }}\n")
+        _nft(f"add element ip {table_name(settings)} mirror_ports "
+             f"{{ {', '.join(map(str, sorted(ports)))} }}\n")
 
 
 def _sysctl_iface(name: str, key: str, value: str) -> None:
@@ -96,8 +112,9 @@ def _sysctl_iface(name: str, key: str, value: str) -> None:
 
 def create(sandbox_id: str, netns_name: str, settings: Settings,
            inner_address: bool = True) -> Link:
-    """veth pair + addresses + default route inside; the /30 is chosen under a node lock in
-    the node's link pool. inner_address=False: the namespace end is only brought up (a
+    """veth pair + addresses + default route inside; the /30 is chosen under a host lock in
+    the node's own subnet (``net_pool``; the lock and the check against the host's addresses
+    keep even edges that share a subnet from taking one /30 twice). inner_address=False: the namespace end is only brought up (a
     microVM's guest holds the sandbox address, its packets forwarded to this end by
     tapfilter.py)."""
     ensure_node_tables(settings)

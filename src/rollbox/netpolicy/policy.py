@@ -115,7 +115,10 @@ class Forbidden:
 
     @classmethod
     def current(cls, settings: Settings) -> Forbidden:
-        return cls(ALWAYS_FORBIDDEN + [settings.net_pool], host_addresses(),
+        # Every edge's sandbox subnet of this host (net_host_range), not only this node's.
+        nets = [settings.net_host_range] + ([] if settings.net_pool.subnet_of(
+            settings.net_host_range) else [settings.net_pool])
+        return cls(ALWAYS_FORBIDDEN + nets, host_addresses(),
                    platform_ports(settings))
 
     def cut(self, net: ipaddress.IPv4Network, port: int,
