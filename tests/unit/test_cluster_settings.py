@@ -10,6 +10,7 @@ from rollbox import errors
 from rollbox.cluster.local import node_env, node_settings, ports_text
 from rollbox.cluster.ray_nodes import MAX_NODES, ClusterPorts, node_args
 from rollbox.config import Settings, ports
+from rollbox.isolation import hostclaims
 
 
 def _base(tmp_path: Path) -> Settings:
@@ -32,6 +33,15 @@ def test_co_hosted_nodes_share_no_host_resource(tmp_path: Path) -> None:
     pools = [n.net_pool for n in nodes]
     assert all(not a.overlaps(b) for i, a in enumerate(pools) for b in pools[i + 1:])
     assert all(n.images_dir == s.images_dir for n in nodes)  # built layers, read-only
+    # what each edge claims at start: no two nodes', nor the embedded node's, collide (but
+    # for the id "n0" this test gives both: `cluster up` names its nodes <node>c<i>)
+    held = [hostclaims.Holding.of(n) for n in nodes]
+    assert all(hostclaims.conflicts(a, b) == [] for i, a in enumerate(held) for b in held[i + 1:])
+    embedded = hostclaims.Holding.of(s)
+    assert all([r for r, _ in hostclaims.conflicts(h, embedded)] in ([], ["node_id"])
+               for h in held)
+    assert all(n.net_pool.subnet_of(n.net_host_range) for n in nodes)
+    assert node_settings(s, "n1", 1, nodes=4).node_share == 0.25
 
 
 def test_every_port_of_the_cluster_is_a_platform_port(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 from rollbox import errors
 from rollbox.cluster import ray_nodes
 from rollbox.cluster.ray_nodes import ClusterPorts
-from rollbox.config import VARS, Settings, env_text
+from rollbox.config import UID_BAND_EXTRA, VARS, Settings, env_text
 
 # Cluster nodes' host uid bands start above the embedded node's, its image builds' and the test
 # runs' bands (tests/conftest.py), 1024 slots of 65536 ids per node.
@@ -106,11 +106,14 @@ def ensure_token(settings: Settings) -> Path:
     return path
 
 
-def node_settings(settings: Settings, node_id: str, index: int) -> Settings:
+def node_settings(settings: Settings, node_id: str, index: int, *,
+                  nodes: int | None = None) -> Settings:
     """Settings of cluster node ``node_id`` (its ``index`` on this host): its own data dir,
     run dir, cgroup parent, host uid band and sandbox subnet, so co-hosted edges never share a
-    host resource; the host's image store (read-only layers); the cluster's port range as
-    platform ports (sandboxes reach none of them)."""
+    host resource (each edge claims them at start: rollbox.isolation.hostclaims); the host's
+    image store (read-only layers); the cluster's port range as platform ports (sandboxes
+    reach none of them); with ``nodes`` (all on this host) each its 1/nodes of the host's
+    CPUs and memory for admission."""
     ports = ClusterPorts(settings.cluster_port_base)
     # the /16s (say) next to the embedded node's pool, never that one
     others = [p for p in settings.net_pool.supernet(
@@ -122,16 +125,23 @@ def node_settings(settings: Settings, node_id: str, index: int) -> Settings:
     n.run_dir = Path(f"/run/rollbox-cluster-{ports.base}/{node_id}")
     n.cgroup_parent = f"rollbox-{node_id}"
     n.uid_base = settings.uid_base + (UID_FIRST_SLOT + UID_SLOTS_PER_NODE * index) * 65536
-    n.uid_slots = UID_SLOTS_PER_NODE
+    n.uid_slots = UID_SLOTS_PER_NODE - UID_BAND_EXTRA  # the band: slots + the builds' 64
     n.images_root = settings.images_dir
     n.net_pool = others[index % len(others)]
+    # the range of the nodes' pools (its own nftables table; the policy forbids all of it)
+    n.net_host_range = settings.net_pool.supernet(
+        new_prefix=max(settings.net_pool.prefixlen - 5, 8))
+    n.host_auto = False
+    if nodes is not None:
+        n.node_share = settings.node_share / nodes
     n.platform_ports = (*settings.platform_ports, *range(ports.base, ports.last + 1))
     return n
 
 
-def node_env(settings: Settings, node_id: str, index: int) -> dict[str, str]:
+def node_env(settings: Settings, node_id: str, index: int, *,
+             nodes: int | None = None) -> dict[str, str]:
     """The ``ROLLBOX_*`` variables of :func:`node_settings` (what the edge actor reads)."""
-    n = node_settings(settings, node_id, index)
+    n = node_settings(settings, node_id, index, nodes=nodes)
     env = n.environ()
     env[VARS["net_pool"].env] = env_text(n.net_pool)
     env[VARS["platform_ports"].env] = ports_text(n.platform_ports)
@@ -167,12 +177,12 @@ def _ray_shutdown() -> None:
 
 
 def start_edge(settings: Settings, address: str, node_id: str, index: int, token: str,
-               head: bool) -> NodeRecord:
+               head: bool, nodes: int | None = None) -> NodeRecord:
     ports = ClusterPorts(settings.cluster_port_base)
     from rollbox.cluster.edge_actor import create_edge
 
     port = ports.edge(index)
-    create_edge(node_id, node_env(settings, node_id, index), address, port, token)
+    create_edge(node_id, node_env(settings, node_id, index, nodes=nodes), address, port, token)
     return NodeRecord(node_id, index, head, f"http://{address}:{port}")
 
 
@@ -278,7 +288,8 @@ def up(settings: Settings | None = None, replicas: int = 2, nodes: int = 1) -> C
         _join_nodes(ports, s, ids[1:], start=1)
         _ray_init(state.gcs)
         for i, node in enumerate(ids):
-            state.nodes.append(start_edge(s, s.cluster_address, node, i, token, head=i == 0))
+            state.nodes.append(start_edge(s, s.cluster_address, node, i, token, head=i == 0,
+                                          nodes=nodes))
             state.save(state_path(s))
         _ray_shutdown()
         for i in range(replicas):
