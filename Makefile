@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 APT_PACKAGES := runc erofs-utils debootstrap podman fuse3 iproute2 gcc libc6-dev make \
 	python3-venv ca-certificates busybox-static util-linux nftables xfslibs-dev bash-static \
-	btrfs-progs qemu-system-x86 qemu-utils lz4
+	btrfs-progs qemu-system-x86 qemu-utils lz4 postgresql
 export ROLLBOX_AGENT := $(CURDIR)/build/rollbox-agent
 
 .PHONY: deps venv native guest images setup demo test test-browser bench clean-host

@@ -189,6 +189,71 @@ async def api_server(edge, tmp_path: Path) -> AsyncIterator:  # noqa: ANN001
         keys.close()
 
 
+@pytest.fixture(scope="session")
+def postgres() -> Iterator:
+    """One real PostgreSQL server for the session (``rollbox.cluster.postgres.PostgresServer``,
+    unix socket only, in a fresh dir), started on first use and stopped, its data removed,
+    at the end: ``postgres.dsn``. Tests take a clean database from ``pg_dsn``."""
+    from rollbox.cluster.postgres import PostgresServer
+
+    root = Path(tempfile.mkdtemp(prefix=f"rollbox-pg-{TEST_RUN}-"))
+    root.chmod(0o755)  # the postgres user walks into it
+    srv = PostgresServer(root / "data", port=None, socket_dir=root / "sock")
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.destroy()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def clean_pg(postgres) -> str:  # noqa: ANN001
+    """The server's DSN with the IAM tables emptied (made if missing)."""
+    from rollbox.iam.postgres import create_pool
+
+    pool = await create_pool(postgres.dsn)
+    try:
+        await pool.execute("TRUNCATE api_keys, ledger, projects")
+    finally:
+        await pool.close()
+    return str(postgres.dsn)
+
+
+@pytest.fixture
+async def pg_dsn(postgres) -> str:  # noqa: ANN001
+    """The session server's DSN with the IAM tables emptied."""
+    return await clean_pg(postgres)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def iam_stores(request, tmp_path: Path) -> AsyncIterator:  # noqa: ANN001
+    """(IamStore, QuotaLedger) of each backend: SQLite in a tmp file, PostgreSQL on the
+    session's server; the same tests run against both."""
+    if request.param == "sqlite":
+        from rollbox.iam import SQLiteIam, SQLiteLedger
+
+        iam = SQLiteIam(tmp_path / "keys.db")
+        ledger = SQLiteLedger(tmp_path / "keys.db")
+        try:
+            yield iam, ledger
+        finally:
+            ledger.close()
+            iam.close()
+        return
+    from rollbox.iam.postgres import PostgresIam, PostgresLedger
+
+    dsn = await clean_pg(request.getfixturevalue("postgres"))
+    iam = await PostgresIam.open(dsn)
+    try:
+        ledger = await PostgresLedger.open(dsn)
+        try:
+            yield iam, ledger
+        finally:
+            await ledger.close()
+    finally:
+        await iam.close()
+
+
 class NodeRestarts:
     """One test node's edges started one after another (restart tests), on the same settings
     and event log: ``start()`` makes the next edge, ``stop()`` closes the current one the way

@@ -1,5 +1,6 @@
-"""The embedded default: api, placement, watcher and one edge in one process, SQLite for state,
-the local image store. No external service. ``rollbox serve`` runs it."""
+"""The embedded default: api, placement, watcher and one edge in one process, SQLite for state
+(the IAM store and quota ledger in ``keys.db``), the local image store. No external service.
+``rollbox serve`` runs it."""
 from __future__ import annotations
 
 import contextlib
@@ -20,8 +21,7 @@ from rollbox.compat.frontdoors import FRONT_DOORS
 from rollbox.config import Settings
 from rollbox.edge.edge import Edge, Limits
 from rollbox.events.store import EventLog
-from rollbox.iam.keys import KeyStore
-from rollbox.iam.quotas import SQLiteQuotas
+from rollbox.iam import SQLiteIam, SQLiteLedger
 from rollbox.jobs import SqliteLeaseStore
 from rollbox.placement import Placement, PlacementConfig
 from rollbox.placement.registry import EdgeRegistry
@@ -38,8 +38,8 @@ class EmbeddedNode:
         self.settings.data_dir.mkdir(parents=True, exist_ok=True)
         self.limits = limits
         self.events: EventLog | None = None
-        self.keys: KeyStore | None = None
-        self.quotas: SQLiteQuotas | None = None
+        self.keys: SQLiteIam | None = None
+        self.ledger: SQLiteLedger | None = None
         self.leases: SqliteLeaseStore | None = None
         self.edge: Edge | None = None
         self.registry: EdgeRegistry | None = None
@@ -48,21 +48,25 @@ class EmbeddedNode:
     async def start(self):  # noqa: ANN201 - returns the FastAPI app
         s = self.settings
         self.events = EventLog(s.data_dir / "events.db")
-        self.keys = KeyStore(s.data_dir / "keys.db")
-        self.quotas = SQLiteQuotas(s.data_dir / "quotas.db")
+        # The flat IAM's quotas.db is carried into keys.db once (then left alone).
+        self.keys = SQLiteIam(s.data_dir / "keys.db", legacy_quotas=s.data_dir / "quotas.db")
+        self.ledger = SQLiteLedger(s.data_dir / "keys.db")
         self.leases = SqliteLeaseStore(s.data_dir / "leases.db")
         self.ensure_admin_key()
         self.edge = Edge(s, self.events, limits=self.limits, leases=self.leases,
-                         quotas=self.quotas)
+                         quotas=self.keys)
         await self.edge.start()
         # The node's own edge, probed in this process: not fenced (it stops with the watcher).
+        # The watcher reconciles the quota ledger with the edge's live set (TTL, job lease and
+        # OOM ends happen on the edge, not through the api).
         self.registry = EdgeRegistry([self.edge])
-        self.watcher = Watcher(self.registry, local={self.edge.node_id}, settings=s)
+        self.watcher = Watcher(self.registry, local={self.edge.node_id}, settings=s,
+                               ledger=self.ledger)
         await self.watcher.start()
         # No view yet: each decision asks the edge (wiring view=self.watcher is lane W's).
         placement = Placement(self.registry, config=PlacementConfig.from_settings(s))
         return create_app(placement, self.events, self.keys,
-                          leases=self.leases, quotas=self.quotas, front_doors=FRONT_DOORS,
+                          leases=self.leases, ledger=self.ledger, front_doors=FRONT_DOORS,
                           watcher=self.watcher)
 
     def ensure_admin_key(self) -> str:
@@ -92,8 +96,8 @@ class EmbeddedNode:
             self.events.close()
         if self.keys:
             self.keys.close()
-        if self.quotas:
-            self.quotas.close()
+        if self.ledger:
+            self.ledger.close()
         if self.leases:
             self.leases.close()
 

@@ -399,6 +399,22 @@ class ApiKeyInfo(BaseModel):
     created_at: float
     last_used_at: float | None = None  # to the minute (see iam.keys.LAST_USED_WRITE_S)
     revoked_at: float | None = None
+    # The subtree the key administers ("" = everything: the operator's); None: none.
+    scope: str | None = None
+
+
+class KeySpec(BaseModel):
+    """``POST /v1/keys``: a key of ``project`` (one the caller administers); ``admin``: it
+    administers ``project`` and its sub-projects."""
+    model_config = ConfigDict(extra="forbid")
+    project: str = Field(..., min_length=1, max_length=128)
+    admin: bool = False
+
+
+class CreatedKey(BaseModel):
+    """A new key: ``key`` is shown here once and never again."""
+    key: str
+    info: ApiKeyInfo
 
 
 # ---- images of a project (uploads, snapshots; rollbox.edge.storage) -------------------------
@@ -516,9 +532,11 @@ class FnCallBatchResult(BaseModel):
 
 
 class Quota(BaseModel):
-    """A project's limits on one node (None = unlimited): live sandboxes, and the sums of the
-    CPUs and memory they request; ``layer_mib``: storage of the project's own layers
-    (snapshots, uploads). Set by an admin (``PUT /v1/projects/{project}/quota``)."""
+    """A project's limits (None = unlimited): live sandboxes, and the sums of the CPUs and
+    memory they request, over the whole cluster and the project's sub-projects, carved out of
+    its parent's (``docs/iam.md``); ``layer_mib``: storage of the project's own layers per node
+    (snapshots, uploads). Set by an admin of a project above it
+    (``PUT /v1/projects/{project}/quota``)."""
     model_config = ConfigDict(extra="forbid")
     sandboxes: int | None = Field(None, ge=0)
     cpus: float | None = Field(None, ge=0)
@@ -598,3 +616,32 @@ class ClusterStatus(BaseModel):
     sandboxes: int
     by_backend: dict[str, int] = Field(default_factory=dict)
     by_project: dict[str, int] = Field(default_factory=dict)
+
+
+class QuotaUsage(BaseModel):
+    """What sandboxes hold: a count and the sums of their requested CPUs and memory."""
+    sandboxes: int = 0
+    cpus: float = 0.0
+    memory_mib: int = 0
+
+
+class ProjectSpec(BaseModel):
+    """``POST /v1/projects``: ``name`` is the full path (``team/run-7``), or one segment with
+    ``parent``; ``quota`` is carved out of the parent's (none: nothing of what the parent
+    limits)."""
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(..., min_length=1, max_length=128)
+    parent: str | None = Field(None, min_length=1, max_length=128)
+    quota: Quota | None = None
+
+
+class Project(BaseModel):
+    """A project as listed: its limits, what it and its sub-projects use (``used``), what
+    it uses itself and what it has delegated to its children (the sums of their limits)."""
+    name: str
+    parent: str | None
+    quota: Quota
+    used: QuotaUsage
+    own_used: QuotaUsage
+    delegated: QuotaUsage
+    created_at: float

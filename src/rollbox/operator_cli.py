@@ -33,7 +33,8 @@ out = Console(highlight=False)
 sandbox_app = typer.Typer(help="Sandboxes on a running server (by id, label, project or job)",
                           no_args_is_help=True)
 key_app = typer.Typer(help="API keys", no_args_is_help=True)
-project_app = typer.Typer(help="Projects: per-node quotas (admin key)", no_args_is_help=True)
+project_app = typer.Typer(help="Projects: nested, with quotas carved out of the parent's",
+                          no_args_is_help=True)
 
 # C0 controls but \n and \t, DEL, C1 controls (0x9b is a one-byte CSI for some terminals), the
 # bidirectional marks, overrides and isolates (text that reads differently than it runs; U+061C
@@ -307,8 +308,16 @@ def sandbox_rm(ids: Optional[list[str]] = IdsArg, label: list[str] = LabelOpt,  
 # ---- key commands ----------------------------------------------------------------------------
 @key_app.command("create")
 def key_create(project: str = typer.Option(..., help="project the key acts for"),
-               admin: bool = typer.Option(False)) -> None:
-    """Create a key in the node's key store (no server needed); printed once, never again."""
+               admin: bool = typer.Option(False, help="it administers the project's subtree "
+                                          "(--local: everything, the operator's)"),
+               local: bool = typer.Option(False, help="write the node's key store directly "
+                                          "(no server; the host's root only)")) -> None:
+    """Create a key of a project this key administers, through the server (Forbidden for any
+    other); printed once, never again. ``--local``: in this node's key store."""
+    if not local:
+        with _client() as client:
+            typer.echo(client.create_key(project, admin=admin).key)
+        return
     from rollbox.iam.keys import KeyStore
 
     keys = KeyStore(Settings().data_dir / "keys.db")
@@ -344,17 +353,55 @@ def key_revoke(key_ids: list[str] = typer.Argument(..., help="key ids (key_...)"
             typer.echo(f"revoked {key_id}")
 
 
+@project_app.command("create")
+def project_create(
+    name: str = typer.Argument(..., help="full path (team/run-7), or one segment with --parent"),
+    parent: Optional[str] = typer.Option(None, help="parent project"),  # noqa: UP007
+    sandboxes: Optional[int] = typer.Option(None, help="live sandboxes"),  # noqa: UP007
+    cpus: Optional[float] = typer.Option(None, help="sum of requested CPUs"),  # noqa: UP007
+    memory_mib: Optional[int] = typer.Option(None, help="sum of requested memory"),  # noqa: UP007
+    layer_mib: Optional[int] = typer.Option(None, help="storage of its own layers"),  # noqa: UP007
+) -> None:
+    """Create a sub-project of one this key administers, with limits carved out of the
+    parent's (none given: it holds nothing of what the parent limits). Prints it as JSON."""
+    with _client() as client:
+        p = client.create_project(name, parent=parent, sandboxes=sandboxes, cpus=cpus,
+                                  memory_mib=memory_mib, layer_mib=layer_mib)
+    typer.echo(p.model_dump_json())
+
+
+@project_app.command("ls")
+def project_ls(json_out: bool = typer.Option(False, "--json")) -> None:
+    """This key's subtree: limits, use (with sub-projects), delegated to children."""
+    with _client() as client:
+        projects = client.projects()
+    if json_out:
+        typer.echo(json.dumps([p.model_dump(mode="json") for p in projects]))
+        return
+
+    def lim(v: object) -> str:
+        return "-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+
+    _table(["PROJECT", "SANDBOXES", "CPUS", "MEMORY MIB", "DELEGATED (SB/CPU/MIB)"],
+           [[p.name, f"{p.used.sandboxes}/{lim(p.quota.sandboxes)}",
+             f"{p.used.cpus:g}/{lim(p.quota.cpus)}",
+             f"{p.used.memory_mib}/{lim(p.quota.memory_mib)}",
+             f"{p.delegated.sandboxes}/{p.delegated.cpus:g}/{p.delegated.memory_mib}"]
+            for p in projects])
+
+
 @project_app.command("quota")
 def project_quota(
     project: str = typer.Argument(..., help="project name"),
-    sandboxes: Optional[int] = typer.Option(None, help="live sandboxes on one node"),  # noqa: UP007
+    sandboxes: Optional[int] = typer.Option(None, help="live sandboxes"),  # noqa: UP007
     cpus: Optional[float] = typer.Option(None, help="sum of requested CPUs"),  # noqa: UP007
     memory_mib: Optional[int] = typer.Option(None, help="sum of requested memory"),  # noqa: UP007
     layer_mib: Optional[int] = typer.Option(None, help="storage of its own layers"),  # noqa: UP007
     clear: bool = typer.Option(False, help="make every limit not given unlimited"),
 ) -> None:
     """Show a project's quota as JSON; with limits, set them (the others stay unless
-    --clear). A negative limit or one above a node's capacity is refused."""
+    --clear; an admin key of a project above it). A negative limit, one above a node's
+    capacity or above what the parent has left to delegate is refused."""
     given = {"sandboxes": sandboxes, "cpus": cpus, "memory_mib": memory_mib,
              "layer_mib": layer_mib}
     with _client() as client:

@@ -13,7 +13,7 @@ import pytest
 import rollbox
 from rollbox import errors
 from rollbox.api import BackgroundServer, create_app
-from rollbox.iam import KeyStore
+from rollbox.iam import KeyStore, SQLiteLedger
 from rollbox.iam.quotas import SQLiteQuotas
 from rollbox.models import ExecSpec, GradeSpec, Quota, Resources, SandboxSpec
 from rollbox.placement import Placement
@@ -116,9 +116,9 @@ async def test_quotas_over_the_api_sdk_and_cli(edge, tmp_path: Path) -> None:  #
     from rollbox.cli import app as cli_app
 
     keys = KeyStore(tmp_path / "keys.db")
-    quotas = SQLiteQuotas(tmp_path / "quotas.db")
-    edge.quotas = quotas
-    app = create_app(Placement([edge]), edge.event_log, keys, quotas=quotas)
+    ledger = SQLiteLedger(tmp_path / "keys.db")
+    edge.quotas = keys  # the node's own per-node check reads the same limits
+    app = create_app(Placement([edge]), edge.event_log, keys, ledger=ledger)
     admin, team = keys.create("ops", admin=True), keys.create("team")
     try:
         async with BackgroundServer(app) as srv, rollbox.AsyncClient(srv.url, admin) as a, \
@@ -176,8 +176,9 @@ async def test_quotas_over_the_api_sdk_and_cli(edge, tmp_path: Path) -> None:  #
             for sb in (two, three):
                 await sb.delete()
     finally:
+        edge.quotas = None
+        ledger.close()
         keys.close()
-        quotas.close()
 
 
 async def test_grade_takes_resources_in_the_sdk(edge, tmp_path: Path) -> None:  # noqa: ANN001

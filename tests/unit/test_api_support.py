@@ -339,17 +339,20 @@ class ApiStack:
 
     def __init__(self, tmp: Path, nodes: tuple[str, ...] = ("n0",), max_sandboxes: int = 1000,
                  per_sandbox_bytes: int = 16 << 20, *, serve: bool = True,
-                 leases: bool = False) -> None:
+                 leases: bool = False, ledger: bool = False) -> None:
+        from rollbox.iam import SQLiteLedger
+
         self.edges = [FakeEdge(n, tmp / "sb" / n, max_sandboxes) for n in nodes]
         self.placement = Placement(self.edges)
         self.events = EventLog(tmp / "events.db", per_sandbox_bytes=per_sandbox_bytes)
         self.keys = KeyStore(tmp / "keys.db")
+        self.ledger = SQLiteLedger(tmp / "keys.db") if ledger else None
         self.key_a = self.keys.create("proj-a")
         self.key_b = self.keys.create("proj-b")
         self.admin_key = self.keys.create("ops", admin=True)
         self.leases = SqliteLeaseStore(tmp / "leases.db") if leases else None
         self.app = create_app(self.placement, self.events, self.keys, leases=self.leases,
-                              front_doors=FRONT_DOORS)
+                              ledger=self.ledger, front_doors=FRONT_DOORS)
         self.server = BackgroundServer(self.app) if serve else None
         self.lifespan = None if serve else Lifespan(self.app)
         self.url = ""
@@ -382,6 +385,8 @@ class ApiStack:
         for e in self.edges:
             await e.close()
         self.events.close()
+        if self.ledger is not None:
+            self.ledger.close()
         self.keys.close()
         if self.leases is not None:
             self.leases.close()

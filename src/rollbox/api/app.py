@@ -4,7 +4,8 @@
 (``api.errors``), the routers of ``api.routes`` and the front doors it is given
 (``api.frontdoors``), over one :class:`ApiContext` (``app.state.api``). Stateless apart from
 the context's owner cache: sandbox ids route through :class:`Placement`, the audit trail goes
-to :class:`EventLog`, principals come from :class:`KeyStore`.
+to :class:`EventLog`, principals and projects come from an :class:`IamStore`, quotas are held
+in a :class:`QuotaLedger` (``rollbox.iam``: SQLite or PostgreSQL, the same for the api).
 """
 import contextlib
 from collections.abc import AsyncIterator, Sequence
@@ -17,27 +18,28 @@ from rollbox.api.context import ApiContext
 from rollbox.api.frontdoors import FrontDoor
 from rollbox.api.routes import ROUTERS, fncall
 from rollbox.events import EventLog
-from rollbox.iam import KeyStore
-from rollbox.iam.quotas import QuotaStore
+from rollbox.iam import IamStore, QuotaLedger
 from rollbox.jobs import LeaseStore
 from rollbox.placement import Placement
 from rollbox.watcher import Watcher
 
 
-def create_app(placement: Placement, events: EventLog, keys: KeyStore, *,
+def create_app(placement: Placement, events: EventLog, keys: IamStore, *,
                record_events: bool | None = None, leases: LeaseStore | None = None,
-               quotas: QuotaStore | None = None,
+               ledger: QuotaLedger | None = None,
                front_doors: Sequence[FrontDoor] = (),
                watcher: Watcher | None = None) -> FastAPI:
     """``record_events``: None (default) = record for every edge that does not write into
     ``events`` itself; True/False forces it for all edges. ``leases``: the trainer-job lease
     store the edges sweep (None: no jobs on this server; see rollbox.api.routes.jobs).
-    ``quotas``: the project quotas the edges enforce (the quota routes answer bad_request
-    without). ``front_doors``: mounted after the core routes, in order; the node's list comes
+    ``keys``: projects, keys and their limits; ``ledger``: the cluster-wide quota ledger the
+    create path reserves in (None: only the edges' per-node admission enforces limits).
+    ``front_doors``: mounted after the core routes, in order; the node's list comes
     from its composition root (``rollbox.embedded``); none: the core ``/v1`` api only.
     ``watcher``: the nodes' health (rollbox.watcher; its owner starts and stops it): a dead
     node's sandboxes answer sandbox_dead (reason node_lost), ``/v1/cluster/status``."""
-    api = ApiContext(placement, events, keys, record_events, leases, quotas, watcher)
+    api = ApiContext(placement, events, keys, record_events, leases, ledger=ledger,
+                     watcher=watcher)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -1,49 +1,52 @@
 """The api's state and the route logic its routers and front doors share: :class:`ApiContext`.
 
 One per app (``app.state.api``; kept off the modules so several apps can coexist): the
-placement, audit log, key, lease and quota stores the app was made with, the owner cache that
-authorises a sandbox id, and the recorders that copy commands' output into the audit log. Routes
-reach it through ``api.deps``; front doors get it as the typed argument of their ``mount``.
+placement, audit log, IAM store, quota ledger and lease store the app was made with, the owner
+cache that authorises a sandbox id, the recorders that copy commands' output into the audit
+log, and the one create path (:meth:`ApiContext.create_sandbox`: reserve in the ledger, place,
+commit). Routes reach it through ``api.deps``; front doors get it as the typed argument of their
+``mount``.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 
 from rollbox import errors
 from rollbox.edge.interface import EdgeAPI
 from rollbox.events import EventLog
-from rollbox.iam import KeyStore, Principal
-from rollbox.iam.quotas import QuotaStore, check_project
+from rollbox.iam import IamStore, Principal, QuotaLedger, Reservation, Usage
+from rollbox.iam.model import RESERVATION_TTL_S
 from rollbox.jobs import LeaseStore
-from rollbox.models import NODE_LOST, SandboxInfo
+from rollbox.models import NODE_LOST, SandboxInfo, SandboxSpec
 from rollbox.placement import Placement, split_sandbox_id
 from rollbox.watcher import Watcher
 
 log = logging.getLogger(__name__)
-
 OWNER_CACHE_SIZE = 65536
 
 
 class ApiContext:
     """``record_events``: None = record for every edge that does not write into ``events``
-    itself; True/False forces it for all edges. ``leases``/``quotas``: None when the server
-    keeps none (their routes answer bad_request). ``watcher``: the view of the nodes'
-    health (None: every node is taken as alive); a dead node's sandboxes answer SandboxDead
-    (reason node_lost) and are listed dead."""
+    itself; True/False forces it for all edges. ``leases``: None when the server keeps none
+    (their routes answer bad_request). ``ledger``: None = no cluster-wide quotas (only the
+    edges' per-node admission). ``watcher``: the view of the nodes' health (None: every node
+    is taken as alive); a dead node's sandboxes answer SandboxDead (reason node_lost) and are
+    listed dead."""
 
-    def __init__(self, placement: Placement, events: EventLog, keys: KeyStore,
+    def __init__(self, placement: Placement, events: EventLog, keys: IamStore,
                  record_events: bool | None, leases: LeaseStore | None = None,
-                 quotas: QuotaStore | None = None, watcher: Watcher | None = None) -> None:
+                 ledger: QuotaLedger | None = None, watcher: Watcher | None = None) -> None:
         self.placement = placement
         self.watcher = watcher
         self.events = events
         self.keys = keys
         self.leases = leases
-        self.quotas = quotas
+        self.ledger = ledger
         self.record_events = record_events
         self._owners: OrderedDict[str, str] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -51,6 +54,10 @@ class ApiContext:
         self._recorded_execs: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     # -- auth and ownership --
+    async def principal(self, key: str | None) -> Principal:
+        """The caller of a request with ``key`` (Unauthorized if none or not valid)."""
+        return await self.keys.authenticate(key)
+
     def remember_owner(self, sandbox_id: str, owner: str) -> None:
         self._owners[sandbox_id] = owner
         self._owners.move_to_end(sandbox_id)
@@ -122,15 +129,15 @@ class ApiContext:
                 return None
         return None
 
-    def check_image_name(self, owner: str, name: str) -> None:
+    async def check_image_name(self, owner: str, name: str) -> None:
         """An image name under another project's name (``teamA/...``) is that project's: no
         other project may take it (squatting its names, or probing them through the
         name-taken error). Names under no project's name stay node-wide."""
         if name.startswith(f"{owner}/"):
             return
-        for project in self.keys.projects():
-            if project.name != owner and name.startswith(f"{project.name}/"):
-                raise errors.BadRequest(f"image {name!r}: names under {project.name + '/'!r} "
+        for project in await self.keys.project_names():
+            if project != owner and name.startswith(f"{project}/"):
+                raise errors.BadRequest(f"image {name!r}: names under {project + '/'!r} "
                                         f"are that project's; use e.g. '{owner}/...'",
                                         image=name)
 
@@ -139,15 +146,60 @@ class ApiContext:
             raise errors.BadRequest("this server keeps no job leases")
         return self.leases
 
-    def quota_store(self, who: Principal, project: str, write: bool) -> QuotaStore:
-        """The quota store for reading (a project key: its own project) or writing (admin)."""
-        if not who.admin and (write or project != who.project):
-            raise errors.Forbidden("setting quotas, or reading another project's, needs an "
-                                   "admin key")
-        check_project(project)
-        if self.quotas is None:
-            raise errors.BadRequest("this api has no quota store")
-        return self.quotas
+    # -- the create path: reserve, place, commit --
+    async def create_sandbox(self, spec: SandboxSpec, project: str) -> SandboxInfo:
+        """Create a sandbox of ``project``: room reserved in the ledger first (QuotaExceeded,
+        nothing placed), renewed while the edge creates it, committed once it exists, dropped
+        if the create fails. A replica that dies meanwhile stops renewing: the reservation
+        expires and reconcile charges the sandbox if the edge made it."""
+        if self.ledger is None:
+            return await self.placement.create(spec, project)
+        ledger = self.ledger
+        res = await ledger.reserve(project, Usage.of(spec.resources))
+        try:
+            async with self._renewing(res):
+                info = await self.placement.create(spec, project)
+        except BaseException:
+            # Shielded: a cancelled request still hands its room back (or it expires).
+            with contextlib.suppress(errors.RollboxError):
+                await asyncio.shield(ledger.cancel(res))
+            raise
+        try:
+            await asyncio.shield(ledger.commit(res, info.id, info.node))
+        except errors.RollboxError as exc:  # the ledger's reconcile charges it from the edge
+            log.warning("committing %s to the quota ledger failed: %s", info.id, exc)
+        return info
+
+    @contextlib.asynccontextmanager
+    async def _renewing(self, res: Reservation) -> AsyncIterator[None]:
+        assert self.ledger is not None
+        ledger = self.ledger
+
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(RESERVATION_TTL_S / 3)
+                try:
+                    await ledger.renew(res)
+                except errors.RollboxError as exc:
+                    log.warning("renewing a quota reservation failed: %s", exc)
+
+        task = asyncio.create_task(renew())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def sandbox_ended(self, sandbox_id: str) -> None:
+        """A sandbox was deleted through the api: its ledger entry goes (a failure is left
+        to reconcile)."""
+        if self.ledger is None:
+            return
+        try:
+            await asyncio.shield(self.ledger.release(sandbox_id))
+        except errors.RollboxError as exc:
+            log.warning("releasing %s from the quota ledger failed: %s", sandbox_id, exc)
 
     # -- recording --
     def records(self, edge: EdgeAPI) -> bool:

@@ -46,14 +46,16 @@ async def principal(
     header_key: Annotated[str | None, Security(_api_key_header)],
 ) -> Principal:
     """The caller, by the keys of the app's context."""
-    return context_of(request).keys.verify(cred.credentials if cred is not None else header_key)
+    return await context_of(request).principal(
+        cred.credentials if cred is not None else header_key)
 
 
 Who = Annotated[Principal, Depends(principal)]
 
 
 async def admin_principal(who: Who) -> Principal:
-    """The caller of an admin-only route: Forbidden for a project key."""
+    """The caller of an operator-only route: Forbidden for any other key (a project admin's
+    included)."""
     if not who.admin:
         raise errors.Forbidden("this needs an admin key")
     return who

@@ -1,11 +1,28 @@
-"""Identity: API keys -> principals (project, admin), stored only as SHA-256 hashes; per-project
-quotas on one node (``iam.quotas``, its own SQLite file next to the keys).
+"""Identity and quotas: API keys -> principals (project, the subtree they administer), stored
+only as SHA-256 hashes; projects nested to any depth, each with limits carved out of its
+parent's; the cluster-wide quota ledger every api replica reserves in before it creates.
 
-Stores and validates; does not count usage (the edge's admission enforces quotas against its
-live sandboxes) and nothing here talks to edges. Nested projects with delegated quotas come
-later (see ``iam.keys.Project``).
+The interface is ``iam.model`` (:class:`IamStore`, :class:`QuotaLedger`, :class:`LiveSandbox`);
+two implementations with one logic (``iam.sql``): SQLite (``iam.keys``: embedded, the default)
+and PostgreSQL (``iam.postgres``: cluster). Nothing here talks to edges: the api reserves and
+commits, the watcher reconciles the ledger with the edges' live sets; the edge's own admission
+reads a project's limits through ``IamStore.get`` (``iam.quotas`` keeps the flat per-node store
+the edge tests use).
 """
-from rollbox.iam.keys import KEY_PREFIX, KeyInfo, KeyStore, Principal
+from rollbox.iam.keys import KEY_PREFIX, KeyStore, SQLiteIam, SQLiteLedger
+from rollbox.iam.model import (
+    IamStore,
+    KeyInfo,
+    LiveSandbox,
+    Principal,
+    ProjectInfo,
+    QuotaLedger,
+    Reservation,
+    Usage,
+    live_sandboxes,
+)
 from rollbox.iam.quotas import QuotaStore, SQLiteQuotas
 
-__all__ = ["KEY_PREFIX", "KeyInfo", "KeyStore", "Principal", "QuotaStore", "SQLiteQuotas"]
+__all__ = ["KEY_PREFIX", "IamStore", "KeyInfo", "KeyStore", "LiveSandbox", "Principal",
+           "ProjectInfo", "QuotaLedger", "QuotaStore", "Reservation", "SQLiteIam",
+           "SQLiteLedger", "SQLiteQuotas", "Usage", "live_sandboxes"]

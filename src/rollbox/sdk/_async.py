@@ -32,8 +32,8 @@ from rollbox.sdk._resume import (
 from rollbox.sdk._transport import AsyncTransport, BlockingTransport, Request
 from rollbox.models import (
     FnCallResult, FnCallSpec,
-    ApiKeyInfo, Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec,
-    ImageInfo, JobEnded, JobInfo, JobSpec, LayerUsage, Quota, Resources, SandboxInfo,
+    ApiKeyInfo, CreatedKey, Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec,
+    ImageInfo, JobEnded, JobInfo, JobSpec, LayerUsage, Project, Quota, Resources, SandboxInfo,
     SandboxSpec, SnapshotResult, SnapshotSpec,
 )
 
@@ -887,10 +887,16 @@ class AsyncClient:
         r = await self._t.request("GET", "/v1/jobs", params=params)
         return [JobInfo.model_validate(x) for x in r.json()]
 
-    # ---- API keys (admin keys only) ----
+    # ---- API keys (admin keys: of their project's subtree) ----
+    async def create_key(self, project: str, *, admin: bool = False) -> CreatedKey:
+        """A new key of ``project`` (one this key administers: else Forbidden); ``admin``:
+        it administers ``project`` and its sub-projects. ``.key`` is shown only here."""
+        r = await self._t.request("POST", "/v1/keys", json={"project": project, "admin": admin})
+        return CreatedKey.model_validate(r.json())
+
     async def keys(self, project: str | None = None) -> list[ApiKeyInfo]:
-        """Every API key (or one project's): ids, projects, creation and last use, revoked or
-        not; never a secret."""
+        """The API keys this key administers (or one project's): ids, projects, creation and
+        last use, revoked or not; never a secret."""
         params = {"project": project} if project is not None else None
         r = await self._t.request("GET", "/v1/keys", params=params)
         return [ApiKeyInfo.model_validate(x) for x in r.json()]
@@ -899,19 +905,41 @@ class AsyncClient:
         """Revoke a key; the server refuses it from the next request on."""
         await self._t.request("DELETE", f"/v1/keys/{urllib.parse.quote(key_id, safe='')}")
 
-    # ---- projects (admin key) ----
+    # ---- projects ----
+    async def create_project(self, name: str, *, parent: str | None = None,
+                             sandboxes: int | None = None, cpus: float | None = None,
+                             memory_mib: int | None = None,
+                             layer_mib: int | None = None) -> Project:
+        """A sub-project ``name`` (a full path, or one segment under ``parent``) of a
+        project this key administers, its limits carved out of the parent's; with no limit
+        given it holds nothing of what the parent limits. Above what the parent has left:
+        BadRequest; an unknown parent: NotFound; a parent not administered: Forbidden."""
+        limits = {"sandboxes": sandboxes, "cpus": cpus, "memory_mib": memory_mib,
+                  "layer_mib": layer_mib}
+        body: dict[str, Any] = {"name": name, "parent": parent}
+        if any(v is not None for v in limits.values()):
+            body["quota"] = limits
+        r = await self._t.request("POST", "/v1/projects", json=body)
+        return Project.model_validate(r.json())
+
+    async def projects(self) -> list[Project]:
+        """This key's subtree (a project key: its own project), with limits and use."""
+        r = await self._t.request("GET", "/v1/projects")
+        return [Project.model_validate(x) for x in r.json()]
+
     async def project_quota(self, project: str) -> Quota:
-        """A project's per-node limits (None fields: unlimited); an admin key, or the
-        project's own."""
+        """A project's limits (None fields: unlimited); its own project's for any key, its
+        subtree's for an admin key."""
         path = f"/v1/projects/{urllib.parse.quote(project, safe='/')}/quota"
         return Quota.model_validate((await self._t.request("GET", path)).json())
 
     async def set_project_quota(self, project: str, *, sandboxes: int | None = None,
                                 cpus: float | None = None, memory_mib: int | None = None,
                                 layer_mib: int | None = None) -> Quota:
-        """Replace a project's per-node limits (an omitted one is unlimited); creates beyond
-        them raise QuotaExceeded. Negative limits or ones above a node's capacity raise
-        BadRequest and change nothing."""
+        """Replace a project's limits (an omitted one is unlimited; an admin key of a project
+        above it); creates beyond them raise QuotaExceeded. Negative limits, ones above a
+        node's capacity or above what the parent has left raise BadRequest and change
+        nothing."""
         body = {"sandboxes": sandboxes, "cpus": cpus, "memory_mib": memory_mib,
                 "layer_mib": layer_mib}
         path = f"/v1/projects/{urllib.parse.quote(project, safe='/')}/quota"

@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 
 from rollbox import errors
 from rollbox.models import (
-    ApiKeyInfo, Event, ExecInfo, ExecResult, FileStat, GradeResult, ImageInfo, JobEnded,
-    JobInfo, LayerUsage, Quota, SandboxInfo, SnapshotResult,
+    ApiKeyInfo, CreatedKey, Event, ExecInfo, ExecResult, FileStat, GradeResult, ImageInfo,
+    JobEnded, JobInfo, LayerUsage, Project, Quota, SandboxInfo, SnapshotResult,
 )
 from rollbox.sdk._resume import DEFAULT_RECONNECT_S
 from rollbox.sdk._async import (
@@ -339,6 +339,18 @@ class Client:
 
     def keys(self, project: str | None = None) -> list[ApiKeyInfo]:
         return self._p.call(self._c.keys(project))
+
+    def create_key(self, project: str, *, admin: bool = False) -> CreatedKey:
+        """See :meth:`AsyncClient.create_key`."""
+        return self._p.call(self._c.create_key(project, admin=admin))
+
+    def create_project(self, name: str, **kw: Any) -> Project:
+        """See :meth:`AsyncClient.create_project`."""
+        return self._p.call(self._c.create_project(name, **kw))
+
+    def projects(self) -> list[Project]:
+        """See :meth:`AsyncClient.projects`."""
+        return self._p.call(self._c.projects())
 
     def revoke_key(self, key_id: str) -> None:
         self._p.call(self._c.revoke_key(key_id))

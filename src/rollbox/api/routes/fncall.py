@@ -49,7 +49,7 @@ def backend_of(request: Request) -> FnCallBackend:
              openapi_extra={"requestBody": {"required": True, "content": {
                  "application/json": {"schema": _SPEC_SCHEMA}}}})
 async def fncall(request: Request) -> Response:
-    context_of(request).keys.verify(request_key(request))
+    await context_of(request).principal(request_key(request))
     try:
         spec = FnCallSpec.model_validate_json(await request.body())
     except ValidationError as exc:

@@ -53,7 +53,7 @@ async def image_upload(name: NameQ, request: Request, who: Who, api: Api,
                        ) -> models.ImageInfo:
     """Build image ``name`` (it needs a path: ``myproject/task:1``) owned by the caller's
     project from the tar body: one new layer, over ``base``'s layers if given."""
-    api.check_image_name(who.project, name)
+    await api.check_image_name(who.project, name)
     edge = next(iter(api.placement.edges.values()))
     return await edge.image_upload(name, body_chunks(request), who.project, base)
 

@@ -90,6 +90,7 @@ async def end_job(name: str, who: Who, api: Api, project: ProjectQ = None) -> mo
         api.events.append(sandbox_id, "sandbox.job_ended", None, why)
         edge = api.placement.edge_for(sandbox_id)
         await edge.delete(sandbox_id)
+        await api.sandbox_ended(sandbox_id)
         if api.records(edge):
             await api.drain_recorders(sandbox_id, 2.0)
             api.events.append(sandbox_id, "sandbox.deleted", None, why)

@@ -1,6 +1,8 @@
 """Routes ``/v1/sandboxes``: create, list, get, delete, TTL, pause/resume, network policy, grade,
-snapshot. Everything after create names a sandbox the caller's project owns (``deps.Edge``);
-what changes a sandbox goes into its audit trail when the api records for its edge."""
+snapshot. Create reserves the sandbox's room in the project's quota first and a delete gives
+it back (``ApiContext.create_sandbox``, ``sandbox_ended``). Everything after create names a
+sandbox the caller's project owns (``deps.Edge``); what changes a sandbox goes into its audit
+trail when the api records for its edge."""
 import json
 from typing import Annotated
 
@@ -46,7 +48,7 @@ async def create_sandbox(
         info = await _made_before(api, spec, who.project)
     made_here = info is None
     if info is None:  # a keyed create on the node that is making it joins it there
-        info = await api.placement.create(spec, who.project)
+        info = await api.create_sandbox(spec, who.project)
     api.remember_owner(info.id, who.project)
     if made_here and api.records(api.placement.edge_for(info.id)):
         api.events.append(info.id, "sandbox.created", None, json.dumps({
@@ -106,6 +108,7 @@ async def delete_sandbox(sandbox_id: str, who: Who, api: Api) -> Response:
         # when it comes back).
         return Response(status_code=204)
     await edge.delete(sandbox_id)
+    await api.sandbox_ended(sandbox_id)
     if api.records(edge):
         await api.drain_recorders(sandbox_id, 2.0)
         api.events.append(sandbox_id, "sandbox.deleted", None,
@@ -173,5 +176,5 @@ async def snapshot(sandbox_id: str, spec: models.SnapshotSpec, edge: Edge,
     tagged as the sandbox's layers + it (create sandboxes from it on this node). The image
     belongs to the sandbox's project: other projects can't see or use it."""
     owner = (await edge.get(sandbox_id)).owner
-    api.check_image_name(owner, spec.name)
+    await api.check_image_name(owner, spec.name)
     return await edge.snapshot(sandbox_id, spec, owner)

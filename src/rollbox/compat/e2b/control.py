@@ -89,12 +89,12 @@ async def _json(request: Request) -> dict[str, Any]:
 
 
 def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
-    def who(request: Request) -> Principal:
+    async def who(request: Request) -> Principal:
         key = request.headers.get("x-api-key")
         if not key:
             auth = request.headers.get("authorization", "")
             key = auth[7:] if auth.lower().startswith("bearer ") else None
-        return api.keys.verify(key)
+        return await api.principal(key)
 
     async def live(sid: str, principal: Principal) -> tuple[EdgeAPI, SandboxInfo]:
         edge = await api.sandbox_edge(sid, principal)
@@ -135,7 +135,7 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
 
     @handler
     async def create(request: Request) -> Response:
-        principal = who(request)
+        principal = await who(request)
         body = await _json(request)
         template = body.get("templateID")
         if not isinstance(template, str) or not template:
@@ -156,7 +156,7 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         spec = SandboxSpec(image=state.image_of(template),
                            ttl_s=_timeout(body.get("timeout"), DEFAULT_TIMEOUT_S),
                            labels=labels_of(metadata, template), env=envs)
-        info = await api.placement.create(spec, principal.project)
+        info = await api.create_sandbox(spec, principal.project)
         api.remember_owner(info.id, principal.project)
         if api.records(api.placement.edge_for(info.id)):
             api.events.append(info.id, "sandbox.created", None, json.dumps({
@@ -167,7 +167,7 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         return JSONResponse(sandbox_json(info, principal), status_code=201)
 
     async def _list(request: Request, paged: bool) -> Response:
-        principal = who(request)
+        principal = await who(request)
         q = request.query_params
         wanted: dict[str, str] = {}
         raw = q.get("metadata")
@@ -214,19 +214,20 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
     @handler
     async def get(request: Request) -> Response:
         sid = request.path_params["sandbox_id"]
-        principal = who(request)
+        principal = await who(request)
         _, info = await live(sid, principal)
         return JSONResponse({**listed_json(info),
                              "envdAccessToken": state.token(sid, principal.key_id)})
 
     @handler
     async def kill(request: Request) -> Response:
-        principal = who(request)
+        principal = await who(request)
         sid = request.path_params["sandbox_id"]
         edge = await api.sandbox_edge(sid, principal)
         if (await edge.get(sid)).state in ("stopping", "deleted"):
             raise errors.NotFound(f"sandbox {sid} not found")  # kill twice: E2B says 404
         await edge.delete(sid)
+        await api.sandbox_ended(sid)
         if api.records(edge):
             await api.drain_recorders(sid, 2.0)
             api.events.append(sid, "sandbox.deleted", None,
@@ -236,7 +237,7 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
     @handler
     async def set_timeout(request: Request) -> Response:
         sid = request.path_params["sandbox_id"]
-        edge, info = await live(sid, who(request))
+        edge, info = await live(sid, await who(request))
         ttl = _timeout((await _json(request)).get("timeout"))
         if info.state != "paused":  # a paused sandbox keeps its pause TTL until resumed
             await edge.set_ttl(sid, ttl)
@@ -245,7 +246,7 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
     @handler
     async def refresh(request: Request) -> Response:
         sid = request.path_params["sandbox_id"]
-        edge, info = await live(sid, who(request))
+        edge, info = await live(sid, await who(request))
         ttl = _timeout((await _json(request)).get("duration"), 60)
         if now() + ttl > info.expires_at and info.state != "paused":
             await edge.set_ttl(sid, ttl)
@@ -254,7 +255,7 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
     @handler
     async def pause(request: Request) -> Response:
         sid = request.path_params["sandbox_id"]
-        edge, info = await live(sid, who(request))
+        edge, info = await live(sid, await who(request))
         if info.state == "paused":
             return e2b_error(409, f"sandbox {sid} is already paused")
         # Paused = frozen by the edge (agent and every process stop; memory and files kept);
@@ -266,7 +267,7 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
 
     async def _resume(request: Request, must_be_paused: bool) -> Response:
         sid = request.path_params["sandbox_id"]
-        principal = who(request)
+        principal = await who(request)
         edge, info = await live(sid, principal)
         ttl = _timeout((await _json(request)).get("timeout"), 300)
         if info.state == "paused":
@@ -313,7 +314,7 @@ def mount_fallback(app: FastAPI, api: ApiContext) -> None:
         try:
             key = request.headers.get("x-api-key") or request.headers.get("x-access-token")
             if request.headers.get("x-access-token") is None:
-                api.keys.verify(key)
+                await api.principal(key)
         except errors.RollboxError as exc:
             return _from_exc(exc)
         path = request.url.path[len(PREFIX):]

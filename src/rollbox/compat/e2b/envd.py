@@ -264,7 +264,7 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
     async def route(request: Request) -> tuple[str, EdgeAPI]:
         sid, key_id = state.sandbox_of(request.headers.get("x-access-token"),
                                        request.headers.get("e2b-sandbox-id"))
-        api.keys.check_active(key_id)  # the token ends with the key that got it
+        await api.keys.key_active(key_id)  # the token ends with the key that got it
         edge = api.placement.edge_for(sid)
         # E2B: a paused sandbox's envd is unreachable until connect/resume (the edge would
         # still serve its files host-side; E2B clients expect the refusal).

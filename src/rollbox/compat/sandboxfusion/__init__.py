@@ -97,7 +97,7 @@ def to_response(res: FnCallResult) -> RunCodeResponse:
 
 def mount(app: FastAPI, api: ApiContext) -> None:
     async def run(body: RunCodeRequest, request: Request, key: str | None) -> RunCodeResponse:
-        api.keys.verify(request_key(request) if key is None else key)
+        await api.principal(request_key(request) if key is None else key)
         return to_response(await backend_of(request).call(to_spec(body)))
 
     @app.post("/run_code", response_model=RunCodeResponse, tags=["sandboxfusion"])

@@ -163,7 +163,7 @@ def mount(app: FastAPI, api: ApiContext) -> contextlib.AbstractAsyncContextManag
         if not key:
             scheme, _, cred = request.headers.get("authorization", "").partition(" ")
             key = cred if scheme.lower() == "bearer" else None
-        return await api.sandbox_edge(sandbox_id, api.keys.verify(key))
+        return await api.sandbox_edge(sandbox_id, await api.principal(key))
 
     async def call(sandbox_id: str, request: Request,
                    op: Callable[[EdgeAPI], Awaitable[BaseModel]]) -> JSONResponse:

@@ -1,0 +1,147 @@
+"""The projects, keys and quota routes over the SDK and the CLI, with the quota ledger on the
+create path (in-process api over fake edges: the routes and the create path are what is under
+test; the stores run for real, SQLite)."""
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from rollbox import errors
+from rollbox.models import Quota
+from tests.unit.test_api_support import ApiStack
+
+
+async def test_nested_projects_keys_and_quotas_over_the_api(tmp_path: Path) -> None:
+    async with ApiStack(tmp_path, nodes=("n0", "n1"), ledger=True) as s, \
+            s.client(s.admin_key) as op:
+        team = await op.create_project("team", sandboxes=4, cpus=8, memory_mib=8192)
+        assert team.parent is None and team.quota.sandboxes == 4
+        team_admin = (await op.create_key("team", admin=True)).key
+        async with s.client(team_admin) as ta:
+            sub = await ta.create_project("run", parent="team", sandboxes=3, cpus=3,
+                                          memory_mib=3072)
+            assert sub.name == "team/run"
+            created = await ta.create_key("team/run")
+            assert created.info.project == "team/run" and not created.info.admin
+            assert created.key not in json.dumps([k.model_dump() for k in await ta.keys()])
+            # Bad input: each typed, nothing made.
+            for call, error in (
+                    (ta.create_project("team/big", sandboxes=2, cpus=0, memory_mib=0),
+                     errors.BadRequest),  # 3 + 2 > 4
+                    (ta.create_project("team/x", sandboxes=-1, cpus=0, memory_mib=0),
+                     errors.BadRequest),
+                    (ta.create_project("team/no/x"), errors.NotFound),
+                    (ta.create_project("team/bad name"), errors.BadRequest),
+                    (ta.create_project("x", parent="team/run/"), errors.BadRequest),
+                    (ta.create_project("other"), errors.Forbidden),
+                    (ta.create_key("proj-a"), errors.Forbidden),
+                    (ta.create_key("team/none"), errors.NotFound),
+                    (ta.set_project_quota("team", sandboxes=100), errors.Forbidden),
+                    (ta.set_project_quota("team/run", sandboxes=5, cpus=3, memory_mib=3072),
+                     errors.BadRequest)):
+                with pytest.raises(error):
+                    await call
+            assert [p.name for p in await ta.projects()] == ["team", "team/run"]
+            assert [p.name for p in await op.projects()] == [
+                "ops", "proj-a", "proj-b", "team", "team/run"]
+
+        async with s.client(created.key) as run:
+            # team/run holds 3 sandboxes: the fourth create is refused before any edge is
+            # asked, and the error names team/run alone.
+            made = [await run.create("img", cpus=1, memory_mib=512) for _ in range(3)]
+            creates = sum(e.creates for e in s.edges)
+            with pytest.raises(errors.QuotaExceeded) as exc:
+                await run.create("img", cpus=1, memory_mib=512)
+            assert exc.value.details["project"] == "team/run"
+            assert "'team'" not in str(exc.value) and "ops" not in str(exc.value)
+            assert sum(e.creates for e in s.edges) == creates
+            assert [p.name for p in await run.projects()] == ["team/run"]
+            info = (await run.projects())[0]
+            assert info.used.sandboxes == 3 and info.used.memory_mib == 1536
+            with pytest.raises(errors.Forbidden):
+                await run.project_quota("team")
+            with pytest.raises(errors.Forbidden):
+                await run.keys()
+            await made[0].delete()
+            await run.create("img", cpus=1, memory_mib=512)
+            for sb in await run.list():
+                await sb.delete()
+            assert (await run.projects())[0].used.sandboxes == 0
+        assert s.ledger is not None
+        assert (await s.ledger.usage("team")).sandboxes == 0
+
+
+async def test_a_failed_or_cancelled_create_gives_its_room_back(tmp_path: Path) -> None:
+    async with ApiStack(tmp_path, ledger=True) as s, s.client(s.admin_key) as op:
+        await op.create_project("p", sandboxes=1)
+        key = (await op.create_key("p")).key
+        assert s.ledger is not None
+        async with s.client(key) as c:
+            s.edges[0].inject["create"] = errors.InfraError("edge broke")
+            with pytest.raises(errors.InfraError):
+                await c.create("img")
+            assert (await s.ledger.usage("p")).sandboxes == 0
+            del s.edges[0].inject["create"]
+            gate = asyncio.Event()
+            orig = s.edges[0].create
+
+            async def slow(spec, owner):  # noqa: ANN001, ANN202
+                await gate.wait()
+                return await orig(spec, owner)
+
+            s.edges[0].create = slow  # type: ignore[method-assign]
+            api = s.app.state.api
+            from rollbox.models import SandboxSpec
+
+            task = asyncio.create_task(api.create_sandbox(SandboxSpec(image="img"), "p"))
+            await asyncio.sleep(0.1)
+            assert (await s.ledger.usage("p")).sandboxes == 1  # reserved while it runs
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.05)
+            assert (await s.ledger.usage("p")).sandboxes == 0
+            gate.set()
+            s.edges[0].create = orig  # type: ignore[method-assign]
+            sb = await c.create("img")
+            await sb.delete()
+
+
+async def test_the_cli_creates_lists_and_sets_projects(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from rollbox.cli import app as cli_app
+
+    async with ApiStack(tmp_path, ledger=True) as s:
+        env = {"ROLLBOX_API_KEY": s.admin_key, "ROLLBOX_URL": s.url}
+        runner = CliRunner()
+
+        async def cli(*args: str) -> tuple[int, str]:
+            res = await asyncio.to_thread(runner.invoke, cli_app, list(args), env=env)
+            return res.exit_code, res.output
+
+        code, out = await cli("project", "create", "lab", "--sandboxes", "5", "--cpus", "5",
+                              "--memory-mib", "5000")
+        assert code == 0 and json.loads(out)["quota"]["sandboxes"] == 5, out
+        code, out = await cli("project", "create", "one", "--parent", "lab", "--sandboxes",
+                              "6", "--cpus", "1", "--memory-mib", "1")
+        assert code == 2 and "bad_request" in out, out
+        code, out = await cli("project", "create", "lab/one", "--sandboxes", "2", "--cpus",
+                              "2", "--memory-mib", "2000")
+        assert code == 0, out
+        code, out = await cli("project", "ls", "--json")
+        assert code == 0 and {"lab", "lab/one"} <= {p["name"] for p in json.loads(out)}
+        code, out = await cli("project", "quota", "lab/one", "--sandboxes", "3")
+        assert code == 0 and json.loads(out)["sandboxes"] == 3, out
+        code, out = await cli("key", "create", "--project", "lab/one", "--admin")
+        assert code == 0 and out.strip().startswith("rbx_"), out
+        sub_admin = out.strip()
+        env["ROLLBOX_API_KEY"] = sub_admin
+        code, out = await cli("key", "create", "--project", "lab")
+        assert code == 2 and "forbidden" in out, out
+        code, out = await cli("project", "ls")
+        assert code == 0 and "lab/one" in out and "lab " not in out.replace("lab/one", ""), out
+        assert s.keys.get("lab/one") == Quota(sandboxes=3, cpus=2, memory_mib=2000)
