@@ -50,7 +50,7 @@ class EmbeddedNode:
         self.events = EventLog(s.data_dir / "events.db")
         # The flat IAM's quotas.db is carried into keys.db once (then left alone).
         self.keys = SQLiteIam(s.data_dir / "keys.db", legacy_quotas=s.data_dir / "quotas.db")
-        self.ledger = SQLiteLedger(s.data_dir / "keys.db")
+        self.ledger = SQLiteLedger.of(self.keys)
         self.leases = SqliteLeaseStore(s.data_dir / "leases.db")
         self.ensure_admin_key()
         self.edge = Edge(s, self.events, limits=self.limits, leases=self.leases,

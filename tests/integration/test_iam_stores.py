@@ -278,3 +278,38 @@ def test_flat_data_is_carried_forward(tmp_path: Path) -> None:
             assert names == {"admin": None, "t": None, "t/x": "t", "u": None}
         finally:
             iam.close()
+
+
+async def test_a_postgresql_restart_is_retryable_and_leaves_no_drift(postgres, pg_dsn) -> None:  # noqa: ANN001
+    """While the server is down every call is InfraError (retryable, never a quota answer);
+    once it is back the same pools work and what was held is still held."""
+    from rollbox.iam.postgres import PostgresIam, PostgresLedger
+
+    iam = await PostgresIam.open(pg_dsn)
+    ledger = await PostgresLedger.open(pg_dsn)
+    try:
+        await iam.create_project(OPERATOR, "p", Quota(sandboxes=2))
+        r = await ledger.reserve("p", ONE)
+        await ledger.commit(r, "n1-0000000c1", "n1")
+        postgres.stop()
+        try:
+            for call in (ledger.reserve("p", ONE), ledger.release("n1-0000000c1"),
+                         iam.get_quota(OPERATOR, "p")):
+                with pytest.raises(errors.InfraError) as exc:
+                    await call
+                assert exc.value.retryable
+        finally:
+            postgres.start()
+        for _ in range(50):  # the pools' broken connections are replaced on next use
+            try:
+                await ledger.usage("p")
+                break
+            except errors.InfraError:
+                await asyncio.sleep(0.1)
+        assert (await ledger.usage("p")).sandboxes == 1
+        await ledger.reserve("p", ONE)
+        with pytest.raises(errors.QuotaExceeded):
+            await ledger.reserve("p", ONE)
+    finally:
+        await ledger.close()
+        await iam.close()

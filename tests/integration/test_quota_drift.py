@@ -74,3 +74,19 @@ async def test_a_replica_dying_after_reserve_leaves_no_drift(node: EmbeddedNode)
     print(f"two dead reservations: right after {took:.1f} s")
     await node.edge.delete(made.id)
     await _settles(node.ledger, 0, DRIFT_S)
+
+
+async def test_a_job_lease_expiry_leaves_no_drift(node: EmbeddedNode) -> None:
+    """The trainer stops heartbeating: the edge's lease sweep deletes the job's sandboxes (not
+    the api), and the ledger follows within 10 s."""
+    from rollbox.models import JobSpec
+
+    assert node.ledger is not None and node.edge is not None and node.leases is not None
+    node.leases.open("team", JobSpec(name="run-1", heartbeat_s=0.3))
+    info = await node.api.create_sandbox(  # type: ignore[attr-defined]
+        SandboxSpec(image=BB, job="run-1", resources=Resources(memory_mib=64)), "team")
+    assert (await node.ledger.usage("team")).sandboxes == 1
+    while info.id in node.edge.live:  # no heartbeat: the lease expires after ~0.9 s
+        await asyncio.sleep(0.1)
+    took = await _settles(node.ledger, 0, DRIFT_S)
+    print(f"ledger released the job's sandbox {took:.1f} s after the lease sweep ended it")

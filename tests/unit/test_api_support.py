@@ -346,7 +346,7 @@ class ApiStack:
         self.placement = Placement(self.edges)
         self.events = EventLog(tmp / "events.db", per_sandbox_bytes=per_sandbox_bytes)
         self.keys = KeyStore(tmp / "keys.db")
-        self.ledger = SQLiteLedger(tmp / "keys.db") if ledger else None
+        self.ledger = SQLiteLedger.of(self.keys) if ledger else None
         self.key_a = self.keys.create("proj-a")
         self.key_b = self.keys.create("proj-b")
         self.admin_key = self.keys.create("ops", admin=True)

@@ -242,7 +242,8 @@ class IamStore(Protocol):
         ...
 
     async def revoke_key(self, who: Principal, key_id: str) -> None:
-        """Revoke a key of the caller's subtree (NotFound for any other)."""
+        """Revoke a key of the caller's subtree (NotFound for any other; Forbidden for a
+        plain key)."""
         ...
 
     def get(self, project: str) -> Quota:

@@ -74,6 +74,7 @@ CREATE INDEX IF NOT EXISTS ledger_node ON ledger (node);
 _Q = re.compile(r"\?")
 _RETRY = (asyncpg.SerializationError, asyncpg.DeadlockDetectedError)
 _LOST = (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError,
+         asyncpg.InternalClientError,
          asyncpg.CannotConnectNowError, asyncpg.AdminShutdownError, asyncio.TimeoutError)
 
 

@@ -304,6 +304,9 @@ class SqlIam:
         return await self.db.run(fn)
 
     async def revoke_key(self, who: Principal, key_id: str) -> None:
+        if who.scope is None:
+            raise errors.Forbidden("revoking keys needs an admin key")
+
         async def fn(tx: Tx) -> None:
             rows = await tx.fetch("SELECT project FROM api_keys WHERE key_id = ? AND "
                                   "revoked_at IS NULL", key_id)
