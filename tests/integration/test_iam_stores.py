@@ -212,6 +212,18 @@ async def test_commit_release_expiry_and_reconcile(iam_stores, monkeypatch) -> N
     assert (await ledger.usage("p")).sandboxes == 3
     assert await ledger.reconcile({"n1": [], "n2": []}, ["n1", "n2"]) == 3
     assert await ledger.usage("p") == Usage()
+    # The watcher's live sets: its node reports' NodeSandbox; the platform's are not charged.
+    from rollbox.models import NodeSandbox
+
+    def report(sid: str, labels: dict[str, str]) -> NodeSandbox:
+        return NodeSandbox(id=sid, owner="p", backend="container", state="running", cpus=0.5,
+                           memory_mib=128, created_at=0, expires_at=0, image="x",
+                           labels=labels)
+
+    assert await ledger.reconcile({"n3": [report("n3-000000d1", {"task": "t"}),
+                                          report("n3-000000d2", {"rollbox.grader-of": "x"})]},
+                                  ["n3"]) == 1
+    assert await ledger.usage("p") == Usage(1, 0.5, 128)
 
 
 async def test_racing_reserves_never_exceed_the_quota(iam_stores) -> None:  # noqa: ANN001
