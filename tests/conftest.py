@@ -173,15 +173,14 @@ async def edge(tmp_node_dir: Path, edge_settings: dict) -> AsyncIterator:
 
 
 @pytest.fixture
-async def api_server(edge, tmp_path: Path) -> AsyncIterator:  # noqa: ANN001
-    """(url, KeyStore) of the real api (uvicorn on this loop) over ``edge``, with its job
-    leases; make keys with ``keys.create(project)``."""
-    from rollbox.api import BackgroundServer, create_app
+async def api_server(edge, api_edge, tmp_path: Path) -> AsyncIterator:  # noqa: ANN001
+    """(url, KeyStore) of the real api (uvicorn on this loop) over ``edge`` (``api_edge``:
+    maybe over HTTP), with its job leases; make keys with ``keys.create(project)``."""
+    from rollbox.api import BackgroundServer
     from rollbox.iam import KeyStore
-    from rollbox.placement import Placement
 
     keys = KeyStore(tmp_path / "keys.db")
-    app = create_app(Placement([edge]), edge.event_log, keys, leases=edge.leases)
+    app = api_app(api_edge, edge, keys, leases=edge.leases)
     try:
         async with BackgroundServer(app) as srv:
             yield srv.url, keys
@@ -252,6 +251,55 @@ async def iam_stores(request, tmp_path: Path) -> AsyncIterator:  # noqa: ANN001
             await ledger.close()
     finally:
         await iam.close()
+
+
+# The cluster token of the test edges served over HTTP (edge.service).
+CLUSTER_TOKEN = secrets.token_urlsafe(24)
+# Runs a test that takes ``edge_transport`` (through ``api_edge`` or ``api_server``) with the
+# api over the edge itself and over a RemoteEdge to it served over HTTP (the cluster's path).
+BOTH_TRANSPORTS = pytest.mark.parametrize("edge_transport", ["local", "remote"], indirect=True)
+
+
+@contextlib.asynccontextmanager
+async def served_edge(edge, token: str = CLUSTER_TOKEN, **kw: float) -> AsyncIterator:  # noqa: ANN001
+    """A RemoteEdge to ``edge`` served over HTTP on loopback (``edge.service``); ``kw``:
+    the RemoteEdge's timeouts. The server and the client stop at the end."""
+    from rollbox.edge.remote import RemoteEdge
+    from rollbox.edge.service import serve_edge
+
+    async with serve_edge(edge, "127.0.0.1", 0, token) as srv:
+        remote = RemoteEdge(edge.node_id, srv.url, token, **kw)
+        try:
+            yield remote
+        finally:
+            await remote.close()
+
+
+@pytest.fixture(params=["local"])
+def edge_transport(request: pytest.FixtureRequest) -> str:
+    """How the api reaches the test edge: "local" (in-process) unless BOTH_TRANSPORTS."""
+    return str(request.param)
+
+
+@pytest.fixture
+async def api_edge(edge, edge_transport: str) -> AsyncIterator:  # noqa: ANN001
+    """The EdgeAPI the test's api is given: ``edge`` itself, or a RemoteEdge to it."""
+    if edge_transport == "local":
+        yield edge
+        return
+    async with served_edge(edge) as remote:
+        yield remote
+
+
+def api_app(face, edge, keys, **kw):  # noqa: ANN001, ANN003, ANN201 - a FastAPI app
+    """The api over ``face`` (``api_edge``) with ``edge``'s event log. Over a RemoteEdge the
+    edge writes the audit trail itself (as on a cluster node), so the api does not again."""
+    from rollbox.api import create_app
+    from rollbox.placement import Placement
+
+    if face is not edge:
+        kw.setdefault("record_events", False)
+    return create_app(Placement([face]), edge.event_log, keys, **kw)
 
 
 class NodeRestarts:

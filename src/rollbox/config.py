@@ -403,6 +403,10 @@ class Settings:
         "Ports of the platform's own services on this host besides the api's 7420 "
         "(comma-separated, ranges as `LOW-HIGH`): no rule opens them on a host address. A "
         "cluster's edges get the cluster's whole port range here.")
+    edge_port: int = setting(
+        "ROLLBOX_EDGE_PORT", "network", 7421, int,
+        "The port of this node's edge service in a cluster (edge.service: the api replicas' "
+        "data path); one of the platform's ports, so no rule opens it on a host address.")
     dns_upstream: str | None = setting(
         "ROLLBOX_DNS_UPSTREAM", "network", None, str,
         "The DNS server (host[:port]) the sandboxes' DNS gates ask; unset: the host's first "

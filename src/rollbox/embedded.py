@@ -104,7 +104,7 @@ class EmbeddedNode:
     async def serve(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
         app = await self.start()
         assert self.edge is not None
-        for line in backend_lines(self.edge.capacity()):  # e.g. the microVM accelerator
+        for line in backend_lines(await self.edge.capacity()):  # e.g. the microVM accelerator
             print(line, file=sys.stderr, flush=True)
         try:
             await serve_app(app, host, port)

@@ -32,6 +32,7 @@ The tree (class, wire code, HTTP status, ``R`` = retryable: when it is raised)::
         ├── NodeCacheFull        cache_full             503 R  lazy-load cache full, none evictable
         ├── ServerUnreachable    unreachable            503 R  SDK: the request never got there
         ├── ConnectionLost       connection_lost        503 R  SDK: broke after it was sent
+        ├── EdgeUnreachable      edge_unreachable       503 R  api: a node's edge refused/away
         ├── ExecIndeterminate    exec_indeterminate     503    an exec may or may not have run
         ├── AgentProtocolError   agent_protocol         503    the in-sandbox agent broke the wire
         ├── UpstreamUnavailable  upstream_unavailable   503 R  mirror: upstream down, none cached
@@ -39,9 +40,11 @@ The tree (class, wire code, HTTP status, ``R`` = retryable: when it is raised)::
         └── UpstreamTooLarge     upstream_too_large     502    mirror: file larger than the cache
 
 ``CommandFailed``, ``CommandTimeout``, ``ServerUnreachable`` and ``ConnectionLost`` are raised
-by the SDK itself, never sent by the api; ``ExecIndeterminate`` by both (the SDK's re-checks ran
-out; the edge lost a command across a restart). ``DiskFull`` travels as ``bad_request``
-(``details.reason == "disk_full"``) and comes back as ``BadRequest``. The mirror's errors answer
+by the SDK itself, never sent by the api (``ConnectionLost`` also by ``edge.remote`` when the api's
+request to a node's edge broke after it was sent; ``EdgeUnreachable`` when it never got there);
+``ExecIndeterminate`` by both (the SDK's re-checks ran out; the edge lost a command across a
+restart). ``DiskFull`` travels as ``bad_request`` (``details.reason == "disk_full"``) and comes
+back as ``BadRequest`` (``edge.remote`` rebuilds it as ``DiskFull``). The mirror's errors answer
 pip (``rollbox.netpolicy.mirror``), not the api. Components raise subclasses without a code of
 their own (``agent.channel.SpawnError``: bad_request; ``backends.microvm``'s ``QMPError`` and
 ``TemplateLoadError``: infrastructure): a client sees their parent. Every error with a code of
@@ -248,6 +251,14 @@ class ConnectionLost(InfraError):
     code = "connection_lost"
 
 
+class EdgeUnreachable(InfraError):
+    """A node's edge could not be reached over HTTP (``edge.remote``: connection refused or
+    reset, no answer within the connect timeout): the request certainly never got to it. Retry,
+    maybe on another node; the watcher decides whether the node is lost."""
+
+    code = "edge_unreachable"
+
+
 class ExecIndeterminate(InfraError):
     """An exec may or may not have run: the connection broke after the start was sent and the
     outcome could not be re-checked (the server stayed unreachable past the SDK's reconnect
@@ -315,6 +326,7 @@ ERRORS_BY_CODE: dict[str, type[RollboxError]] = {
         NodeCacheFull,
         ServerUnreachable,
         ConnectionLost,
+        EdgeUnreachable,
         ExecIndeterminate,
         AgentProtocolError,
         HashMismatch,

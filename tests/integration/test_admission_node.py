@@ -145,7 +145,7 @@ async def test_quotas_over_the_api_sdk_and_cli(edge, tmp_path: Path) -> None:  #
             three = await t.create(BB, memory_mib=512)
 
             # Bad quotas: typed errors, nothing stored.
-            cap = edge.capacity()["limits"]
+            cap = (await edge.capacity())["limits"]
             for bad in ({"sandboxes": -1}, {"cpus": -0.5},
                         {"sandboxes": int(cap["sandboxes"]) + 1},
                         {"memory_mib": int(cap["memory_mib"]) + 1},
@@ -218,7 +218,7 @@ async def test_restart_keeps_admission_and_quota_usage(tmp_node_dir: Path) -> No
     e2 = Edge(settings, events, quotas=quotas)
     await e2.start()
     try:
-        cap = e2.capacity()
+        cap = await e2.capacity()
         assert (cap["sandboxes"], cap["requested_memory_mib"]) == (2, 600)
         with pytest.raises(errors.QuotaExceeded):
             await e2.create(SandboxSpec(image=BB), "team")
@@ -226,7 +226,7 @@ async def test_restart_keeps_admission_and_quota_usage(tmp_node_dir: Path) -> No
         extra = await e2.create(SandboxSpec(image=BB), "team")
         for sb in (made[1], extra):
             await e2.delete(sb.id)
-        assert e2.capacity()["sandboxes"] == 0
+        assert (await e2.capacity())["sandboxes"] == 0
     finally:
         await e2.close(destroy=True)
         events.close()

@@ -8,17 +8,18 @@ import pytest
 
 import rollbox
 from rollbox import errors
-from rollbox.api import BackgroundServer, create_app
+from rollbox.api import BackgroundServer
 from rollbox.iam import KeyStore
-from rollbox.placement import Placement
+from tests.conftest import BOTH_TRANSPORTS, api_app
 
 BB = "busybox:test"
 
 
-async def test_bad_input_gets_typed_errors(edge, tmp_path: Path) -> None:  # noqa: ANN001
+@BOTH_TRANSPORTS
+async def test_bad_input_gets_typed_errors(edge, api_edge, tmp_path: Path) -> None:  # noqa: ANN001
     keys = KeyStore(tmp_path / "keys.db")
     key = keys.create("proj")
-    app = create_app(Placement([edge]), edge.event_log, keys)
+    app = api_app(api_edge, edge, keys)
     async with BackgroundServer(app) as srv, rollbox.AsyncClient(srv.url, key) as c:
         neighbour = await c.create(BB)
         await neighbour.files.write("/tmp/keep", "neighbour data")

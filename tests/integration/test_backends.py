@@ -31,7 +31,7 @@ async def test_container_is_the_default_and_reported(edge) -> None:  # noqa: ANN
         assert (await edge.exec_wait(sb.id, eid)).guest_reported is False
     finally:
         await edge.delete(sb.id)
-    cap = edge.capacity()["backends"]
+    cap = (await edge.capacity())["backends"]
     assert cap["container"]["offered"] is True and cap["container"]["kind"] == "container"
 
 
@@ -69,7 +69,7 @@ async def test_not_offered_and_above_the_node_are_refused(edge) -> None:  # noqa
             assert exc.value.details["resource"] == name, exc.value.message
         assert off.created == small.created == 0
         assert edge.journal.live() == [] and edge.admission.capacity()["sandboxes"] == 0
-        cap = edge.capacity()["backends"]
+        cap = (await edge.capacity())["backends"]
         assert cap["vmx"]["offered"] is False and cap["tiny"]["max_cpus"] == 1.0
     finally:
         del edge.backends["vmx"], edge.backends["tiny"]

@@ -14,20 +14,19 @@ import pytest
 
 import rollbox
 from rollbox import errors
-from rollbox.api import BackgroundServer, create_app
+from rollbox.api import BackgroundServer
 from rollbox.config import REPO_ROOT
 from rollbox.embedded import ServerProcess
 from rollbox.iam import KeyStore
-from rollbox.placement import Placement
-from tests.conftest import node_settings
+from tests.conftest import BOTH_TRANSPORTS, api_app, node_settings
 
 BB = "busybox:test"
 
 
 @pytest.fixture
-async def client(edge, tmp_path: Path) -> AsyncIterator[rollbox.AsyncClient]:  # noqa: ANN001
+async def client(edge, api_edge, tmp_path: Path) -> AsyncIterator[rollbox.AsyncClient]:  # noqa: ANN001
     keys = KeyStore(tmp_path / "keys.db")
-    app = create_app(Placement([edge]), edge.event_log, keys)
+    app = api_app(api_edge, edge, keys)
     try:
         async with BackgroundServer(app) as srv, \
                 rollbox.AsyncClient(srv.url, keys.create("proj")) as c:
@@ -36,6 +35,7 @@ async def client(edge, tmp_path: Path) -> AsyncIterator[rollbox.AsyncClient]:  #
         keys.close()
 
 
+@BOTH_TRANSPORTS
 @pytest.mark.parametrize("backend", ["container", "microvm"])
 async def test_sdk_write_forms_read_stream_and_download(client: rollbox.AsyncClient,
                                                         tmp_path: Path, backend: str) -> None:

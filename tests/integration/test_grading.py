@@ -11,12 +11,12 @@ import pytest
 
 import rollbox
 from rollbox import errors
-from rollbox.api import BackgroundServer, create_app
+from rollbox.api import BackgroundServer
 from rollbox.iam import KeyStore
 from rollbox.images.sources import build_from_directory
 from rollbox.images.store import ImageStore
 from rollbox.models import ExecSpec, GradeSpec, SandboxSpec
-from rollbox.placement import Placement
+from tests.conftest import BOTH_TRANSPORTS, api_app
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root and runc")]
@@ -118,9 +118,11 @@ async def test_grade_bad_input(edge, task_image: str) -> None:  # noqa: ANN001
         await edge.grade(sb.id, GradeSpec(files=["/task/src"], cmd="true"), "p")
 
 
-async def test_grade_over_sdk(edge, task_image: str, tmp_path: Path) -> None:  # noqa: ANN001
+@BOTH_TRANSPORTS
+async def test_grade_over_sdk(edge, api_edge, task_image: str,  # noqa: ANN001
+                             tmp_path: Path) -> None:
     keys = KeyStore(tmp_path / "keys.db")
-    app = create_app(Placement([edge]), edge.event_log, keys)
+    app = api_app(api_edge, edge, keys)
     key = keys.create("proj")
     try:
         async with BackgroundServer(app) as srv, rollbox.AsyncClient(srv.url, key) as c:

@@ -19,7 +19,7 @@ from rollbox.api import BackgroundServer, create_app
 from rollbox.iam import KeyStore
 from rollbox.models import SandboxSpec, SnapshotSpec
 from rollbox.placement import Placement
-from tests.conftest import new_name
+from tests.conftest import BOTH_TRANSPORTS, api_app, new_name
 
 BB = "busybox:test"
 
@@ -32,9 +32,9 @@ class Api:
 
 
 @pytest.fixture
-async def api(edge, tmp_path: Path) -> AsyncIterator[Api]:  # noqa: ANN001
+async def api(edge, api_edge, tmp_path: Path) -> AsyncIterator[Api]:  # noqa: ANN001
     keys = KeyStore(tmp_path / "keys.db")
-    app = create_app(Placement([edge]), edge.event_log, keys)
+    app = api_app(api_edge, edge, keys)
     try:
         async with BackgroundServer(app) as srv:
             a = Api(edge, keys, srv.url)
@@ -63,6 +63,7 @@ def tree(root: Path, size: int = 1000) -> Path:
     return root
 
 
+@BOTH_TRANSPORTS
 async def test_upload_directory_and_tar_then_use(api: Api, names: list[str],
                                                  tmp_path: Path) -> None:
     edge = api.edge

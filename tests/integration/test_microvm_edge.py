@@ -23,7 +23,7 @@ async def run(edge, sid: str, cmd, **kw):  # noqa: ANN001, ANN201
 @pytest.mark.skipif(not have_image(BB), reason="busybox:test not built")
 async def test_microvm_through_the_edge_across_a_restart(restarts) -> None:  # noqa: ANN001
     e1 = await restarts.start()
-    cap = e1.capacity()["backends"]["microvm"]
+    cap = (await e1.capacity())["backends"]["microvm"]
     if not cap["offered"]:
         pytest.skip(f"this node offers no microVMs: {cap['reason']}")
     sb = await e1.create(SandboxSpec(image=BB, backend="microvm", resources=Resources(

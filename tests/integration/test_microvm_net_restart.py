@@ -33,7 +33,7 @@ async def test_restart_keeps_the_tap_filter(restarts: NodeRestarts, internet: Fa
                                             upstream: FakeUpstream) -> None:  # noqa: F811
     named, allowed, denied = internet.ips[0], internet.ips[1], internet.ips[2]
     e1 = await restarts.start()
-    if not e1.capacity()["backends"].get("microvm", {}).get("offered"):
+    if not (await e1.capacity())["backends"].get("microvm", {}).get("offered"):
         pytest.skip("this node offers no microVMs")
     rules = ["allowed.example:8080", f"{allowed}:8080"]
     sid = (await e1.create(SandboxSpec(image=PY, backend="microvm",

@@ -19,7 +19,7 @@ def edge_settings() -> dict:
 
 async def test_sdk_create_exec_stdin_timeout_background_on_a_microvm(edge, api_server) -> None:  # noqa: ANN001
     url, keys = api_server
-    cap = edge.capacity()["backends"]["microvm"]
+    cap = (await edge.capacity())["backends"]["microvm"]
     assert cap["offered"] and cap["facts"]["accel"] == "tcg"
     async with rollbox.AsyncClient(url, keys.create("proj")) as client:
         sb = await client.create(BB, backend="microvm", memory_mib=256, disk_mib=64)

@@ -27,7 +27,7 @@ def build_vms(edge) -> list[str]:  # noqa: ANN001
 
 
 async def test_a_build_vm_runs_under_its_creates_ticket(edge) -> None:  # noqa: ANN001
-    cap = edge.capacity()["backends"]["microvm"]
+    cap = (await edge.capacity())["backends"]["microvm"]
     if not cap["offered"]:
         pytest.skip(f"this node offers no microVMs: {cap['reason']}")
     adm = edge.admission
@@ -67,7 +67,7 @@ async def test_a_create_cancelled_anywhere_in_its_build_stays_cancelled(edge) ->
     joined the VM's cgroups, the teardown found the v2 one empty, the jailer then started QEMU
     in it, the teardown failed (cgroups busy), that InfraError replaced the cancellation, the
     build looked failed and the create booted cold and finished (QEMU outlived it)."""
-    cap = edge.capacity()["backends"]["microvm"]
+    cap = (await edge.capacity())["backends"]["microvm"]
     if not cap["offered"]:
         pytest.skip(f"this node offers no microVMs: {cap['reason']}")
     backend = edge.backends["microvm"]

@@ -8,16 +8,17 @@ import pytest
 
 import rollbox
 from rollbox import errors
-from rollbox.api import BackgroundServer, create_app
+from rollbox.api import BackgroundServer
 from rollbox.iam import KeyStore
 from rollbox.netpolicy import link
-from rollbox.placement import Placement
+from tests.conftest import BOTH_TRANSPORTS, api_app
 
 
-async def test_set_network_through_api(edge, tmp_path: Path) -> None:
+@BOTH_TRANSPORTS
+async def test_set_network_through_api(edge, api_edge, tmp_path: Path) -> None:  # noqa: ANN001
     keys = KeyStore(tmp_path / "keys.db")
     key = keys.create("proj")
-    app = create_app(Placement([edge]), edge.event_log, keys)
+    app = api_app(api_edge, edge, keys)
     async with BackgroundServer(app) as srv, rollbox.AsyncClient(srv.url, key) as c:
         plain = await c.create("debian:bookworm")
         assert plain.info.network is None and not link.exists(plain.id)

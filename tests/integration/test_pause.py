@@ -11,12 +11,12 @@ import pytest
 
 import rollbox
 from rollbox import errors
-from rollbox.api import BackgroundServer, create_app
+from rollbox.api import BackgroundServer
 from rollbox.edge.edge import Edge
 from rollbox.iam import KeyStore
 from rollbox.isolation import cgroups
 from rollbox.models import ExecSpec, SandboxSpec
-from rollbox.placement import Placement
+from tests.conftest import BOTH_TRANSPORTS, api_app
 
 BB = "busybox:test"
 # A counter written every 20 ms: it advances only while the sandbox's processes run.
@@ -178,10 +178,11 @@ async def test_restart_readopts_paused_sandbox(restarts) -> None:  # noqa: ANN00
         assert e2.leftovers(sid) == []
 
 
-async def test_pause_resume_through_api_and_sdk(edge, tmp_path: Path) -> None:  # noqa: ANN001
+@BOTH_TRANSPORTS
+async def test_pause_resume_through_api_and_sdk(edge, api_edge, tmp_path: Path) -> None:  # noqa: ANN001
     keys = KeyStore(tmp_path / "keys.db")
     key = keys.create("proj")
-    app = create_app(Placement([edge]), edge.event_log, keys)
+    app = api_app(api_edge, edge, keys)
     try:
         async with BackgroundServer(app) as srv, rollbox.AsyncClient(srv.url, key) as c:
             sb = await c.create(BB)

@@ -9,12 +9,11 @@ import pytest
 
 import rollbox
 from rollbox import errors
-from rollbox.api import BackgroundServer, create_app
+from rollbox.api import BackgroundServer
 from rollbox.iam import KeyStore
 from rollbox.images.chunks import default_store_url, open_store
 from rollbox.models import ExecSpec, SandboxSpec, SnapshotSpec
-from rollbox.placement import Placement
-from tests.conftest import needs_python, new_name
+from tests.conftest import BOTH_TRANSPORTS, api_app, needs_python, new_name
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root and runc")]
@@ -23,11 +22,13 @@ BB = "busybox:test"
 
 
 
-async def test_sdk_snapshot_push_and_restore(edge, names: list[str], tmp_path: Path,  # noqa: ANN001
+@BOTH_TRANSPORTS
+async def test_sdk_snapshot_push_and_restore(edge, api_edge, names: list[str],  # noqa: ANN001
+                                             tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(edge.settings, "chunk_store", f"dir://{tmp_path / 'chunks'}")
     keys = KeyStore(tmp_path / "keys.db")
-    app = create_app(Placement([edge]), edge.event_log, keys)
+    app = api_app(api_edge, edge, keys)
     key = keys.create("proj")
     name = new_name(names)
     async with BackgroundServer(app) as srv, rollbox.AsyncClient(srv.url, key) as c:

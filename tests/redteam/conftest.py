@@ -109,9 +109,9 @@ class Boxes:
         return await self.run(sid, ["python3", "-c", code], **kw)
 
 
-def offered_or_skip(edge: Any, kind: str) -> None:
+async def offered_or_skip(edge: Any, kind: str) -> None:
     """Skip (reported, with the node's reason) when this node does not offer ``kind``."""
-    cap = edge.capacity()["backends"].get(kind)  # type: ignore[union-attr]
+    cap = (await edge.capacity())["backends"].get(kind)  # type: ignore[union-attr]
     if cap is None or not cap["offered"]:
         pytest.skip(f"this node does not offer {kind} sandboxes: "
                     f"{cap['reason'] if cap else 'no such backend'}")
@@ -119,14 +119,14 @@ def offered_or_skip(edge: Any, kind: str) -> None:
 
 @pytest.fixture
 async def boxes(edge, backend_kind: str) -> Boxes:  # noqa: ANN001
-    offered_or_skip(edge, backend_kind)
+    await offered_or_skip(edge, backend_kind)
     return Boxes(edge, asyncio.Lock(), backend_kind)
 
 
 @pytest.fixture
 async def vms(edge) -> Boxes:  # noqa: ANN001
     """microVM sandboxes only (the F39-F42 attacks that have no container counterpart)."""
-    offered_or_skip(edge, "microvm")
+    await offered_or_skip(edge, "microvm")
     return Boxes(edge, asyncio.Lock(), "microvm")
 
 

@@ -85,7 +85,7 @@ async def test_a1_e2b_commands_run_ignores_trojan_shells(env: Env, kind: str) ->
     if kind == "container":
         sbx = await AsyncSandbox.create("base", timeout=120)
     else:
-        offered_or_skip(env.edge, kind)
+        await offered_or_skip(env.edge, kind)
         sbx = await AsyncSandbox.connect((await env.edge.create(_spec(kind),
                                                                 "redteam-shell")).id)
     try:
@@ -107,7 +107,7 @@ async def test_a1_e2b_commands_run_ignores_trojan_shells(env: Env, kind: str) ->
 
 @pytest.mark.parametrize("kind", KINDS)
 async def test_a1_swerex_execute_and_session_ignore_trojan_shells(env: Env, kind: str) -> None:
-    offered_or_skip(env.edge, kind)
+    await offered_or_skip(env.edge, kind)
     info = await env.edge.create(_spec(kind), "redteam-shell")
     sid = info.id
     rt = env.runtime(sid)
@@ -137,7 +137,7 @@ async def test_a1_swerex_execute_and_session_ignore_trojan_shells(env: Env, kind
 
 @pytest.mark.parametrize("kind", KINDS)
 async def test_a1_session_exit_status_and_end_not_forgeable(env: Env, kind: str) -> None:
-    offered_or_skip(env.edge, kind)
+    await offered_or_skip(env.edge, kind)
     info = await env.edge.create(_spec(kind), "redteam-shell")
     sid = info.id
     rt = env.runtime(sid)

@@ -193,6 +193,35 @@ async def test_d27_host_services_metadata_platform(boxes: Boxes, internet: FakeI
     assert wildcard.conns == 1 and platform.conns == 0
 
 
+async def test_d27_the_edge_service_port(boxes: Boxes, internet: FakeInternet,  # noqa: F811
+                                        listeners: list[HostListener],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cluster mode: the node's edge served over HTTP (edge.service, the api replicas' data
+    path) on every host address. Its port (settings.edge_port) is one of the platform's: no
+    rule opens it, not even one naming exactly the host address and that port."""
+    from rollbox.edge.remote import RemoteEdge
+    from rollbox.edge.service import serve_edge
+    from tests.conftest import CLUSTER_TOKEN
+
+    other = HostListener("0.0.0.0")
+    listeners.append(other)
+    async with serve_edge(boxes.edge, "0.0.0.0", 0, CLUSTER_TOKEN) as srv:
+        monkeypatch.setattr(boxes.edge.settings, "edge_port", srv.port)
+        sid = await netbox(boxes, internet, [f"{internet.host_ip}:{srv.port}",
+                                             f"0.0.0.0/0:{srv.port}",
+                                             f"{internet.host_ip}:{other.port}"])
+        gate = link.find(sid).gate_ip  # type: ignore[union-attr]
+        for ip in (internet.host_ip, gate, "127.0.0.1"):
+            assert (await connect(boxes, sid, ip, srv.port))[:3] in ("err", "tim"), ip
+        # Twin: the same rule form opens a host port that is not the platform's.
+        assert await connect(boxes, sid, internet.host_ip, other.port) == "ok hi"
+        assert other.conns == 1
+        # The port does serve (from the host, with the token), so the refusals were the rule's.
+        async with RemoteEdge(boxes.edge.node_id, f"http://127.0.0.1:{srv.port}",
+                              CLUSTER_TOKEN) as remote:
+            assert sid in {i.id for i in await remote.list(None, {})}
+
+
 # ---- D28: other sandboxes ------------------------------------------------------------------
 LISTEN = """
 import socket, threading, time

@@ -38,7 +38,7 @@ A, AAAA, TXT, ANY = 1, 28, 16, 255
 @pytest.fixture
 async def vms(edge) -> Boxes:  # noqa: ANN001
     """Red-team boxes that are microVMs (this file's attacks are the tap's)."""
-    if not edge.capacity()["backends"].get("microvm", {}).get("offered"):
+    if not (await edge.capacity())["backends"].get("microvm", {}).get("offered"):
         pytest.skip("this node offers no microVMs (make native guest)")
     try:
         SandboxSpec(image=PY, backend="microvm")

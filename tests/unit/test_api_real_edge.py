@@ -11,10 +11,10 @@ import pytest
 from fastapi import FastAPI
 
 import rollbox
-from rollbox.api import BackgroundServer, create_app
+from rollbox.api import BackgroundServer
 from rollbox.iam import KeyStore
-from rollbox.placement import Placement
 from rollbox.sdk import ASGITransport
+from tests.conftest import BOTH_TRANSPORTS, api_app
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root and runc")]
@@ -31,11 +31,12 @@ async def sdk_client(app: FastAPI, key: str, transport: str) -> AsyncIterator[ro
         yield c
 
 
+@BOTH_TRANSPORTS
 @pytest.mark.parametrize("transport", ["http", "asgi"])
-async def test_sdk_over_api_over_real_edge(edge, tmp_path: Path,  # noqa: ANN001
+async def test_sdk_over_api_over_real_edge(edge, api_edge, tmp_path: Path,  # noqa: ANN001
                                            transport: str) -> None:
     keys = KeyStore(tmp_path / "keys.db")
-    app = create_app(Placement([edge]), edge.event_log, keys)
+    app = api_app(api_edge, edge, keys)
     key = keys.create("proj")
     try:
         async with sdk_client(app, key, transport) as c:

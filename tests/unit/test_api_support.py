@@ -69,7 +69,7 @@ class FakeEdge:
         self.upload_first_chunk = asyncio.Event()
         self.creates = 0
 
-    def capacity(self) -> float:
+    async def capacity(self) -> float:
         return float(self.max_sandboxes - len(self.sandboxes))
 
     def _check(self, op: str) -> None:

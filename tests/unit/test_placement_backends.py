@@ -19,7 +19,7 @@ class KindsEdge(FakeEdge):
         super().__init__(node_id, root)
         self.kinds = kinds
 
-    def capacity(self) -> dict[str, object]:  # type: ignore[override]
+    async def capacity(self) -> dict[str, object]:  # type: ignore[override]
         return {"free": float(self.max_sandboxes - len(self.sandboxes)),
                 "backends": {k: {"kind": k, "offered": v} for k, v in self.kinds.items()}}
 

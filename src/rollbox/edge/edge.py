@@ -350,7 +350,7 @@ class Edge:
             self.host_claim = None
 
     # ---- admission ----------------------------------------------------------------------
-    def capacity(self) -> dict[str, object]:
+    async def capacity(self) -> dict[str, object]:
         """Counts, live memory and budgets (``limits``: the most one project's quota may ask,
         with ``layer_mib`` the size of the image store's filesystem; ``backends``: each kind
         this node has, offered or not, with its facts); see edge.admission."""
@@ -1363,7 +1363,7 @@ class Edge:
             for ev in await self.event_log.read(sandbox_id, after_seq):
                 yield ev
 
-    def record_event(self, sandbox_id: str, kind: str, data: str) -> None:
+    async def record_event(self, sandbox_id: str, kind: str, data: str) -> None:
         self.event_log.append(sandbox_id, kind, data=data)
 
     # ---- the platform's own work in a sandbox -------------------------------------------

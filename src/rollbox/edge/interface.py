@@ -1,6 +1,8 @@
 """The operations an edge offers to the api (and, in a cluster, to remote api replicas).
 
-``api`` depends only on this interface; ``edge.Edge`` implements it for one node. Output
+``api`` depends only on this interface; ``edge.Edge`` implements it for one node, and
+``edge.remote.RemoteEdge`` for an edge served over HTTP (``edge.service``). Every method that may
+be remote is ``async`` (or an async iterator). Output
 streams are async iterators of :class:`ExecOutput` items ending with exactly one ``exit``
 (or ``error``) item.
 """
@@ -50,7 +52,7 @@ class EdgeAPI(Protocol):
     # Counts, memory and budgets of the node (edge.admission), ``free`` (placement ranks by
     # it), ``max_sandboxes``, and ``backends``: each kind with whether it is offered and its
     # facts (rollbox.backends.base.BackendCapacity).
-    def capacity(self) -> dict[str, object]: ...
+    async def capacity(self) -> dict[str, object]: ...
 
     # The watcher's probe (rollbox.watcher), once a second: capacity after overcommit, creates
     # in progress, the live sandboxes (at most ``max_sandboxes`` listed), cached layers, counts
@@ -125,7 +127,7 @@ class EdgeAPI(Protocol):
     # events outlive the sandbox; follow=True keeps streaming until the sandbox is gone.
     def events(self, sandbox_id: str, after_seq: int, follow: bool) -> AsyncIterator[Event]: ...
     # an event of the platform's own about a sandbox (e.g. fncall.call), into its audit trail.
-    def record_event(self, sandbox_id: str, kind: str, data: str) -> None: ...
+    async def record_event(self, sandbox_id: str, kind: str, data: str) -> None: ...
 
     # The platform's own processes in a sandbox it owns (fncall workers, image builds,
     # benchmarks), never a project's command: run as ``req`` says through the agent, in a

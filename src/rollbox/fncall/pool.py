@@ -58,10 +58,10 @@ class PoolConfig:
     worker_ttl_s: float = 24 * 3600
 
 
-def default_cap(edge: EdgeAPI) -> int:
+async def default_cap(edge: EdgeAPI) -> int:
     """Workers on this node: bounded by the edge's sandbox limit and by cores (a worker mostly
     waits on its call; 8 per core keeps all cores busy without thrashing)."""
-    cap = edge.capacity()
+    cap = await edge.capacity()
     max_sb = cap.get("max_sandboxes") if isinstance(cap, Mapping) else None
     max_sb = max_sb if isinstance(max_sb, int) else 64
     return max(2, min(max_sb // 4, 8 * (os.cpu_count() or 1), 64))
@@ -159,7 +159,7 @@ class FnCallBackend:
     def __init__(self, edge: EdgeAPI, config: PoolConfig | None = None) -> None:
         self.edge = edge
         self.config = config or PoolConfig()
-        self.cap = self.config.max_workers or default_cap(edge)
+        self.cap = self.config.max_workers  # 0: default_cap(edge), asked at start()
         self.pools: dict[tuple[str, str, tuple[str, ...]], Pool] = {}
         self._total = 0
         self._ids = 0
@@ -170,6 +170,8 @@ class FnCallBackend:
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
+        if not self.cap:
+            self.cap = await default_cap(self.edge)
         self._janitor = asyncio.create_task(self._janitor_loop())
 
     async def close(self) -> None:
@@ -254,11 +256,11 @@ class FnCallBackend:
                 worker.broken = True  # e.g. a call's leftovers it could not remove: replace it
             self._release(pool, worker)
             pool.calls += 1
-            self._audit(worker, spec, res)
+            await self._audit(worker, spec, res)
             return self._result(res, worker)
         raise InfraError("unreachable")
 
-    def _audit(self, worker: FnWorker, spec: FnCallSpec, res: dict[str, Any]) -> None:
+    async def _audit(self, worker: FnWorker, spec: FnCallSpec, res: dict[str, Any]) -> None:
         """One ``fncall.call`` event per call on the worker's sandbox: what ran and how it
         ended, never the code or its output (bounded: < 200 bytes, and a worker serves at most
         ``max_calls_per_worker`` calls)."""
@@ -269,7 +271,7 @@ class FnCallBackend:
                            "wall_ms": round(float(run.get("wall_s") or 0) * 1000, 2),
                            "code_bytes": len(spec.code)}, separators=(",", ":"))
         try:
-            self.edge.record_event(worker.sandbox_id, "fncall.call", data)
+            await self.edge.record_event(worker.sandbox_id, "fncall.call", data)
         except Exception as exc:  # noqa: BLE001 - the audit trail never fails a call
             log.warning("fncall: audit event for %s: %s", worker.sandbox_id, exc)
 

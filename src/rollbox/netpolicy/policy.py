@@ -43,8 +43,9 @@ DNS_PORT = 53
 
 def platform_ports(settings: Settings) -> set[int]:
     """Ports of the platform's own services on this host (api, mirrors' real listeners are
-    reached only through their permission): the api's and ``settings.platform_ports``."""
-    return {7420, *settings.platform_ports}
+    reached only through their permission): the api's, the edge service's
+    (``settings.edge_port``, red-team class 27 in cluster mode) and ``settings.platform_ports``."""
+    return {7420, settings.edge_port, *settings.platform_ports}
 
 
 def host_addresses() -> set[ipaddress.IPv4Address]:

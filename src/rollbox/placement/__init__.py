@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import random
 import re
@@ -44,12 +43,9 @@ def split_sandbox_id(sandbox_id: str) -> tuple[str, str]:
 
 
 async def _capacity(edge: EdgeAPI) -> object:
-    """What an edge's ``capacity()`` (EdgeAPI; sync, or async for a remote edge) says; None
-    when it fails."""
+    """What an edge's ``capacity()`` (EdgeAPI, local or remote) says; None when it fails."""
     try:
-        cap = edge.capacity()
-        if inspect.isawaitable(cap):
-            cap = await cap
+        cap = await edge.capacity()
     except Exception:
         log.warning("capacity() of %s failed", edge.node_id, exc_info=True)
         return None
