@@ -33,7 +33,7 @@ async def test_report_lists_capacity_sandboxes_layers_and_counts(edge) -> None: 
     assert r.by_project == {"p1": 1, "p2": 1} and r.by_backend == {"container": 2}
     assert set(a.layers) <= set(r.layers)
     assert r.free == before and set(r.free) == {"sandboxes", "cpus", "memory_mib"}
-    assert r.free["sandboxes"] == edge.capacity()["free"]
+    assert r.free["sandboxes"] == (await edge.capacity())["free"]
     assert r.limits["sandboxes"] == edge.limits.max_sandboxes
     # bounded: counted, not listed
     r1 = await edge.report(max_sandboxes=1)

@@ -405,3 +405,21 @@ async def test_exec_attach_at_offsets_stdin_kill_and_events_through_the_api(  # 
             assert kinds.count("exec.exited") == 2
     finally:
         keys.close()
+
+
+async def test_the_watchers_probe_and_node_loss_over_http(edge) -> None:  # noqa: ANN001
+    """report() and declare_lost() (the watcher's) are unary methods of the table like any."""
+    async with served_edge(edge) as remote:
+        a = await remote.create(SandboxSpec(image=BB, labels={"t": "a"}), "p1")
+        b = await remote.create(SandboxSpec(image=BB), "p2")
+        r = await remote.report(max_sandboxes=1)
+        local = await edge.report(max_sandboxes=1)
+        assert type(r) is type(local) and r.node_id == edge.node_id
+        assert (r.sandboxes_total, r.truncated, r.by_project) == (2, True, {"p1": 1, "p2": 1})
+        with pytest.raises(errors.BadRequest):
+            await remote.report(fence_s=0)
+        assert await remote.declare_lost([a.id, f"{edge.node_id}-0123456789ab"]) == [a.id]
+        assert (await remote.get(a.id)).state in ("dead", "deleted")
+        with pytest.raises(errors.BadRequest):
+            await remote.declare_lost(["../x"])
+        await remote.delete(b.id)

@@ -48,7 +48,7 @@ MAX_ARGS_HEADER = 16 << 10
 
 # The unary methods of EdgeAPI (POST /call/{name}): one name here is all a new one needs.
 UNARY: tuple[str, ...] = (
-    "capacity", "create", "get", "list", "delete", "set_ttl", "set_network", "pause", "resume",
+    "capacity", "report", "declare_lost", "create", "get", "list", "delete", "set_ttl", "set_network", "pause", "resume",
     "exec_start", "exec_wait", "exec_stdin", "exec_kill", "exec_list",
     "file_read", "file_write", "file_stat", "file_list", "file_mkdir", "file_remove",
     "grade", "snapshot", "image_list", "image_delete", "image_usage", "image_stats",
@@ -127,6 +127,8 @@ _NUM_BOUNDS: dict[str, Any] = {
     "timeout_s": Field(gt=0, le=7 * 24 * 3600),
     "tail": Field(ge=0, le=1 << 20),
     "after_seq": Field(ge=0, le=1 << 62),
+    "max_sandboxes": Field(ge=0, le=1 << 24),
+    "fence_s": Field(gt=0, le=7 * 24 * 3600),
 }
 _OFFSETS = tuple[Annotated[int, Field(ge=0, le=1 << 62)], Annotated[int, Field(ge=0, le=1 << 62)]]
 _ENV = Annotated[dict[Annotated[str, StringConstraints(max_length=4096)],
@@ -138,6 +140,9 @@ def _bounded(name: str, annotation: Any) -> Any:
     """``annotation`` with the bounds of argument ``name`` (``str | None`` stays optional)."""
     if name == "offsets":
         return _OFFSETS
+    if name == "sandbox_ids":
+        return Annotated[list[Annotated[str, _STR_BOUNDS["sandbox_id"]]],
+                         Field(max_length=1 << 20)]
     if name in ("env", "labels"):
         return _ENV
     if name in _STR_BOUNDS:
@@ -147,8 +152,13 @@ def _bounded(name: str, annotation: Any) -> Any:
             return bounded
         if type(None) in args and str in args:
             return bounded | None
-    if name in _NUM_BOUNDS and annotation in (int, float):
-        return Annotated[annotation, _NUM_BOUNDS[name]]
+    if name in _NUM_BOUNDS:
+        args = typing.get_args(annotation)
+        if annotation in (int, float):
+            return Annotated[annotation, _NUM_BOUNDS[name]]
+        if type(None) in args and len(args) == 2:  # e.g. fence_s: float | None
+            inner = next(a for a in args if a is not type(None))
+            return Annotated[inner, _NUM_BOUNDS[name]] | None
     return annotation
 
 
