@@ -20,7 +20,7 @@ import contextlib
 import hmac
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any
 
 from pydantic import ValidationError
@@ -81,7 +81,7 @@ class Frames(Response):
 
     media_type = FRAMES
 
-    def __init__(self, body: AsyncIterator[bytes], listen: bool = True) -> None:
+    def __init__(self, body: AsyncGenerator[bytes, None], listen: bool = True) -> None:
         self.status_code = 200
         self.background = None
         self.init_headers({"cache-control": "no-store"})  # no body: chunked, no length
@@ -116,9 +116,7 @@ class Frames(Response):
                 with contextlib.suppress(asyncio.CancelledError, OSError):
                     await pump
         finally:
-            aclose = getattr(self.body_iter, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await self.body_iter.aclose()
 
 
 _BEAT = object()
@@ -148,10 +146,9 @@ async def _beating(items: AsyncIterator[Any], every_s: float) -> AsyncIterator[A
             nxt.cancel()
             with contextlib.suppress(BaseException):
                 await nxt
-        aclose = getattr(it, "aclose", None)
-        if aclose is not None:
+        if isinstance(it, AsyncGenerator):  # the edge's streams are async generators
             with contextlib.suppress(Exception):
-                await aclose()
+                await it.aclose()
 
 
 def _exec_frame(item: ExecOutput) -> bytes | None:
@@ -408,9 +405,9 @@ async def _rollbox_error(_: Request, exc: Exception) -> Response:
 
 
 async def _http_error(_: Request, exc: Exception) -> Response:
-    status = getattr(exc, "status_code", 500)
-    cls = {404: errors.NotFound, 405: errors.BadRequest}.get(status, errors.RollboxError)
-    return JSONResponse(cls(str(getattr(exc, "detail", "error"))).to_payload(), status)
+    assert isinstance(exc, HTTPException)
+    cls = {404: errors.NotFound, 405: errors.BadRequest}.get(exc.status_code, errors.RollboxError)
+    return JSONResponse(cls(str(exc.detail)).to_payload(), exc.status_code)
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
