@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import inspect
 import json
 import logging
 import os
@@ -140,8 +139,7 @@ class EdgeActor:
 
     def capacity(self) -> dict[str, Any]:
         async def cap(edge: Any) -> dict[str, Any]:
-            out = edge.capacity()  # sync on an edge, async across a wire
-            return await out if inspect.isawaitable(out) else out
+            return dict(await edge.capacity())
 
         return self.host.call(cap)
 
