@@ -63,8 +63,9 @@ class EmbeddedNode:
         self.watcher = Watcher(self.registry, local={self.edge.node_id}, settings=s,
                                ledger=self.ledger)
         await self.watcher.start()
-        # No view yet: each decision asks the edge (wiring view=self.watcher is lane W's).
-        placement = Placement(self.registry, config=PlacementConfig.from_settings(s))
+        # Placement decides from the watcher's view, never an edge call per decision.
+        placement = Placement(self.registry, self.watcher,
+                              config=PlacementConfig.from_settings(s))
         return create_app(placement, self.events, self.keys,
                           leases=self.leases, ledger=self.ledger, front_doors=FRONT_DOORS,
                           watcher=self.watcher)

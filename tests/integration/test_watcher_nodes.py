@@ -83,13 +83,14 @@ class Nodes:
         await self.start_watcher(**watch)
 
     async def start_watcher(self, **watch: Any) -> None:
+        """The api replica (its watcher, placement over the watcher's view, the app), started
+        anew (a restart) if it runs."""
+        if self.server is not None:
+            await self.server.stop()
         self.watcher = Watcher(self.registry, **watch)
         await self.watcher.start()
-        if self.server is not None:
-            self.app.state.api.watcher = self.watcher  # the api's replica restarted
-            return
-        self.app = create_app(Placement(list(self.registry.values())), self.events, self.keys,
-                              watcher=self.watcher)
+        self.placement = Placement(self.registry, self.watcher)
+        self.app = create_app(self.placement, self.events, self.keys, watcher=self.watcher)
         self.server = BackgroundServer(self.app)
         await self.server.start()
 
@@ -227,8 +228,12 @@ async def test_node_loss_is_reported_and_never_resurrected(nodes: Nodes, fence: 
         assert {n["node_id"]: n["lost"] for n in st["nodes"]}[node_b] == 2
         # a delete of a lost sandbox is a no-op, as for any dead one
         assert (await c.delete(f"/v1/sandboxes/{mine}")).status_code == 204
-        # new creates go to the node that answers
-        # (placement decides from the watcher's view: see test_creates_avoid_a_dead_node)
+        # new creates go to the node that answers (placement decides from the view)
+        for _ in range(4):
+            r = await c.post("/v1/sandboxes", json={"image": "busybox:test"})
+            assert r.status_code == 201, r.text
+            assert r.json()["node"] == nodes.edges[0].node_id
+            nodes.made.append((nodes.edges[0], r.json()["id"]))
 
         if fence:  # the edge, unprobed past its fence, tore them down itself meanwhile
             await nodes.edges[1].wait_deleted(mine, timeout=10)
@@ -274,10 +279,11 @@ async def test_watcher_restart_while_the_node_is_away(nodes: Nodes) -> None:
     key = nodes.keys.create("p1")
     async with client(nodes, key) as c:
         assert (await c.get(f"/v1/sandboxes/{sid}")).status_code == 200
-        await nodes.watcher.stop()  # the watcher's process goes away ...
-        nodes.link.cut()  # ... and the node with it
-        await nodes.start_watcher(**watch)  # back: knows nothing of the node's sandboxes
-        w = nodes.watcher
+    await nodes.watcher.stop()  # the replica's process goes away ...
+    nodes.link.cut()  # ... and the node with it
+    await nodes.start_watcher(**watch)  # back: knows nothing of the node's sandboxes
+    w = nodes.watcher
+    async with client(nodes, key) as c:
         assert w.health(node_b) == "suspect" and w.report(node_b) is None
 
         async def dead() -> bool:
