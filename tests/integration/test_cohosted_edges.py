@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from rollbox.config import Settings
+from rollbox.edge.admission import host_memory_mib, node_memory_mib, sandboxes_memory_max_mib
 from rollbox.edge.edge import Edge
 from rollbox.errors import HostResourceConflict
 from rollbox.events.store import EventLog
@@ -159,6 +160,13 @@ async def test_two_edges_on_one_host_share_no_host_resource(tmp_node_dir: Path) 
             not sb.netns_prefix.startswith(sa.netns_prefix)
         assert not set(fa["links"]) & set(fb["links"])
         assert sa.data_dir != sb.data_dir and sa.run_dir != sb.run_dir
+        # Each admits by its half of the host, its parent memory cgroup limited to that.
+        for e in (a, b):
+            assert cgroups.memory_limit(e.settings.cgroup_parent) == sandboxes_memory_max_mib(
+                e.settings, node_memory_mib(e.settings)) << 20
+            assert node_memory_mib(e.settings) == host_memory_mib() // 2
+            assert e.admission.budgets()["cpus"] == e.limits.cpu_overcommit * (
+                os.cpu_count() or 1) / 2
 
         # A sandbox of edge A can not reach one of edge B (B's listener answers B itself).
         target, peer = boxes[b.node_id][0], boxes[a.node_id][0]

@@ -2,6 +2,7 @@
 platform ports; the port range reads back through ROLLBOX_PLATFORM_PORTS."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,15 @@ def test_out_of_range_node_and_replica_are_refused() -> None:
         p.node_block(MAX_NODES)
     with pytest.raises(errors.BadRequest):
         p.replica(5)
+
+
+def test_the_edge_actor_reads_back_what_its_node_claims(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    s = _base(tmp_path)
+    for k in [k for k in os.environ if k.startswith("ROLLBOX_")]:
+        monkeypatch.delenv(k)
+    for k, v in node_env(s, "n1", 1, nodes=2).items():
+        monkeypatch.setenv(k, v)
+    child, want = Settings(), node_settings(s, "n1", 1, nodes=2)
+    assert hostclaims.Holding.of(child) == hostclaims.Holding.of(want)
+    assert (child.node_share, child.host_auto) == (0.5, False)

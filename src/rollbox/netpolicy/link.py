@@ -26,7 +26,7 @@ from rollbox.config import VARS, Settings
 from rollbox.errors import InfraError
 from rollbox.netpolicy.policy import host_addresses
 
-LOCK_PATH = Path("/run/rollbox/net.lock")
+LOCK_NAME = "net.lock"  # in the host dir (ROLLBOX_HOST_DIR): one lock for every edge of the host
 LINK_PREFIX = "rbx"
 ALIAS_PREFIX = "rollbox:"
 SANDBOX_IFACE = "eth0"
@@ -122,8 +122,9 @@ def create(sandbox_id: str, netns_name: str, settings: Settings,
     pool = settings.net_pool
     blocks = pool.num_addresses // 4
     start = int(hashlib.sha1(sandbox_id.encode()).hexdigest(), 16) % blocks
-    LOCK_PATH.parent.mkdir(parents=True, exist_ok=True)
-    with _thread_lock, open(LOCK_PATH, "a") as lockf:
+    lock_path = settings.host_dir / LOCK_NAME  # not in a run dir: a run tmpfs would hide it
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with _thread_lock, open(lock_path, "a") as lockf:
         fcntl.flock(lockf, fcntl.LOCK_EX)
         used = host_addresses()
         for k in range(blocks):

@@ -122,6 +122,7 @@ class LazyLoader:
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
         self._watch: asyncio.Task[None] | None = None
+        self._watchers = 0  # edges of this process that started it (co-hosted edges share it)
         # The newest loader of a store is the one LayerMounts uses in this process.
         with _LOADERS_GUARD:
             _LOADERS[os.path.realpath(store.root)] = self
@@ -362,7 +363,10 @@ class LazyLoader:
 
     async def start(self) -> None:
         """Start (or adopt) the daemon and a task that restarts it when it dies (the task runs
-        even if this first start fails: it keeps trying)."""
+        even if this first start fails: it keeps trying). Each start counts: the watch runs
+        until as many ``stop(daemon=False)`` (several edges of one process share a store's
+        loader: one edge's close must not end the other's watch)."""
+        self._watchers += 1
         if self._watch is None:
             self._watch = asyncio.create_task(self._watch_loop())
         await asyncio.to_thread(self.ensure_daemon)
@@ -407,8 +411,10 @@ class LazyLoader:
 
     async def stop(self, *, daemon: bool = True) -> None:
         """Stop the watch task and (unless ``daemon`` is False, or layers are mounted) the
-        daemon."""
-        if self._watch is not None:
+        daemon. ``daemon=False`` (an edge's close) ends the watch only when no other start
+        is left."""
+        self._watchers = max(0, self._watchers - 1) if not daemon else 0
+        if self._watchers == 0 and self._watch is not None:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
