@@ -116,7 +116,7 @@ async def test_two_edges_on_one_host_share_no_host_resource(tmp_node_dir: Path) 
             boxes[edge.node_id] = [(await edge.create(SandboxSpec(
                 image="python:3.11", network=net), "t")).id for _ in range(2)]
         vms: dict[str, str] = {}
-        if have_image(BB) and a.capacity()["backends"]["microvm"]["offered"]:
+        if have_image(BB) and (await a.capacity())["backends"]["microvm"]["offered"]:
             for edge in (a, b):
                 vms[edge.node_id] = (await edge.create(SandboxSpec(
                     image=BB, backend="microvm", network=net,
