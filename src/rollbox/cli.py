@@ -207,6 +207,15 @@ def bench_cluster_control(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out)
 
 
+@bench_app.command("remote_edge")
+def bench_remote_edge(quick: bool = typer.Option(False, "--quick"),
+                      json_out: bool = typer.Option(False, "--json")) -> None:
+    """The api over a local edge vs over a RemoteEdge to it served over HTTP (edge.service):
+    exec(["true"]) and create/delete through the api, capacity and exec straight to the edge."""
+    mod = _load_bench("remote_edge")
+    mod.main(quick=quick, json_out=json_out)
+
+
 @bench_app.command("rl")
 def bench_rl(quick: bool = typer.Option(False, "--quick"),
              json_out: bool = typer.Option(False, "--json"),

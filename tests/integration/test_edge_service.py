@@ -423,3 +423,25 @@ async def test_the_watchers_probe_and_node_loss_over_http(edge) -> None:  # noqa
         with pytest.raises(errors.BadRequest):
             await remote.declare_lost(["../x"])
         await remote.delete(b.id)
+
+
+async def test_a_platform_process_whose_stream_closes_is_killed(edge) -> None:  # noqa: ANN001
+    from rollbox.agent.protocol import ExecRequest
+
+    async with served_edge(edge) as remote:
+        sid = (await remote.create(SandboxSpec(image=BB), "p")).id
+        try:
+            proc = await remote.platform_exec(sid, ExecRequest(
+                argv=["sh", "-c", "echo up; exec sleep 300"], env=["PATH=/bin:/usr/bin"]))
+            events = proc.events()
+            assert await events.__anext__() == ("stdout", b"up\n")
+            count = "ps -o args | grep -c '^sleep 300'"
+            assert (await remote.run_shell(sid, count, {}, 10))[1].strip() == b"1"
+            await events.aclose()  # its client leaves
+            async with asyncio.timeout(BOUND_S):
+                while (await remote.run_shell(sid, count, {}, 10))[1].strip() != b"0":
+                    await asyncio.sleep(0.05)
+            with pytest.raises(errors.NotFound):  # and its handle is gone
+                await proc.kill()
+        finally:
+            await remote.delete(sid)

@@ -274,6 +274,8 @@ class EdgeService:
         return Frames(body(), listen=listen)
 
     def _finish(self, method: wire.Method, fut: asyncio.Future[Any]) -> bytes:
+        if fut.cancelled():  # the edge is shutting down under the call
+            return wire.error_frame(errors.InfraError(f"{method.name} was cancelled on the edge"))
         exc = fut.exception()
         if exc is not None:
             return wire.error_frame(_as_rollbox(exc, method.name))
