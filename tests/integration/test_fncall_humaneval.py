@@ -11,22 +11,21 @@ from typing import Any
 import pytest
 
 import rollbox
-from rollbox.api import BackgroundServer, create_app
+from rollbox.api import BackgroundServer
 from rollbox.compat.frontdoors import FRONT_DOORS
 from rollbox.errors import BadRequest
 from rollbox.iam import KeyStore
-from rollbox.placement import Placement
-from tests.conftest import have_image
+from tests.conftest import BOTH_TRANSPORTS, api_app, have_image
 
 pytestmark = pytest.mark.skipif(not have_image("fncall:1"),
                                 reason="fncall:1 not built (run `make images`)")
 
 
 @pytest.fixture
-async def served(edge, tmp_path: Path) -> AsyncIterator[tuple[str, str]]:  # noqa: ANN001
+async def served(edge, api_edge, tmp_path: Path) -> AsyncIterator[tuple[str, str]]:  # noqa: ANN001
     keys = KeyStore(tmp_path / "keys.db")
     key = keys.create("fncall")
-    app = create_app(Placement([edge]), edge.event_log, keys, front_doors=FRONT_DOORS)
+    app = api_app(api_edge, edge, keys, front_doors=FRONT_DOORS)
     async with BackgroundServer(app) as srv:
         yield srv.url, key
 
@@ -82,6 +81,7 @@ def _sandbox_fusion(url: str, key: str) -> list[Any]:
     return out
 
 
+@BOTH_TRANSPORTS
 async def test_sandbox_fusion_client(served: tuple[str, str]) -> None:
     url, key = served
     r = await asyncio.to_thread(_sandbox_fusion, url, key)
