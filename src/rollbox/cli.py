@@ -237,6 +237,15 @@ def bench_placement(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out)
 
 
+@bench_app.command("ledger")
+def bench_ledger(quick: bool = typer.Option(False, "--quick"),
+                 json_out: bool = typer.Option(False, "--json")) -> None:
+    """The quota ledger's reserve + commit + release per sandbox on SQLite and a real
+    PostgreSQL, flat and nested projects, c1/c32, two replicas racing; reconcile of 1,000."""
+    mod = _load_bench("ledger")
+    mod.main(quick=quick, json_out=json_out)
+
+
 @mirror_app.command("serve")
 def mirror_serve(host: Optional[str] = typer.Option(None, help="default: pypi_mirror_host"),  # noqa: UP007
                  port: Optional[int] = typer.Option(None, help="default: pypi_mirror_port"),  # noqa: UP007

@@ -142,6 +142,11 @@ async def test_reserve_checks_the_project_and_every_ancestor(iam_stores) -> None
     with pytest.raises(errors.QuotaExceeded) as exc:
         await ledger.reserve("a", Usage(1, 0.1, 1))
     assert exc.value.details["project"] == "a"
+    # Names that share a's prefix but are not below it are not a's (".", "0", "-" sort next
+    # to "/").
+    for other in ("a.z", "a0", "a-z", "ab"):
+        await iam.create_project(OPERATOR, other)
+        held.append(await ledger.reserve(other, Usage(1, 1, 1)))
     assert await ledger.usage("a") == Usage(6, 5.5, 5120)
     assert await ledger.usage("a/b", subtree=False) == Usage(4, 4.0, 4096)
     infos = {p.name: p for p in await iam.projects(admin_a)}

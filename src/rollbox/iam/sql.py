@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from rollbox import errors
@@ -46,6 +46,9 @@ QUOTA_COLS = "max_sandboxes, max_cpus, max_memory_mib, max_layer_mib"
 KEY_COLS = ("key_id, display, project, admin, created_at, revoked_at, last_used_at, scope")
 # A ledger entry counts when committed, or reserved and not expired.
 LIVE = "(state = 'committed' OR (state = 'reserved' AND expires_at > ?))"
+# An entry made a tombstone: kept (with its sandbox id) for TOMBSTONE_S, under no project so
+# the sums of live entries never pass over it.
+RELEASED = "state = 'released', released_at = ?, project = '', node = NULL"
 USE_COLS = ("COUNT(*), CAST(COALESCE(SUM(cpus), 0) AS DOUBLE PRECISION), "
             "CAST(COALESCE(SUM(memory_mib), 0) AS BIGINT)")
 
@@ -106,13 +109,31 @@ def _forbidden(project: str) -> errors.Forbidden:
 
 async def _use(tx: Tx, name: str, subtree: bool, now: float) -> Usage:
     if subtree:
+        # Below "a": every name from "a/" up to "a0" ("0" follows "/"), in byte order (the
+        # column's collation is binary: "C" in PostgreSQL): an index range, not a scan.
         rows = await tx.fetch(f"SELECT {USE_COLS} FROM ledger WHERE {LIVE} AND (project = ? "
-                              "OR substr(project, 1, ?) = ?)", now, name, len(name) + 1,
-                              name + "/")
+                              "OR (project > ? AND project < ?))", now, name, name + "/",
+                              name + "0")
     else:
         rows = await tx.fetch(f"SELECT {USE_COLS} FROM ledger WHERE {LIVE} AND project = ?",
                               now, name)
     return usage_of(rows[0])
+
+
+async def _use_by_project(tx: Tx, name: str, now: float) -> dict[str, Usage]:
+    """What ``name`` and each project below it hold now, by project."""
+    rows = await tx.fetch(f"SELECT project, {USE_COLS} FROM ledger WHERE {LIVE} AND "
+                          "(project = ? OR (project > ? AND project < ?)) GROUP BY project",
+                          now, name, name + "/", name + "0")
+    return {str(r[0]): usage_of(r[1:]) for r in rows}
+
+
+def _total(uses: Iterable[Usage]) -> Usage:
+    out = Usage()
+    for u in uses:
+        out = Usage(out.sandboxes + u.sandboxes, out.cpus + u.cpus,
+                    out.memory_mib + u.memory_mib)
+    return out
 
 
 async def _children(tx: Tx, name: str) -> list[Quota]:
@@ -205,8 +226,7 @@ class SqlIam:
                 out.append(ProjectInfo(
                     name=name, parent=None if r[1] is None else str(r[1]),
                     quota=quota_of(r[2:6]), created_at=float(r[6]),  # type: ignore[arg-type]
-                    used=Usage(sum(u.sandboxes for u in sub), sum(u.cpus for u in sub),
-                               sum(u.memory_mib for u in sub)),
+                    used=_total(sub),
                     own_used=own.get(name, Usage()), delegated=_sum(kids)))
             return out
 
@@ -346,14 +366,18 @@ class SqlLedger:
         async def fn(tx: Tx) -> Reservation:
             names = [*ancestors(project), project]
             chain = await _lock_chain(tx, names)
-            links = [ChainLink(n, chain[n], await _use(tx, n, True, now)) for n in names
-                     if n in chain and any(getattr(chain[n], f) is not None for f in LIMITED)]
-            if links:
-                mine = chain.get(project)
-                limited = mine is not None and any(getattr(mine, f) is not None
-                                                   for f in LIMITED)
-                own = await _use(tx, project, False, now) if limited else Usage()
-                carved = _sum(await _children(tx, project)) if limited else Usage()
+            limited = [n for n in names if n in chain
+                       and any(getattr(chain[n], f) is not None for f in LIMITED)]
+            if limited:
+                # One read of what the topmost limited project's subtree holds, by project:
+                # every link's sum and the project's own come from it.
+                by = await _use_by_project(tx, limited[0], now)
+                links = [ChainLink(n, chain[n], _total(u for p, u in by.items()
+                                                       if in_subtree(p, n)))
+                         for n in limited]
+                mine = limited[-1] == project
+                own = by.get(project, Usage()) if mine else Usage()
+                carved = _sum(await _children(tx, project)) if mine else Usage()
                 check_reserve(project, need, links, own, carved)
             await tx.execute("INSERT INTO ledger (entry_id, project, cpus, memory_mib, state, "
                              "expires_at) VALUES (?, ?, ?, ?, 'reserved', ?)", entry, project,
@@ -408,9 +432,8 @@ class SqlLedger:
         now = time.time()
 
         async def fn(tx: Tx) -> bool:
-            n = await tx.execute("UPDATE ledger SET state = 'released', released_at = ? "
-                                 "WHERE sandbox_id = ? AND state = 'committed'", now,
-                                 sandbox_id)
+            n = await tx.execute(f"UPDATE ledger SET {RELEASED} WHERE sandbox_id = ? AND "
+                                 "state = 'committed'", now, sandbox_id)
             if n == 0 and not await tx.fetch("SELECT entry_id FROM ledger WHERE "
                                              "sandbox_id = ?", sandbox_id):
                 # A tombstone, so a live set read before the delete does not charge it again.
@@ -441,8 +464,7 @@ class SqlLedger:
                 for entry, sid, node, at in rows:
                     if sid not in ids[str(node)] and float(at) < now - RECONCILE_GRACE_S:  # type: ignore[arg-type]
                         changed += await tx.execute(
-                            "UPDATE ledger SET state = 'released', released_at = ? WHERE "
-                            "entry_id = ?", now, entry)
+                            f"UPDATE ledger SET {RELEASED} WHERE entry_id = ?", now, entry)
             known = {str(r[0]) for r in await tx.fetch(
                 "SELECT sandbox_id FROM ledger WHERE sandbox_id IS NOT NULL")}
             for node, sandboxes in sets.items():
