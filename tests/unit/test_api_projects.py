@@ -145,3 +145,24 @@ async def test_the_cli_creates_lists_and_sets_projects(tmp_path: Path) -> None:
         code, out = await cli("project", "ls")
         assert code == 0 and "lab/one" in out and "lab " not in out.replace("lab/one", ""), out
         assert s.keys.get("lab/one") == Quota(sandboxes=3, cpus=2, memory_mib=2000)
+
+
+async def test_a_quota_holds_across_three_nodes(tmp_path: Path) -> None:
+    """Cluster-wide, not per node: 5 sandboxes in all, wherever placement put them."""
+    async with ApiStack(tmp_path, nodes=("n0", "n1", "n2"), ledger=True) as s, \
+            s.client(s.admin_key) as op:
+        await op.create_project("wide", sandboxes=5)
+        key = (await op.create_key("wide")).key
+        async with s.client(key) as c:
+            async def one() -> bool:
+                try:
+                    await c.create("img")
+                    return True
+                except errors.QuotaExceeded:
+                    return False
+
+            assert sum(await asyncio.gather(*(one() for _ in range(30)))) == 5
+            assert sum(len(e.sandboxes) for e in s.edges) == 5
+            for sb in await c.list():
+                await sb.delete()
+        assert s.ledger is not None and (await s.ledger.usage("wide")).sandboxes == 0
