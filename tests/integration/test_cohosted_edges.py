@@ -220,6 +220,8 @@ async def test_two_edges_on_one_host_share_no_host_resource(tmp_node_dir: Path) 
         for sid in boxes[a.node_id]:
             assert not netns.netns_path(f"{netns.PREFIX}{sid}").exists()
         assert facts(b) == fb
+        for sid in boxes[b.node_id]:  # the layers A's last close unmounted were not B's
+            assert await run(b, sid, ["python3", "-c", "import json; print('ok')"]) == "ok"
     finally:
         try:
             if a2 is not None:

@@ -170,6 +170,10 @@ def _pick(settings: Settings, live: list[Holding]) -> None:
             break
         base += stride
     taken = [ipaddress.IPv4Network(o.net_pool) for o in live]
+    if settings.net_pool.prefixlen - settings.net_host_range.prefixlen > 12:
+        raise BadRequest(f"node {settings.node_id}: net_pool {settings.net_pool} is too small "
+                         f"a part of net_host_range {settings.net_host_range} to pick one "
+                         "(at most 4096 subnets)")
     subnets = list(settings.net_host_range.subnets(new_prefix=settings.net_pool.prefixlen))
     start = subnets.index(settings.net_pool) if settings.net_pool in subnets else 0
     for k in range(len(subnets)):
