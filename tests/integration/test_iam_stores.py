@@ -330,3 +330,26 @@ async def test_a_postgresql_restart_is_retryable_and_leaves_no_drift(postgres, p
     finally:
         await ledger.close()
         await iam.close()
+
+
+async def test_a_revoke_through_one_replica_is_refused_by_the_other_at_once(pg_dsn) -> None:  # noqa: ANN001
+    """Each PostgreSQL replica caches verified keys; a revoke anywhere is NOTIFYed to all."""
+    from rollbox.iam.postgres import open_postgres
+
+    (one, l1), (two, l2) = await open_postgres(pg_dsn), await open_postgres(pg_dsn)
+    try:
+        await one.create_project(OPERATOR, "p")
+        key, info = await one.create_key(OPERATOR, "p")
+        assert (await two.authenticate(key)).project == "p"  # cached by the other replica
+        await one.revoke_key(OPERATOR, info.key_id)
+        for _ in range(50):
+            try:
+                await two.authenticate(key)
+            except errors.Unauthorized:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the other replica still took a revoked key after 0.5 s")
+    finally:
+        for store in (l1, l2, one, two):
+            await store.close()

@@ -289,3 +289,14 @@ class PostgresLedger(SqlLedger):
 
     async def close(self) -> None:
         await self.pool.close()
+
+
+async def open_postgres(dsn: str, max_size: int = 10) -> tuple[PostgresIam, PostgresLedger]:
+    """An api replica's IAM store and ledger on the database at ``dsn`` (each its own pool);
+    the caller closes both."""
+    iam = await PostgresIam.open(dsn, max_size=max_size)
+    try:
+        return iam, await PostgresLedger.open(dsn, max_size=max_size)
+    except BaseException:
+        await iam.close()
+        raise
