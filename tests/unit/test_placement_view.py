@@ -9,7 +9,7 @@ import dataclasses
 import random
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import pydantic
 import pytest
@@ -37,19 +37,33 @@ class View:
         return next((n for n in self._nodes if n.node_id == node_id), None)
 
 
+EDGES: list[Edge] = []
+
+
+@pytest.fixture(autouse=True)
+def no_capacity_calls() -> Iterator[None]:
+    """A decision from the view never calls an edge's capacity() (node_limits may)."""
+    EDGES.clear()
+    yield
+    assert [e.node_id for e in EDGES if e.capacity_calls] == []
+
+
 class Edge:
-    """Counts creates; ``refuse``: the error every create raises; ``gate``: creates wait on
-    it. capacity() fails: a decision from the view must never call it."""
+    """Counts creates and capacity() calls; ``refuse``: the error every create raises;
+    ``gate``: creates wait on it."""
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
         self.creates = 0
+        self.capacity_calls = 0
         self.refuse: Exception | None = None
         self.gate: asyncio.Event | None = None
         self.running = 0
+        EDGES.append(self)
 
-    def capacity(self) -> dict[str, object]:
-        raise AssertionError("placement with a view called capacity()")
+    async def capacity(self) -> dict[str, object]:
+        self.capacity_calls += 1
+        return {"limits": {"sandboxes": 100, "layer_mib": 4096}}
 
     async def create(self, spec: SandboxSpec, owner: str) -> SandboxInfo:
         self.creates += 1
@@ -334,7 +348,10 @@ async def test_add_and_remove_edges_while_running() -> None:
         p.edge_for("c-0123abcd")
     with pytest.raises(errors.NotFound):
         p.remove_edge("c")
-    assert await p.node_limits() == {"sandboxes": 100}
+    view.set([node("a", 10), node("b", 10, health="dead")])
+    assert await p.node_limits() == {"sandboxes": 100, "layer_mib": 4096}
+    assert (edges["a"].capacity_calls, edges["b"].capacity_calls) == (1, 0)  # b is dead
+    edges["a"].capacity_calls = 0
 
 
 async def test_no_edges_yet_with_a_view() -> None:

@@ -267,15 +267,13 @@ class Placement:
 
     async def node_limits(self) -> dict[str, float]:
         """The most any one node can hold, per budget (``capacity()["limits"]`` of the edges:
-        sandboxes, cpus, memory_mib, layer_mib, or the view's ``limits`` of the member nodes);
-        what a project quota may not exceed."""
+        sandboxes, cpus, memory_mib, layer_mib); what a project quota may not exceed. Asks the
+        edges (an operator's call, not a create's), but not those the view says are dead."""
         out: dict[str, float] = {}
-        if self.view is not None:
-            caps: Sequence[object] = [{"limits": nv.limits} for nv in self.view.nodes()
-                                      if nv.node_id in self.edges]
-        else:
-            caps = await asyncio.gather(*(_capacity(e) for e in list(self.edges.values())))
-        for cap in caps:
+        dead = ({nv.node_id for nv in self.view.nodes() if nv.health == "dead"}
+                if self.view is not None else set())
+        edges = [e for n, e in self.edges.items() if n not in dead]
+        for cap in await asyncio.gather(*(_capacity(e) for e in edges)):
             limits = cap.get("limits") if isinstance(cap, Mapping) else None
             if isinstance(limits, Mapping):
                 for k, v in limits.items():
