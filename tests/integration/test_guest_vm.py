@@ -224,17 +224,30 @@ async def test_stdin_timeout_and_oom_inside_the_guest(ch: AgentChannel) -> None:
     out, _ = await sh(ch, "ps -o comm | grep -c '^sleep' || true")
     assert out.strip() == b"0"
 
-    # OOM in the session's cgroup is reported with the exit (a 4 MiB limit the command
-    # sets on its own cgroup, then a pipe tail must hold whole).
-    out, ex = await sh(ch, "cg=/sys/fs/cgroup$(cut -d: -f3 /proc/self/cgroup); "
-                           "echo 4M > $cg/memory.max; echo 0 > $cg/memory.swap.max 2>/dev/null; "
-                           "head -c 12000000 /dev/zero | tail -n 1 | wc -c")
-    assert ex.oom_kills >= 1 and not ex.timed_out, (out, ex)
-    # Session cgroups are reused once empty (making one costs ~35 ms under TCG): the next
-    # command gets the default limits back and counts only its own OOM kills.
+    # OOM in the session's cgroup is reported with the exit. awk holds 8 MiB, then sets a
+    # 4 MiB limit on its own cgroup: the write's reclaim evicts the cgroup's file pages (every
+    # other task of it waits), finds nothing more and OOM-kills the writer, the largest.
+    # Not a limit first and a pipeline growing into it: a reused cgroup carries ~1.7 MiB of
+    # busybox text earlier commands charged to it, which each charge's reclaim evicts and the
+    # pipeline re-faults from the emulated disk, and a charge whose reclaim evicted anything
+    # retries without the OOM killer (under load: 68k refaults, 400k pages scanned and 12 s
+    # for one command; once the whole 30 s, no OOM).
     cg = "/sys/fs/cgroup$(cut -d: -f3 /proc/self/cgroup)"
-    out, ex = await sh(ch, f"cat {cg}/memory.max {cg}/pids.max")
-    assert out.split() == [b"max", b"max"] and ex.oom_kills == 0
+    out, ex = await sh(ch, f"cat /proc/self/cgroup; echo 0 > {cg}/memory.swap.max 2>/dev/null; "
+                           f"awk -v f={cg}/memory.max 'BEGIN {{ s = \"x\"; "
+                           "while (length(s) < 6000000) s = s s; "
+                           "printf \"4M\" > f; close(f); print \"survived\" }'; echo $?")
+    assert ex.oom_kills == 1 and not ex.timed_out and ex.exit_code == 0, (out, ex)
+    oom_cgroup, *status = out.split()
+    assert status == [b"137"], out  # awk, SIGKILLed in its write
+    # Session cgroups are reused once empty (making one costs ~35 ms under TCG): the next
+    # command, in the same cgroup, gets the default limits back and counts only its own OOM
+    # kills (the cgroup's memory.events still has the one above).
+    out, ex = await sh(ch, f"cat /proc/self/cgroup {cg}/memory.max {cg}/pids.max; "
+                           f"grep '^oom_kill ' {cg}/memory.events")
+    path, mem_max, pids_max, _, kills = out.split()
+    assert (path, mem_max, pids_max) == (oom_cgroup, b"max", b"max") and int(kills) >= 1, out
+    assert ex.oom_kills == 0, ex
     first, _ = await sh(ch, "cat /proc/self/cgroup")
     second, _ = await sh(ch, "cat /proc/self/cgroup")
     assert first == second and first.startswith(b"0::/rollbox/s")
