@@ -222,20 +222,26 @@ class ServerProcess:
         self.reap_orphans()
 
     def reap_orphans(self) -> None:
-        """Reap the zombies of this node's sandboxes that a killed server left to this process:
-        their agents, killed by a later server that was not their parent. (Unreaped, each
-        holds a uid slot's ids, which later sandboxes reuse.) Only processes in one of this
-        node's sandbox cgroups are waited for, never another child of this process."""
-        me, node = os.getpid(), f"/{self.settings.node_id}-"
-        for d in Path("/proc").iterdir():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                cgroup = (d / "cgroup").read_text()
-            except (OSError, IndexError):
-                continue
-            if fields[0] == "Z" and int(fields[1]) == me and node in cgroup:
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(int(d.name), 0)
+        """Reap the zombies of this node's sandboxes that a killed server left to this process
+        (:func:`reap_sandbox_orphans`)."""
+        reap_sandbox_orphans(self.settings.node_id)
+
+
+def reap_sandbox_orphans(node_id: str) -> None:
+    """Reap the zombies of node ``node_id``'s sandboxes that a killed edge process left to this
+    one (a child subreaper): their agents, killed by a later edge that was not their parent.
+    (Unreaped, each holds a uid slot's ids, which later sandboxes reuse.) Only processes in one
+    of this node's sandbox cgroups are waited for, never another child of this process."""
+    me, node = os.getpid(), f"/{node_id}-"
+    for d in Path("/proc").iterdir():
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            cgroup = (d / "cgroup").read_text()
+        except (OSError, IndexError):
+            continue
+        if fields[0] == "Z" and int(fields[1]) == me and node in cgroup:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(int(d.name), 0)
 
 
 @contextlib.contextmanager
