@@ -19,7 +19,7 @@ import pytest
 from rollbox.config import Settings
 from rollbox.edge.admission import host_memory_mib, node_memory_mib, sandboxes_memory_max_mib
 from rollbox.edge.edge import Edge
-from rollbox.errors import HostResourceConflict
+from rollbox.errors import BadRequest, HostResourceConflict
 from rollbox.events.store import EventLog
 from rollbox.isolation import cgroups, netns
 from rollbox.models import ExecSpec, NetworkPolicy, Resources, SandboxSpec
@@ -117,6 +117,10 @@ async def test_two_edges_on_one_host_share_no_host_resource(tmp_node_dir: Path) 
                 image="python:3.11", network=net), "t")).id for _ in range(2)]
         vms: dict[str, str] = {}
         if have_image(BB) and (await a.capacity())["backends"]["microvm"]["offered"]:
+            # a VM may have the host's memory, but not more than its node's half of it
+            with pytest.raises(BadRequest, match="above what node"):
+                await a.create(SandboxSpec(image=BB, backend="microvm", resources=Resources(
+                    cpus=1, memory_mib=node_memory_mib(sa) + 256, disk_mib=64)), "t")
             for edge in (a, b):
                 vms[edge.node_id] = (await edge.create(SandboxSpec(
                     image=BB, backend="microvm", network=net,

@@ -542,9 +542,14 @@ class Edge:
                              f"{why}; offered: {', '.join(offered) or 'none'}",
                              backend=spec.backend, offered=offered)
         r = spec.resources
+        # A backend's bound is the host's; a node with a share of the host (co-hosted
+        # edges) gives one sandbox at most its share.
+        share = {"cpus": self.admission.host_cpus, "memory_mib": self._host_mem_mib}
         for name, asked, most in (("cpus", r.cpus, cap.max_cpus),
                                   ("memory_mib", r.memory_mib, cap.max_memory_mib),
                                   ("disk_mib", r.disk_mib, cap.max_disk_mib)):
+            if most is not None and name in share:
+                most = min(most, share[name])
             if most is not None and asked > most:
                 raise BadRequest(f"resources.{name} {asked:g} is above what node {self.node_id}"
                                  f" gives one {spec.backend} sandbox ({most:g})",
