@@ -321,10 +321,16 @@ def cluster_status(json_out: bool = typer.Option(False, "--json")) -> None:
     if json_out:
         typer.echo(json.dumps(st))
         return
-    typer.echo(f"api {st['api']} replicas {', '.join(st['replicas'])}")
+    typer.echo(f"api {st['api']} (replicas {', '.join(st['replicas'])}); Ray head {st['gcs']}; "
+               f"admin key in {st['admin_key']}")
+    typer.echo(f"{st['sandboxes']} sandboxes; by backend {json.dumps(st['by_backend'])}; "
+               f"by project {json.dumps(st['by_project'])}")
     for n in st["nodes"]:
-        typer.echo(f"node {n['node_id']}: {n['health']} {n['url']} "
-                   f"{json.dumps(n.get('sandboxes', {}))}")
+        seen = "never" if n["last_seen_s"] is None else f"{n['last_seen_s']:.1f}s ago"
+        typer.echo(f"node {n['node_id']}: {n['health']} (seen {seen}), {n['sandboxes']} "
+                   f"sandboxes, {n['lost']} lost; backends {','.join(n['backends']) or '-'}; "
+                   f"by backend {json.dumps(n['by_backend'])}; by project "
+                   f"{json.dumps(n['by_project'])}")
 
 
 @cluster_app.command("down")

@@ -10,6 +10,7 @@ process and its temp dir. Does not serve requests itself.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -55,6 +56,8 @@ class ClusterState:
     api_url: str
     admin_key: str
     token_file: str
+    dsn_file: str = ""  # the PostgreSQL DSN (with its password), root-only
+    pg_data: str = ""
     nodes: list[NodeRecord] = field(default_factory=list)
     replicas: list[ReplicaRecord] = field(default_factory=list)
 
@@ -186,21 +189,62 @@ def start_edge(settings: Settings, address: str, node_id: str, index: int, token
     return NodeRecord(node_id, index, head, f"http://{address}:{port}")
 
 
-def _admin_key(settings: Settings) -> Path:
-    from rollbox.iam.keys import KeyStore
+def start_postgres(settings: Settings, ports: ClusterPorts) -> tuple[Path, Path]:
+    """The cluster's PostgreSQL (IAM, projects, keys, quotas, the quota ledger) on the
+    cluster's port, loopback only; (data dir, DSN file)."""
+    from rollbox.cluster.postgres import PostgresServer
+
+    data = settings.cluster_dir / "pg"
+    server = PostgresServer(data, port=ports.postgres).start()
+    dsn_file = settings.cluster_dir / "pg.dsn"
+    write_secret(dsn_file, server.dsn)
+    return data, dsn_file
+
+
+def stop_postgres(data: Path, timeout: float = 30) -> None:
+    """Stop the cluster's PostgreSQL started by another process (its postmaster.pid): fast
+    shutdown, SIGKILL of its process group after ``timeout``."""
+    try:
+        pid = int((data / "postmaster.pid").read_text().split()[0])
+    except (FileNotFoundError, IndexError, ValueError):
+        return
+    if not _alive(pid):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGINT)
+    deadline = time.monotonic() + timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _alive(pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        while _alive(pid):
+            time.sleep(0.05)
+
+
+def _admin_key(settings: Settings, dsn: str) -> Path:
+    """The cluster's operator key (admin of every project), root-only in the cluster dir;
+    made in PostgreSQL unless the file holds one it still accepts."""
+    import asyncio
+
+    from rollbox.iam.postgres import PostgresIam
 
     path = settings.cluster_dir / "admin.key"
-    keys = KeyStore(settings.cluster_dir / "keys.db")
-    try:
-        if path.exists():
-            try:
-                keys.verify(path.read_text().strip())
-                return path
-            except errors.RollboxError:
-                pass
-        write_secret(path, keys.create("admin", admin=True))
-    finally:
-        keys.close()
+
+    async def ensure() -> None:
+        iam = await PostgresIam.open(dsn, max_size=2)
+        try:
+            if path.exists():
+                try:
+                    await iam.authenticate(path.read_text().strip())
+                    return
+                except errors.RollboxError:
+                    pass
+            write_secret(path, await iam.create_operator_key())
+        finally:
+            await iam.close()
+
+    asyncio.run(ensure())
     return path
 
 
@@ -212,7 +256,8 @@ def start_replica(state: ClusterState, settings: Settings, i: int) -> ReplicaRec
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "rollbox.cluster.replica", "--gcs", state.gcs,
-             "--token-file", state.token_file, "--state-dir", str(settings.cluster_dir),
+             "--token-file", state.token_file, "--dsn-file", state.dsn_file,
+             "--state-dir", str(settings.cluster_dir),
              "--host", state.address, "--port", str(ports.api), "--own-port",
              str(ports.replica(i)), "--name", name],
             stdout=subprocess.DEVNULL, stderr=out, env=ray_nodes.ray_env(),
@@ -279,9 +324,14 @@ def up(settings: Settings | None = None, replicas: int = 2, nodes: int = 1) -> C
     token = token_file.read_text().strip()
     state = ClusterState(port_base=ports.base, address=s.cluster_address,
                          api_url=f"http://{s.cluster_address}:{ports.api}",
-                         admin_key=str(_admin_key(s)), token_file=str(token_file))
+                         admin_key=str(s.cluster_dir / "admin.key"),
+                         token_file=str(token_file), pg_data=str(s.cluster_dir / "pg"))
     ids = [f"{s.node_id}c{i}" for i in range(nodes)]
     try:
+        state.save(state_path(s))  # first: a failed start is undone by down()
+        _, dsn_file = start_postgres(s, ports)
+        state.dsn_file = str(dsn_file)
+        _admin_key(s, dsn_file.read_text().strip())
         state.save(state_path(s))
         ray_nodes.start_node(ports, ids[0], 0, head=True, address=s.cluster_address,
                              object_store_mib=s.cluster_object_store_mib)
@@ -305,16 +355,11 @@ def up(settings: Settings | None = None, replicas: int = 2, nodes: int = 1) -> C
 
 
 def _join_nodes(ports: ClusterPorts, s: Settings, ids: list[str], start: int) -> None:
-    """Start worker Ray nodes at once (each ``ray start`` takes seconds)."""
-    import concurrent.futures
-
-    with concurrent.futures.ThreadPoolExecutor(max(1, len(ids))) as pool:
-        futs = [pool.submit(ray_nodes.start_node, ports, node, start + k, head=False,
-                            address=s.cluster_address,
-                            object_store_mib=s.cluster_object_store_mib)
-                for k, node in enumerate(ids)]
-        for f in futs:
-            f.result()
+    """Start worker Ray nodes one after another (two raylets starting at once on one host
+    time out registering under load)."""
+    for k, node in enumerate(ids):
+        ray_nodes.start_node(ports, node, start + k, head=False, address=s.cluster_address,
+                             object_store_mib=s.cluster_object_store_mib)
 
 
 def join(address: str, settings: Settings | None = None, node_id: str | None = None,
@@ -364,7 +409,8 @@ def join(address: str, settings: Settings | None = None, node_id: str | None = N
 
 def down(settings: Settings | None = None, destroy: bool = True) -> None:
     """Stop the cluster run from this host: replicas, edges (sandboxes destroyed unless not
-    ``destroy``), every Ray process, the Ray temp dir. Idempotent."""
+    ``destroy``), every Ray process, the Ray temp dir, PostgreSQL (its data stays: projects,
+    keys and quotas outlive a restart of the cluster). Idempotent."""
     s = settings or Settings()
     path = state_path(s)
     try:
@@ -378,6 +424,7 @@ def down(settings: Settings | None = None, destroy: bool = True) -> None:
         if state.nodes and ray_nodes.local_nodes(ports):
             _stop_edges(state, destroy)
     ray_nodes.stop_all(ports)
+    stop_postgres(Path(state.pg_data) if state and state.pg_data else s.cluster_dir / "pg")
     path.unlink(missing_ok=True)
 
 
@@ -402,28 +449,24 @@ def _stop_edges(state: ClusterState, destroy: bool) -> None:
 
 
 def status(settings: Settings | None = None) -> dict[str, Any]:
-    """Nodes (alive per Ray and per their edge), sandboxes per node, backend and project."""
+    """The watcher's summary as an api replica has it (``GET /v1/cluster/status``: nodes,
+    health, sandboxes per node, backend and project), asked of the first replica that
+    answers; plus where the cluster's api, replicas and admin key are."""
     import httpx
 
     s = settings or Settings()
     state = ClusterState.load(state_path(s))
-    token = Path(state.token_file).read_text().strip()
-    from rollbox.cluster.edge_actor import registered_edges
-
-    try:
-        urls = registered_edges(state.gcs)
-    except Exception as exc:  # noqa: BLE001
-        raise errors.InfraError(f"Ray GCS at {state.gcs} not answering: {exc}") from None
-    nodes = []
-    for node, url in sorted(urls.items()):
-        entry: dict[str, Any] = {"node_id": node, "url": url}
+    key = Path(state.admin_key).read_text().strip()
+    last: Exception | None = None
+    for url in [*state.replica_urls, state.api_url]:
         try:
-            r = httpx.post(f"{url}/edge/v1/report", headers={
-                "authorization": f"Bearer {token}"}, timeout=3)
-            r.raise_for_status()
-            entry.update(health="alive", report=r.json())
+            r = httpx.get(f"{url}/v1/cluster/status", timeout=5,
+                          headers={"authorization": f"Bearer {key}"})
         except httpx.HTTPError as exc:
-            entry.update(health="unreachable", error=str(exc)[:200])
-        nodes.append(entry)
-    return {"api": state.api_url, "replicas": state.replica_urls,
-            "admin_key": state.admin_key, "nodes": nodes}
+            last = exc
+            continue
+        if r.status_code != 200:
+            raise errors.error_from_payload(r.json(), r.status_code)
+        return {"api": state.api_url, "replicas": state.replica_urls,
+                "admin_key": state.admin_key, "gcs": state.gcs, **r.json()}
+    raise errors.InfraError(f"no api replica answers: {last!r}")

@@ -3,6 +3,7 @@
 Owns the replica's wiring: it finds the edges in the Ray GCS (each edge actor registers
 ``(node id, url)``; re-read every second, so nodes that join or leave are picked up), holds a
 :class:`~rollbox.edge.remote.RemoteEdge` per edge (HTTP with the cluster token), a
+:class:`~rollbox.watcher.Watcher` probing them (health, node_lost, ``/v1/cluster/status``), a
 :class:`~rollbox.placement.Placement` over them, and the cluster's shared IAM. Any replica
 serves any request: a sandbox id names its node, placement routes it. Replicas share one port
 with ``SO_REUSEPORT`` (the kernel spreads new connections over the live listeners: no extra
@@ -39,14 +40,16 @@ def listen(host: str, port: int, reuse_port: bool) -> socket.socket:
 
 
 class EdgeDirectory:
-    """The cluster's edges as this replica knows them: node id -> RemoteEdge, refreshed from
-    the GCS registry; placement's edge set follows it."""
+    """The cluster's edges as this replica knows them, kept in an
+    :class:`~rollbox.placement.registry.EdgeRegistry` (which the watcher probes and placement
+    routes through), refreshed from the GCS registry every second."""
 
     def __init__(self, gcs: str, token: str) -> None:
+        from rollbox.placement.registry import EdgeRegistry
+
         self.gcs, self.token = gcs, token
         self.urls: dict[str, str] = {}
-        self.edges: dict[str, Any] = {}
-        self.placement: Any = None
+        self.registry = EdgeRegistry()
 
     async def refresh(self) -> None:
         from rollbox.cluster.edge_actor import registered_edges
@@ -57,28 +60,20 @@ class EdgeDirectory:
         except Exception as exc:  # noqa: BLE001 - GCS down: keep the edges we know
             log.warning("edge registry not readable: %r", exc)
             return
+        if urls == self.urls:
+            return
+        # An edge that deregistered (cluster down) leaves; one that died without it stays
+        # registered (the watcher declares it dead and its sandboxes node_lost).
+        edges = {n: self.registry[n] for n in urls
+                 if n in self.registry and self.urls.get(n) == urls[n]}
+        gone = [self.registry[n] for n in self.registry if edges.get(n) is not self.registry[n]]
         for node, url in urls.items():
-            if self.urls.get(node) != url:
-                old = self.edges.pop(node, None)
-                if old is not None:
-                    await old.close()
-                self.edges[node] = RemoteEdge(node, url, self.token)
-                self.urls[node] = url
-                if self.placement is not None:
-                    self._place(node)
-        # An edge that deregistered (cluster down) is dropped; one that died without it stays
-        # (the watcher reports it and its sandboxes).
-        for node in [n for n in self.urls if n not in urls]:
-            self.urls.pop(node)
-            edge = self.edges.pop(node)
-            if self.placement is not None:
-                self.placement.edges.remove(node)  # its EdgeRegistry
+            if node not in edges:
+                edges[node] = RemoteEdge(node, url, self.token)
+        self.registry.replace(edges.values())  # placement's and the watcher's, shared
+        self.urls = dict(urls)
+        for edge in gone:
             await edge.close()
-
-    def _place(self, node: str) -> None:
-        registry = self.placement.edges  # an EdgeRegistry: a new handle replaces the old one
-        registry.remove(node)
-        registry.add(self.edges[node])
 
     async def run(self) -> None:
         while True:
@@ -86,7 +81,7 @@ class EdgeDirectory:
             await self.refresh()
 
     async def aclose(self) -> None:
-        for edge in self.edges.values():
+        for edge in list(self.registry.values()):
             await edge.close()
 
 
@@ -94,45 +89,53 @@ async def _wait_for_edges(directory: EdgeDirectory, timeout: float) -> None:
     async with asyncio.timeout(timeout):
         while True:
             await directory.refresh()
-            if directory.edges:
+            if directory.registry:
                 return
             await asyncio.sleep(0.2)
 
 
 @contextlib.asynccontextmanager
-async def replica_app(gcs: str, token: str, state_dir: Path,
+async def replica_app(gcs: str, token: str, dsn: str, state_dir: Path,
                       name: str) -> AsyncIterator[Any]:
     from rollbox.api.app import create_app
     from rollbox.compat.frontdoors import FRONT_DOORS
     from rollbox.events.store import EventLog
-    from rollbox.iam.keys import KeyStore
+    from rollbox.iam.postgres import PostgresIam, PostgresLedger
     from rollbox.placement import Placement
+    from rollbox.watcher import Watcher
 
     directory = EdgeDirectory(gcs, token)
     await _wait_for_edges(directory, 120)
-    placement = Placement(list(directory.edges.values()))
-    directory.placement = placement
+    iam = await PostgresIam.open(dsn)
+    ledger = await PostgresLedger.open(dsn)
+    # The watcher reconciles the shared ledger with the edges' live sets (every replica
+    # does: a reconcile is idempotent).
+    watcher = Watcher(directory.registry, ledger=ledger)
+    placement = Placement(directory.registry, watcher)  # decides from the watcher's view
     own = state_dir / "replicas" / name
     own.mkdir(parents=True, exist_ok=True)
     events = EventLog(own / "events.db")
-    keys = KeyStore(state_dir / "keys.db")
+    await watcher.start()
     task = asyncio.create_task(directory.run())
     try:
-        yield create_app(placement, events, keys, front_doors=FRONT_DOORS)
+        yield create_app(placement, events, iam, ledger=ledger, front_doors=FRONT_DOORS,
+                         watcher=watcher)
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        await watcher.stop()
         await directory.aclose()
         events.close()
-        keys.close()
+        await ledger.close()
+        await iam.close()
 
 
-async def serve(gcs: str, token: str, state_dir: Path, host: str, shared_port: int,
-                own_port: int, name: str) -> None:
+async def serve(gcs: str, token: str, dsn: str, state_dir: Path, host: str,
+                shared_port: int, own_port: int, name: str) -> None:
     import uvicorn
 
     socks = [listen(host, shared_port, reuse_port=True), listen(host, own_port, False)]
-    async with replica_app(gcs, token, state_dir, name) as app:
+    async with replica_app(gcs, token, dsn, state_dir, name) as app:
         config = uvicorn.Config(app, http="httptools", loop="asyncio", lifespan="on",
                                 access_log=False, log_level="warning",
                                 limit_concurrency=65536, backlog=4096, timeout_keep_alive=30,
@@ -144,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m rollbox.cluster.replica")
     p.add_argument("--gcs", required=True, help="Ray GCS address host:port")
     p.add_argument("--token-file", required=True, type=Path)
+    p.add_argument("--dsn-file", required=True, type=Path, help="the PostgreSQL DSN (0600)")
     p.add_argument("--state-dir", required=True, type=Path)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", required=True, type=int, help="the replicas' shared port")
@@ -158,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     import uvloop
 
     token = a.token_file.read_text().strip()
-    uvloop.run(serve(a.gcs, token, a.state_dir, a.host, a.port, a.own_port, a.name))
+    dsn = a.dsn_file.read_text().strip()
+    uvloop.run(serve(a.gcs, token, dsn, a.state_dir, a.host, a.port, a.own_port, a.name))
 
 
 if __name__ == "__main__":
