@@ -278,6 +278,23 @@ async def test_reconcile_loop_runs_every_interval() -> None:
     assert ledger.calls[-1] == ({"a": ["a-01"]}, ["a"])
 
 
+async def test_a_node_turning_dead_reconciles_at_once() -> None:
+    ledger = FakeLedger()
+    gone = FakeEdge("gone", [sandbox("gone-01")])
+    w = Watcher([FakeEdge("a"), gone], interval_s=0.05, probe_timeout_s=0.1, suspect_s=0.2,
+                dead_s=0.4, reconcile_s=600.0, ledger=ledger)
+    async with w:
+        await asyncio.sleep(0.2)
+        assert ledger.calls == []  # the interval is long
+        gone.mode = "fail"
+        t0 = time.monotonic()
+        while not ledger.calls:
+            assert time.monotonic() - t0 < 5
+            await asyncio.sleep(0.02)
+    assert w.health("gone") == "dead"
+    assert ledger.calls[0] == ({"a": [], "gone": []}, ["a", "gone"])
+
+
 async def test_fence_is_the_dead_threshold_except_for_local_nodes() -> None:
     clock = Clock()
     a, b = FakeEdge("a"), FakeEdge("b")

@@ -25,7 +25,7 @@ How (docs/watcher.md):
   seconds) still re-adopts them. This is what holds when this watcher restarted meanwhile and
   forgot what it declared lost. Off for an edge in the watcher's own process (embedded): they
   stop together, nobody else declares it lost.
-- Every ``reconcile_s`` the ledger (:class:`Ledger`, if given) gets the live sets of the nodes
+- Every ``reconcile_s``, and at once when a node turns dead, the ledger (:class:`Ledger`, if given) gets the live sets of the nodes
   whose last probe answered in full (alive, not truncated), and of the dead nodes (empty: their
   sandboxes are lost).
 """
@@ -125,6 +125,9 @@ class Watcher:
         self._task: asyncio.Task[None] | None = None
         self._last_tick: float | None = None
         self._reconcile_task: asyncio.Task[None] | None = None
+        # set when a node turns dead: its sandboxes' reservations go at once, not up to a
+        # reconcile interval later (node loss: zero drift within 10 s)
+        self._reconcile_soon = asyncio.Event()
         self.reconciles = 0  # ledger reconciliations done (tests, status)
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -291,6 +294,7 @@ class Watcher:
             log.warning("watcher: node %s is dead (no answer for %.1f s; %s); %d sandboxes "
                         "reported %s", node.node_id, age, node.last_error, len(node.lost),
                         NODE_LOST)
+            self._reconcile_soon.set()
         elif node.health == "dead":
             log.warning("watcher: node %s is back (%s)", node.node_id, health)
         else:
@@ -392,7 +396,12 @@ class Watcher:
 
     async def _reconcile_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.reconcile_s)
+            try:  # every reconcile_s, or at once when a node turned dead
+                async with asyncio.timeout(self.reconcile_s):
+                    await self._reconcile_soon.wait()
+            except TimeoutError:
+                pass
+            self._reconcile_soon.clear()
             try:
                 await self.reconcile()
             except asyncio.CancelledError:
