@@ -10,7 +10,8 @@ thirds so the load on a shared machine hits both alike:
 * ``exec(["true"])`` round trips through the api (start + output stream: two edge calls);
 * create + delete of a busybox container sandbox through the api;
 * straight to the edge (no api): ``capacity()`` and ``exec_start`` + ``exec_wait`` round trips,
-  ``Edge`` vs ``RemoteEdge``.
+  and the replay of a finished command's output of 10,000 lines (``exec_stream``, thousands of
+  items: the framing's cost per item), ``Edge`` vs ``RemoteEdge``.
 
 Ratios are remote over local of the p50 (1.0: the hop costs nothing). Ends with one JSON line.
 """
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from rollbox.benchkit import emit, latency_ms, ratio, round_trips, say
+
+WORKLOADS = ("exec", "create_delete", "edge_capacity", "edge_exec", "edge_replay")
 
 
 async def bench(quick: bool) -> dict[str, Any]:
@@ -48,7 +51,7 @@ async def bench(quick: bool) -> dict[str, Any]:
     await edge.start()
     token = secrets.token_urlsafe(24)
     image = "busybox:test" if edge.store.exists("busybox:test") else "debian:bookworm"
-    n_exec, n_create, n_edge = (60, 6, 150) if quick else (300, 30, 600)
+    n_exec, n_create, n_edge, n_replay = (60, 6, 150, 6) if quick else (300, 30, 600, 30)
     out: dict[str, Any] = {"quick": quick, "image": image, "loadavg_start": os.getloadavg()}
     keys = KeyStore(tmp / "keys.db")
     key = keys.create("bench")
@@ -63,8 +66,12 @@ async def bench(quick: bool) -> dict[str, Any]:
                     rollbox.AsyncClient(rsrv.url, key) as rc:
                 lsb, rsb = await lc.create(image), await rc.create(image)
                 sides = {"local": (lc, lsb, edge), "remote": (rc, rsb, remote)}
-                lat: dict[str, list[float]] = {f"{w}_{side}": [] for w in (
-                    "exec", "create_delete", "edge_capacity", "edge_exec") for side in sides}
+                lat: dict[str, list[float]] = {f"{w}_{side}": [] for w in WORKLOADS
+                                               for side in sides}
+                loud = await edge.exec_start(lsb.id, ExecSpec(
+                    cmd="i=0; while [ $i -lt 10000 ]; do i=$((i+1)); echo line $i; done"))
+                await edge.exec_wait(lsb.id, loud)
+                out["edge_replay_items"] = len([x async for x in edge.exec_stream(lsb.id, loud)])
                 say(f"exec/create through the api, {image}, local vs remote edge ...")
                 for third in range(3):
                     for side, (client, sb, face) in sides.items():
@@ -83,18 +90,24 @@ async def bench(quick: bool) -> dict[str, Any]:
                             eid = await face.exec_start(sid, ExecSpec(cmd=["true"]))
                             assert (await face.exec_wait(sid, eid)).exit_code == 0
 
+                        async def replay(face: Any = face) -> None:
+                            items = [x async for x in face.exec_stream(lsb.id, loud)]
+                            assert items[-1].kind == "exit"
+
                         w = 10 if third == 0 else 0
                         lat[f"exec_{side}"] += await round_trips(ex, n_exec // 3, w)
                         lat[f"create_delete_{side}"] += await round_trips(cd, n_create // 3,
                                                                           1 if w else 0)
                         lat[f"edge_capacity_{side}"] += await round_trips(cap, n_edge // 3, w)
                         lat[f"edge_exec_{side}"] += await round_trips(eex, n_exec // 3, w)
+                        lat[f"edge_replay_{side}"] += await round_trips(replay, n_replay // 3,
+                                                                        1 if w else 0)
                 await lsb.delete()
                 await rsb.delete()
             await remote.close()
         for name, xs in lat.items():
             out.update(latency_ms(xs, f"{name}_"))
-        for w in ("exec", "create_delete", "edge_capacity", "edge_exec"):
+        for w in WORKLOADS:
             out[f"{w}_remote_over_local_p50"] = ratio(out[f"{w}_remote_p50_ms"],
                                                       out[f"{w}_local_p50_ms"])
         out["loadavg_end"] = os.getloadavg()
@@ -109,7 +122,7 @@ async def bench(quick: bool) -> dict[str, Any]:
 def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
     res = asyncio.run(bench(quick))
     if not json_out:
-        for w in ("exec", "create_delete", "edge_capacity", "edge_exec"):
+        for w in WORKLOADS:
             say(f"{w:14s} local p50 {res[f'{w}_local_p50_ms']:8.2f} ms  remote p50 "
                 f"{res[f'{w}_remote_p50_ms']:8.2f} ms  ratio {res[f'{w}_remote_over_local_p50']}")
     return emit(res, json_out)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -43,20 +44,15 @@ def test_frames_read_back_and_an_oversized_frame_is_refused() -> None:
     stream = (b"".join(wire.frame(k, p) for k, p in payloads) + wire.HEARTBEAT_FRAME
               + wire.DONE_FRAME + wire.frame(wire.DATA, b"after the end"))
 
-    async def read(data: bytes) -> list[tuple[bytes, bytes]]:
-        buf = memoryview(data)
-        pos = 0
+    async def read(data: bytes, step: int = 7) -> list[tuple[bytes, bytes]]:
+        async def chunks() -> AsyncIterator[bytes]:  # split anywhere, headers too
+            for i in range(0, len(data), step):
+                yield data[i:i + step]
 
-        async def exactly(n: int) -> bytes:
-            nonlocal pos
-            if pos + n > len(buf):
-                raise asyncio.IncompleteReadError(bytes(buf[pos:]), n)
-            pos += n
-            return bytes(buf[pos - n:pos])
+        return [f async for f in wire.read_frames(chunks())]
 
-        return [f async for f in wire.read_frames(exactly)]
-
-    assert asyncio.run(read(stream)) == [*payloads, (wire.DONE, b"")]
+    for step in (1, 3, 7, 4096):
+        assert asyncio.run(read(stream, step)) == [*payloads, (wire.DONE, b"")]
     big = wire.HEAD.pack(wire.DATA, wire.MAX_FRAME + 1)
     with pytest.raises(errors.InfraError):
         asyncio.run(read(big))

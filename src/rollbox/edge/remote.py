@@ -64,13 +64,10 @@ class _Answer:
         self.what = what
         self.source = source
 
-    async def _read_exactly(self, n: int) -> bytes:
-        return await self.resp.content.readexactly(n)
-
     async def frames(self) -> AsyncIterator[tuple[bytes, bytes]]:
         """(kind, payload) up to the terminal frame; ERROR raises the edge's error."""
         try:
-            async for kind, payload in wire.read_frames(self._read_exactly):
+            async for kind, payload in wire.read_frames(self.resp.content.iter_any()):
                 if kind == wire.ERROR:
                     raise wire.error_of(json.loads(payload))
                 yield kind, payload

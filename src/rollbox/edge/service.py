@@ -120,35 +120,68 @@ class Frames(Response):
 
 
 _BEAT = object()
+_ITEM, _END, _RAISED = 0, 1, 2
+BATCH_BYTES = 1 << 20  # what one write of a stream carries at most (about)
+QUEUE_ITEMS = 64  # items read ahead of the client (bounded memory: with BATCH_BYTES)
+
+
+def _size(item: Any) -> int:
+    if isinstance(item, bytes):
+        return len(item)
+    if isinstance(item, ExecOutput):
+        return len(item.data)
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], bytes):
+        return len(item[1])  # a platform process's (kind, bytes)
+    return 0
 
 
 async def _beating(items: AsyncIterator[Any], every_s: float) -> AsyncIterator[Any]:
-    """``items``, with ``_BEAT`` whenever none came for ``every_s``; closes ``items`` at the end
-    (also when the consumer leaves)."""
-    it = items.__aiter__()
-    nxt: asyncio.Future[Any] | None = None
+    """``items`` in batches (lists of what was ready together, about BATCH_BYTES at most: one
+    write each, not one per item), with ``_BEAT`` whenever nothing came for ``every_s``. A task
+    reads ``items`` ahead, at most QUEUE_ITEMS; ``items`` is closed at the end (also when the
+    consumer leaves)."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(QUEUE_ITEMS)
+
+    async def produce() -> None:
+        try:
+            async for item in items:
+                await queue.put((_ITEM, item))
+        except Exception as exc:  # noqa: BLE001 - raised to the consumer, in order
+            await queue.put((_RAISED, exc))
+            return
+        await queue.put((_END, None))
+
+    producer = asyncio.ensure_future(produce())
     try:
         while True:
-            if nxt is None:
-                nxt = asyncio.ensure_future(it.__anext__())
-            done, _ = await asyncio.wait({nxt}, timeout=every_s)
-            if not done:
+            try:
+                async with asyncio.timeout(every_s):
+                    kind, value = await queue.get()
+            except TimeoutError:
                 yield _BEAT
                 continue
-            fut, nxt = nxt, None
-            try:
-                item = fut.result()
-            except StopAsyncIteration:
+            batch: list[Any] = []
+            size = 0
+            while True:
+                if kind == _ITEM:
+                    batch.append(value)
+                    size += _size(value)
+                if kind != _ITEM or size >= BATCH_BYTES or queue.empty():
+                    break
+                kind, value = queue.get_nowait()
+            if batch:
+                yield batch
+            if kind == _END:
                 return
-            yield item
+            if kind == _RAISED:
+                raise value
     finally:
-        if nxt is not None:
-            nxt.cancel()
-            with contextlib.suppress(BaseException):
-                await nxt
-        if isinstance(it, AsyncGenerator):  # the edge's streams are async generators
+        producer.cancel()
+        with contextlib.suppress(BaseException):
+            await producer
+        if isinstance(items, AsyncGenerator):  # the edge's streams are async generators
             with contextlib.suppress(Exception):
-                await it.aclose()
+                await items.aclose()
 
 
 def _exec_frame(item: ExecOutput) -> bytes | None:
@@ -315,11 +348,11 @@ class EdgeService:
 
     async def _stream_body(self, name: str, items: AsyncIterator[Any]) -> AsyncIterator[bytes]:
         try:
-            async for item in _beating(items, self.heartbeat_s):
-                if item is _BEAT:
+            async for batch in _beating(items, self.heartbeat_s):
+                if batch is _BEAT:
                     yield wire.HEARTBEAT_FRAME
                     continue
-                out = _stream_frames(name, item)
+                out = b"".join(f for item in batch if (f := _stream_frames(name, item)))
                 if out:
                     yield out
         except Exception as exc:  # noqa: BLE001 - in-band: the 200 is sent
@@ -356,16 +389,19 @@ class EdgeService:
         try:
             yield wire.json_frame({"handle": handle})
             try:
-                async for item in _beating(proc.events(), self.heartbeat_s):
-                    if item is _BEAT:
+                async for batch in _beating(proc.events(), self.heartbeat_s):
+                    if batch is _BEAT:
                         yield wire.HEARTBEAT_FRAME
                         continue
-                    kind, payload = item
-                    if kind == "exited":
-                        exited = True
-                        yield wire.json_frame({"kind": "exited", **vars(payload)})
-                    else:
-                        yield wire.frame(wire.PROC_OUTPUT, kind.encode() + b"\0" + payload)
+                    out = []
+                    for kind, payload in batch:
+                        if kind == "exited":
+                            exited = True
+                            out.append(wire.json_frame({"kind": "exited", **vars(payload)}))
+                        else:
+                            out.append(wire.frame(wire.PROC_OUTPUT,
+                                                  kind.encode() + b"\0" + payload))
+                    yield b"".join(out)
             except Exception as exc:  # noqa: BLE001 - in-band
                 yield wire.error_frame(_as_rollbox(exc, "platform_exec"))
                 return

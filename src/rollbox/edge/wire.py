@@ -27,12 +27,13 @@ Owns no connection and no edge; imports only the models, errors and the interfac
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import re
 import struct
 import typing
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -229,19 +230,30 @@ PROC_OPS = ("stdin", "close_stdin", "kill")
 
 
 # ---- reading frames -----------------------------------------------------------------------
-ReadExactly = Callable[[int], typing.Awaitable[bytes]]
-
-
-async def read_frames(read_exactly: ReadExactly) -> AsyncIterator[tuple[bytes, bytes]]:
-    """(kind, payload) of each frame but heartbeats, up to and with the terminal one; a
-    payload over MAX_FRAME is the edge breaking the wire (InfraError)."""
-    while True:
-        kind, n = HEAD.unpack(await read_exactly(HEAD.size))
-        if n > MAX_FRAME:
-            raise errors.InfraError(f"edge sent a frame of {n} bytes (at most {MAX_FRAME})")
-        payload = await read_exactly(n) if n else b""
-        if kind == HEARTBEAT:
-            continue
-        yield kind, payload
-        if kind in (DONE, ERROR):
-            return
+async def read_frames(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple[bytes, bytes]]:
+    """(kind, payload) of each frame in the bytes ``chunks`` (as they arrive, any split) but
+    heartbeats, up to and with the terminal one; a frame announced over MAX_FRAME is the edge
+    breaking the wire (InfraError); the bytes ending before a terminal frame:
+    ``asyncio.IncompleteReadError``. Holds at most one frame and one chunk."""
+    buf = bytearray()
+    pos = 0
+    async for chunk in chunks:
+        buf += chunk
+        while len(buf) - pos >= HEAD.size:
+            kind, n = HEAD.unpack_from(buf, pos)
+            if n > MAX_FRAME:
+                raise errors.InfraError(f"edge sent a frame of {n} bytes (at most {MAX_FRAME})")
+            end = pos + HEAD.size + n
+            if end > len(buf):
+                break
+            payload = bytes(buf[pos + HEAD.size:end])
+            pos = end
+            if kind == HEARTBEAT:
+                continue
+            yield kind, payload
+            if kind in (DONE, ERROR):
+                return
+        if pos:
+            del buf[:pos]
+            pos = 0
+    raise asyncio.IncompleteReadError(bytes(buf), None)
