@@ -531,6 +531,10 @@ class FnCallBatchResult(BaseModel):
     results: list[FnCallBatchItem]
 
 
+MAX_QUOTA_INT = 1 << 48  # 256 TiB of MiB, 2.8e14 sandboxes: above any cluster, exact as a float
+MAX_QUOTA_CPUS = float(1 << 24)
+
+
 class Quota(BaseModel):
     """A project's limits (None = unlimited): live sandboxes, and the sums of the CPUs and
     memory they request, over the whole cluster and the project's sub-projects, carved out of
@@ -538,10 +542,12 @@ class Quota(BaseModel):
     (snapshots, uploads). Set by an admin of a project above it
     (``PUT /v1/projects/{project}/quota``)."""
     model_config = ConfigDict(extra="forbid")
-    sandboxes: int | None = Field(None, ge=0)
-    cpus: float | None = Field(None, ge=0)
-    memory_mib: int | None = Field(None, ge=0)
-    layer_mib: int | None = Field(None, ge=0)
+    # Bounded: a stored limit must fit a 64-bit column (SQLite INTEGER, PostgreSQL BIGINT) and
+    # stay exact as the float the delegation sums use; cpus finite (inf - inf is NaN there).
+    sandboxes: int | None = Field(None, ge=0, le=MAX_QUOTA_INT)
+    cpus: float | None = Field(None, ge=0, le=MAX_QUOTA_CPUS, allow_inf_nan=False)
+    memory_mib: int | None = Field(None, ge=0, le=MAX_QUOTA_INT)
+    layer_mib: int | None = Field(None, ge=0, le=MAX_QUOTA_INT)
 
 
 # ---- cluster view (rollbox.watcher) -------------------------------------------------------

@@ -166,3 +166,31 @@ async def test_a_quota_holds_across_three_nodes(tmp_path: Path) -> None:
             for sb in await c.list():
                 await sb.delete()
         assert s.ledger is not None and (await s.ledger.usage("wide")).sandboxes == 0
+
+
+async def test_quota_values_a_column_can_not_hold_are_bad_request(tmp_path: Path) -> None:
+    """Below an unlimited parent nothing bounds a child's limit but the model: an int over
+    64 bits was an OverflowError out of SQLite (500 internal), and Infinity (raw JSON) was
+    stored as an unbounded limit; both are bad_request now and nothing is made."""
+    import aiohttp
+
+    async with ApiStack(tmp_path, ledger=True) as s, s.client(s.admin_key) as op:
+        await op.create_project("top")  # unlimited
+        for kw in ({"sandboxes": 10**30}, {"memory_mib": 2**63}, {"layer_mib": 2**64}):
+            with pytest.raises(errors.BadRequest):
+                await op.create_project("c", parent="top", **kw)
+            with pytest.raises(errors.BadRequest):
+                await op.set_project_quota("top", **kw)
+        headers = {"Authorization": f"Bearer {s.admin_key}",
+                   "Content-Type": "application/json"}
+        async with aiohttp.ClientSession() as http:
+            for raw in ('{"cpus": Infinity}', '{"cpus": NaN}', '{"cpus": 1e400}'):
+                async with http.put(f"{s.url}/v1/projects/top/quota", data=raw,
+                                    headers=headers) as resp:
+                    assert resp.status in (400, 422), raw
+                    assert (await resp.json())["error"]["code"] == "bad_request"
+                async with http.post(f"{s.url}/v1/projects", headers=headers,
+                                     data='{"name": "top/c", "quota": %s}' % raw) as resp:
+                    assert resp.status in (400, 422), raw
+        assert [p.name for p in await op.projects() if p.name.startswith("top")] == ["top"]
+        assert (await op.project_quota("top")).cpus is None
