@@ -13,9 +13,11 @@ item, a byte or event stream by raising. Owns its connections only; imports no a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
-from collections.abc import AsyncIterator, Callable
+import struct
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -30,10 +32,33 @@ CONNECT_TIMEOUT_S = 3.0
 # No byte from the edge for this long (5 of its heartbeats): it is gone (or cut off).
 IDLE_TIMEOUT_S = 10.0
 MAX_ERROR_BODY = 1 << 20
+# What one unary answer may carry in all (a ``bytes`` result: at most its ``max_bytes``).
+MAX_UNARY_ANSWER = wire.MAX_FRAME
 
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 _TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, OSError,
                      asyncio.IncompleteReadError)
+
+
+# What decoding a malformed answer raises (pydantic's ValidationError and JSON's errors are
+# ValueErrors): the edge broke the wire, an InfraError, never the decoder's own exception.
+_DECODE_ERRORS = (ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error)
+
+
+@contextlib.contextmanager
+def _decoding(node: str, what: str) -> Iterator[None]:
+    try:
+        yield
+    except _DECODE_ERRORS as exc:
+        raise errors.InfraError(f"edge {node}: {what}: a malformed answer ({exc!r:.200})",
+                                node=node) from None
+
+
+def _edge_error(node: str, what: str, payload: Any, status: int = 500) -> errors.RollboxError:
+    """The typed error of an error frame or answer (InfraError if it is not one)."""
+    with _decoding(node, what):
+        return wire.error_of(payload, status)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 class _Source:
@@ -69,7 +94,9 @@ class _Answer:
         try:
             async for kind, payload in wire.read_frames(self.resp.content.iter_any()):
                 if kind == wire.ERROR:
-                    raise wire.error_of(json.loads(payload))
+                    with _decoding(self.edge.node_id, self.what):
+                        obj = json.loads(payload)
+                    raise _edge_error(self.edge.node_id, self.what, obj)
                 yield kind, payload
                 if kind == wire.DONE:
                     return
@@ -110,13 +137,18 @@ class RemoteProcess:
     async def events(self) -> AsyncIterator[tuple[str, Any]]:
         try:
             async for kind, payload in self._frames:
-                if kind == wire.PROC_OUTPUT:
-                    name, _, data = payload.partition(b"\0")
-                    yield name.decode(), data
-                elif kind == wire.JSON_ITEM:
-                    item = json.loads(payload)
-                    if item.pop("kind", None) == "exited":
-                        yield "exited", Exited(**item)
+                with _decoding(self.edge.node_id, "platform process events"):
+                    if kind == wire.PROC_OUTPUT:
+                        name, _, data = payload.partition(b"\0")
+                        event: tuple[str, Any] | None = (name.decode(), data)
+                    elif kind == wire.JSON_ITEM:
+                        item = json.loads(payload)
+                        event = (("exited", Exited(**item)) if item.pop("kind", None) == "exited"
+                                 else None)
+                    else:
+                        event = None
+                if event is not None:
+                    yield event
         finally:
             await self._frames.aclose()  # type: ignore[attr-defined]
 
@@ -205,22 +237,40 @@ class RemoteEdge:
                 payload: Any = json.loads(body)
             except ValueError:
                 payload = body.decode("utf-8", "replace")
-            raise wire.error_of(payload, resp.status)
+            raise _edge_error(self.node_id, what, payload, resp.status)
         return _Answer(self, resp, what, source)
 
     async def _call_frames(self, method: str, route: str, data: Any, what: str,
                            headers: dict[str, str] | None = None,
-                           source: _Source | None = None) -> list[tuple[bytes, bytes]]:
+                           source: _Source | None = None,
+                           limit: int = MAX_UNARY_ANSWER) -> list[tuple[bytes, bytes]]:
+        """The frames of one answer, at most ``limit`` bytes of payload in all (more: the
+        edge broke the wire, InfraError)."""
         answer = await self._open(method, route, data, what, headers, source)
-        return [f async for f in answer.frames()]
+        out, seen = [], 0
+        frames = answer.frames()
+        try:
+            async for f in frames:
+                seen += len(f[1])
+                if seen > limit:
+                    raise errors.InfraError(f"edge {self.node_id}: {what} answered over "
+                                            f"{limit} bytes", node=self.node_id)
+                out.append(f)
+        finally:
+            await frames.aclose()  # type: ignore[attr-defined]
+        return out
 
     async def _unary(self, name: str, bound: dict[str, Any]) -> Any:
         m = wire.METHODS[name]
         body = m.dump_args(bound)
         if m.raw is not None:
             body = body + b"\n" + bytes(bound[m.raw])
-        frames = await self._call_frames("POST", f"/call/{name}", body, name)
-        return _result(m, frames)
+        limit = MAX_UNARY_ANSWER
+        if m.returns_bytes and isinstance(bound.get("max_bytes"), int):
+            limit = max(0, bound["max_bytes"])
+        frames = await self._call_frames("POST", f"/call/{name}", body, name, limit=limit)
+        with _decoding(self.node_id, name):
+            return _result(m, frames)
 
     async def _upload(self, name: str, bound: dict[str, Any]) -> Any:
         m = wire.METHODS[name]
@@ -229,7 +279,8 @@ class RemoteEdge:
                    "Content-Type": "application/octet-stream"}
         frames = await self._call_frames("PUT", f"/upload/{name}", source.__aiter__(), name,
                                          headers, source)
-        return _result(m, frames)
+        with _decoding(self.node_id, name):
+            return _result(m, frames)
 
     async def _stream(self, name: str, args: dict[str, Any]) -> AsyncIterator[tuple[bytes, bytes]]:
         answer = await self._open("POST", f"/stream/{name}",
@@ -244,19 +295,15 @@ class RemoteEdge:
         try:
             async for kind, payload in self._stream("exec_stream", {
                     "sandbox_id": sandbox_id, "exec_id": exec_id, "offsets": offsets}):
-                if kind in (wire.STDOUT, wire.STDERR):
-                    (offset,) = wire.OFFSET.unpack_from(payload)
-                    item = ExecOutput("stdout" if kind == wire.STDOUT else "stderr", exec_id,
-                                      payload[wire.OFFSET.size:], offset=offset)
-                elif kind == wire.JSON_ITEM:
-                    obj = json.loads(payload)
-                    result = obj.get("result")
-                    item = ExecOutput(obj["kind"], obj.get("exec_id", exec_id),
-                                      result=ExecResult.model_validate(result)
-                                      if result is not None else None)
-                elif kind == wire.EXEC_ERROR:
-                    item = ExecOutput("error", exec_id, error=wire.error_of(json.loads(payload)))
-                else:
+                try:
+                    with _decoding(self.node_id, "exec_stream"):
+                        item = _exec_item(kind, payload, exec_id)
+                except errors.InfraError as exc:  # a malformed item ends the stream
+                    if not got_any:
+                        raise
+                    yield ExecOutput("error", exec_id, error=exc)
+                    return
+                if item is None:
                     continue
                 got_any = True
                 yield item
@@ -285,7 +332,9 @@ class RemoteEdge:
         async for kind, payload in self._stream("events", {
                 "sandbox_id": sandbox_id, "after_seq": after_seq, "follow": follow}):
             if kind == wire.JSON_ITEM:
-                yield Event.model_validate_json(payload)
+                with _decoding(self.node_id, "events"):
+                    event = Event.model_validate_json(payload)
+                yield event
 
     # ---- the platform's own processes ---------------------------------------------------
     async def platform_exec(self, sandbox_id: str, req: ExecRequest) -> PlatformProcess:
@@ -294,7 +343,8 @@ class RemoteEdge:
         frames = answer.frames()
         try:
             kind, payload = await frames.__anext__()
-            handle = json.loads(payload)["handle"] if kind == wire.JSON_ITEM else None
+            with _decoding(self.node_id, "platform_exec"):
+                handle = json.loads(payload)["handle"] if kind == wire.JSON_ITEM else None
             if not isinstance(handle, str) or not wire.HANDLE_RE.match(handle):
                 raise errors.InfraError(f"edge {self.node_id}: platform_exec answered "
                                         "without a process handle")
@@ -302,6 +352,25 @@ class RemoteEdge:
             await frames.aclose()
             raise
         return RemoteProcess(self, handle, answer, frames)
+
+
+def _exec_item(kind: bytes, payload: bytes, exec_id: str) -> ExecOutput | None:
+    """One exec stream frame as its item (None: not one of its kinds)."""
+    if kind in (wire.STDOUT, wire.STDERR):
+        (offset,) = wire.OFFSET.unpack_from(payload)
+        return ExecOutput("stdout" if kind == wire.STDOUT else "stderr", exec_id,
+                          payload[wire.OFFSET.size:], offset=offset)
+    if kind == wire.JSON_ITEM:
+        obj = json.loads(payload)
+        if obj["kind"] not in ("started", "exit"):
+            raise ValueError(f"exec item kind {str(obj['kind'])[:40]!r}")
+        result = obj.get("result")
+        return ExecOutput(obj["kind"], str(obj.get("exec_id", exec_id)),
+                          result=ExecResult.model_validate(result)
+                          if result is not None else None)
+    if kind == wire.EXEC_ERROR:
+        return ExecOutput("error", exec_id, error=wire.error_of(json.loads(payload)))
+    return None
 
 
 def _result(m: wire.Method, frames: list[tuple[bytes, bytes]]) -> Any:
