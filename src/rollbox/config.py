@@ -46,6 +46,7 @@ GROUPS: dict[str, str] = {
     "mirrors": "Package mirrors (rollbox.netpolicy.mirror, docs/mirrors.md)",
     "watcher": "The watcher's probes of the edges and its health thresholds (rollbox.watcher)",
     "cluster": "Cluster mode (rollbox.cluster: Ray nodes, edge actors, api replicas)",
+    "burst": "Cloud bursting (rollbox.placement.burst, rollbox.cluster.burst, docs/cluster.md)",
     "placement": "Choice of a node for a new sandbox (rollbox.placement)",
     "e2b": "The E2B front door (rollbox.compat.e2b)",
 }
@@ -489,6 +490,28 @@ class Settings:
     cluster_object_store_mib: int = setting(
         "ROLLBOX_CLUSTER_OBJECT_STORE_MIB", "cluster", 256, int,
         "Object store of each Ray node, MiB (the data path never goes through Ray).")
+    # ---- cloud bursting -------------------------------------------------------------------
+    burst_threshold: float = setting(
+        "ROLLBOX_BURST_THRESHOLD", "burst", 0.80, float,
+        "Cluster use (the tightest of sandboxes, CPUs and memory over the alive non-burst "
+        "nodes, from the watcher's view) at or above which eligible sandboxes (qos batch, "
+        "container backend, every layer in the shared chunk store) may go to burst nodes and "
+        "burst nodes are requested from Ray's autoscaler.")
+    burst_idle_s: float = setting(
+        "ROLLBOX_BURST_IDLE", "burst", 120.0, float,
+        "A burst node with no sandbox and no create for this many seconds, while the cluster "
+        "is below the threshold, is drained (refuses creates), its edge stopped and its Ray "
+        "node given back to the autoscaler (which ends it after its own idle timeout).")
+    burst_max_nodes: int = setting(
+        "ROLLBOX_BURST_MAX_NODES", "burst", 8, int,
+        "Burst nodes requested from the autoscaler at most.")
+    burst_layers_ttl_s: float = setting(
+        "ROLLBOX_BURST_LAYERS_TTL", "burst", 30.0, float,
+        "Seconds an image's 'every layer in the shared chunk store' answer is cached.")
+    node_burst: bool = setting(
+        "ROLLBOX_NODE_BURST", "burst", False, flag,
+        "This node is a burst node (started by the autoscaler): its reports say so and "
+        "placement sends it only sandboxes that may burst.")
 
     # ---- placement -----------------------------------------------------------------------
     placement_k: int = setting(

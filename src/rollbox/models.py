@@ -597,6 +597,10 @@ class NodeReport(BaseModel):
     by_project: dict[str, int] = Field(default_factory=dict)
     # seconds this edge tears its sandboxes down after going unprobed (None: not fenced)
     fence_s: float | None = None
+    # a burst node (ROLLBOX_NODE_BURST, started by the autoscaler; rollbox.placement.burst)
+    burst: bool = False
+    # refusing new creates (Edge.drain: a burst node being released)
+    draining: bool = False
 
 
 class NodeStatus(BaseModel):

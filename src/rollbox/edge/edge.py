@@ -126,6 +126,7 @@ class Edge:
         self.journal = Journal(settings.data_dir / f"edge-{self.node_id}.db")
         # Armed by the watcher's probes (report(fence_s=)): see rollbox.edge.fence.
         self.fence = Fence(settings.data_dir / f"edge-{self.node_id}.probed")
+        self.draining = False  # drain(): no new create (a burst node being released)
         # Random per edge process: the watcher tells a restart from a quick answer by it.
         self.incarnation = secrets.token_hex(8)
         self.started_at = time.time()
@@ -392,7 +393,7 @@ class Edge:
                     labels=info.labels, job=info.job))
         fenced = self.fence.expired() is not None
         free = adm.free()
-        if fenced:
+        if fenced or self.draining:
             free = {k: 0.0 for k in free}
         return NodeReport(
             node_id=self.node_id, incarnation=self.incarnation, started_at=self.started_at,
@@ -402,7 +403,13 @@ class Edge:
             memory_available_mib=adm.live_memory_free_mib(), starting=self._starting,
             sandboxes=listed, sandboxes_total=total, truncated=len(listed) < total,
             layers=self._layer_digests(), by_backend=by_backend, by_project=by_project,
-            fence_s=self.fence.fence_s)
+            fence_s=self.fence.fence_s, burst=self.settings.node_burst, draining=self.draining)
+
+    def drain(self, on: bool = True) -> None:
+        """Refuse every new create (CapacityExceeded, reason draining; reports show no room
+        and ``draining``) while ``on``; the sandboxes already here run on. What releasing a
+        burst node does first (rollbox.cluster.burst)."""
+        self.draining = on
 
     def _layer_digests(self) -> list[str]:
         """Digests of the layers in the node's store (whole or lazy), re-listed only when one
@@ -563,6 +570,9 @@ class Edge:
         if gap is not None:
             raise CapacityExceeded(f"node {self.node_id} is fenced: no watcher probed it for "
                                    f"{gap:.0f} s", reason="fenced")
+        if self.draining:
+            raise CapacityExceeded(f"node {self.node_id} is draining (a burst node being "
+                                   "released): no new sandbox", reason="draining")
         quota = self.quotas.get(owner) if self.quotas is not None else None
         ticket = await self.admission.admit(spec.resources, owner, share, quota)
         self._starting += 1

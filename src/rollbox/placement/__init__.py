@@ -23,6 +23,7 @@ from rollbox import errors
 from rollbox.config import Settings
 from rollbox.edge.interface import EdgeAPI
 from rollbox.models import SandboxInfo, SandboxSpec
+from rollbox.placement.burst import BurstPolicy
 from rollbox.placement.choice import Chooser, PlacementConfig, StartsCapped, named_digests
 from rollbox.placement.registry import EdgeRegistry, as_registry
 from rollbox.placement.view import ClusterView
@@ -70,14 +71,17 @@ class Placement:
     view-less path); ``config``: default from ``Settings()``; ``layers_of``: the layer digests
     of a spec's image, for the bonus of nodes caching them (default: only the digests the spec
     names itself, :func:`named_digests`: the api does not know an image name's layers);
-    ``clock``: the clock of ``NodeView.seen_at`` (time.monotonic)."""
+    ``clock``: the clock of ``NodeView.seen_at`` (time.monotonic); ``burst``: cloud
+    bursting's policy (burst nodes take only the specs it allows, when it allows them; None:
+    any batch spec)."""
 
     def __init__(self, edges: EdgeRegistry | Sequence[EdgeAPI],
                  view: ClusterView | None = None, *,
                  config: PlacementConfig | None = None,
                  layers_of: Callable[[SandboxSpec], Collection[str]] | None = None,
                  clock: Callable[[], float] | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None,
+                 burst: BurstPolicy | None = None) -> None:
         if not isinstance(edges, EdgeRegistry):
             ids = [e.node_id for e in edges]
             if len(set(ids)) != len(ids):
@@ -87,7 +91,10 @@ class Placement:
             raise ValueError("Placement needs at least one edge")
         self.view = view
         self.config = config or PlacementConfig.from_settings(Settings())
-        self.chooser = (Chooser(view, self.config, self.edges, layers_of, clock, rng)
+        # cloud bursting (rollbox.placement.burst): which specs burst nodes take, and when
+        self.burst = burst
+        self.chooser = (Chooser(view, self.config, self.edges, layers_of, clock, rng,
+                                burst_gate=burst.allows if burst is not None else None)
                         if view is not None else None)
         # Set (and replaced) when a create ends: what a create waiting at the starts cap waits on.
         self._ended = asyncio.Event()
@@ -202,6 +209,8 @@ class Placement:
             return await self._create_viewless(spec, owner)
         chooser, tried = self.chooser, []
         last: errors.InfraError | None = None
+        if self.burst is not None:
+            await self.burst.prepare(spec)  # the shared store's answer for its layers, cached
         for _ in range(self.config.max_attempts):
             try:
                 node = chooser.choose(spec, tried)

@@ -75,8 +75,9 @@ def named_digests(spec: SandboxSpec) -> tuple[str, ...]:
 
 def may_burst(spec: SandboxSpec) -> bool:
     """Whether ``spec`` may go to a burst node: best-effort (``batch``) only; ``latency``
-    creates never do. The hook of cloud bursting (issue 14 item 8), which narrows it further
-    (container backend, layers in the shared chunk store, cluster use above its threshold)."""
+    creates never do. Cloud bursting narrows it further per decision through the chooser's
+    ``burst_gate`` (rollbox.placement.burst: container backend, layers in the shared chunk
+    store, cluster use above its threshold)."""
     return spec.qos == "batch"
 
 
@@ -156,6 +157,7 @@ class _Snapshot:
         scale = {b: max([1.0] + [float(nv.free[b]) for nv in nodes if b in nv.free
                                  and not nv.limits.get(b)]) for b in BUDGETS}
         self.alive: list[_Node] = []
+        self.any_burst = False  # an alive member is a burst node
         for nv in nodes:
             if nv.node_id not in members:
                 continue  # left the cluster or not joined yet
@@ -167,6 +169,7 @@ class _Snapshot:
             if nv.health == "alive":
                 self.offered_alive |= nv.backends
                 self.alive.append(_Node(nv, p, scale))
+                self.any_burst = self.any_burst or nv.burst
         self.pools: dict[tuple[str, str], list[_Node]] = {}
 
     def pool(self, spec: SandboxSpec) -> list[_Node]:
@@ -203,10 +206,15 @@ class Chooser:
                  members: EdgeRegistry,
                  layers_of: Callable[[SandboxSpec], Collection[str]] | None = None,
                  clock: Callable[[], float] | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None,
+                 burst_gate: Callable[[SandboxSpec, Sequence[NodeView]], bool] | None = None,
+                 ) -> None:
         self.view = view
         self.config = config
         self.members = members
+        # cloud bursting's hook (rollbox.placement.burst.BurstPolicy.allows): whether a spec
+        # whose qos may burst may go to a burst node of this snapshot now (None: it may)
+        self.burst_gate = burst_gate
         self.layers_of = layers_of or named_digests
         self.clock = clock or time.monotonic
         self.rng = rng or random.Random()
@@ -240,11 +248,13 @@ class Chooser:
         r = spec.resources
         cpus, mem, cap = r.cpus, r.memory_mib, cfg.max_starts
         capped = 0
+        gate = self.burst_gate
+        no_burst = snap.any_burst and gate is not None and not gate(spec, snap.source)
 
         def fits(x: _Node) -> bool:
             nonlocal capped
             p = x.pending
-            if (p.refused is not None or x.free_s - p.sandboxes < 1
+            if (p.refused is not None or (no_burst and x.burst) or x.free_s - p.sandboxes < 1
                     or x.free_c - p.cpus < cpus or x.free_m - p.memory_mib < mem
                     or (tried and x.id in tried)):
                 return False

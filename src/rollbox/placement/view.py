@@ -32,6 +32,9 @@ class NodeView:
     layers: frozenset[str] = frozenset()
     # a burst node (started by the autoscaler above the cluster's use threshold)
     burst: bool = False
+    # live sandboxes on the node at the probe (NodeReport.sandboxes_total; what releasing an
+    # idle burst node looks at: ``free`` is not limits minus these, other budgets bound it)
+    sandboxes: int = 0
     # time.monotonic() of this process when the probe this came from was sent: placement
     # counts its own creates that ended after it as not in the view yet (0: unknown, every
     # create that ended before the view was handed out is taken to be in it)

@@ -314,7 +314,7 @@ class Watcher:
                 node.view = NodeView(
                     node.node_id, node.health, frozenset(r.backends), dict(r.free),
                     limits=dict(r.limits), starting=r.starting, layers=frozenset(r.layers),
-                    seen_at=node.sent_at)
+                    burst=r.burst, sandboxes=r.sandboxes_total, seen_at=node.sent_at)
         return node.view
 
     def nodes(self) -> Sequence[NodeView]:
