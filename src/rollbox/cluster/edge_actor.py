@@ -192,8 +192,13 @@ def create_edge(node_id: str, env: Mapping[str, str], host: str, port: int, toke
     except ValueError:
         existing = None
     if existing is not None:
-        raise errors.BadRequest(f"node id {node_id!r} is already in the cluster",
-                                node=node_id)
+        if registered_node_alive(node_id):
+            raise errors.BadRequest(f"node id {node_id!r} is already in the cluster",
+                                    node=node_id)
+        # The edge of a node that died (pinned there, Ray can not restart it elsewhere): the
+        # node joins again, with a new Ray node.
+        ray.kill(existing, no_restart=True)
+        _wait_name_free(node_id)
     cls = ray.remote(EdgeActor)
     try:
         actor = cls.options(
@@ -211,6 +216,34 @@ def create_edge(node_id: str, env: Mapping[str, str], host: str, port: int, toke
         ray.kill(actor, no_restart=True)
         raise
     return actor
+
+
+def registered_node_alive(node_id: str) -> bool:
+    """Whether the Ray node that node ``node_id``'s edge registered from is alive."""
+    import ray
+    from ray.experimental import internal_kv
+
+    raw = internal_kv._internal_kv_get(KV_PREFIX + node_id, namespace=NAMESPACE)
+    if not raw:
+        return True  # an actor that has not registered yet: starting, not stale
+    ray_node = json.loads(raw).get("ray_node")
+    return any(n.get("Alive") and n["NodeID"] == ray_node for n in ray.nodes())
+
+
+def _wait_name_free(node_id: str, timeout: float = 30) -> None:
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(actor_name(node_id), namespace=NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.1)
+    raise errors.InfraError(f"the dead edge actor of node {node_id!r} kept its name",
+                            node=node_id)
 
 
 def edge_actor(node_id: str) -> Any:

@@ -373,8 +373,9 @@ def join(address: str, settings: Settings | None = None, node_id: str | None = N
     if state_path(s).exists():
         state = ClusterState.load(state_path(s))
     taken = {n.index for n in state.nodes} if state else set()
-    idx = index if index is not None else next(i for i in range(ray_nodes.MAX_NODES)
-                                               if i not in taken)
+    again = [n.index for n in (state.nodes if state else []) if n.node_id == node_id]
+    idx = index if index is not None else again[0] if again else next(
+        i for i in range(ray_nodes.MAX_NODES) if i not in taken)
     node = node_id or f"{s.node_id}c{idx}"
     tf = token_file or s.cluster_dir / "cluster.token"
     try:
@@ -385,24 +386,27 @@ def join(address: str, settings: Settings | None = None, node_id: str | None = N
     gcs = f"{host}:{ports.gcs}"
     _ray_init(gcs)
     try:
-        from rollbox.cluster.edge_actor import edge_actor
+        from rollbox.cluster.edge_actor import registered_node_alive, edge_actor
 
         try:
             edge_actor(node)
-            raise errors.BadRequest(f"node id {node!r} is already in the cluster", node=node)
+            if registered_node_alive(node):
+                raise errors.BadRequest(f"node id {node!r} is already in the cluster",
+                                        node=node)
         except errors.NotFound:
             pass
         ray_nodes.start_node(ports, node, idx, head=False, address=host,
                              object_store_mib=s.cluster_object_store_mib)
         try:
-            rec = start_edge(s, s.cluster_address, node, idx, token, head=False)
+            rec = start_edge(s, s.cluster_address, node, idx, token, head=False,
+                             nodes=len({*taken, idx}) if state else None)
         except BaseException:
             ray_nodes.kill_node(ports, node)
             raise
     finally:
         _ray_shutdown()
-    if state is not None:
-        state.nodes.append(rec)
+    if state is not None:  # a node that joins again replaces its record
+        state.nodes = [n for n in state.nodes if n.node_id != rec.node_id] + [rec]
         state.save(state_path(s))
     return rec
 

@@ -31,6 +31,7 @@ NODE_RESOURCE = "rollbox_node:"
 # and http, metrics export, the edge's HTTP port, then the worker ports.
 NODE_BLOCK = 20
 MAX_NODES = 16
+START_ATTEMPTS = 3
 
 
 def ray_bin() -> Path:
@@ -136,7 +137,6 @@ def start_node(ports: ClusterPorts, node_id: str, index: int, *, head: bool,
     address (gRPC listens on 0.0.0.0 whatever --node-ip-address says): the cluster's ports are
     kept from sandboxes by netpolicy (platform ports), not by the bind."""
     cg = node_cgroup(ports, node_id)
-    cg.mkdir(parents=True, exist_ok=True)
     args = [str(ray_bin()), "start", "--disable-usage-stats", "--log-style", "record",
             "--node-ip-address", address, "--num-cpus", "0",
             "--object-store-memory", str(object_store_mib << 20),
@@ -148,12 +148,18 @@ def start_node(ports: ClusterPorts, node_id: str, index: int, *, head: bool,
                  str(ports.dashboard), "--temp-dir", str(temp_dir(ports))]
     else:
         args += ["--address", f"{address}:{ports.gcs}"]
-    proc = subprocess.run(args, env=ray_env(env), capture_output=True, text=True,
-                          timeout=timeout, preexec_fn=lambda: _enter(cg))
-    if proc.returncode != 0:
+    for attempt in range(START_ATTEMPTS):
+        cg.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(args, env=ray_env(env), capture_output=True, text=True,
+                              timeout=timeout, preexec_fn=lambda: _enter(cg))
+        if proc.returncode == 0:
+            return
+        # Ray gives a raylet 30 s to register (fixed in ray._private.node): on a loaded host
+        # that is not always enough; the node's processes go and it is started again.
         kill_node(ports, node_id)
-        raise errors.InfraError(f"ray start of node {node_id} failed: "
-                                f"{(proc.stderr or proc.stdout)[-1500:]}", node=node_id)
+        if attempt + 1 == START_ATTEMPTS or "timed out during startup" not in proc.stderr:
+            raise errors.InfraError(f"ray start of node {node_id} failed: "
+                                    f"{(proc.stderr or proc.stdout)[-1500:]}", node=node_id)
 
 
 def kill_node(ports: ClusterPorts, node_id: str, timeout: float = 10) -> None:
