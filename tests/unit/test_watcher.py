@@ -129,6 +129,11 @@ async def test_alive_suspect_dead_and_back() -> None:
                for i in infos)
     assert [i.id for i in w.lost_infos("p2")] == ["b-02"]
     assert w.lost_infos("p2")[0].labels == {"task": "b-02"}
+    # A list with labels filters a dead node's sandboxes as a live node's (it listed all).
+    assert [i.id for i in w.lost_infos(None, {"task": "b-01"})] == ["b-01"]
+    assert w.lost_infos("p2", {"task": "b-01"}) == []
+    assert [i.id for i in w.last_known_infos("b", None, {"task": "b-02"})] == ["b-02"]
+    assert len(w.last_known_infos("b")) == 2
 
     b.mode = "ok"  # it answers again: first told what was declared lost, then alive
     clock.t += 1.0

@@ -110,11 +110,11 @@ class ApiContext:
             except Exception as exc:  # noqa: BLE001 - the node's last report instead
                 log.warning("listing node %s failed (%r): its last reported sandboxes",
                             node, exc)
-                return watcher.last_known_infos(node, owner)
+                return watcher.last_known_infos(node, owner, labels)
 
         out = [i for part in await asyncio.gather(*(one(n, e) for n, e in asked))
                for i in part]
-        out += watcher.lost_infos(owner)
+        out += watcher.lost_infos(owner, labels)
         out.sort(key=lambda i: i.created_at)
         return out
 

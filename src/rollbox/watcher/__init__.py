@@ -349,25 +349,28 @@ class Watcher:
             return None
         return node.lost.get(sandbox_id)
 
-    def lost_infos(self, owner: str | None = None) -> list[SandboxInfo]:
-        """The sandboxes of dead nodes (owner None: all), each ``dead`` with reason
-        ``node_lost`` (what list shows instead of dropping them)."""
+    def lost_infos(self, owner: str | None = None,
+                   labels: Mapping[str, str] | None = None) -> list[SandboxInfo]:
+        """The sandboxes of dead nodes (owner None: all; with each of ``labels``, as
+        ``EdgeAPI.list`` filters), each ``dead`` with reason ``node_lost`` (what list shows
+        instead of dropping them)."""
         out = []
         for node_id, node in self._nodes.items():
             if node.health != "dead":
                 continue
             out += [info_of(sb, node_id, "dead") for sb in node.lost.values()
-                    if owner is None or sb.owner == owner]
+                    if _matches(sb, owner, labels)]
         return out
 
-    def last_known_infos(self, node_id: str, owner: str | None = None) -> list[SandboxInfo]:
+    def last_known_infos(self, node_id: str, owner: str | None = None,
+                         labels: Mapping[str, str] | None = None) -> list[SandboxInfo]:
         """A node's sandboxes as its last report listed them (for a list the node does not
-        answer now)."""
+        answer now; filtered as ``lost_infos``)."""
         node = self._nodes.get(node_id)
         if node is None or node.report is None:
             return []
         return [info_of(sb, node_id, sb.state) for sb in node.report.sandboxes
-                if owner is None or sb.owner == owner]
+                if _matches(sb, owner, labels)]
 
     # ---- ledger ---------------------------------------------------------------------------
     def live_sets(self) -> tuple[dict[str, list[NodeSandbox]], list[str]]:
@@ -449,6 +452,12 @@ class Watcher:
         return ClusterStatus(project=project, nodes=nodes,
                              sandboxes=sum(n.sandboxes for n in nodes),
                              by_backend=total_b, by_project=total_p)
+
+
+def _matches(sb: NodeSandbox, owner: str | None, labels: Mapping[str, str] | None) -> bool:
+    """Whether a reported sandbox is of ``owner`` (None: any) and carries each of ``labels``."""
+    return ((owner is None or sb.owner == owner)
+            and all(sb.labels.get(k) == v for k, v in (labels or {}).items()))
 
 
 def info_of(sb: NodeSandbox, node_id: str, state: str) -> SandboxInfo:
