@@ -84,3 +84,24 @@ def test_the_edge_actor_reads_back_what_its_node_claims(tmp_path: Path,
     child, want = Settings(), node_settings(s, "n1", 1, nodes=2)
     assert hostclaims.Holding.of(child) == hostclaims.Holding.of(want)
     assert (child.node_share, child.host_auto) == (0.5, False)
+
+
+def test_the_cluster_token_file_is_root_only(tmp_path: Path) -> None:
+    """The token lets anything that holds it drive every edge: its file is 0600 when made, and
+    one found more open (made before, copied in) is made 0600; write_secret over an old
+    0644 file leaves it 0600 too (O_CREAT's mode is only a new file's)."""
+    from rollbox.cluster.local import ensure_token, write_secret
+
+    s = Settings()
+    s.cluster_dir = tmp_path / "cluster"
+    path = ensure_token(s)
+    assert path.stat().st_mode & 0o777 == 0o600 and len(path.read_text().strip()) >= 32
+    token = path.read_text()
+    path.chmod(0o644)
+    assert ensure_token(s) == path and path.read_text() == token  # the same token, made 0600
+    assert path.stat().st_mode & 0o777 == 0o600
+    other = tmp_path / "dsn"
+    other.write_text("old")
+    other.chmod(0o644)
+    write_secret(other, "new")
+    assert other.stat().st_mode & 0o777 == 0o600 and other.read_text() == "new\n"

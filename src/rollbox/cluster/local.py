@@ -96,7 +96,8 @@ def state_path(settings: Settings) -> Path:
 
 def write_secret(path: Path, value: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)  # O_CREAT's mode is only a new file's: an old one keeps its own
     with os.fdopen(fd, "w") as f:
         f.write(value + "\n")
 
@@ -106,6 +107,8 @@ def ensure_token(settings: Settings) -> Path:
     path = settings.cluster_dir / "cluster.token"
     if not path.exists():
         write_secret(path, secrets.token_urlsafe(32))
+    else:
+        path.chmod(0o600)  # root's alone, also one made before (or copied in) more open
     return path
 
 
