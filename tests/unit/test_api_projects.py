@@ -194,3 +194,43 @@ async def test_quota_values_a_column_can_not_hold_are_bad_request(tmp_path: Path
                     assert resp.status in (400, 422), raw
         assert [p.name for p in await op.projects() if p.name.startswith("top")] == ["top"]
         assert (await op.project_quota("top")).cpus is None
+
+
+async def test_a_retried_keyed_create_racing_a_delete_is_charged(tmp_path: Path) -> None:
+    """A retry (X-Rollbox-Attempt 2) of a keyed create found the earlier sandbox in a list and
+    asked its edge to create under the key; if a delete took it between the two, the edge made
+    a new sandbox that no ledger reservation held (a project at its quota of 1 then held 2).
+    Now that one is deleted again and the retry creates through the ledger."""
+    import aiohttp
+
+    async with ApiStack(tmp_path, ledger=True) as s, s.client(s.admin_key) as op:
+        await op.create_project("p", sandboxes=1)
+        key = (await op.create_key("p")).key
+        assert s.ledger is not None
+        api, edge = s.app.state.api, s.edges[0]
+        async with s.client(key) as c:
+            first = await c.create("img", idempotency_key="k1")
+            orig, raced = edge.create, []
+
+            async def racing(spec, owner):  # noqa: ANN001, ANN202
+                if not raced:  # the retry's own call: a delete lands just before it
+                    raced.append(True)
+                    await edge.delete(first.id)
+                    await api.sandbox_ended(first.id)
+                return await orig(spec, owner)
+
+            edge.create = racing  # type: ignore[method-assign]
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{s.url}/v1/sandboxes",
+                                     json={"image": "img", "idempotency_key": "k1"},
+                                     headers={"Authorization": f"Bearer {key}",
+                                              "X-Rollbox-Attempt": "2"}) as resp:
+                    assert resp.status == 201, await resp.text()
+                    made = (await resp.json())["id"]
+            edge.create = orig  # type: ignore[method-assign]
+            assert raced and made != first.id
+            assert [i.id for i in await edge.list("p", {})] == [made]
+            assert (await s.ledger.usage("p")).sandboxes == 1  # the live one is charged
+            with pytest.raises(errors.QuotaExceeded):
+                await c.create("img")
+            await (await c.get(made)).delete()

@@ -3,6 +3,7 @@ snapshot. Create reserves the sandbox's room in the project's quota first and a 
 it back (``ApiContext.create_sandbox``, ``sandbox_ended``). Everything after create names a
 sandbox the caller's project owns (``deps.Edge``); what changes a sandbox goes into its audit
 trail when the api records for its edge."""
+import contextlib
 import json
 from typing import Annotated
 
@@ -30,7 +31,16 @@ async def _made_before(api: Api, spec: models.SandboxSpec,
              and i.state != "dead"]
     if not found:
         return None
-    return await api.placement.edge_for(found[0].id).create(spec, owner)
+    edge = api.placement.edge_for(found[0].id)
+    info = await edge.create(spec, owner)
+    if info.id == found[0].id:
+        return info
+    # It ended after the list (a delete raced the retry) and the edge made a new one, outside
+    # the quota ledger and the audit log: gone again, and the caller creates as a first
+    # attempt (its room reserved) instead.
+    with contextlib.suppress(errors.RollboxError):
+        await edge.delete(info.id)
+    return None
 
 
 @router.post("/v1/sandboxes", status_code=201, response_model=models.SandboxInfo,
