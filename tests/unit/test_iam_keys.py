@@ -110,3 +110,28 @@ def test_an_old_database_gains_the_last_used_column(tmp_path: Path) -> None:
         assert ks.list()[0].last_used_at is not None
     finally:
         ks.close()
+
+
+async def test_a_stored_limit_out_of_the_models_bounds_still_reads(tmp_path: Path) -> None:
+    """Limits stored before models.Quota was bounded (an inf cpus, a 2^60 sandboxes) read back
+    as they are: validating them again failed every read and reserve of the project."""
+    from rollbox.iam.keys import SQLiteIam, SQLiteLedger
+    from rollbox.iam.model import Principal, Usage
+
+    iam = SQLiteIam(tmp_path / "iam.db")
+    ledger = SQLiteLedger(tmp_path / "iam.db")
+    try:
+        op = Principal(project="ops", admin=True, key_id="k", scope="")
+        await iam.create_project(op, "old")
+        with iam._lock:
+            iam._db.execute("UPDATE projects SET max_sandboxes = ?, max_cpus = ? WHERE "
+                            "name = ?", (1 << 60, float("inf"), "old"))
+        q = await iam.get_quota(op, "old")
+        assert q.sandboxes == 1 << 60 and q.cpus == float("inf")
+        assert iam.get("old").sandboxes == 1 << 60
+        res = await ledger.reserve("old", Usage(1, 1.0, 64))
+        assert (await ledger.usage("old")).sandboxes == 1
+        await ledger.cancel(res)
+    finally:
+        ledger.close()
+        iam.close()

@@ -68,12 +68,14 @@ class Db(Protocol):
 
 
 def quota_of(row: Row) -> Quota:
-    """Quota from the four QUOTA_COLS of a row."""
+    """Quota from the four QUOTA_COLS of a row (constructed, not validated again: a limit
+    stored before the model's bounds, say an inf or a 2^60, must not make every reserve and
+    read of the project fail; a set validates what it writes)."""
     s, c, m, layer = row
-    return Quota(sandboxes=None if s is None else int(s),  # type: ignore[call-overload]
-                 cpus=None if c is None else float(c),  # type: ignore[arg-type]
-                 memory_mib=None if m is None else int(m),  # type: ignore[call-overload]
-                 layer_mib=None if layer is None else int(layer))  # type: ignore[call-overload]
+    return Quota.model_construct(
+        sandboxes=None if s is None else int(s), cpus=None if c is None else float(c),
+        memory_mib=None if m is None else int(m),
+        layer_mib=None if layer is None else int(layer))
 
 
 def quota_args(q: Quota) -> tuple[object, ...]:
