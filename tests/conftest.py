@@ -207,12 +207,13 @@ def postgres() -> Iterator:
 
 
 async def clean_pg(postgres) -> str:  # noqa: ANN001
-    """The server's DSN with the IAM tables emptied (made if missing)."""
+    """The server's DSN with the IAM tables emptied (made if missing) and no job leases."""
     from rollbox.iam.postgres import create_pool
 
     pool = await create_pool(postgres.dsn)
     try:
         await pool.execute("TRUNCATE api_keys, ledger, projects")
+        await pool.execute("DROP TABLE IF EXISTS job_leases")  # rollbox.jobs.postgres makes it
     finally:
         await pool.close()
     return str(postgres.dsn)

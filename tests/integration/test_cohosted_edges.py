@@ -11,8 +11,9 @@ import dataclasses
 import ipaddress
 import os
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,8 +38,8 @@ LISTEN = ("import socket\ns = socket.socket(); s.setsockopt(socket.SOL_SOCKET, "
           "    c, _ = s.accept(); c.recv(10); c.sendall(b'hi'); c.close()\n")
 
 
-def two_nodes(tmp: Path, attempt: int) -> list[Settings]:
-    """Two co-hosted nodes' settings beside a base node; ``attempt`` moves them to other
+def cohosted_nodes(tmp: Path, attempt: int, n: int = 2) -> list[Settings]:
+    """``n`` co-hosted nodes' settings beside a base node; ``attempt`` moves them to other
     bands and subnets (a concurrent run of this test holds the first ones)."""
     base = node_settings(tmp / "base")
     base.host_auto = False
@@ -47,10 +48,10 @@ def two_nodes(tmp: Path, attempt: int) -> list[Settings]:
     base.uid_base = 3_800_000_000 // 65536 * 65536  # far above the auto bands of test edges
     base.uid_slots = 64
     out = []
-    for k in range(2):
-        s = Settings.for_node(base, f"{TEST_NODE}{secrets.token_hex(2)}{'ab'[k]}",
-                              2 * attempt + k)
-        s.node_share = 0.5
+    for k in range(n):
+        s = Settings.for_node(base, f"{TEST_NODE}{secrets.token_hex(2)}{'abcdefgh'[k]}",
+                              n * attempt + k)
+        s.node_share = 1 / n
         s.vm_templates = False
         out.append(s)
     return out
@@ -66,24 +67,29 @@ async def started(settings: Settings, events: EventLog) -> AsyncIterator[Edge]:
         await edge.close(destroy=True)
 
 
-async def start_pair(tmp: Path, events: EventLog) -> tuple[Edge, Edge]:
+async def start_nodes(tmp: Path, events: EventLog, n: int = 2,
+                      edge_kw: Callable[[int], dict[str, Any]] = lambda k: {}) -> list[Edge]:
+    """``n`` started co-hosted edges (``edge_kw(k)``: more arguments of the k-th Edge); the
+    caller closes them."""
     for attempt in range(6):
-        a_s, b_s = two_nodes(tmp / f"try{attempt}", attempt)
-        a, b = Edge(a_s, events), Edge(b_s, events)
+        edges = [Edge(s, events, **edge_kw(k))
+                 for k, s in enumerate(cohosted_nodes(tmp / f"try{attempt}", attempt, n))]
+        up: list[Edge] = []
         try:
-            await a.start()
+            for e in edges:
+                await e.start()
+                up.append(e)
         except HostResourceConflict:  # another run's node holds this band or subnet
-            await a.close()
-            await b.close()
+            for e in edges:
+                await e.close(destroy=e in up)
             continue
-        try:
-            await b.start()
-        except HostResourceConflict:
-            await a.close(destroy=True)
-            await b.close()
-            continue
-        return a, b
-    raise AssertionError("no free band for the test's nodes in 6 attempts")
+        return edges
+    raise AssertionError(f"no free band for the test's {n} nodes in 6 attempts")
+
+
+async def start_pair(tmp: Path, events: EventLog) -> tuple[Edge, Edge]:
+    a, b = await start_nodes(tmp, events)
+    return a, b
 
 
 async def run(edge: Edge, sid: str, cmd: list[str] | str, timeout_s: float = 20) -> str:

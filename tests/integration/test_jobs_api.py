@@ -98,21 +98,21 @@ async def test_edge_restart_keeps_a_live_jobs_sandboxes(restarts) -> None:
     """The edge was down longer than 3 heartbeats: its restart gives the trainer 3 more
     before the job's sandboxes go; then, without heartbeats, they go."""
     e1 = await restarts.start()
-    e1.leases.open("p", JobSpec(name="j", heartbeat_s=0.5))
+    await e1.leases.open("p", JobSpec(name="j", heartbeat_s=0.5))
     sb = await e1.create(SandboxSpec(image=BB, job="j"), "p")
     await restarts.stop()
     await asyncio.sleep(2.0)  # down for 4 heartbeats
     e2 = await restarts.start()
-    assert e2.leases.get("p", "j").state == "live"
+    assert (await e2.leases.get("p", "j")).state == "live"
     for _ in range(4):  # the trainer's heartbeats get through again
         await asyncio.sleep(0.5)
-        e2.leases.heartbeat("p", "j")
+        await e2.leases.heartbeat("p", "j")
     assert (await e2.get(sb.id)).state == "running"
     await asyncio.sleep(1.5 + 0.3 + 0.5)  # 3 missed + a sweep + slack
     await e2.wait_deleted(sb.id, 10)
     info = await e2.get(sb.id)
     assert info.state == "deleted" and "heartbeats missed" in (info.dead_reason or "")
-    assert e2.leases.get("p", "j").state == "expired"
+    assert (await e2.leases.get("p", "j")).state == "expired"
     assert e2.leftovers(sb.id) == []
 
 

@@ -82,7 +82,7 @@ async def test_a_job_lease_expiry_leaves_no_drift(node: EmbeddedNode) -> None:
     from rollbox.models import JobSpec
 
     assert node.ledger is not None and node.edge is not None and node.leases is not None
-    node.leases.open("team", JobSpec(name="run-1", heartbeat_s=0.3))
+    await node.leases.open("team", JobSpec(name="run-1", heartbeat_s=0.3))
     info = await node.api.create_sandbox(  # type: ignore[attr-defined]
         SandboxSpec(image=BB, job="run-1", resources=Resources(memory_mib=64)), "team")
     assert (await node.ledger.usage("team")).sandboxes == 1

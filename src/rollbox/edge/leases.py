@@ -6,8 +6,8 @@ that is not live (ended, expired, unknown) is handed to ``destroy`` with the rea
 created in a job just as the job ended is caught by the next sweep.
 
 The lease state is not the edge's: the node is given it as :class:`JobLeases`, the part of
-``rollbox.jobs.LeaseStore`` (written by the api's job routes, SQLite per node now, cluster-wide
-later) this sweep reads and writes.
+``rollbox.jobs.LeaseStore`` (written by the api's job routes: SQLite for one node, PostgreSQL
+shared by every edge of a cluster) this sweep reads and writes.
 
 Grace after a restart: the trainers could not heartbeat while the server was down, so a lease
 is only expired once ``MISSED_HEARTBEATS`` intervals have passed since this reaper started too.
@@ -27,19 +27,18 @@ SWEEP_S = 0.25  # well under the shortest heartbeat interval (models.MIN_HEARTBE
 
 
 class JobLeases(Protocol):
-    """The lease state the sweep reads and writes. Every method is quick and synchronous (a
-    local SQLite file here; a cluster-wide store must answer as fast or be wrapped in a cache
-    of its own)."""
+    """The lease state the sweep reads and writes; coroutines (a local SQLite file for one
+    node, PostgreSQL shared by every edge of a cluster)."""
 
-    def expire(self, project: str, name: str, reason: str) -> None:
+    async def expire(self, project: str, name: str, reason: str) -> None:
         """Mark a live lease expired (the reaper; a no-op if it is no longer live)."""
         ...
 
-    def overdue(self, now: float) -> list[JobInfo]:
+    async def overdue(self, now: float) -> list[JobInfo]:
         """Live leases whose deadline passed before ``now``."""
         ...
 
-    def states(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], JobInfo]:
+    async def states(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], JobInfo]:
         """The leases of these (project, name) keys that exist."""
         ...
 
@@ -56,19 +55,19 @@ class LeaseReaper:
         self._clock = clock
         self.started_at = clock()
 
-    def sweep(self) -> list[tuple[str, str]]:
+    async def sweep(self) -> list[tuple[str, str]]:
         """One pass; returns the (sandbox id, reason) pairs handed to ``destroy``."""
         now = self._clock()
-        for lease in self.store.overdue(now):
+        for lease in await self.store.overdue(now):
             if now >= self.started_at + MISSED_HEARTBEATS * lease.heartbeat_s:
-                self.store.expire(lease.project, lease.name,
+                await self.store.expire(lease.project, lease.name,
                                   f"{MISSED_HEARTBEATS} heartbeats missed (every "
                                   f"{lease.heartbeat_s:g} s; last {now - lease.heartbeat_at:.1f} s"
                                   " ago)")
         boxes = [i for i in self._sandboxes() if i.job is not None]
         if not boxes:
             return []
-        leases = self.store.states((i.owner, i.job) for i in boxes if i.job is not None)
+        leases = await self.store.states((i.owner, i.job) for i in boxes if i.job is not None)
         doomed = []
         for info in boxes:
             lease = leases.get((info.owner, info.job))  # type: ignore[arg-type]
@@ -88,6 +87,6 @@ class LeaseReaper:
         while True:
             await asyncio.sleep(SWEEP_S)
             try:
-                self.sweep()
+                await self.sweep()
             except Exception:  # noqa: BLE001 - a failed sweep is retried on the next tick
                 log.exception("lease sweep failed")

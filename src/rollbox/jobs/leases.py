@@ -1,4 +1,5 @@
-"""Lease state of trainer jobs: the :class:`LeaseStore` protocol and its SQLite implementation.
+"""Lease state of trainer jobs: the :class:`LeaseStore` protocol and its SQLite implementation
+(the embedded default; the cluster's is ``rollbox.jobs.postgres``).
 
 A lease is keyed by (project, name): another project's job of the same name is another job,
 and asking for a job the project does not hold answers NotFound (nothing says whether another
@@ -42,43 +43,50 @@ _COLUMNS = "name, project, heartbeat_s, state, created_at, heartbeat_at, expires
 class LeaseStore(JobLeases, Protocol):
     """Where leases live: what the api's job routes use, and what each edge's sweep uses
     (:class:`rollbox.edge.leases.JobLeases`: ``expire``, ``overdue``, ``states``). Every method
-    is quick and synchronous (a local SQLite file here; a cluster-wide store must answer as
-    fast or be wrapped in a cache of its own)."""
+    is a coroutine (a local SQLite file, answered inline, for one node; PostgreSQL for a
+    cluster, ``rollbox.jobs.postgres``) and raises the same typed errors whichever store
+    answers. Closing is the owner's (each store's own ``close``)."""
 
-    def open(self, project: str, spec: JobSpec) -> JobInfo:
+    async def open(self, project: str, spec: JobSpec) -> JobInfo:
         """Create the lease, or resume a live one (its heartbeat interval becomes
         ``spec.heartbeat_s``). An ended or expired job of that name starts over."""
         ...
 
-    def heartbeat(self, project: str, name: str) -> JobInfo:
+    async def heartbeat(self, project: str, name: str) -> JobInfo:
         """Push a live lease's deadline forward; NotFound unless it is live."""
         ...
 
-    def get(self, project: str, name: str) -> JobInfo:
+    async def get(self, project: str, name: str) -> JobInfo:
         """The lease in any state; NotFound if the project never had it."""
         ...
 
-    def live(self, project: str, name: str) -> JobInfo:
+    async def live(self, project: str, name: str) -> JobInfo:
         """The lease if it is live, else NotFound (what a create in the job checks)."""
         ...
 
-    def list(self, project: str | None) -> list[JobInfo]:
+    async def list(self, project: str | None) -> list[JobInfo]:
         """Leases of ``project`` (None: all projects), newest first."""
         ...
 
-    def end(self, project: str, name: str, reason: str) -> JobInfo:
+    async def end(self, project: str, name: str, reason: str) -> JobInfo:
         """Mark a live lease ended; NotFound unless it is live."""
         ...
 
-    def close(self) -> None: ...
 
-
-def _not_found(name: str, what: str = "job") -> errors.NotFound:
+def not_found(name: str, what: str = "job") -> errors.NotFound:
     return errors.NotFound(f"no {what} {name[:130]!r}", job=name[:130])
 
 
+def live_only(info: JobInfo) -> JobInfo:
+    """``info`` if its lease is live, else the NotFound every store answers."""
+    if info.state != "live":
+        raise not_found(info.name, "live job")
+    return info
+
+
 class SqliteLeaseStore:
-    """:class:`LeaseStore` in one SQLite file (WAL), so leases survive a restart."""
+    """:class:`LeaseStore` in one SQLite file (WAL), so leases survive a restart; each call is
+    a quick local statement, run inline on the event loop."""
 
     def __init__(self, path: Path | str) -> None:
         if str(path) != ":memory:":
@@ -93,9 +101,9 @@ class SqliteLeaseStore:
     def _row(self, project: str, name: str) -> JobInfo | None:
         row = self._db.execute(f"SELECT {_COLUMNS} FROM leases WHERE project=? AND name=?",
                                (project, name)).fetchone()
-        return _info(row) if row else None
+        return lease_info(row) if row else None
 
-    def open(self, project: str, spec: JobSpec) -> JobInfo:
+    async def open(self, project: str, spec: JobSpec) -> JobInfo:
         now = time.time()
         deadline = now + MISSED_HEARTBEATS * spec.heartbeat_s
         with self._lock:
@@ -112,7 +120,7 @@ class SqliteLeaseStore:
         assert info is not None
         return info
 
-    def heartbeat(self, project: str, name: str) -> JobInfo:
+    async def heartbeat(self, project: str, name: str) -> JobInfo:
         now = time.time()
         with self._lock:
             cur = self._db.execute(
@@ -121,29 +129,26 @@ class SqliteLeaseStore:
                 (now, now, MISSED_HEARTBEATS, project, name))
             info = self._row(project, name) if cur.rowcount else None
         if info is None:
-            raise _not_found(name, "live job")
+            raise not_found(name, "live job")
         return info
 
-    def get(self, project: str, name: str) -> JobInfo:
+    async def get(self, project: str, name: str) -> JobInfo:
         with self._lock:
             info = self._row(project, name)
         if info is None:
-            raise _not_found(name)
+            raise not_found(name)
         return info
 
-    def live(self, project: str, name: str) -> JobInfo:
-        info = self.get(project, name)
-        if info.state != "live":
-            raise _not_found(name, "live job")
-        return info
+    async def live(self, project: str, name: str) -> JobInfo:
+        return live_only(await self.get(project, name))
 
-    def list(self, project: str | None) -> list[JobInfo]:
+    async def list(self, project: str | None) -> list[JobInfo]:
         q, args = f"SELECT {_COLUMNS} FROM leases", ()
         if project is not None:
             q, args = q + " WHERE project=?", (project,)
         with self._lock:
             rows = self._db.execute(q + " ORDER BY created_at DESC", args).fetchall()
-        return [_info(r) for r in rows]
+        return [lease_info(r) for r in rows]
 
     def _leave_live(self, project: str, name: str, state: str, reason: str) -> int:
         with self._lock:
@@ -152,22 +157,22 @@ class SqliteLeaseStore:
                 " WHERE project=? AND name=? AND state='live'",
                 (state, time.time(), reason, project, name)).rowcount
 
-    def end(self, project: str, name: str, reason: str) -> JobInfo:
+    async def end(self, project: str, name: str, reason: str) -> JobInfo:
         if not self._leave_live(project, name, "ended", reason):
-            raise _not_found(name, "live job")
-        return self.get(project, name)
+            raise not_found(name, "live job")
+        return await self.get(project, name)
 
-    def expire(self, project: str, name: str, reason: str) -> None:
+    async def expire(self, project: str, name: str, reason: str) -> None:
         self._leave_live(project, name, "expired", reason)
 
-    def overdue(self, now: float) -> list[JobInfo]:
+    async def overdue(self, now: float) -> list[JobInfo]:
         with self._lock:
             rows = self._db.execute(
                 f"SELECT {_COLUMNS} FROM leases WHERE state='live' AND expires_at < ?",
                 (now,)).fetchall()
-        return [_info(r) for r in rows]
+        return [lease_info(r) for r in rows]
 
-    def states(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], JobInfo]:
+    async def states(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], JobInfo]:
         out: dict[tuple[str, str], JobInfo] = {}
         with self._lock:
             for project, name in set(keys):
@@ -181,7 +186,7 @@ class SqliteLeaseStore:
             self._db.close()
 
 
-def _info(row: tuple) -> JobInfo:
+def lease_info(row: tuple) -> JobInfo:
     return JobInfo(name=row[0], project=row[1], heartbeat_s=row[2], state=row[3],
                    created_at=row[4], heartbeat_at=row[5], expires_at=row[6], ended_at=row[7],
                    reason=row[8])

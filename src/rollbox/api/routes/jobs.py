@@ -44,7 +44,7 @@ async def job_sandboxes(api: ApiContext, project: str, name: str) -> list[models
 async def open_job(spec: models.JobSpec, who: Who, api: Api) -> models.JobInfo:
     """Open the lease of job ``name``, or resume it if live (a trainer restarted within
     its lease). It expires after MISSED_HEARTBEATS intervals without a heartbeat."""
-    return api.lease_store().open(who.project, spec)
+    return await api.lease_store().open(who.project, spec)
 
 
 @router.get("/v1/jobs", response_model=list[models.JobInfo])
@@ -55,25 +55,25 @@ async def list_jobs(who: Who, api: Api, project: ProjectQ = None,
     if project is not None and project != who.project and not who.admin:
         return []
     scope = project if project is not None else (None if who.admin else who.project)
-    return [j for j in api.lease_store().list(scope) if not state or j.state in state]
+    return [j for j in await api.lease_store().list(scope) if not state or j.state in state]
 
 
 @router.get("/v1/jobs/{name}", response_model=models.JobInfo)
 async def get_job(name: str, who: Who, api: Api, project: ProjectQ = None) -> models.JobInfo:
-    return api.lease_store().get(_project(who, project, name), name)
+    return await api.lease_store().get(_project(who, project, name), name)
 
 
 @router.post("/v1/jobs/{name}/heartbeat", response_model=models.JobInfo)
 async def heartbeat(name: str, who: Who, api: Api) -> models.JobInfo:
     """Keep the lease alive; NotFound once it ended or expired."""
-    return api.lease_store().heartbeat(_project(who, None, name), name)
+    return await api.lease_store().heartbeat(_project(who, None, name), name)
 
 
 @router.get("/v1/jobs/{name}/sandboxes", response_model=list[models.SandboxInfo])
 async def list_job_sandboxes(name: str, who: Who, api: Api,
                              project: ProjectQ = None) -> list[models.SandboxInfo]:
     owner = _project(who, project, name)
-    api.lease_store().get(owner, name)  # NotFound for a job the project never had
+    await api.lease_store().get(owner, name)  # NotFound for a job the project never had
     return await job_sandboxes(api, owner, name)
 
 
@@ -82,7 +82,7 @@ async def end_job(name: str, who: Who, api: Api, project: ProjectQ = None) -> mo
     """End the job: no more sandboxes in it, and the ones it has are deleted (a sandbox
     whose create was still running is caught by the edge's next lease sweep)."""
     owner = _project(who, project, name)
-    info = api.lease_store().end(owner, name, f"ended by {who.key_id}")
+    info = await api.lease_store().end(owner, name, f"ended by {who.key_id}")
     doomed = await job_sandboxes(api, owner, name)
 
     async def delete(sandbox_id: str) -> None:

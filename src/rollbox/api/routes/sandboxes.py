@@ -52,7 +52,7 @@ async def create_sandbox(
         "is asked for the sandbox an earlier attempt made"))] = 1,
 ) -> models.SandboxInfo:
     if spec.job is not None:  # NotFound unless the project's job is live
-        api.lease_store().live(who.project, spec.job)
+        await api.lease_store().live(who.project, spec.job)
     info = None
     if attempt > 1 and spec.idempotency_key is not None:
         info = await _made_before(api, spec, who.project)
