@@ -23,12 +23,13 @@ class StandInEdge:
         os.environ.update(env)
         self.loop = asyncio.new_event_loop()
         self.edge: Any = None
+        self.error: BaseException | None = None
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
         self._thread.start()
         ready.wait(300)
         if self.edge is None:
-            raise RuntimeError("the burst edge did not start")
+            raise RuntimeError(f"the burst edge did not start: {self.error!r}")
 
     def _run(self, ready: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
@@ -47,6 +48,8 @@ class StandInEdge:
 
         try:
             self.loop.run_until_complete(start())
+        except BaseException as exc:  # noqa: BLE001 - the constructor raises it
+            self.error = exc
         finally:
             ready.set()
         self.loop.run_forever()
