@@ -42,6 +42,8 @@ async def _lost(c: AsyncClient, sid: str) -> bool:
         sb = await c.get(sid)
     except errors.SandboxDead as exc:
         return exc.details.get("reason") == "node_lost"
+    except errors.InfraError:  # EdgeUnreachable: not declared dead yet
+        return False
     return sb.info.state == "dead" and sb.info.dead_reason == "node_lost"
 
 

@@ -83,7 +83,7 @@ def test_the_edge_actor_reads_back_what_its_node_claims(tmp_path: Path,
         monkeypatch.setenv(k, v)
     child, want = Settings(), node_settings(s, "n1", 1, nodes=2)
     assert hostclaims.Holding.of(child) == hostclaims.Holding.of(want)
-    assert (child.node_share, child.host_auto) == (0.5, False)
+    assert (child.node_share, child.host_auto) == (0.5, True)
 
 
 def test_the_cluster_token_file_is_root_only(tmp_path: Path) -> None:

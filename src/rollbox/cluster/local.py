@@ -137,7 +137,9 @@ def node_settings(settings: Settings, node_id: str, index: int, *,
     # the range of the nodes' pools (its own nftables table; the policy forbids all of it)
     n.net_host_range = settings.net_pool.supernet(
         new_prefix=max(settings.net_pool.prefixlen - 5, 8))
-    n.host_auto = False
+    # Free ones from there up at its start (claimed host-wide): a second cluster on this host
+    # (tests beside a running one) takes the next bands and subnets instead of failing.
+    n.host_auto = True
     if nodes is not None:
         n.node_share = settings.node_share / nodes
     n.platform_ports = (*settings.platform_ports, *range(ports.base, ports.last + 1))
@@ -393,9 +395,17 @@ def join(address: str, settings: Settings | None = None, node_id: str | None = N
 
         try:
             edge_actor(node)
-            if registered_node_alive(node):
+            if node in ray_nodes.local_nodes(ports):  # its Ray node runs here: a duplicate
                 raise errors.BadRequest(f"node id {node!r} is already in the cluster",
                                         node=node)
+            # Its Ray node is gone from this host: until the GCS has seen it die (health
+            # checks, a few seconds), its record still looks alive.
+            deadline = time.monotonic() + 60
+            while registered_node_alive(node):
+                if time.monotonic() > deadline:
+                    raise errors.BadRequest(f"node id {node!r} is already in the cluster",
+                                            node=node)
+                time.sleep(0.5)
         except errors.NotFound:
             pass
         ray_nodes.start_node(ports, node, idx, head=False, address=host,

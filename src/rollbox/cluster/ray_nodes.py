@@ -142,7 +142,13 @@ def start_node(ports: ClusterPorts, node_id: str, index: int, *, head: bool,
             "--object-store-memory", str(object_store_mib << 20),
             "--resources", json.dumps({NODE_RESOURCE + node_id: 1}),
             *node_args(ports, index)]
+    env = dict(env or {})
     if head:
+        # The GCS declares a raylet that stopped answering dead after ~10 s of failed checks
+        # (1 s apart, 3 s each: a loaded host's slow answer is not a death), sooner than
+        # Ray's default; rollbox's own node loss is the watcher's, this is for a rejoin.
+        env.update(RAY_health_check_period_ms="1000", RAY_health_check_timeout_ms="3000",
+                   RAY_health_check_failure_threshold="10")
         args += ["--head", "--port", str(ports.gcs), "--include-dashboard", "false",
                  "--dashboard-port",
                  str(ports.dashboard), "--temp-dir", str(temp_dir(ports))]
