@@ -207,6 +207,19 @@ def bench_cluster_control(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out)
 
 
+@bench_app.command("cluster")
+def bench_cluster(quick: bool = typer.Option(False, "--quick"),
+                  json_out: bool = typer.Option(False, "--json"),
+                  assembled: bool = typer.Option(
+                      False, "--assembled", help="edges and replicas as plain processes "
+                      "(serve_edge, RemoteEdge), no Ray")) -> None:
+    """create/exec/destroy at c8 and c32 through 2 api replicas over 3 edges on this host
+    (PostgreSQL IAM and quota ledger, watcher) vs the embedded server, and the seconds until
+    a SIGSTOPped edge's sandbox is reported node_lost (the cluster: `cluster up`'s, on Ray)."""
+    mod = _load_bench("cluster")
+    mod.main(quick=quick, json_out=json_out, topology="assembled" if assembled else "ray")
+
+
 @bench_app.command("remote_edge")
 def bench_remote_edge(quick: bool = typer.Option(False, "--quick"),
                       json_out: bool = typer.Option(False, "--json")) -> None:
