@@ -348,9 +348,15 @@ def run_ray(quick: bool) -> dict[str, Any]:
     finally:
         say("cluster down (replicas, edges and their sandboxes, Ray, PostgreSQL)")
         local.down(s)
+        # the nodes' run dirs and their parent (/run/rollbox-cluster-<base>: this run's own
+        # port range), also when an edge never started (an edge whose start failed after
+        # mounting its run dir's tmpfs leaves it mounted: HostResourceConflict, seen here)
         for i in range(EDGES):
-            shutil.rmtree(local.node_settings(s, f"{s.node_id}c{i}", i, nodes=EDGES).run_dir,
-                          ignore_errors=True)
+            run_dir = local.node_settings(s, f"{s.node_id}c{i}", i, nodes=EDGES).run_dir
+            if os.path.ismount(run_dir):
+                subprocess.run(["umount", str(run_dir)], check=False)
+        shutil.rmtree(local.node_settings(s, f"{s.node_id}c0", 0, nodes=EDGES).run_dir.parent,
+                      ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
     return out
 
