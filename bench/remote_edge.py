@@ -60,7 +60,7 @@ async def bench(quick: bool) -> dict[str, Any]:
             remote = RemoteEdge(edge.node_id, edge_srv.url, token)
             local_app = create_app(Placement([edge]), events, keys)
             # The edge writes the audit trail itself (as on a cluster node).
-            remote_app = create_app(Placement([remote]), events, keys, record_events=False)
+            remote_app = create_app(Placement([remote]), events, keys)
             async with BackgroundServer(local_app) as lsrv, BackgroundServer(remote_app) as rsrv, \
                     rollbox.AsyncClient(lsrv.url, key) as lc, \
                     rollbox.AsyncClient(rsrv.url, key) as rc:

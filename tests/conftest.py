@@ -293,13 +293,11 @@ async def api_edge(edge, edge_transport: str) -> AsyncIterator:  # noqa: ANN001
 
 
 def api_app(face, edge, keys, **kw):  # noqa: ANN001, ANN003, ANN201 - a FastAPI app
-    """The api over ``face`` (``api_edge``) with ``edge``'s event log. Over a RemoteEdge the
-    edge writes the audit trail itself (as on a cluster node), so the api does not again."""
+    """The api over ``face`` (``api_edge``: ``edge`` or a RemoteEdge to it). The audit trail
+    is the edge's either way (``EdgeAPI.events``), as on a cluster node."""
     from rollbox.api import create_app
     from rollbox.placement import Placement
 
-    if face is not edge:
-        kw.setdefault("record_events", False)
     return create_app(Placement([face]), edge.event_log, keys, **kw)
 
 

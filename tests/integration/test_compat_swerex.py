@@ -144,8 +144,12 @@ async def test_sessions_commands_and_errors(env: Env) -> None:
 
     # every command is in the sandbox's audit trail
     sb = await env.client.get(env.sandbox_id)
-    kinds = [e.kind for e in await env.app.state.api.events.read(sb.id, 0, 10000)]
+    evs = await sb.events()  # the edge's trail, through the api
+    kinds = [e.kind for e in evs]
     assert "swerex.command" in kinds and "swerex.interrupt" in kinds
+    assert kinds.count("sandbox.created") == 1
+    started = [e.exec_id for e in evs if e.kind == "exec.started"]
+    assert len(started) == len(set(started))  # each command once (the edge logs it)
 
     await rt.close()
 

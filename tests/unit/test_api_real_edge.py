@@ -3,6 +3,7 @@ same calls with the api app in-process (ASGITransport) over the same real edge."
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -60,4 +61,50 @@ async def test_sdk_over_api_over_real_edge(edge, api_edge, tmp_path: Path,  # no
             assert kinds.count("sandbox.created") == 1  # the edge records; the api does not
             assert any(e.kind == "exec.stdout" and e.data == "hi\n" for e in evs)
     finally:
+        keys.close()
+
+
+async def test_api_over_remote_edge_shows_each_event_once(edge, tmp_path: Path) -> None:  # noqa: ANN001
+    """The cluster's path: the api (with an event log of its own, as a replica has) over a
+    RemoteEdge. The trail is the edge's, each event once, and names the right owner; the api
+    writes nothing into its own log; another project sees nothing, also after the delete."""
+    from rollbox.api import create_app
+    from rollbox.events.store import EventLog
+    from rollbox.placement import Placement
+    from tests.conftest import served_edge
+
+    keys = KeyStore(tmp_path / "keys.db")
+    own_log = EventLog(tmp_path / "api-events.db")
+    key, other_key = keys.create("proj"), keys.create("other")
+    key_id = keys.verify(key).key_id
+    try:
+        async with served_edge(edge) as remote:
+            app = create_app(Placement([remote]), own_log, keys)
+            async with BackgroundServer(app) as srv, rollbox.AsyncClient(srv.url, key) as c, \
+                    rollbox.AsyncClient(srv.url, other_key) as o:
+                sb = await c.create(BB)
+                res = await sb.exec("echo once")
+                assert res.stdout == "once\n"
+                await sb.pause()
+                await sb.resume()
+                await sb.set_ttl(600)
+                await sb.delete()
+                evs = await sb.events()
+                with pytest.raises(rollbox.NotFound):
+                    await type(sb)(o, sb.info).events()  # the same id, their key
+        kinds = [e.kind for e in evs]
+        assert [e.seq for e in evs] == list(range(1, len(evs) + 1))
+        for kind in ("sandbox.created", "exec.started", "exec.exited", "sandbox.paused",
+                     "sandbox.resumed", "sandbox.ttl", "sandbox.deleted"):
+            assert kinds.count(kind) == 1, (kind, kinds)
+        assert kinds[0] == "sandbox.created" and kinds[-1] == "sandbox.deleted"
+        assert json.loads(evs[0].data)["owner"] == "proj"
+        out = [e.data for e in evs if e.kind == "exec.stdout"]
+        assert out == ["once\n"]
+        asked = [json.loads(e.data) for e in evs if e.kind == "sandbox.requested"]
+        assert [a["op"] for a in asked] == ["create", "pause", "resume", "delete"]
+        assert {a["by"] for a in asked} == {key_id}
+        assert await own_log.read(sb.id, 0) == []  # nothing of it in the api's own log
+    finally:
+        own_log.close()
         keys.close()

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from rollbox import errors
-from test_api_support import ApiStack
+from test_api_support import ApiStack, FakeEdge
 
 
 @pytest.fixture
@@ -316,22 +316,49 @@ async def test_background_output_recorded_and_exit_logged_before_delete(stack: A
         assert (await c.delete(f"/v1/sandboxes/{sid}")).status_code == 204
         evs = ndjson((await c.get(f"/v1/sandboxes/{sid}/events")).text)
         kinds = [(e["kind"], e["exec_id"]) for e in evs]
-        assert kinds == [("sandbox.created", None), ("exec.started", exec_id),
-                         ("exec.stdout", exec_id), ("exec.exited", exec_id),
-                         ("sandbox.deleted", None)]
-        assert json.loads(evs[3]["data"])["signal"] == 9
+        assert kinds == [("sandbox.created", None), ("sandbox.requested", None),
+                         ("exec.started", exec_id), ("exec.stdout", exec_id),
+                         ("sandbox.requested", None),  # who deleted it: before the delete
+                         ("exec.exited", exec_id), ("sandbox.deleted", None)]
+        assert json.loads(evs[5]["data"])["signal"] == 9
+        key_id = stack.keys.verify(stack.key_a).key_id
+        assert [json.loads(evs[i]["data"])["op"] for i in (1, 4)] == ["create", "delete"]
+        assert {json.loads(evs[i]["data"])["by"] for i in (1, 4)} == {key_id}
 
 
-async def test_no_double_recording_when_edge_writes_the_same_log(stack: ApiStack) -> None:
-    edge = stack.edges[0]
-    edge.event_log = stack.events  # type: ignore[attr-defined]  # like the embedded Edge
+async def test_events_of_an_unknown_node_are_not_found(stack: ApiStack) -> None:
     async with client(stack, stack.key_a) as c:
+        r = await c.get("/v1/sandboxes/zz-0123456789abcdef/events")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
         sid = await new_sandbox(c)
-        edge_created = stack.events.append(sid, "sandbox.created", None,
-                                           json.dumps({"owner": "proj-a"}))
-        r = await c.post(f"/v1/sandboxes/{sid}/exec", params={"wait": 1}, json={"cmd": "echo x"})
-        assert r.json()["exit_code"] == 0
-        assert (await c.delete(f"/v1/sandboxes/{sid}")).status_code == 204
-        await asyncio.sleep(0.1)
-        evs = ndjson((await c.get(f"/v1/sandboxes/{sid}/events")).text)
-        assert edge_created == 1 and [e["kind"] for e in evs] == ["sandbox.created"]
+        other = sid.replace("n0-", "zz-")
+        stack.events.append(other, "sandbox.created", None,
+                            json.dumps({"owner": "proj-a"}))  # in a log, on no node we know
+        assert (await c.get(f"/v1/sandboxes/{other}/events")).status_code == 404
+
+
+async def test_events_of_a_node_that_does_not_answer_give_its_error(tmp_path: Path) -> None:
+    """The trail is on the sandbox's node: a node that does not answer is its typed error,
+    not an empty trail or a 404."""
+    from rollbox.api import BackgroundServer, create_app
+    from rollbox.edge.remote import RemoteEdge
+    from rollbox.events import EventLog
+    from rollbox.iam import KeyStore
+    from rollbox.placement import Placement
+
+    keys, log = KeyStore(tmp_path / "keys.db"), EventLog(tmp_path / "events.db")
+    key = keys.create("proj")
+    alive = FakeEdge("n0", tmp_path / "sb", events=log)  # the app's start-up needs one
+    dead = RemoteEdge("n9", "http://127.0.0.1:9", "t" * 24, connect_timeout_s=1.0)
+    try:
+        async with BackgroundServer(create_app(Placement([alive, dead]), log, keys)) as srv, \
+                httpx.AsyncClient(base_url=srv.url, timeout=30,
+                                  headers={"Authorization": f"Bearer {key}"}) as c:
+            r = await c.get("/v1/sandboxes/n9-0123456789abcdef/events")
+            assert r.status_code >= 500, r.text
+            assert r.json()["error"]["code"] == errors.EdgeUnreachable.code
+    finally:
+        await dead.close()
+        await alive.close()
+        log.close()
+        keys.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import os
 import secrets
 import shutil
@@ -45,6 +46,7 @@ class _Exec:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     result: ExecResult | None = None
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    sandbox_id: str = ""
 
     def push(self, item: ExecOutput) -> None:
         self.items.append(item)
@@ -59,8 +61,13 @@ class _Sandbox:
 
 
 class FakeEdge:
-    def __init__(self, node_id: str, root: Path, max_sandboxes: int = 1000) -> None:
+    """``events``: the audit trail this edge keeps of its sandboxes, like Edge's (sandbox.*,
+    exec.*; None: none kept, for tests that read no trail)."""
+
+    def __init__(self, node_id: str, root: Path, max_sandboxes: int = 1000,
+                 events: EventLog | None = None) -> None:
         self.node_id = node_id
+        self.event_log = events
         self.root = root
         self.max_sandboxes = max_sandboxes
         self.sandboxes: dict[str, _Sandbox] = {}
@@ -81,6 +88,11 @@ class FakeEdge:
         if sb is None:
             raise errors.NotFound(f"no sandbox {sandbox_id}")
         return sb
+
+    def _log(self, sandbox_id: str, kind: str, exec_id: str | None = None,
+             data: str | bytes = "") -> None:
+        if self.event_log is not None:
+            self.event_log.append(sandbox_id, kind, exec_id, data)
 
     def _path(self, sandbox_id: str, path: str) -> Path:
         return self._sb(sandbox_id).root / path.lstrip("/")
@@ -103,6 +115,8 @@ class FakeEdge:
                            labels=spec.labels, resources=spec.resources, owner=owner,
                            idempotency_key=spec.idempotency_key)
         self.sandboxes[sid] = _Sandbox(info, root)
+        self._log(sid, "sandbox.created", data=json.dumps(
+            {"image": spec.image, "layers": spec.layers, "owner": owner, "job": spec.job}))
         return info
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
@@ -124,6 +138,7 @@ class FakeEdge:
             await ex.done.wait()
         del self.sandboxes[sandbox_id]
         shutil.rmtree(sb.root, ignore_errors=True)
+        self._log(sandbox_id, "sandbox.deleted")
 
     async def set_ttl(self, sandbox_id: str, ttl_s: float) -> SandboxInfo:
         sb = self._sb(sandbox_id)
@@ -142,8 +157,9 @@ class FakeEdge:
             *argv, cwd=cwd, env=env, start_new_session=True,
             stdin=asyncio.subprocess.PIPE if spec.stdin else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        ex = _Exec("e" + secrets.token_hex(6), spec, proc, time.time())
+        ex = _Exec("e" + secrets.token_hex(6), spec, proc, time.time(), sandbox_id=sandbox_id)
         sb.execs[ex.exec_id] = ex
+        self._log(sandbox_id, "exec.started", ex.exec_id, json.dumps({"cmd": spec.cmd}))
         ex.push(ExecOutput("started", ex.exec_id))
         ex.tasks.append(asyncio.create_task(self._run(ex)))
         return ex.exec_id
@@ -155,6 +171,7 @@ class FakeEdge:
             while chunk := await reader.read(65536):
                 ex.push(ExecOutput(kind, ex.exec_id, data=chunk,  # type: ignore[arg-type]
                                    offset=len(out[kind])))
+                self._log(ex.sandbox_id, f"exec.{kind}", ex.exec_id, chunk)
                 out[kind] += chunk
 
         assert ex.proc.stdout and ex.proc.stderr
@@ -177,6 +194,8 @@ class FakeEdge:
             stdout=out["stdout"].decode(errors="replace"),
             stderr=out["stderr"].decode(errors="replace"),
             stdout_bytes=len(out["stdout"]), stderr_bytes=len(out["stderr"]))
+        self._log(ex.sandbox_id, "exec.exited", ex.exec_id, ex.result.model_dump_json(
+            exclude={"stdout", "stderr"}))
         ex.push(ExecOutput("exit", ex.exec_id, result=ex.result))
         ex.done.set()
 
@@ -316,8 +335,17 @@ class FakeEdge:
 
     async def events(self, sandbox_id: str, after_seq: int, follow: bool
                      ) -> AsyncIterator[Event]:
-        return
-        yield  # pragma: no cover
+        if self.event_log is None:
+            return
+        if follow:
+            async for ev in self.event_log.follow(sandbox_id, after_seq):
+                yield ev
+        else:
+            for ev in await self.event_log.read(sandbox_id, after_seq):
+                yield ev
+
+    async def record_event(self, sandbox_id: str, kind: str, data: str) -> None:
+        self._log(sandbox_id, kind, data=data)
 
     async def close(self) -> None:
         for sid in list(self.sandboxes):
@@ -342,9 +370,9 @@ class ApiStack:
                  leases: bool = False, ledger: bool = False) -> None:
         from rollbox.iam import SQLiteLedger
 
-        self.edges = [FakeEdge(n, tmp / "sb" / n, max_sandboxes) for n in nodes]
-        self.placement = Placement(self.edges)
         self.events = EventLog(tmp / "events.db", per_sandbox_bytes=per_sandbox_bytes)
+        self.edges = [FakeEdge(n, tmp / "sb" / n, max_sandboxes, self.events) for n in nodes]
+        self.placement = Placement(self.edges)
         self.keys = KeyStore(tmp / "keys.db")
         self.ledger = SQLiteLedger.of(self.keys) if ledger else None
         self.key_a = self.keys.create("proj-a")

@@ -119,9 +119,10 @@ async def test_events_after_delete_and_list(client: rollbox.AsyncClient) -> None
         followed = await asyncio.wait_for(follower, 10)
         evs = await sb.events()
         assert followed == evs
-        assert [e.kind for e in evs] == ["sandbox.created", "exec.started", "exec.stdout",
-                                         "exec.exited", "sandbox.ttl", "sandbox.deleted"]
-        assert evs[2].data == "audit-me\n"
+        assert [e.kind for e in evs] == [
+            "sandbox.created", "sandbox.requested", "exec.started", "exec.stdout",
+            "exec.exited", "sandbox.ttl", "sandbox.requested", "sandbox.deleted"]
+        assert evs[3].data == "audit-me\n"
     finally:
         await other.delete()
 

@@ -3,8 +3,8 @@
 :func:`create_app` assembles one app: the body caps (``api.bodies``), the error mapping
 (``api.errors``), the routers of ``api.routes`` and the front doors it is given
 (``api.frontdoors``), over one :class:`ApiContext` (``app.state.api``). Stateless apart from
-the context's owner cache: sandbox ids route through :class:`Placement`, the audit trail goes
-to :class:`EventLog`, principals and projects come from an :class:`IamStore`, quotas are held
+the context's owner cache: sandbox ids route through :class:`Placement`, the audit trail is
+the edges' own (``EdgeAPI.events``/``record_event``), principals and projects come from an :class:`IamStore`, quotas are held
 in a :class:`QuotaLedger` (``rollbox.iam``: SQLite or PostgreSQL, the same for the api).
 """
 import contextlib
@@ -25,12 +25,13 @@ from rollbox.watcher import Watcher
 
 
 def create_app(placement: Placement, events: EventLog, keys: IamStore, *,
-               record_events: bool | None = None, leases: LeaseStore | None = None,
+               leases: LeaseStore | None = None,
                ledger: QuotaLedger | None = None,
                front_doors: Sequence[FrontDoor] = (),
                watcher: Watcher | None = None) -> FastAPI:
-    """``record_events``: None (default) = record for every edge that does not write into
-    ``events`` itself; True/False forces it for all edges. ``leases``: the trainer-job lease
+    """``events``: not read or written by the api (each edge keeps its sandboxes' audit trail,
+    read and added to through ``EdgeAPI.events``/``record_event``); kept until its callers
+    drop it. ``leases``: the trainer-job lease
     store the edges sweep (None: no jobs on this server; see rollbox.api.routes.jobs).
     ``keys``: projects, keys and their limits; ``ledger``: the cluster-wide quota ledger the
     create path reserves in (None: only the edges' per-node admission enforces limits).
@@ -38,14 +39,12 @@ def create_app(placement: Placement, events: EventLog, keys: IamStore, *,
     from its composition root (``rollbox.embedded``); none: the core ``/v1`` api only.
     ``watcher``: the nodes' health (rollbox.watcher; its owner starts and stops it): a dead
     node's sandboxes answer sandbox_dead (reason node_lost), ``/v1/cluster/status``."""
-    api = ApiContext(placement, events, keys, record_events, leases, ledger=ledger,
-                     watcher=watcher)
+    api = ApiContext(placement, keys, leases, ledger=ledger, watcher=watcher)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with front_door_lifetime, fncall.pools(app, api):
             yield
-        await api.shutdown()
 
     app = FastAPI(
         title="rollbox",

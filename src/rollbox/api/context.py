@@ -1,9 +1,10 @@
 """The api's state and the route logic its routers and front doors share: :class:`ApiContext`.
 
 One per app (``app.state.api``; kept off the modules so several apps can coexist): the
-placement, audit log, IAM store, quota ledger and lease store the app was made with, the owner
-cache that authorises a sandbox id, the recorders that copy commands' output into the audit
-log, and the one create path (:meth:`ApiContext.create_sandbox`: reserve in the ledger, place,
+placement, IAM store, quota ledger and lease store the app was made with, the owner cache that
+authorises a sandbox id, the audit trail's reads and the api's own entries in it (each edge keeps
+its sandboxes' trail, ``EdgeAPI.events``/``record_event``: the api records only what it alone
+knows, e.g. who asked), and the one create path (:meth:`ApiContext.create_sandbox`: reserve in the ledger, place,
 commit). Routes reach it through ``api.deps``; front doors get it as the typed argument of their
 ``mount``.
 """
@@ -14,11 +15,10 @@ import contextlib
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 
 from rollbox import errors
 from rollbox.edge.interface import EdgeAPI
-from rollbox.events import EventLog
 from rollbox.iam import IamStore, Principal, QuotaLedger, Reservation, Usage
 from rollbox.iam.model import RESERVATION_TTL_S
 from rollbox.jobs import LeaseStore
@@ -31,27 +31,20 @@ OWNER_CACHE_SIZE = 65536
 
 
 class ApiContext:
-    """``record_events``: None = record for every edge that does not write into ``events``
-    itself; True/False forces it for all edges. ``leases``: None when the server keeps none
+    """``leases``: None when the server keeps none
     (their routes answer bad_request). ``ledger``: None = no cluster-wide quotas (only the
     edges' per-node admission). ``watcher``: the view of the nodes' health (None: every node
     is taken as alive); a dead node's sandboxes answer SandboxDead (reason node_lost) and are
     listed dead."""
 
-    def __init__(self, placement: Placement, events: EventLog, keys: IamStore,
-                 record_events: bool | None, leases: LeaseStore | None = None,
+    def __init__(self, placement: Placement, keys: IamStore, leases: LeaseStore | None = None,
                  ledger: QuotaLedger | None = None, watcher: Watcher | None = None) -> None:
         self.placement = placement
         self.watcher = watcher
-        self.events = events
         self.keys = keys
         self.leases = leases
         self.ledger = ledger
-        self.record_events = record_events
         self._owners: OrderedDict[str, str] = OrderedDict()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._recorders: dict[str, set[asyncio.Task[None]]] = {}
-        self._recorded_execs: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     # -- auth and ownership --
     async def principal(self, key: str | None) -> Principal:
@@ -119,12 +112,16 @@ class ApiContext:
         return out
 
     async def logged_owner(self, sandbox_id: str) -> str | None:
-        # The first event of every sandbox created through the api is sandbox.created with
-        # its owner: this is what authorises reading the log of a deleted sandbox.
-        first = await self.events.read(sandbox_id, 0, 1)
-        if first and first[0].kind == "sandbox.created":
+        """The owner the sandbox's audit trail names, read from its node's edge (the edge's
+        log outlives the sandbox): its first event is the edge's sandbox.created with the
+        owner, which authorises reading the log of a deleted sandbox. NotFound for an id of
+        no known node; a node that does not answer gives its typed error."""
+        edge = self.placement.edge_for(sandbox_id)
+        async with contextlib.aclosing(edge.events(sandbox_id, 0, False)) as events:
+            first = await anext(events, None)
+        if first is not None and first.kind == "sandbox.created":
             try:
-                return str(json.loads(first[0].data).get("owner"))
+                return str(json.loads(first.data).get("owner"))
             except (ValueError, AttributeError):
                 return None
         return None
@@ -201,65 +198,13 @@ class ApiContext:
         except errors.RollboxError as exc:
             log.warning("releasing %s from the quota ledger failed: %s", sandbox_id, exc)
 
-    # -- recording --
-    def records(self, edge: EdgeAPI) -> bool:
-        """Whether the api writes the audit trail for this edge's sandboxes. An edge that
-        writes into this same EventLog itself (embedded mode) is not doubled; a remote edge
-        with its own log is recorded here."""
-        if self.record_events is not None:
-            return self.record_events
-        return getattr(edge, "event_log", None) is not self.events
-
-    def spawn(self, coro: Awaitable[None], sandbox_id: str | None = None) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        if sandbox_id is not None:
-            per = self._recorders.setdefault(sandbox_id, set())
-            per.add(task)
-
-            def done(t: asyncio.Task[None]) -> None:
-                per.discard(t)
-                if not per and self._recorders.get(sandbox_id) is per:
-                    del self._recorders[sandbox_id]
-
-            task.add_done_callback(done)
-
-    async def drain_recorders(self, sandbox_id: str, timeout_s: float) -> None:
-        """Let the commands' last output and exit reach the log before sandbox.deleted."""
-        tasks = self._recorders.get(sandbox_id)
-        if tasks:
-            await asyncio.wait(set(tasks), timeout=timeout_s)
-
-    def first_record(self, sandbox_id: str, exec_id: str) -> bool:
-        """False for an exec start that an idempotency key mapped to a recorded exec."""
-        key = (sandbox_id, exec_id)
-        if key in self._recorded_execs:
-            return False
-        self._recorded_execs[key] = None
-        while len(self._recorded_execs) > OWNER_CACHE_SIZE:
-            self._recorded_execs.popitem(last=False)
-        return True
-
-    async def record_exec(self, edge: EdgeAPI, sandbox_id: str, exec_id: str) -> None:
-        """Copy one command's output into the audit log, independent of any client stream."""
+    # -- the api's own entries in the audit trail --
+    async def record(self, edge: EdgeAPI, sandbox_id: str, kind: str,
+                     data: dict[str, object]) -> None:
+        """Add what only the api knows (who asked for an operation, a grade, a job's end) to
+        the sandbox's audit trail on its edge. The operation's outcome stands if this fails:
+        the failure is logged, not raised (the edge logs the operation itself)."""
         try:
-            async for item in edge.exec_stream(sandbox_id, exec_id):
-                if item.kind == "stdout":
-                    self.events.append(sandbox_id, "exec.stdout", exec_id, item.data)
-                elif item.kind == "stderr":
-                    self.events.append(sandbox_id, "exec.stderr", exec_id, item.data)
-                elif item.kind == "exit" and item.result is not None:
-                    summary = item.result.model_dump(exclude={"stdout", "stderr"})
-                    self.events.append(sandbox_id, "exec.exited", exec_id, json.dumps(summary))
-                elif item.kind == "error":
-                    self.events.append(sandbox_id, "exec.error", exec_id, repr(item.error))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self.events.append(sandbox_id, "exec.error", exec_id, repr(exc))
-
-    async def shutdown(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+            await edge.record_event(sandbox_id, kind, json.dumps(data))
+        except errors.RollboxError as exc:
+            log.warning("recording %s of %s failed: %s", kind, sandbox_id, exc)

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from rollbox import errors, models
-from rollbox.api.deps import Api, Edge
+from rollbox.api.deps import Edge
 from rollbox.api.streams import NDJSON, ndjson, output_line, primed
 from rollbox.edge.interface import EdgeAPI, ExecOutput
 
@@ -61,17 +61,10 @@ def exec_stream_response(edge: EdgeAPI, sandbox_id: str, exec_id: str,
              responses={200: {"content": {NDJSON: {}}, "description":
                               "NDJSON stream, {exec_id} if background, ExecResult if wait=1"}})
 async def exec_start(
-    sandbox_id: str, spec: models.ExecSpec, edge: Edge, api: Api,
+    sandbox_id: str, spec: models.ExecSpec, edge: Edge,
     wait: Annotated[bool, Query(description="return one ExecResult when done")] = False,
 ) -> Response:
-    exec_id = await edge.exec_start(sandbox_id, spec)
-    if api.records(edge) and api.first_record(sandbox_id, exec_id):
-        api.events.append(sandbox_id, "exec.started", exec_id, json.dumps({
-            "cmd": spec.cmd, "cwd": spec.cwd, "user": spec.user,
-            "timeout_s": spec.timeout_s, "background": spec.background,
-            "env_keys": sorted(spec.env),
-        }))
-        api.spawn(api.record_exec(edge, sandbox_id, exec_id), sandbox_id)
+    exec_id = await edge.exec_start(sandbox_id, spec)  # the edge logs exec.* itself
     if spec.background:
         return JSONResponse(ExecStarted(exec_id=exec_id).model_dump())
     if wait:

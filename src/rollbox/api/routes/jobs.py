@@ -7,7 +7,6 @@ rollbox.jobs); the edges' reapers delete the sandboxes of jobs that expire. Owns
 routes.
 """
 import asyncio
-import json
 import logging
 from typing import Annotated
 
@@ -86,14 +85,11 @@ async def end_job(name: str, who: Who, api: Api, project: ProjectQ = None) -> mo
     doomed = await job_sandboxes(api, owner, name)
 
     async def delete(sandbox_id: str) -> None:
-        why = json.dumps({"by": who.key_id, "reason": f"job {name!r} ended"})
-        api.events.append(sandbox_id, "sandbox.job_ended", None, why)
         edge = api.placement.edge_for(sandbox_id)
-        await edge.delete(sandbox_id)
+        await api.record(edge, sandbox_id, "sandbox.job_ended",
+                         {"by": who.key_id, "reason": f"job {name!r} ended"})
+        await edge.delete(sandbox_id)  # the edge logs sandbox.deleted
         await api.sandbox_ended(sandbox_id)
-        if api.records(edge):
-            await api.drain_recorders(sandbox_id, 2.0)
-            api.events.append(sandbox_id, "sandbox.deleted", None, why)
 
     results = await asyncio.gather(*(delete(i.id) for i in doomed), return_exceptions=True)
     deleted = []

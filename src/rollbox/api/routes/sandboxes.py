@@ -1,10 +1,9 @@
 """Routes ``/v1/sandboxes``: create, list, get, delete, TTL, pause/resume, network policy, grade,
 snapshot. Create reserves the sandbox's room in the project's quota first and a delete gives
 it back (``ApiContext.create_sandbox``, ``sandbox_ended``). Everything after create names a
-sandbox the caller's project owns (``deps.Edge``); what changes a sandbox goes into its audit
-trail when the api records for its edge."""
+sandbox the caller's project owns (``deps.Edge``); the edge logs each change in the sandbox's
+audit trail, the api adds only who asked (``ApiContext.record``)."""
 import contextlib
-import json
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response
@@ -60,12 +59,11 @@ async def create_sandbox(
     if info is None:  # a keyed create on the node that is making it joins it there
         info = await api.create_sandbox(spec, who.project)
     api.remember_owner(info.id, who.project)
-    if made_here and api.records(api.placement.edge_for(info.id)):
-        api.events.append(info.id, "sandbox.created", None, json.dumps({
-            "owner": who.project, "key_id": who.key_id, "node": info.node,
-            "image": spec.image, "layers": spec.layers, "labels": spec.labels, "job": spec.job,
+    if made_here:  # after the edge's own sandbox.created (image, layers, owner, job)
+        await api.record(api.placement.edge_for(info.id), info.id, "sandbox.requested", {
+            "op": "create", "by": who.key_id, "node": info.node, "labels": spec.labels,
             "resources": spec.resources.model_dump(), "ttl_s": spec.ttl_s,
-        }))
+        })
     return info
 
 
@@ -117,21 +115,20 @@ async def delete_sandbox(sandbox_id: str, who: Who, api: Api) -> Response:
         # Dead with its node: deleting a dead sandbox is a no-op (its node tears it down
         # when it comes back).
         return Response(status_code=204)
+    # Before the delete: the edge's sandbox.deleted ends the trail (and its followers).
+    await api.record(edge, sandbox_id, "sandbox.requested",
+                     {"op": "delete", "by": who.key_id, "via": "api"})
     await edge.delete(sandbox_id)
     await api.sandbox_ended(sandbox_id)
-    if api.records(edge):
-        await api.drain_recorders(sandbox_id, 2.0)
-        api.events.append(sandbox_id, "sandbox.deleted", None,
-                          json.dumps({"by": who.key_id, "reason": "api"}))
     return Response(status_code=204)
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/ttl", response_model=models.SandboxInfo,
              tags=["sandboxes"])
-async def set_ttl(sandbox_id: str, body: TTLRequest, edge: Edge,
+async def set_ttl(sandbox_id: str, body: TTLRequest, edge: Edge, who: Who,
                   api: Api) -> models.SandboxInfo:
     info = await edge.set_ttl(sandbox_id, body.ttl_s)
-    api.events.append(sandbox_id, "sandbox.ttl", None, json.dumps({"ttl_s": body.ttl_s}))
+    await api.record(edge, sandbox_id, "sandbox.ttl", {"ttl_s": body.ttl_s, "by": who.key_id})
     return info
 
 
@@ -141,9 +138,8 @@ async def pause_sandbox(sandbox_id: str, edge: Edge, who: Who,
                         api: Api) -> models.SandboxInfo:
     """Freeze the whole sandbox (state ``paused``): exec answers 409 sandbox_paused until
     resume; files, TTL, network and delete still work; the TTL keeps counting."""
-    info = await edge.pause(sandbox_id)
-    if api.records(edge):
-        api.events.append(sandbox_id, "sandbox.paused", None, json.dumps({"by": who.key_id}))
+    info = await edge.pause(sandbox_id)  # the edge logs sandbox.paused; the api, who asked
+    await api.record(edge, sandbox_id, "sandbox.requested", {"op": "pause", "by": who.key_id})
     return info
 
 
@@ -153,8 +149,7 @@ async def resume_sandbox(sandbox_id: str, edge: Edge, who: Who,
                          api: Api) -> models.SandboxInfo:
     """Thaw a paused sandbox; its processes continue where they stopped."""
     info = await edge.resume(sandbox_id)
-    if api.records(edge):
-        api.events.append(sandbox_id, "sandbox.resumed", None, json.dumps({"by": who.key_id}))
+    await api.record(edge, sandbox_id, "sandbox.requested", {"op": "resume", "by": who.key_id})
     return info
 
 
@@ -172,9 +167,9 @@ async def grade(sandbox_id: str, spec: models.GradeSpec, edge: Edge,
                 who: Who, api: Api) -> models.GradeResult:
     owner = (await edge.get(sandbox_id)).owner
     result = await edge.grade(sandbox_id, spec, owner)
-    api.events.append(sandbox_id, "sandbox.graded", None, json.dumps(
-        {"grader": result.grader_id, "files": result.files,
-         "exit_code": result.result.exit_code, "by": who.key_id}))
+    await api.record(edge, sandbox_id, "sandbox.graded", {
+        "grader": result.grader_id, "files": result.files,
+        "exit_code": result.result.exit_code, "by": who.key_id})
     return result
 
 

@@ -158,12 +158,10 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
                            labels=labels_of(metadata, template), env=envs)
         info = await api.create_sandbox(spec, principal.project)
         api.remember_owner(info.id, principal.project)
-        if api.records(api.placement.edge_for(info.id)):
-            api.events.append(info.id, "sandbox.created", None, json.dumps({
-                "owner": principal.project, "key_id": principal.key_id, "node": info.node,
-                "image": spec.image, "layers": spec.layers, "labels": spec.labels,
-                "resources": spec.resources.model_dump(), "ttl_s": spec.ttl_s, "via": "e2b",
-            }))
+        await api.record(api.placement.edge_for(info.id), info.id, "sandbox.requested", {
+            "op": "create", "by": principal.key_id, "node": info.node, "labels": spec.labels,
+            "resources": spec.resources.model_dump(), "ttl_s": spec.ttl_s, "via": "e2b",
+        })
         return JSONResponse(sandbox_json(info, principal), status_code=201)
 
     async def _list(request: Request, paged: bool) -> Response:
@@ -226,12 +224,10 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         edge = await api.sandbox_edge(sid, principal)
         if (await edge.get(sid)).state in ("stopping", "deleted"):
             raise errors.NotFound(f"sandbox {sid} not found")  # kill twice: E2B says 404
-        await edge.delete(sid)
+        await api.record(edge, sid, "sandbox.requested",
+                         {"op": "delete", "by": principal.key_id, "via": "e2b"})
+        await edge.delete(sid)  # the edge logs sandbox.deleted
         await api.sandbox_ended(sid)
-        if api.records(edge):
-            await api.drain_recorders(sid, 2.0)
-            api.events.append(sid, "sandbox.deleted", None,
-                              json.dumps({"by": principal.key_id, "reason": "e2b"}))
         return Response(status_code=204)
 
     @handler

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import json
 import logging
 import posixpath
 import stat as statmod
@@ -367,12 +366,7 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
                         env={str(k): str(v) for k, v in envs.items()},
                         cwd=abs_path(proc.get("cwd") or HOME), user=_basic_user(request),
                         timeout_s=deadline_s, stdin=bool(msg.get("stdin")))
-        exec_id = await edge.exec_start(sid, spec)
-        if api.records(edge):
-            api.events.append(sid, "exec.started", exec_id, json.dumps({
-                "cmd": spec.cmd, "cwd": spec.cwd, "user": spec.user, "timeout_s": spec.timeout_s,
-                "background": spec.background, "env_keys": sorted(spec.env), "via": "e2b"}))
-            api.spawn(api.record_exec(edge, sid, exec_id), sid)
+        exec_id = await edge.exec_start(sid, spec)  # the edge logs exec.* itself
         pid = pid_of(exec_id)
         # The command's own deadline (agent-enforced) ends it; no stream deadline on top.
         items = _with_keepalive(edge.exec_stream(sid, exec_id), _keepalive_interval(request),

@@ -197,17 +197,6 @@ def mount(app: FastAPI, api: ApiContext) -> contextlib.AbstractAsyncContextManag
             return _http_error(errors.SandboxDead(f"sandbox {sandbox_id} is {info.state}"))
         return _transfer(exc)
 
-    def audit(edge: EdgeAPI, sandbox_id: str) -> Callable[[str, ExecSpec], None]:
-        """What the core exec route records, for execs this front door starts itself."""
-        def started(exec_id: str, spec: ExecSpec) -> None:
-            if api.records(edge):
-                api.events.append(sandbox_id, "exec.started", exec_id, json.dumps({
-                    "cmd": spec.cmd, "cwd": spec.cwd, "user": spec.user,
-                    "timeout_s": spec.timeout_s, "background": spec.background,
-                    "env_keys": sorted(spec.env), "via": "swe-rex"}))
-                api.spawn(api.record_exec(edge, sandbox_id, exec_id), sandbox_id)
-        return started
-
     # ---- runtime ----
     @router.get("/is_alive")
     async def is_alive(sandbox_id: str, request: Request) -> JSONResponse:
@@ -243,7 +232,7 @@ def mount(app: FastAPI, api: ApiContext) -> contextlib.AbstractAsyncContextManag
             session = BashSession(edge, sandbox_id, body.session)
             sessions.add(session)
             try:
-                output = await session.start(body, audit(edge, sandbox_id))
+                output = await session.start(body)
             except BaseException:
                 sessions.discard(session)
                 await session.close()
@@ -258,9 +247,11 @@ def mount(app: FastAPI, api: ApiContext) -> contextlib.AbstractAsyncContextManag
         async def op(edge: EdgeAPI) -> BaseModel:
             session = sessions.get(sandbox_id, body.session)
             if isinstance(body, wire.BashInterruptAction):
-                api.events.append(sandbox_id, "swerex.interrupt", session.exec_id, "")
+                await api.record(edge, sandbox_id, "swerex.interrupt",
+                                 {"exec_id": session.exec_id})
                 return await session.interrupt(body)
-            api.events.append(sandbox_id, "swerex.command", session.exec_id, body.command)
+            await api.record(edge, sandbox_id, "swerex.command",
+                             {"exec_id": session.exec_id, "command": body.command})
             return await session.run(body)
         return await call(sandbox_id, request, op)
 
@@ -278,7 +269,7 @@ def mount(app: FastAPI, api: ApiContext) -> contextlib.AbstractAsyncContextManag
     @router.post("/execute")
     async def execute(sandbox_id: str, body: wire.Command, request: Request) -> JSONResponse:
         async def op(edge: EdgeAPI) -> BaseModel:
-            return await _execute(edge, sandbox_id, body, audit(edge, sandbox_id))
+            return await _execute(edge, sandbox_id, body)
         return await call(sandbox_id, request, op)
 
     @router.post("/read_file")
@@ -342,8 +333,7 @@ class _Message(BaseModel):
     message: str
 
 
-async def _execute(edge: EdgeAPI, sandbox_id: str, cmd: wire.Command,
-                   started: Callable[[str, ExecSpec], None]) -> wire.CommandResponse:
+async def _execute(edge: EdgeAPI, sandbox_id: str, cmd: wire.Command) -> wire.CommandResponse:
     """``subprocess.run`` semantics: a string runs through a shell only with ``shell`` (the
     platform shell, never the sandbox's ``/bin/sh``); the deadline is enforced inside the
     sandbox."""
@@ -363,8 +353,7 @@ async def _execute(edge: EdgeAPI, sandbox_id: str, cmd: wire.Command,
                         timeout_s=cmd.timeout)
     except ValueError as exc:  # pydantic: bad env names, NUL bytes, empty argv
         raise wire.RemoteError("builtins.ValueError", str(exc)) from None
-    exec_id = await edge.exec_start(sandbox_id, spec)
-    started(exec_id, spec)
+    exec_id = await edge.exec_start(sandbox_id, spec)  # the edge logs exec.* itself
     out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
     result = None
     async for item in edge.exec_stream(sandbox_id, exec_id):

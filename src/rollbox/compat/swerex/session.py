@@ -114,8 +114,6 @@ fi
 # After the command (which runs as `eval $'...'`).
 TAIL = "{ __rbx_ran=ran __rbx_rc=$? __rbx_x=$-; set +x; } 2>/dev/null\nbuiltin exit \"$__rbx_rc\"\n"
 
-OnExecStarted = Callable[[str, ExecSpec], None]
-
 
 def ansi_c_quote(text: str) -> str:
     """``text`` as one bash ``$'...'`` word on a single line (newlines and controls escaped)."""
@@ -238,13 +236,10 @@ class BashSession:
         self._changed = asyncio.Event()
         self._lock = asyncio.Lock()
         self._interrupts = 0
-        self._on_started: OnExecStarted | None = None
         self._on_done: list[Callable[[], None]] = []
 
     # ---- lifetime ----
-    async def start(self, request: wire.CreateBashSessionRequest,
-                    on_started: OnExecStarted | None = None) -> str:
-        self._on_started = on_started
+    async def start(self, request: wire.CreateBashSessionRequest) -> str:
         command = "\n".join(f"source {ansi_c_quote(p)}" for p in request.startup_source)
         timeout = max(request.startup_timeout, STARTUP_TIMEOUT_MIN_S)
         cmd = await self._start(command or ":")
@@ -399,8 +394,6 @@ class BashSession:
         spec = ExecSpec(cmd=BOOT.format(n=len(script)), stdin=True)
         exec_id = await self.edge.exec_start(self.sandbox_id, spec)
         self.exec_id = exec_id
-        if self._on_started is not None:
-            self._on_started(exec_id, spec)
         cmd = _Command(exec_id)
         cmd.reader = asyncio.ensure_future(self._read(cmd))
         self._running.append(cmd)
