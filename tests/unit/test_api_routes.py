@@ -362,3 +362,13 @@ async def test_events_of_a_node_that_does_not_answer_give_its_error(tmp_path: Pa
         await alive.close()
         log.close()
         keys.close()
+
+
+async def test_events_longer_than_a_page_are_read_whole(stack: ApiStack) -> None:
+    async with client(stack, stack.key_a) as c:
+        sid = await new_sandbox(c)
+        for i in range(2500):  # the edge's log reads in pages of 1000
+            stack.events.append(sid, "exec.started", f"e{i}", "{}")
+        evs = ndjson((await c.get(f"/v1/sandboxes/{sid}/events")).text)
+        assert [e["seq"] for e in evs] == list(range(1, len(evs) + 1))
+        assert sum(e["kind"] == "exec.started" for e in evs) == 2500

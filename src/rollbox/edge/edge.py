@@ -1371,12 +1371,8 @@ class Edge:
     # ---- events -------------------------------------------------------------------------
     async def events(self, sandbox_id: str, after_seq: int,
                      follow: bool) -> AsyncIterator[Event]:
-        if follow:
-            async for ev in self.event_log.follow(sandbox_id, after_seq):
-                yield ev
-        else:
-            for ev in await self.event_log.read(sandbox_id, after_seq):
-                yield ev
+        async for ev in self.event_log.stream(sandbox_id, after_seq, follow):
+            yield ev
 
     async def record_event(self, sandbox_id: str, kind: str, data: str) -> None:
         self.event_log.append(sandbox_id, kind, data=data)

@@ -237,6 +237,20 @@ class EventLog:
         # Indexed range reads are sub-millisecond; a thread hop would cost more than it saves.
         return self.read_sync(sandbox_id, after_seq, limit)
 
+    async def stream(self, sandbox_id: str, after_seq: int, follow: bool) -> AsyncIterator[Event]:
+        """``EdgeAPI.events``: with ``follow``, :meth:`follow`; else every event after
+        ``after_seq`` there is now (read in pages, however many)."""
+        if follow:
+            async for ev in self.follow(sandbox_id, after_seq):
+                yield ev
+            return
+        while batch := await self.read(sandbox_id, after_seq, 1000):
+            for ev in batch:
+                yield ev
+            if len(batch) < 1000:
+                return
+            after_seq = batch[-1].seq
+
     async def follow(self, sandbox_id: str, after_seq: int = 0) -> AsyncIterator[Event]:
         """Replay events after ``after_seq`` then stream new ones; ends after sandbox.deleted."""
         loop = asyncio.get_running_loop()
