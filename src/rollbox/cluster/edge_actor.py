@@ -4,8 +4,11 @@ Owns the actor's life: it is detached (outlives the driver that made it), restar
 without limit when its process dies (``max_restarts=-1``), pinned to its Ray node
 (``NodeAffinitySchedulingStrategy(soft=False)``) and takes no CPU slot (``num_cpus=0``). Its
 constructor builds an :class:`~rollbox.edge.edge.Edge` from the node's settings (the
-``ROLLBOX_*`` variables it is given), starts it (a restarted actor re-adopts the node's
-sandboxes from the edge's journal, commands included), serves it over HTTP with the cluster
+``ROLLBOX_*`` variables it is given) with the cluster's job leases
+(:class:`~rollbox.jobs.postgres.PostgresLeaseStore` on the DSN file it is given: the edge's
+reaper ends the sandboxes of its node whose job expired or ended; closed after the edge),
+starts it (a restarted actor re-adopts the node's sandboxes from the edge's journal, commands
+included), serves it over HTTP with the cluster
 token (``rollbox.edge.service.serve_edge``) on its own event loop thread, and registers
 ``(node id, url)`` in the GCS key-value store, where api replicas find it. One edge per
 rollbox node id: the actor's name is ``edge-<node id>`` in the ``rollbox`` namespace, a second
@@ -21,6 +24,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from rollbox import errors
@@ -39,8 +43,10 @@ class EdgeHost:
     """An edge and its HTTP server on a loop thread of their own (the Ray actor's methods run
     on Ray's threads and reach the edge through :meth:`call`)."""
 
-    def __init__(self, env: Mapping[str, str], host: str, port: int, token: str) -> None:
+    def __init__(self, env: Mapping[str, str], host: str, port: int, token: str,
+                 dsn_file: str | None = None) -> None:
         self.env = dict(env)
+        self.dsn_file = dsn_file  # the cluster's PostgreSQL (job leases); None: no jobs here
         self.host, self.port, self.token = host, port, token
         self.loop: asyncio.AbstractEventLoop | None = None
         self.edge: Any = None
@@ -77,24 +83,33 @@ class EdgeHost:
         from rollbox.edge.service import serve_edge
         from rollbox.events.store import EventLog
         from rollbox.isolation import oom
+        from rollbox.jobs.postgres import PostgresLeaseStore
 
         oom.protect()
         s = Settings()
         s.data_dir.mkdir(parents=True, exist_ok=True)
+        leases = None
+        if self.dsn_file is not None:
+            dsn = Path(self.dsn_file).read_text().strip()
+            leases = await PostgresLeaseStore.connect(dsn, max_size=2)
         events = EventLog(s.data_dir / "events.db")
-        self.edge = Edge(s, events)
-        self._stop = asyncio.Event()
-        await self.edge.start()
-        server = serve_edge(self.edge, self.host, self.port, self.token)
         try:
-            await server.start()
-            self._ready.set_result(None)
-            await self._stop.wait()
+            self.edge = Edge(s, events, leases=leases)
+            self._stop = asyncio.Event()
+            await self.edge.start()
+            server = serve_edge(self.edge, self.host, self.port, self.token)
+            try:
+                await server.start()
+                self._ready.set_result(None)
+                await self._stop.wait()
+            finally:
+                await server.stop()
+                if self._stopping is not None:  # shutdown(): else the edge dies with the process
+                    await self.edge.close(destroy=self._stopping)
         finally:
-            await server.stop()
-            if self._stopping is not None:  # shutdown(): else the edge dies with the process
-                await self.edge.close(destroy=self._stopping)
             events.close()
+            if leases is not None:
+                await leases.close()
 
     def call(self, coro_fn: Any, timeout: float = 600) -> Any:
         """Run ``await coro_fn(edge)`` on the edge's loop from a Ray thread."""
@@ -118,7 +133,7 @@ class EdgeActor:
     """The Ray actor (see the module docstring); made by :func:`create_edge`."""
 
     def __init__(self, node_id: str, env: Mapping[str, str], host: str, port: int,
-                 token: str) -> None:
+                 token: str, dsn_file: str | None = None) -> None:
         import ray
         from ray.experimental import internal_kv
 
@@ -126,7 +141,7 @@ class EdgeActor:
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.node_id = node_id
         self.ray_node = ray.get_runtime_context().get_node_id()
-        self.host = EdgeHost({**env, "ROLLBOX_NODE": node_id}, host, port, token)
+        self.host = EdgeHost({**env, "ROLLBOX_NODE": node_id}, host, port, token, dsn_file)
         self.host.start()
         internal_kv._internal_kv_put(
             KV_PREFIX + node_id, json.dumps({"node_id": node_id, "url": self.host.url,
@@ -181,9 +196,11 @@ def ray_node_of(node_id: str) -> str:
 
 
 def create_edge(node_id: str, env: Mapping[str, str], host: str, port: int, token: str,
-                timeout: float = 300) -> Any:
+                timeout: float = 300, dsn_file: str | None = None) -> Any:
     """Create node ``node_id``'s edge actor and wait until it serves; BadRequest if that node
-    already has one alive (a duplicate node id). Needs ``ray.init`` in namespace rollbox."""
+    already has one alive (a duplicate node id). ``dsn_file``: the cluster's PostgreSQL DSN
+    (root-only, read by the actor, also when Ray restarts it), whose job leases the edge
+    reaps; None: the edge takes no job's sandboxes. Needs ``ray.init`` in namespace rollbox."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -206,7 +223,7 @@ def create_edge(node_id: str, env: Mapping[str, str], host: str, port: int, toke
             max_restarts=-1, max_task_retries=0, num_cpus=0, max_concurrency=16,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_of(node_id),
                                                                soft=False),
-        ).remote(node_id, dict(env), host, port, token)
+        ).remote(node_id, dict(env), host, port, token, dsn_file)
     except ValueError as exc:  # the name was taken meanwhile
         raise errors.BadRequest(f"node id {node_id!r} is already in the cluster",
                                 node=node_id) from exc

@@ -190,8 +190,15 @@ def start_edge(settings: Settings, address: str, node_id: str, index: int, token
     from rollbox.cluster.edge_actor import create_edge
 
     port = ports.edge(index)
-    create_edge(node_id, node_env(settings, node_id, index, nodes=nodes), address, port, token)
+    dsn = dsn_path(settings)  # the job leases its reaper reads (none if not on this host)
+    create_edge(node_id, node_env(settings, node_id, index, nodes=nodes), address, port, token,
+                dsn_file=str(dsn) if dsn.exists() else None)
     return NodeRecord(node_id, index, head, f"http://{address}:{port}")
+
+
+def dsn_path(settings: Settings) -> Path:
+    """The cluster's PostgreSQL DSN file (root-only), written by ``up``."""
+    return settings.cluster_dir / "pg.dsn"
 
 
 def start_postgres(settings: Settings, ports: ClusterPorts) -> tuple[Path, Path]:
@@ -201,7 +208,7 @@ def start_postgres(settings: Settings, ports: ClusterPorts) -> tuple[Path, Path]
 
     data = settings.cluster_dir / "pg"
     server = PostgresServer(data, port=ports.postgres).start()
-    dsn_file = settings.cluster_dir / "pg.dsn"
+    dsn_file = dsn_path(settings)
     write_secret(dsn_file, server.dsn)
     return data, dsn_file
 

@@ -4,7 +4,10 @@ Owns the replica's wiring: it finds the edges in the Ray GCS (each edge actor re
 ``(node id, url)``; re-read every second, so nodes that join or leave are picked up), holds a
 :class:`~rollbox.edge.remote.RemoteEdge` per edge (HTTP with the cluster token), a
 :class:`~rollbox.watcher.Watcher` probing them (health, node_lost, ``/v1/cluster/status``), a
-:class:`~rollbox.placement.Placement` over them, and the cluster's shared IAM. Any replica
+:class:`~rollbox.placement.Placement` over them (with the cluster's
+:class:`~rollbox.placement.burst.BurstPolicy`: which specs burst nodes may take), the cluster's
+shared IAM and its job leases (:class:`~rollbox.jobs.postgres.PostgresLeaseStore`: a job
+opened through one replica is heartbeated and listed through any). Any replica
 serves any request: a sandbox id names its node, placement routes it. Replicas share one port
 with ``SO_REUSEPORT`` (the kernel spreads new connections over the live listeners: no extra
 hop or balancer process; a dead replica's listener is gone at once and new connections go to the
@@ -99,35 +102,42 @@ async def replica_app(gcs: str, token: str, dsn: str, state_dir: Path,
                       name: str) -> AsyncIterator[Any]:
     from rollbox.api.app import create_app
     from rollbox.compat.frontdoors import FRONT_DOORS
+    from rollbox.config import Settings
     from rollbox.events.store import EventLog
     from rollbox.iam.postgres import PostgresIam, PostgresLedger
+    from rollbox.jobs.postgres import PostgresLeaseStore
     from rollbox.placement import Placement
+    from rollbox.placement.burst import BurstPolicy
     from rollbox.watcher import Watcher
 
     directory = EdgeDirectory(gcs, token)
     await _wait_for_edges(directory, 120)
-    iam = await PostgresIam.open(dsn)
-    ledger = await PostgresLedger.open(dsn)
-    # The watcher reconciles the shared ledger with the edges' live sets (every replica
-    # does: a reconcile is idempotent).
-    watcher = Watcher(directory.registry, ledger=ledger)
-    placement = Placement(directory.registry, watcher)  # decides from the watcher's view
-    own = state_dir / "replicas" / name
-    own.mkdir(parents=True, exist_ok=True)
-    events = EventLog(own / "events.db")
-    await watcher.start()
-    task = asyncio.create_task(directory.run())
-    try:
-        yield create_app(placement, events, iam, ledger=ledger, front_doors=FRONT_DOORS,
-                         watcher=watcher)
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await watcher.stop()
-        await directory.aclose()
-        events.close()
-        await ledger.close()
-        await iam.close()
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(directory.aclose)
+        iam = await PostgresIam.open(dsn)
+        stack.push_async_callback(iam.close)
+        ledger = await PostgresLedger.open(dsn)
+        stack.push_async_callback(ledger.close)
+        leases = await PostgresLeaseStore.connect(dsn)
+        stack.push_async_callback(leases.close)
+        burst = BurstPolicy.from_settings(Settings())
+        stack.push_async_callback(burst.close)
+        own = state_dir / "replicas" / name
+        own.mkdir(parents=True, exist_ok=True)
+        events = EventLog(own / "events.db")
+        stack.callback(events.close)
+        # The watcher reconciles the shared ledger with the edges' live sets (every replica
+        # does: a reconcile is idempotent).
+        watcher = Watcher(directory.registry, ledger=ledger)
+        # Placement decides from the watcher's view.
+        placement = Placement(directory.registry, watcher, burst=burst)
+        await watcher.start()
+        stack.push_async_callback(watcher.stop)
+        task = asyncio.create_task(directory.run())
+        stack.push_async_callback(asyncio.gather, task, return_exceptions=True)
+        stack.callback(task.cancel)
+        yield create_app(placement, events, iam, leases=leases, ledger=ledger,
+                         front_doors=FRONT_DOORS, watcher=watcher)
 
 
 async def serve(gcs: str, token: str, dsn: str, state_dir: Path, host: str,
