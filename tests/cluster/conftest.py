@@ -4,6 +4,7 @@ scratch cluster dir and a port range of this run's own. Torn down at the end (re
 with their sandboxes, every Ray process, the Ray temp dir), with a check that nothing is left."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -58,5 +59,9 @@ def cluster() -> Iterator:
         }
         for n in nodes:
             shutil.rmtree(n.run_dir, ignore_errors=True)
+        # their parent, /run/rollbox-cluster-<port base> (only if empty: a run beside on the
+        # same port base keeps its own)
+        with contextlib.suppress(OSError):
+            nodes[0].run_dir.parent.rmdir()
         shutil.rmtree(root, ignore_errors=True)
         assert not any(left.values()), f"the cluster left: {left}"
