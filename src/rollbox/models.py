@@ -558,7 +558,11 @@ NodeHealth = Literal["alive", "suspect", "dead"]
 
 
 class NodeSandbox(BaseModel):
-    """One live sandbox as its node's report lists it (``NodeReport.sandboxes``)."""
+    """One live sandbox as its node's report lists it (``NodeReport.sandboxes``): bounded
+    facts only (a few hundred bytes at most, whatever the project put in its labels). No
+    labels: a project's 64 labels of up to 319 characters each would make every probe of the
+    node megabytes (docs/watcher.md, Reports). ``platform``: it carries a ``rollbox.*`` label
+    (a grader or fncall worker of the platform's, not charged to a project)."""
     id: str
     owner: str
     backend: str
@@ -567,8 +571,8 @@ class NodeSandbox(BaseModel):
     memory_mib: int
     created_at: float
     expires_at: float
-    image: str
-    labels: dict[str, str] = Field(default_factory=dict)
+    image: str  # at most 256 characters (SandboxSpec.image)
+    platform: bool = False
     job: str | None = None
 
 

@@ -27,8 +27,8 @@ async def test_report_lists_capacity_sandboxes_layers_and_counts(edge) -> None: 
     assert "container" in r.backends
     assert {sb.id for sb in r.sandboxes} == {a.id, b.id} and r.sandboxes_total == 2
     sa = next(sb for sb in r.sandboxes if sb.id == a.id)
-    assert (sa.owner, sa.backend, sa.state, sa.cpus, sa.memory_mib, sa.image, sa.labels) == (
-        "p1", "container", "running", 0.5, 256, "busybox:test", {"task": "a"})
+    assert (sa.owner, sa.backend, sa.state, sa.cpus, sa.memory_mib, sa.image, sa.platform) == (
+        "p1", "container", "running", 0.5, 256, "busybox:test", False)
     assert sa.created_at == a.created_at and sa.expires_at == a.expires_at
     assert r.by_project == {"p1": 1, "p2": 1} and r.by_backend == {"container": 2}
     assert set(a.layers) <= set(r.layers)
@@ -61,6 +61,31 @@ async def test_report_lists_capacity_sandboxes_layers_and_counts(edge) -> None: 
     finally:
         edge.backends["container"].create = orig
     assert (await edge.report()).starting == 0
+
+
+MAX_LABELS = {f"{i:02d}" + "k" * 61: "v" * 256 for i in range(64)}  # SandboxSpec's most
+PER_SANDBOX_BYTES = 400  # a listed sandbox's share of a report, whatever its labels
+
+
+async def test_a_report_stays_small_whatever_the_labels(edge) -> None:  # noqa: ANN001
+    # A project's labels (64 of 63 + 256 characters: 20 kB a sandbox) are not in the report:
+    # otherwise one project could slow every probe of the node toward its timeout, and a
+    # timed-out node is fenced with every project's sandboxes (docs/watcher.md, Reports).
+    empty = len((await edge.report()).model_dump_json())
+    made = [await edge.create(SandboxSpec(image="busybox:test", labels=MAX_LABELS), "p1")
+            for _ in range(4)]
+    made.append(await edge.create(SandboxSpec(image="busybox:test", labels={
+        "rollbox.backend": "fncall", **{k: v for k, v in list(MAX_LABELS.items())[:60]}}),
+        "p1", share="reserved"))
+    r = await edge.report()
+    assert r.sandboxes_total == 5 and all(len(i.labels) >= 60 for i in made)
+    size = len(r.model_dump_json())
+    assert size - empty <= PER_SANDBOX_BYTES * 5, size
+    assert max(len(sb.model_dump_json()) for sb in r.sandboxes) <= PER_SANDBOX_BYTES
+    # what the ledger needs of them: the platform's own (rollbox.*) is told apart
+    assert {sb.id: sb.platform for sb in r.sandboxes} == {
+        i.id: i.id == made[-1].id for i in made}
+
 
 
 async def test_report_is_cheap(edge) -> None:  # noqa: ANN001

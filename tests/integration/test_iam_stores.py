@@ -220,13 +220,13 @@ async def test_commit_release_expiry_and_reconcile(iam_stores, monkeypatch) -> N
     # The watcher's live sets: its node reports' NodeSandbox; the platform's are not charged.
     from rollbox.models import NodeSandbox
 
-    def report(sid: str, labels: dict[str, str]) -> NodeSandbox:
+    def report(sid: str, platform: bool) -> NodeSandbox:
         return NodeSandbox(id=sid, owner="p", backend="container", state="running", cpus=0.5,
                            memory_mib=128, created_at=0, expires_at=0, image="x",
-                           labels=labels)
+                           platform=platform)
 
-    assert await ledger.reconcile({"n3": [report("n3-000000d1", {"task": "t"}),
-                                          report("n3-000000d2", {"rollbox.grader-of": "x"})]},
+    assert await ledger.reconcile({"n3": [report("n3-000000d1", False),
+                                          report("n3-000000d2", True)]},
                                   ["n3"]) == 1
     assert await ledger.usage("p") == Usage(1, 0.5, 128)
 

@@ -96,8 +96,9 @@ class Nodes:
         self.server = BackgroundServer(self.app)
         await self.server.start()
 
-    async def create_on(self, i: int, project: str) -> str:
-        info = await self.edges[i].create(SandboxSpec(image="busybox:test"), project)
+    async def create_on(self, i: int, project: str, labels: dict[str, str] | None = None) -> str:
+        info = await self.edges[i].create(SandboxSpec(image="busybox:test",
+                                                      labels=labels or {}), project)
         self.made.append((self.edges[i], info.id))
         return info.id
 
@@ -180,14 +181,15 @@ async def test_node_loss_is_reported_and_never_resurrected(nodes: Nodes, fence: 
     w = nodes.watcher
     assert w is not None
     node_b = nodes.link.node_id
-    mine = await nodes.create_on(1, "p1")
-    theirs = await nodes.create_on(1, "p2")
-    on_a = await nodes.create_on(0, "p1")
+    mine = await nodes.create_on(1, "p1", {"run": "r1"})
+    theirs = await nodes.create_on(1, "p2", {"run": "r1"})
+    on_a = await nodes.create_on(0, "p1", {"run": "r1"})
     await w.poll()
     key = nodes.keys.create("p1")
     admin = nodes.keys.create("admin", admin=True)
     async with client(nodes, key) as c, client(nodes, admin) as ca:
         assert (await c.get(f"/v1/sandboxes/{mine}")).json()["state"] == "running"
+        assert mine in await listed(c)  # a list answer: the api remembers its labels
         assert (await c.post(f"/v1/sandboxes/{mine}/exec", params={"wait": 1},
                              json={"cmd": "echo hi"})).json()["stdout"] == "hi\n"
 
@@ -221,6 +223,11 @@ async def test_node_loss_is_reported_and_never_resurrected(nodes: Nodes, fence: 
         assert (await listed(ca))[theirs] == ("dead", NODE_LOST)
         r = await c.get("/v1/sandboxes", params={"state": "dead"})
         assert [i["id"] for i in r.json()] == [mine]
+        # a label filter: by the labels remembered from that list (reports carry none)
+        r = await c.get("/v1/sandboxes", params={"label": "run=r1"})
+        got = {i["id"]: (i["state"], i["labels"]) for i in r.json()}
+        assert got == {mine: ("dead", {"run": "r1"}), on_a: ("running", {"run": "r1"})}
+        assert (await c.get("/v1/sandboxes", params={"label": "run=r2"})).json() == []
         # status: the node dead, its sandboxes counted lost, scoped to the caller's project
         st = (await c.get("/v1/cluster/status")).json()
         assert st["project"] == "p1"

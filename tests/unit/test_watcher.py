@@ -11,16 +11,21 @@ import time
 import pytest
 
 from rollbox import errors
-from rollbox.models import NODE_LOST, NodeReport, NodeSandbox
+from rollbox.models import NODE_LOST, NodeReport, NodeSandbox, SandboxInfo
 from rollbox.placement.registry import EdgeRegistry
-from rollbox.watcher import Watcher
+from rollbox.watcher import Watcher, info_of
 
 
 def sandbox(sid: str, owner: str = "p1", backend: str = "container") -> NodeSandbox:
     now = time.time()
     return NodeSandbox(id=sid, owner=owner, backend=backend, state="running", cpus=1.0,
                        memory_mib=512, created_at=now, expires_at=now + 3600,
-                       image="debian:bookworm", labels={"task": sid})
+                       image="debian:bookworm")
+
+
+def listed(sbs: list[NodeSandbox], node_id: str) -> list[SandboxInfo]:
+    """What an edge's list answer gives of them (labels: reports have none)."""
+    return [info_of(sb, node_id, sb.state, {"task": sb.id}) for sb in sbs]
 
 
 class FakeEdge:
@@ -95,8 +100,9 @@ def watcher(edges, clock: Clock, **kw) -> Watcher:  # noqa: ANN001
 async def test_alive_suspect_dead_and_back() -> None:
     clock = Clock()
     a = FakeEdge("a", [sandbox("a-01")])
-    b = FakeEdge("b", [sandbox("b-01"), sandbox("b-02", owner="p2")])
+    b = FakeEdge("b", [sandbox("b-01"), sandbox("b-02", owner="p2"), sandbox("b-03")])
     w = watcher([a, b], clock)
+    w.remember(listed(b.sandboxes[:2], "b"))  # an api list answer (b-03 was never listed)
     await w.poll()
     assert [(v.node_id, v.health) for v in w.nodes()] == [("a", "alive"), ("b", "alive")]
     view = w.node("b")
@@ -124,26 +130,30 @@ async def test_alive_suspect_dead_and_back() -> None:
     assert lost is not None and lost.owner == "p1"
     assert w.lost("a-01", "a") is None  # alive
     infos = w.lost_infos()
-    assert sorted(i.id for i in infos) == ["b-01", "b-02"]
+    assert sorted(i.id for i in infos) == ["b-01", "b-02", "b-03"]
     assert all(i.state == "dead" and i.dead_reason == NODE_LOST and i.node == "b"
                for i in infos)
     assert [i.id for i in w.lost_infos("p2")] == ["b-02"]
     assert w.lost_infos("p2")[0].labels == {"task": "b-02"}
-    # A list with labels filters a dead node's sandboxes as a live node's (it listed all).
+    # A list with labels filters a dead node's sandboxes by the labels remembered from list
+    # (and create) answers; one never seen there matches no label filter, has labels {}.
     assert [i.id for i in w.lost_infos(None, {"task": "b-01"})] == ["b-01"]
     assert w.lost_infos("p2", {"task": "b-01"}) == []
+    assert w.lost_infos(None, {"task": "b-03"}) == []
+    assert [i.labels for i in w.lost_infos() if i.id == "b-03"] == [{}]
     assert [i.id for i in w.last_known_infos("b", None, {"task": "b-02"})] == ["b-02"]
-    assert len(w.last_known_infos("b")) == 2
+    assert len(w.last_known_infos("b")) == 3
 
     b.mode = "ok"  # it answers again: first told what was declared lost, then alive
     clock.t += 1.0
     await w.poll()
-    assert b.declared == [["b-01", "b-02"]]
+    assert b.declared == [["b-01", "b-02", "b-03"]]
+    assert w.labels_of("b-01") is None  # torn down: forgotten
     assert w.health("b") == "alive" and w.lost_infos() == []
     assert w.report("b").sandboxes == [] and w.report("b").by_project == {}
     clock.t += 1.0
     await w.poll()
-    assert b.declared == [["b-01", "b-02"]]  # once
+    assert b.declared == [["b-01", "b-02", "b-03"]]  # once
 
 
 async def test_dead_stays_dead_until_declare_lost_succeeds() -> None:
@@ -365,3 +375,26 @@ def test_bad_thresholds_are_refused() -> None:
                {"probe_timeout_s": -1.0}, {"probe_timeout_s": 4.0}, {"max_sandboxes": -1}):
         with pytest.raises(errors.BadRequest):
             Watcher([], **kw)
+
+
+def test_remembered_labels_are_bounded_oldest_first(monkeypatch) -> None:  # noqa: ANN001
+    import rollbox.watcher as watcher_mod
+    monkeypatch.setattr(watcher_mod, "LABELS_KEPT_BYTES", 3 * (watcher_mod.LABELS_ENTRY_BYTES
+                                                              + 5))
+    w = Watcher([FakeEdge("a")])
+    sbs = [sandbox(f"a-0{i}") for i in range(5)]  # labels {"task": "a-0i"}: 8 characters
+    w.remember(listed(sbs, "a"))
+    # 72 bytes each against 207: the three oldest are dropped
+    assert [w.labels_of(sb.id) is not None for sb in sbs] == [False, False, False, True, True]
+    w.remember(listed(sbs[3:4], "a"))  # seen again: newest, same size counted once
+    w.remember(listed(sbs[:1], "a"))
+    assert [w.labels_of(sb.id) is not None for sb in sbs] == [True, False, False, True, False]
+    w.forget("a-00")
+    assert w.labels_of("a-00") is None
+
+
+def test_a_node_sandbox_holds_only_bounded_facts() -> None:
+    # No dict or list in a report's sandbox: its size does not depend on the project's labels.
+    assert set(NodeSandbox.model_fields) == {
+        "id", "owner", "backend", "state", "cpus", "memory_mib", "created_at", "expires_at",
+        "image", "platform", "job"}

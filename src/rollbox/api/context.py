@@ -99,7 +99,9 @@ class ApiContext:
         async def one(node: str, edge: EdgeAPI) -> list[SandboxInfo]:
             try:
                 async with asyncio.timeout(watcher.probe_timeout_s):
-                    return await edge.list(owner, labels)
+                    infos = await edge.list(owner, labels)
+                watcher.remember(infos)  # for label filters once the node is silent or dead
+                return infos
             except Exception as exc:  # noqa: BLE001 - the node's last report instead
                 log.warning("listing node %s failed (%r): its last reported sandboxes",
                             node, exc)

@@ -78,6 +78,8 @@ class LiveSandbox:
     # exec idempotency keys -> exec id (recorded), and starts with a key still under way
     keys: dict[str, str] = field(default_factory=dict)
     key_starts: dict[str, asyncio.Future[str]] = field(default_factory=dict)
+    # carries a rollbox.* label (NodeSandbox.platform), found once: not per probe
+    platform: bool = False
 
 
 def raise_nofile_limit(target: int = 1 << 20) -> None:
@@ -365,7 +367,8 @@ class Edge:
     async def report(self, max_sandboxes: int = 10000,
                      fence_s: float | None = None) -> NodeReport:
         """One probe of the watcher (EdgeAPI.report): capacity, live sandboxes (at most
-        ``max_sandboxes`` listed), cached layers and counts, from memory. ``fence_s`` arms the
+        ``max_sandboxes`` listed, without their labels: NodeSandbox), cached layers and
+        counts, from memory. ``fence_s`` arms the
         fence (None disarms it); a probe after a gap longer than the fence tears the live
         sandboxes down first (rollbox.edge.fence)."""
         if not 0 <= max_sandboxes <= 1_000_000 or (fence_s is not None and not fence_s > 0):
@@ -390,7 +393,7 @@ class Edge:
                     id=sid, owner=info.owner, backend=info.backend, state=info.state,
                     cpus=info.resources.cpus, memory_mib=info.resources.memory_mib,
                     created_at=info.created_at, expires_at=info.expires_at, image=info.image,
-                    labels=info.labels, job=info.job))
+                    platform=live.platform, job=info.job))
         fenced = self.fence.expired() is not None
         free = adm.free()
         if fenced or self.draining:
@@ -628,7 +631,8 @@ class Edge:
 
     def _register(self, info: SandboxInfo, box: SandboxHandle, backend: Backend,
                   ticket: Ticket) -> None:
-        live = LiveSandbox(info, box, backend, ticket=ticket)
+        live = LiveSandbox(info, box, backend, ticket=ticket, platform=any(
+            k.startswith(PLATFORM_LABEL_PREFIX) for k in info.labels))
         self.live[info.id] = live
         if info.idempotency_key is not None:
             self._create_keys[(info.owner, info.idempotency_key)] = info.id

@@ -184,12 +184,13 @@ def live_sandboxes(infos: Iterable[SandboxInfo]) -> list[LiveSandbox]:
 
 def charged(sandboxes: Iterable[LiveSandbox | NodeSandbox]) -> list[LiveSandbox]:
     """What reconcile charges of a live set: a :class:`LiveSandbox` as given, a watcher's
-    :class:`rollbox.models.NodeSandbox` (an edge report's) unless it is the platform's."""
+    :class:`rollbox.models.NodeSandbox` (an edge report's) unless it is the platform's
+    (``NodeSandbox.platform``: the edge found a ``rollbox.*`` label on it)."""
     out = []
     for s in sandboxes:
         if isinstance(s, LiveSandbox):
             out.append(s)
-        elif _charged(s.owner, s.labels):
+        elif s.owner and not s.platform:
             out.append(LiveSandbox(s.id, s.owner, s.cpus, s.memory_mib))
     return out
 
@@ -287,8 +288,8 @@ class QuotaLedger(Protocol):
         """Make the ledger equal what the edges run. ``live``: node id -> the
         :class:`LiveSandbox` of every project sandbox it runs (its id, project, requested
         cpus and memory_mib; :func:`live_sandboxes` makes them of an edge's list), or the
-        watcher's ``NodeSandbox`` of the node's report (platform sandboxes, labels
-        ``rollbox.*``, are left out: :func:`charged`); a dead node maps to none; only
+        watcher's ``NodeSandbox`` of the node's report (platform sandboxes, ``platform``:
+        labels ``rollbox.*``, are left out: :func:`charged`); a dead node maps to none; only
         the nodes in ``complete_nodes`` are authoritative (their whole set was read). It
         releases entries of a complete node whose sandbox is not in its set (but not ones
         committed in the last RECONCILE_GRACE_S), drops reservations past their expiry,

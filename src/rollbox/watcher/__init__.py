@@ -25,6 +25,12 @@ How (docs/watcher.md):
   seconds) still re-adopts them. This is what holds when this watcher restarted meanwhile and
   forgot what it declared lost. Off for an edge in the watcher's own process (embedded): they
   stop together, nobody else declares it lost.
+- Reports carry no labels (``NodeSandbox``: bounded facts, a few hundred bytes a sandbox, so
+  no project can slow a probe toward its timeout with its labels). Label filters over a dead
+  or silent node's sandboxes (``lost_infos``, ``last_known_infos``) answer from the labels
+  this process saw of each sandbox in a create or list answer (``remember``: kept up to
+  ``LABELS_KEPT_BYTES``, oldest dropped first); one whose labels it never saw is listed only
+  by a list without a label filter (labels ``{}``).
 - Every ``reconcile_s``, and at once when a node turns dead, the ledger (:class:`Ledger`, if given) gets the live sets of the nodes
   whose last probe answered in full (alive, not truncated), and of the dead nodes (empty: their
   sandboxes are lost).
@@ -34,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -51,6 +58,10 @@ from rollbox.placement.view import NodeView
 log = logging.getLogger(__name__)
 # Telling a returning edge its lost sandboxes (a teardown each) may take longer than a probe.
 DECLARE_LOST_TIMEOUT_S = 60.0
+# Labels of sandboxes remembered from create and list answers (Watcher.remember), in
+# characters of keys and values (+ LABELS_ENTRY_BYTES each): the oldest go first beyond it.
+LABELS_KEPT_BYTES = 32 << 20
+LABELS_ENTRY_BYTES = 64
 
 
 class Ledger(Protocol):
@@ -129,6 +140,9 @@ class Watcher:
         # reconcile interval later (node loss: zero drift within 10 s)
         self._reconcile_soon = asyncio.Event()
         self.reconciles = 0  # ledger reconciliations done (tests, status)
+        # sandbox id -> its labels (and their size) as a create or list answer gave them
+        self._labels: OrderedDict[str, tuple[dict[str, str], int]] = OrderedDict()
+        self._labels_bytes = 0
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -262,6 +276,8 @@ class Watcher:
         log.warning("watcher: node %s is back; %d of its %d sandboxes declared lost were "
                     "still live and are torn down", node.node_id, len(torn), len(ids))
         node.lost.clear()
+        for sid in ids:
+            self.forget(sid)
         gone = set(ids)
         kept = [sb for sb in report.sandboxes if sb.id not in gone]
         if len(kept) == len(report.sandboxes):
@@ -337,6 +353,45 @@ class Watcher:
         node = self._nodes.get(node_id)
         return node.report if node is not None else None
 
+    # ---- labels (not in reports) ----------------------------------------------------------
+    def remember(self, infos: Iterable[SandboxInfo]) -> None:
+        """Keep the labels of sandboxes a create or list answer gave (what label filters of a
+        dead or silent node's sandboxes answer from); labels never change after create."""
+        for info in infos:
+            size = LABELS_ENTRY_BYTES + sum(len(k) + len(v) for k, v in info.labels.items())
+            old = self._labels.pop(info.id, None)
+            if old is not None:
+                self._labels_bytes -= old[1]
+            self._labels[info.id] = (dict(info.labels), size)
+            self._labels_bytes += size
+        while self._labels_bytes > LABELS_KEPT_BYTES and self._labels:
+            self._labels_bytes -= self._labels.popitem(last=False)[1][1]
+
+    def forget(self, sandbox_id: str) -> None:
+        """Drop a sandbox's remembered labels (it is gone)."""
+        old = self._labels.pop(sandbox_id, None)
+        if old is not None:
+            self._labels_bytes -= old[1]
+
+    def labels_of(self, sandbox_id: str) -> dict[str, str] | None:
+        """The sandbox's labels as remembered (None: never seen in a create or list answer,
+        or dropped since)."""
+        known = self._labels.get(sandbox_id)
+        return known[0] if known is not None else None
+
+    def _infos(self, sandboxes: Iterable[NodeSandbox], node_id: str, owner: str | None,
+               labels: Mapping[str, str] | None, dead: bool) -> list[SandboxInfo]:
+        out = []
+        for sb in sandboxes:
+            if owner is not None and sb.owner != owner:
+                continue
+            known = self.labels_of(sb.id)
+            if labels and (known is None
+                           or any(known.get(k) != v for k, v in labels.items())):
+                continue
+            out.append(info_of(sb, node_id, "dead" if dead else sb.state, known or {}))
+        return out
+
     # ---- sandboxes of dead nodes ----------------------------------------------------------
     def dead_nodes(self) -> frozenset[str]:
         return frozenset(n for n, node in self._nodes.items() if node.health == "dead")
@@ -352,14 +407,13 @@ class Watcher:
     def lost_infos(self, owner: str | None = None,
                    labels: Mapping[str, str] | None = None) -> list[SandboxInfo]:
         """The sandboxes of dead nodes (owner None: all; with each of ``labels``, as
-        ``EdgeAPI.list`` filters), each ``dead`` with reason ``node_lost`` (what list shows
-        instead of dropping them)."""
+        ``EdgeAPI.list`` filters, by the labels remembered of them: one never seen in a
+        create or list answer matches no label filter), each ``dead`` with reason
+        ``node_lost`` (what list shows instead of dropping them)."""
         out = []
         for node_id, node in self._nodes.items():
-            if node.health != "dead":
-                continue
-            out += [info_of(sb, node_id, "dead") for sb in node.lost.values()
-                    if _matches(sb, owner, labels)]
+            if node.health == "dead":
+                out += self._infos(node.lost.values(), node_id, owner, labels, dead=True)
         return out
 
     def last_known_infos(self, node_id: str, owner: str | None = None,
@@ -369,8 +423,7 @@ class Watcher:
         node = self._nodes.get(node_id)
         if node is None or node.report is None:
             return []
-        return [info_of(sb, node_id, sb.state) for sb in node.report.sandboxes
-                if _matches(sb, owner, labels)]
+        return self._infos(node.report.sandboxes, node_id, owner, labels, dead=False)
 
     # ---- ledger ---------------------------------------------------------------------------
     def live_sets(self) -> tuple[dict[str, list[NodeSandbox]], list[str]]:
@@ -454,18 +507,13 @@ class Watcher:
                              by_backend=total_b, by_project=total_p)
 
 
-def _matches(sb: NodeSandbox, owner: str | None, labels: Mapping[str, str] | None) -> bool:
-    """Whether a reported sandbox is of ``owner`` (None: any) and carries each of ``labels``."""
-    return ((owner is None or sb.owner == owner)
-            and all(sb.labels.get(k) == v for k, v in (labels or {}).items()))
-
-
-def info_of(sb: NodeSandbox, node_id: str, state: str) -> SandboxInfo:
-    """A reported sandbox as a SandboxInfo (what the node's report carries; a dead one with
-    reason node_lost)."""
+def info_of(sb: NodeSandbox, node_id: str, state: str,
+            labels: Mapping[str, str] | None = None) -> SandboxInfo:
+    """A reported sandbox as a SandboxInfo (what the node's report carries, with ``labels``
+    known otherwise: reports have none; a dead one with reason node_lost)."""
     return SandboxInfo(
         id=sb.id, node=node_id, image=sb.image, layers=[], state=state,  # type: ignore[arg-type]
-        created_at=sb.created_at, expires_at=sb.expires_at, labels=dict(sb.labels),
+        created_at=sb.created_at, expires_at=sb.expires_at, labels=dict(labels or {}),
         resources=Resources(cpus=sb.cpus, memory_mib=sb.memory_mib), owner=sb.owner,
         dead_reason=NODE_LOST if state == "dead" else None, job=sb.job, backend=sb.backend)
 

@@ -59,6 +59,8 @@ async def create_sandbox(
     if info is None:  # a keyed create on the node that is making it joins it there
         info = await api.create_sandbox(spec, who.project)
     api.remember_owner(info.id, who.project)
+    if api.watcher is not None:  # its labels, for label filters once its node is lost
+        api.watcher.remember([info])
     if made_here:  # after the edge's own sandbox.created (image, layers, owner, job)
         await api.record(api.placement.edge_for(info.id), info.id, "sandbox.requested", {
             "op": "create", "by": who.key_id, "node": info.node, "labels": spec.labels,
