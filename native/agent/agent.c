@@ -1498,16 +1498,21 @@ static void session_cgroup_path(uint64_t seq, char *buf, size_t n)
 static struct { uint64_t seq; int oom; } cg_pool[CG_POOL_MAX];
 static int cg_pool_n;
 
-/* A reused cgroup gets back the defaults a command may have changed in its own cgroup. */
+/* A reused cgroup gets back the defaults a command may have changed in its own cgroup (its
+ * limits, its protection from reclaim, its OOM grouping and its CPU share). */
 static void reset_session_cgroup(int fd)
 {
-    static const char *const knobs[] = {"memory.max", "memory.high", "memory.swap.max",
-                                        "pids.max", "cpu.max"};
+    static const struct { const char *knob, *value; } knobs[] = {
+        {"memory.max", "max"},   {"memory.high", "max"}, {"memory.swap.max", "max"},
+        {"memory.min", "0"},     {"memory.low", "0"},    {"memory.oom.group", "0"},
+        {"pids.max", "max"},     {"cpu.max", "max"},
+        {"cpu.idle", "0"},       {"cpu.weight", "100"}}; /* an idle group takes no weight */
     for (size_t i = 0; i < sizeof knobs / sizeof knobs[0]; i++) {
-        int k = openat(fd, knobs[i], O_WRONLY | O_CLOEXEC);
+        int k = openat(fd, knobs[i].knob, O_WRONLY | O_CLOEXEC);
         if (k >= 0) {
-            if (write(k, "max", 3) != 3)
-                logmsg("reset %s: %s", knobs[i], strerror(errno));
+            size_t n = strlen(knobs[i].value);
+            if (write(k, knobs[i].value, n) != (ssize_t)n)
+                logmsg("reset %s: %s", knobs[i].knob, strerror(errno));
             close(k);
         }
     }

@@ -248,6 +248,18 @@ async def test_stdin_timeout_and_oom_inside_the_guest(ch: AgentChannel) -> None:
     path, mem_max, pids_max, _, kills = out.split()
     assert (path, mem_max, pids_max) == (oom_cgroup, b"max", b"max") and int(kills) >= 1, out
     assert ex.oom_kills == 0, ex
+    # ... and its protection from reclaim, OOM grouping and CPU share back at their defaults.
+    # (An idle group reads cpu.weight 0, so the weight is read before cpu.idle is set.)
+    knobs = " ".join(f"{cg}/{k}" for k in ("memory.min", "memory.low", "memory.oom.group",
+                                           "cpu.weight", "cpu.idle"))
+    out, _ = await sh(ch, f"cat /proc/self/cgroup; echo 1M > {cg}/memory.min; "
+                          f"echo 2M > {cg}/memory.low; echo 1 > {cg}/memory.oom.group; "
+                          f"echo 50 > {cg}/cpu.weight; cat {knobs}; echo 1 > {cg}/cpu.idle; "
+                          f"cat {cg}/cpu.idle")
+    path, *changed = out.split()
+    assert changed == [b"1048576", b"2097152", b"1", b"50", b"0", b"1"], out  # the writes took
+    out, _ = await sh(ch, f"cat /proc/self/cgroup {knobs}")
+    assert out.split() == [path, b"0", b"0", b"0", b"100", b"0"], out
     first, _ = await sh(ch, "cat /proc/self/cgroup")
     second, _ = await sh(ch, "cat /proc/self/cgroup")
     assert first == second and first.startswith(b"0::/rollbox/s")
