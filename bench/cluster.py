@@ -138,8 +138,8 @@ async def replica_main(a: argparse.Namespace) -> None:
     await watcher.start()
     try:
         placement = Placement(registry, watcher, config=PlacementConfig.from_settings(s))
-        app = create_app(placement, events, iam, ledger=ledger, front_doors=FRONT_DOORS,
-                         watcher=watcher, record_events=False)
+        app = create_app(placement, iam, ledger=ledger, front_doors=FRONT_DOORS,
+                         watcher=watcher)
         config = uvicorn.Config(app, host="127.0.0.1", port=a.port, http="httptools",
                                 loop="asyncio", lifespan="on", access_log=False,
                                 log_level="warning", backlog=4096, timeout_keep_alive=30,

@@ -202,7 +202,7 @@ async def _bench_http(edge: Any, events: Any, tmp: Path, n: dict[int, int]) -> d
     keys = KeyStore(tmp / "keys.db")
     out: dict[str, Any] = {}
     try:
-        app = create_app(Placement([edge]), events, keys, front_doors=FRONT_DOORS)
+        app = create_app(Placement([edge]), keys, front_doors=FRONT_DOORS)
         async with BackgroundServer(app) as srv:
             fb = app.state.fncall
             await fb.prewarm("python", 8)

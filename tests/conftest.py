@@ -298,7 +298,7 @@ def api_app(face, edge, keys, **kw):  # noqa: ANN001, ANN003, ANN201 - a FastAPI
     from rollbox.api import create_app
     from rollbox.placement import Placement
 
-    return create_app(Placement([face]), edge.event_log, keys, **kw)
+    return create_app(Placement([face]), keys, **kw)
 
 
 class NodeRestarts:

@@ -66,7 +66,7 @@ class EmbeddedNode:
         # Placement decides from the watcher's view, never an edge call per decision.
         placement = Placement(self.registry, self.watcher,
                               config=PlacementConfig.from_settings(s))
-        return create_app(placement, self.events, self.keys,
+        return create_app(placement, self.keys,
                           leases=self.leases, ledger=self.ledger, front_doors=FRONT_DOORS,
                           watcher=self.watcher)
 

@@ -40,7 +40,7 @@ async def e2b_node(project: str) -> AsyncIterator[tuple[str, str, Any]]:
     saved = {k: os.environ.get(k) for k in E2B_ENV}
     AsyncTransportWithLogger.singleton = None
     try:
-        async with BackgroundServer(create_app(Placement([edge]), events, keys,
+        async with BackgroundServer(create_app(Placement([edge]), keys,
                                                front_doors=FRONT_DOORS)) as srv:
             key = keys.create(project)
             os.environ["E2B_API_URL"] = f"{srv.url}/e2b"

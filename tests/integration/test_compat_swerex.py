@@ -65,7 +65,7 @@ class Env:
 async def env(edge, tmp_path: Path) -> AsyncIterator[Env]:
     keys = KeyStore(tmp_path / "keys.db")
     key = keys.create("proj")
-    app = create_app(Placement([edge]), edge.event_log, keys, front_doors=FRONT_DOORS)
+    app = create_app(Placement([edge]), keys, front_doors=FRONT_DOORS)
     async with BackgroundServer(app) as srv, rollbox.AsyncClient(srv.url, key) as client:
         sb = await client.create(IMAGE)
         yield Env(srv.url, key, client, sb.id, app, keys)

@@ -124,7 +124,7 @@ async def test_cli_upload_with_progress(edge, names: list[str], tmp_path: Path) 
     from rollbox.image_cli import app as image_app
 
     keys = KeyStore(tmp_path / "keys.db")
-    app = create_app(Placement([edge]), edge.event_log, keys)
+    app = create_app(Placement([edge]), keys)
     try:
         async with BackgroundServer(app) as srv:
             name = new_name(names, "cli")

@@ -322,7 +322,7 @@ async def test_pull_lazy_cli_and_stats_api(lazy_edge, lazy_store: ImageStore,
     keys = KeyStore(tmp_node_dir / "keys.db")
     key = keys.create("proj")
     other = keys.create("other")
-    api_app = create_app(Placement([lazy_edge]), lazy_edge.event_log, keys)
+    api_app = create_app(Placement([lazy_edge]), keys)
     async with BackgroundServer(api_app) as srv, rollbox.AsyncClient(srv.url, key) as c:
         sb = await c.create("lazy/bb:1")
         r = await sb.exec("busybox ls /bin | busybox wc -l")

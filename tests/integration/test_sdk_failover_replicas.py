@@ -54,7 +54,7 @@ class Replicas:
         self.servers: dict[str, BackgroundServer] = {}
 
     async def start(self) -> str:
-        app = create_app(self.placement, self.edge.event_log, self.keys,
+        app = create_app(self.placement, self.keys,
                          leases=self.edge.leases)
         srv = BackgroundServer(app)
         url = await srv.start()

@@ -81,7 +81,7 @@ class Drill:
             await self.watcher.stop()
         self.watcher = Watcher(self.registry, local={self.local.node_id}, **watch)
         await self.watcher.start()
-        app = create_app(Placement(self.registry, self.watcher), self.local.event_log,
+        app = create_app(Placement(self.registry, self.watcher),
                          self.keys, watcher=self.watcher)
         self.server = BackgroundServer(app)
         await self.server.start()

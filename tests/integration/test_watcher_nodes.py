@@ -91,7 +91,7 @@ class Nodes:
         self.watcher = Watcher(self.registry, ledger=self.ledger, **watch)
         await self.watcher.start()
         self.placement = Placement(self.registry, self.watcher)
-        self.app = create_app(self.placement, self.events, self.keys, ledger=self.ledger,
+        self.app = create_app(self.placement, self.keys, ledger=self.ledger,
                               watcher=self.watcher)
         self.server = BackgroundServer(self.app)
         await self.server.start()

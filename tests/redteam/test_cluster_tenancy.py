@@ -28,7 +28,7 @@ async def replicas(edge, dsn: str, n: int = 2) -> AsyncIterator[list[tuple[str, 
             stack.push_async_callback(iam.close)
             ledger = await PostgresLedger.open(dsn)
             stack.push_async_callback(ledger.close)
-            app = create_app(Placement([edge]), edge.event_log, iam, ledger=ledger)
+            app = create_app(Placement([edge]), iam, ledger=ledger)
             srv = BackgroundServer(app)
             await srv.start()
             stack.push_async_callback(srv.stop)

@@ -79,7 +79,7 @@ async def test_api_over_remote_edge_shows_each_event_once(edge, tmp_path: Path) 
     key_id = keys.verify(key).key_id
     try:
         async with served_edge(edge) as remote:
-            app = create_app(Placement([remote]), own_log, keys)
+            app = create_app(Placement([remote]), keys)
             async with BackgroundServer(app) as srv, rollbox.AsyncClient(srv.url, key) as c, \
                     rollbox.AsyncClient(srv.url, other_key) as o:
                 sb = await c.create(BB)

@@ -374,7 +374,7 @@ class ApiStack:
         self.key_b = self.keys.create("proj-b")
         self.admin_key = self.keys.create("ops", admin=True)
         self.leases = SqliteLeaseStore(tmp / "leases.db") if leases else None
-        self.app = create_app(self.placement, self.events, self.keys, leases=self.leases,
+        self.app = create_app(self.placement, self.keys, leases=self.leases,
                               ledger=self.ledger, front_doors=FRONT_DOORS)
         self.server = BackgroundServer(self.app) if serve else None
         self.lifespan = None if serve else Lifespan(self.app)

@@ -17,21 +17,19 @@ from rollbox.api.bodies import BodyLimitMiddleware
 from rollbox.api.context import ApiContext
 from rollbox.api.frontdoors import FrontDoor
 from rollbox.api.routes import ROUTERS, fncall
-from rollbox.events import EventLog
 from rollbox.iam import IamStore, QuotaLedger
 from rollbox.jobs import LeaseStore
 from rollbox.placement import Placement
 from rollbox.watcher import Watcher
 
 
-def create_app(placement: Placement, events: EventLog, keys: IamStore, *,
+def create_app(placement: Placement, keys: IamStore, *,
                leases: LeaseStore | None = None,
                ledger: QuotaLedger | None = None,
                front_doors: Sequence[FrontDoor] = (),
                watcher: Watcher | None = None) -> FastAPI:
-    """``events``: not read or written by the api (each edge keeps its sandboxes' audit trail,
-    read and added to through ``EdgeAPI.events``/``record_event``); kept until its callers
-    drop it. ``leases``: the trainer-job lease
+    """The api keeps no audit trail of its own: each edge keeps its sandboxes' (read and added
+    to through ``EdgeAPI.events``/``record_event``). ``leases``: the trainer-job lease
     store the edges sweep (None: no jobs on this server; see rollbox.api.routes.jobs).
     ``keys``: projects, keys and their limits; ``ledger``: the cluster-wide quota ledger the
     create path reserves in (None: only the edges' per-node admission enforces limits).

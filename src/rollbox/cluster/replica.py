@@ -136,7 +136,7 @@ async def replica_app(gcs: str, token: str, dsn: str, state_dir: Path,
         task = asyncio.create_task(directory.run())
         stack.push_async_callback(asyncio.gather, task, return_exceptions=True)
         stack.callback(task.cancel)
-        yield create_app(placement, events, iam, leases=leases, ledger=ledger,
+        yield create_app(placement, iam, leases=leases, ledger=ledger,
                          front_doors=FRONT_DOORS, watcher=watcher)
 
 
