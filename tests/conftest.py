@@ -405,16 +405,23 @@ def run_mounts(run: str) -> list[str]:
 
 
 RUN_NAME = re.compile(r"rollbox-(?:test-|t)([0-9a-f]{4})")  # cgroup parent, dir, netns, node id
-# A run's cgroup parents: its edges' (``rollbox-test-<run>-<node>``) and its own.
-RUN_CGROUP = re.compile(r"rollbox-test-([0-9a-f]{4})(?:-[A-Za-z0-9_.-]+)?")
+# A run's cgroup parents: its edges' (``rollbox-test-<run>-<node>``), its own, and its session
+# cluster's nodes' (``rollbox-<node id>``, node ids ``t<run>c<index>``: tests/cluster).
+RUN_CGROUP = re.compile(r"rollbox-(?:test-([0-9a-f]{4})(?:-[A-Za-z0-9_.-]+)?|t([0-9a-f]{4})c[0-9]+)")
+
+
+def cgroup_run(name: str) -> str | None:
+    """The test run a cgroup parent named ``name`` belongs to (None: no test run's)."""
+    m = RUN_CGROUP.fullmatch(name)
+    return None if m is None else m.group(1) or m.group(2)
 
 
 def run_cgroup_parents(run: str) -> list[str]:
     """The cgroup parents of ``run`` in any hierarchy."""
     names = set()
     for h in cgroups.hierarchies():
-        for p in h.glob(f"rollbox-test-{run}*"):
-            if p.is_dir() and (m := RUN_CGROUP.fullmatch(p.name)) and m.group(1) == run:
+        for p in h.glob("rollbox-t*"):
+            if p.is_dir() and cgroup_run(p.name) == run:
                 names.add(p.name)
     return sorted(names)
 
@@ -436,9 +443,9 @@ def run_resources() -> dict[str, float]:
     newest change time among them (the age of a run that has no owner record)."""
     found: dict[str, float] = {}
     for h in cgroups.hierarchies():
-        for p in h.glob("rollbox-test-*"):
-            if p.is_dir() and (m := RUN_CGROUP.fullmatch(p.name)):
-                _note(found, m.group(1), p)
+        for p in h.glob("rollbox-t*"):
+            if p.is_dir() and (run := cgroup_run(p.name)) is not None:
+                _note(found, run, p)
     with open("/proc/self/mountinfo") as f:
         for line in f:
             if m := TEST_SANDBOX_MOUNT.search(mp := line.split()[4]):
