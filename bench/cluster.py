@@ -413,10 +413,11 @@ def run(quick: bool) -> dict[str, Any]:
                                          str(dsn_file), "--state-dir",
                                          str(root / f"replica-{i}")])
         urls = [f"http://127.0.0.1:{p}" for p in replica_ports]
-        from rollbox.embedded import wait_healthy
+        from rollbox.edge.server import wait_healthy
 
         for i, url in enumerate(urls):
-            wait_healthy(url, procs.procs[f"replica-{i}"], root / f"replica-{i}.log")
+            proc = procs.procs[f"replica-{i}"]
+            wait_healthy(url, lambda: proc.poll() is None, root / f"replica-{i}.log")
         say("embedded server (rollbox serve, defaults)")
         with server_process() as (emb_url, emb_key):
             pids = {n: procs.procs[f"edge-{i}"].pid for i, n in enumerate(edge_nodes)}

@@ -11,12 +11,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from rollbox.api.app import create_app
 from rollbox.api.server import BackgroundServer, serve_app
+from rollbox.edge.server import wait_healthy
 from rollbox.compat.frontdoors import FRONT_DOORS
 from rollbox.config import Settings
 from rollbox.edge.edge import Edge, Limits
@@ -142,25 +142,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, log: Path | None = None,
-                 timeout: float = 60) -> None:
-    """Wait for ``url``'s health check; fail early (with the tail of ``log``) if ``proc`` exits."""
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            err = log.read_text(errors="replace") if log is not None and log.exists() else ""
-            raise RuntimeError(f"server exited: {err[-2000:]}")
-        try:
-            if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"server at {url} not healthy after {timeout}s")
-
-
 class ServerProcess:
     """``rollbox serve`` as a child process (its own core, as deployed) on a fixed port, which
     can be killed (``kill -9``) and started again on the same node: restart tests, ``bench``.
@@ -199,7 +180,8 @@ class ServerProcess:
                 [sys.executable, "-m", "rollbox.cli", "serve", "--port", str(self.port)],
                 stdout=subprocess.DEVNULL, stderr=err, env=self.env)
         if wait:
-            wait_healthy(self.url, self.proc, self.log)
+            proc = self.proc
+            wait_healthy(self.url, lambda: proc.poll() is None, self.log)
 
     def kill(self) -> None:
         """SIGKILL: no shutdown of any kind (its sandboxes and commands keep running)."""

@@ -27,6 +27,7 @@ from rollbox import errors
 from rollbox.cluster import ray_nodes
 from rollbox.cluster.ray_nodes import ClusterPorts
 from rollbox.config import UID_BAND_EXTRA, VARS, Settings, env_text
+from rollbox.edge.server import wait_healthy
 
 # Cluster nodes' host uid bands start above the embedded node's, its image builds' and the test
 # runs' bands (tests/conftest.py), 1024 slots of 65536 ids per node.
@@ -279,21 +280,9 @@ def start_replica(state: ClusterState, settings: Settings, i: int) -> ReplicaRec
 
 def wait_replica(rec: ReplicaRecord, settings: Settings, timeout: float = 120) -> None:
     """Until the replica answers its health check; InfraError with its log if it exits."""
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    log = settings.cluster_dir / "replicas" / f"{rec.name}.log"
-    while time.monotonic() < deadline:
-        if not _alive(rec.pid):
-            raise errors.InfraError(f"api replica {rec.name} exited: "
-                                    f"{log.read_text(errors='replace')[-2000:]}")
-        try:
-            if httpx.get(f"{rec.url}/v1/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise errors.InfraError(f"api replica {rec.name} not healthy after {timeout}s")
+    wait_healthy(rec.url, lambda: _alive(rec.pid),
+                 settings.cluster_dir / "replicas" / f"{rec.name}.log", timeout,
+                 what=f"api replica {rec.name}")
 
 
 def _alive(pid: int) -> bool:

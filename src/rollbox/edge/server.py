@@ -1,19 +1,23 @@
 """Serving an ASGI app under uvicorn, in the foreground or as a background task: the api
 (``rollbox.api`` re-exports these), the PyPI mirror and the edge's HTTP service
-(``edge.service``). Owns the uvicorn settings and the start/stop of one server; nothing of any
-app. One layer below the api so the edge's service can use it too."""
+(``edge.service``). Owns the uvicorn settings and the start/stop of one server, and the wait
+for a server in another process to answer its health check; nothing of any app. One layer below
+the api so the edge's service can use it too."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 
 import uvicorn
 from starlette.types import ASGIApp
+
+from rollbox.errors import InfraError
 
 log = logging.getLogger(__name__)
 
@@ -121,3 +125,23 @@ class BackgroundServer:
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
                         tb: TracebackType | None) -> None:
         await self.stop()
+
+
+def wait_healthy(url: str, alive: Callable[[], bool] | None = None, log_file: Path | None = None,
+                 timeout: float = 60, what: str = "server") -> None:
+    """Until ``url``'s ``/v1/health`` answers 200. InfraError, with the tail of ``log_file``, as
+    soon as ``alive()`` says the process serving it exited; InfraError after ``timeout`` s."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if alive is not None and not alive():
+            err = log_file.read_text(errors="replace") if log_file and log_file.exists() else ""
+            raise InfraError(f"{what} exited: {err[-2000:]}")
+        try:
+            if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise InfraError(f"{what} at {url} not healthy after {timeout}s")
