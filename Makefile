@@ -9,7 +9,7 @@ APT_PACKAGES := runc erofs-utils debootstrap podman fuse3 iproute2 gcc libc6-dev
 	btrfs-progs qemu-system-x86 qemu-utils lz4 postgresql
 export ROLLBOX_AGENT := $(CURDIR)/build/rollbox-agent
 
-.PHONY: deps venv native guest images setup demo test test-browser bench clean-host
+.PHONY: deps venv native guest images setup demo test test-upstream test-browser bench clean-host
 deps: build/.apt-stamp
 build/.apt-stamp:
 	mkdir -p build
@@ -56,6 +56,11 @@ test: images
 
 bench: images
 	$(BIN)/rollbox bench container
+
+# The upstream tier: SWE-ReX's and SandboxFusion's own test suites against a scratch `rollbox serve`
+# (tests/upstream; sources from UPSTREAM_SWEREX_SRC / UPSTREAM_SANDBOXFUSION_SRC or GitHub).
+test-upstream: images
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m upstream tests/upstream
 
 # The browser tier: builds browser:1 (chromium + MiniWoB++; minutes, ~1 GiB), never run by `make test`.
 test-browser: images

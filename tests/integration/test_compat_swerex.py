@@ -156,6 +156,10 @@ async def test_sessions_commands_and_errors(env: Env) -> None:
 
 async def test_execute_files_upload(env: Env, tmp_path: Path) -> None:
     rt = env.runtime()
+    # an empty script runs nothing and exits 0, as SWE-ReX's server's `sh -c ""`
+    for blank in ("", "\n", [""]):
+        r = await rt.execute(Command(command=blank, shell=True, check=True))
+        assert (r.exit_code, r.stdout, r.stderr) == (0, "", ""), (blank, r)
     r = await rt.execute(Command(command="echo out; echo err >&2; exit 5", shell=True))
     assert (r.stdout, r.stderr, r.exit_code) == ("out\n", "err\n", 5)
     r = await rt.execute(Command(command=["sh", "-c", "echo $X; pwd"], env={"X": "y"},
@@ -207,6 +211,24 @@ async def test_bad_input(env: Env) -> None:
         await asyncio.wait_for(ghost.execute(Command(command="true", shell=True)), 10)
     assert e.value.status == 404
 
+    # no key: 403 as SWE-ReX's server answers (its key check comes before routing), on any
+    # path and method; a bad key 401 the same way; with a good key the wrong method is 405
+    base = runtime_url(env.url, env.sandbox_id)
+    async with aiohttp.ClientSession() as http:
+        for path in ("/is_alive", "/", "//create_session", "/execute", "/nope"):
+            for method in ("GET", "POST"):
+                async with http.request(method, base + path) as resp:
+                    assert resp.status == 403, (method, path, resp.status)
+            async with http.get(base + path, headers={"X-API-Key": "rbx_" + "0" * 40}) as resp:
+                assert resp.status == 401, (path, resp.status)
+        good = {"X-API-Key": env.key}
+        async with http.get(base + "/execute", headers=good) as resp:
+            assert resp.status == 405
+        async with http.get(base + "/nope", headers=good) as resp:
+            assert resp.status == 404
+        async with http.get(f"{env.url}/swerex/{env.sandbox_id[:-4]}ffff/execute",
+                            headers=good) as resp:
+            assert resp.status == 404
     # wrong key: 401, and another project's key does not see the sandbox (404)
     bad = env.runtime(key="rbx_" + "0" * 40)
     assert not (await bad.is_alive()).is_alive

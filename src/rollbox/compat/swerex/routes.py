@@ -20,7 +20,7 @@ import posixpath
 import tarfile
 import zipfile
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import IO
+from typing import IO, Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -43,6 +43,9 @@ MAX_EXECUTE_OUTPUT = 64 << 20  # per stream, kept for the response
 MAX_UNZIPPED = 8 << 30  # declared size of an uploaded zip's members; the disk cap bounds reality
 CHUNK = 1 << 20
 STATUS_OF_HTTP_ERRORS = (errors.Unauthorized, errors.NotFound, errors.SandboxDead)
+NO_KEY = "Not authenticated: no API key (X-API-Key)"
+ENDPOINTS = frozenset({"", "is_alive", "close", "create_session", "run_in_session",
+                       "close_session", "execute", "read_file", "write_file", "upload"})
 
 
 def _http_error(exc: errors.RollboxError) -> JSONResponse:
@@ -154,16 +157,40 @@ async def _zip_as_tar(archive: IO[bytes]) -> AsyncIterator[bytes]:
         zf.close()
 
 
+class _KeyFirst:
+    """SWE-ReX's server checks the key before routing or reading a body: a request below
+    ``/swerex/`` with no key at all is 403 whatever its path, method or body (a bad key is
+    401, from the route). Pure ASGI; every other path passes untouched."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(PREFIX + "/"):
+            headers = dict(scope["headers"])
+            scheme, _, cred = headers.get(b"authorization", b"").partition(b" ")
+            if not headers.get(b"x-api-key") and not (scheme.lower() == b"bearer" and cred):
+                await _http_error(errors.Forbidden(NO_KEY))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def mount(app: FastAPI, api: ApiContext) -> contextlib.AbstractAsyncContextManager[None]:
     sessions = Sessions()
+    app.add_middleware(_KeyFirst)
     router = APIRouter(prefix=PREFIX + "/{sandbox_id}", tags=["swe-rex"])
 
-    async def resolve(sandbox_id: str, request: Request) -> EdgeAPI:
+    def key_of(request: Request) -> str:
         key = request.headers.get("x-api-key")
         if not key:
             scheme, _, cred = request.headers.get("authorization", "").partition(" ")
             key = cred if scheme.lower() == "bearer" else None
-        return await api.sandbox_edge(sandbox_id, await api.principal(key))
+        if not key:  # SWE-ReX's server (FastAPI's APIKeyHeader, as released): 403
+            raise errors.Forbidden(NO_KEY)
+        return key
+
+    async def resolve(sandbox_id: str, request: Request) -> EdgeAPI:
+        return await api.sandbox_edge(sandbox_id, await api.principal(key_of(request)))
 
     async def call(sandbox_id: str, request: Request,
                    op: Callable[[EdgeAPI], Awaitable[BaseModel]]) -> JSONResponse:
@@ -316,6 +343,20 @@ def mount(app: FastAPI, api: ApiContext) -> contextlib.AbstractAsyncContextManag
             return wire.Empty()
         return await call(sandbox_id, request, op)
 
+    # Last: any other path or method under a sandbox. SWE-ReX's server checks the key before
+    # routing, so a request without one is 403 and one with a bad key 401 whatever its path;
+    # with a good key, a known endpoint with the wrong method is 405, anything else 404.
+    @router.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD",
+                                               "OPTIONS"], include_in_schema=False)
+    async def other(sandbox_id: str, rest: str, request: Request) -> JSONResponse:
+        try:
+            await resolve(sandbox_id, request)
+        except errors.RollboxError as exc:
+            return _http_error(exc)
+        if rest.strip("/") in ENDPOINTS:
+            return JSONResponse({"detail": "Method Not Allowed"}, status_code=405)
+        return JSONResponse({"detail": "Not Found"}, status_code=404)
+
     app.include_router(router)
 
     @contextlib.asynccontextmanager
@@ -338,12 +379,14 @@ async def _execute(edge: EdgeAPI, sandbox_id: str, cmd: wire.Command) -> wire.Co
     platform shell, never the sandbox's ``/bin/sh``); the deadline is enforced inside the
     sandbox."""
     if isinstance(cmd.command, str):
-        argv: str | list[str] = cmd.command if cmd.shell else [cmd.command]
+        # An empty script runs nothing and exits 0 (``sh -c ""``, SWE-ReX's server); ``:`` is
+        # the same script in a form the exec API accepts.
+        argv: str | list[str] = (cmd.command or ":") if cmd.shell else [cmd.command]
     elif cmd.shell:  # subprocess: the first item is the script, the rest its $0, $1...
         if len(cmd.command) != 1:
             raise wire.RemoteError("builtins.ValueError", "shell=True takes a string or a "
                                    "one-item list here (no positional arguments)")
-        argv = cmd.command[0]
+        argv = cmd.command[0] or ":"
     else:
         argv = list(cmd.command)
     if cmd.timeout is not None and not 0 < cmd.timeout <= MAX_TIMEOUT_S:
