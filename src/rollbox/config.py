@@ -49,6 +49,7 @@ GROUPS: dict[str, str] = {
     "burst": "Cloud bursting (rollbox.placement.burst, rollbox.cluster.burst, docs/cluster.md)",
     "placement": "Choice of a node for a new sandbox (rollbox.placement)",
     "e2b": "The E2B front door (rollbox.compat.e2b)",
+    "ports": "Exposed ports: the api's proxy to services in sandboxes (rollbox.api.ports)",
 }
 
 
@@ -550,6 +551,22 @@ class Settings:
         "Key of the envd access tokens; unset: a root-only file in the data dir "
         "(e2b-token.key, tokens stay valid across restarts), else a per-process random key.",
         secret=True)
+
+    # ---- exposed ports ---------------------------------------------------------------------
+    port_domain: str | None = setting(
+        "ROLLBOX_PORT_DOMAIN", "ports", None, str,
+        "Parent domain of the per-sandbox origins `{port}-{id}.<domain>` the api routes by "
+        "Host header (point a wildcard DNS record at the api; a domain of its own, not a "
+        "parent of the api's); unset: only the path form `/v1/sandboxes/{id}/ports/{port}/`. "
+        "Also the E2B `domain` (get_host).")
+    port_token_secret: str | None = setting(
+        "ROLLBOX_PORT_TOKEN_SECRET", "ports", None, str,
+        "HMAC key of the port tokens (every api replica of a cluster needs the same); unset: "
+        "a root-only file in the data dir (port-token.key, made once).", secret=True)
+    port_token_ttl_s: float = setting(
+        "ROLLBOX_PORT_TOKEN_TTL", "ports", 3600.0, float,
+        "Seconds a port token lives unless its request asks for less or more (at most 7 "
+        "days).")
 
     @classmethod
     def scratch(cls, root: Path, images: Path | None = None) -> Settings:

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from rollbox.api.app import create_app
+from rollbox.api.ports import PortConfig
 from rollbox.api.server import BackgroundServer, serve_app
 from rollbox.edge.server import wait_healthy
 from rollbox.compat.frontdoors import FRONT_DOORS
@@ -68,7 +69,7 @@ class EmbeddedNode:
                               config=PlacementConfig.from_settings(s))
         return create_app(placement, self.keys,
                           leases=self.leases, ledger=self.ledger, front_doors=FRONT_DOORS,
-                          watcher=self.watcher)
+                          watcher=self.watcher, port_config=PortConfig.from_settings(s))
 
     def ensure_admin_key(self) -> str:
         """The local admin key, kept root-only next to the data (SDK default on this host)."""

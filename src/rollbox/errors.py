@@ -13,6 +13,7 @@ The tree (class, wire code, HTTP status, ``R`` = retryable: when it is raised)::
     │   ├── DiskFull             bad_request            400    the sandbox's disk/inodes are full
     │   └── IdempotencyConflict  idempotency_conflict   400    exec/create key reused, other spec
     ├── Unauthorized             unauthorized           401    no key, or unknown or revoked
+    │   └── PortTokenInvalid     port_token_invalid     401    port token forged, expired, other
     ├── Forbidden                forbidden              403    a key that may not (admin routes)
     ├── NotFound                 not_found              404    no such sandbox/image/exec/file/job
     ├── CommandTimeout           command_timeout        408    SDK: exec(check=True) timed out
@@ -23,6 +24,7 @@ The tree (class, wire code, HTTP status, ``R`` = retryable: when it is raised)::
     ├── QuotaExceeded            quota_exceeded         429    the project's quota says no
     ├── CommandFailed            command_failed         500    SDK: exec(check=True), exit != 0
     ├── HashMismatch             hash_mismatch          502    mirror: upstream sha256 is wrong
+    ├── PortNotListening         port_not_listening     502    port proxy: nothing listens there
     └── InfraError               infrastructure         503 R  a platform fault: retry (elsewhere)
         ├── CapacityExceeded     capacity               503 R  admission: node/cluster full
         ├── ChunkStoreError      chunk_store            503 R  the image chunk store failed
@@ -108,6 +110,13 @@ class Unauthorized(RollboxError):
     status = 401
 
 
+class PortTokenInvalid(Unauthorized):
+    """The port proxy (rollbox.api.ports): a port token that is forged, expired, or made for
+    another sandbox or port (``details.reason``: forged | expired | malformed)."""
+
+    code = "port_token_invalid"
+
+
 class Forbidden(RollboxError):
     """A valid key that may not do this (e.g. an admin-only route with a project key)."""
 
@@ -173,6 +182,14 @@ class HashMismatch(RollboxError):
     nothing was kept."""
 
     code = "hash_mismatch"
+    status = 502
+
+
+class PortNotListening(RollboxError):
+    """The port proxy: nothing listens on that port on the sandbox's own loopback (its
+    127.0.0.1 or 0.0.0.0); ``details.port``."""
+
+    code = "port_not_listening"
     status = 502
 
 
@@ -309,6 +326,7 @@ ERRORS_BY_CODE: dict[str, type[RollboxError]] = {
         BadRequest,
         IdempotencyConflict,
         Unauthorized,
+        PortTokenInvalid,
         Forbidden,
         NotFound,
         PayloadTooLarge,
@@ -330,6 +348,7 @@ ERRORS_BY_CODE: dict[str, type[RollboxError]] = {
         ExecIndeterminate,
         AgentProtocolError,
         HashMismatch,
+        PortNotListening,
         UpstreamUnavailable,
         UpstreamBadResponse,
         UpstreamTooLarge,

@@ -297,6 +297,28 @@ class GradeResult(BaseModel):
     result: ExecResult
 
 
+class PortTokenRequest(BaseModel):
+    """``POST /v1/sandboxes/{id}/port-tokens``: a token for one port (rollbox.api.ports);
+    ``ttl_s`` None: the api's default (port_token_ttl_s)."""
+    model_config = ConfigDict(extra="forbid")
+    port: int = Field(..., ge=1, le=65535)
+    ttl_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
+
+
+class PortAccess(BaseModel):
+    """How to reach one port of a sandbox: ``path`` (the path form, below the api's URL; with
+    the API key or the token in ``X-Rollbox-Port-Token``), ``host`` (the per-sandbox origin
+    ``{port}-{id}.<domain>``; None when the api has no port domain), the token and its expiry
+    (unix seconds)."""
+    sandbox_id: str
+    port: int
+    path: str
+    host: str | None = None
+    token: str
+    expires_at: float
+    header: str = "X-Rollbox-Port-Token"
+
+
 class SnapshotSpec(BaseModel):
     """Turn a sandbox's writable layer (scrubbed) into a new layer and tag ``name`` = the
     sandbox's layers + that layer (``pack_diff``; see docs/images.md)."""

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from fastapi import FastAPI
 
-from rollbox.api import errors, frontdoors
+from rollbox.api import errors, frontdoors, ports
 from rollbox.api.bodies import BodyLimitMiddleware
 from rollbox.api.context import ApiContext
 from rollbox.api.frontdoors import FrontDoor
@@ -27,7 +27,8 @@ def create_app(placement: Placement, keys: IamStore, *,
                leases: LeaseStore | None = None,
                ledger: QuotaLedger | None = None,
                front_doors: Sequence[FrontDoor] = (),
-               watcher: Watcher | None = None) -> FastAPI:
+               watcher: Watcher | None = None,
+               port_config: ports.PortConfig | None = None) -> FastAPI:
     """The api keeps no audit trail of its own: each edge keeps its sandboxes' (read and added
     to through ``EdgeAPI.events``/``record_event``). ``leases``: the trainer-job lease
     store the edges sweep (None: no jobs on this server; see rollbox.api.routes.jobs).
@@ -36,7 +37,9 @@ def create_app(placement: Placement, keys: IamStore, *,
     ``front_doors``: mounted after the core routes, in order; the node's list comes
     from its composition root (``rollbox.embedded``); none: the core ``/v1`` api only.
     ``watcher``: the nodes' health (rollbox.watcher; its owner starts and stops it): a dead
-    node's sandboxes answer sandbox_dead (reason node_lost), ``/v1/cluster/status``."""
+    node's sandboxes answer sandbox_dead (reason node_lost), ``/v1/cluster/status``.
+    ``port_config``: the exposed ports' domain and token key (rollbox.api.ports; None: the
+    path form only, tokens under a per-process key)."""
     api = ApiContext(placement, keys, leases, ledger=ledger, watcher=watcher)
 
     @contextlib.asynccontextmanager
@@ -55,6 +58,7 @@ def create_app(placement: Placement, keys: IamStore, *,
         routes=[route for router in ROUTERS for route in router.routes],
     )
     app.add_middleware(BodyLimitMiddleware)
+    ports.install(app, api, port_config or ports.PortConfig.ephemeral())  # outermost
     app.state.api = api
     errors.install(app)
     # entered by lifespan, which runs later

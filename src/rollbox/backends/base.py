@@ -94,6 +94,18 @@ class NetworkAttachment(Protocol):
     def audit_news(self) -> dict[str, Any] | None: ...  # totals + new since last; None: none
 
 
+class PortStream(Protocol):
+    """A TCP connection to one port on a sandbox's own loopback (``Backend.open_port``), as
+    the port proxy (rollbox.api.ports) drives it: bytes both ways, in order."""
+
+    # The next bytes the service sent; b"" at its end. PortNotListening where the backend
+    # learns only now that nothing listened (a relay through the agent).
+    async def read(self) -> bytes: ...
+    async def write(self, data: bytes) -> None: ...  # waits while the service is not reading
+    async def write_eof(self) -> None: ...  # half-close: the service reads its end
+    async def close(self) -> None: ...  # idempotent; never raises
+
+
 class SandboxFiles(Protocol):
     """Files of one sandbox, every path resolved inside its root (links never lead out).
     Container: host-side descriptors on its overlay; microVM: through the agent. Sizes are
@@ -171,6 +183,16 @@ class Backend(Protocol):
     # Before a command starts (after the edge checked it is not paused): make the sandbox
     # ready to run it, e.g. a squeezed VM's balloon deflated (container: nothing).
     async def prepare_exec(self, h: SandboxHandle) -> None: ...
+
+    # Exposed ports: a connection to 127.0.0.1:``port`` as the sandbox itself sees it (its own
+    # loopback, never the host's or another sandbox's), also in a sandbox with no network at
+    # all; the caller checked 1 <= port <= 65535 and that the sandbox runs. PortNotListening
+    # when nothing listens there (or at the first read, see PortStream.read). The path is the
+    # backend's own: container: a socket made inside the sandbox's netns by a host thread,
+    # outside its cgroup (its BPF filters do not apply, and the socket can reach only that
+    # netns); microVM: a relay through the agent (busybox nc to the guest's loopback, bytes
+    # over the exec session's stdin/stdout on virtio-serial), no guest network needed.
+    async def open_port(self, h: SandboxHandle, port: int) -> PortStream: ...
 
     def usage(self, h: SandboxHandle) -> Usage: ...
     def oom_kills(self, h: SandboxHandle) -> int: ...  # cheap: read on SIGKILL exits only

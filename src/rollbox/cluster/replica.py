@@ -101,6 +101,7 @@ async def _wait_for_edges(directory: EdgeDirectory, timeout: float) -> None:
 async def replica_app(gcs: str, token: str, dsn: str, state_dir: Path,
                       name: str) -> AsyncIterator[Any]:
     from rollbox.api.app import create_app
+    from rollbox.api.ports import PortConfig
     from rollbox.compat.frontdoors import FRONT_DOORS
     from rollbox.config import Settings
     from rollbox.events.store import EventLog
@@ -136,8 +137,10 @@ async def replica_app(gcs: str, token: str, dsn: str, state_dir: Path,
         task = asyncio.create_task(directory.run())
         stack.push_async_callback(asyncio.gather, task, return_exceptions=True)
         stack.callback(task.cancel)
+        # The port tokens' key: one file in the replicas' shared state dir (or the setting).
         yield create_app(placement, iam, leases=leases, ledger=ledger,
-                         front_doors=FRONT_DOORS, watcher=watcher)
+                         front_doors=FRONT_DOORS, watcher=watcher,
+                         port_config=PortConfig.from_settings(Settings(), key_dir=state_dir))
 
 
 async def serve(gcs: str, token: str, dsn: str, state_dir: Path, host: str,

@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from rollbox.agent.channel import SpawnError
 from rollbox.agent.protocol import RETAIN_LIMIT, ExecRequest, shell_argv
-from rollbox.backends.base import Backend, CaptureOptions, ResolvedSpec, SandboxHandle
+from rollbox.backends.base import (
+    Backend, CaptureOptions, PortStream, ResolvedSpec, SandboxHandle,
+)
 from rollbox.backends import platform_work
 from rollbox.backends.registry import make_backends
 from rollbox.config import Settings
@@ -80,6 +82,8 @@ class LiveSandbox:
     key_starts: dict[str, asyncio.Future[str]] = field(default_factory=dict)
     # carries a rollbox.* label (NodeSandbox.platform), found once: not per probe
     platform: bool = False
+    # connections of the port proxy (port_open) still open: closed when it goes
+    ports: set[PortStream] = field(default_factory=set)
 
 
 def raise_nofile_limit(target: int = 1 << 20) -> None:
@@ -733,6 +737,9 @@ class Edge:
                 sess.fail(SandboxDead(f"sandbox {info.id} was {state}"
                                       + (f": {reason}" if reason else "")))
         self._log_net_denied(live)  # the counters go with the sandbox's cgroup
+        for port in list(live.ports):  # the proxy's connections end with the sandbox
+            await port.close()
+        live.ports.clear()
         try:
             await live.backend.destroy(live.box)  # also a paused one
         finally:
@@ -1392,6 +1399,19 @@ class Edge:
         finally:
             _close(slot.cgroup_fd)
 
+    # ---- exposed ports --------------------------------------------------------------------
+    async def port_open(self, sandbox_id: str, port: int) -> PortStream:
+        """See EdgeAPI.port_open: the backend's own path (Backend.open_port), always to the
+        sandbox's loopback; the connection is closed with the sandbox at the latest."""
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise BadRequest(f"port must be an integer in 1..65535, not {port!r}", port=port)
+        live = self._running(sandbox_id)
+        stream = await live.backend.open_port(live.box, port)
+        if self.live.get(sandbox_id) is not live:  # deleted meanwhile
+            await stream.close()
+            raise SandboxDead(f"sandbox {sandbox_id} is gone", state="deleted")
+        return _TrackedPort(stream, live.ports)
+
     async def run_shell(self, sandbox_id: str, cmd: str, env: dict[str, str], timeout_s: float,
                         tail: int = 4000, *,
                         on_output: Callable[[bytes], object] | None = None) -> tuple[int, bytes]:
@@ -1429,6 +1449,28 @@ class Edge:
 
 
 PLATFORM_LABEL_PREFIX = "rollbox."
+
+
+class _TrackedPort:
+    """A backend's PortStream, in its sandbox's ``ports`` until closed."""
+
+    def __init__(self, stream: PortStream, owner: set[PortStream]) -> None:
+        self.stream = stream
+        self.owner = owner
+        owner.add(self)
+
+    async def read(self) -> bytes:
+        return await self.stream.read()
+
+    async def write(self, data: bytes) -> None:
+        await self.stream.write(data)
+
+    async def write_eof(self) -> None:
+        await self.stream.write_eof()
+
+    async def close(self) -> None:
+        self.owner.discard(self)
+        await self.stream.close()
 
 
 def _share_of(info: SandboxInfo) -> Share:

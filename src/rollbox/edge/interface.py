@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from rollbox.agent.protocol import ExecRequest
+from rollbox.backends.base import PortStream
 from rollbox.models import (
     Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, ImageInfo,
     LayerUsage, NetworkPolicy, NodeReport, SandboxInfo, SandboxSpec, SnapshotResult,
@@ -137,3 +138,10 @@ class EdgeAPI(Protocol):
     # ``cmd`` under the platform shell as root; (exit code or -1, last ``tail`` output bytes).
     async def run_shell(self, sandbox_id: str, cmd: str, env: dict[str, str],
                         timeout_s: float, tail: int = 4000) -> tuple[int, bytes]: ...
+
+    # Exposed ports (rollbox.api.ports): a connection to 127.0.0.1:``port`` of a running
+    # sandbox as the sandbox itself sees it (Backend.open_port: never the host's loopback nor
+    # another sandbox), with or without network permission. BadRequest for a port outside
+    # 1..65535, SandboxPaused, NotFound/SandboxDead, PortNotListening (maybe only at the first
+    # read). The caller closes it; the edge closes it when the sandbox goes.
+    async def port_open(self, sandbox_id: str, port: int) -> PortStream: ...

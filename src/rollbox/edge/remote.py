@@ -24,6 +24,7 @@ import aiohttp
 
 from rollbox import errors
 from rollbox.agent.protocol import ExecRequest, Exited
+from rollbox.backends.base import PortStream
 from rollbox.edge import wire
 from rollbox.edge.interface import EdgeAPI, ExecOutput, PlatformProcess
 from rollbox.models import Event, ExecResult
@@ -352,6 +353,108 @@ class RemoteEdge:
             await frames.aclose()
             raise
         return RemoteProcess(self, handle, answer, frames)
+
+    async def port_open(self, sandbox_id: str, port: int) -> PortStream:
+        """A WebSocket to the edge's ``/port`` (wire docstring), authenticated like every call;
+        the bytes of the sandbox's port over its binary messages."""
+        what = "port_open"
+        args = wire.PortOpenArgs.model_construct(sandbox_id=sandbox_id, port=port)
+        try:
+            ws = await self._http().ws_connect(
+                self._root + "/port", autoping=True, heartbeat=None, compress=0,
+                max_msg_size=wire.PORT_MESSAGE + 4096, autoclose=False)
+        except aiohttp.WSServerHandshakeError as exc:
+            if exc.status == 401:
+                raise errors.Unauthorized(f"edge {self.node_id} refused the cluster token"
+                                          ) from None
+            raise errors.EdgeUnreachable(f"edge {self.node_id}: {what}: {exc!r}",
+                                         node=self.node_id) from None
+        except _CONNECT_ERRORS as exc:
+            raise errors.EdgeUnreachable(f"edge {self.node_id} at {self.url}: {exc!r}",
+                                         node=self.node_id) from None
+        except _TRANSPORT_ERRORS as exc:
+            raise errors.ConnectionLost(f"edge {self.node_id}: {what}: {exc!r}",
+                                        node=self.node_id) from None
+        remote = RemotePort(self, ws)
+        try:
+            await ws.send_str(args.model_dump_json())
+            first = await remote.control()
+            if first != "ok":
+                raise errors.InfraError(f"edge {self.node_id}: {what}: no answer")
+        except BaseException:
+            await remote.close()
+            raise
+        return remote
+
+
+class RemotePort:
+    """One ``port_open`` connection over the edge's WebSocket (a PortStream)."""
+
+    def __init__(self, edge: RemoteEdge, ws: aiohttp.ClientWebSocketResponse) -> None:
+        self.edge = edge
+        self.ws = ws
+        self._eof = False
+
+    async def control(self) -> str:
+        """The edge's next text message: "ok" | "eof", or its error raised."""
+        msg = await self._receive()
+        if msg is None:
+            return "eof"
+        if msg.type != aiohttp.WSMsgType.TEXT:
+            raise errors.InfraError(f"edge {self.edge.node_id}: port_open: a binary answer "
+                                    "before the edge said ok")
+        return self._text(msg.data)
+
+    def _text(self, data: str) -> str:
+        with _decoding(self.edge.node_id, "port_open"):
+            obj = json.loads(data)
+            if obj.get("ok") is True:
+                return "ok"
+            if obj.get("eof") is True:
+                return "eof"
+        raise _edge_error(self.edge.node_id, "port_open", obj)
+
+    async def _receive(self) -> aiohttp.WSMessage | None:
+        try:
+            msg = await self.ws.receive()
+        except _TRANSPORT_ERRORS as exc:
+            raise errors.ConnectionLost(f"edge {self.edge.node_id}: port connection broke off: "
+                                        f"{_describe(exc)}", node=self.edge.node_id) from None
+        if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING,
+                        aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
+            return None
+        return msg
+
+    async def read(self) -> bytes:
+        while not self._eof:
+            msg = await self._receive()
+            if msg is None:
+                self._eof = True
+                break
+            if msg.type == aiohttp.WSMsgType.BINARY:
+                if msg.data:
+                    return bytes(msg.data)
+                continue
+            if msg.type == aiohttp.WSMsgType.TEXT and self._text(msg.data) == "eof":
+                self._eof = True
+        return b""
+
+    async def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        try:
+            for i in range(0, len(view), wire.PORT_MESSAGE):
+                await self.ws.send_bytes(bytes(view[i:i + wire.PORT_MESSAGE]))
+        except _TRANSPORT_ERRORS as exc:
+            raise errors.ConnectionLost(f"edge {self.edge.node_id}: port connection broke off: "
+                                        f"{_describe(exc)}", node=self.edge.node_id) from None
+
+    async def write_eof(self) -> None:
+        with contextlib.suppress(*_TRANSPORT_ERRORS):
+            await self.ws.send_str(wire.PORT_EOF.decode())
+
+    async def close(self) -> None:
+        with contextlib.suppress(*_TRANSPORT_ERRORS):
+            await self.ws.close()
 
 
 def _exec_item(kind: bytes, payload: bytes, exec_id: str) -> ExecOutput | None:

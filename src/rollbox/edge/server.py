@@ -61,6 +61,8 @@ def _config(app: ASGIApp, host: str, port: int, uds: str | Path | None,
         port=port,
         uds=str(uds) if uds is not None else None,
         http="httptools",
+        # WebSocket upgrades (the port proxy's, rollbox.api.ports; the edge's port channel)
+        ws="websockets-sansio",
         loop="asyncio",  # the caller picks the loop (uvloop under `rollbox serve`)
         lifespan="on",
         access_log=access_log,

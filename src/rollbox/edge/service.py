@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
@@ -28,10 +29,12 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rollbox import errors
+from rollbox.backends.base import PortStream
 from rollbox.edge import wire
 from rollbox.edge.interface import EdgeAPI, ExecOutput, PlatformProcess
 from rollbox.edge.server import BackgroundServer
@@ -63,13 +66,16 @@ class TokenAuth:
         self.expected = f"Bearer {token}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] in ("http", "websocket"):  # websocket: the port connections
             got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if not hmac.compare_digest(got, self.expected):
+                if scope["type"] == "websocket":  # refused before the handshake: 403
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
                 err = errors.Unauthorized("this edge needs the cluster token")
                 await _error_response(err)(scope, receive, send)
                 return
-        elif scope["type"] != "lifespan":  # websockets: none here
+        elif scope["type"] != "lifespan":
             return
         await self.app(scope, receive, send)
 
@@ -425,12 +431,73 @@ class EdgeService:
             call = proc.close_stdin() if op == "close_stdin" else proc.kill()
         return await self._answer(_PROC_METHOD, call)
 
+    async def port(self, ws: WebSocket) -> None:
+        """One port_open connection (see edge.wire): the bytes both ways until either ends."""
+        await ws.accept()
+        stream: PortStream | None = None
+        try:
+            try:
+                args = self._parse(wire.PortOpenArgs, await ws.receive_text())
+                stream = await self.edge.port_open(args.sandbox_id, args.port)
+            except (WebSocketDisconnect, KeyError):
+                return
+            except Exception as exc:  # noqa: BLE001 - the client gets the typed error
+                await ws.send_text(json.dumps(_as_rollbox(exc, "port_open").to_payload()))
+                return
+            await ws.send_text(wire.PORT_OK.decode())
+            await _pump_port(ws, stream)
+        finally:
+            if stream is not None:
+                await stream.close()
+            with contextlib.suppress(Exception):
+                await ws.close()
+
     async def close(self) -> None:
         """Kill the platform processes still open; leave calls running to their end."""
         for proc in list(self._procs.values()):
             with contextlib.suppress(Exception):
                 await proc.kill()
 
+
+async def _pump_port(ws: WebSocket, stream: PortStream) -> None:
+    """Bytes of ``stream`` to ``ws`` and back until the service ends (its EOF, then the
+    client's close) or the client leaves."""
+
+    async def to_client() -> None:
+        try:
+            while data := await stream.read():
+                await ws.send_bytes(data)
+            await ws.send_text(wire.PORT_EOF.decode())
+        except errors.RollboxError as exc:  # PortNotListening at a relay's first read
+            await ws.send_text(json.dumps(exc.to_payload()))
+
+    async def from_client() -> None:
+        while True:
+            msg = await ws.receive()
+            if msg["type"] == "websocket.disconnect":
+                return
+            if msg.get("bytes"):
+                await stream.write(msg["bytes"])
+            elif msg.get("text") == wire.PORT_EOF.decode():
+                await stream.write_eof()
+
+    down = asyncio.ensure_future(to_client())
+    up = asyncio.ensure_future(from_client())
+    try:
+        done, _ = await asyncio.wait({down, up}, return_when=asyncio.FIRST_COMPLETED)
+        if down in done and not up.done():  # the service ended: the client closes next
+            with contextlib.suppress(asyncio.TimeoutError):
+                async with asyncio.timeout(PORT_LINGER_S):
+                    await asyncio.shield(up)
+    finally:
+        for task in (down, up):
+            task.cancel()
+        for task in (down, up):
+            with contextlib.suppress(BaseException):
+                await task
+
+
+PORT_LINGER_S = 30.0  # after the service's end, how long the client may still send
 
 # A platform process's stdin/close_stdin/kill: answered with DONE (or its error).
 _PROC_METHOD = wire.Method("proc", wire.METHODS["delete"].signature,
@@ -476,6 +543,7 @@ def create_edge_app(edge: EdgeAPI, token: str, *, heartbeat_s: float = HEARTBEAT
             Route(f"{p}/upload/{{method}}", service.upload, methods=["PUT"]),
             Route(f"{p}/platform_exec", service.platform_exec, methods=["POST"]),
             Route(f"{p}/proc/{{handle}}/{{op}}", service.proc, methods=["POST"]),
+            WebSocketRoute(f"{p}/port", service.port),
         ],
         exception_handlers={errors.RollboxError: _rollbox_error, HTTPException: _http_error,
                             Exception: _unexpected},

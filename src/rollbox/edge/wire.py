@@ -12,6 +12,11 @@ Routes (all under ``/edge/v1``; every request carries ``Authorization: Bearer <c
   ``chunks`` argument, the other arguments are JSON in the ``X-Rollbox-Args`` header.
 - ``POST /platform_exec`` opens a platform process (JSON ``{sandbox_id, req}``): its answer
   streams the process's events; ``POST /proc/{handle}/stdin|close_stdin|kill`` drive it.
+- ``/port`` (a WebSocket, the cluster token in its handshake's ``Authorization``): one
+  connection of ``port_open`` (the port proxy). The client's first message is the JSON
+  arguments (:class:`PortOpenArgs`); the edge answers ``{"ok": true}`` or an error payload
+  (text), then binary messages are the bytes each way; a text ``{"eof": true}`` is a
+  half-close (either way), a text error payload the edge's error at a read (PortNotListening).
 
 Every 200 answer is a sequence of frames, ``>BI`` (kind, payload length) + payload, and ends
 with exactly one terminal frame: ``Z`` (done) or ``E`` (the method raised: a JSON error payload,
@@ -59,7 +64,7 @@ UNARY: tuple[str, ...] = (
 SERVER_STREAMS: tuple[str, ...] = ("exec_stream", "file_read_stream", "download_tar", "events")
 # Methods taking ``chunks: AsyncIterator[bytes]`` (PUT /upload/{name}: the body is the chunks).
 CLIENT_STREAMS: tuple[str, ...] = ("file_write_stream", "upload_tar", "image_upload")
-# platform_exec is a channel of its own (see the module docstring).
+# platform_exec and port_open are channels of their own (see the module docstring).
 
 # Caps of request bodies (the api's own, ``api.bodies``: an edge takes what the api passes on).
 MAX_JSON_BODY = 1 << 20
@@ -224,6 +229,16 @@ class PlatformExecArgs(BaseModel):
     sandbox_id: Annotated[str, _STR_BOUNDS["sandbox_id"]]
     req: ExecRequest
 
+
+class PortOpenArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    sandbox_id: Annotated[str, _STR_BOUNDS["sandbox_id"]]
+    port: Annotated[int, Field(ge=1, le=65535)]
+
+
+PORT_OK = b'{"ok":true}'
+PORT_EOF = b'{"eof":true}'
+PORT_MESSAGE = 1 << 20  # the most bytes one binary message of a port connection carries
 
 HANDLE_RE = re.compile(r"^[A-Za-z0-9_-]{22,64}$")
 PROC_OPS = ("stdin", "close_stdin", "kill")

@@ -116,6 +116,20 @@ def run_inside(name: str, fn: Callable[[], T]) -> T:
     return _on_own_thread(work, f"in-{name}")
 
 
+def socket_inside(name: str, family: int = socket.AF_INET) -> socket.socket:
+    """A new non-blocking TCP socket of the named namespace, made on a short-lived thread that
+    joins it (the caller's own namespace never changes). The socket stays in that namespace
+    whoever uses it: its 127.0.0.1 is the namespace's loopback. Made by the caller's process,
+    it belongs to the caller's cgroup, not to the namespace's sandbox."""
+
+    def make() -> socket.socket:
+        s = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return s
+
+    return run_inside(name, make)
+
+
 def _is_mounted(path: Path) -> bool:
     target = str(path)
     with open("/proc/self/mountinfo") as f:

@@ -33,8 +33,8 @@ from rollbox.sdk._transport import AsyncTransport, BlockingTransport, Request
 from rollbox.models import (
     FnCallResult, FnCallSpec,
     ApiKeyInfo, CreatedKey, Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec,
-    ImageInfo, JobEnded, JobInfo, JobSpec, LayerUsage, Project, Quota, Resources, SandboxInfo,
-    SandboxSpec, SnapshotResult, SnapshotSpec,
+    ImageInfo, JobEnded, JobInfo, JobSpec, LayerUsage, PortAccess, Project, Quota, Resources,
+    SandboxInfo, SandboxSpec, SnapshotResult, SnapshotSpec,
 )
 
 TAR_CHUNK = 256 << 10
@@ -490,6 +490,12 @@ class AsyncImages:
             (await self._t.request("GET", "/v1/images/usage")).json())
 
 
+def _port_path(sandbox_id: str, port: int) -> str:
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise errors.BadRequest(f"port must be an integer in 1..65535, not {port!r}")
+    return f"/v1/sandboxes/{sandbox_id}/ports/{port}/"
+
+
 class AsyncSandbox:
     def __init__(self, client: AsyncClient, info: SandboxInfo) -> None:
         self.client = client
@@ -614,6 +620,26 @@ class AsyncSandbox:
     async def events(self, after: int = 0, follow: bool = False) -> list[Event]:
         """The audit log (also after deletion). ``follow=True`` collects until deletion."""
         return [ev async for ev in self.stream_events(after, follow)]
+
+    def url(self, port: int) -> str:
+        """The HTTP URL of ``port`` in this sandbox (a service listening on its 127.0.0.1 or
+        0.0.0.0; WebSocket upgrades too: ``ws://`` the same), served by the API: the path form
+        ``<api>/v1/sandboxes/<id>/ports/<port>/``. Send the API key (``Authorization: Bearer``)
+        or a port token (:meth:`port_access`) in ``X-Rollbox-Port-Token``. No request is made
+        here; BadRequest for a port outside 1..65535."""
+        return self.client.base_url.rstrip("/") + _port_path(self.id, port)
+
+    async def port_access(self, port: int, ttl_s: float | None = None) -> PortAccess:
+        """A token for ``port`` alone (it expires after ``ttl_s``, the server's default if
+        None, and with the sandbox), the path form's URL and, where the API has a port
+        domain, the per-sandbox origin ``<port>-<id>.<domain>`` for browsers (log in there
+        with ``POST /_rollbox/login``, form field ``token``)."""
+        _port_path(self.id, port)
+        body: dict[str, Any] = {"port": port}
+        if ttl_s is not None:
+            body["ttl_s"] = ttl_s
+        r = await self._t.request("POST", self._base + "/port-tokens", json=body)
+        return PortAccess.model_validate(r.json())
 
     async def set_ttl(self, ttl_s: float) -> SandboxInfo:
         r = await self._t.request("POST", self._base + "/ttl", json={"ttl_s": ttl_s})

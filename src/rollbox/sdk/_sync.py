@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from rollbox import errors
 from rollbox.models import (
     ApiKeyInfo, CreatedKey, Event, ExecInfo, ExecResult, FileStat, GradeResult, ImageInfo,
-    JobEnded, JobInfo, LayerUsage, Project, Quota, SandboxInfo, SnapshotResult,
+    JobEnded, JobInfo, LayerUsage, PortAccess, Project, Quota, SandboxInfo, SnapshotResult,
 )
 from rollbox.sdk._resume import DEFAULT_RECONNECT_S
 from rollbox.sdk._async import (
@@ -208,6 +208,14 @@ class Sandbox:
 
     def stream_events(self, after: int = 0, follow: bool = True) -> Iterator[Event]:
         return self._p.iterate(self._sb.stream_events(after, follow))
+
+    def url(self, port: int) -> str:
+        """See :meth:`AsyncSandbox.url` (no request is made)."""
+        return self._sb.url(port)
+
+    def port_access(self, port: int, ttl_s: float | None = None) -> PortAccess:
+        """See :meth:`AsyncSandbox.port_access`."""
+        return self._p.call(self._sb.port_access(port, ttl_s))
 
     def set_ttl(self, ttl_s: float) -> SandboxInfo:
         return self._p.call(self._sb.set_ttl(ttl_s))

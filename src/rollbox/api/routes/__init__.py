@@ -13,6 +13,7 @@ from rollbox.api.routes import (
     jobs,
     keys,
     meta,
+    ports,
     projects,
     sandboxes,
 )
@@ -29,6 +30,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     jobs.router,  # /v1/jobs: trainer-job leases
     keys.router,  # /v1/keys: list, revoke API keys (admin keys only)
     cluster.router,  # /v1/cluster/status: the watcher's view of the nodes
+    ports.router,  # /v1/sandboxes/{id}/port-tokens (the proxy is api.ports' middleware)
 )
 
 __all__ = ["ROUTERS"]

@@ -30,6 +30,7 @@ from rollbox.backends.base import (
     BackendCapacity, CaptureOptions, CaptureResult, ResolvedSpec, SessionSlot, Usage,
 )
 from rollbox.backends.cancellation import teardown_after, to_the_end
+from rollbox.backends.ports import connect_in_netns
 from rollbox.backends.container import bundle
 from rollbox.agent import platform_shell
 from rollbox.agent.channel import AgentChannel
@@ -423,6 +424,12 @@ class ContainerBackend:
 
     async def prepare_exec(self, sb: ContainerSandbox) -> None:  # type: ignore[override]
         """Nothing: a container's memory is never taken back while it idles."""
+
+    async def open_port(self, sb: ContainerSandbox,  # type: ignore[override]
+                        port: int) -> PortStream:
+        """A socket made in the sandbox's netns, connected to its loopback
+        (rollbox.backends.ports): outside its cgroup, so with or without network rules."""
+        return await connect_in_netns(netns.PREFIX + sb.id, port)
 
     def usage(self, sb: ContainerSandbox) -> Usage:  # type: ignore[override]
         parent = self.settings.cgroup_parent

@@ -41,6 +41,7 @@ from rollbox.backends.base import (
     SessionSlot, Usage,
 )
 from rollbox.backends.cancellation import teardown_after, to_the_end
+from rollbox.backends.ports import relay_through_agent
 from rollbox.backends.container.disk import DiskPool
 from rollbox.backends.microvm import balloon, ksm, qemu, qmp
 from rollbox.backends.microvm import net as vmnet
@@ -49,7 +50,7 @@ from rollbox.backends.microvm.disks import VmDisks
 from rollbox.backends.container.bundle import normalize_hidden
 from rollbox.backends.microvm.files import capture as vm_capture
 from rollbox.backends.microvm.files import (
-    cut_file_ops, in_sandbox_request, mask_hidden, vm_files,
+    cut_file_ops, in_sandbox_request, live_channel, mask_hidden, vm_files,
 )
 from rollbox.backends.microvm.jail import (
     Bind, Jail, Limits, set_cpu, set_normal_priority, uid_processes, vcpus,
@@ -993,6 +994,12 @@ class MicroVMBackend:
     async def capture_writable(self, h: MicroVM, dest: Path,  # type: ignore[override]
                                opts: CaptureOptions) -> CaptureResult:
         return await vm_capture(h.files, dest, opts)
+
+    async def open_port(self, h: MicroVM, port: int) -> PortStream:  # type: ignore[override]
+        """A relay through the agent to the guest's 127.0.0.1:port (rollbox.backends.ports);
+        the guest needs no network. A squeezed VM gets its memory back first."""
+        await self.prepare_exec(h)
+        return await relay_through_agent(live_channel(h), port)
 
     def usage(self, h: MicroVM) -> Usage:  # type: ignore[override]
         parent, name = self.settings.cgroup_parent, h.jail.cgroup_name
