@@ -56,6 +56,7 @@ from websockets.uri import parse_uri
 
 from rollbox import errors
 from rollbox.api.context import ApiContext
+from rollbox.backends.ports import end_pumps
 from rollbox.config import Settings
 from rollbox.edge.interface import EdgeAPI
 
@@ -601,11 +602,7 @@ async def _ws_relay(proto: ClientProtocol, stream: Any, receive: Receive, send: 
                 if not isinstance(exc, (errors.RollboxError, OSError, InvalidState)):
                     raise exc  # type: ignore[misc]
     finally:
-        for task in (down, up):
-            task.cancel()
-        for task in (down, up):
-            with contextlib.suppress(BaseException):
-                await task
+        await end_pumps(down, up)
 
 
 def _client_code(code: int) -> int:

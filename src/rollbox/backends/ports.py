@@ -148,3 +148,12 @@ async def relay_through_agent(channel: AgentChannel, port: int) -> SessionPort:
                         stream_limit=RELAY_STREAM_LIMIT, tail_limit=0, platform_tool=True)
     session = await channel.exec(req)
     return SessionPort(session, port)
+
+
+async def end_pumps(*tasks: asyncio.Future[None]) -> None:
+    """Cancel the two directions' tasks of a relayed connection and wait for both."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(BaseException):
+            await task

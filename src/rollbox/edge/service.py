@@ -35,6 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rollbox import errors
 from rollbox.backends.base import PortStream
+from rollbox.backends.ports import end_pumps
 from rollbox.edge import wire
 from rollbox.edge.interface import EdgeAPI, ExecOutput, PlatformProcess
 from rollbox.edge.server import BackgroundServer
@@ -490,11 +491,7 @@ async def _pump_port(ws: WebSocket, stream: PortStream) -> None:
                 async with asyncio.timeout(PORT_LINGER_S):
                     await asyncio.shield(up)
     finally:
-        for task in (down, up):
-            task.cancel()
-        for task in (down, up):
-            with contextlib.suppress(BaseException):
-                await task
+        await end_pumps(down, up)
 
 
 PORT_LINGER_S = 30.0  # after the service's end, how long the client may still send
