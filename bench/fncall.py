@@ -197,12 +197,12 @@ async def _bench_http(edge: Any, events: Any, tmp: Path, n: dict[int, int]) -> d
     from rollbox.api import BackgroundServer, create_app
     from rollbox.compat.frontdoors import FRONT_DOORS
     from rollbox.iam import KeyStore
-    from rollbox.placement import Placement
+    from rollbox.watcher import placement_over
 
     keys = KeyStore(tmp / "keys.db")
     out: dict[str, Any] = {}
     try:
-        app = create_app(Placement([edge]), keys, front_doors=FRONT_DOORS)
+        app = create_app(placement_over([edge]), keys, front_doors=FRONT_DOORS)
         async with BackgroundServer(app) as srv:
             fb = app.state.fncall
             await fb.prewarm("python", 8)

@@ -40,7 +40,7 @@ async def bench(quick: bool) -> dict[str, Any]:
     from rollbox.events.store import EventLog
     from rollbox.iam import KeyStore
     from rollbox.models import ExecSpec
-    from rollbox.placement import Placement
+    from rollbox.watcher import placement_over
 
     tmp = Path(tempfile.mkdtemp(prefix="rollbox-bench-remote-"))
     tmp.chmod(0o711)
@@ -58,9 +58,9 @@ async def bench(quick: bool) -> dict[str, Any]:
     try:
         async with serve_edge(edge, "127.0.0.1", 0, token) as edge_srv:
             remote = RemoteEdge(edge.node_id, edge_srv.url, token)
-            local_app = create_app(Placement([edge]), keys)
+            local_app = create_app(placement_over([edge]), keys)
             # The edge writes the audit trail itself (as on a cluster node).
-            remote_app = create_app(Placement([remote]), keys)
+            remote_app = create_app(placement_over([remote]), keys)
             async with BackgroundServer(local_app) as lsrv, BackgroundServer(remote_app) as rsrv, \
                     rollbox.AsyncClient(lsrv.url, key) as lc, \
                     rollbox.AsyncClient(rsrv.url, key) as rc:

@@ -296,9 +296,9 @@ def api_app(face, edge, keys, **kw):  # noqa: ANN001, ANN003, ANN201 - a FastAPI
     """The api over ``face`` (``api_edge``: ``edge`` or a RemoteEdge to it). The audit trail
     is the edge's either way (``EdgeAPI.events``), as on a cluster node."""
     from rollbox.api import create_app
-    from rollbox.placement import Placement
+    from rollbox.watcher import placement_over
 
-    return create_app(Placement([face]), keys, **kw)
+    return create_app(placement_over([face]), keys, **kw)
 
 
 class NodeRestarts:

@@ -29,7 +29,7 @@ async def e2b_node(project: str) -> AsyncIterator[tuple[str, str, Any]]:
     from rollbox.edge.edge import Edge
     from rollbox.events.store import EventLog
     from rollbox.iam import KeyStore
-    from rollbox.placement import Placement
+    from rollbox.watcher import placement_over
 
     tmp = Path(tempfile.mkdtemp(prefix=f"rollbox-test-{TEST_RUN}-"))
     tmp.chmod(0o711)
@@ -40,7 +40,7 @@ async def e2b_node(project: str) -> AsyncIterator[tuple[str, str, Any]]:
     saved = {k: os.environ.get(k) for k in E2B_ENV}
     AsyncTransportWithLogger.singleton = None
     try:
-        async with BackgroundServer(create_app(Placement([edge]), keys,
+        async with BackgroundServer(create_app(placement_over([edge]), keys,
                                                front_doors=FRONT_DOORS)) as srv:
             key = keys.create(project)
             os.environ["E2B_API_URL"] = f"{srv.url}/e2b"

@@ -16,7 +16,7 @@ from rollbox.api import BackgroundServer, create_app
 from rollbox.iam import KeyStore, SQLiteLedger
 from rollbox.iam.quotas import SQLiteQuotas
 from rollbox.models import ExecSpec, GradeSpec, Quota, Resources, SandboxSpec
-from rollbox.placement import Placement
+from rollbox.watcher import placement_over
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root and runc")]
@@ -118,7 +118,7 @@ async def test_quotas_over_the_api_sdk_and_cli(edge, tmp_path: Path) -> None:  #
     keys = KeyStore(tmp_path / "keys.db")
     ledger = SQLiteLedger(tmp_path / "keys.db")
     edge.quotas = keys  # the node's own per-node check reads the same limits
-    app = create_app(Placement([edge]), keys, ledger=ledger)
+    app = create_app(placement_over([edge]), keys, ledger=ledger)
     admin, team = keys.create("ops", admin=True), keys.create("team")
     try:
         async with BackgroundServer(app) as srv, rollbox.AsyncClient(srv.url, admin) as a, \
@@ -183,7 +183,7 @@ async def test_quotas_over_the_api_sdk_and_cli(edge, tmp_path: Path) -> None:  #
 
 async def test_grade_takes_resources_in_the_sdk(edge, tmp_path: Path) -> None:  # noqa: ANN001
     keys = KeyStore(tmp_path / "keys.db")
-    app = create_app(Placement([edge]), keys)
+    app = create_app(placement_over([edge]), keys)
     key = keys.create("proj")
     try:
         async with BackgroundServer(app) as srv, rollbox.AsyncClient(srv.url, key) as c:

@@ -39,7 +39,7 @@ from rollbox.api import BackgroundServer, create_app
 from rollbox.compat.frontdoors import FRONT_DOORS
 from rollbox.compat.swerex import runtime_url
 from rollbox.iam import KeyStore
-from rollbox.placement import Placement
+from rollbox.watcher import placement_over
 from tests.conftest import have_image
 
 IMAGE = "debian:bookworm"
@@ -65,7 +65,7 @@ class Env:
 async def env(edge, tmp_path: Path) -> AsyncIterator[Env]:
     keys = KeyStore(tmp_path / "keys.db")
     key = keys.create("proj")
-    app = create_app(Placement([edge]), keys, front_doors=FRONT_DOORS)
+    app = create_app(placement_over([edge]), keys, front_doors=FRONT_DOORS)
     async with BackgroundServer(app) as srv, rollbox.AsyncClient(srv.url, key) as client:
         sb = await client.create(IMAGE)
         yield Env(srv.url, key, client, sb.id, app, keys)

@@ -18,7 +18,7 @@ from rollbox import errors
 from rollbox.api import BackgroundServer, create_app
 from rollbox.iam import KeyStore
 from rollbox.models import SandboxSpec, SnapshotSpec
-from rollbox.placement import Placement
+from rollbox.watcher import placement_over
 from tests.conftest import BOTH_TRANSPORTS, api_app, new_name
 
 BB = "busybox:test"
@@ -124,7 +124,7 @@ async def test_cli_upload_with_progress(edge, names: list[str], tmp_path: Path) 
     from rollbox.image_cli import app as image_app
 
     keys = KeyStore(tmp_path / "keys.db")
-    app = create_app(Placement([edge]), keys)
+    app = create_app(placement_over([edge]), keys)
     try:
         async with BackgroundServer(app) as srv:
             name = new_name(names, "cli")

@@ -21,7 +21,7 @@ from rollbox.edge.edge import Edge
 from rollbox.events.store import EventLog
 from rollbox.iam.postgres import PostgresIam, PostgresLedger
 from rollbox.jobs.postgres import PostgresLeaseStore
-from rollbox.placement import Placement
+from rollbox.watcher import placement_over
 from tests.integration.test_cohosted_edges import start_nodes
 
 pytestmark = [pytest.mark.root,
@@ -60,7 +60,7 @@ async def test_a_jobs_lease_and_limits_hold_across_three_edges(tmp_node_dir: Pat
             stack.push_async_callback(ledger.close)
             leases = await PostgresLeaseStore.connect(pg_dsn)
             stack.push_async_callback(leases.close)
-            srv = BackgroundServer(create_app(Placement(edges), iam, ledger=ledger,
+            srv = BackgroundServer(create_app(placement_over(edges), iam, ledger=ledger,
                                               leases=leases))
             await srv.start()
             stack.push_async_callback(srv.stop)

@@ -302,7 +302,7 @@ async def test_pull_lazy_cli_and_stats_api(lazy_edge, lazy_store: ImageStore,
     from rollbox.api import BackgroundServer, create_app
     from rollbox.iam import KeyStore
     from rollbox.image_cli import app as image_cli
-    from rollbox.placement import Placement
+    from rollbox.watcher import placement_over
 
     node = ImageStore(Settings().images_dir)
     bb = node.resolve("busybox:test")
@@ -322,7 +322,7 @@ async def test_pull_lazy_cli_and_stats_api(lazy_edge, lazy_store: ImageStore,
     keys = KeyStore(tmp_node_dir / "keys.db")
     key = keys.create("proj")
     other = keys.create("other")
-    api_app = create_app(Placement([lazy_edge]), keys)
+    api_app = create_app(placement_over([lazy_edge]), keys)
     async with BackgroundServer(api_app) as srv, rollbox.AsyncClient(srv.url, key) as c:
         sb = await c.create("lazy/bb:1")
         r = await sb.exec("busybox ls /bin | busybox wc -l")

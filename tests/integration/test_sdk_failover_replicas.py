@@ -24,7 +24,7 @@ import pytest
 from rollbox import errors
 from rollbox.api import BackgroundServer, create_app
 from rollbox.iam import KeyStore
-from rollbox.placement import Placement
+from rollbox.watcher import placement_over
 from rollbox.sdk import AsyncClient, Client
 from rollbox.sdk._failover import FailoverTransport
 from tests.conftest import have_image
@@ -50,11 +50,10 @@ class Replicas:
     def __init__(self, edge, keys: KeyStore) -> None:  # noqa: ANN001
         self.edge = edge
         self.keys = keys
-        self.placement = Placement([edge])
         self.servers: dict[str, BackgroundServer] = {}
 
     async def start(self) -> str:
-        app = create_app(self.placement, self.keys,
+        app = create_app(placement_over([self.edge]), self.keys,
                          leases=self.edge.leases)
         srv = BackgroundServer(app)
         url = await srv.start()

@@ -13,7 +13,7 @@ from rollbox.api import BackgroundServer, create_app
 from rollbox.iam import Principal
 from rollbox.iam.postgres import PostgresIam, PostgresLedger
 from rollbox.models import Quota
-from rollbox.placement import Placement
+from rollbox.watcher import placement_over
 
 BB = "busybox:test"
 
@@ -28,7 +28,7 @@ async def replicas(edge, dsn: str, n: int = 2) -> AsyncIterator[list[tuple[str, 
             stack.push_async_callback(iam.close)
             ledger = await PostgresLedger.open(dsn)
             stack.push_async_callback(ledger.close)
-            app = create_app(Placement([edge]), iam, ledger=ledger)
+            app = create_app(placement_over([edge]), iam, ledger=ledger)
             srv = BackgroundServer(app)
             await srv.start()
             stack.push_async_callback(srv.stop)

@@ -85,6 +85,7 @@ async def test_a_failed_or_cancelled_create_gives_its_room_back(tmp_path: Path) 
                 await c.create("img")
             assert (await s.ledger.usage("p")).sandboxes == 0
             del s.edges[0].inject["create"]
+            await s.poll()  # the node that refused is a candidate again
             gate = asyncio.Event()
             orig = s.edges[0].create
 

@@ -70,7 +70,7 @@ async def test_api_over_remote_edge_shows_each_event_once(edge, tmp_path: Path) 
     writes nothing into its own log; another project sees nothing, also after the delete."""
     from rollbox.api import create_app
     from rollbox.events.store import EventLog
-    from rollbox.placement import Placement
+    from rollbox.watcher import placement_over
     from tests.conftest import served_edge
 
     keys = KeyStore(tmp_path / "keys.db")
@@ -79,7 +79,7 @@ async def test_api_over_remote_edge_shows_each_event_once(edge, tmp_path: Path) 
     key_id = keys.verify(key).key_id
     try:
         async with served_edge(edge) as remote:
-            app = create_app(Placement([remote]), keys)
+            app = create_app(placement_over([remote]), keys)
             async with BackgroundServer(app) as srv, rollbox.AsyncClient(srv.url, key) as c, \
                     rollbox.AsyncClient(srv.url, other_key) as o:
                 sb = await c.create(BB)

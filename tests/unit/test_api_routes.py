@@ -344,14 +344,14 @@ async def test_events_of_a_node_that_does_not_answer_give_its_error(tmp_path: Pa
     from rollbox.edge.remote import RemoteEdge
     from rollbox.events import EventLog
     from rollbox.iam import KeyStore
-    from rollbox.placement import Placement
+    from rollbox.watcher import placement_over
 
     keys, log = KeyStore(tmp_path / "keys.db"), EventLog(tmp_path / "events.db")
     key = keys.create("proj")
     alive = FakeEdge("n0", tmp_path / "sb", events=log)  # the app's start-up needs one
     dead = RemoteEdge("n9", "http://127.0.0.1:9", "t" * 24, connect_timeout_s=1.0)
     try:
-        async with BackgroundServer(create_app(Placement([alive, dead]), keys)) as srv, \
+        async with BackgroundServer(create_app(placement_over([alive, dead]), keys)) as srv, \
                 httpx.AsyncClient(base_url=srv.url, timeout=30,
                                   headers={"Authorization": f"Bearer {key}"}) as c:
             r = await c.get("/v1/sandboxes/n9-0123456789abcdef/events")

@@ -6,6 +6,7 @@ Also holds the shared fixtures-as-helpers (``ApiStack``) so test_api_* and test_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -29,10 +30,12 @@ from rollbox.events import EventLog
 from rollbox.iam import KeyStore
 from rollbox.jobs import SqliteLeaseStore
 from rollbox.models import (
-    Event, ExecInfo, ExecResult, ExecSpec, FileStat, SandboxInfo, SandboxSpec,
+    Event, ExecInfo, ExecResult, ExecSpec, FileStat, NodeReport, NodeSandbox, SandboxInfo,
+    SandboxSpec,
 )
 from rollbox.placement import Placement
 from rollbox.sdk import ASGITransport, Lifespan
+from rollbox.watcher import Watcher, placement_over
 
 
 @dataclass
@@ -60,6 +63,21 @@ class _Sandbox:
     execs: dict[str, _Exec] = field(default_factory=dict)
 
 
+@contextlib.asynccontextmanager
+async def watched(edges: list[FakeEdge]) -> AsyncIterator[Placement]:
+    """A Placement over ``edges`` deciding from a Watcher of them, started (stopped after)."""
+    placement = placement_over(edges)
+    assert isinstance(placement.view, Watcher)
+    async with placement.view:
+        yield placement
+
+
+async def poll(placement: Placement) -> None:
+    """A probe round of the placement's watcher now (its view changes at the next one)."""
+    assert isinstance(placement.view, Watcher)
+    await placement.view.poll()
+
+
 class FakeEdge:
     """``events``: the audit trail this edge keeps of its sandboxes, like Edge's (sandbox.*,
     exec.*; None: none kept, for tests that read no trail)."""
@@ -75,9 +93,37 @@ class FakeEdge:
         self.upload_chunks: list[int] = []
         self.upload_first_chunk = asyncio.Event()
         self.creates = 0
+        # backend kinds -> offered (what report() says; creates do not check it)
+        self.kinds: dict[str, bool] = {"container": True}
+        self.incarnation = secrets.token_hex(8)
 
     async def capacity(self) -> float:
         return float(self.max_sandboxes - len(self.sandboxes))
+
+    async def report(self, max_sandboxes: int = 10000,
+                     fence_s: float | None = None) -> NodeReport:
+        """One probe of the watcher (EdgeAPI.report), from memory like Edge's: the room left
+        in sandboxes (no CPU or memory budget: unbounded), the offered kinds, the sandboxes."""
+        self._check("report")
+        listed = [NodeSandbox(id=sid, owner=s.info.owner, backend=s.info.backend,
+                              state=s.info.state, cpus=s.info.resources.cpus,
+                              memory_mib=s.info.resources.memory_mib,
+                              created_at=s.info.created_at, expires_at=s.info.expires_at,
+                              image=s.info.image, job=s.info.job)
+                  for sid, s in list(self.sandboxes.items())[:max_sandboxes]]
+        by_project: dict[str, int] = {}
+        by_backend: dict[str, int] = {}
+        for s in self.sandboxes.values():
+            by_project[s.info.owner] = by_project.get(s.info.owner, 0) + 1
+            by_backend[s.info.backend] = by_backend.get(s.info.backend, 0) + 1
+        return NodeReport(
+            node_id=self.node_id, incarnation=self.incarnation, started_at=0.0, at=time.time(),
+            backends=sorted(k for k, v in self.kinds.items() if v),
+            free={"sandboxes": float(max(0, self.max_sandboxes - len(self.sandboxes)))},
+            limits={"sandboxes": float(self.max_sandboxes)}, memory_available_mib=0,
+            starting=0, sandboxes=listed, sandboxes_total=len(self.sandboxes),
+            truncated=len(listed) < len(self.sandboxes),
+            by_backend=by_backend, by_project=by_project)
 
     def _check(self, op: str) -> None:
         if op in self.inject:
@@ -367,7 +413,7 @@ class ApiStack:
 
         self.events = EventLog(tmp / "events.db", per_sandbox_bytes=per_sandbox_bytes)
         self.edges = [FakeEdge(n, tmp / "sb" / n, max_sandboxes, self.events) for n in nodes]
-        self.placement = Placement(self.edges)
+        self.placement = placement_over(self.edges)
         self.keys = KeyStore(tmp / "keys.db")
         self.ledger = SQLiteLedger.of(self.keys) if ledger else None
         self.key_a = self.keys.create("proj-a")
@@ -379,6 +425,11 @@ class ApiStack:
         self.server = BackgroundServer(self.app) if serve else None
         self.lifespan = None if serve else Lifespan(self.app)
         self.url = ""
+
+    async def poll(self) -> None:
+        """A probe round of the placement's watcher now: what it decides from changes at the
+        next probe (every second), e.g. a node that refused a create is skipped until then."""
+        await poll(self.placement)
 
     def client(self, api_key: str, **kw: Any) -> rollbox.AsyncClient:
         """An SDK client of this stack: over HTTP to the server, or in-process."""

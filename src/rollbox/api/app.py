@@ -39,13 +39,19 @@ def create_app(placement: Placement, keys: IamStore, *,
     ``watcher``: the nodes' health (rollbox.watcher; its owner starts and stops it): a dead
     node's sandboxes answer sandbox_dead (reason node_lost), ``/v1/cluster/status``.
     ``port_config``: the exposed ports' domain and token key (rollbox.api.ports; None: the
-    path form only, tokens under a per-process key)."""
+    path form only, tokens under a per-process key).
+    A placement whose view is a watcher nobody runs yet (``rollbox.watcher.placement_over``)
+    has it run by this app, from its start-up to its shutdown."""
     api = ApiContext(placement, keys, leases, ledger=ledger, watcher=watcher)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with front_door_lifetime, fncall.pools(app, api):
-            yield
+        async with contextlib.AsyncExitStack() as stack:
+            view = placement.view
+            if isinstance(view, Watcher) and not view.running:
+                await stack.enter_async_context(view)  # nobody else runs it: this app does
+            async with front_door_lifetime, fncall.pools(app, api):
+                yield
 
     app = FastAPI(
         title="rollbox",

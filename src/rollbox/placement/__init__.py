@@ -1,11 +1,12 @@
 """Placement: route a sandbox id to its edge and choose an edge for a new sandbox.
 
 Sandbox ids are ``<node_id>-<random hex>`` so any api replica can route them without shared
-state. With a :class:`~rollbox.placement.view.ClusterView` (the watcher's), a create is decided
-from the view alone (``placement.choice``: filter, score, power-of-k, this replica's pending
-placements, the starts cap) and sent to the chosen edge; a refusal is retried on the next
-choice, boundedly. Without one (the embedded node until the watcher is wired in) each decision
-asks the edges' ``capacity()``, as before.
+state. A create is decided from a :class:`~rollbox.placement.view.ClusterView` (the
+watcher's cached view) alone, never an edge call per decision (``placement.choice``: filter,
+score, power-of-k, this replica's pending placements, the starts cap) and sent to the chosen
+edge; a refusal is retried on the next choice, boundedly. There is no other way to decide: a
+process that holds its edges itself (the embedded node, tests) watches them with a
+``rollbox.watcher.Watcher`` too (``rollbox.watcher.placement_over``).
 
 Owns the set of edges (``add_edge``/``remove_edge`` while running) and this replica's pending
 placements; does not create ids (edges do) nor track health (the watcher does).
@@ -53,22 +54,12 @@ async def _capacity(edge: EdgeAPI) -> object:
     return cap
 
 
-async def _free_capacity(edge: EdgeAPI) -> float | None:
-    """An edge's capacity as a number or a mapping with ``free``; higher means more room."""
-    cap = await _capacity(edge)
-    if isinstance(cap, Mapping):
-        cap = cap.get("free")
-    if isinstance(cap, (int, float)):
-        return float(cap)
-    return None
-
-
 class Placement:
     """``edges``: the nodes creates may go to, a shared :class:`EdgeRegistry` (its owner, the
     cluster's membership, adds and removes nodes; the watcher follows the same one) or a
     sequence of edges (a registry of its own; :meth:`add_edge` and :meth:`remove_edge` change
-    either); ``view``: the watcher's cached view to decide from (None: ask the edges, the
-    view-less path); ``config``: default from ``Settings()``; ``layers_of``: the layer digests
+    either); ``view``: the watcher's cached view every decision reads (required: no decision
+    calls an edge); ``config``: default from ``Settings()``; ``layers_of``: the layer digests
     of a spec's image, for the bonus of nodes caching them (default: only the digests the spec
     names itself, :func:`named_digests`: the api does not know an image name's layers);
     ``clock``: the clock of ``NodeView.seen_at`` (time.monotonic); ``burst``: cloud
@@ -76,7 +67,7 @@ class Placement:
     any batch spec)."""
 
     def __init__(self, edges: EdgeRegistry | Sequence[EdgeAPI],
-                 view: ClusterView | None = None, *,
+                 view: ClusterView, *,
                  config: PlacementConfig | None = None,
                  layers_of: Callable[[SandboxSpec], Collection[str]] | None = None,
                  clock: Callable[[], float] | None = None,
@@ -87,22 +78,15 @@ class Placement:
             if len(set(ids)) != len(ids):
                 raise ValueError(f"duplicate node id in {ids!r}")
         self.edges = as_registry(edges)
-        if not self.edges and view is None:
-            raise ValueError("Placement needs at least one edge")
         self.view = view
         self.config = config or PlacementConfig.from_settings(Settings())
         # cloud bursting (rollbox.placement.burst): which specs burst nodes take, and when
         self.burst = burst
-        self.chooser = (Chooser(view, self.config, self.edges, layers_of, clock, rng,
-                                burst_gate=burst.allows if burst is not None else None)
-                        if view is not None else None)
+        self.chooser = Chooser(view, self.config, self.edges, layers_of, clock, rng,
+                               burst_gate=burst.allows if burst is not None else None)
         # Set (and replaced) when a create ends: what a create waiting at the starts cap waits on.
         self._ended = asyncio.Event()
         self._waiting = 0
-        # View-less path: placements started here and not yet answered, counted against an
-        # edge's free room so a burst does not pile onto the edge that looked emptiest a moment
-        # ago. (With a view, the chooser keeps them, and until the view shows them.)
-        self._inflight: dict[str, int] = {}
 
     def add_edge(self, edge: EdgeAPI) -> None:
         """A node joins (into the registry): creates may go to it once the view shows it
@@ -116,8 +100,7 @@ class Placement:
         edge = self.edges.remove(node_id)
         if edge is None:
             raise errors.NotFound(f"no node {node_id[:80]!r}", node=node_id)
-        if self.chooser is not None:
-            self.chooser.forget(node_id)
+        self.chooser.forget(node_id)
         return edge
 
     def edge_for(self, sandbox_id: str) -> EdgeAPI:
@@ -127,77 +110,6 @@ class Placement:
             raise errors.NotFound(f"no sandbox {sandbox_id[:80]!r} (unknown node {node!r})")
         return edge
 
-    # ---- the view-less path ---------------------------------------------------------------
-    # The embedded node's until the watcher is wired into embedded.py (lane W of issue 14):
-    # each decision awaits capacity() of the edges. Remove it then, with `view` made required.
-    async def _score(self, node: str) -> float:
-        edge = self.edges.get(node)
-        free = await _free_capacity(edge) if edge is not None else None
-        inflight = self._inflight.get(node, 0)
-        if free is None:
-            return -float(inflight)
-        return free - inflight
-
-    async def _pick(self, candidates: list[str]) -> str:
-        if len(candidates) <= 2:
-            pair = candidates
-        else:
-            pair = random.sample(candidates, 2)  # power of two choices
-        if len(pair) == 1:
-            return pair[0]
-        a, b = await asyncio.gather(*(self._score(n) for n in pair))
-        if a == b:
-            return random.choice(pair)
-        return pair[0] if a > b else pair[1]
-
-    async def _offering(self, kind: str) -> list[str]:
-        """Nodes whose capacity says they offer backend ``kind`` (an edge that does not list
-        its backends stays a candidate: it refuses by itself). BadRequest if none does."""
-        edges = dict(self.edges)  # as it is now: nodes may join or leave meanwhile
-        if len(edges) == 1:
-            return list(edges)  # the edge's own refusal names its reason
-        caps = await asyncio.gather(*(_capacity(e) for e in edges.values()))
-        out, offered = [], set()
-        for node, cap in zip(edges, caps):
-            backends = cap.get("backends") if isinstance(cap, Mapping) else None
-            if not isinstance(backends, Mapping):
-                out.append(node)
-                continue
-            kinds = {k for k, b in backends.items() if isinstance(b, Mapping) and b.get("offered")}
-            offered |= kinds
-            if kind in kinds:
-                out.append(node)
-        if not out:
-            raise errors.BadRequest(f"backend {kind!r} is not offered by any node; offered: "
-                                    f"{', '.join(sorted(offered)) or 'none'}",
-                                    backend=kind, offered=sorted(offered))
-        return out
-
-    async def _create_viewless(self, spec: SandboxSpec, owner: str) -> SandboxInfo:
-        candidates = await self._offering(spec.backend)
-        last: errors.InfraError | None = None
-        while candidates:
-            node = await self._pick(candidates)
-            edge = self.edges.get(node)
-            if edge is None:  # left meanwhile
-                candidates.remove(node)
-                last = last or errors.InfraError(f"node {node!r} left the cluster", node=node)
-                continue
-            self._inflight[node] = self._inflight.get(node, 0) + 1
-            try:
-                return await edge.create(spec, owner)
-            except errors.InfraError as exc:  # CapacityExceeded is an InfraError
-                log.info("edge %s refused a sandbox: %s", node, exc)
-                last = exc
-                candidates.remove(node)
-            finally:
-                self._inflight[node] -= 1
-        assert last is not None
-        if isinstance(last, errors.CapacityExceeded):
-            raise errors.CapacityExceeded("every node is full; retry later",
-                                          nodes=len(self.edges))
-        raise last
-
     # ---- create ---------------------------------------------------------------------------
     async def create(self, spec: SandboxSpec, owner: str) -> SandboxInfo:
         """Create on a chosen node of those offering ``spec.backend``; a node that refuses
@@ -205,8 +117,6 @@ class Placement:
         BadRequest when no node offers the backend; CapacityExceeded when none has room (or
         every one that has is at the starts cap for ``start_wait_s``); the last refusal's
         error when every attempt was refused."""
-        if self.chooser is None:
-            return await self._create_viewless(spec, owner)
         chooser, tried = self.chooser, []
         last: errors.InfraError | None = None
         if self.burst is not None:
@@ -255,7 +165,6 @@ class Placement:
     async def _wait_for_start(self, spec: SandboxSpec, tried: Collection[str]) -> str:
         """Every node that fits is at the starts cap: decide again when a create of this
         replica ends or the view may have changed (every 100 ms), for up to start_wait_s."""
-        assert self.chooser is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.start_wait_s
         while (left := deadline - loop.time()) > 0:
@@ -279,8 +188,7 @@ class Placement:
         sandboxes, cpus, memory_mib, layer_mib); what a project quota may not exceed. Asks the
         edges (an operator's call, not a create's), but not those the view says are dead."""
         out: dict[str, float] = {}
-        dead = ({nv.node_id for nv in self.view.nodes() if nv.health == "dead"}
-                if self.view is not None else set())
+        dead = {nv.node_id for nv in self.view.nodes() if nv.health == "dead"}
         edges = [e for n, e in self.edges.items() if n not in dead]
         for cap in await asyncio.gather(*(_capacity(e) for e in edges)):
             limits = cap.get("limits") if isinstance(cap, Mapping) else None

@@ -34,6 +34,9 @@ How (docs/watcher.md):
 - Every ``reconcile_s``, and at once when a node turns dead, the ledger (:class:`Ledger`, if given) gets the live sets of the nodes
   whose last probe answered in full (alive, not truncated), and of the dead nodes (empty: their
   sandboxes are lost).
+- Placement decides from this view only (``rollbox.placement``); a process that holds its edges
+  itself gets both over one registry from :func:`placement_over` (the api app started over
+  such a placement runs its watcher for its lifetime, ``rollbox.api.create_app``).
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ from rollbox.models import (
     NODE_LOST, ClusterStatus, NodeHealth, NodeReport, NodeSandbox, NodeStatus, Resources,
     SandboxInfo,
 )
+from rollbox.placement import Placement, PlacementConfig
 from rollbox.placement.registry import EdgeRegistry, as_registry
 from rollbox.placement.view import NodeView
 
@@ -154,6 +158,11 @@ class Watcher:
         if self.ledger is not None:
             self._reconcile_task = asyncio.create_task(self._reconcile_loop(),
                                                        name="watcher-reconcile")
+
+    @property
+    def running(self) -> bool:
+        """Started and not stopped since (its probe loop runs)."""
+        return self._task is not None
 
     async def stop(self) -> None:
         tasks = [t for t in (self._task, self._reconcile_task) if t is not None]
@@ -507,6 +516,20 @@ class Watcher:
                              by_backend=total_b, by_project=total_p)
 
 
+def placement_over(edges: EdgeRegistry | Iterable[EdgeAPI], *,
+                   settings: Settings | None = None,
+                   config: PlacementConfig | None = None) -> Placement:
+    """A :class:`Placement` over edges this process holds (the embedded node's, a test's), and
+    the :class:`Watcher` its decisions read (``placement.view``) over the same registry; the
+    edges count as in this process (never fenced). The watcher is not started here: an api
+    app created over the placement runs it for its lifetime (``create_app``), or the caller
+    does (``async with placement.view``) before its first create."""
+    s = settings or Settings()
+    registry = as_registry(edges)
+    watcher = Watcher(registry, local=set(registry), settings=s)
+    return Placement(registry, watcher, config=config or PlacementConfig.from_settings(s))
+
+
 def info_of(sb: NodeSandbox, node_id: str, state: str,
             labels: Mapping[str, str] | None = None) -> SandboxInfo:
     """A reported sandbox as a SandboxInfo (what the node's report carries, with ``labels``
@@ -518,4 +541,4 @@ def info_of(sb: NodeSandbox, node_id: str, state: str,
         dead_reason=NODE_LOST if state == "dead" else None, job=sb.job, backend=sb.backend)
 
 
-__all__ = ["Ledger", "Watcher", "info_of"]
+__all__ = ["Ledger", "Watcher", "info_of", "placement_over"]
