@@ -143,7 +143,29 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class ServerProcess:
+class ChildProcess:
+    """A child process of this one that tests and benchmarks kill -9 and start again (the
+    node's server, :class:`ServerProcess`; an edge of its own, tests.helpers.edge_process):
+    ``proc`` while it runs."""
+
+    proc: subprocess.Popen[bytes] | None = None
+
+    @staticmethod
+    def become_subreaper() -> None:
+        """Before starting the child: the agents of a killed child's sandboxes become this
+        process's children (not init's, which on some hosts never reaps), so they can be
+        reaped (:func:`reap_sandbox_orphans`) once a later child kills them."""
+        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown of any kind (its sandboxes and commands keep running)."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+class ServerProcess(ChildProcess):
     """``rollbox serve`` as a child process (its own core, as deployed) on a fixed port, which
     can be killed (``kill -9``) and started again on the same node: restart tests, ``bench``.
     With ``settings`` (tests) the child runs that node (data dir, cgroup parent, node id, uid
@@ -173,9 +195,7 @@ class ServerProcess:
                 or self.settings.admin_key_path.read_text().strip())
 
     def start(self, wait: bool = True) -> None:
-        # A killed server's agents become this process's children (not init's, which on some
-        # hosts never reaps): reap_orphans() can then reap them once a later server kills them.
-        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        self.become_subreaper()  # reap_orphans() reaps a killed server's agents
         with open(self.log, "ab") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "rollbox.cli", "serve", "--port", str(self.port)],
@@ -183,13 +203,6 @@ class ServerProcess:
         if wait:
             proc = self.proc
             wait_healthy(self.url, lambda: proc.poll() is None, self.log)
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown of any kind (its sandboxes and commands keep running)."""
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
 
     def stop(self) -> None:
         """Graceful stop (SIGTERM), SIGKILL after 30 s; the log goes."""

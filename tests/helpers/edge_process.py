@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -18,9 +17,9 @@ import time
 from pathlib import Path
 
 from rollbox.config import Settings
+from rollbox.embedded import ChildProcess
 
 REPO = Path(__file__).resolve().parents[2]
-PR_SET_CHILD_SUBREAPER = 36
 
 
 async def _serve(port: int, token: str) -> None:
@@ -49,7 +48,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class EdgeProcess:
+class EdgeProcess(ChildProcess):
     def __init__(self, settings: Settings, token: str) -> None:
         self.settings = settings
         self.token = token
@@ -62,9 +61,7 @@ class EdgeProcess:
 
     def start(self, timeout: float = 60) -> float:
         """Start it and wait until it serves; returns the seconds that took."""
-        # The agents of a killed edge's sandboxes become this process's children (not init's,
-        # which on some hosts never reaps), so they can be reaped once a later edge kills them.
-        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        self.become_subreaper()  # stop() reaps a killed edge's agents
         env = {**os.environ, **self.settings.environ(),
                "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"}
         t0 = time.monotonic()
@@ -90,13 +87,6 @@ class EdgeProcess:
     def signal(self, sig: int) -> None:
         assert self.proc is not None
         self.proc.send_signal(sig)
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown of any kind (its sandboxes and commands keep running)."""
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
 
     def stop(self) -> None:
         """SIGTERM (after SIGCONT): the edge destroys its sandboxes and exits."""
