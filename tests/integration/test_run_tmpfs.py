@@ -1,5 +1,6 @@
 """The node's run dir on its own tmpfs: mounted over a disk directory only when it holds no
-state, reused (not stacked) by a restarted edge, and a full sandbox lifecycle below it."""
+state, reused (not stacked) by a restarted edge, and a full sandbox lifecycle below it; an edge
+whose start fails (on its host claim, or later) leaves it unmounted."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +14,7 @@ from rollbox.backends.container.rootfs import (
 )
 from rollbox.config import Settings
 from rollbox.edge.edge import Edge
+from rollbox.errors import HostResourceConflict, InfraError
 from rollbox.events.store import EventLog
 from rollbox.isolation import syscalls
 from rollbox.models import ExecSpec, SandboxSpec
@@ -156,3 +158,52 @@ async def test_sandbox_an_older_edge_made_in_the_data_dir_is_adopted_and_removed
         assert not (settings.data_dir / "sandboxes" / sid).exists()
     finally:
         await edge.close(destroy=True)
+
+
+async def test_a_start_refused_on_a_host_claim_mounts_nothing(
+        tmpfs_settings: Settings, run_dir: Path, events: EventLog, tmp_node_dir: Path) -> None:
+    """An edge asking for the node id of a live edge (HostResourceConflict) leaves its run dir
+    as it was, with no close() after the failed start (the cluster's edge actor and the
+    cluster benchmark just drop such an edge)."""
+    holder = Edge(node_settings(tmp_node_dir / "holder"), events)
+    await holder.start()
+    try:
+        rival = Edge(dataclasses.replace(tmpfs_settings, node_id=holder.node_id), events)
+        with pytest.raises(HostResourceConflict) as err:
+            await rival.start()
+        assert err.value.details["resource"] == "node_id"
+        assert mount_points_under(run_dir) == []
+        assert rival.host_claim is None
+        await rival.close()
+    finally:
+        await holder.close(destroy=True)
+
+
+async def test_a_start_that_fails_later_releases_what_it_took_in_reverse(
+        tmpfs_settings: Settings, run_dir: Path, events: EventLog,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start failing after the backends started (its recovery sweep, here made to fail)
+    takes down the run dir's tmpfs the container backend mounted and the node's parent cgroup,
+    releases the host claim (the node starts again at once) and raises the failure itself."""
+    from rollbox.isolation import cgroups
+
+    edge = Edge(tmpfs_settings, events)
+
+    async def unreadable() -> None:
+        assert syscalls.statfs_type(run_dir) == TMPFS_MAGIC  # mounted by now
+        raise InfraError("journal unreadable")
+
+    monkeypatch.setattr(edge, "_recover", unreadable)
+    with pytest.raises(InfraError, match="journal unreadable"):
+        await edge.start()
+    assert mount_points_under(run_dir) == []
+    assert edge.host_claim is None
+    assert not any((h / tmpfs_settings.cgroup_parent).exists() for h in cgroups.hierarchies())
+    await edge.close()
+    again = Edge(tmpfs_settings, events)
+    await again.start()
+    try:
+        assert syscalls.statfs_type(run_dir) == TMPFS_MAGIC
+    finally:
+        await again.close(destroy=True)
+    assert mount_points_under(run_dir) == []

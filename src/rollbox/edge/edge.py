@@ -161,16 +161,25 @@ class Edge:
     # ---- lifecycle of the edge itself -------------------------------------------------
     async def start(self) -> None:
         """Claim the node's host resources (HostResourceConflict: another live edge of this
-        host holds one; nothing was touched), then start the backends and re-adopt or clean
-        what an earlier edge of this node left (only this node's: its sandbox ids, run dir,
-        cgroup parent)."""
+        host holds one; nothing was touched: no backend mounts or makes anything of the host
+        before its start), then start the backends and re-adopt or clean what an earlier edge
+        of this node left (only this node's: its sandbox ids, run dir, cgroup parent). A start
+        that fails releases what it acquired, in reverse (tasks, backends and their node
+        resources such as the run dir's tmpfs, the claim) and raises; ``close()`` after it is
+        a no-op but for the journal."""
         self.host_claim = await asyncio.to_thread(hostclaims.claim, self.settings)
         self.slots.base = self.settings.uid_base  # host_auto: the band the claim chose
         try:
             await self._start()
         except BaseException:
-            self.host_claim.release()
-            self.host_claim = None
+            try:
+                await self._stop_running()
+            except Exception:  # noqa: BLE001 - the start's own error is the one to raise
+                log.exception("releasing what a failed start of node %s acquired",
+                              self.node_id)
+            finally:
+                self.host_claim.release()
+                self.host_claim = None
             raise
 
     async def _start(self) -> None:
@@ -328,17 +337,32 @@ class Edge:
 
     async def close(self, destroy: bool = False) -> None:
         """Stop the edge. Sandboxes keep running (re-adopted next start) unless destroy."""
-        if self._ttl_task:
-            self._ttl_task.cancel()
-        if self._reaper_task:
-            self._reaper_task.cancel()
-        if self._lazy is not None:
-            await self._lazy.stop(daemon=False)  # the watch task only: mounts need the daemon
-            self._lazy = None
+        self._stop_tasks()
         if destroy:
             await asyncio.gather(*(self.delete(sid) for sid in list(self.live)),
                                  return_exceptions=True)
-        for kind, backend in self.backends.items():
+        await self._stop_running()
+        self.journal.close()
+        if self.host_claim is not None:
+            self.host_claim.release()
+            self.host_claim = None
+
+    def _stop_tasks(self) -> None:
+        for task in (self._ttl_task, self._reaper_task):
+            if task is not None:
+                task.cancel()
+        self._ttl_task = self._reaper_task = None
+
+    async def _stop_running(self) -> None:
+        """What start acquired, in reverse: the background tasks, the lazy-loading watch, the
+        backends (last started first), the sandboxes' watchers (they keep running), and the
+        node resources (shared layer mounts, parent cgroups, the run dir's tmpfs) when no
+        sandbox is left here or in the journal. The host claim and journal are the caller's."""
+        self._stop_tasks()
+        if self._lazy is not None:
+            await self._lazy.stop(daemon=False)  # the watch task only: mounts need the daemon
+            self._lazy = None
+        for kind, backend in reversed(self.backends.items()):
             try:
                 await backend.stop()
             except RollboxError as exc:
@@ -348,13 +372,9 @@ class Edge:
                 live.watcher.cancel()
             live.backend.detach(live.box)
         if not self.live and not self.journal.live():
-            for backend in self.backends.values():
+            for backend in reversed(self.backends.values()):
                 await asyncio.to_thread(backend.release_node_resources)
         self.live.clear()
-        self.journal.close()
-        if self.host_claim is not None:
-            self.host_claim.release()
-            self.host_claim = None
 
     # ---- admission ----------------------------------------------------------------------
     async def capacity(self) -> dict[str, object]:

@@ -143,15 +143,12 @@ class ContainerBackend:
         self.settings = settings
         self.layer_mounts = layer_mounts
         self.slots = slots
-        # Whether the run dir is on rollbox's own tmpfs (mounted now, or by an earlier process
-        # that may have crashed): then this backend takes it down when it stops idle.
+        # Whether the run dir is on rollbox's own tmpfs (mounted by prepare_run_dir, or by an
+        # earlier process that may have crashed): then this backend takes it down when it
+        # stops idle. Nothing is mounted before start() (or a first create without one): an
+        # edge whose start fails on its host claim has touched no host resource.
         self.owns_run_tmpfs = False
-        if settings.run_tmpfs:
-            run_fs = ensure_run_tmpfs(settings.run_dir)
-            if run_fs == "disk":
-                log.warning("%s holds state from a run on disk; it stays on disk (slower "
-                            "creates)", settings.run_dir)
-            self.owns_run_tmpfs = run_fs in ("mounted", "ours")
+        self._run_ready = False
         self.runtime = Runtime(settings.runtime, settings.run_dir / "runc")
         self.disk = DiskPool(settings)  # mounted on first use (or found mounted)
         self.sandboxes_dir = settings.sandboxes_dir
@@ -159,8 +156,6 @@ class ContainerBackend:
         # running there are still adopted and cleaned from it.
         self.legacy_sandboxes_dir = settings.data_dir / "sandboxes"
         self.run_root = settings.run_dir / "sandboxes"
-        self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
-        self.run_root.mkdir(parents=True, exist_ok=True)
         self.cpu_views = CpuViews()
         src = settings.agent_binary
         if not src.exists():
@@ -196,8 +191,28 @@ class ContainerBackend:
 
     # ---- Backend (rollbox.backends.base) ----------------------------------------------
     async def start(self) -> None:
-        """Container inits outlive ``runc run -d``: as subreaper the edge gets and reaps them."""
+        """Container inits outlive ``runc run -d``: as subreaper the edge gets and reaps them.
+        The run dir is made ready (:meth:`prepare_run_dir`)."""
         ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        self.prepare_run_dir()
+
+    def prepare_run_dir(self) -> None:
+        """Put the run dir on rollbox's tmpfs (``run_tmpfs``; taken down again by
+        :meth:`release_node_resources` once idle) and make its dirs; once (again after a
+        release). At start, or at the first create of a backend used without one (builds)."""
+        if self._run_ready:
+            return
+        settings = self.settings
+        if settings.run_tmpfs:
+            run_fs = ensure_run_tmpfs(settings.run_dir)
+            if run_fs == "disk":
+                log.warning("%s holds state from a run on disk; it stays on disk (slower "
+                            "creates)", settings.run_dir)
+            self.owns_run_tmpfs = run_fs in ("mounted", "ours")
+        # under the tmpfs mounted now (the rootfs dirs are in the run dir too)
+        for d in (self.sandboxes_dir, self.run_root, self.runtime.root):
+            d.mkdir(parents=True, exist_ok=True)
+        self._run_ready = True
 
     async def stop(self) -> None:
         """Nothing of the node runs in the background here."""
@@ -216,6 +231,7 @@ class ContainerBackend:
                      *args: Any, hardened: bool = True, **kw: Any) -> ContainerSandbox:
         """The contract's create from a resolved spec, or :meth:`create_container`'s own
         arguments (layers, resources, env, ...: the platform's build sandboxes)."""
+        self.prepare_run_dir()
         if isinstance(spec, ResolvedSpec):
             return await self.create_container(
                 sandbox_id, list(spec.layers), spec.resources, spec.env, hardened=hardened,
@@ -546,6 +562,7 @@ class ContainerBackend:
         cgroups.remove_parent_if_empty(self.settings.cgroup_parent)
         if self.owns_run_tmpfs and release_run_tmpfs(self.settings.run_dir):
             self.owns_run_tmpfs = False
+            self._run_ready = False  # its dirs went with it
         self.disk.release()  # unless a subvolume is left in it
 
     def leftovers(self, sandbox_id: str) -> list[str]:
@@ -568,10 +585,10 @@ class ContainerBackend:
 
     def host_sandbox_ids(self, prefix: str = "") -> set[str]:
         """Ids (starting with prefix) of sandboxes that have any host resource."""
-        ids = {p.name for p in self.sandboxes_dir.iterdir() if p.is_dir()}
-        if self.legacy_sandboxes_dir.is_dir():
-            ids |= {p.name for p in self.legacy_sandboxes_dir.iterdir() if p.is_dir()}
-        ids |= {p.name for p in self.run_root.iterdir() if p.is_dir()}
+        ids: set[str] = set()
+        for d in (self.sandboxes_dir, self.legacy_sandboxes_dir, self.run_root):
+            if d.is_dir():  # the run dir's are made at start (prepare_run_dir)
+                ids |= {p.name for p in d.iterdir() if p.is_dir()}
         ids |= set(self.runtime.known())
         ids |= {n[len(netns.PREFIX):] for n in netns.list_rollbox()}
         ids |= {sid for sid in netlink.list_links().values() if sid}
