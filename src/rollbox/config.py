@@ -311,6 +311,10 @@ class Settings:
     # times; live use decides the rest.
     max_sandboxes: int = setting("ROLLBOX_MAX_SANDBOXES", "admission", 4096, int,
                                  "Sandboxes the node holds at most.")
+    fork_max_children: int = setting(
+        "ROLLBOX_FORK_MAX", "admission", 64, int,
+        "Children one fork makes at most on this node (at most 100, the API's bound, "
+        "rollbox.models.MAX_FORK_CHILDREN); more is refused with bad_request.")
     memory_overcommit: float = setting(
         "ROLLBOX_MEMORY_OVERCOMMIT", "admission", 160.0, float,
         "How many times the memory requests may add up to the host's memory.")

@@ -373,6 +373,35 @@ class SnapshotResult(BaseModel):
     # again when creating sandboxes from this image.
     hidden_paths: list[str] = Field(default_factory=list)
 
+# ---- fork: n copies of one sandbox (EdgeAPI.fork, POST /v1/sandboxes/{id}/fork) -----------
+# The most children one fork asks (the API's bound; a node may allow fewer: ROLLBOX_FORK_MAX).
+MAX_FORK_CHILDREN = 100
+FORK_OF_LABEL = "fork_of"
+
+
+class ForkSpec(BaseModel):
+    """Fork a live (or paused) sandbox into ``n`` new ones with its filesystem state."""
+    model_config = ConfigDict(extra="forbid")
+    n: int = Field(..., ge=1, le=MAX_FORK_CHILDREN, description="children to make")
+    labels: dict[str, str] = Field(default_factory=dict, max_length=64,
+                                   description="added to the labels the children inherit")
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, val in v.items():
+            if not LABEL_RE.match(k) or len(val) > 256:
+                raise ValueError(f"invalid label {k!r}")
+        return v
+
+
+class ForkResult(BaseModel):
+    source_id: str
+    children: list[SandboxInfo]  # in the order made; each labelled fork_of=<source_id>
+    frozen_s: float  # how long the source was held still (frozen, or a VM stopped)
+    duration_s: float
+
+
 # ---- trainer jobs: leases kept alive by heartbeats (rollbox.jobs) ---------------------------
 MISSED_HEARTBEATS = 3  # a lease expires after this many heartbeat intervals without one
 MIN_HEARTBEAT_S = 0.2

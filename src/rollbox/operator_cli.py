@@ -210,6 +210,25 @@ def sandbox_inspect(ids: list[str] = typer.Argument(..., help="sandbox ids")) ->
     typer.echo(json.dumps(docs if len(docs) > 1 else docs[0], indent=2, ensure_ascii=True))
 
 
+@sandbox_app.command("fork")
+def sandbox_fork(sandbox_id: str = typer.Argument(...),
+                 n: int = typer.Argument(1, help="children to make (all or none)"),
+                 label: list[str] = typer.Option([], "-l", "--label",
+                                                 help="k=v added to the inherited labels"),
+                 as_json: bool = typer.Option(False, "--json", help="the full answer")) -> None:
+    """Fork a sandbox into N new ones with its filesystem state (docs/sdk.md, Fork): one id
+    per line (or the answer as JSON)."""
+    with _client() as client:
+        source = client.get(sandbox_id)
+        children = source.fork(n, labels=_labels(label))
+        result = source.last_fork
+    if as_json and result is not None:
+        typer.echo(json.dumps(result.model_dump(mode="json"), indent=2, ensure_ascii=True))
+        return
+    for child in children:
+        typer.echo(child.id)
+
+
 @sandbox_app.command("exec")
 def sandbox_exec(sandbox_id: str = typer.Argument(...),
                  argv: list[str] = typer.Argument(None, help="command and arguments (after --)"),

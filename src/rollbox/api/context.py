@@ -5,7 +5,8 @@ placement, IAM store, quota ledger and lease store the app was made with, the ow
 authorises a sandbox id, the audit trail's reads and the api's own entries in it (each edge keeps
 its sandboxes' trail, ``EdgeAPI.events``/``record_event``: the api records only what it alone
 knows, e.g. who asked), and the one create path (:meth:`ApiContext.create_sandbox`: reserve in the ledger, place,
-commit). Routes reach it through ``api.deps``; front doors get it as the typed argument of their
+commit; a fork, :meth:`ApiContext.fork_sandbox`, reserves all its children first and goes to
+the source's node). Routes reach it through ``api.deps``; front doors get it as the typed argument of their
 ``mount``.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from rollbox.edge.interface import EdgeAPI
 from rollbox.iam import IamStore, Principal, QuotaLedger, Reservation, Usage
 from rollbox.iam.model import RESERVATION_TTL_S
 from rollbox.jobs import LeaseStore
-from rollbox.models import NODE_LOST, SandboxInfo, SandboxSpec
+from rollbox.models import NODE_LOST, ForkResult, ForkSpec, Resources, SandboxInfo, SandboxSpec
 from rollbox.placement import Placement, split_sandbox_id
 from rollbox.watcher import Watcher
 
@@ -169,18 +170,44 @@ class ApiContext:
             log.warning("committing %s to the quota ledger failed: %s", info.id, exc)
         return info
 
+    async def fork_sandbox(self, edge: EdgeAPI, sandbox_id: str, spec: ForkSpec,
+                           project: str, resources: Resources) -> ForkResult:
+        """Fork ``sandbox_id`` (of ``project``) on its own node: room for all ``spec.n``
+        children reserved in the ledger first (QuotaExceeded for any one: the ones held are
+        given back, nothing forked), renewed while the edge forks, committed per child."""
+        if self.ledger is None:
+            return await edge.fork(sandbox_id, spec, project)
+        ledger = self.ledger
+        held: list[Reservation] = []
+        try:
+            for _ in range(spec.n):
+                held.append(await ledger.reserve(project, Usage.of(resources)))
+            async with self._renewing(*held):
+                result = await edge.fork(sandbox_id, spec, project)
+        except BaseException:
+            with contextlib.suppress(errors.RollboxError):
+                await asyncio.shield(asyncio.gather(*(ledger.cancel(r) for r in held)))
+            raise
+        for res, child in zip(held, result.children):
+            try:
+                await asyncio.shield(ledger.commit(res, child.id, child.node))
+            except errors.RollboxError as exc:  # reconcile charges it from the edge
+                log.warning("committing %s to the quota ledger failed: %s", child.id, exc)
+        return result
+
     @contextlib.asynccontextmanager
-    async def _renewing(self, res: Reservation) -> AsyncIterator[None]:
+    async def _renewing(self, *held: Reservation) -> AsyncIterator[None]:
         assert self.ledger is not None
         ledger = self.ledger
 
         async def renew() -> None:
             while True:
                 await asyncio.sleep(RESERVATION_TTL_S / 3)
-                try:
-                    await ledger.renew(res)
-                except errors.RollboxError as exc:
-                    log.warning("renewing a quota reservation failed: %s", exc)
+                for res in held:
+                    try:
+                        await ledger.renew(res)
+                    except errors.RollboxError as exc:
+                        log.warning("renewing a quota reservation failed: %s", exc)
 
         task = asyncio.create_task(renew())
         try:

@@ -61,6 +61,11 @@ class BackendCapacity:
     max_memory_mib: int | None = None
     max_disk_mib: int | None = None
     facts: dict[str, Any] = field(default_factory=dict)
+    # Whether :meth:`Backend.fork` works here (the edge refuses a fork with BadRequest
+    # otherwise, before anything is reserved). Containers: yes, disk tier only (their
+    # processes are not carried); microVMs: yes where templates work (memory and processes
+    # carried through a saved image).
+    fork: bool = False
 
 
 @dataclass
@@ -104,6 +109,15 @@ class PortStream(Protocol):
     async def write(self, data: bytes) -> None: ...  # waits while the service is not reading
     async def write_eof(self) -> None: ...  # half-close: the service reads its end
     async def close(self) -> None: ...  # idempotent; never raises
+
+
+@dataclass
+class ForkResult:
+    """What :meth:`Backend.fork` made: one handle per child, in the order asked, and how long
+    the source was held still (frozen or stopped) for the copy everything is taken from."""
+
+    children: list[SandboxHandle]
+    frozen_s: float
 
 
 class SandboxFiles(Protocol):
@@ -179,6 +193,15 @@ class Backend(Protocol):
     # that storage builds a layer from; parsed as hostile, capped by ``opts``.
     async def capture_writable(self, h: SandboxHandle, dest: Path,
                                opts: CaptureOptions) -> CaptureResult: ...
+
+    # Fork: ``children`` (id, spec: the source's) as copies of the live (or, ``paused``,
+    # frozen) sandbox ``h``: its filesystem as at one instant, never a copy of its writable
+    # layer per child, each child with its own identity (hostname = its id, machine-id,
+    # random seeds). The source keeps running (held still only for the instant). All or
+    # nothing: a failure tears down every child made and raises a typed error. Only where
+    # ``capacity().fork``; otherwise BadRequest.
+    async def fork(self, h: SandboxHandle, children: list[tuple[str, ResolvedSpec]],
+                   paused: bool) -> ForkResult: ...
 
     # Before a command starts (after the edge checked it is not paused): make the sandbox
     # ready to run it, e.g. a squeezed VM's balloon deflated (container: nothing).

@@ -324,6 +324,43 @@ class Admission:
         headroom = self._check_node(r, share)
         return self._take(r, owner, share, headroom)
 
+    def try_admit_many(self, r: Resources, owner: str, n: int,
+                       quota: Quota | None = None) -> list[Ticket]:
+        """``n`` new admissions of ``r`` at once (a fork's children), or none: the quota and
+        the node's budgets are checked for all ``n`` together, then all are taken."""
+        if n < 1:
+            return []
+        group = r.model_copy(update={"cpus": r.cpus * n, "memory_mib": r.memory_mib * n})
+        if quota is not None:
+            u = self.by_owner.get(owner) or _Usage()
+            for name, have, add, cap in (("sandboxes", u.sandboxes, n, quota.sandboxes),
+                                         ("cpus", u.cpus, group.cpus, quota.cpus),
+                                         ("memory_mib", u.memory_mib, group.memory_mib,
+                                          quota.memory_mib)):
+                if cap is not None and have + add > cap + 1e-9:
+                    raise QuotaExceeded(f"project {owner!r} quota: {name} {have:g} + {add:g} "
+                                        f"> {cap:g}", project=owner, field=name, limit=cap,
+                                        requested=n)
+        lim = self.limits
+        max_sb = lim.max_sandboxes - self._reserved_sandboxes()
+        if self.total.sandboxes + n > max_sb:
+            where = f"node {self.node_id}" if self.node_id else "node"
+            raise CapacityExceeded(f"{where} has room for {max(0, max_sb - self.total.sandboxes)}"
+                                   f" more sandboxes, not {n}", reason="sandboxes",
+                                   requested=n)
+        self._check_node(group, "new")  # the budgets' sums, pressure, one headroom
+        sample = self.memory.sample()
+        each = self.headroom_mib(r, sample)
+        floor = lim.reserve_mib + int(lim.reserved_share
+                                      * max(0, self.host_mem_mib - lim.reserve_mib))
+        if sample.available_mib - self.pending_mib() - n * each < floor:
+            raise CapacityExceeded(
+                f"node is short of memory for {n} more sandboxes ({sample.available_mib} MiB "
+                f"available, {self.pending_mib()} MiB promised to starting sandboxes, "
+                f"{each} MiB each)", reason="memory_available", requested=n,
+                available_mib=sample.available_mib)
+        return [self._take(r, owner, "new", each) for _ in range(n)]
+
     async def admit(self, r: Resources, owner: str, share: Share = "new",
                     quota: Quota | None = None) -> Ticket:
         """``try_admit``; a reserved admission that does not fit waits for room (ahead of

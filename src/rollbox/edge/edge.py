@@ -45,7 +45,8 @@ from rollbox.images.store import Image, ImageStore
 from rollbox.isolation import cgroups, hostclaims
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import (
-    NODE_LOST, Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec,
+    FORK_OF_LABEL, MAX_FORK_CHILDREN, NODE_LOST, Event, ExecInfo, ExecResult, ExecSpec,
+    FileStat, ForkResult, ForkSpec, GradeResult, GradeSpec,
     ImageInfo, LayerUsage, NetAudit, NetworkPolicy, NodeReport, NodeSandbox, SandboxInfo,
     SandboxSpec, SandboxUsage, SnapshotResult, SnapshotSpec,
 )
@@ -1297,6 +1298,100 @@ class Edge:
                 log.exception("grader %s of %s: delete failed", grader.id, sandbox_id)
         return GradeResult(sandbox_id=sandbox_id, grader_id=grader.id, files=spec.files,
                            copied_bytes=copied, result=result)
+
+    # ---- fork: n copies of one sandbox ----------------------------------------------------
+    async def fork(self, sandbox_id: str, spec: ForkSpec, owner: str) -> ForkResult:
+        """``spec.n`` new sandboxes of ``owner`` with the live (or paused) sandbox's filesystem
+        state, env, hidden paths, network policy, resources, image and layers; labels
+        inherited + ``spec.labels`` + ``fork_of``; its job and its deadline (a child lives no
+        longer than its source may). Admitted all at once against the project's quota and
+        the node's budgets (nothing made when any one does not fit); made by the backend
+        (``Backend.fork``: all or none). Children are on this node (the source's)."""
+        t0 = time.monotonic()
+        live = self._live(sandbox_id)
+        src = live.info
+        n = spec.n
+        cap = live.backend.capacity()
+        if not cap.fork:
+            raise BadRequest(f"backend {src.backend!r} can not fork sandboxes on node "
+                             f"{self.node_id}", backend=src.backend, sandbox_id=sandbox_id)
+        most = min(self.settings.fork_max_children, MAX_FORK_CHILDREN)
+        if not 1 <= n <= most:
+            raise BadRequest(f"fork n={n}: between 1 and {most} children per fork on node "
+                             f"{self.node_id}", n=n, limit=most)
+        if live.platform or any(k.startswith(PLATFORM_LABEL_PREFIX) for k in spec.labels):
+            raise BadRequest("the platform's own sandboxes and labels starting with "
+                             f"{PLATFORM_LABEL_PREFIX!r} can not be forked or given",
+                             sandbox_id=sandbox_id)
+        labels = {**src.labels, **spec.labels, FORK_OF_LABEL: sandbox_id}
+        if len(labels) > 64:
+            raise BadRequest(f"a child would have {len(labels)} labels (at most 64)",
+                             labels=len(labels))
+        gap = self.fence.expired()
+        if gap is not None:
+            raise CapacityExceeded(f"node {self.node_id} is fenced: no watcher probed it for "
+                                   f"{gap:.0f} s", reason="fenced")
+        if self.draining:
+            raise CapacityExceeded(f"node {self.node_id} is draining: no new sandbox",
+                                   reason="draining")
+        quota = self.quotas.get(owner) if self.quotas is not None else None
+        tickets = self.admission.try_admit_many(src.resources, owner, n, quota)
+        self._starting += n
+        infos: list[SandboxInfo] = []
+        try:
+            net = live.box.network
+            env = {k: v for k, v in live.box.image_env.items()
+                   if net is None or k not in net.env}
+            now = time.time()
+            for _ in range(n):
+                info = SandboxInfo(
+                    id=f"{self.node_id}-{secrets.token_hex(6)}", node=self.node_id,
+                    image=src.image, layers=list(src.layers), state="creating",
+                    created_at=now, expires_at=src.expires_at, labels=dict(labels),
+                    resources=src.resources, owner=owner, hidden_paths=list(src.hidden_paths),
+                    network=src.network, job=src.job, disk_tier=src.disk_tier,
+                    backend=src.backend)
+                self.journal.put(info, extra={"env": env})
+                infos.append(info)
+            async with live.freeze_lock:
+                self._check_freezable(live)
+                if sandbox_id not in self.live or sandbox_id in self._deleting:
+                    raise SandboxDead(f"sandbox {sandbox_id} went away")
+                try:
+                    made = await live.backend.fork(
+                        live.box, [(i.id, self._spec_of(i, {"env": env})) for i in infos],
+                        paused=src.state == "paused")
+                except (InfraError, OSError):
+                    if sandbox_id not in self.live or sandbox_id in self._deleting:
+                        raise SandboxDead(f"sandbox {sandbox_id} went away during the "
+                                          "fork") from None
+                    raise
+        except BaseException as exc:
+            for info in infos:
+                self._mark_dead(info, f"creation failed: {exc}", state="deleted")
+            for t in tickets:
+                self.admission.release(t)
+            raise
+        finally:
+            self._starting -= n
+        for info, box, ticket in zip(infos, made.children, tickets):
+            info.state = "running"
+            info.guest_reported = box.guest_reported
+            extra = None
+            if box.network is not None:
+                box.image_env.update(box.network.env)
+                extra = {"env": box.image_env}
+            self.journal.put(info, backend_state=box.state(), extra=extra)
+            self._register(info, box, live.backend, ticket)
+            self.admission.started(ticket)
+            self.event_log.append(info.id, "sandbox.created", data=json.dumps(
+                {"image": info.image, "layers": info.layers, "owner": owner, "job": info.job,
+                 "fork_of": sandbox_id}))
+        self.event_log.append(sandbox_id, "sandbox.forked", data=json.dumps(
+            {"children": [i.id for i in infos], "frozen_s": round(made.frozen_s, 6)}))
+        return ForkResult(source_id=sandbox_id, children=[i.model_copy() for i in infos],
+                          frozen_s=round(made.frozen_s, 6),
+                          duration_s=round(time.monotonic() - t0, 6))
 
     # ---- snapshots (pack_diff) ----------------------------------------------------------
     async def snapshot(self, sandbox_id: str, spec: SnapshotSpec, owner: str) -> SnapshotResult:

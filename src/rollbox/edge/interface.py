@@ -15,7 +15,8 @@ from typing import Any, Literal, Protocol
 from rollbox.agent.protocol import ExecRequest
 from rollbox.backends.base import PortStream
 from rollbox.models import (
-    Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec, ImageInfo,
+    Event, ExecInfo, ExecResult, ExecSpec, FileStat, ForkResult, ForkSpec, GradeResult,
+    GradeSpec, ImageInfo,
     LayerUsage, NetworkPolicy, NodeReport, SandboxInfo, SandboxSpec, SnapshotResult,
     SnapshotSpec,
 )
@@ -112,6 +113,10 @@ class EdgeAPI(Protocol):
     # tagged as the sandbox's layers + it, so create(spec.name) restores the same tree.
     async def snapshot(self, sandbox_id: str, spec: SnapshotSpec,
                        owner: str) -> SnapshotResult: ...
+
+    # fork: spec.n new sandboxes of ``owner`` from the live or paused sandbox's filesystem
+    # state (Backend.fork), on this node; all admitted at once, all made or none.
+    async def fork(self, sandbox_id: str, spec: ForkSpec, owner: str) -> ForkResult: ...
 
     # images of a project on this node (rollbox.edge.storage): an upload is a tar stream the
     # edge builds one layer from (over ``base``); owner None lists/deletes as an admin.

@@ -57,7 +57,7 @@ UNARY: tuple[str, ...] = (
     "capacity", "report", "declare_lost", "create", "get", "list", "delete", "set_ttl", "set_network", "pause", "resume",
     "exec_start", "exec_wait", "exec_stdin", "exec_kill", "exec_list",
     "file_read", "file_write", "file_stat", "file_list", "file_mkdir", "file_remove",
-    "grade", "snapshot", "image_list", "image_delete", "image_usage", "image_stats",
+    "grade", "snapshot", "fork", "image_list", "image_delete", "image_usage", "image_stats",
     "record_event", "run_shell",
 )
 # Async iterators of EdgeAPI (POST /stream/{name}).

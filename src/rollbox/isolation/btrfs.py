@@ -48,6 +48,7 @@ BTRFS_IOC_QUOTA_CTL = _ioc(_IOC_READ | _IOC_WRITE, 40, QUOTA_CTL_SIZE)
 BTRFS_IOC_QGROUP_CREATE = _ioc(_IOC_WRITE, 42, QGROUP_CREATE_SIZE)
 BTRFS_IOC_SNAP_DESTROY_V2 = _ioc(_IOC_WRITE, 63, VOL_ARGS_V2_SIZE)
 
+BTRFS_SUBVOL_RDONLY = 1 << 1
 BTRFS_SUBVOL_QGROUP_INHERIT = 1 << 2
 BTRFS_QGROUP_INHERIT_SET_LIMITS = 1 << 0
 BTRFS_QGROUP_LIMIT_MAX_RFER = 1 << 0
@@ -98,11 +99,14 @@ def subvol_create(parent_fd: int, name: str, max_referenced: int) -> None:
     fcntl.ioctl(parent_fd, BTRFS_IOC_SUBVOL_CREATE_V2, args)
 
 
-def snapshot(src_fd: int, parent_fd: int, name: str, max_referenced: int) -> None:
-    """Writable snapshot of the subvolume open at ``src_fd`` as ``name`` in ``parent_fd``,
-    sharing every extent (no data copied), its qgroup limited to ``max_referenced``."""
+def snapshot(src_fd: int, parent_fd: int, name: str, max_referenced: int,
+             readonly: bool = False) -> None:
+    """Snapshot of the subvolume open at ``src_fd`` as ``name`` in ``parent_fd``, sharing
+    every extent (no data copied), its qgroup limited to ``max_referenced``; ``readonly``:
+    nothing can change it afterwards (a fork's shared lower)."""
     keep: list = []
-    args = _vol_args_v2(src_fd, BTRFS_SUBVOL_QGROUP_INHERIT, _name(name, VOL_ARGS_V2_NAME_MAX),
+    flags = BTRFS_SUBVOL_QGROUP_INHERIT | (BTRFS_SUBVOL_RDONLY if readonly else 0)
+    args = _vol_args_v2(src_fd, flags, _name(name, VOL_ARGS_V2_NAME_MAX),
                         _limit_inherit(max_referenced), keep)
     fcntl.ioctl(parent_fd, BTRFS_IOC_SNAP_CREATE_V2, args)
 

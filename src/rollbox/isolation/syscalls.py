@@ -82,6 +82,15 @@ def umount(target: str | os.PathLike[str], flags: int = 0) -> None:
     _check(_libc.umount2(_b(target), ctypes.c_int(flags)))
 
 
+def syncfs(path: str | os.PathLike[str]) -> None:
+    """Write back everything of the filesystem ``path`` is on (overlayfs: its upper's)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _check(_libc.syncfs(ctypes.c_int(fd)))
+    finally:
+        os.close(fd)
+
+
 def unescape_mountinfo(field: str) -> str:
     # mountinfo escapes space, tab, newline and backslash as \ooo octal.
     out, i = [], 0

@@ -14,10 +14,20 @@ from rollbox.errors import CapacityExceeded
 from rollbox.isolation import syscalls
 
 RANGE = 65536
+# One helper process at a time: a second one forked meanwhile would inherit the first's pipe
+# ends (fork keeps them, close-on-exec or not) and each would wait for the other's EOF.
+_FORK_LOCK = threading.Lock()
 
 
-def make_userns_fd(host_uid: int, count: int = RANGE) -> int:
-    """Return an fd of a new user namespace mapping 0..count-1 to host_uid.. (uid and gid)."""
+def make_userns_fd(host_uid: int, count: int = RANGE, inside: int = 0) -> int:
+    """Return an fd of a new user namespace mapping inside..inside+count-1 to host_uid..
+    (uid and gid). ``inside`` other than 0: an idmapped mount with it shifts files stored
+    owned by one sandbox's host uids to another's (a fork's shared lower)."""
+    with _FORK_LOCK:
+        return _make_userns_fd(host_uid, count, inside)
+
+
+def _make_userns_fd(host_uid: int, count: int, inside: int) -> int:
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
     pid = os.fork()
@@ -35,7 +45,7 @@ def make_userns_fd(host_uid: int, count: int = RANGE) -> int:
     try:
         if os.read(ready_r, 1) != b"1":
             raise OSError("user namespace helper failed")
-        mapping = f"0 {host_uid} {count}\n".encode()
+        mapping = f"{inside} {host_uid} {count}\n".encode()
         with open(f"/proc/{pid}/uid_map", "wb") as f:
             f.write(mapping)
         with open(f"/proc/{pid}/gid_map", "wb") as f:

@@ -34,7 +34,7 @@ from rollbox.models import (
     FnCallResult, FnCallSpec,
     ApiKeyInfo, CreatedKey, Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec,
     ImageInfo, JobEnded, JobInfo, JobSpec, LayerUsage, PortAccess, Project, Quota, Resources,
-    SandboxInfo, SandboxSpec, SnapshotResult, SnapshotSpec,
+    SandboxInfo, SandboxSpec, SnapshotResult, SnapshotSpec, ForkResult, ForkSpec,
 )
 
 TAR_CHUNK = 256 << 10
@@ -504,6 +504,7 @@ class AsyncSandbox:
         self._t = client._t
         self._base = f"/v1/sandboxes/{info.id}"
         self.files = AsyncFiles(self)
+        self.last_fork: ForkResult | None = None  # what the last fork() answered
 
     def __repr__(self) -> str:
         return f"<AsyncSandbox {self.id} {self.info.state}>"
@@ -711,6 +712,28 @@ class AsyncSandbox:
         r = await self._t.request("POST", self._base + "/snapshot",
                                   json=spec.model_dump(mode="json"), long=True)
         return SnapshotResult.model_validate(r.json())
+
+    async def fork(self, n: int = 1, *,
+                   labels: Mapping[str, str] | None = None) -> list[AsyncSandbox]:
+        """``n`` new sandboxes with this one's filesystem as it is now (writable layer
+        included, nothing copied), env, hidden paths, network policy, resources, labels (+
+        ``labels`` and ``fork_of=<this id>``), job and deadline; each with its own hostname,
+        machine-id and random seeds. This sandbox keeps running (held still for an instant);
+        none of its later writes reaches a child. A container's processes are not carried (a
+        microVM's are). A paused sandbox can be forked and stays paused. All ``n`` count
+        against the project's quota at once: QuotaExceeded or CapacityExceeded makes none.
+        The children are on this sandbox's node. ``self.last_fork`` keeps the answer
+        (``frozen_s``: how long this sandbox was held still). Not retried (no idempotency
+        key): a broken connection mid-way may have made the children; list them by the
+        ``fork_of`` label."""
+        try:
+            spec = ForkSpec(n=n, labels=dict(labels or {}))
+        except pydantic.ValidationError as exc:
+            raise errors.BadRequest(str(exc)) from None
+        r = await self._t.request("POST", self._base + "/fork",
+                                  json=spec.model_dump(mode="json"), long=True)
+        self.last_fork = ForkResult.model_validate(r.json())
+        return [AsyncSandbox(self.client, info) for info in self.last_fork.children]
 
     async def delete(self) -> None:
         await self._t.request("DELETE", self._base)

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from rollbox import errors
 from rollbox.models import (
     ApiKeyInfo, CreatedKey, Event, ExecInfo, ExecResult, FileStat, GradeResult, ImageInfo,
-    JobEnded, JobInfo, LayerUsage, PortAccess, Project, Quota, SandboxInfo, SnapshotResult,
+    ForkResult, JobEnded, JobInfo, LayerUsage, PortAccess, Project, Quota, SandboxInfo, SnapshotResult,
 )
 from rollbox.sdk._resume import DEFAULT_RECONNECT_S
 from rollbox.sdk._async import (
@@ -234,6 +234,14 @@ class Sandbox:
 
     def snapshot(self, name: str, **kw: Any) -> SnapshotResult:
         return self._p.call(self._sb.snapshot(name, **kw))
+
+    def fork(self, n: int = 1, *, labels: Mapping[str, str] | None = None) -> list[Sandbox]:
+        """See :meth:`AsyncSandbox.fork` (all ``n`` or none; ``last_fork``)."""
+        return [Sandbox(self._p, sb) for sb in self._p.call(self._sb.fork(n, labels=labels))]
+
+    @property
+    def last_fork(self) -> ForkResult | None:
+        return self._sb.last_fork
 
     def delete(self) -> None:
         self._p.call(self._sb.delete())

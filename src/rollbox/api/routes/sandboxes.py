@@ -1,5 +1,5 @@
 """Routes ``/v1/sandboxes``: create, list, get, delete, TTL, pause/resume, network policy, grade,
-snapshot. Create reserves the sandbox's room in the project's quota first and a delete gives
+snapshot, fork. Create (and fork, for all its children) reserves the sandbox's room in the project's quota first and a delete gives
 it back (``ApiContext.create_sandbox``, ``sandbox_ended``). Everything after create names a
 sandbox the caller's project owns (``deps.Edge``); the edge logs each change in the sandbox's
 audit trail, the api adds only who asked (``ApiContext.record``)."""
@@ -172,6 +172,30 @@ async def grade(sandbox_id: str, spec: models.GradeSpec, edge: Edge,
     await api.record(edge, sandbox_id, "sandbox.graded", {
         "grader": result.grader_id, "files": result.files,
         "exit_code": result.result.exit_code, "by": who.key_id})
+    return result
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201,
+             response_model=models.ForkResult, tags=["sandboxes"])
+async def fork(sandbox_id: str, spec: models.ForkSpec, edge: Edge, who: Who,
+               api: Api) -> models.ForkResult:
+    """``n`` new sandboxes with this one's filesystem state (image, layers and writable
+    layer, frozen for an instant: nothing copied), env, hidden paths, network policy,
+    resources, labels (+ ``fork_of``), job and deadline; each its own hostname and
+    machine-id. Containers carry no processes (microVMs do). All ``n`` are reserved in the
+    project's quota at once: quota_exceeded or capacity_exceeded makes none. The children are
+    on the source's node (a cluster places them there, not by the placement's choice)."""
+    src = await edge.get(sandbox_id)
+    if src.job is not None:  # NotFound unless the project's job is still live
+        await api.lease_store().live(src.owner, src.job)
+    result = await api.fork_sandbox(edge, sandbox_id, spec, src.owner, src.resources)
+    for child in result.children:
+        api.remember_owner(child.id, src.owner)
+    if api.watcher is not None:
+        api.watcher.remember(result.children)
+    await api.record(edge, sandbox_id, "sandbox.requested", {
+        "op": "fork", "by": who.key_id, "n": spec.n,
+        "children": [c.id for c in result.children]})
     return result
 
 

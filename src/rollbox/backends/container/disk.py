@@ -12,14 +12,22 @@ would corrupt it) and is unmounted when the node is idle and no sandbox's subvol
 subvolumes whose names start with ``CACHE_PREFIX`` (microVM template disks) are a cache that
 stays in the pool's file (with its qgroup caps) and comes back with the next mount.
 
+A fork (``ContainerBackend.fork``) takes one read-only snapshot of the source's subvolume,
+named ``FORK_PREFIX`` + a token: the shared lower of its children. Who uses one is kept as
+empty files ``<pool dir>/forks/<lower>/<sandbox id>`` (on the data dir, so they outlive the
+edge); the lower is deleted when its last user's reference goes (:meth:`unref_lowers`), or
+by :meth:`release` when none is left.
+
 Owns the pool and its subvolumes; does not know sandboxes' mounts (``rootfs``) or processes.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
 import os
+import secrets
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -39,6 +47,10 @@ MOUNT_OPTIONS = "discard=async"
 # Subvolumes of a cache, not of a sandbox (microVM template disks, backends/microvm/template.py;
 # sandbox ids start with the node id): they never keep the pool mounted.
 CACHE_PREFIX = "tpl-"
+# A fork's shared read-only lower (a snapshot of the source's subvolume), never a sandbox's.
+FORK_PREFIX = "fk-"
+# The fork itself holds its new lower under this name until its children hold it.
+PENDING_REF = ".fork"
 
 
 class DiskPool:
@@ -51,6 +63,8 @@ class DiskPool:
         self._mounted = False  # checked (and quotas enabled) by this object
         self._uuid = ""
         self._lock = threading.Lock()
+        self.refs = self.dir / "forks"
+        self._refs_lock = threading.Lock()
 
     # ---- the pool -----------------------------------------------------------------------
     def exists(self) -> bool:
@@ -158,6 +172,7 @@ class DiskPool:
         with self._locked():
             if not self._is_mounted():
                 return False
+            self._drop_unused_lowers()
             names = self._subvolume_names()
             if any(not n.startswith(CACHE_PREFIX) for n in names):
                 return False
@@ -324,8 +339,91 @@ class DiskPool:
         return [str(path)] if os.path.lexists(path) else []
 
     def ids(self) -> set[str]:
-        """Names of the subvolumes in the pool (sandbox ids)."""
+        """Names of the subvolumes in the pool (sandbox ids; fork lowers left out)."""
         if not self.exists():
             return set()
         self.ensure()
-        return set(self._subvolume_names())
+        return {n for n in self._subvolume_names() if not n.startswith(FORK_PREFIX)}
+
+    # ---- fork lowers ----------------------------------------------------------------------
+    def fork_lower(self, src_id: str) -> str:
+        """A read-only snapshot of ``src_id``'s subvolume (extents shared, nothing copied):
+        the shared lower of a fork's children. Held by :data:`PENDING_REF` until the fork
+        has handed it to its children (:meth:`ref`) and dropped that (:meth:`unref`)."""
+        name = FORK_PREFIX + secrets.token_hex(8)
+        with self._refs_lock, syscalls.flocked(self._refs_lock_file()):
+            (self.refs / name).mkdir(parents=True)
+            (self.refs / name / PENDING_REF).touch()
+        try:
+            with self._root() as fd:
+                src = os.open(self.path(src_id), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                              | os.O_CLOEXEC)
+                try:
+                    btrfs.snapshot(src, fd, name, self._cap(src), readonly=True)
+                finally:
+                    os.close(src)
+        except OSError as exc:
+            self.unref(name, PENDING_REF)
+            raise InfraError(f"writable layer of {src_id} not snapshotted: {exc}") from exc
+        return name
+
+    def _refs_lock_file(self) -> Path:
+        self.refs.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        return self.refs / ".lock"
+
+    def ref(self, lower: str, sandbox_id: str) -> None:
+        """``sandbox_id`` uses fork lower ``lower`` (InfraError: it is gone)."""
+        with self._refs_lock, syscalls.flocked(self._refs_lock_file()):
+            d = self.refs / lower
+            if not d.is_dir() or not os.path.lexists(self.path(lower)):
+                raise InfraError(f"fork lower {lower} is gone")
+            (d / sandbox_id).touch()
+
+    def unref(self, lower: str, sandbox_id: str) -> list[str]:
+        """``sandbox_id`` no longer uses ``lower``; the last user's unref deletes it. Returns
+        what could not be removed."""
+        with self._refs_lock, syscalls.flocked(self._refs_lock_file()):
+            return self._unref(lower, sandbox_id)
+
+    def _unref(self, lower: str, sandbox_id: str) -> list[str]:
+        d = self.refs / lower
+        with contextlib.suppress(FileNotFoundError):
+            (d / sandbox_id).unlink()
+        try:
+            if any(d.iterdir()):
+                return []
+        except FileNotFoundError:
+            pass
+        left = self.remove(lower)
+        if not left:
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        return left
+
+    def unref_lowers(self, sandbox_id: str) -> list[str]:
+        """Drop every fork lower reference of ``sandbox_id`` (its teardown, also of an
+        orphan whose state is lost); lowers left without users are deleted."""
+        if not self.refs.is_dir():
+            return []
+        problems: list[str] = []
+        with self._refs_lock, syscalls.flocked(self._refs_lock_file()):
+            for d in self.refs.iterdir():
+                if d.name.startswith(FORK_PREFIX) and os.path.lexists(d / sandbox_id):
+                    problems += self._unref(d.name, sandbox_id)
+        return problems
+
+    def lower_users(self, lower: str) -> set[str]:
+        """The sandboxes (and a fork under way: PENDING_REF) that use ``lower``."""
+        try:
+            return set(os.listdir(self.refs / lower))
+        except FileNotFoundError:
+            return set()
+
+    def _drop_unused_lowers(self) -> None:
+        """Fork lowers no sandbox uses (their users' teardown was cut short): deleted."""
+        for name in self._subvolume_names():
+            if name.startswith(FORK_PREFIX) and not self.lower_users(name):
+                if not self.remove(name):
+                    with contextlib.suppress(OSError):
+                        (self.refs / name).rmdir()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from rollbox.errors import InfraError
@@ -103,9 +104,12 @@ class Rootfs:
         self.merged = sandbox_dir / "merged"
 
     def compose(self, layer_mounts: list[Path], userns_fd: int, host_uid: int,
-                disk_mib: int, inodes: int, subvolume: Path | None = None) -> None:
+                disk_mib: int, inodes: int, subvolume: Path | None = None,
+                upper_lowers: Sequence[tuple[Path, int]] = ()) -> None:
         """layer_mounts lowest first (base first). subvolume: the disk tier's capped subvolume
-        (the pool verified its cap); None: a tmpfs of disk_mib and inodes."""
+        (the pool verified its cap); None: a tmpfs of disk_mib and inodes. upper_lowers: a
+        fork's frozen writable layers (lowest first), each (dir, the user namespace fd that
+        shifts its owners to this sandbox's uids), above the image's layers."""
         self.dir.mkdir(parents=True, exist_ok=True)
         step = "writable layer"  # named in the error: which mount failed
         try:
@@ -119,6 +123,12 @@ class Rootfs:
                 target = self.dir / f"l{i}"
                 target.mkdir(exist_ok=True)
                 self._idmapped_bind(src, target, userns_fd)
+                lowers.append(str(target))
+            for src, shift_fd in upper_lowers:
+                step = "fork lower"
+                target = self.dir / f"l{len(lowers)}"
+                target.mkdir(exist_ok=True)
+                self._idmapped_bind(src, target, shift_fd)
                 lowers.append(str(target))
             step = "overlay"
             self.merged.mkdir(exist_ok=True)

@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -27,7 +28,8 @@ from pathlib import Path
 
 from rollbox.backends import platform_work
 from rollbox.backends.base import (
-    BackendCapacity, CaptureOptions, CaptureResult, ResolvedSpec, SessionSlot, Usage,
+    BackendCapacity, CaptureOptions, CaptureResult, ForkResult, ResolvedSpec, SessionSlot,
+    Usage,
 )
 from rollbox.backends.cancellation import teardown_after, to_the_end
 from rollbox.backends.ports import connect_in_netns
@@ -35,7 +37,7 @@ from rollbox.backends.container import bundle
 from rollbox.agent import platform_shell
 from rollbox.agent.channel import AgentChannel
 from rollbox.backends.container.cpuview import CpuViews
-from rollbox.backends.container.disk import DiskPool
+from rollbox.backends.container.disk import PENDING_REF, DiskPool
 from rollbox.backends.container.files import ContainerFiles
 from rollbox.hostfs import SandboxFS
 from rollbox.backends.container.rootfs import (
@@ -44,8 +46,8 @@ from rollbox.backends.container.rootfs import (
 from rollbox.backends.container.runtime import Runtime, wait_pid
 from rollbox.config import VARS, Settings
 from rollbox.errors import BadRequest, InfraError, RollboxError, without_paths
-from rollbox.isolation import cgroups, netns, oom
-from rollbox.isolation.userns import UidSlots
+from rollbox.isolation import cgroups, netns, oom, syscalls
+from rollbox.isolation.userns import RANGE, UidSlots, make_userns_fd
 from rollbox.netpolicy import link as netlink
 from rollbox.netpolicy import policy as netpolicy
 from rollbox.netpolicy import sandbox_net
@@ -75,6 +77,9 @@ class ContainerSandbox:
     next_session: int = 0
     # Network policy (veth + BPF + DNS gate); None: loopback only, nothing attached.
     network: SandboxNetwork | None = None
+    # A fork child's frozen writable layers under its own (lowest first): (the pool's fork
+    # lower, the host uid its files are owned by); a fork of it passes them on.
+    fork_lowers: list[tuple[str, int]] = field(default_factory=list)
     kind: ClassVar[str] = "container"
     guest_reported: ClassVar[bool] = False  # the host observes exits itself (pidfd, cgroup)
     files: ContainerFiles = field(init=False)  # fs as the backends' async SandboxFiles
@@ -102,7 +107,11 @@ class ContainerSandbox:
 
     # ---- SandboxHandle (rollbox.backends.base) ---------------------------------------
     def state(self) -> dict[str, Any]:
-        """What the journal keeps for adopt(): the uid (its slot); the rest is found by id."""
+        """What the journal keeps for adopt(): the uid (its slot) and a fork child's lowers;
+        the rest is found by id."""
+        if self.fork_lowers:
+            return {"host_uid": self.host_uid,
+                    "fork_lowers": [[name, uid] for name, uid in self.fork_lowers]}
         return {"host_uid": self.host_uid}
 
     def new_session(self) -> SessionSlot:
@@ -132,6 +141,27 @@ def _make_hidden_paths(root: Path, host_uid: int, hidden_paths: Sequence[str]) -
                     fs.mkdir(path, parents=True)
             except RollboxError as exc:
                 log.info("hidden path %s not made (%s): Landlock rules only", path, exc)
+    finally:
+        fs.close()
+
+
+MACHINE_ID = "/etc/machine-id"
+# Seed files that carry randomness across boots: a fork child's are replaced with its own.
+RANDOM_SEEDS = ("/var/lib/systemd/random-seed", "/var/lib/urandom/random-seed")
+
+
+def _fresh_identity(root: Path, host_uid: int) -> None:
+    """A fork child's own identity in its tree (its hostname is its id, set by runc): a new
+    /etc/machine-id where the tree has /etc, new random seed files where the source had
+    some. Written into the child's fresh upper, never into the shared lower."""
+    fs = SandboxFS(root, host_uid)
+    try:
+        if fs.exists("/etc"):
+            fs.write(MACHINE_ID, (secrets.token_hex(16) + "\n").encode(), 0o444,
+                     parents=False)
+        for seed in RANDOM_SEEDS:
+            if fs.exists(seed):
+                fs.write(seed, secrets.token_bytes(512), 0o600, parents=False)
     finally:
         fs.close()
 
@@ -244,12 +274,15 @@ class ContainerBackend:
                                image_env: dict[str, str], network: str = "none", *,
                                hardened: bool = True, hidden_paths: Sequence[str] = (),
                                network_rules: list[str] | None = None,
-                               disk_tier: str = "disk") -> ContainerSandbox:
+                               disk_tier: str = "disk",
+                               fork_lowers: Sequence[tuple[str, int]] = ()) -> ContainerSandbox:
         """network: "none" (own netns, loopback only) or "host" — the latter only for the
         platform's own image builds from operator-given commands, never from the API.
         disk_tier: "disk" (a capped subvolume of the node's disk pool) or "memory" (tmpfs).
         hardened=False: the red-team tests' deliberately weak twin (see bundle.py), never from
-        the API. hidden_paths: paths of the tree the sandbox's commands can not see."""
+        the API. hidden_paths: paths of the tree the sandbox's commands can not see.
+        fork_lowers: a fork child's frozen writable layers (see :meth:`fork`), each shifted
+        from its owner's uids to this sandbox's; the child gets a fresh identity."""
         bundle.normalize_hidden(hidden_paths)  # bad input fails before anything is allocated
         if disk_tier not in ("disk", "memory"):
             raise BadRequest(f"unknown disk tier {disk_tier!r}", disk_tier=disk_tier)
@@ -273,10 +306,22 @@ class ContainerBackend:
             def prepare() -> str:  # blocking kernel work, off the event loop
                 subvolume = (self.disk.create(sandbox_id, resources.disk_mib << 20)
                              if disk_tier == "disk" else None)
-                with self.layer_mounts.in_use():  # no unmount until the clones exist
-                    mounts = [self.layer_mounts.ensure_mounted(d) for d in layers]
-                    rootfs.compose(mounts, self.slots.userns_fd(slot), host_uid,
-                                   resources.disk_mib, resources.inodes, subvolume)
+                shifts = []
+                try:
+                    for lower, owner_uid in fork_lowers:
+                        self.disk.ref(lower, sandbox_id)  # before it is mounted
+                        shifts.append((self.disk.path(lower) / rootfs.upper.name,
+                                       make_userns_fd(host_uid, RANGE, inside=owner_uid)))
+                    with self.layer_mounts.in_use():  # no unmount until the clones exist
+                        mounts = [self.layer_mounts.ensure_mounted(d) for d in layers]
+                        rootfs.compose(mounts, self.slots.userns_fd(slot), host_uid,
+                                       resources.disk_mib, resources.inodes, subvolume,
+                                       upper_lowers=shifts)
+                finally:
+                    for _, fd in shifts:
+                        os.close(fd)
+                if fork_lowers:
+                    _fresh_identity(rootfs.merged, host_uid)
                 if hardened and hidden_paths:
                     _make_hidden_paths(rootfs.merged, host_uid, hidden_paths)
                 return ("host" if network == "host"
@@ -321,7 +366,7 @@ class ContainerBackend:
             sb = ContainerSandbox(
                 id=sandbox_id, slot=slot, host_uid=host_uid, rootfs=rootfs, run_dir=run_dir,
                 v2_cgroup=v2, agent_pid=pid, channel=channel, fs=SandboxFS(rootfs.merged, host_uid),
-                image_env=image_env,
+                image_env=image_env, fork_lowers=list(fork_lowers),
             )
             if network_rules is not None and network != "host":
                 await to_the_end(self.attach_network(sb, network_rules))
@@ -343,7 +388,8 @@ class ContainerBackend:
     def capacity(self) -> BackendCapacity:
         """Offered wherever the edge runs; no per-sandbox cap beyond admission (a CPU limit
         above the node's cores is a CFS quota, not a reservation)."""
-        return BackendCapacity(kind=self.kind, facts={"runtime": self.settings.runtime})
+        return BackendCapacity(kind=self.kind, facts={"runtime": self.settings.runtime},
+                               fork=True)
 
     async def attach_network(self, sb: ContainerSandbox, rules: list[str]) -> SandboxNetwork:
         """Give a running sandbox its link, BPF allow-list and DNS gate (policy = rules)."""
@@ -375,6 +421,7 @@ class ContainerBackend:
             network_rules=list(spec.network_rules) if spec.network_rules is not None else None)
         if box is None:
             return None
+        box.fork_lowers = [(str(n), int(u)) for n, u in state.get("fork_lowers", [])]
         if paused:
             try:
                 await asyncio.to_thread(cgroups.freeze, v2, v1)
@@ -547,6 +594,7 @@ class ContainerBackend:
             problems.append(f"mounts left: {left}")
         else:  # a subvolume still bind-mounted can not be deleted
             problems += self.disk.remove(sandbox_id)
+            problems += self.disk.unref_lowers(sandbox_id)  # a fork child's shared lowers
         netlink.delete(sandbox_id)
         if netlink.exists(sandbox_id):
             problems.append(f"network link {netlink.link_name(sandbox_id)} left")
@@ -606,6 +654,72 @@ class ContainerBackend:
                              sandbox_id=sb.id)
         clone = await asyncio.to_thread(self.disk.clone, sb.id, clone_id)
         return clone / sb.rootfs.upper.name
+
+    async def fork(self, sb: ContainerSandbox,  # type: ignore[override]
+                   children: list[tuple[str, ResolvedSpec]], paused: bool) -> ForkResult:
+        """Fork a disk-tier sandbox: freeze it (unless ``paused``: frozen already), syncfs of
+        its overlay, one read-only btrfs snapshot of its writable layer's subvolume, thaw.
+        That snapshot is the shared lower of every child (idmapped from the source's uids to
+        each child's), above the image's layers and any lowers the source had itself from a
+        fork; each child gets a fresh capped upper of its own and a fresh identity. Nothing of
+        the writable layer is copied; the source keeps its upper and its processes (held
+        still for the syncfs and the snapshot only). Processes are not carried (containers
+        share the host's kernel: there is no image of their memory to restore). All or
+        nothing: a child that fails takes the made ones down with it."""
+        if not self.disk.leftovers(sb.id):
+            raise BadRequest(f"sandbox {sb.id} is on the memory tier: only disk-tier "
+                             "sandboxes can be forked (their writable layer clones without "
+                             "a copy)", sandbox_id=sb.id, disk_tier="memory")
+        v1 = self._v1_freezer(sb.id)
+
+        def freeze_and_snapshot() -> tuple[str, float]:
+            t0 = time.monotonic()
+            if not paused:
+                cgroups.freeze(sb.v2_cgroup, v1)
+            try:
+                syscalls.syncfs(sb.rootfs.merged)
+                lower = self.disk.fork_lower(sb.id)
+            finally:
+                if not paused:
+                    cgroups.thaw(sb.v2_cgroup, v1)
+            return lower, time.monotonic() - t0
+
+        try:
+            lower, frozen_s = await asyncio.to_thread(freeze_and_snapshot)
+        except OSError as exc:
+            raise InfraError(f"fork of {sb.id}: syncfs failed: {exc}") from exc
+        lowers = [*sb.fork_lowers, (lower, sb.host_uid)]
+        made: list[ContainerSandbox] = []
+        try:
+            async def one(child_id: str, spec: ResolvedSpec) -> ContainerSandbox:
+                child = await self.create_container(
+                    child_id, list(spec.layers), spec.resources, spec.env,
+                    hidden_paths=spec.hidden_paths, disk_tier="disk",
+                    network_rules=list(spec.network_rules)
+                    if spec.network_rules is not None else None, fork_lowers=lowers)
+                made.append(child)
+                return child
+
+            results = await asyncio.gather(*(one(cid, spec) for cid, spec in children),
+                                           return_exceptions=True)
+            failed = next((r for r in results if isinstance(r, BaseException)), None)
+            if failed is not None:
+                raise failed
+            return ForkResult(children=[r for r in results  # type: ignore[misc]
+                                        if isinstance(r, ContainerSandbox)],
+                              frozen_s=frozen_s)
+        except BaseException as exc:
+            await teardown_after(exc, self._destroy_all(made))
+            raise
+        finally:
+            await asyncio.to_thread(self.disk.unref, lower, PENDING_REF)
+
+    async def _destroy_all(self, boxes: list[ContainerSandbox]) -> None:
+        results = await asyncio.gather(*(self.destroy(b) for b in boxes),
+                                       return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise InfraError(f"{len(failed)} fork children not torn down: {failed[0]}")
 
     async def cleanup_orphan(self, sandbox_id: str, host_uid: int | None = None) -> None:
         slot = self.slots.slot_of(host_uid) if host_uid is not None else -1

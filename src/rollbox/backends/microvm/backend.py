@@ -37,8 +37,8 @@ from typing import Any
 
 from rollbox.agent.tools import PlatformTools
 from rollbox.backends.base import (
-    BackendCapacity, CaptureOptions, CaptureResult, NetworkAttachment, ResolvedSpec,
-    SessionSlot, Usage,
+    BackendCapacity, CaptureOptions, CaptureResult, ForkResult, NetworkAttachment,
+    ResolvedSpec, SessionSlot, Usage,
 )
 from rollbox.backends.cancellation import teardown_after, to_the_end
 from rollbox.backends.ports import relay_through_agent
@@ -1000,6 +1000,11 @@ class MicroVMBackend:
         the guest needs no network. A squeezed VM gets its memory back first."""
         await self.prepare_exec(h)
         return await relay_through_agent(live_channel(h), port)
+
+    async def fork(self, h: MicroVM, children: list[tuple[str, ResolvedSpec]],  # type: ignore[override]
+                   paused: bool) -> ForkResult:
+        raise BadRequest(f"microVM sandbox {h.id} can not be forked on this node",
+                         sandbox_id=h.id, backend=self.kind)
 
     def usage(self, h: MicroVM) -> Usage:  # type: ignore[override]
         parent, name = self.settings.cgroup_parent, h.jail.cgroup_name

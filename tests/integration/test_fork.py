@@ -1,0 +1,182 @@
+"""Fork of container sandboxes (``Edge.fork`` -> ``ContainerBackend.fork``) on real sandboxes:
+children see the source's tree as at the freeze (written files, deletions, env, hidden
+paths, network policy, labels + fork_of, job, deadline), the source keeps running and no later
+write of the source reaches a child (also through a descriptor opened before the fork); each
+child has its own hostname and machine-id; a fork of a paused sandbox leaves it paused; of a
+child (a fork of a fork); of a sandbox made from a snapshot. Bad input is typed and leaves
+nothing: n out of range, above the project's quota or the node's room, a deleted source, a
+memory-tier source. The shared lower goes with its last child."""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from rollbox.backends.container.disk import FORK_PREFIX
+from rollbox.errors import BadRequest, CapacityExceeded, NotFound, QuotaExceeded, SandboxDead
+from rollbox.models import (
+    ExecSpec, ForkSpec, NetworkPolicy, Quota, Resources, SandboxSpec, SnapshotSpec,
+)
+
+BB = "busybox:test"
+
+
+async def run(edge, sid: str, cmd: str, timeout_s: float = 30):  # noqa: ANN001, ANN201
+    eid = await edge.exec_start(sid, ExecSpec(cmd=cmd, timeout_s=timeout_s))
+    return await edge.exec_wait(sid, eid)
+
+
+async def out(edge, sid: str, cmd: str) -> str:  # noqa: ANN001
+    r = await run(edge, sid, cmd)
+    assert r.exit_code == 0, (cmd, r)
+    return r.stdout
+
+
+def lowers(edge) -> set[str]:  # noqa: ANN001
+    return {n for n in os.listdir(edge.backend.disk.mnt) if n.startswith(FORK_PREFIX)}
+
+
+async def delete_all(edge, ids: list[str]) -> None:  # noqa: ANN001
+    await asyncio.gather(*(edge.delete(i) for i in ids), return_exceptions=True)
+
+
+async def test_fork_children_see_the_frozen_tree_and_never_the_sources_later_writes(
+        edge) -> None:  # noqa: ANN001
+    src = await edge.create(SandboxSpec(
+        image=BB, labels={"task": "t1"}, env={"SEED": "42"}, hidden_paths=["/secret"],
+        network=NetworkPolicy(allow=[]), ttl_s=600), "proj")
+    made: list[str] = [src.id]
+    try:
+        await out(edge, src.id, "mkdir -p /work && echo before > /work/f && echo gone > /work/g"
+                  " && rm /bin/vi && head -c 1048576 /dev/urandom > /work/blob")
+        # A process of the source holds /work/f open (appending) across the fork.
+        await edge.exec_start(src.id, ExecSpec(
+            cmd="exec 3>>/work/f; while [ ! -e /work/go ]; do sleep 0.05; done; "
+                "echo late >&3; touch /work/done; sleep 600", timeout_s=120))
+        await out(edge, src.id, "rm /work/g")
+        await edge.file_write(src.id, "/secret/answer", b"hidden", 0o644)
+        assert (await run(edge, src.id, "cat /secret/answer")).exit_code != 0
+        res = await edge.fork(src.id, ForkSpec(n=3, labels={"group": "g1"}), "proj")
+        kids = [c.id for c in res.children]
+        made += kids
+        assert len(kids) == 3 and len(set(kids)) == 3
+        assert 0 < res.frozen_s < 5
+        # The source keeps running, with its processes; its late write stays its own.
+        await out(edge, src.id, "touch /work/go; for i in $(seq 100); do [ -e /work/done ] "
+                  "&& break; sleep 0.05; done; test -e /work/done")
+        assert await out(edge, src.id, "cat /work/f") == "before\nlate\n"
+        await out(edge, src.id, "echo after > /work/h")
+        blob = await out(edge, src.id, "md5sum /work/blob | cut -d' ' -f1")
+        names = set()
+        machine_ids = set()
+        for kid, info in zip(kids, res.children):
+            assert info.labels == {"task": "t1", "group": "g1", "fork_of": src.id}
+            assert info.owner == "proj" and info.image == src.image
+            assert info.layers == src.layers and info.hidden_paths == ["/secret"]
+            assert info.network == NetworkPolicy(allow=[])
+            assert info.expires_at == src.expires_at
+            assert await out(edge, kid, "cat /work/f") == "before\n"
+            assert await out(edge, kid, "md5sum /work/blob | cut -d' ' -f1") == blob
+            assert (await run(edge, kid, "test -e /work/g")).exit_code == 1  # deleted before
+            assert (await run(edge, kid, "test -e /bin/vi")).exit_code == 1  # a whiteout
+            assert (await run(edge, kid, "test -e /work/h")).exit_code == 1  # written after
+            assert (await run(edge, kid, "test -e /work/go")).exit_code == 1
+            assert await out(edge, kid, "echo $SEED") == "42\n"
+            assert (await run(edge, kid, "cat /secret/answer")).exit_code != 0  # still hidden
+            assert await edge.file_read(kid, "/secret/answer", 100) == b"hidden"  # but there
+            assert await out(edge, kid, "ls -ln /work/f | awk '{print $3}'") == "0\n"
+            assert (await run(edge, kid, "ps | grep -c 'sleep 60[0]'")).stdout == "0\n"
+            names.add(await out(edge, kid, "hostname"))
+            machine_ids.add(await out(edge, kid, "cat /etc/machine-id"))
+            # The child's writes are its own.
+            await out(edge, kid, f"echo {kid} > /work/f")
+        assert len(names) == 3 and len(machine_ids) == 3
+        for kid in kids:
+            assert await out(edge, kid, "cat /work/f") == f"{kid}\n"
+        assert await out(edge, src.id, "cat /work/f") == "before\nlate\n"
+        assert len(lowers(edge)) == 1
+        # A fork of a child: its own lower over the one it has.
+        grand = await edge.fork(kids[0], ForkSpec(n=1), "proj")
+        made.append(grand.children[0].id)
+        assert await out(edge, grand.children[0].id, "cat /work/f; md5sum /work/blob | "
+                         "cut -d' ' -f1") == f"{kids[0]}\n{blob}"
+        assert grand.children[0].labels["fork_of"] == kids[0]
+        assert len(lowers(edge)) == 2
+        # The lowers go with their last user, not before.
+        await edge.delete(src.id)
+        await delete_all(edge, kids)
+        assert await out(edge, grand.children[0].id, "cat /work/f") == f"{kids[0]}\n"
+        assert len(lowers(edge)) == 2
+        await edge.delete(grand.children[0].id)
+        assert lowers(edge) == set()
+        for sid in made:
+            assert edge.leftovers(sid) == []
+    finally:
+        await delete_all(edge, made)
+
+
+async def test_fork_of_a_paused_sandbox_and_of_one_made_from_a_snapshot(edge) -> None:  # noqa: ANN001
+    src = await edge.create(SandboxSpec(image=BB), "proj")
+    made = [src.id]
+    name = f"proj/fork-{src.id[-6:]}:1"
+    try:
+        await out(edge, src.id, "echo snap > /snap")
+        await edge.snapshot(src.id, SnapshotSpec(name=name), "proj")
+        await edge.pause(src.id)
+        res = await edge.fork(src.id, ForkSpec(n=2), "proj")
+        made += [c.id for c in res.children]
+        assert (await edge.get(src.id)).state == "paused"  # left as it was
+        for c in res.children:
+            assert await out(edge, c.id, "cat /snap") == "snap\n"
+        await edge.resume(src.id)
+        # From the snapshot: a sandbox of that image, forked.
+        base = await edge.create(SandboxSpec(image=name), "proj")
+        made.append(base.id)
+        await out(edge, base.id, "echo more >> /snap")
+        res2 = await edge.fork(base.id, ForkSpec(n=2), "proj")
+        made += [c.id for c in res2.children]
+        for c in res2.children:
+            assert await out(edge, c.id, "cat /snap") == "snap\nmore\n"
+    finally:
+        await delete_all(edge, made)
+        edge.store.remove(name)
+
+
+async def test_fork_bad_input_is_typed_and_leaves_nothing(edge) -> None:  # noqa: ANN001
+    src = await edge.create(SandboxSpec(image=BB, resources=Resources(memory_mib=64)), "proj")
+    mem = await edge.create(SandboxSpec(image=BB, disk_tier="memory"), "proj")
+    try:
+        before = set(edge.live)
+        with pytest.raises(BadRequest):
+            await edge.fork(src.id, ForkSpec.model_construct(n=0, labels={}), "proj")
+        edge.settings.fork_max_children = 4
+        with pytest.raises(BadRequest) as exc:
+            await edge.fork(src.id, ForkSpec(n=5), "proj")
+        assert exc.value.details["limit"] == 4
+        with pytest.raises(BadRequest):  # the memory tier has no clone
+            await edge.fork(mem.id, ForkSpec(n=1), "proj")
+        with pytest.raises(BadRequest):
+            await edge.fork(src.id, ForkSpec(n=1, labels={"rollbox.grader": "x"}), "proj")
+        # Above the project's quota: none made (all n are counted at once).
+        edge.quotas = type("Q", (), {"get": lambda self, p: Quota(sandboxes=4)})()
+        with pytest.raises(QuotaExceeded):
+            await edge.fork(src.id, ForkSpec(n=3), "proj")
+        edge.quotas = None
+        # Above the node's room.
+        edge.admission.limits.max_sandboxes = len(edge.live) + 2
+        edge.admission.limits.reserved_share = 0.0
+        with pytest.raises(CapacityExceeded):
+            await edge.fork(src.id, ForkSpec(n=3), "proj")
+        assert set(edge.live) == before
+        assert lowers(edge) == set()
+        edge.admission.limits.max_sandboxes = 4096
+        with pytest.raises(NotFound):
+            await edge.fork(f"{edge.node_id}-0123456789ab", ForkSpec(n=1), "proj")
+        await edge.delete(src.id)
+        with pytest.raises(SandboxDead):
+            await edge.fork(src.id, ForkSpec(n=1), "proj")
+        assert set(edge.live) == before - {src.id}
+        assert edge.admission.total.sandboxes == len(edge.live)
+    finally:
+        await delete_all(edge, [src.id, mem.id])
