@@ -512,7 +512,8 @@ class FnCallSpec(BaseModel):
     # Python modules imported before the call arrives; one warm pool per distinct set.
     preload: list[str] = Field(default_factory=list, max_length=64)
     image: str | None = Field(None, max_length=256, description="default: the fncall image")
-    # files (relative to the call dir) returned base64 in the result; at most 8 MiB in all
+    # files returned base64 in the result, at most 8 MiB in all: relative to the call dir, or
+    # absolute paths of files the call itself wrote elsewhere (e.g. /tmp, /mnt)
     fetch_files: list[str] = Field(default_factory=list, max_length=64)
 
     @field_validator("files")

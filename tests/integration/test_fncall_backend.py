@@ -49,6 +49,20 @@ async def test_languages_statuses_and_files(edge) -> None:  # noqa: ANN001
                                files=files, fetch_files=["out.bin", "missing.txt"]))
         assert r.status == "ok" and "'data'" in r.stdout
         assert base64.b64decode(r.files["out.bin"]) == b"daolyap" and "missing.txt" not in r.files
+        # outside the call dir: what the call wrote (/mnt, /tmp) comes back by its absolute
+        # path; the image's files, the worker's, links and a later call never do
+        r = await fb.call(spec("python", "open('/mnt/b','w').write('sauce')\n"
+                               "open('/tmp/t','w').write('tmp')\n"
+                               "import os; os.symlink('/etc/hostname', '/tmp/link')",
+                               fetch_files=["/mnt/b", "/tmp/t", "/tmp/link", "/etc/passwd",
+                                            "/proc/1/environ", "/mnt/../etc/passwd"]))
+        assert r.status == "ok", r.stderr
+        assert {k: base64.b64decode(v) for k, v in r.files.items()} == {
+            "/mnt/b": b"sauce", "/tmp/t": b"tmp"}
+        wrote = r.worker
+        r = await fb.call(spec("python", "import os; print(os.listdir('/mnt'))",
+                               fetch_files=["/mnt/b", "/tmp/t"]))
+        assert (r.worker, r.status, r.stdout, r.files) == (wrote, "ok", "[]\n", {})
         r = await fb.call(spec("python", "open('nope.txt').read()"))
         assert r.status == "runtime_error" and "FileNotFoundError" in r.stderr
         # no network inside

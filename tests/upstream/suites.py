@@ -44,6 +44,7 @@ class Suite:
     # How many tests pass against rollbox (the tier checks it, so a test that stops being
     # collected is noticed).
     expected_passed: int
+    pytest_args: tuple[str, ...] = ()  # options the suite needs (e.g. to drop its addopts)
 
 
 SWEREX = Suite(
@@ -78,7 +79,35 @@ SWEREX = Suite(
     expected_passed=51,
 )
 
-SUITES = {s.name: s for s in (SWEREX,)}
+SANDBOXFUSION = Suite(
+    name="sandboxfusion", repo="bytedance/SandboxFusion",
+    # No release tags: the commit the results were recorded at (main, 2026-07-14).
+    ref="469de0845cb7d665bc68044d541aa3aa28c5b30a", client="sandbox-fusion==0.3.7",
+    files=tuple(f"sandbox/tests/runners/test_{lang}.py"
+                for lang in ("python", "cpp", "nodejs", "bash")),
+    skipped_files={
+        "sandbox/tests/runners/test_<other language>.py": "languages rollbox's fncall pools "
+        "do not run (csharp, cuda, d, go, java, julia, kotlin, lean, lua, perl, php, r, "
+        "racket, ruby, rust, scala, swift, typescript, verilog)",
+        "sandbox/tests/runners/test_{pytest,jest,junit,go_test,jupyter,python_gpu}.py":
+            "run modes and endpoints rollbox does not serve (test runners, /run_jupyter, GPUs)",
+        "sandbox/tests/runners/test_isolation.py": "SandboxFusion's own network isolation "
+        "(servers on ports inside one run); rollbox's isolation has its own tests",
+        "sandbox/tests/datasets/": "SandboxFusion's dataset endpoints (/submit, "
+        "/get_prompts), not served by rollbox",
+    },
+    rewrites=(),
+    excluded={
+        "sandbox/tests/runners/test_nodejs.py::test_nodejs_lodash_dep":
+            "requires the npm package lodash, which SandboxFusion's image installs and "
+            "rollbox's fncall:1 image does not (rollbox installs no npm packages)",
+    },
+    expected_passed=24,
+    # Its addopts ask for pytest-cov, which measures SandboxFusion's server (not run here).
+    pytest_args=("-o", "addopts="),
+)
+
+SUITES = {s.name: s for s in (SWEREX, SANDBOXFUSION)}
 
 
 @dataclasses.dataclass
@@ -102,9 +131,11 @@ def fetch(suite: Suite, dest: Path, src: str | None = None) -> Path:
     """The suite's tree at ``suite.ref`` in ``dest``: from ``src`` (a git checkout or bare
     repository) or a shallow clone from GitHub."""
     dest.mkdir(parents=True, exist_ok=True)
-    if src is None:
-        subprocess.run(["git", "clone", "-q", "--depth", "1", "--branch", suite.ref,
-                        f"https://github.com/{suite.repo}", str(dest)], check=True)
+    if src is None:  # a tag or a commit id: fetch just that
+        for cmd in (["init", "-q"],
+                    ["fetch", "-q", "--depth", "1", f"https://github.com/{suite.repo}", suite.ref],
+                    ["checkout", "-q", "FETCH_HEAD"]):
+            subprocess.run(["git", "-C", str(dest), *cmd], check=True)
         return dest
     archive = subprocess.run(["git", "-C", src, "archive", suite.ref], check=True,
                              capture_output=True).stdout
@@ -116,6 +147,21 @@ def prepare(suite: Suite, tree: Path) -> None:
     """Install the overlay and apply the rewrites (each must match exactly once)."""
     if suite.name == "swerex":
         shutil.copy(HERE / "swerex_conftest.py", tree / "tests" / "conftest.py")
+    if suite.name == "sandboxfusion":
+        # Of the server package only its tests and its models (runners/types.py) stay; the
+        # rest of the package is the shim.
+        tests, types = tree / "sandbox" / "tests", tree / "sandbox" / "runners" / "types.py"
+        keep = tree.parent / "sandbox-keep"
+        keep.mkdir()
+        tests.rename(keep / "tests")
+        types.rename(keep / "types.py")
+        shutil.rmtree(tree / "sandbox")
+        shutil.copytree(HERE / "sandboxfusion_shim" / "sandbox", tree / "sandbox",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        (keep / "tests").rename(tests)
+        (keep / "types.py").rename(types)
+        keep.rmdir()
+        shutil.copy(HERE / "sandboxfusion_conftest.py", tests / "conftest.py")
     for rel, old, new in suite.rewrites:
         path = tree / rel
         text = path.read_text()
@@ -169,8 +215,10 @@ def run(suite: Suite, url: str, key: str, env: dict[str, str], src: str | None =
         subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
              f"--junitxml={junit}", "-o", "junit_family=xunit1", "--timeout=120",
-             *suite.files, *pytest_args],
-            cwd=tree, env=child_env, check=False)
+             *suite.pytest_args, *suite.files, *pytest_args],
+            cwd=tree, env={**child_env, "PYTHONPATH": os.pathsep.join(
+                [str(tree), child_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)},
+            check=False)
         return parse(junit, suite)
     finally:
         if own:

@@ -41,10 +41,11 @@ def _run(suite: suites.Suite, url: str, key: str, workdir: Path) -> suites.Outco
         return suites.run(suite, url, key, env, src, workdir=workdir)
 
 
-async def test_swerex_suite(server: tuple[str, str], tmp_path: Path) -> None:
-    out = await asyncio.to_thread(_run, suites.SWEREX, *server, tmp_path)
+@pytest.mark.parametrize("suite", [suites.SWEREX, suites.SANDBOXFUSION], ids=lambda s: s.name)
+async def test_suite(suite: suites.Suite, server: tuple[str, str], tmp_path: Path) -> None:
+    out = await asyncio.to_thread(_run, suite, *server, tmp_path)
     print(out.summary())
     assert not out.failed, out.failed
     assert not out.skipped, out.skipped
-    assert sorted(out.excluded) == sorted(suites.SWEREX.excluded)
-    assert len(out.passed) == suites.SWEREX.expected_passed, out.summary()
+    assert sorted(out.excluded) == sorted(suite.excluded)
+    assert len(out.passed) == suite.expected_passed, out.summary()

@@ -29,7 +29,9 @@ import traceback
 
 # Beneath an image directory: Landlock grants the worker only entries that existed at its exec.
 CALL_ROOT = "/var/lib/rollbox-fncall"
-WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+# /mnt: SandboxFusion's runs write scratch output there (each of its runs has a private
+# root); here it is world-writable and sticky like /tmp, emptied of the call's files after it.
+WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/mnt")
 PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_PDEATHSIG = 1
@@ -343,19 +345,25 @@ class Worker:
             return {"error": "bad_request", "message": f"unknown language {lang!r}"}
         return {"status": self._status(run), "run": self._wire(run),
                 "compile": self._wire(compile_res) if compile_res else None,
-                "files": self._fetch(cwd, req.get("fetch_files") or [])}
+                "files": self._fetch(cwd, req.get("fetch_files") or [], self.uid)}
 
     @staticmethod
-    def _fetch(cwd, names, budget=8 << 20):
-        """Regular files beneath the call dir only: each component opened O_NOFOLLOW from
-        its parent's fd, so no link leads out of it. Bounded in total."""
+    def _fetch(cwd, names, uid, budget=8 << 20):
+        """Regular files the call may hand back: beneath the call dir (a relative name), or
+        an absolute path elsewhere (e.g. /tmp, /mnt) naming a file the call's own uid owns,
+        so a call fetches what it wrote, never the image's or the worker's files. Each
+        component is opened O_NOFOLLOW from its parent's fd, so no link leads anywhere else.
+        Bounded in total."""
         out = {}
         for name in names:
-            rel = os.path.relpath(name, cwd) if name.startswith(cwd + "/") else name
-            parts = [p for p in os.path.normpath(rel).split("/") if p not in ("", ".")]
-            if not parts or ".." in parts or rel.startswith("/"):
+            if not isinstance(name, str) or "\0" in name:
                 continue
-            fds = [os.open(cwd, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)]
+            rel = os.path.relpath(name, cwd) if name.startswith(cwd + "/") else name
+            outside = rel.startswith("/")
+            parts = [p for p in os.path.normpath(rel).split("/") if p not in ("", ".")]
+            if not parts or ".." in parts:
+                continue
+            fds = [os.open("/" if outside else cwd, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)]
             try:
                 for part in parts[:-1]:
                     fds.append(os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW,
@@ -364,7 +372,8 @@ class Worker:
                              dir_fd=fds[-1])
                 fds.append(fd)
                 st = os.fstat(fd)
-                if st.st_mode & 0o170000 != 0o100000 or st.st_size > budget:
+                if st.st_mode & 0o170000 != 0o100000 or st.st_size > budget \
+                        or (outside and st.st_uid != uid):
                     continue
                 data = os.read(fd, st.st_size + 1)[:budget]
                 budget -= len(data)
@@ -554,6 +563,8 @@ def main():
     sys.stderr.reconfigure(line_buffering=True)
     os.makedirs(CALL_ROOT, 0o711, exist_ok=True)
     os.chmod(CALL_ROOT, 0o711)
+    os.makedirs("/mnt", exist_ok=True)
+    os.chmod("/mnt", 0o1777)  # see WORLD_WRITABLE
     sys.path = [p for p in sys.path if p not in ("", ".")]
     failed = []
     import importlib
