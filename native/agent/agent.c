@@ -48,12 +48,14 @@
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/sysmacros.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 #include <sys/time.h>
 #include <sys/wait.h>
+#include <termios.h>
 #include <sys/xattr.h>
 #include <limits.h>
 #include <time.h>
@@ -72,7 +74,7 @@
 enum { M_EXEC = 1, M_STDIN = 2, M_STDIN_CLOSE = 3, M_SIGNAL = 4, M_KILL = 5, M_PING = 6,
        M_PONG = 7, M_LIST = 8, M_REPLAY = 9, M_COLLECT = 10, M_RESEED = 11,
        M_SET_MACHINE_ID = 12, M_SET_HOSTNAME = 13, M_SET_CLOCK = 14, M_BOOT_INFO = 15,
-       M_HELLO = 16 };
+       M_HELLO = 16, M_RESIZE = 17 };
 /* agent -> edge */
 enum { M_READY = 32, M_STARTED = 33, M_SPAWN_FAILED = 34, M_STDOUT = 35, M_STDERR = 36,
        M_EXITED = 37, M_TAIL_STDOUT = 38, M_TAIL_STDERR = 39, M_SESSIONS = 40,
@@ -87,8 +89,16 @@ enum { M_READY = 32, M_STARTED = 33, M_SPAWN_FAILED = 34, M_STDOUT = 35, M_STDER
 /* With EXEC_PLATFORM_TOOL in guest mode: run in the sandbox's own root (where its commands run:
  * the host masks hidden paths there), not the tools' view. */
 #define EXEC_TOOL_IN_SANDBOX 16u
+/* A terminal: the command's stdin, stdout and stderr are the slave of a pty opened on the
+ * sandbox's own devpts (its controlling terminal, the command a session leader); the master is
+ * the session's one output stream (stdout) and its stdin. The head is followed by <HH cols,
+ * rows (1..PTY_MAX_SIZE) before the strings. */
+#define EXEC_PTY 32u
 #define EXEC_KNOWN_FLAGS (EXEC_STDIN | EXEC_CGROUP | EXEC_PLATFORM_SHELL | EXEC_PLATFORM_TOOL | \
-                          EXEC_TOOL_IN_SANDBOX)
+                          EXEC_TOOL_IN_SANDBOX | EXEC_PTY)
+#define PTY_SIZE_LEN 4
+#define PTY_MAX_SIZE 1000
+#define DEVPTS_MAGIC 0x1cd1
 #define EXEC_HEAD_SIZE 36 /* <IIIIQIII */
 #define EXITED_SIZE 44    /* <iiBxxxQQQQ */
 #define SESSION_ENTRY_SIZE 52 /* <IiBBxxiiQQQQ */
@@ -163,6 +173,7 @@ struct session {
     int out_fd[2];
     int out_ready[2];
     int in_ready, in_close_pending;
+    int is_pty; /* out_fd[0] is the pty master, in_fd a dup of it (out_fd[1] is -1) */
     char *in_buf;
     size_t in_len;
     uint64_t stream_limit, total[2], dropped[2];
@@ -1081,10 +1092,11 @@ fail:;
 static const char *step_names[] = {"unknown", "setsid", "join cgroup", "setgroups", "setgid",
                                    "setuid", "chdir", "open /dev/null", "dup2", "exec",
                                    "landlock", "oom_score_adj", "platform shell",
-                                   "platform tool", "chroot", "drop capabilities"};
+                                   "platform tool", "chroot", "drop capabilities",
+                                   "controlling terminal"};
 enum { ST_SETSID = 1, ST_CGROUP, ST_SETGROUPS, ST_SETGID, ST_SETUID, ST_CHDIR, ST_DEVNULL,
-       ST_DUP2, ST_EXEC, ST_LANDLOCK, ST_OOM, ST_SHELL, ST_TOOL, ST_CHROOT, ST_CAPS,
-       ST_LAST = ST_CAPS };
+       ST_DUP2, ST_EXEC, ST_LANDLOCK, ST_OOM, ST_SHELL, ST_TOOL, ST_CHROOT, ST_CAPS, ST_TTY,
+       ST_LAST = ST_TTY };
 
 /* Guest mode: the capabilities a command keeps, even as the guest's root: a container's set
  * (rollbox.backends.container.bundle.CAPABILITIES) without SYS_CHROOT, which in a guest leads
@@ -1344,6 +1356,12 @@ static void child_exec(volatile int32_t *report, int in_rd, int out_wr, int err_
     /* All pipe fds are >= 3 (fds 0-2 are always open in the agent), so dup2 can't clobber. */
     if (dup2(in_rd, 0) < 0 || dup2(out_wr, 1) < 0 || dup2(err_wr, 2) < 0) {
         report[0] = ST_DUP2;
+        goto fail;
+    }
+    /* A pty session: the slave (0-2 now) becomes the controlling terminal of the new session
+     * (by descriptor: no path of the sandbox). */
+    if ((flags & EXEC_PTY) && ioctl(0, TIOCSCTTY, 0) < 0) {
+        report[0] = ST_TTY;
         goto fail;
     }
     /* Everything above 2 goes at exec; the status pipe must survive until then. */
@@ -1690,6 +1708,47 @@ static int cgroup_oom_kills(int cgfd)
     return k ? atoi(k + 9) : 0;
 }
 
+/* A pty pair on the sandbox's own devpts: its ptmx is opened without following links,
+ * non-blocking (a FIFO the sandbox put there can not stall the agent), and must be a character
+ * device on a devpts filesystem; the slave comes from the master (TIOCGPTPEER), not from a
+ * path. Returns 0 with *master (non-blocking, CLOEXEC) and *slave (CLOEXEC), else -1/errno. */
+static int open_pty(int *master, int *slave, unsigned cols, unsigned rows, uid_t uid)
+{
+    int m = root_fd >= 0
+        ? openat(root_fd, "dev/pts/ptmx", O_RDWR | O_NOCTTY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
+        : open("/dev/pts/ptmx", O_RDWR | O_NOCTTY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
+    if (m < 0)
+        return -1;
+    struct stat st;
+    struct statfs sf;
+    int unlock = 0;
+    if (fstat(m, &st) < 0 || fstatfs(m, &sf) < 0) {
+        int err = errno;
+        close(m);
+        errno = err;
+        return -1;
+    }
+    if (!S_ISCHR(st.st_mode) || sf.f_type != DEVPTS_MAGIC) {
+        close(m);
+        errno = ENOTTY;
+        return -1;
+    }
+    struct winsize ws = {.ws_row = (unsigned short)rows, .ws_col = (unsigned short)cols};
+    int s = -1;
+    if (ioctl(m, TIOCSPTLCK, &unlock) < 0 || ioctl(m, TIOCSWINSZ, &ws) < 0 ||
+        (s = ioctl(m, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC)) < 0) {
+        int err = errno;
+        close(m);
+        errno = err;
+        return -1;
+    }
+    if (uid != 0 && fchown(s, uid, (gid_t)-1) < 0)
+        logmsg("pty: chown to %u: %s", (unsigned)uid, strerror(errno)); /* it still works */
+    *master = m;
+    *slave = s;
+    return 0;
+}
+
 /* EXEC. payload/plen: after the header. cgfd: attached fd or -1 (ownership taken). */
 static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
 {
@@ -1703,6 +1762,17 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
     uint64_t stream_limit = get_u64(p + 16);
     uint32_t tail_limit = get_u32(p + 24), argc = get_u32(p + 28), envc = get_u32(p + 32);
     const char *str = p + EXEC_HEAD_SIZE, *end = p + plen;
+    unsigned pty_cols = 0, pty_rows = 0;
+    if (flags & EXEC_PTY) {
+        if (plen < EXEC_HEAD_SIZE + PTY_SIZE_LEN) {
+            if (cgfd >= 0)
+                close(cgfd);
+            return -1;
+        }
+        pty_cols = (unsigned char)str[0] | (unsigned)(unsigned char)str[1] << 8;
+        pty_rows = (unsigned char)str[2] | (unsigned)(unsigned char)str[3] << 8;
+        str += PTY_SIZE_LEN;
+    }
     size_t nstr = 1 + (size_t)argc + (size_t)envc;
     if (argc == 0 || argc > 65536 || envc > 65536) {
         if (cgfd >= 0)
@@ -1748,6 +1818,16 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
         if (cgfd >= 0)
             close(cgfd);
         spawn_failed(id, EINVAL, "EXEC_PLATFORM_SHELL and EXEC_PLATFORM_TOOL exclude each other");
+        return 0;
+    }
+    if ((flags & EXEC_PTY) && ((flags & (EXEC_PLATFORM_TOOL | EXEC_STDIN)) ||
+                               pty_cols < 1 || pty_cols > PTY_MAX_SIZE || pty_rows < 1 ||
+                               pty_rows > PTY_MAX_SIZE)) {
+        free(vec);
+        if (cgfd >= 0)
+            close(cgfd);
+        spawn_failed(id, EINVAL, "EXEC_PTY: cols and rows 1..1000, no EXEC_STDIN or "
+                     "EXEC_PLATFORM_TOOL");
         return 0;
     }
     if ((flags & EXEC_TOOL_IN_SANDBOX) && !(flags & EXEC_PLATFORM_TOOL)) {
@@ -1802,18 +1882,30 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
     }
     struct session *s = calloc(1, sizeof *s);
     int o[2] = {-1, -1}, e[2] = {-1, -1}, in[2] = {-1, -1};
-    if (!s || pipe2(o, O_CLOEXEC) < 0 || pipe2(e, O_CLOEXEC) < 0 ||
-        ((flags & EXEC_STDIN) && pipe2(in, O_CLOEXEC) < 0)) {
+    if (s && (flags & EXEC_PTY)) {
+        /* o[0] the master, in[1] a dup of it (its own epoll watch), o[1] the slave */
+        if (open_pty(&o[0], &o[1], pty_cols, pty_rows, uid) < 0 ||
+            (in[1] = fcntl(o[0], F_DUPFD_CLOEXEC, 3)) < 0) {
+            int fds[] = {o[0], o[1], cgfd};
+            abandon_spawn(id, "pty", errno, fds, sizeof fds / sizeof fds[0], s, vec);
+            remove_session_cgroup(cg_seq);
+            return 0;
+        }
+    } else if (!s || pipe2(o, O_CLOEXEC) < 0 || pipe2(e, O_CLOEXEC) < 0 ||
+               ((flags & EXEC_STDIN) && pipe2(in, O_CLOEXEC) < 0)) {
         int fds[] = {o[0], o[1], e[0], e[1], in[0], in[1], cgfd};
         abandon_spawn(id, "pipe", errno, fds, sizeof fds / sizeof fds[0], s, vec);
         remove_session_cgroup(cg_seq);
         return 0;
     }
-    struct spawn_args sa = {{0, 0}, in[0], o[1], e[1], cgfd, uid, gid, cwd, argv, envp, flags};
+    int is_pty = (flags & EXEC_PTY) != 0;
+    struct spawn_args sa = {{0, 0}, is_pty ? o[1] : in[0], o[1], is_pty ? o[1] : e[1], cgfd,
+                            uid, gid, cwd, argv, envp, flags};
     pid_t pid = spawn(&sa);
     int fork_err = errno;
     close(o[1]);
-    close(e[1]);
+    if (e[1] >= 0)
+        close(e[1]);
     if (in[0] >= 0)
         close(in[0]);
     if (pid < 0) {
@@ -1831,6 +1923,7 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
     s->out_fd[0] = o[0];
     s->out_fd[1] = e[0];
     s->in_fd = in[1];
+    s->is_pty = is_pty;
     s->stream_limit = stream_limit;
     s->tail_limit = tail_limit < TAIL_LIMIT_MAX ? tail_limit : TAIL_LIMIT_MAX;
     s->deadline_ms = timeout_ms ? now_ms() + timeout_ms : 0;
@@ -1838,9 +1931,11 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
     s->w_err = (struct watch){W_ERR, s};
     s->w_in = (struct watch){W_IN, s};
     set_nonblock(s->out_fd[0]);
-    set_nonblock(s->out_fd[1]);
     ep_add(s->out_fd[0], EPOLLIN | EPOLLET, &s->w_out);
-    ep_add(s->out_fd[1], EPOLLIN | EPOLLET, &s->w_err);
+    if (s->out_fd[1] >= 0) {
+        set_nonblock(s->out_fd[1]);
+        ep_add(s->out_fd[1], EPOLLIN | EPOLLET, &s->w_err);
+    }
     if (s->in_fd >= 0) {
         set_nonblock(s->in_fd);
         ep_add(s->in_fd, EPOLLOUT | EPOLLET, &s->w_in);
@@ -2134,6 +2229,24 @@ static int handle_packet(const char *pkt, size_t len, int fd)
     case M_KILL:
         if (s)
             kill_session(s);
+        return 0;
+    case M_RESIZE:
+        if (plen != PTY_SIZE_LEN)
+            return -1;
+        {
+            unsigned cols = (unsigned char)p[0] | (unsigned)(unsigned char)p[1] << 8;
+            unsigned rows = (unsigned char)p[2] | (unsigned)(unsigned char)p[3] << 8;
+            int fd = s && s->is_pty ? (s->out_fd[0] >= 0 ? s->out_fd[0] : s->in_fd) : -1;
+            if (cols < 1 || cols > PTY_MAX_SIZE || rows < 1 || rows > PTY_MAX_SIZE) {
+                logmsg("session %u: resize to %ux%u refused (1..%d)", id, cols, rows,
+                       PTY_MAX_SIZE);
+                return 0;
+            }
+            struct winsize ws = {.ws_row = (unsigned short)rows, .ws_col = (unsigned short)cols};
+            /* the kernel sends SIGWINCH to the terminal's foreground process group */
+            if (fd >= 0 && ioctl(fd, TIOCSWINSZ, &ws) < 0)
+                logmsg("session %u: TIOCSWINSZ: %s", id, strerror(errno));
+        }
         return 0;
     case M_PING:
         send_small(M_PONG, id, NULL, 0);

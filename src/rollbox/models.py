@@ -163,6 +163,17 @@ class SandboxInfo(BaseModel):
     idempotency_key: str | None = None  # of the create that made it (SandboxSpec's)
 
 
+PTY_MAX_SIZE = 1000  # columns and rows of a terminal (the agent's bound too)
+
+
+class PtySize(BaseModel):
+    """A terminal's size in character cells."""
+
+    model_config = ConfigDict(extra="forbid")
+    cols: int = Field(80, ge=1, le=PTY_MAX_SIZE)
+    rows: int = Field(24, ge=1, le=PTY_MAX_SIZE)
+
+
 class ExecSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # Either a command string (run by the platform shell: bash -c, never the sandbox's shell)
@@ -173,6 +184,9 @@ class ExecSpec(BaseModel):
     user: str = Field("root", max_length=64)
     timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
     stdin: bool = Field(False, description="keep stdin open for exec_stdin; else /dev/null")
+    # A terminal: stdin, stdout and stderr are a pty of this size (its controlling terminal);
+    # all output arrives as stdout, stdin is always open (raw bytes: b"\x03" is ctrl-C).
+    pty: PtySize | None = Field(None, description="run on a terminal of this size")
     background: bool = False
     # A retry with the same key (per sandbox) returns the recorded command instead of running
     # it again, also across a server restart; the same key with another spec is refused.
@@ -235,6 +249,7 @@ class ExecInfo(BaseModel):
     exit_code: int | None = None
     timed_out: bool = False
     background: bool = False
+    pty: bool = False  # started on a terminal (exec_resize applies)
     # bytes of output so far: the offsets to re-attach from (stream ?stdout_offset=...)
     stdout_bytes: int = 0
     stderr_bytes: int = 0

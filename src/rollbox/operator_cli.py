@@ -236,12 +236,26 @@ def sandbox_exec(sandbox_id: str = typer.Argument(...),
                  cwd: str = typer.Option("/", "--cwd"), user: str = typer.Option("root", "--user"),
                  timeout: Optional[float] = typer.Option(None, "--timeout"),  # noqa: UP007
                  raw: bool = typer.Option(False, "--raw",
-                                          help="output bytes unescaped even on a terminal")) -> None:
+                                          help="output bytes unescaped even on a terminal"),
+                 pty: bool = typer.Option(False, "--pty", "-t",
+                                          help="on a terminal (interactive when stdin and "
+                                          "stdout are terminals)"),
+                 cols: Optional[int] = typer.Option(None, "--cols",  # noqa: UP007
+                                                    help="terminal width (default: yours, or 80)"),
+                 rows: Optional[int] = typer.Option(None, "--rows",  # noqa: UP007
+                                                    help="terminal height (default: yours, or 24)"),
+                 ) -> None:
     """Run a command, stream its output, exit with its exit code (128+N for signal N, 124 on
-    timeout). On a terminal, control bytes of the output are shown escaped unless --raw."""
+    timeout). On a terminal, control bytes of the output are shown escaped unless --raw.
+    --pty: the command runs on a terminal; with stdin and stdout terminals it is interactive
+    (yours in raw mode, its size followed; sequences that act beyond the screen, such as
+    clipboard access, are dropped unless --raw); else piped stdin is typed into it, then ^D."""
     if (shell is None) == (not argv):
         raise typer.BadParameter("give a command after -- or one string with -c")
     cmd: str | list[str] = shell if shell is not None else list(argv)
+    if pty:
+        _exec_pty(sandbox_id, cmd, cwd, user, timeout, raw, cols, rows)
+        return
 
     def sink(stream: Any) -> Callable[[str], None]:
         safe = not raw and stream.isatty()
@@ -255,11 +269,96 @@ def sandbox_exec(sandbox_id: str = typer.Argument(...),
     with _client() as client:
         res = client.get(sandbox_id).exec(cmd, cwd=cwd, user=user, timeout=timeout,
                                           on_stdout=sink(sys.stdout), on_stderr=sink(sys.stderr))
+    _exit_with(res)
+
+
+def _exit_with(res: Any) -> None:
     if res.timed_out:
         raise typer.Exit(124)
     if res.signal is not None:
         raise typer.Exit(128 + res.signal)
     raise typer.Exit(res.exit_code if res.exit_code is not None else 1)
+
+
+def _exec_pty(sandbox_id: str, cmd: str | list[str], cwd: str, user: str,
+              timeout: float | None, raw: bool, cols: int | None, rows: int | None) -> None:
+    """``sandbox exec --pty``: interactive on a local terminal, else run to completion."""
+    interactive = sys.stdin.isatty() and sys.stdout.isatty()
+    size = os.get_terminal_size(sys.stdout.fileno()) if interactive else None
+    cols = cols or (size.columns if size else 80)
+    rows = rows or (size.lines if size else 24)
+    if not interactive:
+        typed = sys.stdin.buffer.read(16 << 20) if not sys.stdin.isatty() else None
+        safe = not raw and sys.stdout.isatty()
+        with _client() as client:
+            res = client.get(sandbox_id).exec(
+                cmd, cwd=cwd, user=user, timeout=timeout, stdin=typed, pty=True, cols=cols,
+                rows=rows, on_stdout=lambda t: (sys.stdout.write(escape_control(t) if safe
+                                                                 else t), sys.stdout.flush()))
+        _exit_with(res)
+    with _client() as client:
+        proc = client.get(sandbox_id).exec_background(cmd, cwd=cwd, user=user, timeout=timeout,
+                                                      pty=True, cols=cols, rows=rows)
+        _attach_terminal(proc, raw)
+        res = proc.wait()
+    _exit_with(res)
+
+
+def _attach_terminal(proc: Any, raw: bool) -> None:
+    """The local terminal attached to a pty command until it exits: raw mode (restored at the
+    end, whatever happens), keys forwarded as typed, SIGWINCH forwarded as a resize, output
+    through :class:`rollbox.terminal.TerminalFilter` (unless ``raw``)."""
+    import signal
+    import termios
+    import threading
+    import tty
+
+    from rollbox.terminal import TerminalFilter
+
+    fd_in, fd_out = sys.stdin.fileno(), sys.stdout.fileno()
+    saved = termios.tcgetattr(fd_in)
+    done = threading.Event()
+
+    def keys() -> None:
+        import select
+
+        while not done.is_set():
+            ready, _, _ = select.select([fd_in], [], [], 0.2)
+            if not ready:
+                continue
+            data = os.read(fd_in, 4096)
+            if not data:
+                return
+            try:
+                proc.write_stdin(data)
+            except errors.RollboxError:
+                return  # it exited
+
+    def winch(_sig: int, _frame: Any) -> None:
+        size = os.get_terminal_size(fd_out)
+        threading.Thread(target=_resize_quietly, args=(proc, size.columns, size.lines),
+                         daemon=True).start()
+
+    old_winch = signal.signal(signal.SIGWINCH, winch)
+    tty.setraw(fd_in)
+    reader = threading.Thread(target=keys, name="rollbox-pty-keys", daemon=True)
+    reader.start()
+    shown = TerminalFilter()
+    try:
+        for chunk in proc.attach():
+            os.write(fd_out, chunk.data if raw else shown.feed(chunk.data))
+    finally:
+        done.set()
+        termios.tcsetattr(fd_in, termios.TCSADRAIN, saved)
+        signal.signal(signal.SIGWINCH, old_winch)
+        reader.join(1)
+
+
+def _resize_quietly(proc: Any, cols: int, rows: int) -> None:
+    try:
+        proc.resize(max(1, min(cols, 1000)), max(1, min(rows, 1000)))
+    except errors.RollboxError:
+        pass  # exited meanwhile
 
 
 @sandbox_app.command("logs")

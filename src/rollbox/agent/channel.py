@@ -146,6 +146,14 @@ class Session:
     async def close_stdin(self) -> None:
         await self._send(P.pack(P.STDIN_CLOSE, self.id))
 
+    async def resize(self, cols: int, rows: int) -> None:
+        """Set the terminal size of a pty session (RESIZE; BadRequest outside 1..1000)."""
+        try:
+            size = P.pty_size(cols, rows)
+        except ValueError as exc:
+            raise BadRequest(str(exc), cols=cols, rows=rows) from None
+        await self._send(P.pack(P.RESIZE, self.id, size))
+
     async def signal(self, sig: int) -> None:
         """Send ``sig`` to the session's process group."""
         await self._send(P.pack(P.SIGNAL, self.id, P.I32.pack(int(sig))))

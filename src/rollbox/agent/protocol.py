@@ -44,8 +44,16 @@ Edge -> agent
                  initramfs's ``/platform/busybox``, run chrooted in the tools' view of the
                  overlay (none of the sandbox's mounts or masks), or with EXEC_TOOL_IN_SANDBOX
                  in the sandbox root itself (to mask hidden paths there); in a container fd 6
-                 when the edge passes one). Unknown flags are refused. The agent
-                 answers STARTED or SPAWN_FAILED.
+                 when the edge passes one), EXEC_PTY (a terminal: the head is followed by
+                 ``<HH`` cols, rows, each 1..``PTY_MAX_SIZE``, then the strings; the agent opens
+                 a pty on the sandbox's own devpts (its ptmx not followed through links,
+                 checked to be a devpts character device; the slave from the master by
+                 TIOCGPTPEER, never by path), the command's stdin, stdout and stderr are the
+                 slave and its controlling terminal (setsid + TIOCSCTTY), and the master is
+                 the session's one output stream (STDOUT; no STDERR) and its stdin (STDIN
+                 bytes go to the master raw; excludes EXEC_STDIN and EXEC_PLATFORM_TOOL)).
+                 Unknown flags are refused (an older agent answers SPAWN_FAILED EINVAL to
+                 EXEC_PTY). The agent answers STARTED or SPAWN_FAILED.
   STDIN(2)       bytes for the session's stdin (at most ``CHUNK`` per packet), credit-based: the
                  edge keeps at most ``STDIN_WINDOW`` bytes per session not yet acknowledged by
                  STDIN_ACK, so a command that never reads its stdin can't stall the connection
@@ -69,6 +77,9 @@ Edge -> agent
   SET_CLOCK(14)  ``<qI`` seconds, nanoseconds of CLOCK_REALTIME -> clock_settime.
   BOOT_INFO(15)  answered by BOOT_INFO_REPLY(46).
   HELLO(16)      stream transports only (see above).
+  RESIZE(17)     ``<HH`` cols, rows of a pty session's terminal (TIOCSWINSZ: the kernel sends
+                 SIGWINCH to its foreground process group); a size outside 1..``PTY_MAX_SIZE``
+                 or a session without a pty is ignored (logged), no answer.
 
 Agent -> edge
   READY(32)      ``<I`` protocol version, sent on every new connection.
@@ -131,6 +142,8 @@ OFFSETS = struct.Struct("<QQ")
 FRAME_LEN = struct.Struct("<I")  # stream transports: the length before each packet
 CLOCK = struct.Struct("<qI")
 BOOT_INFO = struct.Struct("<iQQQQQQ")
+PTY_SIZE = struct.Struct("<HH")  # cols, rows (EXEC_PTY, RESIZE)
+PTY_MAX_SIZE = 1000
 HELLO_MAGIC = b"rollbox-hello-v1"
 SYNC_MAGIC = b"rollbox-sync--v1"
 NONCE_LEN = 8
@@ -139,6 +152,7 @@ NONCE_LEN = 8
 EXEC, STDIN, STDIN_CLOSE, SIGNAL, KILL, PING, PONG, LIST, REPLAY, COLLECT = (
     1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 RESEED, SET_MACHINE_ID, SET_HOSTNAME, SET_CLOCK, BOOT_INFO_REQ, HELLO = 11, 12, 13, 14, 15, 16
+RESIZE = 17
 # agent -> edge
 READY, STARTED, SPAWN_FAILED, STDOUT, STDERR, EXITED, TAIL_STDOUT, TAIL_STDERR, SESSIONS = (
     32, 33, 34, 35, 36, 37, 38, 39, 40,
@@ -154,6 +168,7 @@ EXEC_CGROUP = 2
 EXEC_PLATFORM_SHELL = 4
 EXEC_PLATFORM_TOOL = 8  # argv[0] names an applet of the platform's busybox, run by descriptor
 EXEC_TOOL_IN_SANDBOX = 16  # with EXEC_PLATFORM_TOOL (guest): in the sandbox root, not the view
+EXEC_PTY = 32  # a terminal of (cols, rows): stdin/stdout/stderr are a pty's slave
 
 # argv[0] of the platform shell (bash-static): bash semantics. ``sh`` would make it bash's
 # POSIX mode, for callers that promise /bin/sh semantics.
@@ -163,6 +178,13 @@ PLATFORM_SHELL_NAME = "bash"
 def shell_argv(cmd: str, name: str = PLATFORM_SHELL_NAME) -> list[str]:
     """argv of a command string run by the platform shell (with ``platform_shell=True``)."""
     return [name, "-c", cmd]
+
+
+def pty_size(cols: int, rows: int) -> bytes:
+    """``<HH`` of a terminal size; ValueError outside 1..PTY_MAX_SIZE."""
+    if not (1 <= cols <= PTY_MAX_SIZE and 1 <= rows <= PTY_MAX_SIZE):
+        raise ValueError(f"terminal size {cols}x{rows}: cols and rows must be 1..{PTY_MAX_SIZE}")
+    return PTY_SIZE.pack(cols, rows)
 
 
 def pack(msg_type: int, session: int, payload: bytes = b"", flags: int = 0) -> bytes:
@@ -192,16 +214,20 @@ class ExecRequest:
     platform_tool: bool = False  # argv[0] is a platform busybox applet, or the agent's own
     # rollbox-xattrs (EXEC_PLATFORM_TOOL)
     tool_in_sandbox: bool = False  # ...run in the sandbox root (EXEC_TOOL_IN_SANDBOX)
+    pty: tuple[int, int] | None = None  # (cols, rows): a terminal (EXEC_PTY)
 
     def encode(self, session: int, with_cgroup: bool) -> bytes:
         flags = ((EXEC_STDIN if self.stdin else 0) | (EXEC_CGROUP if with_cgroup else 0)
                  | (EXEC_PLATFORM_SHELL if self.platform_shell else 0)
                  | (EXEC_PLATFORM_TOOL if self.platform_tool else 0)
-                 | (EXEC_TOOL_IN_SANDBOX if self.tool_in_sandbox else 0))
+                 | (EXEC_TOOL_IN_SANDBOX if self.tool_in_sandbox else 0)
+                 | (EXEC_PTY if self.pty is not None else 0))
         head = EXEC_HEAD.pack(
             self.uid, self.gid, self.timeout_ms, flags, self.stream_limit, self.tail_limit,
             len(self.argv), len(self.env),
         )
+        if self.pty is not None:
+            head += pty_size(*self.pty)
         strings = b"".join(s.encode() + b"\0" for s in [self.cwd, *self.argv, *self.env])
         return pack(EXEC, session, head + strings)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import json
 import itertools
 import logging
@@ -45,8 +46,8 @@ from rollbox.images.store import Image, ImageStore
 from rollbox.isolation import cgroups, hostclaims
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import (
-    FORK_OF_LABEL, MAX_FORK_CHILDREN, NODE_LOST, Event, ExecInfo, ExecResult, ExecSpec,
-    FileStat, ForkResult, ForkSpec, GradeResult, GradeSpec,
+    FORK_OF_LABEL, MAX_FORK_CHILDREN, NODE_LOST, PTY_MAX_SIZE, Event, ExecInfo, ExecResult,
+    ExecSpec, FileStat, ForkResult, ForkSpec, GradeResult, GradeSpec,
     ImageInfo, LayerUsage, NetAudit, NetworkPolicy, NodeReport, NodeSandbox, SandboxInfo,
     SandboxSpec, SandboxUsage, SnapshotResult, SnapshotSpec,
 )
@@ -62,6 +63,7 @@ HOST_KILL_GRACE_S = 2.0
 # Bounds on waiting for it: to start a command, and to end one past its deadline + the grace.
 GUEST_START_TIMEOUT_S = 30.0
 GUEST_END_GRACE_S = 15.0
+PTY_TERM = "xterm-256color"  # TERM of a pty command whose env names none
 AUDIT_EVERY_S = 5  # net.denied events: at most one per sandbox per this many seconds
 
 
@@ -970,12 +972,16 @@ class Edge:
         env = dict(live.box.image_env)
         if spec.user != "root":
             env["HOME"] = home
+        if spec.pty is not None:
+            env.setdefault("TERM", PTY_TERM)
         env.update(spec.env)
         req = ExecRequest(
             argv=argv, env=[f"{k}={v}" for k, v in env.items()], cwd=spec.cwd, uid=uid, gid=gid,
-            timeout_ms=int(spec.timeout_s * 1000) if spec.timeout_s else 0, stdin=spec.stdin,
+            timeout_ms=int(spec.timeout_s * 1000) if spec.timeout_s else 0,
+            stdin=spec.stdin and spec.pty is None,  # a terminal's stdin is its master
             tail_limit=RETAIN_LIMIT,  # what a restarted edge can replay
             platform_shell=shell,
+            pty=(spec.pty.cols, spec.pty.rows) if spec.pty is not None else None,
         )
         slot = live.box.new_session()
         cg_name, cg_fd = slot.name, slot.cgroup_fd
@@ -1005,6 +1011,11 @@ class Edge:
             live.box.drop_session(cg_name)
             if shell and str(exc).startswith("platform shell"):  # the node's fault, not the call's
                 raise InfraError(f"sandbox {sandbox_id}: {exc}") from None
+            if spec.pty is not None and exc.errno == errno.EINVAL and "EXEC flags" in str(exc):
+                self.journal.exec_forget(sandbox_id, [exec_id])
+                raise BadRequest(f"sandbox {sandbox_id}: its agent predates pty exec (a microVM "
+                                 "restored from an older template); create a new sandbox",
+                                 errno=exc.errno, reason="pty_unsupported") from None
             if exc.errno in (2, 13) and "exec" in str(exc):  # command not found / not runnable
                 self._add_session(live, session)
                 self._log_start(sandbox_id, session)
@@ -1181,14 +1192,30 @@ class Edge:
     async def exec_stdin(self, sandbox_id: str, exec_id: str, data: bytes, eof: bool) -> None:
         sess = self._session(sandbox_id, exec_id)
         self._running(sandbox_id)
-        if not sess.spec.stdin:
+        if not sess.spec.stdin and sess.spec.pty is None:
             raise BadRequest("exec was started without stdin=true")
         if sess.done.is_set() or sess.agent_session is None:
             raise BadRequest(f"exec {exec_id} has exited")
         if data:
             await sess.agent_session.write_stdin(data)
-        if eof:
+        if eof and sess.spec.pty is not None:
+            # A terminal stays open: end of input is its EOF character (^D), which a program
+            # reading it in canonical mode sees as end of file.
+            await sess.agent_session.write_stdin(b"\x04")
+        elif eof:
             await sess.agent_session.close_stdin()
+
+    async def exec_resize(self, sandbox_id: str, exec_id: str, cols: int, rows: int) -> None:
+        sess = self._session(sandbox_id, exec_id)
+        if not (1 <= cols <= PTY_MAX_SIZE and 1 <= rows <= PTY_MAX_SIZE):
+            raise BadRequest(f"terminal size {cols}x{rows}: cols and rows must be "
+                             f"1..{PTY_MAX_SIZE}", cols=cols, rows=rows)
+        if sess.spec.pty is None:
+            raise BadRequest(f"exec {exec_id} has no terminal (started without pty)")
+        if sess.done.is_set() or sess.agent_session is None:
+            raise BadRequest(f"exec {exec_id} has exited")
+        self._running(sandbox_id)  # the frozen agent could not apply it
+        await sess.agent_session.resize(cols, rows)
 
     async def exec_kill(self, sandbox_id: str, exec_id: str, signal: int) -> None:
         sess = self._session(sandbox_id, exec_id)

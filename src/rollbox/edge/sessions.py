@@ -167,6 +167,7 @@ class ExecSession:
             state="exited" if self.done.is_set() else "running", started_at=self.started_at,
             exit_code=self.result.exit_code if self.result else None,
             timed_out=bool(self.result and self.result.timed_out), background=self.spec.background,
+            pty=self.spec.pty is not None,
             stdout_bytes=self.out.total, stderr_bytes=self.err.total,
         )
 

@@ -47,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapte
 from rollbox import errors
 from rollbox.agent.protocol import ExecRequest
 from rollbox.edge.interface import EdgeAPI
+from rollbox.models import PTY_MAX_SIZE
 
 PREFIX = "/edge/v1"
 ARGS_HEADER = "x-rollbox-args"
@@ -55,7 +56,7 @@ MAX_ARGS_HEADER = 16 << 10
 # The unary methods of EdgeAPI (POST /call/{name}): one name here is all a new one needs.
 UNARY: tuple[str, ...] = (
     "capacity", "report", "declare_lost", "create", "get", "list", "delete", "set_ttl", "set_network", "pause", "resume",
-    "exec_start", "exec_wait", "exec_stdin", "exec_kill", "exec_list",
+    "exec_start", "exec_wait", "exec_stdin", "exec_kill", "exec_resize", "exec_list",
     "file_read", "file_write", "file_stat", "file_list", "file_mkdir", "file_remove",
     "grade", "snapshot", "fork", "image_list", "image_delete", "image_usage", "image_stats",
     "record_event", "run_shell",
@@ -129,6 +130,8 @@ _NUM_BOUNDS: dict[str, Any] = {
     "max_bytes": Field(ge=0, le=1 << 40),
     "mode": Field(ge=0, le=0o7777),
     "signal": Field(ge=1, le=64),
+    "cols": Field(ge=1, le=PTY_MAX_SIZE),
+    "rows": Field(ge=1, le=PTY_MAX_SIZE),
     "ttl_s": Field(gt=0, le=7 * 24 * 3600),
     "timeout_s": Field(gt=0, le=7 * 24 * 3600),
     "tail": Field(ge=0, le=1 << 20),

@@ -33,8 +33,8 @@ from rollbox.sdk._transport import AsyncTransport, BlockingTransport, Request
 from rollbox.models import (
     FnCallResult, FnCallSpec,
     ApiKeyInfo, CreatedKey, Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec,
-    ImageInfo, JobEnded, JobInfo, JobSpec, LayerUsage, PortAccess, Project, Quota, Resources,
-    SandboxInfo, SandboxSpec, SnapshotResult, SnapshotSpec, ForkResult, ForkSpec,
+    ImageInfo, JobEnded, JobInfo, JobSpec, LayerUsage, PortAccess, Project, PtySize, Quota,
+    Resources, SandboxInfo, SandboxSpec, SnapshotResult, SnapshotSpec, ForkResult, ForkSpec,
 )
 
 TAR_CHUNK = 256 << 10
@@ -71,10 +71,12 @@ def _check_command(result: ExecResult, cmd: str | list[str]) -> None:
 
 def _exec_spec(cmd: str | list[str], env: Mapping[str, str] | None, cwd: str, user: str,
                timeout: float | None, stdin: bool, background: bool,
-               idempotency_key: str | None) -> dict[str, Any]:
+               idempotency_key: str | None, pty: bool = False, cols: int = 80,
+               rows: int = 24) -> dict[str, Any]:
     try:  # validated here so a bad call fails before any request
         spec = ExecSpec(cmd=cmd, env=dict(env or {}), cwd=cwd, user=user, timeout_s=timeout,
                         stdin=stdin, background=background,
+                        pty=PtySize(cols=cols, rows=rows) if pty else None,
                         idempotency_key=idempotency_key or new_idempotency_key())
     except pydantic.ValidationError as exc:
         raise errors.BadRequest(str(exc)) from None
@@ -138,12 +140,18 @@ class AsyncProcess:
     def __repr__(self) -> str:
         return f"<AsyncProcess {self.exec_id} in {self.sandbox.id}>"
 
-    async def attach(self) -> AsyncIterator[OutputChunk]:
-        """Output from the start of the command (replayed) until it exits. A stream broken by
+    async def attach(self, stdout_offset: int = 0,
+                     stderr_offset: int = 0) -> AsyncIterator[OutputChunk]:
+        """Output from the start of the command (replayed; or from the given byte offsets of
+        each stream, e.g. what an earlier attach yielded) until it exits. A stream broken by
         a server restart is resumed from the bytes already yielded (within the client's
         reconnect window); output the restarted server no longer had is skipped and counted
-        in ``truncated`` (bytes per stream)."""
+        in ``truncated`` (bytes per stream). A pty command's output is all ``stdout``, raw
+        terminal bytes (escape sequences, ``\r\n``)."""
+        if stdout_offset < 0 or stderr_offset < 0:
+            raise errors.BadRequest("offsets must be >= 0")
         offsets = Offsets()
+        offsets.have.update(stdout=stdout_offset, stderr=stderr_offset)
         self.truncated = offsets.truncated
         retry = Reconnect(self.sandbox.client.reconnect_s)
         while True:
@@ -182,7 +190,18 @@ class AsyncProcess:
         await self._t.request("POST", self._base + "/stdin", content=data)
 
     async def close_stdin(self) -> None:
+        """End of input (a pty command's terminal stays open: it gets ^D, end of file to a
+        program reading it in canonical mode)."""
         await self._t.request("POST", self._base + "/stdin", params={"eof": 1}, content=b"")
+
+    async def resize(self, cols: int, rows: int) -> None:
+        """The terminal size of a command started with ``pty=True`` (it gets SIGWINCH);
+        ``BadRequest`` outside 1..1000, for a command without a terminal, or one that exited."""
+        try:
+            size = PtySize(cols=cols, rows=rows)
+        except pydantic.ValidationError as exc:
+            raise errors.BadRequest(str(exc)) from None
+        await self._t.request("POST", self._base + "/resize", json=size.model_dump())
 
 
 class _TarPipe:
@@ -518,9 +537,12 @@ class AsyncSandbox:
         user: str = "root", timeout: float | None = None, stdin: bytes | str | None = None,
         on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None,
         check: bool = False, idempotency_key: str | None = None,
+        pty: bool = False, cols: int = 80, rows: int = 24,
     ) -> ExecResult:
         """Run a command to completion, streaming its output to the callbacks (str chunks).
         ``timeout`` is enforced inside the sandbox; a timed-out result has ``timed_out``.
+        ``pty=True``: on a terminal of ``cols`` x ``rows`` (1..1000); its output (echo of
+        ``stdin`` included) is all stdout, and ``stdin`` is typed into it, then ^D.
 
         Survives a server restart: the start carries ``idempotency_key`` (a fresh one per call
         unless given), so a retry after a broken connection returns the recorded command
@@ -532,7 +554,7 @@ class AsyncSandbox:
         with the same ``idempotency_key``, in its details) and ``ServerUnreachable`` when it
         certainly did not."""
         body = _exec_spec(cmd, env, cwd, user, timeout, stdin is not None, False,
-                          idempotency_key)
+                          idempotency_key, pty, cols, rows)
         key = body["idempotency_key"]
         retry = Reconnect(self.client.reconnect_s)
         if stdin is None and on_stdout is None and on_stderr is None:
@@ -594,11 +616,15 @@ class AsyncSandbox:
     async def exec_background(
         self, cmd: str | list[str], *, env: Mapping[str, str] | None = None, cwd: str = "/",
         user: str = "root", timeout: float | None = None, stdin: bool = False,
-        idempotency_key: str | None = None,
+        idempotency_key: str | None = None, pty: bool = False, cols: int = 80, rows: int = 24,
     ) -> AsyncProcess:
         """Start a command and return its handle. Retried through a server restart with an
-        idempotency key like :meth:`exec` (same errors when the window runs out)."""
-        body = _exec_spec(cmd, env, cwd, user, timeout, stdin, True, idempotency_key)
+        idempotency key like :meth:`exec` (same errors when the window runs out).
+        ``pty=True``: on a terminal of ``cols`` x ``rows`` (1..1000): stdin is always open
+        (raw bytes, ``b"\x03"`` is ctrl-C), ``resize`` changes its size, ``attach`` yields its
+        raw output as stdout."""
+        body = _exec_spec(cmd, env, cwd, user, timeout, stdin, True, idempotency_key,
+                          pty, cols, rows)
         r = await Reconnect(self.client.reconnect_s).call(
             lambda: self._t.request("POST", self._base + "/exec", json=body),
             body["idempotency_key"])

@@ -80,8 +80,8 @@ class Process:
     def __repr__(self) -> str:
         return f"<Process {self.exec_id}>"
 
-    def attach(self) -> Iterator[OutputChunk]:
-        return self._p.iterate(self._proc.attach())
+    def attach(self, stdout_offset: int = 0, stderr_offset: int = 0) -> Iterator[OutputChunk]:
+        return self._p.iterate(self._proc.attach(stdout_offset, stderr_offset))
 
     def wait(self, *, check: bool = False) -> ExecResult:
         return self._p.call(self._proc.wait(check=check))
@@ -94,6 +94,10 @@ class Process:
 
     def close_stdin(self) -> None:
         self._p.call(self._proc.close_stdin())
+
+    def resize(self, cols: int, rows: int) -> None:
+        """See :meth:`AsyncProcess.resize`."""
+        self._p.call(self._proc.resize(cols, rows))
 
 
 class Files:
@@ -181,21 +185,23 @@ class Sandbox:
         user: str = "root", timeout: float | None = None, stdin: bytes | str | None = None,
         on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None,
         check: bool = False, idempotency_key: str | None = None,
+        pty: bool = False, cols: int = 80, rows: int = 24,
     ) -> ExecResult:
         """See :meth:`AsyncSandbox.exec` (survives a server restart; ``ExecIndeterminate``)."""
         return self._p.call(self._sb.exec(
             cmd, env=env, cwd=cwd, user=user, timeout=timeout, stdin=stdin,
             on_stdout=on_stdout, on_stderr=on_stderr, check=check,
-            idempotency_key=idempotency_key))
+            idempotency_key=idempotency_key, pty=pty, cols=cols, rows=rows))
 
     def exec_background(
         self, cmd: str | list[str], *, env: Mapping[str, str] | None = None, cwd: str = "/",
         user: str = "root", timeout: float | None = None, stdin: bool = False,
-        idempotency_key: str | None = None,
+        idempotency_key: str | None = None, pty: bool = False, cols: int = 80, rows: int = 24,
     ) -> Process:
+        """See :meth:`AsyncSandbox.exec_background` (``pty=True``: a terminal)."""
         return Process(self._p, self._p.call(self._sb.exec_background(
             cmd, env=env, cwd=cwd, user=user, timeout=timeout, stdin=stdin,
-            idempotency_key=idempotency_key)))
+            idempotency_key=idempotency_key, pty=pty, cols=cols, rows=rows)))
 
     def process(self, exec_id: str) -> Process:
         return Process(self._p, self._sb.process(exec_id))

@@ -1,5 +1,5 @@
 """Routes ``/v1/sandboxes/{id}/exec``: start (NDJSON stream, background, or wait), list,
-re-attach from byte offsets, wait, stdin, kill. A started command is recorded into the audit
+re-attach from byte offsets, wait, stdin, kill, resize (a pty command's terminal). A started command is recorded into the audit
 log by a task of its own, independent of any client stream."""
 import json
 import logging
@@ -107,4 +107,13 @@ async def exec_stdin(sandbox_id: str, exec_id: str, request: Request, edge: Edge
 async def exec_kill(sandbox_id: str, exec_id: str, edge: Edge,
                     body: KillRequest | None = None) -> Response:
     await edge.exec_kill(sandbox_id, exec_id, (body or KillRequest()).signal)
+    return Response(status_code=204)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/exec/{exec_id}/resize", status_code=204)
+async def exec_resize(sandbox_id: str, exec_id: str, size: models.PtySize,
+                      edge: Edge) -> Response:
+    """The terminal size of a command started with ``pty`` (SIGWINCH to its foreground
+    process group); cols and rows 1..1000 (BadRequest else, or without a terminal)."""
+    await edge.exec_resize(sandbox_id, exec_id, size.cols, size.rows)
     return Response(status_code=204)
