@@ -52,6 +52,41 @@ def ensure_python_image(store: ImageStore, log: Callable[[str], None] = print) -
             store.tag(PYTHON_IMAGE, list(image.layers),
                       {**image.config, "env": {**env, **PYTHON_ENV}})
     ensure_fncall_image(store, log)
+    ensure_e2b_base_image(store, log)
+
+
+# E2B's `base` template as E2B's SDK and its tests expect it (rollbox.compat.e2b maps the
+# template name `base` here): python:3.11 + sudo and curl, a user `user` (uid 1000, home
+# /home/user, bash) who may sudo without a password. Root images stay as they are.
+E2B_BASE_IMAGE = "e2b-base:1"
+E2B_BASE_COMMANDS = [
+    "apt-get update -q",
+    "DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "
+    "sudo curl procps",
+    "useradd --create-home --uid 1000 --shell /bin/bash user",
+    "echo 'user ALL=(ALL:ALL) NOPASSWD: ALL' > /etc/sudoers.d/user",
+    "chmod 0440 /etc/sudoers.d/user",
+    "apt-get clean",
+    "rm -rf /var/lib/apt/lists/*",
+]
+
+
+def ensure_e2b_base_image(store: ImageStore, log: Callable[[str], None] = print) -> None:
+    _ensure_over_python(store, E2B_BASE_IMAGE, E2B_BASE_COMMANDS, "sudo, curl, user `user`",
+                        "build-e2b-base.log", log)
+
+
+def _ensure_over_python(store: ImageStore, name: str, commands: list[str], what: str,
+                        log_name: str, log: Callable[[str], None]) -> None:
+    """Build ``name`` = python:3.11 + a layer of ``commands`` unless it is there already."""
+    try:
+        store.resolve(name)
+        return
+    except Exception:  # noqa: BLE001 - missing: build it
+        pass
+    log(f"building {name} over {PYTHON_IMAGE} ({what})")
+    asyncio.run(build_layer_with_commands(store, PYTHON_IMAGE, commands, name, log=log,
+                                          log_file=store.root / log_name))
 
 
 # The fncall backend's workers: python:3.11 + compilers and node (C, C++, Node.js calls).
@@ -66,15 +101,8 @@ FNCALL_COMMANDS = [
 
 
 def ensure_fncall_image(store: ImageStore, log: Callable[[str], None] = print) -> None:
-    try:
-        store.resolve(FNCALL_IMAGE)
-        return
-    except Exception:  # noqa: BLE001 - missing: build it
-        pass
-    log(f"building {FNCALL_IMAGE} over {PYTHON_IMAGE} (gcc, g++, nodejs)")
-    asyncio.run(build_layer_with_commands(
-        store, PYTHON_IMAGE, FNCALL_COMMANDS, FNCALL_IMAGE, log=log,
-        log_file=store.root / "build-fncall.log"))
+    _ensure_over_python(store, FNCALL_IMAGE, FNCALL_COMMANDS, "gcc, g++, nodejs",
+                        "build-fncall.log", log)
 
 
 # ---- benchmark image (default off: `rollbox image ensure-bench-images`, never `make test`) ----

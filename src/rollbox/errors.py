@@ -23,6 +23,7 @@ The tree (class, wire code, HTTP status, ``R`` = retryable: when it is raised)::
     ├── PayloadTooLarge          payload_too_large      413    a body/file/tar/diff over its cap
     ├── QuotaExceeded            quota_exceeded         429    the project's quota says no
     ├── CommandFailed            command_failed         500    SDK: exec(check=True), exit != 0
+    ├── NotSupported             not_supported          501    compat: a peer's feature we lack
     ├── HashMismatch             hash_mismatch          502    mirror: upstream sha256 is wrong
     ├── PortNotListening         port_not_listening     502    port proxy: nothing listens there
     └── InfraError               infrastructure         503 R  a platform fault: retry (elsewhere)
@@ -319,6 +320,14 @@ class UpstreamTooLarge(InfraError):
     retryable = False
 
 
+class NotSupported(RollboxError):
+    """A peer's feature rollbox does not offer (a compat front door: an E2B route or option);
+    the message names the feature. Not retryable: the same request fails the same way."""
+
+    code = "not_supported"
+    status = 501
+
+
 ERRORS_BY_CODE: dict[str, type[RollboxError]] = {
     cls.code: cls
     for cls in (
@@ -349,6 +358,7 @@ ERRORS_BY_CODE: dict[str, type[RollboxError]] = {
         AgentProtocolError,
         HashMismatch,
         PortNotListening,
+        NotSupported,
         UpstreamUnavailable,
         UpstreamBadResponse,
         UpstreamTooLarge,
@@ -377,3 +387,4 @@ def without_paths(exc: RollboxError, trees: dict[Path, str]) -> RollboxError:
     if message == exc.message:
         return exc
     return type(exc)(message or "failed", **exc.details)
+

@@ -475,6 +475,8 @@ class KeySpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     project: str = Field(..., min_length=1, max_length=128)
     admin: bool = False
+    # "e2b": E2B's own form (e2b_ + hex) so E2B's SDKs accept it as is; same powers.
+    format: Literal["rollbox", "e2b"] = "rollbox"
 
 
 class CreatedKey(BaseModel):

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any, Optional
+from typing import Any, Literal, Optional, cast
 
 import typer
 from rich.console import Console
@@ -429,18 +429,26 @@ def key_create(project: str = typer.Option(..., help="project the key acts for")
                admin: bool = typer.Option(False, help="it administers the project's subtree "
                                           "(--local: everything, the operator's)"),
                local: bool = typer.Option(False, help="write the node's key store directly "
-                                          "(no server; the host's root only)")) -> None:
+                                          "(no server; the host's root only)"),
+               fmt: str = typer.Option("rollbox", "--format",
+                                       help="rollbox (rbx_...) or e2b (e2b_<hex>, E2B's own form "
+                                       "for the E2B SDK)")) -> None:
     """Create a key of a project this key administers, through the server (Forbidden for any
     other); printed once, never again. ``--local``: in this node's key store."""
+    if fmt not in ("rollbox", "e2b"):
+        console.print(f"[red]error[/red] (bad_request): --format must be rollbox or e2b, not "
+                      f"{markup_escape(fmt[:40])!r}")
+        raise typer.Exit(2)
+    key_fmt = cast(Literal["rollbox", "e2b"], fmt)
     if not local:
         with _client() as client:
-            typer.echo(client.create_key(project, admin=admin).key)
+            typer.echo(client.create_key(project, admin=admin, format=key_fmt).key)
         return
     from rollbox.iam.keys import KeyStore
 
     keys = KeyStore(Settings().data_dir / "keys.db")
     try:
-        typer.echo(keys.create(project, admin=admin))
+        typer.echo(keys.create(project, admin=admin, fmt=key_fmt))
     except errors.RollboxError as exc:
         console.print(f"[red]error[/red] ({exc.code}): {markup_escape(exc.message)}")
         raise typer.Exit(2) from None

@@ -1,8 +1,8 @@
 """A node for the unmodified ``e2b`` SDK: a real edge, the real api app on a real port, and
 E2B_API_URL / E2B_SANDBOX_URL / E2B_API_KEY pointed at it for the time it is open.
 
-The SDK keeps one transport per process, bound to the event loop that made it: each node
-starts with none and leaves none behind, so modules with their own loops do not share one.
+The SDK (from 2.51, on pyqwest) keeps process-global connection pools not bound to an event
+loop; each node has its own port, so pooled connections of an earlier node are never reused.
 """
 from __future__ import annotations
 
@@ -22,8 +22,6 @@ E2B_ENV = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN")
 @contextlib.asynccontextmanager
 async def e2b_node(project: str) -> AsyncIterator[tuple[str, str, Any]]:
     """Yields (server url, an api key of ``project``, the edge); checks for leaks at the end."""
-    from e2b.api.client_async import AsyncTransportWithLogger
-
     from rollbox.api import BackgroundServer, create_app
     from rollbox.compat.frontdoors import FRONT_DOORS
     from rollbox.edge.edge import Edge
@@ -38,7 +36,6 @@ async def e2b_node(project: str) -> AsyncIterator[tuple[str, str, Any]]:
     edge = Edge(node_settings(tmp), events)
     await edge.start()
     saved = {k: os.environ.get(k) for k in E2B_ENV}
-    AsyncTransportWithLogger.singleton = None
     try:
         async with BackgroundServer(create_app(placement_over([edge]), keys,
                                                front_doors=FRONT_DOORS)) as srv:
@@ -48,9 +45,6 @@ async def e2b_node(project: str) -> AsyncIterator[tuple[str, str, Any]]:
             os.environ["E2B_API_KEY"] = key
             yield srv.url, key, edge
     finally:
-        if AsyncTransportWithLogger.singleton is not None:
-            await AsyncTransportWithLogger.singleton.aclose()
-            AsyncTransportWithLogger.singleton = None
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

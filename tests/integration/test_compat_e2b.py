@@ -102,7 +102,7 @@ async def test_async_files(env: Env) -> None:
         assert bytes(await sbx.files.read("/tmp/a/blob.bin", format="bytes")) == blob
         assert (await sbx.commands.run("cat /tmp/a/b.txt")).stdout == "hello"
         await sbx.files.write("rel.txt", "home")  # relative: the user's home
-        assert (await sbx.commands.run("cat /root/rel.txt")).stdout == "home"
+        assert (await sbx.commands.run("cat /home/user/rel.txt")).stdout == "home"
 
         assert await sbx.files.exists("/tmp/a/b.txt")
         assert not await sbx.files.exists("/tmp/nope")

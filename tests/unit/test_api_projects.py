@@ -111,6 +111,47 @@ async def test_a_failed_or_cancelled_create_gives_its_room_back(tmp_path: Path) 
             await sb.delete()
 
 
+async def test_keys_in_e2b_form_act_for_their_project(tmp_path: Path) -> None:
+    """``format="e2b"``: ``e2b_`` + hex (the form E2B's SDKs check), same powers as rbx_ keys:
+    it authenticates, sees only its project, and is refused once revoked; a bad format is
+    bad_request."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from rollbox.cli import app as cli_app
+
+    async with ApiStack(tmp_path, ledger=True) as s, s.client(s.admin_key) as op:
+        created = await op.create_key("e2bp", format="e2b")
+        assert re.fullmatch(r"e2b_[0-9a-f]{64}", created.key), created.key
+        assert created.info.display.startswith("e2b_") and created.key not in created.info.display
+        other = (await op.create_key("elsewhere")).key
+        async with s.client(other) as c2, s.client(created.key) as c:
+            theirs = await c2.create("img")
+            mine = await c.create("img")
+            assert [sb.id for sb in await c.list()] == [mine.id]
+            await mine.delete()
+            await theirs.delete()
+        with pytest.raises(errors.BadRequest):
+            await op._t.request("POST", "/v1/keys", json={"project": "e2bp", "format": "x"})
+        await op.revoke_key(created.info.key_id)
+        async with s.client(created.key) as c:
+            with pytest.raises(errors.Unauthorized):
+                await c.list()
+        async with s.client("e2b_" + "0" * 64) as c:  # well formed, never issued
+            with pytest.raises(errors.Unauthorized):
+                await c.list()
+        env = {"ROLLBOX_API_KEY": s.admin_key, "ROLLBOX_URL": s.url}
+        res = await asyncio.to_thread(CliRunner().invoke, cli_app,
+                                      ["key", "create", "--project", "e2bp", "--format", "e2b"],
+                                      env=env)
+        assert res.exit_code == 0 and re.fullmatch(r"e2b_[0-9a-f]{64}", res.output.strip())
+        res = await asyncio.to_thread(CliRunner().invoke, cli_app,
+                                      ["key", "create", "--project", "e2bp", "--format", "x"],
+                                      env=env)
+        assert res.exit_code == 2 and "bad_request" in res.output, res.output
+
+
 async def test_the_cli_creates_lists_and_sets_projects(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 

@@ -9,14 +9,14 @@ import pytest
 from rollbox import errors
 from rollbox.compat.e2b.state import E2BState
 from rollbox.config import Settings
-from rollbox.default_images import BASE_IMAGE
+from rollbox.default_images import E2B_BASE_IMAGE
 
 
 def test_templates_are_base_then_the_settings(tmp_path: Path) -> None:
     s = Settings.scratch(tmp_path)
     s.e2b_templates = {"py": "python:3.11"}
     st = E2BState(s)
-    assert st.templates == {"base": BASE_IMAGE, "py": "python:3.11"}
+    assert st.templates == {"base": E2B_BASE_IMAGE, "py": "python:3.11"}
     assert st.image_of("py") == "python:3.11" and st.image_of("other:1") == "other:1"
     s.e2b_templates = {"base": "debian:bookworm"}
     assert E2BState(s).image_of("base") == "debian:bookworm"

@@ -9,7 +9,7 @@ commits, the watcher reconciles the ledger with the edges' live sets; the edge's
 reads a project's limits through ``IamStore.get`` (``iam.quotas`` keeps the flat per-node store
 the edge tests use).
 """
-from rollbox.iam.keys import KEY_PREFIX, KeyStore, SQLiteIam, SQLiteLedger
+from rollbox.iam.keys import KeyStore, SQLiteIam, SQLiteLedger
 from rollbox.iam.model import (
     IamStore,
     KeyInfo,
@@ -22,7 +22,8 @@ from rollbox.iam.model import (
     live_sandboxes,
 )
 from rollbox.iam.quotas import QuotaStore, SQLiteQuotas
+from rollbox.iam.sql import E2B_KEY_PREFIX, KEY_PREFIX
 
-__all__ = ["KEY_PREFIX", "IamStore", "KeyInfo", "KeyStore", "LiveSandbox", "Principal",
-           "ProjectInfo", "QuotaLedger", "QuotaStore", "Reservation", "SQLiteIam",
+__all__ = ["E2B_KEY_PREFIX", "KEY_PREFIX", "IamStore", "KeyInfo", "KeyStore", "LiveSandbox",
+           "Principal", "ProjectInfo", "QuotaLedger", "QuotaStore", "Reservation", "SQLiteIam",
            "SQLiteLedger", "SQLiteQuotas", "Usage", "live_sandboxes"]

@@ -30,8 +30,8 @@ from rollbox import errors
 from rollbox.iam.model import PROJECT_RE, KeyInfo, Principal, ancestors, parent_of
 from rollbox.iam.sql import (
     KEY_COLS,
-    KEY_PREFIX,
     QUOTA_COLS,
+    KeyFormat,
     Row,
     SqlIam,
     SqlLedger,
@@ -39,6 +39,7 @@ from rollbox.iam.sql import (
     new_key,
     principal_of,
     quota_of,
+    well_formed,
 )
 from rollbox.models import Quota
 
@@ -212,13 +213,13 @@ class SQLiteIam(SqlIam):
         self.db.run_now(fn)
 
     # ---- the host's own sync methods (operator CLI, tests) ----------------------------
-    def create(self, project: str, admin: bool = False) -> str:
+    def create(self, project: str, admin: bool = False, fmt: KeyFormat = "rollbox") -> str:
         """A key for ``project`` (made, with its ancestors, unlimited, if missing); the
         plaintext is returned here and never again. ``admin``: the operator's (administers
         everything). Project admin keys come from :meth:`create_key`."""
         if not PROJECT_RE.match(project):
             raise errors.BadRequest(f"invalid project name {project!r}")
-        key, key_id, key_hash, display = new_key()
+        key, key_id, key_hash, display = new_key(fmt)
         now = time.time()
 
         async def fn(tx: _Tx) -> None:
@@ -233,7 +234,7 @@ class SQLiteIam(SqlIam):
         return key
 
     def verify(self, key: str | None) -> Principal:
-        if not key or not key.startswith(KEY_PREFIX) or len(key) > 128:
+        if not well_formed(key):
             raise errors.Unauthorized("missing or malformed API key")
         digest = _hash(key)
         with self._lock:  # one hold: a revoke can not slip between the read and the cache

@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from rollbox import errors
 from rollbox.models import NodeSandbox, Quota, Resources, SandboxInfo
@@ -232,10 +232,11 @@ class IamStore(Protocol):
         under the delegation rule."""
         ...
 
-    async def create_key(self, who: Principal, project: str,
-                         admin: bool = False) -> tuple[str, KeyInfo]:
+    async def create_key(self, who: Principal, project: str, admin: bool = False,
+                         fmt: Literal["rollbox", "e2b"] = "rollbox") -> tuple[str, KeyInfo]:
         """A new key of ``project`` (administered by ``who``): (plaintext, once; its info).
-        ``admin``: it administers ``project``'s subtree."""
+        ``admin``: it administers ``project``'s subtree; ``fmt`` "e2b": in E2B's own form
+        (``e2b_`` + hex), for E2B SDKs that check the form."""
         ...
 
     async def list_keys(self, who: Principal, project: str | None = None) -> list[KeyInfo]:

@@ -24,7 +24,15 @@ import asyncpg
 
 from rollbox import errors
 from rollbox.iam.model import Principal
-from rollbox.iam.sql import KEY_PREFIX, QUOTA_COLS, Row, SqlIam, SqlLedger, principal_of, quota_of
+from rollbox.iam.sql import (
+    QUOTA_COLS,
+    Row,
+    SqlIam,
+    SqlLedger,
+    principal_of,
+    quota_of,
+    well_formed,
+)
 from rollbox.models import Quota
 
 log = logging.getLogger(__name__)
@@ -199,7 +207,7 @@ class PostgresIam(SqlIam):
 
     # ---- IamStore: the backend's part ---------------------------------------------------
     async def authenticate(self, key: str | None) -> Principal:
-        if not key or not key.startswith(KEY_PREFIX) or len(key) > 128:
+        if not well_formed(key):
             raise errors.Unauthorized("missing or malformed API key")
         digest = hashlib.sha256(key.encode()).digest()
         hit = self._cache.get(digest)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
-from typing import Protocol, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 from rollbox import errors
 from rollbox.iam.model import (
@@ -287,13 +287,13 @@ class SqlIam:
         return out
 
     # ---- keys --------------------------------------------------------------------------
-    async def create_key(self, who: Principal, project: str,
-                         admin: bool = False) -> tuple[str, KeyInfo]:
+    async def create_key(self, who: Principal, project: str, admin: bool = False,
+                         fmt: KeyFormat = "rollbox") -> tuple[str, KeyInfo]:
         """(See IamStore.) The operator's key may name a new top-level project: made."""
         check_lookup(project)
         if not who.administers(project):
             raise _forbidden(project)
-        key, key_id, key_hash, display = new_key()
+        key, key_id, key_hash, display = new_key(fmt)
         now = time.time()
         scope = project if admin else None
 
@@ -341,16 +341,25 @@ class SqlIam:
         self._revoked()
 
 
-def new_key() -> tuple[str, str, bytes, str]:
-    """(plaintext key, key id, sha256 of the key, display prefix)."""
+def new_key(fmt: KeyFormat = "rollbox") -> tuple[str, str, bytes, str]:
+    """(plaintext key, key id, sha256 of the key, display prefix). ``fmt`` "e2b": E2B's own
+    form, ``e2b_`` + hex (what E2B's SDKs check keys against), 256 random bits like ours."""
     import hashlib
 
-    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    prefix = E2B_KEY_PREFIX if fmt == "e2b" else KEY_PREFIX
+    key = prefix + (secrets.token_hex(32) if fmt == "e2b" else secrets.token_urlsafe(32))
     return (key, "key_" + secrets.token_hex(8), hashlib.sha256(key.encode()).digest(),
-            key[: len(KEY_PREFIX) + DISPLAY_CHARS] + "...")
+            key[: len(prefix) + DISPLAY_CHARS] + "...")
+
+
+def well_formed(key: str | None) -> bool:
+    """Could ``key`` be one we issued (either form)? Checked before any lookup."""
+    return bool(key) and len(key) <= 128 and key.startswith((KEY_PREFIX, E2B_KEY_PREFIX))
 
 
 KEY_PREFIX = "rbx_"
+E2B_KEY_PREFIX = "e2b_"
+KeyFormat = Literal["rollbox", "e2b"]
 DISPLAY_CHARS = 8  # of the random part; 48 bits shown, 208 bits stay secret
 
 

@@ -963,10 +963,13 @@ class AsyncClient:
         return [JobInfo.model_validate(x) for x in r.json()]
 
     # ---- API keys (admin keys: of their project's subtree) ----
-    async def create_key(self, project: str, *, admin: bool = False) -> CreatedKey:
+    async def create_key(self, project: str, *, admin: bool = False,
+                         format: Literal["rollbox", "e2b"] = "rollbox") -> CreatedKey:
         """A new key of ``project`` (one this key administers: else Forbidden); ``admin``:
-        it administers ``project`` and its sub-projects. ``.key`` is shown only here."""
-        r = await self._t.request("POST", "/v1/keys", json={"project": project, "admin": admin})
+        it administers ``project`` and its sub-projects; ``format="e2b"``: in E2B's own form
+        (``e2b_`` + hex) for the E2B SDK. ``.key`` is shown only here."""
+        r = await self._t.request("POST", "/v1/keys", json={"project": project, "admin": admin,
+                                                           "format": format})
         return CreatedKey.model_validate(r.json())
 
     async def keys(self, project: str | None = None) -> list[ApiKeyInfo]:

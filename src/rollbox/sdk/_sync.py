@@ -9,7 +9,7 @@ import os
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from rollbox import errors
 from rollbox.models import (
@@ -362,9 +362,10 @@ class Client:
     def keys(self, project: str | None = None) -> list[ApiKeyInfo]:
         return self._p.call(self._c.keys(project))
 
-    def create_key(self, project: str, *, admin: bool = False) -> CreatedKey:
+    def create_key(self, project: str, *, admin: bool = False,
+                   format: Literal["rollbox", "e2b"] = "rollbox") -> CreatedKey:
         """See :meth:`AsyncClient.create_key`."""
-        return self._p.call(self._c.create_key(project, admin=admin))
+        return self._p.call(self._c.create_key(project, admin=admin, format=format))
 
     def create_project(self, name: str, **kw: Any) -> Project:
         """See :meth:`AsyncClient.create_project`."""

@@ -26,7 +26,7 @@ def key_info(k: KeyInfo) -> models.ApiKeyInfo:
 async def create_key(body: models.KeySpec, who: Who, api: Api) -> models.CreatedKey:
     """A key of a project the caller administers (else Forbidden); ``admin``: it administers
     that project's subtree. The secret is in this answer only."""
-    key, info = await api.keys.create_key(who, body.project, body.admin)
+    key, info = await api.keys.create_key(who, body.project, body.admin, body.format)
     return models.CreatedKey(key=key, info=key_info(info))
 
 

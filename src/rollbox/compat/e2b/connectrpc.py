@@ -47,6 +47,8 @@ def from_rollbox(exc: BaseException) -> ConnectError:
     msg = str(exc)
     if isinstance(exc, errors.NotFound):
         return ConnectError("not_found", msg)
+    if isinstance(exc, errors.NotSupported):
+        return ConnectError("unimplemented", msg)
     if isinstance(exc, errors.Unauthorized):
         return ConnectError("unauthenticated", msg)
     if isinstance(exc, (errors.PayloadTooLarge, errors.QuotaExceeded)):

@@ -5,6 +5,7 @@ volumes, metrics, logs and anything else rollbox does not offer answer 501, neve
 """
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import urllib.parse
@@ -20,16 +21,19 @@ from rollbox.compat.e2b.state import (
     CLIENT_ID,
     ENVD_VERSION,
     PAUSED_TTL_S,
+    E2B_USER,
     TEMPLATE_LABEL,
+    USER_LABEL,
     E2BState,
     iso,
     labels_of,
     metadata_of,
     now,
 )
+from rollbox.default_images import E2B_BASE_IMAGE
 from rollbox.edge.interface import EdgeAPI
 from rollbox.iam import Principal
-from rollbox.models import MAX_TIMEOUT_S, SandboxInfo, SandboxSpec
+from rollbox.models import MAX_TIMEOUT_S, NetworkPolicy, SandboxInfo, SandboxSpec
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +77,60 @@ def _timeout(value: Any, default: float | None = None) -> float:
     if not 0 < value <= MAX_TIMEOUT_S:
         raise errors.BadRequest(f"timeout must be in (0, {MAX_TIMEOUT_S}]")
     return float(value)
+
+
+def _started_after(raw: str | None) -> float | None:
+    if not raw:
+        return None
+    try:
+        ts = dt.datetime.fromisoformat(raw.replace("Z", "+00:00").replace(" ", "+"))
+    except ValueError:
+        raise errors.BadRequest(f"startedAfter is not an RFC 3339 time: {raw[:64]!r}") from None
+    if ts.tzinfo is None:
+        ts = ts.replace(tzinfo=dt.UTC)
+    return ts.timestamp()
+
+
+def _cursor(raw: str | None) -> tuple[float, str] | None:
+    """A list page's ``nextToken``: ``<created_at>:<id>`` of the previous page's last item, so
+    a page never repeats or skips a sandbox when others come and go in between."""
+    if not raw:
+        return None
+    at, _, sid = raw.partition(":")
+    try:
+        return float(at), sid
+    except ValueError:
+        raise errors.BadRequest(f"invalid nextToken {raw[:64]!r}") from None
+
+
+OUT_PORTS = (80, 443)  # what an E2B allowOut entry opens (rollbox rules name their ports)
+
+
+def _network(body: dict[str, Any]) -> NetworkPolicy | None:
+    """E2B's egress rules onto rollbox's network policy (default deny): each ``allowOut``
+    entry (CIDR, address or domain, ``*.`` wildcards) opens tcp 80 and 443 to it; no
+    allowOut: no network (rollbox's default), ``allow_internet_access`` or not. ``denyOut``
+    has no rollbox counterpart (nothing is open to deny) unless it only repeats the default."""
+    net = body.get("network") or {}
+    if not isinstance(net, dict):
+        raise errors.BadRequest("network must be an object")
+    for k, what in (("rules", "per-domain request transforms"), ("egressProxy", "egress proxy"),
+                    ("maskRequestHost", "request host masks")):
+        if net.get(k):
+            raise errors.NotSupported(f"network.{k} ({what}) is not supported by rollbox")
+    allow, deny = net.get("allowOut") or [], net.get("denyOut") or []
+    if not isinstance(allow, list) or not isinstance(deny, list) or not all(
+            isinstance(x, str) for x in [*allow, *deny]):
+        raise errors.BadRequest("network.allowOut and network.denyOut must be lists of strings")
+    if deny and not (allow == [] and set(deny) <= {"0.0.0.0/0"}):
+        raise errors.NotSupported("network.denyOut is not supported by rollbox: its egress is "
+                                  "default deny, list what to reach in allowOut")
+    if not allow:
+        return None
+    try:
+        return NetworkPolicy(allow=[f"{a.strip()}:{p}/tcp" for a in allow for p in OUT_PORTS])
+    except ValidationError as exc:
+        raise errors.BadRequest(f"network.allowOut: {exc.errors()[0].get('msg')}") from None
 
 
 async def _json(request: Request) -> dict[str, Any]:
@@ -144,18 +202,16 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
             return e2b_error(501, "MCP gateways are not supported by rollbox")
         if body.get("autoPause"):
             return e2b_error(501, "autoPause is not supported by rollbox")
-        net = body.get("network") or {}
-        if any(net.get(k) for k in ("allowOut", "denyOut", "allowPublicTraffic",
-                                   "maskRequestHost")):
-            return e2b_error(501, "per-sandbox network rules are not supported through the "
-                                  "E2B API; use rollbox network permissions")
         metadata = body.get("metadata") or {}
         envs = body.get("envVars") or {}
         if not isinstance(metadata, dict) or not isinstance(envs, dict):
             raise errors.BadRequest("metadata and envVars must be objects")
-        spec = SandboxSpec(image=state.image_of(template),
-                           ttl_s=_timeout(body.get("timeout"), DEFAULT_TIMEOUT_S),
-                           labels=labels_of(metadata, template), env=envs)
+        image = state.image_of(template)
+        labels = labels_of(metadata, template)
+        if image == E2B_BASE_IMAGE:  # E2B's base: commands and paths default to `user`
+            labels[USER_LABEL] = E2B_USER
+        spec = SandboxSpec(image=image, ttl_s=_timeout(body.get("timeout"), DEFAULT_TIMEOUT_S),
+                           labels=labels, env=envs, network=_network(body))
         info = await api.create_sandbox(spec, principal.project)
         api.remember_owner(info.id, principal.project)
         await api.record(api.placement.edge_for(info.id), info.id, "sandbox.requested", {
@@ -175,6 +231,11 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         states = {s for s in (q.get("state") or "running,paused").split(",") if s}
         if states - {"running", "paused"}:
             raise errors.BadRequest(f"unknown state in {q.get('state')!r}")
+        order = q.get("order") or ("desc" if paged else "asc")
+        if order not in ("asc", "desc"):
+            raise errors.BadRequest(f"order must be 'asc' or 'desc', not {order!r}")
+        started_after = _started_after(q.get("startedAfter"))
+        template = q.get("template")
         labels = {}
         for k, v in wanted.items():
             labels.update({lk: lv for lk, lv in labels_of({k: v}, "").items()
@@ -184,21 +245,27 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
                  if (owner is None or i.owner == owner)
                  and all(i.labels.get(k) == v for k, v in labels.items())
                  and i.state in LIVE_STATES
-                 and e2b_state(i) in states]
-        found.sort(key=lambda i: (i.created_at, i.id))
+                 and e2b_state(i) in states
+                 # startedAt is reported to the microsecond: compare at that precision
+                 and (started_after is None or i.created_at + 1e-6 >= started_after)
+                 and (not template or template in (template_of(i), i.image))]
+        found.sort(key=lambda i: (i.created_at, i.id), reverse=order == "desc")
         headers = {}
         if paged:
             try:
                 limit = int(q.get("limit") or 100)
-                start = int(q.get("nextToken") or 0)
             except ValueError:
-                raise errors.BadRequest("limit and nextToken must be integers") from None
-            if not 1 <= limit <= LIST_LIMIT_MAX or start < 0:
+                raise errors.BadRequest("limit must be an integer") from None
+            if not 1 <= limit <= LIST_LIMIT_MAX:
                 raise errors.BadRequest(f"limit must be in 1..{LIST_LIMIT_MAX}")
-            page = found[start:start + limit]
-            if start + limit < len(found):
-                headers["x-next-token"] = str(start + limit)
-            found = page
+            after = _cursor(q.get("nextToken"))
+            if after is not None:  # the page starts past the last item of the previous one
+                found = [i for i in found if ((i.created_at, i.id) > after if order == "asc"
+                                              else (i.created_at, i.id) < after)]
+            if len(found) > limit:
+                last = found[limit - 1]
+                headers["x-next-token"] = f"{last.created_at!r}:{last.id}"
+            found = found[:limit]
         return JSONResponse([listed_json(i) for i in found], headers=headers)
 
     @handler
@@ -286,6 +353,8 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
 
     sb = PREFIX + "/sandboxes"
     app.add_api_route(sb, create, methods=["POST"], include_in_schema=False)
+    app.add_api_route(PREFIX + "/v2/sandboxes", create, methods=["POST"],
+                      include_in_schema=False)
     app.add_api_route(sb, list_v1, methods=["GET"], include_in_schema=False)
     app.add_api_route(PREFIX + "/v2/sandboxes", list_v2, methods=["GET"],
                       include_in_schema=False)
@@ -300,6 +369,8 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
     app.add_api_route(sb + "/{sandbox_id}/resume", resume, methods=["POST"],
                       include_in_schema=False)
     app.add_api_route(sb + "/{sandbox_id}/connect", connect, methods=["POST"],
+                      include_in_schema=False)
+    app.add_api_route(PREFIX + "/v2/sandboxes/{sandbox_id}/connect", connect, methods=["POST"],
                       include_in_schema=False)
 
 

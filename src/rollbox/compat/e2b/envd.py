@@ -13,6 +13,7 @@ import logging
 import posixpath
 import stat as statmod
 import time
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -26,12 +27,17 @@ from rollbox.api.context import ApiContext
 from rollbox.api.streams import primed
 from rollbox.compat.e2b import connectrpc as rpc
 from rollbox.compat.e2b.state import (
-    HOME,
+    DEFAULT_USER,
+    E2B_UID,
+    E2B_USER,
+    USER_LABEL,
     E2BState,
     abs_path,
     exec_of,
+    home,
     iso,
     pid_of,
+    set_default_user,
     user_of,
 )
 from rollbox.compat.shell import script_of
@@ -65,7 +71,11 @@ def _unb64(value: Any) -> bytes:
 
 
 def _owner(uid: int) -> str:
-    return "root" if uid == 0 else str(uid)
+    if uid == 0:
+        return "root"
+    if uid == E2B_UID and user_of(None) == E2B_USER:  # E2B's base template's `user`
+        return E2B_USER
+    return str(uid)
 
 
 def entry_info(st: FileStat, path: str | None = None) -> dict[str, Any]:
@@ -82,8 +92,10 @@ def entry_info(st: FileStat, path: str | None = None) -> dict[str, Any]:
         "group": _owner(st.gid),
         "modifiedTime": iso(st.mtime),
     }
-    if st.link_target is not None:
-        out["symlinkTarget"] = st.link_target
+    if st.link_target is not None:  # envd reports where the link points, made absolute
+        where = path or st.path
+        out["symlinkTarget"] = posixpath.normpath(
+            posixpath.join(posixpath.dirname(where), st.link_target))
     return out
 
 
@@ -107,6 +119,49 @@ def _basic_user(request: Request) -> str:
         except (ValueError, UnicodeDecodeError):
             raise rpc.ConnectError("invalid_argument", "bad Authorization header") from None
     return user_of(None)
+
+
+METADATA_HEADER = "x-metadata-"
+
+
+async def _body_chunks(request: Request) -> AsyncIterator[bytes]:
+    """An octet-stream upload's body, gunzipped when ``Content-Encoding: gzip`` (bounded by
+    the caller's byte cap as it is inflated: a small bomb can not grow past it)."""
+    enc = (request.headers.get("content-encoding") or "identity").strip().lower()
+    if enc not in ("identity", "gzip"):
+        raise errors.BadRequest(f"Content-Encoding {enc[:32]!r} not supported (gzip or none)")
+    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS) if enc == "gzip" else None
+    async for chunk in request.stream():
+        if inflate is None:
+            yield chunk
+            continue
+        try:
+            while chunk:
+                out = inflate.decompress(chunk, 1 << 20)
+                chunk = inflate.unconsumed_tail
+                if out:
+                    yield out
+        except zlib.error:
+            raise errors.BadRequest("body is not valid gzip") from None
+    if inflate is not None:
+        if not inflate.eof:
+            raise errors.BadRequest("gzip body ends early")
+        if tail := inflate.flush():
+            yield tail
+
+
+async def _own(edge: EdgeAPI, sid: str, paths: list[str]) -> None:
+    """In E2B's base template files are the user's: what envd wrote (as root, the edge's file
+    API) is handed to ``user`` when it is the sandbox's default user (parents made on the way
+    stay root's). Root images: nothing to do."""
+    if user_of(None) == DEFAULT_USER or not paths:
+        return
+    user = user_of(None)
+    exec_id = await edge.exec_start(sid, ExecSpec(
+        cmd=["chown", "-h", f"{user}:{user}", "--", *paths], timeout_s=30))
+    res = await edge.exec_wait(sid, exec_id)
+    if res.exit_code != 0:
+        raise errors.InfraError(f"chown to {user} failed: {res.stderr.strip()[:200]}")
 
 
 # ---- output streams ---------------------------------------------------------------------
@@ -182,8 +237,20 @@ def _stream_response(first: dict[str, Any] | None, events: AsyncIterator[dict[st
     return StreamingResponse(body(), media_type=rpc.STREAM_MEDIA_TYPE)
 
 
-def _process_events(stream: AsyncIterator[ExecOutput | None], sandbox_id: str,
+def _process_events(stream: AsyncIterator[ExecOutput | None], edge: EdgeAPI, sandbox_id: str,
                     command_deadline: bool) -> AsyncIterator[dict[str, Any] | None]:
+    # A command whose sandbox is killed under it: envd's stream ends "unavailable" with a
+    # message that does not say the sandbox is gone; the SDK then probes /health, which
+    # answers "was not found", and reports "the sandbox was killed or reached its end of
+    # life" (TimeoutException), not the command's exit.
+    lost = f"the connection to sandbox {sandbox_id} ended before the command completed"
+
+    async def gone() -> bool:
+        try:
+            return (await edge.get(sandbox_id)).state not in ("creating", "running", "paused")
+        except errors.NotFound:
+            return True
+
     async def gen() -> AsyncIterator[dict[str, Any] | None]:
         async for item in stream:
             if item is None:
@@ -195,6 +262,8 @@ def _process_events(stream: AsyncIterator[ExecOutput | None], sandbox_id: str,
                 if res.timed_out and command_deadline:
                     raise rpc.ConnectError("deadline_exceeded",
                                            "command exceeded its timeout and was killed")
+                if res.signal is not None and await gone():
+                    raise errors.SandboxDead(lost)
                 end: dict[str, Any] = {"exited": res.signal is None}
                 if res.signal is not None:
                     end["exitCode"] = -1
@@ -207,8 +276,10 @@ def _process_events(stream: AsyncIterator[ExecOutput | None], sandbox_id: str,
                 yield {"event": {"end": end}}
                 return
             elif item.kind == "error":
+                if await gone():
+                    raise errors.SandboxDead(lost)
                 raise item.error or errors.SandboxDead("command stream failed")
-        raise errors.SandboxDead(f"sandbox {sandbox_id} went away under the command")
+        raise errors.SandboxDead(lost)
 
     return gen()
 
@@ -251,9 +322,24 @@ def diff(old: Snapshot, new: Snapshot) -> list[dict[str, Any]]:
 
 
 class Watcher:
-    def __init__(self, sid: str, path: str, recursive: bool, snap: Snapshot) -> None:
+    def __init__(self, sid: str, path: str, recursive: bool, snap: Snapshot,
+                 include_entry: bool) -> None:
         self.sid, self.path, self.recursive, self.snap = sid, path, recursive, snap
+        self.include_entry = include_entry
         self.created = time.monotonic()
+
+
+async def with_entries(edge: EdgeAPI, sid: str, root: str,
+                       events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """envd >= 0.6.3's ``include_entry``: each event carries the EntryInfo of what it names,
+    when that can still be stat-ed (not for a remove)."""
+    for ev in events:
+        if ev["type"] == "EVENT_TYPE_REMOVE":
+            continue
+        full = posixpath.join(root, ev["name"])
+        with contextlib.suppress(errors.NotFound):
+            ev["entry"] = entry_info(await edge.file_stat(sid, full), full)
+    return events
 
 
 # ---- routes -----------------------------------------------------------------------------
@@ -265,10 +351,18 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
                                        request.headers.get("e2b-sandbox-id"))
         await api.keys.key_active(key_id)  # the token ends with the key that got it
         edge = api.placement.edge_for(sid)
-        # E2B: a paused sandbox's envd is unreachable until connect/resume (the edge would
-        # still serve its files host-side; E2B clients expect the refusal).
-        if (await edge.get(sid)).state == "paused":
-            raise errors.SandboxDead(f"sandbox {sid} is paused")
+        try:
+            info = await edge.get(sid)
+            now_in = info.state
+        except errors.NotFound:
+            now_in = "deleted"
+        else:
+            set_default_user(info.labels.get(USER_LABEL, DEFAULT_USER))
+        # E2B's proxy answers for a sandbox that is gone (and a paused one: its envd is
+        # unreachable until connect/resume) with 502 "... was not found": the SDK reads that
+        # phrase as "not running" (SandboxNotRunningException, a health probe's False).
+        if now_in not in ("creating", "running"):
+            raise errors.SandboxDead(f"the sandbox {sid} was not found ({now_in})")
         return sid, edge
 
     # -- plain HTTP: /health, /files --
@@ -289,10 +383,7 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
     @app.get(PREFIX + "/health", include_in_schema=False)
     async def health(request: Request) -> Response:
         try:
-            sid, edge = await route(request)
-            info = await edge.get(sid)
-            if info.state not in ("creating", "running"):
-                raise errors.SandboxDead(f"sandbox {sid} is {info.state}")
+            await route(request)
         except Exception as exc:  # noqa: BLE001
             return http_error(exc)
         return Response(status_code=204)
@@ -311,6 +402,17 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
     async def files_post(request: Request, path: str = "") -> Response:
         try:
             sid, edge = await route(request)
+            if any(h.lower().startswith(METADATA_HEADER) for h in request.headers):
+                raise errors.NotSupported("file metadata (X-Metadata-*, user.e2b.* extended "
+                                          "attributes) is not supported by rollbox")
+            ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            if ctype == "application/octet-stream":  # envd >= 0.5.7: one file, the raw body
+                target = abs_path(path)
+                await edge.file_write_stream(sid, target, _body_chunks(request), 0o644,
+                                             MAX_FILE_STREAM)
+                await _own(edge, sid, [target])
+                return JSONResponse([{"name": posixpath.basename(target), "type": "file",
+                                      "path": target}])
             form = await request.form(max_files=1000)
             written = []
             try:
@@ -328,6 +430,7 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
                 await form.close()
             if not written:
                 raise errors.BadRequest("no file in the request")
+            await _own(edge, sid, [w["path"] for w in written])
         except Exception as exc:  # noqa: BLE001
             return http_error(exc)
         return JSONResponse(written)
@@ -364,7 +467,7 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
             raise rpc.ConnectError("invalid_argument", str(exc)) from None
         spec = ExecSpec(cmd=argv if script is None else script,
                         env={str(k): str(v) for k, v in envs.items()},
-                        cwd=abs_path(proc.get("cwd") or HOME), user=_basic_user(request),
+                        cwd=abs_path(proc.get("cwd") or home()), user=_basic_user(request),
                         timeout_s=deadline_s, stdin=bool(msg.get("stdin")))
         exec_id = await edge.exec_start(sid, spec)  # the edge logs exec.* itself
         pid = pid_of(exec_id)
@@ -372,7 +475,7 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         items = _with_keepalive(edge.exec_stream(sid, exec_id), _keepalive_interval(request),
                                 None)
         return _stream_response({"event": {"start": {"pid": pid}}},
-                                _process_events(items, sid, command_deadline=True),
+                                _process_events(items, edge, sid, command_deadline=True),
                                 {"event": {"keepalive": {}}})
 
     async def _running(edge: EdgeAPI, sid: str, exec_id: str) -> None:
@@ -393,7 +496,7 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         items = _with_keepalive(edge.exec_stream(sid, exec_id), _keepalive_interval(request),
                                 deadline)
         return _stream_response({"event": {"start": {"pid": pid_of(exec_id)}}},
-                                _process_events(items, sid, command_deadline=False),
+                                _process_events(items, edge, sid, command_deadline=False),
                                 {"event": {"keepalive": {}}})
 
     async def process_list(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
@@ -447,6 +550,7 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
             await edge.file_stat(sid, p)
         except errors.NotFound:
             await edge.file_mkdir(sid, p, True)
+            await _own(edge, sid, [p])
             return {"entry": entry_info(await edge.file_stat(sid, p), p)}
         raise rpc.ConnectError("already_exists", f"path already exists: {p}")
 
@@ -471,20 +575,22 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         if top.type != "dir":
             raise rpc.ConnectError("invalid_argument", f"path is not a directory: {root}")
         entries: list[dict[str, Any]] = []
-        todo = [(root, 1)]
-        while todo:
-            d, level = todo.pop(0)
-            for st in await edge.file_list(sid, d):
+
+        async def walk(d: str, level: int) -> None:  # envd's order: depth first, by name
+            for st in sorted(await edge.file_list(sid, d), key=lambda s: s.name):
+                if len(entries) >= LIST_MAX_ENTRIES:
+                    return
                 full = posixpath.join(d, st.name)
                 entries.append(entry_info(st, full))
-                if len(entries) >= LIST_MAX_ENTRIES:
-                    return {"entries": entries}
                 if st.type == "dir" and level < depth:
-                    todo.append((full, level + 1))
+                    await walk(full, level + 1)
+
+        await walk(root, 1)
         return {"entries": entries}
 
     async def fs_remove(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
-        await edge.file_remove(sid, _path(msg), True)
+        with contextlib.suppress(errors.NotFound):  # E2B: removing what is not there is ok
+            await edge.file_remove(sid, _path(msg), True)
         return {}
 
     async def _watch_root(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> tuple[str, bool]:
@@ -492,12 +598,14 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         st = await edge.file_stat(sid, p)
         if st.type != "dir":
             raise rpc.ConnectError("invalid_argument", f"path is not a directory: {p}")
+        # allowNetworkMounts (envd >= 0.6.4) needs nothing: the watch is polled, not inotify.
         return p, bool(msg.get("recursive"))
 
     async def fs_watch(request: Request) -> Response:
         msg = await rpc.read_message(request, streaming=True)
         sid, edge = await route(request)
         root, recursive = await _watch_root(sid, edge, msg)
+        include_entry = bool(msg.get("includeEntry"))
         snap = await snapshot(edge, sid, root, recursive)
         t = rpc.timeout_s(request)
         deadline = time.monotonic() + t if t else None
@@ -515,7 +623,10 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
                     if (await edge.get(sid)).state not in ("creating", "running"):
                         raise
                     new = {}
-                for ev in diff(snap, new):
+                events = diff(snap, new)
+                if include_entry:
+                    events = await with_entries(edge, sid, root, events)
+                for ev in events:
                     yield {"filesystem": ev}
                 snap = new
 
@@ -527,7 +638,8 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         while len(watchers) >= MAX_WATCHERS:  # polled watchers the client never removed
             watchers.pop(next(iter(watchers)))
         wid = f"w{time.monotonic_ns():x}"
-        watchers[wid] = Watcher(sid, root, recursive, await snapshot(edge, sid, root, recursive))
+        watchers[wid] = Watcher(sid, root, recursive, await snapshot(edge, sid, root, recursive),
+                                bool(msg.get("includeEntry")))
         return {"watcherId": wid}
 
     def _watcher(sid: str, msg: dict[str, Any]) -> tuple[str, Watcher]:
@@ -542,6 +654,8 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         new = await snapshot(edge, sid, w.path, w.recursive)
         events = diff(w.snap, new)
         w.snap = new
+        if w.include_entry:
+            events = await with_entries(edge, sid, w.path, events)
         return {"events": events}
 
     async def fs_remove_watcher(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:

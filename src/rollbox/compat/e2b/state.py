@@ -3,6 +3,7 @@ mappings between E2B's names and rollbox's (pids, metadata, users, paths).
 """
 from __future__ import annotations
 
+import contextvars
 import datetime as dt
 import hashlib
 import hmac
@@ -14,21 +15,37 @@ from pathlib import Path
 
 from rollbox import errors
 from rollbox.config import Settings
-from rollbox.default_images import BASE_IMAGE
+from rollbox.default_images import E2B_BASE_IMAGE
 from rollbox.models import LABEL_RE, SandboxInfo
 
-# The envd version rollbox speaks: >= 0.4.0 so the SDK sends no default user, >= 0.3.0 for
-# optional stdin, >= 0.1.4 for recursive watch.
-ENVD_VERSION = "0.4.0"
+# The envd version rollbox speaks, and what the SDK (2.63) then uses: >= 0.1.4 recursive
+# watch, 0.3.0 optional stdin, 0.4.0 no default user sent, 0.5.2 close stdin, 0.5.7
+# octet-stream (and gzip) uploads, 0.6.2 file metadata (answered 501: not supported), 0.6.3
+# entry info in watch events, 0.6.4 watches on network mounts (polled: nothing to refuse).
+ENVD_VERSION = "0.6.4"
 CLIENT_ID = "rollbox"
 TEMPLATE_LABEL = "e2b.template"
 META_PREFIX = "e2b.m."
 # E2B pids are numbers; rollbox exec ids are "e<n>" per sandbox: pid = n + PID_BASE.
 PID_BASE = 1000
 _EXEC_RE = re.compile(r"^e(\d{1,9})$")
-# E2B's default user is "user"; rollbox images have root, so "user" (and no user) run as root.
+# E2B's default user is "user". A sandbox of E2B's base template (rollbox's e2b-base image)
+# has one (home /home/user); in root images "user" (and no user) run as root, home /root.
+USER_LABEL = "e2b.user"
 DEFAULT_USER = "root"
 HOME = "/root"
+E2B_USER, E2B_HOME, E2B_UID = "user", "/home/user", 1000
+# The default user of the envd request being served (set by envd's route() from the
+# sandbox's USER_LABEL): what "no user"/"user" and relative paths resolve against.
+_default_user: contextvars.ContextVar[str] = contextvars.ContextVar("e2b_user", default="root")
+
+
+def set_default_user(user: str) -> None:
+    _default_user.set(user)
+
+
+def home() -> str:
+    return E2B_HOME if _default_user.get() == E2B_USER else HOME
 PAUSED_TTL_S = 24 * 3600.0
 
 
@@ -63,7 +80,7 @@ class E2BState:
                  templates: dict[str, str] | None = None) -> None:
         settings = settings or Settings()
         self.templates = (templates if templates is not None
-                          else {"base": BASE_IMAGE, **settings.e2b_templates})
+                          else {"base": E2B_BASE_IMAGE, **settings.e2b_templates})
         self._secret = _load_secret(settings)
 
     # -- access tokens: "<sandbox id>.<key id>.<mac>", so envd calls route by token alone and
@@ -120,7 +137,9 @@ def metadata_of(info: SandboxInfo) -> dict[str, str]:
 
 
 def user_of(name: str | None) -> str:
-    return DEFAULT_USER if not name or name == "user" else name
+    if not name or name == E2B_USER:
+        return _default_user.get()
+    return name
 
 
 def abs_path(path: str) -> str:
@@ -131,7 +150,7 @@ def abs_path(path: str) -> str:
         return path
     if path == "~" or path.startswith("~/"):
         path = path[2:]
-    return f"{HOME}/{path}" if path else HOME
+    return f"{home()}/{path}" if path else home()
 
 
 def iso(ts: float) -> str:
