@@ -392,9 +392,9 @@ async def test_wire_connect_rpc(env: Env) -> None:
                  b"\0\0\0\0\0", 501, "unimplemented"),
                 ("process.Process/Start", h, b"\0\0\0\0\5{bad}", 400, "invalid_argument"),
                 ("process.Process/Start", h, _env({"process": {"cmd": "sh"}, "pty": {
-                    "size": {"cols": 80, "rows": 24}}}), 501, "unimplemented"),
+                    "size": {"cols": 100_000, "rows": 24}}}), 400, "invalid_argument"),
                 ("process.Process/Update", {**h, "Content-Type": "application/json"}, b"{}",
-                 501, "unimplemented"),
+                 400, "invalid_argument"),
                 ("process.Process/SendSignal", {**h, "Content-Type": "application/json"},
                  b'{"process": {"pid": 5}}', 404, "not_found"),
                 ("filesystem.Filesystem/Stat", {**h, "Content-Type": "application/json"},

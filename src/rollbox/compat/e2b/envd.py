@@ -42,7 +42,7 @@ from rollbox.compat.e2b.state import (
 )
 from rollbox.compat.shell import script_of
 from rollbox.edge.interface import EdgeAPI, ExecOutput
-from rollbox.models import ExecSpec, FileStat
+from rollbox.models import ExecInfo, ExecSpec, FileStat, PtySize
 
 log = logging.getLogger(__name__)
 
@@ -237,8 +237,19 @@ def _stream_response(first: dict[str, Any] | None, events: AsyncIterator[dict[st
     return StreamingResponse(body(), media_type=rpc.STREAM_MEDIA_TYPE)
 
 
+def _pty_size(msg: dict[str, Any]) -> PtySize:
+    """``{"pty": {"size": {"rows", "cols"}}}`` of Start and Update (an absent field is 0, as
+    proto3 JSON leaves zeros out): invalid_argument outside 1..1000."""
+    size = (msg.get("pty") or {}).get("size") or {}
+    try:
+        return PtySize(cols=size.get("cols", 0), rows=size.get("rows", 0))
+    except ValueError as exc:  # pydantic's ValidationError
+        raise rpc.ConnectError("invalid_argument", f"bad pty size: {exc}") from None
+
+
 def _process_events(stream: AsyncIterator[ExecOutput | None], edge: EdgeAPI, sandbox_id: str,
-                    command_deadline: bool) -> AsyncIterator[dict[str, Any] | None]:
+                    command_deadline: bool, pty: bool = False
+                    ) -> AsyncIterator[dict[str, Any] | None]:
     # A command whose sandbox is killed under it: envd's stream ends "unavailable" with a
     # message that does not say the sandbox is gone; the SDK then probes /health, which
     # answers "was not found", and reports "the sandbox was killed or reached its end of
@@ -256,7 +267,8 @@ def _process_events(stream: AsyncIterator[ExecOutput | None], edge: EdgeAPI, san
             if item is None:
                 yield None
             elif item.kind in ("stdout", "stderr") and item.data:
-                yield {"event": {"data": {item.kind: _b64(item.data)}}}
+                # a terminal's output (all of it stdout) is envd's ``pty`` data
+                yield {"event": {"data": {"pty" if pty else item.kind: _b64(item.data)}}}
             elif item.kind == "exit" and item.result is not None:
                 res = item.result
                 if res.timed_out and command_deadline:
@@ -449,8 +461,7 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
     async def process_start(request: Request) -> Response:
         msg = await rpc.read_message(request, streaming=True)
         sid, edge = await route(request)
-        if msg.get("pty"):
-            raise rpc.ConnectError("unimplemented", "PTY is not supported by rollbox")
+        pty = _pty_size(msg) if msg.get("pty") is not None else None
         proc = msg.get("process") or {}
         cmd = proc.get("cmd")
         if not cmd or not isinstance(cmd, str):
@@ -468,35 +479,37 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         spec = ExecSpec(cmd=argv if script is None else script,
                         env={str(k): str(v) for k, v in envs.items()},
                         cwd=abs_path(proc.get("cwd") or home()), user=_basic_user(request),
-                        timeout_s=deadline_s, stdin=bool(msg.get("stdin")))
+                        timeout_s=deadline_s, stdin=bool(msg.get("stdin")), pty=pty)
         exec_id = await edge.exec_start(sid, spec)  # the edge logs exec.* itself
         pid = pid_of(exec_id)
         # The command's own deadline (agent-enforced) ends it; no stream deadline on top.
         items = _with_keepalive(edge.exec_stream(sid, exec_id), _keepalive_interval(request),
                                 None)
         return _stream_response({"event": {"start": {"pid": pid}}},
-                                _process_events(items, edge, sid, command_deadline=True),
+                                _process_events(items, edge, sid, command_deadline=True,
+                                                pty=pty is not None),
                                 {"event": {"keepalive": {}}})
 
-    async def _running(edge: EdgeAPI, sid: str, exec_id: str) -> None:
+    async def _running(edge: EdgeAPI, sid: str, exec_id: str) -> ExecInfo:
         for info in await edge.exec_list(sid):
             if info.exec_id == exec_id:
                 if info.state != "running":
                     raise rpc.ConnectError("not_found", f"process {pid_of(exec_id)} has exited")
-                return
+                return info
         raise rpc.ConnectError("not_found", f"process {pid_of(exec_id)} not found")
 
     async def process_connect(request: Request) -> Response:
         msg = await rpc.read_message(request, streaming=True)
         sid, edge = await route(request)
         exec_id = _selector(msg)
-        await _running(edge, sid, exec_id)
+        info = await _running(edge, sid, exec_id)
         t = rpc.timeout_s(request)
         deadline = time.monotonic() + t if t else None
         items = _with_keepalive(edge.exec_stream(sid, exec_id), _keepalive_interval(request),
                                 deadline)
         return _stream_response({"event": {"start": {"pid": pid_of(exec_id)}}},
-                                _process_events(items, edge, sid, command_deadline=False),
+                                _process_events(items, edge, sid, command_deadline=False,
+                                                pty=info.pty),
                                 {"event": {"keepalive": {}}})
 
     async def process_list(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
@@ -521,10 +534,20 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
     async def process_input(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
         exec_id = _selector(msg)
         inp = msg.get("input") or {}
-        if "pty" in inp:
-            raise rpc.ConnectError("unimplemented", "PTY is not supported by rollbox")
         await _running(edge, sid, exec_id)
-        await edge.exec_stdin(sid, exec_id, _unb64(inp.get("stdin")), False)
+        # a terminal's input is raw bytes to its master (``pty``), else the command's stdin
+        await edge.exec_stdin(sid, exec_id, _unb64(inp.get("pty" if "pty" in inp else "stdin")),
+                              False)
+        return {}
+
+    async def process_update(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
+        """Update: a terminal's new size (``pty.size``); nothing else is updatable."""
+        exec_id = _selector(msg)
+        if msg.get("pty") is None:
+            raise rpc.ConnectError("invalid_argument", "Update takes a pty size")
+        size = _pty_size(msg)
+        await _running(edge, sid, exec_id)
+        await edge.exec_resize(sid, exec_id, size.cols, size.rows)
         return {}
 
     async def process_close_stdin(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
@@ -667,6 +690,7 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         ("process.Process", "List"): process_list,
         ("process.Process", "SendSignal"): process_signal,
         ("process.Process", "SendInput"): process_input,
+        ("process.Process", "Update"): process_update,
         ("process.Process", "CloseStdin"): process_close_stdin,
         ("filesystem.Filesystem", "Stat"): fs_stat,
         ("filesystem.Filesystem", "MakeDir"): fs_make_dir,
