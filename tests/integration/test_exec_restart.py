@@ -106,3 +106,49 @@ async def test_a_command_the_agent_lost_is_indeterminate(restarts) -> None:  # n
     e2 = await restarts.start()
     with pytest.raises(ExecIndeterminate):
         await e2.exec_wait(sb, eid)
+
+
+async def test_a_pty_command_survives_an_edge_restart(restarts) -> None:  # noqa: ANN001
+    """A terminal's session is re-adopted like any command: its output replayed from an offset,
+    its stdin and resize work on the new edge's channel, its exit is reported once."""
+    from rollbox.models import PtySize
+
+    e1 = await restarts.start()
+    sb = (await e1.create(SandboxSpec(image="busybox:test"), "t")).id
+    eid = await e1.exec_start(sb, ExecSpec(cmd=["sh"], pty=PtySize(cols=90, rows=20),
+                                           timeout_s=60, background=True))
+    await e1.exec_stdin(sb, eid, b"stty size; echo mark\n", False)
+    async with asyncio.timeout(10):
+        while b"mark\r\n" not in b"".join(d for _, d in (await _head(e1, sb, eid))):
+            await asyncio.sleep(0.05)
+    have = sum(len(d) for _, d in await _head(e1, sb, eid))
+    await restarts.stop()
+    e2 = await restarts.start()
+    (info,) = [i for i in await e2.exec_list(sb) if i.exec_id == eid]
+    assert info.state == "running" and info.pty
+    await e2.exec_resize(sb, eid, 132, 43)
+    await e2.exec_stdin(sb, eid, b"stty size; exit 6\n", False)
+    out, result = await asyncio.wait_for(_stream(e2, sb, eid, (have, 0)), 20)
+    assert out and out[0][0] == have  # nothing before the offset again
+    text = b"".join(d for _, d in out)
+    assert b"43 132\r\n" in text and b"20 90" not in text, text
+    assert result is not None and result.exit_code == 6
+
+
+async def _head(edge: Edge, sid: str, eid: str) -> list[tuple[int, bytes]]:
+    """The stdout a running command has produced so far (without waiting for its end)."""
+    out: list[tuple[int, bytes]] = []
+    stream = edge.exec_stream(sid, eid)
+    try:
+        while True:
+            try:
+                async with asyncio.timeout(0.3):
+                    item = await anext(stream)
+            except TimeoutError:
+                return out
+            if item.kind == "stdout":
+                out.append((item.offset, item.data))
+            elif item.kind in ("exit", "error"):
+                return out
+    finally:
+        await stream.aclose()

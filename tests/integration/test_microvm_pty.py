@@ -50,3 +50,32 @@ async def test_pty_on_a_microvm(edge, api_server) -> None:  # noqa: ANN001
         finally:
             await sb.delete()
         assert edge.leftovers(sb.id) == []
+
+
+PY = "python:3.11"
+
+
+@pytest.mark.microvm_slow
+async def test_pty_repl_and_pager_on_a_microvm(edge, api_server) -> None:  # noqa: ANN001
+    """The heavier interactive cases in a guest: python3 without -i prompts, a pager pages."""
+    url, keys = api_server
+    async with rollbox.AsyncClient(url, keys.create("proj")) as client:
+        sb = await client.create(PY, backend="microvm", memory_mib=512, disk_mib=256)
+        try:
+            repl = await sb.exec_background(["python3"], pty=True, timeout=120)
+            _, off = await read_until(repl, r">>> ", timeout=90)
+            await repl.write_stdin(b"print(6 * 7)\r")
+            await read_until(repl, r"42\r\n>>> ", off, timeout=60)
+            await repl.write_stdin(b"\x04")
+            assert (await repl.wait()).exit_code == 0
+            await sb.files.write("/tmp/lines", "".join(f"line{i}\n" for i in range(1, 101)))
+            pager = await sb.exec_background(
+                "if command -v less >/dev/null; then exec less /tmp/lines; "
+                "else exec more /tmp/lines; fi", pty=True, cols=80, rows=10, timeout=120)
+            await read_until(pager, r"line9\b", timeout=60)
+            await pager.write_stdin(b"q")
+            res = await pager.wait()
+            assert res.exit_code == 0 and "line100" not in res.stdout, res.stdout
+        finally:
+            await sb.delete()
+        assert edge.leftovers(sb.id) == []

@@ -23,6 +23,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rollbox.cli import app as cli
+from rollbox.errors import BadRequest
 from rollbox.models import ExecSpec, PtySize
 from tests.helpers.pty import api_sandbox, drain, read_chunk
 from tests.redteam.conftest import Boxes, container_only, needs_root
@@ -158,3 +159,28 @@ async def test_c45_tiocsti_on_the_pty_refused(boxes: Boxes) -> None:
             assert "injected" in r.stdout and "line Z" in r.stdout, r
         assert boxes.edge.live[sid].info.state == "running"  # the agent kept serving
         await boxes.edge.delete(sid)
+
+
+PLANT = {"fifo": "mkfifo /dev/pts/ptmx", "symlink": "ln -s /etc/passwd /dev/pts/ptmx",
+         "file": "echo x > /dev/pts/ptmx"}
+
+
+@container_only("a guest's root can not unmount its devpts either (no CAP_SYS_ADMIN); its "
+                "agent runs the same checks")
+@pytest.mark.parametrize("plant", sorted(PLANT))
+async def test_c45_a_planted_ptmx_is_refused_not_waited_on(boxes: Boxes, plant: str) -> None:
+    """The agent opens the sandbox's own ptmx for a pty command. Hardened, the sandbox's root
+    can not replace it (devpts stays mounted); the unhardened twin can, and then the agent
+    refuses what it finds (no terminal: a FIFO, a file, a link it does not follow) with the
+    reason, in bounded time, and keeps serving."""
+    hard = await boxes.make()
+    r = await boxes.run(hard, "umount /dev/pts")
+    assert r.exit_code != 0, r
+    soft = await boxes.make(hardened=False)
+    r = await boxes.run(soft, f"umount /dev/pts && {PLANT[plant]} && ls -l /dev/pts")
+    assert r.exit_code == 0, r
+    with pytest.raises(BadRequest, match="pty"):
+        async with asyncio.timeout(10):
+            await boxes.edge.exec_start(soft, ExecSpec(cmd="true", pty=PtySize()))
+    r = await boxes.run(soft, "echo still-serving")
+    assert r.stdout == "still-serving\n"
