@@ -186,6 +186,16 @@ def bench_disk(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out)
 
 
+@bench_app.command("fork")
+def bench_fork(quick: bool = typer.Option(False, "--quick"),
+               json_out: bool = typer.Option(False, "--json")) -> None:
+    """Fork of a sandbox with a 500 MB writable layer (n = 1, 8, 32: all children answering
+    an exec, source frozen, memory and disk per child) against snapshot + create, a full copy
+    of the writable layer and 8 plain creates, in the same run."""
+    mod = _load_bench("fork")
+    mod.main(quick=quick, json_out=json_out)
+
+
 @bench_app.command("microvm")
 def bench_microvm(quick: bool = typer.Option(False, "--quick"),
                   json_out: bool = typer.Option(False, "--json"),

@@ -8,7 +8,9 @@ appear owned by the sandbox's mapped root, without rewriting the image).
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
+import time
 
 from rollbox.errors import CapacityExceeded
 from rollbox.isolation import syscalls
@@ -55,6 +57,49 @@ def _make_userns_fd(host_uid: int, count: int, inside: int) -> int:
         os.close(ready_r)
         os.close(go_w)
         os.waitpid(pid, 0)
+
+
+UNSHARE = "/usr/bin/unshare"
+
+
+def spawn_userns_fd(host_uid: int, count: int = RANGE, inside: int = 0,
+                    timeout_s: float = 10.0) -> int:
+    """:func:`make_userns_fd` without forking this process: ``unshare --user cat`` is spawned
+    (vfork + exec: cheap from a large process, and safe from many threads at once: its
+    descriptors are closed), its user namespace mapped once it has one, then it exits on
+    EOF. For the per-child namespaces of a fork (a fork of 8 made them one at a time at
+    ~40 ms each under load)."""
+    own = os.stat("/proc/self/ns/user").st_ino
+    proc = subprocess.Popen([UNSHARE, "--user", "--", "/usr/bin/cat"], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            close_fds=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        delay = 0.0002
+        while True:
+            try:
+                if os.stat(f"/proc/{proc.pid}/ns/user").st_ino != own:
+                    break
+            except FileNotFoundError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise OSError(f"user namespace helper failed (exit {proc.returncode})")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
+        mapping = f"{inside} {host_uid} {count}\n".encode()
+        with open(f"/proc/{proc.pid}/uid_map", "wb") as f:
+            f.write(mapping)
+        with open(f"/proc/{proc.pid}/gid_map", "wb") as f:
+            f.write(mapping)
+        return os.open(f"/proc/{proc.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 class UidSlots:
