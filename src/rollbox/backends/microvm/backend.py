@@ -28,6 +28,8 @@ import asyncio
 import ctypes
 import logging
 import os
+import secrets
+import shutil
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -42,7 +44,7 @@ from rollbox.backends.base import (
 )
 from rollbox.backends.cancellation import teardown_after, to_the_end
 from rollbox.backends.ports import relay_through_agent
-from rollbox.backends.container.disk import DiskPool
+from rollbox.backends.container.disk import FORK_PREFIX, DiskPool
 from rollbox.backends.microvm import balloon, ksm, qemu, qmp
 from rollbox.backends.microvm import net as vmnet
 from rollbox.backends.microvm.accel import AccelChoice, probe_accel
@@ -59,6 +61,7 @@ from rollbox.backends.microvm.spares import Recipe, Spare, Spares
 from rollbox.backends.microvm.steps import Steps
 from rollbox.backends.microvm.template import (
     BUILD_PREFIX, SPARE_PREFIX, Template, TemplateLoadError, VmTemplates, make_unique,
+    wait_migration,
 )
 from rollbox.config import Settings
 from rollbox.errors import BadRequest, InfraError
@@ -344,7 +347,7 @@ class MicroVMBackend:
         return BackendCapacity(
             kind=self.kind, offered=missing is None, reason=missing,
             max_cpus=float(os.cpu_count() or 1), max_memory_mib=_host_memory_mib(),
-            facts=facts)
+            facts=facts, fork=self.templates is not None)
 
     def _accel_name(self) -> str:
         return self.accel.accel if self.accel is not None else "tcg"
@@ -1003,8 +1006,88 @@ class MicroVMBackend:
 
     async def fork(self, h: MicroVM, children: list[tuple[str, ResolvedSpec]],  # type: ignore[override]
                    paused: bool) -> ForkResult:
-        raise BadRequest(f"microVM sandbox {h.id} can not be forked on this node",
-                         sandbox_id=h.id, backend=self.kind)
+        """Fork a VM with its memory and processes: QMP ``stop`` (unless paused), its state
+        (devices and RAM) migrated into a file, its disk's subvolume snapshotted (a
+        ``FORK_PREFIX`` subvolume of the pool: nothing copied), ``cont``. That saved image is
+        restored into each child as a template is (QEMU with ``-incoming defer``, the disk
+        cloned by snapshot, the state loaded, the guest made unique: hostname, machine-id,
+        reseeded RNG, clock), each with its own network; both files go when the children are
+        made. All or nothing: a child that fails takes the made ones down with it."""
+        if self.templates is None:
+            raise BadRequest(f"microVM sandbox {h.id} can not be forked: this node's "
+                             "templates are off (ROLLBOX_VM_TEMPLATES)", sandbox_id=h.id)
+        if h.machine.ram:
+            raise BadRequest(f"microVM sandbox {h.id} maps its template's RAM file: a fork "
+                             "of it is not supported", sandbox_id=h.id)
+        token = secrets.token_hex(6)
+        staging = self.settings.data_dir / "vm-forks" / token
+        disk_id = f"{FORK_PREFIX}vm{token}"
+        await asyncio.to_thread(staging.mkdir, 0o700, True)
+        made: list[MicroVM] = []
+        try:
+            frozen_s, tpl = await self._save_for_fork(h, paused, staging, disk_id)
+
+            async def one(child_id: str, spec: ResolvedSpec) -> MicroVM:
+                vm = await self.boot(child_id, spec, h.machine, self.settings.vm_boot_timeout_s,
+                                     template=tpl)
+                vm.next_session = h.next_session  # the guest's session cgroups so far
+                vm.template = ""  # not restorable by the cache: a fork's own image
+                made.append(vm)
+                self._track(vm)
+                return vm
+
+            results = await asyncio.gather(*(one(cid, spec) for cid, spec in children),
+                                           return_exceptions=True)
+            failed = next((r for r in results if isinstance(r, BaseException)), None)
+            if failed is not None:
+                raise failed
+            return ForkResult(children=[r for r in results if isinstance(r, MicroVM)],
+                              frozen_s=frozen_s)
+        except BaseException as exc:
+            async def undo() -> None:
+                for vm in made:
+                    await self.destroy(vm)
+            await teardown_after(exc, undo())
+            raise
+        finally:
+            await asyncio.to_thread(self.disks.remove_rw, disk_id)
+            await asyncio.to_thread(shutil.rmtree, staging, True)
+
+    async def _save_for_fork(self, h: MicroVM, paused: bool, staging: Path,
+                             disk_id: str) -> tuple[float, Template]:
+        """Stop ``h``, save its state into ``staging`` and snapshot its disk as ``disk_id``,
+        run it again; (seconds it was held still, the image as a Template to restore)."""
+        from rollbox.backends.microvm.template import STATE_NAME, TemplateKey
+
+        state = staging / STATE_NAME
+        timeout_s = self.settings.vm_boot_timeout_s
+        async with h.lock:
+            t0 = time.monotonic()
+            async with qmp.session(h.qmp_path, timeout_s) as q:
+                if not paused:
+                    await q.stop()  # flushes the block layer: the disk file is as saved
+                try:
+                    fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                                 0o600)
+                    try:
+                        await q.getfd(fd, "fork")
+                    finally:
+                        os.close(fd)
+                    # stopped: nothing to converge, so no cap on the copy (default 128 MiB/s)
+                    await q.execute("migrate-set-parameters", {"max-bandwidth": 1 << 40})
+                    await q.migrate("fd:fork")
+                    await wait_migration(q, timeout_s)
+                    await asyncio.to_thread(self.disks.pool.clone, h.id, disk_id)
+                finally:
+                    if not paused:
+                        await q.cont()
+            frozen_s = time.monotonic() - t0
+        size = (await asyncio.to_thread(os.stat, state)).st_size
+        key = TemplateKey(layers=(), disk_mib=0, guest_digest="", qemu_version="",
+                          argv=("fork", h.id, staging.name))
+        now = time.time()
+        return frozen_s, Template(key=key, dir=staging, disk_id=disk_id, state_bytes=size,
+                                  disk_bytes=0, created=now, last_used=now)
 
     def usage(self, h: MicroVM) -> Usage:  # type: ignore[override]
         parent, name = self.settings.cgroup_parent, h.jail.cgroup_name
