@@ -16,7 +16,7 @@ from rollbox import errors
 from rollbox.api import BackgroundServer, create_app
 from rollbox.iam import KeyStore, SQLiteLedger
 from rollbox.models import MAX_FORK_CHILDREN
-from rollbox.placement import Placement
+from rollbox.watcher import placement_over
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root and runc")]
@@ -31,7 +31,7 @@ async def test_fork_over_the_api_sdk_and_cli(edge, tmp_path: Path) -> None:  # n
     keys = KeyStore(tmp_path / "keys.db")
     ledger = SQLiteLedger(tmp_path / "keys.db")
     edge.quotas = keys
-    app = create_app(Placement([edge]), keys, ledger=ledger)
+    app = create_app(placement_over([edge]), keys, ledger=ledger)
     admin, team, other = keys.create("ops", admin=True), keys.create("team"), keys.create("other")
     async with BackgroundServer(app) as srv, rollbox.AsyncClient(srv.url, admin) as a, \
             rollbox.AsyncClient(srv.url, team) as t, rollbox.AsyncClient(srv.url, other) as o:
