@@ -311,6 +311,14 @@ class Settings:
     # times; live use decides the rest.
     max_sandboxes: int = setting("ROLLBOX_MAX_SANDBOXES", "admission", 4096, int,
                                  "Sandboxes the node holds at most.")
+    usage_sample_s: float = setting(
+        "ROLLBOX_USAGE_SAMPLE_S", "admission", 5.0, float,
+        "How often the edge samples each live sandbox's CPU, memory and disk use for its usage "
+        "history (GET /v1/sandboxes/{id}/usage; E2B's metrics).")
+    usage_samples: int = setting(
+        "ROLLBOX_USAGE_SAMPLES", "admission", 720, int,
+        "Samples of usage history kept per sandbox (the oldest go first; 720 at 5 s: an "
+        "hour). Gone with the sandbox.")
     fork_max_children: int = setting(
         "ROLLBOX_FORK_MAX", "admission", 64, int,
         "Children one fork makes at most on this node (at most 100, the API's bound, "

@@ -128,6 +128,18 @@ class NetAudit(BaseModel):
     packets_dropped: int = 0
 
 
+class UsageSample(BaseModel):
+    """One point of a sandbox's use over time (``GET /v1/sandboxes/{id}/usage``): the edge
+    samples every live sandbox every ``usage_sample_s`` and keeps the last
+    ``usage_samples``; ``cpu_usage_us`` is cumulative (the CPU share between two samples is its
+    difference over theirs in time). None: not known for this backend."""
+    at: float  # unix seconds
+    memory_bytes: int | None = None
+    cpu_usage_us: int | None = None
+    disk_bytes: int | None = None
+    oom_kills: int = 0
+
+
 class SandboxUsage(BaseModel):
     """Live use of a sandbox as the host sees it (its backend's ``usage()``); None: unknown.
     A microVM's memory is its QEMU's, whatever the guest says."""

@@ -453,3 +453,85 @@ async def test_envd_token_ends_with_its_key(env: Env) -> None:
                 await c.delete(f"/e2b/sandboxes/{sid}", headers={"X-API-KEY": env.key})
     finally:
         keys.close()
+
+
+async def test_fork_snapshot_metrics_network_and_list_order(env: Env) -> None:
+    """The 2.51+ SDK's other routes on rollbox's own features: fork (POST /v1/.../fork),
+    snapshots (pack_diff into a project image, usable as a template), metrics (the native
+    usage history, also GET /v1/sandboxes/{id}/usage), update_network / allow_out (network
+    policy), list newest first with started_after and template filters."""
+    import datetime as dt
+
+    from e2b import AsyncSandbox, SandboxQuery
+
+    from rollbox import AsyncClient
+
+    sbx = await AsyncSandbox.create(timeout=120, metadata={"t": "fork"},
+                                    network={"allow_out": ["10.255.255.1"]})
+    made: list[Any] = [sbx]
+    try:
+        info = await env.edge.get(sbx.sandbox_id)
+        assert info.network is not None and info.network.allow == [
+            "10.255.255.1:80/tcp", "10.255.255.1:443/tcp"]
+        await sbx.update_network({"allow_out": ["10.255.255.2/32"]})
+        assert (await env.edge.get(sbx.sandbox_id)).network.allow[0] == "10.255.255.2/32:80/tcp"
+
+        await sbx.files.write("state.txt", "before")
+        kids = await sbx.fork(count=2, timeout=60)
+        assert all(isinstance(k, AsyncSandbox) for k in kids), kids
+        made += kids
+        await sbx.files.write("state.txt", "after")  # no child sees the source's later write
+        for k in kids:
+            assert await k.files.read("state.txt") == "before"
+            assert (await k.commands.run("whoami")).stdout == "user\n"
+            ki = await env.edge.get(k.sandbox_id)
+            assert ki.labels["fork_of"] == sbx.sandbox_id and ki.expires_at < info.expires_at
+
+        snap = await sbx.create_snapshot()
+        assert snap.snapshot_id.startswith("e2b-proj/") and snap.names == [snap.snapshot_id]
+        from_snap = await AsyncSandbox.create(snap.snapshot_id, timeout=60)
+        made.append(from_snap)
+        assert await from_snap.files.read("/home/user/state.txt") == "after"
+
+        await sbx.commands.run("head -c 20000000 /dev/zero | sha256sum >/dev/null")
+        metrics = await sbx.get_metrics()
+        assert metrics and metrics[-1].mem_used > 0 and metrics[-1].cpu_count >= 1
+        assert metrics[-1].mem_total == info.resources.memory_mib << 20
+        async with AsyncClient(env.url, api_key=env.key) as c:
+            native = await (await c.get(sbx.sandbox_id)).usage()
+        assert native[-1].memory_bytes and native[-1].cpu_usage_us
+        assert [s.at for s in native] == sorted(s.at for s in native)
+
+        # newest first by default; started_after and template narrow it
+        listed = await AsyncSandbox.list(query=SandboxQuery(metadata={"t": "fork"})).next_items()
+        starts = [s.started_at for s in listed]
+        assert starts == sorted(starts, reverse=True) and len(listed) == 3  # sbx + 2 kids
+        after = await AsyncSandbox.list(query=SandboxQuery(
+            metadata={"t": "fork"}, started_after=listed[-1].started_at + dt.timedelta(
+                microseconds=1))).next_items()
+        assert {s.sandbox_id for s in after} == {k.sandbox_id for k in kids}, (
+            [(s.sandbox_id, s.started_at) for s in listed], sbx.sandbox_id)
+        by_template = await AsyncSandbox.list(
+            query=SandboxQuery(template=snap.snapshot_id)).next_items()
+        assert [s.sandbox_id for s in by_template] == [from_snap.sandbox_id]
+        page = AsyncSandbox.list(query=SandboxQuery(metadata={"t": "fork"}), limit=2)
+        first, rest = await page.next_items(), await page.next_items()
+        assert [s.sandbox_id for s in first + rest] == [s.sandbox_id for s in listed]
+        assert not page.has_next
+
+        async with httpx.AsyncClient(base_url=env.url, timeout=10,
+                                     headers={"X-API-KEY": env.key}) as c:
+            for body in ({"denyOut": ["8.8.8.8"]}, {"rules": {"a.com": {}}}):
+                r = await c.put(f"/e2b/sandboxes/{sbx.sandbox_id}/network", json=body)
+                assert r.status_code == 501 and "not supported" in r.json()["message"], body
+            r = await c.post(f"/e2b/sandboxes/{sbx.sandbox_id}/fork", json={"count": 0})
+            assert r.status_code == 400
+            r = await c.get("/e2b/v2/sandboxes", params={"order": "up"})
+            assert r.status_code == 400
+            r = await c.get("/e2b/v2/sandboxes", params={"startedAfter": "yesterday"})
+            assert r.status_code == 400
+    finally:
+        await asyncio.gather(*(s.kill() for s in made), return_exceptions=True)
+        for img in await env.edge.image_list(None):
+            if img.name.startswith("e2b-proj/e2b-snap-"):
+                await env.edge.image_delete(img.name, None)

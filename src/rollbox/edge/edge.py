@@ -4,6 +4,7 @@ snapshots) over one backend per kind, spoken to only through ``rollbox.backends.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import errno
 import json
@@ -49,7 +50,7 @@ from rollbox.models import (
     FORK_OF_LABEL, MAX_FORK_CHILDREN, NODE_LOST, PTY_MAX_SIZE, Event, ExecInfo, ExecResult,
     ExecSpec, FileStat, ForkResult, ForkSpec, GradeResult, GradeSpec,
     ImageInfo, LayerUsage, NetAudit, NetworkPolicy, NodeReport, NodeSandbox, SandboxInfo,
-    SandboxSpec, SandboxUsage, SnapshotResult, SnapshotSpec,
+    SandboxSpec, SandboxUsage, SnapshotResult, SnapshotSpec, UsageSample,
 )
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ class LiveSandbox:
     deferred_kills: list[ExecSession] = field(default_factory=list)
     ticket: Ticket | None = None  # what it holds of the node's admission budgets
     oom_kills_claimed: int = 0  # OOM kills of its memory cgroup already reported on a command
+    usage: collections.deque[UsageSample] = field(default_factory=collections.deque)
     # exec idempotency keys -> exec id (recorded), and starts with a key still under way
     keys: dict[str, str] = field(default_factory=dict)
     key_starts: dict[str, asyncio.Future[str]] = field(default_factory=dict)
@@ -710,6 +712,26 @@ class Edge:
                                 state="paused")
         return live
 
+    def _sample(self, live: LiveSandbox) -> UsageSample:
+        u = live.backend.usage(live.box)
+        return UsageSample(at=time.time(), memory_bytes=u.memory_bytes,
+                           cpu_usage_us=u.cpu_usage_us, disk_bytes=u.disk_bytes,
+                           oom_kills=u.oom_kills)
+
+    def _record_usage(self) -> None:
+        keep = max(1, self.settings.usage_samples)
+        for live in list(self.live.values()):
+            try:
+                live.usage.append(self._sample(live))
+            except (OSError, InfraError):  # going away under the sampler: no sample
+                continue
+            while len(live.usage) > keep:
+                live.usage.popleft()
+
+    async def usage_history(self, sandbox_id: str) -> list[UsageSample]:
+        live = self._live(sandbox_id)
+        return [*live.usage, self._sample(live)]
+
     async def get(self, sandbox_id: str) -> SandboxInfo:
         live = self.live.get(sandbox_id)
         if live:
@@ -865,8 +887,12 @@ class Edge:
             raise SandboxDead(f"sandbox {sid} went away")
 
     async def _ttl_loop(self) -> None:
+        next_sample = time.monotonic()
         for tick in itertools.count(1):
             await asyncio.sleep(1.0)
+            if time.monotonic() >= next_sample:
+                next_sample = time.monotonic() + max(1.0, self.settings.usage_sample_s)
+                self._record_usage()
             gap = self.fence.expired()
             if gap is not None and self.live:
                 self._fence_now(gap)

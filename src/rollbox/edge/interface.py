@@ -18,7 +18,7 @@ from rollbox.models import (
     Event, ExecInfo, ExecResult, ExecSpec, FileStat, ForkResult, ForkSpec, GradeResult,
     GradeSpec, ImageInfo,
     LayerUsage, NetworkPolicy, NodeReport, SandboxInfo, SandboxSpec, SnapshotResult,
-    SnapshotSpec,
+    SnapshotSpec, UsageSample,
 )
 
 
@@ -74,6 +74,8 @@ class EdgeAPI(Protocol):
     async def set_ttl(self, sandbox_id: str, ttl_s: float) -> SandboxInfo: ...
     # network policy of a live sandbox (None: deny all); effective for existing connections.
     async def set_network(self, sandbox_id: str, policy: NetworkPolicy | None) -> SandboxInfo: ...
+    # the sandbox's sampled use, oldest first, ending with one taken now
+    async def usage_history(self, sandbox_id: str) -> list[UsageSample]: ...
     # pause freezes the whole sandbox (state "paused"; exec answers SandboxPaused, host-side
     # files/TTL/network/delete still work; the TTL keeps counting); resume thaws it. Both are
     # idempotent.

@@ -35,6 +35,7 @@ from rollbox.models import (
     ApiKeyInfo, CreatedKey, Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec,
     ImageInfo, JobEnded, JobInfo, JobSpec, LayerUsage, PortAccess, Project, PtySize, Quota,
     Resources, SandboxInfo, SandboxSpec, SnapshotResult, SnapshotSpec, ForkResult, ForkSpec,
+    UsageSample,
 )
 
 TAR_CHUNK = 256 << 10
@@ -531,6 +532,12 @@ class AsyncSandbox:
     async def refresh(self) -> SandboxInfo:
         self.info = SandboxInfo.model_validate((await self._t.request("GET", self._base)).json())
         return self.info
+
+    async def usage(self) -> list[UsageSample]:
+        """CPU (cumulative µs), memory and disk use over time, oldest first (sampled by the
+        node every few seconds, the last hour), ending with a sample taken now."""
+        r = await self._t.request("GET", f"{self._base}/usage")
+        return [UsageSample.model_validate(x) for x in r.json()]
 
     async def exec(
         self, cmd: str | list[str], *, env: Mapping[str, str] | None = None, cwd: str = "/",

@@ -15,6 +15,7 @@ from rollbox import errors
 from rollbox.models import (
     ApiKeyInfo, CreatedKey, Event, ExecInfo, ExecResult, FileStat, GradeResult, ImageInfo,
     ForkResult, JobEnded, JobInfo, LayerUsage, PortAccess, Project, Quota, SandboxInfo, SnapshotResult,
+    UsageSample,
 )
 from rollbox.sdk._resume import DEFAULT_RECONNECT_S
 from rollbox.sdk._async import (
@@ -179,6 +180,10 @@ class Sandbox:
 
     def refresh(self) -> SandboxInfo:
         return self._p.call(self._sb.refresh())
+
+    def usage(self) -> list[UsageSample]:
+        """See :meth:`AsyncSandbox.usage`."""
+        return self._p.call(self._sb.usage())
 
     def exec(
         self, cmd: str | list[str], *, env: Mapping[str, str] | None = None, cwd: str = "/",

@@ -107,6 +107,14 @@ async def get_sandbox(sandbox_id: str, edge: Edge) -> models.SandboxInfo:
     return await edge.get(sandbox_id)
 
 
+@router.get("/v1/sandboxes/{sandbox_id}/usage", response_model=list[models.UsageSample],
+            tags=["sandboxes"])
+async def sandbox_usage(sandbox_id: str, edge: Edge) -> list[models.UsageSample]:
+    """The sandbox's CPU (cumulative), memory and disk use over time, oldest first: a sample
+    every ``ROLLBOX_USAGE_SAMPLE_S`` for the last ``ROLLBOX_USAGE_SAMPLES``, and one now."""
+    return await edge.usage_history(sandbox_id)
+
+
 @router.delete("/v1/sandboxes/{sandbox_id}", status_code=204, tags=["sandboxes"])
 async def delete_sandbox(sandbox_id: str, who: Who, api: Api) -> Response:
     try:

@@ -33,7 +33,15 @@ from rollbox.compat.e2b.state import (
 from rollbox.default_images import E2B_BASE_IMAGE
 from rollbox.edge.interface import EdgeAPI
 from rollbox.iam import Principal
-from rollbox.models import MAX_TIMEOUT_S, NetworkPolicy, SandboxInfo, SandboxSpec
+from rollbox.models import (
+    MAX_FORK_CHILDREN,
+    MAX_TIMEOUT_S,
+    ForkSpec,
+    NetworkPolicy,
+    SandboxInfo,
+    SandboxSpec,
+    SnapshotSpec,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +87,19 @@ def _timeout(value: Any, default: float | None = None) -> float:
     return float(value)
 
 
-def _started_after(raw: str | None) -> float | None:
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_MICRO = dt.timedelta(microseconds=1)
+
+
+def _micros(ts: float | dt.datetime) -> int:
+    """Microseconds since the epoch, exactly as ``iso()`` reports a time (startedAt): a
+    filter by a reported time then includes that sandbox, whatever float rounding says."""
+    when = ts if isinstance(ts, dt.datetime) else dt.datetime.fromtimestamp(ts, dt.UTC)
+    return (when - _EPOCH) // _MICRO
+
+
+def _started_after(raw: str | None) -> int | None:
+    """``startedAfter`` (RFC 3339) in microseconds since the epoch."""
     if not raw:
         return None
     try:
@@ -88,7 +108,7 @@ def _started_after(raw: str | None) -> float | None:
         raise errors.BadRequest(f"startedAfter is not an RFC 3339 time: {raw[:64]!r}") from None
     if ts.tzinfo is None:
         ts = ts.replace(tzinfo=dt.UTC)
-    return ts.timestamp()
+    return _micros(ts)
 
 
 def _cursor(raw: str | None) -> tuple[float, str] | None:
@@ -247,7 +267,7 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
                  and i.state in LIVE_STATES
                  and e2b_state(i) in states
                  # startedAt is reported to the microsecond: compare at that precision
-                 and (started_after is None or i.created_at + 1e-6 >= started_after)
+                 and (started_after is None or _micros(i.created_at) >= started_after)
                  and (not template or template in (template_of(i), i.image))]
         found.sort(key=lambda i: (i.created_at, i.id), reverse=order == "desc")
         headers = {}
@@ -351,28 +371,100 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
     async def resume(request: Request) -> Response:
         return await _resume(request, must_be_paused=True)
 
-    sb = PREFIX + "/sandboxes"
-    app.add_api_route(sb, create, methods=["POST"], include_in_schema=False)
-    app.add_api_route(PREFIX + "/v2/sandboxes", create, methods=["POST"],
-                      include_in_schema=False)
-    app.add_api_route(sb, list_v1, methods=["GET"], include_in_schema=False)
-    app.add_api_route(PREFIX + "/v2/sandboxes", list_v2, methods=["GET"],
-                      include_in_schema=False)
-    app.add_api_route(sb + "/{sandbox_id}", get, methods=["GET"], include_in_schema=False)
-    app.add_api_route(sb + "/{sandbox_id}", kill, methods=["DELETE"], include_in_schema=False)
-    app.add_api_route(sb + "/{sandbox_id}/timeout", set_timeout, methods=["POST"],
-                      include_in_schema=False)
-    app.add_api_route(sb + "/{sandbox_id}/refreshes", refresh, methods=["POST"],
-                      include_in_schema=False)
-    app.add_api_route(sb + "/{sandbox_id}/pause", pause, methods=["POST"],
-                      include_in_schema=False)
-    app.add_api_route(sb + "/{sandbox_id}/resume", resume, methods=["POST"],
-                      include_in_schema=False)
-    app.add_api_route(sb + "/{sandbox_id}/connect", connect, methods=["POST"],
-                      include_in_schema=False)
-    app.add_api_route(PREFIX + "/v2/sandboxes/{sandbox_id}/connect", connect, methods=["POST"],
-                      include_in_schema=False)
+    @handler
+    async def fork(request: Request) -> Response:
+        """E2B's fork onto rollbox's (POST /v1/sandboxes/{id}/fork): ``count`` children with
+        the source's files, env, metadata and template; each gets the request's ``timeout``
+        (E2B's default 15 s). rollbox forks all or none: a refusal is the whole answer's."""
+        sid = request.path_params["sandbox_id"]
+        principal = await who(request)
+        edge, src = await live(sid, principal)
+        body = await _json(request)
+        count = body.get("count", 1)
+        if isinstance(count, bool) or not isinstance(count, int) or not \
+                1 <= count <= MAX_FORK_CHILDREN:
+            raise errors.BadRequest(f"count must be an integer in 1..{MAX_FORK_CHILDREN}")
+        ttl = _timeout(body.get("timeout"), DEFAULT_TIMEOUT_S)
+        if src.job is not None:  # NotFound unless the project's job is still live
+            await api.lease_store().live(src.owner, src.job)
+        result = await api.fork_sandbox(edge, sid, ForkSpec(n=count), src.owner,
+                                        src.resources)
+        out = []
+        for child in result.children:
+            api.remember_owner(child.id, src.owner)
+            child = await edge.set_ttl(child.id, ttl)
+            out.append({"sandbox": sandbox_json(child, principal)})
+        if api.watcher is not None:
+            api.watcher.remember(result.children)
+        await api.record(edge, sid, "sandbox.requested", {
+            "op": "fork", "by": principal.key_id, "n": count, "via": "e2b",
+            "children": [c.id for c in result.children]})
+        return JSONResponse(out, status_code=201)
 
+    @handler
+    async def snapshot(request: Request) -> Response:
+        """E2B's snapshot onto rollbox's (pack_diff of the writable layer into an image of the
+        project): the snapshot id is the image's name, a template name for later creates."""
+        sid = request.path_params["sandbox_id"]
+        edge, src = await live(sid, await who(request))
+        name = (await _json(request)).get("name") or f"{src.owner}/e2b-snap-{sid}-{int(now())}"
+        if not isinstance(name, str) or not 1 <= len(name) <= 200:
+            raise errors.BadRequest("name must be a string of 1..200 characters")
+        await api.check_image_name(src.owner, name)
+        res = await edge.snapshot(sid, SnapshotSpec(name=name), src.owner)
+        return JSONResponse({"snapshotID": res.image, "names": [res.image]}, status_code=201)
+
+    @handler
+    async def metrics(request: Request) -> Response:
+        """E2B's metrics from rollbox's usage (GET /v1/sandboxes/{id}/usage): one entry per
+        sample in [start, end] (unix seconds), CPU % of the sandbox's CPUs between samples."""
+        sid = request.path_params["sandbox_id"]
+        edge, info = await live(sid, await who(request))
+        q = request.query_params
+        try:
+            start = float(q["start"]) if q.get("start") else None
+            end = float(q["end"]) if q.get("end") else None
+        except ValueError:
+            raise errors.BadRequest("start and end are unix seconds") from None
+        samples = await edge.usage_history(sid)
+        cpus = max(1, round(info.resources.cpus))
+        out = []
+        for prev, cur in zip([None, *samples], samples, strict=False):
+            if (start is not None and cur.at < start) or (end is not None and cur.at > end):
+                continue
+            pct = 0.0
+            if prev is not None and cur.at > prev.at and cur.cpu_usage_us is not None \
+                    and prev.cpu_usage_us is not None:
+                pct = (cur.cpu_usage_us - prev.cpu_usage_us) / 1e6 / (cur.at - prev.at) \
+                    / cpus * 100
+            out.append({"timestamp": iso(cur.at), "timestampUnix": int(cur.at),
+                        "cpuCount": cpus, "cpuUsedPct": round(max(0.0, pct), 2),
+                        "memUsed": cur.memory_bytes or 0,
+                        "memTotal": info.resources.memory_mib << 20, "memCache": 0,
+                        "diskUsed": cur.disk_bytes or 0,
+                        "diskTotal": info.resources.disk_mib << 20})
+        return JSONResponse(out)
+
+    @handler
+    async def update_network(request: Request) -> Response:
+        sid = request.path_params["sandbox_id"]
+        edge, _ = await live(sid, await who(request))
+        await edge.set_network(sid, _network({"network": await _json(request)}))
+        return Response(status_code=204)
+
+    one = "/sandboxes/{sandbox_id}"
+    routes = [  # (method, path under /e2b, handler)
+        ("POST", "/sandboxes", create), ("POST", "/v2/sandboxes", create),
+        ("GET", "/sandboxes", list_v1), ("GET", "/v2/sandboxes", list_v2),
+        ("GET", one, get), ("DELETE", one, kill),
+        ("POST", one + "/timeout", set_timeout), ("POST", one + "/refreshes", refresh),
+        ("POST", one + "/pause", pause), ("POST", one + "/resume", resume),
+        ("POST", one + "/connect", connect), ("POST", "/v2" + one + "/connect", connect),
+        ("POST", one + "/fork", fork), ("POST", one + "/snapshots", snapshot),
+        ("GET", one + "/metrics", metrics), ("PUT", one + "/network", update_network),
+    ]
+    for method, path, fn in routes:
+        app.add_api_route(PREFIX + path, fn, methods=[method], include_in_schema=False)
 
 def mount_fallback(app: FastAPI, api: ApiContext) -> None:
     """Anything else under /e2b (mounted last): 501 for an authenticated caller."""
