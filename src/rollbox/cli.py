@@ -129,6 +129,15 @@ def bench_netpolicy(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out)
 
 
+@bench_app.command("ports")
+def bench_ports(quick: bool = typer.Option(False, "--quick"),
+                json_out: bool = typer.Option(False, "--json")) -> None:
+    """The port proxy vs a direct connection to the same service in a sandbox: p50, the
+    overhead p50 (target <= 2 ms) and requests/s at c8."""
+    mod = _load_bench("ports")
+    mod.main(quick=quick, json_out=json_out)
+
+
 @bench_app.command("fncall")
 def bench_fncall(quick: bool = typer.Option(False, "--quick"),
                  json_out: bool = typer.Option(False, "--json")) -> None:

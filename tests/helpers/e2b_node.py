@@ -20,9 +20,12 @@ E2B_ENV = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN")
 
 
 @contextlib.asynccontextmanager
-async def e2b_node(project: str) -> AsyncIterator[tuple[str, str, Any]]:
-    """Yields (server url, an api key of ``project``, the edge); checks for leaks at the end."""
+async def e2b_node(project: str, port_domain: str | None = None
+                   ) -> AsyncIterator[tuple[str, str, Any]]:
+    """Yields (server url, an api key of ``project``, the edge); checks for leaks at the end.
+    ``port_domain``: the api's per-sandbox origins' domain (E2B's ``get_host``)."""
     from rollbox.api import BackgroundServer, create_app
+    from rollbox.api.ports import PortConfig
     from rollbox.compat.frontdoors import FRONT_DOORS
     from rollbox.edge.edge import Edge
     from rollbox.events.store import EventLog
@@ -37,8 +40,9 @@ async def e2b_node(project: str) -> AsyncIterator[tuple[str, str, Any]]:
     await edge.start()
     saved = {k: os.environ.get(k) for k in E2B_ENV}
     try:
-        async with BackgroundServer(create_app(placement_over([edge]), keys,
-                                               front_doors=FRONT_DOORS)) as srv:
+        app = create_app(placement_over([edge]), keys, front_doors=FRONT_DOORS,
+                         port_config=PortConfig.ephemeral(port_domain))
+        async with BackgroundServer(app) as srv:
             key = keys.create(project)
             os.environ["E2B_API_URL"] = f"{srv.url}/e2b"
             os.environ["E2B_SANDBOX_URL"] = f"{srv.url}/e2b/envd"

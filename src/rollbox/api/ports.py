@@ -216,7 +216,10 @@ class PortProxy:
         self.api = api
         self.config = config
         self.tokens = PortTokens(config)
-        self.domain = config.domain.lower().strip(".") if config.domain else None
+        # A domain may carry the public port its URLs name ("localhost:7420"): the Host
+        # header's name is compared without either port.
+        self.domain = (config.domain.lower().rsplit(":", 1)[0].strip(".")
+                       if config.domain else None)
 
     # -- routing --
     def target(self, scope: Scope) -> Target | None:
@@ -432,17 +435,19 @@ class PortProxy:
                             "headers": self._response_headers(parser_state.raw, target)})
                 if head_only or status in NO_BODY_STATUS:
                     break
+            if parser_state.complete:
+                break
             if started:
                 for chunk in parser_state.take():
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            if parser_state.complete:
-                break
         if not started:
             raise errors.UpstreamBadResponse("the sandbox's service closed the connection "
                                              "without an answer")
-        for chunk in parser_state.take():
+        rest = parser_state.take()  # the last chunk ends the answer (one write fewer)
+        for chunk in rest[:-1]:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await send({"type": "http.response.body", "body": rest[-1] if rest else b"",
+                    "more_body": False})
 
     # -- websockets --
     async def websocket(self, scope: Scope, receive: Receive, send: Send, target: Target,

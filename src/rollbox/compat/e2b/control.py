@@ -184,10 +184,13 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
     def template_of(info: SandboxInfo) -> str:
         return info.labels.get(TEMPLATE_LABEL, info.image)
 
+    # get_host(port) is "{port}-{id}.{domain}": the api's per-sandbox origins (api.ports).
+    port_domain = app.state.port_config.domain
+
     def sandbox_json(info: SandboxInfo, principal: Principal) -> dict[str, Any]:
         t = template_of(info)
         return {"clientID": CLIENT_ID, "envdVersion": ENVD_VERSION, "sandboxID": info.id,
-                "templateID": t, "alias": t,
+                "templateID": t, "alias": t, "domain": port_domain,
                 "envdAccessToken": state.token(info.id, principal.key_id)}
 
     def listed_json(info: SandboxInfo) -> dict[str, Any]:
