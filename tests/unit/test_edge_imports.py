@@ -10,7 +10,8 @@ import rollbox.edge
 
 # Modules of rollbox.backends that are the seam itself, not a backend's internals.
 SEAM = {"rollbox.backends", "rollbox.backends.base", "rollbox.backends.registry",
-        "rollbox.backends.platform_work"}
+        "rollbox.backends.platform_work",
+        "rollbox.backends.ports"}  # the port paths every backend shares, and the relays' end
 
 
 def imported_modules(path: Path) -> set[str]:
