@@ -127,7 +127,9 @@ class SessionPort:
         return b""
 
     async def write(self, data: bytes) -> None:
-        if self.session.done:
+        if self.session.done:  # the relay ended: why (PortNotListening if it never connected)
+            while await self.read():
+                pass
             raise errors.ConnectionLost("the sandbox's service closed the connection")
         await self.session.write_stdin(data)
 
