@@ -156,10 +156,10 @@ def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
     n_seq, n_conc, conc = (100, 200, 8) if quick else (400, 1000, 8)
     root = Path(tempfile.mkdtemp(prefix="rollbox-bench-ports-"))
     root.chmod(0o711)  # runc resolves the rootfs as the sandbox's unprivileged host uid
-    node = Settings.scratch(root)  # the node's images, used read-only
-    node.cgroup_parent, node.node_id = "rollbox-bench-ports", f"bp{os.getpid()}"
-    node.uid_base += (node.uid_slots + 48) * 65536
-    node.uid_slots = 16
+    # The node's images, used read-only; its own cgroup parent, and a free uid band and
+    # subnet taken at start (Settings.scratch: host_auto), so a node's own server may run.
+    node = Settings.scratch(root)
+    node.node_id = f"bp{os.getpid()}"
     say(f"rollbox serve (scratch {root}); {IMAGE}, a {BODY}-byte answer on 127.0.0.1:{PORT}: "
         f"{n_seq} sequential requests per path, {n_conc} at c{conc}")
     srv = ServerProcess(node)
