@@ -135,6 +135,7 @@ def burner(request: pytest.FixtureRequest) -> Iterator[Burner]:
 
 
 TICKS = 0.05  # /proc's tick granularity (10 ms), twice over, and a margin
+EXIT_S = 0.25  # the CPU a process may spend ending after its last report
 
 
 @pytest.mark.parametrize("burner", ["alone"], indirect=True)
@@ -148,7 +149,9 @@ def test_process_meter_reads_what_the_process_burned(burner: Burner) -> None:
             [burner.proc.pid], [])  # comm is the executable's name, which may differ
         assert bk.find_pids(comm="no-such-comm", argv_has=(burner.marker.encode(),)) == []
         burner.end()  # reaped by this process: now in its children's CPU
-    assert reap.spent["self_children"] == pytest.approx(out["own_s"], abs=TICKS)
+    # reaped: its whole life, i.e. own_s plus its exit (freeing 64 MiB, interpreter teardown),
+    # which costs more under host load (0.07 s once at load 18): a one-sided margin for it
+    assert out["own_s"] - TICKS <= reap.spent["self_children"] <= out["own_s"] + EXIT_S
     assert reap.spent["wall_s"] > 0
     # the machine worked at least that (and whatever else ran)
     assert bk.machine_busy_s() - m0 >= out["own_s"] - burner.ready_s - TICKS
