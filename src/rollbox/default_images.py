@@ -105,6 +105,39 @@ def ensure_fncall_image(store: ImageStore, log: Callable[[str], None] = print) -
                         "build-fncall.log", log)
 
 
+# ---- optional: fncall's other languages (`rollbox image ensure-polyglot`, never `make test`) ----
+
+# fncall:1 + Debian's Go, Java (JDK), Rust and TypeScript (tsc) toolchains, lodash for Node.js,
+# and less (SWE-ReX's pager test): ~1 GB, built only by the upstream tier or by hand. fncall's
+# go/java/rust/typescript calls run on it.
+POLYGLOT_IMAGE = "fncall-polyglot:1"  # rollbox.fncall.pool.POLYGLOT_IMAGE
+POLYGLOT_PACKAGES = ["golang-go", "default-jdk-headless", "rustc", "node-typescript",
+                     "node-lodash", "less"]
+POLYGLOT_COMMANDS = [
+    "apt-get update -q",
+    "DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "
+    + " ".join(POLYGLOT_PACKAGES),
+    "apt-get clean",
+    "rm -rf /var/lib/apt/lists/*",
+]
+
+
+def ensure_polyglot_image(store: ImageStore, log: Callable[[str], None] = print) -> str:
+    """Build ``fncall-polyglot:1`` over ``fncall:1`` if missing (minutes; needs Debian's
+    mirrors). Returns the image name."""
+    try:
+        store.resolve(POLYGLOT_IMAGE)
+        return POLYGLOT_IMAGE
+    except Exception:  # noqa: BLE001 - missing: build it
+        pass
+    ensure_python_image(store, log)
+    log(f"building {POLYGLOT_IMAGE} over {FNCALL_IMAGE} ({', '.join(POLYGLOT_PACKAGES)})")
+    asyncio.run(build_layer_with_commands(
+        store, FNCALL_IMAGE, POLYGLOT_COMMANDS, POLYGLOT_IMAGE, log=log,
+        log_file=store.root / "build-polyglot.log"))
+    return POLYGLOT_IMAGE
+
+
 # ---- benchmark image (default off: `rollbox image ensure-bench-images`, never `make test`) ----
 
 BENCH_IMAGE = "python-big:3.11"

@@ -232,6 +232,19 @@ def ensure_defaults_cmd(
     _run(lambda: ensure_python(store))
 
 
+@app.command("ensure-polyglot")
+def ensure_polyglot_cmd() -> None:
+    """Build fncall-polyglot:1 (fncall:1 + Go, Java, Rust, TypeScript, lodash, less) if missing:
+    fncall's go/java/rust/typescript calls run on it; never built by ensure-defaults
+    (minutes, ~1 GiB)."""
+    from rollbox.default_images import ensure_polyglot_image
+
+    store = _store()
+    with _progress("ensure fncall-polyglot:1") as say:
+        name = _run(lambda: ensure_polyglot_image(store, log=say))
+    out.print(name)
+
+
 @app.command("ensure-browser")
 def ensure_browser_cmd() -> None:
     """Build browser:1 (chromium + chromium-driver + MiniWoB++ tasks) if missing; never built

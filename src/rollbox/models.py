@@ -520,7 +520,10 @@ class LayerUsage(BaseModel):
 
 
 # ---- fncall: stateless calls from warm pools (rollbox.fncall) ------------------------------
-FnCallLanguage = Literal["python", "bash", "c", "cpp", "nodejs"]
+# go, java, rust, typescript run on the optional image fncall-polyglot:1 (`rollbox image
+# ensure-polyglot`); a node without it refuses them (bad_request).
+FnCallLanguage = Literal["python", "bash", "c", "cpp", "nodejs", "go", "java", "rust",
+                         "typescript"]
 FnCallStatus = Literal["ok", "runtime_error", "timeout", "memory_exceeded", "compile_error"]
 MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 

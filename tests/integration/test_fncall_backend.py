@@ -9,6 +9,7 @@ import time
 import pytest
 
 from rollbox.fncall import FnCallBackend, PoolConfig
+from rollbox.fncall.pool import POLYGLOT_IMAGE
 from rollbox.errors import BadRequest
 from rollbox.models import FnCallSpec
 from tests.conftest import have_image
@@ -70,6 +71,14 @@ async def test_languages_statuses_and_files(edge) -> None:  # noqa: ANN001
         assert r.status == "runtime_error"
         with pytest.raises(ValueError):
             spec("cobol", "x")
+        go = spec("go", 'package main\nimport "fmt"\nfunc main() { fmt.Println(6 * 7) }',
+                  compile_timeout_s=60)
+        if not have_image(POLYGLOT_IMAGE):  # its languages are refused, naming the image
+            with pytest.raises(BadRequest, match="ensure-polyglot"):
+                await fb.call(go)
+        else:  # the optional image is built on this node: its languages run
+            r = await fb.call(go)
+            assert (r.status, r.stdout) == ("ok", "42\n"), r
         with pytest.raises(ValueError):
             spec("python", "x", files={"../etc/passwd": ""})
         with pytest.raises(BadRequest):  # past the model's check, the worker still refuses

@@ -90,7 +90,7 @@ def test_sandboxfusion_request_mapping() -> None:
     assert to_spec(RunCodeRequest(code="x", language="cpp")).memory_mib == \
         FnCallSpec(language="cpp", code="x").memory_mib
     with pytest.raises(errors.BadRequest, match="not served"):
-        to_spec(RunCodeRequest(code="x", language="go"))
+        to_spec(RunCodeRequest(code="x", language="lua"))
     with pytest.raises(errors.BadRequest):
         to_spec(RunCodeRequest(code="x", language="python", files={"a/../../b": "eA=="}))
 
@@ -134,6 +134,6 @@ async def test_sandboxfusion_route_keyed_and_headers(stack) -> None:
         assert r.status_code == 200
         r = await c.post("/run_code", json=body)
         assert r.status_code == 401
-        r = await c.post("/run_code", json={**body, "language": "go"},
+        r = await c.post("/run_code", json={**body, "language": "lua"},
                          headers={"X-API-Key": s.key_a})
         assert r.status_code == 400 and "not served" in r.text

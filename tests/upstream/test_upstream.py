@@ -2,6 +2,8 @@
 scratch node: every test not excluded (with its reason, in suites.py and docs/compat.md) must
 pass. Marked ``upstream`` (``make test-upstream``); needs the projects' sources: a checkout or
 bare repository in UPSTREAM_SWEREX_SRC / UPSTREAM_SANDBOXFUSION_SRC, else a clone from GitHub.
+SandboxFusion's go/java/rust/typescript tests run on the optional image fncall-polyglot:1, which
+this tier builds when the node lacks it (minutes, ~1 GB; nothing else builds it).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def server(tmp_node_dir: Path) -> Iterator[tuple[str, str]]:
 
 
 def _run(suite: suites.Suite, url: str, key: str, workdir: Path) -> suites.Outcome:
-    src = os.environ.get(f"UPSTREAM_{suite.name.upper()}_SRC") or None
+    src = os.environ.get(f"UPSTREAM_{suite.name.split('-')[0].upper()}_SRC") or None
     with suites.suite_env(suite, url, key) as env:
         return suites.run(suite, url, key, env, src, workdir=workdir)
 
@@ -49,3 +51,12 @@ async def test_suite(suite: suites.Suite, server: tuple[str, str], tmp_path: Pat
     assert not out.skipped, out.skipped
     assert sorted(out.excluded) == sorted(suite.excluded)
     assert len(out.passed) == suite.expected_passed, out.summary()
+
+
+async def test_sandboxfusion_polyglot_suite(server: tuple[str, str], tmp_path: Path) -> None:
+    from rollbox.config import Settings
+    from rollbox.default_images import ensure_polyglot_image
+    from rollbox.images.store import ImageStore
+
+    await asyncio.to_thread(ensure_polyglot_image, ImageStore(Settings().images_dir))
+    await test_suite(suites.SANDBOXFUSION_POLYGLOT, server, tmp_path)

@@ -35,6 +35,12 @@ log = logging.getLogger(__name__)
 WORKER_SOURCE = (Path(__file__).with_name("worker.py")).read_text()
 FNCALL_IMAGE = "fncall:1"
 FALLBACK_IMAGE = "python:3.11"  # python and bash only
+# The optional image of the other languages (rollbox.default_images.POLYGLOT_IMAGE, built by
+# `rollbox image ensure-polyglot`), and its languages.
+POLYGLOT_IMAGE = "fncall-polyglot:1"
+POLYGLOT_LANGUAGES = ("go", "java", "rust", "typescript")
+# Languages with a build step (the host's backstop adds compile_timeout_s).
+COMPILED_LANGUAGES = ("c", "cpp", "go", "java", "rust", "typescript")
 # Owner of the worker sandboxes: not a valid project name (iam.keys.PROJECT_RE), so no
 # project's key lists or reaches the workers that run every project's calls.
 WORKER_OWNER = "@fncall"
@@ -206,6 +212,12 @@ class FnCallBackend:
     async def _image_for(self, spec: FnCallSpec) -> str:
         if spec.image:
             return spec.image
+        if spec.language in POLYGLOT_LANGUAGES:
+            if await self._has_image(POLYGLOT_IMAGE):
+                return POLYGLOT_IMAGE
+            raise BadRequest(f"language {spec.language!r} runs on the optional image "
+                             f"{POLYGLOT_IMAGE}, which this node has not built (`rollbox "
+                             "image ensure-polyglot`)")
         if await self._has_image(FNCALL_IMAGE):
             return FNCALL_IMAGE
         if spec.language in ("python", "bash") and await self._has_image(FALLBACK_IMAGE):
@@ -214,14 +226,17 @@ class FnCallBackend:
                          "ensure-defaults`)")
 
     async def _has_image(self, name: str) -> bool:
-        """Whether the node has image ``name`` (one of its own: no project's), remembered."""
+        """Whether the node has image ``name`` (one of its own: no project's); a found one is
+        remembered, a missing one looked up again (it may be built while the server runs)."""
         if name not in self._images:
             try:
                 images = await self.edge.image_list(None)
             except RollboxError:
                 return False
-            self._images[name] = any(i.name == name and i.owner is None for i in images)
-        return self._images[name]
+            if not any(i.name == name and i.owner is None for i in images):
+                return False
+            self._images[name] = True
+        return True
 
     async def call(self, spec: FnCallSpec) -> FnCallResult:
         if self._closed:
@@ -236,7 +251,7 @@ class FnCallBackend:
                "args": spec.args, "env": spec.env, "timeout_s": spec.timeout_s,
                "compile_timeout_s": spec.compile_timeout_s, "memory_mib": spec.memory_mib,
                "max_output": spec.max_output_bytes, "fetch_files": spec.fetch_files}
-        backstop = spec.timeout_s + (spec.compile_timeout_s if spec.language in ("c", "cpp")
+        backstop = spec.timeout_s + (spec.compile_timeout_s if spec.language in COMPILED_LANGUAGES
                                      else 0) + HOST_GRACE_S
         for attempt in range(3):
             worker = await self._acquire(pool)

@@ -36,6 +36,23 @@ PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_PDEATHSIG = 1
 LEN = struct.Struct(">I")
+# Compiled languages of the optional image (fncall-polyglot:1): source file, build argv, run
+# argv, whether the run gets an address-space limit (the JVM reserves far more than it uses).
+COMPILED = {
+    "go": ("main.go", ["go", "build", "-o", "main", "main.go"], ["./main"], False),
+    "java": ("Main.java", ["javac", "-cp", ".", "Main.java"], ["java", "-cp", ".", "-ea", "Main"],
+             False),
+    "rust": ("main.rs", ["rustc", "-o", "main", "main.rs"], ["./main"], True),
+}
+# TypeScript's build step: every .ts file of the call dir transpiled to .js by Debian's
+# typescript package (no type check, like SandboxFusion's tsx); then node runs main.js.
+TS_TRANSPILE = (
+    "const ts = require('typescript'), fs = require('fs');"
+    "for (const f of fs.readdirSync('.')) { if (!f.endsWith('.ts')) continue;"
+    "fs.writeFileSync(f.slice(0, -3) + '.js', ts.transpileModule(fs.readFileSync(f, 'utf8'), "
+    "{compilerOptions: {module: ts.ModuleKind.CommonJS, target: ts.ScriptTarget.ES2020, "
+    "esModuleInterop: true}, fileName: f}).outputText); }"
+)
 LIBC = ctypes.CDLL(None, use_errno=True)
 # Typed once here: an untyped ctypes call in a fresh fork touches (copies) many more pages.
 PRCTL = LIBC.prctl
@@ -310,7 +327,7 @@ class Worker:
         if os.path.realpath(cwd) != cwd:
             return {"error": "infrastructure", "message": "call dir is not canonical"}
         compile_res = None
-        if lang not in ("python", "bash", "nodejs", "c", "cpp"):
+        if lang not in ("python", "bash", "nodejs", "c", "cpp", "typescript", *COMPILED):
             return {"error": "bad_request", "message": f"unknown language {lang!r}"}
         if lang == "python":
             main = os.path.join(cwd, "main.py")
@@ -341,6 +358,24 @@ class Worker:
                 return {"status": "timeout" if compile_res["timed_out"] else "compile_error",
                         "compile": self._wire(compile_res), "run": None}
             run = self.spawn(cwd, ["./main", *args], stdin, timeout, memory, max_out, env)
+        elif lang in COMPILED or lang == "typescript":  # fncall-polyglot:1's toolchains
+            if lang == "typescript":
+                src, build, vm = "main.ts", ["node", "-e", TS_TRANSPILE], False
+                runner = ["node", f"--max-old-space-size={max(16, memory - 32)}", "main.js"]
+            else:
+                src, build, runner, vm = COMPILED[lang]
+            self._source(cwd, src, code)
+            self.hand_over(cwd)
+            # Toolchain caches (Go's build cache) in the call's own directory.
+            env.update({"GOCACHE": os.path.join(cwd, ".cache", "go"), "GOPATH": cwd,
+                        "GOFLAGS": "-buildvcs=false", "GOTOOLCHAIN": "local"})
+            compile_res = self.spawn(cwd, build, b"", float(req["compile_timeout_s"]),
+                                     max(memory, 1024), max_out, env, virtual_mem=False)
+            if compile_res["exit_code"] != 0:
+                return {"status": "timeout" if compile_res["timed_out"] else "compile_error",
+                        "compile": self._wire(compile_res), "run": None}
+            run = self.spawn(cwd, [*runner, *args], stdin, timeout, memory, max_out, env,
+                             virtual_mem=vm)
         else:
             return {"error": "bad_request", "message": f"unknown language {lang!r}"}
         return {"status": self._status(run), "run": self._wire(run),

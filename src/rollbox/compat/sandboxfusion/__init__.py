@@ -20,7 +20,10 @@ from rollbox.models import FnCallResult, FnCallSpec, FnCallStep
 
 # SandboxFusion language names -> fncall languages.
 LANGUAGES: dict[str, str] = {"python": "python", "python3": "python", "bash": "bash",
-                             "cpp": "cpp", "c": "c", "nodejs": "nodejs", "javascript": "nodejs"}
+                             "cpp": "cpp", "c": "c", "nodejs": "nodejs", "javascript": "nodejs",
+                             # on the optional image fncall-polyglot:1 (rollbox.fncall.pool)
+                             "go": "go", "java": "java", "rust": "rust",
+                             "typescript": "typescript"}
 
 
 class RunCodeRequest(BaseModel):
