@@ -117,7 +117,19 @@ async def test_sessions_commands_and_errors(env: Env) -> None:
     obs = await rt.run_in_session(BashAction(command="echo ok", timeout=5))
     assert obs.output == "ok\n"
 
-    # expect strings of interactive programs (a pipe, not a terminal)
+    # a program started by an interactive command runs on a terminal (a PTY exec) with the
+    # session's state; its prompt shows, and what it changes is not carried back
+    obs = await rt.run_in_session(BashAction(
+        command="read -p 'name? ' n; [ -t 0 ] && echo \"tty $n $FOO $(stty size)\"",
+        is_interactive_command=True, expect=["name? "], timeout=10))
+    assert obs.expect_string == "name? "
+    obs = await rt.run_in_session(BashAction(command="bob", is_interactive_quit=True,
+                                             timeout=10))
+    assert "tty bob bar 24 80" in obs.output, obs.output
+    obs = await rt.run_in_session(BashAction(command="echo ${n-unset} $FOO; [ -t 0 ] || echo pipe"))
+    assert obs.output == "unset bar\npipe\n"
+
+    # expect strings of interactive programs
     await rt.run_in_session(BashAction(command="cat", is_interactive_command=True,
                                        timeout=0.3))
     obs = await rt.run_in_session(BashAction(command="hello cat", is_interactive_command=True,

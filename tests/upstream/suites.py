@@ -69,14 +69,12 @@ SWEREX = Suite(
          "RemoteDeployment(host=remote_server.url,"),
     ),
     excluded={
-        "tests/test_execution.py::test_run_in_shell_interactive_command":
-            "`python` without -i prints its `>>> ` prompt only on a terminal; rollbox's "
-            "session commands have pipes, not a PTY (PTY exec is being added)",
         "tests/test_execution.py::test_interrupt_pager":
-            "`less` pages only on a terminal (on pipes it copies its input and exits, so the "
-            "command does not time out); needs PTY exec, and `less` in the image",
+            "a plain session command has pipes, not a terminal (only programs started by "
+            "is_interactive_command get one), so `less` copies its input and exits and "
+            "nothing times out; it also asserts bash's `Killed` job notice",
     },
-    expected_passed=51,
+    expected_passed=52,
 )
 
 SANDBOXFUSION = Suite(

@@ -20,6 +20,11 @@ The state is the session's own: what earlier commands defined (a function named 
 an alias, a changed PATH) applies to later ones, as in any shell session, so a session an agent
 used is the agent's; grade in a fresh sandbox.
 
+A program started by an ``is_interactive_command`` line while no command runs (``python``,
+``gdb``, a pager) gets a terminal instead: a PTY exec of the platform shell given the session's
+state in its argv (its stdin would be the terminal, which echoes and edits), with no framing,
+so what it changes is not carried back; the lines that follow go to its terminal.
+
 Differences from a long-lived ``bash -i``: the shell is not interactive (``$-`` has no ``i``;
 aliases are expanded anyway); traps, jobs and open file descriptors do not outlive a command
 (background processes keep running, but their stdout/stderr end with the command: redirect
@@ -41,13 +46,16 @@ from typing import TypeVar
 from rollbox import errors
 from rollbox.compat.swerex import wire
 from rollbox.edge.interface import EdgeAPI
-from rollbox.models import ExecResult, ExecSpec
+from rollbox.models import ExecResult, ExecSpec, PtySize
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_PENDING = 32 << 20  # unread output kept per command; older bytes are dropped beyond it
 MAX_STATE = 1 << 20  # a larger state dump is not carried over (the previous one is kept)
+# A program on a terminal gets the state in its argv: below the kernel's 128 KiB per argument.
+MAX_PTY_SCRIPT = 120_000
+PTY_COLS, PTY_ROWS = 80, 24  # pexpect's default, as SWE-ReX's own sessions
 STARTUP_TIMEOUT_MIN_S = 10.0  # exec start + sourcing on a loaded node; SWE-ReX's 1 s is tight
 INTERRUPT_TIMEOUT_MIN_S = 0.5
 SYNTAX_CHECK_TIMEOUT_S = 10.0
@@ -70,7 +78,7 @@ _NAMES = " ".join(f'"${{!{c}@}}"' for c in "_abcdefghijklmnopqrstuvwxyzABCDEFGHI
 _SKIP = ("__rbx_*|BASH*|EUID|PPID|UID|SHELLOPTS|SHLVL|RANDOM|SRANDOM|SECONDS|EPOCH*|LINENO|"
          "HISTCMD|FUNCNAME|GROUPS|PIPESTATUS|DIRSTACK|COMP_WORDBREAKS|_")
 # No subshell anywhere (a fork per command costs more than the rest): names come from ${!x@}.
-POST = r"""exec 2>&1
+_FRAME = r"""exec 2>&1
 unset __rbx_ran __rbx_sig __rbx_exit __rbx_x
 exit() { __rbx_exit=1; builtin exit "$@"; }
 __rbx_end() {
@@ -100,7 +108,9 @@ __rbx_end() {
 trap '{ __rbx_rc=$? __rbx_x=${__rbx_x-$-}; set +x; } 2>/dev/null; __rbx_end' EXIT
 trap '__rbx_sig=1; builtin exit 130' INT
 trap '__rbx_sig=1; builtin exit 143' TERM
-if [[ -n ${__rbx_known-} ]]; then  # exported variables the session had unset stay unset
+"""
+# Restores the state the shell was given (after it, before the command).
+_RESTORE = r"""if [[ -n ${__rbx_known-} ]]; then  # exported variables the session had unset stay unset
   for __rbx_v in NAMES; do
     case $__rbx_v in SKIP) continue;; esac
     [[ ${!__rbx_v@a} != *x* || $__rbx_known == *" $__rbx_v "* ]] || unset "$__rbx_v"
@@ -110,7 +120,9 @@ shopt -s expand_aliases
 if declare -F __rbx_restore >/dev/null; then
   { __rbx_restore; unset -f __rbx_restore; } 2>/dev/null  # (an xtrace it turns on: silent)
 fi
-""".replace("NAMES", _NAMES).replace("SKIP", _SKIP)
+"""
+POST = (_FRAME + _RESTORE).replace("NAMES", _NAMES).replace("SKIP", _SKIP)
+RESTORE = _RESTORE.replace("NAMES", _NAMES).replace("SKIP", _SKIP)
 # After the command (which runs as `eval $'...'`).
 TAIL = "{ __rbx_ran=ran __rbx_rc=$? __rbx_x=$-; set +x; } 2>/dev/null\nbuiltin exit \"$__rbx_rc\"\n"
 
@@ -142,6 +154,13 @@ def session_script(state: bytes, command: str) -> bytes:
     """What a session command's shell evals: the previous state, the framing, the command."""
     return (PRE.encode() + state + POST.encode()
             + f"eval {ansi_c_quote(command)}\n{TAIL}".encode())
+
+
+def pty_script(state: bytes, command: str) -> str:
+    """What a command started on a terminal runs: the state restored (its errors silenced),
+    then the command; no framing, so nothing it changes is carried back."""
+    return ("{ :\n" + state.decode("utf-8", "surrogateescape") + "\n} 2>/dev/null\n" + RESTORE
+            + f"eval {ansi_c_quote(command)}\n")
 
 
 def parse_state(channel: bytes) -> tuple[str, bytes] | None:
@@ -186,8 +205,9 @@ class SessionGone(Exception):
 class _Command:
     """One command of a session: one exec of the platform shell, its output and its end."""
 
-    def __init__(self, exec_id: str) -> None:
+    def __init__(self, exec_id: str, pty: bool = False) -> None:
         self.exec_id = exec_id
+        self.pty = pty  # on a terminal: no state channel, the session's state stays as it was
         self.buf = bytearray()
         self.dropped = 0
         self.channel = bytearray()  # the shell's stderr: the state it leaves
@@ -327,13 +347,14 @@ class BashSession:
 
     async def _run_interactive(self, action: wire.BashAction) -> wire.BashObservation:
         """A line for the program the latest still-running command started (gdb, a REPL...),
-        on its stdin; with no command running, the line starts one. It sees a pipe, not a
-        terminal. Without ``expect`` strings the output of ``timeout`` seconds (0.5 s if unset)
-        is returned; ``is_interactive_quit`` waits for the command to end."""
+        on its stdin; with no command running, the line starts one on a terminal (a PTY exec:
+        ``python`` prompts, pagers page), with the session's state but without carrying back
+        what it changes. Without ``expect`` strings the output of ``timeout`` seconds (0.5 s
+        if unset) is returned; ``is_interactive_quit`` waits for the command to end."""
         async with self._lock:
             cmd = self._foreground()
             if cmd is None:
-                cmd = await self._start(action.command)
+                cmd = await self._start_pty(action.command)
             else:
                 await self._stdin(cmd, (action.command + "\n").encode())
             expect = [e.encode() for e in action.expect]
@@ -408,6 +429,24 @@ class BashSession:
         await self._stdin(cmd, script)
         return cmd
 
+    async def _start_pty(self, command: str) -> _Command:
+        """A new exec of the platform shell on a terminal running ``command`` after the
+        session's state (passed in its argv: a terminal's input would echo and edit it)."""
+        if self.exited:
+            raise SessionGone(self.exit_note)
+        script = pty_script(self._state, command)
+        if len(script.encode("utf-8", "surrogateescape")) > MAX_PTY_SCRIPT:
+            raise wire.RemoteError(wire.SwerexException, "the session's state is too large "
+                                   f"(over {MAX_PTY_SCRIPT} bytes) to start a program on a "
+                                   "terminal")
+        spec = ExecSpec(cmd=script, pty=PtySize(cols=PTY_COLS, rows=PTY_ROWS))
+        exec_id = await self.edge.exec_start(self.sandbox_id, spec)
+        self.exec_id = exec_id
+        cmd = _Command(exec_id, pty=True)
+        cmd.reader = asyncio.ensure_future(self._read(cmd))
+        self._running.append(cmd)
+        return cmd
+
     async def _stdin(self, cmd: _Command, data: bytes) -> None:
         try:
             await self.edge.exec_stdin(self.sandbox_id, cmd.exec_id, data, False)
@@ -450,6 +489,11 @@ class BashSession:
         """A command ended: take the state it left; end the session on ``exit`` or a lost
         sandbox."""
         cmd.finished = True
+        if cmd.pty:  # a program on a terminal: the session goes on with the state it had
+            if cmd.error:
+                self._end(cmd.error)
+            self._changed.set()
+            return
         got = None if cmd.channel_over else parse_state(bytes(cmd.channel))
         if cmd.channel_over:
             log.warning("swe-rex session %s: state over %d bytes not carried over", self.name,
