@@ -12,6 +12,7 @@ import typer
 from rollbox.config import Settings
 from rollbox.image_cli import app as image_app
 from rollbox.operator_cli import key_app, project_app, sandbox_app
+from rollbox.terminal import escaped_logging
 
 app = typer.Typer(help="rollbox: elastic sandboxes for RL agents", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -35,8 +36,7 @@ def serve(host: str = typer.Option("127.0.0.1"), port: int = typer.Option(7420),
     """Run the embedded node: api + placement + one edge, SQLite state, local images."""
     from rollbox.embedded import EmbeddedNode
 
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    escaped_logging(logging.INFO if verbose else logging.WARNING)
     from rollbox.isolation import oom
 
     oom.protect()  # the platform, never a sandbox's victim (sandboxes: one memory cgroup)
@@ -285,8 +285,7 @@ def mirror_serve(host: Optional[str] = typer.Option(None, help="default: pypi_mi
     """Serve the caching PyPI proxy (only ever fetches from the configured upstreams)."""
     from rollbox.api.mirror import serve as serve_mirror
 
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    escaped_logging(logging.INFO if verbose else logging.WARNING)
     from rollbox.isolation import oom
 
     oom.protect()

@@ -24,6 +24,7 @@ from rich.table import Table
 from rollbox.errors import RollboxError
 from rollbox.images import sources as builders
 from rollbox.images.store import ImageStore
+from rollbox.terminal import escape_control
 
 app = typer.Typer(help="Manage rollbox images (EROFS layers + named refs).", no_args_is_help=True)
 console = Console(stderr=True)
@@ -51,7 +52,7 @@ def _progress(title: str) -> Iterator[Callable[[str], None]]:
         task = bar.add_task(title, total=None)
 
         def say(msg: str) -> None:
-            bar.update(task, description=f"{title}: {msg}")
+            bar.update(task, description=f"{title}: {escape(escape_control(msg))}")
 
         yield say
         bar.update(task, description=f"{title}: done")
@@ -61,10 +62,12 @@ def _run(fn: Callable[[], T]) -> T:
     try:
         return fn()
     except RollboxError as exc:
-        console.print(f"[red]error[/red] ({exc.code}): {escape(exc.message)}", soft_wrap=True)
+        # a build step's error carries its output: the sandbox's bytes, shown escaped
+        console.print(f"[red]error[/red] ({exc.code}): {escape(escape_control(exc.message))}",
+                      soft_wrap=True)
         raise typer.Exit(code=2 if exc.status < 500 else 1) from None
     except OSError as exc:
-        console.print(f"[red]error[/red]: {escape(str(exc))}", soft_wrap=True)
+        console.print(f"[red]error[/red]: {escape(escape_control(str(exc)))}", soft_wrap=True)
         raise typer.Exit(code=1) from None
 
 

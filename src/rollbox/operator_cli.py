@@ -4,14 +4,13 @@ Everything goes through the SDK against a running server: ``--url`` / ``ROLLBOX_
 the local node), ``--api-key`` / ``ROLLBOX_API_KEY``, else the node's admin key file
 (``Settings.admin_key_path``). Only ``key create`` works on the key store directly (there must
 be a way to make the first key). Text a sandbox wrote (command output, event data, labels) is
-printed through :func:`escape_control`, so a sandbox can not drive the operator's terminal.
+printed through :func:`rollbox.terminal.escape_control`, so a sandbox can not drive the operator's terminal.
 Mounted by the main CLI; owns nothing but these commands.
 """
 from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +25,7 @@ from rich.table import Table
 
 from rollbox import errors
 from rollbox.config import Settings
+from rollbox.terminal import escape_control
 
 console = Console(stderr=True)
 out = Console(highlight=False)
@@ -35,29 +35,6 @@ sandbox_app = typer.Typer(help="Sandboxes on a running server (by id, label, pro
 key_app = typer.Typer(help="API keys", no_args_is_help=True)
 project_app = typer.Typer(help="Projects: nested, with quotas carved out of the parent's",
                           no_args_is_help=True)
-
-# C0 controls but \n and \t, DEL, C1 controls (0x9b is a one-byte CSI for some terminals), the
-# bidirectional marks, overrides and isolates (text that reads differently than it runs; U+061C
-# too), the line and paragraph separators (a line break to some terminals) and the zero-width
-# characters (invisible text).
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e"
-                      "\u2060-\u2069\ufeff]")
-_NAMED = {"\r": "\\r", "\x1b": "\\e", "\b": "\\b", "\x07": "\\a", "\x0b": "\\v", "\x0c": "\\f",
-          "\x00": "\\0"}
-
-
-def escape_control(text: str) -> str:
-    """``text`` with every character that could move the cursor, recolour, retitle or reprogram
-    a terminal (ESC and so CSI/OSC/DCS sequences, \\r, backspace, C1, bidi controls) shown as an
-    escape (``\\e``, ``\\r``, ``\\x9b``, ``\\u202e``); newlines and tabs stay."""
-    def one(m: re.Match[str]) -> str:
-        c = m.group()
-        if c in _NAMED:
-            return _NAMED[c]
-        return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
-
-    return _CONTROL.sub(one, text)
-
 
 def _text(data: bytes | str) -> str:
     if isinstance(data, bytes):

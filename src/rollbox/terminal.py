@@ -1,17 +1,65 @@
-"""What of a sandbox's terminal output may reach the operator's own terminal when the CLI
-attaches one to it (``rollbox sandbox exec --pty`` on a terminal; red-team class 45).
+"""What of a sandbox's output may reach the operator's terminal (red-team class 45).
 
-Owns :class:`TerminalFilter` only: a byte filter, no I/O, no rollbox imports (the CLI that
-uses it owns the terminal). Everything a screen program needs passes (text, CSI: cursor,
-colours, modes, the alternate screen); the sequences that act beyond the screen are dropped:
-OSC strings other than the window and icon titles (0, 1, 2), e.g. OSC 52, which sets the
-operator's clipboard or, as a query, makes the terminal type its content into the sandbox;
+Owns :func:`escape_control` (text a sandbox wrote, shown escaped: what the CLIs print of it),
+the platform processes' log format (:func:`escaped_logging`: every line a server writes to its
+log is escaped the same way, since a command's output or a tenant's argv can end up in a log
+message) and :class:`TerminalFilter` (a byte filter for the operator's terminal when ``rollbox sandbox
+exec --pty`` attaches it to the sandbox's); no I/O, no rollbox imports (the CLIs that use them
+own their terminals). Through the filter everything a screen program needs passes (text, CSI:
+cursor, colours, modes, the alternate screen); the sequences that act beyond the screen are
+dropped: OSC strings other than the window and icon titles (0, 1, 2), e.g. OSC 52, which sets
+the operator's clipboard or, as a query, makes the terminal type its content into the sandbox;
 DCS, APC, PM and SOS strings (terminal reprogramming, tmux passthrough to an outer terminal,
 DECRQSS answers); and C1 controls encoded as UTF-8 (U+0080..U+009F: an 8-bit CSI/OSC/DCS to a
 terminal that honours them). A string is buffered up to ``MAX_STRING`` bytes, then dropped
 whole.
 """
 from __future__ import annotations
+
+import logging
+import re
+from typing import IO, Any
+
+# C0 controls but \n and \t, DEL, C1 controls (0x9b is a one-byte CSI for some terminals), the
+# bidirectional marks, overrides and isolates (text that reads differently than it runs; U+061C
+# too), the line and paragraph separators (a line break to some terminals) and the zero-width
+# characters (invisible text).
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e"
+                      "\u2060-\u2069\ufeff]")
+_NAMED = {"\r": "\\r", "\x1b": "\\e", "\b": "\\b", "\x07": "\\a", "\x0b": "\\v", "\x0c": "\\f",
+          "\x00": "\\0"}
+
+
+def escape_control(text: str) -> str:
+    """``text`` with every character that could move the cursor, recolour, retitle or reprogram
+    a terminal (ESC and so CSI/OSC/DCS sequences, \\r, backspace, C1, bidi controls) shown as an
+    escape (``\\e``, ``\\r``, ``\\x9b``, ``\\u202e``); newlines and tabs stay."""
+    def one(m: re.Match[str]) -> str:
+        c = m.group()
+        if c in _NAMED:
+            return _NAMED[c]
+        return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+
+    return _CONTROL.sub(one, text)
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class EscapingFormatter(logging.Formatter):
+    """A log line (message, arguments, traceback) with its control characters escaped."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return escape_control(super().format(record))
+
+
+def escaped_logging(level: int, stream: IO[str] | None = None, **kw: Any) -> None:
+    """``logging.basicConfig`` of a platform process (``rollbox serve``, the mirror, cluster
+    replicas and edge actors): stderr (or ``stream``), ``LOG_FORMAT``, escaped."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(EscapingFormatter(LOG_FORMAT))
+    logging.basicConfig(level=level, handlers=[handler], **kw)
+
 
 ESC, BEL, CAN, SUB = 0x1B, 0x07, 0x18, 0x1A
 MAX_STRING = 4096

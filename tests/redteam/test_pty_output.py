@@ -184,3 +184,43 @@ async def test_c45_a_planted_ptmx_is_refused_not_waited_on(boxes: Boxes, plant: 
             await boxes.edge.exec_start(soft, ExecSpec(cmd="true", pty=PtySize()))
     r = await boxes.run(soft, "echo still-serving")
     assert r.stdout == "still-serving\n"
+
+
+def test_c45_image_build_step_output_is_escaped(tmp_node_dir, monkeypatch) -> None:  # noqa: ANN001
+    """``rollbox image build --base --run`` prints a failed step's error, which carries the
+    step's output (the build sandbox's bytes): shown escaped. The twin is the error itself,
+    which holds the raw bytes."""
+    import io
+
+    from rich.console import Console
+
+    from rollbox import errors, image_cli
+    from rollbox.backends.container.build import build_layer_with_commands
+    from rollbox.config import Settings
+    from rollbox.images.store import ImageStore
+    from tests.conftest import node_settings
+
+    store = ImageStore(tmp_node_dir / "images")  # under tmp_node_dir: the build uid reaches it
+    node = ImageStore(Settings().images_dir)
+    bb = node.resolve("busybox:test")
+    store.tag("bb:1", [store.add_layer_file(node.layer_path(d)) for d in bb.layers], bb.config)
+    settings = node_settings(tmp_node_dir)
+    settings.images_root = store.root
+    with pytest.raises(errors.InfraError) as failed:
+        asyncio.run(build_layer_with_commands(store, "bb:1", [ATTACK + "; exit 3"], "bad:1",
+                                              settings=settings, network="none",
+                                              log=lambda _m: None))
+    assert "\x1b]52;c;?" in failed.value.message  # the twin: raw in the error
+
+    shown = io.StringIO()
+    monkeypatch.setattr(image_cli, "console", Console(file=shown, width=400))
+
+    def step() -> None:
+        raise failed.value
+
+    with pytest.raises(image_cli.typer.Exit):
+        image_cli._run(step)
+    text = shown.getvalue()
+    assert "image build step failed" in text, text
+    assert not any(ch in text for ch in ("\x1b", "\x07", "\x9b")), repr(text)
+    assert "A\\e]52;c;cHduZWQ=\\aB" in text, text

@@ -41,3 +41,31 @@ def test_an_escape_inside_a_string_aborts_it() -> None:
     assert f.feed(b"\x1b]52;c;x\x1b[1mB") == b"\x1b[1mB"
     assert f.feed(b"\x1b]52;c;x\x18C") == b"C"  # CAN aborts
 
+
+
+def test_platform_logs_are_escaped() -> None:
+    """What ``rollbox serve`` (and the mirror, cluster replicas, edge actors) logs: control
+    characters of a message, its arguments and its traceback escaped, newlines kept."""
+    import io
+    import logging
+
+    from rollbox.terminal import escaped_logging
+
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    buf = io.StringIO()
+    try:
+        escaped_logging(logging.WARNING, stream=buf, force=True)
+        log = logging.getLogger("rollbox.test")
+        log.warning("exec %s failed: %s", "x\x1b]52;c;?\x07", "out\rput\x9b")
+        try:
+            raise ValueError("tb\x1b[2J")
+        except ValueError:
+            log.exception("boom\x1b")
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    text = buf.getvalue()
+    assert not any(ch in text for ch in ("\x1b", "\x07", "\r", "\x9b")), repr(text)
+    assert "x\\e]52;c;?\\a failed: out\\rput\\x9b" in text and "tb\\e[2J" in text
+    assert "Traceback" in text and "\n" in text

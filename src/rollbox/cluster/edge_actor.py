@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rollbox import errors
+from rollbox.terminal import escaped_logging
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +138,7 @@ class EdgeActor:
         import ray
         from ray.experimental import internal_kv
 
-        logging.basicConfig(level=logging.WARNING,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        escaped_logging(logging.WARNING)
         self.node_id = node_id
         self.ray_node = ray.get_runtime_context().get_node_id()
         self.host = EdgeHost({**env, "ROLLBOX_NODE": node_id}, host, port, token, dsn_file)

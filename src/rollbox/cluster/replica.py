@@ -167,8 +167,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--own-port", required=True, type=int)
     p.add_argument("--name", required=True)
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from rollbox.terminal import escaped_logging
+
+    escaped_logging(logging.WARNING)
     from rollbox.isolation import oom
 
     oom.protect()
