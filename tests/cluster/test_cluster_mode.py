@@ -108,9 +108,17 @@ async def test_status_shows_the_nodes_and_their_sandboxes(cluster) -> None:  # n
 
 
 async def test_an_edge_refuses_calls_without_the_cluster_token(cluster) -> None:  # noqa: ANN001
-    state, _ = cluster
+    from rollbox.cluster import local
+
+    state, s = cluster
     token = Path(state.token_file).read_text().strip()
     assert Path(state.token_file).stat().st_mode & 0o777 == 0o600
+    # Each edge actor read it from its node's own root-only file (its arguments, which Ray's
+    # GCS keeps, are that file's path, not the token).
+    for n in state.nodes:
+        f = local.node_token_path(s, n.node_id, n.index)
+        assert f.stat().st_mode & 0o777 == 0o600 and f.stat().st_uid == 0
+        assert f.read_text().strip() == token
     async with httpx.AsyncClient(timeout=10) as h:
         for n in state.nodes:
             url = f"{n.edge_url}/edge/v1/call/capacity"

@@ -105,3 +105,36 @@ def test_the_cluster_token_file_is_root_only(tmp_path: Path) -> None:
     other.chmod(0o644)
     write_secret(other, "new")
     assert other.stat().st_mode & 0o777 == 0o600 and other.read_text() == "new\n"
+
+
+def test_an_edge_actor_reads_its_token_from_a_root_only_file(tmp_path: Path) -> None:
+    """Edge actors get the path of the node's token file (their arguments sit in Ray's GCS),
+    never the token: each node's file is its own, in its dir, and one that is missing, empty,
+    a symlink or readable by others is refused (InfraError), the twin 0600 file read back."""
+    import inspect
+
+    from rollbox.cluster.edge_actor import EdgeActor, create_edge, read_token
+    from rollbox.cluster.local import node_token_path, write_secret
+
+    s = _base(tmp_path)
+    paths = {node_token_path(s, f"n{i}", i) for i in range(3)}
+    assert len(paths) == 3
+    assert all(p.parent == node_settings(s, p.parent.name, 0).data_dir for p in paths)
+    assert "token" not in inspect.signature(EdgeActor).parameters
+    assert "token" not in inspect.signature(create_edge).parameters
+    path = node_token_path(s, "n0", 0)
+    write_secret(path, "t" * 43)
+    assert read_token(str(path)) == "t" * 43
+    path.chmod(0o640)
+    with pytest.raises(errors.InfraError, match="readable by others"):
+        read_token(str(path))
+    link = tmp_path / "link"
+    link.symlink_to(path)
+    path.chmod(0o600)
+    with pytest.raises(errors.InfraError):
+        read_token(str(link))
+    write_secret(path, "")
+    with pytest.raises(errors.InfraError, match="empty"):
+        read_token(str(path))
+    with pytest.raises(errors.InfraError):
+        read_token(str(tmp_path / "missing"))

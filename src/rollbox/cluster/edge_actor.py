@@ -8,12 +8,17 @@ constructor builds an :class:`~rollbox.edge.edge.Edge` from the node's settings 
 (:class:`~rollbox.jobs.postgres.PostgresLeaseStore` on the DSN file it is given: the edge's
 reaper ends the sandboxes of its node whose job expired or ended; closed after the edge),
 starts it (a restarted actor re-adopts the node's sandboxes from the edge's journal, commands
-included), serves it over HTTP with the cluster
-token (``rollbox.edge.service.serve_edge``) on its own event loop thread, and registers
+included), serves it over HTTP with the cluster token (``rollbox.edge.service.serve_edge``) on
+its own event loop thread, and registers
 ``(node id, url)`` in the GCS key-value store, where api replicas find it. One edge per
 rollbox node id: the actor's name is ``edge-<node id>`` in the ``rollbox`` namespace, a second
 one is refused (:func:`create_edge` raises BadRequest). Sandboxes are never actors or tasks.
 Does not place, route, or hold api state.
+
+The cluster token never is an actor argument (Ray keeps those in its GCS, readable by anyone
+who reaches the GCS port): the actor is given the path of a root-only file on its host that
+``cluster up``/``join`` wrote (``cluster.local.node_token_path``), and reads it at each
+construction (also when Ray restarts it).
 """
 from __future__ import annotations
 
@@ -134,14 +139,15 @@ class EdgeActor:
     """The Ray actor (see the module docstring); made by :func:`create_edge`."""
 
     def __init__(self, node_id: str, env: Mapping[str, str], host: str, port: int,
-                 token: str, dsn_file: str | None = None) -> None:
+                 token_file: str, dsn_file: str | None = None) -> None:
         import ray
         from ray.experimental import internal_kv
 
         escaped_logging(logging.WARNING)
         self.node_id = node_id
         self.ray_node = ray.get_runtime_context().get_node_id()
-        self.host = EdgeHost({**env, "ROLLBOX_NODE": node_id}, host, port, token, dsn_file)
+        self.host = EdgeHost({**env, "ROLLBOX_NODE": node_id}, host, port,
+                             read_token(token_file), dsn_file)
         self.host.start()
         internal_kv._internal_kv_put(
             KV_PREFIX + node_id, json.dumps({"node_id": node_id, "url": self.host.url,
@@ -183,6 +189,23 @@ class EdgeActor:
         self.host.shutdown(destroy)
 
 
+def read_token(path: str) -> str:
+    """The cluster token from the node's token file; InfraError if it is missing, empty, or
+    readable by anyone but its owner (it must stay root's alone)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise errors.InfraError(f"cluster token file {path}: {exc.strerror}") from None
+    with os.fdopen(fd) as f:
+        if os.fstat(f.fileno()).st_mode & 0o077:
+            raise errors.InfraError(f"cluster token file {path} is readable by others "
+                                    "(must be 0600)")
+        token = f.read().strip()
+    if not token:
+        raise errors.InfraError(f"cluster token file {path} is empty")
+    return token
+
+
 def ray_node_of(node_id: str) -> str:
     """The Ray node id of rollbox node ``node_id`` (the alive Ray node with its resource)."""
     import ray
@@ -195,12 +218,13 @@ def ray_node_of(node_id: str) -> str:
     raise errors.NotFound(f"no alive Ray node for rollbox node {node_id!r}", node=node_id)
 
 
-def create_edge(node_id: str, env: Mapping[str, str], host: str, port: int, token: str,
-                timeout: float = 300, dsn_file: str | None = None) -> Any:
+def create_edge(node_id: str, env: Mapping[str, str], host: str, port: int,
+                token_file: str, timeout: float = 300, dsn_file: str | None = None) -> Any:
     """Create node ``node_id``'s edge actor and wait until it serves; BadRequest if that node
-    already has one alive (a duplicate node id). ``dsn_file``: the cluster's PostgreSQL DSN
-    (root-only, read by the actor, also when Ray restarts it), whose job leases the edge
-    reaps; None: the edge takes no job's sandboxes. Needs ``ray.init`` in namespace rollbox."""
+    already has one alive (a duplicate node id). ``token_file``: the root-only file on the
+    node's host the actor reads the cluster token from. ``dsn_file``: the cluster's
+    PostgreSQL DSN (root-only, read by the actor, also when Ray restarts it), whose job
+    leases the edge reaps; None: the edge takes no job's sandboxes. Needs ``ray.init`` in namespace rollbox."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -223,7 +247,7 @@ def create_edge(node_id: str, env: Mapping[str, str], host: str, port: int, toke
             max_restarts=-1, max_task_retries=0, num_cpus=0, max_concurrency=16,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_of(node_id),
                                                                soft=False),
-        ).remote(node_id, dict(env), host, port, token, dsn_file)
+        ).remote(node_id, dict(env), host, port, token_file, dsn_file)
     except ValueError as exc:  # the name was taken meanwhile
         raise errors.BadRequest(f"node id {node_id!r} is already in the cluster",
                                 node=node_id) from exc

@@ -185,15 +185,26 @@ def _ray_shutdown() -> None:
         ray.shutdown()
 
 
+def node_token_path(settings: Settings, node_id: str, index: int) -> Path:
+    """Where node ``node_id``'s edge actor reads the cluster token: a root-only (0600) file
+    in the node's own dir on this host (its data dir), never an actor argument (those sit in
+    Ray's GCS, which anyone who reaches the GCS port reads)."""
+    return node_settings(settings, node_id, index).data_dir / "cluster.token"
+
+
 def start_edge(settings: Settings, address: str, node_id: str, index: int, token: str,
                head: bool, nodes: int | None = None) -> NodeRecord:
+    """Node ``node_id``'s edge actor on this host: the token is written to the node's token
+    file (0600, :func:`node_token_path`) and the actor is given its path."""
     ports = ClusterPorts(settings.cluster_port_base)
     from rollbox.cluster.edge_actor import create_edge
 
     port = ports.edge(index)
+    token_file = node_token_path(settings, node_id, index)
+    write_secret(token_file, token)
     dsn = dsn_path(settings)  # the job leases its reaper reads (none if not on this host)
-    create_edge(node_id, node_env(settings, node_id, index, nodes=nodes), address, port, token,
-                dsn_file=str(dsn) if dsn.exists() else None)
+    create_edge(node_id, node_env(settings, node_id, index, nodes=nodes), address, port,
+                str(token_file), dsn_file=str(dsn) if dsn.exists() else None)
     return NodeRecord(node_id, index, head, f"http://{address}:{port}")
 
 
