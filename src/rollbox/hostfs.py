@@ -450,16 +450,20 @@ class SandboxFS:
                                          limit=cap)
         return bytes(out)
 
-    async def read_stream(self, path: str, max_bytes: int | None = None) -> AsyncIterator[bytes]:
-        """The regular file at ``path`` in chunks of at most 1 MiB, read in a worker thread
-        one chunk at a time (memory stays bounded whatever the file's size). A missing file or
-        one above the cap fails on the first step, before any byte is produced."""
+    async def read_stream(self, path: str, max_bytes: int | None = None,
+                          offset: int = 0) -> AsyncIterator[bytes]:
+        """The regular file at ``path`` from byte ``offset`` on, in chunks of at most 1 MiB,
+        read in a worker thread one chunk at a time (memory stays bounded whatever the file's
+        size). A missing file or one above the cap (the whole file's size) fails on the first
+        step, before any byte is produced."""
         cap = (self.max_stream if max_bytes is None
                else min(max(max_bytes, 0), self.max_stream))
         with self._use() as rfd:
             fd = await asyncio.to_thread(self._open_read, rfd, path, cap)
             try:
-                total = 0
+                total = offset
+                if offset:
+                    os.lseek(fd, offset, os.SEEK_SET)
                 while True:
                     try:
                         data = await asyncio.to_thread(os.read, fd,

@@ -81,6 +81,21 @@ async def test_sdk_write_forms_read_stream_and_download(client: rollbox.AsyncCli
         with pytest.raises(errors.BadRequest):
             await sb.files.write("/tmp/text-file", open(local, "r"))  # noqa: SIM115
 
+        # From an offset (where the SDK resumes a broken download): the rest of the file,
+        # nothing past its end, a negative offset refused.
+        async def from_offset(path: str, offset: int) -> bytes:
+            r = await client._t.request("GET", f"/v1/sandboxes/{sb.id}/files", long=True,
+                                        params={"path": path, "offset": offset})
+            return r.content
+
+        for off in (1, 65537, (1 << 20) + 3, len(blob) - 1, len(blob), len(blob) + 10):
+            assert await from_offset("/tmp/bytes", off) == blob[off:], off
+        assert await from_offset("/tmp/str", 2) == b"xt"
+        with pytest.raises(errors.BadRequest):
+            await from_offset("/tmp/bytes", -1)
+        with pytest.raises(errors.NotFound):
+            await from_offset("/tmp/missing", 5)
+
 
 @pytest.mark.parametrize("tier", ["disk", "memory"])
 async def test_host_write_above_disk_cap_is_typed_and_clean(client: rollbox.AsyncClient,

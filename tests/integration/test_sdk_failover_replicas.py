@@ -9,7 +9,9 @@ run on in this process, as the edge's work does when a remote replica dies.
     another at its offsets, the output complete, in order, exactly once;
 (c) a replica killed mid-create: the SDK sends it again with its idempotency key, exactly one
     sandbox exists afterwards;
-(d) every replica dead: typed errors (ServerUnreachable naming how many URLs were tried).
+(d) every replica dead: typed errors (ServerUnreachable naming how many URLs were tried);
+(e) a replica killed mid-transfer: bytes and tar uploads sent again whole, a tar download
+    downloaded again, an upload from a one-shot stream a retryable ConnectionLost.
 """
 from __future__ import annotations
 
@@ -264,4 +266,82 @@ async def test_the_edge_keeps_create_keys_per_project_and_across_its_restart(
     assert fresh.id not in (made[0].id, other.id)
     for sid in (fresh.id, other.id):
         await edge.delete(sid)
+    assert edge.live == {}
+
+
+async def test_a_replica_killed_mid_transfer_uploads_and_tar_are_sent_again(
+        replicas: Replicas, edge, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Each transfer's replica is killed once its first chunk reached the edge: a bytes
+    upload and a tar upload are sent again whole on the next replica, a tar download is
+    downloaded again whole; an upload from a stream of chunks (which the SDK can not send
+    again) raises ConnectionLost, retryable, and the file is left as it was."""
+    import hashlib
+    import os
+
+    urls = [await replicas.start() for _ in range(5)]
+    key = replicas.keys.create("fo")
+    armed: set[str] = set()  # edge methods whose next first chunk kills the replica in use
+
+    def tapped(name: str, client: AsyncClient) -> None:
+        orig = getattr(edge, name)
+
+        async def chunks_then_kill(chunks):  # noqa: ANN001, ANN202
+            async for chunk in chunks:
+                if name in armed:
+                    armed.discard(name)
+                    replicas.kill(client.base_url)
+                yield chunk
+
+        if name == "download_tar":
+            monkeypatch.setattr(edge, name, lambda *a, **kw: chunks_then_kill(orig(*a, **kw)))
+        else:  # (sandbox_id, path, chunks, ...)
+            monkeypatch.setattr(edge, name, lambda sid, path, chunks, *a, **kw: orig(
+                sid, path, chunks_then_kill(chunks), *a, **kw))
+
+    async with AsyncClient(urls, key, reconnect_s=20) as client:
+        for name in ("file_write_stream", "upload_tar", "download_tar"):
+            tapped(name, client)
+        sb = await client.create(BB)
+        try:
+            async def sha(path: str) -> str:
+                return (await sb.exec(f"sha256sum {path}")).stdout.split()[0]
+
+            data = os.urandom(24 << 20)
+            armed.add("file_write_stream")
+            first = client.base_url
+            async with asyncio.timeout(60):
+                await sb.files.write("/up.bin", data)
+            assert not armed and client.base_url != first  # killed, then sent again
+            assert await sha("/up.bin") == hashlib.sha256(data).hexdigest()
+
+            async def stream():  # noqa: ANN202
+                for i in range(0, len(data), 1 << 20):
+                    yield data[i:i + (1 << 20)][::-1]
+
+            armed.add("file_write_stream")
+            with pytest.raises(errors.ConnectionLost) as exc:
+                await sb.files.write("/up.bin", stream())
+            assert exc.value.retryable and not armed
+            assert await sha("/up.bin") == hashlib.sha256(data).hexdigest()  # as it was
+
+            src = tmp_path / "src"
+            (src / "d").mkdir(parents=True)
+            (src / "d" / "big").write_bytes(data)
+            (src / "small").write_text("small\n")
+            armed.add("upload_tar")
+            async with asyncio.timeout(60):
+                await sb.files.upload_dir(src, "/tree")
+            assert not armed
+            assert await sha("/tree/d/big") == hashlib.sha256(data).hexdigest()
+            assert await sb.files.read_text("/tree/small") == "small\n"
+
+            armed.add("download_tar")
+            async with asyncio.timeout(60):
+                await sb.files.download_dir("/tree", tmp_path / "back")
+            assert not armed
+            assert (tmp_path / "back" / "d" / "big").read_bytes() == data
+            assert (tmp_path / "back" / "small").read_text() == "small\n"
+        finally:
+            monkeypatch.undo()
+            await sb.delete()
     assert edge.live == {}

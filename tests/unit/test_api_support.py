@@ -307,9 +307,9 @@ class FakeEdge:
         p.write_bytes(data)
         p.chmod(mode)
 
-    async def file_read_stream(self, sandbox_id: str, path: str,
-                               max_bytes: int) -> AsyncIterator[bytes]:
-        data = await self.file_read(sandbox_id, path, max_bytes)
+    async def file_read_stream(self, sandbox_id: str, path: str, max_bytes: int,
+                               offset: int = 0) -> AsyncIterator[bytes]:
+        data = (await self.file_read(sandbox_id, path, max_bytes))[offset:]
         for i in range(0, len(data), 65536):
             yield data[i:i + 65536]
 

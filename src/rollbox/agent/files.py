@@ -318,21 +318,23 @@ class AgentFiles:
                                                     path=path, limit=cap))
         return res.stdout
 
-    async def read_stream(self, path: str, max_bytes: int | None = None
-                          ) -> AsyncIterator[bytes]:
-        """The regular file at ``path`` as it streams from the sandbox (memory bounded by
-        flow control). A missing file or one above the cap fails before any byte."""
+    async def read_stream(self, path: str, max_bytes: int | None = None,
+                          offset: int = 0) -> AsyncIterator[bytes]:
+        """The regular file at ``path`` from byte ``offset`` on (``tail -c +N``) as it
+        streams from the sandbox (memory bounded by flow control). A missing file or one
+        above the cap fails before any byte."""
         self._check()
         cap = (self.max_stream if max_bytes is None
                else min(max(max_bytes, 0), self.max_stream))
         p, _ = await self._readable(path, cap)
+        argv = ["cat", "--", p] if not offset else ["tail", "-c", f"+{offset + 1}", "--", p]
 
         def end(res: ToolResult) -> None:
             if not res.ok:
-                raise tool_error(res, path, "cat")
+                raise tool_error(res, path, argv[0])
 
         async with contextlib.aclosing(self.tools.stream(
-                ["cat", "--", p], max_stdout=cap, on_end=end,
+                argv, max_stdout=cap, on_end=end,
                 overflow=lambda: errors.PayloadTooLarge(f"{path} grew above the {cap}-byte cap",
                                                         path=path, limit=cap))) as chunks:
             async for chunk in chunks:

@@ -1266,10 +1266,12 @@ class Edge:
     async def file_write(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None:
         await self._live(sandbox_id).box.files.write(path, data, mode)
 
-    async def file_read_stream(self, sandbox_id: str, path: str,
-                               max_bytes: int) -> AsyncIterator[bytes]:
+    async def file_read_stream(self, sandbox_id: str, path: str, max_bytes: int,
+                               offset: int = 0) -> AsyncIterator[bytes]:
+        if not 0 <= offset <= 1 << 62:
+            raise BadRequest(f"file offset out of range: {offset!r}")
         files = self._live(sandbox_id).box.files
-        async for chunk in files.read_stream(path, max_bytes):
+        async for chunk in files.read_stream(path, max_bytes, offset):
             yield chunk
 
     async def file_write_stream(self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes],

@@ -315,10 +315,11 @@ class RemoteEdge:
                 raise
             yield ExecOutput("error", exec_id, error=exc)
 
-    async def file_read_stream(self, sandbox_id: str, path: str,
-                               max_bytes: int) -> AsyncIterator[bytes]:
+    async def file_read_stream(self, sandbox_id: str, path: str, max_bytes: int,
+                               offset: int = 0) -> AsyncIterator[bytes]:
         async for kind, payload in self._stream("file_read_stream", {
-                "sandbox_id": sandbox_id, "path": path, "max_bytes": max_bytes}):
+                "sandbox_id": sandbox_id, "path": path, "max_bytes": max_bytes,
+                "offset": offset}):
             if kind == wire.DATA:
                 yield payload
 

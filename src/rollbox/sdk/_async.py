@@ -12,11 +12,13 @@ import tarfile
 import threading
 import time
 import urllib.parse
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence,
+)
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, TypeVar
 
 import pydantic
 
@@ -29,7 +31,7 @@ from rollbox.sdk._http import FullResponse, Http, Params, raise_for_status
 from rollbox.sdk._resume import (
     DEFAULT_RECONNECT_S, Offsets, Reconnect, new_idempotency_key,
 )
-from rollbox.sdk._transport import AsyncTransport, BlockingTransport, Request
+from rollbox.sdk._transport import AsyncTransport, BlockingTransport, Request, Response
 from rollbox.models import (
     FnCallResult, FnCallSpec,
     ApiKeyInfo, CreatedKey, Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec,
@@ -39,6 +41,7 @@ from rollbox.models import (
 )
 
 TAR_CHUNK = 256 << 10
+_T = TypeVar("_T")
 FILE_CHUNK = 1 << 20
 
 OutputCallback = Callable[[str], Any]
@@ -357,10 +360,40 @@ async def _send_tar(t: Http, method: str, url: str, params: Params, src: Path,
             await asyncio.sleep(0.01)
 
 
+async def _resumed(open_stream: Callable[[], Awaitable[Response]],
+                   items: Callable[[Response], AsyncIterator[_T]],
+                   window_s: float) -> AsyncIterator[_T]:
+    """The items of a streamed GET, resumed where it broke: ``open_stream()`` opens it from
+    where the caller is (it reads the caller's position, which the caller moves on as it takes
+    each item). A connection that breaks mid-stream (``ConnectionLost``: an api replica died)
+    is opened again on the next API URL, retrying (``ServerUnreachable`` too) within
+    ``window_s`` of the break; the first open is not retried here (the transport already
+    tried every URL)."""
+    retry: Reconnect | None = None
+    while True:
+        try:
+            resp = await open_stream()
+        except (errors.ServerUnreachable, errors.ConnectionLost) as exc:
+            if retry is None:
+                raise
+            await retry.wait(exc)
+            continue
+        try:
+            async for item in items(resp):
+                yield item
+            return
+        except errors.ConnectionLost as exc:
+            retry = retry or Reconnect(window_s)
+            await retry.wait(exc)
+        finally:
+            await resp.aclose()
+
+
 class AsyncFiles:
     def __init__(self, sandbox: AsyncSandbox) -> None:
         self._t = sandbox._t
         self._base = f"/v1/sandboxes/{sandbox.id}"
+        self._window_s = sandbox.client.reconnect_s
 
     async def read(self, path: str) -> bytes:
         """The whole file in memory; for big files use :meth:`read_stream` or
@@ -372,13 +405,19 @@ class AsyncFiles:
         return (await self.read(path)).decode(encoding, "replace")
 
     async def read_stream(self, path: str) -> AsyncIterator[bytes]:
-        """The file's bytes as they arrive (memory stays bounded whatever its size)."""
-        resp = await self._t.stream("GET", self._base + "/files", params={"path": path})
-        try:
-            async for chunk in resp.chunks():
-                yield chunk
-        finally:
-            await resp.aclose()
+        """The file's bytes as they arrive (memory stays bounded whatever its size). A stream
+        broken mid-way (an api replica died) is resumed on the next API URL at the byte the
+        client has (``offset``), within the client's ``reconnect_s``: every byte once, in
+        order (a file replaced meanwhile is not detected: its rest is the new file's)."""
+        have = 0
+
+        def opened() -> Awaitable[Response]:
+            params = {"path": path, "offset": have} if have else {"path": path}
+            return self._t.stream("GET", self._base + "/files", params=params)
+
+        async for chunk in _resumed(opened, lambda resp: resp.chunks(), self._window_s):
+            have += len(chunk)
+            yield chunk
 
     async def download_file(self, path: str, local: str | os.PathLike[str]) -> int:
         """Stream the file at ``path`` into local file ``local`` (replaced only once complete);
@@ -400,11 +439,22 @@ class AsyncFiles:
         """Replace the file at ``path`` with ``data``: bytes or str, a binary file object
         (``open(local, "rb")``), or an (async) iterator of byte chunks. Streamed: memory
         stays bounded; the file appears only once complete. Above the sandbox's disk cap it
-        raises the disk-full error (``details["reason"] == "disk_full"``)."""
+        raises the disk-full error (``details["reason"] == "disk_full"``). Content in memory
+        (bytes, str) whose connection broke (an api replica died) is sent again whole on the
+        next API URL (the file is replaced atomically: the same file either way); a file
+        object or a stream of chunks, which the SDK can not send again, raises
+        ``ConnectionLost`` (retryable: the file was not replaced unless the server had it
+        all; send it again)."""
         if isinstance(data, io.TextIOBase):
             raise errors.BadRequest("files.write takes a binary file object (open 'rb')")
+        params = {"path": path, "mode": format(mode, "o")}
+        if isinstance(data, (bytes, bytearray, memoryview, str)):
+            body = data.encode() if isinstance(data, str) else bytes(data)
+            await self._t.request("PUT", self._base + "/files", content=body, long=True,
+                                  params=params, idempotent=True)
+            return
         await self._t.request("PUT", self._base + "/files", content=_content_chunks(data),
-                              long=True, params={"path": path, "mode": format(mode, "o")})
+                              long=True, params=params)
 
     async def stat(self, path: str) -> FileStat:
         r = await self._t.request("GET", self._base + "/files/stat", params={"path": path})
@@ -423,14 +473,42 @@ class AsyncFiles:
                               params={"path": path, "recursive": int(recursive)})
 
     async def upload_dir(self, local: str | os.PathLike[str], remote: str) -> int:
-        """Upload the contents of a local directory into ``remote`` as a tar stream."""
-        r = await _send_tar(self._t, "PUT", self._base + "/tar", {"path": remote}, Path(local))
-        return int(r.json().get("written", 0))
+        """Upload the contents of a local directory into ``remote`` as a tar stream. One
+        whose connection broke (an api replica died) is sent again whole, made anew from
+        ``local``, on the next API URL (once per URL): its members overwrite what an earlier
+        attempt wrote of them. ``ConnectionLost`` when the last URL broke too."""
+        for attempt in range(1, self._t.places + 1):
+            try:
+                r = await _send_tar(self._t, "PUT", self._base + "/tar", {"path": remote},
+                                    Path(local))
+                return int(r.json().get("written", 0))
+            except errors.ConnectionLost:
+                if attempt == self._t.places:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def download_dir(self, remote: str, local: str | os.PathLike[str]) -> None:
-        """Download ``remote`` (a directory) into ``local``; unsafe members are refused."""
+        """Download ``remote`` (a directory) into ``local``; unsafe members are refused. A
+        tar stream broken mid-way (an api replica died) is downloaded again from its start
+        on the next API URL, within the client's ``reconnect_s``, its members written over
+        what the broken one left of them (a tar has no offsets to resume at)."""
         dest = Path(local)
         dest.mkdir(parents=True, exist_ok=True)
+        retry: Reconnect | None = None
+        while True:
+            try:
+                await self._download_tar(remote, dest)
+                return
+            except errors.ConnectionLost as exc:
+                retry = retry or Reconnect(self._window_s)
+                await retry.wait(exc)
+            except errors.ServerUnreachable as exc:
+                if retry is None:
+                    raise
+                await retry.wait(exc)
+
+    async def _download_tar(self, remote: str, dest: Path) -> None:
+        """One download of ``remote``'s tar into ``dest``; ConnectionLost if it broke."""
         resp = await self._t.stream("GET", self._base + "/tar", params={"path": remote})
         pipe = _TarPipe(asyncio.get_running_loop())
 
@@ -449,6 +527,7 @@ class AsyncFiles:
                 return False
             return True
 
+        lost: errors.ConnectionLost | None = None
         try:
             try:
                 async for chunk in resp.chunks():
@@ -457,8 +536,14 @@ class AsyncFiles:
                 else:
                     await feed(None)
             except errors.InfraError as exc:
+                lost = exc if isinstance(exc, errors.ConnectionLost) else None
                 await feed(errors.InfraError(f"tar download broken: {exc}"))
-            await extract  # raises the extractor's error (e.g. a member escaping ``local``)
+            try:
+                await extract  # raises the extractor's error (e.g. a member escaping ``local``)
+            except errors.InfraError:
+                if lost is not None:
+                    raise lost from None  # the stream broke: downloaded again
+                raise
         finally:
             await resp.aclose()
             if not extract.done():
@@ -646,10 +731,20 @@ class AsyncSandbox:
         return [ExecInfo.model_validate(x) for x in r.json()]
 
     async def stream_events(self, after: int = 0, follow: bool = True) -> AsyncIterator[Event]:
-        resp = await self._t.stream("GET", self._base + "/events",
-                                    params={"after": after, "follow": int(follow)})
-        async for msg in self._t.lines(resp):
-            yield Event.model_validate(msg)
+        """The audit log's events after seq ``after`` (``follow``: and new ones until the
+        sandbox is deleted). A stream broken mid-way (an api replica died) is resumed on the
+        next API URL after the last event delivered, within the client's ``reconnect_s``:
+        each event once, in order."""
+        last = after
+
+        def opened() -> Awaitable[Response]:
+            return self._t.stream("GET", self._base + "/events",
+                                  params={"after": last, "follow": int(follow)})
+
+        async for msg in _resumed(opened, self._t.lines, self.client.reconnect_s):
+            event = Event.model_validate(msg)
+            last = event.seq
+            yield event
 
     async def events(self, after: int = 0, follow: bool = False) -> list[Event]:
         """The audit log (also after deletion). ``follow=True`` collects until deletion."""

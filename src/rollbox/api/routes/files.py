@@ -22,8 +22,11 @@ class MkdirRequest(BaseModel):
 
 @router.get("/v1/sandboxes/{sandbox_id}/files",
             responses={200: {"content": {"application/octet-stream": {}}}})
-async def file_read(sandbox_id: str, path: PathQ, edge: Edge) -> Response:
-    stream = await primed(edge.file_read_stream(sandbox_id, path, MAX_FILE_STREAM), 10.0)
+async def file_read(sandbox_id: str, path: PathQ, edge: Edge,
+                    offset: Annotated[int, Query(ge=0, le=1 << 62)] = 0) -> Response:
+    """The file's bytes from ``offset`` on (the SDK resumes a broken download there)."""
+    stream = await primed(edge.file_read_stream(sandbox_id, path, MAX_FILE_STREAM, offset),
+                          10.0)
     return StreamingResponse(stream, media_type="application/octet-stream")
 
 

@@ -24,8 +24,9 @@ class ContainerFiles:
     async def write(self, path: str, data: bytes, mode: int = 0o644) -> None:
         await self.fs.awrite(path, data, mode)
 
-    def read_stream(self, path: str, max_bytes: int | None = None) -> AsyncIterator[bytes]:
-        return self.fs.read_stream(path, max_bytes)
+    def read_stream(self, path: str, max_bytes: int | None = None,
+                    offset: int = 0) -> AsyncIterator[bytes]:
+        return self.fs.read_stream(path, max_bytes, offset)
 
     async def write_stream(self, path: str, chunks: AsyncIterator[bytes], mode: int = 0o644,
                            max_bytes: int | None = None) -> int:

@@ -105,8 +105,8 @@ class UnavailableFiles:
     async def write(self, path: str, data: bytes, mode: int = 0o644) -> None:
         raise self._refuse()
 
-    async def read_stream(self, path: str, max_bytes: int | None = None
-                          ) -> AsyncIterator[bytes]:
+    async def read_stream(self, path: str, max_bytes: int | None = None,
+                          offset: int = 0) -> AsyncIterator[bytes]:
         raise self._refuse()
         yield b""  # pragma: no cover
 
