@@ -353,3 +353,24 @@ async def test_a_revoke_through_one_replica_is_refused_by_the_other_at_once(pg_d
     finally:
         for store in (l1, l2, one, two):
             await store.close()
+
+
+async def test_a_create_and_delete_cost_the_ledger_six_postgresql_round_trips(pg_dsn) -> None:  # noqa: ANN001
+    """What a sandbox's create and delete send to PostgreSQL (every replica, every create):
+    reserve is one transaction (BEGIN, the chain's row locks, the insert, COMMIT), commit and
+    release one statement each, and no session reset after any of them (asyncpg's default
+    sends one on every release of a pooled connection: 14 round trips before)."""
+    from rollbox.iam.postgres import PostgresLedger
+
+    ledger = await PostgresLedger.open(pg_dsn, max_size=1)
+    try:
+        sent: list[str] = []
+        async with ledger.pool.acquire() as conn:  # the pool's one connection, logged
+            conn.add_query_logger(lambda q: sent.append(q.query.split()[0].upper()))
+        res = await ledger.reserve("rt", ONE)
+        await ledger.commit(res, "n1-000000e1", "n1")
+        assert await ledger.release("n1-000000e1")
+        assert sent == ["BEGIN;", "SELECT", "INSERT", "COMMIT;", "UPDATE", "UPDATE"], sent
+        assert await ledger.usage("rt") == Usage()
+    finally:
+        await ledger.close()

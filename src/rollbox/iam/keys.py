@@ -153,6 +153,10 @@ class SqliteDb:
     async def run(self, fn: Callable[[_Tx], Awaitable[T]]) -> T:
         return self.run_now(fn)
 
+    async def execute(self, sql: str, *args: object) -> int:
+        with self.lock:
+            return self.conn.execute(sql, args).rowcount
+
     def close(self) -> None:
         with self.lock:
             self.conn.close()

@@ -113,17 +113,24 @@ class _Tx:
 
 
 class PostgresDb:
-    """A pool; ``run`` = one READ COMMITTED transaction, retried on serialization failures
-    and deadlocks; a lost server is InfraError (retryable)."""
+    """A pool; ``run`` = one READ COMMITTED transaction, ``execute`` = one statement on its own
+    (no BEGIN/COMMIT round trips), both retried on serialization failures and deadlocks; a
+    lost server is InfraError (retryable)."""
 
     def __init__(self, pool: asyncpg.Pool) -> None:
         self.pool = pool
 
     async def run(self, fn: Callable[[_Tx], Awaitable[T]]) -> T:
+        return await self._retried(fn, transaction=True)
+
+    async def _retried(self, fn: Callable[[_Tx], Awaitable[T]], transaction: bool) -> T:
         for attempt in range(RETRIES):
             try:
-                async with self.pool.acquire() as conn, conn.transaction():
-                    return await fn(_Tx(conn))
+                async with self.pool.acquire() as conn:
+                    if not transaction:  # one statement: atomic by itself
+                        return await fn(_Tx(conn))
+                    async with conn.transaction():
+                        return await fn(_Tx(conn))
             except _RETRY:
                 await asyncio.sleep(0.005 * (attempt + 1))
             except errors.RollboxError:
@@ -134,6 +141,20 @@ class PostgresDb:
         raise errors.InfraError("the IAM database kept failing to serialize a transaction",
                                 reason="iam_db")
 
+    async def execute(self, sql: str, *args: object) -> int:
+        async def fn(tx: _Tx) -> int:
+            return await tx.execute(sql, *args)
+
+        return await self._retried(fn, transaction=False)
+
+
+async def keep_session(conn: asyncpg.Connection) -> None:
+    """A pool's ``reset``: nothing to undo. asyncpg's default sends ``RESET ALL; UNLISTEN *;
+    CLOSE ALL; pg_advisory_unlock_all()`` (one more round trip) on every release; these
+    connections change no session state (no SET, LISTEN, cursor or session lock: the
+    listener has a connection of its own), and a transaction left open is still rolled back
+    by the pool before this is called."""
+
 
 async def create_pool(dsn: str, min_size: int = 1, max_size: int = 10,
                       durable: bool = True) -> asyncpg.Pool:
@@ -143,7 +164,8 @@ async def create_pool(dsn: str, min_size: int = 1, max_size: int = 10,
     settings = {} if durable else {"synchronous_commit": "off"}
     try:
         pool = await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size,
-                                         command_timeout=30, server_settings=settings)
+                                         command_timeout=30, server_settings=settings,
+                                         reset=keep_session)
     except _LOST as exc:
         raise errors.InfraError(f"the IAM database is unreachable: {exc!r}"[:300],
                                 reason="iam_db") from None

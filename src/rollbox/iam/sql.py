@@ -66,6 +66,11 @@ class Tx(Protocol):
 class Db(Protocol):
     async def run(self, fn: Callable[[Tx], Awaitable[T]]) -> T: ...
 
+    async def execute(self, sql: str, *args: object) -> int:
+        """One statement on its own (atomic by itself: no BEGIN/COMMIT round trips around it
+        in PostgreSQL), retried like ``run``; the number of rows it changed."""
+        ...
+
 
 def quota_of(row: Row) -> Quota:
     """Quota from the four QUOTA_COLS of a row (constructed, not validated again: a limit
@@ -400,14 +405,19 @@ class SqlLedger:
     async def renew(self, reservation: Reservation) -> None:
         expires = time.time() + self.reservation_ttl_s
 
-        async def fn(tx: Tx) -> None:
-            await tx.execute("UPDATE ledger SET expires_at = ? WHERE entry_id = ? AND "
-                             "state = 'reserved'", expires, reservation.id)
-
-        await self.db.run(fn)
+        await self.db.execute("UPDATE ledger SET expires_at = ? WHERE entry_id = ? AND "
+                              "state = 'reserved'", expires, reservation.id)
 
     async def commit(self, reservation: Reservation, sandbox_id: str, node: str) -> None:
         now = time.time()
+        # The usual case in one statement: the reservation becomes the sandbox's charge, unless
+        # something charged that sandbox already (then the transaction below sorts it out).
+        if await self.db.execute(
+                "UPDATE ledger SET state = 'committed', sandbox_id = ?, node = ?, committed_at "
+                "= ? WHERE entry_id = ? AND state = 'reserved' AND NOT EXISTS (SELECT 1 FROM "
+                "ledger WHERE sandbox_id = ?)", sandbox_id, node, now, reservation.id,
+                sandbox_id):
+            return
 
         async def fn(tx: Tx) -> None:
             if await tx.fetch("SELECT entry_id FROM ledger WHERE sandbox_id = ?", sandbox_id):
@@ -433,14 +443,16 @@ class SqlLedger:
                          int(s.memory_mib), s.id, node, now)
 
     async def cancel(self, reservation: Reservation) -> None:
-        async def fn(tx: Tx) -> None:
-            await tx.execute("DELETE FROM ledger WHERE entry_id = ? AND state = 'reserved'",
-                             reservation.id)
-
-        await self.db.run(fn)
+        await self.db.execute("DELETE FROM ledger WHERE entry_id = ? AND state = 'reserved'",
+                              reservation.id)
 
     async def release(self, sandbox_id: str) -> bool:
         now = time.time()
+        # The usual case in one statement; the transaction below is for a sandbox the ledger
+        # holds no charge of (it leaves a tombstone).
+        if await self.db.execute(f"UPDATE ledger SET {RELEASED} WHERE sandbox_id = ? AND "
+                                 "state = 'committed'", now, sandbox_id):
+            return True
 
         async def fn(tx: Tx) -> bool:
             n = await tx.execute(f"UPDATE ledger SET {RELEASED} WHERE sandbox_id = ? AND "
