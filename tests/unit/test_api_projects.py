@@ -89,9 +89,9 @@ async def test_a_failed_or_cancelled_create_gives_its_room_back(tmp_path: Path) 
             gate = asyncio.Event()
             orig = s.edges[0].create
 
-            async def slow(spec, owner):  # noqa: ANN001, ANN202
+            async def slow(spec, owner, **kw):  # noqa: ANN001, ANN003, ANN202
                 await gate.wait()
-                return await orig(spec, owner)
+                return await orig(spec, owner, **kw)
 
             s.edges[0].create = slow  # type: ignore[method-assign]
             api = s.app.state.api
@@ -254,12 +254,12 @@ async def test_a_retried_keyed_create_racing_a_delete_is_charged(tmp_path: Path)
             first = await c.create("img", idempotency_key="k1")
             orig, raced = edge.create, []
 
-            async def racing(spec, owner):  # noqa: ANN001, ANN202
+            async def racing(spec, owner, **kw):  # noqa: ANN001, ANN003, ANN202
                 if not raced:  # the retry's own call: a delete lands just before it
                     raced.append(True)
                     await edge.delete(first.id)
                     await api.sandbox_ended(first.id)
-                return await orig(spec, owner)
+                return await orig(spec, owner, **kw)
 
             edge.create = racing  # type: ignore[method-assign]
             async with aiohttp.ClientSession() as http:

@@ -372,3 +372,42 @@ async def test_events_longer_than_a_page_are_read_whole(stack: ApiStack) -> None
         evs = ndjson((await c.get(f"/v1/sandboxes/{sid}/events")).text)
         assert [e["seq"] for e in evs] == list(range(1, len(evs) + 1))
         assert sum(e["kind"] == "exec.started" for e in evs) == 2500
+
+
+async def test_a_create_exec_delete_cycle_is_one_edge_call_each(stack: ApiStack) -> None:
+    """What a cycle costs in edge calls (round trips when the edge is remote): the create
+    carries who asked (sandbox.requested), exec with wait=1 is one exec_run, the delete
+    carries who asked too; no record_event of its own, no exec_start + exec_wait pair.
+    Capacity asks of view-less placement and probes are not the cycle's."""
+    import inspect
+
+    from rollbox.edge.interface import EdgeAPI
+
+    calls: list[str] = []
+    inside = [0]  # an edge method's calls of its own methods are not the api's
+    for edge in stack.edges:
+        for name, _ in inspect.getmembers(EdgeAPI, inspect.iscoroutinefunction):
+            orig = getattr(edge, name, None)
+            if orig is None or name in ("capacity", "report"):
+                continue
+
+            async def counted(*a: object, _orig=orig, _name=name, **kw: object) -> object:  # noqa: ANN001
+                if not inside[0]:
+                    calls.append(_name)
+                inside[0] += 1
+                try:
+                    return await _orig(*a, **kw)
+                finally:
+                    inside[0] -= 1
+
+            setattr(edge, name, counted)
+    async with client(stack, stack.key_a) as c:
+        sid = await new_sandbox(c)
+        r = await c.post(f"/v1/sandboxes/{sid}/exec", params={"wait": 1},
+                         json={"cmd": "echo hi"})
+        assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
+        assert (await c.delete(f"/v1/sandboxes/{sid}")).status_code == 204
+        evs = [json.loads(e["data"]) for e in ndjson(
+            (await c.get(f"/v1/sandboxes/{sid}/events")).text) if e["kind"] == "sandbox.requested"]
+    assert calls == ["create", "exec_run", "delete"], calls
+    assert [e["op"] for e in evs] == ["create", "delete"]

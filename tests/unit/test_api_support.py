@@ -143,7 +143,14 @@ class FakeEdge:
     def _path(self, sandbox_id: str, path: str) -> Path:
         return self._sb(sandbox_id).root / path.lstrip("/")
 
-    async def create(self, spec: SandboxSpec, owner: str) -> SandboxInfo:
+    async def create(self, spec: SandboxSpec, owner: str,
+                     requested: str | None = None) -> SandboxInfo:
+        info = await self._create(spec, owner)
+        if requested is not None:  # after sandbox.created, like Edge.create
+            self._log(info.id, "sandbox.requested", data=requested)
+        return info
+
+    async def _create(self, spec: SandboxSpec, owner: str) -> SandboxInfo:
         self._check("create")
         self.creates += 1
         for sb in self.sandboxes.values():  # a keyed create is the edge's once (Edge.create)
@@ -174,9 +181,11 @@ class FakeEdge:
                 if (owner is None or s.info.owner == owner)
                 and all(s.info.labels.get(k) == v for k, v in labels.items())]
 
-    async def delete(self, sandbox_id: str) -> None:
+    async def delete(self, sandbox_id: str, requested: str | None = None) -> None:
         self._check("delete")
         sb = self._sb(sandbox_id)
+        if requested is not None:  # before the delete's own events, like Edge.delete
+            self._log(sandbox_id, "sandbox.requested", data=requested)
         for ex in sb.execs.values():
             if ex.proc.returncode is None:
                 with_contextless_kill(ex.proc.pid)  # the whole group, like a cgroup kill
@@ -272,6 +281,9 @@ class FakeEdge:
         await ex.done.wait()
         assert ex.result is not None
         return ex.result
+
+    async def exec_run(self, sandbox_id: str, spec: ExecSpec) -> ExecResult:
+        return await self.exec_wait(sandbox_id, await self.exec_start(sandbox_id, spec))
 
     async def exec_stdin(self, sandbox_id: str, exec_id: str, data: bytes, eof: bool) -> None:
         ex = self._exec(sandbox_id, exec_id)

@@ -147,18 +147,22 @@ class ApiContext:
         return self.leases
 
     # -- the create path: reserve, place, commit --
-    async def create_sandbox(self, spec: SandboxSpec, project: str) -> SandboxInfo:
+    async def create_sandbox(self, spec: SandboxSpec, project: str,
+                             requested: dict[str, object] | None = None) -> SandboxInfo:
         """Create a sandbox of ``project``: room reserved in the ledger first (QuotaExceeded,
         nothing placed), renewed while the edge creates it, committed once it exists, dropped
         if the create fails. A replica that dies meanwhile stops renewing: the reservation
-        expires and reconcile charges the sandbox if the edge made it."""
+        expires and reconcile charges the sandbox if the edge made it. ``requested``: the
+        data of its sandbox.requested event (who asked), which the edge logs in the create
+        call itself (after its sandbox.created)."""
+        note = json.dumps(requested) if requested is not None else None
         if self.ledger is None:
-            return await self.placement.create(spec, project)
+            return await self.placement.create(spec, project, note)
         ledger = self.ledger
         res = await ledger.reserve(project, Usage.of(spec.resources))
         try:
             async with self._renewing(res):
-                info = await self.placement.create(spec, project)
+                info = await self.placement.create(spec, project, note)
         except BaseException:
             # Shielded: a cancelled request still hands its room back (or it expires).
             with contextlib.suppress(errors.RollboxError):
@@ -226,6 +230,13 @@ class ApiContext:
             await asyncio.shield(self.ledger.release(sandbox_id))
         except errors.RollboxError as exc:
             log.warning("releasing %s from the quota ledger failed: %s", sandbox_id, exc)
+
+    async def delete_sandbox(self, edge: EdgeAPI, sandbox_id: str,
+                             requested: dict[str, object]) -> None:
+        """Delete a sandbox, its sandbox.requested event (who asked) logged by the edge in the
+        same call, before the delete's own; then its ledger entry goes."""
+        await edge.delete(sandbox_id, requested=json.dumps(requested))
+        await self.sandbox_ended(sandbox_id)
 
     # -- the api's own entries in the audit trail --
     async def record(self, edge: EdgeAPI, sandbox_id: str, kind: str,

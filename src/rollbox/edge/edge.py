@@ -513,9 +513,18 @@ class Edge:
         except RollboxError:
             return {}
 
-    async def create(self, spec: SandboxSpec, owner: str, share: Share = "new") -> SandboxInfo:
+    async def create(self, spec: SandboxSpec, owner: str, share: Share = "new",
+                     requested: str | None = None) -> SandboxInfo:
         """``share="reserved"``: the platform's own sandboxes that must not starve behind new
-        creates (fncall workers; graders go through ``grade``)."""
+        creates (fncall workers; graders go through ``grade``). ``requested``: the api's
+        sandbox.requested event, logged after the sandbox's sandbox.created."""
+        info = await self._create_or_join(spec, owner, share)
+        if requested is not None:
+            self.event_log.append(info.id, "sandbox.requested", data=requested)
+        return info
+
+    async def _create_or_join(self, spec: SandboxSpec, owner: str,
+                              share: Share) -> SandboxInfo:
         if share == "new" and any(k.startswith(PLATFORM_LABEL_PREFIX) for k in spec.labels):
             # They mark the platform's own sandboxes (graders, fncall workers), whose share a
             # restart reads back from them (_share_of): a project's sandbox must not pass as one.
@@ -754,7 +763,11 @@ class Edge:
                 out.append(info)
         return out
 
-    async def delete(self, sandbox_id: str) -> None:
+    async def delete(self, sandbox_id: str, requested: str | None = None) -> None:
+        """``requested``: the api's sandbox.requested event (who asked), logged first if the
+        sandbox is live (before sandbox.deleted, which ends its trail and followers)."""
+        if requested is not None and sandbox_id in self.live:
+            self.event_log.append(sandbox_id, "sandbox.requested", data=requested)
         if sandbox_id in self._deleting:
             await asyncio.shield(self._deleting[sandbox_id])
             return
@@ -1214,6 +1227,9 @@ class Edge:
             raise sess.error
         assert sess.result is not None
         return sess.result
+
+    async def exec_run(self, sandbox_id: str, spec: ExecSpec) -> ExecResult:
+        return await self.exec_wait(sandbox_id, await self.exec_start(sandbox_id, spec))
 
     async def exec_stdin(self, sandbox_id: str, exec_id: str, data: bytes, eof: bool) -> None:
         sess = self._session(sandbox_id, exec_id)

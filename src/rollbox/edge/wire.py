@@ -57,7 +57,7 @@ MAX_ARGS_HEADER = 16 << 10
 UNARY: tuple[str, ...] = (
     "capacity", "report", "declare_lost", "create", "get", "list", "delete", "set_ttl", "set_network", "pause", "resume",
     "usage_history",
-    "exec_start", "exec_wait", "exec_stdin", "exec_kill", "exec_resize", "exec_list",
+    "exec_start", "exec_wait", "exec_run", "exec_stdin", "exec_kill", "exec_resize", "exec_list",
     "file_read", "file_write", "file_stat", "file_list", "file_mkdir", "file_remove",
     "grade", "snapshot", "fork", "image_list", "image_delete", "image_usage", "image_stats",
     "record_event", "run_shell",
@@ -125,6 +125,7 @@ _STR_BOUNDS: dict[str, StringConstraints] = {
     "base": StringConstraints(min_length=1, max_length=256, pattern=_NO_CONTROL),
     "kind": StringConstraints(min_length=1, max_length=64, pattern=r"^[a-z0-9_.]+$"),
     "data": StringConstraints(max_length=64 << 10),  # record_event's text
+    "requested": StringConstraints(max_length=64 << 10),  # create's and delete's event text
     "cmd": StringConstraints(min_length=1, max_length=256 << 10),
 }
 _NUM_BOUNDS: dict[str, Any] = {

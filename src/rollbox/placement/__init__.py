@@ -111,12 +111,15 @@ class Placement:
         return edge
 
     # ---- create ---------------------------------------------------------------------------
-    async def create(self, spec: SandboxSpec, owner: str) -> SandboxInfo:
+    async def create(self, spec: SandboxSpec, owner: str,
+                     requested: str | None = None) -> SandboxInfo:
         """Create on a chosen node of those offering ``spec.backend``; a node that refuses
         (capacity / infra) is skipped and the next choice tried, ``max_attempts`` nodes in all.
         BadRequest when no node offers the backend; CapacityExceeded when none has room (or
         every one that has is at the starts cap for ``start_wait_s``); the last refusal's
-        error when every attempt was refused."""
+        error when every attempt was refused. ``requested``: the api's sandbox.requested
+        event, passed to the edge's create (``EdgeAPI.create``; not passed when None)."""
+        extra = {} if requested is None else {"requested": requested}
         chooser, tried = self.chooser, []
         last: errors.InfraError | None = None
         if self.burst is not None:
@@ -134,7 +137,7 @@ class Placement:
             try:
                 if edge is None:
                     raise errors.InfraError(f"node {node!r} left the cluster", node=node)
-                info = await edge.create(spec, owner)
+                info = await edge.create(spec, owner, **extra)
             except errors.InfraError as exc:  # CapacityExceeded is an InfraError
                 chooser.ended(node, spec, ok=False)
                 chooser.refused(node)

@@ -64,12 +64,12 @@ async def exec_start(
     sandbox_id: str, spec: models.ExecSpec, edge: Edge,
     wait: Annotated[bool, Query(description="return one ExecResult when done")] = False,
 ) -> Response:
-    exec_id = await edge.exec_start(sandbox_id, spec)  # the edge logs exec.* itself
+    if wait and not spec.background:  # start and wait: one edge call (the edge logs exec.*)
+        result = await edge.exec_run(sandbox_id, spec)
+        return JSONResponse(result.model_dump(mode="json"))
+    exec_id = await edge.exec_start(sandbox_id, spec)
     if spec.background:
         return JSONResponse(ExecStarted(exec_id=exec_id).model_dump())
-    if wait:
-        result = await edge.exec_wait(sandbox_id, exec_id)
-        return JSONResponse(result.model_dump(mode="json"))
     return exec_stream_response(edge, sandbox_id, exec_id)
 
 

@@ -55,17 +55,16 @@ async def create_sandbox(
     info = None
     if attempt > 1 and spec.idempotency_key is not None:
         info = await _made_before(api, spec, who.project)
-    made_here = info is None
     if info is None:  # a keyed create on the node that is making it joins it there
-        info = await api.create_sandbox(spec, who.project)
+        # who asked: logged by the edge after its own sandbox.created (image, layers, owner,
+        # job), in the create call (the sandbox id names the node)
+        info = await api.create_sandbox(spec, who.project, requested={
+            "op": "create", "by": who.key_id, "labels": spec.labels,
+            "resources": spec.resources.model_dump(), "ttl_s": spec.ttl_s,
+        })
     api.remember_owner(info.id, who.project)
     if api.watcher is not None:  # its labels, for label filters once its node is lost
         api.watcher.remember([info])
-    if made_here:  # after the edge's own sandbox.created (image, layers, owner, job)
-        await api.record(api.placement.edge_for(info.id), info.id, "sandbox.requested", {
-            "op": "create", "by": who.key_id, "node": info.node, "labels": spec.labels,
-            "resources": spec.resources.model_dump(), "ttl_s": spec.ttl_s,
-        })
     return info
 
 
@@ -125,11 +124,7 @@ async def delete_sandbox(sandbox_id: str, who: Who, api: Api) -> Response:
         # Dead with its node: deleting a dead sandbox is a no-op (its node tears it down
         # when it comes back).
         return Response(status_code=204)
-    # Before the delete: the edge's sandbox.deleted ends the trail (and its followers).
-    await api.record(edge, sandbox_id, "sandbox.requested",
-                     {"op": "delete", "by": who.key_id, "via": "api"})
-    await edge.delete(sandbox_id)
-    await api.sandbox_ended(sandbox_id)
+    await api.delete_sandbox(edge, sandbox_id, {"op": "delete", "by": who.key_id, "via": "api"})
     return Response(status_code=204)
 
 

@@ -235,12 +235,11 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
             labels[USER_LABEL] = E2B_USER
         spec = SandboxSpec(image=image, ttl_s=_timeout(body.get("timeout"), DEFAULT_TIMEOUT_S),
                            labels=labels, env=envs, network=_network(body))
-        info = await api.create_sandbox(spec, principal.project)
-        api.remember_owner(info.id, principal.project)
-        await api.record(api.placement.edge_for(info.id), info.id, "sandbox.requested", {
-            "op": "create", "by": principal.key_id, "node": info.node, "labels": spec.labels,
+        info = await api.create_sandbox(spec, principal.project, requested={
+            "op": "create", "by": principal.key_id, "labels": spec.labels,
             "resources": spec.resources.model_dump(), "ttl_s": spec.ttl_s, "via": "e2b",
         })
+        api.remember_owner(info.id, principal.project)
         return JSONResponse(sandbox_json(info, principal), status_code=201)
 
     async def _list(request: Request, paged: bool) -> Response:
@@ -314,10 +313,8 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         edge = await api.sandbox_edge(sid, principal)
         if (await edge.get(sid)).state in ("stopping", "deleted"):
             raise errors.NotFound(f"sandbox {sid} not found")  # kill twice: E2B says 404
-        await api.record(edge, sid, "sandbox.requested",
-                         {"op": "delete", "by": principal.key_id, "via": "e2b"})
-        await edge.delete(sid)  # the edge logs sandbox.deleted
-        await api.sandbox_ended(sid)
+        await api.delete_sandbox(edge, sid,  # the edge logs sandbox.deleted
+                                 {"op": "delete", "by": principal.key_id, "via": "e2b"})
         return Response(status_code=204)
 
     @handler
