@@ -60,10 +60,14 @@ class ApiContext:
 
     async def sandbox_edge(self, sandbox_id: str, who: Principal) -> EdgeAPI:
         """The edge of a sandbox the principal may use; others' sandboxes look absent. On a
-        node the watcher found dead: SandboxDead with reason node_lost."""
+        node the watcher found dead: SandboxDead with reason node_lost; on one it finds
+        suspect (not answering its probes for watch_suspect_s): EdgeUnreachable at once
+        (retryable; nothing was sent), not a call that waits for the node's silence to time
+        out (RemoteEdge's idle timeout, 10 s)."""
         edge = self.placement.edge_for(sandbox_id)
         if self.watcher is not None:
             self._check_node_lost(sandbox_id, who)
+            self._check_node_suspect(sandbox_id, who)
         owner = self._owners.get(sandbox_id)
         if owner is None:
             owner = (await edge.get(sandbox_id)).owner
@@ -71,6 +75,17 @@ class ApiContext:
         if not who.admin and owner != who.project:
             raise errors.NotFound(f"no sandbox {sandbox_id!r}")
         return edge
+
+    def _check_node_suspect(self, sandbox_id: str, who: Principal) -> None:
+        assert self.watcher is not None
+        node, _ = split_sandbox_id(sandbox_id)
+        if self.watcher.health(node) != "suspect":
+            return
+        owner = self._owners.get(sandbox_id)
+        if owner is not None and not who.admin and owner != who.project:
+            raise errors.NotFound(f"no sandbox {sandbox_id!r}")
+        raise errors.EdgeUnreachable(f"node {node} is not answering (suspect): not asked; "
+                                     "retry later", node=node, reason="suspect")
 
     def _check_node_lost(self, sandbox_id: str, who: Principal) -> None:
         assert self.watcher is not None
