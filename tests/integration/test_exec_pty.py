@@ -30,6 +30,10 @@ async def test_pty_terminal_resize_ctrl_c_timeout_reattach(api_server) -> None: 
         assert re.match(r"/dev/pts/\d+\r\n30 100\r\nxterm-256color\r\nerr\r\n$", r.stdout), \
             r.stdout
         assert r.stderr == "" and r.stderr_bytes == 0  # one stream: stderr is the terminal
+        # Another user's terminal is its own (it may reopen it by name, e.g. a pager's /dev/tty).
+        r = await sb.exec("stat -c %u $(tty); head -c0 /dev/tty && echo reopened", pty=True,
+                          user="1000")
+        assert r.exit_code == 0 and r.stdout == "1000\r\nreopened\r\n", r.stdout
         # Without a terminal nothing changes: pipes, no tty.
         r = await sb.exec("tty; true")
         assert r.stdout == "not a tty\n"
