@@ -201,3 +201,24 @@ async def test_a_service_on_any_address_with_a_network_policy(edge, tmp_path: Pa
             assert isinstance(error_of(r), errors.SandboxPaused)
         await sb.resume()
         await sb.delete()
+
+
+async def test_the_sync_client_has_url_and_port_access(edge, tmp_path: Path) -> None:  # noqa: ANN001
+    """``rollbox.Client`` (its own loop thread; run from a thread here so this test's loop,
+    which serves the api, stays free)."""
+    async with node(edge, edge, tmp_path) as (url, key, _, _k):
+        def sync() -> None:
+            with rollbox.Client(url, key) as c:
+                sb = c.create("python:3.11")
+                try:
+                    assert sb.url(PORT) == f"{url}/v1/sandboxes/{sb.id}/ports/{PORT}/"
+                    with pytest.raises(errors.BadRequest):
+                        sb.url(0)
+                    access = sb.port_access(PORT, ttl_s=30)
+                    assert access.port == PORT and access.expires_at <= time.time() + 31
+                    r = httpx.get(sb.url(PORT), headers={"X-Rollbox-Port-Token": access.token})
+                    assert isinstance(error_of(r), errors.PortNotListening)
+                finally:
+                    sb.delete()
+
+        await asyncio.to_thread(sync)
