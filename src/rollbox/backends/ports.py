@@ -71,7 +71,7 @@ class SocketPort:
 async def connect_in_netns(netns_name: str, port: int) -> SocketPort:
     """A connection to ``port`` on the named namespace's loopback (127.0.0.1, then ::1)."""
     loop = asyncio.get_running_loop()
-    why = "connection refused"
+    why = "no answer"
     for family, addr in ((socket.AF_INET, ("127.0.0.1", port)), (socket.AF_INET6, ("::1", port))):
         try:
             sock = netns.socket_inside(netns_name, family)
@@ -84,12 +84,15 @@ async def connect_in_netns(netns_name: str, port: int) -> SocketPort:
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
                 await loop.sock_connect(sock, addr)
             return SocketPort(sock)
-        except (ConnectionRefusedError, OSError) as exc:
+        except TimeoutError:  # an OSError too: first
             sock.close()
-            why = "connection refused" if isinstance(exc, ConnectionRefusedError) else str(exc)
-        except TimeoutError:
+            if family == socket.AF_INET:  # what 127.0.0.1 said is the reason given
+                why = "connect timed out"
+        except OSError as exc:
             sock.close()
-            why = "connect timed out"
+            if family == socket.AF_INET:
+                why = ("connection refused" if isinstance(exc, ConnectionRefusedError)
+                       else str(exc))
         except BaseException:
             sock.close()
             raise
