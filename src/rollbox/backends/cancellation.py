@@ -12,7 +12,10 @@ backend:
   stays cancelled; an InfraError raised there would replace the CancelledError (a template
   build looked failed and its create booted cold and finished).
 
-Owns those two rules only; each backend decides which of its steps they wrap. Below every
+- :func:`all_or_raise`: steps run at once, each to its own end; the first failure is raised
+  after all have ended (a fork's children: the caller tears down the ones made).
+
+Owns those rules only; each backend decides which of its steps they wrap. Below every
 backend (and knows none of them), like ``base``.
 """
 from __future__ import annotations
@@ -54,3 +57,13 @@ async def teardown_after(failure: BaseException, teardown: Awaitable[object]) ->
         if isinstance(failure, Exception):
             raise
         log.warning("teardown after a cancellation failed (the cancellation goes on): %s", exc)
+
+
+async def all_or_raise(steps: list[Awaitable[T]]) -> list[T]:
+    """Await every step at once, each to its end (none is cancelled by another's failure);
+    their results in order, or the first failure once all have ended."""
+    results = await asyncio.gather(*steps, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results  # type: ignore[return-value]

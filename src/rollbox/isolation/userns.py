@@ -21,6 +21,15 @@ RANGE = 65536
 _FORK_LOCK = threading.Lock()
 
 
+def _mapped(pid: int, inside: int, host_uid: int, count: int) -> int:
+    """Map the new user namespace of ``pid`` (uids and gids alike); an fd of it."""
+    mapping = f"{inside} {host_uid} {count}\n".encode()
+    for name in ("uid_map", "gid_map"):
+        with open(f"/proc/{pid}/{name}", "wb") as f:
+            f.write(mapping)
+    return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+
+
 def make_userns_fd(host_uid: int, count: int = RANGE, inside: int = 0) -> int:
     """Return an fd of a new user namespace mapping inside..inside+count-1 to host_uid..
     (uid and gid). ``inside`` other than 0: an idmapped mount with it shifts files stored
@@ -47,12 +56,7 @@ def _make_userns_fd(host_uid: int, count: int, inside: int) -> int:
     try:
         if os.read(ready_r, 1) != b"1":
             raise OSError("user namespace helper failed")
-        mapping = f"{inside} {host_uid} {count}\n".encode()
-        with open(f"/proc/{pid}/uid_map", "wb") as f:
-            f.write(mapping)
-        with open(f"/proc/{pid}/gid_map", "wb") as f:
-            f.write(mapping)
-        return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+        return _mapped(pid, inside, host_uid, count)
     finally:
         os.close(ready_r)
         os.close(go_w)
@@ -86,12 +90,7 @@ def spawn_userns_fd(host_uid: int, count: int = RANGE, inside: int = 0,
                 raise OSError(f"user namespace helper failed (exit {proc.returncode})")
             time.sleep(delay)
             delay = min(delay * 2, 0.005)
-        mapping = f"{inside} {host_uid} {count}\n".encode()
-        with open(f"/proc/{proc.pid}/uid_map", "wb") as f:
-            f.write(mapping)
-        with open(f"/proc/{proc.pid}/gid_map", "wb") as f:
-            f.write(mapping)
-        return os.open(f"/proc/{proc.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+        return _mapped(proc.pid, inside, host_uid, count)
     finally:
         assert proc.stdin is not None
         proc.stdin.close()

@@ -31,7 +31,7 @@ from rollbox.backends.base import (
     BackendCapacity, CaptureOptions, CaptureResult, ForkResult, ResolvedSpec, SessionSlot,
     Usage,
 )
-from rollbox.backends.cancellation import teardown_after, to_the_end
+from rollbox.backends.cancellation import all_or_raise, teardown_after, to_the_end
 from rollbox.backends.ports import connect_in_netns
 from rollbox.backends.container import bundle
 from rollbox.agent import platform_shell
@@ -700,14 +700,8 @@ class ContainerBackend:
                 made.append(child)
                 return child
 
-            results = await asyncio.gather(*(one(cid, spec) for cid, spec in children),
-                                           return_exceptions=True)
-            failed = next((r for r in results if isinstance(r, BaseException)), None)
-            if failed is not None:
-                raise failed
-            return ForkResult(children=[r for r in results  # type: ignore[misc]
-                                        if isinstance(r, ContainerSandbox)],
-                              frozen_s=frozen_s)
+            boxes = await all_or_raise([one(cid, spec) for cid, spec in children])
+            return ForkResult(children=list(boxes), frozen_s=frozen_s)
         except BaseException as exc:
             await teardown_after(exc, self._destroy_all(made))
             raise

@@ -42,7 +42,7 @@ from rollbox.backends.base import (
     BackendCapacity, CaptureOptions, CaptureResult, ForkResult, NetworkAttachment,
     ResolvedSpec, SessionSlot, Usage,
 )
-from rollbox.backends.cancellation import teardown_after, to_the_end
+from rollbox.backends.cancellation import all_or_raise, teardown_after, to_the_end
 from rollbox.backends.ports import relay_through_agent
 from rollbox.backends.container.disk import FORK_PREFIX, DiskPool
 from rollbox.backends.microvm import balloon, ksm, qemu, qmp
@@ -1027,22 +1027,22 @@ class MicroVMBackend:
         try:
             frozen_s, tpl = await self._save_for_fork(h, paused, staging, disk_id)
 
+            # At most one restore per host core at a time: more only starve each other (a
+            # TCG guest that gets no CPU misses the make-unique step's deadline).
+            gate = asyncio.Semaphore(max(1, os.cpu_count() or 1))
+
             async def one(child_id: str, spec: ResolvedSpec) -> MicroVM:
-                vm = await self.boot(child_id, spec, h.machine, self.settings.vm_boot_timeout_s,
-                                     template=tpl)
+                async with gate:
+                    vm = await self.boot(child_id, spec, h.machine,
+                                         self.settings.vm_boot_timeout_s, template=tpl)
                 vm.next_session = h.next_session  # the guest's session cgroups so far
                 vm.template = ""  # not restorable by the cache: a fork's own image
                 made.append(vm)
                 self._track(vm)
                 return vm
 
-            results = await asyncio.gather(*(one(cid, spec) for cid, spec in children),
-                                           return_exceptions=True)
-            failed = next((r for r in results if isinstance(r, BaseException)), None)
-            if failed is not None:
-                raise failed
-            return ForkResult(children=[r for r in results if isinstance(r, MicroVM)],
-                              frozen_s=frozen_s)
+            vms = await all_or_raise([one(cid, spec) for cid, spec in children])
+            return ForkResult(children=list(vms), frozen_s=frozen_s)
         except BaseException as exc:
             async def undo() -> None:
                 for vm in made:
