@@ -180,3 +180,24 @@ async def test_fork_bad_input_is_typed_and_leaves_nothing(edge) -> None:  # noqa
         assert edge.admission.total.sandboxes == len(edge.live)
     finally:
         await delete_all(edge, [src.id, mem.id])
+
+
+async def test_fork_children_are_readopted_after_an_edge_restart(restarts) -> None:  # noqa: ANN001
+    """A child's lowers are in its journaled state and the references on disk: after a
+    restart it runs on, a fork of it stacks on them, and the lower goes with its last user."""
+    e1 = await restarts.start()
+    src = await e1.create(SandboxSpec(image=BB), "proj")
+    await out(e1, src.id, "echo one > /f")
+    kid = (await e1.fork(src.id, ForkSpec(n=1), "proj")).children[0].id
+    await e1.delete(src.id)  # the child alone holds the lower now
+    await restarts.stop()
+    e2 = await restarts.start()
+    assert await out(e2, kid, "cat /f") == "one\n"
+    assert e2.live[kid].box.fork_lowers and len(lowers(e2)) == 1
+    await out(e2, kid, "echo two >> /f")
+    grand = (await e2.fork(kid, ForkSpec(n=1), "proj")).children[0].id
+    assert await out(e2, grand, "cat /f") == "one\ntwo\n"
+    await e2.delete(kid)
+    assert len(lowers(e2)) == 2  # both held by the grandchild
+    await e2.delete(grand)
+    assert lowers(e2) == set()
