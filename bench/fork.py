@@ -3,7 +3,7 @@ in one run: ``rollbox bench fork [--quick] [--json]``.
 
 An edge in this process on a scratch node of its own (data and run dir below a temp dir, own
 cgroup parent, node id and uid band; the node's images read-only). The source is a
-``busybox:test`` container (disk tier) that wrote 500 MB of random bytes (``--quick``: 100 MB)
+``busybox:test`` container (128 MiB, disk tier) that wrote 500 MB of random bytes (``--quick``: 100 MB)
 and keeps a process running. Per phase, repeated and interleaved so load from elsewhere falls
 on all alike:
 
