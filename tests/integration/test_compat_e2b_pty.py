@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import struct
 from collections.abc import AsyncIterator
 from typing import Any
@@ -182,9 +183,19 @@ async def test_pty_create_input_resize_connect_kill(envd) -> None:  # noqa: ANN0
         async with asyncio.timeout(20):
             await other.task
 
+        # StreamInput (a client stream) with bad input: typed, never a hang.
+        for body, code in ((envelope({"data": {"input": {"pty": "eA=="}}}), "invalid_argument"),
+                           (b"", "invalid_argument"), (b"\0\0\0\0\7{", "invalid_argument"),
+                           (envelope({"start": {"process": {"pid": 999_999}}}), "not_found"),
+                           (envelope({"bogus": {}}), "invalid_argument")):
+            r = await c.post("/e2b/envd/process.Process/StreamInput",
+                             headers={**auth, **STREAM}, content=body)
+            assert r.json()["code"] == code and r.status_code in (400, 404), (body, r.text)
+
 
 async def test_the_e2b_sdk_pty() -> None:
-    """The unmodified SDK's ``sandbox.pty`` (the version in the venv) end to end."""
+    """The unmodified SDK's ``sandbox.pty`` (the version in the venv) end to end: create,
+    send_stdin, resize, stream_input (StreamInput, a client stream: ordered input, ctrl-C)."""
     e2b = pytest.importorskip("e2b")
     from tests.helpers.e2b_node import e2b_node
 
@@ -203,11 +214,22 @@ async def test_the_e2b_sdk_pty() -> None:
             await sbx.pty.send_stdin(term.pid, b"stty size\n")
             await until(b"24 80")
             await sbx.pty.resize(term.pid, e2b.PtySize(rows=40, cols=120))
-            await sbx.pty.send_stdin(term.pid, b"stty size; exit 0\n")
-            res = await term.wait()
-            assert res.exit_code == 0
-            assert b"24 80" in seen and b"40 120" in seen, bytes(seen)
+            await sbx.pty.send_stdin(term.pid, b"stty size\n")
+            await until(b"40 120")
             with pytest.raises(e2b.SandboxException):
                 await sbx.pty.resize(term.pid, e2b.PtySize(rows=0, cols=100_000))
+            async with sbx.pty.stream_input(term.pid) as stdin:
+                await stdin.send(b"sleep 100\n")
+                await asyncio.sleep(0.5)
+                await stdin.send(b"\x03")
+                for i in range(3):
+                    await stdin.send(f"echo in-order-{i}\n".encode())
+                await stdin.send(b"exit 0\n")
+            res = await term.wait()
+            assert res.exit_code == 0
+            text = bytes(seen)
+            # what the commands printed (not bash echoing what was typed), in order
+            assert re.findall(rb"(?<!echo )in-order-(\d)", text) == [b"0", b"1", b"2"], text
+            assert b"^C" in text
         finally:
             await sbx.kill()

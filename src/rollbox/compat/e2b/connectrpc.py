@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
+from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import ValidationError
@@ -113,6 +114,34 @@ async def read_message(request: Request, streaming: bool) -> dict[str, Any]:
     if not isinstance(msg, dict):
         raise ConnectError("invalid_argument", "message must be a JSON object")
     return msg
+
+
+async def read_messages(request: Request) -> AsyncIterator[dict[str, Any]]:
+    """The messages of a client stream, as they arrive (each at most ``MAX_MESSAGE``)."""
+    _check_codec(request, streaming=True)
+    buf = b""
+    async for chunk in request.stream():
+        buf += chunk
+        while len(buf) >= 5:
+            flags, size = struct.unpack(">BI", buf[:5])
+            if flags & COMPRESSED or size > MAX_MESSAGE:
+                raise ConnectError("invalid_argument", "bad envelope")
+            if len(buf) < 5 + size:
+                break
+            body, buf = buf[5:5 + size], buf[5 + size:]
+            if flags & END_STREAM:
+                return
+            try:
+                msg = json.loads(body) if body else {}
+            except ValueError:
+                raise ConnectError("invalid_argument", "message is not JSON") from None
+            if not isinstance(msg, dict):
+                raise ConnectError("invalid_argument", "message must be a JSON object")
+            yield msg
+        if len(buf) > MAX_MESSAGE + 5:
+            raise ConnectError("resource_exhausted", "message too large")
+    if buf:
+        raise ConnectError("invalid_argument", "truncated envelope")
 
 
 def timeout_s(request: Request) -> float | None:

@@ -540,6 +540,32 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
                               False)
         return {}
 
+    async def process_stream_input(request: Request) -> Response:
+        """StreamInput (``commands.stream_input`` / ``pty.stream_input``): a start event naming
+        the process, then data events (``input.pty`` or ``input.stdin``) and keepalives, each
+        written in order as it arrives; answered once the client ends its stream."""
+        sid, edge = await route(request)
+        exec_id: str | None = None
+        async for msg in rpc.read_messages(request):
+            event = msg.get("event") or msg  # the SDK's JSON puts the oneof at the top
+            if "start" in event:
+                exec_id = _selector(event["start"] or {})
+                await _running(edge, sid, exec_id)
+            elif "data" in event:
+                if exec_id is None:
+                    raise rpc.ConnectError("invalid_argument", "data before the start event")
+                inp = (event["data"] or {}).get("input") or {}
+                data = _unb64(inp.get("pty" if "pty" in inp else "stdin"))
+                if data:
+                    await edge.exec_stdin(sid, exec_id, data, False)
+            elif "keepalive" not in event:
+                raise rpc.ConnectError("invalid_argument",
+                                       f"unknown StreamInput event {str(msg)[:80]}")
+        if exec_id is None:
+            raise rpc.ConnectError("invalid_argument", "StreamInput needs a start event")
+        return StreamingResponse(iter([rpc.envelope({}), rpc.end_stream()]),
+                                 media_type=rpc.STREAM_MEDIA_TYPE)
+
     async def process_update(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
         """Update: a terminal's new size (``pty.size``); nothing else is updatable."""
         exec_id = _selector(msg)
@@ -704,6 +730,7 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
     STREAMS = {
         ("process.Process", "Start"): process_start,
         ("process.Process", "Connect"): process_connect,
+        ("process.Process", "StreamInput"): process_stream_input,
         ("filesystem.Filesystem", "WatchDir"): fs_watch,
     }
 
