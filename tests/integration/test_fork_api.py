@@ -90,3 +90,25 @@ def _sync_fork(url: str, key: str, sid: str) -> None:
         assert len(kids) == 1 and kids[0].exec("cat /s").stdout == "state\n"
         assert kids[0].info.labels["fork_of"] == sid
         kids[0].delete()
+
+
+async def test_fork_over_a_remote_edge(edge) -> None:  # noqa: ANN001
+    """Cluster mode: the api reaches the source's edge over HTTP (edge.service/remote): the
+    children come back typed, on that node; refusals keep their type across the wire."""
+    from rollbox.models import ForkSpec, SandboxSpec
+    from tests.conftest import served_edge
+
+    src = await edge.create(SandboxSpec(image=BB), "proj")
+    try:
+        async with served_edge(edge) as remote:
+            res = await remote.fork(src.id, ForkSpec(n=2), "proj")
+            assert [c.node for c in res.children] == [edge.node_id] * 2
+            assert all(c.labels["fork_of"] == src.id for c in res.children)
+            with pytest.raises(errors.BadRequest):
+                await remote.fork(src.id, ForkSpec.model_construct(n=0, labels={}), "proj")
+            with pytest.raises(errors.NotFound):
+                await remote.fork(f"{edge.node_id}-0123456789ab", ForkSpec(n=1), "proj")
+        for c in res.children:
+            await edge.delete(c.id)
+    finally:
+        await edge.delete(src.id)
