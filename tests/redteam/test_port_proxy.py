@@ -93,27 +93,32 @@ async def test_c44_host_and_platform_ports_are_never_reached(
     with host_secret_service() as host_port:
         async with api(edge, tmp_path) as (url, keys):
             key = keys.create("proj")
-            c = rollbox.AsyncClient(url, key)
-            sb = await c.create("busybox:test")  # no network, nothing listening
-            api_port = int(url.rsplit(":", 1)[1])
-            async with httpx.AsyncClient(timeout=30) as h:
-                host = await h.get(sb.url(host_port), headers={"X-API-Key": key})
-                own_api = await h.get(sb.url(api_port) + "v1/health",
-                                      headers={"X-API-Key": key})
-                # Host tricks: the origin names only (sandbox, port); a Host of the api or an
-                # address is an api request, never a proxied one.
-                trick = await h.get(url + "/", headers={
-                    "Host": f"{host_port}-{sb.id}.{DOMAIN}", "X-API-Key": key})
-            if hardened:
-                for r in (host, own_api, trick):
-                    assert isinstance(errors.error_from_payload(r.json(), r.status_code),
-                                      errors.PortNotListening), r.text
-                    assert SECRET not in r.content
-            else:  # the attack works without the layer
-                assert host.content == SECRET and trick.content == SECRET
-                assert own_api.status_code == 200 and "ok" in own_api.text.lower()
-            await sb.delete()
-            await c.close()
+            async with rollbox.AsyncClient(url, key) as c:
+                sb = await c.create("busybox:test")  # no network, nothing listening
+                api_port = int(url.rsplit(":", 1)[1])
+                async with httpx.AsyncClient(timeout=30) as h:
+                    host = await h.get(sb.url(host_port), headers={"X-API-Key": key})
+                    own_api = await h.get(sb.url(api_port) + "v1/health",
+                                          headers={"X-API-Key": key})
+                    # Host tricks: the origin names only (sandbox, port); a Host of the api or an
+                    # address is an api request, never a proxied one.
+                    trick = await h.get(url + "/", headers={
+                        "Host": f"{host_port}-{sb.id}.{DOMAIN}", "X-API-Key": key})
+                if hardened:
+                    for r in (host, own_api, trick):
+                        assert isinstance(errors.error_from_payload(r.json(), r.status_code),
+                                          errors.PortNotListening), r.text
+                        assert SECRET not in r.content
+                    # ...and the proxy opened no path out for the sandbox: after its traffic the
+                    # sandbox still has loopback only and the host's port is not its to reach.
+                    res = await sb.exec(["sh", "-c", "awk -F: 'NR>2{print $1}' /proc/net/dev; "
+                                         f"nc -w 2 127.0.0.1 {host_port} </dev/null; echo rc=$?"])
+                    assert res.stdout.split() == ["lo", "rc=1"], res.stdout
+                    assert SECRET.decode() not in res.stdout
+                else:  # the attack works without the layer
+                    assert host.content == SECRET and trick.content == SECRET
+                    assert own_api.status_code == 200 and "ok" in own_api.text.lower()
+                await sb.delete()
 
 
 @pytest.mark.parametrize("hardened", [True, False], ids=["hardened", "token-binding-removed"])

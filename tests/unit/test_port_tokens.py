@@ -29,7 +29,7 @@ def test_a_token_opens_its_sandbox_and_port_until_it_expires(monkeypatch: pytest
     with pytest.raises(errors.PortTokenInvalid):
         PortTokens(PortConfig.ephemeral()).verify(token, SID, 8000)
     # a later expiry with the old MAC: forged, not "expired" nor valid
-    v, _, mac = token.split(".")
+    _, _, mac = token.split(".")
     with pytest.raises(errors.PortTokenInvalid) as e:
         tokens.verify(f"v1.{exp + 3600}.{mac}", SID, 8000)
     assert e.value.details["reason"] == "forged"
