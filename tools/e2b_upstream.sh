@@ -33,6 +33,13 @@ chmod 711 "$WORK"
 SERVER_PID=""
 cleanup() {
   if [[ -n "$SERVER_PID" ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
+    if [[ -n "${KEY:-}" ]]; then  # what a killed or failed test left: deleted, then the server
+      PYTHONPATH="$ROOT/src" "$PYTHON" -c 'import sys, rollbox
+c = rollbox.Client(sys.argv[1], api_key=sys.argv[2])
+for sb in c.list():
+    sb.delete()
+c.close()' "$URL" "$KEY" || true
+    fi
     kill -INT "$SERVER_PID" 2>/dev/null || true
     for _ in $(seq 100); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.2; done
     kill -KILL "$SERVER_PID" 2>/dev/null || true

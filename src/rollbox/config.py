@@ -311,6 +311,10 @@ class Settings:
     # times; live use decides the rest.
     max_sandboxes: int = setting("ROLLBOX_MAX_SANDBOXES", "admission", 4096, int,
                                  "Sandboxes the node holds at most.")
+    paused_ttl_s: float = setting(
+        "ROLLBOX_PAUSED_TTL_S", "admission", 24 * 3600.0, float,
+        "How long a sandbox paused at its TTL's end (on_expiry \"pause\"; E2B's auto-pause) "
+        "or through the E2B API lives on paused before it is deleted.")
     usage_sample_s: float = setting(
         "ROLLBOX_USAGE_SAMPLE_S", "admission", 5.0, float,
         "How often the edge samples each live sandbox's CPU, memory and disk use for its usage "

@@ -65,6 +65,9 @@ class SandboxSpec(BaseModel):
     # The kind of sandbox (rollbox.backends.base): "container" or "microvm"; one a node does
     # not offer is refused with bad_request naming the offered kinds.
     backend: str = Field("container", min_length=1, max_length=32, pattern=r"^[a-z][a-z0-9_-]*$")
+    # What its TTL's end does: "delete" it, or "pause" it (frozen in place, memory and files
+    # kept; it then lives paused_ttl_s more unless resumed and given a new TTL).
+    on_expiry: Literal["delete", "pause"] = "delete"
     # Where the writable layer lives: "disk" (the node's disk pool, capped by disk_mib; writes
     # past it fail with ENOSPC/EDQUOT) or "memory" (a tmpfs: faster, but its bytes are host
     # RAM charged to the sandbox's memory limit).
@@ -169,6 +172,7 @@ class SandboxInfo(BaseModel):
     usage: SandboxUsage | None = None  # live sandboxes, in GET only
     disk_tier: Literal["disk", "memory"] = "disk"
     backend: str = "container"
+    on_expiry: Literal["delete", "pause"] = "delete"
     # True when what the sandbox reports comes from code its own user controls (a microVM's
     # agent runs under the guest's root): exec results are the guest's word, not the host's.
     guest_reported: bool = False

@@ -535,3 +535,36 @@ async def test_fork_snapshot_metrics_network_and_list_order(env: Env) -> None:
         for img in await env.edge.image_list(None):
             if img.name.startswith("e2b-proj/e2b-snap-"):
                 await env.edge.image_delete(img.name, None)
+
+
+async def test_auto_pause_at_timeout_then_connect(env: Env) -> None:
+    """lifecycle on_timeout=pause (autoPause) is rollbox's on_expiry "pause": the TTL's end
+    freezes the sandbox in place (processes and memory kept), connect resumes it; a
+    filesystem-only auto-pause and auto-resume on traffic are a typed 501."""
+    from e2b import AsyncSandbox, SandboxException, SandboxState
+
+    sbx = await AsyncSandbox.create(timeout=60, lifecycle={"on_timeout": "pause"})
+    try:
+        assert (await env.edge.get(sbx.sandbox_id)).on_expiry == "pause"
+        h = await sbx.commands.run("sleep 600", background=True)
+        await sbx.files.write("/tmp/kept", "yes")
+        boot = (await sbx.files.read("/proc/sys/kernel/random/boot_id")).strip()
+        assert len(boot) == 36  # /proc as the sandbox sees it (read inside it)
+        await sbx.set_timeout(0)  # E2B: the timeout ends now
+        for _ in range(100):
+            if (await env.edge.get(sbx.sandbox_id)).state == "paused":
+                break
+            await asyncio.sleep(0.1)
+        info = await sbx.get_info()
+        assert info.state == SandboxState.PAUSED and not await sbx.is_running()
+        assert info.end_at.timestamp() > time.time() + 3600  # it lives on paused
+        again = await AsyncSandbox.connect(sbx.sandbox_id, timeout=60)
+        assert (await again.get_info()).state == SandboxState.RUNNING
+        assert await again.files.read("/tmp/kept") == "yes"
+        assert h.pid in [p.pid for p in await again.commands.list()]  # the process lived on
+    finally:
+        await sbx.kill()
+    for lifecycle in ({"on_timeout": {"action": "pause", "keep_memory": False}},
+                      {"on_timeout": "pause", "auto_resume": True}):
+        with pytest.raises(SandboxException, match="not supported"):
+            await AsyncSandbox.create(timeout=30, lifecycle=lifecycle)

@@ -120,6 +120,42 @@ async def test_delete_and_ttl_expiry_of_paused_sandboxes(edge) -> None:  # noqa:
     assert edge.leftovers(b.id) == []
 
 
+async def test_on_expiry_pause_pauses_at_the_ttl_then_deletes_at_the_paused_ttl(
+        edge) -> None:  # noqa: ANN001
+    """on_expiry "pause": the TTL's end freezes it (the process stops where it is) and gives it
+    paused_ttl_s more; resumed with a new TTL it goes on; paused past that deadline: deleted.
+    A bad on_expiry is refused before anything is made."""
+    with pytest.raises(Exception, match="on_expiry"):  # pydantic's ValidationError
+        SandboxSpec(image=BB, on_expiry="sleep")  # type: ignore[arg-type]
+    sb = await edge.create(SandboxSpec(image=BB, ttl_s=600, on_expiry="pause"), "t")
+    try:
+        assert sb.on_expiry == "pause"
+        await edge.exec_start(sb.id, ExecSpec(cmd=COUNTER))
+        await _advancing(edge, sb.id)
+        await edge.set_ttl(sb.id, 0.5)
+        for _ in range(100):
+            if (await edge.get(sb.id)).state == "paused":
+                break
+            await asyncio.sleep(0.1)
+        info = await edge.get(sb.id)
+        assert info.state == "paused", info.state
+        assert info.expires_at > time.time() + edge.settings.paused_ttl_s - 60
+        frozen = await _count(edge, sb.id)
+        await asyncio.sleep(0.4)
+        assert await _count(edge, sb.id) == frozen
+        await edge.resume(sb.id)
+        await edge.set_ttl(sb.id, 600)
+        assert await _advancing(edge, sb.id) > frozen
+        await edge.pause(sb.id)  # paused past its deadline: the usual end
+        await edge.set_ttl(sb.id, 0.5)
+        await edge.wait_deleted(sb.id, timeout=15)
+        assert (await edge.get(sb.id)).dead_reason == "ttl expired"
+        assert edge.leftovers(sb.id) == []
+    finally:
+        if sb.id in edge.live:
+            await edge.delete(sb.id)
+
+
 async def test_unknown_sandbox(edge) -> None:  # noqa: ANN001
     ghost = f"{edge.node_id}-0123456789ab"
     with pytest.raises(errors.NotFound):

@@ -153,6 +153,7 @@ class Edge:
             self._destroy_soon) if leases is not None else None
         self._reaper_task: asyncio.Task | None = None
         self._deleting: dict[str, asyncio.Task] = {}
+        self._pausing: set[asyncio.Task] = set()  # TTL-end pauses (on_expiry "pause")
         self._snapshotting: set[str] = set()
         self._lazy: LazyLoader | None = None  # while the node has lazy layers
         # create idempotency keys: (owner, key) -> the live sandbox made under it (rebuilt
@@ -644,6 +645,7 @@ class Edge:
             resources=spec.resources, owner=owner, hidden_paths=spec.hidden_paths,
             network=spec.network, job=spec.job, disk_tier=spec.disk_tier,
             backend=spec.backend, idempotency_key=spec.idempotency_key,
+            on_expiry=spec.on_expiry,
         )
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
         env.update((image_config or {}).get("env", {}))
@@ -912,7 +914,10 @@ class Edge:
             now = time.time()
             for sid, live in list(self.live.items()):
                 if live.info.expires_at <= now:
-                    self._destroy_soon(sid, "ttl expired")
+                    if live.info.on_expiry == "pause" and live.info.state == "running":
+                        self._pause_soon(live)
+                    else:
+                        self._destroy_soon(sid, "ttl expired")
                 elif tick % AUDIT_EVERY_S == 0:
                     self._log_net_denied(live)
 
@@ -923,6 +928,25 @@ class Edge:
         news = net.audit_news() if net is not None else None
         if news is not None:
             self.event_log.append(live.info.id, "net.denied", data=json.dumps(news))
+
+    def _pause_soon(self, live: LiveSandbox) -> None:
+        """A sandbox with on_expiry "pause" at its TTL's end: paused (its new deadline
+        paused_ttl_s on, set first so the TTL loop does not start it twice); deleted instead
+        if it can not be paused."""
+        sid = live.info.id
+        live.info.expires_at = time.time() + self.settings.paused_ttl_s
+        self.journal.put(live.info)
+
+        async def run() -> None:
+            try:
+                await self.pause(sid)  # logs sandbox.paused
+            except Exception as exc:  # noqa: BLE001 - not pausable: the TTL's usual end
+                log.warning("sandbox %s: pause at ttl failed (%s); deleting it", sid, exc)
+                self._destroy_soon(sid, "ttl expired")
+
+        task = asyncio.create_task(run())
+        self._pausing.add(task)
+        task.add_done_callback(self._pausing.discard)
 
     def _destroy_soon(self, sandbox_id: str, reason: str, state: str = "deleted") -> None:
         """Start deleting a live sandbox (TTL, job lease; ``state`` dead: node lost) with
@@ -1421,7 +1445,7 @@ class Edge:
                     created_at=now, expires_at=src.expires_at, labels=dict(labels),
                     resources=src.resources, owner=owner, hidden_paths=list(src.hidden_paths),
                     network=src.network, job=src.job, disk_tier=src.disk_tier,
-                    backend=src.backend)
+                    backend=src.backend, on_expiry=src.on_expiry)
                 self.journal.put(info, extra={"env": env})
                 infos.append(info)
             async with live.freeze_lock:

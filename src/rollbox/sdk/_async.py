@@ -939,7 +939,7 @@ class AsyncClient:
         labels: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None,
         hidden_paths: Iterable[str] = (), network: Iterable[str] | None = None,
         job: str | None = None, disk_tier: str | None = None, backend: str | None = None,
-        idempotency_key: str | None = None,
+        idempotency_key: str | None = None, on_expiry: str | None = None,
     ) -> AsyncSandbox:
         """``backend``: the kind of sandbox (``"container"``, the default, or ``"microvm"``;
         a kind no node offers is a bad_request). ``hidden_paths``: paths the sandbox's commands can not see (a task's tests).
@@ -948,6 +948,8 @@ class AsyncClient:
         project (see :meth:`job`), which deletes the sandbox when it ends or expires.
         ``disk_tier``: ``"disk"`` (the default: the writable layer on the node's disk, capped
         by ``disk_mib``) or ``"memory"`` (a tmpfs, its bytes counted in the sandbox's memory).
+        ``on_expiry``: what the TTL's end does, ``"delete"`` (the default) or ``"pause"`` (frozen
+        in place; it lives ROLLBOX_PAUSED_TTL_S more unless resumed with a new TTL).
         ``idempotency_key`` (a fresh one per call unless given): a create whose connection
         broke is sent again (on the next API URL) with it, and returns the sandbox the first
         attempt made instead of a second one; the same key with another spec, while that
@@ -960,6 +962,8 @@ class AsyncClient:
             spec["disk_tier"] = disk_tier  # checked by the server (bad_request)
         if backend is not None:
             spec["backend"] = backend
+        if on_expiry is not None:
+            spec["on_expiry"] = on_expiry  # checked by the server (bad_request)
         if idempotency_key is not None and not 1 <= len(idempotency_key) <= 128:
             raise errors.BadRequest("idempotency_key must be 1 to 128 characters")
         spec["idempotency_key"] = idempotency_key or new_idempotency_key()

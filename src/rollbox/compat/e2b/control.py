@@ -20,7 +20,6 @@ from rollbox.api.context import ApiContext
 from rollbox.compat.e2b.state import (
     CLIENT_ID,
     ENVD_VERSION,
-    PAUSED_TTL_S,
     E2B_USER,
     TEMPLATE_LABEL,
     USER_LABEL,
@@ -47,6 +46,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "/e2b"
 DEFAULT_TIMEOUT_S = 15  # E2B's server default when a create names none
+NOW_S = 0.001  # a timeout of 0: the TTL ends now
 LIST_LIMIT_MAX = 1000
 
 
@@ -202,6 +202,8 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
             "memoryMB": info.resources.memory_mib, "diskSizeMB": info.resources.disk_mib,
             "startedAt": iso(info.created_at), "endAt": iso(info.expires_at),
             "state": e2b_state(info),
+            "lifecycle": {"autoResume": False,
+                          "onTimeout": "pause" if info.on_expiry == "pause" else "kill"},
         }
 
     def handler(fn):
@@ -223,8 +225,15 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
             raise errors.BadRequest("templateID is required")
         if body.get("mcp"):
             return e2b_error(501, "MCP gateways are not supported by rollbox")
-        if body.get("autoPause"):
-            return e2b_error(501, "autoPause is not supported by rollbox")
+        # autoPause: the TTL's end pauses it (rollbox's on_expiry "pause"); memory is always
+        # kept (a frozen sandbox), so a filesystem-only auto-pause is not offered.
+        if body.get("autoPause") and body.get("autoPauseMemory") is False:
+            raise errors.NotSupported("autoPauseMemory=false (a filesystem-only auto-pause) is "
+                                      "not supported by rollbox: its pause keeps memory")
+        resume_cfg = body.get("autoResume") or {}
+        if isinstance(resume_cfg, dict) and resume_cfg.get("enabled"):
+            raise errors.NotSupported("autoResume (resume on traffic) is not supported by "
+                                      "rollbox: resume with connect")
         metadata = body.get("metadata") or {}
         envs = body.get("envVars") or {}
         if not isinstance(metadata, dict) or not isinstance(envs, dict):
@@ -234,7 +243,8 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         if image == E2B_BASE_IMAGE:  # E2B's base: commands and paths default to `user`
             labels[USER_LABEL] = E2B_USER
         spec = SandboxSpec(image=image, ttl_s=_timeout(body.get("timeout"), DEFAULT_TIMEOUT_S),
-                           labels=labels, env=envs, network=_network(body))
+                           labels=labels, env=envs, network=_network(body),
+                           on_expiry="pause" if body.get("autoPause") else "delete")
         info = await api.create_sandbox(spec, principal.project, requested={
             "op": "create", "by": principal.key_id, "labels": spec.labels,
             "resources": spec.resources.model_dump(), "ttl_s": spec.ttl_s, "via": "e2b",
@@ -321,7 +331,10 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
     async def set_timeout(request: Request) -> Response:
         sid = request.path_params["sandbox_id"]
         edge, info = await live(sid, await who(request))
-        ttl = _timeout((await _json(request)).get("timeout"))
+        raw = (await _json(request)).get("timeout")
+        # E2B: 0 ends it now (killed, or paused when it auto-pauses); the edge's TTL loop
+        # does that within a second
+        ttl = NOW_S if raw == 0 and not isinstance(raw, bool) else _timeout(raw)
         if info.state != "paused":  # a paused sandbox keeps its pause TTL until resumed
             await edge.set_ttl(sid, ttl)
         return Response(status_code=204)
@@ -343,9 +356,9 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
             return e2b_error(409, f"sandbox {sid} is already paused")
         # Paused = frozen by the edge (agent and every process stop; memory and files kept);
         # envd calls are refused until a connect/resume. Like E2B, a paused sandbox does not
-        # expire at its running timeout: it lives on for up to PAUSED_TTL_S.
+        # expire at its running timeout: it lives on for up to paused_ttl_s.
         await edge.pause(sid)
-        await edge.set_ttl(sid, PAUSED_TTL_S)
+        await edge.set_ttl(sid, state.paused_ttl_s)
         return Response(status_code=204)
 
     async def _resume(request: Request, must_be_paused: bool) -> Response:

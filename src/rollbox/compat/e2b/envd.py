@@ -150,6 +150,25 @@ async def _body_chunks(request: Request) -> AsyncIterator[bytes]:
             yield tail
 
 
+# Trees the kernel makes up inside the sandbox (envd, in the sandbox, reads them live; the
+# edge's file API reads the sandbox's filesystem host-side, where they are not mounted).
+LIVE_TREES = ("/proc/", "/sys/")
+LIVE_READ_MAX = 1 << 20
+
+
+async def _read_live(edge: EdgeAPI, sid: str, path: str) -> bytes:
+    """A /proc or /sys file as the sandbox sees it: read by ``cat`` in the sandbox (as root,
+    at most LIVE_READ_MAX bytes, text: the kernel's files there are)."""
+    exec_id = await edge.exec_start(sid, ExecSpec(
+        cmd=["head", "-c", str(LIVE_READ_MAX), "--", path], timeout_s=10))
+    res = await edge.exec_wait(sid, exec_id)
+    if res.exit_code != 0:
+        if "No such file" in res.stderr:
+            raise errors.NotFound(f"no such file or directory: {path}")
+        raise errors.BadRequest(f"reading {path} failed: {res.stderr.strip()[:200]}")
+    return res.stdout.encode()
+
+
 async def _own(edge: EdgeAPI, sid: str, paths: list[str]) -> None:
     """In E2B's base template files are the user's: what envd wrote (as root, the edge's file
     API) is handed to ``user`` when it is the sandbox's default user (parents made on the way
@@ -323,7 +342,9 @@ def diff(old: Snapshot, new: Snapshot) -> list[dict[str, Any]]:
             events.append({"name": name, "type": "EVENT_TYPE_CREATE"})
             if cur[0] == "file" and cur[1] > 0:
                 events.append({"name": name, "type": "EVENT_TYPE_WRITE"})
-        elif prev[1:3] != cur[1:3]:
+        elif prev[1:3] != cur[1:3] and cur[0] != "dir":
+            # a directory's size/mtime change is its entries' create/remove (inotify reports
+            # those, never a write of the directory)
             events.append({"name": name, "type": "EVENT_TYPE_WRITE"})
         elif prev[3] != cur[3]:
             events.append({"name": name, "type": "EVENT_TYPE_CHMOD"})
@@ -404,8 +425,11 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
     async def files_get(request: Request, path: str = "") -> Response:
         try:
             sid, edge = await route(request)
-            stream = await primed(edge.file_read_stream(sid, abs_path(path), MAX_FILE_READ),
-                                  10.0)
+            target = abs_path(path)
+            if posixpath.normpath(target).startswith(LIVE_TREES):
+                return Response(await _read_live(edge, sid, target),
+                                media_type="application/octet-stream")
+            stream = await primed(edge.file_read_stream(sid, target, MAX_FILE_READ), 10.0)
         except Exception as exc:  # noqa: BLE001
             return http_error(exc)
         return StreamingResponse(stream, media_type="application/octet-stream")

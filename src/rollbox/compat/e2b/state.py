@@ -46,7 +46,6 @@ def set_default_user(user: str) -> None:
 
 def home() -> str:
     return E2B_HOME if _default_user.get() == E2B_USER else HOME
-PAUSED_TTL_S = 24 * 3600.0
 
 
 def _load_secret(settings: Settings) -> bytes:
@@ -82,6 +81,7 @@ class E2BState:
         self.templates = (templates if templates is not None
                           else {"base": E2B_BASE_IMAGE, **settings.e2b_templates})
         self._secret = _load_secret(settings)
+        self.paused_ttl_s = settings.paused_ttl_s  # a paused sandbox lives this long
 
     # -- access tokens: "<sandbox id>.<key id>.<mac>", so envd calls route by token alone and
     # end with the key that got the token (a revoked key's tokens are refused at once) --
