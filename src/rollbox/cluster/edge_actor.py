@@ -308,16 +308,24 @@ def stop_edge(node_id: str, destroy: bool = True, timeout: float = 120) -> None:
         ray.kill(actor, no_restart=True)
 
 
-def registered_edges(gcs_address: str) -> dict[str, str]:
-    """node id -> edge url, as the edges registered themselves in the GCS (no ray.init: a
-    GCS client only, what api replicas use)."""
+def gcs_client(gcs_address: str) -> Any:
+    """A GCS client (no ray.init), for :func:`registered_edges`: made once and kept by a
+    reader that asks again and again (an api replica, every second)."""
     from ray._raylet import GcsClient
 
-    client = GcsClient(address=gcs_address)
+    return GcsClient(address=gcs_address)
+
+
+def registered_edges(gcs_address: str, client: Any | None = None) -> dict[str, str]:
+    """node id -> edge url, as the edges registered themselves in the GCS (no ray.init: a
+    GCS client only, what api replicas use; ``client``: one of :func:`gcs_client` to reuse,
+    else one is made for this read). Two GCS calls: the keys, then their values at once."""
+    client = client if client is not None else gcs_client(gcs_address)
     out: dict[str, str] = {}
     keys = client.internal_kv_keys(KV_PREFIX.encode(), NAMESPACE.encode(), timeout=5)
-    for key in keys:
-        raw = client.internal_kv_get(key, NAMESPACE.encode(), timeout=5)
+    if not keys:
+        return out
+    for raw in client.internal_kv_multi_get(keys, NAMESPACE.encode(), timeout=5).values():
         if raw:
             rec = json.loads(raw)
             out[rec["node_id"]] = rec["url"]

