@@ -381,6 +381,55 @@ def register_run_owner() -> None:
     path.write_text(str(os.getpid()))
 
 
+# A test run's clusters (cluster.local.up): <run>-<port base> -> the cluster dir. A dead run's
+# are taken down by the sweep (replicas, edges and their sandboxes, Ray, PostgreSQL).
+CLUSTERS_DIR = Path("/run/rollbox-test-clusters")
+
+
+def register_run_cluster(s: Settings) -> None:
+    """Record a cluster this run is about to start (settings ``s``: its dir and port base),
+    so that a sweep takes it down if this run is killed."""
+    if os.geteuid() != 0:
+        return
+    CLUSTERS_DIR.mkdir(exist_ok=True)
+    (CLUSTERS_DIR / f"{TEST_RUN}-{s.cluster_port_base}").write_text(str(s.cluster_dir))
+
+
+def forget_run_cluster(s: Settings) -> None:
+    (CLUSTERS_DIR / f"{TEST_RUN}-{s.cluster_port_base}").unlink(missing_ok=True)
+
+
+def run_clusters(run: str) -> list[Settings]:
+    """The clusters ``run`` recorded (settings with their dir and port base)."""
+    out = []
+    for f in sorted(CLUSTERS_DIR.glob(f"{run}-*")) if CLUSTERS_DIR.exists() else []:
+        try:
+            s = Settings()
+            s.cluster_dir = Path(f.read_text().strip())
+            s.cluster_port_base = int(f.name.split("-", 1)[1])
+        except (OSError, ValueError):
+            continue
+        out.append(s)
+    return out
+
+
+def sweep_run_clusters(run: str) -> None:
+    """Take down the clusters a dead run left (``cluster.local.down``: replicas, edges with
+    their sandboxes, every Ray process of the range, PostgreSQL), then forget them."""
+    from rollbox.cluster import local, ray_nodes
+
+    for s in run_clusters(run):
+        try:
+            local.down(s)
+        except Exception:  # noqa: BLE001 - its Ray processes go below either way
+            pass
+        ports = ray_nodes.ClusterPorts(s.cluster_port_base)
+        ray_nodes.stop_all(ports)
+        local.stop_postgres(s.cluster_dir / "pg")
+        shutil.rmtree(f"/run/rollbox-cluster-{ports.base}", ignore_errors=True)
+        (CLUSTERS_DIR / f"{run}-{s.cluster_port_base}").unlink(missing_ok=True)
+
+
 def run_owner_alive(record: str) -> bool:
     """Whether the owner a run record names still runs; a garbled record counts as dead."""
     pid = record.strip()
@@ -405,9 +454,12 @@ def run_mounts(run: str) -> list[str]:
 
 
 RUN_NAME = re.compile(r"rollbox-(?:test-|t)([0-9a-f]{4})")  # cgroup parent, dir, netns, node id
-# A run's cgroup parents: its edges' (``rollbox-test-<run>-<node>``), its own, and its session
-# cluster's nodes' (``rollbox-<node id>``, node ids ``t<run>c<index>``: tests/cluster).
-RUN_CGROUP = re.compile(r"rollbox-(?:test-([0-9a-f]{4})(?:-[A-Za-z0-9_.-]+)?|t([0-9a-f]{4})c[0-9]+)")
+# A run's cgroup parents: its edges' (``rollbox-test-<run>-<node>``), its own, and its clusters'
+# nodes' (``rollbox-<node id>``): the session cluster's ``t<run>c<index>`` (tests/cluster), the
+# burst drill's own node ``t<run>xc0`` and burst nodes ``t<run>xb<slot>``
+# (tests/integration/test_burst_ray.py).
+RUN_CGROUP = re.compile(
+    r"rollbox-(?:test-([0-9a-f]{4})(?:-[A-Za-z0-9_.-]+)?|t([0-9a-f]{4})x?[cb][0-9]+)")
 
 
 def cgroup_run(name: str) -> str | None:
@@ -475,7 +527,8 @@ def run_resources() -> dict[str, float]:
 
 def sweep_dead_runs() -> list[str]:
     """Remove what test runs killed mid-way (timeout, Ctrl-C twice) left on this host: their
-    sandboxes' processes, cgroups, network namespaces and mounts. A run is dead when its pytest
+    clusters (:func:`register_run_cluster`), sandboxes' processes, cgroups, network namespaces
+    and mounts. A run is dead when its pytest
     process (pytest or a script's, see :func:`register_run_owner`) is gone; a run parent with no
     owner record counts as dead once it is STALE_UNOWNED_S old.
     Returns the runs swept."""
@@ -492,17 +545,20 @@ def sweep_dead_runs() -> list[str]:
                 owners[f.name] = ""
     resources = run_resources()
     runs: set[str] = set(owners) | set(resources)
+    if CLUSTERS_DIR.exists():  # a run with a cluster record and no owner record is dead
+        runs |= {f.name.split("-", 1)[0] for f in CLUSTERS_DIR.iterdir()}
     dead = []
     for run in sorted(runs):
         if run == TEST_RUN:
             continue
         owner = owners.get(run)
         if owner is None:
-            if time.time() - resources.get(run, 0.0) < STALE_UNOWNED_S:
+            if not run_clusters(run) and time.time() - resources.get(run, 0.0) < STALE_UNOWNED_S:
                 continue
         elif run_owner_alive(owner):
             continue
         dead.append(run)
+        sweep_run_clusters(run)  # first: its edges destroy their sandboxes, Ray stops
         for parent in run_cgroup_parents(run):
             v2_parent = cgroups.v2_root() / parent
             if v2_parent.exists():

@@ -315,21 +315,34 @@ def _cluster_call(fn, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
 def cluster_up(replicas: int = typer.Option(2, "--replicas", help="api replicas (1..5)"),
                nodes: int = typer.Option(1, "--nodes", help="edges on this host, each on a "
                                          "Ray node of its own (>1: simulated machines)"),
+               burst_nodes: Optional[int] = typer.Option(  # noqa: UP007
+                   None, "--burst-nodes", help="burst node slots for Ray's autoscaler (default "
+                   "ROLLBOX_BURST_NODES; 0: no bursting)"),
+               autoscaler_config: Optional[Path] = typer.Option(  # noqa: UP007
+                   None, "--autoscaler-config", help="an operator's autoscaler YAML (a real "
+                   "cloud; the burst node types are merged in); default: Ray nodes on this "
+                   "host"),
                json_out: bool = typer.Option(False, "--json")) -> None:
-    """Start a cluster on this host: Ray head, PostgreSQL, the edges, the api replicas."""
+    """Start a cluster on this host: Ray head, PostgreSQL, the edges, the api replicas (and
+    with --burst-nodes the autoscaler and the burst scaler: docs/cluster.md)."""
     from rollbox.cluster import local
 
-    state = _cluster_call(local.up, replicas=replicas, nodes=nodes)
+    state = _cluster_call(local.up, replicas=replicas, nodes=nodes, burst_nodes=burst_nodes,
+                          autoscaler_config=autoscaler_config)
     if json_out:
         typer.echo(json.dumps({"api": state.api_url, "replicas": state.replica_urls,
                                "admin_key": state.admin_key, "gcs": state.gcs,
-                               "nodes": [n.node_id for n in state.nodes]}))
+                               "nodes": [n.node_id for n in state.nodes],
+                               "burst_slots": state.burst}))
         return
     typer.echo(f"rollbox cluster up: api {state.api_url} (replicas "
                f"{', '.join(state.replica_urls)}); admin key in {state.admin_key}")
     typer.echo(f"Ray head at {state.gcs}; nodes {', '.join(n.node_id for n in state.nodes)}; "
                f"join with `rollbox cluster join {state.gcs}` (and the token "
                f"{state.token_file})")
+    if state.burst:
+        typer.echo(f"bursting on: slots {', '.join(state.burst)} (the autoscaler starts them "
+                   "above the use threshold)")
 
 
 @cluster_app.command("join")
@@ -354,11 +367,16 @@ def cluster_status(json_out: bool = typer.Option(False, "--json")) -> None:
         return
     typer.echo(f"api {st['api']} (replicas {', '.join(st['replicas'])}); Ray head {st['gcs']}; "
                f"admin key in {st['admin_key']}")
+    if st.get("burst_slots"):
+        up = [n["node_id"] for n in st["nodes"] if n.get("burst")]
+        typer.echo(f"burst slots {', '.join(st['burst_slots'])}; up {', '.join(up) or '-'}")
     typer.echo(f"{st['sandboxes']} sandboxes; by backend {json.dumps(st['by_backend'])}; "
                f"by project {json.dumps(st['by_project'])}")
     for n in st["nodes"]:
         seen = "never" if n["last_seen_s"] is None else f"{n['last_seen_s']:.1f}s ago"
-        typer.echo(f"node {n['node_id']}: {n['health']} (seen {seen}), {n['sandboxes']} "
+        kind = " (burst, draining)" if n.get("draining") else " (burst)" if n.get("burst") \
+            else ""
+        typer.echo(f"node {n['node_id']}{kind}: {n['health']} (seen {seen}), {n['sandboxes']} "
                    f"sandboxes, {n['lost']} lost; backends {','.join(n['backends']) or '-'}; "
                    f"by backend {json.dumps(n['by_backend'])}; by project "
                    f"{json.dumps(n['by_project'])}")

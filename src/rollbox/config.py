@@ -519,9 +519,17 @@ class Settings:
         "A burst node with no sandbox and no create for this many seconds, while the cluster "
         "is below the threshold, is drained (refuses creates), its edge stopped and its Ray "
         "node given back to the autoscaler (which ends it after its own idle timeout).")
-    burst_max_nodes: int = setting(
-        "ROLLBOX_BURST_MAX_NODES", "burst", 8, int,
-        "Burst nodes requested from the autoscaler at most.")
+    burst_nodes: int = setting(
+        "ROLLBOX_BURST_NODES", "burst", 0, int,
+        "Burst node slots `rollbox cluster up` gives Ray's autoscaler (one node type each, "
+        "at most one node of it) and the most burst nodes the scaler asks for at once; 0: "
+        "bursting off (no autoscaler config, no scaler). `cluster up --burst-nodes N`.")
+    burst_autoscaler_config: Path | None = setting(
+        "ROLLBOX_BURST_AUTOSCALER_CONFIG", "burst", None, Path,
+        "An operator's Ray autoscaler YAML for a real cloud (its provider, auth, head and "
+        "worker commands); `cluster up` merges the burst node types into its "
+        "available_node_types. Unset: burst nodes are Ray nodes on this host (Ray's fake "
+        "multi-node provider). `cluster up --autoscaler-config FILE`.")
     burst_layers_ttl_s: float = setting(
         "ROLLBOX_BURST_LAYERS_TTL", "burst", 30.0, float,
         "Seconds an image's 'every layer in the shared chunk store' answer is cached.")

@@ -708,6 +708,8 @@ class NodeStatus(BaseModel):
     lost: int = 0  # reported dead with reason node_lost (scoped likewise)
     by_backend: dict[str, int] = Field(default_factory=dict)
     by_project: dict[str, int] = Field(default_factory=dict)
+    burst: bool = False  # a burst node (started by the autoscaler above the use threshold)
+    draining: bool = False  # refusing creates (a burst node being released)
 
 
 class ClusterStatus(BaseModel):

@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 
 from rollbox.config import Settings
-from tests.conftest import TEST_NODE, TEST_RUN, register_run_owner
+from tests.conftest import (
+    TEST_NODE,
+    TEST_RUN,
+    forget_run_cluster,
+    register_run_cluster,
+    register_run_owner,
+)
 
 NODES = 3
 REPLICAS = 2
@@ -41,6 +47,7 @@ def cluster() -> Iterator:
     root.chmod(0o711)  # runc resolves rootfs paths as the sandbox's unprivileged host uid
     register_run_owner()
     s = cluster_settings(root)
+    register_run_cluster(s)  # a killed run's cluster is taken down by the next run's sweep
     try:
         state = local.up(s, replicas=REPLICAS, nodes=NODES)
         yield state, s
@@ -64,4 +71,5 @@ def cluster() -> Iterator:
         with contextlib.suppress(OSError):
             nodes[0].run_dir.parent.rmdir()
         shutil.rmtree(root, ignore_errors=True)
+        forget_run_cluster(s)
         assert not any(left.values()), f"the cluster left: {left}"

@@ -1,15 +1,16 @@
-"""Cloud bursting on this host with Ray's fake multi-node provider (issue 14 item 8): a real Ray
-head with the autoscaler (``RAY_FAKE_CLUSTER=1``, provider ``fake_multinode``: the nodes it
-starts are real raylets on this host) and burst node types from
-``rollbox.cluster.burst.burst_node_types``; the cluster's own node is a real edge in this
-process, full at 2 sandboxes; a real watcher and a real Placement with the bursting policy over
-a real shared (posix://) chunk store holding busybox:test; the real BurstScaler.
+"""Cloud bursting end to end on this host (issue 14 item 8): ``cluster.local.up(burst_nodes=1)``
+-- a Ray head whose autoscaler runs this host's provider (``cluster.burst_provider``: Ray's fake
+multi-node provider, nodes started as every rollbox node here), PostgreSQL, the cluster's own
+node (its edge actor, full at 2 sandboxes), an api replica, and the cluster's burst scaler (the
+detached actor of ``cluster.burst_actor``); a shared posix:// chunk store holding busybox:test.
 
-Use above the threshold -> the autoscaler starts a burst node, its edge starts (the stand-in
-actor of tests/integration/burst_standin.py, holding the node's rollbox_burst unit), batch
-container sandboxes land there and run; latency ones and images not in the shared store never
-do. Below the threshold and idle -> drained, edge stopped, the Ray node ended by the
-autoscaler, and nothing of it left: no process, mount, netns or cgroup."""
+Through the replica's api: 2 latency sandboxes fill the own node (use 1.0 >= 0.8) -> the
+scaler asks the autoscaler, the burst node's Ray node comes up with its fixed ports and cgroup,
+its edge -- the real edge actor, ``ROLLBOX_NODE_BURST=1`` -- starts and registers; a batch
+container sandbox lands there and runs a command over the data path; a latency one and one of an
+image not in the shared store never do. All deleted -> drained, the edge stopped (teardown
+verified on the node), the autoscaler ends the Ray node: nothing of it left. ``down`` then
+leaves nothing of the cluster."""
 from __future__ import annotations
 
 import asyncio
@@ -17,10 +18,10 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
+import socket
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,295 +29,260 @@ import pytest
 
 from rollbox import errors
 from rollbox.cluster import local, ray_nodes
-from rollbox.cluster.burst import (
-    BURST_RESOURCE,
-    NODE_RESOURCE,
-    BurstScaler,
-    RayBurstNodes,
-    burst_node_id,
-    burst_node_types,
-)
+from rollbox.cluster.burst import BURST_RESOURCE, NODE_RESOURCE, burst_node_id
+from rollbox.cluster.burst_actor import scaler_state, start_scaler
+from rollbox.cluster.edge_actor import ray_node_of
 from rollbox.cluster.ray_nodes import ClusterPorts
-from rollbox.config import Settings
-from rollbox.edge.edge import Edge
-from rollbox.events.store import EventLog
+from rollbox.config import VARS, Settings
 from rollbox.images import chunks
 from rollbox.images.store import ImageStore
 from rollbox.images.stores import open_store
-from rollbox.isolation import cgroups
-from rollbox.models import SandboxSpec
-from rollbox.placement import Placement
-from rollbox.placement.burst import BurstConfig, BurstPolicy
-from rollbox.placement.registry import EdgeRegistry
-from rollbox.watcher import Watcher
-from tests.conftest import TEST_NODE, TEST_RUN, have_image, node_settings, register_run_owner
-from tests.integration.burst_standin import ActorEdge, StandInEdge
+from rollbox.isolation import cgroups, netns
+from rollbox.models import SandboxInfo
+from rollbox.sdk import AsyncClient
+from rollbox.sdk._async import AsyncSandbox
+from tests.conftest import (
+    TEST_NODE,
+    TEST_RUN,
+    forget_run_cluster,
+    have_image,
+    register_run_cluster,
+    register_run_owner,
+)
 
 pytestmark = [pytest.mark.cluster_slow, pytest.mark.root]
 
 IMAGE = "busybox:test"
 LOCAL_ONLY = "debian:bookworm"  # built on this host, never pushed to the shared store
-# a port range of this run's own, apart from `rollbox cluster up`'s and lane R's test ranges
-PORTS = ClusterPorts(24000 + 400 * (int(TEST_RUN, 16) % 8))
-SLOT_INDEX = 12 + int(TEST_RUN, 16) % 4  # the burst node's uid band and subnet (node_env)
-BURST_ID = burst_node_id(TEST_NODE, 0)
-HEAD_ID = f"{TEST_NODE}bh"
-SRC = Path(__file__).resolve().parents[2]
+PREFIX = f"{TEST_NODE}x"  # node ids t<run>xc0, t<run>xb0: apart from tests/cluster's t<run>c<i>
+OWN_ID = f"{PREFIX}c0"
+BURST_ID = burst_node_id(PREFIX, 0)
 
 
-def autoscaling_config() -> dict[str, Any]:
-    return {
-        "cluster_name": f"rollbox-burst-{TEST_RUN}", "max_workers": 2,
-        "upscaling_speed": 1.0, "idle_timeout_minutes": 0.1,
-        "provider": {"type": "fake_multinode", "gcs_address": f"127.0.0.1:{PORTS.gcs}",
-                     "disable_launch_config_check": True, "disable_node_updaters": True,
-                     "use_node_id_as_ip": True},
-        "auth": {"ssh_user": "root"},
-        "available_node_types": {
-            "ray.head.default": {"resources": {}, "node_config": {}, "max_workers": 0},
-            **burst_node_types(TEST_NODE, 1)},
-        "head_node_type": "ray.head.default",
-        **{k: [] for k in ("cluster_synced_files", "rsync_exclude", "rsync_filter",
-                           "initialization_commands", "setup_commands", "head_setup_commands",
-                           "worker_setup_commands", "head_start_ray_commands",
-                           "worker_start_ray_commands")},
-        "file_mounts": {}, "file_mounts_sync_continuously": False,
-    }
-
-
-@pytest.fixture(scope="module")
-def ray_head() -> Iterator[Path]:
-    """A Ray head with the fake multi-node autoscaler in a cgroup of its own (every process of
-    it and of the nodes its autoscaler starts); killed with its cgroup and temp dir after."""
-    import ray
-
-    if os.geteuid() != 0:
-        pytest.skip("edges need root")
-    register_run_owner()
-    root = Path(tempfile.mkdtemp(prefix=f"rollbox-test-{TEST_RUN}-burst-"))
-    root.chmod(0o711)
-    cfg = root / "autoscaler.json"
-    cfg.write_text(json.dumps(autoscaling_config()))
-    cg = ray_nodes.node_cgroup(PORTS, HEAD_ID)
-    cg.mkdir(parents=True, exist_ok=True)
-    env = ray_nodes.ray_env({"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"})
-    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env["PYTHONPATH"]])  # tests.integration
-    args = [str(ray_nodes.ray_bin()), "start", "--head", "--disable-usage-stats",
-            "--port", str(PORTS.gcs), "--node-ip-address", "127.0.0.1", "--num-cpus", "0",
-            "--object-store-memory", str(256 << 20), "--include-dashboard", "false",
-            "--dashboard-port", str(PORTS.dashboard), "--temp-dir",
-            str(ray_nodes.temp_dir(PORTS)), "--autoscaling-config", str(cfg),
-            *ray_nodes.node_args(PORTS, 0)]
-    try:
-        proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120,
-                              preexec_fn=lambda: (cg / "cgroup.procs").write_text("0"))
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        ray.init(address=f"127.0.0.1:{PORTS.gcs}", namespace="rollbox", log_to_driver=False,
-                 logging_level="warning")
-        yield root
-    finally:
-        ray.shutdown()
-        ray_nodes.stop_all(PORTS)
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(f"/run/rollbox-cluster-{PORTS.base}", ignore_errors=True)
-        assert not ray_nodes.local_nodes(PORTS)
-
-
-class StandIns:
-    """The edges of burst nodes as stand-in actors (see burst_standin.py)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.actors: dict[str, Any] = {}
-
-    def env(self, node_id: str) -> dict[str, str]:
-        s = node_settings(self.root, node_id)  # the test run's settings, then the node's own
-        s.cluster_dir = self.root / "cluster"
-        s.cluster_port_base = PORTS.base
-        e = local.node_env(s, node_id, SLOT_INDEX)
-        e["ROLLBOX_NODE_BURST"] = "1"
-        e["ROLLBOX_WATCH_FENCE"] = "0"
-        return e
-
-    def start_edge(self, node_id: str) -> ActorEdge:
-        import ray
-
-        actor = ray.remote(StandInEdge).options(
-            num_cpus=0, resources={BURST_RESOURCE: 1, NODE_RESOURCE + node_id: 1},
-            max_restarts=0, max_concurrency=16).remote(self.env(node_id))
-        assert ray.get(actor.node_id.remote(), timeout=300) == node_id
-        self.actors[node_id] = actor
-        return ActorEdge(node_id, actor)
-
-    def drain(self, node_id: str) -> int:
-        import ray
-
-        return int(ray.get(self.actors[node_id].drain.remote(), timeout=60))
-
-    def undrain(self, node_id: str) -> None:
-        import ray
-
-        ray.get(self.actors[node_id].undrain.remote(), timeout=60)
-
-    def stop_edge(self, node_id: str) -> None:
-        import ray
-
-        actor = self.actors.pop(node_id)
+def free_port_base() -> int:
+    """A cluster port range no other cluster on this host uses (one of 8 from 24000, this
+    run's first): no Ray cgroup or temp dir of it, its GCS and api ports free."""
+    for k in range(8):
+        base = 24000 + 400 * ((int(TEST_RUN, 16) + k) % 8)
+        ports = ClusterPorts(base)
+        if ray_nodes.local_nodes(ports) or ray_nodes.temp_dir(ports).exists():
+            continue
         try:
-            ray.get(actor.shutdown.remote(), timeout=120)
-        finally:
-            ray.kill(actor, no_restart=True)
+            for port in (ports.gcs, ports.api, ports.postgres):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    pytest.skip("no free cluster port range from 24000")
 
 
 def burst_ray_nodes() -> list[dict[str, Any]]:
+    """The cluster's alive Ray nodes of burst slots (this process is a driver of it)."""
     import ray
 
-    return [n for n in ray.nodes() if n.get("Alive") and BURST_RESOURCE in n["Resources"]]
+    return [n for n in ray.nodes() if n["Alive"] and BURST_RESOURCE in n["Resources"]]
 
 
-def raylets() -> list[int]:
-    """Raylet processes of this test's Ray (the head's and those of the nodes its autoscaler
-    started: every one is in the head's cgroup)."""
-    out = []
-    for pid in ray_nodes.node_pids(PORTS, HEAD_ID):
-        try:
-            if b"/raylet" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]:
-                out.append(pid)
-        except OSError:
-            pass
-    return out
+def leftovers(s: Settings, node_id: str, ports: ClusterPorts) -> dict[str, Any]:
+    """What node ``node_id`` left on the host: mounts below its data or run dir, network
+    namespaces named for it, its sandbox cgroups and cgroup parents, its Ray node's cgroup."""
+    n = local.node_settings(s, node_id, 0)
+    dirs = (str(n.data_dir) + "/", str(n.run_dir) + "/")
+    mounts = [mp for ln in Path("/proc/self/mountinfo").read_text().splitlines()
+              if (mp := ln.split()[4] + "/").startswith(dirs)]
+    return {"mounts": mounts,
+            "netns": [x for x in netns.list_rollbox() if x.startswith(f"rollbox-{node_id}-")],
+            "cgroups": [str(p) for p in cgroups.leftover(n.cgroup_parent)],
+            "cgroup parents": [str(h / n.cgroup_parent) for h in cgroups.hierarchies()
+                               if (h / n.cgroup_parent).exists()],
+            "ray node": [x for x in ray_nodes.local_nodes(ports) if x == node_id]}
 
 
-def leftovers(node_id: str, env: dict[str, str]) -> dict[str, Any]:
-    """What burst node ``node_id`` left on the host: mounts below its data or run dir, network
-    namespaces named for it, its sandbox cgroups, its Ray node and raylet."""
-    data, run = env["ROLLBOX_DATA"], env["ROLLBOX_RUN"]
-    mounts = [ln for ln in Path("/proc/self/mountinfo").read_text().splitlines()
-              if data in ln or run in ln]
-    netns = [p.name for p in Path("/run/netns").glob("*")
-             if node_id in p.name] if Path("/run/netns").exists() else []
-    return {"mounts": mounts, "netns": netns,
-            "cgroups": [str(p) for p in cgroups.leftover(env["ROLLBOX_CGROUP"])],
-            "ray nodes": [n["NodeID"] for n in burst_ray_nodes()],
-            "raylets": raylets()[1:]}  # the head's own is the first
-
-
-@pytest.fixture
-async def rig(ray_head: Path) -> AsyncIterator[dict[str, Any]]:
-    """The cluster's own node (a real edge here, 2 sandbox slots), the shared store with
-    busybox:test pushed, watcher, placement with the policy, the scaler running."""
+@pytest.fixture(scope="module")
+def burst_cluster() -> Iterator[tuple[local.ClusterState, Settings]]:
+    """The cluster of the module docstring; ``down`` at the end, with a check that nothing of
+    it (own node, burst node, Ray, PostgreSQL) is left."""
+    if os.geteuid() != 0:
+        pytest.skip("edges need root")
     if not have_image(IMAGE):
         pytest.skip(f"{IMAGE} not built (make images)")
-    root = ray_head
-    shared = open_store(f"posix://{root / 'shared'}")
-    await chunks.push_image(ImageStore(Settings().images_dir), IMAGE, shared)
-    s = node_settings(root / "own")
-    s.max_sandboxes = 2
-    s.watch_fence = False
-    events = EventLog(root / "own-events.db")
-    own = Edge(s, events)
-    await own.start()
-    registry = EdgeRegistry([own])
-    watcher = Watcher(registry, interval_s=0.5, fence=False)
-    await watcher.start()
-    policy = BurstPolicy(BurstConfig(threshold=0.8), shared)
-    placement = Placement(registry, view=watcher, burst=policy)
-    standins = StandIns(root)
-    scaler = BurstScaler(watcher, registry, RayBurstNodes(standins),
-                         BurstConfig(threshold=0.8, idle_s=2.0, max_nodes=1), interval_s=0.5)
-    task = asyncio.create_task(scaler.run())
-    made: list[str] = []
-    try:
-        yield {"placement": placement, "made": made, "own": own, "scaler": scaler,
-               "standins": standins, "watcher": watcher}
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    register_run_owner()
+    root = Path(tempfile.mkdtemp(prefix=f"rollbox-test-{TEST_RUN}-burst-"))
+    root.chmod(0o711)  # runc resolves rootfs paths as the sandbox's unprivileged host uid
+    s = Settings()
+    s.cluster_dir = root / "cluster"
+    s.cluster_port_base = free_port_base()
+    s.node_id = PREFIX
+    s.burst_idle_s = 2.0
+    ports = ClusterPorts(s.cluster_port_base)
+    shared = f"posix://{root / 'shared'}"
+
+    async def push() -> None:
+        store = open_store(shared)
         try:
-            for sid in made:
-                with contextlib.suppress(Exception):
-                    await placement.edge_for(sid).delete(sid)
-            for nid in list(standins.actors):
-                with contextlib.suppress(Exception):
-                    standins.stop_edge(nid)
+            await chunks.push_image(ImageStore(Settings().images_dir), IMAGE, store)
         finally:
-            await watcher.stop()
-            await own.close(destroy=True)
-            events.close()
-            await policy.close()
-            shutil.rmtree(s.run_dir, ignore_errors=True)
+            await store.close()
+
+    asyncio.run(push())
+    # Read by the processes `up` starts (they inherit this environment): the replicas' burst
+    # policy takes the shared store; every edge holds 2 sandboxes at most.
+    env = {VARS["chunk_store"].env: shared, VARS["max_sandboxes"].env: "2"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    register_run_cluster(s)  # a killed run's cluster is taken down by the next run's sweep
+    try:
+        state = local.up(s, replicas=1, nodes=1, burst_nodes=1)
+        import ray
+
+        ray.init(address=state.gcs, namespace=ray_nodes.RAY_NAMESPACE, log_to_driver=False,
+                 logging_level="warning")
+        yield state, s
+    finally:
+        import ray
+
+        ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        local.down(s)
+        left = {nid: {k: v for k, v in leftovers(s, nid, ports).items() if v}
+                for nid in (OWN_ID, BURST_ID)}
+        left = {k: v for k, v in left.items() if v}
+        cluster = {"ray cgroups": ray_nodes.local_nodes(ports),
+                   "ray temp dir": ray_nodes.temp_dir(ports).exists(),
+                   "postgres": (s.cluster_dir / "pg" / "postmaster.pid").exists()}
+        for nid in (OWN_ID, BURST_ID):
+            shutil.rmtree(local.node_settings(s, nid, 0).run_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            Path(f"/run/rollbox-cluster-{ports.base}").rmdir()
+        shutil.rmtree(root, ignore_errors=True)
+        forget_run_cluster(s)
+        assert not left and not any(cluster.values()), f"the cluster left: {left} {cluster}"
 
 
-async def wait_for(what: str, cond: Any, timeout: float) -> Any:
+async def wait_for(what: str, cond: Any, timeout: float, every: float = 0.25) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        got = cond()
+        got = await cond()
         if got:
             return got
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(every)
     raise AssertionError(f"not within {timeout}s: {what}")
 
 
-async def test_burst_up_place_and_release(rig: dict[str, Any]) -> None:
-    import ray
+async def test_burst_up_place_and_release(burst_cluster) -> None:  # noqa: ANN001
+    state, s = burst_cluster
+    ports = state.ports
+    key = Path(state.admin_key).read_text().strip()
+    made: list[str] = []
+    async with AsyncClient(state.replica_urls[0], key) as client:
 
-    placement, made, watcher = rig["placement"], rig["made"], rig["watcher"]
+        async def node(nid: str) -> dict[str, Any] | None:
+            st = (await client._t.request("GET", "/v1/cluster/status")).json()
+            return next((n for n in st["nodes"] if n["node_id"] == nid), None)
 
-    async def create(**kw: Any) -> Any:
-        info = await placement.create(SandboxSpec(**{"image": IMAGE, "ttl_s": 600, **kw}), "p")
-        made.append(info.id)
-        return info
+        async def create(**kw: Any) -> SandboxInfo:
+            r = await client._t.request("POST", "/v1/sandboxes", long=True,
+                                        json={"image": IMAGE, "ttl_s": 600, **kw})
+            info = SandboxInfo.model_validate(r.json())
+            made.append(info.id)
+            return info
 
-    # fill the own node with latency sandboxes: use 1.0 >= 0.8
-    own_id = rig["own"].node_id
-    await wait_for("the own node alive in the view", lambda: (
-        (nv := watcher.node(own_id)) is not None and nv.health == "alive"), timeout=30)
-    for i in range(2):
-        assert (await create(qos="latency")).node == own_id
-        # the next decision after a probe that shows it (one sent while the create ran
-        # counts it twice: in the edge's free and in placement's pending)
-        await wait_for("the view shows the create", lambda: (
-            (nv := watcher.node(own_id)) is not None and nv.starting == 0
-            and nv.free["sandboxes"] == 1 - i), timeout=30)
-        await asyncio.sleep(0.6)
-    assert not burst_ray_nodes()
-    t0 = time.monotonic()
-    await wait_for("the burst node's edge alive in the view", lambda: (
-        (nv := watcher.node(BURST_ID)) is not None and nv.health == "alive" and nv.burst),
-        timeout=180)
-    up_s = time.monotonic() - t0
-    [rn] = burst_ray_nodes()
-    assert len(raylets()) == 2
-    assert rn["Resources"][NODE_RESOURCE + BURST_ID] == 1
+        try:
+            async def own_free(n: int) -> bool:
+                got = await _alive(node(OWN_ID))
+                return got is not None and got["starting"] == 0 and \
+                    got["free"].get("sandboxes") == n and got["free"].get("cpus", 0) >= 1 \
+                    and got["free"].get("memory_mib", 0) >= 1024
 
-    # batch container sandboxes of an image in the shared store land there, and run
-    b = await create(qos="batch")
-    assert b.node == BURST_ID
-    code, out = ray.get(rig["standins"].actors[BURST_ID].run.remote(b.id, ["echo", "burst"]))
-    assert (code, out.strip()) == (0, "burst")
-    # latency never (the own node is full), nor an image whose layers are not shared
-    with pytest.raises(errors.CapacityExceeded):
-        await create(qos="latency")
-    with pytest.raises(errors.CapacityExceeded):
-        await create(qos="batch", image=LOCAL_ONLY)  # the burst node has room: never there
-    nv = watcher.node(BURST_ID)
-    assert nv is not None and nv.free["sandboxes"] > 0
+            await wait_for("the own node alive with room for 2", lambda: own_free(2), timeout=60)
+            assert not burst_ray_nodes()
+            # exactly one scaler per cluster: a second one is refused by its name
+            with pytest.raises(errors.BadRequest):
+                start_scaler(state.gcs, state.token_file, {}, {"threshold": 0.8},
+                             s.cluster_address, ray_node_of(OWN_ID))
+            assert (await asyncio.to_thread(scaler_state))["target"] == 0
+            # fill the own node with latency sandboxes: use 1.0 >= 0.8 (each create waits
+            # for a probe that shows the one before)
+            for i in range(2):
+                assert (await create(qos="latency")).node == OWN_ID
+                await wait_for("the view shows the create", lambda: own_free(1 - i), timeout=30)
+            t0 = time.monotonic()
+            burst = await wait_for("the burst node's edge alive in the replica's view",
+                                   lambda: _alive(node(BURST_ID)), timeout=240, every=0.5)
+            up_s = time.monotonic() - t0
+            assert burst["burst"] and not burst["draining"]
+            # one Ray node of the slot, started by this host's provider: in a cgroup of its
+            # own and on its fixed ports (the cluster's platform ports)
+            [rn] = burst_ray_nodes()
+            assert rn["Resources"][NODE_RESOURCE + BURST_ID] == 1
+            assert BURST_ID in ray_nodes.local_nodes(ports)
+            assert rn["NodeManagerPort"] == ports.node_block(1)
+            registered = await asyncio.to_thread(_registered, state.gcs)
+            assert registered[BURST_ID] == f"http://{s.cluster_address}:{ports.edge(1)}"
 
-    # all gone: below the threshold and idle -> released, nothing of it left
-    env = rig["standins"].env(BURST_ID)
-    for sid in list(made):
-        await placement.edge_for(sid).delete(sid)
-        made.remove(sid)
-    t1 = time.monotonic()
-    await wait_for("the burst node released", lambda: BURST_ID not in rig["standins"].actors,
-                   timeout=60)
-    assert BURST_ID not in placement.edges
-    await wait_for("the autoscaler ended the Ray node", lambda: not burst_ray_nodes(),
-                   timeout=120)
-    down_s = time.monotonic() - t1
-    try:
-        await wait_for("nothing of the burst node left",
-                       lambda: not any(leftovers(BURST_ID, env).values()), timeout=30)
-    except AssertionError:
-        raise AssertionError(f"the burst node left: {leftovers(BURST_ID, env)}") from None
-    print(json.dumps({"burst_up_s": round(up_s, 1), "burst_release_s": round(down_s, 1)}))
+            # a batch container sandbox of an image in the shared store lands there and runs
+            # (exec over the data path: api -> the burst edge actor's HTTP)
+            b = await create(qos="batch")
+            assert b.node == BURST_ID
+            res = await AsyncSandbox(client, b).exec(["echo", "burst"])
+            assert (res.exit_code, res.stdout.strip()) == (0, "burst")
+            # latency never (the own node is full), nor an image whose layers are not shared
+            with pytest.raises(errors.CapacityExceeded):
+                await create(qos="latency")
+            if have_image(LOCAL_ONLY):
+                with pytest.raises(errors.CapacityExceeded):
+                    await create(qos="batch", image=LOCAL_ONLY)  # the burst node has room
+            assert (await node(BURST_ID))["free"]["sandboxes"] > 0
+
+            # all gone: below the threshold and idle -> released, nothing of it left
+            for sid in list(made):
+                await client._t.request("DELETE", f"/v1/sandboxes/{sid}")
+                made.remove(sid)
+            t1 = time.monotonic()
+
+            async def released() -> bool:
+                return await node(BURST_ID) is None and not burst_ray_nodes()
+
+            await wait_for("the burst node released and its Ray node ended", released,
+                           timeout=120, every=0.5)
+            down_s = time.monotonic() - t1
+
+            async def clean() -> bool:
+                return not any(leftovers(s, BURST_ID, ports).values())
+
+            try:
+                await wait_for("nothing of the burst node left", clean, timeout=30)
+            except AssertionError:
+                raise AssertionError(f"the burst node left: {leftovers(s, BURST_ID, ports)}") \
+                    from None
+            print(json.dumps({"burst_up_s": round(up_s, 1), "burst_release_s": round(down_s, 1),
+                              "load": os.getloadavg()[0],
+                              "start_retries": _provider_retries(ports)}))
+        finally:
+            for sid in made:
+                with contextlib.suppress(errors.RollboxError):
+                    await client._t.request("DELETE", f"/v1/sandboxes/{sid}")
+
+
+async def _alive(got: Any) -> dict[str, Any] | None:
+    n = await got
+    return n if n is not None and n["health"] == "alive" else None
+
+
+def _registered(gcs: str) -> dict[str, str]:
+    from rollbox.cluster.edge_actor import registered_edges
+
+    return registered_edges(gcs)
+
+
+def _provider_retries(ports: ClusterPorts) -> int:
+    """Burst node starts this host's provider tried again (it logs each in the autoscaler's
+    log: a start that missed Ray's registration, killed whole first)."""
+    logs = ray_nodes.temp_dir(ports) / "session_latest" / "logs"
+    return sum(f.read_text(errors="replace").count("missed Ray's registration")
+               for f in logs.glob("monitor*") if f.is_file())

@@ -162,3 +162,22 @@ def test_burst_node_types() -> None:
     assert all(v["max_workers"] == 1 and v["min_workers"] == 0 for v in t.values())
     with pytest.raises(errors.BadRequest):
         burst_node_types("t", 65)
+
+
+async def test_without_a_registry_the_edges_register_themselves() -> None:
+    """In a cluster (cluster.burst_actor) the edge actors register in the GCS: the scaler
+    starts and stops edges and holds no registry."""
+    now = [0.0]
+    view, nodes = View(), Nodes()
+    s = BurstScaler(view, None, nodes, BurstConfig(threshold=0.8, idle_s=1, max_nodes=1),
+                    clock=lambda: now[0])
+    view.set(node("n0", 9))
+    await s.tick()
+    nodes.grow()
+    await s.tick()
+    assert nodes.log == ["start rb0"] and s.state.edges == {"rb0"}
+    view.set(node("n0", 1), node("rb0", 0, burst=True))
+    await s.tick()
+    now[0] = 2.0
+    await s.tick()
+    assert nodes.log[-2:] == ["drain rb0", "stop rb0"] and nodes.asked == 0

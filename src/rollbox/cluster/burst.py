@@ -8,7 +8,7 @@ cluster's use threshold, start an edge on each that comes up, and give them back
   only what :class:`~rollbox.placement.burst.BurstPolicy` allows).
 - Demand: while :func:`~rollbox.placement.burst.cluster_use` of the watcher's view is at or
   above the threshold and no burst node has room below it (and none asked for is still
-  coming), one more burst node is asked for, up to ``burst_max_nodes``, as
+  coming), one more burst node is asked for, up to ``burst_nodes``, as
   ``ray.autoscaler.sdk.request_resources(bundles=[{"rollbox_burst": 1}] * n)`` (the request
   replaces the previous one).
 - The edge of a burst node holds the node's ``rollbox_burst`` unit while it runs (sandboxes are
@@ -71,9 +71,10 @@ class BurstNodes(Protocol):
     def up(self) -> set[str]:
         """Rollbox node ids of the burst nodes whose Ray node is alive."""
 
-    def start_edge(self, node_id: str) -> EdgeAPI:
-        """Start the edge of burst node ``node_id`` (holding its ``rollbox_burst`` unit) and
-        return the handle placement and the watcher reach it by."""
+    def start_edge(self, node_id: str) -> EdgeAPI | None:
+        """Start the edge of burst node ``node_id`` (holding its ``rollbox_burst`` unit), or
+        adopt the one it has, and return the handle placement and the watcher reach it by
+        (None when the edge registers itself: ``BurstScaler(registry=None)``)."""
 
     def drain(self, node_id: str) -> int:
         """Make ``node_id``'s edge refuse creates; its live sandboxes and creates under way
@@ -109,7 +110,7 @@ class RayBurstNodes:
                 out |= {k[len(NODE_RESOURCE):] for k in res if k.startswith(NODE_RESOURCE)}
         return out
 
-    def start_edge(self, node_id: str) -> EdgeAPI:
+    def start_edge(self, node_id: str) -> EdgeAPI | None:
         return self.edges.start_edge(node_id)  # type: ignore[no-any-return]
 
     def drain(self, node_id: str) -> int:
@@ -134,11 +135,13 @@ class BurstState:
 
 
 class BurstScaler:
-    """One control loop per cluster (run it in one api replica, or beside the watcher):
-    :meth:`tick` once per ``interval_s`` (:meth:`run`). ``registry``: the nodes placement and
-    the watcher follow (burst edges join and leave it here)."""
+    """One control loop per cluster (in a cluster: the detached actor of
+    ``cluster.burst_actor``): :meth:`tick` once per ``interval_s`` (:meth:`run`).
+    ``registry``: the nodes placement and the watcher follow (burst edges join and leave it
+    here); None: the edges' own registration is the membership (a cluster's edge actors
+    register in the GCS, where every replica reads them)."""
 
-    def __init__(self, view: ClusterView, registry: EdgeRegistry, nodes: BurstNodes,
+    def __init__(self, view: ClusterView, registry: EdgeRegistry | None, nodes: BurstNodes,
                  config: BurstConfig, *, interval_s: float = 1.0, start_timeout_s: float = 300,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.view = view
@@ -166,7 +169,8 @@ class BurstScaler:
         st.released &= up  # a released node the autoscaler ended is gone for good
         for nid in sorted(up - st.edges - st.released):  # a burst node came up: its edge
             handle = await asyncio.to_thread(self.nodes.start_edge, nid)
-            self.registry.add(handle)
+            if self.registry is not None and handle is not None:
+                self.registry.add(handle)
             st.edges.add(nid)
             st.started_at = None
             log.info("burst node %s up, its edge started", nid)
@@ -204,8 +208,7 @@ class BurstScaler:
             await asyncio.to_thread(self.nodes.undrain, nid)
             st.idle_since.pop(nid, None)
             return
-        edge = self.registry.remove(nid)
-        if edge is None:
+        if self.registry is not None and self.registry.remove(nid) is None:
             log.warning("burst node %s was not in the registry", nid)
         await asyncio.to_thread(self.nodes.stop_edge, nid)
         st.edges.discard(nid)

@@ -45,29 +45,17 @@ def actor_name(node_id: str) -> str:
     return f"edge-{node_id}"
 
 
-class EdgeHost:
-    """An edge and its HTTP server on a loop thread of their own (the Ray actor's methods run
-    on Ray's threads and reach the edge through :meth:`call`)."""
+class LoopThread:
+    """An event loop on a thread of its own running :meth:`_main` (a Ray actor's methods run on
+    Ray's threads); ``_main`` sets ``_ready`` once it serves, and an error before that is
+    raised by :meth:`_start_loop`."""
 
-    def __init__(self, env: Mapping[str, str], host: str, port: int, token: str,
-                 dsn_file: str | None = None) -> None:
-        self.env = dict(env)
-        self.dsn_file = dsn_file  # the cluster's PostgreSQL (job leases); None: no jobs here
-        self.host, self.port, self.token = host, port, token
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.edge: Any = None
-        self._stop: asyncio.Event | None = None
-        self._stopping: bool | None = None  # shutdown's destroy
-        self._thread: threading.Thread | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+
+    def _start_loop(self, name: str, timeout: float) -> None:
         self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self, timeout: float = 300) -> None:
-        os.environ.update(self.env)  # this process is the node's edge and nothing else
-        self._thread = threading.Thread(target=self._run, name="rollbox-edge", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         self._ready.result(timeout)
 
@@ -81,7 +69,32 @@ class EdgeHost:
         except BaseException as exc:  # noqa: BLE001 - reported to the constructor
             if not self._ready.done():
                 self._ready.set_exception(exc)
-            log.exception("edge loop ended")
+            log.exception("%s loop ended", threading.current_thread().name)
+
+    async def _main(self) -> None:
+        raise NotImplementedError
+
+
+class EdgeHost(LoopThread):
+    """An edge and its HTTP server on a loop thread of their own (the Ray actor's methods run
+    on Ray's threads and reach the edge through :meth:`call`)."""
+
+    def __init__(self, env: Mapping[str, str], host: str, port: int, token: str,
+                 dsn_file: str | None = None) -> None:
+        self.env = dict(env)
+        self.dsn_file = dsn_file  # the cluster's PostgreSQL (job leases); None: no jobs here
+        self.host, self.port, self.token = host, port, token
+        self.edge: Any = None
+        self._stop: asyncio.Event | None = None
+        self._stopping: bool | None = None  # shutdown's destroy
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 300) -> None:
+        os.environ.update(self.env)  # this process is the node's edge and nothing else
+        self._start_loop("rollbox-edge", timeout)
 
     async def _main(self) -> None:
         from rollbox.config import Settings
@@ -180,6 +193,35 @@ class EdgeActor:
 
         self.host.call(delete)
 
+    def drain(self, on: bool = True) -> int:
+        """Refuse new creates while ``on`` (``Edge.drain``: a burst node being released); the
+        node's live sandboxes plus creates under way now."""
+
+        async def drain(edge: Any) -> int:
+            return int(edge.drain(on))
+
+        return int(self.host.call(drain))
+
+    def leftovers(self) -> dict[str, list[str]]:
+        """What of this node's sandboxes is on its host (checked here, on the node): sandbox
+        cgroups under the node's parent and the parent itself (removed here if empty), mounts
+        below its data or run dir, network namespaces named for it. All empty after a
+        shutdown that destroyed its sandboxes."""
+        from rollbox.config import Settings
+        from rollbox.isolation import cgroups, netns
+
+        s = Settings()
+        dirs = (str(s.data_dir) + "/", str(s.run_dir) + "/")
+        with open("/proc/self/mountinfo") as f:
+            mounts = [mp for line in f if (mp := line.split()[4] + "/").startswith(dirs)]
+        cgroups.remove_parent_if_empty(s.cgroup_parent)  # the edge's close leaves none used
+        return {"cgroups": [str(p) for p in cgroups.leftover(s.cgroup_parent)],
+                "cgroup parents": [str(h / s.cgroup_parent) for h in cgroups.hierarchies()
+                                   if (h / s.cgroup_parent).exists()],
+                "mounts": mounts,
+                "netns": [n for n in netns.list_rollbox()
+                          if n.startswith(f"{netns.PREFIX}{self.node_id}-")]}
+
     def shutdown(self, destroy: bool = True) -> None:
         """Stop the edge (its sandboxes destroyed unless ``destroy`` is False: then the next
         edge of this node re-adopts them) and deregister it; the caller kills the actor."""
@@ -219,12 +261,16 @@ def ray_node_of(node_id: str) -> str:
 
 
 def create_edge(node_id: str, env: Mapping[str, str], host: str, port: int,
-                token_file: str, timeout: float = 300, dsn_file: str | None = None) -> Any:
+                token_file: str, timeout: float = 300, dsn_file: str | None = None,
+                resources: Mapping[str, float] | None = None) -> Any:
     """Create node ``node_id``'s edge actor and wait until it serves; BadRequest if that node
     already has one alive (a duplicate node id). ``token_file``: the root-only file on the
     node's host the actor reads the cluster token from. ``dsn_file``: the cluster's
     PostgreSQL DSN (root-only, read by the actor, also when Ray restarts it), whose job
-    leases the edge reaps; None: the edge takes no job's sandboxes. Needs ``ray.init`` in namespace rollbox."""
+    leases the edge reaps; None: the edge takes no job's sandboxes. ``resources``: custom
+    resources the actor holds while it runs (a burst node's edge holds its node's
+    ``rollbox_burst`` unit, so Ray does not call the node idle). Needs ``ray.init`` in
+    namespace rollbox."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -245,14 +291,23 @@ def create_edge(node_id: str, env: Mapping[str, str], host: str, port: int,
         actor = cls.options(
             name=actor_name(node_id), namespace=NAMESPACE, lifetime="detached",
             max_restarts=-1, max_task_retries=0, num_cpus=0, max_concurrency=16,
+            resources=dict(resources or {}),
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_of(node_id),
                                                                soft=False),
         ).remote(node_id, dict(env), host, port, token_file, dsn_file)
     except ValueError as exc:  # the name was taken meanwhile
         raise errors.BadRequest(f"node id {node_id!r} is already in the cluster",
                                 node=node_id) from exc
+    return started(actor, actor.info, timeout)
+
+
+def started(actor: Any, probe: Any, timeout: float) -> Any:
+    """``actor`` once its constructor ran (its first answer to method ``probe``); killed for
+    good (no restart) and the error raised if it failed or did not answer in ``timeout``."""
+    import ray
+
     try:
-        ray.get(actor.info.remote(), timeout=timeout)
+        ray.get(probe.remote(), timeout=timeout)
     except Exception:
         ray.kill(actor, no_restart=True)
         raise
@@ -296,16 +351,24 @@ def edge_actor(node_id: str) -> Any:
         raise errors.NotFound(f"no edge actor for node {node_id!r}", node=node_id) from None
 
 
-def stop_edge(node_id: str, destroy: bool = True, timeout: float = 120) -> None:
+def stop_edge(node_id: str, destroy: bool = True, timeout: float = 120,
+              verify: bool = False) -> None:
     """Shut node ``node_id``'s edge down (sandboxes destroyed unless not ``destroy``) and
-    kill its actor for good (no restart)."""
+    kill its actor for good (no restart). ``verify``: then ask the actor, on its node, for
+    what of its sandboxes is left (:meth:`EdgeActor.leftovers`): InfraError naming it if
+    anything is."""
     import ray
 
     actor = edge_actor(node_id)
+    left: dict[str, list[str]] = {}
     try:
         ray.get(actor.shutdown.remote(destroy), timeout=timeout)
+        if verify:
+            left = {k: v for k, v in ray.get(actor.leftovers.remote(), timeout=60).items() if v}
     finally:
         ray.kill(actor, no_restart=True)
+    if left:
+        raise errors.InfraError(f"node {node_id}'s edge stopped and left {left}", node=node_id)
 
 
 def gcs_client(gcs_address: str) -> Any:

@@ -5,8 +5,12 @@ Ray head and worker nodes (``cluster.ray_nodes``; ``--nodes K`` > 1 simulates K 
 K Ray nodes here), one edge actor per node (``cluster.edge_actor``) with the node's own host
 resources (data and run dir, cgroup parent, uid band, sandbox subnet: :func:`node_env`), the api
 replicas (``cluster.replica``) behind one port, the cluster token (generated once, root-only),
-the admin key. ``down`` stops all of them: replicas, edges (their sandboxes destroyed), every Ray
-process and its temp dir. Does not serve requests itself.
+the admin key; with ``--burst-nodes N`` the head's autoscaler config (``cluster.autoscaler``)
+and the cluster's one burst scaler (``cluster.burst_actor``), each burst slot a node id
+``<prefix>b<k>`` with host resources of its own like every node. ``down`` stops all of them:
+the scaler, the burst nodes' edges and the other edges (their sandboxes destroyed, a burst
+edge's teardown verified on its node), replicas, every Ray process (burst nodes' too) and its
+temp dir. Does not serve requests itself.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ from typing import Any
 
 from rollbox import errors
 from rollbox.cluster import ray_nodes
+from rollbox.cluster.autoscaler import LOCAL_HEAD_ENV
+from rollbox.cluster.burst import burst_node_id
 from rollbox.cluster.ray_nodes import ClusterPorts
 from rollbox.config import UID_BAND_EXTRA, VARS, Settings, env_text
 from rollbox.edge.server import wait_healthy
@@ -61,6 +67,7 @@ class ClusterState:
     pg_data: str = ""
     nodes: list[NodeRecord] = field(default_factory=list)
     replicas: list[ReplicaRecord] = field(default_factory=list)
+    burst: list[str] = field(default_factory=list)  # burst slots' node ids (none: no bursting)
 
     @property
     def ports(self) -> ClusterPorts:
@@ -319,19 +326,34 @@ def stop_pid(pid: int, timeout: float = 15) -> None:
         pass
 
 
-def up(settings: Settings | None = None, replicas: int = 2, nodes: int = 1) -> ClusterState:
+def up(settings: Settings | None = None, replicas: int = 2, nodes: int = 1,
+       burst_nodes: int | None = None, autoscaler_config: Path | None = None) -> ClusterState:
     """Start a cluster on this host: Ray head (node ``<prefix>0``) and ``nodes - 1``
-    simulated worker nodes, an edge on each, ``replicas`` api replicas behind one port."""
+    simulated worker nodes, an edge on each, ``replicas`` api replicas behind one port; with
+    ``burst_nodes`` (default ``Settings.burst_nodes``) > 0 the head runs Ray's autoscaler with
+    that many burst slots (``autoscaler_config``, default ``Settings.burst_autoscaler_config``:
+    an operator's YAML for a real cloud; none: burst nodes are Ray nodes on this host) and the
+    cluster's burst scaler runs."""
     s = settings or Settings()
+    burst = s.burst_nodes if burst_nodes is None else burst_nodes
+    operator = autoscaler_config or s.burst_autoscaler_config
     if not 1 <= nodes <= ray_nodes.MAX_NODES:
         raise errors.BadRequest(f"--nodes: 1..{ray_nodes.MAX_NODES}", nodes=nodes)
+    if not 0 <= burst <= ray_nodes.MAX_NODES - nodes:
+        raise errors.BadRequest(f"--burst-nodes: 0..{ray_nodes.MAX_NODES} - --nodes (each "
+                                "takes a node block of the cluster's port range)",
+                                burst_nodes=burst, nodes=nodes)
+    if operator is not None and not burst:
+        raise errors.BadRequest("an autoscaler config without --burst-nodes")
     if not 1 <= replicas <= 5:
         raise errors.BadRequest("--replicas: 1..5", replicas=replicas)
     ports = ClusterPorts(s.cluster_port_base)
+    slots = {burst_node_id(s.node_id, k): nodes + k for k in range(burst)}
     if state_path(s).exists() or ray_nodes.local_nodes(ports):
         raise errors.BadRequest(f"a cluster is already up from this host ({s.cluster_dir}); "
                                 "`rollbox cluster down` first")
     s.cluster_dir.mkdir(parents=True, exist_ok=True)
+    scaling = _autoscaler_config(s, ports, slots, operator) if burst else None
     token_file = ensure_token(s)
     token = token_file.read_text().strip()
     state = ClusterState(port_base=ports.base, address=s.cluster_address,
@@ -345,14 +367,19 @@ def up(settings: Settings | None = None, replicas: int = 2, nodes: int = 1) -> C
         state.dsn_file = str(dsn_file)
         _admin_key(s, dsn_file.read_text().strip())
         state.save(state_path(s))
+        state.burst = list(slots)
+        head_env = LOCAL_HEAD_ENV if scaling is not None and operator is None else None
         ray_nodes.start_node(ports, ids[0], 0, head=True, address=s.cluster_address,
-                             object_store_mib=s.cluster_object_store_mib)
+                             object_store_mib=s.cluster_object_store_mib, env=head_env,
+                             autoscaling_config=scaling)
         _join_nodes(ports, s, ids[1:], start=1)
         _ray_init(state.gcs)
         for i, node in enumerate(ids):
             state.nodes.append(start_edge(s, s.cluster_address, node, i, token, head=i == 0,
                                           nodes=nodes))
             state.save(state_path(s))
+        if slots:
+            _start_scaler(s, state, slots, token, ids[0], nodes)
         _ray_shutdown()
         for i in range(replicas):
             state.replicas.append(start_replica(state, s, i))
@@ -364,6 +391,51 @@ def up(settings: Settings | None = None, replicas: int = 2, nodes: int = 1) -> C
         down(s)
         raise
     return state
+
+
+def _autoscaler_config(s: Settings, ports: ClusterPorts, slots: dict[str, int],
+                       operator: Path | None) -> Path:
+    """The head's autoscaler config in the cluster dir (``cluster.autoscaler``): burst nodes
+    on this host, or the operator's YAML with the burst node types merged in."""
+    from rollbox.cluster.autoscaler import local_config, operator_config
+
+    if operator is None:
+        cfg = local_config(ports, s.node_id, slots, address=s.cluster_address,
+                           object_store_mib=s.cluster_object_store_mib)
+    else:
+        cfg = operator_config(operator, s.node_id, len(slots),
+                              object_store_mib=s.cluster_object_store_mib)
+    path = s.cluster_dir / "autoscaler.json"  # JSON is YAML: what ray start reads
+    path.write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+def burst_slots(s: Settings, slots: dict[str, int], nodes: int) -> dict[str, dict[str, Any]]:
+    """Each burst slot's edge port, ``ROLLBOX_*`` variables (the node's own dirs, cgroup
+    parent, uid band and subnet: :func:`node_env` at its index after the cluster's own nodes;
+    the same share of the host as an own node; ``ROLLBOX_NODE_BURST=1``) and token file
+    (:func:`node_token_path`: on a burst node of another host, the operator's image puts the
+    token there)."""
+    ports = ClusterPorts(s.cluster_port_base)
+    return {nid: {"port": ports.edge(index),
+                  "env": {**node_env(s, nid, index, nodes=nodes), VARS["node_burst"].env: "1"},
+                  "token_file": str(node_token_path(s, nid, index))}
+            for nid, index in slots.items()}
+
+
+def _start_scaler(s: Settings, state: ClusterState, slots: dict[str, int], token: str,
+                  head: str, nodes: int) -> None:
+    from rollbox.cluster.burst_actor import start_scaler
+    from rollbox.cluster.edge_actor import ray_node_of
+
+    dsn = dsn_path(s)
+    config = {"threshold": s.burst_threshold, "idle_s": s.burst_idle_s,
+              "max_nodes": len(slots), "layers_ttl_s": s.burst_layers_ttl_s}
+    burst = burst_slots(s, slots, nodes)
+    for slot in burst.values():  # burst nodes on this host read the token here
+        write_secret(Path(slot["token_file"]), token)
+    start_scaler(state.gcs, state.token_file, burst, config, s.cluster_address,
+                 ray_node_of(head), dsn_file=str(dsn) if dsn.exists() else None)
 
 
 def _join_nodes(ports: ClusterPorts, s: Settings, ids: list[str], start: int) -> None:
@@ -445,7 +517,7 @@ def down(settings: Settings | None = None, destroy: bool = True) -> None:
     if state is not None:
         for rec in state.replicas:
             stop_pid(rec.pid)
-        if state.nodes and ray_nodes.local_nodes(ports):
+        if (state.nodes or state.burst) and ray_nodes.local_nodes(ports):
             _stop_edges(state, destroy)
     ray_nodes.stop_all(ports)
     stop_postgres(Path(state.pg_data) if state and state.pg_data else s.cluster_dir / "pg")
@@ -453,29 +525,47 @@ def down(settings: Settings | None = None, destroy: bool = True) -> None:
 
 
 def _stop_edges(state: ClusterState, destroy: bool) -> None:
-    from rollbox.cluster.edge_actor import stop_edge
+    """The burst scaler first (no burst node starts meanwhile), then each burst node's edge
+    (its sandboxes destroyed and their teardown verified on the node), then the others."""
+    import logging
 
+    from rollbox.cluster.burst_actor import stop_scaler
+    from rollbox.cluster.edge_actor import edge_actor, stop_edge
+
+    log = logging.getLogger(__name__)
     try:
         _ray_init(state.gcs)
     except Exception:  # noqa: BLE001 - no GCS: the Ray processes go below anyway
         return
     try:
+        if state.burst:
+            try:
+                stop_scaler()
+            except Exception:  # noqa: BLE001 - the edges still go
+                log.warning("stopping the burst scaler failed", exc_info=True)
+        for nid in state.burst:
+            try:
+                edge_actor(nid)
+            except errors.NotFound:
+                continue  # not up (or released)
+            try:
+                stop_edge(nid, destroy=True, verify=True)
+            except Exception:  # noqa: BLE001 - one edge that fails does not keep the others
+                log.warning("stopping burst edge %s failed", nid, exc_info=True)
         for n in state.nodes:
             try:
                 stop_edge(n.node_id, destroy=destroy)
             except Exception:  # noqa: BLE001 - one edge that fails does not keep the others
-                import logging
-
-                logging.getLogger(__name__).warning("stopping edge %s failed", n.node_id,
-                                                    exc_info=True)
+                log.warning("stopping edge %s failed", n.node_id, exc_info=True)
     finally:
         _ray_shutdown()
 
 
 def status(settings: Settings | None = None) -> dict[str, Any]:
     """The watcher's summary as an api replica has it (``GET /v1/cluster/status``: nodes,
-    health, sandboxes per node, backend and project), asked of the first replica that
-    answers; plus where the cluster's api, replicas and admin key are."""
+    health, burst or not, sandboxes per node, backend and project), asked of the first
+    replica that answers; plus where the cluster's api, replicas and admin key are and its
+    burst slots' node ids."""
     import httpx
 
     s = settings or Settings()
@@ -492,5 +582,6 @@ def status(settings: Settings | None = None) -> dict[str, Any]:
         if r.status_code != 200:
             raise errors.error_from_payload(r.json(), r.status_code)
         return {"api": state.api_url, "replicas": state.replica_urls,
-                "admin_key": state.admin_key, "gcs": state.gcs, **r.json()}
+                "admin_key": state.admin_key, "gcs": state.gcs, "burst_slots": state.burst,
+                **r.json()}
     raise errors.InfraError(f"no api replica answers: {last!r}")

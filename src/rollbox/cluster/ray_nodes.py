@@ -131,11 +131,16 @@ def ray_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def start_node(ports: ClusterPorts, node_id: str, index: int, *, head: bool,
                address: str = "127.0.0.1", object_store_mib: int = 256,
-               env: dict[str, str] | None = None, timeout: float = 90) -> None:
+               env: dict[str, str] | None = None, timeout: float = 90,
+               resources: dict[str, float] | None = None,
+               attempts: int = START_ATTEMPTS, autoscaling_config: Path | None = None) -> None:
     """``ray start`` of rollbox node ``node_id`` in its cgroup: the head (GCS at
     ``ports.gcs``) or a worker joining ``address:ports.gcs``. Ray's own processes bind every
     address (gRPC listens on 0.0.0.0 whatever --node-ip-address says): the cluster's ports are
-    kept from sandboxes by netpolicy (platform ports), not by the bind."""
+    kept from sandboxes by netpolicy (platform ports), not by the bind. ``resources``: custom
+    resources besides the node's ``rollbox_node:<id>``; ``attempts``: starts tried when Ray's
+    registration times out (each failed one killed whole first); ``autoscaling_config``: the
+    head runs Ray's autoscaler with it (``cluster.autoscaler``)."""
     cg = node_cgroup(ports, node_id)
     # No log monitor: it tails every Ray process's log files into the GCS for drivers to
     # print, and rollbox's drivers never do (log_to_driver=False); idle, each node's cost
@@ -144,7 +149,7 @@ def start_node(ports: ClusterPorts, node_id: str, index: int, *, head: bool,
             "--include-log-monitor", "false",
             "--node-ip-address", address, "--num-cpus", "0",
             "--object-store-memory", str(object_store_mib << 20),
-            "--resources", json.dumps({NODE_RESOURCE + node_id: 1}),
+            "--resources", json.dumps({**(resources or {}), NODE_RESOURCE + node_id: 1}),
             *node_args(ports, index)]
     env = dict(env or {})
     if head:
@@ -156,9 +161,11 @@ def start_node(ports: ClusterPorts, node_id: str, index: int, *, head: bool,
         args += ["--head", "--port", str(ports.gcs), "--include-dashboard", "false",
                  "--dashboard-port",
                  str(ports.dashboard), "--temp-dir", str(temp_dir(ports))]
+        if autoscaling_config is not None:
+            args += ["--autoscaling-config", str(autoscaling_config)]
     else:
         args += ["--address", f"{address}:{ports.gcs}"]
-    for attempt in range(START_ATTEMPTS):
+    for attempt in range(attempts):
         cg.mkdir(parents=True, exist_ok=True)
         proc = subprocess.run(args, env=ray_env(env), capture_output=True, text=True,
                               timeout=timeout, preexec_fn=lambda: _enter(cg))
@@ -167,7 +174,7 @@ def start_node(ports: ClusterPorts, node_id: str, index: int, *, head: bool,
         # Ray gives a raylet 30 s to register (fixed in ray._private.node): on a loaded host
         # that is not always enough; the node's processes go and it is started again.
         kill_node(ports, node_id)
-        if attempt + 1 == START_ATTEMPTS or "timed out during startup" not in proc.stderr:
+        if attempt + 1 == attempts or "timed out during startup" not in proc.stderr:
             raise errors.InfraError(f"ray start of node {node_id} failed: "
                                     f"{(proc.stderr or proc.stdout)[-1500:]}", node=node_id)
 

@@ -438,11 +438,13 @@ class Edge:
             layers=self._layer_digests(), by_backend=by_backend, by_project=by_project,
             fence_s=self.fence.fence_s, burst=self.settings.node_burst, draining=self.draining)
 
-    def drain(self, on: bool = True) -> None:
+    def drain(self, on: bool = True) -> int:
         """Refuse every new create (CapacityExceeded, reason draining; reports show no room
         and ``draining``) while ``on``; the sandboxes already here run on. What releasing a
-        burst node does first (rollbox.cluster.burst)."""
+        burst node does first (rollbox.cluster.burst). Returns the live sandboxes plus the
+        creates under way now (0: nothing can land here any more while draining)."""
         self.draining = on
+        return len(self.live) + self._starting
 
     def _layer_digests(self) -> list[str]:
         """Digests of the layers in the node's store (whole or lazy), re-listed only when one

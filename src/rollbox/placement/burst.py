@@ -62,7 +62,7 @@ class BurstConfig:
     @classmethod
     def from_settings(cls, s: Settings) -> BurstConfig:
         return cls(threshold=s.burst_threshold, idle_s=s.burst_idle_s,
-                   max_nodes=s.burst_max_nodes, layers_ttl_s=s.burst_layers_ttl_s)
+                   max_nodes=s.burst_nodes, layers_ttl_s=s.burst_layers_ttl_s)
 
 
 def is_shared_store(url: str | None) -> bool:

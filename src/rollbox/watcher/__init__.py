@@ -510,7 +510,9 @@ class Watcher:
                 backends=list(r.backends) if r is not None else [],
                 free=dict(r.free) if r is not None and node.health != "dead" else {},
                 starting=r.starting if r is not None and node.health != "dead" else 0,
-                sandboxes=count, lost=lost, by_backend=by_b, by_project=by_p))
+                sandboxes=count, lost=lost, by_backend=by_b, by_project=by_p,
+                burst=r.burst if r is not None else False,
+                draining=r.draining if r is not None and node.health != "dead" else False))
         return ClusterStatus(project=project, nodes=nodes,
                              sandboxes=sum(n.sandboxes for n in nodes),
                              by_backend=total_b, by_project=total_p)
