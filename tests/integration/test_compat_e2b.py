@@ -500,6 +500,9 @@ async def test_fork_snapshot_metrics_network_and_list_order(env: Env) -> None:
         async with AsyncClient(env.url, api_key=env.key) as c:
             native = await (await c.get(sbx.sandbox_id)).usage()
         assert native[-1].memory_bytes and native[-1].cpu_usage_us
+        # the writable layer's qgroup (its files and metadata): never 0 once written to
+        assert native[-1].disk_bytes and native[-1].disk_bytes > 0
+        assert metrics[-1].disk_used > 0
         assert [s.at for s in native] == sorted(s.at for s in native)
 
         # newest first by default; started_after and template narrow it

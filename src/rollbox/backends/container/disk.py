@@ -281,6 +281,25 @@ class DiskPool:
         qg = btrfs.qgroup_dir(self._uuid, btrfs.subvol_id(fd))
         return int((qg / "max_referenced").read_text())
 
+    def referenced(self, sandbox_id: str) -> int | None:
+        """Bytes the sandbox's writable layer holds now (its qgroup's referenced count: what
+        the cap limits; the kernel updates it at each commit, within seconds); None without a
+        subvolume of it here (a memory-tier sandbox, or the pool not mounted)."""
+        if not self._uuid:
+            return None
+        try:
+            fd = os.open(self.path(sandbox_id), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                         | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            qg = btrfs.qgroup_dir(self._uuid, btrfs.subvol_id(fd))
+            return int((qg / "referenced").read_text())
+        except (OSError, ValueError):
+            return None
+        finally:
+            os.close(fd)
+
     def cap(self, sandbox_id: str) -> int:
         self.ensure()
         fd = os.open(self.path(sandbox_id), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW

@@ -499,7 +499,7 @@ class ContainerBackend:
         return Usage(memory_bytes=cgroups.memory_bytes(parent, sb.id),
                      cpu_usage_us=cgroups.cpu_usage_us(parent, sb.id),
                      cpu_throttled_us=cgroups.cpu_throttled_us(parent, sb.id),
-                     oom_kills=self.oom_kills(sb))
+                     oom_kills=self.oom_kills(sb), disk_bytes=self.disk.referenced(sb.id))
 
     def oom_kills(self, sb: ContainerSandbox) -> int:  # type: ignore[override]
         return cgroups.oom_kills(self.settings.cgroup_parent, sb.id)
