@@ -436,18 +436,23 @@ def run_owner_alive(record: str) -> bool:
     return pid.isdigit() and int(pid) > 0 and os.path.exists(f"/proc/{int(pid)}")
 
 
-# A test sandbox's id is "t<run><6 hex>-<12 hex>" (node_settings); its mounts sit under
-# ".../sandboxes/<id>", wherever the test put its data dir.
-TEST_SANDBOX_MOUNT = re.compile(r"/(?:roots|sandboxes)/t([0-9a-f]{4})[0-9a-f]{6}-[0-9a-f]{12}(/|$)")
+# A test sandbox's id is "<node id>-<12 hex>": a test edge's node id "t<run><6 hex>"
+# (node_settings), a test cluster's node "t<run>c<i>", "t<run>xc0" or "t<run>xb<k>"; its mounts
+# sit under ".../sandboxes/<id>" or ".../roots/<id>", wherever the test put its dirs.
+TEST_SANDBOX_MOUNT = re.compile(
+    r"/(?:roots|sandboxes)/t([0-9a-f]{4})(?:[0-9a-f]{6}|x?[cb][0-9]+)-[0-9a-f]{12}(/|$)")
+# A test cluster node's run dir (cluster.local.node_settings: /run/rollbox-cluster-<base>/<id>).
+TEST_CLUSTER_RUN_DIR = re.compile(r"^/run/rollbox-cluster-[0-9]+/t([0-9a-f]{4})x?[cb][0-9]+(/|$)")
 
 
 def run_mounts(run: str) -> list[str]:
-    """Mount points of a test run: below its temp dirs or below one of its sandboxes' dirs."""
+    """Mount points of a test run: below its temp dirs, one of its sandboxes' dirs or one of
+    its cluster nodes' run dirs."""
     out = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
             mp = line.split()[4]
-            m = TEST_SANDBOX_MOUNT.search(mp)
+            m = TEST_SANDBOX_MOUNT.search(mp) or TEST_CLUSTER_RUN_DIR.match(mp)
             if f"/rollbox-test-{run}-" in mp or (m and m.group(1) == run):
                 out.append(mp)
     return out
@@ -500,7 +505,8 @@ def run_resources() -> dict[str, float]:
                 _note(found, run, p)
     with open("/proc/self/mountinfo") as f:
         for line in f:
-            if m := TEST_SANDBOX_MOUNT.search(mp := line.split()[4]):
+            mp = line.split()[4]
+            if m := TEST_SANDBOX_MOUNT.search(mp) or TEST_CLUSTER_RUN_DIR.match(mp):
                 _note(found, m.group(1), mp)
     for name in netns.list_rollbox():
         if m := RUN_NAME.match(name):
@@ -583,6 +589,12 @@ def sweep_dead_runs() -> list[str]:
                 pass
         for d in Path(tempfile.gettempdir()).glob(f"rollbox-test-{run}-*"):
             shutil.rmtree(d, ignore_errors=True)
+        for d in Path("/run").glob(f"rollbox-cluster-*/t{run}*"):  # its nodes' run dirs
+            if TEST_CLUSTER_RUN_DIR.match(str(d)) and not any(
+                    mp == str(d) or mp.startswith(f"{d}/") for mp in run_mounts(run)):
+                shutil.rmtree(d, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    d.parent.rmdir()  # only if empty: another run's cluster may share it
         (RUNS_DIR / run).unlink(missing_ok=True)
     if dead:  # the node's shared layer mounts those sandboxes pinned (used ones stay)
         from rollbox.images.mounts import LayerMounts

@@ -169,3 +169,20 @@ def test_the_scaler_takes_no_token_argument() -> None:
     for fn in (BurstScalerActor.__init__, start_scaler):
         params = inspect.signature(fn).parameters
         assert "token" not in params and "token_file" in params
+
+
+def test_the_dead_run_sweep_knows_cluster_and_burst_nodes() -> None:
+    """tests/conftest.py: a cluster node's cgroup parent, its sandboxes' mounts and its run
+    dir name the test run (the session cluster's t<run>c<i>, the burst drill's t<run>xc0 and
+    burst nodes t<run>xb<k>); other names do not."""
+    from tests.conftest import TEST_CLUSTER_RUN_DIR, TEST_SANDBOX_MOUNT, cgroup_run
+
+    assert [cgroup_run(n) for n in ("rollbox-tab12c0", "rollbox-tab12xc0", "rollbox-tab12xb3",
+                                    "rollbox-test-ab12-n1", "rollbox-tab12b0")] == ["ab12"] * 5
+    assert cgroup_run("rollbox-tab12y0") is None and cgroup_run("rollbox-bdevb0") is None
+    for node in ("tab12c2", "tab12xb0", "tab12abcdef"):
+        m = TEST_SANDBOX_MOUNT.search(f"/run/x/roots/{node}-0123456789ab/merged")
+        assert m is not None and m.group(1) == "ab12", node
+    m = TEST_CLUSTER_RUN_DIR.match("/run/rollbox-cluster-22800/tab12xb0")
+    assert m is not None and m.group(1) == "ab12"
+    assert TEST_CLUSTER_RUN_DIR.match("/run/rollbox-cluster-22800/bdevb0") is None
