@@ -27,6 +27,9 @@ on all alike:
 
 ``fork_vs_snapshot_create_ratio`` is fork(8)'s ready p50 over snapshot + create(8)'s (below 1:
 fork is faster).
+
+- **port proxy**: ``bench/ports`` (its own scratch ``rollbox serve``) after the fork rounds; its
+  ``port_proxy_*``, ``direct_*`` and ``api_health_p50_ms`` keys are copied into this JSON.
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rollbox.benchkit import emit, percentile  # noqa: E402
+from rollbox.benchkit import emit, load_bench, percentile  # noqa: E402
 from rollbox.config import Settings  # noqa: E402
 from rollbox.errors import RollboxError  # noqa: E402
 from rollbox.isolation import cgroups  # noqa: E402
@@ -265,7 +268,13 @@ async def run(quick: bool) -> dict[str, Any]:
 
 
 def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
-    res = emit(asyncio.run(run(quick)), json_out)
+    res = asyncio.run(run(quick))
+    # the port proxy's figures (issue 15 item 6 asks for them in this run's JSON): bench/ports
+    # on its own scratch server, after the fork rounds so the two do not share the machine
+    ports = load_bench("ports").main(quick=quick, json_out=False)
+    res.update({k: v for k, v in ports.items() if k.startswith(("port_", "direct_", "api_"))})
+    res["port_proxy_ok"] = ports["ok"]
+    res = emit(res, json_out)
     if not json_out:
         for k, v in res.items():
             print(f"{k:34} {v}")
