@@ -70,7 +70,7 @@ def _sandbox_fusion(url: str, key: str) -> list[Any]:
                                        run_timeout=1)))
     out.append(run_code(RunCodeRequest(code="echo hi; exit 4", language="bash")))
     try:
-        run_code(RunCodeRequest(code="x", language="go"), max_attempts=1)
+        run_code(RunCodeRequest(code="x", language="lua"), max_attempts=1)  # never served
     except Exception as exc:  # noqa: BLE001 - the client wraps HTTP errors in Exception
         out.append(str(exc))
     set_endpoint(url)  # no key: refused
