@@ -36,7 +36,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import re
 import secrets
 import time
@@ -59,6 +58,7 @@ from rollbox.api.context import ApiContext
 from rollbox.backends.ports import end_pumps
 from rollbox.config import Settings
 from rollbox.edge.interface import EdgeAPI
+from rollbox.iam.keyfile import node_secret
 
 log = logging.getLogger(__name__)
 
@@ -110,26 +110,7 @@ class PortConfig:
 def token_secret(secret: str | None, key_dir: Path) -> bytes:
     """``secret`` (port_token_secret), else a root-only file in ``key_dir`` (port-token.key,
     made once: tokens stay valid across restarts and for replicas sharing it)."""
-    if secret:
-        return secret.encode()
-    path = key_dir / "port-token.key"
-    try:
-        return bytes.fromhex(path.read_text().strip())
-    except (OSError, ValueError):
-        pass
-    key = secrets.token_bytes(32)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(key.hex())
-    try:
-        os.link(tmp, path)  # the first writer wins; others read its key
-    except FileExistsError:
-        key = bytes.fromhex(path.read_text().strip())
-    finally:
-        tmp.unlink(missing_ok=True)
-    return key
+    return node_secret(secret, key_dir / "port-token.key")
 
 
 class PortTokens:

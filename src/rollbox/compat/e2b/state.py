@@ -7,7 +7,6 @@ import contextvars
 import datetime as dt
 import hashlib
 import hmac
-import os
 import re
 import secrets
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 from rollbox import errors
 from rollbox.config import Settings
 from rollbox.default_images import E2B_BASE_IMAGE
+from rollbox.iam.keyfile import node_secret
 from rollbox.models import LABEL_RE, SandboxInfo
 
 # The envd version rollbox speaks, and what the SDK (2.63) then uses: >= 0.1.4 recursive
@@ -51,27 +51,10 @@ def home() -> str:
 def _load_secret(settings: Settings) -> bytes:
     """Key of the envd access tokens: the node's e2b_secret, else a root-only file in the data
     dir (tokens stay valid across restarts), else a per-process random key."""
-    if settings.e2b_secret:
-        return settings.e2b_secret.encode()
-    path = Path(settings.data_dir) / "e2b-token.key"
     try:
-        return bytes.fromhex(path.read_text().strip())
-    except (OSError, ValueError):
-        pass
-    key = secrets.token_bytes(32)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(key.hex() + "\n")
-    except FileExistsError:
-        try:
-            return bytes.fromhex(path.read_text().strip())
-        except (OSError, ValueError):
-            return key
-    except OSError:
-        pass
-    return key
+        return node_secret(settings.e2b_secret, Path(settings.data_dir) / "e2b-token.key")
+    except (OSError, ValueError):  # no writable data dir, or a file that holds no key
+        return secrets.token_bytes(32)
 
 
 class E2BState:
