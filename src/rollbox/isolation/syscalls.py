@@ -122,6 +122,39 @@ def unshare(flags: int) -> None:
     _check(_libc.unshare(ctypes.c_int(flags)))
 
 
+SYS_pause = 34
+SIGCHLD = 17
+CLONE_VM = 0x00000100
+_CLONE_STACK = 16 << 10
+_libc.clone.restype = ctypes.c_int
+_libc.clone.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+# The child's whole program: glibc's syscall(SYS_pause), a plain syscall stub (no
+# cancellation point, no TLS but errno, which it never sets: every signal stays blocked).
+_PAUSE_FN = ctypes.cast(_libc.syscall, ctypes.c_void_p)
+
+
+def clone_paused(flags: int) -> tuple[int, ctypes.Array[ctypes.c_char]]:
+    """A child process made by clone(2) with ``flags`` (e.g. CLONE_NEWUSER) that shares this
+    process's memory (CLONE_VM: no page tables copied, no exec) and only waits in pause(2)
+    on a stack of its own, every signal blocked, until it is killed: what holds a new
+    namespace while the parent sets it up (maps, an fd of it). Returns (pid, its stack): the
+    caller keeps the stack alive until it has SIGKILLed and reaped the child. Safe from any
+    thread (the child never runs Python code)."""
+    import signal
+
+    stack = ctypes.create_string_buffer(_CLONE_STACK)
+    top = (ctypes.addressof(stack) + _CLONE_STACK - 64) & ~15
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        pid = _libc.clone(_PAUSE_FN, top, flags | CLONE_VM | SIGCHLD, SYS_pause)
+        err = ctypes.get_errno()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    if pid < 0:
+        raise OSError(err, os.strerror(err))
+    return pid, stack
+
+
 def setns(fd: int, nstype: int = 0) -> None:
     _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(nstype)))
 

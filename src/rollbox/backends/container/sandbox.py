@@ -47,7 +47,7 @@ from rollbox.backends.container.runtime import Runtime, wait_pid
 from rollbox.config import VARS, Settings
 from rollbox.errors import BadRequest, InfraError, RollboxError, without_paths
 from rollbox.isolation import cgroups, netns, oom, syscalls
-from rollbox.isolation.userns import RANGE, UidSlots, spawn_userns_fd
+from rollbox.isolation.userns import RANGE, UidSlots, make_userns_fd
 from rollbox.netpolicy import link as netlink
 from rollbox.netpolicy import policy as netpolicy
 from rollbox.netpolicy import sandbox_net
@@ -311,7 +311,7 @@ class ContainerBackend:
                     for lower, owner_uid in fork_lowers:
                         self.disk.ref(lower, sandbox_id)  # before it is mounted
                         shifts.append((self.disk.path(lower) / rootfs.upper.name,
-                                       spawn_userns_fd(host_uid, RANGE, inside=owner_uid)))
+                                       make_userns_fd(host_uid, RANGE, inside=owner_uid)))
                     with self.layer_mounts.in_use():  # no unmount until the clones exist
                         mounts = [self.layer_mounts.ensure_mounted(d) for d in layers]
                         rootfs.compose(mounts, self.slots.userns_fd(slot), host_uid,
