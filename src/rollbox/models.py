@@ -177,6 +177,7 @@ class SandboxInfo(BaseModel):
     # agent runs under the guest's root): exec results are the guest's word, not the host's.
     guest_reported: bool = False
     idempotency_key: str | None = None  # of the create that made it (SandboxSpec's)
+    fork_key: str | None = None  # of the fork that made it (ForkSpec's idempotency_key)
 
 
 PTY_MAX_SIZE = 1000  # columns and rows of a terminal (the agent's bound too)
@@ -416,6 +417,11 @@ class ForkSpec(BaseModel):
     n: int = Field(..., ge=1, le=MAX_FORK_CHILDREN, description="children to make")
     labels: dict[str, str] = Field(default_factory=dict, max_length=64,
                                    description="added to the labels the children inherit")
+    # Makes a retried fork (the SDK sends it again on another API replica after a broken
+    # connection) return the children the first attempt made (or is making) instead of n
+    # more: per project, while any of them lives; the same key for another source, n or
+    # labels is idempotency_conflict.
+    idempotency_key: str | None = Field(None, min_length=1, max_length=128)
 
     @field_validator("labels")
     @classmethod

@@ -14,7 +14,9 @@ import os
 import pytest
 
 from rollbox.backends.container.disk import FORK_PREFIX
-from rollbox.errors import BadRequest, CapacityExceeded, NotFound, QuotaExceeded, SandboxDead
+from rollbox.errors import (
+    BadRequest, CapacityExceeded, IdempotencyConflict, NotFound, QuotaExceeded, SandboxDead,
+)
 from rollbox.models import (
     ExecSpec, ForkSpec, NetworkPolicy, Quota, Resources, SandboxSpec, SnapshotSpec,
 )
@@ -188,11 +190,14 @@ async def test_fork_children_are_readopted_after_an_edge_restart(restarts) -> No
     e1 = await restarts.start()
     src = await e1.create(SandboxSpec(image=BB), "proj")
     await out(e1, src.id, "echo one > /f")
-    kid = (await e1.fork(src.id, ForkSpec(n=1), "proj")).children[0].id
+    kid = (await e1.fork(src.id, ForkSpec(n=1, idempotency_key="rk"), "proj")).children[0].id
     await e1.delete(src.id)  # the child alone holds the lower now
     await restarts.stop()
     e2 = await restarts.start()
     assert await out(e2, kid, "cat /f") == "one\n"
+    # The fork's key came back with the child (its journaled fork_key): a retry is that child.
+    again = await e2.fork(src.id, ForkSpec(n=1, idempotency_key="rk"), "proj")
+    assert [c.id for c in again.children] == [kid]
     assert e2.live[kid].box.fork_lowers and len(lowers(e2)) == 1
     await out(e2, kid, "echo two >> /f")
     grand = (await e2.fork(kid, ForkSpec(n=1), "proj")).children[0].id
@@ -201,3 +206,92 @@ async def test_fork_children_are_readopted_after_an_edge_restart(restarts) -> No
     assert len(lowers(e2)) == 2  # both held by the grandchild
     await e2.delete(grand)
     assert lowers(e2) == set()
+
+
+def children_of(edge, src: str) -> set[str]:  # noqa: ANN001
+    return {i for i, x in edge.live.items() if x.info.labels.get("fork_of") == src}
+
+
+async def test_a_keyed_fork_retried_returns_the_same_children_never_2n(edge) -> None:  # noqa: ANN001
+    src = await edge.create(SandboxSpec(image=BB, resources=Resources(memory_mib=64)), "proj")
+    other = await edge.create(SandboxSpec(image=BB, resources=Resources(memory_mib=64)), "proj")
+    try:
+        first = await edge.fork(src.id, ForkSpec(n=2, idempotency_key="k1"), "proj")
+        ids = [c.id for c in first.children]
+        again = await edge.fork(src.id, ForkSpec(n=2, idempotency_key="k1"), "proj")
+        assert [c.id for c in again.children] == ids and again.frozen_s == first.frozen_s
+        assert children_of(edge, src.id) == set(ids)
+        assert all(c.fork_key == "k1" for c in again.children)
+        # Two at once with one key (a retry racing the first attempt): one fork of 3.
+        a, b = await asyncio.gather(
+            edge.fork(src.id, ForkSpec(n=3, idempotency_key="k2"), "proj"),
+            edge.fork(src.id, ForkSpec(n=3, idempotency_key="k2"), "proj"))
+        assert [c.id for c in a.children] == [c.id for c in b.children]
+        assert len(children_of(edge, src.id)) == 5
+        # The key with another n, labels or source: refused, nothing made.
+        for bad_src, bad in ((src.id, ForkSpec(n=1, idempotency_key="k1")),
+                             (src.id, ForkSpec(n=2, labels={"x": "1"}, idempotency_key="k1")),
+                             (other.id, ForkSpec(n=2, idempotency_key="k1"))):
+            with pytest.raises(IdempotencyConflict):
+                await edge.fork(bad_src, bad, "proj")
+        assert len(children_of(edge, src.id)) == 5 and children_of(edge, other.id) == set()
+        # Keys are per project: another project's k1 is a fork of its own.
+        theirs = await edge.fork(other.id, ForkSpec(n=1, idempotency_key="k1"), "other")
+        assert len(theirs.children) == 1
+        # One child gone: the retry answers the live one; all gone: the key forks anew.
+        await edge.delete(ids[0])
+        assert [c.id for c in (await edge.fork(
+            src.id, ForkSpec(n=2, idempotency_key="k1"), "proj")).children] == ids[1:]
+        await edge.delete(ids[1])
+        fresh = await edge.fork(src.id, ForkSpec(n=2, idempotency_key="k1"), "proj")
+        assert len(fresh.children) == 2 and not {c.id for c in fresh.children} & set(ids)
+        # A fork that failed leaves its key free: the retry is a fork of its own.
+        await edge.delete(other.id)
+        with pytest.raises(SandboxDead):
+            await edge.fork(other.id, ForkSpec(n=1, idempotency_key="k3"), "proj")
+        kids = await edge.fork(src.id, ForkSpec(n=1, idempotency_key="k3"), "proj")
+        assert len(kids.children) == 1
+    finally:
+        await delete_all(edge, [*children_of(edge, src.id), *children_of(edge, other.id),
+                                src.id, other.id])
+    assert lowers(edge) == set()
+
+
+async def test_fork_children_take_the_nodes_create_concurrency_cap(edge) -> None:  # noqa: ANN001
+    """A fork's children go through the node's create-concurrency cap like creates (one
+    permit per child, at most the whole cap): with the cap held by others it waits, and
+    past the create queue's timeout it is refused, typed, with nothing half-made."""
+    src = await edge.create(SandboxSpec(image=BB, resources=Resources(memory_mib=64)), "proj")
+    held = 0
+    timeout = edge.limits.create_queue_timeout_s
+    try:
+        before = set(edge.live)
+        for _ in range(edge._create_sem_size - 1):  # all but one permit, as running creates
+            await edge._create_sem.acquire()
+            held += 1
+        task = asyncio.create_task(edge.fork(src.id, ForkSpec(n=3), "proj"))
+        await asyncio.sleep(0.5)
+        assert not task.done() and set(edge.live) == before
+        while held:
+            edge._create_sem.release()
+            held -= 1
+        res = await task
+        assert len(res.children) == 3
+        await delete_all(edge, [c.id for c in res.children])
+        # The whole cap held past the queue's timeout: capacity_exceeded, nothing made.
+        edge.limits.create_queue_timeout_s = 0.3
+        for _ in range(edge._create_sem_size):
+            await edge._create_sem.acquire()
+            held += 1
+        with pytest.raises(CapacityExceeded) as exc:
+            await edge.fork(src.id, ForkSpec(n=2), "proj")
+        assert exc.value.details["reason"] == "create_queue"
+        assert set(edge.live) == before and lowers(edge) == set()
+        assert edge.admission.total.sandboxes == len(edge.live)
+    finally:
+        edge.limits.create_queue_timeout_s = timeout
+        while held:
+            edge._create_sem.release()
+            held -= 1
+        await delete_all(edge, [*children_of(edge, src.id), src.id])
+    assert lowers(edge) == set()

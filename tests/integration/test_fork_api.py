@@ -49,9 +49,18 @@ async def test_fork_over_the_api_sdk_and_cli(edge, tmp_path: Path) -> None:  # n
             with pytest.raises(errors.QuotaExceeded):
                 await src.fork(2)
             assert len(await t.list()) == 3
-            one = await src.fork(1)
+            one = await src.fork(1, idempotency_key="retry-1")
             assert len(await t.list()) == 4
+            assert (await ledger.usage("team")).sandboxes == 4
+            # The same key again (a retry whose first answer was lost), with the project at
+            # its quota: the same child, no second one, the ledger still at 4.
+            again = await src.fork(1, idempotency_key="retry-1")
+            assert [k.id for k in again] == [one[0].id]
+            assert len(await t.list()) == 4 and (await ledger.usage("team")).sandboxes == 4
+            with pytest.raises(errors.IdempotencyConflict):
+                await src.fork(1, labels={"other": "1"}, idempotency_key="retry-1")
             await one[0].delete()
+            assert (await ledger.usage("team")).sandboxes == 3
             for bad in (0, -1, MAX_FORK_CHILDREN + 1):
                 with pytest.raises(errors.BadRequest):
                     await src.fork(bad)

@@ -374,3 +374,38 @@ async def test_a_create_and_delete_cost_the_ledger_six_postgresql_round_trips(pg
         assert await ledger.usage("rt") == Usage()
     finally:
         await ledger.close()
+
+
+async def test_reserve_many_holds_all_n_or_none_and_racing_forks_never_exceed(iam_stores) -> None:  # noqa: ANN001
+    """A fork's n reservations: checked together and written in one transaction (n times
+    the need must fit, else QuotaExceeded and nothing held); two forks racing for the last
+    room never both get it, and the sandbox count is bounded as well as cpus and memory."""
+    iam, ledger = iam_stores
+    admin_a, _ = await _tree(iam)  # a/c: 4 sandboxes, 4 cpus, 4096 MiB
+    with pytest.raises(errors.QuotaExceeded):
+        await ledger.reserve_many("a/c", Usage(1, 0.25, 128), 5)  # 5 sandboxes > 4
+    with pytest.raises(errors.QuotaExceeded):
+        await ledger.reserve_many("a/c", Usage(1, 1.5, 128), 3)  # 4.5 cpus > 4
+    assert (await ledger.usage("a/c")).sandboxes == 0  # nothing held by the refusals
+    held = await ledger.reserve_many("a/c", Usage(1, 1.0, 1024), 3)
+    assert len({r.id for r in held}) == 3
+    assert await ledger.usage("a/c") == Usage(3, 3.0, 3072)
+    with pytest.raises(errors.QuotaExceeded):  # 3 held + 2 > 4: none of the 2
+        await ledger.reserve_many("a/c", Usage(1, 0.5, 256), 2)
+    assert (await ledger.usage("a/c")).sandboxes == 3
+    for r in held:
+        await ledger.cancel(r)
+    with pytest.raises(errors.BadRequest):
+        await ledger.reserve_many("a/c", ONE, 0)
+
+    async def fork(n: int) -> int:
+        try:
+            return len(await ledger.reserve_many("a/c", Usage(1, 0.5, 256), n))
+        except errors.QuotaExceeded:
+            return 0
+
+    # a/c holds 4: of forks of 3 racing, one gets room (3), a second can not (3 + 3 > 4)
+    got = await asyncio.gather(*(fork(3) for _ in range(6)))
+    assert sorted(got) == [0, 0, 0, 0, 0, 3]
+    assert (await ledger.usage("a/c")).sandboxes == 3
+    assert (await ledger.usage("a")).sandboxes == 3

@@ -23,7 +23,9 @@ from rollbox.edge.interface import EdgeAPI
 from rollbox.iam import IamStore, Principal, QuotaLedger, Reservation, Usage
 from rollbox.iam.model import RESERVATION_TTL_S
 from rollbox.jobs import LeaseStore
-from rollbox.models import NODE_LOST, ForkResult, ForkSpec, Resources, SandboxInfo, SandboxSpec
+from rollbox.models import (
+    FORK_OF_LABEL, NODE_LOST, ForkResult, ForkSpec, Resources, SandboxInfo, SandboxSpec,
+)
 from rollbox.placement import Placement, split_sandbox_id
 from rollbox.watcher import Watcher
 
@@ -192,15 +194,24 @@ class ApiContext:
     async def fork_sandbox(self, edge: EdgeAPI, sandbox_id: str, spec: ForkSpec,
                            project: str, resources: Resources) -> ForkResult:
         """Fork ``sandbox_id`` (of ``project``) on its own node: room for all ``spec.n``
-        children reserved in the ledger first (QuotaExceeded for any one: the ones held are
-        given back, nothing forked), renewed while the edge forks, committed per child."""
+        children reserved in the ledger first, in one transaction (QuotaExceeded: nothing
+        held, nothing forked; two forks racing for the last room never both get it), renewed
+        while the edge forks, committed per child. A keyed fork the edge answers from its
+        first attempt commits the children charged already: the reservations are dropped as
+        doubles."""
         if self.ledger is None:
             return await edge.fork(sandbox_id, spec, project)
         ledger = self.ledger
         held: list[Reservation] = []
         try:
-            for _ in range(spec.n):
-                held.append(await ledger.reserve(project, Usage.of(resources)))
+            try:
+                held = await ledger.reserve_many(project, Usage.of(resources), spec.n)
+            except errors.QuotaExceeded:
+                # A retry of a keyed fork that made its children (charged already) while the
+                # project is at its quota: the edge answers it from the first attempt.
+                if spec.idempotency_key is None or not await self._forked_under(
+                        edge, sandbox_id, project, spec.idempotency_key):
+                    raise
             async with self._renewing(*held):
                 result = await edge.fork(sandbox_id, spec, project)
         except BaseException:
@@ -212,7 +223,18 @@ class ApiContext:
                 await asyncio.shield(ledger.commit(res, child.id, child.node))
             except errors.RollboxError as exc:  # reconcile charges it from the edge
                 log.warning("committing %s to the quota ledger failed: %s", child.id, exc)
+        # A keyed fork answered with fewer children (some of its first ones deleted since):
+        # the rest of the room goes back.
+        with contextlib.suppress(errors.RollboxError):
+            await asyncio.shield(asyncio.gather(*(ledger.cancel(r)
+                                                  for r in held[len(result.children):])))
         return result
+
+    @staticmethod
+    async def _forked_under(edge: EdgeAPI, sandbox_id: str, project: str, key: str) -> bool:
+        """Whether ``project`` has live children of ``sandbox_id`` forked under ``key``."""
+        kids = await edge.list(project, {FORK_OF_LABEL: sandbox_id})
+        return any(k.fork_key == key for k in kids)
 
     @contextlib.asynccontextmanager
     async def _renewing(self, *held: Reservation) -> AsyncIterator[None]:

@@ -146,6 +146,10 @@ class Edge:
         self._layer_cache: tuple[tuple[float, float], list[str]] | None = None
         self.live: dict[str, LiveSandbox] = {}
         self._create_sem = asyncio.Semaphore(self.limits.max_parallel_creates)
+        self._create_sem_size = self.limits.max_parallel_creates
+        # One fork at a time takes its permits (one per child, at most the whole cap): two
+        # forks each holding part of the cap would otherwise wait for each other.
+        self._fork_permits = asyncio.Lock()
         self._ttl_task: asyncio.Task | None = None
         self.leases = leases
         self._reaper = LeaseReaper(
@@ -162,6 +166,12 @@ class Edge:
         self._create_keys: dict[tuple[str, str], str] = {}
         self._create_specs: dict[tuple[str, str], dict[str, Any]] = {}
         self._create_starts: dict[tuple[str, str], asyncio.Future[str]] = {}
+        # fork idempotency keys, the same way: (owner, key) -> the live children made under
+        # it (in the order made; rebuilt from their journaled fork_key), the fork as asked
+        # (source, spec, frozen_s, duration_s; None after a restart), keyed forks under way.
+        self._fork_keys: dict[tuple[str, str], list[str]] = {}
+        self._fork_specs: dict[tuple[str, str], tuple[str, dict[str, Any], float, float]] = {}
+        self._fork_starts: dict[tuple[str, str], asyncio.Future[ForkResult]] = {}
         self.host_claim: hostclaims.HostClaim | None = None  # held from start to close
 
     # ---- lifecycle of the edge itself -------------------------------------------------
@@ -678,6 +688,8 @@ class Edge:
         self.live[info.id] = live
         if info.idempotency_key is not None:
             self._create_keys[(info.owner, info.idempotency_key)] = info.id
+        if info.fork_key is not None:
+            self._fork_keys.setdefault((info.owner, info.fork_key), []).append(info.id)
         live.watcher = asyncio.create_task(self._watch(live))
 
     async def _watch(self, live: LiveSandbox) -> None:
@@ -811,6 +823,14 @@ class Edge:
                 if self._create_keys.get(ident) == info.id:
                     del self._create_keys[ident]
                     self._create_specs.pop(ident, None)
+            if info.fork_key is not None:
+                ident = (info.owner, info.fork_key)
+                kids = self._fork_keys.get(ident, [])
+                if info.id in kids:
+                    kids.remove(info.id)
+                if not kids:
+                    self._fork_keys.pop(ident, None)
+                    self._fork_specs.pop(ident, None)
             if live.ticket is not None:
                 self.admission.release(live.ticket)
             info.state = state  # type: ignore[assignment]
@@ -1402,8 +1422,63 @@ class Edge:
         state, env, hidden paths, network policy, resources, image and layers; labels
         inherited + ``spec.labels`` + ``fork_of``; its job and its deadline (a child lives no
         longer than its source may). Admitted all at once against the project's quota and
-        the node's budgets (nothing made when any one does not fit); made by the backend
-        (``Backend.fork``: all or none). Children are on this node (the source's)."""
+        the node's budgets (nothing made when any one does not fit), then through the node's
+        create-concurrency cap (one permit per child, at most the whole cap, within the
+        create queue's timeout); made by the backend (``Backend.fork``: all or none).
+        Children are on this node (the source's). With ``spec.idempotency_key``: a retry
+        returns the children the first attempt made (those still live; one under way is
+        joined), never n more; the same key for another source or spec while one lives is
+        IdempotencyConflict."""
+        key = spec.idempotency_key
+        if key is None:
+            return await self._fork(sandbox_id, spec, owner)
+        made = await self._keyed_fork(sandbox_id, spec, owner, key)
+        if made is not None:
+            return made
+        ident = (owner, key)
+        fut: asyncio.Future[ForkResult] = asyncio.get_running_loop().create_future()
+        self._fork_starts[ident] = fut
+        try:
+            result = await self._fork(sandbox_id, spec, owner)
+            self._fork_specs[ident] = (sandbox_id, spec.model_dump(exclude={"idempotency_key"}),
+                                       result.frozen_s, result.duration_s)
+            fut.set_result(result)
+            return result
+        except BaseException as exc:
+            fut.set_exception(exc if isinstance(exc, Exception) else InfraError("cancelled"))
+            fut.exception()  # retrieved: a failed fork nobody joined is not an error
+            raise
+        finally:
+            self._fork_starts.pop(ident, None)
+
+    async def _keyed_fork(self, sandbox_id: str, spec: ForkSpec, owner: str,
+                          key: str) -> ForkResult | None:
+        """The live children ``owner`` forked under ``key`` (None: none, or that fork
+        failed), after checking they were asked for from the same source with the same
+        spec; waits for such a fork under way."""
+        ident = (owner, key)
+        if ident not in self._fork_keys and ident in self._fork_starts:
+            try:
+                await asyncio.shield(self._fork_starts[ident])
+            except Exception:  # noqa: BLE001 - that fork failed: this one tries again
+                return None
+        ids = [i for i in self._fork_keys.get(ident, [])
+               if i in self.live and i not in self._deleting]
+        if not ids:
+            return None
+        recorded = self._fork_specs.get(ident)
+        source = self.live[ids[0]].info.labels.get(FORK_OF_LABEL)
+        asked = spec.model_dump(exclude={"idempotency_key"})
+        if source != sandbox_id or (recorded is not None and recorded[1] != asked):
+            raise IdempotencyConflict(
+                f"idempotency key {key!r} was used for another fork (of {source}, children "
+                f"{', '.join(ids)})", sandbox_id=source, idempotency_key=key)
+        frozen_s, duration_s = (recorded[2], recorded[3]) if recorded is not None else (0, 0)
+        return ForkResult(source_id=sandbox_id,
+                          children=[self.live[i].info.model_copy() for i in ids],
+                          frozen_s=frozen_s, duration_s=duration_s)
+
+    async def _fork(self, sandbox_id: str, spec: ForkSpec, owner: str) -> ForkResult:
         t0 = time.monotonic()
         live = self._live(sandbox_id)
         src = live.info
@@ -1435,7 +1510,17 @@ class Edge:
         tickets = self.admission.try_admit_many(src.resources, owner, n, quota)
         self._starting += n
         infos: list[SandboxInfo] = []
+        permits = 0
         try:
+            try:
+                async with self._fork_permits, \
+                        asyncio.timeout(self.limits.create_queue_timeout_s):
+                    for _ in range(min(n, self._create_sem_size)):
+                        await self._create_sem.acquire()
+                        permits += 1
+            except TimeoutError:
+                raise CapacityExceeded("node busy: creation queue timed out",
+                                       reason="create_queue", requested=n) from None
             net = live.box.network
             env = {k: v for k, v in live.box.image_env.items()
                    if net is None or k not in net.env}
@@ -1447,7 +1532,8 @@ class Edge:
                     created_at=now, expires_at=src.expires_at, labels=dict(labels),
                     resources=src.resources, owner=owner, hidden_paths=list(src.hidden_paths),
                     network=src.network, job=src.job, disk_tier=src.disk_tier,
-                    backend=src.backend, on_expiry=src.on_expiry)
+                    backend=src.backend, on_expiry=src.on_expiry,
+                    fork_key=spec.idempotency_key)
                 self.journal.put(info, extra={"env": env})
                 infos.append(info)
             async with live.freeze_lock:
@@ -1471,6 +1557,8 @@ class Edge:
             raise
         finally:
             self._starting -= n
+            for _ in range(permits):
+                self._create_sem.release()
         for info, box, ticket in zip(infos, made.children, tickets):
             info.state = "running"
             info.guest_reported = box.guest_reported

@@ -266,6 +266,12 @@ class QuotaLedger(Protocol):
         renew unless committed."""
         ...
 
+    async def reserve_many(self, project: str, need: Usage, n: int) -> list[Reservation]:
+        """``n`` reservations of ``need`` each (a fork's children), checked together in the
+        one transaction of :meth:`reserve` (``n`` times ``need`` must fit) and written in
+        it: all ``n`` or none (QuotaExceeded, nothing held)."""
+        ...
+
     async def renew(self, reservation: Reservation) -> None:
         """Keep a reservation alive while its create runs (a gone one is not an error:
         commit charges the sandbox anyway)."""

@@ -375,31 +375,39 @@ class SqlLedger:
     reservation_ttl_s: float = RESERVATION_TTL_S
 
     async def reserve(self, project: str, need: Usage) -> Reservation:
-        now = time.time()
-        entry = "r_" + secrets.token_hex(10)
-        expires = now + self.reservation_ttl_s
+        return (await self.reserve_many(project, need, 1))[0]
 
-        async def fn(tx: Tx) -> Reservation:
+    async def reserve_many(self, project: str, need: Usage, n: int) -> list[Reservation]:
+        now = time.time()
+        entries = ["r_" + secrets.token_hex(10) for _ in range(n)]
+        expires = now + self.reservation_ttl_s
+        total = Usage(need.sandboxes * n, need.cpus * n, need.memory_mib * n)
+
+        async def fn(tx: Tx) -> list[Reservation]:
             names = [*ancestors(project), project]
             chain = await _lock_chain(tx, names)
-            limited = [n for n in names if n in chain
-                       and any(getattr(chain[n], f) is not None for f in LIMITED)]
+            limited = [p for p in names if p in chain
+                       and any(getattr(chain[p], f) is not None for f in LIMITED)]
             if limited:
                 # One read of what the topmost limited project's subtree holds, by project:
                 # every link's sum and the project's own come from it.
                 by = await _use_by_project(tx, limited[0], now)
-                links = [ChainLink(n, chain[n], _total(u for p, u in by.items()
-                                                       if in_subtree(p, n)))
-                         for n in limited]
+                links = [ChainLink(name, chain[name], _total(u for p, u in by.items()
+                                                             if in_subtree(p, name)))
+                         for name in limited]
                 mine = limited[-1] == project
                 own = by.get(project, Usage()) if mine else Usage()
                 carved = _sum(await _children(tx, project)) if mine else Usage()
-                check_reserve(project, need, links, own, carved)
-            await tx.execute("INSERT INTO ledger (entry_id, project, cpus, memory_mib, state, "
-                             "expires_at) VALUES (?, ?, ?, ?, 'reserved', ?)", entry, project,
-                             float(need.cpus), int(need.memory_mib), expires)
-            return Reservation(entry, project, need, expires)
+                check_reserve(project, total, links, own, carved)
+            for entry in entries:  # in the same transaction as the check: all or none
+                await tx.execute("INSERT INTO ledger (entry_id, project, cpus, memory_mib, "
+                                 "state, expires_at) VALUES (?, ?, ?, ?, 'reserved', ?)",
+                                 entry, project, float(need.cpus), int(need.memory_mib),
+                                 expires)
+            return [Reservation(e, project, need, expires) for e in entries]
 
+        if n < 1:
+            raise errors.BadRequest(f"reserve_many needs n >= 1, got {n}", n=n)
         return await self.db.run(fn)
 
     async def renew(self, reservation: Reservation) -> None:

@@ -841,8 +841,8 @@ class AsyncSandbox:
                                   json=spec.model_dump(mode="json"), long=True)
         return SnapshotResult.model_validate(r.json())
 
-    async def fork(self, n: int = 1, *,
-                   labels: Mapping[str, str] | None = None) -> list[AsyncSandbox]:
+    async def fork(self, n: int = 1, *, labels: Mapping[str, str] | None = None,
+                   idempotency_key: str | None = None) -> list[AsyncSandbox]:
         """``n`` new sandboxes with this one's filesystem as it is now (writable layer
         included, nothing copied), env, hidden paths, network policy, resources, labels (+
         ``labels`` and ``fork_of=<this id>``), job and deadline; each with its own hostname,
@@ -851,15 +851,19 @@ class AsyncSandbox:
         microVM's are). A paused sandbox can be forked and stays paused. All ``n`` count
         against the project's quota at once: QuotaExceeded or CapacityExceeded makes none.
         The children are on this sandbox's node. ``self.last_fork`` keeps the answer
-        (``frozen_s``: how long this sandbox was held still). Not retried (no idempotency
-        key): a broken connection mid-way may have made the children; list them by the
-        ``fork_of`` label."""
+        (``frozen_s``: how long this sandbox was held still). ``idempotency_key`` (a fresh
+        one per call unless given): a fork whose connection broke is sent again (on the next
+        API URL) with it and returns the children the first attempt made (those still live),
+        never ``n`` more; the same key for another source, ``n`` or labels while one of them
+        lives is ``IdempotencyConflict``."""
         try:
-            spec = ForkSpec(n=n, labels=dict(labels or {}))
+            spec = ForkSpec(n=n, labels=dict(labels or {}),
+                            idempotency_key=idempotency_key or new_idempotency_key())
         except pydantic.ValidationError as exc:
             raise errors.BadRequest(str(exc)) from None
         r = await self._t.request("POST", self._base + "/fork",
-                                  json=spec.model_dump(mode="json"), long=True)
+                                  json=spec.model_dump(mode="json"), long=True,
+                                  idempotent=True)
         self.last_fork = ForkResult.model_validate(r.json())
         return [AsyncSandbox(self.client, info) for info in self.last_fork.children]
 

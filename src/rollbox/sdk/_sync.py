@@ -246,9 +246,12 @@ class Sandbox:
     def snapshot(self, name: str, **kw: Any) -> SnapshotResult:
         return self._p.call(self._sb.snapshot(name, **kw))
 
-    def fork(self, n: int = 1, *, labels: Mapping[str, str] | None = None) -> list[Sandbox]:
-        """See :meth:`AsyncSandbox.fork` (all ``n`` or none; ``last_fork``)."""
-        return [Sandbox(self._p, sb) for sb in self._p.call(self._sb.fork(n, labels=labels))]
+    def fork(self, n: int = 1, *, labels: Mapping[str, str] | None = None,
+             idempotency_key: str | None = None) -> list[Sandbox]:
+        """See :meth:`AsyncSandbox.fork` (all ``n`` or none; ``last_fork``; a retry with
+        the same ``idempotency_key`` returns the same children)."""
+        return [Sandbox(self._p, sb) for sb in self._p.call(
+            self._sb.fork(n, labels=labels, idempotency_key=idempotency_key))]
 
     @property
     def last_fork(self) -> ForkResult | None:
