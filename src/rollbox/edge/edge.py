@@ -16,7 +16,7 @@ import shutil
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rollbox.agent.channel import SpawnError
 from rollbox.agent.protocol import RETAIN_LIMIT, ExecRequest, shell_argv
@@ -165,7 +165,7 @@ class Edge:
         # keyed creates still under way (a retry joins one instead of making a second box).
         self._create_keys: dict[tuple[str, str], str] = {}
         self._create_specs: dict[tuple[str, str], dict[str, Any]] = {}
-        self._create_starts: dict[tuple[str, str], asyncio.Future[str]] = {}
+        self._create_starts: dict[tuple[str, str], asyncio.Future[SandboxInfo]] = {}
         # fork idempotency keys, the same way: (owner, key) -> the live children made under
         # it (in the order made; rebuilt from their journaled fork_key), the fork as asked
         # (source, spec, frozen_s, duration_s; None after a restart), keyed forks under way.
@@ -549,19 +549,10 @@ class Edge:
         made = await self._keyed_create(spec, owner, key)
         if made is not None:
             return made
-        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._create_starts[(owner, key)] = fut
-        try:
-            info = await self._new_sandbox(spec, owner, share)
-            self._create_specs[(owner, key)] = spec.model_dump(exclude={"idempotency_key"})
-            fut.set_result(info.id)
-            return info
-        except BaseException as exc:
-            fut.set_exception(exc if isinstance(exc, Exception) else InfraError("cancelled"))
-            fut.exception()  # retrieved: a failed start nobody joined is not an error
-            raise
-        finally:
-            self._create_starts.pop((owner, key), None)
+        info = await _joinable(self._create_starts, (owner, key),
+                               self._new_sandbox(spec, owner, share))
+        self._create_specs[(owner, key)] = spec.model_dump(exclude={"idempotency_key"})
+        return info
 
     async def _keyed_create(self, spec: SandboxSpec, owner: str,
                             key: str) -> SandboxInfo | None:
@@ -570,7 +561,7 @@ class Edge:
         sandbox_id = self._create_keys.get((owner, key))
         if sandbox_id is None and (owner, key) in self._create_starts:
             try:
-                sandbox_id = await asyncio.shield(self._create_starts[(owner, key)])
+                sandbox_id = (await asyncio.shield(self._create_starts[(owner, key)])).id
             except Exception:  # noqa: BLE001 - that create failed: this one tries again
                 return None
         live = self.live.get(sandbox_id) if sandbox_id is not None else None
@@ -1436,20 +1427,10 @@ class Edge:
         if made is not None:
             return made
         ident = (owner, key)
-        fut: asyncio.Future[ForkResult] = asyncio.get_running_loop().create_future()
-        self._fork_starts[ident] = fut
-        try:
-            result = await self._fork(sandbox_id, spec, owner)
-            self._fork_specs[ident] = (sandbox_id, spec.model_dump(exclude={"idempotency_key"}),
-                                       result.frozen_s, result.duration_s)
-            fut.set_result(result)
-            return result
-        except BaseException as exc:
-            fut.set_exception(exc if isinstance(exc, Exception) else InfraError("cancelled"))
-            fut.exception()  # retrieved: a failed fork nobody joined is not an error
-            raise
-        finally:
-            self._fork_starts.pop(ident, None)
+        result = await _joinable(self._fork_starts, ident, self._fork(sandbox_id, spec, owner))
+        self._fork_specs[ident] = (sandbox_id, spec.model_dump(exclude={"idempotency_key"}),
+                                   result.frozen_s, result.duration_s)
+        return result
 
     async def _keyed_fork(self, sandbox_id: str, spec: ForkSpec, owner: str,
                           key: str) -> ForkResult | None:
@@ -1771,6 +1752,28 @@ class _TrackedPort:
     async def close(self) -> None:
         self.owner.discard(self)
         await self.stream.close()
+
+
+_T = TypeVar("_T")
+
+
+async def _joinable(starts: dict[tuple[str, str], asyncio.Future[_T]], ident: tuple[str, str],
+                    work: Awaitable[_T]) -> _T:
+    """Run a keyed create or fork (``work``) as the one under way for ``ident``: a retry
+    meanwhile awaits its future in ``starts`` (its result, or its exception: then the retry
+    tries again); the entry goes when it ends."""
+    fut: asyncio.Future[_T] = asyncio.get_running_loop().create_future()
+    starts[ident] = fut
+    try:
+        result = await work
+        fut.set_result(result)
+        return result
+    except BaseException as exc:
+        fut.set_exception(exc if isinstance(exc, Exception) else InfraError("cancelled"))
+        fut.exception()  # retrieved: a failed start nobody joined is not an error
+        raise
+    finally:
+        starts.pop(ident, None)
 
 
 def _share_of(info: SandboxInfo) -> Share:
