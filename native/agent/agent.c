@@ -94,8 +94,12 @@ enum { M_READY = 32, M_STARTED = 33, M_SPAWN_FAILED = 34, M_STDOUT = 35, M_STDER
  * the session's one output stream (stdout) and its stdin. The head is followed by <HH cols,
  * rows (1..PTY_MAX_SIZE) before the strings. */
 #define EXEC_PTY 32u
+/* With EXEC_PTY: stderr stays its own pipe (the session's second stream), stdin and stdout are
+ * the terminal. A program that writes its errors to fd 2 is then not on the terminal; a shell
+ * that joins 2 to 1 for its command keeps fd 2 as a channel the terminal can not write. */
+#define EXEC_PTY_STDERR 64u
 #define EXEC_KNOWN_FLAGS (EXEC_STDIN | EXEC_CGROUP | EXEC_PLATFORM_SHELL | EXEC_PLATFORM_TOOL | \
-                          EXEC_TOOL_IN_SANDBOX | EXEC_PTY)
+                          EXEC_TOOL_IN_SANDBOX | EXEC_PTY | EXEC_PTY_STDERR)
 #define PTY_SIZE_LEN 4
 #define PTY_MAX_SIZE 1000
 #define DEVPTS_MAGIC 0x1cd1
@@ -173,7 +177,8 @@ struct session {
     int out_fd[2];
     int out_ready[2];
     int in_ready, in_close_pending;
-    int is_pty; /* out_fd[0] is the pty master, in_fd a dup of it (out_fd[1] is -1) */
+    int is_pty; /* out_fd[0] is the pty master, in_fd a dup of it (out_fd[1] is -1, or the
+                 * stderr pipe with EXEC_PTY_STDERR) */
     char *in_buf;
     size_t in_len;
     uint64_t stream_limit, total[2], dropped[2];
@@ -1830,6 +1835,13 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
                      "EXEC_PLATFORM_TOOL");
         return 0;
     }
+    if ((flags & EXEC_PTY_STDERR) && !(flags & EXEC_PTY)) {
+        free(vec);
+        if (cgfd >= 0)
+            close(cgfd);
+        spawn_failed(id, EINVAL, "EXEC_PTY_STDERR needs EXEC_PTY");
+        return 0;
+    }
     if ((flags & EXEC_TOOL_IN_SANDBOX) && !(flags & EXEC_PLATFORM_TOOL)) {
         free(vec);
         if (cgfd >= 0)
@@ -1885,8 +1897,9 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
     if (s && (flags & EXEC_PTY)) {
         /* o[0] the master, in[1] a dup of it (its own epoll watch), o[1] the slave */
         if (open_pty(&o[0], &o[1], pty_cols, pty_rows, uid) < 0 ||
-            (in[1] = fcntl(o[0], F_DUPFD_CLOEXEC, 3)) < 0) {
-            int fds[] = {o[0], o[1], cgfd};
+            (in[1] = fcntl(o[0], F_DUPFD_CLOEXEC, 3)) < 0 ||
+            ((flags & EXEC_PTY_STDERR) && pipe2(e, O_CLOEXEC) < 0)) {
+            int fds[] = {o[0], o[1], in[1], e[0], e[1], cgfd};
             abandon_spawn(id, "pty", errno, fds, sizeof fds / sizeof fds[0], s, vec);
             remove_session_cgroup(cg_seq);
             return 0;
@@ -1899,7 +1912,7 @@ static int handle_exec(uint32_t id, const char *p, size_t plen, int cgfd)
         return 0;
     }
     int is_pty = (flags & EXEC_PTY) != 0;
-    struct spawn_args sa = {{0, 0}, is_pty ? o[1] : in[0], o[1], is_pty ? o[1] : e[1], cgfd,
+    struct spawn_args sa = {{0, 0}, is_pty ? o[1] : in[0], o[1], e[1] >= 0 ? e[1] : o[1], cgfd,
                             uid, gid, cwd, argv, envp, flags};
     pid_t pid = spawn(&sa);
     int fork_err = errno;

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 LABEL_RE = re.compile(r"^[A-Za-z0-9_.\-/]{1,63}$")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -204,6 +204,8 @@ class ExecSpec(BaseModel):
     # A terminal: stdin, stdout and stderr are a pty of this size (its controlling terminal);
     # all output arrives as stdout, stdin is always open (raw bytes: b"\x03" is ctrl-C).
     pty: PtySize | None = Field(None, description="run on a terminal of this size")
+    # With pty: stderr is its own stream (a pipe), not the terminal; stdin and stdout are.
+    pty_stderr: bool = Field(False, description="with pty: stderr is a pipe, not the terminal")
     background: bool = False
     # A retry with the same key (per sandbox) returns the recorded command instead of running
     # it again, also across a server restart; the same key with another spec is refused.
@@ -232,6 +234,12 @@ class ExecSpec(BaseModel):
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
         return SandboxSpec._env(v)  # type: ignore[operator]
+
+    @model_validator(mode="after")
+    def _pty_stderr(self) -> ExecSpec:
+        if self.pty_stderr and self.pty is None:
+            raise ValueError("pty_stderr needs pty")
+        return self
 
 
 class ExecResult(BaseModel):

@@ -43,7 +43,9 @@ from rollbox.watcher import placement_over
 from tests.conftest import have_image
 
 IMAGE = "debian:bookworm"
-pytestmark = pytest.mark.skipif(not have_image(IMAGE), reason=f"{IMAGE} not built")
+HOST_LESS = Path("/usr/bin/less")
+pytestmark = [pytest.mark.skipif(not have_image(IMAGE), reason=f"{IMAGE} not built"),
+              pytest.mark.skipif(not HOST_LESS.exists(), reason="the test host has no less")]
 
 
 class Env:
@@ -109,25 +111,43 @@ async def test_sessions_commands_and_errors(env: Env) -> None:
     await rt.run_in_session(BashInterruptAction())
     obs = await rt.run_in_session(BashAction(command="echo $FOO alive", timeout=5))
     assert obs.output == "bar alive\n"
-    # a command that traps SIGINT is stopped by the SIGTERM fallback
+    # a command that ignores ^C is killed after n_retry tries (SWE-ReX: `kill -9 %1`); the
+    # next output starts with bash's job notice, as there
     with pytest.raises(CommandTimeoutError):
         await rt.run_in_session(BashAction(
             command="trap '' INT; sleep 30", timeout=0.3))
     await rt.run_in_session(BashInterruptAction(n_retry=1))
     obs = await rt.run_in_session(BashAction(command="echo ok", timeout=5))
-    assert obs.output == "ok\n"
+    assert obs.output == "[1]+  Killed                  trap '' INT; sleep 30\nok\n", obs.output
+    obs = await rt.run_in_session(BashAction(command="echo again", timeout=5))
+    assert obs.output == "again\n"
 
-    # a program started by an interactive command runs on a terminal (a PTY exec) with the
-    # session's state; its prompt shows, and what it changes is not carried back
+    # every command runs on a terminal (a PTY exec, 80x24, as SWE-ReX's pexpect): its stdin and
+    # stdout are the terminal, its stderr joined to it; the state still goes on its own pipe
     obs = await rt.run_in_session(BashAction(
-        command="read -p 'name? ' n; [ -t 0 ] && echo \"tty $n $FOO $(stty size)\"",
+        command="[ -t 0 ] && [ -t 1 ] && [ -t 2 ] && echo tty; stty size; echo $TERM"))
+    assert obs.output == "tty\n24 80\nxterm-256color\n", obs.output
+    # a program started by an interactive command prompts on the terminal with the session's
+    # state; the line typed into it is echoed there (SWE-ReX removes that echo, so do we), and
+    # what the command changes is carried back like any command's
+    obs = await rt.run_in_session(BashAction(
+        command="read -p 'name? ' n; echo \"got $n $FOO\"",
         is_interactive_command=True, expect=["name? "], timeout=10))
     assert obs.expect_string == "name? "
     obs = await rt.run_in_session(BashAction(command="bob", is_interactive_quit=True,
                                              timeout=10))
-    assert "tty bob bar 24 80" in obs.output, obs.output
-    obs = await rt.run_in_session(BashAction(command="echo ${n-unset} $FOO; [ -t 0 ] || echo pipe"))
-    assert obs.output == "unset bar\npipe\n"
+    assert obs.output == "got bob bar", obs.output
+    obs = await rt.run_in_session(BashAction(command="echo ${n-unset} $FOO"))
+    assert obs.output == "bob bar\n"
+    # a pager pages (it waits for a key), ^C does not end it, the kill does (debian:bookworm
+    # has no less: the test host's, Debian's own build, goes in)
+    sb = await env.client.get(env.sandbox_id)
+    await sb.files.write("/usr/local/bin/less", HOST_LESS.read_bytes(), 0o755)
+    with pytest.raises(CommandTimeoutError):
+        await rt.run_in_session(BashAction(command="seq 100 | less -+F", timeout=1))
+    obs = await rt.run_in_session(BashInterruptAction())
+    obs = await rt.run_in_session(BashAction(command="echo after"))
+    assert obs.output.endswith("Killed                  seq 100 | less -+F\nafter\n"), obs
 
     # expect strings of interactive programs
     await rt.run_in_session(BashAction(command="cat", is_interactive_command=True,
@@ -335,8 +355,8 @@ async def test_round_trip_overhead(env: Env) -> None:
     print(f"\n{IMAGE}: median of {n}: sdk exec {native:.2f} ms, swe-rex run_in_session "
           f"{session:.2f} ms ({session / native:.2f}x), swe-rex execute {execute:.2f} ms "
           f"({execute / native:.2f}x)")
-    # A session command is an exec of the platform shell plus the host's syntax check (run
-    # while the exec starts) and the state carried in and out: 8-25 ms over one exec on this
+    # A session command is the host's syntax check (a bash -n spawned ahead), then a PTY exec
+    # of the platform shell with the state carried in and out: 8-25 ms over one exec on this
     # 2-core host while other test runs load it.
     assert session < native + 30
 
@@ -352,6 +372,23 @@ async def test_session_state_carried_between_commands(env: Env) -> None:
         "hi; echo ${HOME-unset} ${arr[1]} ${m[k]} $RO; set -o | grep -c 'pipefail.*on'; umask;"
         " pwd; echo $0")))
     assert obs.output == "alias-hi\nunset b c v 1\n1\n0027\n/tmp/d\nbash\n", obs.output
+    # a state too large for the exec's argument (over 96 KiB) goes through a file in /tmp,
+    # removed when the command ends
+    obs = await rt.run_in_session(BashAction(command="big=$(printf 'x%.0s' {1..150000}); "
+                                             "echo ${#big}"))
+    assert obs.output == "150000\n"
+    obs = await rt.run_in_session(BashAction(command="echo ${#big} ${big:0:3}; sleep 0.3",
+                                             timeout=10))
+    assert obs.output == "150000 xxx\n", obs.output
+    obs = await rt.run_in_session(BashAction(command="unset big; echo ${big-gone}"))
+    assert obs.output == "gone\n"
+    sb = await env.client.get(env.sandbox_id)
+    for _ in range(50):  # the removal runs after the command's end
+        left = (await sb.exec("ls -a /tmp | grep -c rollbox-swerex || true")).stdout
+        if left == "0\n":
+            break
+        await asyncio.sleep(0.1)
+    assert left == "0\n", left
     # a fatal error of the shell (set -u) ends that command, not the session
     obs = await rt.run_in_session(BashAction(command="set -u; echo $NOPE", check="silent"))
     assert obs.exit_code != 0 and "NOPE" in obs.output

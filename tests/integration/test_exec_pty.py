@@ -69,6 +69,18 @@ async def test_pty_terminal_resize_ctrl_c_timeout_reattach(api_server) -> None: 
             resp = await h.post(base, params={"wait": 1}, json={
                 "cmd": "true", "pty": {"cols": 100_000, "rows": 24}})
             assert resp.status_code == 400 and resp.json()["error"]["code"] == "bad_request"
+            # pty_stderr: stdin and stdout are the terminal, stderr its own pipe (what the
+            # SWE-ReX door's sessions use: the shell's state channel the terminal can't write)
+            resp = await h.post(base, params={"wait": 1}, json={
+                "cmd": "[ -t 0 ] && [ -t 1 ] && echo out-tty; [ -t 2 ] || echo err-pipe >&2",
+                "pty": {"cols": 80, "rows": 24}, "pty_stderr": True})
+            assert resp.status_code == 200, resp.text
+            body = resp.json()
+            assert (body["exit_code"], body["stdout"], body["stderr"]) == (
+                0, "out-tty\r\n", "err-pipe\n"), body
+            resp = await h.post(base, params={"wait": 1}, json={"cmd": "true",
+                                                                 "pty_stderr": True})
+            assert resp.status_code == 400, resp.text  # pty_stderr needs pty
         with pytest.raises(errors.BadRequest):
             await sb.exec("true", pty=True, cols=0)
         plain = await sb.exec_background("sleep 30", timeout=60)

@@ -68,13 +68,8 @@ SWEREX = Suite(
         ("tests/test_remote_deployment.py", "RemoteDeployment(port=port,",
          "RemoteDeployment(host=remote_server.url,"),
     ),
-    excluded={
-        "tests/test_execution.py::test_interrupt_pager":
-            "a plain session command has pipes, not a terminal (only programs started by "
-            "is_interactive_command get one), so `less` copies its input and exits and "
-            "nothing times out; it also asserts bash's `Killed` job notice",
-    },
-    expected_passed=52,
+    excluded={},
+    expected_passed=53,
 )
 
 SANDBOXFUSION = Suite(
@@ -129,6 +124,7 @@ SANDBOXFUSION_POLYGLOT = dataclasses.replace(
 )
 
 SUITES = {s.name: s for s in (SWEREX, SANDBOXFUSION, SANDBOXFUSION_POLYGLOT)}
+HOST_LESS = Path("/usr/bin/less")
 
 
 @dataclasses.dataclass
@@ -280,9 +276,15 @@ class suite_env:  # noqa: N801 - a context manager used like a function
         if self.sandbox is None:
             self._made = self._client.create(self.image, ttl_s=1800)
             self.sandbox = self._made.id
-            # The upstream CI host (GitHub's ubuntu-latest) has `python` on PATH.
+            # The upstream CI host (GitHub's ubuntu-latest) has `python` on PATH, and `less`
+            # (test_interrupt_pager pages with it): rollbox's python:3.11 is Debian bookworm
+            # without it, so the test host's own (Debian's, needing only libtinfo6 and libc,
+            # which the image has) goes in.
             self._made.exec("command -v python || ln -s \"$(command -v python3)\" "
                             "/usr/local/bin/python", check=True)
+            if self._made.exec("command -v less").exit_code != 0:
+                self._made.files.write("/usr/local/bin/less", HOST_LESS.read_bytes(), 0o755)
+                self._made.exec("less --version", check=True)
         return {"UPSTREAM_SANDBOX": self.sandbox}
 
     def __exit__(self, *exc: object) -> None:

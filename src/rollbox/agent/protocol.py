@@ -51,9 +51,10 @@ Edge -> agent
                  TIOCGPTPEER, never by path), the command's stdin, stdout and stderr are the
                  slave and its controlling terminal (setsid + TIOCSCTTY), and the master is
                  the session's one output stream (STDOUT; no STDERR) and its stdin (STDIN
-                 bytes go to the master raw; excludes EXEC_STDIN and EXEC_PLATFORM_TOOL)).
-                 Unknown flags are refused (an older agent answers SPAWN_FAILED EINVAL to
-                 EXEC_PTY). The agent answers STARTED or SPAWN_FAILED.
+                 bytes go to the master raw; excludes EXEC_STDIN and EXEC_PLATFORM_TOOL)),
+                 EXEC_PTY_STDERR (with EXEC_PTY: stderr is its own pipe, the session's
+                 STDERR, not the terminal). Unknown flags are refused (an older agent answers
+                 SPAWN_FAILED EINVAL to EXEC_PTY and EXEC_PTY_STDERR). The agent answers STARTED or SPAWN_FAILED.
   STDIN(2)       bytes for the session's stdin (at most ``CHUNK`` per packet), credit-based: the
                  edge keeps at most ``STDIN_WINDOW`` bytes per session not yet acknowledged by
                  STDIN_ACK, so a command that never reads its stdin can't stall the connection
@@ -169,6 +170,7 @@ EXEC_PLATFORM_SHELL = 4
 EXEC_PLATFORM_TOOL = 8  # argv[0] names an applet of the platform's busybox, run by descriptor
 EXEC_TOOL_IN_SANDBOX = 16  # with EXEC_PLATFORM_TOOL (guest): in the sandbox root, not the view
 EXEC_PTY = 32  # a terminal of (cols, rows): stdin/stdout/stderr are a pty's slave
+EXEC_PTY_STDERR = 64  # with EXEC_PTY: stderr stays a pipe (STDERR), not the terminal
 
 # argv[0] of the platform shell (bash-static): bash semantics. ``sh`` would make it bash's
 # POSIX mode, for callers that promise /bin/sh semantics.
@@ -215,13 +217,15 @@ class ExecRequest:
     # rollbox-xattrs (EXEC_PLATFORM_TOOL)
     tool_in_sandbox: bool = False  # ...run in the sandbox root (EXEC_TOOL_IN_SANDBOX)
     pty: tuple[int, int] | None = None  # (cols, rows): a terminal (EXEC_PTY)
+    pty_stderr: bool = False  # with pty: stderr its own pipe (EXEC_PTY_STDERR)
 
     def encode(self, session: int, with_cgroup: bool) -> bytes:
         flags = ((EXEC_STDIN if self.stdin else 0) | (EXEC_CGROUP if with_cgroup else 0)
                  | (EXEC_PLATFORM_SHELL if self.platform_shell else 0)
                  | (EXEC_PLATFORM_TOOL if self.platform_tool else 0)
                  | (EXEC_TOOL_IN_SANDBOX if self.tool_in_sandbox else 0)
-                 | (EXEC_PTY if self.pty is not None else 0))
+                 | (EXEC_PTY if self.pty is not None else 0)
+                 | (EXEC_PTY_STDERR if self.pty is not None and self.pty_stderr else 0))
         head = EXEC_HEAD.pack(
             self.uid, self.gid, self.timeout_ms, flags, self.stream_limit, self.tail_limit,
             len(self.argv), len(self.env),

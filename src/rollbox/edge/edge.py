@@ -1058,6 +1058,7 @@ class Edge:
             tail_limit=RETAIN_LIMIT,  # what a restarted edge can replay
             platform_shell=shell,
             pty=(spec.pty.cols, spec.pty.rows) if spec.pty is not None else None,
+            pty_stderr=spec.pty_stderr,
         )
         slot = live.box.new_session()
         cg_name, cg_fd = slot.name, slot.cgroup_fd

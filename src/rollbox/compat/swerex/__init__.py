@@ -1,8 +1,8 @@
 """SWE-ReX front door: the remote-runtime routes of the ``swe-rex`` package, per sandbox.
 
 ``RemoteRuntime(host=f"{url}/swerex/{sandbox_id}", auth_token=<rollbox api key>)`` drives a
-rollbox sandbox: bash sessions (framed on the host over the edge's exec with stdin), execute,
-read/write files and upload. :class:`RollboxDeployment` (needs ``swe-rex`` installed) creates
+rollbox sandbox: bash sessions (each command a PTY exec of the platform shell, framed on the
+host), execute, read/write files and upload. :class:`RollboxDeployment` (needs ``swe-rex`` installed) creates
 the sandbox and hands out that runtime. Owns only the ``/swerex`` routes and their sessions;
 must not touch the core ``/v1`` routes, and never runs a binary of the sandbox for its own work.
 """

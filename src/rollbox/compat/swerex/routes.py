@@ -30,7 +30,7 @@ from rollbox import errors
 from rollbox.api.bodies import MAX_FILE_STREAM, upload_chunks
 from rollbox.api.context import ApiContext
 from rollbox.compat.swerex import wire
-from rollbox.compat.swerex.session import BashSession, SessionGone
+from rollbox.compat.swerex.session import BashSession, SessionGone, SyntaxChecker
 from rollbox.edge.interface import EdgeAPI
 from rollbox.models import MAX_TIMEOUT_S, ExecSpec
 
@@ -80,6 +80,7 @@ class Sessions:
 
     def __init__(self) -> None:
         self.by_sandbox: dict[str, dict[str, BashSession]] = {}
+        self.checker = SyntaxChecker()
 
     def get(self, sandbox_id: str, name: str) -> BashSession:
         session = self.by_sandbox.get(sandbox_id, {}).get(name)
@@ -113,6 +114,7 @@ class Sessions:
         every = [s for per in self.by_sandbox.values() for s in per.values()]
         await asyncio.gather(*(s.close() for s in every), return_exceptions=True)
         self.by_sandbox.clear()
+        await self.checker.close()
 
 
 async def _zip_as_tar(archive: IO[bytes]) -> AsyncIterator[bytes]:
@@ -256,7 +258,7 @@ def mount(app: FastAPI, api: ApiContext) -> contextlib.AbstractAsyncContextManag
     async def create_session(sandbox_id: str, body: wire.CreateBashSessionRequest,
                              request: Request) -> JSONResponse:
         async def op(edge: EdgeAPI) -> BaseModel:
-            session = BashSession(edge, sandbox_id, body.session)
+            session = BashSession(edge, sandbox_id, body.session, sessions.checker)
             sessions.add(session)
             try:
                 output = await session.start(body)

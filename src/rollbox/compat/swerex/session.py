@@ -1,35 +1,39 @@
-"""SWE-ReX bash sessions on top of the edge's exec.
+"""SWE-ReX bash sessions on top of the edge's exec, on a terminal.
 
 Each command of a session is its own exec of the platform shell (bash-static, exec'd by the
-agent from an fd: never a shell of the sandbox's tree), and its exit code and the end of its
-output are the agent's: the exit status of the process it waited on, and the end of that
-process's pipes. Nothing the session's shell prints is parsed for them, so no process of the
-sandbox can forge a command's end or status (a marker printed by a long-lived shell can be:
-by redefining ``printf``, or by a background process that reads the marker's token from the
-shell's stdin pipe or memory, both of the sandbox's uid, and writes it to the shell's stdout).
+agent from an fd: never a shell of the sandbox's tree) on a terminal (a PTY exec, 80x24 as
+pexpect's, ``TERM=xterm-256color``): its stdin and stdout are the terminal, as under
+SWE-ReX's own server (bash under pexpect), so ``python`` without ``-i`` prompts, ``less``
+pages, ``ls`` prints columns and ^C goes through the line discipline. Its exit code and the
+end of its output are the agent's: the exit status of the process it waited on, and the end
+of that process. Nothing the session's shell prints is parsed for them, so no process of the
+sandbox can forge a command's end or status (a marker printed by a long-lived shell, as
+SWE-ReX's PS1 and ``echo $?``, can be: by redefining ``printf``, a DEBUG trap or a
+``PROMPT_COMMAND``, or by a background process that writes to the terminal).
 
 The session's state is carried from one command to the next by the platform shell: at exit
 (an EXIT trap) it writes its variables (``declare -p``), functions, aliases, ``set``/``shopt``
-options, cwd and umask to its stderr, which carries nothing else (the command's own stderr is
-joined to its stdout, in order, as on a terminal; what a command writes to the inherited fd
-only changes the session's own state); the next command's shell evals that first.
-The state stays on the host, in this object; no file is left in the sandbox. The script (state,
-framing, command) goes to the shell's stdin, read with ``read -N <byte count>``; what follows on
-that pipe is the command's stdin (``is_interactive_command`` lines for a program it started).
-The state is the session's own: what earlier commands defined (a function named like a tool,
-an alias, a changed PATH) applies to later ones, as in any shell session, so a session an agent
-used is the agent's; grade in a fresh sandbox.
+options, cwd and umask to its stderr, which is not the terminal but a pipe of its own
+(``pty_stderr``) and carries nothing else (the command's own stderr is joined to the
+terminal, in order, as on a terminal; what a command writes to the inherited fd only changes
+the session's own state); the next command's shell evals that first. The state stays on the
+host, in this object. The script (state, framing, command) is the shell's ``-c`` string; a
+state too large for one exec (over ``MAX_INLINE_SCRIPT``) goes in a file of the sandbox's
+``/tmp`` that the host removes when the command ends. The state is the session's own: what
+earlier commands defined (a function named like a tool, an alias, a changed PATH) applies to
+later ones, as in any shell session, so a session an agent used is the agent's; grade in a
+fresh sandbox.
 
-A program started by an ``is_interactive_command`` line while no command runs (``python``,
-``gdb``, a pager) gets a terminal instead: a PTY exec of the platform shell given the session's
-state in its argv (its stdin would be the terminal, which echoes and edits), with no framing,
-so what it changes is not carried back; the lines that follow go to its terminal.
+``is_interactive_command`` lines go to the terminal of the latest still-running command (its
+echo is removed from the output as SWE-ReX does); with none running, the line starts one.
+An interrupt types ^C (``n_retry`` times, ``timeout`` each), then kills the command's process
+group as SWE-ReX's ``kill -9 %1`` does, and the next command's output starts with bash's job
+notice for it (``[1]+  Killed  ...``).
 
 Differences from a long-lived ``bash -i``: the shell is not interactive (``$-`` has no ``i``;
 aliases are expanded anyway); traps, jobs and open file descriptors do not outlive a command
-(background processes keep running, but their stdout/stderr end with the command: redirect
-them); ``exit`` ends the session; an interrupted or failed command (``set -e``, ``set -u``)
-does not.
+(background processes keep running, but their output ends with the command: redirect it);
+``exit`` ends the session; an interrupted or failed command (``set -e``, ``set -u``) does not.
 
 Owns the sessions' framing and state only; the sandbox's lifetime belongs to the edge.
 """
@@ -39,7 +43,9 @@ import asyncio
 import contextlib
 import logging
 import re
+import secrets
 import signal
+import subprocess
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -53,18 +59,21 @@ T = TypeVar("T")
 
 MAX_PENDING = 32 << 20  # unread output kept per command; older bytes are dropped beyond it
 MAX_STATE = 1 << 20  # a larger state dump is not carried over (the previous one is kept)
-# A program on a terminal gets the state in its argv: below the kernel's 128 KiB per argument.
-MAX_PTY_SCRIPT = 120_000
+# The script goes in the exec (one argument: below the kernel's 128 KiB per argument and the
+# agent's 128 KiB packet with the image's environment); a larger one goes through a file.
+MAX_INLINE_SCRIPT = 96 << 10
 PTY_COLS, PTY_ROWS = 80, 24  # pexpect's default, as SWE-ReX's own sessions
 STARTUP_TIMEOUT_MIN_S = 10.0  # exec start + sourcing on a loaded node; SWE-ReX's 1 s is tight
 INTERRUPT_TIMEOUT_MIN_S = 0.5
 SYNTAX_CHECK_TIMEOUT_S = 10.0
+CTRL_C = b"\x03"
+SCRIPT_DIR = "/tmp"
 _ANSI = re.compile(r"\x1B[@-_][0-?]*[ -/]*[@-~]")
 
 STATE_HEADER = b"rollbox-session-state 1 "
-# Runs first in a fresh platform shell (nothing of the session is defined yet): reads exactly
-# the script's bytes from stdin, leaving the rest of the pipe to the command.
-BOOT = 'LC_ALL=C read -r -N {n} __rbx_src || exit 125; eval "$__rbx_src"'
+# A script too large for the exec: read from its file (exactly its bytes), then run.
+BOOT_FILE = ('LC_ALL=C read -r -N {n} __rbx_src < {path} || builtin exit 125; '
+             'eval "$__rbx_src"')
 # Before the state: keep the exec's stderr (the state channel) on a private fd; errors of
 # restoring the state (readonly variables...) go nowhere.
 PRE = "exec {__rbx_err}>&2 2>/dev/null\n"
@@ -122,7 +131,6 @@ if declare -F __rbx_restore >/dev/null; then
 fi
 """
 POST = (_FRAME + _RESTORE).replace("NAMES", _NAMES).replace("SKIP", _SKIP)
-RESTORE = _RESTORE.replace("NAMES", _NAMES).replace("SKIP", _SKIP)
 # After the command (which runs as `eval $'...'`).
 TAIL = "{ __rbx_ran=ran __rbx_rc=$? __rbx_x=$-; set +x; } 2>/dev/null\nbuiltin exit \"$__rbx_rc\"\n"
 
@@ -156,13 +164,6 @@ def session_script(state: bytes, command: str) -> bytes:
             + f"eval {ansi_c_quote(command)}\n{TAIL}".encode())
 
 
-def pty_script(state: bytes, command: str) -> str:
-    """What a command started on a terminal runs: the state restored (its errors silenced),
-    then the command; no framing, so nothing it changes is carried back."""
-    return ("{ :\n" + state.decode("utf-8", "surrogateescape") + "\n} 2>/dev/null\n" + RESTORE
-            + f"eval {ansi_c_quote(command)}\n")
-
-
 def parse_state(channel: bytes) -> tuple[str, bytes] | None:
     """(how the shell ended, state) from a command's stderr; None if it wrote none (killed)."""
     if not channel.startswith(STATE_HEADER):
@@ -171,31 +172,81 @@ def parse_state(channel: bytes) -> tuple[str, bytes] | None:
     return how.decode(errors="replace"), state
 
 
-async def check_syntax(command: str) -> None:
-    """Raise BashIncorrectSyntaxError if ``bash -n`` rejects ``command``.
+class SyntaxChecker:
+    """The host's ``bash -n`` (parse only: no expansion, nothing executed; the platform's own
+    work never runs a binary from the sandbox), with one process spawned ahead: spawning it and
+    reaping it through asyncio's child watcher are most of a check's time, and a session
+    command waits for its check before its exec starts (the script is the exec's argument).
+    The processes are driven from worker threads. Owned by the routes' lifetime (``close``)."""
 
-    Runs the host's bash in parse-only mode (no expansion, nothing executed): the platform's own
-    work never runs a binary from the sandbox."""
-    proc = await asyncio.create_subprocess_exec(
-        "bash", "-n", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
-    try:
-        async with asyncio.timeout(SYNTAX_CHECK_TIMEOUT_S):
-            out, err = await proc.communicate(command.encode())
-    except (TimeoutError, asyncio.CancelledError):
+    def __init__(self) -> None:
+        self._spare: subprocess.Popen[bytes] | None = None
+        self._refill: asyncio.Future[None] | None = None
+        self._closed = False
+
+    @staticmethod
+    def _spawn() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(["bash", "-n"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+
+    @staticmethod
+    def _discard(proc: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
-        await proc.wait()
-        raise
-    if proc.returncode == 0:
-        return
-    stdout = out.decode(errors="backslashreplace")
-    stderr = err.decode(errors="backslashreplace")
-    raise wire.RemoteError(
-        wire.BashIncorrectSyntaxError,
-        f"Error (exit code {proc.returncode}) while checking bash command \n{command!r}\n"
-        f"---- Stderr ----\n{stderr}\n---- Stdout ----\n{stdout}",
-        bash_stdout=stdout, bash_stderr=stderr)
+        proc.communicate()
+
+    def _fill(self) -> None:
+        try:
+            proc = self._spawn()
+        except OSError as exc:
+            log.warning("swe-rex syntax check: spawning bash -n failed: %r", exc)
+            return
+        if self._closed or self._spare is not None:
+            self._discard(proc)
+        else:
+            self._spare = proc
+
+    @staticmethod
+    def _run(proc: subprocess.Popen[bytes], command: str) -> tuple[bytes, bytes]:
+        try:
+            return proc.communicate(command.encode(), timeout=SYNTAX_CHECK_TIMEOUT_S)
+        except BaseException:
+            proc.kill()
+            proc.communicate()
+            raise
+
+    async def check(self, command: str) -> None:
+        """Raise BashIncorrectSyntaxError if ``bash -n`` rejects ``command``."""
+        if self._closed:
+            raise RuntimeError("the syntax checker is closed")
+        proc, self._spare = self._spare, None
+        if proc is None:
+            proc = await asyncio.to_thread(self._spawn)
+        try:
+            out, err = await asyncio.to_thread(self._run, proc, command)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"bash -n took over {SYNTAX_CHECK_TIMEOUT_S} s") from None
+        finally:  # the next one, spawned once this one is done (not competing with it)
+            if not self._closed and (self._refill is None or self._refill.done()):
+                self._refill = asyncio.ensure_future(asyncio.to_thread(self._fill))
+        if proc.returncode == 0:
+            return
+        stdout = out.decode(errors="backslashreplace")
+        stderr = err.decode(errors="backslashreplace")
+        raise wire.RemoteError(
+            wire.BashIncorrectSyntaxError,
+            f"Error (exit code {proc.returncode}) while checking bash command \n{command!r}\n"
+            f"---- Stderr ----\n{stderr}\n---- Stdout ----\n{stdout}",
+            bash_stdout=stdout, bash_stderr=stderr)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._refill is not None:
+            with contextlib.suppress(BaseException):
+                await self._refill
+        proc, self._spare = self._spare, None
+        if proc is not None:
+            await asyncio.to_thread(self._discard, proc)
 
 
 class SessionGone(Exception):
@@ -205,9 +256,11 @@ class SessionGone(Exception):
 class _Command:
     """One command of a session: one exec of the platform shell, its output and its end."""
 
-    def __init__(self, exec_id: str, pty: bool = False) -> None:
+    def __init__(self, exec_id: str, command: str, script_file: str | None = None) -> None:
         self.exec_id = exec_id
-        self.pty = pty  # on a terminal: no state channel, the session's state stays as it was
+        self.command = command
+        self.script_file = script_file  # a large script's file in the sandbox, removed at end
+        self.killed = False  # by an interrupt that ^C did not end
         self.buf = bytearray()
         self.dropped = 0
         self.channel = bytearray()  # the shell's stderr: the state it leaves
@@ -244,8 +297,10 @@ class _Command:
 
 
 class BashSession:
-    def __init__(self, edge: EdgeAPI, sandbox_id: str, name: str) -> None:
+    def __init__(self, edge: EdgeAPI, sandbox_id: str, name: str,
+                 checker: SyntaxChecker) -> None:
         self.edge = edge
+        self.checker = checker
         self.sandbox_id = sandbox_id
         self.name = name
         self.exec_id: str | None = None  # the latest command's
@@ -256,6 +311,8 @@ class BashSession:
         self._changed = asyncio.Event()
         self._lock = asyncio.Lock()
         self._interrupts = 0
+        self._notice = ""  # bash's job notice of a killed command, for the next output
+        self._cleanup: set[asyncio.Task[None]] = set()
         self._on_done: list[Callable[[], None]] = []
 
     # ---- lifetime ----
@@ -280,6 +337,9 @@ class BashSession:
                 cmd.reader.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await cmd.reader
+            self._remove_script(cmd)
+        if self._cleanup:
+            await asyncio.gather(*self._cleanup, return_exceptions=True)
 
     def add_done_callback(self, fn: Callable[[], None]) -> None:
         if self.exited:
@@ -301,8 +361,8 @@ class BashSession:
     async def run(self, action: wire.BashAction) -> wire.BashObservation:
         if action.is_interactive_command or action.is_interactive_quit:
             return await self._run_interactive(action)
-        # the host's `bash -n` runs while the exec starts; the script goes in only if it passes
-        syntax = asyncio.ensure_future(check_syntax(action.command))
+        # the host's `bash -n` first: the exec (the script is its argument) starts if it passes
+        syntax = asyncio.ensure_future(self.checker.check(action.command))
         interrupts = self._interrupts
         async with self._lock:
             try:
@@ -334,6 +394,7 @@ class BashSession:
                     f"timeout after {action.timeout} seconds while running command "
                     f"{action.command!r}")
         output, exit_code, expect_string = found
+        output = self._take_notice() + output
         if action.check == "ignore":
             exit_code = None
         elif action.check == "raise" and exit_code != 0:
@@ -346,15 +407,16 @@ class BashSession:
                                     expect_string=expect_string)
 
     async def _run_interactive(self, action: wire.BashAction) -> wire.BashObservation:
-        """A line for the program the latest still-running command started (gdb, a REPL...),
-        on its stdin; with no command running, the line starts one on a terminal (a PTY exec:
-        ``python`` prompts, pagers page), with the session's state but without carrying back
-        what it changes. Without ``expect`` strings the output of ``timeout`` seconds (0.5 s
-        if unset) is returned; ``is_interactive_quit`` waits for the command to end."""
+        """A line typed into the terminal of the latest still-running command (gdb, a
+        REPL...); with no command running, the line starts one (with the session's state,
+        and carrying back what it changes, like any command). Without ``expect`` strings the
+        output of ``timeout`` seconds (0.5 s if unset) is returned; ``is_interactive_quit``
+        waits for the command to end. The terminal's echo of the line is removed from the
+        output, as SWE-ReX does."""
         async with self._lock:
             cmd = self._foreground()
             if cmd is None:
-                cmd = await self._start_pty(action.command)
+                cmd = await self._start(action.command)
             else:
                 await self._stdin(cmd, (action.command + "\n").encode())
             expect = [e.encode() for e in action.expect]
@@ -364,22 +426,28 @@ class BashSession:
                     raise wire.RemoteError(wire.CommandTimeoutError,
                                            f"timeout after {timeout} seconds while "
                                            f"running command {action.command!r}")
-                return wire.BashObservation(output=cmd.consume().strip(), exit_code=0)
+                if self.exited:
+                    raise SessionGone(self.exit_note)
+                return wire.BashObservation(output=self._take_notice() + _unecho(
+                    cmd.consume(), action.command), exit_code=0)
             if not expect:
                 await asyncio.sleep(action.timeout if action.timeout is not None else 0.5)
-                return wire.BashObservation(output=cmd.consume().strip(), exit_code=0)
+                return wire.BashObservation(output=self._take_notice() + _unecho(
+                    cmd.consume(), action.command), exit_code=0)
             got = await self._wait(lambda: cmd.find(expect), action.timeout)
             if got is None:
                 raise wire.RemoteError(wire.CommandTimeoutError,
                                        f"timeout after {action.timeout} seconds while running "
                                        f"command {action.command!r}")
-            return wire.BashObservation(output=got[0].lstrip().removeprefix(action.command)
-                                        .strip(), exit_code=0, expect_string=got[1])
+            return wire.BashObservation(output=self._take_notice() + _unecho(
+                got[0], action.command), exit_code=0, expect_string=got[1])
 
     async def interrupt(self, action: wire.BashInterruptAction) -> wire.BashObservation:
-        """Ctrl-C for the latest still-running command: SIGINT to its process group, then wait
-        for it to end; after ``n_retry`` tries SIGTERM, then SIGKILL (the session's state is
-        what the last finished command left)."""
+        """Ctrl-C for the latest still-running command, as SWE-ReX's server does: ^C typed
+        into its terminal (the line discipline signals its foreground process group), up to
+        ``n_retry`` times, ``timeout`` each, until the command ended; then its process group
+        is killed (SWE-ReX: ``kill -9 %1``; the session keeps the state the last finished
+        command left, and the next output starts with bash's ``Killed`` notice)."""
         self._interrupts += 1
         self._changed.set()  # a waiting run gives up and releases the lock
         timeout = max(action.timeout, INTERRUPT_TIMEOUT_MIN_S)
@@ -389,17 +457,32 @@ class BashSession:
             cmd = self._foreground()
             if cmd is None:
                 return wire.BashObservation(output="", exit_code=0)
-            signals = [signal.SIGINT] * max(action.n_retry, 1) + [signal.SIGTERM, signal.SIGKILL]
-            for sig in signals:
-                with contextlib.suppress(errors.BadRequest):  # ended meanwhile
-                    await self.edge.exec_kill(self.sandbox_id, cmd.exec_id, sig)
-                if await self._wait(lambda: cmd.finished or None, timeout):
+            expect = [e.encode() for e in action.expect]
+            for attempt in range(max(action.n_retry, 1) + 1):
+                if attempt < max(action.n_retry, 1):
+                    await self._stdin(cmd, CTRL_C)
+                else:
+                    cmd.killed = True
+                    with contextlib.suppress(errors.BadRequest):  # ended meanwhile
+                        await self.edge.exec_kill(self.sandbox_id, cmd.exec_id, signal.SIGKILL)
+                def ended_or_expected() -> tuple[str, str] | None:
+                    return ("", "") if cmd.finished else cmd.find(expect)
+
+                got = await self._wait(ended_or_expected, timeout)
+                if got is not None:
                     if self.exited:
                         raise SessionGone(self.exit_note)
+                    if got[1]:  # an expect string seen: the program is still up
+                        return wire.BashObservation(output=got[0].strip(), exit_code=0,
+                                                    expect_string=got[1])
                     return wire.BashObservation(output=cmd.consume().strip(), exit_code=0)
         tail = clean_output(bytes(cmd.buf[-2000:]))
         raise wire.RemoteError(wire.CommandTimeoutError,
                                f"Failed to interrupt session; last output: {tail!r}")
+
+    def _take_notice(self) -> str:
+        notice, self._notice = self._notice, ""
+        return notice
 
     # ---- execs ----
     def _foreground(self) -> _Command | None:
@@ -407,45 +490,48 @@ class BashSession:
         return self._running[-1] if self._running else None
 
     async def _start(self, command: str, gate: asyncio.Future[None] | None = None) -> _Command:
-        """A new exec of the platform shell running ``command``; with ``gate``, the command
-        is sent only once that succeeds (else the exec is killed and its error raised)."""
+        """A new exec of the platform shell on a terminal, running ``command`` after the
+        session's state; with ``gate``, the exec starts only once that succeeds (its error
+        is raised as is)."""
         if self.exited:
             raise SessionGone(self.exit_note)
         script = session_script(self._state, command)
-        spec = ExecSpec(cmd=BOOT.format(n=len(script)), stdin=True)
-        exec_id = await self.edge.exec_start(self.sandbox_id, spec)
+        text = script.decode("utf-8", "surrogateescape")
+        script_file = None
+        if len(script) > MAX_INLINE_SCRIPT or not _encodes(text):
+            script_file = f"{SCRIPT_DIR}/.rollbox-swerex-{secrets.token_hex(12)}"
+            text = BOOT_FILE.format(n=len(script), path=script_file)
+        try:
+            if script_file is not None:
+                await self.edge.file_write(self.sandbox_id, script_file, script, 0o600)
+            if gate is not None:
+                await gate
+            spec = ExecSpec(cmd=text, pty=PtySize(cols=PTY_COLS, rows=PTY_ROWS),
+                            pty_stderr=True)
+            exec_id = await self.edge.exec_start(self.sandbox_id, spec)
+        except BaseException:
+            if script_file is not None:
+                with contextlib.suppress(errors.RollboxError):
+                    await self.edge.file_remove(self.sandbox_id, script_file, False)
+            raise
         self.exec_id = exec_id
-        cmd = _Command(exec_id)
+        cmd = _Command(exec_id, command, script_file)
         cmd.reader = asyncio.ensure_future(self._read(cmd))
         self._running.append(cmd)
-        if gate is not None:
-            try:
-                await gate
-            except BaseException:
-                self._running.remove(cmd)
-                with contextlib.suppress(errors.RollboxError):
-                    await self.edge.exec_kill(self.sandbox_id, exec_id, signal.SIGKILL)
-                raise
-        await self._stdin(cmd, script)
         return cmd
 
-    async def _start_pty(self, command: str) -> _Command:
-        """A new exec of the platform shell on a terminal running ``command`` after the
-        session's state (passed in its argv: a terminal's input would echo and edit it)."""
-        if self.exited:
-            raise SessionGone(self.exit_note)
-        script = pty_script(self._state, command)
-        if len(script.encode("utf-8", "surrogateescape")) > MAX_PTY_SCRIPT:
-            raise wire.RemoteError(wire.SwerexException, "the session's state is too large "
-                                   f"(over {MAX_PTY_SCRIPT} bytes) to start a program on a "
-                                   "terminal")
-        spec = ExecSpec(cmd=script, pty=PtySize(cols=PTY_COLS, rows=PTY_ROWS))
-        exec_id = await self.edge.exec_start(self.sandbox_id, spec)
-        self.exec_id = exec_id
-        cmd = _Command(exec_id, pty=True)
-        cmd.reader = asyncio.ensure_future(self._read(cmd))
-        self._running.append(cmd)
-        return cmd
+    def _remove_script(self, cmd: _Command) -> None:
+        path, cmd.script_file = cmd.script_file, None
+        if path is None:
+            return
+
+        async def remove() -> None:
+            with contextlib.suppress(errors.RollboxError):
+                await self.edge.file_remove(self.sandbox_id, path, False)
+
+        task = asyncio.ensure_future(remove())
+        self._cleanup.add(task)
+        task.add_done_callback(self._cleanup.discard)
 
     async def _stdin(self, cmd: _Command, data: bytes) -> None:
         try:
@@ -489,11 +575,7 @@ class BashSession:
         """A command ended: take the state it left; end the session on ``exit`` or a lost
         sandbox."""
         cmd.finished = True
-        if cmd.pty:  # a program on a terminal: the session goes on with the state it had
-            if cmd.error:
-                self._end(cmd.error)
-            self._changed.set()
-            return
+        self._remove_script(cmd)
         got = None if cmd.channel_over else parse_state(bytes(cmd.channel))
         if cmd.channel_over:
             log.warning("swe-rex session %s: state over %d bytes not carried over", self.name,
@@ -502,6 +584,9 @@ class BashSession:
             how, self._state = got
         else:  # a signal (an interrupt's SIGKILL) keeps the session; else `exit` or `exec` left it
             how = "killed" if cmd.result is not None and cmd.result.signal else "exit"
+        if cmd.killed and cmd.result is not None and cmd.result.signal == signal.SIGKILL:
+            # what bash prints for a job killed by `kill -9 %1` (SWE-ReX's interrupt fallback)
+            self._notice = f"[1]+  Killed                  {cmd.command}\n"
         if how == "exit" and cmd.result is not None:
             self._end(f"the session's shell exited (exit code {self._exit_code(cmd)})")
         if cmd.error:
@@ -527,3 +612,19 @@ class BashSession:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(remaining):
                     await self._changed.wait()
+
+
+def _encodes(text: str) -> bool:
+    """Whether ``text`` goes to the edge as UTF-8 (a state with bytes that are not UTF-8
+    does not: it takes the file)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _unecho(output: str, line: str) -> str:
+    """Output after a line typed into a terminal, less the terminal's echo of it (SWE-ReX:
+    ``output.lstrip().removeprefix(command).strip()``)."""
+    return output.lstrip().removeprefix(line.strip()).strip()
