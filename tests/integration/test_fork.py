@@ -295,3 +295,35 @@ async def test_fork_children_take_the_nodes_create_concurrency_cap(edge) -> None
             held -= 1
         await delete_all(edge, [*children_of(edge, src.id), src.id])
     assert lowers(edge) == set()
+
+
+async def test_a_fork_whose_child_fails_leaves_nothing_half_made(edge) -> None:  # noqa: ANN001
+    """One child of three can not get a uid range (the node's slots are taken): the fork
+    is refused, typed; the children made are torn down (verified), their references and
+    the shared lower are gone, and every slot is free again."""
+    src = await edge.create(SandboxSpec(image=BB, resources=Resources(memory_mib=64)), "proj")
+    slots = edge.backend.slots
+    taken: list[int] = []
+    try:
+        before = set(edge.live)
+        free = slots.slots - len(slots.in_use())
+        taken = [slots.acquire() for _ in range(free - 2)]  # room for 2 children, not 3
+        with pytest.raises(CapacityExceeded):
+            await edge.fork(src.id, ForkSpec(n=3), "proj")
+        assert set(edge.live) == before and lowers(edge) == set()
+        refs = edge.backend.disk.refs
+        assert not refs.is_dir() or [p.name for p in refs.iterdir() if p.name != ".lock"] == []
+        assert edge.backend.host_sandbox_ids(edge.node_id) == set(before)
+        assert edge.admission.total.sandboxes == len(edge.live)
+        for slot in taken:
+            slots.release(slot)
+        taken = []
+        assert slots.slots - len(slots.in_use()) == free
+        res = await edge.fork(src.id, ForkSpec(n=3), "proj")  # room again: all three
+        assert len(res.children) == 3
+        await delete_all(edge, [c.id for c in res.children])
+    finally:
+        for slot in taken:
+            slots.release(slot)
+        await delete_all(edge, [*children_of(edge, src.id), src.id])
+    assert lowers(edge) == set()

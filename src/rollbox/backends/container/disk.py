@@ -30,7 +30,7 @@ import os
 import secrets
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -391,13 +391,17 @@ class DiskPool:
         os.chmod(self.dir, 0o700)
         return self.refs / ".lock"
 
-    def ref(self, lower: str, sandbox_id: str) -> None:
-        """``sandbox_id`` uses fork lower ``lower`` (InfraError: it is gone)."""
+    def ref(self, lowers: Sequence[str], sandbox_ids: Sequence[str]) -> None:
+        """Each of ``sandbox_ids`` uses each fork lower of ``lowers``: a fork's children all
+        at once, under one lock, before any mounts one (InfraError: a lower is gone; none
+        referenced then)."""
         with self._refs_lock, syscalls.flocked(self._refs_lock_file()):
-            d = self.refs / lower
-            if not d.is_dir() or not os.path.lexists(self.path(lower)):
-                raise InfraError(f"fork lower {lower} is gone")
-            (d / sandbox_id).touch()
+            for lower in lowers:
+                if not (self.refs / lower).is_dir() or not os.path.lexists(self.path(lower)):
+                    raise InfraError(f"fork lower {lower} is gone")
+            for lower in lowers:
+                for sandbox_id in sandbox_ids:
+                    (self.refs / lower / sandbox_id).touch()
 
     def unref(self, lower: str, sandbox_id: str) -> list[str]:
         """``sandbox_id`` no longer uses ``lower``; the last user's unref deletes it. Returns

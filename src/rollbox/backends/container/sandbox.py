@@ -282,7 +282,8 @@ class ContainerBackend:
         hardened=False: the red-team tests' deliberately weak twin (see bundle.py), never from
         the API. hidden_paths: paths of the tree the sandbox's commands can not see.
         fork_lowers: a fork child's frozen writable layers (see :meth:`fork`), each shifted
-        from its owner's uids to this sandbox's; the child gets a fresh identity."""
+        from its owner's uids to this sandbox's, referenced for it by the caller before
+        (``DiskPool.ref``); the child gets a fresh identity."""
         bundle.normalize_hidden(hidden_paths)  # bad input fails before anything is allocated
         if disk_tier not in ("disk", "memory"):
             raise BadRequest(f"unknown disk tier {disk_tier!r}", disk_tier=disk_tier)
@@ -309,7 +310,6 @@ class ContainerBackend:
                 shifts = []
                 try:
                     for lower, owner_uid in fork_lowers:
-                        self.disk.ref(lower, sandbox_id)  # before it is mounted
                         shifts.append((self.disk.path(lower) / rootfs.upper.name,
                                        make_userns_fd(host_uid, RANGE, inside=owner_uid)))
                     with self.layer_mounts.in_use():  # no unmount until the clones exist
@@ -672,25 +672,33 @@ class ContainerBackend:
                              "a copy)", sandbox_id=sb.id, disk_tier="memory")
         v1 = self._v1_freezer(sb.id)
 
-        def freeze_and_snapshot() -> tuple[str, float]:
+        child_ids = [cid for cid, _ in children]
+        snapped: list[str] = []  # the new lower, once it exists (PENDING_REF holds it)
+
+        def freeze_and_snapshot() -> tuple[list[tuple[str, int]], float]:
             t0 = time.monotonic()
             if not paused:
                 cgroups.freeze(sb.v2_cgroup, v1)
             try:
                 syscalls.syncfs(sb.rootfs.merged)
-                lower = self.disk.fork_lower(sb.id)
+                snapped.append(self.disk.fork_lower(sb.id))
             finally:
                 if not paused:
                     cgroups.thaw(sb.v2_cgroup, v1)
-            return lower, time.monotonic() - t0
+            frozen_s = time.monotonic() - t0
+            lowers = [*sb.fork_lowers, (snapped[0], sb.host_uid)]
+            # Every child's references at once (one lock), before any mounts a lower.
+            self.disk.ref([name for name, _ in lowers], child_ids)
+            return lowers, frozen_s
 
-        try:
-            lower, frozen_s = await asyncio.to_thread(freeze_and_snapshot)
-        except OSError as exc:
-            raise InfraError(f"fork of {sb.id}: syncfs failed: {exc}") from exc
-        lowers = [*sb.fork_lowers, (lower, sb.host_uid)]
         made: list[ContainerSandbox] = []
         try:
+            try:
+                # to its end if cancelled: the lower and its references are then known to
+                # the cleanup below
+                lowers, frozen_s = await to_the_end(asyncio.to_thread(freeze_and_snapshot))
+            except OSError as exc:
+                raise InfraError(f"fork of {sb.id}: syncfs failed: {exc}") from exc
             async def one(child_id: str, spec: ResolvedSpec) -> ContainerSandbox:
                 child = await self.create_container(
                     child_id, list(spec.layers), spec.resources, spec.env,
@@ -706,7 +714,19 @@ class ContainerBackend:
             await teardown_after(exc, self._destroy_all(made))
             raise
         finally:
-            await asyncio.to_thread(self.disk.unref, lower, PENDING_REF)
+            if snapped:
+                await asyncio.to_thread(self._drop_refs, snapped[0],
+                                        [c for c in child_ids if c not in
+                                         {b.id for b in made}])
+
+    def _drop_refs(self, lower: str, sandbox_ids: list[str]) -> None:
+        """After a fork: the references of children that were never made (a failed child's
+        teardown dropped its own; one that never ran its create, e.g. cancelled first, did
+        not) unless something of one is left, then the fork's own hold on the new lower."""
+        for sid in sandbox_ids:
+            if not self.leftovers(sid):
+                self.disk.unref_lowers(sid)
+        self.disk.unref(lower, PENDING_REF)
 
     async def _destroy_all(self, boxes: list[ContainerSandbox]) -> None:
         results = await asyncio.gather(*(self.destroy(b) for b in boxes),
