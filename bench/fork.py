@@ -26,7 +26,10 @@ on all alike:
   the node offers no microVM fork.
 
 ``fork_vs_snapshot_create_ratio`` is fork(8)'s ready p50 over snapshot + create(8)'s (below 1:
-fork is faster).
+fork is faster). fork(1), fork(8) and create(8) run 15 rounds each (``--quick``: 3), fork(32)
+3 (1). ``fork8_cpu_ms`` / ``create8_cpu_ms``: CPU per round, deletes included, of this
+process (the edge) and its reaped children (runc, the agents and what they ran), whatever
+load from elsewhere does to the wall-clock times; ``fork8_vs_create8_cpu_ratio`` their ratio.
 
 - **port proxy**: ``bench/ports`` (its own scratch ``rollbox serve``) after the fork rounds; its
   ``port_proxy_*``, ``direct_*`` and ``api_health_p50_ms`` keys are copied into this JSON.
@@ -36,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import resource
 import secrets
 import shutil
 import statistics
@@ -88,9 +92,18 @@ def child_memory_bytes(edge: Any, ids: list[str]) -> float:
     return sum(vals) / len(vals)
 
 
+def cpu_s() -> float:
+    """CPU seconds of this process (the edge's threads) and of its reaped children (runc,
+    the sandboxes' agents and commands, reaped by the edge as their subreaper)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+        resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 async def fork_round(edge: Any, src: str, n: int) -> dict[str, Any]:
     pool = edge.backend.disk
     before = pool.used_bytes()
+    cpu0 = cpu_s()
     t0 = time.perf_counter()
     res = await edge.fork(src, ForkSpec(n=n), OWNER)
     ids = [c.id for c in res.children]
@@ -101,7 +114,8 @@ async def fork_round(edge: Any, src: str, n: int) -> dict[str, Any]:
         mem = child_memory_bytes(edge, ids)
     finally:
         await delete_all(edge, ids)
-    return {"all": max(ready), "each": ready, "frozen": res.frozen_s, "disk": disk, "mem": mem}
+    return {"all": max(ready), "each": ready, "frozen": res.frozen_s, "disk": disk, "mem": mem,
+            "cpu": cpu_s() - cpu0}
 
 
 async def creates_ready(edge: Any, spec: SandboxSpec, n: int, t0: float) -> float:
@@ -118,8 +132,10 @@ def plain(image: str) -> SandboxSpec:
     return SandboxSpec(image=image, ttl_s=600, resources=Resources(memory_mib=128))
 
 
-async def create_round(edge: Any, image: str, n: int) -> float:
-    return await creates_ready(edge, plain(image), n, time.perf_counter())
+async def create_round(edge: Any, image: str, n: int) -> dict[str, float]:
+    cpu0 = cpu_s()
+    ready = await creates_ready(edge, plain(image), n, time.perf_counter())
+    return {"all": ready, "cpu": cpu_s() - cpu0}
 
 
 async def snapshot_create_round(edge: Any, src: str, n: int) -> tuple[float, float]:
@@ -198,7 +214,7 @@ async def run(quick: bool) -> dict[str, Any]:
     edge = Edge(settings, events)
     await edge.start()
     mb = 100 if quick else 500
-    reps = 3 if quick else 7
+    reps = 3 if quick else 15  # fork1, fork8, create8 (fork32: 1 / 3)
     res: dict[str, Any] = {"image": IMAGE, "quick": quick, "writable_mb": mb,
                            "load_start": round(os.getloadavg()[0], 1)}
     try:
@@ -235,8 +251,14 @@ async def run(quick: bool) -> dict[str, Any]:
             res[f"{name}_disk_per_child_kib"] = statistics.median(r["disk"] for r in rs) / 1024
             res[f"{name}_memory_per_child_kib"] = statistics.median(r["mem"] for r in rs) / 1024
             res[f"{name}_rounds"] = len(rs)
-        c8 = ms(rounds["create8"])
+        c8 = ms([r["all"] for r in rounds["create8"]])
         res["create8_ready_p50_ms"], res["create8_ready_p99_ms"] = c8["p50"], c8["p99"]
+        res["create8_rounds"] = len(rounds["create8"])
+        # CPU per round (the round's deletes included): what a fork costs against 8 creates
+        # whatever the load from elsewhere does to the wall-clock times
+        res["fork8_cpu_ms"] = statistics.median(r["cpu"] for r in rounds["fork8"]) * 1000
+        res["create8_cpu_ms"] = statistics.median(r["cpu"] for r in rounds["create8"]) * 1000
+        res["fork8_vs_create8_cpu_ratio"] = res["fork8_cpu_ms"] / res["create8_cpu_ms"]
         peer = [await snapshot_create_round(edge, src, 8) for _ in range(1 if quick else 2)]
         res["snapshot_create8_ready_p50_ms"] = statistics.median(p[0] for p in peer) * 1000
         res["snapshot_alone_p50_ms"] = statistics.median(p[1] for p in peer) * 1000
