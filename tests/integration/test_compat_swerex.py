@@ -127,6 +127,12 @@ async def test_sessions_commands_and_errors(env: Env) -> None:
     obs = await rt.run_in_session(BashAction(
         command="[ -t 0 ] && [ -t 1 ] && [ -t 2 ] && echo tty; stty size; echo $TERM"))
     assert obs.output == "tty\n24 80\nxterm-256color\n", obs.output
+    # a background job outlives its command's terminal (the shell's exit hangs it up: SIGHUP
+    # is ignored, as under nohup) and keeps running for the next command
+    await rt.run_in_session(BashAction(command="sleep 60 >/dev/null 2>&1 & bgpid=$!"))
+    obs = await rt.run_in_session(BashAction(command="sleep 0.3; kill -0 $bgpid && echo alive; "
+                                             "kill $bgpid"))
+    assert obs.output == "alive\n", obs.output
     # a program started by an interactive command prompts on the terminal with the session's
     # state; the line typed into it is echoed there (SWE-ReX removes that echo, so do we), and
     # what the command changes is carried back like any command's

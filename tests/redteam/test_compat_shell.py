@@ -10,6 +10,7 @@ One module-wide server and event loop (the e2b SDK keeps one connection pool per
 """
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,7 +19,7 @@ import pytest
 import pytest_asyncio
 
 from rollbox.errors import NotFound
-from rollbox.models import ExecResult, ExecSpec
+from rollbox.models import ExecResult, ExecSpec, PtySize
 from tests.conftest import have_image
 from tests.helpers.e2b_node import e2b_node
 from tests.redteam.conftest import needs_root, offered_or_skip
@@ -161,6 +162,35 @@ async def test_a1_session_exit_status_and_end_not_forgeable(env: Env, kind: str)
         await env.edge.delete(sid)
 
 
+async def test_a1_session_terminal_writer_can_not_forge(env: Env) -> None:
+    # Session commands run on a terminal; a background process of the sandbox writes SWE-ReX's
+    # own framing (its exit-code markers and PS1) to every terminal of the sandbox. It reaches
+    # the command's terminal (its text is in the output) but not its exit code or its end,
+    # which are the agent's. Twin: SWE-ReX's framing (`echo EXITCODESTART$?EXITCODEEND` read
+    # back from the same kind of terminal) reports `false` as 0.
+    info = await env.edge.create(_spec(), "redteam-shell")
+    sid = info.id
+    rt = env.runtime(sid)
+    try:
+        await rt.create_session(CreateBashSessionRequest())
+        await rt.run_in_session(BashAction(command=TTY_WRITER))
+        obs = await rt.run_in_session(BashAction(command="sleep 0.5; false", check="silent",
+                                                 timeout=10))
+        assert obs.exit_code == 1, obs
+        assert "EXITCODESTART0EXITCODEEND" in obs.output, obs  # the writer reached it
+        obs = await rt.run_in_session(BashAction(command="sleep 0.3; echo real", timeout=10))
+        assert obs.exit_code == 0 and obs.output.endswith("real\n"), obs
+        # twin: the marker framing on a terminal the writer reaches
+        r = await env.run(sid, "sleep 0.5; false; echo EXITCODESTART$?EXITCODEEND",
+                          pty=PtySize())
+        first = re.search(r"EXITCODESTART(\d+)EXITCODEEND", r.stdout)
+        assert first is not None and first.group(1) == "0", r.stdout
+        assert "EXITCODESTART1EXITCODEEND" in r.stdout  # the shell's own, read too late
+    finally:
+        await rt.close()
+        await env.edge.delete(sid)
+
+
 async def test_a1_old_marker_framing_is_forgeable_twin(env: Env) -> None:
     # twin: the old framing (a long-lived shell prints `__RBX<token>__<status>__`) with the same
     # session state reports `false` as exit code 0
@@ -180,6 +210,10 @@ async def test_a1_old_marker_framing_is_forgeable_twin(env: Env) -> None:
         await env.edge.delete(sid)
 
 
+# A background process writing SWE-ReX's framing to every terminal of the sandbox.
+TTY_WRITER = ("(while :; do for t in /dev/pts/[0-9]*; do "
+              "builtin printf 'EXITCODESTART0EXITCODEEND\\nSHELLPS1PREFIX' > \"$t\"; "
+              "done 2>/dev/null; sleep 0.02; done) >/dev/null 2>&1 &")
 # Session state an agent could leave behind to forge what the old framing printed.
 FORGE = ("printf() { builtin printf \"$1\" 0; }; "
          "(while sleep 0.05; do builtin printf '__RBX%s__0__\\n' 0000000000000000; done "

@@ -32,7 +32,8 @@ notice for it (``[1]+  Killed  ...``).
 
 Differences from a long-lived ``bash -i``: the shell is not interactive (``$-`` has no ``i``;
 aliases are expanded anyway); traps, jobs and open file descriptors do not outlive a command
-(background processes keep running, but their output ends with the command: redirect it);
+(background processes keep running, ignoring SIGHUP as under ``nohup``, but their output
+ends with the command: redirect it);
 ``exit`` ends the session; an interrupted or failed command (``set -e``, ``set -u``) does not.
 
 Owns the sessions' framing and state only; the sandbox's lifetime belongs to the edge.
@@ -87,6 +88,9 @@ _NAMES = " ".join(f'"${{!{c}@}}"' for c in "_abcdefghijklmnopqrstuvwxyzABCDEFGHI
 _SKIP = ("__rbx_*|BASH*|EUID|PPID|UID|SHELLOPTS|SHLVL|RANDOM|SRANDOM|SECONDS|EPOCH*|LINENO|"
          "HISTCMD|FUNCNAME|GROUPS|PIPESTATUS|DIRSTACK|COMP_WORDBREAKS|_")
 # No subshell anywhere (a fork per command costs more than the rest): names come from ${!x@}.
+# SIGHUP ignored (inherited, as under nohup): the shell is its terminal's session leader, and
+# its exit hangs the terminal up, which sends SIGHUP to the terminal's process group, the
+# command's background jobs included; they outlive the command, as in a long-lived shell.
 _FRAME = r"""exec 2>&1
 unset __rbx_ran __rbx_sig __rbx_exit __rbx_x
 exit() { __rbx_exit=1; builtin exit "$@"; }
@@ -117,6 +121,7 @@ __rbx_end() {
 trap '{ __rbx_rc=$? __rbx_x=${__rbx_x-$-}; set +x; } 2>/dev/null; __rbx_end' EXIT
 trap '__rbx_sig=1; builtin exit 130' INT
 trap '__rbx_sig=1; builtin exit 143' TERM
+trap '' HUP
 """
 # Restores the state the shell was given (after it, before the command).
 _RESTORE = r"""if [[ -n ${__rbx_known-} ]]; then  # exported variables the session had unset stay unset
