@@ -21,9 +21,13 @@ on all alike:
 - **create(8)**: 8 plain creates of the image at once, each answering an exec.
 
 - **microVM fork(8)**: a ``python:3.11`` microVM (memory 256 MiB) restored from its template
-  (built by the first create, not timed), forked into 8 (memory and processes carried); the
-  peer is 8 creates restored from the template, in the same run. Null with the reason where
-  the node offers no microVM fork.
+  (built by the first create, not timed), forked into 8 (memory and processes carried), with
+  the children's warm-up (``vm_fork_warm``, the default) and without, interleaved; the peer is
+  8 creates restored from the template, in the same run. The CPU a fork(8) costs (children's
+  QEMUs, the source's, this process) over the host's cores is ``microvm_fork8_cpu_floor_ms``:
+  no fork of this design is ready sooner here. One child alone (fork(1)) is profiled: its
+  QEMU's CPU until restored, over its first and second exec, and TCG's translated code blocks
+  (HMP ``info jit``). Null with the reason where the node offers no microVM fork.
 
 ``fork_vs_snapshot_create_ratio`` is fork(8)'s ready p50 over snapshot + create(8)'s (below 1:
 fork is faster). fork(1), fork(8) and create(8) run 15 rounds each (``--quick``: 3), fork(32)
@@ -52,7 +56,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rollbox.benchkit import emit, load_bench, percentile  # noqa: E402
+from rollbox.benchkit import emit, load_bench, percentile, process_cpu_s  # noqa: E402
 from rollbox.config import Settings  # noqa: E402
 from rollbox.errors import RollboxError  # noqa: E402
 from rollbox.isolation import cgroups  # noqa: E402
@@ -168,32 +172,122 @@ def full_copy(edge: Any, src: str) -> tuple[float, float]:
         pool.remove(dst)
 
 
+def tb_count(jit: str) -> int | None:
+    """``TB count`` of HMP ``info jit``: guest code blocks TCG has translated in this QEMU."""
+    for line in jit.splitlines():
+        if line.startswith("TB count"):
+            return int(line.split()[-1])
+    return None
+
+
+async def child_tbs(vm: Any) -> int | None:
+    from rollbox.backends.microvm import qmp
+    async with qmp.session(vm.qmp_path, 10) as q:
+        jit = await q.execute("human-monitor-command", {"command-line": "info jit"})
+    return tb_count(str(jit))
+
+
+async def microvm_profile(edge: Any, src: str) -> dict[str, Any]:
+    """One child alone (fork(1): no other restore, no warm-up): its QEMU's CPU when the fork
+    returned (QEMU start, state load, resume, make-unique), over its first exec and its second,
+    and the guest code blocks TCG translated by then (HMP ``info jit``)."""
+    be = edge.backends["microvm"]
+    res = await edge.fork(src, ForkSpec(n=1), OWNER)
+    cid = res.children[0].id
+    try:
+        vm = be._vms[cid]
+        restored = process_cpu_s(vm.pid)
+        tb_restored = await child_tbs(vm)
+        await answer(edge, cid, 0.0)
+        first = process_cpu_s(vm.pid)
+        tb_first = await child_tbs(vm)
+        await answer(edge, cid, 0.0)
+        second = process_cpu_s(vm.pid)
+    finally:
+        await delete_all(edge, [cid])
+    return {"restored_ms": restored * 1000, "first_exec_ms": (first - restored) * 1000,
+            "second_exec_ms": (second - first) * 1000, "tb_restored": tb_restored,
+            "tb_first_exec": tb_first}
+
+
+async def microvm_fork_round(edge: Any, src: str, n: int, warm: bool) -> dict[str, Any]:
+    """fork(n) with the children's warm-up on or off; plus the CPU the whole fork cost: the
+    children's QEMUs (everything since they started), the source's QEMU and this process (the
+    edge), from the fork's start until every child answered."""
+    be = edge.backends["microvm"]
+    be.settings.vm_fork_warm = warm
+    src_pid = be._vms[src].pid
+    c0, s0 = process_cpu_s(None, children=True), process_cpu_s(src_pid)
+    r = await fork_round_cpu(edge, src, n, lambda ids: sum(
+        process_cpu_s(be._vms[i].pid) for i in ids))
+    r["cpu"] = (r["children_cpu"] + process_cpu_s(src_pid) - s0
+                + process_cpu_s(None, children=True) - c0)
+    return r
+
+
+async def fork_round_cpu(edge: Any, src: str, n: int, cpu: Any) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    res = await edge.fork(src, ForkSpec(n=n), OWNER)
+    ids = [c.id for c in res.children]
+    try:
+        ready = await asyncio.gather(*(answer(edge, i, t0) for i in ids))
+        children_cpu = cpu(ids)
+    finally:
+        await delete_all(edge, ids)
+    return {"all": max(ready), "frozen": res.frozen_s, "children_cpu": children_cpu}
+
+
 async def microvm_rounds(edge: Any, reps: int) -> dict[str, Any]:
     """fork(8) of a python:3.11 microVM (restored from its template, which the first create
-    builds) that wrote a file and keeps a process: all 8 children answering an exec; the
-    peer is 8 creates restored from the template in the same run."""
+    builds) that wrote a file and keeps a process: all 8 children answering an exec, with the
+    children's warm-up (the default) and without, interleaved; the peer is 8 creates restored
+    from the template in the same run. Then one child's CPU profile (:func:`microvm_profile`)."""
     spec = SandboxSpec(image=VM_IMAGE, backend="microvm", ttl_s=3600,
                        resources=Resources(memory_mib=256, disk_mib=256))
+    be = edge.backends["microvm"]
     src = (await edge.create(spec, OWNER)).id
-    out: dict[str, Any] = {"microvm_accel": edge.backends["microvm"].capacity().facts.get(
-        "accel")}
+    out: dict[str, Any] = {"microvm_accel": be.capacity().facts.get("accel")}
+    warm_default = be.settings.vm_fork_warm
+    cores = os.cpu_count() or 1
     try:
         eid = await edge.exec_start(src, ExecSpec(cmd="echo x > /root/state; sync",
                                                   timeout_s=120))
         assert (await edge.exec_wait(src, eid)).exit_code == 0
-        forks, frozen, creates = [], [], []
+        await microvm_fork_round(edge, src, 2, True)  # warm-up: the state file path, caches
+        forks, cold, frozen, cpu, creates = [], [], [], [], []
         for _ in range(reps):
-            r = await fork_round(edge, src, 8)
+            r = await microvm_fork_round(edge, src, 8, True)
             forks.append(r["all"])
             frozen.append(r["frozen"])
+            cpu.append(r["cpu"])
             creates.append(await creates_ready(edge, spec, 8, time.perf_counter()))
+            cold.append((await microvm_fork_round(edge, src, 8, False))["all"])
+        be.settings.vm_fork_warm = warm_default
+        prof = await microvm_profile(edge, src)
         out["microvm_fork8_ready_p50_ms"] = statistics.median(forks) * 1000
+        out["microvm_fork8_nowarm_ready_p50_ms"] = statistics.median(cold) * 1000
         out["microvm_fork8_source_frozen_ms"] = statistics.median(frozen) * 1000
         out["microvm_create8_ready_p50_ms"] = statistics.median(creates) * 1000
         out["microvm_fork8_vs_create8_ratio"] = (out["microvm_fork8_ready_p50_ms"]
                                                  / out["microvm_create8_ready_p50_ms"])
+        out["microvm_fork8_vs_nowarm_ratio"] = (out["microvm_fork8_ready_p50_ms"]
+                                                / out["microvm_fork8_nowarm_ready_p50_ms"])
+        # the CPU one fork(8) costs (children's QEMUs, the source's, the edge) over the cores:
+        # no fork of this design can be ready sooner on this host
+        out["microvm_fork8_cpu_s"] = statistics.median(cpu)
+        out["microvm_fork8_cpu_floor_ms"] = statistics.median(cpu) / cores * 1000
+        out["microvm_child_cpu_restored_ms"] = prof["restored_ms"]
+        out["microvm_child_cpu_first_exec_ms"] = prof["first_exec_ms"]
+        out["microvm_child_cpu_second_exec_ms"] = prof["second_exec_ms"]
+        out["microvm_child_tb_restored"] = prof["tb_restored"]
+        out["microvm_child_tb_first_exec"] = prof["tb_first_exec"]
+        # 8 children's first commands alone, over the cores: TCG translating the guest's exec
+        # path anew in each child's QEMU, whatever the restore costs
+        out["microvm_fork8_first_exec_floor_ms"] = 8 * prof["first_exec_ms"] / cores
+        out["microvm_cores"] = cores
         out["microvm_rounds"] = reps
     finally:
+        be.settings.vm_fork_warm = warm_default
         await edge.delete(src)
     return out
 
@@ -273,7 +367,7 @@ async def run(quick: bool) -> dict[str, Any]:
         cap = edge.backends["microvm"].capacity() if "microvm" in edge.backends else None
         if cap is not None and cap.offered and cap.fork:
             try:
-                res.update(await microvm_rounds(edge, 1 if quick else 2))
+                res.update(await microvm_rounds(edge, 1 if quick else 3))
             except RollboxError as exc:  # the container figures stand; the failure is named
                 res["microvm_fork8_ready_p50_ms"] = None
                 res["microvm_fork_error"] = f"{exc.code}: {exc.message[:300]}"

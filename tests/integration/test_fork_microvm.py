@@ -56,3 +56,38 @@ async def test_a_microvm_fork_carries_memory_and_processes(vm_template_node: Set
             await asyncio.gather(*(b.destroy(v) for v in [src, *kids]), return_exceptions=True)
         for vm in [src, *kids]:
             assert b.leftovers(vm.id) == []
+
+
+@pytest.mark.parametrize("warm", [True, False])
+async def test_a_fork_wider_than_the_cores_warms_each_child_once(
+        vm_template_node: Settings, warm: bool) -> None:
+    """More children than cores (the restore gate's width): with ``vm_fork_warm`` each child
+    ran the platform shell once in a session of its own before the fork returned (its session
+    counter one past the source's), without it none did; either way every child answers, is
+    its own and leaves nothing behind."""
+    settings = vm_template_node
+    n = (os.cpu_count() or 1) + 1
+    saved = settings.vm_fork_warm
+    settings.vm_fork_warm = warm
+    try:
+        async with vm_backend(settings) as b:
+            spec = template_spec(settings)
+            src = await b.create(f"{settings.node_id}-fw{int(warm)}", spec)
+            kids: list[MicroVM] = []
+            try:
+                await sh(src, "true")
+                base = src.next_session
+                ids = [f"{settings.node_id}-fw{int(warm)}k{i}" for i in range(n)]
+                kids = list((await b.fork(src, [(i, spec) for i in ids], paused=False)).children)
+                assert [k.next_session for k in kids] == [base + int(warm)] * n
+                outs = [(await sh(k, "hostname; cat /etc/machine-id")).split("\n")
+                        for k in kids]
+                assert [o[0] for o in outs] == ids
+                assert len({o[1] for o in outs}) == n  # machine-ids differ
+            finally:
+                await asyncio.gather(*(b.destroy(v) for v in [src, *kids]),
+                                     return_exceptions=True)
+            for vm in [src, *kids]:
+                assert b.leftovers(vm.id) == []
+    finally:
+        settings.vm_fork_warm = saved
