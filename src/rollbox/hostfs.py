@@ -59,6 +59,15 @@ _TMP_PREFIX = ".rollbox-tmp-"
 # the sandbox's disk cap bounds what a write can store anyway.
 MAX_STREAM_FILE = 16 << 30
 STREAM_CHUNK = 1 << 20
+# A file's own extended attributes (FileStat.xattrs, written with a file): the user.*
+# namespace only (not user.overlay.*, the overlay's), capped so that every filesystem of a
+# writable layer stores them (btrfs keeps them in one metadata node) and a hostile sandbox's
+# attributes can not grow an answer.
+XATTR_PREFIX = "user."
+MAX_XATTRS = 64
+MAX_XATTR_NAME = 255
+MAX_XATTR_VALUE = 4096
+MAX_XATTRS_TOTAL = 8192
 
 
 # ---- checks both file APIs apply to hostile input alike: this one and the agent's
@@ -97,6 +106,74 @@ def check_write_data(data: object, max_write: int) -> None:
         raise errors.PayloadTooLarge(f"{len(data)} bytes is above the "
                                      f"{max_write}-byte write cap",
                                      size=len(data), limit=max_write)
+
+
+def check_xattrs(xattrs: object) -> dict[str, str]:
+    """Validate the extended attributes a caller writes with a file (BadRequest on any bad
+    one): a map of ``user.*`` names to text values within the caps above."""
+    if not isinstance(xattrs, dict):
+        raise errors.BadRequest("xattrs must be a map of names to values")
+    if len(xattrs) > MAX_XATTRS:
+        raise errors.BadRequest(f"at most {MAX_XATTRS} extended attributes per file",
+                                limit=MAX_XATTRS)
+    total = 0
+    for name, value in xattrs.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise errors.BadRequest("extended attribute names and values must be strings")
+        raw = name.encode("utf-8", "surrogateescape")
+        if (not name.startswith(XATTR_PREFIX) or name.startswith("user.overlay.")
+                or len(name) == len(XATTR_PREFIX) or "\0" in name
+                or len(raw) > MAX_XATTR_NAME):
+            raise errors.BadRequest(f"invalid extended attribute name {name[:100]!r} (user.*, "
+                                    f"at most {MAX_XATTR_NAME} bytes)")
+        size = len(value.encode("utf-8", "surrogateescape"))
+        if size > MAX_XATTR_VALUE:
+            raise errors.BadRequest(f"extended attribute {name[:100]!r} above "
+                                    f"{MAX_XATTR_VALUE} bytes", limit=MAX_XATTR_VALUE)
+        total += len(raw) + size
+    if total > MAX_XATTRS_TOTAL:
+        raise errors.BadRequest(f"extended attributes above {MAX_XATTRS_TOTAL} bytes in all",
+                                limit=MAX_XATTRS_TOTAL)
+    return dict(xattrs)
+
+
+def _set_xattrs(fd: int, xattrs: dict[str, str], path: str) -> None:
+    for name, value in xattrs.items():
+        try:
+            os.setxattr(fd, name, value.encode("utf-8", "surrogateescape"))
+        except OSError as exc:
+            if exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise errors.BadRequest(f"the sandbox's filesystem stores no extended "
+                                        f"attributes: {path}", path=path) from None
+            if exc.errno in (errno.E2BIG, errno.ENOSPC, errno.ERANGE):
+                raise errors.BadRequest(f"extended attributes too large for {path}",
+                                        path=path) from None
+            raise
+
+
+def _read_xattrs(dfd: int, name: str) -> dict[str, str] | None:
+    """The user.* attributes of entry ``name`` of directory fd ``dfd`` (not followed if a
+    link; the fd is already resolved in-root), capped as written; None if it has none."""
+    where = f"/proc/self/fd/{dfd}/{name}"
+    try:
+        names = os.listxattr(where, follow_symlinks=False)
+    except OSError:
+        return None  # vanished, or a filesystem without them
+    out: dict[str, str] = {}
+    for n in names:
+        if (not n.startswith(XATTR_PREFIX) or n.startswith("user.overlay.")
+                or len(n) > MAX_XATTR_NAME):
+            continue
+        try:
+            raw = os.getxattr(where, n, follow_symlinks=False)
+        except OSError:
+            continue
+        if len(raw) > MAX_XATTR_VALUE:
+            continue
+        out[n] = raw.decode("utf-8", "replace")
+        if len(out) >= MAX_XATTRS:
+            break
+    return out or None
 
 
 class _Stopped(Exception):
@@ -421,11 +498,16 @@ class SandboxFS:
             raise errors.BadRequest(f"{what} must be in 0..{ID_RANGE - 1}")
 
     def _filestat(self, path: str, name: str, s: os.stat_result,
-                  link_target: str | None = None) -> FileStat:
+                  link_target: str | None = None, dfd: int | None = None) -> FileStat:
+        """``dfd``: the directory fd ``name`` is in, to read its user.* attributes from (files
+        and directories only: links carry none)."""
+        xattrs = (_read_xattrs(dfd, name)
+                  if dfd is not None and (st.S_ISREG(s.st_mode) or st.S_ISDIR(s.st_mode))
+                  else None)
         return FileStat(path=path, name=name, type=_ftype(s.st_mode),  # type: ignore[arg-type]
                         size=s.st_size, mode=st.S_IMODE(s.st_mode), mtime=s.st_mtime,
                         uid=self._sid(s.st_uid), gid=self._sid(s.st_gid),
-                        link_target=link_target)
+                        link_target=link_target, xattrs=xattrs)
 
     # ---- read / write ---------------------------------------------------------------------
 
@@ -505,15 +587,18 @@ class SandboxFS:
             raise _os_error(exc, path) from exc
 
     def write(self, path: str, data: bytes, mode: int = 0o644, uid: int = 0, gid: int = 0,
-              parents: bool = True) -> None:
+              parents: bool = True, xattrs: dict[str, str] | None = None) -> None:
         """Atomically replace ``path`` with ``data`` (a symlink there is replaced, not
-        followed); missing parents are created when ``parents``."""
+        followed); missing parents are created when ``parents``. ``xattrs`` (user.*, see
+        :func:`check_xattrs`) are the new file's, set before it appears: a file replaced keeps
+        none of the old one's."""
         check_write_data(data, self.max_write)
-        self._write(path, lambda fd: _write_all(fd, data), mode, uid, gid, parents)
+        self._write(path, lambda fd: _write_all(fd, data), mode, uid, gid, parents, xattrs)
 
     async def write_stream(self, path: str, chunks: AsyncIterator[bytes], mode: int = 0o644,
                            uid: int = 0, gid: int = 0, parents: bool = True,
-                           max_bytes: int | None = None) -> int:
+                           max_bytes: int | None = None,
+                           xattrs: dict[str, str] | None = None) -> int:
         """Like :meth:`write` from a byte stream, pulled one chunk at a time by a worker thread
         (memory stays bounded). The file appears only once complete: a stream that fails, goes
         past ``max_bytes`` or fills the sandbox's disk leaves no file and no temp file behind.
@@ -529,37 +614,45 @@ class SandboxFS:
                                                      path=path, limit=cap)
                     _write_all(fd, data)
 
-            self._write(path, fill, mode, uid, gid, parents)
+            self._write(path, fill, mode, uid, gid, parents, xattrs)
             return reader.received
+
+        if xattrs:
+            check_xattrs(xattrs)  # before a byte of the stream is pulled
 
         return await _pulled(chunks, work)
 
     def _write(self, path: str, fill: Callable[[int], object], mode: int, uid: int, gid: int,
-               parents: bool) -> None:
+               parents: bool, xattrs: dict[str, str] | None = None) -> None:
         parts = _split(path)
         if not parts:
             raise errors.BadRequest("cannot write to /")
         self._check_id(uid, "uid")
         self._check_id(gid, "gid")
+        attrs = check_xattrs(xattrs) if xattrs else {}
         with self._use() as rfd:
             try:
                 dfd = self._ensure_dir(rfd, parts[:-1], uid=0, gid=0, create=parents)
                 try:
-                    self._put_file(dfd, parts[-1], fill, mode, uid, gid, None)
+                    self._put_file(dfd, parts[-1], fill, mode, uid, gid, None, attrs, path)
                 finally:
                     _close(dfd)
             except OSError as exc:
                 raise _os_error(exc, path) from exc
 
     def _put_file(self, dfd: int, name: str, fill: Callable[[int], object], mode: int,
-                  uid: int, gid: int, mtime: float | None) -> None:
-        """Write a temp file in ``dfd`` through ``fill``, then rename it over ``name``."""
+                  uid: int, gid: int, mtime: float | None,
+                  xattrs: dict[str, str] | None = None, path: str = "") -> None:
+        """Write a temp file in ``dfd`` through ``fill`` (with ``xattrs``, validated), then
+        rename it over ``name``."""
         tmp = _TMP_PREFIX + secrets.token_hex(8)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600, dir_fd=dfd)
         try:
             try:
                 fill(fd)
+                if xattrs:
+                    _set_xattrs(fd, xattrs, path or name)
                 os.fchown(fd, self._hid(uid), self._hid(gid))
                 os.fchmod(fd, mode & MODE_MASK)  # after chown, which would clear suid anyway
                 if mtime is not None:
@@ -588,11 +681,11 @@ class SandboxFS:
                 try:
                     s = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
                     target = os.readlink(parts[-1], dir_fd=dfd) if st.S_ISLNK(s.st_mode) else None
+                    return self._filestat(_join(parts), parts[-1], s, target, dfd)
                 finally:
                     _close(dfd)
             except OSError as exc:
                 raise _os_error(exc, path) from exc
-        return self._filestat(_join(parts), parts[-1], s, target)
 
     def exists(self, path: str) -> bool:
         try:
@@ -627,7 +720,7 @@ class SandboxFS:
                             except FileNotFoundError:
                                 continue  # vanished meanwhile
                             out.append(self._filestat(posixpath.join(base, entry.name),
-                                                      entry.name, s, target))
+                                                      entry.name, s, target, fd))
                 finally:
                     _close(fd)
             except OSError as exc:
@@ -1010,8 +1103,9 @@ class SandboxFS:
         return await asyncio.to_thread(self.read, path, max_bytes)
 
     async def awrite(self, path: str, data: bytes, mode: int = 0o644, uid: int = 0,
-                     gid: int = 0, parents: bool = True) -> None:
-        await asyncio.to_thread(self.write, path, data, mode, uid, gid, parents)
+                     gid: int = 0, parents: bool = True,
+                     xattrs: dict[str, str] | None = None) -> None:
+        await asyncio.to_thread(self.write, path, data, mode, uid, gid, parents, xattrs)
 
     async def astat(self, path: str) -> FileStat:
         return await asyncio.to_thread(self.stat, path)

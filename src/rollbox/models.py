@@ -290,6 +290,8 @@ class FileStat(BaseModel):
     uid: int
     gid: int
     link_target: str | None = None
+    # the file's (or directory's) user.* extended attributes, name -> value; None: none
+    xattrs: dict[str, str] | None = None
 
 
 class Event(BaseModel):

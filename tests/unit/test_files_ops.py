@@ -206,3 +206,30 @@ def test_error_errno_detail(box: tuple[SandboxFS, Path]) -> None:
     with pytest.raises(errors.BadRequest) as ei:
         fs.stat("/f/x")
     assert ei.value.details["errno"] == errno.ENOTDIR
+
+
+def test_xattrs_written_with_the_file_read_back_and_capped(box: tuple[SandboxFS, Path]) -> None:
+    """user.* attributes are the new file's (set before it appears), read back by stat and
+    list, gone when the file is replaced without them; bad names and sizes are typed, nothing
+    written; a link's target's attributes are never read through the link."""
+    fs, root = box
+    fs.write("/d/a", b"1", xattrs={"user.e2b.k": "v", "user.x": "y"})
+    assert os.getxattr(root / "d/a", "user.e2b.k") == b"v"
+    assert fs.stat("/d/a").xattrs == {"user.e2b.k": "v", "user.x": "y"}
+    assert fs.list("/d")[0].xattrs == {"user.e2b.k": "v", "user.x": "y"}
+    fs.write("/d/a", b"2")  # replaced: none of the old attributes
+    assert fs.stat("/d/a").xattrs is None
+    os.setxattr(root / "d", "user.dir", b"1")  # directories too, set by the sandbox itself
+    assert fs.stat("/d").xattrs == {"user.dir": "1"}
+    os.setxattr(root / "d/a", "user.overlay.origin", b"z")  # the overlay's: never shown
+    assert fs.stat("/d/a").xattrs is None
+    fs.write("/d/t", b"t", xattrs={"user.secret": "s"})
+    os.symlink("/d/t", root / "d/l")
+    assert fs.stat("/d/l").xattrs is None
+    for bad in ({"trusted.x": "v"}, {"user.overlay.x": "v"}, {"user.": "v"},
+                {"user.a\0b": "v"}, {"user.big": "v" * 4097}, {"user." + "n" * 251: "v"},
+                {f"user.{i}": "v" for i in range(65)},
+                {f"user.{i}": "v" * 4000 for i in range(3)}, {"user.a": 1}):
+        with pytest.raises(errors.BadRequest):
+            fs.write("/d/bad", b"x", xattrs=bad)  # type: ignore[arg-type]
+    assert sorted(os.listdir(root / "d")) == ["a", "l", "t"]

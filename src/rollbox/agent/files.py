@@ -349,10 +349,16 @@ class AgentFiles:
         await self._write(path, bytes(data), mode)
 
     async def write_stream(self, path: str, chunks: AsyncIterator[bytes], mode: int = 0o644,
-                           max_bytes: int | None = None) -> int:
+                           max_bytes: int | None = None,
+                           xattrs: dict[str, str] | None = None) -> int:
         """Like :meth:`write` from a byte stream (memory bounded). The file appears only once
         complete: a stream that fails, goes past ``max_bytes`` or fills the sandbox's disk
-        leaves no file and no temp file behind. Returns the bytes written."""
+        leaves no file and no temp file behind. Returns the bytes written. ``xattrs``: not
+        here (NotSupported): the platform's busybox applets set no extended attributes."""
+        if xattrs:
+            raise errors.NotSupported("extended attributes on a microVM sandbox's files (the "
+                                      "platform tools of its file API set none)",
+                                      feature="xattrs")
         cap = (self.max_stream if max_bytes is None
                else min(max(max_bytes, 0), self.max_stream))
         count = [0]

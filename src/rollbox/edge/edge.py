@@ -1329,9 +1329,10 @@ class Edge:
             yield chunk
 
     async def file_write_stream(self, sandbox_id: str, path: str, chunks: AsyncIterator[bytes],
-                                mode: int, max_bytes: int) -> int:
+                                mode: int, max_bytes: int,
+                                xattrs: dict[str, str] | None = None) -> int:
         files = self._live(sandbox_id).box.files
-        return await files.write_stream(path, chunks, mode, max_bytes=max_bytes)
+        return await files.write_stream(path, chunks, mode, max_bytes=max_bytes, xattrs=xattrs)
 
     async def file_stat(self, sandbox_id: str, path: str) -> FileStat:
         return await self._live(sandbox_id).box.files.stat(path)

@@ -29,8 +29,9 @@ class ContainerFiles:
         return self.fs.read_stream(path, max_bytes, offset)
 
     async def write_stream(self, path: str, chunks: AsyncIterator[bytes], mode: int = 0o644,
-                           max_bytes: int | None = None) -> int:
-        return await self.fs.write_stream(path, chunks, mode, max_bytes=max_bytes)
+                           max_bytes: int | None = None,
+                           xattrs: dict[str, str] | None = None) -> int:
+        return await self.fs.write_stream(path, chunks, mode, max_bytes=max_bytes, xattrs=xattrs)
 
     async def stat(self, path: str) -> FileStat:
         return await self.fs.astat(path)

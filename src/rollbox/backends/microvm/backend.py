@@ -112,7 +112,8 @@ class UnavailableFiles:
         yield b""  # pragma: no cover
 
     async def write_stream(self, path: str, chunks: AsyncIterator[bytes], mode: int = 0o644,
-                           max_bytes: int | None = None) -> int:
+                           max_bytes: int | None = None,
+                           xattrs: dict[str, str] | None = None) -> int:
         raise self._refuse()
 
     async def stat(self, path: str) -> FileStat:

@@ -11,6 +11,7 @@ import base64
 import contextlib
 import logging
 import posixpath
+import re
 import stat as statmod
 import time
 import zlib
@@ -92,6 +93,8 @@ def entry_info(st: FileStat, path: str | None = None) -> dict[str, Any]:
         "group": _owner(st.gid),
         "modifiedTime": iso(st.mtime),
     }
+    if meta := metadata_of_stat(st):
+        out["metadata"] = meta
     if st.link_target is not None:  # envd reports where the link points, made absolute
         where = path or st.path
         out["symlinkTarget"] = posixpath.normpath(
@@ -122,6 +125,44 @@ def _basic_user(request: Request) -> str:
 
 
 METADATA_HEADER = "x-metadata-"
+# envd >= 0.6.2's file metadata: X-Metadata-<key> upload headers, stored as the file's
+# user.e2b.<key> extended attributes (key lowercased), surfaced by stat/list/watch entries.
+METADATA_XATTR = "user.e2b."
+# what the SDK accepts (an HTTP token for the key, printable US-ASCII for the value)
+_META_KEY = re.compile(r"\A[a-z0-9!#$%&'*+\-.^_`|~]+\Z")
+_META_VALUE = re.compile(r"\A[\x20-\x7e]*\Z")
+
+
+def metadata_xattrs(request: Request) -> dict[str, str] | None:
+    """The upload's X-Metadata-* headers as the extended attributes the file gets (None:
+    none). A bad key or value is a BadRequest (the SDK's InvalidArgumentException), before
+    anything is written; the caps are hostfs.check_xattrs'."""
+    out: dict[str, str] = {}
+    for name, value in request.headers.items():  # names come lowercased
+        if not name.startswith(METADATA_HEADER):
+            continue
+        key = name[len(METADATA_HEADER):]
+        if not _META_KEY.match(key):
+            raise errors.BadRequest(f"invalid metadata key {key[:100]!r}")
+        if not _META_VALUE.match(value):
+            raise errors.BadRequest(f"invalid metadata value for key {key[:100]!r}: "
+                                    "printable US-ASCII only")
+        out[METADATA_XATTR + key] = value
+    return out or None
+
+
+def metadata_of_stat(st: FileStat) -> dict[str, str] | None:
+    """The file's user.e2b.* attributes, prefix stripped (envd's EntryInfo.metadata)."""
+    meta = {k[len(METADATA_XATTR):]: v for k, v in (st.xattrs or {}).items()
+            if k.startswith(METADATA_XATTR) and len(k) > len(METADATA_XATTR)}
+    return meta or None
+
+
+def _written(target: str, xattrs: dict[str, str] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": posixpath.basename(target), "type": "file", "path": target}
+    if xattrs:
+        out["metadata"] = {k[len(METADATA_XATTR):]: v for k, v in xattrs.items()}
+    return out
 
 
 async def _body_chunks(request: Request) -> AsyncIterator[bytes]:
@@ -438,17 +479,14 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
     async def files_post(request: Request, path: str = "") -> Response:
         try:
             sid, edge = await route(request)
-            if any(h.lower().startswith(METADATA_HEADER) for h in request.headers):
-                raise errors.NotSupported("file metadata (X-Metadata-*, user.e2b.* extended "
-                                          "attributes) is not supported by rollbox")
+            xattrs = metadata_xattrs(request)  # the same map on every file of the upload
             ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
             if ctype == "application/octet-stream":  # envd >= 0.5.7: one file, the raw body
                 target = abs_path(path)
                 await edge.file_write_stream(sid, target, _body_chunks(request), 0o644,
-                                             MAX_FILE_STREAM)
+                                             MAX_FILE_STREAM, xattrs=xattrs)
                 await _own(edge, sid, [target])
-                return JSONResponse([{"name": posixpath.basename(target), "type": "file",
-                                      "path": target}])
+                return JSONResponse([_written(target, xattrs)])
             form = await request.form(max_files=1000)
             written = []
             try:
@@ -459,9 +497,8 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
                     target = path if path and len(parts) == 1 else (part.filename or "")
                     target = abs_path(target)
                     await edge.file_write_stream(sid, target, upload_chunks(part), 0o644,
-                                                 MAX_FILE_STREAM)
-                    written.append({"name": posixpath.basename(target), "type": "file",
-                                    "path": target})
+                                                 MAX_FILE_STREAM, xattrs=xattrs)
+                    written.append(_written(target, xattrs))
             finally:
                 await form.close()
             if not written:

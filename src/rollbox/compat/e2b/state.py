@@ -20,7 +20,7 @@ from rollbox.models import LABEL_RE, SandboxInfo
 
 # The envd version rollbox speaks, and what the SDK (2.63) then uses: >= 0.1.4 recursive
 # watch, 0.3.0 optional stdin, 0.4.0 no default user sent, 0.5.2 close stdin, 0.5.7
-# octet-stream (and gzip) uploads, 0.6.2 file metadata (answered 501: not supported), 0.6.3
+# octet-stream (and gzip) uploads, 0.6.2 file metadata (user.e2b.* xattrs of the file), 0.6.3
 # entry info in watch events, 0.6.4 watches on network mounts (polled: nothing to refuse).
 ENVD_VERSION = "0.6.4"
 CLIENT_ID = "rollbox"
