@@ -53,6 +53,7 @@
 #include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/uio.h>
+#include <sys/un.h>
 #include <sys/time.h>
 #include <sys/wait.h>
 #include <termios.h>
@@ -74,7 +75,7 @@
 enum { M_EXEC = 1, M_STDIN = 2, M_STDIN_CLOSE = 3, M_SIGNAL = 4, M_KILL = 5, M_PING = 6,
        M_PONG = 7, M_LIST = 8, M_REPLAY = 9, M_COLLECT = 10, M_RESEED = 11,
        M_SET_MACHINE_ID = 12, M_SET_HOSTNAME = 13, M_SET_CLOCK = 14, M_BOOT_INFO = 15,
-       M_HELLO = 16, M_RESIZE = 17 };
+       M_HELLO = 16, M_RESIZE = 17, M_SUDO = 18 };
 /* agent -> edge */
 enum { M_READY = 32, M_STARTED = 33, M_SPAWN_FAILED = 34, M_STDOUT = 35, M_STDERR = 36,
        M_EXITED = 37, M_TAIL_STDOUT = 38, M_TAIL_STDERR = 39, M_SESSIONS = 40,
@@ -153,7 +154,8 @@ enum { M_READY = 32, M_STARTED = 33, M_SPAWN_FAILED = 34, M_STDOUT = 35, M_STDER
 #define GUEST_DEVICE_WAIT_MS 20000
 #define BOOT_ERR_MAX 200
 
-enum watch_kind { W_LISTEN, W_CONN, W_SIGNAL, W_OUT, W_ERR, W_IN, W_PIDS };
+enum watch_kind { W_LISTEN, W_CONN, W_SIGNAL, W_OUT, W_ERR, W_IN, W_PIDS, W_SUDO_LISTEN,
+                  W_SUDO_CONN };
 
 struct session;
 struct watch {
@@ -318,6 +320,11 @@ static void resolve_spawn(struct session *s, int step, int err, const char *cwd,
 static void read_conn(int hangup);
 static void ensure_stdio(void);
 static int handle_packet(const char *pkt, size_t len, int fd);
+static int handle_sudo_enable(uint32_t id, const char *p, size_t plen);
+static int sudo_reaped(pid_t pid, int status);
+static void sudo_accept(void);
+static void sudo_conn_event(int i, uint32_t events);
+static int sudo_slot(const struct watch *w);
 static int handle_reseed(uint32_t id, const char *p, size_t plen);
 static int handle_machine_id(uint32_t id, const char *p, size_t plen);
 static void handle_boot_info(uint32_t id);
@@ -2299,9 +2306,400 @@ static int handle_packet(const char *pkt, size_t len, int fd)
     case M_BOOT_INFO:
         handle_boot_info(id);
         return 0;
+    case M_SUDO:
+        return handle_sudo_enable(id, p, plen);
     default:
         logmsg("unknown packet type %d", type);
         return -1;
+    }
+}
+
+/* ---------- agent-mediated sudo ----------
+ * Privilege raising without setuid: every command runs with no_new_privs, so a setuid sudo can
+ * never raise anything. An image that declares it (image config label rollbox.sudo = the uids
+ * allowed) makes the edge send SUDO(18) with those uids; only then does the agent listen on
+ * SUDO_SOCK (a SOCK_SEQPACKET socket in the sandbox's /dev, the platform's tmpfs: never in a
+ * snapshot or fork's files). The image's /usr/bin/sudo (a client the platform ships in the
+ * image's read-only layers) connects, the agent authenticates it by SO_PEERCRED (uid 0 or an
+ * allowed uid; anyone else is refused before reading a byte), reads one request
+ *   SUDO_MAGIC, <IIII uid, gid, argc, envc, then NUL-terminated cwd, argv[argc], env[envc],
+ *   with exactly three descriptors (SCM_RIGHTS): the command's stdin, stdout, stderr,
+ * and spawns argv exactly as an EXEC of the caller's session (child_exec: that session's cgroup,
+ * Landlock, the same caps as a root exec, no_new_privs and seccomp inherited) as uid:gid. Then
+ * the client may send <i signal numbers (delivered to the command's process group) and the
+ * agent answers once, <ii kind (0 exited, 1 killed by a signal, 2 refused), value (exit code,
+ * signal, errno), then a message for a refusal, and closes. Everything on this socket is
+ * written by untrusted sandbox code: bounded sizes, every descriptor received closed on every
+ * path, a bad packet only closes that connection. */
+#define SUDO_SOCK "rollbox-sudo.sock" /* in the sandbox's /dev */
+#define SUDO_MAGIC "rbsudo1"          /* 8 bytes with its NUL */
+#define SUDO_MAGIC_LEN 8
+#define SUDO_HEAD (SUDO_MAGIC_LEN + 16)
+#define SUDO_UIDS_MAX 16
+#define SUDO_CONNS_MAX 32
+#define SUDO_REQ_MAX (64u << 10)
+#define SUDO_FDS_MAX 8
+#define SUDO_ARGS_MAX 4096
+#define TMPFS_MAGIC_ 0x01021994
+
+struct sudo_conn {
+    int fd;       /* -1: a free slot */
+    pid_t pid;    /* the command, once spawned (0: waiting for the request) */
+    struct watch w;
+};
+static struct sudo_conn sudo_conns[SUDO_CONNS_MAX];
+static int sudo_listen_fd = -1;
+static uint32_t sudo_uids[SUDO_UIDS_MAX];
+static size_t sudo_nuids;
+static struct watch w_sudo_listen = {W_SUDO_LISTEN, NULL};
+
+static void sudo_reply(int fd, int32_t kind, int32_t value, const char *msg)
+{
+    char buf[8 + 256];
+    size_t n = msg ? strnlen(msg, 255) : 0;
+    memcpy(buf, &kind, 4);
+    memcpy(buf + 4, &value, 4);
+    if (n)
+        memcpy(buf + 8, msg, n);
+    if (send(fd, buf, 8 + n, MSG_NOSIGNAL | MSG_DONTWAIT) < 0)
+        logmsg("sudo: reply: %s", strerror(errno));
+}
+
+/* The slot of a W_SUDO_CONN watch (embedded in its sudo_conn). */
+static int sudo_slot(const struct watch *w)
+{
+    for (int i = 0; i < SUDO_CONNS_MAX; i++)
+        if (&sudo_conns[i].w == w)
+            return i;
+    return -1;
+}
+
+static void sudo_close(int i)
+{
+    if (sudo_conns[i].fd >= 0) {
+        epoll_ctl(ep, EPOLL_CTL_DEL, sudo_conns[i].fd, NULL);
+        close(sudo_conns[i].fd);
+    }
+    sudo_conns[i].fd = -1;
+    sudo_conns[i].pid = 0;
+}
+
+/* The command exited: the one answer, then the connection goes. A command whose client went
+ * away is reaped here all the same (0: not a sudo command). */
+static int sudo_reaped(pid_t pid, int status)
+{
+    for (int i = 0; i < SUDO_CONNS_MAX; i++) {
+        if (sudo_conns[i].fd < 0 || sudo_conns[i].pid != pid)
+            continue;
+        if (WIFSIGNALED(status))
+            sudo_reply(sudo_conns[i].fd, 1, WTERMSIG(status), NULL);
+        else
+            sudo_reply(sudo_conns[i].fd, 0, WEXITSTATUS(status), NULL);
+        sudo_close(i);
+        return 1;
+    }
+    return 0;
+}
+
+static int sudo_uid_allowed(uid_t uid)
+{
+    if (uid == 0) /* sandbox root gains nothing */
+        return 1;
+    for (size_t i = 0; i < sudo_nuids; i++)
+        if (sudo_uids[i] == uid)
+            return 1;
+    return 0;
+}
+
+/* Listen on /dev/SUDO_SOCK of the sandbox root: /dev opened without following links and
+ * checked to be a tmpfs (the platform's, never a directory of the image or the upper). */
+static int sudo_listen(void)
+{
+    int base = root_fd >= 0 ? root_fd : AT_FDCWD;
+    int dev = openat(base, root_fd >= 0 ? "dev" : "/dev",
+                     O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (dev < 0)
+        return -1;
+    struct statfs sf;
+    if (fstatfs(dev, &sf) < 0 || sf.f_type != TMPFS_MAGIC_) {
+        close(dev);
+        errno = ENOTDIR;
+        return -1;
+    }
+    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    int cwd = open(".", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    int err = 0;
+    if (s < 0 || cwd < 0) {
+        err = errno;
+    } else {
+        unlinkat(dev, SUDO_SOCK, 0); /* one left by an earlier agent (never follows a link) */
+        struct sockaddr_un a = {.sun_family = AF_UNIX};
+        memcpy(a.sun_path, SUDO_SOCK, sizeof SUDO_SOCK);
+        mode_t old = umask(0111); /* 0666: anyone may connect; SO_PEERCRED decides */
+        if (fchdir(dev) < 0 || bind(s, (struct sockaddr *)&a, sizeof a) < 0 ||
+            listen(s, 16) < 0)
+            err = errno;
+        umask(old);
+        if (fchdir(cwd) < 0 && !err)
+            err = errno;
+    }
+    if (cwd >= 0)
+        close(cwd);
+    close(dev);
+    if (err) {
+        if (s >= 0)
+            close(s);
+        errno = err;
+        return -1;
+    }
+    return s;
+}
+
+static int handle_sudo_enable(uint32_t id, const char *p, size_t plen)
+{
+    if (plen == 0 || plen % 4 || plen / 4 > SUDO_UIDS_MAX)
+        return send_result(id, EINVAL, "sudo: 1 to 16 uids");
+    if (guest_mode && root_fd < 0)
+        return send_result(id, ENOENT, "sudo: no sandbox root");
+    uint32_t uids[SUDO_UIDS_MAX];
+    size_t n = plen / 4;
+    for (size_t i = 0; i < n; i++) {
+        uids[i] = get_u32(p + 4 * i);
+        if (uids[i] == (uint32_t)-1)
+            return send_result(id, EINVAL, "sudo: uid -1");
+    }
+    if (sudo_listen_fd < 0) {
+        sudo_listen_fd = sudo_listen();
+        if (sudo_listen_fd < 0)
+            return send_result(id, errno, "sudo: listen on /dev/" SUDO_SOCK);
+        for (int i = 0; i < SUDO_CONNS_MAX; i++)
+            sudo_conns[i].fd = -1;
+        ep_add(sudo_listen_fd, EPOLLIN, &w_sudo_listen);
+    }
+    memcpy(sudo_uids, uids, n * 4);
+    sudo_nuids = n;
+    return send_result(id, 0, "sudo");
+}
+
+static void sudo_accept(void)
+{
+    for (;;) {
+        int c = accept4(sudo_listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (c < 0)
+            return; /* EAGAIN, or a connection that went away */
+        struct ucred cr;
+        socklen_t len = sizeof cr;
+        if (getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cr, &len) < 0 || len != sizeof cr) {
+            close(c);
+            continue;
+        }
+        if (!sudo_uid_allowed(cr.uid)) {
+            char msg[96];
+            snprintf(msg, sizeof msg, "uid %u may not sudo in this sandbox", (unsigned)cr.uid);
+            sudo_reply(c, 2, EPERM, msg);
+            close(c);
+            continue;
+        }
+        int slot = -1;
+        for (int i = 0; i < SUDO_CONNS_MAX && slot < 0; i++)
+            if (sudo_conns[i].fd < 0)
+                slot = i;
+        if (slot < 0) {
+            sudo_reply(c, 2, EAGAIN, "too many sudo commands at once");
+            close(c);
+            continue;
+        }
+        sudo_conns[slot].fd = c;
+        sudo_conns[slot].pid = 0;
+        sudo_conns[slot].w = (struct watch){W_SUDO_CONN, NULL};
+        ep_add(c, EPOLLIN, &sudo_conns[slot].w);
+    }
+}
+
+/* The session a caller belongs to: its own session's leader, else the first ancestor that
+ * leads a running session (/proc/PID/stat; a bounded walk). NULL: none (an orphan). */
+static pid_t parent_of(pid_t pid)
+{
+    char path[40], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return -1;
+    buf[n] = 0;
+    char *rp = strrchr(buf, ')'); /* comm may hold anything but ends at the last ')' */
+    int ppid;
+    if (!rp || sscanf(rp + 1, " %*c %d", &ppid) != 1)
+        return -1;
+    return ppid;
+}
+
+static struct session *session_of(pid_t pid)
+{
+    pid_t sid = getsid(pid);
+    for (int depth = 0; depth < 256 && pid > 1; depth++) {
+        for (struct session *s = sessions; s; s = s->next)
+            if (s->state == S_RUNNING && !s->reaped && (s->pid == pid || s->pid == sid))
+                return s;
+        sid = -1;
+        pid = parent_of(pid);
+    }
+    return NULL;
+}
+
+static void sudo_request(int i, const char *buf, size_t n, const int *fds, int nfds,
+                         const struct ucred *cr)
+{
+    int c = sudo_conns[i].fd;
+    if (n < SUDO_HEAD || memcmp(buf, SUDO_MAGIC, SUDO_MAGIC_LEN) != 0 || nfds != 3) {
+        sudo_reply(c, 2, EINVAL, "malformed sudo request");
+        sudo_close(i);
+        return;
+    }
+    uint32_t uid = get_u32(buf + 8), gid = get_u32(buf + 12);
+    uint32_t argc = get_u32(buf + 16), envc = get_u32(buf + 20);
+    if (argc == 0 || argc > SUDO_ARGS_MAX || envc > SUDO_ARGS_MAX || uid == (uint32_t)-1 ||
+        gid == (uint32_t)-1) {
+        sudo_reply(c, 2, EINVAL, "sudo request: argv 1..4096, env at most 4096 entries");
+        sudo_close(i);
+        return;
+    }
+    size_t nstr = 1 + (size_t)argc + (size_t)envc;
+    char **vec = calloc(nstr + 2, sizeof(char *));
+    if (!vec) {
+        sudo_reply(c, 2, ENOMEM, "out of memory");
+        sudo_close(i);
+        return;
+    }
+    const char *str = buf + SUDO_HEAD, *end = buf + n;
+    size_t k = 0;
+    for (size_t j = 0; j < nstr; j++) {
+        const char *z = memchr(str, 0, (size_t)(end - str));
+        if (!z) {
+            free(vec);
+            sudo_reply(c, 2, EINVAL, "sudo request: strings not NUL-terminated");
+            sudo_close(i);
+            return;
+        }
+        vec[k++] = (char *)str;
+        if (j == argc)
+            vec[k++] = NULL;
+        str = z + 1;
+    }
+    vec[k] = NULL;
+    char *cwd = vec[0], **argv = vec + 1, **envp = vec + 2 + argc;
+    struct session *s = session_of(cr->pid);
+    if (!s) {
+        free(vec);
+        sudo_reply(c, 2, ESRCH, "the caller is in no running command of this sandbox");
+        sudo_close(i);
+        return;
+    }
+    struct spawn_args sa = {{0, 0}, fds[0], fds[1], fds[2], s->cgfd, uid, gid, cwd, argv, envp,
+                            0};
+    pid_t pid = spawn(&sa);
+    int err = errno;
+    if (pid < 0) {
+        sudo_reply(c, 2, err, "fork failed");
+        sudo_close(i);
+    } else if (sa.report[0]) {
+        int step = sa.report[0] > 0 && sa.report[0] <= ST_LAST ? sa.report[0] : 0;
+        const char *arg = step == ST_CHDIR ? cwd : step == ST_EXEC ? argv[0] : NULL;
+        char msg[256];
+        snprintf(msg, sizeof msg, "%s%s%.120s: %s", step_names[step], arg ? " " : "",
+                 arg ? arg : "", strerror(sa.report[1]));
+        sudo_reply(c, 2, sa.report[1], msg);
+        sudo_close(i); /* the child exits 127; reap() finds no owner */
+    } else {
+        sudo_conns[i].pid = pid;
+        logmsg("sudo: uid %u (pid %d, session %u) runs %.80s as %u", (unsigned)cr->uid,
+               (int)cr->pid, s->id, argv[0], uid);
+    }
+    free(vec);
+}
+
+static void sudo_conn_event(int i, uint32_t events)
+{
+    if (i < 0 || i >= SUDO_CONNS_MAX || sudo_conns[i].fd < 0)
+        return;
+    static char *reqbuf;
+    if (!reqbuf && !(reqbuf = malloc(SUDO_REQ_MAX))) {
+        sudo_close(i);
+        return;
+    }
+    for (;;) {
+        int c = sudo_conns[i].fd;
+        union {
+            struct cmsghdr h;
+            char buf[CMSG_SPACE(sizeof(int) * SUDO_FDS_MAX)];
+        } ctl;
+        struct iovec iov = {reqbuf, SUDO_REQ_MAX};
+        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf,
+                            .msg_controllen = sizeof ctl.buf};
+        ssize_t n = recvmsg(c, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+        int fds[SUDO_FDS_MAX], nfds = 0, bad = 0;
+        if (n >= 0) {
+            for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm)) {
+                if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS) {
+                    bad = 1;
+                    continue;
+                }
+                size_t cnt = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+                for (size_t j = 0; j < cnt; j++) {
+                    int fd;
+                    memcpy(&fd, CMSG_DATA(cm) + j * sizeof(int), sizeof fd);
+                    if (nfds < SUDO_FDS_MAX)
+                        fds[nfds++] = fd;
+                    else
+                        close(fd);
+                }
+            }
+            if (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC))
+                bad = 1;
+        }
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            if (events & (EPOLLHUP | EPOLLERR))
+                sudo_close(i); /* the client went; its command (if any) runs on */
+            return;
+        }
+        if (n <= 0 || bad) {
+            for (int j = 0; j < nfds; j++)
+                close(fds[j]);
+            if (n > 0)
+                sudo_reply(c, 2, EINVAL, "malformed sudo packet");
+            sudo_close(i);
+            return;
+        }
+        if (sudo_conns[i].pid == 0) {
+            struct ucred cr;
+            socklen_t len = sizeof cr;
+            if (getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cr, &len) < 0) {
+                for (int j = 0; j < nfds; j++)
+                    close(fds[j]);
+                sudo_close(i);
+                return;
+            }
+            sudo_request(i, reqbuf, (size_t)n, fds, nfds, &cr);
+            for (int j = 0; j < nfds; j++)
+                close(fds[j]);
+            if (sudo_conns[i].fd < 0)
+                return;
+            continue;
+        }
+        /* A running command: <i signal numbers only. */
+        for (int j = 0; j < nfds; j++)
+            close(fds[j]);
+        int32_t sig;
+        if (n != 4 || nfds) {
+            sudo_close(i);
+            return;
+        }
+        memcpy(&sig, reqbuf, 4);
+        if (sig > 0 && sig < NSIG)
+            kill(-sudo_conns[i].pid, sig);
     }
 }
 
@@ -2471,6 +2869,8 @@ static void reap(void)
         pid_t pid = waitpid(-1, &status, WNOHANG);
         if (pid <= 0)
             break;
+        if (sudo_reaped(pid, status))
+            continue;
         for (struct session *s = sessions; s; s = s->next)
             if (s->pid == pid && !s->reaped) {
                 s->reaped = 1;
@@ -3094,6 +3494,12 @@ int main(int argc, char **argv)
                 break;
             case W_PIDS:
                 pids_events();
+                break;
+            case W_SUDO_LISTEN:
+                sudo_accept();
+                break;
+            case W_SUDO_CONN:
+                sudo_conn_event(sudo_slot(w), e);
                 break;
             }
         }

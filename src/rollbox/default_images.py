@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from rollbox.backends.container.build import build_layer_with_commands
 from rollbox.errors import InfraError
-from rollbox.images.store import ImageStore
+from rollbox.images.store import SUDO_LABEL, ImageStore
 
 PYTHON_IMAGE = "python:3.11"
 BASE_IMAGE = "debian:bookworm"
@@ -56,24 +56,53 @@ def ensure_python_image(store: ImageStore, log: Callable[[str], None] = print) -
 
 
 # E2B's `base` template as E2B's SDK and its tests expect it (rollbox.compat.e2b maps the
-# template name `base` here): python:3.11 + sudo and curl, a user `user` (uid 1000, home
-# /home/user, bash) who may sudo without a password. Root images stay as they are.
-E2B_BASE_IMAGE = "e2b-base:1"
+# template name `base` here): python:3.11 + curl, a user `user` (uid 1000, home /home/user,
+# bash) who may sudo without a password. Sudo is rollbox's agent-mediated one (no setuid: every
+# sandbox process has no_new_privs): a layer with the client (images/sudo_client.py) as
+# /usr/bin/sudo, and the image label rollbox.sudo=1000 that makes the agent serve its socket
+# (docs/security.md). Root images stay as they are. Version 2: Debian's sudo replaced.
+E2B_BASE_IMAGE = "e2b-base:2"
+E2B_SUDO_UIDS = "1000"
 E2B_BASE_COMMANDS = [
     "apt-get update -q",
     "DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "
-    "sudo curl procps",
+    "curl procps",
     "useradd --create-home --uid 1000 --shell /bin/bash user",
-    "echo 'user ALL=(ALL:ALL) NOPASSWD: ALL' > /etc/sudoers.d/user",
-    "chmod 0440 /etc/sudoers.d/user",
     "apt-get clean",
     "rm -rf /var/lib/apt/lists/*",
 ]
 
 
 def ensure_e2b_base_image(store: ImageStore, log: Callable[[str], None] = print) -> None:
-    _ensure_over_python(store, E2B_BASE_IMAGE, E2B_BASE_COMMANDS, "sudo, curl, user `user`",
+    if store.exists(E2B_BASE_IMAGE):
+        return
+    stage = E2B_BASE_IMAGE.replace(":", "-stage:")  # python:3.11 + the commands' layer
+    _ensure_over_python(store, stage, E2B_BASE_COMMANDS, "curl, user `user`",
                         "build-e2b-base.log", log)
+    built = store.resolve(stage)
+    digest = sudo_layer(store, log)
+    labels = {**built.config.get("labels", {}), SUDO_LABEL: E2B_SUDO_UIDS}
+    store.tag(E2B_BASE_IMAGE, [*built.layers, digest], {**built.config, "labels": labels})
+    store.remove(stage)
+
+
+def sudo_layer(store: ImageStore, log: Callable[[str], None] = print) -> str:
+    """A layer holding rollbox's sudo client as /usr/bin/sudo (root-owned, 0755): put it in an
+    image and label the image ``rollbox.sudo`` with the uids allowed."""
+    import shutil
+    from importlib import resources
+
+    staging = store.staging_dir("sudo")
+    try:
+        target = staging / "usr/bin/sudo"
+        target.parent.mkdir(parents=True)
+        target.write_bytes(resources.files("rollbox.images").joinpath(
+            "sudo_client.py").read_bytes())
+        for path in (staging, staging / "usr", staging / "usr/bin", target):
+            os.chmod(path, 0o755)
+        return store.add_layer_from_dir(staging, source="rollbox:sudo-client", progress=log)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _ensure_over_python(store: ImageStore, name: str, commands: list[str], what: str,

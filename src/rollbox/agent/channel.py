@@ -532,6 +532,14 @@ class AgentChannel:
             raise BadRequest("hostname must be 1 to 64 bytes, without NUL or '/'")
         await self._command(P.SET_HOSTNAME, raw, timeout)
 
+    async def enable_sudo(self, uids: list[int], timeout: float = 5.0) -> None:
+        """Let ``uids`` (and root) run commands as any user through the agent's sudo socket
+        (the image's ``/usr/bin/sudo`` client); the socket exists only after this."""
+        if not 1 <= len(uids) <= P.SUDO_UIDS_MAX or any(
+                not 0 <= u < 2**32 - 1 for u in uids):
+            raise BadRequest(f"sudo takes 1 to {P.SUDO_UIDS_MAX} uids, each 0..2**32-2")
+        await self._command(P.SUDO, b"".join(P.U32.pack(u) for u in uids), timeout)
+
     async def set_clock(self, unix_ns: int | None = None, timeout: float = 5.0) -> None:
         """Step the sandbox's CLOCK_REALTIME (default: the host's now)."""
         ns = time.time_ns() if unix_ns is None else unix_ns

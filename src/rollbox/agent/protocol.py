@@ -81,6 +81,11 @@ Edge -> agent
   RESIZE(17)     ``<HH`` cols, rows of a pty session's terminal (TIOCSWINSZ: the kernel sends
                  SIGWINCH to its foreground process group); a size outside 1..``PTY_MAX_SIZE``
                  or a session without a pty is ignored (logged), no answer.
+  SUDO(18)       1..16 ``<I`` uids allowed to raise privileges through the agent (an image
+                 labelled ``rollbox.sudo``; both transports), answered by RESULT. The first
+                 one makes the agent listen on the sandbox's ``/dev/rollbox-sudo.sock``
+                 (its own request format: ``native/agent/agent.c``, "agent-mediated sudo";
+                 docs/security.md); without it that socket never exists.
 
 Agent -> edge
   READY(32)      ``<I`` protocol version, sent on every new connection.
@@ -154,6 +159,8 @@ EXEC, STDIN, STDIN_CLOSE, SIGNAL, KILL, PING, PONG, LIST, REPLAY, COLLECT = (
     1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 RESEED, SET_MACHINE_ID, SET_HOSTNAME, SET_CLOCK, BOOT_INFO_REQ, HELLO = 11, 12, 13, 14, 15, 16
 RESIZE = 17
+SUDO = 18
+SUDO_UIDS_MAX = 16
 # agent -> edge
 READY, STARTED, SPAWN_FAILED, STDOUT, STDERR, EXITED, TAIL_STDOUT, TAIL_STDERR, SESSIONS = (
     32, 33, 34, 35, 36, 37, 38, 39, 40,

@@ -43,7 +43,7 @@ from rollbox.errors import (
 )
 from rollbox.events.store import EventLog
 from rollbox.images.lazy.mounts import LayerMounts
-from rollbox.images.store import Image, ImageStore
+from rollbox.images.store import Image, ImageStore, sudo_uids
 from rollbox.isolation import cgroups, hostclaims
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import (
@@ -653,6 +653,7 @@ class Edge:
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
         env.update((image_config or {}).get("env", {}))
         env.update(spec.env)
+        sudo = sudo_uids(image_config or {})  # a bad label is refused before anything starts
         self.journal.put(info, extra={"env": env})
         try:
             box = await backend.create(sandbox_id, self._spec_of(info, {"env": env}))
@@ -670,7 +671,19 @@ class Edge:
         self.admission.started(ticket)
         self.event_log.append(sandbox_id, "sandbox.created", data=json.dumps(
             {"image": spec.image, "layers": layers, "owner": owner, "job": spec.job}))
+        await self._enable_sudo(info.id, box, sudo)
         return info
+
+    async def _enable_sudo(self, sandbox_id: str, box: SandboxHandle, uids: list[int]) -> None:
+        """An image labelled ``rollbox.sudo``: its sandbox's agent serves the sudo socket
+        (docs/security.md); a sandbox whose agent can not is deleted, not left half-made."""
+        if not uids:
+            return
+        try:
+            await box.channel.enable_sudo(uids)
+        except BaseException:
+            await self.delete(sandbox_id)
+            raise
 
     def _register(self, info: SandboxInfo, box: SandboxHandle, backend: Backend,
                   ticket: Ticket) -> None:
@@ -1555,6 +1568,9 @@ class Edge:
             self.event_log.append(info.id, "sandbox.created", data=json.dumps(
                 {"image": info.image, "layers": info.layers, "owner": owner, "job": info.job,
                  "fork_of": sandbox_id}))
+        sudo = sudo_uids(self._image_config(src))
+        for info, box in zip(infos, made.children):
+            await self._enable_sudo(info.id, box, sudo)
         self.event_log.append(sandbox_id, "sandbox.forked", data=json.dumps(
             {"children": [i.id for i in infos], "frozen_s": round(made.frozen_s, 6)}))
         return ForkResult(source_id=sandbox_id, children=[i.model_copy() for i in infos],

@@ -69,6 +69,26 @@ def normalize_config(config: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
+SUDO_LABEL = "rollbox.sudo"
+
+
+def sudo_uids(config: dict[str, Any]) -> list[int]:
+    """The uids an image lets raise privileges through the agent (its config label
+    ``rollbox.sudo``: comma-separated uids, at most 16); [] if it declares none (then its
+    sandboxes have no sudo socket at all)."""
+    labels = config.get("labels")
+    if not isinstance(labels, dict) or SUDO_LABEL not in labels:
+        return []
+    raw = str(labels[SUDO_LABEL])
+    try:
+        uids = [int(part) for part in raw.split(",")]
+    except ValueError:
+        raise BadRequest(f"image label {SUDO_LABEL}={raw!r}: comma-separated uids") from None
+    if not 1 <= len(uids) <= 16 or any(not 0 <= u < 2**32 - 1 for u in uids):
+        raise BadRequest(f"image label {SUDO_LABEL}={raw!r}: 1 to 16 uids, each 0..2**32-2")
+    return uids
+
+
 @dataclass
 class Image:
     name: str
