@@ -63,16 +63,7 @@ def parse(args: list[str]) -> dict:
                 opts["keep"].update(v for v in val.split(",") if v)
                 i += 1
                 continue
-            if flag in "ug":
-                if not eq:
-                    i += 1
-                    if i >= len(args):
-                        die(f"option '{name}' requires an argument\n{USAGE}")
-                    val = args[i]
-                opts["user" if flag == "u" else "group"] = val
-                i += 1
-                continue
-            flags = flag
+            flags = flag + val if flag in "ug" else flag  # `--user=x` is `-ux`
         else:
             flags = a[1:]
         j = 0
