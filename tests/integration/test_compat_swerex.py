@@ -102,6 +102,11 @@ async def test_sessions_commands_and_errors(env: Env) -> None:
     assert obs.exit_code is None
     with pytest.raises(BashIncorrectSyntaxError):
         await rt.run_in_session(BashAction(command="if true; then"))
+    # nothing of a command that fails the check runs (its exec waits for the check's go)
+    with pytest.raises(BashIncorrectSyntaxError):
+        await rt.run_in_session(BashAction(command="touch /tmp/ran\nif true; then"))
+    obs = await rt.run_in_session(BashAction(command="ls /tmp/ran", check="silent"))
+    assert obs.exit_code == 2, obs
 
     # timeout, then interrupt: the session survives with its state
     t0 = time.monotonic()

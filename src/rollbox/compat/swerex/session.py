@@ -73,6 +73,11 @@ _ANSI = re.compile(r"\x1B[@-_][0-?]*[ -/]*[@-~]")
 
 STATE_HEADER = b"rollbox-session-state 1 "
 # A script too large for the exec: read from its file (exactly its bytes), then run.
+# Before a checked command: wait for the host's go, ^D typed into the terminal (the end of
+# file of a canonical-mode read, which the terminal does not echo), sent once the host's
+# `bash -n` passed; the exec starts meanwhile (a failed check kills it before it reads on).
+GATE = "read -r __rbx_go\n"
+CTRL_D = b"\x04"
 BOOT_FILE = ('LC_ALL=C read -r -N {n} __rbx_src < {path} || builtin exit 125; '
              'eval "$__rbx_src"')
 # Before the state: keep the exec's stderr (the state channel) on a private fd; errors of
@@ -180,9 +185,8 @@ def parse_state(channel: bytes) -> tuple[str, bytes] | None:
 class SyntaxChecker:
     """The host's ``bash -n`` (parse only: no expansion, nothing executed; the platform's own
     work never runs a binary from the sandbox), with one process spawned ahead: spawning it and
-    reaping it through asyncio's child watcher are most of a check's time, and a session
-    command waits for its check before its exec starts (the script is the exec's argument).
-    The processes are driven from worker threads. Owned by the routes' lifetime (``close``)."""
+    reaping it through asyncio's child watcher are most of a check's time. The processes are
+    driven from worker threads. Owned by the routes' lifetime (``close``)."""
 
     def __init__(self) -> None:
         self._spare: subprocess.Popen[bytes] | None = None
@@ -366,7 +370,7 @@ class BashSession:
     async def run(self, action: wire.BashAction) -> wire.BashObservation:
         if action.is_interactive_command or action.is_interactive_quit:
             return await self._run_interactive(action)
-        # the host's `bash -n` first: the exec (the script is its argument) starts if it passes
+        # the host's `bash -n` runs while the exec starts; the command runs only if it passes
         syntax = asyncio.ensure_future(self.checker.check(action.command))
         interrupts = self._interrupts
         async with self._lock:
@@ -496,8 +500,8 @@ class BashSession:
 
     async def _start(self, command: str, gate: asyncio.Future[None] | None = None) -> _Command:
         """A new exec of the platform shell on a terminal, running ``command`` after the
-        session's state; with ``gate``, the exec starts only once that succeeds (its error
-        is raised as is)."""
+        session's state; with ``gate``, the exec starts meanwhile and waits at ``GATE``: it
+        goes on once that succeeds, else it is killed and the gate's error raised."""
         if self.exited:
             raise SessionGone(self.exit_note)
         script = session_script(self._state, command)
@@ -506,11 +510,11 @@ class BashSession:
         if len(script) > MAX_INLINE_SCRIPT or not _encodes(text):
             script_file = f"{SCRIPT_DIR}/.rollbox-swerex-{secrets.token_hex(12)}"
             text = BOOT_FILE.format(n=len(script), path=script_file)
+        if gate is not None:
+            text = GATE + text
         try:
             if script_file is not None:
                 await self.edge.file_write(self.sandbox_id, script_file, script, 0o600)
-            if gate is not None:
-                await gate
             spec = ExecSpec(cmd=text, pty=PtySize(cols=PTY_COLS, rows=PTY_ROWS),
                             pty_stderr=True)
             exec_id = await self.edge.exec_start(self.sandbox_id, spec)
@@ -523,6 +527,15 @@ class BashSession:
         cmd = _Command(exec_id, command, script_file)
         cmd.reader = asyncio.ensure_future(self._read(cmd))
         self._running.append(cmd)
+        if gate is not None:
+            try:
+                await gate
+            except BaseException:
+                self._running.remove(cmd)
+                with contextlib.suppress(errors.RollboxError):
+                    await self.edge.exec_kill(self.sandbox_id, exec_id, signal.SIGKILL)
+                raise
+            await self._stdin(cmd, CTRL_D)
         return cmd
 
     def _remove_script(self, cmd: _Command) -> None:
