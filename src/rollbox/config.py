@@ -301,11 +301,12 @@ class Settings:
         "ROLLBOX_VM_TEMPLATE_SPARE_IDLE_S", "templates", 600.0, float,
         "A template's spares stop when no create restored from it for this many seconds.")
     vm_fork_warm: bool = setting(
-        "ROLLBOX_VM_FORK_WARM", "templates", True, flag,
-        "A microVM fork runs the platform shell's `true` in each child once it is made unique, "
-        "while later children still restore (backends/microvm/backend.py fork: the guest's "
-        "exec path is then translated by TCG before the child is handed out); off only to "
-        "measure it (`rollbox bench fork`).")
+        "ROLLBOX_VM_FORK_WARM", "templates", False, flag,
+        "With more children than cores, a microVM fork runs the platform shell's `true` in "
+        "each child once it is made unique, while later children still restore "
+        "(backends/microvm/backend.py fork: TCG then translates the guest's exec path before "
+        "the child is handed out). Off by default: on this 2-core host it measured 0.84x and "
+        "1.89x of off (`rollbox bench fork`, docs/benchmarks.md).")
     vm_template_shared_ram: bool = setting(
         "ROLLBOX_VM_TEMPLATE_SHARED_RAM", "templates", True, flag,
         "A template's RAM as a file its restored VMs map copy-on-write (one copy of what they "

@@ -1014,7 +1014,9 @@ class MicroVMBackend:
         restored into each child as a template is (QEMU with ``-incoming defer``, the disk
         cloned by snapshot, the state loaded, the guest made unique: hostname, machine-id,
         reseeded RNG, clock), each with its own network; both files go when the children are
-        made. All or nothing: a child that fails takes the made ones down with it."""
+        made. With ``vm_fork_warm`` (off by default) and more children than cores, each child
+        runs the platform shell's ``true`` once made unique, outside the one-restore-per-core
+        gate. All or nothing: a child that fails takes the made ones down with it."""
         if self.templates is None:
             raise BadRequest(f"microVM sandbox {h.id} can not be forked: this node's "
                              "templates are off (ROLLBOX_VM_TEMPLATES)", sandbox_id=h.id)
