@@ -14,7 +14,7 @@ import pytest
 
 from rollbox.default_images import E2B_BASE_IMAGE
 from tests.conftest import have_image
-from tests.redteam.conftest import PY, Boxes, microvm_default, needs_root
+from tests.redteam.conftest import PY, Boxes, container_only, microvm_default, needs_root
 
 pytestmark = [needs_root, pytest.mark.skipif(not have_image(E2B_BASE_IMAGE),
                                              reason=f"{E2B_BASE_IMAGE} not built (make images)")]
@@ -171,4 +171,25 @@ async def test_malformed_requests_leave_the_agent_serving(boxes: Boxes) -> None:
         assert r.stdout.split() == ["root", "ok"]
         assert (await boxes.run(sid, "echo alive")).stdout == "alive\n"
     finally:
+        await boxes.edge.delete(sid)
+
+
+@container_only("a microVM fork restores the source's agent, socket and all")
+async def test_fork_children_serve_sudo_too(boxes: Boxes) -> None:
+    """A container fork's children run new agents: each is told the label's uids again (the
+    socket lives in /dev, never in the forked files)."""
+    from rollbox.models import ForkSpec
+
+    sid = await boxes.make(E2B_BASE_IMAGE)
+    children: list[str] = []
+    try:
+        made = await boxes.edge.fork(sid, ForkSpec(n=1), "redteam")
+        children = [c.id for c in made.children]
+        r = await boxes.run(children[0], "sudo whoami", user="user")
+        assert r.stdout.strip() == "root", r.stderr
+        r = await boxes.run(children[0], "sudo id -u", user="nobody")
+        assert r.exit_code == 1 and "may not sudo" in r.stderr
+    finally:
+        for cid in children:
+            await boxes.edge.delete(cid)
         await boxes.edge.delete(sid)
