@@ -41,3 +41,10 @@ def test_client_refuses_unknown_options() -> None:
         sudo_client.parse(["-Z", "id"])
     with pytest.raises(SystemExit):
         sudo_client.parse(["-u"])
+
+
+def test_client_escapes_and_assignments() -> None:
+    assert sudo_client.escape("a b'c$x_-1") == "a\\ b\\'c$x_-1"
+    assert sudo_client.is_assignment("FOO=1") and sudo_client.is_assignment("_x9=")
+    for arg in ("=1", "1X=2", "A-B=1", "echo", "é=1"):
+        assert not sudo_client.is_assignment(arg), arg

@@ -13,12 +13,12 @@ Runs inside the sandbox as the sandbox's user, with only the standard library; i
 nothing about privileges (the agent does: ``native/agent/agent.c``, "agent-mediated sudo").
 It must not import rollbox (the image has no rollbox) and is never run by the platform.
 """
+# Only C modules and os/struct/sys: `re`, `socket` and `signal` (enum) cost more start-up
+# than the rest of a `sudo true` in the client.
+import _signal
+import _socket
 import os
 import pwd
-import grp
-import re
-import signal
-import socket
 import struct
 import sys
 
@@ -28,8 +28,8 @@ SECURE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # sudo's env_reset keeps these (and LC_*) from the caller's environment.
 KEEP = {"TERM", "COLORTERM", "DISPLAY", "COLORS", "HOSTNAME", "LS_COLORS", "PS1", "PS2", "TZ",
         "LANG", "LANGUAGE", "LINGUAS", "XAUTHORITY", "XAUTHORIZATION", "KRB5CCNAME"}
-FORWARD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-           signal.SIGUSR2, signal.SIGWINCH, signal.SIGCONT, signal.SIGALRM)
+FORWARD = (_signal.SIGINT, _signal.SIGTERM, _signal.SIGHUP, _signal.SIGQUIT, _signal.SIGUSR1,
+           _signal.SIGUSR2, _signal.SIGWINCH, _signal.SIGCONT, _signal.SIGALRM)
 USAGE = ("usage: sudo [-EHiknsSv] [-u user] [-g group] [--preserve-env[=list]] [VAR=value] "
          "[--] command [arg ...]")
 
@@ -100,10 +100,17 @@ def parse(args: list[str]) -> dict:
         i += 1
     rest = args[i:]
     assigns = {}
-    while rest and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", rest[0]):
+    while rest and is_assignment(rest[0]):
         k, _, v = rest.pop(0).partition("=")
         assigns[k] = v
     return {**opts, "assigns": assigns, "command": rest}
+
+
+def is_assignment(arg: str) -> bool:
+    """NAME=value with NAME a shell variable name (what sudo takes as an env setting)."""
+    name, eq, _ = arg.partition("=")
+    return bool(eq and name and name.isascii() and not name[0].isdigit()
+                and all(c.isalnum() or c == "_" for c in name))
 
 
 def lookup_user(spec: str | None) -> pwd.struct_passwd:
@@ -119,7 +126,9 @@ def lookup_user(spec: str | None) -> pwd.struct_passwd:
 
 
 def escape(arg: str) -> str:
-    return re.sub(r"([^A-Za-z0-9_\-$])", r"\\\1", arg)
+    """sudo -i/-s: every character but ASCII letters, digits, `_`, `-` and `$` escaped."""
+    return "".join(c if (c.isascii() and c.isalnum()) or c in "_-$" else "\\" + c
+                   for c in arg)
 
 
 def main() -> int:
@@ -131,6 +140,7 @@ def main() -> int:
     if o["group"] is not None:
         try:
             g = o["group"]
+            import grp
             gid = int(g[1:]) if g.startswith("#") else grp.getgrnam(g).gr_gid
         except (KeyError, ValueError):
             die(f"unknown group {o['group']}")
@@ -163,7 +173,7 @@ def main() -> int:
                 "SUDO_UID": str(os.getuid()), "SUDO_GID": str(os.getgid())})
     env.update(o["assigns"])
     try:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
         s.connect(SOCK)
     except OSError as exc:
         die(f"no privilege raising in this sandbox ({SOCK}: {exc.strerror})")
@@ -173,9 +183,9 @@ def main() -> int:
     if len(req) > 64 * 1024:
         die("argument list and environment too long (64 KiB)")
     for sig in FORWARD:  # a terminal's ^C reaches us: the command gets it
-        signal.signal(sig, lambda n, _f: _send_signal(s, n))
+        _signal.signal(sig, lambda n, _f: _send_signal(s, n))
     try:
-        socket.send_fds(s, [req], [0, 1, 2])
+        s.sendmsg([req], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, struct.pack("3i", 0, 1, 2))])
     except OSError:
         pass  # refused before the request was read: the agent's answer is waiting
     while True:
@@ -192,7 +202,7 @@ def main() -> int:
     if kind == 0:
         return value
     if kind == 1:
-        signal.signal(value, signal.SIG_DFL)
+        _signal.signal(value, _signal.SIG_DFL)
         os.kill(os.getpid(), value)
         return 128 + value
     message = reply[8:].decode("utf-8", "replace")
@@ -202,7 +212,7 @@ def main() -> int:
     return 1
 
 
-def _send_signal(s: socket.socket, signo: int) -> None:
+def _send_signal(s: _socket.socket, signo: int) -> None:
     try:
         s.send(struct.pack("<i", signo))
     except OSError:
