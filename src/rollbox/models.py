@@ -28,13 +28,16 @@ class Resources(BaseModel):
                         "inodes count in disk_mib (~350 bytes each)")
 
 
+NETWORK_MAX_RULES = 256  # rules of one network policy
+
+
 class NetworkPolicy(BaseModel):
     """A sandbox's network: default deny; ``allow`` lists permission names (``pypi``, ``npm``,
     ``debian``, ``go``) and custom rules ``HOST:PORT[/tcp|/udp]`` or
     ``A.B.C.D[/LEN]:PORT[/tcp|/udp]`` (host names open through the sandbox's DNS gate).
     Unknown names and malformed rules are refused with bad_request."""
     model_config = ConfigDict(extra="forbid")
-    allow: list[str] = Field(default_factory=list, max_length=256)
+    allow: list[str] = Field(default_factory=list, max_length=NETWORK_MAX_RULES)
 
     @field_validator("allow")
     @classmethod

@@ -461,8 +461,9 @@ async def test_fork_snapshot_metrics_network_and_list_order(env: Env) -> None:
     usage history, also GET /v1/sandboxes/{id}/usage), update_network / allow_out (network
     policy), list newest first with started_after and template filters."""
     import datetime as dt
+    import ipaddress
 
-    from e2b import AsyncSandbox, SandboxQuery
+    from e2b import AsyncSandbox, SandboxException, SandboxQuery
 
     from rollbox import AsyncClient
 
@@ -475,6 +476,29 @@ async def test_fork_snapshot_metrics_network_and_list_order(env: Env) -> None:
             "10.255.255.1:80/tcp", "10.255.255.1:443/tcp"]
         await sbx.update_network({"allow_out": ["10.255.255.2/32"]})
         assert (await env.edge.get(sbx.sandbox_id)).network.allow[0] == "10.255.255.2/32:80/tcp"
+
+        # denyOut: everything else (the IPv4 space minus the denied ranges) on 80 and 443,
+        # allowOut besides it (E2B: allowed entries win); 0.0.0.0/0 leaves allowOut alone
+        await sbx.update_network({"allow_out": ["10.1.2.3"],
+                                  "deny_out": ["8.8.8.8", "10.0.0.0/8"]})
+        rules = (await env.edge.get(sbx.sandbox_id)).network.allow
+        assert rules[:2] == ["10.1.2.3:80/tcp", "10.1.2.3:443/tcp"]
+        opened = [ipaddress.IPv4Network(r.split(":")[0]) for r in rules[2::2]]
+        assert all(r.endswith(":80/tcp") for r in rules[2::2]) and len(rules) == 2 + 2 * 32
+        assert sum(n.num_addresses for n in opened) == 2**32 - 2**24 - 1
+        assert not any(n.overlaps(ipaddress.IPv4Network("10.0.0.0/8"))
+                       or ipaddress.IPv4Address("8.8.8.8") in n for n in opened)
+        await sbx.update_network({"allow_out": ["10.255.255.2/32"], "deny_out": ["0.0.0.0/0"]})
+        assert (await env.edge.get(sbx.sandbox_id)).network.allow == [
+            "10.255.255.2/32:80/tcp", "10.255.255.2/32:443/tcp"]
+        with pytest.raises(SandboxException, match="not supported"):
+            await AsyncSandbox.create(timeout=30, network={"deny_out": ["example.com"]})
+        denied = await AsyncSandbox.create(timeout=30, network={"deny_out": ["1.2.3.0/24"]})
+        try:
+            assert len((await env.edge.get(denied.sandbox_id)).network.allow) == 2 * 24
+            assert (await denied.commands.run("echo up")).stdout == "up\n"
+        finally:
+            await denied.kill()
 
         await sbx.files.write("state.txt", "before")
         kids = await sbx.fork(count=2, timeout=60)
@@ -524,9 +548,14 @@ async def test_fork_snapshot_metrics_network_and_list_order(env: Env) -> None:
 
         async with httpx.AsyncClient(base_url=env.url, timeout=10,
                                      headers={"X-API-KEY": env.key}) as c:
-            for body in ({"denyOut": ["8.8.8.8"]}, {"rules": {"a.com": {}}}):
+            for body in ({"denyOut": ["example.com"]}, {"rules": {"a.com": {}}},
+                         {"egressProxy": {"address": "p:1080"}}):
                 r = await c.put(f"/e2b/sandboxes/{sbx.sandbox_id}/network", json=body)
                 assert r.status_code == 501 and "not supported" in r.json()["message"], body
+            for body in ({"denyOut": ["10.0.0.1/8"]}, {"denyOut": ["nope nope"]},
+                         {"allowOut": ["a.com"], "dnsServers": ["x"]}):
+                r = await c.put(f"/e2b/sandboxes/{sbx.sandbox_id}/network", json=body)
+                assert r.status_code == 400, (body, r.text)
             r = await c.post(f"/e2b/sandboxes/{sbx.sandbox_id}/fork", json={"count": 0})
             assert r.status_code == 400
             r = await c.get("/e2b/v2/sandboxes", params={"order": "up"})

@@ -6,8 +6,10 @@ volumes, metrics, logs and anything else rollbox does not offer answer 501, neve
 from __future__ import annotations
 
 import datetime as dt
+import ipaddress
 import json
 import logging
+import re
 import urllib.parse
 from typing import Any
 
@@ -35,6 +37,7 @@ from rollbox.iam import Principal
 from rollbox.models import (
     MAX_FORK_CHILDREN,
     MAX_TIMEOUT_S,
+    NETWORK_MAX_RULES,
     ForkSpec,
     NetworkPolicy,
     SandboxInfo,
@@ -124,13 +127,63 @@ def _cursor(raw: str | None) -> tuple[float, str] | None:
 
 
 OUT_PORTS = (80, 443)  # what an E2B allowOut entry opens (rollbox rules name their ports)
+MAX_DNS_SERVERS = 10  # E2B's cap
+ALL_TRAFFIC = ipaddress.IPv4Network("0.0.0.0/0")
+DOMAIN_RE = re.compile(r"(\*\.)?[a-z0-9_-]+(\.[a-z0-9_-]+)*\.[a-z][a-z0-9-]*")
+
+
+def open_outside(deny: list[ipaddress.IPv4Network]) -> list[ipaddress.IPv4Network]:
+    """The IPv4 space minus ``deny``, as the fewest CIDRs (E2B's "everything but denyOut")."""
+    open_nets = [ALL_TRAFFIC]
+    for d in deny:
+        nxt: list[ipaddress.IPv4Network] = []
+        for o in open_nets:
+            if not o.overlaps(d):
+                nxt.append(o)
+            elif o.subnet_of(d):
+                continue
+            else:  # d inside o
+                nxt.extend(o.address_exclude(d))
+        open_nets = nxt
+    return list(ipaddress.collapse_addresses(open_nets))
+
+
+def _is_domain(entry: str) -> bool:
+    try:
+        ipaddress.IPv4Network(entry.strip(), strict=False)
+    except ValueError:
+        return DOMAIN_RE.fullmatch(entry.strip().lower()) is not None
+    return False
+
+
+def _deny_nets(deny: list[str]) -> list[ipaddress.IPv4Network]:
+    out = []
+    for d in deny:
+        text = d.strip()
+        try:
+            out.append(ipaddress.IPv4Network(text, strict=True))
+        except ValueError as exc:
+            if _is_domain(text):
+                raise errors.NotSupported(
+                    f"network.denyOut of a domain name ({text[:100]!r}) is not supported by "
+                    "rollbox (nor by E2B: deny rules are CIDRs or addresses)") from None
+            raise errors.BadRequest(f"network.denyOut: {text[:100]!r} is not an IPv4 CIDR or "
+                                    f"address ({exc})") from None
+    return out
 
 
 def _network(body: dict[str, Any]) -> NetworkPolicy | None:
-    """E2B's egress rules onto rollbox's network policy (default deny): each ``allowOut``
-    entry (CIDR, address or domain, ``*.`` wildcards) opens tcp 80 and 443 to it; no
-    allowOut: no network (rollbox's default), ``allow_internet_access`` or not. ``denyOut``
-    has no rollbox counterpart (nothing is open to deny) unless it only repeats the default."""
+    """E2B's egress rules onto rollbox's network policy (default deny, allow rules only):
+
+    - each ``allowOut`` entry (CIDR, address or domain, ``*.`` wildcards) opens tcp 80 and 443
+      to it; no allowOut and no denyOut: no network (rollbox's default);
+    - ``denyOut`` (CIDRs or addresses, as E2B takes them) means "everything else": the IPv4
+      space minus the denied ranges opens on tcp 80 and 443 as CIDR rules, besides allowOut
+      (E2B: allowed entries take precedence over denied ones). ``0.0.0.0/0`` leaves allowOut
+      alone. The policy's forbidden ranges (host, other sandboxes, link-local) stay closed;
+    - ``dnsServers`` (IPv4, at most 10), when allowOut names a domain: udp and tcp 53 to each
+      (omitted: none; rollbox's DNS gate answers the allowed names);
+    - ``rules`` (request transforms), ``egressProxy`` and ``maskRequestHost``: 501."""
     net = body.get("network") or {}
     if not isinstance(net, dict):
         raise errors.BadRequest("network must be an object")
@@ -139,16 +192,32 @@ def _network(body: dict[str, Any]) -> NetworkPolicy | None:
         if net.get(k):
             raise errors.NotSupported(f"network.{k} ({what}) is not supported by rollbox")
     allow, deny = net.get("allowOut") or [], net.get("denyOut") or []
-    if not isinstance(allow, list) or not isinstance(deny, list) or not all(
-            isinstance(x, str) for x in [*allow, *deny]):
-        raise errors.BadRequest("network.allowOut and network.denyOut must be lists of strings")
-    if deny and not (allow == [] and set(deny) <= {"0.0.0.0/0"}):
-        raise errors.NotSupported("network.denyOut is not supported by rollbox: its egress is "
-                                  "default deny, list what to reach in allowOut")
-    if not allow:
+    dns = net.get("dnsServers") or []
+    if not isinstance(allow, list) or not isinstance(deny, list) or not isinstance(
+            dns, list) or not all(isinstance(x, str) for x in [*allow, *deny, *dns]):
+        raise errors.BadRequest("network.allowOut, network.denyOut and network.dnsServers "
+                                "must be lists of strings")
+    if len(dns) > MAX_DNS_SERVERS:
+        raise errors.BadRequest(f"network.dnsServers: at most {MAX_DNS_SERVERS} entries")
+    rules = [f"{a.strip()}:{p}/tcp" for a in allow for p in OUT_PORTS]
+    if deny:
+        rules += [f"{n}:{p}/tcp" for n in open_outside(_deny_nets(deny)) for p in OUT_PORTS]
+    if any(_is_domain(a) for a in allow):
+        for d in dns:
+            try:
+                ip = ipaddress.IPv4Address(d.strip())
+            except ValueError:
+                raise errors.BadRequest(f"network.dnsServers: {d[:64]!r} is not an IPv4 "
+                                        "address") from None
+            rules += [f"{ip}:53/udp", f"{ip}:53/tcp"]
+    if not rules:
         return None
+    if len(rules) > NETWORK_MAX_RULES:
+        raise errors.BadRequest(f"network: {len(rules)} rules (allowOut and the ranges denyOut "
+                                f"leaves open, each on 2 ports) is above rollbox's "
+                                f"{NETWORK_MAX_RULES}", limit=NETWORK_MAX_RULES)
     try:
-        return NetworkPolicy(allow=[f"{a.strip()}:{p}/tcp" for a in allow for p in OUT_PORTS])
+        return NetworkPolicy(allow=rules)
     except ValidationError as exc:
         raise errors.BadRequest(f"network.allowOut: {exc.errors()[0].get('msg')}") from None
 
