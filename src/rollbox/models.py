@@ -71,6 +71,9 @@ class SandboxSpec(BaseModel):
     # What its TTL's end does: "delete" it, or "pause" it (frozen in place, memory and files
     # kept; it then lives paused_ttl_s more unless resumed and given a new TTL).
     on_expiry: Literal["delete", "pause"] = "delete"
+    # A paused sandbox is resumed by traffic to it (a port proxy connection, an E2B envd call)
+    # and given its ttl_s again (E2B's auto_resume); concurrent requests wait for one resume.
+    resume_on_traffic: bool = False
     # Where the writable layer lives: "disk" (the node's disk pool, capped by disk_mib; writes
     # past it fail with ENOSPC/EDQUOT) or "memory" (a tmpfs: faster, but its bytes are host
     # RAM charged to the sandbox's memory limit).
@@ -176,6 +179,8 @@ class SandboxInfo(BaseModel):
     disk_tier: Literal["disk", "memory"] = "disk"
     backend: str = "container"
     on_expiry: Literal["delete", "pause"] = "delete"
+    resume_on_traffic: bool = False  # SandboxSpec's
+    ttl_s: float = 0.0  # the TTL it was created with (0: not recorded), given again on a wake
     # True when what the sandbox reports comes from code its own user controls (a microVM's
     # agent runs under the guest's root): exec results are the guest's word, not the host's.
     guest_reported: bool = False

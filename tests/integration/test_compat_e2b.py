@@ -572,7 +572,7 @@ async def test_fork_snapshot_metrics_network_and_list_order(env: Env) -> None:
 async def test_auto_pause_at_timeout_then_connect(env: Env) -> None:
     """lifecycle on_timeout=pause (autoPause) is rollbox's on_expiry "pause": the TTL's end
     freezes the sandbox in place (processes and memory kept), connect resumes it; a
-    filesystem-only auto-pause and auto-resume on traffic are a typed 501."""
+    filesystem-only auto-pause is a typed 501."""
     from e2b import AsyncSandbox, SandboxException, SandboxState
 
     sbx = await AsyncSandbox.create(timeout=60, lifecycle={"on_timeout": "pause"})
@@ -596,7 +596,7 @@ async def test_auto_pause_at_timeout_then_connect(env: Env) -> None:
         assert h.pid in [p.pid for p in await again.commands.list()]  # the process lived on
     finally:
         await sbx.kill()
-    for lifecycle in ({"on_timeout": {"action": "pause", "keep_memory": False}},
-                      {"on_timeout": "pause", "auto_resume": True}):
-        with pytest.raises(SandboxException, match="not supported"):
-            await AsyncSandbox.create(timeout=30, lifecycle=lifecycle)
+    # (auto_resume: test_compat_e2b_autoresume.py)
+    with pytest.raises(SandboxException, match="not supported"):
+        await AsyncSandbox.create(timeout=30, lifecycle={
+            "on_timeout": {"action": "pause", "keep_memory": False}})

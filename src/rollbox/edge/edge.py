@@ -78,6 +78,7 @@ class LiveSandbox:
     watcher: asyncio.Task | None = None
     # pause/resume: one freeze change at a time; host-side kills that came due while paused.
     freeze_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    wake_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one wake at a time
     deferred_kills: list[ExecSession] = field(default_factory=list)
     ticket: Ticket | None = None  # what it holds of the node's admission budgets
     oom_kills_claimed: int = 0  # OOM kills of its memory cgroup already reported on a command
@@ -648,7 +649,8 @@ class Edge:
             resources=spec.resources, owner=owner, hidden_paths=spec.hidden_paths,
             network=spec.network, job=spec.job, disk_tier=spec.disk_tier,
             backend=spec.backend, idempotency_key=spec.idempotency_key,
-            on_expiry=spec.on_expiry,
+            on_expiry=spec.on_expiry, resume_on_traffic=spec.resume_on_traffic,
+            ttl_s=spec.ttl_s,
         )
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
         env.update((image_config or {}).get("env", {}))
@@ -908,6 +910,21 @@ class Edge:
             live.deferred_kills.clear()
         self.event_log.append(sandbox_id, "sandbox.resumed")
         return live.info
+
+    async def wake(self, sandbox_id: str) -> SandboxInfo:
+        """See EdgeAPI.wake: a paused sandbox with resume_on_traffic resumed (the freeze lock
+        makes concurrent wakes one resume) and given its ttl_s again; else as it is."""
+        live = self._live(sandbox_id)
+        if live.info.state != "paused" or not live.info.resume_on_traffic:
+            return live.info
+        async with live.wake_lock:
+            if live.info.state != "paused":
+                return live.info  # a concurrent wake did it
+            info = await self.resume(sandbox_id)
+            if live.info.ttl_s > 0:
+                info = await self.set_ttl(sandbox_id, live.info.ttl_s)
+        self.event_log.append(sandbox_id, "sandbox.woken")
+        return info
 
     def _check_freezable(self, live: LiveSandbox) -> None:
         if live.info.id in self._snapshotting:
@@ -1529,6 +1546,7 @@ class Edge:
                     resources=src.resources, owner=owner, hidden_paths=list(src.hidden_paths),
                     network=src.network, job=src.job, disk_tier=src.disk_tier,
                     backend=src.backend, on_expiry=src.on_expiry,
+                    resume_on_traffic=src.resume_on_traffic, ttl_s=src.ttl_s,
                     fork_key=spec.idempotency_key)
                 self.journal.put(info, extra={"env": env})
                 infos.append(info)
@@ -1704,6 +1722,7 @@ class Edge:
         sandbox's loopback; the connection is closed with the sandbox at the latest."""
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
             raise BadRequest(f"port must be an integer in 1..65535, not {port!r}", port=port)
+        await self.wake(sandbox_id)
         live = self._running(sandbox_id)
         stream = await live.backend.open_port(live.box, port)
         if self.live.get(sandbox_id) is not live:  # deleted meanwhile

@@ -55,7 +55,7 @@ MAX_ARGS_HEADER = 16 << 10
 
 # The unary methods of EdgeAPI (POST /call/{name}): one name here is all a new one needs.
 UNARY: tuple[str, ...] = (
-    "capacity", "report", "declare_lost", "create", "get", "list", "delete", "set_ttl", "set_network", "pause", "resume",
+    "capacity", "report", "declare_lost", "create", "get", "list", "delete", "set_ttl", "set_network", "pause", "resume", "wake",
     "usage_history",
     "exec_start", "exec_wait", "exec_run", "exec_stdin", "exec_kill", "exec_resize", "exec_list",
     "file_read", "file_write", "file_stat", "file_list", "file_mkdir", "file_remove",

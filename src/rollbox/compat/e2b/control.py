@@ -271,7 +271,7 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
             "memoryMB": info.resources.memory_mib, "diskSizeMB": info.resources.disk_mib,
             "startedAt": iso(info.created_at), "endAt": iso(info.expires_at),
             "state": e2b_state(info),
-            "lifecycle": {"autoResume": False,
+            "lifecycle": {"autoResume": info.resume_on_traffic,
                           "onTimeout": "pause" if info.on_expiry == "pause" else "kill"},
         }
 
@@ -299,10 +299,14 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         if body.get("autoPause") and body.get("autoPauseMemory") is False:
             raise errors.NotSupported("autoPauseMemory=false (a filesystem-only auto-pause) is "
                                       "not supported by rollbox: its pause keeps memory")
+        # autoResume: traffic to it while paused (a port, envd) resumes it first, with its
+        # timeout again (rollbox's resume_on_traffic)
         resume_cfg = body.get("autoResume") or {}
-        if isinstance(resume_cfg, dict) and resume_cfg.get("enabled"):
-            raise errors.NotSupported("autoResume (resume on traffic) is not supported by "
-                                      "rollbox: resume with connect")
+        if not isinstance(resume_cfg, dict):
+            raise errors.BadRequest("autoResume must be an object")
+        auto_resume = bool(resume_cfg.get("enabled"))
+        if auto_resume and not body.get("autoPause"):
+            raise errors.BadRequest("autoResume needs autoPause (on_timeout pause)")
         metadata = body.get("metadata") or {}
         envs = body.get("envVars") or {}
         if not isinstance(metadata, dict) or not isinstance(envs, dict):
@@ -313,7 +317,8 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
             labels[USER_LABEL] = E2B_USER
         spec = SandboxSpec(image=image, ttl_s=_timeout(body.get("timeout"), DEFAULT_TIMEOUT_S),
                            labels=labels, env=envs, network=_network(body),
-                           on_expiry="pause" if body.get("autoPause") else "delete")
+                           on_expiry="pause" if body.get("autoPause") else "delete",
+                           resume_on_traffic=auto_resume)
         info = await api.create_sandbox(spec, principal.project, requested={
             "op": "create", "by": principal.key_id, "labels": spec.labels,
             "resources": spec.resources.model_dump(), "ttl_s": spec.ttl_s, "via": "e2b",

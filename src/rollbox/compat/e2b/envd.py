@@ -427,6 +427,8 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         edge = api.placement.edge_for(sid)
         try:
             info = await edge.get(sid)
+            if info.state == "paused" and info.resume_on_traffic:  # E2B's auto_resume
+                info = await edge.wake(sid)
             now_in = info.state
         except errors.NotFound:
             now_in = "deleted"
