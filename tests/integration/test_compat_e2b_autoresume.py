@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import have_image
+from tests.conftest import have_image, needs_python
 from tests.helpers.e2b_node import e2b_node
 
 e2b = pytest.importorskip("e2b")
@@ -81,3 +81,33 @@ async def test_auto_resume_on_envd_call_and_port_traffic() -> None:
             assert (await sbx.get_info()).state == SandboxState.RUNNING
         finally:
             await asyncio.gather(sbx.kill(), plain.kill(), return_exceptions=True)
+
+
+@needs_python
+async def test_native_resume_on_traffic_through_the_port_proxy() -> None:
+    """The same on the native API: ``create(resume_on_traffic=True)``, a plain ``pause()``,
+    then a request to ``url(port)`` resumes it and reaches the service that was listening."""
+    from rollbox import AsyncClient
+
+    async with e2b_node("e2b-wake-native") as (url, key, edge):
+        async with AsyncClient(url, api_key=key) as c:
+            sb = await c.create("python:3.11", ttl_s=120, resume_on_traffic=True)
+            try:
+                assert (await edge.get(sb.id)).resume_on_traffic
+                await sb.exec("mkdir -p /tmp/s && echo native > /tmp/s/i.html")
+                await sb.exec_background("cd /tmp/s && exec python3 -m http.server 8001 "
+                                         "--bind 127.0.0.1")
+                up = await sb.exec("for i in $(seq 100); do python3 -c 'import socket; "
+                                   "socket.create_connection((\"127.0.0.1\", 8001))' "
+                                   "2>/dev/null && exit 0; sleep 0.1; done; exit 1")
+                assert up.exit_code == 0
+                await sb.set_ttl(5)
+                await sb.pause()
+                async with httpx.AsyncClient(timeout=30) as h:
+                    r = await h.get(sb.url(8001) + "i.html",
+                                    headers={"Authorization": f"Bearer {key}"})
+                assert r.status_code == 200 and r.text == "native\n", r.text
+                info = await edge.get(sb.id)
+                assert info.state == "running" and info.expires_at > time.time() + 100
+            finally:
+                await sb.delete()

@@ -944,6 +944,7 @@ class AsyncClient:
         hidden_paths: Iterable[str] = (), network: Iterable[str] | None = None,
         job: str | None = None, disk_tier: str | None = None, backend: str | None = None,
         idempotency_key: str | None = None, on_expiry: str | None = None,
+        resume_on_traffic: bool = False,
     ) -> AsyncSandbox:
         """``backend``: the kind of sandbox (``"container"``, the default, or ``"microvm"``;
         a kind no node offers is a bad_request). ``hidden_paths``: paths the sandbox's commands can not see (a task's tests).
@@ -954,6 +955,8 @@ class AsyncClient:
         by ``disk_mib``) or ``"memory"`` (a tmpfs, its bytes counted in the sandbox's memory).
         ``on_expiry``: what the TTL's end does, ``"delete"`` (the default) or ``"pause"`` (frozen
         in place; it lives ROLLBOX_PAUSED_TTL_S more unless resumed with a new TTL).
+        ``resume_on_traffic``: a paused sandbox is resumed by a port proxy connection to it
+        (``url(port)``) and given ``ttl_s`` again; concurrent requests wait for one resume.
         ``idempotency_key`` (a fresh one per call unless given): a create whose connection
         broke is sent again (on the next API URL) with it, and returns the sandbox the first
         attempt made instead of a second one; the same key with another spec, while that
@@ -968,6 +971,8 @@ class AsyncClient:
             spec["backend"] = backend
         if on_expiry is not None:
             spec["on_expiry"] = on_expiry  # checked by the server (bad_request)
+        if resume_on_traffic:
+            spec["resume_on_traffic"] = True
         if idempotency_key is not None and not 1 <= len(idempotency_key) <= 128:
             raise errors.BadRequest("idempotency_key must be 1 to 128 characters")
         spec["idempotency_key"] = idempotency_key or new_idempotency_key()
