@@ -54,7 +54,8 @@ Edge -> agent
                  bytes go to the master raw; excludes EXEC_STDIN and EXEC_PLATFORM_TOOL)),
                  EXEC_PTY_STDERR (with EXEC_PTY: stderr is its own pipe, the session's
                  STDERR, not the terminal). Unknown flags are refused (an older agent answers
-                 SPAWN_FAILED EINVAL to EXEC_PTY and EXEC_PTY_STDERR). The agent answers STARTED or SPAWN_FAILED.
+                 SPAWN_FAILED EINVAL to EXEC_PTY and EXEC_PTY_STDERR). The agent answers
+                 STARTED or SPAWN_FAILED.
   STDIN(2)       bytes for the session's stdin (at most ``CHUNK`` per packet), credit-based: the
                  edge keeps at most ``STDIN_WINDOW`` bytes per session not yet acknowledged by
                  STDIN_ACK, so a command that never reads its stdin can't stall the connection
