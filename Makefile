@@ -9,7 +9,7 @@ APT_PACKAGES := runc erofs-utils debootstrap podman fuse3 iproute2 gcc libc6-dev
 	btrfs-progs qemu-system-x86 qemu-utils lz4 postgresql
 export ROLLBOX_AGENT := $(CURDIR)/build/rollbox-agent
 
-.PHONY: deps venv native guest images setup demo test test-upstream test-browser bench clean-host
+.PHONY: deps venv native guest vmguest images setup demo test test-upstream test-browser bench clean-host
 deps: build/.apt-stamp
 build/.apt-stamp:
 	mkdir -p build
@@ -43,7 +43,13 @@ guest: build/guest/manifest.json
 build/guest/manifest.json: build/rollbox-agent $(GUEST_SOURCES) | deps
 	PYTHONPATH=$(CURDIR)/src $(PY) -m rollbox.guest.build
 
-setup: deps venv native guest
+# The full VM's guest (src/rollbox/guest/vmbuild.py, backends/vm): the generic kernel's bzImage
+# (DRM, USB HID) for a SeaBIOS boot, an initramfs like the microVM's with PCI/USB/DRM modules.
+vmguest: build/vmguest/manifest.json
+build/vmguest/manifest.json: build/rollbox-agent $(GUEST_SOURCES) src/rollbox/guest/vmbuild.py | deps
+	PYTHONPATH=$(CURDIR)/src $(PY) -m rollbox.guest.vmbuild
+
+setup: deps venv native guest vmguest
 
 images: setup
 	$(BIN)/rollbox image ensure-defaults

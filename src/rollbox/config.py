@@ -38,6 +38,8 @@ GROUPS: dict[str, str] = {
     "container": "Container backend (rollbox.backends.container)",
     "disk": "Disk pool of the writable layers (rollbox.backends.container.disk)",
     "microvm": "microVM backend (rollbox.backends.microvm) and its guest (rollbox.guest)",
+    "vm": "Full-VM backend (rollbox.backends.vm: computer use) and its guest "
+          "(rollbox.guest.vmbuild)",
     "templates": "microVM templates (rollbox.backends.microvm.template)",
     "admission": "Admission of creates (rollbox.edge.admission)",
     "images": "Image store, layer storage and chunk stores (rollbox.images, rollbox.edge.storage)",
@@ -278,6 +280,28 @@ class Settings:
         "A file that gets one JSON line per microVM create with its step timings "
         "(backends/microvm/steps.py; `rollbox bench microvm` sets it); unset: none written.")
 
+    # ---- full-VM backend (backends/vm; the rest of its settings are the microVM's) --------
+    vm_full_kernel_package: str = setting(
+        "ROLLBOX_VMFULL_KERNEL_PKG", "vm", "linux-image-amd64", str,
+        "The full VM's kernel package: `make vmguest` unpacks the bzImage this Debian meta "
+        "package depends on (it has DRM for the VGA device and USB HID; the cloud kernel not).")
+    vm_full_kernel: Path = setting("ROLLBOX_VMFULL_KERNEL", "vm",
+                                   REPO_ROOT / "build" / "vmguest" / "bzImage", Path,
+                                   "The full VM's kernel, booted by SeaBIOS (`make vmguest`).")
+    vm_full_initrd: Path = setting(
+        "ROLLBOX_VMFULL_INITRD", "vm", REPO_ROOT / "build" / "vmguest" / "initramfs.cpio", Path,
+        "The full VM's initramfs, the agent as its /init (`make vmguest`).")
+    vm_full_guest_manifest: Path = setting(
+        "ROLLBOX_VMFULL_GUEST_MANIFEST", "vm",
+        REPO_ROOT / "build" / "vmguest" / "manifest.json", Path,
+        "Kernel version and digests of the full VM's kernel and initramfs; the deb cache is "
+        "beside it.")
+    vm_screenshot_max_bytes: int = setting(
+        "ROLLBOX_VM_SCREENSHOT_MAX_BYTES", "vm", 16 << 20, int,
+        "The most bytes of one screenshot QEMU may write (larger: an error, never read on).")
+    vm_type_max_chars: int = setting(
+        "ROLLBOX_VM_TYPE_MAX_CHARS", "vm", 4096, int,
+        "The most characters one keyboard.type call may send.")
     # ---- microVM templates ---------------------------------------------------------------
     vm_templates: bool = setting(
         "ROLLBOX_VM_TEMPLATES", "templates", True, flag,
@@ -690,7 +714,8 @@ class Settings:
         names = ["data_dir", "run_dir", "run_tmpfs", "agent_binary", "runtime", "cgroup_parent",
                  "node_id", "uid_base", "uid_slots", "host_dir", "host_auto", "net_pool",
                  "net_host_range", "node_share", "node_cpus", "node_memory_mib", "vm_jailer",
-                 "vm_kernel", "vm_initrd", "vm_accel", "vm_guest_manifest", "vm_templates"]
+                 "vm_kernel", "vm_initrd", "vm_accel", "vm_guest_manifest", "vm_templates",
+                 "vm_full_kernel", "vm_full_initrd", "vm_full_guest_manifest"]
         if self.images_root is not None:
             names.append("images_root")
         if self.chunk_store is not None:

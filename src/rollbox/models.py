@@ -773,3 +773,46 @@ class Project(BaseModel):
     own_used: QuotaUsage
     delegated: QuotaUsage
     created_at: float
+
+
+# ---- computer use (backend "vm": docs/backends/vm.md) --------------------------------------
+MouseButton = Literal["left", "right", "middle"]
+# The bounds here are the wire's; the backend checks coordinates against the display it has,
+# key names against its key table and text against what its layout can type.
+MAX_COORD = 16384
+MAX_TYPE_CHARS = 65536
+
+
+class ComputerAction(BaseModel):
+    """One input action for a sandbox's screen (``POST /v1/sandboxes/{id}/computer``).
+    ``move``/``click``/``double_click``: the pointer to (x, y), then the button;
+    ``drag``: press at (x, y), move to (x2, y2), release; ``scroll``: at (x, y), ``dy`` wheel
+    steps (negative: up), ``dx`` ignored unless the guest has a horizontal wheel (refused);
+    ``type``: ``text`` typed key by key; ``press``: a chord like ``ctrl+s`` (``keys``)."""
+    model_config = ConfigDict(extra="forbid")
+    action: Literal["move", "click", "double_click", "drag", "scroll", "type", "press"]
+    x: int | None = Field(None, ge=-MAX_COORD, le=MAX_COORD)
+    y: int | None = Field(None, ge=-MAX_COORD, le=MAX_COORD)
+    x2: int | None = Field(None, ge=-MAX_COORD, le=MAX_COORD)
+    y2: int | None = Field(None, ge=-MAX_COORD, le=MAX_COORD)
+    button: MouseButton = "left"
+    dy: int = Field(0, ge=-100, le=100)
+    text: str | None = Field(None, max_length=MAX_TYPE_CHARS)
+    keys: str | None = Field(None, min_length=1, max_length=128)
+    screenshot_hash: bool = Field(False, description="record the screen's sha256 after it")
+
+
+class DisplayInfo(BaseModel):
+    """A sandbox's screen as its VM draws it now."""
+    width: int
+    height: int
+
+
+class ComputerActionResult(BaseModel):
+    """What an action did: the display it was checked against, the input events sent, when
+    (recorded in the event log as ``computer.<action>``) and, if asked, the screen's hash."""
+    action: str
+    display: DisplayInfo
+    events: int
+    ts: float
+    screenshot_sha256: str | None = None

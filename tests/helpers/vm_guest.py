@@ -186,3 +186,22 @@ async def started_guest_backend(tmp_node_dir: Path, guest: tuple[Path, Path],
         b.release_node_resources()
         pool.release()
         slots.close()
+
+
+async def agent_run(vm: Any, argv: list[str], timeout_ms: int = 60_000, backend: Any = None,
+                    path: str = "PATH=/usr/local/bin:/usr/bin:/bin") -> tuple[int, bytes]:
+    """(exit code, stdout + stderr) of ``argv`` run through a VM's agent channel, with
+    ``backend.prepare_exec`` first when given (as the edge does before every exec)."""
+    from rollbox.agent.protocol import ExecRequest
+
+    if backend is not None:
+        await backend.prepare_exec(vm)
+    session = await vm.channel.exec(ExecRequest(argv=argv, env=[path], timeout_ms=timeout_ms))
+    out = b""
+    code = -1
+    async for kind, payload in session.events():
+        if kind in ("stdout", "stderr"):
+            out += payload
+        elif kind == "exited":
+            code = payload.exit_code
+    return code, out

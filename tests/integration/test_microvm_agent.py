@@ -17,7 +17,7 @@ from rollbox.images.store import ImageStore
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import Resources
 from tests.conftest import node_settings
-from tests.helpers.vm_guest import real_guest_marks
+from tests.helpers.vm_guest import agent_run, real_guest_marks
 
 PY = "python:3.11"
 pytestmark = real_guest_marks(PY)
@@ -30,17 +30,7 @@ def backend_for(settings: Settings, slots: UidSlots, pool: DiskPool) -> MicroVMB
 
 async def run(vm: MicroVM, argv: list[str], timeout_ms: int = 60_000,
               backend: MicroVMBackend | None = None) -> tuple[int, bytes]:
-    if backend is not None:  # as the edge does before every exec
-        await backend.prepare_exec(vm)
-    session = await vm.channel.exec(ExecRequest(argv=argv, env=[PATH], timeout_ms=timeout_ms))
-    out = b""
-    code = -1
-    async for kind, payload in session.events():
-        if kind in ("stdout", "stderr"):
-            out += payload
-        elif kind == "exited":
-            code = payload.exit_code
-    return code, out
+    return await agent_run(vm, argv, timeout_ms, backend)
 
 
 async def test_agent_exec_squeeze_deflate_pause_and_adopt(tmp_node_dir: Path) -> None:

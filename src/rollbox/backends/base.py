@@ -21,12 +21,18 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 # A snapshot's options and answer are the capture's own types (every backend's capture, and
 # the agent's for VMs, fill them); capture_writable below names them.
 from rollbox.images.snapshot import CaptureOptions, CaptureResult
-from rollbox.models import FileStat, Resources
+from rollbox.models import (
+    ComputerAction,
+    ComputerActionResult,
+    DisplayInfo,
+    FileStat,
+    Resources,
+)
 
 if TYPE_CHECKING:
     from rollbox.agent.channel import AgentChannel
 
-BackendKind = str  # "container" | "microvm" (a spec's ``backend``)
+BackendKind = str  # "container" | "microvm" | "vm" (a spec's ``backend``)
 DiskTier = Literal["disk", "memory"]
 
 
@@ -145,6 +151,17 @@ class SandboxFiles(Protocol):
     def close(self) -> None: ...
 
 
+class Display(Protocol):
+    """A sandbox's screen and input devices (computer use; backend "vm" only): the screen as
+    the VM draws it, input through one QEMU path. Errors are typed: BadRequest for input the
+    display can not take (naming why; nothing reaches the guest then), SandboxPaused for a
+    paused VM, InfraError for a VM that does not answer."""
+
+    async def screenshot(self) -> bytes: ...  # PNG bytes as QEMU wrote them (never decoded)
+    async def info(self) -> DisplayInfo: ...  # the size it has now
+    async def act(self, action: ComputerAction) -> ComputerActionResult: ...
+
+
 class SandboxHandle(Protocol):
     """One live sandbox of some backend, as the edge core holds it."""
 
@@ -194,7 +211,11 @@ class Backend(Protocol):
     # (existing connections cut where no longer allowed); BadRequest leaves it unchanged.
     async def set_network(self, h: SandboxHandle, rules: list[str]) -> None: ...
     # Snapshot: copy the writable layer, as an overlay upper, into the new host dir ``dest``
-    # that storage builds a layer from; parsed as hostile, capped by ``opts``.
+    # that storage builds a layer from; parsed as hostile, capped by ``opts``. What a snapshot
+    # is per backend: container and microVM (and a "vm" sandbox of a layered image): its
+    # writable layer as a new image layer, from which a sandbox of any layered backend can be
+    # created (container, microvm, vm). A "vm" sandbox's disk + memory (docs/backends/vm.md,
+    # Snapshot) can be restored as "vm" sandboxes only; that path is not landed yet.
     async def capture_writable(self, h: SandboxHandle, dest: Path,
                                opts: CaptureOptions) -> CaptureResult: ...
 
@@ -220,6 +241,10 @@ class Backend(Protocol):
     # netns); microVM: a relay through the agent (busybox nc to the guest's loopback, bytes
     # over the exec session's stdin/stdout on virtio-serial), no guest network needed.
     async def open_port(self, h: SandboxHandle, port: int) -> PortStream: ...
+
+    # Computer use: the sandbox's screen and input (None: this backend has no display; the
+    # edge then refuses with BadRequest). Only "vm" sandboxes have one.
+    def display(self, h: SandboxHandle) -> Display | None: ...
 
     def usage(self, h: SandboxHandle) -> Usage: ...
     def oom_kills(self, h: SandboxHandle) -> int: ...  # cheap: read on SIGKILL exits only

@@ -20,13 +20,17 @@ if TYPE_CHECKING:
 
 def make_backends(settings: Settings, layer_mounts: LayerMounts, slots: UidSlots,
                   store: ImageStore) -> dict[str, Backend]:
-    """The node's backends by kind; "container" is always there, "microvm" too (offered where
-    QEMU, the jailer and the guest kernel/initramfs are at hand). They share the node's uid
+    """The node's backends by kind; "container" is always there, "microvm" and "vm" too (offered
+    where QEMU, the jailer and their guest kernel/initramfs are at hand; "vm" takes the
+    microVM's accelerator choice). They share the node's uid
     slots and its disk pool (one owner of the pool's mount; writable layers of either kind are
     subvolumes named by sandbox id)."""
     from rollbox.backends.container.sandbox import ContainerBackend
     from rollbox.backends.microvm.backend import MicroVMBackend
+    from rollbox.backends.vm.backend import VMBackend
 
     container = ContainerBackend(settings, layer_mounts, slots)
     microvm = MicroVMBackend(settings, slots, store, container.disk)
-    return {container.kind: container, microvm.kind: microvm}  # type: ignore[dict-item]
+    vm = VMBackend(settings, slots, store, container.disk, accel_from=microvm)
+    return {container.kind: container, microvm.kind: microvm,  # type: ignore[dict-item]
+            vm.kind: vm}

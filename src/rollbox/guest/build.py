@@ -28,6 +28,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from rollbox.agent import platform_shell
@@ -291,12 +292,20 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def build(settings: Settings) -> dict[str, object]:
-    cache = settings.vm_guest_manifest.parent / "cache"
+def build_guest(settings: Settings, *, package: str, kernel: Path, initrd: Path,
+                manifest_path: Path, wanted: dict[str, int],
+                install_kernel: Callable[[Path, Path], None],
+                kernel_key: str) -> dict[str, object]:
+    """One guest's artifacts: the kernel of Debian meta package ``package`` put at ``kernel``
+    by ``install_kernel(vmlinuz, kernel)``, the initramfs with the ``wanted`` modules at
+    ``initrd``, the manifest (the kernel's digest under ``kernel_key``); the deb cache is
+    beside the manifest. The microVM guest (:func:`build`) and the full VM's
+    (``rollbox.guest.vmbuild``) differ only in these."""
+    cache = manifest_path.parent / "cache"
     cache.mkdir(parents=True, exist_ok=True)
-    for path in (settings.vm_kernel, settings.vm_initrd):
+    for path in (kernel, initrd):
         path.parent.mkdir(parents=True, exist_ok=True)
-    pkg = resolve_kernel_package(settings.vm_kernel_package)
+    pkg = resolve_kernel_package(package)
     version = pkg.removeprefix("linux-image-")
     deb = fetch_deb(pkg, cache)
     tree = unpack_deb(deb, cache)
@@ -305,32 +314,38 @@ def build(settings: Settings) -> dict[str, object]:
     if not vmlinuz.exists() or not moddir.is_dir():
         raise InfraError(f"{deb.name}: no boot/vmlinuz-{version} or lib/modules/{version}")
 
-    kernel = settings.vm_kernel
-    extract_vmlinux(vmlinuz, kernel)
-    modules = modules_in_load_order(moddir, WANTED_MODULES)
+    install_kernel(vmlinuz, kernel)
+    modules = modules_in_load_order(moddir, wanted)
     agent = _static_elf(settings.agent_binary)
     busybox = _static_elf(settings.platform_busybox)
     bash = platform_shell.prepared(settings.platform_shell)
     initramfs = build_initramfs(agent, busybox, bash, modules)
-    tmp = settings.vm_initrd.with_suffix(".tmp")
+    tmp = initrd.with_suffix(".tmp")
     tmp.write_bytes(initramfs)
-    os.replace(tmp, settings.vm_initrd)
+    os.replace(tmp, initrd)
 
     manifest: dict[str, object] = {
         "kernel_package": pkg,
         "kernel_version": version,
         "deb": deb.name,
-        "vmlinux_sha256": _sha256(kernel.read_bytes()),
+        kernel_key: _sha256(kernel.read_bytes()),
         "initramfs_sha256": _sha256(initramfs),
         "agent_sha256": _sha256(agent),
         "busybox_sha256": _sha256(busybox),
         "bash_sha256": _sha256(bash),
         "modules": [ko.name for ko, _ in modules],
     }
-    tmp = settings.vm_guest_manifest.with_suffix(".tmp")
+    tmp = manifest_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, settings.vm_guest_manifest)
+    os.replace(tmp, manifest_path)
     return manifest
+
+
+def build(settings: Settings) -> dict[str, object]:
+    return build_guest(settings, package=settings.vm_kernel_package, kernel=settings.vm_kernel,
+                       initrd=settings.vm_initrd, manifest_path=settings.vm_guest_manifest,
+                       wanted=WANTED_MODULES, install_kernel=extract_vmlinux,
+                       kernel_key="vmlinux_sha256")
 
 
 def main() -> int:

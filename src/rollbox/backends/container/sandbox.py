@@ -494,6 +494,10 @@ class ContainerBackend:
         (rollbox.backends.ports): outside its cgroup, so with or without network rules."""
         return await connect_in_netns(netns.PREFIX + sb.id, port)
 
+    def display(self, sb: ContainerSandbox) -> None:  # type: ignore[override]
+        """Containers have no screen (computer use is the "vm" backend's)."""
+        return None
+
     def usage(self, sb: ContainerSandbox) -> Usage:  # type: ignore[override]
         parent = self.settings.cgroup_parent
         return Usage(memory_bytes=cgroups.memory_bytes(parent, sb.id),

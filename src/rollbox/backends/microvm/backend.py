@@ -305,12 +305,21 @@ class MicroVMBackend:
         self.templates = VmTemplates(self) if settings.vm_templates else None
 
     # ---- node -----------------------------------------------------------------------------
+    @property
+    def guest_kernel(self) -> Path:
+        """The kernel this backend's guests boot (a full VM's backend has its own)."""
+        return self.settings.vm_kernel
+
+    @property
+    def guest_initrd(self) -> Path:
+        return self.settings.vm_initrd
+
     def _missing(self) -> str | None:
-        """Why this node can not run microVMs (None: it can)."""
+        """Why this node can not run this backend's VMs (None: it can)."""
         for what, path in (("QEMU", self.settings.qemu_binary),
                            ("the jailer (make native)", self.settings.vm_jailer),
-                           ("the guest kernel (make guest)", self.settings.vm_kernel),
-                           ("the guest initramfs (make guest)", self.settings.vm_initrd)):
+                           ("the guest kernel", self.guest_kernel),
+                           ("the guest initramfs", self.guest_initrd)):
             if not Path(path).is_file():
                 return f"{what} missing at {path}"
         return None
@@ -603,8 +612,7 @@ class MicroVMBackend:
         """The files of a VM at their jail paths (``qemu.py``): kernel, initramfs, layers,
         writable disk, and with ``machine.ram`` a template's RAM file (``build_ram`` of a
         build VM, writable; ``clone_ram`` of a restore, read-only)."""
-        binds = [Bind(self.settings.vm_kernel, qemu.KERNEL),
-                 Bind(self.settings.vm_initrd, qemu.INITRD)]
+        binds = [Bind(self.guest_kernel, qemu.KERNEL), Bind(self.guest_initrd, qemu.INITRD)]
         binds += [Bind(f, qemu.layer_path(i)) for i, f in enumerate(layer_files)]
         binds.append(Bind(rw, qemu.RW_DISK, writable=True))
         if machine.ram == qemu.RAM_SHARED:
@@ -615,6 +623,14 @@ class MicroVMBackend:
             binds.append(Bind(clone_ram, qemu.RAM_FILE))  # read-only bind
         return binds
 
+    def argv_for(self, machine: qemu.MachineSpec) -> list[str]:
+        """QEMU's argv of ``machine`` (a full VM's backend gives its q35 machine)."""
+        return qemu.argv(machine, str(self.settings.qemu_binary))
+
+    def display(self, h: MicroVM) -> None:
+        """No screen or input devices on a microVM (the full-VM backend's have them)."""
+        return None
+
     async def spawn_qemu(self, jail: Jail, machine: qemu.MachineSpec, binds: list[Bind],
                          host_uid: int, cpus: float, *, netns: Path | None = None,
                          tap_fd: int = -1, steps: Steps | None = None,
@@ -622,7 +638,7 @@ class MicroVMBackend:
         """QEMU of ``machine`` (its argv as is: ``incoming`` for a restore) in a new jail;
         its pid once it has exec'd. ``idle``: its cgroup at idle CPU priority (a spare)."""
         devices = ("/dev/kvm",) if machine.accel == "kvm" else ()
-        argv = qemu.argv(machine, str(self.settings.qemu_binary))
+        argv = self.argv_for(machine)
         sockets = await to_the_end(asyncio.to_thread(jail.prepare), dispose=_close_sockets)
         if steps is not None:
             steps.lap("jail_dir")

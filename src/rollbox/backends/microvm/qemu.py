@@ -124,9 +124,12 @@ class MachineSpec:
     extra_cmdline: tuple[str, ...] = field(default=())
 
 
-def kernel_cmdline(spec: MachineSpec) -> str:
-    args = ["console=ttyS0", "quiet", "panic=-1", "reboot=t", "pci=off",
-            *FAST_BOOT_CMDLINE, *GUEST_MEMORY_CMDLINE,
+# The start of a microVM's kernel command line (a full VM's has its own: backends/vm/machine.py).
+MICROVM_CMDLINE = ("console=ttyS0", "quiet", "panic=-1", "reboot=t", "pci=off")
+
+
+def kernel_cmdline(spec: MachineSpec, base: tuple[str, ...] = MICROVM_CMDLINE) -> str:
+    args = [*base, *FAST_BOOT_CMDLINE, *GUEST_MEMORY_CMDLINE,
             f"rollbox.layers={spec.layers}"]
     if spec.rw_disk:
         args.append("rollbox.rw=1")
@@ -138,13 +141,54 @@ def kernel_cmdline(spec: MachineSpec) -> str:
     return " ".join(args + list(spec.extra_cmdline))
 
 
-def argv(spec: MachineSpec, binary: str = "/usr/bin/qemu-system-x86_64") -> list[str]:
+SANDBOX_ARG = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+
+
+def accel_args(spec: MachineSpec) -> list[str]:
+    """``-accel`` and ``-cpu`` of the spec's accelerator (also a full VM's)."""
     if spec.accel == "kvm":
-        accel = ["-accel", "kvm", "-cpu", "host"]
-    elif spec.accel == "tcg":
-        accel = ["-accel", f"tcg,tb-size={spec.tb_size_mib}", "-cpu", TCG_CPU]
-    else:
-        raise ValueError(f"unknown accelerator {spec.accel!r}")
+        return ["-accel", "kvm", "-cpu", "host"]
+    if spec.accel == "tcg":
+        return ["-accel", f"tcg,tb-size={spec.tb_size_mib}", "-cpu", TCG_CPU]
+    raise ValueError(f"unknown accelerator {spec.accel!r}")
+
+
+def channel_args(transport: str) -> list[str]:
+    """Serial console (fd 5), QMP (fd 4) and the agent's virtio-serial port (fd 3), the
+    virtio devices on ``transport`` ("device": virtio-mmio, "pci": a full VM's PCI)."""
+    return [
+        "-chardev", f"socket,id=console,fd={CONSOLE_FD},server=on,wait=off",
+        "-serial", "chardev:console",
+        "-chardev", f"socket,id=qmp,fd={QMP_FD},server=on,wait=off",
+        "-mon", "chardev=qmp,mode=control",
+        "-device", f"virtio-serial-{transport},max_ports=2",
+        "-chardev", f"socket,id=agent,fd={AGENT_FD},server=on,wait=off",
+        "-device", f"virtserialport,chardev=agent,name={AGENT_PORT}",
+    ]
+
+
+def device_args(spec: MachineSpec, transport: str) -> list[str]:
+    """The balloon, layers, writable disk, NIC and ``-incoming`` of ``spec`` on
+    ``transport`` (see :func:`channel_args`)."""
+    args = ["-device", f"virtio-balloon-{transport},free-page-reporting="
+            f"{'on' if spec.free_page_reporting else 'off'},deflate-on-oom=on"]
+    for i in range(spec.layers):
+        args += ["-drive", f"id=layer{i},file={layer_path(i)},format=raw,if=none,readonly=on",
+                 "-device", f"virtio-blk-{transport},drive=layer{i},serial=layer{i}"]
+    if spec.rw_disk:
+        args += ["-drive", f"id=rw,file={RW_DISK},format=raw,if=none,discard=unmap,"
+                 "detect-zeroes=unmap",
+                 "-device", f"virtio-blk-{transport},drive=rw,serial=rw"]
+    if spec.nic:
+        args += ["-netdev", f"tap,id=net0,fd={TAP_FD},vhost=off",
+                 "-device", f"virtio-net-{transport},netdev=net0,mac={GUEST_MAC}"]
+    if spec.incoming:
+        args += ["-incoming", "defer"]
+    return args
+
+
+def argv(spec: MachineSpec, binary: str = "/usr/bin/qemu-system-x86_64") -> list[str]:
+    accel = accel_args(spec)
     machine = f"microvm,rtc=on,x-option-roms=off,mem-merge={'on' if spec.mem_merge else 'off'}"
     ram: list[str] = []
     if spec.ram:
@@ -155,37 +199,16 @@ def argv(spec: MachineSpec, binary: str = "/usr/bin/qemu-system-x86_64") -> list
         ram = ["-object", f"memory-backend-file,id=ram,size={spec.memory_mib}M,"
                f"mem-path={RAM_FILE},{backing}"]
         machine += ",memory-backend=ram"
-    args = [
+    return [
         binary, "-M", machine, *accel, *ram,
         "-smp", str(spec.cpus), "-m", str(spec.memory_mib),
         *firmware_args(binary), "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
         # modern virtio-mmio: free page reporting is a feature bit above 32
         "-global", "virtio-mmio.force-legacy=false",
-        "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+        "-sandbox", SANDBOX_ARG,
         "-kernel", KERNEL, "-initrd", INITRD, "-append", kernel_cmdline(spec),
-        "-chardev", f"socket,id=console,fd={CONSOLE_FD},server=on,wait=off",
-        "-serial", "chardev:console",
-        "-chardev", f"socket,id=qmp,fd={QMP_FD},server=on,wait=off",
-        "-mon", "chardev=qmp,mode=control",
-        "-device", "virtio-serial-device,max_ports=2",
-        "-chardev", f"socket,id=agent,fd={AGENT_FD},server=on,wait=off",
-        "-device", f"virtserialport,chardev=agent,name={AGENT_PORT}",
-        "-device", "virtio-balloon-device,free-page-reporting="
-        f"{'on' if spec.free_page_reporting else 'off'},deflate-on-oom=on",
+        *channel_args("device"), *device_args(spec, "device"),
     ]
-    for i in range(spec.layers):
-        args += ["-drive", f"id=layer{i},file={layer_path(i)},format=raw,if=none,readonly=on",
-                 "-device", f"virtio-blk-device,drive=layer{i},serial=layer{i}"]
-    if spec.rw_disk:
-        args += ["-drive", f"id=rw,file={RW_DISK},format=raw,if=none,discard=unmap,"
-                 "detect-zeroes=unmap",
-                 "-device", "virtio-blk-device,drive=rw,serial=rw"]
-    if spec.nic:
-        args += ["-netdev", f"tap,id=net0,fd={TAP_FD},vhost=off",
-                 "-device", f"virtio-net-device,netdev=net0,mac={GUEST_MAC}"]
-    if spec.incoming:
-        args += ["-incoming", "defer"]
-    return args
 
 
 @functools.lru_cache(maxsize=1)

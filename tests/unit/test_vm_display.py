@@ -1,0 +1,53 @@
+"""backends/vm/display.py without a VM: the QMP input events an action becomes (pointer
+scaled to QEMU's 0..32767 axes, chords, typed text batched with a key at most once per batch)
+and the typed refusals that send nothing."""
+from __future__ import annotations
+
+import pytest
+
+from rollbox.backends.vm import display
+from rollbox.errors import BadRequest, InfraError
+from rollbox.models import ComputerAction
+
+SIZE = (1280, 800)
+
+
+def test_click_is_scaled_to_the_absolute_axes() -> None:
+    batches = display.plan(ComputerAction(action="click", x=1279, y=0, button="right"), SIZE,
+                           100)
+    assert batches[0][0]["data"] == {"axis": "x", "value": display.ABS_MAX}
+    assert batches[0][1]["data"] == {"axis": "y", "value": 0}
+    assert batches[0][2] == {"type": "btn", "data": {"down": True, "button": "right"}}
+    assert batches[1] == [{"type": "btn", "data": {"down": False, "button": "right"}}]
+
+
+def test_chord_and_typed_text() -> None:
+    (batch,) = display.plan(ComputerAction(action="press", keys="ctrl+s"), SIZE, 100)
+    assert [(e["data"]["key"]["data"], e["data"]["down"]) for e in batch] == [
+        ("ctrl", True), ("s", True), ("s", False), ("ctrl", False)]
+    batches = display.plan(ComputerAction(action="type", text="Hello"), SIZE, 100)
+    typed = [[e["data"]["key"]["data"] for e in b if e["data"]["down"]] for b in batches]
+    assert typed == [["shift", "h", "e", "l"], ["l", "o"]]  # "ll" split across batches
+    assert display.char_keys("?") == ("slash", True) and display.char_keys("\n") == ("ret", False)
+
+
+@pytest.mark.parametrize("action, why", [
+    (ComputerAction(action="move", x=1280, y=0), "outside the 1280x800"),
+    (ComputerAction(action="press", keys="hyper+x"), "unknown key"),
+    (ComputerAction(action="press", keys="ctrl+ctrl"), "repeats"),
+    (ComputerAction(action="type", text="\x1b"), "can not type"),
+    (ComputerAction(action="type", text="abc"), "at most 2"),
+])
+def test_refusals(action: ComputerAction, why: str) -> None:
+    with pytest.raises(BadRequest, match=why):
+        display.plan(action, SIZE, 2)
+
+
+def test_png_checks() -> None:
+    ihdr = display.PNG_SIGNATURE + b"\0\0\0\rIHDR" + (640).to_bytes(4, "big") + \
+        (480).to_bytes(4, "big") + b"\x08\x02\0\0\0" + b"\0" * 4
+    assert display.png_size(ihdr) == (640, 480)
+    with pytest.raises(InfraError):
+        display.png_size(b"GIF89a" + b"\0" * 40)
+    with pytest.raises(InfraError):
+        display.png_size(ihdr[:16] + (0).to_bytes(4, "big") + ihdr[20:])
