@@ -7,6 +7,7 @@ import asyncio
 import collections
 import dataclasses
 import errno
+import hashlib
 import json
 import itertools
 import logging
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from rollbox.agent.channel import SpawnError
 from rollbox.agent.protocol import RETAIN_LIMIT, ExecRequest, shell_argv
 from rollbox.backends.base import (
-    Backend, CaptureOptions, PortStream, ResolvedSpec, SandboxHandle,
+    Backend, CaptureOptions, Display, PortStream, ResolvedSpec, SandboxHandle,
 )
 from rollbox.backends import platform_work
 from rollbox.backends.registry import make_backends
@@ -51,6 +52,7 @@ from rollbox.models import (
     ExecSpec, FileStat, ForkResult, ForkSpec, GradeResult, GradeSpec,
     ImageInfo, LayerUsage, NetAudit, NetworkPolicy, NodeReport, NodeSandbox, SandboxInfo,
     SandboxSpec, SandboxUsage, SnapshotResult, SnapshotSpec, UsageSample,
+    ComputerAction, ComputerActionResult, DisplayInfo,
 )
 
 if TYPE_CHECKING:
@@ -1704,6 +1706,45 @@ class Edge:
 
     async def record_event(self, sandbox_id: str, kind: str, data: str) -> None:
         self.event_log.append(sandbox_id, kind, data=data)
+
+    # ---- computer use (backend "vm": docs/backends/vm.md) -------------------------------
+    def _display(self, sandbox_id: str) -> Display:
+        """The screen of a running sandbox; BadRequest for a backend without one."""
+        live = self._running(sandbox_id)
+        screen = live.backend.display(live.box)
+        if screen is None:
+            raise BadRequest(f"sandbox {sandbox_id} is a {live.info.backend} sandbox: screens, "
+                             "mouse and keyboard are the \"vm\" backend's",
+                             reason="no_display", backend=live.info.backend)
+        return screen
+
+    async def screenshot(self, sandbox_id: str, format: str = "png") -> bytes:
+        """The screen as PNG bytes (drawn by the guest: evidence of nothing); recorded in
+        the event log with its size and sha256."""
+        if format != "png":
+            raise BadRequest(f"screenshot format {format!r}: only png", reason="format")
+        data = await self._display(sandbox_id).screenshot()
+        self.event_log.append(sandbox_id, "computer.screenshot", data=json.dumps(
+            {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
+        return data
+
+    async def display_info(self, sandbox_id: str) -> DisplayInfo:
+        return await self._display(sandbox_id).info()
+
+    async def computer_action(self, sandbox_id: str,
+                              action: ComputerAction) -> ComputerActionResult:
+        """One mouse or keyboard action, checked by the backend first (BadRequest: nothing
+        sent), then recorded in the event log as ``computer.<action>`` (its arguments, the
+        display it was checked against, the screen's hash if asked), like a command."""
+        result = await self._display(sandbox_id).act(action)
+        record = action.model_dump(exclude_none=True, exclude={"screenshot_hash"})
+        record.update(display=result.display.model_dump(), events=result.events,
+                      ts=result.ts)
+        if result.screenshot_sha256 is not None:
+            record["screenshot_sha256"] = result.screenshot_sha256
+        self.event_log.append(sandbox_id, f"computer.{action.action}",
+                              data=json.dumps(record))
+        return result
 
     # ---- the platform's own work in a sandbox -------------------------------------------
     async def platform_exec(self, sandbox_id: str, req: ExecRequest) -> PlatformProcess:

@@ -18,7 +18,7 @@ from rollbox.models import (
     Event, ExecInfo, ExecResult, ExecSpec, FileStat, ForkResult, ForkSpec, GradeResult,
     GradeSpec, ImageInfo,
     LayerUsage, NetworkPolicy, NodeReport, SandboxInfo, SandboxSpec, SnapshotResult,
-    SnapshotSpec, UsageSample,
+    SnapshotSpec, UsageSample, ComputerAction, ComputerActionResult, DisplayInfo,
 )
 
 
@@ -153,6 +153,13 @@ class EdgeAPI(Protocol):
     def events(self, sandbox_id: str, after_seq: int, follow: bool) -> AsyncIterator[Event]: ...
     # an event of the platform's own about a sandbox (e.g. fncall.call), into its audit trail.
     async def record_event(self, sandbox_id: str, kind: str, data: str) -> None: ...
+
+    # Computer use ("vm" sandboxes; others: BadRequest): the screen as PNG bytes, its size,
+    # one mouse/keyboard action (recorded in the event log as computer.<action>).
+    async def screenshot(self, sandbox_id: str, format: str = "png") -> bytes: ...
+    async def display_info(self, sandbox_id: str) -> DisplayInfo: ...
+    async def computer_action(self, sandbox_id: str,
+                              action: ComputerAction) -> ComputerActionResult: ...
 
     # The platform's own processes in a sandbox it owns (fncall workers, image builds,
     # benchmarks), never a project's command: run as ``req`` says through the agent, in a

@@ -60,7 +60,7 @@ UNARY: tuple[str, ...] = (
     "exec_start", "exec_wait", "exec_run", "exec_stdin", "exec_kill", "exec_resize", "exec_list",
     "file_read", "file_write", "file_stat", "file_list", "file_mkdir", "file_remove",
     "grade", "snapshot", "fork", "image_list", "image_delete", "image_usage", "image_stats",
-    "record_event", "run_shell",
+    "record_event", "run_shell", "screenshot", "display_info", "computer_action",
 )
 # Async iterators of EdgeAPI (POST /stream/{name}).
 SERVER_STREAMS: tuple[str, ...] = ("exec_stream", "file_read_stream", "download_tar", "events")
@@ -127,6 +127,7 @@ _STR_BOUNDS: dict[str, StringConstraints] = {
     "data": StringConstraints(max_length=64 << 10),  # record_event's text
     "requested": StringConstraints(max_length=64 << 10),  # create's and delete's event text
     "cmd": StringConstraints(min_length=1, max_length=256 << 10),
+    "format": StringConstraints(min_length=1, max_length=16, pattern=r"^[a-z0-9]+$"),
 }
 _NUM_BOUNDS: dict[str, Any] = {
     "max_bytes": Field(ge=0, le=1 << 40),

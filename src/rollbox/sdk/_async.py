@@ -37,7 +37,7 @@ from rollbox.models import (
     ApiKeyInfo, CreatedKey, Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec,
     ImageInfo, JobEnded, JobInfo, JobSpec, LayerUsage, PortAccess, Project, PtySize, Quota,
     Resources, SandboxInfo, SandboxSpec, SnapshotResult, SnapshotSpec, ForkResult, ForkSpec,
-    UsageSample,
+    UsageSample, ComputerAction, ComputerActionResult, DisplayInfo,
 )
 
 TAR_CHUNK = 256 << 10
@@ -601,6 +601,54 @@ def _port_path(sandbox_id: str, port: int) -> str:
     return f"/v1/sandboxes/{sandbox_id}/ports/{port}/"
 
 
+class AsyncMouse:
+    """The pointer of a "vm" sandbox's screen (``sandbox.mouse``): absolute pixel coordinates
+    on the display (``await sandbox.display()``); off-screen is a BadRequest. Every action is
+    recorded in the sandbox's event log (``computer.<action>``); ``screenshot_hash=True`` also
+    records the sha256 of the screen right after it."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sb = sandbox
+
+    async def move(self, x: int, y: int, **kw: Any) -> ComputerActionResult:
+        return await self._sb.computer(ComputerAction(action="move", x=x, y=y, **kw))
+
+    async def click(self, x: int, y: int, button: str = "left",
+                    **kw: Any) -> ComputerActionResult:
+        return await self._sb.computer(ComputerAction(action="click", x=x, y=y,
+                                                      button=button, **kw))  # type: ignore[arg-type]
+
+    async def double_click(self, x: int, y: int, button: str = "left",
+                           **kw: Any) -> ComputerActionResult:
+        return await self._sb.computer(ComputerAction(
+            action="double_click", x=x, y=y, button=button, **kw))  # type: ignore[arg-type]
+
+    async def drag(self, x: int, y: int, x2: int, y2: int, button: str = "left",
+                   **kw: Any) -> ComputerActionResult:
+        """Press at (x, y), move to (x2, y2), release."""
+        return await self._sb.computer(ComputerAction(
+            action="drag", x=x, y=y, x2=x2, y2=y2, button=button, **kw))  # type: ignore[arg-type]
+
+    async def scroll(self, x: int, y: int, dy: int, **kw: Any) -> ComputerActionResult:
+        """``dy`` wheel steps at (x, y): positive scrolls down, negative up."""
+        return await self._sb.computer(ComputerAction(action="scroll", x=x, y=y, dy=dy, **kw))
+
+
+class AsyncKeyboard:
+    """The keyboard of a "vm" sandbox (``sandbox.keyboard``): ``type`` printable ASCII, tab
+    and newline on a US layout; ``press`` a key or chord (``"ctrl+s"``, ``"alt+f4"``,
+    ``"enter"``). Unknown keys or text it can not type: BadRequest, nothing sent."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sb = sandbox
+
+    async def type(self, text: str, **kw: Any) -> ComputerActionResult:
+        return await self._sb.computer(ComputerAction(action="type", text=text, **kw))
+
+    async def press(self, keys: str, **kw: Any) -> ComputerActionResult:
+        return await self._sb.computer(ComputerAction(action="press", keys=keys, **kw))
+
+
 class AsyncSandbox:
     def __init__(self, client: AsyncClient, info: SandboxInfo) -> None:
         self.client = client
@@ -609,6 +657,8 @@ class AsyncSandbox:
         self._t = client._t
         self._base = f"/v1/sandboxes/{info.id}"
         self.files = AsyncFiles(self)
+        self.mouse = AsyncMouse(self)
+        self.keyboard = AsyncKeyboard(self)
         self.last_fork: ForkResult | None = None  # what the last fork() answered
 
     def __repr__(self) -> str:
@@ -769,6 +819,23 @@ class AsyncSandbox:
             body["ttl_s"] = ttl_s
         r = await self._t.request("POST", self._base + "/port-tokens", json=body)
         return PortAccess.model_validate(r.json())
+
+    # ---- computer use ("vm" sandboxes; others answer BadRequest) ------------------------
+    async def screenshot(self, format: str = "png") -> bytes:
+        """The screen as PNG bytes (drawn by the guest). A paused sandbox: SandboxPaused."""
+        r = await self._t.request("GET", self._base + "/screenshot", params={"format": format})
+        return r.content
+
+    async def display(self) -> DisplayInfo:
+        """The display's size now (``width``, ``height`` in pixels)."""
+        r = await self._t.request("GET", self._base + "/display")
+        return DisplayInfo.model_validate(r.json())
+
+    async def computer(self, action: ComputerAction) -> ComputerActionResult:
+        """One input action (``mouse`` and ``keyboard`` build them)."""
+        r = await self._t.request("POST", self._base + "/computer",
+                                  json=action.model_dump(exclude_none=True))
+        return ComputerActionResult.model_validate(r.json())
 
     async def set_ttl(self, ttl_s: float) -> SandboxInfo:
         r = await self._t.request("POST", self._base + "/ttl", json={"ttl_s": ttl_s})

@@ -15,7 +15,7 @@ from rollbox import errors
 from rollbox.models import (
     ApiKeyInfo, CreatedKey, Event, ExecInfo, ExecResult, FileStat, GradeResult, ImageInfo,
     ForkResult, JobEnded, JobInfo, LayerUsage, PortAccess, Project, Quota, SandboxInfo, SnapshotResult,
-    UsageSample,
+    UsageSample, ComputerAction, ComputerActionResult, DisplayInfo,
 )
 from rollbox.sdk._resume import DEFAULT_RECONNECT_S
 from rollbox.sdk._async import (
@@ -164,12 +164,53 @@ class Images:
         return self._p.call(self._i.usage())
 
 
+class Mouse:
+    """See :class:`rollbox.sdk._async.AsyncMouse`."""
+
+    def __init__(self, portal: _Portal, sandbox: AsyncSandbox) -> None:
+        self._p = portal
+        self._m = sandbox.mouse
+
+    def move(self, x: int, y: int, **kw: Any) -> ComputerActionResult:
+        return self._p.call(self._m.move(x, y, **kw))
+
+    def click(self, x: int, y: int, button: str = "left", **kw: Any) -> ComputerActionResult:
+        return self._p.call(self._m.click(x, y, button, **kw))
+
+    def double_click(self, x: int, y: int, button: str = "left",
+                     **kw: Any) -> ComputerActionResult:
+        return self._p.call(self._m.double_click(x, y, button, **kw))
+
+    def drag(self, x: int, y: int, x2: int, y2: int, button: str = "left",
+             **kw: Any) -> ComputerActionResult:
+        return self._p.call(self._m.drag(x, y, x2, y2, button, **kw))
+
+    def scroll(self, x: int, y: int, dy: int, **kw: Any) -> ComputerActionResult:
+        return self._p.call(self._m.scroll(x, y, dy, **kw))
+
+
+class Keyboard:
+    """See :class:`rollbox.sdk._async.AsyncKeyboard`."""
+
+    def __init__(self, portal: _Portal, sandbox: AsyncSandbox) -> None:
+        self._p = portal
+        self._k = sandbox.keyboard
+
+    def type(self, text: str, **kw: Any) -> ComputerActionResult:
+        return self._p.call(self._k.type(text, **kw))
+
+    def press(self, keys: str, **kw: Any) -> ComputerActionResult:
+        return self._p.call(self._k.press(keys, **kw))
+
+
 class Sandbox:
     def __init__(self, portal: _Portal, sandbox: AsyncSandbox) -> None:
         self._p = portal
         self._sb = sandbox
         self.id = sandbox.id
         self.files = Files(portal, sandbox.files)
+        self.mouse = Mouse(portal, sandbox)
+        self.keyboard = Keyboard(portal, sandbox)
 
     def __repr__(self) -> str:
         return f"<Sandbox {self.id}>"
@@ -227,6 +268,18 @@ class Sandbox:
     def port_access(self, port: int, ttl_s: float | None = None) -> PortAccess:
         """See :meth:`AsyncSandbox.port_access`."""
         return self._p.call(self._sb.port_access(port, ttl_s))
+
+    def screenshot(self, format: str = "png") -> bytes:
+        """See :meth:`AsyncSandbox.screenshot`."""
+        return self._p.call(self._sb.screenshot(format))
+
+    @property
+    def display(self) -> DisplayInfo:
+        """The display's size now (asked of the sandbox at each read)."""
+        return self._p.call(self._sb.display())
+
+    def computer(self, action: ComputerAction) -> ComputerActionResult:
+        return self._p.call(self._sb.computer(action))
 
     def set_ttl(self, ttl_s: float) -> SandboxInfo:
         return self._p.call(self._sb.set_ttl(ttl_s))

@@ -4,6 +4,7 @@ of a sandbox, the app's context), ``api.bodies`` and ``api.streams``."""
 from fastapi import APIRouter
 
 from rollbox.api.routes import (
+    computer,
     cluster,
     events,
     exec,
@@ -31,6 +32,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     keys.router,  # /v1/keys: list, revoke API keys (admin keys only)
     cluster.router,  # /v1/cluster/status: the watcher's view of the nodes
     ports.router,  # /v1/sandboxes/{id}/port-tokens (the proxy is api.ports' middleware)
+    computer.router,  # /v1/sandboxes/{id}/screenshot, /display, /computer ("vm" sandboxes)
 )
 
 __all__ = ["ROUTERS"]
