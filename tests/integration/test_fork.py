@@ -58,6 +58,10 @@ async def test_fork_children_see_the_frozen_tree_and_never_the_sources_later_wri
                 "echo late >&3; touch /work/done; sleep 600", timeout_s=120))
         await out(edge, src.id, "rm /work/g")
         await edge.file_write(src.id, "/secret/answer", b"hidden", 0o644)
+        # Written just before the fork and never synced: still dirty in the page cache (the
+        # snapshot itself must flush it), a rename among them.
+        fresh = await out(edge, src.id, "head -c 8388608 /dev/urandom > /work/fresh.tmp && "
+                          "mv /work/fresh.tmp /work/fresh && md5sum /work/fresh | cut -d' ' -f1")
         assert (await run(edge, src.id, "cat /secret/answer")).exit_code != 0
         res = await edge.fork(src.id, ForkSpec(n=3, labels={"group": "g1"}), "proj")
         kids = [c.id for c in res.children]
@@ -80,6 +84,8 @@ async def test_fork_children_see_the_frozen_tree_and_never_the_sources_later_wri
             assert info.expires_at == src.expires_at
             assert await out(edge, kid, "cat /work/f") == "before\n"
             assert await out(edge, kid, "md5sum /work/blob | cut -d' ' -f1") == blob
+            assert await out(edge, kid, "md5sum /work/fresh | cut -d' ' -f1") == fresh
+            assert (await run(edge, kid, "test -e /work/fresh.tmp")).exit_code == 1
             assert (await run(edge, kid, "test -e /work/g")).exit_code == 1  # deleted before
             assert (await run(edge, kid, "test -e /bin/vi")).exit_code == 1  # a whiteout
             assert (await run(edge, kid, "test -e /work/h")).exit_code == 1  # written after

@@ -46,7 +46,7 @@ from rollbox.backends.container.rootfs import (
 from rollbox.backends.container.runtime import Runtime, wait_pid
 from rollbox.config import VARS, Settings
 from rollbox.errors import BadRequest, InfraError, RollboxError, without_paths
-from rollbox.isolation import cgroups, netns, oom, syscalls
+from rollbox.isolation import cgroups, netns, oom
 from rollbox.isolation.userns import RANGE, UidSlots, make_userns_fd
 from rollbox.netpolicy import link as netlink
 from rollbox.netpolicy import policy as netpolicy
@@ -661,13 +661,17 @@ class ContainerBackend:
 
     async def fork(self, sb: ContainerSandbox,  # type: ignore[override]
                    children: list[tuple[str, ResolvedSpec]], paused: bool) -> ForkResult:
-        """Fork a disk-tier sandbox: freeze it (unless ``paused``: frozen already), syncfs of
-        its overlay, one read-only btrfs snapshot of its writable layer's subvolume, thaw.
+        """Fork a disk-tier sandbox: freeze it (unless ``paused``: frozen already), one
+        read-only btrfs snapshot of its writable layer's subvolume, thaw. No syncfs first:
+        the snapshot ioctl itself flushes that subvolume's dirty data and waits for its
+        ordered extents before it snapshots (btrfs_mksnapshot), while a syncfs of the
+        overlay is a sync of the whole pool (every sandbox's dirty data, one more
+        transaction commit) with the source held still.
         That snapshot is the shared lower of every child (idmapped from the source's uids to
         each child's), above the image's layers and any lowers the source had itself from a
         fork; each child gets a fresh capped upper of its own and a fresh identity. Nothing of
         the writable layer is copied; the source keeps its upper and its processes (held
-        still for the syncfs and the snapshot only). Processes are not carried (containers
+        still for the snapshot only). Processes are not carried (containers
         share the host's kernel: there is no image of their memory to restore). All or
         nothing: a child that fails takes the made ones down with it."""
         if not self.disk.leftovers(sb.id):
@@ -684,7 +688,6 @@ class ContainerBackend:
             if not paused:
                 cgroups.freeze(sb.v2_cgroup, v1)
             try:
-                syscalls.syncfs(sb.rootfs.merged)
                 snapped.append(self.disk.fork_lower(sb.id))
             finally:
                 if not paused:
@@ -701,8 +704,8 @@ class ContainerBackend:
                 # to its end if cancelled: the lower and its references are then known to
                 # the cleanup below
                 lowers, frozen_s = await to_the_end(asyncio.to_thread(freeze_and_snapshot))
-            except OSError as exc:
-                raise InfraError(f"fork of {sb.id}: syncfs failed: {exc}") from exc
+            except OSError as exc:  # the freezer (fork_lower raises InfraError itself)
+                raise InfraError(f"fork of {sb.id}: freeze failed: {exc}") from exc
             async def one(child_id: str, spec: ResolvedSpec) -> ContainerSandbox:
                 child = await self.create_container(
                     child_id, list(spec.layers), spec.resources, spec.env,
