@@ -153,3 +153,21 @@ async def test_paused_vm_refuses_screen_and_input(booted: tuple[VMBackend, Micro
     finally:
         await backend.resume(vm)
     assert (await run(vm, ["true"]))[0] == 0
+
+
+async def test_vnc_stream_without_a_listening_socket(booted: tuple[VMBackend, MicroVM]) -> None:
+    """A live view's stream: QEMU speaks RFB on a socketpair end it got by QMP; its jail dir
+    holds only the agent, QMP and console sockets (no VNC socket, and QEMU has no TCP port)."""
+    backend, vm = booted
+    sock = await backend.display(vm).vnc_client()
+    try:
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(10):
+            hello = await loop.sock_recv(sock, 12)
+        assert hello.startswith(b"RFB 003.")
+    finally:
+        sock.close()
+    assert sorted(p.name for p in vm.jail.dir.glob("*.sock")) == [
+        "agent.sock", "console.sock", "qmp.sock"]
+    tcp = Path(f"/proc/{vm.pid}/net/tcp").read_text().splitlines()[1:]
+    assert all(line.split()[3] != "0A" for line in tcp)  # nothing listening (state 0A)

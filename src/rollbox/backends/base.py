@@ -13,6 +13,7 @@ edge keep coding against it.
 """
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,6 +161,9 @@ class Display(Protocol):
     async def screenshot(self) -> bytes: ...  # PNG bytes as QEMU wrote them (never decoded)
     async def info(self) -> DisplayInfo: ...  # the size it has now
     async def act(self, action: ComputerAction) -> ComputerActionResult: ...
+    # A connected VNC (RFB) stream to the screen for a live view (a socketpair end; QEMU got
+    # the other by QMP add_client: nothing listens). The caller closes it.
+    async def vnc_client(self) -> socket.socket: ...
 
 
 class SandboxHandle(Protocol):

@@ -11,7 +11,8 @@ accelerator is the node's microVM probe's (one probe per node; both backends run
 QEMU on the same /dev/kvm).
 
 Computer use: :meth:`VMBackend.display` gives a :class:`VmDisplay` (screenshot, size, input
-actions through ``display.py``), each QMP operation under the VM's lock, a paused VM refused.
+actions through ``display.py``, a VNC stream for a live view), each QMP operation under the
+VM's lock, a paused VM refused.
 
 Trust, as microVMs: the guest's root owns the guest; exec results are guest-reported; the
 screen is drawn by the guest and proves nothing.
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
+import socket
 import time
 from pathlib import Path
 
@@ -72,6 +75,29 @@ class VmDisplay:
         if known is not None and time.monotonic() - known[1] < SIZE_FRESH_S:
             return known[0]
         return display.png_size(await self._shot())
+
+    async def vnc_client(self) -> socket.socket:
+        """A connected VNC (RFB) stream to this VM's screen, for a live view: one end of a
+        socketpair the other end of which QEMU gets with QMP ``getfd`` + ``add_client
+        protocol=vnc`` (QEMU runs ``-vnc none``: nothing listens, in the jail or on the host).
+        The caller owns the returned socket (non-blocking) and closes it; QEMU's end closes
+        with it. What QEMU sends on it is hostile (RFB from a guest-facing process)."""
+        self._check_running()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            async with self.vm.lock:
+                async with qmp.session(self.vm.qmp_path) as q:
+                    name = f"vnc{secrets.token_hex(4)}"
+                    await q.getfd(theirs.fileno(), name)
+                    await q.execute("add_client", {"protocol": "vnc", "fdname": name,
+                                                   "skipauth": True})
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        return ours
 
     async def info(self) -> DisplayInfo:
         w, h = display.png_size(await self._shot())
