@@ -160,10 +160,9 @@ def _read_xattrs(dfd: int, name: str) -> dict[str, str] | None:
     except OSError:
         return None  # vanished, or a filesystem without them
     out: dict[str, str] = {}
-    for n in names:
-        if (not n.startswith(XATTR_PREFIX) or n.startswith("user.overlay.")
-                or len(n) > MAX_XATTR_NAME):
-            continue
+    wanted = [n for n in names if n.startswith(XATTR_PREFIX)
+              and not n.startswith("user.overlay.") and len(n) <= MAX_XATTR_NAME]
+    for n in wanted[:MAX_XATTRS]:  # a hostile file's many attributes cost at most this many
         try:
             raw = os.getxattr(where, n, follow_symlinks=False)
         except OSError:
@@ -171,8 +170,6 @@ def _read_xattrs(dfd: int, name: str) -> dict[str, str] | None:
         if len(raw) > MAX_XATTR_VALUE:
             continue
         out[n] = raw.decode("utf-8", "replace")
-        if len(out) >= MAX_XATTRS:
-            break
     return out or None
 
 

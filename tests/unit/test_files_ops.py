@@ -233,3 +233,6 @@ def test_xattrs_written_with_the_file_read_back_and_capped(box: tuple[SandboxFS,
         with pytest.raises(errors.BadRequest):
             fs.write("/d/bad", b"x", xattrs=bad)  # type: ignore[arg-type]
     assert sorted(os.listdir(root / "d")) == ["a", "l", "t"]
+    for i in range(100):  # the sandbox's own many attributes: at most MAX_XATTRS read back
+        os.setxattr(root / "d/t", f"user.m{i}", b"1")
+    assert len(fs.stat("/d/t").xattrs or {}) == 64
