@@ -329,8 +329,8 @@ class Settings:
         "With more children than cores, a microVM fork runs the platform shell's `true` in "
         "each child once it is made unique, while later children still restore "
         "(backends/microvm/backend.py fork: TCG then translates the guest's exec path before "
-        "the child is handed out). Off by default: on this 2-core host it measured 0.84x and "
-        "1.89x of off (`rollbox bench fork`, docs/benchmarks.md).")
+        "the child is handed out). Off by default: on this 2-core host it measured 0.84x, "
+        "1.89x and 1.29x of off (`rollbox bench fork`, docs/benchmarks.md).")
     vm_template_shared_ram: bool = setting(
         "ROLLBOX_VM_TEMPLATE_SHARED_RAM", "templates", True, flag,
         "A template's RAM as a file its restored VMs map copy-on-write (one copy of what they "

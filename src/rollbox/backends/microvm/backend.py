@@ -1049,8 +1049,9 @@ class MicroVMBackend:
 
             # At most one restore per host core at a time: more only starve each other (a
             # TCG guest that gets no CPU misses the make-unique step's deadline).
-            gate = asyncio.Semaphore(max(1, os.cpu_count() or 1))
-            warm = self.settings.vm_fork_warm and len(children) > gate._value
+            width = max(1, os.cpu_count() or 1)
+            gate = asyncio.Semaphore(width)
+            warm = self.settings.vm_fork_warm and len(children) > width
 
             async def one(child_id: str, spec: ResolvedSpec) -> MicroVM:
                 async with gate:
