@@ -70,7 +70,7 @@ sock = socket.socket(); sock.bind(("127.0.0.1", 0)); port = sock.getsockname()[1
 env = {"ROLLBOX_DATA": s.data_dir, "ROLLBOX_RUN": s.run_dir, "ROLLBOX_RUN_TMPFS": "0",
        "ROLLBOX_IMAGES": s.images_root, "ROLLBOX_CGROUP": s.cgroup_parent,
        "ROLLBOX_UID_BASE": s.uid_base, "ROLLBOX_NET_POOL": s.net_pool,
-       "ROLLBOX_HOST_AUTO": "1", "ROLLBOX_NODE": "e2bup", "PORT": port}
+       "ROLLBOX_HOST_AUTO": "1", "ROLLBOX_NODE": f"e2bup{port}", "PORT": port}
 for k, v in env.items():
     print(f"export {k}={shlex.quote(str(v))}")
 EOF

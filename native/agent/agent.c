@@ -220,7 +220,7 @@ static char *rxbuf;   /* MAX_PACKET, lazily allocated */
 static int more_work; /* some pump stopped early; poll again without sleeping */
 static int shell_fd = -1; /* PLATFORM_SHELL_FD when the edge passed one */
 static int tool_fd = -1;  /* the platform's busybox: PLATFORM_TOOL_FD, or /platform/busybox */
-static int self_fd = -1;  /* guest mode: this agent's own binary (XATTR_TOOL is exec'd from it) */
+static int self_fd = -1;  /* this agent's own binary (XATTR_TOOL, WATCH_TOOL are exec'd from it) */
 /* Transport: stream framing (a SOCK_STREAM listener, or the guest's virtio port). */
 static int stream_mode, guest_mode, conn_is_port, port_et;
 enum { C_HUNT, C_LIVE } conn_state; /* stream: LIVE once a HELLO was seen */
@@ -1280,6 +1280,202 @@ static int xattr_tool(const char *dir)
     return 0;
 }
 
+/* `rollbox-watch [-r] DIR`, a platform tool built into the agent (exec'd from its own binary,
+ * like rollbox-xattrs): an inotify watch of DIR (and, with -r, of every directory below it, new
+ * ones added as they appear), run inside the sandbox (its root: every path resolves there, with
+ * no symlink or magic link followed below DIR). It writes one record per inotify event to
+ * stdout: 'W', 'E', u32 mask, u32 cookie, u16 path length (little endian), then the path relative
+ * to DIR ("" for DIR itself). Each byte it reads on stdin is a barrier: it drains what inotify
+ * has queued (every event of a syscall that returned before the byte was sent) and answers 'W',
+ * 'S' and ten zero bytes. The kernel bounds the queue (IN_Q_OVERFLOW is passed on as an event);
+ * a full stdout pipe stalls the tool, not the agent. It exits 0 when DIR goes away (after its
+ * IN_DELETE_SELF / IN_MOVE_SELF / IN_IGNORED) or at stdin's end, 1 if DIR can not be watched.
+ * The host parses the records as hostile. */
+#define WATCH_TOOL "rollbox-watch"
+#define WATCH_MAX_DIRS 8192
+#define WATCH_DEPTH 64
+#define WATCH_MASK (IN_CREATE | IN_MODIFY | IN_ATTRIB | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | \
+                    IN_DELETE_SELF | IN_MOVE_SELF)
+#ifndef RESOLVE_NO_MAGICLINKS
+#define RESOLVE_NO_MAGICLINKS 0x02
+#define RESOLVE_NO_SYMLINKS 0x04
+#define RESOLVE_BENEATH 0x08
+#endif
+struct watch_open_how { uint64_t flags, mode, resolve; };
+
+static struct { int wd; char *path; } watch_dirs[WATCH_MAX_DIRS];
+static int watch_ndirs, watch_ifd = -1, watch_root_fd = -1;
+
+static int watch_record(char kind, uint32_t mask, uint32_t cookie, const char *path, size_t pl)
+{
+    if (pl > 0xffff)
+        pl = 0xffff;
+    unsigned char h[12] = {'W', (unsigned char)kind,
+                           mask & 0xff, (mask >> 8) & 0xff, (mask >> 16) & 0xff, mask >> 24,
+                           cookie & 0xff, (cookie >> 8) & 0xff, (cookie >> 16) & 0xff, cookie >> 24,
+                           pl & 0xff, pl >> 8};
+    return write_all(1, h, sizeof h) < 0 || (pl && write_all(1, path, pl) < 0) ? -1 : 0;
+}
+
+/* Watch the directory `rel` below DIR ("" for DIR): opened beneath DIR with no symlink
+ * followed, watched through "." after a fchdir (inotify_add_watch would follow a path). */
+static int watch_add(const char *rel, int depth, int recursive)
+{
+    if (watch_ndirs >= WATCH_MAX_DIRS) {
+        fprintf(stderr, WATCH_TOOL ": more than %d directories, not all watched\n",
+                WATCH_MAX_DIRS);
+        return 0;
+    }
+    int fd = dup(watch_root_fd);
+    if (*rel) {
+        struct watch_open_how how = {O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0,
+                                     RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS |
+                                     RESOLVE_NO_MAGICLINKS};
+        close(fd);
+        fd = (int)syscall(SYS_openat2, watch_root_fd, rel, &how, sizeof how);
+    }
+    if (fd < 0 || fchdir(fd) < 0) {
+        if (fd >= 0)
+            close(fd);
+        return 0; /* gone or replaced meanwhile: the sandbox runs on */
+    }
+    int wd = inotify_add_watch(watch_ifd, ".", WATCH_MASK | IN_ONLYDIR | IN_DONT_FOLLOW);
+    if (wd < 0) {
+        close(fd);
+        return *rel ? 0 : -1;
+    }
+    int known = 0;
+    for (int i = 0; i < watch_ndirs; i++)
+        if (watch_dirs[i].wd == wd)
+            known = 1;
+    if (!known) {
+        watch_dirs[watch_ndirs].wd = wd;
+        watch_dirs[watch_ndirs].path = strdup(rel);
+        watch_ndirs++;
+    }
+    if (!recursive || depth >= WATCH_DEPTH) {
+        close(fd);
+        return 0;
+    }
+    DIR *d = fdopendir(fd);
+    if (!d) {
+        close(fd);
+        return 0;
+    }
+    size_t rl = strlen(rel);
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (e->d_type != DT_DIR || !strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+            continue;
+        size_t nl = strlen(e->d_name);
+        if (rl + 1 + nl >= PATH_MAX)
+            continue;
+        char sub[PATH_MAX];
+        snprintf(sub, sizeof sub, "%s%s%s", rel, rl ? "/" : "", e->d_name);
+        watch_add(sub, depth + 1, recursive);
+    }
+    closedir(d);
+    return 0;
+}
+
+/* Everything inotify has queued now; 1 when DIR itself went away. */
+static int watch_drain(int recursive)
+{
+    static char buf[64 << 10] __attribute__((aligned(8)));
+    int gone = 0;
+    for (;;) {
+        ssize_t n = read(watch_ifd, buf, sizeof buf);
+        if (n <= 0)
+            return n < 0 && errno != EAGAIN && errno != EINTR ? -1 : gone;
+        for (char *p = buf; p < buf + n;) {
+            struct inotify_event *ev = (struct inotify_event *)p;
+            p += sizeof *ev + ev->len;
+            if (ev->mask & IN_Q_OVERFLOW) {
+                if (watch_record('E', IN_Q_OVERFLOW, 0, "", 0) < 0)
+                    return -1;
+                continue;
+            }
+            const char *dir = NULL;
+            for (int i = 0; i < watch_ndirs; i++)
+                if (watch_dirs[i].wd == ev->wd)
+                    dir = watch_dirs[i].path;
+            if (!dir)
+                continue;
+            int is_root = !*dir;
+            if (ev->mask & IN_IGNORED) { /* removed, or its file system went: slot freed */
+                if (is_root)
+                    gone = 1;
+                for (int i = 0; i < watch_ndirs; i++)
+                    if (watch_dirs[i].wd == ev->wd && !is_root) {
+                        free(watch_dirs[i].path);
+                        watch_dirs[i] = watch_dirs[--watch_ndirs];
+                        break;
+                    }
+                continue;
+            }
+            if (ev->mask & (IN_DELETE_SELF | IN_MOVE_SELF) && !is_root)
+                continue; /* its parent reports it */
+            char path[PATH_MAX];
+            const char *name = ev->len ? ev->name : "";
+            int pl = snprintf(path, sizeof path, "%s%s%s", dir, *dir && *name ? "/" : "", name);
+            if (pl < 0 || pl >= (int)sizeof path)
+                continue;
+            if (watch_record('E', ev->mask, ev->cookie, path, (size_t)pl) < 0)
+                return -1;
+            if (recursive && (ev->mask & IN_ISDIR) && (ev->mask & (IN_CREATE | IN_MOVED_TO)))
+                watch_add(path, 1, recursive);
+            if (is_root && (ev->mask & (IN_DELETE_SELF | IN_MOVE_SELF)))
+                gone = 1;
+        }
+    }
+}
+
+static int watch_tool(int argc, char **argv)
+{
+    int recursive = argc > 2 && strcmp(argv[1], "-r") == 0;
+    const char *dir = argc > 1 ? argv[argc - 1] : NULL;
+    if (!dir || argc > 3 || (argc == 3 && !recursive)) {
+        fprintf(stderr, "usage: " WATCH_TOOL " [-r] DIR\n");
+        return 1;
+    }
+    struct watch_open_how how = {O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0, RESOLVE_NO_MAGICLINKS};
+    watch_root_fd = (int)syscall(SYS_openat2, AT_FDCWD, dir, &how, sizeof how);
+    watch_ifd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+    if (watch_root_fd < 0 || watch_ifd < 0 || watch_add("", 0, recursive) < 0) {
+        fprintf(stderr, WATCH_TOOL ": can't watch '%s': %s\n", dir, strerror(errno));
+        return 1;
+    }
+    if (watch_record('S', 0, 0, "", 0) < 0) /* watching: the host may go on */
+        return 1;
+    struct pollfd pf[2] = {{watch_ifd, POLLIN, 0}, {0, POLLIN, 0}};
+    for (;;) {
+        if (poll(pf, 2, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            return 1;
+        }
+        int gone = watch_drain(recursive);
+        if (gone < 0)
+            return 1;
+        if (gone)
+            return 0;
+        if (pf[1].revents) {
+            char b[256];
+            ssize_t n = read(0, b, sizeof b);
+            if (n <= 0)
+                return 0;
+            gone = watch_drain(recursive);
+            if (gone < 0)
+                return 1;
+            for (ssize_t i = 0; i < n; i++)
+                if (watch_record('S', 0, 0, "", 0) < 0)
+                    return 1;
+            if (gone)
+                return 0;
+        }
+    }
+}
+
 /* Runs in the child: never returns. A step that fails leaves (step, errno) in `report`, in
  * the agent's memory (the child shares it until exec). */
 static void child_exec(volatile int32_t *report, int in_rd, int out_wr, int err_wr, int cgfd,
@@ -1388,7 +1584,8 @@ static void child_exec(volatile int32_t *report, int in_rd, int out_wr, int err_
          * replaced runs. The fd is close-on-exec (an ELF binary needs no path to it). The
          * platform's busybox picks its applet from argv[0], the agent its XATTR_TOOL. */
         int fd = (flags & EXEC_PLATFORM_SHELL) ? shell_fd
-                 : strcmp(argv[0], XATTR_TOOL) == 0 ? self_fd : tool_fd;
+                 : strcmp(argv[0], XATTR_TOOL) == 0 || strcmp(argv[0], WATCH_TOOL) == 0
+                     ? self_fd : tool_fd;
         if (fd < 0)
             errno = EBADF;
         else
@@ -3368,14 +3565,22 @@ int main(int argc, char **argv)
 {
     if (argc > 0 && strcmp(argv[0], XATTR_TOOL) == 0) /* a platform tool, exec'd by a spawn */
         return xattr_tool(argc > 1 ? argv[1] : NULL);
+    if (argc > 0 && strcmp(argv[0], WATCH_TOOL) == 0)
+        return watch_tool(argc, argv);
     /* First: nothing in the sandbox may ptrace us or open /proc/1/{fd,mem}. */
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     /* Started by a kernel (a microVM's /init): no listening socket, we build the root. */
     guest_mode = (getpid() == 1 && fcntl(LISTEN_FD, F_GETFD) < 0) ||
                  (argc > 1 && strcmp(argv[1], "--guest") == 0);
-    /* runc exec'd us from fd 4 (our own binary, never a path in the sandbox): drop it before
-     * anything can inherit it. */
-    close(AGENT_EXE_FD);
+    /* runc exec'd us from fd 4 (our own binary, never a path in the sandbox): kept
+     * close-on-exec as self_fd (the built-in tools are exec'd from it, so only a spawned child
+     * holds it, until that exec), like the platform shell below; guest mode opens its own. */
+    struct stat self_st;
+    if (!guest_mode && fstat(AGENT_EXE_FD, &self_st) == 0 && S_ISREG(self_st.st_mode) &&
+        fcntl(AGENT_EXE_FD, F_SETFD, FD_CLOEXEC) == 0)
+        self_fd = AGENT_EXE_FD;
+    else
+        close(AGENT_EXE_FD);
     /* The platform shell (an fd of the host's root-owned copy, like fd 4): kept, close-on-exec,
      * so only the children that exec it hold it, and only until that exec. */
     struct stat shell_st;

@@ -41,6 +41,7 @@ from rollbox.compat.e2b.state import (
     set_default_user,
     user_of,
 )
+from rollbox.compat.e2b.watch import InotifyWatch
 from rollbox.compat.shell import script_of
 from rollbox.edge.interface import EdgeAPI, ExecOutput
 from rollbox.models import ExecInfo, ExecSpec, FileStat, PtySize
@@ -50,9 +51,8 @@ log = logging.getLogger(__name__)
 PREFIX = "/e2b/envd"
 MAX_FILE_READ = 256 << 20
 KEEPALIVE_HEADER = "keepalive-ping-interval"
-WATCH_POLL_S = 0.2
-WATCH_MAX_ENTRIES = 20_000
-MAX_WATCHERS = 4096
+MAX_WATCHERS = 4096  # sync watchers (CreateWatcher) held, all sandboxes
+MAX_WATCHERS_PER_SANDBOX = 64
 LIST_MAX_ENTRIES = 100_000
 SIGNALS = {"SIGNAL_SIGKILL": 9, "SIGNAL_SIGTERM": 15, 9: 9, 15: 15}
 
@@ -356,53 +356,7 @@ def _process_events(stream: AsyncIterator[ExecOutput | None], edge: EdgeAPI, san
     return gen()
 
 
-# ---- directory watching (polled snapshots) ----------------------------------------------
-Snapshot = dict[str, tuple[str, int, float, int]]
-
-
-async def snapshot(edge: EdgeAPI, sid: str, root: str, recursive: bool) -> Snapshot:
-    out: Snapshot = {}
-    todo = [""]
-    while todo:
-        rel = todo.pop()
-        for st in await edge.file_list(sid, posixpath.join(root, rel) if rel else root):
-            name = posixpath.join(rel, st.name) if rel else st.name
-            out[name] = (st.type, st.size, st.mtime, st.mode)
-            if len(out) >= WATCH_MAX_ENTRIES:
-                return out
-            if recursive and st.type == "dir":
-                todo.append(name)
-    return out
-
-
-def diff(old: Snapshot, new: Snapshot) -> list[dict[str, Any]]:
-    events = []
-    for name, cur in new.items():
-        prev = old.get(name)
-        if prev is None or prev[0] != cur[0]:
-            events.append({"name": name, "type": "EVENT_TYPE_CREATE"})
-            if cur[0] == "file" and cur[1] > 0:
-                events.append({"name": name, "type": "EVENT_TYPE_WRITE"})
-        elif prev[1:3] != cur[1:3] and cur[0] != "dir":
-            # a directory's size/mtime change is its entries' create/remove (inotify reports
-            # those, never a write of the directory)
-            events.append({"name": name, "type": "EVENT_TYPE_WRITE"})
-        elif prev[3] != cur[3]:
-            events.append({"name": name, "type": "EVENT_TYPE_CHMOD"})
-    for name in old:
-        if name not in new:
-            events.append({"name": name, "type": "EVENT_TYPE_REMOVE"})
-    return events
-
-
-class Watcher:
-    def __init__(self, sid: str, path: str, recursive: bool, snap: Snapshot,
-                 include_entry: bool) -> None:
-        self.sid, self.path, self.recursive, self.snap = sid, path, recursive, snap
-        self.include_entry = include_entry
-        self.created = time.monotonic()
-
-
+# ---- directory watching (an inotify watch in the sandbox: rollbox.compat.e2b.watch) -------
 async def with_entries(edge: EdgeAPI, sid: str, root: str,
                        events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """envd >= 0.6.3's ``include_entry``: each event carries the EntryInfo of what it names,
@@ -418,7 +372,7 @@ async def with_entries(edge: EdgeAPI, sid: str, root: str,
 
 # ---- routes -----------------------------------------------------------------------------
 def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
-    watchers: dict[str, Watcher] = {}
+    watchers: dict[str, InotifyWatch] = {}
 
     async def route(request: Request) -> tuple[str, EdgeAPI]:
         sid, key_id = state.sandbox_of(request.headers.get("x-access-token"),
@@ -710,51 +664,53 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         st = await edge.file_stat(sid, p)
         if st.type != "dir":
             raise rpc.ConnectError("invalid_argument", f"path is not a directory: {p}")
-        # allowNetworkMounts (envd >= 0.6.4) needs nothing: the watch is polled, not inotify.
+        # allowNetworkMounts (envd >= 0.6.4): inotify of a network mount sees only this
+        # sandbox's own changes, as on E2B; nothing to lift.
         return p, bool(msg.get("recursive"))
+
+    async def _start_watch(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> InotifyWatch:
+        root, recursive = await _watch_root(sid, edge, msg)
+        w = InotifyWatch(sid, root, recursive, bool(msg.get("includeEntry")))
+        await w.start(edge)
+        return w
 
     async def fs_watch(request: Request) -> Response:
         msg = await rpc.read_message(request, streaming=True)
         sid, edge = await route(request)
-        root, recursive = await _watch_root(sid, edge, msg)
-        include_entry = bool(msg.get("includeEntry"))
-        snap = await snapshot(edge, sid, root, recursive)
+        w = await _start_watch(sid, edge, msg)
         t = rpc.timeout_s(request)
         deadline = time.monotonic() + t if t else None
 
-        async def polled() -> AsyncIterator[dict[str, Any]]:
-            nonlocal snap
-            while True:
-                await asyncio.sleep(WATCH_POLL_S)
-                if (await edge.get(sid)).state == "paused":
-                    continue
-                try:
-                    new = await snapshot(edge, sid, root, recursive)
-                except errors.NotFound:
-                    # The watched directory itself went away: report and end.
-                    if (await edge.get(sid)).state not in ("creating", "running"):
-                        raise
-                    new = {}
-                events = diff(snap, new)
-                if include_entry:
-                    events = await with_entries(edge, sid, root, events)
-                for ev in events:
-                    yield {"filesystem": ev}
-                snap = new
+        async def watched() -> AsyncIterator[dict[str, Any]]:
+            try:
+                async for events in w.stream():
+                    if w.include_entry:
+                        events = await with_entries(edge, sid, w.path, events)
+                    for ev in events:
+                        yield {"filesystem": ev}
+            finally:
+                await w.close()
 
-        items = _with_keepalive(polled(), _keepalive_interval(request), deadline)
+        items = _with_keepalive(watched(), _keepalive_interval(request), deadline)
         return _stream_response({"start": {}}, items, {"keepalive": {}})
 
+    async def _drop_watcher(wid: str) -> None:
+        w = watchers.pop(wid, None)
+        if w is not None:
+            await w.close()
+
     async def fs_create_watcher(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
-        root, recursive = await _watch_root(sid, edge, msg)
-        while len(watchers) >= MAX_WATCHERS:  # polled watchers the client never removed
-            watchers.pop(next(iter(watchers)))
+        mine = [wid for wid, w in watchers.items() if w.sid == sid]
+        for wid in mine[:max(0, len(mine) - MAX_WATCHERS_PER_SANDBOX + 1)]:
+            await _drop_watcher(wid)  # the oldest a client never removed
+        while len(watchers) >= MAX_WATCHERS:
+            await _drop_watcher(next(iter(watchers)))
+        w = await _start_watch(sid, edge, msg)
         wid = f"w{time.monotonic_ns():x}"
-        watchers[wid] = Watcher(sid, root, recursive, await snapshot(edge, sid, root, recursive),
-                                bool(msg.get("includeEntry")))
+        watchers[wid] = w
         return {"watcherId": wid}
 
-    def _watcher(sid: str, msg: dict[str, Any]) -> tuple[str, Watcher]:
+    def _watcher(sid: str, msg: dict[str, Any]) -> tuple[str, InotifyWatch]:
         wid = str(msg.get("watcherId") or "")
         w = watchers.get(wid)
         if w is None or w.sid != sid:
@@ -763,16 +719,14 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
 
     async def fs_watcher_events(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
         _, w = _watcher(sid, msg)
-        new = await snapshot(edge, sid, w.path, w.recursive)
-        events = diff(w.snap, new)
-        w.snap = new
+        events = await w.poll()
         if w.include_entry:
             events = await with_entries(edge, sid, w.path, events)
         return {"events": events}
 
     async def fs_remove_watcher(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
         wid, _ = _watcher(sid, msg)
-        watchers.pop(wid, None)
+        await _drop_watcher(wid)
         return {}
 
     UNARY = {
