@@ -239,3 +239,15 @@ def ensure_bench_image(store: ImageStore, log: Callable[[str], None] = print) ->
         store, pip_image, BENCH_REPO_COMMANDS, BENCH_IMAGE, network="none", log=log,
         log_file=store.root / "logs" / "build-bench.log"))
     return BENCH_IMAGE
+
+
+# ---- the `vm` backend's desktop (default off: `rollbox image ensure-desktop`, never `make test`) --
+
+def ensure_desktop_image(log: Callable[[str], None] = print, *, force: bool = False) -> str:
+    """Build the ``desktop:1`` VM disk (Debian bookworm, Xorg, JWM, xterm, mousepad, gnumeric;
+    a raw ext4 disk <= 1.5 GiB in ``<data_dir>/vm-disks``) if missing; minutes, needs Debian's
+    mirrors and root. Returns the image name."""
+    from rollbox.images.sources.desktop import DESKTOP_IMAGE, build_desktop_disk
+
+    disk = build_desktop_disk(name=DESKTOP_IMAGE, progress=log, force=force)
+    return disk.name

@@ -248,6 +248,23 @@ def ensure_polyglot_cmd() -> None:
     out.print(name)
 
 
+@app.command("ensure-desktop")
+def ensure_desktop_cmd(force: bool = typer.Option(
+        False, "--force", help="build again even if it is there")) -> None:
+    """Build the `vm` backend's desktop:1 disk (Debian, Xorg, JWM, xterm, mousepad, gnumeric;
+    raw ext4 <= 1.5 GiB in <data_dir>/vm-disks) if missing; never by ensure-defaults
+    (minutes; root)."""
+    from rollbox.default_images import ensure_desktop_image
+    from rollbox.images.vmdisk import resolve_vm_disk, vm_disks_root
+
+    with _progress("ensure desktop:1") as say:
+        name = _run(lambda: ensure_desktop_image(log=say, force=force))
+    disk = _run(lambda: resolve_vm_disk(vm_disks_root(), name))
+    out.print(f"{name} {disk.disk} ({disk.bytes / 2**20:.0f} MiB disk, "
+              f"{disk.manifest['allocated_bytes'] / 2**20:.0f} MiB allocated, "
+              f"sha256 {disk.manifest['sha256'][:16]})")
+
+
 @app.command("ensure-browser")
 def ensure_browser_cmd() -> None:
     """Build browser:1 (chromium + chromium-driver + MiniWoB++ tasks) if missing; never built

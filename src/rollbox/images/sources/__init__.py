@@ -5,6 +5,8 @@ an image.
 - :mod:`.oci`: a ``docker save`` tarball or an OCI image-layout archive (``rollbox image
   import``);
 - :mod:`.debootstrap`: a minbase Debian suite (``rollbox image build --debootstrap``);
+- :mod:`.desktop`: the ``vm`` backend's ``desktop:1`` disk (debootstrap + apt in a chroot, one
+  raw ext4 disk, not layers: ``rollbox image ensure-desktop``; imported by its callers only);
 - :mod:`.busybox`: ``busybox:test``, a tiny static image for fast tests;
 - :mod:`.commands`: commands run in a sandbox over a base image, its writable layer taken
   through the snapshots' path (``rollbox image build --base --run``; the sandbox is the
