@@ -17,6 +17,7 @@
 #            E2B_REF   commit or tag whose tests to run (default: the one docs/compat.md records)
 #            PYTHON    interpreter with rollbox's deps and the pinned e2b (default: the venv's)
 #            E2B_NO_EXCLUDE=1  run the excluded tests too (to see what they do today)
+#            E2B_NEWER=1  also the newer test files of tools/e2b_upstream_newer.txt (path commit)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-/work/main/.venv/bin/python}
@@ -59,6 +60,20 @@ else
     | tar -x -C "$WORK"
 fi
 SDK="$WORK/packages/python-sdk"
+# E2B_NEWER=1: add the newer test files tools/e2b_upstream_newer.txt names (path commit), each
+# as that commit has it, from the same repository; they run with the core set.
+NEWER=()
+if [[ "${E2B_NEWER:-0}" == 1 ]]; then
+  GITDIR="$E2B_REPO"; [[ -d "$E2B_REPO/objects" || -d "$E2B_REPO/.git" ]] || GITDIR="$WORK/src"
+  while read -r path commit; do
+    [[ -z "$path" || "$path" == \#* ]] && continue
+    if [[ ! -d "$GITDIR/objects" ]]; then GIT=(git -C "$GITDIR"); else GIT=(git --git-dir="$GITDIR"); fi
+    "${GIT[@]}" cat-file -e "$commit^{commit}" 2>/dev/null || "${GIT[@]}" fetch -q origin "$commit"
+    mkdir -p "$SDK/$(dirname "$path")"
+    "${GIT[@]}" show "$commit:packages/python-sdk/$path" >"$SDK/$path"
+    [[ "$path" == */test_*.py ]] && NEWER+=("$path")
+  done <"$ROOT/tools/e2b_upstream_newer.txt"
+fi
 
 # -- a throw-away node served by `rollbox serve` --
 eval "$(PYTHONPATH="$ROOT/src" "$PYTHON" - "$WORK/node" <<'EOF'
@@ -102,6 +117,7 @@ CORE=(tests/sync/sandbox_sync/test_create.py tests/async/sandbox_async/test_crea
       tests/sync/sandbox_sync/commands tests/async/sandbox_async/commands
       tests/sync/sandbox_sync/files tests/async/sandbox_async/files
       tests/sync/sandbox_sync/pty tests/async/sandbox_async/pty)
+CORE+=("${NEWER[@]}")
 if [[ $ALL == 1 ]]; then CORE=(tests); fi
 DESELECT=()
 if [[ "${E2B_NO_EXCLUDE:-0}" != 1 ]]; then
