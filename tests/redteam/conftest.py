@@ -29,7 +29,10 @@ BB = "busybox:test"
 PY = "python:3.11"
 
 
-BACKENDS = ("container", "microvm")
+# "vm": the full-VM backend (backends/vm) is the microVM's lifecycle on a q35 machine: it runs
+# every attack the microVM runs do, with the same marks (container_only skips it, microvm_open
+# is an expected failure, and every vm run is behind microvm_slow: one TCG boot each).
+BACKENDS = ("container", "microvm", "vm")
 
 
 def container_only(reason: str) -> pytest.MarkDecorator:
@@ -45,6 +48,11 @@ def microvm_open(reason: str) -> pytest.MarkDecorator:
     return pytest.mark.microvm_open(reason=reason)
 
 
+def vm_open(reason: str) -> pytest.MarkDecorator:
+    """As :func:`microvm_open`, for the full-VM backend's run only (a strict xfail)."""
+    return pytest.mark.vm_open(reason=reason)
+
+
 # Also run on microVMs in the default tier (keep this set small: one VM boot each).
 microvm_default = pytest.mark.microvm_default
 
@@ -55,13 +63,16 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     params = []
     for kind in BACKENDS:
         marks: list[pytest.MarkDecorator] = []
-        if kind == "microvm":
+        if kind in ("microvm", "vm"):
             only = metafunc.definition.get_closest_marker("container_only")
             if only is not None:
                 marks.append(pytest.mark.skip(reason=f"container only: {only.kwargs['reason']}"))
-            elif metafunc.definition.get_closest_marker("microvm_default") is None:
+            elif kind == "vm" or metafunc.definition.get_closest_marker(
+                    "microvm_default") is None:
                 marks.append(pytest.mark.microvm_slow)
-            open_ = metafunc.definition.get_closest_marker("microvm_open")
+            open_ = metafunc.definition.get_closest_marker(
+                "microvm_open" if kind == "microvm" else "vm_open") or (
+                metafunc.definition.get_closest_marker("microvm_open"))
             if open_ is not None and only is None:
                 marks.append(pytest.mark.xfail(reason=f"open on microVMs: "
                                                f"{open_.kwargs['reason']}", strict=True))
