@@ -130,6 +130,8 @@ async def test_tool_resolves_in_the_sandbox_and_queue_is_bounded(
         # the path swapped for a symlink after any host-side check: the tool itself resolves
         # it in the sandbox's root (the host directory does not exist there)
         await sh(f"ln -s {host_dir} /tmp/swapped; mkdir /tmp/d; ln -s / /tmp/root")
+        with pytest.raises(errors.NotFound):  # a magic link is never followed
+            await W.InotifyWatch(sb.id, "/proc/1/root", False, False).start(edge)
         w = W.InotifyWatch(sb.id, "/tmp/swapped", False, False)
         with pytest.raises(errors.NotFound):
             await w.start(edge)
@@ -163,12 +165,18 @@ async def test_watch_tool_on_a_microvm(env: tuple[str, str, Any]) -> None:
         pytest.skip(f"this node offers no microVMs: {cap['reason']}")
     sb = await edge.create(SandboxSpec(image="busybox:test", backend="microvm", resources=Resources(
         cpus=1, memory_mib=256, disk_mib=64)), "e2b-watch")
+    assert sb.backend == "microvm"
     try:
         async def sh(cmd: str) -> None:
             r = await edge.exec_wait(sb.id, await edge.exec_start(sb.id, ExecSpec(cmd=cmd)))
             assert r.exit_code == 0, r
 
-        await sh("mkdir -p /tmp/w/sub")
+        await sh("mkdir -p /tmp/w/sub; ln -s /proc/1/root /tmp/agent-root")
+        # the agent (PID 1) lives in the initramfs: its root is a magic link the tool never
+        # follows, named directly or through a symlink
+        for path in ("/proc/1/root", "/tmp/agent-root", "/proc/self/root"):
+            with pytest.raises(errors.NotFound):
+                await W.InotifyWatch(sb.id, path, False, False).start(edge)
         w = W.InotifyWatch(sb.id, "/tmp/w", True, False)
         await w.start(edge)
         await sh("echo x > /tmp/w/a; chmod 600 /tmp/w/a; mv /tmp/w/a /tmp/w/sub/b; rm /tmp/w/sub/b")
