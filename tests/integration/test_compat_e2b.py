@@ -103,6 +103,15 @@ async def test_async_files(env: Env) -> None:
         assert (await sbx.commands.run("cat /tmp/a/b.txt")).stdout == "hello"
         await sbx.files.write("rel.txt", "home")  # relative: the user's home
         assert (await sbx.commands.run("cat /home/user/rel.txt")).stdout == "home"
+        # Parents a write or make_dir makes on the way are the user's, as envd (running as
+        # the user) makes them; parents that were there keep their owner.
+        await sbx.files.write("made/on/way.txt", "x")
+        assert await sbx.files.make_dir("/home/user/dirs/made/here")
+        h = "/home/user"
+        made = [f"{h}/made", f"{h}/made/on", f"{h}/dirs", f"{h}/dirs/made", f"{h}/dirs/made/here"]
+        r = await sbx.commands.run(" && ".join(f"touch {d}/new" for d in made)
+                                   + " && stat -c %U " + " ".join(made) + " /tmp")
+        assert r.stdout.split() == ["user"] * 5 + ["root"]
 
         assert await sbx.files.exists("/tmp/a/b.txt")
         assert not await sbx.files.exists("/tmp/nope")

@@ -210,10 +210,28 @@ async def _read_live(edge: EdgeAPI, sid: str, path: str) -> bytes:
     return res.stdout.encode()
 
 
+async def _missing_parents(edge: EdgeAPI, sid: str, path: str) -> list[str]:
+    """The directories above ``path`` that do not exist yet (nearest the root first): what a
+    write or mkdir with parents will make. Only asked where files are handed to ``user``."""
+    if user_of(None) == DEFAULT_USER:
+        return []
+    missing: list[str] = []
+    parent = posixpath.dirname(posixpath.normpath(path))
+    while parent not in ("/", ""):
+        try:
+            await edge.file_stat(sid, parent)
+            break
+        except errors.NotFound:
+            missing.append(parent)
+            parent = posixpath.dirname(parent)
+    return missing[::-1]
+
+
 async def _own(edge: EdgeAPI, sid: str, paths: list[str]) -> None:
     """In E2B's base template files are the user's: what envd wrote (as root, the edge's file
-    API) is handed to ``user`` when it is the sandbox's default user (parents made on the way
-    stay root's). Root images: nothing to do."""
+    API) is handed to ``user`` when it is the sandbox's default user, with the parents the
+    write made on the way (``_missing_parents``, as envd, which runs as the user, makes them).
+    Root images: nothing to do."""
     if user_of(None) == DEFAULT_USER or not paths:
         return
     user = user_of(None)
@@ -439,12 +457,14 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
             ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
             if ctype == "application/octet-stream":  # envd >= 0.5.7: one file, the raw body
                 target = abs_path(path)
+                made = await _missing_parents(edge, sid, target)
                 await edge.file_write_stream(sid, target, _body_chunks(request), 0o644,
                                              MAX_FILE_STREAM, xattrs=xattrs)
-                await _own(edge, sid, [target])
+                await _own(edge, sid, [*made, target])
                 return JSONResponse([_written(target, xattrs)])
             form = await request.form(max_files=1000)
             written = []
+            made: list[str] = []
             try:
                 parts = form.multi_items()
                 for _, part in parts:
@@ -452,6 +472,7 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
                         raise errors.BadRequest("multipart part without a file name")
                     target = path if path and len(parts) == 1 else (part.filename or "")
                     target = abs_path(target)
+                    made += await _missing_parents(edge, sid, target)
                     await edge.file_write_stream(sid, target, upload_chunks(part), 0o644,
                                                  MAX_FILE_STREAM, xattrs=xattrs)
                     written.append(_written(target, xattrs))
@@ -459,7 +480,7 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
                 await form.close()
             if not written:
                 raise errors.BadRequest("no file in the request")
-            await _own(edge, sid, [w["path"] for w in written])
+            await _own(edge, sid, [*dict.fromkeys(made), *(w["path"] for w in written)])
         except Exception as exc:  # noqa: BLE001
             return http_error(exc)
         return JSONResponse(written)
@@ -615,8 +636,9 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         try:
             await edge.file_stat(sid, p)
         except errors.NotFound:
+            made = await _missing_parents(edge, sid, p)
             await edge.file_mkdir(sid, p, True)
-            await _own(edge, sid, [p])
+            await _own(edge, sid, [*made, p])
             return {"entry": entry_info(await edge.file_stat(sid, p), p)}
         raise rpc.ConnectError("already_exists", f"path already exists: {p}")
 
