@@ -14,9 +14,7 @@ import pytest
 
 from rollbox.default_images import E2B_BASE_IMAGE
 from tests.conftest import have_image
-from tests.redteam.conftest import (
-    PY, Boxes, container_only, microvm_default, needs_root, vm_open,
-)
+from tests.redteam.conftest import PY, Boxes, container_only, microvm_default, needs_root
 
 pytestmark = [needs_root, pytest.mark.skipif(not have_image(E2B_BASE_IMAGE),
                                              reason=f"{E2B_BASE_IMAGE} not built (make images)")]
@@ -24,8 +22,6 @@ pytestmark = [needs_root, pytest.mark.skipif(not have_image(E2B_BASE_IMAGE),
 SOCK = "/dev/rollbox-sudo.sock"
 
 
-@vm_open("the agent in a q35 guest does not answer SUDO(18) within 5 s (create fails in "
-         "_enable_sudo; same agent as microVMs, cause not found yet)")
 @microvm_default
 async def test_sudo_raises_to_the_root_of_a_root_exec(boxes: Boxes) -> None:
     sid = await boxes.make(E2B_BASE_IMAGE)
@@ -65,8 +61,6 @@ async def test_sudo_raises_to_the_root_of_a_root_exec(boxes: Boxes) -> None:
         await boxes.edge.delete(sid)
 
 
-@vm_open("the agent in a q35 guest does not answer SUDO(18) within 5 s (create fails in "
-         "_enable_sudo; same agent as microVMs, cause not found yet)")
 async def test_uid_outside_the_label_is_refused(boxes: Boxes) -> None:
     sid = await boxes.make(E2B_BASE_IMAGE)
     try:
@@ -164,8 +158,6 @@ print(sorted(out.items()))
 '''
 
 
-@vm_open("the agent in a q35 guest does not answer SUDO(18) within 5 s (create fails in "
-         "_enable_sudo; same agent as microVMs, cause not found yet)")
 async def test_malformed_requests_leave_the_agent_serving(boxes: Boxes) -> None:
     sid = await boxes.make(E2B_BASE_IMAGE)
     try:
