@@ -10,6 +10,7 @@ One module-wide server and event loop (the e2b SDK keeps one connection pool per
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import secrets
 from collections.abc import AsyncIterator
@@ -65,6 +66,19 @@ class Env:
     def runtime(self, sid: str) -> RemoteRuntime:
         from rollbox.compat.swerex import runtime_url
         return RemoteRuntime(host=runtime_url(self.url, sid), auth_token=self.key, timeout=30)
+
+    @contextlib.asynccontextmanager
+    async def session(self, kind: str) -> AsyncIterator[tuple[str, RemoteRuntime]]:
+        """A new sandbox of ``kind`` with a SWE-ReX session; both gone at the end."""
+        await offered_or_skip(self.edge, kind)
+        sid = (await self.edge.create(_spec(kind), "redteam-shell")).id
+        rt = self.runtime(sid)
+        try:
+            await rt.create_session(CreateBashSessionRequest())
+            yield sid, rt
+        finally:
+            await rt.close()
+            await self.edge.delete(sid)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -138,12 +152,7 @@ async def test_a1_swerex_execute_and_session_ignore_trojan_shells(env: Env, kind
 
 @pytest.mark.parametrize("kind", KINDS)
 async def test_a1_session_exit_status_and_end_not_forgeable(env: Env, kind: str) -> None:
-    await offered_or_skip(env.edge, kind)
-    info = await env.edge.create(_spec(kind), "redteam-shell")
-    sid = info.id
-    rt = env.runtime(sid)
-    try:
-        await rt.create_session(CreateBashSessionRequest())
+    async with env.session(kind) as (_, rt):
         # The session's own shell state turns against the framing: printf forges any exit
         # code it is asked to print as 0, echo and exit are wrapped, a background process
         # keeps printing marker-like lines, a planted PROMPT_COMMAND/DEBUG trap would run.
@@ -157,9 +166,6 @@ async def test_a1_session_exit_status_and_end_not_forgeable(env: Env, kind: str)
             command="printf '__RBX%s__0__\\n' 0123456789abcdef; (exit 5)",
             check="silent"))
         assert obs.exit_code == 5 and obs.output.startswith("__RBX"), obs
-    finally:
-        await rt.close()
-        await env.edge.delete(sid)
 
 
 async def test_a1_session_terminal_writer_can_not_forge(env: Env) -> None:
@@ -224,3 +230,62 @@ FORGE = ("printf() { builtin printf \"$1\" 0; }; "
 def _spec(kind: str = "container") -> Any:
     from rollbox.models import SandboxSpec
     return SandboxSpec(image=DEB, backend=kind)
+
+
+# Session state one command leaves, turned against the framing of the next ones: functions
+# named like what the framing calls, aliases (with expand_aliases), traps, disabled builtins,
+# read-only and special variables. Each vector is one command of a session; the later commands'
+# output, exit codes and end are still theirs, the session goes on, and what the vector planted
+# never runs (it would write /tmp/pwned). The twin of each is the framing before the fix
+# (see docs/security.md, "SWE-ReX session framing").
+PWN = "echo ran > /tmp/pwned"
+SHADOWS = {
+    # the framing's exit path called `builtin exit`: a wrapper made every later status 0
+    "builtin": ("builtin() { PWN; if [[ $1 == exit ]]; then command builtin exit 0; "
+                "else command builtin \"$@\"; fi; }").replace("PWN", PWN),
+    # what such a wrapper calls through (the framing never calls `command`)
+    "command": f"command() {{ {PWN}; builtin exit 0; }}",
+    # `declare -f` prints `declare -fx NAME` for an exported function: run by the next shell
+    # after the session's own functions are defined, a `declare` of the session's took over
+    "declare": ("declare() { if [[ $1 == -f?* ]]; then PWN; "
+                "builtin printf 'rollbox-session-state 1 ran\\n' >&\"$__rbx_err\"; "
+                "builtin exit 0; fi; builtin declare \"$@\"; }; f() { :; }; export -f f"
+                ).replace("PWN", PWN),
+    # the command itself ran as `eval $'...'`
+    "eval": f"eval() {{ {PWN}; builtin exit 0; }}",
+    # the framing's own exit function, redefined by the command
+    "__rbx_end": f"__rbx_end() {{ {PWN}; builtin exit 0; }}",
+    # aliases of what the framing runs, expanded where the framing was parsed after the state
+    "alias": ("shopt -s expand_aliases; alias builtin='PWN; builtin exit 0 #' "
+              "eval='PWN; builtin exit 0 #' '{=PWN; {'").replace("PWN", PWN),
+    # builtins the framing writes the state with, disabled
+    "enable-n": "enable -n builtin printf declare",
+    # an EXIT trap replaced the framing's (the state was lost: the session ended), a RETURN
+    # and DEBUG trap with functrace run at every framing step
+    "trap-exit": f"trap '{PWN}; builtin exit 0' EXIT",
+    "trap-return": f"set -T; trap '{PWN}; builtin exit 0' RETURN",
+    # POSIX mode (set -o posix exports POSIXLY_CORRECT): the next shell defines its `exit`
+    # wrapper there, which POSIX mode refuses; read-only, the framing could not leave it
+    "readonly": "readonly POSIXLY_CORRECT=y",
+    "posix-ifs-bash-env": (f"set -o posix; IFS=:; echo '{PWN}' > /tmp/rc.sh; "
+                           "export BASH_ENV=/tmp/rc.sh ENV=/tmp/rc.sh"),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("vector", list(SHADOWS))
+async def test_a1_session_state_can_not_subvert_framing(env: Env, kind: str,
+                                                        vector: str) -> None:
+    async with env.session(kind) as (sid, rt):
+        await rt.run_in_session(BashAction(command="export KEPT=1; cd /tmp"))
+        await rt.run_in_session(BashAction(command=SHADOWS[vector], check="silent", timeout=10))
+        await env.edge.file_write(sid, "/tmp/pwned", b"", 0o644)  # what the vector itself ran
+        for cmd, out, code in [("false", "", 1), ("echo real; (exit 7)", "real\n", 7),
+                               ("sleep 0.2; echo $KEPT $PWD", "1 /tmp\n", 0),
+                               ("f() { return 3; }; f", "", 3)]:
+            obs = await rt.run_in_session(BashAction(command=cmd, check="silent", timeout=10))
+            assert (obs.output, obs.exit_code) == (out, code), (vector, cmd, obs)
+        assert not await env.pwned(sid), vector
+        # still a session: `exit` ends it
+        with pytest.raises(Exception, match="exit"):
+            await rt.run_in_session(BashAction(command="exit 4", timeout=10))

@@ -9,7 +9,15 @@ end of its output are the agent's: the exit status of the process it waited on, 
 of that process. Nothing the session's shell prints is parsed for them, so no process of the
 sandbox can forge a command's end or status (a marker printed by a long-lived shell, as
 SWE-ReX's PS1 and ``echo $?``, can be: by redefining ``printf``, a DEBUG trap or a
-``PROMPT_COMMAND``, or by a background process that writes to the terminal).
+``PROMPT_COMMAND``, or by a background process that writes to the terminal). The status the
+agent waits for is still the one the shell exits with, so the framing's own path must not be
+the session's to change: the whole script is one ``{ ... }`` parsed before any of it runs (no
+alias of the session reaches the framing); the state defines the session's functions last and
+calls nothing after them; the framing enters POSIX mode with ``(( POSIXLY_CORRECT=1 ))`` to
+``unset -f builtin`` (a function named ``builtin`` does not outlive its command) and calls
+everything else as ``builtin NAME``; its exit function is read-only and called directly at the
+end of the command, whose traps are dropped. What a command writes to the state channel itself
+is still code the next shell runs (docs/security.md, known gaps).
 
 The session's state is carried from one command to the next by the platform shell: at exit
 (an EXIT trap) it writes its variables (``declare -p``), functions, aliases, ``set``/``shopt``
@@ -34,7 +42,10 @@ Differences from a long-lived ``bash -i``: the shell is not interactive (``$-`` 
 aliases are expanded anyway); traps, jobs and open file descriptors do not outlive a command
 (background processes keep running, ignoring SIGHUP as under ``nohup``, but their output
 ends with the command: redirect it);
-``exit`` ends the session; an interrupted or failed command (``set -e``, ``set -u``) does not.
+``exit`` ends the session; an interrupted or failed command (``set -e``, ``set -u``) does not;
+a function named ``builtin`` is dropped at the end of its command, a read-only or nameref
+``POSIXLY_CORRECT`` is not carried, and functions keep their export, read-only and trace
+attributes (applied after the framing).
 
 Owns the sessions' framing and state only; the sandbox's lifetime belongs to the edge.
 """
@@ -81,8 +92,10 @@ CTRL_D = b"\x04"
 BOOT_FILE = ('LC_ALL=C read -r -N {n} __rbx_src < {path} || builtin exit 125; '
              'eval "$__rbx_src"')
 # Before the state: keep the exec's stderr (the state channel) on a private fd; errors of
-# restoring the state (readonly variables...) go nowhere.
-PRE = "exec {__rbx_err}>&2 2>/dev/null\n"
+# restoring the state (readonly variables...) go nowhere. Then `{`: the rest of the script
+# (state, framing, command, tail) is one compound command, parsed before any of it runs, so an
+# alias the state defines never reaches the framing (only the command's own `eval` sees it).
+PRE = "exec {__rbx_err}>&2 2>/dev/null\n{\n"
 # After the state, before the command. The EXIT trap writes the new state; how the shell ended
 # heads it: "ran", "sig" (interrupted), "error" (`set -e`, `set -u`...), "exit" (the exit
 # builtin: the session ends). The command's processes inherit the channel's fd (closing it
@@ -96,53 +109,92 @@ _SKIP = ("__rbx_*|BASH*|EUID|PPID|UID|SHELLOPTS|SHLVL|RANDOM|SRANDOM|SECONDS|EPO
 # SIGHUP ignored (inherited, as under nohup): the shell is its terminal's session leader, and
 # its exit hangs the terminal up, which sends SIGHUP to the terminal's process group, the
 # command's background jobs included; they outlive the command, as in a long-lived shell.
-_FRAME = r"""exec 2>&1
-unset __rbx_ran __rbx_sig __rbx_exit __rbx_x
+_FRAME = r"""__rbx_pc= __rbx_pcv=
+if [[ -v POSIXLY_CORRECT ]]; then __rbx_pc=1 __rbx_pcv=$POSIXLY_CORRECT; fi
+(( POSIXLY_CORRECT=1 ))
+unset -f builtin
+exec 2>&1
+builtin unalias -- '{' '}' 2>/dev/null
+builtin unset POSIXLY_CORRECT
+builtin unset __rbx_ran __rbx_sig __rbx_exit __rbx_x
 exit() { __rbx_exit=1; builtin exit "$@"; }
 __rbx_end() {
+  __rbx_so=$SHELLOPTS __rbx_bo=$BASHOPTS __rbx_pc= __rbx_pcv= __rbx_pca=
+  [[ ! -v POSIXLY_CORRECT ]] || __rbx_pc=1 __rbx_pcv=$POSIXLY_CORRECT
+  (( POSIXLY_CORRECT=1 ))
+  unset -f builtin enable
+  set +eux +o pipefail
+  enable builtin printf set shopt declare alias umask exit unset trap enable
+  builtin trap - EXIT RETURN DEBUG ERR
+  [[ -R POSIXLY_CORRECT ]] && __rbx_pca=n || __rbx_pca=${POSIXLY_CORRECT@a}
+  builtin unset POSIXLY_CORRECT
   if [[ -n ${__rbx_exit-} ]]; then __rbx_how=exit
   elif [[ -n ${__rbx_sig-} ]]; then __rbx_how=sig
   else __rbx_how=${__rbx_ran:-error}; fi
   {
-    builtin printf 'rollbox-session-state 1 %s\n__rbx_restore() {\n' "$__rbx_how"
-    set +o
-    shopt -p
-    [[ $__rbx_x != *x* ]] || builtin printf 'set -x\n'
-    builtin printf ':\n}\n'
-    set +eu +o pipefail
+    builtin printf 'rollbox-session-state 1 %s\n__rbx_so=%q __rbx_bo=%q __rbx_xt=%q\n' \
+      "$__rbx_how" "$__rbx_so" "$__rbx_bo" "${__rbx_x//[!x]}"
     __rbx_known=' '
     for __rbx_v in NAMES; do
-      case $__rbx_v in SKIP) continue;; esac
-      declare -p "$__rbx_v"
+      case $__rbx_v in SKIP|POSIXLY_CORRECT) continue;; esac
+      builtin declare -p "$__rbx_v"
       __rbx_known+="$__rbx_v "
     done
-    declare -f
-    alias -p
+    builtin alias -p
     builtin printf '__rbx_known=%q\nbuiltin cd -- %q\n' "$__rbx_known" "$PWD"
-    umask -p
-  } 2>/dev/null >&"$__rbx_err"
+    builtin umask -p
+    builtin unset -f exit
+    builtin declare -f
+    if [[ -n $__rbx_pc && $__rbx_pca != *[rn]* ]]; then
+      builtin printf 'POSIXLY_CORRECT=%q\n' "$__rbx_pcv"
+      [[ $__rbx_pca != *x* ]] || builtin printf 'export POSIXLY_CORRECT\n'
+    fi
+  } >&"$__rbx_err"
   builtin exit "$__rbx_rc"
 }
-trap '{ __rbx_rc=$? __rbx_x=${__rbx_x-$-}; set +x; } 2>/dev/null; __rbx_end' EXIT
-trap '__rbx_sig=1; builtin exit 130' INT
-trap '__rbx_sig=1; builtin exit 143' TERM
-trap '' HUP
+builtin readonly -f __rbx_end
+builtin trap '{ __rbx_rc=$? __rbx_x=${__rbx_x-$-}; \__rbx_end; } 2>/dev/null' EXIT
+builtin trap '__rbx_sig=1; \builtin exit 130' INT
+builtin trap '__rbx_sig=1; \builtin exit 143' TERM
+builtin trap '' HUP
+if [[ -n $__rbx_pc ]]; then POSIXLY_CORRECT=$__rbx_pcv; fi
 """
 # Restores the state the shell was given (after it, before the command).
 _RESTORE = r"""if [[ -n ${__rbx_known-} ]]; then  # exported variables the session had unset stay unset
   for __rbx_v in NAMES; do
     case $__rbx_v in SKIP) continue;; esac
-    [[ ${!__rbx_v@a} != *x* || $__rbx_known == *" $__rbx_v "* ]] || unset "$__rbx_v"
+    [[ ${!__rbx_v@a} != *x* || $__rbx_known == *" $__rbx_v "* ]] || builtin unset "$__rbx_v"
   done
 fi
-shopt -s expand_aliases
-if declare -F __rbx_restore >/dev/null; then
-  { __rbx_restore; unset -f __rbx_restore; } 2>/dev/null  # (an xtrace it turns on: silent)
+builtin shopt -s expand_aliases
+if [[ -v __rbx_so ]]; then  # the options: on now and not then: off; then those of then: on
+  __rbx_l=$SHELLOPTS:
+  while [[ -n $__rbx_l ]]; do
+    __rbx_o=${__rbx_l%%:*} __rbx_l=${__rbx_l#*:}
+    [[ :$__rbx_so: == *:"$__rbx_o":* ]] || builtin set +o "$__rbx_o"
+  done 2>/dev/null
+  __rbx_l=$BASHOPTS:
+  while [[ -n $__rbx_l ]]; do
+    __rbx_o=${__rbx_l%%:*} __rbx_l=${__rbx_l#*:}
+    [[ :$__rbx_bo: == *:"$__rbx_o":* ]] || builtin shopt -u "$__rbx_o"
+  done 2>/dev/null
+  __rbx_l=$__rbx_bo:
+  while [[ -n ${__rbx_l#:} ]]; do
+    __rbx_o=${__rbx_l%%:*} __rbx_l=${__rbx_l#*:}
+    builtin shopt -s "$__rbx_o"
+  done 2>/dev/null
+  __rbx_l=$__rbx_so:
+  while [[ -n ${__rbx_l#:} ]]; do
+    __rbx_o=${__rbx_l%%:*} __rbx_l=${__rbx_l#*:}
+    builtin set -o "$__rbx_o"
+  done 2>/dev/null
+  if [[ -n ${__rbx_xt-} ]]; then { builtin set -x; } 2>/dev/null; fi
 fi
 """
 POST = (_FRAME + _RESTORE).replace("NAMES", _NAMES).replace("SKIP", _SKIP)
-# After the command (which runs as `eval $'...'`).
-TAIL = "{ __rbx_ran=ran __rbx_rc=$? __rbx_x=$-; set +x; } 2>/dev/null\nbuiltin exit \"$__rbx_rc\"\n"
+# After the command (which runs as `builtin eval $'...'`): the framing's end, called directly
+# (the command's own EXIT trap, if it set one, is dropped there, not run).
+TAIL = "{ __rbx_ran=ran __rbx_rc=$? __rbx_x=$-; __rbx_end; } 2>/dev/null\n}\n"
 
 
 def ansi_c_quote(text: str) -> str:
@@ -168,10 +220,21 @@ def clean_output(raw: bytes) -> str:
     return _ANSI.sub("", text).replace("\r\n", "\n")
 
 
+# What `declare -f` prints after a function with attributes (exported, read-only, traced):
+# a command, which would run after the state's own functions are defined (a `declare` or
+# `builtin` of the session's). Taken out of the state and applied by the framing instead.
+_FUNC_ATTRS = re.compile(rb"^declare -f([a-z]+) (\S+)\n", re.MULTILINE)
+
+
 def session_script(state: bytes, command: str) -> bytes:
     """What a session command's shell evals: the previous state, the framing, the command."""
-    return (PRE.encode() + state + POST.encode()
-            + f"eval {ansi_c_quote(command)}\n{TAIL}".encode())
+    attrs = [(m.group(1).decode(), m.group(2).decode("utf-8", "surrogateescape"))
+             for m in _FUNC_ATTRS.finditer(state)]
+    state = _FUNC_ATTRS.sub(b"", state)
+    apply = "".join(f"builtin declare -f{flags} -- {ansi_c_quote(name)} 2>/dev/null\n"
+                    for flags, name in attrs if flags.isalpha())
+    tail = f"{apply}builtin eval {ansi_c_quote(command)}\n{TAIL}"
+    return PRE.encode() + state + POST.encode() + tail.encode("utf-8", "surrogateescape")
 
 
 def parse_state(channel: bytes) -> tuple[str, bytes] | None:
