@@ -40,7 +40,7 @@ from typing import Any
 from rollbox.agent.tools import PlatformTools
 from rollbox.backends.base import (
     BackendCapacity, CaptureOptions, CaptureResult, ForkResult, NetworkAttachment,
-    ResolvedSpec, SessionSlot, Usage,
+    PortStream, ResolvedSpec, SessionSlot, Usage,
 )
 from rollbox.backends.cancellation import all_or_raise, teardown_after, to_the_end
 from rollbox.backends.platform_work import run_shell
@@ -339,8 +339,14 @@ class MicroVMBackend:
                 ksm.enable, self.settings.vm_ksm_pages_to_scan, self.settings.vm_ksm_sysfs)
             log.info("microvm KSM: %s %s", self.ksm.state, self.ksm.reason)
         if self._missing() is None:
-            self.accel = await probe_accel(self)
-            log.info("microvm accelerator: %s (%s)", self.accel.accel, self.accel.reason)
+            self.accel = await self._choose_accel()
+
+    async def _choose_accel(self) -> AccelChoice:
+        """The accelerator this backend's VMs run under: a probe boot decides whether KVM
+        works (a full VM's backend takes the node's microVM backend's choice instead)."""
+        accel = await probe_accel(self)
+        log.info("microvm accelerator: %s (%s)", accel.accel, accel.reason)
+        return accel
 
     async def stop(self) -> None:
         """Edge stop: the templates' spare QEMUs go (sandboxes keep running)."""

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from rollbox.backends.base import BackendCapacity, ResolvedSpec
+from rollbox.backends.microvm.accel import AccelChoice
 from rollbox.backends.container.disk import DiskPool
 from rollbox.backends.microvm import qemu, qmp
 from rollbox.backends.microvm.backend import MicroVM, MicroVMBackend
@@ -145,17 +146,12 @@ class VMBackend(MicroVMBackend):
     def guest_initrd(self) -> Path:
         return self.settings.vm_full_initrd
 
-    async def start(self) -> None:
-        """Node start: as a microVM backend's, without its probe when the node's microVM
-        backend has chosen the accelerator already (it starts first)."""
+    async def _choose_accel(self) -> AccelChoice:
+        """The node's microVM backend's choice when it has made one (it starts first): no
+        second probe boot; else this backend's own probe."""
         if self.accel_from is not None and self.accel_from.accel is not None:
-            self.accel = self.accel_from.accel
-            import ctypes
-
-            from rollbox.backends.microvm.backend import PR_SET_CHILD_SUBREAPER
-            ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-            return
-        await super().start()
+            return self.accel_from.accel
+        return await super()._choose_accel()
 
     def capacity(self) -> BackendCapacity:
         cap = super().capacity()
