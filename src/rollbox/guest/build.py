@@ -348,15 +348,22 @@ def build(settings: Settings) -> dict[str, object]:
                        kernel_key="vmlinux_sha256")
 
 
-def main() -> int:
+def run_build(target: str, build_fn: Callable[[Settings], dict[str, object]]) -> int:
+    """``make <target>``'s entry point: build, print the kernel and initramfs built, or the
+    failure (with a failed tool's stderr) and exit 1."""
     try:
-        manifest = build(get_settings())
+        manifest = build_fn(get_settings())
     except (InfraError, subprocess.CalledProcessError, OSError) as exc:
         detail = getattr(exc, "stderr", "") or ""
-        print(f"make guest: {exc} {detail}".strip(), file=sys.stderr)
+        print(f"make {target}: {exc} {detail}".strip(), file=sys.stderr)
         return 1
-    print(f"guest: {manifest['kernel_version']} initramfs {manifest['initramfs_sha256'][:12]}")
+    print(f"{target}: {manifest['kernel_version']} initramfs "
+          f"{str(manifest['initramfs_sha256'])[:12]}")
     return 0
+
+
+def main() -> int:
+    return run_build("guest", build)
 
 
 if __name__ == "__main__":

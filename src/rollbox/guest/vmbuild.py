@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-from rollbox.config import Settings, get_settings
+from rollbox.config import Settings
 from rollbox.errors import InfraError
-from rollbox.guest.build import build_guest
+from rollbox.guest.build import build_guest, run_build
 
 # Module -> the virtio device id it drives when only that device needs it (0: always loaded),
 # as rollbox.guest.build. virtio_pci is the transport on q35; bochs is the DRM driver of
@@ -58,13 +56,7 @@ def build(settings: Settings) -> dict[str, object]:
 
 
 def main() -> int:
-    try:
-        manifest = build(get_settings())
-    except (InfraError, subprocess.CalledProcessError, OSError) as exc:
-        print(f"make vmguest: {exc} {getattr(exc, 'stderr', '') or ''}".strip(), file=sys.stderr)
-        return 1
-    print(f"vmguest: {manifest['kernel_version']} initramfs {manifest['initramfs_sha256'][:12]}")
-    return 0
+    return run_build("vmguest", build)
 
 
 if __name__ == "__main__":
