@@ -914,7 +914,7 @@ class Edge:
         return live.info
 
     async def wake(self, sandbox_id: str) -> SandboxInfo:
-        """See EdgeAPI.wake: a paused sandbox with resume_on_traffic resumed (the freeze lock
+        """See EdgeAPI.wake: a paused sandbox with resume_on_traffic resumed (its wake lock
         makes concurrent wakes one resume) and given its ttl_s again; else as it is."""
         live = self._live(sandbox_id)
         if live.info.state != "paused" or not live.info.resume_on_traffic:
