@@ -54,7 +54,7 @@ MAX_DEPTH = 256  # one fd per level while walking; deeper trees are refused
 MAX_TAR_META = 1 << 20  # pax / GNU long-name headers are read whole by tarfile
 CHUNK = 256 << 10
 _EAGAIN_RETRIES = 32
-_TMP_PREFIX = ".rollbox-tmp-"
+TMP_PREFIX = ".rollbox-tmp-"
 # Cap of one streamed file (read_stream / write_stream): memory stays bounded whatever the size,
 # the sandbox's disk cap bounds what a write can store anyway.
 MAX_STREAM_FILE = 16 << 30
@@ -642,7 +642,7 @@ class SandboxFS:
                   xattrs: dict[str, str] | None = None, path: str = "") -> None:
         """Write a temp file in ``dfd`` through ``fill`` (with ``xattrs``, validated), then
         rename it over ``name``."""
-        tmp = _TMP_PREFIX + secrets.token_hex(8)
+        tmp = TMP_PREFIX + secrets.token_hex(8)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600, dir_fd=dfd)
         try:
@@ -901,7 +901,7 @@ class SandboxFS:
                     self._put_file(dfd, name, lambda fd: _copy(src, fd, m.size), m.mode, uid,
                                    gid, float(m.mtime))
                     return m.size
-                tmp = _TMP_PREFIX + secrets.token_hex(8)
+                tmp = TMP_PREFIX + secrets.token_hex(8)
                 if m.issym():
                     if len(m.linkname) > MAX_PATH or "\0" in m.linkname:
                         raise errors.BadRequest(f"bad symlink target in {m.name!r}")

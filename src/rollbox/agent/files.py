@@ -31,7 +31,7 @@ from typing import TypeVar
 from rollbox import errors
 from rollbox.agent.tools import PlatformTools, ToolResult, tool_error
 from rollbox.hostfs import (
-    _TMP_PREFIX,
+    TMP_PREFIX,
     ID_RANGE,
     MALFORMED_TAR,
     MAX_PATH,
@@ -385,7 +385,7 @@ class AgentFiles:
         parent = _join(parts[:-1])
         if parent != "/" and not isinstance(content, bytes):
             await self.mkdir(parent, parents=True)  # a stream can not be sent twice
-        tmp = f"{parent.rstrip('/')}/{_TMP_PREFIX}{secrets.token_hex(8)}"
+        tmp = f"{parent.rstrip('/')}/{TMP_PREFIX}{secrets.token_hex(8)}"
         dd = ["dd", f"of={tmp}", "bs=64k", "status=none"]
         try:
             try:

@@ -28,13 +28,13 @@ from rollbox import errors
 from rollbox.agent.protocol import ExecRequest
 from rollbox.compat.e2b import connectrpc as rpc
 from rollbox.edge.interface import EdgeAPI, PlatformProcess
+from rollbox.hostfs import TMP_PREFIX  # a write's temp file, renamed into place
 
 WATCH_TOOL = "rollbox-watch"  # agent.c: a platform tool built into the agent
 RECORD = struct.Struct("<2sIIH")  # b"WE"/b"WS", inotify mask, cookie, path length
 QUEUE_MAX = 10_000  # events held between two polls; past it the watch fails (events lost)
 START_TIMEOUT_S = 30.0
 BARRIER_TIMEOUT_S = 10.0
-TMP_PREFIX = ".rollbox-tmp-"  # hostfs / agent.files: a write's temp file, renamed into place
 
 IN_MODIFY, IN_ATTRIB, IN_MOVED_FROM, IN_MOVED_TO = 0x2, 0x4, 0x40, 0x80
 IN_CREATE, IN_DELETE, IN_DELETE_SELF, IN_MOVE_SELF = 0x100, 0x200, 0x400, 0x800
