@@ -50,9 +50,11 @@ SIZE_FRESH_S = 1.0  # a display size this recent is used to check an action's co
 class VmDisplay:
     """The screen and input of one VM (``backends.base.Display``)."""
 
-    def __init__(self, vm: MicroVM, settings: Settings) -> None:
+    def __init__(self, vm: MicroVM, settings: Settings,
+                 sizes: dict[str, tuple[tuple[int, int], float]]) -> None:
         self.vm = vm
         self.settings = settings
+        self._sizes = sizes  # the backend's: sandbox id -> (last screenshot's size, when)
 
     def _check_running(self) -> None:
         if self.vm.paused:
@@ -65,14 +67,14 @@ class VmDisplay:
             self._check_running()
             async with qmp.session(self.vm.qmp_path) as q:
                 data = await display.screendump(q, self.settings.vm_screenshot_max_bytes)
-        _sizes[self.vm.id] = (display.png_size(data), time.monotonic())
+        self._sizes[self.vm.id] = (display.png_size(data), time.monotonic())
         return data
 
     async def screenshot(self) -> bytes:
         return await self._shot()
 
     async def _size(self) -> tuple[int, int]:
-        known = _sizes.get(self.vm.id)
+        known = self._sizes.get(self.vm.id)
         if known is not None and time.monotonic() - known[1] < SIZE_FRESH_S:
             return known[0]
         return display.png_size(await self._shot())
@@ -122,9 +124,7 @@ class VmDisplay:
                                     screenshot_sha256=digest)
 
 
-# sandbox id -> (display size, when seen): the last screenshot's size (bounded below)
-_sizes: dict[str, tuple[tuple[int, int], float]] = {}
-SIZES_KEEP = 4096
+SIZES_KEEP = 4096  # display sizes a backend keeps (VMBackend.display drops the oldest)
 
 
 class VMBackend(MicroVMBackend):
@@ -137,6 +137,8 @@ class VMBackend(MicroVMBackend):
         self.run_root = settings.run_dir / "qvm"
         self.templates = None  # no template restore, no fork (see the module docstring)
         self.accel_from = accel_from
+        # sandbox id -> (display size, when seen): each VM's last screenshot's size
+        self._display_sizes: dict[str, tuple[tuple[int, int], float]] = {}
 
     @property
     def guest_kernel(self) -> Path:
@@ -176,10 +178,10 @@ class VMBackend(MicroVMBackend):
         return vm
 
     def detach(self, h: MicroVM) -> None:  # type: ignore[override]
-        _sizes.pop(h.id, None)
+        self._display_sizes.pop(h.id, None)
         super().detach(h)
 
     def display(self, h: MicroVM) -> VmDisplay:  # type: ignore[override]
-        if len(_sizes) > SIZES_KEEP:
-            del _sizes[next(iter(_sizes))]
-        return VmDisplay(h, self.settings)
+        if len(self._display_sizes) > SIZES_KEEP:
+            del self._display_sizes[next(iter(self._display_sizes))]
+        return VmDisplay(h, self.settings, self._display_sizes)
