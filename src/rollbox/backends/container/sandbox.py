@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import hashlib
 import json
 import logging
@@ -28,8 +27,8 @@ from pathlib import Path
 
 from rollbox.backends import platform_work
 from rollbox.backends.base import (
-    BackendCapacity, CaptureOptions, CaptureResult, ForkResult, ResolvedSpec, SessionSlot,
-    Usage,
+    BackendCapacity, CaptureOptions, CaptureResult, ForkResult, PortStream, ResolvedSpec,
+    SessionSlot, Usage,
 )
 from rollbox.backends.cancellation import all_or_raise, teardown_after, to_the_end
 from rollbox.backends.ports import connect_in_netns
@@ -46,7 +45,7 @@ from rollbox.backends.container.rootfs import (
 from rollbox.backends.container.runtime import Runtime, wait_pid
 from rollbox.config import VARS, Settings
 from rollbox.errors import BadRequest, InfraError, RollboxError, without_paths
-from rollbox.isolation import cgroups, netns, oom
+from rollbox.isolation import cgroups, netns, oom, syscalls
 from rollbox.isolation.userns import RANGE, UidSlots, make_userns_fd
 from rollbox.netpolicy import link as netlink
 from rollbox.netpolicy import policy as netpolicy
@@ -59,7 +58,6 @@ log = logging.getLogger(__name__)
 # The benchmark-only switch's variable (settings.unhardened_for_bench), as bench/container.py
 # sets it for its second server.
 UNHARDENED_ENV = VARS["unhardened_for_bench"].env
-PR_SET_CHILD_SUBREAPER = 36
 
 
 @dataclass
@@ -223,7 +221,7 @@ class ContainerBackend:
     async def start(self) -> None:
         """Container inits outlive ``runc run -d``: as subreaper the edge gets and reaps them.
         The run dir is made ready (:meth:`prepare_run_dir`)."""
-        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        syscalls.become_subreaper()
         self.prepare_run_dir()
 
     def prepare_run_dir(self) -> None:

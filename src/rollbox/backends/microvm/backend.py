@@ -25,7 +25,6 @@ API (the edge's), nor the agent protocol (``rollbox.agent``).
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import secrets
@@ -77,9 +76,8 @@ log = logging.getLogger(__name__)
 CONSOLE_KEEP = 16 << 10
 NET_CONFIG_TIMEOUT_S = 20.0
 ADOPT_TIMEOUT_S = 5.0
-QEMU_PIDS = 256
+QEMU_PIDS = 256  # QEMU's threads: vCPUs, main loop, RCU, the block layer's worker pool
 FULL_ROOT_ARG = "rollbox.fullroot=1"  # the agent leaves commands every capability (agent.c)
-PR_SET_CHILD_SUBREAPER = 36  # QEMU's threads: vCPUs, main loop, RCU, the block layer's worker pool
 
 # (socket path, timeout) -> the agent's channel once it said READY. The agent's byte-stream
 # transport is rollbox.agent's (lane guest); tests of the VM plumbing before it existed gave
@@ -328,7 +326,7 @@ class MicroVMBackend:
         """Node start: choose the accelerator (a probe boot decides whether KVM works)."""
         # QEMU outlives its jailer (which exits once it exec'd); as subreaper this process
         # gets and reaps it (this host's init never reaps).
-        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        syscalls.become_subreaper()
         if self.templates is not None:  # build VMs and spares an earlier edge left, the cache
             for left_id in self.host_sandbox_ids(BUILD_PREFIX) | self.host_sandbox_ids(
                     SPARE_PREFIX):
