@@ -217,6 +217,19 @@ def bench_microvm(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out, only=mod.parse_only(only))
 
 
+@bench_app.command("vm")
+def bench_vm(quick: bool = typer.Option(False, "--quick"),
+             json_out: bool = typer.Option(False, "--json"),
+             only: str = typer.Option("", "--only", help="comma-separated phases: ready,exec,"
+                                      "screenshot,input,input_to_screen,pause,idle,plain "
+                                      "(default: all)")) -> None:
+    """Full VMs (backend vm): create -> ready, exec, screenshot, input and input-to-screen,
+    pause/resume, idle memory; a plain QEMU boot of the same machine and microVM creates as
+    peers."""
+    mod = _load_bench("vm")
+    mod.main(quick=quick, json_out=json_out, only=mod.parse_only(only))
+
+
 @bench_app.command("cluster-control")
 def bench_cluster_control(quick: bool = typer.Option(False, "--quick"),
                           json_out: bool = typer.Option(False, "--json")) -> None:
