@@ -78,18 +78,28 @@ def config_cmd(as_json: bool = typer.Option(False, "--json", help="print as JSON
 
 @app.command()
 def demo(n: Optional[int] = typer.Option(None, "-n", help="episodes (swe: 32 concurrent; "  # noqa: UP007
-                                         "browser: 2, one at a time)"),
+                                         "browser, desktop: 2, one at a time)"),
          url: Optional[str] = typer.Option(None, help="an already running server"),  # noqa: UP007
-         task: str = typer.Option("swe", "--task", help="swe | browser (MiniWoB++ in chromium)"),
+         task: str = typer.Option("swe", "--task", help="swe | browser (MiniWoB++ in chromium) "
+                                  "| desktop (the desktop:1 VM's text editor, --backend vm)"),
          backend: str = typer.Option("container", "--backend",
-                                     help="browser task: container | microvm"),
+                                     help="browser task: container | microvm; desktop: vm"),
          miniwob: str = typer.Option("click-button", "--miniwob",
                                      help="browser task: click-button | click-test"),
-         out: Optional[Path] = typer.Option(None, "--out", help="browser task: screenshots dir"),  # noqa: UP007
+         out: Optional[Path] = typer.Option(None, "--out", help="browser and desktop tasks: "  # noqa: UP007
+                                            "screenshots dir"),
          json_out: bool = typer.Option(False, "--json")) -> None:
     """The main job: N concurrent SWE-style episodes with grading in fresh sandboxes; or
-    (--task browser) MiniWoB++ episodes driven by input events, graded by replay."""
-    if task == "browser":
+    (--task browser) MiniWoB++ episodes driven by input events, graded by replay; or (--task
+    desktop --backend vm) a desktop VM's editor driven by mouse and keyboard, graded by
+    replaying the recorded input in a fresh VM."""
+    if task == "desktop":
+        if backend != "vm":
+            raise typer.BadParameter("the desktop task runs on full VMs: --backend vm")
+        from rollbox.desktop.episode import run_desktop_demo
+
+        summary = run_desktop_demo(n=n or 2, url=url, out_dir=out)
+    elif task == "browser":
         from rollbox.browser.episode import TASKS, run_browser_demo
 
         if miniwob not in TASKS:
@@ -99,12 +109,12 @@ def demo(n: Optional[int] = typer.Option(None, "-n", help="episodes (swe: 32 con
     elif task == "swe":
         if backend != "container":
             raise typer.BadParameter("the swe demo runs on containers; --backend is for "
-                                     "--task browser")
+                                     "--task browser and desktop")
         from rollbox.demo import run_demo
 
         summary = run_demo(n=n or 32, url=url)
     else:
-        raise typer.BadParameter("--task: swe or browser")
+        raise typer.BadParameter("--task: swe, browser or desktop")
     if json_out:
         typer.echo(json.dumps(summary))
     if summary.get("errors"):
