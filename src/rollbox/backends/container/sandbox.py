@@ -27,8 +27,8 @@ from pathlib import Path
 
 from rollbox.backends import platform_work
 from rollbox.backends.base import (
-    BackendCapacity, CaptureOptions, CaptureResult, ForkResult, PortStream, ResolvedSpec,
-    SessionSlot, Usage,
+    BackendCapacity, CaptureOptions, CaptureResult, ForkResult, MachineSnapshot, PortStream,
+    ResolvedSpec, SessionSlot, Usage,
 )
 from rollbox.backends.cancellation import all_or_raise, teardown_after, to_the_end
 from rollbox.backends.ports import connect_in_netns
@@ -259,6 +259,10 @@ class ContainerBackend:
                      *args: Any, hardened: bool = True, **kw: Any) -> ContainerSandbox:
         """The contract's create from a resolved spec, or :meth:`create_container`'s own
         arguments (layers, resources, env, ...: the platform's build sandboxes)."""
+        if isinstance(spec, ResolvedSpec) and spec.machine_snapshot is not None:
+            raise BadRequest("a machine snapshot (disk + memory of a 'vm' sandbox) restores "
+                             "as a 'vm' sandbox only: a container starts from image layers",
+                             reason="machine_snapshot", backend=self.kind)
         self.prepare_run_dir()
         if isinstance(spec, ResolvedSpec):
             return await self.create_container(
@@ -454,6 +458,18 @@ class ContainerBackend:
             await self.attach_network(sb, rules)
         else:
             await asyncio.to_thread(sb.network.apply, rules)  # BadRequest: nothing changed
+
+    async def save_machine(self, sb: ContainerSandbox, snapshot_id: str,  # type: ignore[override]
+                           spec: ResolvedSpec, paused: bool) -> MachineSnapshot:
+        raise BadRequest("a container's snapshot is its writable layer as an image layer "
+                         "(capacity().snapshot 'layer'): it has no machine to save",
+                         sandbox_id=sb.id)
+
+    def drop_machine(self, snapshot_id: str) -> list[str]:
+        return []  # this backend keeps none
+
+    def machine_snapshots(self) -> set[str]:
+        return set()
 
     async def capture_writable(self, sb: ContainerSandbox, dest: Path,  # type: ignore[override]
                                opts: CaptureOptions) -> CaptureResult:
