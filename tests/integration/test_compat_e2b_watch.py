@@ -21,9 +21,9 @@ import pytest_asyncio
 from rollbox import errors
 from rollbox.compat.e2b import connectrpc as rpc
 from rollbox.compat.e2b import watch as W
-from rollbox.models import ExecSpec, Resources, SandboxSpec
+from rollbox.models import ExecSpec, SandboxSpec
 from tests.conftest import have_image
-from tests.helpers.e2b_node import e2b_node
+from tests.helpers.e2b_node import e2b_node, microvm_sandbox
 
 e2b = pytest.importorskip("e2b")
 
@@ -206,12 +206,7 @@ async def test_sync_watchers_go_with_their_sandbox(env: tuple[str, str, Any]) ->
 @pytest.mark.skipif(not have_image("busybox:test"), reason="busybox:test not built")
 async def test_watch_tool_on_a_microvm(env: tuple[str, str, Any]) -> None:
     url, key, edge = env
-    cap = (await edge.capacity())["backends"]["microvm"]
-    if not cap["offered"]:
-        pytest.skip(f"this node offers no microVMs: {cap['reason']}")
-    sb = await edge.create(SandboxSpec(image="busybox:test", backend="microvm", resources=Resources(
-        cpus=1, memory_mib=256, disk_mib=64)), "e2b-watch")
-    assert sb.backend == "microvm"
+    sb = await microvm_sandbox(edge, "e2b-watch")
     try:
         async def sh(cmd: str) -> None:
             r = await edge.exec_wait(sb.id, await edge.exec_start(sb.id, ExecSpec(cmd=cmd)))
