@@ -24,13 +24,18 @@ $(BIN)/rollbox: requirements.lock pyproject.toml | deps
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e .
 	touch $@
 
-native: build/rollbox-agent build/rollbox-jailer
+native: build/rollbox-agent build/rollbox-jailer build/rollbox-launcher
 build/rollbox-agent: native/agent/agent.c | deps
 	mkdir -p build
 	gcc -static -O2 -Wall -Wextra -o $@ $<
 
 # Starts QEMU jailed for a microVM (backends/microvm/jail.py)
 build/rollbox-jailer: native/jailer/jailer.c | deps
+	mkdir -p build
+	gcc -static -O2 -Wall -Wextra -o $@ $<
+
+# Starts a container sandbox's init: the native runtime (backends/container/launcher.py)
+build/rollbox-launcher: native/launcher/launcher.c | deps
 	mkdir -p build
 	gcc -static -O2 -Wall -Wextra -o $@ $<
 

@@ -204,7 +204,11 @@ class Settings:
 
     # ---- container backend ---------------------------------------------------------------
     runtime: str = setting("ROLLBOX_RUNTIME", "container", "runc", str,
-                           "The OCI runtime that starts containers.")
+                           "What starts containers: `native` (rollbox's own launcher, "
+                           "ROLLBOX_LAUNCHER) or the name of an OCI runtime binary (runc).")
+    launcher_binary: Path = setting(
+        "ROLLBOX_LAUNCHER", "container", REPO_ROOT / "build" / "rollbox-launcher", Path,
+        "The native runtime's launcher (`make native`; ROLLBOX_RUNTIME=native).")
     unhardened_for_bench: bool = setting(
         "ROLLBOX_UNHARDENED_FOR_BENCH", "container", False, flag,
         "Benchmark only: every container sandbox is the unhardened twin of the red-team tests "
@@ -711,7 +715,8 @@ class Settings:
         """The ``ROLLBOX_*`` variables that give a child process (``rollbox serve``) this
         node's data, run dir, cgroup parent, node id, uid band, subnet, share and image
         store."""
-        names = ["data_dir", "run_dir", "run_tmpfs", "agent_binary", "runtime", "cgroup_parent",
+        names = ["data_dir", "run_dir", "run_tmpfs", "agent_binary", "runtime",
+                 "launcher_binary", "cgroup_parent",
                  "node_id", "uid_base", "uid_slots", "host_dir", "host_auto", "net_pool",
                  "net_host_range", "node_share", "node_cpus", "node_memory_mib", "vm_jailer",
                  "vm_kernel", "vm_initrd", "vm_accel", "vm_guest_manifest", "vm_templates",

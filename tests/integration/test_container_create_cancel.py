@@ -69,7 +69,9 @@ def points(edge) -> list[tuple[str, SandboxSpec, Callable[[str], bool]]]:  # noq
          lambda sid: bool(mount_points_under(backend.sandboxes_dir / sid))),
         ("netns made", PLAIN, lambda sid: netns.netns_path(netns.PREFIX + sid).exists()),
         ("agent socket bound", PLAIN, lambda sid: (run_root / sid / "agent.sock").exists()),
-        ("runc started", PLAIN, lambda sid: backend.runtime.state_dir(sid).exists()),
+        # runc keeps state of its own (the native launcher none: the cgroup point covers it)
+        ("runc started", PLAIN, lambda sid: (backend.runtime.state_dir(sid) or cgroups.v2_dir(
+            parent, sid)).exists()),
         ("cgroup made", PLAIN, lambda sid: cgroups.v2_dir(parent, sid).exists()),
         ("agent pid written", PLAIN, lambda sid: (run_root / sid / "pid").exists()),
         ("network link made", NETWORKED, lambda sid: netlink.exists(sid)),

@@ -6,7 +6,13 @@ Every test that takes the ``boxes`` fixture runs once per backend (``[container]
 ``[microvm]``). An attack that only makes sense for containers says so with
 ``@container_only("why")``: its microVM run is reported as skipped with that reason, never as a
 pass. The microVM runs are behind the ``microvm_slow`` marker (VMs under TCG are slow) except
-the few marked ``@microvm_default``, which the default tier runs."""
+the few marked ``@microvm_default``, which the default tier runs.
+
+Container attacks also run on the native runtime (``[native]``: the same container backend,
+its sandboxes started by rollbox's own launcher instead of runc, ``ROLLBOX_RUNTIME=native``),
+behind the ``slow`` marker (the container red team takes ~2 min here). Tests that take the
+``edge`` fixture without ``boxes`` run on the node's runtime: ``ROLLBOX_RUNTIME=native``
+runs all of them on it."""
 from __future__ import annotations
 
 import asyncio
@@ -32,7 +38,9 @@ PY = "python:3.11"
 # "vm": the full-VM backend (backends/vm) is the microVM's lifecycle on a q35 machine: it runs
 # every attack the microVM runs do, with the same marks (container_only skips it, microvm_open
 # is an expected failure, and every vm run is behind microvm_slow: one TCG boot each).
-BACKENDS = ("container", "microvm", "vm")
+BACKENDS = ("container", "native", "microvm", "vm")
+# The kind of sandbox each run makes ("native": a container, started by the native launcher).
+KIND = {"native": "container"}
 
 
 def container_only(reason: str) -> pytest.MarkDecorator:
@@ -63,6 +71,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     params = []
     for kind in BACKENDS:
         marks: list[pytest.MarkDecorator] = []
+        if kind == "native":
+            marks.append(pytest.mark.slow)
         if kind in ("microvm", "vm"):
             only = metafunc.definition.get_closest_marker("container_only")
             if only is not None:
@@ -129,9 +139,18 @@ async def offered_or_skip(edge: Any, kind: str) -> None:
 
 
 @pytest.fixture
+def edge_settings(request: pytest.FixtureRequest) -> dict:
+    """A ``[native]`` run's edge starts its containers with the native launcher."""
+    callspec = getattr(request.node, "callspec", None)
+    kind = callspec.params.get("backend_kind") if callspec is not None else None
+    return {"runtime": "native"} if kind == "native" else {}
+
+
+@pytest.fixture
 async def boxes(edge, backend_kind: str) -> Boxes:  # noqa: ANN001
-    await offered_or_skip(edge, backend_kind)
-    return Boxes(edge, asyncio.Lock(), backend_kind)
+    kind = KIND.get(backend_kind, backend_kind)
+    await offered_or_skip(edge, kind)
+    return Boxes(edge, asyncio.Lock(), kind)
 
 
 @pytest.fixture

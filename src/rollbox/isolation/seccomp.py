@@ -75,3 +75,96 @@ def profile() -> dict[str, Any]:
         "architectures": ["SCMP_ARCH_X86_64"],
         "syscalls": syscalls,
     }
+
+
+# ---- the profile as a BPF program (the native runtime loads it itself) --------------------
+# libseccomp's own numbers (seccomp.h): the same library runc builds its filter with, so both
+# runtimes load the same program for the same profile.
+_ACTIONS = {"SCMP_ACT_KILL": 0x00000000, "SCMP_ACT_KILL_THREAD": 0x00000000,
+            "SCMP_ACT_KILL_PROCESS": 0x80000000, "SCMP_ACT_TRAP": 0x00030000,
+            "SCMP_ACT_LOG": 0x7FFC0000, "SCMP_ACT_ALLOW": 0x7FFF0000}
+_ERRNO_ACTION = 0x00050000
+_ARCHES = {"SCMP_ARCH_X86_64": 0xC000003E, "SCMP_ARCH_X86": 0x40000003,
+           "SCMP_ARCH_X32": 0x4000003E}
+_OPS = {"SCMP_CMP_NE": 1, "SCMP_CMP_LT": 2, "SCMP_CMP_LE": 3, "SCMP_CMP_EQ": 4,
+        "SCMP_CMP_GE": 5, "SCMP_CMP_GT": 6, "SCMP_CMP_MASKED_EQ": 7}
+_NR_SCMP_ERROR = -1
+_compiled: dict[str, bytes] = {}
+
+
+def _action(name: str, errno_ret: int | None) -> int:
+    if name == "SCMP_ACT_ERRNO":
+        return _ERRNO_ACTION | ((1 if errno_ret is None else errno_ret) & 0xFFFF)
+    if name not in _ACTIONS:
+        raise ValueError(f"seccomp action {name!r} not supported")
+    return _ACTIONS[name]
+
+
+def compile_bpf(prof: dict[str, Any]) -> bytes:
+    """The BPF program (struct sock_filter array) of an OCI seccomp profile, built by
+    libseccomp (``libseccomp.so.2``, runc's own dependency) as runc builds it: the profile's
+    default action, its architectures (the native one replaced by them), one rule per
+    syscall name and argument set; names this kernel's ABI does not have are skipped, as runc
+    skips them. Cached per profile (it is the same for every sandbox)."""
+    import ctypes
+    import json
+    import os
+
+    key = json.dumps(prof, sort_keys=True)
+    if key in _compiled:
+        return _compiled[key]
+
+    class ArgCmp(ctypes.Structure):
+        _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int),
+                    ("datum_a", ctypes.c_uint64), ("datum_b", ctypes.c_uint64)]
+
+    lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    lib.seccomp_arch_add.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
+    lib.seccomp_arch_remove.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
+    lib.seccomp_arch_native.restype = ctypes.c_uint32
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int,
+                                           ctypes.c_uint, ctypes.POINTER(ArgCmp)]
+    lib.seccomp_attr_set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
+    lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
+
+    def check(ret: int, what: str) -> None:
+        if ret < 0:
+            raise OSError(-ret, f"libseccomp {what}: {os.strerror(-ret)}")
+
+    ctx = lib.seccomp_init(_action(prof["defaultAction"], prof.get("defaultErrnoRet")))
+    if not ctx:
+        raise OSError(ctypes.get_errno(), "seccomp_init failed")
+    try:
+        check(lib.seccomp_attr_set(ctx, 3, 0), "no_new_privs off")  # the runtime sets it
+        native = lib.seccomp_arch_native()
+        arches = [_ARCHES[a] for a in prof.get("architectures", [])]
+        for arch in arches:
+            if arch != native:
+                check(lib.seccomp_arch_add(ctx, arch), "arch")
+        if arches and native not in arches:
+            check(lib.seccomp_arch_remove(ctx, native), "arch")
+        for rule in prof.get("syscalls", []):
+            action = _action(rule["action"], rule.get("errnoRet"))
+            conds = rule.get("args") or []
+            arr = (ArgCmp * max(1, len(conds)))(*[
+                ArgCmp(c["index"], _OPS[c["op"]], c["value"], c.get("valueTwo", 0))
+                for c in conds])
+            for name in rule["names"]:
+                nr = lib.seccomp_syscall_resolve_name(name.encode())
+                if nr == _NR_SCMP_ERROR:
+                    continue  # not a syscall of this ABI (e.g. stime on x86_64)
+                check(lib.seccomp_rule_add_array(ctx, action, nr, len(conds), arr), name)
+        fd = os.memfd_create("seccomp-bpf", os.MFD_CLOEXEC)
+        try:
+            check(lib.seccomp_export_bpf(ctx, fd), "export")
+            program = os.pread(fd, os.fstat(fd).st_size, 0)
+        finally:
+            os.close(fd)
+    finally:
+        lib.seccomp_release(ctx)
+    _compiled[key] = program
+    return program

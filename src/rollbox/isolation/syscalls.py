@@ -26,14 +26,19 @@ MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
 MS_NOEXEC = 8
+MS_SYNCHRONOUS = 16
 MS_REMOUNT = 32
+MS_DIRSYNC = 128
 MS_NOATIME = 1024
+MS_NODIRATIME = 2048
 MS_BIND = 4096
 MS_MOVE = 8192
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
 MS_SLAVE = 1 << 19
 MS_SHARED = 1 << 20
+MS_RELATIME = 1 << 21
+MS_STRICTATIME = 1 << 24
 
 MNT_FORCE = 1
 MNT_DETACH = 2
@@ -153,18 +158,6 @@ def clone_paused(flags: int) -> tuple[int, ctypes.Array[ctypes.c_char]]:
     if pid < 0:
         raise OSError(err, os.strerror(err))
     return pid, stack
-
-
-PR_SET_CHILD_SUBREAPER = 36
-
-
-def become_subreaper() -> None:
-    """prctl(PR_SET_CHILD_SUBREAPER, 1): orphans below this process (a container init after
-    ``runc run -d``, QEMU after its jailer exec'd, a killed edge's agents) become its children
-    instead of init's, which on some hosts never reaps, so this process can reap them. Kept
-    across exec, not across fork. (fncall's in-sandbox worker declares its own: it runs from
-    its source in the image's Python and imports nothing of rollbox.)"""
-    _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0))
 
 
 def setns(fd: int, nstype: int = 0) -> None:

@@ -1,4 +1,10 @@
-"""Starting the OCI runtime (runc by default) without a shell and without waiting on pipes.
+"""The runtimes that start a container sandbox's init, behind one interface (:class:`Runtime`):
+an OCI runtime binary (:class:`OciRuntime`, runc) or rollbox's own launcher
+(``launcher.NativeRuntime``, ``ROLLBOX_RUNTIME=native``). Both get the same OCI config
+(bundle.py) and leave the same things behind: the init's host pid in the pid file, the
+sandbox's cgroups; pause/resume/kill are the cgroup freezer's and ``cgroup.kill``'s
+(isolation.cgroups), never the runtime's, so a sandbox is adopted after an edge restart the
+same way whichever started it.
 
 runc is spawned with posix_spawn so the agent's listening socket lands on fd 3, the agent
 binary (which runc execs as ``/proc/self/fd/4``) on fd 4 and the platform shell on fd 5
@@ -8,9 +14,11 @@ once ``runc run -d`` has exited (the container's init is then running on its own
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any, Protocol
 
 from rollbox.backends.container.rootfs import remove_flat_dir
 from rollbox.errors import InfraError
@@ -32,12 +40,62 @@ async def wait_pid(pid: int) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
+def spawn_init_runner(binary: str, argv: list[str], env: dict[str, str], log_file: Path,
+                      fds: list[int], extra: tuple[tuple[int, int], ...] = ()) -> int:
+    """posix_spawn what starts a sandbox's init: stdin/stdout /dev/null, stderr appended to
+    ``log_file``, ``fds`` on 3, 4, 5... (listener, agent, platform shell), ``extra`` as
+    (fd, target) pairs; returns its pid."""
+    devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    log = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    try:
+        return os.posix_spawn(
+            binary, argv, env,
+            file_actions=[(os.POSIX_SPAWN_DUP2, devnull, 0), (os.POSIX_SPAWN_DUP2, devnull, 1),
+                          (os.POSIX_SPAWN_DUP2, log, 2)]
+            + [(os.POSIX_SPAWN_DUP2, fd, 3 + i) for i, fd in enumerate(fds)]
+            + [(os.POSIX_SPAWN_DUP2, fd, target) for fd, target in extra])
+    finally:
+        os.close(devnull)
+        os.close(log)
+
+
 # runc lives for ~20 ms: garbage collection is pure overhead there.
 RUNC_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "GOGC": "off"}
 
 
-class Runtime:
+class Runtime(Protocol):
+    """What the container backend asks of a runtime."""
+
+    name: str
+    # Where the runtime keeps state of its own per container (None: it keeps none).
+    root: Path | None
+
+    async def run_detached(self, container_id: str, bundle: Path, config: dict[str, Any],
+                           listen_fd: int, agent_fd: int, shell_fd: int, pid_file: Path,
+                           log_file: Path) -> int:
+        """Start the container's init (the agent, exec'd from ``agent_fd``) as ``config``
+        says, with ``listen_fd``/``agent_fd``/``shell_fd`` on its fds 3/4/5; returns its host
+        pid once it runs (also written to ``pid_file``). InfraError if it did not start, with
+        everything the runtime made undone."""
+        ...
+
+    def state_dir(self, container_id: str) -> Path | None:
+        ...
+
+    def forget(self, container_id: str) -> None:
+        """Drop the runtime's state of a container whose processes and cgroups are gone."""
+        ...
+
+    def known(self) -> list[str]:
+        """Ids of the containers the runtime holds state of."""
+        ...
+
+
+class OciRuntime:
+    """An OCI runtime binary (runc): ``config.json`` in the bundle, ``run -d``."""
+
     def __init__(self, binary: str, root: Path) -> None:
+        self.name = binary
         path = shutil.which(binary)
         if not path:
             raise InfraError(f"OCI runtime {binary!r} not found (run `make deps`)")
@@ -48,41 +106,28 @@ class Runtime:
     def _argv(self, *args: str) -> list[str]:
         return [self.binary, "--root", str(self.root), *args]
 
-    async def run_detached(self, container_id: str, bundle: Path, listen_fd: int, agent_fd: int,
-                           shell_fd: int, pid_file: Path, log_file: Path) -> int:
+    async def run_detached(self, container_id: str, bundle: Path, config: dict[str, Any],
+                           listen_fd: int, agent_fd: int, shell_fd: int, pid_file: Path,
+                           log_file: Path) -> int:
         """``runc run -d``; returns the container init's host pid."""
-        devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
-        log = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        try:
-            pid = os.posix_spawn(
-                self.binary,
-                self._argv("run", "-d", "--preserve-fds", "3", "--pid-file", str(pid_file),
-                           "--bundle", str(bundle), container_id),
-                RUNC_ENV,
-                file_actions=[
-                    (os.POSIX_SPAWN_DUP2, devnull, 0),
-                    (os.POSIX_SPAWN_DUP2, devnull, 1),
-                    (os.POSIX_SPAWN_DUP2, log, 2),
-                    (os.POSIX_SPAWN_DUP2, listen_fd, 3),
-                    (os.POSIX_SPAWN_DUP2, agent_fd, 4),
-                    (os.POSIX_SPAWN_DUP2, shell_fd, 5),
-                ],
-            )
-        finally:
-            os.close(devnull)
-            os.close(log)
+        (bundle / "config.json").write_text(json.dumps(config))
+        pid = spawn_init_runner(
+            self.binary,
+            self._argv("run", "-d", "--preserve-fds", "3", "--pid-file", str(pid_file),
+                       "--bundle", str(bundle), container_id),
+            RUNC_ENV, log_file, [listen_fd, agent_fd, shell_fd])
         code = await wait_pid(pid)
         if code != 0:
             tail = log_file.read_text(errors="replace")[-2000:] if log_file.exists() else ""
             raise InfraError(f"runc run failed ({code}): {tail.strip()}")
         return int(pid_file.read_text())
 
-    def state_dir(self, container_id: str) -> Path:
+    def state_dir(self, container_id: str) -> Path | None:
         return self.root / container_id
 
     def forget(self, container_id: str) -> None:
         """Drop runc's state of a container whose processes and cgroups are already gone."""
-        remove_flat_dir(self.state_dir(container_id))
+        remove_flat_dir(self.root / container_id)
 
     def known(self) -> list[str]:
         if not self.root.exists():

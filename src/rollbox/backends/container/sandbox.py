@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import hashlib
-import json
 import logging
 import os
 import secrets
@@ -27,8 +27,8 @@ from pathlib import Path
 
 from rollbox.backends import platform_work
 from rollbox.backends.base import (
-    BackendCapacity, CaptureOptions, CaptureResult, ForkResult, MachineSnapshot, PortStream,
-    ResolvedSpec, SessionSlot, Usage,
+    BackendCapacity, CaptureOptions, CaptureResult, ForkResult, ResolvedSpec, SessionSlot,
+    Usage,
 )
 from rollbox.backends.cancellation import all_or_raise, teardown_after, to_the_end
 from rollbox.backends.ports import connect_in_netns
@@ -42,10 +42,11 @@ from rollbox.hostfs import SandboxFS
 from rollbox.backends.container.rootfs import (
     Rootfs, ensure_run_tmpfs, mount_points_under, release_run_tmpfs, remove_flat_dir,
 )
-from rollbox.backends.container.runtime import Runtime, wait_pid
+from rollbox.backends.container.launcher import NativeRuntime
+from rollbox.backends.container.runtime import OciRuntime, Runtime, wait_pid
 from rollbox.config import VARS, Settings
 from rollbox.errors import BadRequest, InfraError, RollboxError, without_paths
-from rollbox.isolation import cgroups, netns, oom, syscalls
+from rollbox.isolation import cgroups, netns, oom
 from rollbox.isolation.userns import RANGE, UidSlots, make_userns_fd
 from rollbox.netpolicy import link as netlink
 from rollbox.netpolicy import policy as netpolicy
@@ -58,6 +59,7 @@ log = logging.getLogger(__name__)
 # The benchmark-only switch's variable (settings.unhardened_for_bench), as bench/container.py
 # sets it for its second server.
 UNHARDENED_ENV = VARS["unhardened_for_bench"].env
+PR_SET_CHILD_SUBREAPER = 36
 
 
 @dataclass
@@ -177,7 +179,9 @@ class ContainerBackend:
         # edge whose start fails on its host claim has touched no host resource.
         self.owns_run_tmpfs = False
         self._run_ready = False
-        self.runtime = Runtime(settings.runtime, settings.run_dir / "runc")
+        self.runtime: Runtime = (NativeRuntime(settings.launcher_binary)
+                                 if settings.runtime == "native"
+                                 else OciRuntime(settings.runtime, settings.run_dir / "runc"))
         self.disk = DiskPool(settings)  # mounted on first use (or found mounted)
         self.sandboxes_dir = settings.sandboxes_dir
         # Where rootfs dirs lived before the run dir held them: sandboxes an older edge left
@@ -221,7 +225,7 @@ class ContainerBackend:
     async def start(self) -> None:
         """Container inits outlive ``runc run -d``: as subreaper the edge gets and reaps them.
         The run dir is made ready (:meth:`prepare_run_dir`)."""
-        syscalls.become_subreaper()
+        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         self.prepare_run_dir()
 
     def prepare_run_dir(self) -> None:
@@ -239,7 +243,8 @@ class ContainerBackend:
             self.owns_run_tmpfs = run_fs in ("mounted", "ours")
         # under the tmpfs mounted now (the rootfs dirs are in the run dir too)
         for d in (self.sandboxes_dir, self.run_root, self.runtime.root):
-            d.mkdir(parents=True, exist_ok=True)
+            if d is not None:
+                d.mkdir(parents=True, exist_ok=True)
         self._run_ready = True
 
     async def stop(self) -> None:
@@ -259,10 +264,6 @@ class ContainerBackend:
                      *args: Any, hardened: bool = True, **kw: Any) -> ContainerSandbox:
         """The contract's create from a resolved spec, or :meth:`create_container`'s own
         arguments (layers, resources, env, ...: the platform's build sandboxes)."""
-        if isinstance(spec, ResolvedSpec) and spec.machine_snapshot is not None:
-            raise BadRequest("a machine snapshot (disk + memory of a 'vm' sandbox) restores "
-                             "as a 'vm' sandbox only: a container starts from image layers",
-                             reason="machine_snapshot", backend=self.kind)
         self.prepare_run_dir()
         if isinstance(spec, ResolvedSpec):
             return await self.create_container(
@@ -345,13 +346,12 @@ class ContainerBackend:
                 hostname=sandbox_id[:63], hardened=hardened, hidden_paths=hidden_paths,
                 cpu_view=cpu_view,
             )
-            (rootfs.dir / "config.json").write_text(json.dumps(config))
             agent_fd = os.open(self.agent_path, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 shell_fd = os.open(self.shell_path, os.O_RDONLY | os.O_CLOEXEC)
                 try:
                     pid = await to_the_end(self.runtime.run_detached(
-                        sandbox_id, rootfs.dir, listener.fileno(), agent_fd, shell_fd,
+                        sandbox_id, rootfs.dir, config, listener.fileno(), agent_fd, shell_fd,
                         run_dir / "pid", run_dir / "agent.log"))
                 finally:
                     os.close(shell_fd)
@@ -458,18 +458,6 @@ class ContainerBackend:
             await self.attach_network(sb, rules)
         else:
             await asyncio.to_thread(sb.network.apply, rules)  # BadRequest: nothing changed
-
-    async def save_machine(self, sb: ContainerSandbox, snapshot_id: str,  # type: ignore[override]
-                           spec: ResolvedSpec, paused: bool) -> MachineSnapshot:
-        raise BadRequest("a container's snapshot is its writable layer as an image layer "
-                         "(capacity().snapshot 'layer'): it has no machine to save",
-                         sandbox_id=sb.id)
-
-    def drop_machine(self, snapshot_id: str) -> list[str]:
-        return []  # this backend keeps none
-
-    def machine_snapshots(self) -> set[str]:
-        return set()
 
     async def capture_writable(self, sb: ContainerSandbox, dest: Path,  # type: ignore[override]
                                opts: CaptureOptions) -> CaptureResult:
@@ -645,7 +633,7 @@ class ContainerBackend:
         left += self.disk.leftovers(sandbox_id)
         for p in (self.sandboxes_dir / sandbox_id, self.legacy_sandboxes_dir / sandbox_id,
                   self.run_root / sandbox_id, self.runtime.state_dir(sandbox_id)):
-            if p.exists():
+            if p is not None and p.exists():
                 left.append(str(p))
         return left
 

@@ -1,0 +1,292 @@
+"""The native runtime (``ROLLBOX_RUNTIME=native``): rollbox's own launcher
+(native/launcher/launcher.c, ``build/rollbox-launcher``) starts a sandbox's init from one
+process spawn, doing what runc does for the same OCI config, in runc's order.
+
+Owns the translation of the OCI config bundle.py writes (the one runc gets) into the
+launcher's input, and the spawn. The input is a flat list of records, each an op name and its
+fields, every field NUL-terminated (a path can hold any byte but NUL, so nothing is quoted or
+escaped), the seccomp program as a length then raw bytes; it is handed over in a sealed memfd
+on fd 9 (no size limit of a pipe, nothing to deadlock on, nothing on disk). A binary format
+read by a ~40-line reader keeps a JSON parser out of a root process, and leaves every decision
+here: the launcher only carries out records. Anything in the config this module does not know
+is refused (InfraError) instead of being dropped, so a config change that the native runtime
+does not carry out fails loudly.
+
+What runc adds on its own to a config is added here the same way: the default device nodes
+(bound from the host's /dev, as runc does in a user namespace) and their device-cgroup rules,
+the /dev symlinks, HOME when the env has none, oom_score_adj written by the privileged parent.
+Not supported (refused): a pure cgroup v2 host (the device filter is a cgroup BPF program
+there; runc attaches one, the launcher does not yet), a terminal, a user other than 0.
+
+Must not touch: sandbox lifecycle (sandbox.py), the config itself (bundle.py).
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import resource
+from pathlib import Path
+from typing import Any
+
+from rollbox.backends.container.runtime import spawn_init_runner, wait_pid
+from rollbox.errors import InfraError
+from rollbox.isolation import cgroups, seccomp
+from rollbox.isolation.syscalls import (
+    MS_BIND, MS_DIRSYNC, MS_NOATIME, MS_NODEV, MS_NODIRATIME, MS_NOEXEC, MS_NOSUID, MS_PRIVATE,
+    MS_RDONLY, MS_REC, MS_RELATIME, MS_SHARED, MS_SLAVE, MS_STRICTATIME, MS_SYNCHRONOUS,
+)
+
+# Above the fds the agent takes (3-5; 6 is its optional platform-tool fd).
+SPEC_FD = 9
+
+
+# OCI mount options that are mount flags (runc's table); every other option is fs data.
+MOUNT_FLAGS = {
+    "ro": MS_RDONLY, "rw": 0, "nosuid": MS_NOSUID, "suid": 0, "nodev": MS_NODEV, "dev": 0,
+    "noexec": MS_NOEXEC, "exec": 0, "sync": MS_SYNCHRONOUS, "async": 0,
+    "dirsync": MS_DIRSYNC, "noatime": MS_NOATIME, "atime": 0, "nodiratime": MS_NODIRATIME,
+    "diratime": 0, "relatime": MS_RELATIME, "norelatime": 0, "strictatime": MS_STRICTATIME,
+    "bind": MS_BIND, "rbind": MS_BIND | MS_REC,
+}
+PROPAGATION = {"private": MS_PRIVATE, "rprivate": MS_REC | MS_PRIVATE, "slave": MS_SLAVE,
+               "rslave": MS_REC | MS_SLAVE, "shared": MS_SHARED, "rshared": MS_REC | MS_SHARED}
+
+CAP_NUMBERS = {name: i for i, name in enumerate([
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_FSETID",
+    "CAP_KILL", "CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP", "CAP_LINUX_IMMUTABLE",
+    "CAP_NET_BIND_SERVICE", "CAP_NET_BROADCAST", "CAP_NET_ADMIN", "CAP_NET_RAW", "CAP_IPC_LOCK",
+    "CAP_IPC_OWNER", "CAP_SYS_MODULE", "CAP_SYS_RAWIO", "CAP_SYS_CHROOT", "CAP_SYS_PTRACE",
+    "CAP_SYS_PACCT", "CAP_SYS_ADMIN", "CAP_SYS_BOOT", "CAP_SYS_NICE", "CAP_SYS_RESOURCE",
+    "CAP_SYS_TIME", "CAP_SYS_TTY_CONFIG", "CAP_MKNOD", "CAP_LEASE", "CAP_AUDIT_WRITE",
+    "CAP_AUDIT_CONTROL", "CAP_SETFCAP", "CAP_MAC_OVERRIDE", "CAP_MAC_ADMIN", "CAP_SYSLOG",
+    "CAP_WAKE_ALARM", "CAP_BLOCK_SUSPEND", "CAP_AUDIT_READ", "CAP_PERFMON", "CAP_BPF",
+    "CAP_CHECKPOINT_RESTORE"])}
+
+# runc's default devices (libcontainer/specconv AllowedDevices): the nodes it puts in /dev,
+# bound from the host's, and the device-cgroup rules it adds after the config's own.
+DEVICE_NODES = ["null", "zero", "full", "random", "urandom", "tty"]
+DEVICE_RULES = ["c *:* m", "b *:* m", "c 1:3 rwm", "c 1:8 rwm", "c 1:7 rwm", "c 5:0 rwm",
+                "c 1:5 rwm", "c 1:9 rwm", "c 5:2 rwm", "c 136:* rwm", "c 10:200 rwm"]
+DEV_SYMLINKS = [("/proc/self/fd", "/dev/fd"), ("/proc/self/fd/0", "/dev/stdin"),
+                ("/proc/self/fd/1", "/dev/stdout"), ("/proc/self/fd/2", "/dev/stderr"),
+                ("pts/ptmx", "/dev/ptmx")]
+
+_ERROR = re.compile(r"rollbox-launcher: (?P<step>[^:\n]+): (?P<msg>.*) \(errno (?P<errno>\d+)\)$",
+                    re.M)
+
+
+class _Records:
+    def __init__(self) -> None:
+        self.out = bytearray()
+
+    def add(self, op: str, *fields: str | int) -> None:
+        for f in (op, *fields):
+            b = os.fsencode(str(f))
+            if b"\0" in b:
+                raise InfraError(f"launcher spec: NUL in a {op} field")
+            self.out += b + b"\0"
+
+
+def _mount_flags(options: list[str]) -> tuple[int, str]:
+    flags, data = 0, []
+    for opt in options:
+        if opt in MOUNT_FLAGS:
+            flags |= MOUNT_FLAGS[opt]
+        elif opt in PROPAGATION:
+            raise InfraError(f"launcher: mount propagation option {opt!r} not supported")
+        else:
+            data.append(opt)
+    return flags, ",".join(data)
+
+
+def _caps(names: list[str]) -> int:
+    mask = 0
+    for name in names:
+        if name not in CAP_NUMBERS:
+            raise InfraError(f"launcher: unknown capability {name!r}")
+        mask |= 1 << CAP_NUMBERS[name]
+    return mask
+
+
+def _cgroup_records(rec: _Records, cgroups_path: str, res: dict[str, Any]) -> None:
+    """The sandbox's cgroup in every hierarchy and the limits runc writes on a hybrid
+    (v1 controllers + v2 membership) host."""
+    if cgroups.is_pure_v2():
+        raise InfraError("the native runtime needs a hybrid cgroup host (v1 controllers): on "
+                         "pure cgroup v2 the device filter is a BPF program it does not attach "
+                         "yet; use ROLLBOX_RUNTIME=runc")
+    rel = cgroups_path.strip("/")
+    dirs = {h.name: h / rel for h in cgroups.hierarchies()}
+    for d in dirs.values():
+        rec.add("cgroup", str(d))
+
+    def put(controller: str, file: str, value: object) -> None:
+        d = dirs.get(controller)
+        if d is None:
+            raise InfraError(f"launcher: no {controller} cgroup hierarchy for {file}")
+        rec.add("cgset", str(d / file), str(value))
+
+    known = {"memory", "cpu", "pids", "devices", "unified"}
+    unknown = set(res) - known
+    if unknown:
+        raise InfraError(f"launcher: cgroup resources {sorted(unknown)} not supported")
+    mem = res.get("memory") or {}
+    if set(mem) - {"limit", "swap"}:
+        raise InfraError(f"launcher: memory resources {sorted(mem)} not supported")
+    if "limit" in mem:
+        put("memory", "memory.limit_in_bytes", mem["limit"])
+    if "swap" in mem and (dirs["memory"].parent / "memory.memsw.limit_in_bytes").exists():
+        put("memory", "memory.memsw.limit_in_bytes", mem["swap"])
+    cpu = res.get("cpu") or {}
+    if set(cpu) - {"quota", "period", "cpus", "mems", "shares", "idle"}:
+        raise InfraError(f"launcher: cpu resources {sorted(cpu)} not supported")
+    cpu_h = "cpu" if "cpu" in dirs else "cpu,cpuacct"
+    if "shares" in cpu:
+        put(cpu_h, "cpu.shares", cpu["shares"])
+    if "period" in cpu:
+        put(cpu_h, "cpu.cfs_period_us", cpu["period"])
+    if "quota" in cpu:
+        put(cpu_h, "cpu.cfs_quota_us", cpu["quota"])
+    if "idle" in cpu:
+        put(cpu_h, "cpu.idle", cpu["idle"])
+    if "cpus" in cpu:
+        put("cpuset", "cpuset.cpus", cpu["cpus"])
+    if "mems" in cpu:
+        put("cpuset", "cpuset.mems", cpu["mems"])
+    pids = res.get("pids") or {}
+    if "limit" in pids:
+        put("pids", "pids.max", pids["limit"] if pids["limit"] > 0 else "max")
+    rules = res.get("devices")
+    if rules is not None:
+        for rule in rules:
+            line = (f"{rule.get('type', 'a')} {rule.get('major', '*')}:"
+                    f"{rule.get('minor', '*')} {rule.get('access', 'rwm')}")
+            if rule.get("type", "a") == "a":
+                line = "a"
+            put("devices", "devices.allow" if rule["allow"] else "devices.deny", line)
+        for line in DEVICE_RULES:
+            put("devices", "devices.allow", line)
+    for file, value in (res.get("unified") or {}).items():
+        put("unified", file, value)
+
+
+def spec_bytes(config: dict[str, Any], pid_file: Path) -> bytes:
+    """The launcher's input for an OCI config (see the module docstring)."""
+    rec = _Records()
+    proc = config["process"]
+    linux = config["linux"]
+    if proc.get("terminal") or proc.get("user", {}).get("uid", 0) != 0 or \
+            proc.get("user", {}).get("gid", 0) != 0 or proc.get("user", {}).get("additionalGids"):
+        raise InfraError("launcher: only a root init without a terminal is supported")
+    rec.add("root", config["root"]["path"])
+    if config["root"].get("readonly"):
+        raise InfraError("launcher: a read-only root is not supported")
+    rec.add("pidfile", str(pid_file))
+    if "hostname" in config:
+        rec.add("hostname", config["hostname"])
+    for ns in linux["namespaces"]:
+        if ns["type"] == "network":
+            if not ns.get("path"):
+                raise InfraError("launcher: a network namespace needs a path")
+            rec.add("netns", ns["path"])
+        elif ns["type"] not in ("pid", "ipc", "uts", "mount", "user", "cgroup"):
+            raise InfraError(f"launcher: namespace {ns['type']!r} not supported")
+        elif ns.get("path"):
+            raise InfraError(f"launcher: joining a {ns['type']} namespace is not supported")
+    for key, name in (("uidMappings", "uid_map"), ("gidMappings", "gid_map")):
+        rec.add(name, "".join(f"{m['containerID']} {m['hostID']} {m['size']}\n"
+                              for m in linux[key]))
+    rec.add("propagation", PROPAGATION[linux.get("rootfsPropagation", "rslave")])
+    if "oomScoreAdj" in proc:
+        rec.add("oom_score_adj", proc["oomScoreAdj"])
+    _cgroup_records(rec, linux["cgroupsPath"], linux.get("resources") or {})
+    for m in config["mounts"]:
+        flags, data = _mount_flags(m.get("options", []))
+        if m.get("type") == "bind" and not flags & MS_BIND:
+            flags |= MS_BIND
+        rec.add("mount", m["destination"], m.get("type") or "", m.get("source") or "", flags,
+                data)
+    for name in DEVICE_NODES:
+        rec.add("device", f"/dev/{name}", f"/dev/{name}")
+    for target, link in DEV_SYMLINKS:
+        rec.add("symlink", target, link)
+    for path in linux.get("readonlyPaths", []):
+        rec.add("readonly", path)
+    for path in linux.get("maskedPaths", []):
+        rec.add("masked", path)
+    for rl in proc.get("rlimits", []):
+        rec.add("rlimit", getattr(resource, rl["type"]), rl["soft"], rl["hard"])
+    if proc.get("noNewPrivileges"):
+        rec.add("no_new_privs")
+    caps = proc.get("capabilities") or {}
+    rec.add("caps", *(_caps(caps.get(k, [])) for k in
+                      ("bounding", "effective", "permitted", "inheritable", "ambient")))
+    rec.add("cwd", proc.get("cwd", "/"))
+    for arg in proc["args"]:
+        rec.add("arg", arg)
+    env = list(proc.get("env", []))
+    if not any(e.startswith("HOME=") for e in env):
+        env.append("HOME=/root")  # runc's default for uid 0 without one
+    for e in env:
+        rec.add("env", e)
+    if "seccomp" in linux:
+        program = seccomp.compile_bpf(linux["seccomp"])
+        rec.add("seccomp", len(program))
+        rec.out += program
+    return bytes(rec.out)
+
+
+def launcher_error(code: int, log_text: str) -> InfraError:
+    """The typed error of a failed launch: the step and errno the launcher named."""
+    found = list(_ERROR.finditer(log_text))
+    if not found:
+        return InfraError(f"native launcher failed ({code}): {log_text.strip()[-500:]}",
+                          step="unknown")
+    first = found[0]
+    left = [line.split("cleanup: ", 1)[1] for line in log_text.splitlines()
+            if line.startswith("rollbox-launcher: cleanup: ")]
+    return InfraError(f"native launcher failed at {first.group('step')}: {first.group('msg')}",
+                      step=first.group("step"), errno=int(first.group("errno")),
+                      **({"left": left} if left else {}))
+
+
+class NativeRuntime:
+    """Starts sandboxes with ``build/rollbox-launcher``; keeps no state of its own (the pid
+    file and the cgroups are the sandbox's, as with runc)."""
+
+    name = "native"
+    root: Path | None = None
+
+    def __init__(self, binary: Path) -> None:
+        if not binary.is_file():
+            raise InfraError(f"native launcher missing at {binary} (run `make native`)")
+        self.binary = str(binary)
+
+    async def run_detached(self, container_id: str, bundle: Path, config: dict[str, Any],
+                           listen_fd: int, agent_fd: int, shell_fd: int, pid_file: Path,
+                           log_file: Path) -> int:
+        spec = spec_bytes(config, pid_file)
+        memfd = os.memfd_create("rollbox-launch", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.write(memfd, spec)
+            fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                        | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
+            pid = spawn_init_runner(self.binary, [self.binary], {}, log_file,
+                                    [listen_fd, agent_fd, shell_fd], ((memfd, SPEC_FD),))
+        finally:
+            os.close(memfd)
+        code = await wait_pid(pid)
+        if code != 0:
+            text = log_file.read_text(errors="replace")[-4000:] if log_file.exists() else ""
+            raise launcher_error(code, text)
+        return int(pid_file.read_text())
+
+    def state_dir(self, container_id: str) -> Path | None:
+        return None
+
+    def forget(self, container_id: str) -> None:
+        """Nothing: the launcher keeps no state."""
+
+    def known(self) -> list[str]:
+        return []

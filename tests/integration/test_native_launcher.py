@@ -1,0 +1,137 @@
+"""The native runtime (backends/container/launcher.py, native/launcher/launcher.c) against runc.
+
+Both runtimes start the same sandbox from the same OCI config: what the sandbox's commands see
+of their own hardening (seccomp filter mode, no_new_privs, the capability sets, the uid map,
+the hostname, the cgroup namespace) is read from /proc inside and must be the same, and what
+bundle.py asks for. A native launch that fails halfway (in the launcher's parent before the
+clone, in its parent after it, in the child) is a typed InfraError naming the step and errno,
+and leaves no process, mount, cgroup, netns or file behind (the edge fixture's teardown check,
+and the host's cgroup trees and the edge's descendants checked here).
+"""
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from rollbox.backends.container import bundle
+from rollbox.backends.container.launcher import CAP_NUMBERS
+from rollbox.errors import InfraError
+from rollbox.isolation import cgroups
+from rollbox.models import ExecSpec, Resources, SandboxSpec
+from tests.integration.test_container_create_cancel import descendants
+
+pytestmark = [pytest.mark.root,
+              pytest.mark.skipif(os.geteuid() != 0, reason="needs root, runc and the launcher")]
+BB = "busybox:test"
+SPEC = SandboxSpec(image=BB, resources=Resources(cpus=1, memory_mib=128, disk_mib=64))
+
+
+@pytest.fixture(params=["runc", "native"])
+def edge_settings(request: pytest.FixtureRequest) -> dict:
+    return {"runtime": request.param}
+
+
+async def run(edge, sid: str, cmd: str) -> str:  # noqa: ANN001
+    eid = await edge.exec_start(sid, ExecSpec(cmd=["sh", "-c", cmd]))
+    res = await edge.exec_wait(sid, eid)
+    assert res.exit_code == 0, res
+    return res.stdout
+
+
+def status_field(text: str, name: str) -> str:
+    return next(line.split(":", 1)[1].strip() for line in text.splitlines()
+                if line.startswith(name + ":"))
+
+
+async def test_the_sandbox_sees_its_hardening_applied(edge) -> None:  # noqa: ANN001
+    info = await edge.create(SPEC, "t")
+    backend = edge.backends["container"]
+    assert backend.runtime.name == edge.settings.runtime
+    host_uid = backend.slots.host_uid(min(backend.slots.in_use()))
+    want = sum(1 << CAP_NUMBERS[c] for c in bundle.CAPABILITIES)
+    for who in ("self", "1"):  # a command, and the agent (pid 1 of the sandbox)
+        st = await run(edge, info.id, f"cat /proc/{who}/status")
+        assert status_field(st, "Seccomp") == "2", who
+        assert status_field(st, "NoNewPrivs") == "1", who
+        for cap in ("CapEff", "CapPrm", "CapBnd"):
+            assert int(status_field(st, cap), 16) == want, (who, cap)
+        assert int(status_field(st, "CapAmb"), 16) == 0
+        assert status_field(st, "Uid").split() == ["0"] * 4
+    # the filter is the profile's: a denied call fails with EPERM, an allowed one works
+    out = await run(edge, info.id, "unshare -U true 2>&1; echo rc=$?; "
+                    "cat /proc/self/uid_map; hostname; cat /proc/self/cgroup; "
+                    "ulimit -c; ulimit -f")
+    assert "rc=0" not in out and "Operation not permitted" in out
+    lines = out.split("rc=", 1)[1].splitlines()[1:]
+    assert lines[0].split() == ["0", str(host_uid), "65536"]
+    assert lines[1] == info.id[:63]
+    # rooted at the sandbox's own cgroup in every hierarchy (a cgroup namespace of its own)
+    assert all(row.split(":", 2)[2] in ("/", "/x1", "/x2", "/x3") for row in lines[2:-2])
+    assert lines[-2:] == ["0", str((SPEC.resources.disk_mib << 20) // 512)]
+    await edge.delete(info.id)
+
+
+@pytest.fixture
+def native(edge):  # noqa: ANN001, ANN201
+    if edge.settings.runtime != "native":
+        pytest.skip("a native-launcher failure (the runc run covers the sandbox's view)")
+    return edge
+
+
+def break_config(monkeypatch: pytest.MonkeyPatch, change) -> None:  # noqa: ANN001
+    real = bundle.oci_config
+
+    def broken(**kw):  # noqa: ANN003, ANN202
+        config = real(**kw)
+        change(config)
+        return config
+
+    monkeypatch.setattr(bundle, "oci_config", broken)
+
+
+def bad_mount(config: dict) -> None:
+    config["mounts"].append({"destination": "/opt/x", "type": "bind",
+                             "source": "/nonexistent/rollbox-launcher-test",
+                             "options": ["bind", "ro"]})
+
+
+def bad_cgroup(config: dict) -> None:
+    config["linux"]["resources"]["cpu"]["cpus"] = "4095"  # no such cpu: cpuset.cpus refuses
+
+
+def bad_uid_map(config: dict) -> None:
+    for key in ("uidMappings", "gidMappings"):
+        config["linux"][key][0]["size"] = 1 << 33  # the kernel refuses the map
+
+
+@pytest.mark.parametrize("change, step, err", [
+    (bad_mount, "mount", errno.ENOENT),          # in the child, after the clone
+    (bad_cgroup, "cgroup", None),                # in the parent, before the clone
+    (bad_uid_map, "uid_map", errno.EINVAL),      # in the parent, the child waiting
+])
+async def test_a_launch_failing_halfway_is_typed_and_leaves_nothing(
+        native, monkeypatch: pytest.MonkeyPatch, change, step: str,  # noqa: ANN001
+        err: int | None) -> None:
+    edge = native
+    before = descendants(os.getpid())
+    parent = edge.settings.cgroup_parent
+    break_config(monkeypatch, change)
+    with pytest.raises(InfraError) as exc:
+        await edge.create(SPEC, "t")
+    assert exc.value.details["step"] == step, exc.value.message
+    if err is not None:
+        assert exc.value.details["errno"] == err, exc.value.message
+    else:
+        assert exc.value.details["errno"] > 0
+    assert "left" not in exc.value.details  # the launcher's own cleanup check
+    backend = edge.backends["container"]
+    assert backend.host_sandbox_ids() == set()
+    assert cgroups.leftover(parent) == []
+    assert descendants(os.getpid()) <= before
+    assert backend.slots.in_use() == set()
+    monkeypatch.undo()
+    info = await edge.create(SPEC, "t")  # the node still starts sandboxes afterwards
+    assert (await run(edge, info.id, "echo ok")).strip() == "ok"
+    await edge.delete(info.id)

@@ -1,0 +1,120 @@
+"""The native launcher's input (backends/container/launcher.py): bundle.py's OCI config as
+records, read back the way launcher.c reads them; what it can not carry out is refused."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rollbox.backends.container import bundle
+from rollbox.backends.container.launcher import CAP_NUMBERS, launcher_error, spec_bytes
+from rollbox.errors import InfraError
+from rollbox.isolation import cgroups
+from rollbox.isolation.syscalls import MS_BIND, MS_NODEV, MS_NOEXEC, MS_NOSUID, MS_RDONLY
+from rollbox.models import Resources
+
+FIELDS = {"root": 1, "pidfile": 1, "netns": 1, "hostname": 1, "uid_map": 1, "gid_map": 1,
+          "cwd": 1, "propagation": 1, "oom_score_adj": 1, "no_new_privs": 0, "cgroup": 1,
+          "cgset": 2, "mount": 5, "device": 2, "symlink": 2, "masked": 1, "readonly": 1,
+          "rlimit": 3, "caps": 5, "arg": 1, "env": 1, "exec_fd": 1}
+
+
+def records(spec: bytes) -> list[tuple[str, ...]]:
+    """launcher.c's reader: an op, its fixed number of fields; seccomp: a length, raw bytes."""
+    out, pos = [], 0
+
+    def field() -> str:
+        nonlocal pos
+        end = spec.index(b"\0", pos)
+        value = spec[pos:end].decode()
+        pos = end + 1
+        return value
+
+    while pos < len(spec):
+        op = field()
+        if op == "seccomp":
+            n = int(field())
+            out.append((op, str(n)))
+            pos += n
+            continue
+        out.append((op, *(field() for _ in range(FIELDS[op]))))
+    return out
+
+
+def config(**kw) -> dict:  # noqa: ANN003
+    args = dict(sandbox_id="t-1", rootfs="/run/x/merged", host_uid=1 << 20,
+                netns_path="/run/netns/rollbox-t-1", cgroups_path="/rollbox/t-1",
+                resources=Resources(cpus=1, memory_mib=128, disk_mib=64), hostname="t-1")
+    args.update(kw)
+    return bundle.oci_config(**args)
+
+
+needs_hybrid = pytest.mark.skipif(cgroups.is_pure_v2(), reason="the launcher needs v1 controllers")
+
+
+@needs_hybrid
+def test_every_part_of_the_config_becomes_a_record() -> None:
+    recs = records(spec_bytes(config(), Path("/run/x/pid")))
+    ops = [r[0] for r in recs]
+    assert ("root", "/run/x/merged") in recs and ("netns", "/run/netns/rollbox-t-1") in recs
+    assert ("uid_map", f"0 {1 << 20} 65536\n") in recs
+    assert ("hostname", "t-1") in recs and ("no_new_privs",) in recs
+    # one cgroup per hierarchy, the limits in the controllers' own files
+    assert len([r for r in recs if r[0] == "cgroup"]) == len(cgroups.hierarchies())
+    sets = {Path(r[1]).name: r[2] for r in recs if r[0] == "cgset"}
+    assert sets["memory.limit_in_bytes"] == str(128 << 20)
+    assert sets["cpu.cfs_quota_us"] == "100000" and sets["pids.max"] == "1024"
+    assert [r[2] for r in recs if r[0] == "cgset" and r[1].endswith("devices.deny")] == ["a"]
+    # mounts in the config's order, options split into flags and data
+    mounts = [r for r in recs if r[0] == "mount"]
+    assert [m[1] for m in mounts[:2]] == ["/proc", "/dev"]
+    proc = mounts[0]
+    assert int(proc[4]) == MS_NOSUID | MS_NOEXEC | MS_NODEV and proc[5] == ""
+    assert mounts[1][5] == "mode=755,size=65536k"
+    assert ("masked", "/proc/kcore") in recs and ("readonly", "/proc/sys") in recs
+    caps = next(r for r in recs if r[0] == "caps")
+    want = sum(1 << CAP_NUMBERS[c] for c in bundle.CAPABILITIES)
+    assert [int(c) for c in caps[1:]] == [want, want, want, 0, 0]
+    assert ("arg", "/proc/self/fd/4") in recs and ("env", "HOME=/root") in recs
+    # seccomp last, a whole number of BPF instructions
+    assert ops[-1] == "seccomp" and int(recs[-1][1]) % 8 == 0 and int(recs[-1][1]) > 0
+
+
+@needs_hybrid
+def test_a_bind_becomes_a_bind_with_its_flags_and_the_twin_has_no_filter() -> None:
+    from rollbox.backends.container.cpuview import CpuView
+
+    view = CpuView(cpus=[0], root=Path("/run/x"))
+    recs = records(spec_bytes(config(cpu_view=view, hardened=False), Path("/run/x/pid")))
+    binds = [r for r in recs if r[0] == "mount" and r[1] == "/proc/cpuinfo"]
+    assert binds and int(binds[0][4]) == MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC | MS_NODEV
+    assert "seccomp" not in [r[0] for r in recs]
+    assert ("no_new_privs",) not in recs
+    caps = next(r for r in recs if r[0] == "caps")
+    assert int(caps[5]) == int(caps[1])  # ambient = every capability (the twin)
+
+
+@needs_hybrid
+@pytest.mark.parametrize("change", [
+    lambda c: c["linux"]["resources"].update(hugepageLimits=[{"pageSize": "2MB", "limit": 1}]),
+    lambda c: c["linux"]["resources"]["memory"].update(reservation=1),
+    lambda c: c["process"].update(terminal=True),
+    lambda c: c["linux"]["namespaces"].append({"type": "time"}),
+    lambda c: c["process"]["capabilities"]["bounding"].append("CAP_NOT_A_CAP"),
+    lambda c: c["mounts"].append({"destination": "/x", "type": "tmpfs", "source": "t",
+                                  "options": ["rshared"]}),
+    lambda c: c.update(hostname="a\0b"),
+])
+def test_what_the_launcher_can_not_carry_out_is_refused(change) -> None:  # noqa: ANN001
+    c = config()
+    change(c)
+    with pytest.raises(InfraError):
+        spec_bytes(c, Path("/run/x/pid"))
+
+
+def test_the_launchers_message_becomes_step_and_errno() -> None:
+    err = launcher_error(1, "rollbox-launcher: mount: bind /a at /b: No such file or directory "
+                            "(errno 2)\nrollbox-launcher: cleanup: cgroup /sys/fs/cgroup/x left\n")
+    assert err.details["step"] == "mount" and err.details["errno"] == 2
+    assert err.details["left"] == ["cgroup /sys/fs/cgroup/x left"]
+    assert launcher_error(1, "garbage").details["step"] == "unknown"
