@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rollbox.benchkit import (
-    emit, latency_ms, percentile, ratio, round_trips, rounded, run_cycles, say,
+    emit, latency_ms, percentile, ratio, record, round_trips, rounded, run_cycles, say,
     used_without_page_cache,
 )
 from rollbox.config import Settings
@@ -42,6 +42,7 @@ async def cycles(client: Any, image: str, n: int, conc: int) -> dict[str, Any]:
         return r.exit_code == 0
 
     res = await run_cycles(cycle, n, conc)
+    record(f"create_to_first_exec_c{conc}", first_exec)
     res["first_exec_p50_ms"] = percentile(first_exec, 50) * 1000
     return res
 
@@ -49,7 +50,7 @@ async def cycles(client: Any, image: str, n: int, conc: int) -> dict[str, Any]:
 async def exec_rtt(client: Any, image: str, n: int) -> dict[str, float]:
     async with await client.create(image, ttl_s=300) as sb:
         lat = await round_trips(lambda: sb.exec(["true"]), n)
-    return latency_ms(lat)
+    return latency_ms(lat, series="exec_round_trip")
 
 
 async def create_latency(client: Any, image: str, n: int) -> float:
@@ -128,7 +129,7 @@ async def podman_cycles(tag: str, n: int, conc: int) -> dict[str, Any]:
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
         return await p.wait() == 0
 
-    return await run_cycles(cycle, n, conc)
+    return await run_cycles(cycle, n, conc, series="podman_cycle")
 
 
 async def run(quick: bool, url: str, key: str) -> dict[str, Any]:

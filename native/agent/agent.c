@@ -86,7 +86,7 @@ enum { M_READY = 32, M_STARTED = 33, M_SPAWN_FAILED = 34, M_STDOUT = 35, M_STDER
 #define EXEC_CGROUP 2u
 #define EXEC_PLATFORM_SHELL 4u /* argv runs under the platform shell (exec'd from its fd) */
 #define EXEC_PLATFORM_TOOL 8u  /* argv[0] names a busybox applet of the platform's busybox, or
-                                  * XATTR_TOOL (built into the agent) */
+                                  * a tool built into the agent (XATTR_TOOL, ...) */
 /* With EXEC_PLATFORM_TOOL in guest mode: run in the sandbox's own root (where its commands run:
  * the host masks hidden paths there), not the tools' view. */
 #define EXEC_TOOL_IN_SANDBOX 16u
@@ -220,7 +220,7 @@ static char *rxbuf;   /* MAX_PACKET, lazily allocated */
 static int more_work; /* some pump stopped early; poll again without sleeping */
 static int shell_fd = -1; /* PLATFORM_SHELL_FD when the edge passed one */
 static int tool_fd = -1;  /* the platform's busybox: PLATFORM_TOOL_FD, or /platform/busybox */
-static int self_fd = -1;  /* this agent's own binary (XATTR_TOOL, WATCH_TOOL are exec'd from it) */
+static int self_fd = -1;  /* this agent's own binary (the built-in tools are exec'd from it) */
 /* Transport: stream framing (a SOCK_STREAM listener, or the guest's virtio port). */
 static int stream_mode, guest_mode, conn_is_port, port_et;
 enum { C_HUNT, C_LIVE } conn_state; /* stream: LIVE once a HELLO was seen */
@@ -1476,6 +1476,148 @@ static int watch_tool(int argc, char **argv)
     }
 }
 
+/* `rollbox-xattr get PATH...` and `rollbox-xattr set PATH NAME HEXVALUE...`, a platform tool
+ * built into the agent (exec'd from its own binary, like rollbox-xattrs): the user.* extended
+ * attributes of named files, for the file API of a sandbox whose files the host never touches
+ * (a microVM). Each PATH resolves where the tool runs, no magic link followed on the way and its
+ * last component never followed; it is looked at through O_PATH first, so no device or FIFO is
+ * ever opened, then opened for its attributes and checked to be the same inode. Only regular
+ * files and directories have attributes here (links and special files none, as in hostfs).
+ * get: for each PATH (argument i, from 0) up to XF_MAX_ATTRS of its user.* attributes (not
+ * user.overlay.*, the overlay's; names of at most XF_MAX_NAME bytes, values of at most
+ * XF_MAX_VALUE: the caps hostfs reads with), one record each: 'X', 'G', u32 i, u16 name length,
+ * u16 value length (little endian), the name, the value. A PATH that is missing or of another
+ * type has none; exit 0. set: PATH must be a regular file; each NAME (user.*, not user.overlay.*,
+ * at most XF_MAX_NAME bytes) gets the bytes HEXVALUE spells (at most XF_MAX_VALUE); the first
+ * failure ends it with exit 1 and a message naming the errno. The host parses the records as
+ * hostile and checks what it sets before it asks. */
+#define XATTR_FILE_TOOL "rollbox-xattr"
+#define XF_MAX_ATTRS 64
+#define XF_MAX_NAME 255
+#define XF_MAX_VALUE 4096
+
+static int xf_name_ok(const char *n)
+{
+    size_t l = strlen(n);
+    return l > 5 && l <= XF_MAX_NAME && strncmp(n, "user.", 5) == 0 &&
+           strncmp(n, "user.overlay.", 13) != 0;
+}
+
+/* PATH opened (read-only, non-blocking) for its attributes; -1 with errno when it is missing,
+ * changed meanwhile (EAGAIN), or neither a regular file nor (if `dirs`) a directory (EINVAL). */
+static int xf_open(const char *path, int dirs)
+{
+    struct watch_open_how how = {O_PATH | O_NOFOLLOW | O_CLOEXEC, 0, RESOLVE_NO_MAGICLINKS};
+    int pfd = (int)syscall(SYS_openat2, AT_FDCWD, path, &how, sizeof how);
+    if (pfd < 0)
+        return -1;
+    struct stat a, b;
+    int st_ok = fstat(pfd, &a) == 0;
+    close(pfd);
+    if (!st_ok)
+        return -1;
+    if (!(S_ISREG(a.st_mode) || (dirs && S_ISDIR(a.st_mode)))) {
+        errno = S_ISDIR(a.st_mode) ? EISDIR : EINVAL;
+        return -1;
+    }
+    how.flags = O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC |
+                (S_ISDIR(a.st_mode) ? O_DIRECTORY : 0);
+    int fd = (int)syscall(SYS_openat2, AT_FDCWD, path, &how, sizeof how);
+    if (fd < 0)
+        return -1;
+    if (fstat(fd, &b) < 0 || b.st_dev != a.st_dev || b.st_ino != a.st_ino) {
+        close(fd);
+        errno = EAGAIN;
+        return -1;
+    }
+    return fd;
+}
+
+static int xf_hex(int c)
+{
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+}
+
+static int xf_get(int n, char **paths)
+{
+    static char names[XATTR_LIST_MAX], value[XF_MAX_VALUE];
+    for (int i = 0; i < n; i++) {
+        int fd = xf_open(paths[i], 1);
+        if (fd < 0)
+            continue; /* missing, or no attributes here: none */
+        ssize_t len = flistxattr(fd, names, sizeof names);
+        int count = 0;
+        for (char *name = names; len > 0 && name < names + len && count < XF_MAX_ATTRS;
+             name += strlen(name) + 1) {
+            if (!xf_name_ok(name))
+                continue;
+            ssize_t v = fgetxattr(fd, name, value, sizeof value);
+            if (v < 0)
+                continue; /* removed meanwhile, or above the cap (ERANGE): not reported */
+            size_t nl = strlen(name);
+            uint32_t idx = (uint32_t)i;
+            unsigned char hdr[10] = {'X', 'G', idx & 0xff, (idx >> 8) & 0xff, (idx >> 16) & 0xff,
+                                     idx >> 24, nl & 0xff, nl >> 8, v & 0xff, (v >> 8) & 0xff};
+            if (write_all(1, hdr, sizeof hdr) < 0 || write_all(1, name, nl) < 0 ||
+                write_all(1, value, (size_t)v) < 0) {
+                fprintf(stderr, XATTR_FILE_TOOL ": write error: %s\n", strerror(errno));
+                close(fd);
+                return 1;
+            }
+            count++;
+        }
+        close(fd);
+    }
+    return 0;
+}
+
+static int xf_set(const char *path, int n, char **pairs)
+{
+    static unsigned char value[XF_MAX_VALUE];
+    if (n % 2) {
+        fprintf(stderr, "usage: " XATTR_FILE_TOOL " set PATH [NAME HEXVALUE]...\n");
+        return 2;
+    }
+    int fd = xf_open(path, 0);
+    if (fd < 0) {
+        fprintf(stderr, XATTR_FILE_TOOL ": can't open '%s': %s\n", path, strerror(errno));
+        return 1;
+    }
+    for (int i = 0; i < n; i += 2) {
+        const char *name = pairs[i], *hex = pairs[i + 1];
+        size_t hl = strlen(hex), vl = hl / 2;
+        int bad = !xf_name_ok(name) || hl % 2 || vl > sizeof value;
+        for (size_t j = 0; !bad && j < vl; j++) {
+            int hi = xf_hex(hex[2 * j]), lo = xf_hex(hex[2 * j + 1]);
+            bad = hi < 0 || lo < 0;
+            value[j] = (unsigned char)(hi << 4 | lo);
+        }
+        if (bad) {
+            fprintf(stderr, XATTR_FILE_TOOL ": bad attribute %d: %s\n", i / 2, strerror(EINVAL));
+            close(fd);
+            return 1;
+        }
+        if (fsetxattr(fd, name, value, vl, 0) < 0) {
+            fprintf(stderr, XATTR_FILE_TOOL ": can't set '%s' on '%s': %s\n", name, path,
+                    strerror(errno));
+            close(fd);
+            return 1;
+        }
+    }
+    close(fd);
+    return 0;
+}
+
+static int xattr_file_tool(int argc, char **argv)
+{
+    if (argc >= 2 && strcmp(argv[1], "get") == 0)
+        return xf_get(argc - 2, argv + 2);
+    if (argc >= 3 && strcmp(argv[1], "set") == 0)
+        return xf_set(argv[2], argc - 3, argv + 3);
+    fprintf(stderr, "usage: " XATTR_FILE_TOOL " get PATH... | set PATH [NAME HEXVALUE]...\n");
+    return 2;
+}
+
 /* Runs in the child: never returns. A step that fails leaves (step, errno) in `report`, in
  * the agent's memory (the child shares it until exec). */
 static void child_exec(volatile int32_t *report, int in_rd, int out_wr, int err_wr, int cgfd,
@@ -1584,7 +1726,8 @@ static void child_exec(volatile int32_t *report, int in_rd, int out_wr, int err_
          * replaced runs. The fd is close-on-exec (an ELF binary needs no path to it). The
          * platform's busybox picks its applet from argv[0], the agent its XATTR_TOOL. */
         int fd = (flags & EXEC_PLATFORM_SHELL) ? shell_fd
-                 : strcmp(argv[0], XATTR_TOOL) == 0 || strcmp(argv[0], WATCH_TOOL) == 0
+                 : strcmp(argv[0], XATTR_TOOL) == 0 || strcmp(argv[0], WATCH_TOOL) == 0 ||
+                           strcmp(argv[0], XATTR_FILE_TOOL) == 0
                      ? self_fd : tool_fd;
         if (fd < 0)
             errno = EBADF;
@@ -3567,6 +3710,8 @@ int main(int argc, char **argv)
         return xattr_tool(argc > 1 ? argv[1] : NULL);
     if (argc > 0 && strcmp(argv[0], WATCH_TOOL) == 0)
         return watch_tool(argc, argv);
+    if (argc > 0 && strcmp(argv[0], XATTR_FILE_TOOL) == 0)
+        return xattr_file_tool(argc, argv);
     /* First: nothing in the sandbox may ptrace us or open /proc/1/{fd,mem}. */
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     /* Started by a kernel (a microVM's /init): no listening socket, we build the root. */

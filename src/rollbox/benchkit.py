@@ -7,8 +7,9 @@ once (:class:`ProcCpu`, :class:`MachineCpu`); memory meters (MemAvailable, what 
 not explain, RSS, PSS, a cgroup's charge); timing of cycles run at a concurrency and of round
 trips; the ratio against a peer measured in the same run; finding processes; the output (one
 JSON object on the last line of ``--json``, floats rounded, no NaN); loading ``bench/NAME.py`` by
-path (how ``rollbox bench NAME`` runs it). The docs show tables, not plots, so there is no plot
-output.
+path (how ``rollbox bench NAME`` runs it); the record of one run (:class:`BenchRun`: the result
+:func:`emit` printed and the raw samples of every latency the run took, saved under
+``docs/bench-results/`` for ``benchplot`` to draw).
 
 Used by ``bench/*.py``, by the ``rollbox demo`` summaries and the ``rollbox bench`` command.
 Must not be imported by the product's runtime: the layer contract (pyproject.toml) puts it
@@ -18,15 +19,18 @@ root), and that only to load a benchmark.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import datetime as dt
 import importlib.util
 import json
 import math
 import os
 import resource
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from types import ModuleType
@@ -60,9 +64,13 @@ def percentile(xs: Iterable[float], p: float) -> float:
     return s[max(1, rank) - 1]
 
 
-def latency_ms(xs_s: Iterable[float], prefix: str = "") -> dict[str, float]:
-    """``{prefix}p50_ms`` and ``{prefix}p99_ms`` of samples in seconds."""
+def latency_ms(xs_s: Iterable[float], prefix: str = "", *, series: str | None = None
+               ) -> dict[str, float]:
+    """``{prefix}p50_ms`` and ``{prefix}p99_ms`` of samples in seconds; the samples are
+    recorded (:func:`record`) as ``series`` (default: ``prefix`` without its trailing ``_``, or
+    ``latency``)."""
     xs = list(xs_s)
+    record(series or prefix.rstrip("_") or "latency", xs)
     return {f"{prefix}p50_ms": percentile(xs, 50) * 1000,
             f"{prefix}p99_ms": percentile(xs, 99) * 1000}
 
@@ -79,11 +87,12 @@ def ratio(ours: float | None, peer: float | None) -> float | None:
 
 
 async def run_cycles(cycle: Callable[[], Awaitable[object]], n: int, conc: int, *,
-                     raise_errors: bool = False) -> dict[str, Any]:
+                     raise_errors: bool = False, series: str = "cycle") -> dict[str, Any]:
     """Run ``n`` cycles, at most ``conc`` at a time: ``n``, ``per_s`` (cycles that succeeded
     per second of the whole run's wall time), ``wall_s``, ``p50_ms``/``p99_ms`` over every cycle
     (failed ones too) and ``errors``. A cycle fails when it returns False or raises; the
-    exception is said and counted, or with ``raise_errors`` it ends the run."""
+    exception is said and counted, or with ``raise_errors`` it ends the run. The cycles' times
+    are recorded (:func:`record`) as ``{series}_c{conc}``."""
     sem = asyncio.Semaphore(conc)
     lat: list[float] = []
     errors = 0
@@ -106,7 +115,7 @@ async def run_cycles(cycle: Callable[[], Awaitable[object]], n: int, conc: int, 
     await asyncio.gather(*(one() for _ in range(n)))
     wall = time.monotonic() - t0
     return {"n": n, "per_s": (n - errors) / wall if wall else 0.0, "wall_s": wall,
-            **latency_ms(lat), "errors": errors}
+            **latency_ms(lat, series=f"{series}_c{conc}"), "errors": errors}
 
 
 async def round_trips(op: Callable[[], Awaitable[object]], n: int, warmup: int = 10
@@ -413,11 +422,111 @@ def rounded(x: Any, digits: int | None = 3) -> Any:
 
 def emit(res: Mapping[str, Any], json_out: bool, digits: int | None = 3) -> dict[str, Any]:
     """A benchmark's result, :func:`rounded`; with ``json_out`` printed as one JSON object on
-    one line, which must be the benchmark's last line of output."""
+    one line, which must be the benchmark's last line of output. The run being recorded
+    (:class:`BenchRun`) keeps it as its result."""
     out: dict[str, Any] = rounded(dict(res), digits)
+    run = _current_run.get()
+    if run is not None:
+        run.result = out
     if json_out:
         print(json.dumps(out), flush=True)
     return out
+
+
+# ---- the record of one run: result + raw samples (docs/bench-results) --------------------------
+
+RESULTS_DIR = "docs/bench-results"
+SAMPLES_KEEP = 20_000  # per series: a plot's CDF needs no more; bounds a soak's file
+
+
+@dataclass
+class BenchRun:
+    """One ``rollbox bench NAME`` run: what :func:`emit` printed and every series of raw
+    latency samples (milliseconds) that :func:`record` was given meanwhile. Active for the
+    ``with`` block (a context variable: code the run awaits or calls sees it; a benchmark's
+    child process does not, so only the parent's samples are kept)."""
+
+    bench: str
+    argv: list[str] = field(default_factory=list)
+    started: str = ""
+    finished: str = ""
+    result: dict[str, Any] | None = None
+    samples_ms: dict[str, list[float]] = field(default_factory=dict)
+    load_start: float = 0.0
+    _token: contextvars.Token[BenchRun | None] | None = None
+
+    def __enter__(self) -> Self:
+        self.started = _utc_now()
+        self.load_start = os.getloadavg()[0]
+        self._token = _current_run.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.finished = _utc_now()
+        if self._token is not None:
+            _current_run.reset(self._token)
+            self._token = None
+
+    def record(self, series: str, xs_s: Iterable[float]) -> None:
+        name, k = series, 2
+        while name in self.samples_ms:  # a series taken twice keeps both: name, name#2, ...
+            name, k = f"{series}#{k}", k + 1
+        xs = [x * 1000 for x in xs_s]
+        if len(xs) > SAMPLES_KEEP:  # evenly thinned, in order
+            step = len(xs) / SAMPLES_KEEP
+            xs = [xs[int(i * step)] for i in range(SAMPLES_KEEP)]
+        self.samples_ms[name] = rounded(xs, 4)
+
+    def document(self) -> dict[str, Any]:
+        """What is saved: ``{"bench", "started", "finished", "argv", "commit", "load_start",
+        "result", "samples_ms"}`` (``result`` is what ``--json`` printed)."""
+        return {"bench": self.bench, "started": self.started, "finished": self.finished,
+                "argv": self.argv, "commit": _git_commit(), "load_start": self.load_start,
+                "result": self.result, "samples_ms": self.samples_ms}
+
+    def save(self, results_dir: Path | None = None) -> Path:
+        """Write :meth:`document` as ``<results_dir>/<bench>-<started, UTC>.json`` (default
+        ``docs/bench-results`` of this checkout); returns the path."""
+        if self.result is None:
+            raise ValueError(f"benchmark {self.bench} emitted no result: nothing to save")
+        from rollbox.config import REPO_ROOT
+
+        out_dir = results_dir or REPO_ROOT / RESULTS_DIR
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stamp = self.started.replace("-", "").replace(":", "")[:13]  # 20261202T1418
+        path = out_dir / f"{self.bench}-{stamp}.json"
+        k = 2
+        while path.exists():
+            path, k = out_dir / f"{self.bench}-{stamp}-{k}.json", k + 1
+        path.write_text(json.dumps(self.document(), indent=None) + "\n")
+        return path
+
+
+_current_run: contextvars.ContextVar[BenchRun | None] = contextvars.ContextVar(
+    "rollbox_bench_run", default=None)
+
+
+def record(series: str, xs_s: Iterable[float]) -> None:
+    """Keep samples (seconds) of a latency as raw series ``series`` of the run being recorded,
+    if any (for its CDF plot); nothing otherwise."""
+    run = _current_run.get()
+    if run is not None:
+        run.record(series, xs_s)
+
+
+def _utc_now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _git_commit() -> str | None:
+    from rollbox.config import REPO_ROOT
+
+    try:
+        out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short=12", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
 
 
 # ---- loading a benchmark ----------------------------------------------------------------------

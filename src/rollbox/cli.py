@@ -2,10 +2,14 @@
 calls the component that owns the work (the operator's sandbox and key groups: operator_cli)."""
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
+import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -78,18 +82,28 @@ def config_cmd(as_json: bool = typer.Option(False, "--json", help="print as JSON
 
 @app.command()
 def demo(n: Optional[int] = typer.Option(None, "-n", help="episodes (swe: 32 concurrent; "  # noqa: UP007
-                                         "browser: 2, one at a time)"),
+                                         "browser, desktop: 2, one at a time)"),
          url: Optional[str] = typer.Option(None, help="an already running server"),  # noqa: UP007
-         task: str = typer.Option("swe", "--task", help="swe | browser (MiniWoB++ in chromium)"),
+         task: str = typer.Option("swe", "--task", help="swe | browser (MiniWoB++ in chromium) "
+                                  "| desktop (the desktop:1 VM's text editor, --backend vm)"),
          backend: str = typer.Option("container", "--backend",
-                                     help="browser task: container | microvm"),
+                                     help="browser task: container | microvm; desktop: vm"),
          miniwob: str = typer.Option("click-button", "--miniwob",
                                      help="browser task: click-button | click-test"),
-         out: Optional[Path] = typer.Option(None, "--out", help="browser task: screenshots dir"),  # noqa: UP007
+         out: Optional[Path] = typer.Option(None, "--out", help="browser and desktop tasks: "  # noqa: UP007
+                                            "screenshots dir"),
          json_out: bool = typer.Option(False, "--json")) -> None:
     """The main job: N concurrent SWE-style episodes with grading in fresh sandboxes; or
-    (--task browser) MiniWoB++ episodes driven by input events, graded by replay."""
-    if task == "browser":
+    (--task browser) MiniWoB++ episodes driven by input events, graded by replay; or (--task
+    desktop --backend vm) a desktop VM's editor driven by mouse and keyboard, graded by
+    replaying the recorded input in a fresh VM."""
+    if task == "desktop":
+        if backend != "vm":
+            raise typer.BadParameter("the desktop task runs on full VMs: --backend vm")
+        from rollbox.desktop.episode import run_desktop_demo
+
+        summary = run_desktop_demo(n=n or 2, url=url, out_dir=out)
+    elif task == "browser":
         from rollbox.browser.episode import TASKS, run_browser_demo
 
         if miniwob not in TASKS:
@@ -99,12 +113,12 @@ def demo(n: Optional[int] = typer.Option(None, "-n", help="episodes (swe: 32 con
     elif task == "swe":
         if backend != "container":
             raise typer.BadParameter("the swe demo runs on containers; --backend is for "
-                                     "--task browser")
+                                     "--task browser and desktop")
         from rollbox.demo import run_demo
 
         summary = run_demo(n=n or 32, url=url)
     else:
-        raise typer.BadParameter("--task: swe or browser")
+        raise typer.BadParameter("--task: swe, browser or desktop")
     if json_out:
         typer.echo(json.dumps(summary))
     if summary.get("errors"):
@@ -121,7 +135,78 @@ def _load_bench(name: str):  # noqa: ANN202
         raise typer.Exit(2) from None
 
 
-@bench_app.command("netpolicy")
+def bench_command(name: str, group: typer.Typer = bench_app
+                  ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``@bench_app.command(name)`` plus the options every benchmark has: ``--plot FILE`` (the
+    run's figures as a PNG, drawn by ``benchplot``) and ``--save`` (the result and the raw
+    samples as ``docs/bench-results/NAME-STAMP.json``, what ``rollbox bench plot`` redraws).
+    The run is recorded by ``benchkit.BenchRun`` around the command's body."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(fn)
+        extra = [
+            inspect.Parameter("plot", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],  # noqa: UP007
+                              default=typer.Option(None, "--plot", help="write the run's "
+                                                   "figures as a PNG to this file")),
+            inspect.Parameter("save", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+                              default=typer.Option(False, "--save", help="save result + raw "
+                                                   "samples under docs/bench-results")),
+        ]
+
+        @functools.wraps(fn)
+        def run(*args: Any, plot: Optional[Path] = None, save: bool = False,  # noqa: UP007
+                **kwargs: Any) -> Any:
+            from rollbox import benchplot
+            from rollbox.benchkit import BenchRun
+
+            with BenchRun(name, argv=["rollbox", *sys.argv[1:]]) as rec:
+                out = fn(*args, **kwargs)
+            if (plot or save) and rec.result is None:
+                typer.echo(f"benchmark {name} emitted no result: nothing to plot or save",
+                           err=True)
+                raise typer.Exit(1)
+            saved = rec.save() if save else None
+            if saved is not None:
+                typer.echo(f"saved {saved}", err=True)
+            if plot is not None:
+                try:
+                    benchplot.plot(benchplot.from_document(rec.document(), plot, name,
+                                                           rec.started), plot)
+                except benchplot.ResultError as exc:
+                    typer.echo(str(exc), err=True)
+                    raise typer.Exit(1) from None
+                typer.echo(f"plot {plot}", err=True)
+            return out
+
+        run.__signature__ = sig.replace(  # type: ignore[attr-defined]
+            parameters=[*sig.parameters.values(), *extra])
+        return group.command(name)(run)
+
+    return deco
+
+
+@bench_app.command("plot")
+def bench_plot(results: Optional[Path] = typer.Option(  # noqa: UP007
+                   None, "--results", help="saved results (default docs/bench-results)"),
+               out: Optional[Path] = typer.Option(  # noqa: UP007
+                   None, "--out", help="where the PNGs go (default docs/bench-plots)")) -> None:
+    """Redraw every benchmark's plot from its newest saved result (nothing is rerun)."""
+    from rollbox import benchplot
+
+    d_results, d_out = benchplot.default_dirs()
+    try:
+        drawn = benchplot.redraw_all(results or d_results, out or d_out)
+    except benchplot.ResultError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+    for name, png in drawn.items():
+        typer.echo(f"{name}: {png}")
+    if not drawn:
+        typer.echo("no saved result had anything to draw", err=True)
+        raise typer.Exit(1)
+
+
+@bench_command("netpolicy")
 def bench_netpolicy(quick: bool = typer.Option(False, "--quick"),
                     json_out: bool = typer.Option(False, "--json")) -> None:
     """set_network on a live sandbox: time until a new connect succeeds / an open one is cut."""
@@ -129,7 +214,7 @@ def bench_netpolicy(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out)
 
 
-@bench_app.command("ports")
+@bench_command("ports")
 def bench_ports(quick: bool = typer.Option(False, "--quick"),
                 json_out: bool = typer.Option(False, "--json")) -> None:
     """The port proxy vs a direct connection to the same service in a sandbox: p50, the
@@ -138,7 +223,7 @@ def bench_ports(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out)
 
 
-@bench_app.command("fncall")
+@bench_command("fncall")
 def bench_fncall(quick: bool = typer.Option(False, "--quick"),
                  json_out: bool = typer.Option(False, "--json")) -> None:
     """Warm-pool stateless calls (print(1), a HumanEval problem) at c1/c8/c64; a fresh
@@ -147,7 +232,7 @@ def bench_fncall(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out)
 
 
-@bench_app.command("container")
+@bench_command("container")
 def bench_container(quick: bool = typer.Option(False, "--quick"),
                     json_out: bool = typer.Option(False, "--json")) -> None:
     """create->exec->destroy at c1/c8/c32, exec round trip, idle density; podman as peer."""
@@ -155,7 +240,7 @@ def bench_container(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out)
 
 
-@bench_app.command("images")
+@bench_command("images")
 def bench_images(quick: bool = typer.Option(False, "--quick"),
                  json_out: bool = typer.Option(False, "--json")) -> None:
     """Lazy loading vs full pull: 16 sandboxes from a cold node over loopback S3 (2 ms)."""
@@ -165,7 +250,7 @@ def bench_images(quick: bool = typer.Option(False, "--quick"),
         raise typer.Exit(1)
 
 
-@bench_app.command("files")
+@bench_command("files")
 def bench_files(quick: bool = typer.Option(False, "--quick"),
                 json_out: bool = typer.Option(False, "--json"),
                 backend: str = typer.Option("container", "--backend")) -> None:
@@ -176,7 +261,7 @@ def bench_files(quick: bool = typer.Option(False, "--quick"),
         raise typer.Exit(1)
 
 
-@bench_app.command("compat")
+@bench_command("compat")
 def bench_compat(quick: bool = typer.Option(False, "--quick"),
                  json_out: bool = typer.Option(False, "--json"),
                  url: Optional[str] = typer.Option(None, help="running server (default: start one)"),  # noqa: UP007
@@ -186,7 +271,7 @@ def bench_compat(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out, url=url, n=n)
 
 
-@bench_app.command("disk")
+@bench_command("disk")
 def bench_disk(quick: bool = typer.Option(False, "--quick"),
                json_out: bool = typer.Option(False, "--json")) -> None:
     """Disk tier (btrfs subvolume + qgroup) vs memory tier (tmpfs) of the writable layer:
@@ -195,7 +280,7 @@ def bench_disk(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out)
 
 
-@bench_app.command("fork")
+@bench_command("fork")
 def bench_fork(quick: bool = typer.Option(False, "--quick"),
                json_out: bool = typer.Option(False, "--json")) -> None:
     """Fork of a sandbox with a 500 MB writable layer (n = 1, 8, 32: all children answering
@@ -205,7 +290,7 @@ def bench_fork(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out)
 
 
-@bench_app.command("microvm")
+@bench_command("microvm")
 def bench_microvm(quick: bool = typer.Option(False, "--quick"),
                   json_out: bool = typer.Option(False, "--json"),
                   only: str = typer.Option("", "--only", help="comma-separated phases: "
@@ -217,7 +302,20 @@ def bench_microvm(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out, only=mod.parse_only(only))
 
 
-@bench_app.command("cluster-control")
+@bench_command("vm")
+def bench_vm(quick: bool = typer.Option(False, "--quick"),
+             json_out: bool = typer.Option(False, "--json"),
+             only: str = typer.Option("", "--only", help="comma-separated phases: ready,exec,"
+                                      "screenshot,input,input_to_screen,pause,idle,plain "
+                                      "(default: all)")) -> None:
+    """Full VMs (backend vm): create -> ready, exec, screenshot, input and input-to-screen,
+    pause/resume, idle memory; a plain QEMU boot of the same machine and microVM creates as
+    peers."""
+    mod = _load_bench("vm")
+    mod.main(quick=quick, json_out=json_out, only=mod.parse_only(only))
+
+
+@bench_command("cluster-control")
 def bench_cluster_control(quick: bool = typer.Option(False, "--quick"),
                           json_out: bool = typer.Option(False, "--json")) -> None:
     """A cluster's api -> edge control calls: HTTP (RemoteEdge) vs a Ray actor call, for
@@ -226,7 +324,7 @@ def bench_cluster_control(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out)
 
 
-@bench_app.command("cluster")
+@bench_command("cluster")
 def bench_cluster(quick: bool = typer.Option(False, "--quick"),
                   json_out: bool = typer.Option(False, "--json"),
                   assembled: bool = typer.Option(
@@ -239,7 +337,7 @@ def bench_cluster(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out, topology="assembled" if assembled else "ray")
 
 
-@bench_app.command("remote_edge")
+@bench_command("remote_edge")
 def bench_remote_edge(quick: bool = typer.Option(False, "--quick"),
                       json_out: bool = typer.Option(False, "--json")) -> None:
     """The api over a local edge vs over a RemoteEdge to it served over HTTP (edge.service):
@@ -248,7 +346,7 @@ def bench_remote_edge(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out)
 
 
-@bench_app.command("rl")
+@bench_command("rl")
 def bench_rl(quick: bool = typer.Option(False, "--quick"),
              json_out: bool = typer.Option(False, "--json"),
              phases: str = typer.Option("grpo,many,write,restart,files",
@@ -260,7 +358,7 @@ def bench_rl(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out, phases=opts.phases)
 
 
-@bench_app.command("placement")
+@bench_command("placement")
 def bench_placement(quick: bool = typer.Option(False, "--quick"),
                     json_out: bool = typer.Option(False, "--json")) -> None:
     """Placement decisions on 160 simulated nodes (DSec-like load, lifetimes compressed 10x):
@@ -269,7 +367,7 @@ def bench_placement(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out)
 
 
-@bench_app.command("ledger")
+@bench_command("ledger")
 def bench_ledger(quick: bool = typer.Option(False, "--quick"),
                  json_out: bool = typer.Option(False, "--json")) -> None:
     """The quota ledger's reserve + commit + release per sandbox on SQLite and a real

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import socket
@@ -23,6 +22,7 @@ from rollbox.config import Settings
 from rollbox.edge.edge import Edge, Limits
 from rollbox.events.store import EventLog
 from rollbox.iam import SQLiteIam, SQLiteLedger
+from rollbox.isolation import syscalls
 from rollbox.jobs import SqliteLeaseStore
 from rollbox.placement import Placement, PlacementConfig
 from rollbox.placement.registry import EdgeRegistry
@@ -30,7 +30,6 @@ from rollbox.watcher import Watcher
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 7420
-PR_SET_CHILD_SUBREAPER = 36
 
 
 class EmbeddedNode:
@@ -155,7 +154,7 @@ class ChildProcess:
         """Before starting the child: the agents of a killed child's sandboxes become this
         process's children (not init's, which on some hosts never reaps), so they can be
         reaped (:func:`reap_sandbox_orphans`) once a later child kills them."""
-        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        syscalls.become_subreaper()
 
     def kill(self) -> None:
         """SIGKILL: no shutdown of any kind (its sandboxes and commands keep running)."""

@@ -137,17 +137,25 @@ def check_xattrs(xattrs: object) -> dict[str, str]:
     return dict(xattrs)
 
 
+def xattr_write_error(err: int | None, path: str) -> errors.BadRequest | None:
+    """The client's error when setting a checked attribute on ``path`` failed with errno
+    ``err`` because of the sandbox's filesystem (None: any other failure). Both file APIs."""
+    if err in (errno.ENOTSUP, errno.EOPNOTSUPP):
+        return errors.BadRequest(f"the sandbox's filesystem stores no extended attributes: "
+                                 f"{path}", path=path)
+    if err in (errno.E2BIG, errno.ENOSPC, errno.ERANGE):
+        return errors.BadRequest(f"extended attributes too large for {path}", path=path)
+    return None
+
+
 def _set_xattrs(fd: int, xattrs: dict[str, str], path: str) -> None:
     for name, value in xattrs.items():
         try:
             os.setxattr(fd, name, value.encode("utf-8", "surrogateescape"))
         except OSError as exc:
-            if exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
-                raise errors.BadRequest(f"the sandbox's filesystem stores no extended "
-                                        f"attributes: {path}", path=path) from None
-            if exc.errno in (errno.E2BIG, errno.ENOSPC, errno.ERANGE):
-                raise errors.BadRequest(f"extended attributes too large for {path}",
-                                        path=path) from None
+            mapped = xattr_write_error(exc.errno, path)
+            if mapped is not None:
+                raise mapped from None
             raise
 
 

@@ -371,7 +371,10 @@ class PortAccess(BaseModel):
 
 class SnapshotSpec(BaseModel):
     """Turn a sandbox's writable layer (scrubbed) into a new layer and tag ``name`` = the
-    sandbox's layers + that layer (``pack_diff``; see docs/images.md)."""
+    sandbox's layers + that layer (``pack_diff``; see docs/images.md). A "vm" sandbox's
+    snapshot is its machine instead (disk + memory, nothing scrubbed: ``exclude`` and
+    ``push`` are refused, ``scrub``, ``keep_git_history``, ``max_entries`` do not apply,
+    ``pause`` is always on)."""
     model_config = ConfigDict(extra="forbid")
     name: str = Field(..., min_length=1, max_length=200, description="image name to tag")
     exclude: list[str] = Field(default_factory=list, max_length=256,
@@ -407,9 +410,15 @@ class GitRepoFacts(BaseModel):
 class SnapshotResult(BaseModel):
     sandbox_id: str
     image: str  # the new image's name: create a sandbox from it
-    layer: str  # digest of the new layer
+    # "layer": the writable layer became ``layer`` (container, microvm sandboxes: any layered
+    # backend creates from the image). "machine": a "vm" sandbox's disk + memory, kept on its
+    # node; the image restores as "vm" sandboxes only (same resources and network presence),
+    # ``layer`` is None and ``layers`` the source's. (docs/backends/vm.md, Snapshot)
+    kind: Literal["layer", "machine"] = "layer"
+    layer: str | None  # digest of the new layer (None: a machine snapshot)
     layers: list[str]  # the full image: the sandbox's layers (lowest first) + the new one
-    size: int  # bytes of the new layer file
+    size: int  # bytes of the new layer file (a machine snapshot: its state + disk as saved)
+    memory_bytes: int = 0  # a machine snapshot: bytes of the saved state (devices and RAM)
     files: int  # entries captured (whiteouts included)
     content_bytes: int  # bytes of regular files captured
     whiteouts: int

@@ -61,3 +61,19 @@ async def e2b_node(project: str, port_domain: str | None = None
         keys.close()
         shutil.rmtree(tmp, ignore_errors=True)
         assert not {k: v for k, v in leaks.items() if v}, leaks
+
+
+async def microvm_sandbox(edge: Any, project: str) -> Any:
+    """A small busybox:test microVM sandbox on ``edge`` (the test is skipped when the node
+    offers none); the caller deletes it."""
+    import pytest
+
+    from rollbox.models import Resources, SandboxSpec
+
+    cap = (await edge.capacity())["backends"]["microvm"]
+    if not cap["offered"]:
+        pytest.skip(f"this node offers no microVMs: {cap['reason']}")
+    sb = await edge.create(SandboxSpec(image="busybox:test", backend="microvm", resources=Resources(
+        cpus=1, memory_mib=256, disk_mib=64)), project)
+    assert sb.backend == "microvm"
+    return sb

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import re
 import tarfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -17,8 +18,8 @@ import pytest
 
 from rollbox import errors
 from rollbox.agent import protocol as P
-from rollbox.agent.files import AgentFiles
-from rollbox.agent.tools import HIGH_WATER, PlatformTools
+from rollbox.agent.files import XATTR_FILE_TOOL, AgentFiles
+from rollbox.agent.tools import HIGH_WATER, PlatformTools, tool_request
 from rollbox.models import ExecSpec, Resources, SandboxSpec
 from tests.redteam.test_file_paths import make_tar, once
 from tests.redteam.test_file_paths import member as redteam_member
@@ -34,6 +35,15 @@ def image_busybox(argv: list[str], stdin: bool, timeout_ms: int, stream_limit: i
                          tail_limit=0, platform_shell=True)
 
 
+def image_busybox_or_agent(argv: list[str], stdin: bool, timeout_ms: int, stream_limit: int
+                           ) -> P.ExecRequest:
+    """image_busybox, but a tool built into the agent (``rollbox-xattr``) runs as on a
+    microVM: EXEC_PLATFORM_TOOL, exec'd from the agent's own binary (fd 4 in a container)."""
+    if argv[0] == XATTR_FILE_TOOL:
+        return tool_request(argv, stdin, timeout_ms, stream_limit)
+    return image_busybox(argv, stdin, timeout_ms, stream_limit)
+
+
 @dataclass
 class Box:
     """One sandbox under test: its agent-based files and a shell of the sandbox."""
@@ -42,11 +52,12 @@ class Box:
     sh: Callable[[str], Awaitable[str]]
 
 
-@pytest.fixture
-async def box(edge) -> AsyncIterator[Box]:  # noqa: ANN001
+@pytest.fixture(params=[image_busybox])
+async def box(edge, request: pytest.FixtureRequest) -> AsyncIterator[Box]:  # noqa: ANN001
+    """``request.param``: how a tool is run (indirect parametrize to change it)."""
     info = await edge.create(SandboxSpec(image=BB, resources=Resources(disk_mib=64)), "t")
     live = edge._live(info.id)
-    tools = PlatformTools(lambda: live.box.channel, request=image_busybox)
+    tools = PlatformTools(lambda: live.box.channel, request=request.param)
 
     async def sh(cmd: str) -> str:
         r = await edge.exec_wait(info.id, await edge.exec_start(info.id, ExecSpec(cmd=cmd)))
@@ -74,6 +85,57 @@ async def test_streams(box: Box) -> None:
 
 async def test_tar(box: Box) -> None:
     await check_tar_round_trip_and_hostile_members(box)
+
+
+@pytest.mark.parametrize("box", [image_busybox_or_agent], indirect=True)
+async def test_xattrs(box: Box) -> None:
+    await check_xattrs(box)
+
+
+async def test_xattrs_with_an_agent_before_the_tool(box: Box) -> None:
+    """No ``rollbox-xattr`` (busybox answers 127 for it, as an older agent does): a write with
+    attributes is NotSupported and leaves nothing; stat and list work, with none."""
+    with pytest.raises(errors.NotSupported):
+        await box.files.write_stream("/o/a", once(b"x"), xattrs={"user.e2b.k": "v"})
+    assert await box.files.list("/o") == []  # the parent was made; no file, no temp file
+    await box.files.write_stream("/o/b", once(b"x"))
+    assert (await box.files.stat("/o/b")).xattrs is None
+    assert [f.xattrs for f in await box.files.list("/o")] == [None]
+
+
+async def check_xattrs(box: Box) -> None:
+    """user.* extended attributes through the agent's ``rollbox-xattr`` (a microVM's file
+    metadata): set by a streamed write on its temp file before it appears, read back by stat
+    and list (links and special files have none, a FIFO is never opened), gone after an
+    overwrite without them; bad ones refused before anything is written; a file the sandbox
+    gave more attributes than the cap shows the cap's worth."""
+    attrs = {"user.e2b.author": "mish", "user.x": "caf\u00e9", "user.empty": ""}
+    assert await box.files.write_stream("/m/a.txt", once(b"hello"), mode=0o600,
+                                        xattrs=attrs) == 5
+    a = await box.files.stat("/m/a.txt")
+    assert (a.xattrs, a.mode, await box.files.read("/m/a.txt")) == (attrs, 0o600, b"hello")
+    await box.sh("ln -s a.txt /m/l; ln -s /m /ml; mkfifo /m/ff")
+    await box.files.write_stream("/ml/b", once(b"b"), xattrs={"user.k": "v"})  # in-root link
+    listed = {f.name: f.xattrs for f in await asyncio.wait_for(box.files.list("/m"), 60)}
+    assert listed == {"a.txt": attrs, "b": {"user.k": "v"}, "ff": None, "l": None}
+    assert (await box.files.stat("/m/l")).xattrs is None  # the link's own: not followed
+    await box.files.write_stream("/m/a.txt", once(b"again"))  # replaced: the new file's none
+    assert (await box.files.stat("/m/a.txt")).xattrs is None
+    for bad in ({"trusted.x": "1"}, {"user.overlay.opaque": "y"}, {"user.big": "v" * 5000},
+                {f"user.n{i}": "v" for i in range(65)}, {"user.a\0b": "1"}):
+        with pytest.raises(errors.BadRequest):
+            await box.files.write_stream("/m/bad", once(b"x"), xattrs=bad)
+    assert {f.name for f in await box.files.list("/m")} == {"a.txt", "b", "ff", "l"}
+    # planted past the cap (as the sandbox's root can): stat holds the first 64. A small
+    # filesystem (the microVM's, 1 KiB blocks) stores fewer: then all of those it took.
+    pairs = [a for i in range(70) for a in (f"user.p{i}", b"v".hex())]
+    res = await box.files.tools.run([XATTR_FILE_TOOL, "set", "/m/b", *pairs])
+    full = re.search(rb"can't set 'user\.p(\d+)' on '/m/b': No space left on device", res.stderr)
+    assert res.ok or full, res
+    planted = 1 + (70 if res.ok else int(full.group(1)))  # user.k too
+    assert len((await box.files.stat("/m/b")).xattrs or {}) == min(64, planted)
+    for p in ("/m", "/ml"):
+        await box.files.remove(p, recursive=True)
 
 
 async def check_write_read_stat_list_mkdir_remove(box: Box) -> None:

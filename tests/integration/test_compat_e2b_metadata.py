@@ -2,7 +2,9 @@
 ``X-Metadata-*`` headers, rollbox stores them as the file's ``user.e2b.*`` extended attributes
 on the sandbox's writable layer (hostfs, in-root, set before the file appears), and stat, list,
 rename and watch entries carry them back; they survive fork and snapshot; a sandbox's own
-``setxattr`` shows too. Bad keys and values are typed 400s, nothing written.
+``setxattr`` shows too. Bad keys and values are typed 400s, nothing written. On a microVM the
+same attributes go through the agent's ``rollbox-xattr`` in the guest (the edge calls envd
+makes, as E2B's front door creates no microVMs).
 """
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ import httpx
 import pytest
 import pytest_asyncio
 
+from rollbox.compat.e2b import envd
+from rollbox.models import ExecSpec
 from tests.conftest import have_image
-from tests.helpers.e2b_node import e2b_node
+from tests.helpers.e2b_node import e2b_node, microvm_sandbox
 
 e2b = pytest.importorskip("e2b")
 
@@ -103,3 +107,35 @@ async def test_metadata_round_trip_fork_snapshot(env: tuple[str, str, Any]) -> N
         for img in await edge.image_list(None):
             if img.name.startswith("e2b-meta/e2b-snap-"):
                 await edge.image_delete(img.name, None)
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+@pytest.mark.skipif(not have_image("busybox:test"), reason="busybox:test not built")
+async def test_metadata_on_a_microvm(env: tuple[str, str, Any]) -> None:
+    url, key, edge = env
+    sb = await microvm_sandbox(edge, "e2b-meta")
+    try:
+        meta = {"user.e2b.author": "mish", "user.e2b.purpose": "up"}
+        want = {"author": "mish", "purpose": "up"}
+        await edge.file_write_stream(sb.id, "/d/m.txt", _once(b"x"), 0o644, 1 << 20,
+                                     xattrs=meta)
+        assert envd.metadata_of_stat(await edge.file_stat(sb.id, "/d/m.txt")) == want
+        assert [envd.metadata_of_stat(f) for f in await edge.file_list(sb.id, "/d")] == [want]
+        # rename as envd's Move does it (mv in the sandbox): the attributes are the file's
+        r = await edge.exec_wait(sb.id, await edge.exec_start(
+            sb.id, ExecSpec(cmd=["mv", "-f", "--", "/d/m.txt", "/d/n.txt"])))
+        assert r.exit_code == 0, r
+        entry = envd.entry_info(await edge.file_stat(sb.id, "/d/n.txt"), "/d/n.txt")
+        assert entry["metadata"] == want
+        # a watch event's entry (include_entry)
+        (ev,) = await envd.with_entries(edge, sb.id, "/d", [
+            {"type": "EVENT_TYPE_CREATE", "name": "n.txt"}])
+        assert ev["entry"]["metadata"] == want
+        # overwritten without metadata: none
+        await edge.file_write_stream(sb.id, "/d/n.txt", _once(b"y"), 0o644, 1 << 20)
+        assert envd.metadata_of_stat(await edge.file_stat(sb.id, "/d/n.txt")) is None
+    finally:
+        await edge.delete(sb.id)

@@ -9,6 +9,7 @@ bounded; and the same tool on a microVM, through the edge.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,9 +21,9 @@ import pytest_asyncio
 from rollbox import errors
 from rollbox.compat.e2b import connectrpc as rpc
 from rollbox.compat.e2b import watch as W
-from rollbox.models import ExecSpec, Resources, SandboxSpec
+from rollbox.models import ExecSpec, SandboxSpec
 from tests.conftest import have_image
-from tests.helpers.e2b_node import e2b_node
+from tests.helpers.e2b_node import e2b_node, microvm_sandbox
 
 e2b = pytest.importorskip("e2b")
 
@@ -157,15 +158,55 @@ async def test_tool_resolves_in_the_sandbox_and_queue_is_bounded(
         host_dir.rmdir()
 
 
+async def test_sync_watchers_go_with_their_sandbox(env: tuple[str, str, Any]) -> None:
+    """envd's table of sync watchers (CreateWatcher): a deleted sandbox's watchers go from it
+    at once, not when the caps push them out; another sandbox's stay, and so does a watcher
+    whose tool ended (its directory moved away) while its sandbox runs."""
+    url, key, edge = env
+    table = W.SyncWatchers(lambda sid: edge)
+    a = await edge.create(SandboxSpec(image="debian:bookworm"), "e2b-watch")
+    b = await edge.create(SandboxSpec(image="debian:bookworm"), "e2b-watch")
+    try:
+        async def sh(sid: str, cmd: str) -> None:
+            r = await edge.exec_wait(sid, await edge.exec_start(sid, ExecSpec(cmd=cmd)))
+            assert r.exit_code == 0, r
+
+        async def watch(sid: str, path: str) -> str:
+            return await table.add(W.InotifyWatch(sid, path, False, False, table.ended), edge)
+
+        await sh(a.id, "mkdir /tmp/x /tmp/y")
+        await sh(b.id, "mkdir /tmp/x /tmp/y")
+        of_a = {await watch(a.id, "/tmp/x"), await watch(a.id, "/tmp/y")}
+        of_b = {await watch(b.id, "/tmp/x"), await watch(b.id, "/tmp/y")}
+        assert set(table.ids_of(a.id)) == of_a and set(table.ids_of(b.id)) == of_b
+        # the control: b's /tmp/y moves away; its watch's tool ends, b runs: the watcher stays
+        y = next(wid for wid in of_b if table.get(b.id, wid).path == "/tmp/y")
+        await sh(b.id, "mv /tmp/y /tmp/z")
+        async with asyncio.timeout(10):
+            async for _ in table.get(b.id, y).stream():
+                pass
+        await asyncio.sleep(0.5)  # the table's check of b has run by now
+        assert set(table.ids_of(b.id)) == of_b
+        # a deleted: both its watchers leave the table (a's tools ended with it)
+        await edge.delete(a.id)
+        async with asyncio.timeout(30):
+            while table.ids_of(a.id):
+                await asyncio.sleep(0.05)
+        assert set(table.ids_of(b.id)) == of_b
+        with pytest.raises(rpc.ConnectError, match="not found"):
+            table.get(a.id, next(iter(of_a)))
+    finally:
+        for sid in (a.id, b.id):
+            for wid in table.ids_of(sid):
+                await table.remove(wid)
+            with contextlib.suppress(errors.NotFound):
+                await edge.delete(sid)
+
+
 @pytest.mark.skipif(not have_image("busybox:test"), reason="busybox:test not built")
 async def test_watch_tool_on_a_microvm(env: tuple[str, str, Any]) -> None:
     url, key, edge = env
-    cap = (await edge.capacity())["backends"]["microvm"]
-    if not cap["offered"]:
-        pytest.skip(f"this node offers no microVMs: {cap['reason']}")
-    sb = await edge.create(SandboxSpec(image="busybox:test", backend="microvm", resources=Resources(
-        cpus=1, memory_mib=256, disk_mib=64)), "e2b-watch")
-    assert sb.backend == "microvm"
+    sb = await microvm_sandbox(edge, "e2b-watch")
     try:
         async def sh(cmd: str) -> None:
             r = await edge.exec_wait(sb.id, await edge.exec_start(sb.id, ExecSpec(cmd=cmd)))

@@ -102,6 +102,11 @@ async def test_tar(box: checks.Box) -> None:
     await checks.check_tar_round_trip_and_hostile_members(box)
 
 
+async def test_xattrs(box: checks.Box) -> None:
+    """The agent's rollbox-xattr in the guest: the file metadata E2B's front door stores."""
+    await checks.check_xattrs(box)
+
+
 async def test_hidden_paths(box: checks.Box) -> None:
     """Masked for the sandbox's commands, reached by the file API (the tools' view)."""
     await box.files.write("/srv/tests/test_x.py", b"secret")

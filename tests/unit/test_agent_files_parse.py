@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import struct
 import tarfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rollbox import errors
-from rollbox.agent.files import _filestat, _records, _TarRewrite, _transformed
+from rollbox.agent.files import _filestat, _records, _TarRewrite, _transformed, parse_xattrs
 from tests.unit.test_snapshot_tar import gnu_sparse_tar
 
 
@@ -35,6 +36,39 @@ def test_stat_records_match_names_and_reject_garbage() -> None:
         _records(f"{n} 81a4 5 0 0 1 /a\n{n} 81a4 5 0 0 1 /a\n".encode(), n, 1)
     big = _filestat("/u", ["81a4", "1", "70000", "4294967295", "0"], "/u")
     assert big is not None and (big.uid, big.gid) == (65534, 65534)  # out of range ids
+
+
+def xg(idx: int, name: bytes, value: bytes, nl: int | None = None,
+       vl: int | None = None) -> bytes:
+    """One ``rollbox-xattr get`` record (lengths forged when given)."""
+    return (struct.pack("<2sIHH", b"XG", idx, len(name) if nl is None else nl,
+                        len(value) if vl is None else vl) + name + value)
+
+
+def test_xattr_records_match_paths_and_hold_the_caps() -> None:
+    out = xg(0, b"user.e2b.a", b"1") + xg(2, b"user.x", b"caf\xc3\xa9") + xg(0, b"user.b", b"")
+    assert parse_xattrs(out, 3) == [{"user.e2b.a": "1", "user.b": ""}, None,
+                                    {"user.x": "caf\u00e9"}]
+    assert parse_xattrs(b"", 2) == [None, None]
+    assert parse_xattrs(xg(0, b"user.v", b"\xff"), 1) == [{"user.v": "\ufffd"}]  # as hostfs
+    many = b"".join(xg(0, f"user.n{i}".encode(), b"v") for i in range(64))
+    assert len(parse_xattrs(many, 1)[0] or {}) == 64
+    for bad in (
+            b"XG\0",  # cut header
+            xg(0, b"user.a", b"1")[:-1],  # cut value
+            xg(0, b"user.a", b"1", vl=60000),  # longer than what follows
+            xg(1, b"user.a", b"1"),  # a path not asked for
+            xg(0, b"trusted.a", b"1"), xg(0, b"user.", b"1"),  # not user.*
+            xg(0, b"user.overlay.opaque", b"y"),  # the overlay's own
+            xg(0, b"user.a\0b", b"1"),
+            xg(0, b"user." + b"a" * 251, b"1"),  # name above 255 bytes
+            xg(0, b"user.a", b"v" * 4097),  # value above 4096
+            xg(0, b"", b"1"),
+            xg(0, b"user.a", b"1") + xg(0, b"user.a", b"2"),  # a repeat
+            many + xg(0, b"user.more", b"v"),  # the 65th
+            b"XA" + xg(0, b"user.a", b"1")[2:]):  # another tool's tag
+        with pytest.raises(errors.InfraError):
+            parse_xattrs(bad, 1)
 
 
 def tar_of(members: list[tuple[tarfile.TarInfo, bytes | None]], fmt: int = tarfile.GNU_FORMAT

@@ -2,11 +2,13 @@
 (a microVM: the host never mounts a filesystem the guest could write). The same contract and
 typed errors as the host-side implementation of containers (``rollbox.hostfs``).
 
-Every operation runs the platform's own busybox applets (``rollbox.agent.tools``) as root in
-the sandbox's root: paths resolve there (absolute links and ``..`` stay inside it), nothing of
-the sandbox's tree is executed. Everything that comes back is hostile and parsed with caps:
-``stat`` records carry a per-call nonce and are matched to the names asked for, listings are
-bounded in entries and bytes, tar streams from the sandbox are re-emitted member by member
+Every operation runs the platform's own busybox applets (``rollbox.agent.tools``), or for
+extended attributes the agent's built-in ``rollbox-xattr``, as root in the sandbox's root:
+paths resolve there (absolute links and ``..`` stay inside it), nothing of the sandbox's tree
+is executed. Everything that comes back is hostile and parsed with caps: ``stat`` records carry
+a per-call nonce and are matched to the names asked for, listings are bounded in entries and
+bytes, extended attribute records are matched to the names asked for by index and held to the
+caps hostfs reads with, tar streams from the sandbox are re-emitted member by member
 (only regular files, directories, symlinks and hard links to members already sent; names
 without ``..`` or a leading ``/``; sizes, entry counts and header sizes capped; sparse
 members, devices and FIFOs dropped), and tar streams to the sandbox are rebuilt the same way
@@ -23,13 +25,14 @@ import errno
 import posixpath
 import secrets
 import stat as st
+import struct
 import tarfile
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import TypeVar
 
 from rollbox import errors
-from rollbox.agent.tools import PlatformTools, ToolResult, tool_error
+from rollbox.agent.tools import PlatformTools, ToolResult, errno_of, tool_error
 from rollbox.hostfs import (
     TMP_PREFIX,
     ID_RANGE,
@@ -37,8 +40,12 @@ from rollbox.hostfs import (
     MAX_PATH,
     MAX_STREAM_FILE,
     MAX_TAR_META,
+    MAX_XATTR_NAME,
+    MAX_XATTR_VALUE,
+    MAX_XATTRS,
     MODE_MASK,
     OVERFLOW_ID,
+    XATTR_PREFIX,
     _ChunkReader,
     _ftype,
     _join,
@@ -49,8 +56,10 @@ from rollbox.hostfs import (
     _Stopped,
     capped_members,
     check_write_data,
+    check_xattrs,
     produced,
     tar_malformed,
+    xattr_write_error,
 )
 from rollbox.models import FileStat
 
@@ -64,6 +73,10 @@ KERNEL_DIRS = frozenset({"proc", "sys", "dev"})
 # Streams: a deadline the consumer's pace can not trip; short operations use the tools' own.
 STREAM_TIMEOUT_S = 3600.0
 _MTIME_MAX = (1 << 33) - 1
+XATTR_FILE_TOOL = "rollbox-xattr"  # agent.c: a platform tool built into the agent
+_XATTR_RECORD = struct.Struct("<2sIHH")  # b"XG", index of the path asked for, name, value length
+MAX_XATTR_BYTES = 64 << 20  # one run's records, all together
+NO_SUCH_TOOL = 127  # an agent older than the tool: its busybox knows no such applet
 
 
 def _nonce() -> str:
@@ -140,6 +153,33 @@ def _filestat(path: str, fields: list[str], name_part: str) -> FileStat | None:
                     gid=_id(gid), link_target=target)
 
 
+def parse_xattrs(out: bytes, count: int) -> list[dict[str, str] | None]:
+    """``rollbox-xattr get``'s records for ``count`` paths: each path's user.* attributes
+    (None: none). Hostile input: a record that is cut, names a path not asked for, or goes past
+    hostfs's caps (a name not user.* or user.overlay.*, too long, a value too long, more than
+    MAX_XATTRS or a repeat for one path) is an InfraError."""
+    got: list[dict[str, str]] = [{} for _ in range(count)]
+    pos, end = 0, len(out)
+    while pos < end:
+        if end - pos < _XATTR_RECORD.size:
+            raise errors.InfraError("malformed extended attributes from the sandbox")
+        tag, idx, nl, vl = _XATTR_RECORD.unpack_from(out, pos)
+        pos += _XATTR_RECORD.size
+        if (tag != b"XG" or idx >= count or not 0 < nl <= MAX_XATTR_NAME
+                or vl > MAX_XATTR_VALUE or end - pos < nl + vl):
+            raise errors.InfraError("malformed extended attributes from the sandbox")
+        name = out[pos:pos + nl].decode("utf-8", "surrogateescape")
+        value = out[pos + nl:pos + nl + vl].decode("utf-8", "replace")
+        pos += nl + vl
+        mine = got[idx]
+        if (not name.startswith(XATTR_PREFIX) or name == XATTR_PREFIX
+                or name.startswith("user.overlay.") or "\0" in name or name in mine
+                or len(mine) >= MAX_XATTRS):
+            raise errors.InfraError("extended attribute record out of bounds from the sandbox")
+        mine[name] = value
+    return [g or None for g in got]
+
+
 class AgentFiles:
     """The file API of one sandbox through platform tools run by its agent."""
 
@@ -193,16 +233,50 @@ class AgentFiles:
                     raise errors.InfraError("stat record for a name not asked for")
         return out
 
-    async def stat(self, path: str) -> FileStat:
-        """lstat of ``path`` (the last component is not followed; parents are, in-root)."""
-        self._check()
+    async def _with_xattrs(self, stats: list[FileStat]) -> list[FileStat]:
+        """``stats`` with the user.* attributes of their files and directories (links and
+        special files have none, nor ``/``: as hostfs). One ``rollbox-xattr`` run per batch;
+        an agent older than the tool gives none."""
+        which = [i for i, fs in enumerate(stats) if fs.type in ("file", "dir") and fs.path != "/"]
+        out = list(stats)
+        done = 0
+        for batch in _batches([stats[i].path for i in which]):
+            res = await self.tools.run(
+                [XATTR_FILE_TOOL, "get", *batch],
+                max_stdout=min(MAX_XATTR_BYTES, len(batch) * MAX_XATTRS * (
+                    _XATTR_RECORD.size + MAX_XATTR_NAME + MAX_XATTR_VALUE)),
+                overflow=lambda: errors.InfraError(
+                    f"the sandbox sent more than {MAX_XATTR_BYTES} bytes of extended "
+                    "attributes for one listing"))
+            if res.code == NO_SUCH_TOOL:
+                return out
+            if not res.ok:
+                raise tool_error(res, batch[0], XATTR_FILE_TOOL)
+            for k, attrs in enumerate(parse_xattrs(res.stdout, len(batch))):
+                if attrs:
+                    i = which[done + k]
+                    out[i] = out[i].model_copy(update={"xattrs": attrs})
+            done += len(batch)
+        return out
+
+    async def _lstat(self, path: str) -> FileStat:
         p = _join(_split(path))
         (fs,) = await self._stat_many([p])
         return fs
 
-    async def list(self, path: str) -> list[FileStat]:
-        """Entries of directory ``path`` (a link to it followed in-root), sorted by name."""
+    async def stat(self, path: str) -> FileStat:
+        """lstat of ``path`` (the last component is not followed; parents are, in-root),
+        with its user.* attributes (a file or directory)."""
         self._check()
+        return (await self._with_xattrs([await self._lstat(path)]))[0]
+
+    async def list(self, path: str) -> list[FileStat]:
+        """Entries of directory ``path`` (a link to it followed in-root), sorted by name, with
+        their user.* attributes."""
+        self._check()
+        return await self._with_xattrs(await self._list(path))
+
+    async def _list(self, path: str) -> list[FileStat]:
         base = _join(_split(path))
         where = base.rstrip("/") + "/"
         res = await self._run(["find", where, "-mindepth", "1", "-maxdepth", "1", "-print0"],
@@ -281,7 +355,7 @@ class AgentFiles:
         parts = _split(path)
         if not parts:
             raise errors.BadRequest("refusing to remove /")
-        fs = await self.stat(path)
+        fs = await self._lstat(path)
         if fs.type != "dir":
             argv = ["rm", "-f", "--", fs.path]
         elif recursive:
@@ -353,12 +427,11 @@ class AgentFiles:
                            xattrs: dict[str, str] | None = None) -> int:
         """Like :meth:`write` from a byte stream (memory bounded). The file appears only once
         complete: a stream that fails, goes past ``max_bytes`` or fills the sandbox's disk
-        leaves no file and no temp file behind. Returns the bytes written. ``xattrs``: not
-        here (NotSupported): the platform's busybox applets set no extended attributes."""
-        if xattrs:
-            raise errors.NotSupported("extended attributes on a microVM sandbox's files (the "
-                                      "platform tools of its file API set none)",
-                                      feature="xattrs")
+        leaves no file and no temp file behind. Returns the bytes written. ``xattrs`` (user.*,
+        hostfs.check_xattrs, checked before a byte is pulled) are the new file's, set on its
+        temp file before the rename (``rollbox-xattr set``): it appears with them, and a file
+        replaced without any keeps none. An agent older than the tool: NotSupported."""
+        attrs = check_xattrs(xattrs) if xattrs else {}
         cap = (self.max_stream if max_bytes is None
                else min(max(max_bytes, 0), self.max_stream))
         count = [0]
@@ -373,10 +446,24 @@ class AgentFiles:
                                                  limit=cap)
                 yield bytes(chunk)
 
-        await self._write(path, capped(), mode)
+        await self._write(path, capped(), mode, attrs)
         return count[0]
 
-    async def _write(self, path: str, content: bytes | AsyncIterator[bytes], mode: int) -> None:
+    async def _set_xattrs(self, tmp: str, xattrs: dict[str, str], path: str) -> None:
+        """Set ``xattrs`` (checked) on the temp file ``tmp`` of a write of ``path``."""
+        pairs = [a for name, value in xattrs.items()
+                 for a in (name, value.encode("utf-8", "surrogateescape").hex())]
+        res = await self.tools.run([XATTR_FILE_TOOL, "set", tmp, *pairs], max_stdout=4096)
+        if res.ok:
+            return
+        if res.code == NO_SUCH_TOOL:
+            raise errors.NotSupported("extended attributes on this sandbox's files (its agent "
+                                      "predates the tool that sets them)", feature="xattrs")
+        mapped = xattr_write_error(errno_of(res.message()), path)
+        raise mapped if mapped is not None else tool_error(res, path, XATTR_FILE_TOOL)
+
+    async def _write(self, path: str, content: bytes | AsyncIterator[bytes], mode: int,
+                     xattrs: dict[str, str] | None = None) -> None:
         self._check()
         parts = _split(path)
         if not parts:
@@ -399,6 +486,8 @@ class AgentFiles:
                                 timeout_s=STREAM_TIMEOUT_S)
             if mode & MODE_MASK != 0o644:  # what dd made under the agent's umask 022
                 await self._run(["chmod", f"{mode & MODE_MASK:o}", "--", tmp], p)
+            if xattrs:
+                await self._set_xattrs(tmp, xattrs, p)
             res = await self.tools.run(["mv", "-fT", "--", tmp, p])
             if not res.ok:
                 if res.message().endswith("is a directory"):
@@ -447,12 +536,12 @@ class AgentFiles:
         if is_dir:
             members = ["."]
             if p == "/":
-                members = [f"./{f.name}" for f in await self.list("/")
+                members = [f"./{f.name}" for f in await self._list("/")
                            if f.name not in KERNEL_DIRS]
             argv = ["tar", "-c", "-f", "-", "-C", p, *members]
             single = None
         else:
-            fs = await self.stat(p)  # NotFound if missing
+            fs = await self._lstat(p)  # NotFound if missing
             argv = ["tar", "-c", "-f", "-", "-C", _join(parts[:-1]), parts[-1]]
             single = fs.name
         if len(argv) > 4 and sum(len(a) + 1 for a in argv) > ARGV_BYTES:

@@ -44,7 +44,7 @@ Edge -> agent
                  initramfs's ``/platform/busybox``, run chrooted in the tools' view of the
                  overlay (none of the sandbox's mounts or masks), or with EXEC_TOOL_IN_SANDBOX
                  in the sandbox root itself (to mask hidden paths there); in a container fd 6
-                 when the edge passes one; argv[0] ``rollbox-xattrs`` or ``rollbox-watch`` runs
+                 when the edge passes one; argv[0] ``rollbox-xattrs``, ``rollbox-xattr`` or ``rollbox-watch`` runs
                  the tool built into the agent, exec'd from its own binary: fd 4 kept
                  close-on-exec in a container, the initramfs's /init in a guest; an agent
                  older than the tool answers the applet's exit 127), EXEC_PTY (a terminal: the head is followed by
@@ -225,7 +225,8 @@ class ExecRequest:
     tail_limit: int = 64 << 10
     platform_shell: bool = False  # argv runs under the platform shell (EXEC_PLATFORM_SHELL)
     platform_tool: bool = False  # argv[0] is a platform busybox applet, or one built into the
-    # agent: rollbox-xattrs, rollbox-watch (EXEC_PLATFORM_TOOL; agent.c documents their output)
+    # agent: rollbox-xattrs, rollbox-xattr, rollbox-watch (EXEC_PLATFORM_TOOL; agent.c
+    # documents their output)
     tool_in_sandbox: bool = False  # ...run in the sandbox root (EXEC_TOOL_IN_SANDBOX)
     pty: tuple[int, int] | None = None  # (cols, rows): a terminal (EXEC_PTY)
     pty_stderr: bool = False  # with pty: stderr its own pipe (EXEC_PTY_STDERR)

@@ -53,6 +53,11 @@ class ResolvedSpec:
     # this allow-list (named permissions and HOST:PORT rules, rollbox.netpolicy), default deny.
     network_rules: tuple[str, ...] | None = None
     disk_tier: DiskTier = "disk"
+    # A machine snapshot (disk + memory, :meth:`Backend.save_machine`) to restore instead of
+    # booting, by the id its backend keeps it under: only a backend whose
+    # ``capacity().snapshot`` is "machine" ("vm") restores one; every other refuses the spec
+    # (BadRequest), as does a "vm" backend for a spec of another machine than the saved one.
+    machine_snapshot: str | None = None
 
 
 @dataclass
@@ -73,6 +78,21 @@ class BackendCapacity:
     # processes are not carried); microVMs: yes where templates work (memory and processes
     # carried through a saved image).
     fork: bool = False
+    # What a snapshot of one of its sandboxes is. "layer": the writable layer as a new image
+    # layer (capture_writable; container, microvm): any layered backend creates from it.
+    # "machine": disk + memory (save_machine; vm): only this backend restores it.
+    snapshot: Literal["layer", "machine"] = "layer"
+
+
+@dataclass
+class MachineSnapshot:
+    """What :meth:`Backend.save_machine` kept: its id (the backend's name for it), the bytes
+    of the saved state and of the disk as saved, how long the source was held still."""
+
+    snapshot_id: str
+    state_bytes: int
+    disk_bytes: int
+    frozen_s: float
 
 
 @dataclass
@@ -214,14 +234,23 @@ class Backend(Protocol):
     # Network policy: attach a link with ``rules`` or change the rules of the attached one
     # (existing connections cut where no longer allowed); BadRequest leaves it unchanged.
     async def set_network(self, h: SandboxHandle, rules: list[str]) -> None: ...
-    # Snapshot: copy the writable layer, as an overlay upper, into the new host dir ``dest``
-    # that storage builds a layer from; parsed as hostile, capped by ``opts``. What a snapshot
-    # is per backend: container and microVM (and a "vm" sandbox of a layered image): its
-    # writable layer as a new image layer, from which a sandbox of any layered backend can be
-    # created (container, microvm, vm). A "vm" sandbox's disk + memory (docs/backends/vm.md,
-    # Snapshot) can be restored as "vm" sandboxes only; that path is not landed yet.
+    # Snapshot: what it is per backend is ``capacity().snapshot``.
+    # "layer" (container, microvm): copy the writable layer, as an overlay upper, into the new
+    # host dir ``dest`` that storage builds a layer from; parsed as hostile, capped by
+    # ``opts``. The image made of it (the source's layers + that layer) creates sandboxes of
+    # any layered backend (container, microvm, vm).
     async def capture_writable(self, h: SandboxHandle, dest: Path,
                                opts: CaptureOptions) -> CaptureResult: ...
+    # "machine" (vm): disk + memory, kept by the backend as ``snapshot_id`` (the edge's new
+    # token; ``spec``: the sandbox's, as the backend got it): the source held still (unless ``paused``: it is), its state and disk saved, run
+    # again; restorable (``ResolvedSpec.machine_snapshot``) as new sandboxes of this backend
+    # only, each its own id, identity, network and copy-on-write disk (docs/backends/vm.md,
+    # Snapshot). BadRequest where ``capacity().snapshot`` is "layer".
+    async def save_machine(self, h: SandboxHandle, snapshot_id: str, spec: ResolvedSpec,
+                           paused: bool) -> MachineSnapshot: ...
+    # A machine snapshot's files removed (after restores under way); what is left.
+    def drop_machine(self, snapshot_id: str) -> list[str]: ...
+    def machine_snapshots(self) -> set[str]: ...  # ids of those kept on the node (edge start)
 
     # Fork: ``children`` (id, spec: the source's) as copies of the live (or, ``paused``,
     # frozen) sandbox ``h``: its filesystem as at one instant, never a copy of its writable

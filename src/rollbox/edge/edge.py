@@ -290,6 +290,7 @@ class Edge:
             for orphan in host_ids[kind] - journaled - set(self.live):
                 log.warning("cleaning orphan sandbox resources %s", orphan)
                 await self._quiet_cleanup(backend, orphan, None)
+        await asyncio.to_thread(self._drop_unreferenced_machines)
 
     @staticmethod
     def _spec_of(info: SandboxInfo, extra: dict) -> ResolvedSpec:
@@ -298,7 +299,7 @@ class Edge:
             image=info.image, layers=tuple(info.layers), resources=info.resources,
             env=dict(extra.get("env", {})), hidden_paths=tuple(info.hidden_paths),
             network_rules=tuple(info.network.allow) if info.network is not None else None,
-            disk_tier=info.disk_tier)
+            disk_tier=info.disk_tier, machine_snapshot=extra.get("machine_snapshot"))
 
     def _rebuild_sessions(self, live: LiveSandbox) -> list[asyncio.Task]:
         """Commands of a re-adopted sandbox, from the journal and the agent: recorded ends as
@@ -580,10 +581,30 @@ class Edge:
     async def _new_sandbox(self, spec: SandboxSpec, owner: str, share: Share) -> SandboxInfo:
         self._backend_for(spec)
         image = self._image_for(spec.image, owner)
+        snap = image.config.get("machine_snapshot")
+        if snap is not None:
+            self._check_machine_restore(spec, snap)
         layers = list(image.layers)
         for extra in spec.layers:
             layers.extend(self._image_for(extra, owner).layers)
         return await self._admitted_create(spec, owner, image.config, layers, share)
+
+    @staticmethod
+    def _check_machine_restore(spec: SandboxSpec, snap: Any) -> None:
+        """A create from a machine snapshot's image: BadRequest (naming why) for another
+        backend than the snapshot's or extra layers; the backend checks the machine."""
+        kind = snap.get("backend") if isinstance(snap, dict) else None
+        if spec.backend != kind:
+            raise BadRequest(
+                f"image {spec.image!r} is a machine snapshot (disk + memory) of a {kind!r} "
+                f"sandbox: it restores as a {kind!r} sandbox only (backend={kind!r}); a "
+                f"{spec.backend} sandbox starts from image layers, and the saved memory runs "
+                "only on the machine it was saved from", image=spec.image,
+                backend=spec.backend, snapshot_backend=kind, reason="machine_snapshot")
+        if spec.layers:
+            raise BadRequest(f"image {spec.image!r} is a machine snapshot: its disks are "
+                             "as saved, no extra layers go on it", image=spec.image,
+                             reason="machine_snapshot")
 
     def _backend_for(self, spec: SandboxSpec) -> Backend:
         """The backend of ``spec.backend``: BadRequest if this node does not offer it, or if
@@ -659,8 +680,10 @@ class Edge:
         env.update(spec.env)
         sudo = sudo_uids(image_config or {})  # a bad label is refused before anything starts
         self.journal.put(info, extra={"env": env})
+        snap = (image_config or {}).get("machine_snapshot")
+        restore = {"machine_snapshot": str(snap["id"])} if isinstance(snap, dict) else {}
         try:
-            box = await backend.create(sandbox_id, self._spec_of(info, {"env": env}))
+            box = await backend.create(sandbox_id, self._spec_of(info, {"env": env, **restore}))
         except BaseException as exc:
             self._mark_dead(info, f"creation failed: {exc}", state="deleted")
             raise
@@ -1618,6 +1641,12 @@ class Edge:
                     if spec.push else None)
         if sandbox_id in self._snapshotting:
             raise BadRequest(f"a snapshot of sandbox {sandbox_id} is already running")
+        if live.backend.capacity().snapshot == "machine":
+            if spec.exclude or spec.push:
+                raise BadRequest(f"sandbox {sandbox_id} is a {live.info.backend} sandbox: its "
+                                 "snapshot is the whole machine (disk + memory), so exclude "
+                                 "and push do not apply", backend=live.info.backend)
+            return await self._machine_snapshot(live, spec, owner)
         room = self.storage.room(owner)  # the project's layer storage and the store's reserve
         max_bytes = min(spec.max_bytes, room.bytes)
         self._snapshotting.add(sandbox_id)
@@ -1677,6 +1706,67 @@ class Edge:
             {"image": spec.name, "layer": digest, "files": stats.entries, "by": owner}))
         return result
 
+    async def _machine_snapshot(self, live: LiveSandbox, spec: SnapshotSpec,
+                                owner: str) -> SnapshotResult:
+        """A "vm" sandbox's snapshot: its backend keeps disk + memory (``save_machine``) and
+        ``spec.name`` is tagged as the source's layers with the snapshot's id in its config
+        (``machine_snapshot``): creating from it restores the machine, on this backend only
+        (:meth:`_new_sandbox`); deleting the image removes the snapshot's files."""
+        sandbox_id = live.info.id
+        snapshot_id = secrets.token_hex(16)
+        self._snapshotting.add(sandbox_id)
+        t0 = time.monotonic()
+        try:
+            async with live.freeze_lock:
+                try:
+                    saved = await live.backend.save_machine(
+                        live.box, snapshot_id, self._spec_of(live.info, {"env": {}}),
+                        paused=live.info.state == "paused")
+                except (OSError, InfraError) as exc:
+                    if sandbox_id not in self.live or sandbox_id in self._deleting:
+                        raise SandboxDead(f"sandbox {sandbox_id} went away during the "
+                                          "snapshot") from None
+                    if isinstance(exc, InfraError):
+                        raise
+                    raise InfraError(f"snapshot of {sandbox_id} failed: {exc}") from exc
+            layers = list(live.info.layers)
+            config = {**self._image_config(live.info), "machine_snapshot": {
+                "id": snapshot_id, "backend": live.info.backend, "source": sandbox_id,
+                "resources": live.info.resources.model_dump(),
+                "network": live.info.network is not None}}
+            try:
+                await self.storage.commit(owner, spec.name, layers, config, None)
+            except BaseException:
+                await asyncio.to_thread(live.backend.drop_machine, snapshot_id)
+                raise
+        finally:
+            self._snapshotting.discard(sandbox_id)
+        result = SnapshotResult(
+            sandbox_id=sandbox_id, image=spec.name, kind="machine", layer=None, layers=layers,
+            size=saved.state_bytes + saved.disk_bytes, memory_bytes=saved.state_bytes,
+            files=0, content_bytes=0, whiteouts=0, scrubbed=0,
+            paused_s=round(saved.frozen_s, 6), duration_s=round(time.monotonic() - t0, 6),
+            hidden_paths=list(live.info.hidden_paths))
+        self.event_log.append(sandbox_id, "sandbox.snapshot", data=json.dumps(
+            {"image": spec.name, "kind": "machine", "snapshot": snapshot_id, "by": owner}))
+        return result
+
+    def _drop_unreferenced_machines(self) -> None:
+        """Node start: machine snapshots no image names any more (an image removed by the
+        operator's ``rollbox image rm``, a save an earlier edge did not finish) are removed."""
+        named = {str(i.config["machine_snapshot"].get("id")) for i in self.store.list()
+                 if isinstance(i.config.get("machine_snapshot"), dict)}
+        for kind, backend in self.backends.items():
+            if backend.capacity().snapshot != "machine":
+                continue
+            try:
+                for snapshot_id in backend.machine_snapshots() - named:
+                    log.info("machine snapshot %s of backend %s has no image: removed",
+                             snapshot_id, kind)
+                    backend.drop_machine(snapshot_id)
+            except (OSError, InfraError) as exc:  # the pool: the next start tries again
+                log.error("machine snapshots of backend %s not checked: %s", kind, exc)
+
     # ---- images of a project (uploads, layer storage; rollbox.edge.storage) --------------
     def _layer_quota_mib(self, project: str) -> int | None:
         """The project's ``layer_mib`` quota (None: the node's ``project_layer_mib``)."""
@@ -1693,7 +1783,11 @@ class Edge:
         return await asyncio.to_thread(self.storage.visible, owner)
 
     async def image_delete(self, name: str, owner: str | None) -> None:
-        await asyncio.to_thread(self.storage.delete, name, owner)
+        image = await asyncio.to_thread(self.storage.delete, name, owner)
+        snap = image.config.get("machine_snapshot")
+        if isinstance(snap, dict) and snap.get("backend") in self.backends:
+            await asyncio.to_thread(self.backends[snap["backend"]].drop_machine,
+                                    str(snap.get("id")))
 
     async def image_usage(self, owner: str) -> LayerUsage:
         return await asyncio.to_thread(self.storage.usage, owner)

@@ -154,10 +154,10 @@ class LayerStorage:
         self._promised.pop(id(room), None)
 
     async def commit(self, project: str, name: str, layers: list[str], config: dict,
-                     new_layer: str) -> Image:
-        """Tag ``name`` = ``layers`` (``new_layer`` among them) for ``project`` once the final
-        check passes; on any refusal ``new_layer`` is removed again (unless something else
-        uses it)."""
+                     new_layer: str | None) -> Image:
+        """Tag ``name`` = ``layers`` (``new_layer`` among them; None: a machine snapshot's
+        image, no new layer) for ``project`` once the final check passes; on any refusal
+        ``new_layer`` is removed again (unless something else uses it)."""
         async with self._lock:
             try:
                 if self.store.exists(name):
@@ -171,7 +171,8 @@ class LayerStorage:
                         limit_bytes=limit)
                 return self.store.tag(name, layers, {**config, "owner": project})
             except BaseException:
-                await asyncio.to_thread(self.store.remove_layer_if_unused, new_layer)
+                if new_layer is not None:
+                    await asyncio.to_thread(self.store.remove_layer_if_unused, new_layer)
                 raise
 
     # ---- images of a project -------------------------------------------------------------
@@ -185,9 +186,10 @@ class LayerStorage:
         return [self.info(i) for i in self.store.list()
                 if project is None or i.config.get("owner") in (None, project)]
 
-    def delete(self, name: str, project: str | None) -> None:
-        """Remove ``project``'s image ``name`` (None: an admin, any project's). The node's own
-        images are the operator's (`rollbox image rm`); another project's look absent."""
+    def delete(self, name: str, project: str | None) -> Image:
+        """Remove ``project``'s image ``name`` (None: an admin, any project's); returns it.
+        The node's own images are the operator's (`rollbox image rm`); another project's look
+        absent."""
         try:
             image = self.store.resolve(validate_name(name))
         except NotFound:  # the store's own error names its host path
@@ -199,6 +201,7 @@ class LayerStorage:
         if project is not None and owner != project:
             raise NotFound(f"no image {name!r}", image=name)
         self.store.remove(image.name)
+        return image
 
     async def upload(self, project: str, name: str, chunks: AsyncIterator[bytes],
                      base: Image | None) -> ImageInfo:

@@ -160,6 +160,18 @@ def clone_paused(flags: int) -> tuple[int, ctypes.Array[ctypes.c_char]]:
     return pid, stack
 
 
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    """prctl(PR_SET_CHILD_SUBREAPER, 1): orphans below this process (a container init after
+    ``runc run -d``, QEMU after its jailer exec'd, a killed edge's agents) become its children
+    instead of init's, which on some hosts never reaps, so this process can reap them. Kept
+    across exec, not across fork. (fncall's in-sandbox worker declares its own: it runs from
+    its source in the image's Python and imports nothing of rollbox.)"""
+    _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0))
+
+
 def setns(fd: int, nstype: int = 0) -> None:
     _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(nstype)))
 

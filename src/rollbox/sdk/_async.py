@@ -895,7 +895,10 @@ class AsyncSandbox:
         this sandbox's layers + it, so ``client.create(result.image)`` starts from the same
         tree. Its git repositories keep only what HEAD reaches unless ``keep_git_history``.
         ``pause`` freezes the sandbox during the copy. ``push``: 'default' or an allowed
-        chunk store URL."""
+        chunk store URL. A ``backend="vm"`` sandbox's snapshot is its machine instead (disk +
+        memory, ``result.kind == "machine"``): ``client.create(result.image, backend="vm")``
+        with the same resources restores it running, as a new sandbox; exclude and push are
+        refused (docs/backends/vm.md, Snapshot)."""
         try:
             spec = SnapshotSpec(
                 name=name, exclude=list(exclude), scrub=scrub,

@@ -9,8 +9,9 @@ alike (so inodes are bounded too: ~350 bytes of metadata each). The cap is read 
 kernel (sysfs) before the subvolume is handed out. The pool comes back after a restart (an
 existing loop device of the file is reused, never a second one: two mounts of one btrfs image
 would corrupt it) and is unmounted when the node is idle and no sandbox's subvolume is left:
-subvolumes whose names start with ``CACHE_PREFIX`` (microVM template disks) are a cache that
-stays in the pool's file (with its qgroup caps) and comes back with the next mount.
+subvolumes whose names start with ``CACHE_PREFIX`` (microVM template disks, and ``vm`` machine
+snapshots' disks: ``MACHINE_SNAPSHOT_PREFIX``) are a cache that stays in the pool's file (with
+its qgroup caps) and comes back with the next mount.
 
 A fork (``ContainerBackend.fork``) takes one read-only snapshot of the source's subvolume,
 named ``FORK_PREFIX`` + a token: the shared lower of its children. Who uses one is kept as
@@ -47,6 +48,9 @@ MOUNT_OPTIONS = "discard=async"
 # Subvolumes of a cache, not of a sandbox (microVM template disks, backends/microvm/template.py;
 # sandbox ids start with the node id): they never keep the pool mounted.
 CACHE_PREFIX = "tpl-"
+# Disks of ``vm`` machine snapshots (backends/vm/snapshots.py): kept like the cache (they never
+# keep the pool mounted), owned by their snapshots, not by the template cache.
+MACHINE_SNAPSHOT_PREFIX = CACHE_PREFIX + "snap-"
 # A fork's shared read-only lower (a snapshot of the source's subvolume), never a sandbox's.
 FORK_PREFIX = "fk-"
 # The fork itself holds its new lower under this name until its children hold it.

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import hashlib
 import logging
 import os
@@ -27,8 +26,8 @@ from pathlib import Path
 
 from rollbox.backends import platform_work
 from rollbox.backends.base import (
-    BackendCapacity, CaptureOptions, CaptureResult, ForkResult, ResolvedSpec, SessionSlot,
-    Usage,
+    BackendCapacity, CaptureOptions, CaptureResult, ForkResult, MachineSnapshot, PortStream,
+    ResolvedSpec, SessionSlot, Usage,
 )
 from rollbox.backends.cancellation import all_or_raise, teardown_after, to_the_end
 from rollbox.backends.ports import connect_in_netns
@@ -46,7 +45,7 @@ from rollbox.backends.container.launcher import NativeRuntime
 from rollbox.backends.container.runtime import OciRuntime, Runtime, wait_pid
 from rollbox.config import VARS, Settings
 from rollbox.errors import BadRequest, InfraError, RollboxError, without_paths
-from rollbox.isolation import cgroups, netns, oom
+from rollbox.isolation import cgroups, netns, oom, syscalls
 from rollbox.isolation.userns import RANGE, UidSlots, make_userns_fd
 from rollbox.netpolicy import link as netlink
 from rollbox.netpolicy import policy as netpolicy
@@ -59,7 +58,6 @@ log = logging.getLogger(__name__)
 # The benchmark-only switch's variable (settings.unhardened_for_bench), as bench/container.py
 # sets it for its second server.
 UNHARDENED_ENV = VARS["unhardened_for_bench"].env
-PR_SET_CHILD_SUBREAPER = 36
 
 
 @dataclass
@@ -225,7 +223,7 @@ class ContainerBackend:
     async def start(self) -> None:
         """Container inits outlive ``runc run -d``: as subreaper the edge gets and reaps them.
         The run dir is made ready (:meth:`prepare_run_dir`)."""
-        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        syscalls.become_subreaper()
         self.prepare_run_dir()
 
     def prepare_run_dir(self) -> None:
@@ -264,6 +262,10 @@ class ContainerBackend:
                      *args: Any, hardened: bool = True, **kw: Any) -> ContainerSandbox:
         """The contract's create from a resolved spec, or :meth:`create_container`'s own
         arguments (layers, resources, env, ...: the platform's build sandboxes)."""
+        if isinstance(spec, ResolvedSpec) and spec.machine_snapshot is not None:
+            raise BadRequest("a machine snapshot (disk + memory of a 'vm' sandbox) restores "
+                             "as a 'vm' sandbox only: a container starts from image layers",
+                             reason="machine_snapshot", backend=self.kind)
         self.prepare_run_dir()
         if isinstance(spec, ResolvedSpec):
             return await self.create_container(
@@ -458,6 +460,18 @@ class ContainerBackend:
             await self.attach_network(sb, rules)
         else:
             await asyncio.to_thread(sb.network.apply, rules)  # BadRequest: nothing changed
+
+    async def save_machine(self, sb: ContainerSandbox, snapshot_id: str,  # type: ignore[override]
+                           spec: ResolvedSpec, paused: bool) -> MachineSnapshot:
+        raise BadRequest("a container's snapshot is its writable layer as an image layer "
+                         "(capacity().snapshot 'layer'): it has no machine to save",
+                         sandbox_id=sb.id)
+
+    def drop_machine(self, snapshot_id: str) -> list[str]:
+        return []  # this backend keeps none
+
+    def machine_snapshots(self) -> set[str]:
+        return set()
 
     async def capture_writable(self, sb: ContainerSandbox, dest: Path,  # type: ignore[override]
                                opts: CaptureOptions) -> CaptureResult:

@@ -25,7 +25,6 @@ API (the edge's), nor the agent protocol (``rollbox.agent``).
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import secrets
@@ -35,12 +34,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rollbox.agent.tools import PlatformTools
 from rollbox.backends.base import (
-    BackendCapacity, CaptureOptions, CaptureResult, ForkResult, NetworkAttachment,
-    PortStream, ResolvedSpec, SessionSlot, Usage,
+    BackendCapacity, CaptureOptions, CaptureResult, ForkResult, MachineSnapshot,
+    NetworkAttachment, PortStream, ResolvedSpec, SessionSlot, Usage,
 )
 from rollbox.backends.cancellation import all_or_raise, teardown_after, to_the_end
 from rollbox.backends.platform_work import run_shell
@@ -61,8 +60,8 @@ from rollbox.backends.microvm.jail import (
 from rollbox.backends.microvm.spares import Recipe, Spare, Spares
 from rollbox.backends.microvm.steps import Steps
 from rollbox.backends.microvm.template import (
-    BUILD_PREFIX, SPARE_PREFIX, Template, TemplateLoadError, VmTemplates, make_unique,
-    wait_migration,
+    BUILD_PREFIX, SPARE_PREFIX, Template, TemplateLoadError, VmTemplates, load_state,
+    make_unique, wait_migration,
 )
 from rollbox.config import Settings
 from rollbox.errors import BadRequest, InfraError
@@ -77,9 +76,8 @@ log = logging.getLogger(__name__)
 CONSOLE_KEEP = 16 << 10
 NET_CONFIG_TIMEOUT_S = 20.0
 ADOPT_TIMEOUT_S = 5.0
-QEMU_PIDS = 256
+QEMU_PIDS = 256  # QEMU's threads: vCPUs, main loop, RCU, the block layer's worker pool
 FULL_ROOT_ARG = "rollbox.fullroot=1"  # the agent leaves commands every capability (agent.c)
-PR_SET_CHILD_SUBREAPER = 36  # QEMU's threads: vCPUs, main loop, RCU, the block layer's worker pool
 
 # (socket path, timeout) -> the agent's channel once it said READY. The agent's byte-stream
 # transport is rollbox.agent's (lane guest); tests of the VM plumbing before it existed gave
@@ -277,6 +275,9 @@ def _host_memory_mib() -> int:
 
 class MicroVMBackend:
     kind = "microvm"
+    # capacity().snapshot: a microVM's is its writable layer (the full-VM backend saves the
+    # machine: disk + memory)
+    snapshot_kind: Literal["layer", "machine"] = "layer"
     files_for: Callable[[MicroVM], Any] = staticmethod(vm_files)
 
     def __init__(self, settings: Settings, slots: UidSlots, store: ImageStore,
@@ -328,7 +329,7 @@ class MicroVMBackend:
         """Node start: choose the accelerator (a probe boot decides whether KVM works)."""
         # QEMU outlives its jailer (which exits once it exec'd); as subreaper this process
         # gets and reaps it (this host's init never reaps).
-        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        syscalls.become_subreaper()
         if self.templates is not None:  # build VMs and spares an earlier edge left, the cache
             for left_id in self.host_sandbox_ids(BUILD_PREFIX) | self.host_sandbox_ids(
                     SPARE_PREFIX):
@@ -364,7 +365,12 @@ class MicroVMBackend:
         return BackendCapacity(
             kind=self.kind, offered=missing is None, reason=missing,
             max_cpus=float(os.cpu_count() or 1), max_memory_mib=_host_memory_mib(),
-            facts=facts, fork=self.templates is not None)
+            facts=facts, fork=self.forks(), snapshot=self.snapshot_kind)
+
+    def forks(self) -> bool:
+        """Whether :meth:`fork` works here: a microVM's where templates are on (the fork's
+        saved image is restored as a template is)."""
+        return self.templates is not None
 
     def _accel_name(self) -> str:
         return self.accel.accel if self.accel is not None else "tcg"
@@ -372,6 +378,10 @@ class MicroVMBackend:
     # ---- create ---------------------------------------------------------------------------
     def check_spec(self, spec: ResolvedSpec) -> None:
         """Refuse (BadRequest) what this backend can not give, before anything is made."""
+        if spec.machine_snapshot is not None and self.snapshot_kind != "machine":
+            raise BadRequest("a machine snapshot (disk + memory of a 'vm' sandbox) restores as "
+                             f"a 'vm' sandbox only: a {self.kind} starts from image layers",
+                             reason="machine_snapshot", backend=self.kind)
         r = spec.resources
         if vcpus(r.cpus) > (os.cpu_count() or 1):
             raise BadRequest(f"cpus={r.cpus} is more than this node's {os.cpu_count()} CPUs",
@@ -694,7 +704,7 @@ class MicroVMBackend:
         channel = await self._wait_agent(jail, pid, boot_timeout_s, check_boot)
         steps.lap("boot_to_agent")
         vm = MicroVM(id=sandbox_id, slot=slot, host_uid=host_uid, jail=jail, pid=pid,
-                     machine=machine, channel=channel, image_env=dict(env))
+                     machine=machine, channel=channel, image_env=dict(env), kind=self.kind)
         vm.files = self.files_for(vm)
         return vm
 
@@ -705,14 +715,13 @@ class MicroVMBackend:
         """A QEMU waiting in ``-incoming defer`` gets the template's state, runs, and its guest
         is made unique before the sandbox exists (``monitor``: its QMP, connected already).
         The caller tears down on failure."""
-        assert self.templates is not None
         # Connected before the state is loaded: the port is then connected as it was at the
         # save, so the resumed guest gets no close and open events to handle, only the HELLO
         # waiting in the socket (a new nonce: a new host connection to it).
         connect = asyncio.ensure_future(
             self.connect_agent(str(jail.socket_path("agent")), timeout_s))
         try:
-            await self.templates.load(template, jail, timeout_s, steps, monitor=monitor)
+            await load_state(template, jail, timeout_s, steps, monitor=monitor)
         except BaseException:
             connect.cancel()
             (early,) = await asyncio.gather(connect, return_exceptions=True)
@@ -736,7 +745,7 @@ class MicroVMBackend:
             raise
         vm = MicroVM(id=sandbox_id, slot=slot, host_uid=host_uid, jail=jail, pid=pid,
                      machine=machine, channel=channel, image_env=dict(env),
-                     template=template.digest)
+                     template=template.digest, kind=self.kind)
         vm.files = self.files_for(vm)
         return vm
 
@@ -824,7 +833,8 @@ class MicroVMBackend:
         assert pid is not None
         vm = MicroVM(id=sandbox_id, slot=slot, host_uid=host_uid, jail=jail, pid=pid,
                      machine=machine, channel=channel, image_env=dict(spec.env),
-                     squeezed=squeezed, template=str(state.get("template") or ""))
+                     squeezed=squeezed, template=str(state.get("template") or ""),
+                     kind=self.kind)
         vm.files = self.files_for(vm)
         if spec.network_rules is not None:
             try:
@@ -1039,7 +1049,7 @@ class MicroVMBackend:
         made. With ``vm_fork_warm`` (off by default) and more children than cores, each child
         runs the platform shell's ``true`` once made unique, outside the one-restore-per-core
         gate. All or nothing: a child that fails takes the made ones down with it."""
-        if self.templates is None:
+        if not self.forks():
             raise BadRequest(f"microVM sandbox {h.id} can not be forked: this node's "
                              "templates are off (ROLLBOX_VM_TEMPLATES)", sandbox_id=h.id)
         if h.machine.ram:
@@ -1082,6 +1092,20 @@ class MicroVMBackend:
         finally:
             await asyncio.to_thread(self.disks.remove_rw, disk_id)
             await asyncio.to_thread(shutil.rmtree, staging, True)
+
+    async def save_machine(self, h: MicroVM, snapshot_id: str,  # type: ignore[override]
+                           spec: ResolvedSpec, paused: bool) -> MachineSnapshot:
+        """A microVM's snapshot is its writable layer (``capture_writable``); its machine is
+        saved only by a fork, for the fork's children."""
+        raise BadRequest(f"a {self.kind}'s snapshot is its writable layer as an image layer "
+                         "(capacity().snapshot 'layer'): its machine is not kept",
+                         sandbox_id=h.id)
+
+    def drop_machine(self, snapshot_id: str) -> list[str]:
+        return []  # this backend keeps none
+
+    def machine_snapshots(self) -> set[str]:
+        return set()
 
     async def _warm_fork_child(self, vm: MicroVM) -> None:
         """The platform shell's ``true`` in a fork child (its own session, exited before the

@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from rollbox.agent.protocol import ExecRequest
 from rollbox.backends.base import ResolvedSpec
 from rollbox.backends.cancellation import teardown_after, to_the_end
-from rollbox.backends.container.disk import CACHE_PREFIX
+from rollbox.backends.container.disk import CACHE_PREFIX, MACHINE_SNAPSHOT_PREFIX
 from rollbox.backends.microvm import qemu, qmp
 from rollbox.backends.microvm import ram as ram_mod
 from rollbox.backends.microvm.jail import Jail
@@ -269,7 +269,8 @@ class TemplateCache:
         if disk_ids is not None:
             owned = {t.disk_id for t in self._templates.values()}
             for disk_id in disk_ids:
-                if disk_id.startswith(DISK_PREFIX) and disk_id not in owned:
+                if disk_id.startswith(DISK_PREFIX) and disk_id not in owned \
+                        and not disk_id.startswith(MACHINE_SNAPSHOT_PREFIX):  # a vm snapshot's
                     log.info("vm template disk %s has no template: removed", disk_id)
                     self._remove_disk(disk_id)
         self._loaded = True
@@ -462,8 +463,9 @@ async def wait_migration(q: qmp.QMP, timeout_s: float) -> dict[str, Any]:
 
 
 class VmTemplates:
-    """The backend's templates: the key of a create, the build (cold boot, stop, save, keep
-    the disk as saved) and the load step of a restore (``migrate-incoming``)."""
+    """The backend's templates: the key of a create and the build (cold boot, stop, save,
+    keep the disk as saved); a restore's load step is :func:`load_state` (also a fork's and a
+    ``vm`` snapshot's)."""
 
     def __init__(self, backend: MicroVMBackend) -> None:
         s = backend.settings
@@ -642,38 +644,40 @@ class VmTemplates:
         os.chown(path, 0, 0)
         return os.stat(path).st_blocks * 512
 
-    async def load(self, tpl: Template, jail: Jail, timeout_s: float,
-                   steps: Steps | None = None, monitor: qmp.QMP | None = None) -> None:
-        """Restore step of a QEMU started with ``-incoming defer``: the saved state through an
-        fd, then run. TemplateLoadError if QEMU refuses or dies (it exits on a bad stream).
-        ``monitor``: QEMU's QMP, connected already (a spare's; closed here)."""
-        try:
-            fd = os.open(tpl.state_path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            if monitor is not None:
-                monitor.close()
-            raise TemplateLoadError(f"template state unreadable: {exc}") from exc
-        try:
-            steps = steps or Steps()
-            async with qmp.connected(monitor) if monitor is not None \
-                    else qmp.session(jail.socket_path("qmp"), timeout_s) as q:
-                if monitor is None:
-                    steps.lap("qmp_connect")
-                if tpl.shared_ram:
-                    await q.ignore_shared_ram()
-                try:
-                    await q.getfd(fd, "template")
-                finally:
-                    os.close(fd)
-                    fd = -1
-                await q.migrate_incoming("fd:template")
-                await wait_migration(q, timeout_s)
-                steps.lap("state_load")
-                if await q.status() != "running":
-                    await q.cont()
-                steps.lap("cont")
-        except (InfraError, OSError, asyncio.TimeoutError) as exc:  # QEMU exited: reset
-            raise TemplateLoadError(f"template {tpl.digest[:12]} not loaded: {exc!r}") from exc
-        finally:
-            if fd >= 0:
+
+# ---- restore ---------------------------------------------------------------------------------
+async def load_state(tpl: Template, jail: Jail, timeout_s: float,
+                     steps: Steps | None = None, monitor: qmp.QMP | None = None) -> None:
+    """Restore step of a QEMU started with ``-incoming defer``: the saved state through an
+    fd, then run. TemplateLoadError if QEMU refuses or dies (it exits on a bad stream).
+    ``monitor``: QEMU's QMP, connected already (a spare's; closed here)."""
+    try:
+        fd = os.open(tpl.state_path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        if monitor is not None:
+            monitor.close()
+        raise TemplateLoadError(f"template state unreadable: {exc}") from exc
+    try:
+        steps = steps or Steps()
+        async with qmp.connected(monitor) if monitor is not None \
+                else qmp.session(jail.socket_path("qmp"), timeout_s) as q:
+            if monitor is None:
+                steps.lap("qmp_connect")
+            if tpl.shared_ram:
+                await q.ignore_shared_ram()
+            try:
+                await q.getfd(fd, "template")
+            finally:
                 os.close(fd)
+                fd = -1
+            await q.migrate_incoming("fd:template")
+            await wait_migration(q, timeout_s)
+            steps.lap("state_load")
+            if await q.status() != "running":
+                await q.cont()
+            steps.lap("cont")
+    except (InfraError, OSError, asyncio.TimeoutError) as exc:  # QEMU exited: reset
+        raise TemplateLoadError(f"template {tpl.digest[:12]} not loaded: {exc!r}") from exc
+    finally:
+        if fd >= 0:
+            os.close(fd)

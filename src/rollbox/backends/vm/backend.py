@@ -5,10 +5,11 @@ are ``machine.py``'s q35 VMs booted by SeaBIOS from ``make vmguest``'s bzImage a
 create (checks, uid slot, layers, writable disk, jail, cgroups, QEMU, the agent answers),
 adopt, destroy with the verified teardown, pause/resume, exec/files/events through the agent,
 network policy at the tap, usage and leftovers are the microVM's code, run on this machine.
-Its own run dir (``<run>/qvm/<id>/``) keeps its jails apart from the microVMs'. Templates,
-spares and fork are off (a VM restores nothing yet: docs/backends/vm.md, Snapshot). The
-accelerator is the node's microVM probe's (one probe per node; both backends run the same
-QEMU on the same /dev/kvm).
+Its own run dir (``<run>/qvm/<id>/``) keeps its jails apart from the microVMs'. Templates and
+spares are off. A snapshot is the machine (disk + memory, ``snapshots.py``; the microVM fork's
+save, kept), restored as new ``vm`` sandboxes by a create whose spec names it; fork is the
+microVM's (the same save, restored into each child). The accelerator is the node's microVM
+probe's (one probe per node; both backends run the same QEMU on the same /dev/kvm).
 
 Computer use: :meth:`VMBackend.display` gives a :class:`VmDisplay` (screenshot, size, input
 actions through ``display.py``, a VNC stream for a live view), each QMP operation under the
@@ -22,6 +23,7 @@ the event log (the edge records actions).
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import secrets
@@ -29,14 +31,15 @@ import socket
 import time
 from pathlib import Path
 
-from rollbox.backends.base import BackendCapacity, ResolvedSpec
+from rollbox.backends.base import BackendCapacity, MachineSnapshot, ResolvedSpec
 from rollbox.backends.microvm.accel import AccelChoice
 from rollbox.backends.container.disk import DiskPool
 from rollbox.backends.microvm import qemu, qmp
 from rollbox.backends.microvm.backend import MicroVM, MicroVMBackend
 from rollbox.backends.vm import display, machine
+from rollbox.backends.vm.snapshots import SNAPSHOTS_DIR, MachineSnapshots, disk_id_of
 from rollbox.config import Settings
-from rollbox.errors import SandboxPaused
+from rollbox.errors import BadRequest, SandboxPaused
 from rollbox.images.store import ImageStore
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import ComputerAction, ComputerActionResult, DisplayInfo
@@ -129,13 +132,15 @@ SIZES_KEEP = 4096  # display sizes a backend keeps (VMBackend.display drops the 
 
 class VMBackend(MicroVMBackend):
     kind = KIND
+    snapshot_kind = "machine"
 
     def __init__(self, settings: Settings, slots: UidSlots, store: ImageStore,
                  pool: DiskPool | None = None, *, accel_from: MicroVMBackend | None = None,
                  **kw: object) -> None:
         super().__init__(settings, slots, store, pool, **kw)  # type: ignore[arg-type]
         self.run_root = settings.run_dir / "qvm"
-        self.templates = None  # no template restore, no fork (see the module docstring)
+        self.templates = None  # no template restore (see the module docstring)
+        self.snapshots = MachineSnapshots(settings.data_dir / SNAPSHOTS_DIR, self.disks)
         self.accel_from = accel_from
         # sandbox id -> (display size, when seen): each VM's last screenshot's size
         self._display_sizes: dict[str, tuple[tuple[int, int], float]] = {}
@@ -158,24 +163,68 @@ class VMBackend(MicroVMBackend):
     def capacity(self) -> BackendCapacity:
         cap = super().capacity()
         cap.facts["computer_use"] = True
-        cap.fork = False
         return cap
+
+    def forks(self) -> bool:
+        return True  # the microVM's fork: a saved image restored into each child, no template
 
     def argv_for(self, spec: qemu.MachineSpec) -> list[str]:
         return machine.argv(spec, str(self.settings.qemu_binary))
 
     async def create(self, sandbox_id: str, spec: ResolvedSpec,  # type: ignore[override]
                      **kw: object) -> MicroVM:
-        vm = await super().create(sandbox_id, spec, **kw)  # type: ignore[arg-type]
-        vm.kind = KIND
+        """Booted cold, or restored from ``spec.machine_snapshot`` (:meth:`_restore_machine`)."""
+        if spec.machine_snapshot is not None:
+            return await self._restore_machine(sandbox_id, spec)
+        return await super().create(sandbox_id, spec, **kw)  # type: ignore[arg-type]
+
+    async def _restore_machine(self, sandbox_id: str, spec: ResolvedSpec) -> MicroVM:
+        """A new VM from a machine snapshot: the saved machine (BadRequest if ``spec`` asks
+        another: ``snapshots.acquire``) in a fresh jail, its own copy-on-write disk clone and
+        network, the saved state loaded by the jailed QEMU, the guest made unique; everything
+        torn down on failure (an InfraError)."""
+        assert spec.machine_snapshot is not None
+        self.check_spec(spec)
+        saved = self.snapshots.acquire(spec.machine_snapshot, spec,
+                                       nic=spec.network_rules is not None)
+        try:
+            if saved.machine.accel != self._accel_name():
+                raise BadRequest(f"machine snapshot {saved.id} was saved under "
+                                 f"{saved.machine.accel}, this node runs VMs under "
+                                 f"{self._accel_name()}: it can not restore it",
+                                 reason="snapshot_machine")
+            vm = await self.boot(sandbox_id, spec, saved.machine,
+                                 self.settings.vm_boot_timeout_s, template=saved.template())
+        finally:
+            self.snapshots.release(saved)
+        vm.template = ""  # not the template cache's: a snapshot's own image
+        self._track(vm)
         return vm
 
-    async def adopt(self, sandbox_id: str, spec: ResolvedSpec,  # type: ignore[override]
-                    state: dict[str, object], paused: bool) -> MicroVM | None:
-        vm = await super().adopt(sandbox_id, spec, state, paused)  # type: ignore[arg-type]
-        if vm is not None:
-            vm.kind = KIND
-        return vm
+    async def save_machine(self, h: MicroVM, snapshot_id: str,  # type: ignore[override]
+                           spec: ResolvedSpec, paused: bool) -> MachineSnapshot:
+        """Disk + memory of ``h`` kept as ``snapshot_id`` (``snapshots.py``): the fork's save
+        (QMP ``stop`` unless paused, the state migrated into a file by fd, the disk's
+        subvolume snapshotted, ``cont``) into the snapshot's own dir and disk; ``spec`` is
+        the sandbox's (its layers and disk size go into the meta). Nothing is left of a save
+        that fails."""
+        staging = await asyncio.to_thread(self.snapshots.staging, snapshot_id)
+        try:
+            frozen_s, _ = await self._save_for_fork(h, paused, staging,
+                                                    disk_id_of(snapshot_id))
+            saved = await asyncio.to_thread(self.snapshots.seal, snapshot_id, h.machine, spec,
+                                            h.id)
+        except BaseException:
+            await asyncio.to_thread(self.snapshots.drop, snapshot_id)
+            raise
+        return MachineSnapshot(snapshot_id=snapshot_id, state_bytes=saved.state_bytes,
+                               disk_bytes=saved.disk_bytes, frozen_s=frozen_s)
+
+    def drop_machine(self, snapshot_id: str) -> list[str]:
+        return self.snapshots.drop(snapshot_id)
+
+    def machine_snapshots(self) -> set[str]:
+        return self.snapshots.ids()
 
     def detach(self, h: MicroVM) -> None:  # type: ignore[override]
         self._display_sizes.pop(h.id, None)

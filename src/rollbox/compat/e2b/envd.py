@@ -41,7 +41,7 @@ from rollbox.compat.e2b.state import (
     set_default_user,
     user_of,
 )
-from rollbox.compat.e2b.watch import InotifyWatch
+from rollbox.compat.e2b.watch import InotifyWatch, SyncWatchers
 from rollbox.compat.shell import script_of
 from rollbox.edge.interface import EdgeAPI, ExecOutput
 from rollbox.models import ExecInfo, ExecSpec, FileStat, PtySize
@@ -51,8 +51,6 @@ log = logging.getLogger(__name__)
 PREFIX = "/e2b/envd"
 MAX_FILE_READ = 256 << 20
 KEEPALIVE_HEADER = "keepalive-ping-interval"
-MAX_WATCHERS = 4096  # sync watchers (CreateWatcher) held, all sandboxes
-MAX_WATCHERS_PER_SANDBOX = 64
 LIST_MAX_ENTRIES = 100_000
 SIGNALS = {"SIGNAL_SIGKILL": 9, "SIGNAL_SIGTERM": 15, 9: 9, 15: 15}
 
@@ -390,7 +388,7 @@ async def with_entries(edge: EdgeAPI, sid: str, root: str,
 
 # ---- routes -----------------------------------------------------------------------------
 def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
-    watchers: dict[str, InotifyWatch] = {}
+    watchers = SyncWatchers(api.placement.edge_for)
 
     async def route(request: Request) -> tuple[str, EdgeAPI]:
         sid, key_id = state.sandbox_of(request.headers.get("x-access-token"),
@@ -690,16 +688,16 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         # sandbox's own changes, as on E2B; nothing to lift.
         return p, bool(msg.get("recursive"))
 
-    async def _start_watch(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> InotifyWatch:
+    async def _watch_of(sid: str, edge: EdgeAPI, msg: dict[str, Any],
+                        on_end: Callable[[InotifyWatch], None] | None = None) -> InotifyWatch:
         root, recursive = await _watch_root(sid, edge, msg)
-        w = InotifyWatch(sid, root, recursive, bool(msg.get("includeEntry")))
-        await w.start(edge)
-        return w
+        return InotifyWatch(sid, root, recursive, bool(msg.get("includeEntry")), on_end)
 
     async def fs_watch(request: Request) -> Response:
         msg = await rpc.read_message(request, streaming=True)
         sid, edge = await route(request)
-        w = await _start_watch(sid, edge, msg)
+        w = await _watch_of(sid, edge, msg)
+        await w.start(edge)
         t = rpc.timeout_s(request)
         deadline = time.monotonic() + t if t else None
 
@@ -716,39 +714,21 @@ def mount_envd(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         items = _with_keepalive(watched(), _keepalive_interval(request), deadline)
         return _stream_response({"start": {}}, items, {"keepalive": {}})
 
-    async def _drop_watcher(wid: str) -> None:
-        w = watchers.pop(wid, None)
-        if w is not None:
-            await w.close()
-
     async def fs_create_watcher(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
-        mine = [wid for wid, w in watchers.items() if w.sid == sid]
-        for wid in mine[:max(0, len(mine) - MAX_WATCHERS_PER_SANDBOX + 1)]:
-            await _drop_watcher(wid)  # the oldest a client never removed
-        while len(watchers) >= MAX_WATCHERS:
-            await _drop_watcher(next(iter(watchers)))
-        w = await _start_watch(sid, edge, msg)
-        wid = f"w{time.monotonic_ns():x}"
-        watchers[wid] = w
-        return {"watcherId": wid}
-
-    def _watcher(sid: str, msg: dict[str, Any]) -> tuple[str, InotifyWatch]:
-        wid = str(msg.get("watcherId") or "")
-        w = watchers.get(wid)
-        if w is None or w.sid != sid:
-            raise rpc.ConnectError("not_found", f"watcher {wid!r} not found")
-        return wid, w
+        w = await _watch_of(sid, edge, msg, on_end=watchers.ended)
+        return {"watcherId": await watchers.add(w, edge)}
 
     async def fs_watcher_events(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
-        _, w = _watcher(sid, msg)
+        w = watchers.get(sid, str(msg.get("watcherId") or ""))
         events = await w.poll()
         if w.include_entry:
             events = await with_entries(edge, sid, w.path, events)
         return {"events": events}
 
     async def fs_remove_watcher(sid: str, edge: EdgeAPI, msg: dict[str, Any]) -> dict[str, Any]:
-        wid, _ = _watcher(sid, msg)
-        await _drop_watcher(wid)
+        wid = str(msg.get("watcherId") or "")
+        watchers.get(sid, wid)  # not_found for another sandbox's
+        await watchers.remove(wid)
         return {}
 
     UNARY = {

@@ -8,7 +8,8 @@ records (hostile input: the tool runs in the sandbox), turning inotify masks int
 types (as envd's fsnotify reports them: create, write, remove, rename, chmod), a bounded queue of
 events between reads, and the barrier a poll (``GetWatcherEvents``) uses so that it returns every
 event of the writes that returned before it. The watch ends with the sandbox (the tool is one of
-its processes) or when its directory goes.
+its processes) or when its directory goes. The sync watchers' table (``SyncWatchers``: ids,
+caps, and their drop once their sandbox is gone).
 
 Must not touch: the edge's file operations, the agent protocol (the tool is an argv of
 EXEC_PLATFORM_TOOL), anything of the sandbox besides reading the events.
@@ -20,8 +21,9 @@ import asyncio
 import contextlib
 import posixpath
 import struct
+import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from rollbox import errors
@@ -33,6 +35,9 @@ from rollbox.hostfs import TMP_PREFIX  # a write's temp file, renamed into place
 WATCH_TOOL = "rollbox-watch"  # agent.c: a platform tool built into the agent
 RECORD = struct.Struct("<2sIIH")  # b"WE"/b"WS", inotify mask, cookie, path length
 QUEUE_MAX = 10_000  # events held between two polls; past it the watch fails (events lost)
+MAX_WATCHERS = 4096  # sync watchers (CreateWatcher) held, all sandboxes
+MAX_WATCHERS_PER_SANDBOX = 64
+GONE_STATES = ("stopping", "dead", "deleted")  # a sandbox's watchers can never be polled again
 START_TIMEOUT_S = 30.0
 BARRIER_TIMEOUT_S = 10.0
 
@@ -102,8 +107,12 @@ class Translator:
 class InotifyWatch:
     """One watch: the tool's process, its events queued (bounded) until read."""
 
-    def __init__(self, sid: str, path: str, recursive: bool, include_entry: bool) -> None:
+    def __init__(self, sid: str, path: str, recursive: bool, include_entry: bool,
+                 on_end: Callable[[InotifyWatch], None] | None = None) -> None:
+        """``on_end``: called once when the tool's process has ended (the sandbox went, or
+        the directory), not when :meth:`close` ends it."""
         self.sid, self.path, self.recursive, self.include_entry = sid, path, recursive, include_entry
+        self._on_end = on_end
         self._proc: PlatformProcess | None = None
         self._reader: asyncio.Task[None] | None = None
         self._events: deque[dict[str, Any]] = deque()
@@ -174,6 +183,8 @@ class InotifyWatch:
         finally:
             self._done = True
             self._changed.set()
+        if self._on_end is not None:
+            self._on_end(self)
 
     async def poll(self) -> list[dict[str, Any]]:
         """Every event so far, including those of writes that returned before this call (a
@@ -220,3 +231,61 @@ class InotifyWatch:
             with contextlib.suppress(BaseException):
                 await self._reader
         self._done = True
+
+
+class SyncWatchers:
+    """envd's sync watchers (``CreateWatcher`` / ``GetWatcherEvents`` / ``RemoveWatcher``):
+    watcher id -> watch, at most ``MAX_WATCHERS`` in all and ``MAX_WATCHERS_PER_SANDBOX`` per
+    sandbox (past either the oldest goes). When a watch's tool ends and its sandbox is gone
+    (deleted by any path: E2B's kill, rollbox's API, its TTL; or dead), every watcher of that
+    sandbox goes at once, its queued events too, instead of lingering until the caps push it
+    out: none can be polled again. A watcher whose directory went stays (its sandbox's client
+    can still poll and remove it). ``edge_for``: the edge of a sandbox id (``Placement.edge_for``)."""
+
+    def __init__(self, edge_for: Callable[[str], EdgeAPI]) -> None:
+        self._edge_for = edge_for
+        self._watches: dict[str, InotifyWatch] = {}
+        self._checks: set[asyncio.Task[None]] = set()  # _drop_if_gone runs, held until done
+
+    def ids_of(self, sid: str) -> list[str]:
+        return [wid for wid, w in self._watches.items() if w.sid == sid]
+
+    async def add(self, w: InotifyWatch, edge: EdgeAPI) -> str:
+        """Start ``w`` (made with ``on_end=self.ended``) and hold it; its new id."""
+        mine = self.ids_of(w.sid)
+        for wid in mine[:max(0, len(mine) - MAX_WATCHERS_PER_SANDBOX + 1)]:
+            await self.remove(wid)  # the oldest a client never removed
+        while len(self._watches) >= MAX_WATCHERS:
+            await self.remove(next(iter(self._watches)))
+        await w.start(edge)
+        wid = f"w{time.monotonic_ns():x}"
+        self._watches[wid] = w
+        return wid
+
+    def get(self, sid: str, wid: str) -> InotifyWatch:
+        w = self._watches.get(wid)
+        if w is None or w.sid != sid:
+            raise rpc.ConnectError("not_found", f"watcher {wid!r} not found")
+        return w
+
+    async def remove(self, wid: str) -> None:
+        w = self._watches.pop(wid, None)
+        if w is not None:
+            await w.close()
+
+    def ended(self, w: InotifyWatch) -> None:
+        """A watch's tool ended (its ``on_end``): check its sandbox in the background."""
+        task = asyncio.get_running_loop().create_task(self._drop_if_gone(w.sid))
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def _drop_if_gone(self, sid: str) -> None:
+        try:
+            gone = (await self._edge_for(sid).get(sid)).state in GONE_STATES
+        except errors.NotFound:
+            gone = True
+        except errors.RollboxError:  # not known now: left to the caps
+            return
+        if gone:
+            for wid in self.ids_of(sid):
+                await self.remove(wid)

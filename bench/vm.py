@@ -1,0 +1,379 @@
+"""``rollbox bench vm [--quick] [--json]``: full-VM (``vm`` backend) sandboxes on this node, with
+a plain QEMU boot of the same machine and a microVM create of the same image as the peers, in
+one run.
+
+Against ``rollbox serve`` in its own process on a scratch node (``bench/microvm.py``'s: its
+own data dir, run dir, cgroup parent, node id, uid band; the node's images and guest artifacts
+read-only), image
+``IMAGE`` (the layered ``busybox:test`` guest: the default tier's), one vCPU, ``VM`` resources
+for every VM of the run. Phases:
+
+1. ``ready``: create -> the agent answers (the first ``exec(["true"])`` returns 0), p50/p99
+   over ``n`` sequential creates of a ``vm`` sandbox (a cold q35 boot through SeaBIOS: the
+   backend has no templates yet); then the same for ``microvm`` sandboxes of the same image on
+   the same server (a template restore after one untimed warm-up create; the microVM
+   backend's default).
+2. ``exec``: ``exec(["true"])`` round trip through the SDK in one live VM, p50/p99.
+3. ``screenshot``: ``sandbox.screenshot()`` p50/p99 and the PNG's bytes and size.
+4. ``input``: the API round trip of one input action: ``mouse.click`` and ``keyboard.type`` of
+   ``TYPE_CHARS`` characters (paced by the backend: a PS/2 queue), p50/p99 each.
+5. ``input_to_screen``: the console's cursor blink turned off in the guest, the screen checked
+   to be still (``STILL_SHOTS`` equal screenshots ``STILL_GAP_S`` apart: nothing else draws),
+   then one key typed and screenshots taken until one differs from the still screen (the key
+   echoed on the console, tty1): the time from sending the key to that screenshot, p50/p99.
+   Each sample types a letter, and a backspace afterwards puts the line back.
+6. ``pause``: ``pause()`` and ``resume()`` round trips, and a screenshot after each resume.
+7. ``idle``: host memory per idle VM: the drop of MemAvailable / N after ``IDLE_SETTLE_S`` of N
+   idle ``vm`` sandboxes; held = each answers a screenshot and an exec within 5 s.
+8. ``plain``: the peer: ``qemu-system-x86_64`` started by this file with the backend's own
+   machine (``backends/vm/machine.py``'s argv for the same spec: q35, SeaBIOS, VGA, xhci
+   tablet, balloon, virtio-serial, the same kernel, initramfs, image layers and a fresh ext4
+   writable disk), the jail's paths and inherited descriptors replaced by plain files and unix
+   sockets; no jail, no cgroups, no edge or API. Boot -> the agent runs ``true``, sequential.
+   ``ratio_vs_plain_qemu_ready`` = rollbox ready p50 / plain p50.
+
+Not measured here yet, said in the JSON as null with the reason: ``restore_ready_p50_s`` (a
+``vm`` snapshot restored as a new sandbox: not on main) and the desktop's boot to a drawn
+desktop (needs ``create("desktop", backend="vm")``: not on main).
+
+``--only a,b`` runs just those phases (``PHASES``). The last line of ``--json`` is one JSON
+object.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.microvm import PlainQemu, image_layers, parse_only, server  # noqa: E402
+from rollbox.backends.microvm import qemu  # noqa: E402
+from rollbox.backends.vm import machine  # noqa: E402
+from rollbox.benchkit import (  # noqa: E402
+    emit, mem_available, percentile, ratio, round_trips, say,
+)
+from rollbox.config import Settings  # noqa: E402
+
+IMAGE = "busybox:test"
+VM_MEMORY_MIB = 256
+VM_DISK_MIB = 256
+VM = {"cpus": 1, "memory_mib": VM_MEMORY_MIB, "disk_mib": VM_DISK_MIB}
+TYPE_CHARS = 32       # characters per keyboard.type sample
+STILL_SHOTS = 3       # equal screenshots that make the screen "still"
+STILL_GAP_S = 0.3     # between them
+SCREEN_WAIT_S = 10.0  # a typed key not drawn within this is a failed sample
+IDLE_SETTLE_S = 10.0  # idle time before MemAvailable is read (balloon, free-page reporting)
+ANSWER_S = 5.0        # an idle VM is held if it answers a screenshot and an exec within this
+# the guest console's cursor, blinking: off for the input-to-screen phase (the sandbox's own
+# /sys; fbcon's knob, or the VT's escape for a text-mode console)
+CURSOR_BLINK_OFF = ("for f in /sys/class/graphics/fbcon/cursor_blink; do "
+                    "[ -w $f ] && echo 0 > $f; done; printf '\\033[?25l' > /dev/tty1 || true")
+PHASES = frozenset({"ready", "exec", "screenshot", "input", "input_to_screen", "pause",
+                    "idle", "plain"})
+SERVER_PHASES = PHASES - {"plain"}
+
+
+# ---- pure parts (unit-tested) ----------------------------------------------------------------
+
+def summarize(samples_s: list[float], prefix: str, unit: str = "ms") -> dict[str, float]:
+    """``{prefix}_p50_<unit>`` and ``{prefix}_p99_<unit>`` of samples in seconds."""
+    scale = 1000.0 if unit == "ms" else 1.0
+    return {f"{prefix}_p50_{unit}": percentile(samples_s, 50) * scale,
+            f"{prefix}_p99_{unit}": percentile(samples_s, 99) * scale}
+
+
+def plain_argv(spec: qemu.MachineSpec, *, binary: str, kernel: Path, initrd: Path,
+               layers: list[Path], rw: Path, agent: Path, qmp_sock: Path) -> list[str]:
+    """The backend's own argv for ``spec`` (``machine.argv``) with the jail's fixed paths
+    replaced by ``kernel``/``initrd``/``layers``/``rw`` and its inherited descriptors by unix
+    sockets (agent, QMP) and a null console: the same machine, run by hand. ValueError if a
+    jail path or descriptor is left (the backend's argv grew something this does not map)."""
+    if len(layers) != spec.layers:
+        raise ValueError(f"{len(layers)} layer files for a spec of {spec.layers}")
+    paths = {qemu.KERNEL: str(kernel), qemu.INITRD: str(initrd)}
+    files = {f"file={qemu.layer_path(i)},": f"file={p}," for i, p in enumerate(layers)}
+    files[f"file={qemu.RW_DISK},"] = f"file={rw},"
+    chardevs = {
+        f"socket,id=console,fd={qemu.CONSOLE_FD},server=on,wait=off": "null,id=console",
+        f"socket,id=qmp,fd={qemu.QMP_FD},server=on,wait=off":
+            f"socket,id=qmp,path={qmp_sock},server=on,wait=off",
+        f"socket,id=agent,fd={qemu.AGENT_FD},server=on,wait=off":
+            f"socket,id=agent,path={agent},server=on,wait=off",
+    }
+    out = []
+    for arg in machine.argv(spec, binary):
+        arg = paths.get(arg, chardevs.get(arg, arg))
+        for old, new in files.items():
+            arg = arg.replace(old, new)
+        out.append(arg)
+    left = [a for a in out if "/vm/" in a or "fd=" in a]
+    if left:
+        raise ValueError(f"jail paths or descriptors left in the plain argv: {left}")
+    return out
+
+
+async def wait_for_change(shot: Callable[[], Awaitable[bytes]], before: bytes,
+                          timeout: float, since: float | None = None,
+                          clock: Callable[[], float] = time.monotonic) -> float | None:
+    """Seconds from ``since`` (a ``clock()`` time; default: the call) until a screenshot
+    differs from ``before`` (compared by sha256; QEMU's PNG of an unchanged screen is the same
+    bytes); None when none did ``timeout`` seconds after the call."""
+    old = hashlib.sha256(before).digest()
+    start = clock()
+    t0 = start if since is None else since
+    while clock() - start < timeout:
+        if hashlib.sha256(await shot()).digest() != old:
+            return clock() - t0
+    return None
+
+
+async def still_screen(shot: Callable[[], Awaitable[bytes]], n: int = STILL_SHOTS,
+                       gap_s: float = STILL_GAP_S, tries: int = 10) -> bytes | None:
+    """A screenshot equal to the ``n - 1`` taken before it ``gap_s`` apart (nothing draws),
+    trying ``tries`` times; None if the screen never held still."""
+    for _ in range(tries):
+        first = await shot()
+        for _ in range(n - 1):
+            await asyncio.sleep(gap_s)
+            if await shot() != first:
+                break
+        else:
+            return first
+    return None
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    from rollbox.backends.vm.display import png_size as size
+
+    return size(data)
+
+
+# ---- rollbox phases --------------------------------------------------------------------------
+
+async def ready_times(client: Any, backend: str, n: int) -> dict[str, Any]:
+    """n sequential creates: create -> the first exec ``true`` returned 0 (seconds)."""
+    lat: list[float] = []
+    errors = 0
+    for _ in range(n):
+        t = time.monotonic()
+        sb = await client.create(IMAGE, backend=backend, **VM, ttl_s=600)
+        try:
+            r = await sb.exec(["true"])
+            if r.exit_code == 0:
+                lat.append(time.monotonic() - t)
+            else:
+                errors += 1
+        finally:
+            await sb.delete()
+    return {"samples": lat, "errors": errors}
+
+
+async def one_vm_phases(client: Any, quick: bool, phases: frozenset[str],
+                        res: dict[str, Any]) -> None:
+    """exec, screenshot, input, input_to_screen and pause on one live vm sandbox."""
+    sb = await client.create(IMAGE, backend="vm", **VM, ttl_s=1800)
+    try:
+        await sb.exec(["true"])
+        if "exec" in phases:
+            lat = await round_trips(lambda: sb.exec(["true"]), 30 if quick else 200)
+            res.update(summarize(lat, "exec"))
+            say(f"exec true p50 {res['exec_p50_ms']:.1f} ms p99 {res['exec_p99_ms']:.1f} ms")
+        # the bochs DRM driver sets its mode during the boot: wait until the size is stable
+        await still_screen(sb.screenshot)
+        if "screenshot" in phases:
+            lat = await round_trips(sb.screenshot, 20 if quick else 100, warmup=3)
+            shot = await sb.screenshot()
+            w, h = png_size(shot)
+            res.update(summarize(lat, "screenshot"))
+            res.update(screenshot_bytes=len(shot), screenshot_size=[w, h])
+            say(f"screenshot p50 {res['screenshot_p50_ms']:.1f} ms p99 "
+                f"{res['screenshot_p99_ms']:.1f} ms ({len(shot)} bytes, {w}x{h})")
+        if "input" in phases:
+            d = await sb.display()
+            n = 10 if quick else 50
+            lat = await round_trips(lambda: sb.mouse.click(d.width // 2, d.height // 2), n, 2)
+            res.update(summarize(lat, "click"))
+            text = "a" * TYPE_CHARS
+            lat = await round_trips(lambda: sb.keyboard.type(text), n // 2, 1)
+            await sb.keyboard.press("ctrl+u")
+            res.update(summarize(lat, f"type{TYPE_CHARS}"))
+            res["type_chars"] = TYPE_CHARS
+            say(f"click p50 {res['click_p50_ms']:.1f} ms; type {TYPE_CHARS} chars p50 "
+                f"{res[f'type{TYPE_CHARS}_p50_ms']:.1f} ms")
+        if "input_to_screen" in phases:
+            await input_to_screen(sb, 5 if quick else 20, res)
+        if "pause" in phases:
+            pauses, resumes, shots_ok = [], [], 0
+            for _ in range(3 if quick else 10):
+                t = time.monotonic()
+                await sb.pause()
+                pauses.append(time.monotonic() - t)
+                t = time.monotonic()
+                await sb.resume()
+                resumes.append(time.monotonic() - t)
+                shots_ok += (await sb.screenshot())[:4] == b"\x89PNG"
+            res.update(summarize(pauses, "pause"))
+            res.update(summarize(resumes, "resume"))
+            res["screenshot_after_resume_ok"] = shots_ok == len(resumes)
+            say(f"pause p50 {res['pause_p50_ms']:.0f} ms, resume p50 "
+                f"{res['resume_p50_ms']:.0f} ms")
+    finally:
+        await sb.delete()
+
+
+async def input_to_screen(sb: Any, n: int, res: dict[str, Any]) -> None:
+    r = await sb.exec(CURSOR_BLINK_OFF)
+    res["cursor_blink_off"] = r.exit_code == 0
+    lat: list[float] = []
+    failed = 0
+    for i in range(n):
+        before = await still_screen(sb.screenshot)
+        if before is None:
+            failed += 1
+            continue
+        t0 = time.monotonic()
+        await sb.keyboard.type("abcdefghijklmnopqrstuvwxyz"[i % 26])
+        took = await wait_for_change(sb.screenshot, before, SCREEN_WAIT_S, since=t0)
+        if took is None:
+            failed += 1
+        else:
+            lat.append(took)
+        await sb.keyboard.press("backspace")
+    res.update(summarize(lat, "input_to_screen"))
+    res["input_to_screen_failed"] = failed
+    say(f"input to screen p50 {res['input_to_screen_p50_ms']:.0f} ms p99 "
+        f"{res['input_to_screen_p99_ms']:.0f} ms ({failed} of {n} failed)")
+
+
+async def idle_phase(client: Any, n: int, res: dict[str, Any]) -> None:
+    await asyncio.sleep(2)
+    before = mem_available()
+    boxes: list[Any] = []
+    try:
+        for _ in range(n):
+            boxes.append(await client.create(IMAGE, backend="vm", **VM, ttl_s=900))
+        await asyncio.sleep(IDLE_SETTLE_S)
+        drop = before - mem_available()
+        held = 0
+        for sb in boxes:
+            try:
+                async with asyncio.timeout(ANSWER_S):
+                    ok = (await sb.screenshot())[:4] == b"\x89PNG"
+                    ok = ok and (await sb.exec(["true"])).exit_code == 0
+                held += ok
+            except Exception:  # noqa: BLE001 - a VM that does not answer is not held
+                pass
+    finally:
+        for sb in boxes:
+            with contextlib.suppress(Exception):
+                await sb.delete()
+    res["idle_mib_per_vm"] = drop / n / (1 << 20)
+    res["idle_n"], res["idle_held"] = n, held
+    say(f"idle: {res['idle_mib_per_vm']:.0f} MiB per VM, {held} of {n} held")
+
+
+async def server_phases(srv: Any, quick: bool, phases: frozenset[str],
+                        res: dict[str, Any]) -> None:
+    from rollbox.sdk import AsyncClient
+
+    async with AsyncClient(base_url=srv.url, api_key=srv.key, timeout=600) as client:
+        if "ready" in phases:
+            n = 2 if quick else 5
+            r = await ready_times(client, "vm", n)
+            res.update(summarize(r["samples"], "cold_ready", "s"))
+            res["cold_ready_errors"] = r["errors"]
+            say(f"vm create -> ready p50 {res['cold_ready_p50_s']:.2f} s p99 "
+                f"{res['cold_ready_p99_s']:.2f} s (errors {r['errors']})")
+            await ready_times(client, "microvm", 1)  # the microVM template of the key
+            r = await ready_times(client, "microvm", n)
+            res.update(summarize(r["samples"], "microvm_ready", "s"))
+            res["microvm_ready_errors"] = r["errors"]
+            say(f"microvm create -> ready p50 {res['microvm_ready_p50_s']:.2f} s")
+        if phases & {"exec", "screenshot", "input", "input_to_screen", "pause"}:
+            await one_vm_phases(client, quick, phases, res)
+        if "idle" in phases:
+            await idle_phase(client, 2 if quick else 4, res)
+
+
+# ---- the peer: plain QEMU --------------------------------------------------------------------
+
+class PlainVm(PlainQemu):
+    """One boot of the backend's q35 machine by plain QEMU (``plain_argv``); the rest
+    (writable disk + mkfs, the wait for the agent, ``true``) is the microVM peer's."""
+
+    def __init__(self, workdir: Path, layers: list[Path]) -> None:
+        super().__init__(workdir, layers, VM_MEMORY_MIB, VM_DISK_MIB)
+        s = Settings()
+        self.kernel, self.initrd = s.vm_full_kernel, s.vm_full_initrd
+        self.binary = str(s.qemu_binary)
+
+    def argv(self) -> list[str]:
+        spec = qemu.MachineSpec(cpus=1, memory_mib=self.memory_mib, layers=len(self.layers),
+                                tsc_khz=qemu.host_tsc_khz())
+        return plain_argv(spec, binary=self.binary, kernel=self.kernel, initrd=self.initrd,
+                          layers=self.layers, rw=self.rw, agent=self.sock,
+                          qmp_sock=self.dir / "qmp.sock")
+
+
+async def plain_phase(quick: bool, res: dict[str, Any]) -> None:
+    layers = image_layers(IMAGE)
+    lat: list[float] = []
+    errors = 0
+    with tempfile.TemporaryDirectory(prefix="rollbox-bench-plainvm-") as d:
+        for _ in range(2 if quick else 5):
+            vm = PlainVm(Path(d), layers)
+            try:
+                lat.append(await vm.boot_and_exec())
+            except Exception as exc:  # noqa: BLE001 - counted and said
+                errors += 1
+                say(f"  plain QEMU boot failed: {type(exc).__name__}: {exc}")
+            finally:
+                await vm.close()
+    res.update(summarize(lat, "plain_qemu_ready", "s"))
+    res["plain_qemu_errors"] = errors
+    say(f"plain QEMU (same machine) boot -> ready p50 {res['plain_qemu_ready_p50_s']:.2f} s")
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+def main(quick: bool = False, json_out: bool = False,
+         only: frozenset[str] | None = None) -> dict[str, Any]:
+    phases = PHASES if only is None else only
+    if not phases or not phases <= PHASES:
+        raise SystemExit(f"bench vm: phases are {', '.join(sorted(PHASES))}")
+    node = Settings()
+    if not node.vm_full_initrd.is_file():
+        raise SystemExit(f"bench vm: no full-VM guest at {node.vm_full_initrd} (make vmguest)")
+    res: dict[str, Any] = {"image": IMAGE, "quick": quick, "load_start": os.getloadavg()[0],
+                           "cores": os.cpu_count(), "phases": sorted(phases),
+                           "qemu": qemu.version(str(node.qemu_binary)), "vm": VM,
+                           "restore_ready_p50_s": None,
+                           "restore_ready": "not measured: vm snapshot/restore not on main",
+                           "desktop_ready_p50_s": None,
+                           "desktop_ready": "not measured: desktop disk boot not on main"}
+    t0 = time.monotonic()
+    if phases & SERVER_PHASES:
+        with server() as srv:
+            asyncio.run(server_phases(srv, quick, phases, res))
+    if "plain" in phases:
+        asyncio.run(plain_phase(quick, res))
+    res["ratio_vs_plain_qemu_ready"] = ratio(res.get("cold_ready_p50_s"),
+                                             res.get("plain_qemu_ready_p50_s"))
+    res["ratio_vs_microvm_ready"] = ratio(res.get("cold_ready_p50_s"),
+                                          res.get("microvm_ready_p50_s"))
+    res["wall_s"] = time.monotonic() - t0
+    res["load_end"] = os.getloadavg()[0]
+    return emit(res, json_out)
+
+
+if __name__ == "__main__":
+    only = next((sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a == "--only"), "")
+    main(quick="--quick" in sys.argv, json_out="--json" in sys.argv, only=parse_only(only))

@@ -1,0 +1,50 @@
+"""``rollbox demo --backend vm --task desktop`` end to end (issue 16 item 5): two episodes on
+real ``desktop:1`` VMs through the api and a real edge (TCG): the honest agent opens the
+editor by mouse, types, saves with ctrl+s and is graded 1.0 by the replay in a fresh VM; the
+cheater writes the note by exec, its own VM says it won, the grade is 0.0. Four desktop
+boots: ``desktop_slow`` only. The honest episode's step strip is written to
+``docs/demo-desktop.png`` (looked at by eye: docs/desktop-demo.md)."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rollbox.desktop.episode import run_desktop_episodes
+from rollbox.images.sources.desktop import build_desktop_disk
+from rollbox.images.vmdisk import verify_vm_disk, vm_disks_root
+
+pytestmark = [pytest.mark.desktop_slow, pytest.mark.root, pytest.mark.timeout(5400)]
+
+REPO = Path(__file__).resolve().parents[2]
+STRIP = REPO / "docs" / "demo-desktop.png"
+
+
+@pytest.fixture(scope="module")
+def desktop_disk():  # noqa: ANN201
+    disk = build_desktop_disk(progress=print)  # the node's, built if missing; used read-only
+    verify_vm_disk(disk)
+    return disk
+
+
+@pytest.fixture
+def edge_settings(desktop_disk) -> dict:  # noqa: ANN001
+    return {"vm_accel": "tcg", "vm_disks_root": vm_disks_root()}
+
+
+async def test_desktop_demo_end_to_end(edge, api_server, tmp_path: Path) -> None:  # noqa: ANN001
+    url, keys = api_server
+    summary = await run_desktop_episodes(2, url, keys.create("demo"), out_dir=tmp_path)
+    print({k: v for k, v in summary.items() if k != "results"})
+    assert not summary["errors"], summary["errors"]
+    honest, cheat = summary["results"]
+    assert honest["cheat"] == [] and cheat["cheat"] == ["exec-note"]
+    assert honest["own_vm_reward"] == 1.0 and honest["reward"] == 1.0, honest
+    assert honest["grade"]["replayed"] == 4 and honest["grade"]["note"].startswith(
+        summary["text"])
+    assert cheat["own_vm_reward"] == 1.0, cheat  # its own VM says the note is right
+    assert cheat["reward"] == 0.0 and cheat["grade"]["replayed"] == 0, cheat
+    steps = [Path(p).stem.split("-", 2)[2] for p in honest["screenshots"]]
+    assert steps == ["1-desktop", "2-editor", "3-typed", "4-saved", "grader-replay"], steps
+    shutil.copyfile(summary["strip"], STRIP)
