@@ -3,7 +3,8 @@
  * Shaped after Firecracker's jailer (not copied): the edge runs it as root with everything
  * decided on its command line; it
  *   0. with --sched idle, takes the SCHED_IDLE policy (passed on to the program and its
- *      threads: a spare QEMU started ahead of its sandbox; the edge sets it back at claim),
+ *      threads: a batch sandbox's QEMU, or a spare QEMU started ahead of its sandbox, which
+ *      the edge sets to its sandbox's class at claim),
  *   1. joins the sandbox's cgroups (--cgroup DIR, one per hierarchy: limits + cgroup.kill),
  *   2. joins the sandbox's network namespace (--netns PATH) or makes an empty one,
  *   3. unshares pid, mount, ipc and uts namespaces,
@@ -15,7 +16,7 @@
  *      pivot_root()s into it,
  *   5. forks: the child is PID 1 of the new pid namespace; it drops to --uid/--gid with no
  *      supplementary groups, an empty capability bounding set, no_new_privs, a new session,
- *      RLIMIT_CORE 0, no transparent huge pages, an empty environment, only fds 0-2 and
+ *      RLIMIT_CORE, RLIMIT_NICE and RLIMIT_RTPRIO 0, no transparent huge pages, an empty environment, only fds 0-2 and
  *      3..3+--keep-fds-1 open, and execs the program;
  *   6. the parent writes the child's host pid to --pidfile and exits 0 once the exec happened
  *      (or 1 with the failing step on stderr). The program then runs on its own (the edge, a
@@ -200,6 +201,10 @@ static void drop_privileges(uid_t uid, gid_t gid) {
         die("clear ambient caps");
     struct rlimit zero = {0, 0};
     if (setrlimit(RLIMIT_CORE, &zero)) die("RLIMIT_CORE");
+    /* no nice below 0 and no real-time policy (rollbox.isolation.qos RLIMITS): a QEMU at
+     * SCHED_IDLE (a batch sandbox's) can not leave it */
+    if (setrlimit(RLIMIT_NICE, &zero)) die("RLIMIT_NICE");
+    if (setrlimit(RLIMIT_RTPRIO, &zero)) die("RLIMIT_RTPRIO");
     /* No transparent huge pages for QEMU (inherited across exec; QEMU's MADV_HUGEPAGE on guest
      * RAM is then ignored): a guest touching 4 KiB costs the host 4 KiB, not 2 MiB (an idle
      * 512 MiB busybox guest: 91 instead of 98 MiB of guest RAM resident). */

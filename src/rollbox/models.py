@@ -13,6 +13,9 @@ LABEL_RE = re.compile(r"^[A-Za-z0-9_.\-/]{1,63}$")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 MAX_TIMEOUT_S = 7 * 24 * 3600
+# A sandbox's service class (SandboxSpec.qos): placement (rollbox.placement) and the node's CPU
+# scheduling (rollbox.isolation.qos) enforce it.
+Qos = Literal["latency", "batch"]
 # A trainer job's name (per project; also a URL path segment, so no "/").
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 
@@ -87,7 +90,7 @@ class SandboxSpec(BaseModel):
     # best-effort (a project's sandboxes by default; may go to burst nodes), "latency" is
     # latency-sensitive (graders and fncall workers; placed with more headroom, never on a
     # burst node).
-    qos: Literal["latency", "batch"] = "batch"
+    qos: Qos = "batch"
 
     @field_validator("job")
     @classmethod
@@ -178,6 +181,7 @@ class SandboxInfo(BaseModel):
     usage: SandboxUsage | None = None  # live sandboxes, in GET only
     disk_tier: Literal["disk", "memory"] = "disk"
     backend: str = "container"
+    qos: Qos = "batch"  # SandboxSpec's
     on_expiry: Literal["delete", "pause"] = "delete"
     resume_on_traffic: bool = False  # SandboxSpec's
     ttl_s: float = 0.0  # the TTL it was created with (0: not recorded), given again on a wake

@@ -8,6 +8,7 @@ when host memory has no room. Nothing of a spare is left anywhere."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import time
@@ -106,17 +107,21 @@ async def test_a_restore_takes_a_spare_that_becomes_the_sandbox(
                 assert charged >= data * ram.PAGE  # its data pages are in already
             pids = {sp.pid: sp.id for sp in spares}
             ids = [f"{settings.node_id}-s{i}" for i in (1, 2)]
-            pair = await asyncio.gather(*(b.create(i, spec) for i in ids))
+            # one claim per CPU class: latency leaves the idle class, batch stays in it
+            classes = ("latency", "batch")
+            pair = await asyncio.gather(*(b.create(i, dataclasses.replace(spec, qos=c))
+                                          for i, c in zip(ids, classes)))
             vms += pair
-            for vm in pair:
+            for vm, cls in zip(pair, classes):
                 assert vm.template == tpl.digest and vm.pid in pids
                 assert vm.jail.dir == b.run_root / vm.id and vm.id in b.disks.pool.ids()
                 assert vm.jail.cgroup_name == pids[vm.pid]  # the spare's cgroups, kept
                 assert not (b.run_root / pids[vm.pid]).exists()
                 assert (b.usage(vm).memory_bytes or 0) > 0
                 idle = cpu_file(settings, vm.jail.cgroup_name, "cpu.idle")
-                assert not idle.exists() or idle.read_text().strip() == "0"  # a sandbox now
-                assert policies(vm.pid) == {os.SCHED_OTHER}
+                want = "1" if cls == "batch" else "0"  # the sandbox's class now
+                assert not idle.exists() or idle.read_text().strip() == want, cls
+                assert policies(vm.pid) == {os.SCHED_IDLE if cls == "batch" else os.SCHED_OTHER}
             lines = [json.loads(x) for x in settings.vm_step_log.read_text().splitlines()]
             steps = {x["id"]: x["steps"] for x in lines}
             assert all("spare_claim" in steps[i] and "jailer_exec" not in steps[i] for i in ids)

@@ -111,10 +111,11 @@ class Boxes:
 
     async def make(self, image: str = BB, *, hardened: bool = True,
                    hidden: tuple[str, ...] = (), network: list[str] | None = None,
-                   disk_tier: Literal["disk", "memory"] = "disk", **resources: Any) -> str:
+                   disk_tier: Literal["disk", "memory"] = "disk",
+                   qos: Literal["latency", "batch"] = "batch", **resources: Any) -> str:
         """network: None = loopback only; a list = a network policy with these allow rules."""
         spec = SandboxSpec(image=image, resources=Resources(**resources), backend=self.kind,
-                           hidden_paths=list(hidden), disk_tier=disk_tier,
+                           hidden_paths=list(hidden), disk_tier=disk_tier, qos=qos,
                            network=NetworkPolicy(allow=network) if network is not None else None)
         async with self.lock:  # the wrapper is per call: never mix flags across creations
             with create_flags(self.edge, self.kind, hardened=hardened):

@@ -166,7 +166,7 @@ class FakeEdge:
         info = SandboxInfo(id=sid, node=self.node_id, image=spec.image, layers=spec.layers,
                            state="running", created_at=now, expires_at=now + spec.ttl_s,
                            labels=spec.labels, resources=spec.resources, owner=owner,
-                           idempotency_key=spec.idempotency_key)
+                           idempotency_key=spec.idempotency_key, qos=spec.qos)
         self.sandboxes[sid] = _Sandbox(info, root)
         self._log(sid, "sandbox.created", data=json.dumps(
             {"image": spec.image, "layers": spec.layers, "owner": owner, "job": spec.job}))

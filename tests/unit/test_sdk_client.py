@@ -147,6 +147,17 @@ async def test_errors_are_typed_and_connection_failure_is_infra(
         assert ei2.value.retryable
 
 
+async def test_qos_class_through_the_sdk(stack: ApiStack, client: rollbox.AsyncClient) -> None:
+    """The SDK passes qos on; an unknown class is a typed bad_request and nothing is made."""
+    sb = await client.create("debian", qos="latency")
+    assert sb.info.qos == "latency"
+    assert (await client.create("debian")).info.qos == "batch"  # the default
+    made = stack.edges[0].creates
+    with pytest.raises(rollbox.BadRequest) as ei:
+        await client.create("debian", qos="urgent")
+    assert "qos" in ei.value.message and stack.edges[0].creates == made
+
+
 async def test_create_many_bounded_with_retries(tmp_path: Path) -> None:
     async with ApiStack(tmp_path, nodes=("n0",), max_sandboxes=3, serve=False) as s:
         edge = s.edges[0]

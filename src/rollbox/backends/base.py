@@ -27,6 +27,7 @@ from rollbox.models import (
     ComputerActionResult,
     DisplayInfo,
     FileStat,
+    Qos,
     Resources,
 )
 
@@ -58,6 +59,9 @@ class ResolvedSpec:
     # ``capacity().snapshot`` is "machine" ("vm") restores one; every other refuses the spec
     # (BadRequest), as does a "vm" backend for a spec of another machine than the saved one.
     machine_snapshot: str | None = None
+    # The CPU class (rollbox.isolation.qos): "batch" runs in the idle class, "latency" normal
+    # (and core-scheduled where the host has it).
+    qos: Qos = "batch"
 
 
 @dataclass

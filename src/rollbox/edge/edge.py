@@ -299,7 +299,8 @@ class Edge:
             image=info.image, layers=tuple(info.layers), resources=info.resources,
             env=dict(extra.get("env", {})), hidden_paths=tuple(info.hidden_paths),
             network_rules=tuple(info.network.allow) if info.network is not None else None,
-            disk_tier=info.disk_tier, machine_snapshot=extra.get("machine_snapshot"))
+            disk_tier=info.disk_tier, machine_snapshot=extra.get("machine_snapshot"),
+            qos=info.qos)
 
     def _rebuild_sessions(self, live: LiveSandbox) -> list[asyncio.Task]:
         """Commands of a re-adopted sandbox, from the journal and the agent: recorded ends as
@@ -671,7 +672,7 @@ class Edge:
             created_at=now, expires_at=now + spec.ttl_s, labels=spec.labels,
             resources=spec.resources, owner=owner, hidden_paths=spec.hidden_paths,
             network=spec.network, job=spec.job, disk_tier=spec.disk_tier,
-            backend=spec.backend, idempotency_key=spec.idempotency_key,
+            backend=spec.backend, qos=spec.qos, idempotency_key=spec.idempotency_key,
             on_expiry=spec.on_expiry, resume_on_traffic=spec.resume_on_traffic,
             ttl_s=spec.ttl_s,
         )
@@ -1570,7 +1571,7 @@ class Edge:
                     created_at=now, expires_at=src.expires_at, labels=dict(labels),
                     resources=src.resources, owner=owner, hidden_paths=list(src.hidden_paths),
                     network=src.network, job=src.job, disk_tier=src.disk_tier,
-                    backend=src.backend, on_expiry=src.on_expiry,
+                    backend=src.backend, qos=src.qos, on_expiry=src.on_expiry,
                     resume_on_traffic=src.resume_on_traffic, ttl_s=src.ttl_s,
                     fork_key=spec.idempotency_key)
                 self.journal.put(info, extra={"env": env})

@@ -15,6 +15,9 @@ from contextlib import contextmanager
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
+_prctl = _libc.prctl
+_prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+_prctl.restype = ctypes.c_int
 
 SYS_open_tree = 428
 SYS_move_mount = 429
@@ -200,6 +203,11 @@ def openat2(dirfd: int, path: str | bytes, flags: int, mode: int = 0, resolve: i
     buf = ctypes.create_string_buffer(how, len(how))
     return _check(_syscall(SYS_openat2, ctypes.c_int(dirfd), _b(path), buf,
                            ctypes.c_size_t(len(how))))
+
+
+def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 0) -> int:
+    """prctl(2) with integer (or address) arguments; OSError with errno on failure."""
+    return _check(_prctl(option, arg2, arg3, arg4, arg5))
 
 
 def pidfd_open(pid: int) -> int:

@@ -1014,9 +1014,11 @@ class AsyncClient:
         hidden_paths: Iterable[str] = (), network: Iterable[str] | None = None,
         job: str | None = None, disk_tier: str | None = None, backend: str | None = None,
         idempotency_key: str | None = None, on_expiry: str | None = None,
-        resume_on_traffic: bool = False,
+        resume_on_traffic: bool = False, qos: str | None = None,
     ) -> AsyncSandbox:
-        """``backend``: the kind of sandbox (``"container"``, the default, or ``"microvm"``;
+        """``qos``: the service class, ``"batch"`` (the default: best-effort, the node's idle
+        CPU class) or ``"latency"`` (normal CPU class, placed with more headroom); another
+        name is a bad_request. ``backend``: the kind of sandbox (``"container"``, the default, or ``"microvm"``;
         a kind no node offers is a bad_request). ``hidden_paths``: paths the sandbox's commands can not see (a task's tests).
         ``network``: None = no network at all; a list = default-deny policy allowing those
         permissions/rules (see ``AsyncSandbox.set_network``). ``job``: a live job of this
@@ -1043,6 +1045,8 @@ class AsyncClient:
             spec["on_expiry"] = on_expiry  # checked by the server (bad_request)
         if resume_on_traffic:
             spec["resume_on_traffic"] = True
+        if qos is not None:
+            spec["qos"] = qos  # checked by the server (bad_request)
         if idempotency_key is not None and not 1 <= len(idempotency_key) <= 128:
             raise errors.BadRequest("idempotency_key must be 1 to 128 characters")
         spec["idempotency_key"] = idempotency_key or new_idempotency_key()

@@ -16,7 +16,7 @@ from typing import Any
 
 from rollbox.backends.container.cpuview import CPU_SYS_FILES, CpuView
 from rollbox.errors import BadRequest
-from rollbox.isolation import seccomp
+from rollbox.isolation import qos, seccomp
 from rollbox.isolation.userns import RANGE
 from rollbox.models import Resources
 
@@ -127,6 +127,9 @@ def oci_config(
                 {"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile},
                 {"type": "RLIMIT_CORE", "hard": 0, "soft": 0},
                 {"type": "RLIMIT_FSIZE", "hard": disk_bytes, "soft": disk_bytes},
+                # no nice below 0, no real-time priority: a batch sandbox can not leave the
+                # idle class (isolation.qos)
+                *({"type": name, "hard": value, "soft": value} for name, value in qos.RLIMITS),
             ],
             "noNewPrivileges": hardened,
             # 0 written by runc (privileged where it can) fixes the floor the sandbox's

@@ -46,6 +46,7 @@ from rollbox.backends.container.runtime import OciRuntime, Runtime, wait_pid
 from rollbox.config import VARS, Settings
 from rollbox.errors import BadRequest, InfraError, RollboxError, without_paths
 from rollbox.isolation import cgroups, netns, oom, syscalls
+from rollbox.isolation import qos as cpu_qos
 from rollbox.isolation.userns import RANGE, UidSlots, make_userns_fd
 from rollbox.netpolicy import link as netlink
 from rollbox.netpolicy import policy as netpolicy
@@ -256,7 +257,7 @@ class ContainerBackend:
                      image_env: dict[str, str], network: str = "none", *,
                      hardened: bool = True, hidden_paths: Sequence[str] = (),
                      network_rules: list[str] | None = None,
-                     disk_tier: str = "disk") -> ContainerSandbox: ...
+                     disk_tier: str = "disk", qos: str = "batch") -> ContainerSandbox: ...
 
     async def create(self, sandbox_id: str, spec: ResolvedSpec | list[str],
                      *args: Any, hardened: bool = True, **kw: Any) -> ContainerSandbox:
@@ -270,7 +271,7 @@ class ContainerBackend:
         if isinstance(spec, ResolvedSpec):
             return await self.create_container(
                 sandbox_id, list(spec.layers), spec.resources, spec.env, hardened=hardened,
-                hidden_paths=spec.hidden_paths, disk_tier=spec.disk_tier,
+                hidden_paths=spec.hidden_paths, disk_tier=spec.disk_tier, qos=spec.qos,
                 network_rules=list(spec.network_rules) if spec.network_rules is not None
                 else None)
         return await self.create_container(sandbox_id, spec, *args, hardened=hardened, **kw)
@@ -279,7 +280,7 @@ class ContainerBackend:
                                image_env: dict[str, str], network: str = "none", *,
                                hardened: bool = True, hidden_paths: Sequence[str] = (),
                                network_rules: list[str] | None = None,
-                               disk_tier: str = "disk",
+                               disk_tier: str = "disk", qos: str = "batch",
                                fork_lowers: Sequence[tuple[str, int]] = ()) -> ContainerSandbox:
         """network: "none" (own netns, loopback only) or "host" — the latter only for the
         platform's own image builds from operator-given commands, never from the API.
@@ -288,8 +289,10 @@ class ContainerBackend:
         the API. hidden_paths: paths of the tree the sandbox's commands can not see.
         fork_lowers: a fork child's frozen writable layers (see :meth:`fork`), each shifted
         from its owner's uids to this sandbox's, referenced for it by the caller before
-        (``DiskPool.ref``); the child gets a fresh identity."""
+        (``DiskPool.ref``); the child gets a fresh identity. qos: the CPU class
+        (``isolation.qos``; the platform's builds: batch)."""
         bundle.normalize_hidden(hidden_paths)  # bad input fails before anything is allocated
+        cpu = cpu_qos.cpu_class(qos)
         if disk_tier not in ("disk", "memory"):
             raise BadRequest(f"unknown disk tier {disk_tier!r}", disk_tier=disk_tier)
         if network_rules is not None:
@@ -362,6 +365,9 @@ class ContainerBackend:
             # The agent is the OOM killer's last choice; its commands start from 0 again
             # (agent.c), which they can not lower (see isolation.oom).
             oom.protect(pid)
+            # its CPU class before any command of it runs (the agent waits for the handshake)
+            await asyncio.to_thread(cpu_qos.apply_sandbox, self.settings.cgroup_parent,
+                                    sandbox_id, pid, cpu)
             listener.close()
             listener = None
             v2 = cgroups.v2_dir(self.settings.cgroup_parent, sandbox_id)
@@ -392,8 +398,8 @@ class ContainerBackend:
     def capacity(self) -> BackendCapacity:
         """Offered wherever the edge runs; no per-sandbox cap beyond admission (a CPU limit
         above the node's cores is a CFS quota, not a reservation)."""
-        return BackendCapacity(kind=self.kind, facts={"runtime": self.settings.runtime},
-                               fork=True)
+        return BackendCapacity(kind=self.kind, facts={"runtime": self.settings.runtime,
+                                                      **cpu_qos.node_facts()}, fork=True)
 
     async def attach_network(self, sb: ContainerSandbox, rules: list[str]) -> SandboxNetwork:
         """Give a running sandbox its link, BPF allow-list and DNS gate (policy = rules)."""
@@ -725,7 +731,7 @@ class ContainerBackend:
             async def one(child_id: str, spec: ResolvedSpec) -> ContainerSandbox:
                 child = await self.create_container(
                     child_id, list(spec.layers), spec.resources, spec.env,
-                    hidden_paths=spec.hidden_paths, disk_tier="disk",
+                    hidden_paths=spec.hidden_paths, disk_tier="disk", qos=spec.qos,
                     network_rules=list(spec.network_rules)
                     if spec.network_rules is not None else None, fork_lowers=lowers)
                 made.append(child)

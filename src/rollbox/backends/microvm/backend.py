@@ -55,7 +55,7 @@ from rollbox.backends.microvm.files import (
     cut_file_ops, in_sandbox_request, live_channel, mask_hidden, vm_files,
 )
 from rollbox.backends.microvm.jail import (
-    Bind, Jail, Limits, set_cpu, set_normal_priority, uid_processes, vcpus,
+    Bind, Jail, Limits, set_cpu, uid_processes, vcpus,
 )
 from rollbox.backends.microvm.spares import Recipe, Spare, Spares
 from rollbox.backends.microvm.steps import Steps
@@ -66,7 +66,7 @@ from rollbox.backends.microvm.template import (
 from rollbox.config import Settings
 from rollbox.errors import BadRequest, InfraError
 from rollbox.images.store import ImageStore
-from rollbox.isolation import cgroups, netns, syscalls
+from rollbox.isolation import cgroups, netns, qos, syscalls
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import FileStat
 from rollbox.netpolicy.policy import parse_rules
@@ -362,6 +362,7 @@ class MicroVMBackend:
         if self.accel is not None:
             facts.update(accel=self.accel.accel, accel_reason=self.accel.reason)
         facts.update(ksm.status(self.settings.vm_ksm_sysfs, self.settings.vm_ksm).facts())
+        facts.update(qos.node_facts())
         return BackendCapacity(
             kind=self.kind, offered=missing is None, reason=missing,
             max_cpus=float(os.cpu_count() or 1), max_memory_mib=_host_memory_mib(),
@@ -378,6 +379,7 @@ class MicroVMBackend:
     # ---- create ---------------------------------------------------------------------------
     def check_spec(self, spec: ResolvedSpec) -> None:
         """Refuse (BadRequest) what this backend can not give, before anything is made."""
+        qos.cpu_class(spec.qos)  # an unknown class
         if spec.machine_snapshot is not None and self.snapshot_kind != "machine":
             raise BadRequest("a machine snapshot (disk + memory of a 'vm' sandbox) restores as "
                              f"a 'vm' sandbox only: a {self.kind} starts from image layers",
@@ -549,7 +551,8 @@ class MicroVMBackend:
                                    clone_ram=template.ram_path if template is not None else None)
             vm = await self._launch(sandbox_id, slot, host_uid, jail, machine, binds,
                                     spec.resources.cpus, spec.env, timeout_s, template,
-                                    check_boot, tap_fd=tap_fd, steps=steps)
+                                    check_boot, tap_fd=tap_fd, steps=steps,
+                                    cpu=qos.cpu_class(spec.qos))
             await self._sandbox_ready(vm, spec, net, steps,
                                       "cold" if template is None else "restore")
             return vm
@@ -581,10 +584,11 @@ class MicroVMBackend:
             self._cgroup_names[sandbox_id] = jail.cgroup_name
             if len(self._cgroup_names) > 4096:
                 del self._cgroup_names[next(iter(self._cgroup_names))]
-            # normal CPU priority (a spare starts at idle) and the quota the create asked for
+            # the sandbox's CPU class (a spare starts in the idle one) and the quota it asked for
+            cpu = qos.cpu_class(spec.qos)
             await asyncio.to_thread(set_cpu, self.settings.cgroup_parent, jail.cgroup_name,
-                                    spec.resources.cpus)
-            await asyncio.to_thread(set_normal_priority, spare.pid)
+                                    spec.resources.cpus, cpu)
+            await asyncio.to_thread(qos.apply_start, spare.pid, cpu)
             steps.lap("spare_claim")
             vm = await self._resume(sandbox_id, spare.slot, spare.host_uid, jail, spare.pid,
                                     spare.machine, spec.env, timeout_s, template, steps,
@@ -650,16 +654,17 @@ class MicroVMBackend:
     async def spawn_qemu(self, jail: Jail, machine: qemu.MachineSpec, binds: list[Bind],
                          host_uid: int, cpus: float, *, netns: Path | None = None,
                          tap_fd: int = -1, steps: Steps | None = None,
-                         idle: bool = False) -> int:
+                         cpu: qos.CpuClass = qos.CLASSES["latency"]) -> int:
         """QEMU of ``machine`` (its argv as is: ``incoming`` for a restore) in a new jail;
-        its pid once it has exec'd. ``idle``: its cgroup at idle CPU priority (a spare)."""
+        its pid once it has exec'd. ``cpu``: its cgroup's and threads' CPU class (a batch
+        sandbox's, or a spare's start: the idle one)."""
         devices = ("/dev/kvm",) if machine.accel == "kvm" else ()
         argv = self.argv_for(machine)
         sockets = await to_the_end(asyncio.to_thread(jail.prepare), dispose=_close_sockets)
         if steps is not None:
             steps.lap("jail_dir")
         try:
-            limits = replace(self.limits_for(machine, cpus), idle=idle)
+            limits = replace(self.limits_for(machine, cpus), cpu=cpu)
             return await jail.spawn(self.settings.vm_jailer, argv, host_uid, limits, binds,
                                     sockets,
                                     devices=devices, netns=netns,
@@ -689,15 +694,18 @@ class MicroVMBackend:
                       env: dict[str, str], boot_timeout_s: float,
                       template: Template | None = None,
                       check_boot: bool = True, tap_fd: int = -1,
-                      steps: Steps | None = None) -> MicroVM:
+                      steps: Steps | None = None,
+                      cpu: qos.CpuClass = qos.CLASSES["latency"]) -> MicroVM:
         """Start QEMU in its jail (a restore: paused until the template's state is loaded)
         and wait for the agent; the caller tears down on failure. With a NIC, QEMU runs in
-        the sandbox's network namespace with the tap at TAP_FD."""
+        the sandbox's network namespace with the tap at TAP_FD. ``cpu``: the sandbox's CPU
+        class (isolation.qos: cgroup and threads; a latency class's core cookie on QEMU)."""
         steps = steps or Steps()
         ns = netns.netns_path(vmnet.netns_name(sandbox_id)) if machine.nic else None
         pid = await self.spawn_qemu(jail, replace(machine, incoming=template is not None),
                                     binds, host_uid, cpus, netns=ns,
-                                    tap_fd=tap_fd if machine.nic else -1, steps=steps)
+                                    tap_fd=tap_fd if machine.nic else -1, steps=steps, cpu=cpu)
+        await asyncio.to_thread(qos.apply_start, pid, cpu)
         if template is not None:
             return await self._resume(sandbox_id, slot, host_uid, jail, pid, machine, env,
                                       boot_timeout_s, template, steps)

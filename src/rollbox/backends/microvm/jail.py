@@ -40,7 +40,7 @@ from rollbox.backends.container.rootfs import remove_flat_dir
 from rollbox.backends.container.runtime import wait_pid
 from rollbox.backends.microvm.steps import Steps
 from rollbox.errors import InfraError
-from rollbox.isolation import cgroups
+from rollbox.isolation import cgroups, qos
 from rollbox.isolation.userns import RANGE as UID_RANGE
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,9 @@ class Limits:
     memory_bytes: int     # guest RAM + QEMU's own overhead
     cpus: float           # CFS quota in cores
     pids: int             # QEMU's threads
-    idle: bool = False    # the cgroup at idle CPU priority (cpu.idle: a spare QEMU's start)
+    # The CPU class of the cgroup and of QEMU's threads (isolation.qos): a batch sandbox's, or
+    # a spare QEMU's start (idle until a create claims it).
+    cpu: qos.CpuClass = qos.CLASSES["latency"]
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ def make_cgroups(parent: str, sandbox_id: str, limits: Limits) -> list[Path]:
                 (v2 / "memory.swap.max").write_text("0")
             (v2 / "cpu.max").write_text(f"{quota} {period}")
             (v2 / "pids.max").write_text(str(limits.pids))
-            _write_cpu_idle(v2, limits.idle)
+            qos.apply_cgroup(v2, limits.cpu, v2=True)
         else:
             mem = dirs["memory"]
             (mem / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
@@ -123,50 +125,25 @@ def make_cgroups(parent: str, sandbox_id: str, limits: Limits) -> list[Path]:
             (dirs["cpu"] / "cpu.cfs_period_us").write_text(str(period))
             (dirs["cpu"] / "cpu.cfs_quota_us").write_text(str(quota))
             (dirs["pids"] / "pids.max").write_text(str(limits.pids))
-            _write_cpu_idle(dirs["cpu"], limits.idle)
+            qos.apply_cgroup(dirs["cpu"], limits.cpu, v2=False)
     except (OSError, KeyError) as exc:
         raise InfraError(f"cgroups of {sandbox_id} not made: {exc}") from exc
     return list(dirs.values())
 
 
-def _write_cpu_idle(cpu_dir: Path, idle: bool) -> None:
-    """cpu.idle of a cgroup (5.15+: the group runs only on CPU time nothing else wants);
-    without it a spare starts at normal priority."""
-    try:
-        (cpu_dir / "cpu.idle").write_text("1" if idle else "0")
-    except FileNotFoundError:
-        if idle:
-            log.debug("no cpu.idle in %s", cpu_dir)
-
-
-def set_normal_priority(pid: int) -> None:
-    """Every thread of ``pid`` (a spare QEMU started at SCHED_IDLE, claimed) back to the
-    normal policy; threads it starts later inherit it."""
-    for _ in range(3):  # a thread started meanwhile by one not yet changed: once more
-        changed = 0
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                if os.sched_getscheduler(int(tid)) != os.SCHED_OTHER:
-                    os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
-                    changed += 1
-            except (ProcessLookupError, PermissionError):
-                continue  # gone meanwhile
-        if not changed:
-            return
-
-
-def set_cpu(parent: str, name: str, cpus: float, idle: bool = False) -> None:
-    """The CFS quota (``cpus`` cores) and idle priority of the cgroup ``name`` made by
-    :func:`make_cgroups` (a spare, started at idle priority for its template's vCPU count,
-    claimed by a sandbox: normal priority, the quota it asked for)."""
+def set_cpu(parent: str, name: str, cpus: float, cpu: qos.CpuClass) -> None:
+    """The CFS quota (``cpus`` cores) and CPU class of the cgroup ``name`` made by
+    :func:`make_cgroups` (a spare, started in the idle class for its template's vCPU count,
+    claimed by a sandbox: the sandbox's class, the quota it asked for). QEMU's threads are
+    :func:`qos.apply_tasks`'s."""
     dirs = _controller_dirs(parent, name)
     try:
         if cgroups.is_pure_v2():
             (dirs["v2"] / "cpu.max").write_text(f"{_cfs_quota_us(cpus)} {CFS_PERIOD_US}")
-            _write_cpu_idle(dirs["v2"], idle)
+            qos.apply_cgroup(dirs["v2"], cpu, v2=True)
         else:
             (dirs["cpu"] / "cpu.cfs_quota_us").write_text(str(_cfs_quota_us(cpus)))
-            _write_cpu_idle(dirs["cpu"], idle)
+            qos.apply_cgroup(dirs["cpu"], cpu, v2=False)
     except (OSError, KeyError) as exc:
         raise InfraError(f"CPU limits of {name} not set: {exc}") from exc
 
@@ -365,7 +342,7 @@ class Jail:
                 "--keep-fds", str(len(sockets) + len(extra_fds))]
         for d in cg_dirs:
             args += ["--cgroup", str(d)]
-        if limits.idle:  # the jailer and QEMU at SCHED_IDLE too, not only the cgroup
+        if limits.cpu.idle:  # the jailer and QEMU at SCHED_IDLE too, not only the cgroup
             args += ["--sched", "idle"]
         if netns is not None:
             args += ["--netns", str(netns)]

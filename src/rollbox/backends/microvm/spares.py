@@ -14,11 +14,12 @@ tap exist before its QEMU starts), anything of a sandbox or its owner.
 Claim (a create restoring from template T, no network, :meth:`Spares.claim`): the backend
 renames the spare's disk subvolume and jail dir to the sandbox id (the cgroups keep their name:
 ``jail.py``), sets its CPU quota to what the create asked, and the restore goes on from the
-state load (``backend.py``). A spare whose QEMU is gone is torn down, never claimed.
+state load (``backend.py``) with the sandbox's CPU class (``isolation.qos``: a batch sandbox's
+spare stays in the idle class). A spare whose QEMU is gone is torn down, never claimed.
 
 Policy: ``vm_template_spares`` spares for each template creates restore from (0: none), at most
 ``vm_template_spares_max`` in all, the most recently used templates first. One spare is started
-at a time, only when no create of the backend is in flight, at idle CPU priority until a
+at a time, only when no create of the backend is in flight, in the batch (idle) CPU class until a
 create claims it (cgroup ``cpu.idle``, SCHED_IDLE: a refill never slows a sandbox), and only
 while the sandboxes' parent memory cgroup (host RAM minus the node's reserve, set by the edge)
 and host MemAvailable have room for the spare's whole memory limit. A template's spares are stopped when it is
@@ -53,7 +54,7 @@ from rollbox.backends.microvm import qemu, qmp, ram
 from rollbox.backends.microvm.jail import Jail
 from rollbox.backends.microvm.template import SPARE_PREFIX, Template
 from rollbox.errors import InfraError
-from rollbox.isolation import cgroups
+from rollbox.isolation import cgroups, qos
 
 if TYPE_CHECKING:
     from rollbox.backends.microvm.backend import MicroVMBackend
@@ -278,7 +279,8 @@ class Spares:
             rw = await to_the_end(asyncio.to_thread(b.disks.clone_rw, recipe.disk_id, spare_id,
                                                     host_uid))
             binds = b.binds_for(machine, layer_files, rw, clone_ram=recipe.ram_file)
-            pid = await b.spawn_qemu(jail, machine, binds, host_uid, recipe.cpus, idle=True)
+            pid = await b.spawn_qemu(jail, machine, binds, host_uid, recipe.cpus,
+                                     cpu=qos.CLASSES["batch"])
             monitor = await to_the_end(qmp.QMP.connect(jail.socket_path("qmp"),
                                                        b.settings.vm_boot_timeout_s),
                                        dispose=qmp.QMP.close)
