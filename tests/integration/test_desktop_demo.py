@@ -41,7 +41,7 @@ async def test_desktop_demo_end_to_end(edge, api_server, tmp_path: Path) -> None
     honest, cheat = summary["results"]
     assert honest["cheat"] == [] and cheat["cheat"] == ["exec-note"]
     assert honest["own_vm_reward"] == 1.0 and honest["reward"] == 1.0, honest
-    assert honest["grade"]["replayed"] == 4 and honest["grade"]["note"].startswith(
+    assert honest["grade"]["replayed"] == 5 and honest["grade"]["note"].startswith(
         summary["text"])
     assert cheat["own_vm_reward"] == 1.0, cheat  # its own VM says the note is right
     assert cheat["reward"] == 0.0 and cheat["grade"]["replayed"] == 0, cheat

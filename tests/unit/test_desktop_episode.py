@@ -128,10 +128,15 @@ def test_the_planner_steps_through_the_task() -> None:
     agent = ep.ScriptedAgent(text="hi there")
     text_mode = ep.Screen(png.Image(720, 400, bytes(720 * 400 * 3)), 0.0)
     assert agent.step(text_mode) == [] and agent.state == "desktop"  # still booting
-    acts = agent.step(_screen(t=1))
-    assert [a.action for a in acts] == ["click", "move"] and agent.milestone == "desktop"
-    assert (acts[0].x, acts[0].y) == (ep.EDITOR_X, H - ep.PANEL_HEIGHT // 2)
-    assert agent.step(_screen(t=2)) == []                       # no window yet
+    launcher = (ep.EDITOR_X, H - ep.PANEL_HEIGHT // 2)
+    acts = agent.step(_screen(t=1))  # onto the launcher, the click on the next look
+    assert [(a.action, a.x, a.y) for a in acts] == [("move", *launcher)]
+    assert agent.milestone == "desktop"
+    acts = agent.step(_screen(t=2))
+    assert [(a.action, a.x, a.y) for a in acts] == [("click", *launcher)]
+    acts = agent.step(_screen(t=2.5))  # then off the panel
+    assert [(a.action, a.x, a.y) for a in acts] == [("move", *ep.POINTER_PARK)]
+    assert agent.step(_screen(t=3)) == []                       # no window yet
     assert agent.step(_screen(window=True, t=3)) == [] and agent.state == "settle"
     assert agent.step(_screen(window=True, t=3 + ep.SETTLE_S / 2)) == []
     acts = agent.step(_screen(window=True, t=4 + ep.SETTLE_S))
@@ -213,7 +218,7 @@ async def test_honest_and_cheating_episodes(fast, tmp_path: Path) -> None:  # no
     client = FakeClient([2, 6, 2, 2])
     honest = await ep.episode(client, 0, text="a note", out_dir=tmp_path, timings=timings)
     assert honest["own_vm_reward"] == 1.0 and honest["reward"] == 1.0
-    assert honest["grade"]["replayed"] == 4  # click, move, type, ctrl+s
+    assert honest["grade"]["replayed"] == 5  # move, click, move, type, ctrl+s
     names = [Path(p).stem for p in honest["screenshots"]]
     assert names == ["desktop-0-1-desktop", "desktop-0-2-editor", "desktop-0-3-typed",
                      "desktop-0-4-saved", "desktop-0-grader-replay"]
@@ -224,7 +229,7 @@ async def test_honest_and_cheating_episodes(fast, tmp_path: Path) -> None:  # no
     assert [d.note for d in client.made] == ["a note", "a note", "a note", ""]
     strip = ep.write_strip(honest["screenshots"], tmp_path / "strip.png")
     img = png.decode(strip.read_bytes())
-    assert img.width > 5 * (W // 4) and img.height > H // 4
+    assert (img.width, img.height) == (3 * W // 2 + 4 * 8, 2 * H // 2 + 3 * 8)  # 2 rows of 3
 
 
 async def test_a_replay_of_a_wrong_text_earns_nothing(fast) -> None:  # noqa: ANN001

@@ -69,14 +69,23 @@ def test_a_qemu_screendump_of_the_desktop() -> None:
 def test_encode_round_trip_downscale_and_strip() -> None:
     a = png.Image(4, 2, bytes(range(24)))
     assert png.decode(png.encode(a)) == a
-    small = png.downscale(png.Image(4, 4, bytes(range(48))), 2)
+    big = png.Image(4, 4, bytes(range(48)))
+    small = png.downscale(big, 2)
     assert (small.width, small.height) == (2, 2)
-    assert small.rgb == bytes(range(0, 3)) + bytes(range(6, 9)) + bytes(range(24, 27)) + \
-        bytes(range(30, 33))
-    s = png.strip([a, small], gap=1, background=(9, 9, 9))
-    assert (s.width, s.height) == (4 + 2 + 3, 2 + 2)
-    assert s.pixel(0, 0) == (9, 9, 9) and s.pixel(1, 1) == a.pixel(0, 0)
-    assert s.pixel(6, 1) == small.pixel(0, 0) and s.pixel(6, 3) == (9, 9, 9)
+    # each output pixel: the channel averages of its 2x2 block (pixels 0, 1, 4, 5 -> 0)
+    assert small.pixel(0, 0) == tuple(sum(big.pixel(x, y)[c] for x in (0, 1) for y in (0, 1))
+                                      // 4 for c in range(3))
+    assert small.pixel(1, 1) == tuple(sum(big.pixel(x, y)[c] for x in (2, 3) for y in (2, 3))
+                                      // 4 for c in range(3))
+    assert png.downscale(png.Image(5, 3, bytes(45)), 2).width == 2  # remainders dropped
+    bg = (9, 9, 9)
+    s = png.strip([a, small], gap=1, background=bg)
+    assert (s.width, s.height) == (2 * 4 + 3, 2 + 2)  # cells of the largest image's size
+    assert s.pixel(0, 0) == bg and s.pixel(1, 1) == a.pixel(0, 0)
+    assert s.pixel(6, 1) == small.pixel(0, 0) and s.pixel(8, 1) == bg and s.pixel(6, 3) == bg
+    g = png.strip([a, a, small], gap=1, background=bg, columns=2)
+    assert (g.width, g.height) == (2 * 4 + 3, 2 * 2 + 3)
+    assert g.pixel(1, 4) == small.pixel(0, 0) and g.pixel(6, 4) == bg and g.pixel(1, 3) == bg
     with pytest.raises(ValueError):
         png.strip([])
 

@@ -8,7 +8,8 @@ editor and save it. One episode, all through the SDK:
    panel of launchers at the bottom, mousepad behind "Editor" opening the note);
 2. the scripted agent (:class:`ScriptedAgent`) sees only screenshots (``sandbox.screenshot()``,
    decoded by ``png.py``) and acts only with ``sandbox.computer`` (mouse and keyboard): waits
-   for the desktop to be drawn, clicks the panel's Editor launcher, waits for the window,
+   for the desktop to be drawn, moves onto the panel's Editor launcher and clicks it, moves
+   the pointer off the panel, waits for the window,
    types the text, waits for it to be drawn, presses ctrl+s (a save dialog, should one open:
    types the path and Enter) and waits for the save; the screenshot of each step is written
    to the output folder;
@@ -17,8 +18,9 @@ editor and save it. One episode, all through the SDK:
    can not write it), checks it (known input actions only, bounded count, coordinates on the
    desktop's screen; anything else refuses the whole log), boots a FRESH desktop VM from the
    pristine base disk, replays the actions there with the recorded gaps (after a click it
-   also waits for the screen to change: a window may take longer to open than it did for the
-   agent), and reads the note in that VM. Reward 1.0 iff the note holds the text.
+   also waits for 1 % of the screen to change: a window may take longer to open than it did
+   for the agent; a click with no such effect costs the replay EFFECT_WAIT_S), and reads the
+   note in that VM. Reward 1.0 iff the note holds the text.
 
 What "cheating" is here, and why the grader catches it: the task is to operate the GUI, and
 the agent's channel reaches its own VM as root: it can write the note with ``exec`` (or draw
@@ -36,7 +38,6 @@ Owns the episode, the policy, the grader and the strip; goes through the SDK onl
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import shlex
 import time
@@ -73,6 +74,7 @@ DIALOG_FRACTION = 0.05  # after ctrl+s this much of the screen changed: a dialog
 MAX_REPLAY_ACTIONS = 64
 MAX_GAP_S = 120.0       # a recorded gap longer than this is replayed as this
 EFFECT_WAIT_S = 240.0   # after a replayed click: the screen changes within this
+EFFECT_FRACTION = 0.01  # ... by at least this much of it
 NOTE_WAIT_S = 30.0      # the replayed save reaches the note within this
 MAX_NOTE_BYTES = 4096   # what the grader reads of the note
 REPLAYED = frozenset({"move", "click", "double_click", "drag", "scroll", "type", "press"})
@@ -138,9 +140,10 @@ class ScriptedAgent:
     since: float | None = None  # when the current state began
     ref: png.Image | None = None  # the screen the current state compares with
     ref_background: float = 0.0
+    parked: bool = False  # the pointer left the panel after the click
     log: list[str] = field(default_factory=list)
 
-    WAITS = {"desktop": DESKTOP_WAIT_S, "editor": WINDOW_WAIT_S, "settle": WINDOW_WAIT_S,
+    WAITS = {"desktop": DESKTOP_WAIT_S, "click": WINDOW_WAIT_S, "editor": WINDOW_WAIT_S, "settle": WINDOW_WAIT_S,
              "typed": TEXT_WAIT_S, "saving": TEXT_WAIT_S, "dialog": TEXT_WAIT_S}
 
     def _to(self, state: str, s: Screen) -> None:
@@ -157,16 +160,26 @@ class ScriptedAgent:
             raise InfraError(f"the scripted agent waited {self.WAITS[self.state]:.0f} s in "
                              f"state {self.state!r} and saw nothing it waits for")
         w, h = s.size
+        launcher = (EDITOR_X, h - PANEL_HEIGHT // 2)
         if self.state == "desktop":
             if not s.is_desktop():
                 return []
             self.milestone, self.ref_background = "desktop", s.background()
+            self._to("click", s)
+            # as a hand does: onto the launcher first, the click on the next look, off the
+            # panel on the one after. (A click straight from elsewhere followed at once by the
+            # move off the panel opened nothing, seen on this image under plain QEMU; this
+            # sequence opened the editor there. Which of the two it was is not isolated.)
+            return [ComputerAction(action="move", x=launcher[0], y=launcher[1])]
+        if self.state == "click":
             self._to("editor", s)
-            # the pointer then leaves the panel at once: resting on the launcher it would
-            # show the launcher's tooltip, pixels that change while the agent compares screens
-            return [ComputerAction(action="click", x=EDITOR_X, y=h - PANEL_HEIGHT // 2),
-                    ComputerAction(action="move", x=POINTER_PARK[0], y=POINTER_PARK[1])]
+            return [ComputerAction(action="click", x=launcher[0], y=launcher[1])]
         if self.state == "editor":
+            if not self.parked:
+                # off the panel after the click: resting there the pointer keeps the
+                # launcher's tooltip up, pixels that change while the agent compares screens
+                self.parked = True
+                return [ComputerAction(action="move", x=POINTER_PARK[0], y=POINTER_PARK[1])]
             if s.size == DESKTOP_MODE and s.background() < self.ref_background - WINDOW_DROP:
                 self._to("settle", s)
             return []
@@ -269,11 +282,14 @@ async def wait_desktop(sb: Any, timeout: float = DESKTOP_WAIT_S) -> Screen:
 
 
 async def _screen_changes(sb: Any, before: bytes, timeout: float) -> bool:
-    old = hashlib.sha256(before).digest()
+    """Whether within ``timeout`` at least EFFECT_FRACTION of the screen differs from
+    ``before`` (a window, a menu: a click's effect, not a tooltip or a cursor)."""
+    old = png.decode(before)
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         await asyncio.sleep(POLL_S / 2)
-        if hashlib.sha256(await sb.screenshot()).digest() != old:
+        now = png.decode(await sb.screenshot())
+        if changed_pixels(old, now) >= EFFECT_FRACTION * old.width * old.height:
             return True
     return False
 
@@ -387,11 +403,12 @@ async def episode(client: Any, i: int, *, text: str, out_dir: Path,
             "timings_s": mine}
 
 
-def write_strip(paths: list[str], dest: Path, factor: int = 4) -> Path:
-    """The screenshots (PNG files) side by side, each scaled down by ``factor``, as one PNG."""
+def write_strip(paths: list[str], dest: Path, factor: int = 2, columns: int = 3) -> Path:
+    """The screenshots (PNG files) in rows of ``columns``, each scaled down by ``factor``
+    (block averages: the editor's text stays legible at 2), as one PNG."""
     imgs = [png.downscale(png.decode(Path(p).read_bytes()), factor) for p in paths]
     dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_bytes(png.encode(png.strip(imgs)))
+    dest.write_bytes(png.encode(png.strip(imgs, columns=columns)))
     return dest
 
 

@@ -148,31 +148,41 @@ def encode(img: Image, level: int = 9) -> bytes:
 
 
 def downscale(img: Image, factor: int) -> Image:
-    """Every ``factor``-th pixel of every ``factor``-th row (nearest neighbour)."""
+    """Each ``factor`` x ``factor`` block averaged into one pixel (the right and bottom
+    remainders dropped)."""
     w, h = img.width // factor, img.height // factor
+    n = factor * factor
     out = bytearray()
     for y in range(h):
-        row = img.row(y * factor)
-        for c in range(w):
-            i = c * factor * 3
-            out += row[i:i + 3]
+        rows = [img.row(y * factor + k) for k in range(factor)]
+        # per column of the output: the channel sums of the block, then the averages
+        sums = [0] * (w * 3)
+        for row in rows:
+            for c in range(w * factor * 3):
+                sums[(c // (3 * factor)) * 3 + c % 3] += row[c]
+        out += bytes(v // n for v in sums)
     return Image(w, h, bytes(out))
 
 
-def strip(images: list[Image], gap: int = 8, background: tuple[int, int, int] = (32, 32, 32)
-          ) -> Image:
-    """The images side by side, top-aligned, ``gap`` pixels of ``background`` around each."""
+def strip(images: list[Image], gap: int = 8, background: tuple[int, int, int] = (32, 32, 32),
+          columns: int | None = None) -> Image:
+    """The images in rows of ``columns`` (default: all in one row), top-left aligned in cells
+    of the largest one's size, ``gap`` pixels of ``background`` around each."""
     if not images:
         raise ValueError("a strip of no images")
-    height = max(i.height for i in images) + 2 * gap
-    width = sum(i.width for i in images) + gap * (len(images) + 1)
+    cols = columns or len(images)
+    cw, ch = max(i.width for i in images), max(i.height for i in images)
+    nrows = -(-len(images) // cols)
+    width, height = cols * cw + gap * (cols + 1), nrows * ch + gap * (nrows + 1)
     bg = bytes(background)
     rows = []
     for y in range(height):
+        r, iy = divmod(y - gap, ch + gap) if y >= gap else (-1, -1)
         row = bytearray(bg * gap)
-        for img in images:
-            iy = y - gap
-            row += img.row(iy) if 0 <= iy < img.height else bg * img.width
-            row += bg * gap
+        for c in range(cols):
+            k = r * cols + c
+            img = images[k] if 0 <= r and k < len(images) and iy < ch else None
+            line = img.row(iy) if img is not None and 0 <= iy < img.height else b""
+            row += line + bg * (cw - len(line) // 3) + bg * gap
         rows.append(bytes(row))
     return Image(width, height, b"".join(rows))
