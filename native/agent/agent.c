@@ -235,6 +235,9 @@ static uint64_t cg_counter;
 static uint64_t t_init, t_modules, t_disks, t_mounts, t_ready; /* CLOCK_BOOTTIME ns */
 static int boot_errno;
 static char boot_err[BOOT_ERR_MAX];
+/* Guest mode: the kernel's arguments to /init (a disk image's init gets them, see hand_over). */
+static int guest_argc;
+static char **guest_argv;
 
 static void logmsg(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void logmsg(const char *fmt, ...)
@@ -3494,6 +3497,130 @@ static void loopback_up(void)
         close(s);
 }
 
+static int open_port(int port_ok, const char *port)
+{
+    if (port_ok != 0) {
+        boot_fail(ENODEV, "virtio-serial port %s not found", GUEST_PORT_NAME);
+        return -1;
+    }
+    int fd = open(port, O_RDWR | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+    if (fd < 0)
+        boot_fail(errno, "open %s", port);
+    return fd;
+}
+
+/* A disk image's root (rollbox.root=1): its ext4 disk read-write at SANDBOX_ROOT with proc,
+ * sys, the guest's devtmpfs and a devpts in it (the image's init and its services need the
+ * real devices: the DRM card, input, ttys; the image's root owns the guest anyway). The rest
+ * (cgroup2, /run, /dev/shm) is the image's init's to mount. The platform tools' view is the
+ * root alone (not recursive: no /proc, /dev of it), with no overlay upper. */
+static int root_mounts(const char *dev)
+{
+    if (mount_at(dev, SANDBOX_ROOT, "ext4", 0, NULL) < 0 ||
+        mount_at("proc", SANDBOX_ROOT "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                 NULL) < 0 ||
+        mount_at("sysfs", SANDBOX_ROOT "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                 NULL) < 0 ||
+        mount_at("devtmpfs", SANDBOX_ROOT "/dev", "devtmpfs", MS_NOSUID, "mode=0755") < 0 ||
+        mount_at("devpts", SANDBOX_ROOT "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+                 "newinstance,ptmxmode=0666,mode=0620,gid=5") < 0)
+        return -1;
+    root_fd = open(SANDBOX_ROOT, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (root_fd < 0) {
+        boot_fail(errno, "open the sandbox root");
+        return -1;
+    }
+    if (mount_at(SANDBOX_ROOT, TOOL_VIEW, NULL, MS_BIND, NULL) < 0 ||
+        mount(NULL, TOOL_VIEW, NULL, MS_PRIVATE, NULL) < 0) {
+        boot_fail(errno, "the platform tools' view of the sandbox");
+        return -1;
+    }
+    view_fd = open(TOOL_VIEW, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (view_fd < 0)
+        boot_fail(errno, "open the platform tools' view");
+    return view_fd < 0 ? -1 : 0;
+}
+
+/* The disk image's hand-over: fork; the child stays the agent (its root the initramfs,
+ * commands chrooted into SANDBOX_ROOT), PID 1 chroots into SANDBOX_ROOT and execs `init`
+ * with the kernel's arguments to /init and its environment. An init that can not be exec'd
+ * is the agent's boot error (told through a close-on-exec pipe: EOF means the exec
+ * happened); PID 1 then only reaps. No fork (or no init named): the agent stays PID 1 and
+ * reports it. */
+static void hand_over(const char *init)
+{
+    if (init[0] != '/') {
+        boot_fail(EINVAL, "rollbox.init=%s (an absolute path in the disk image)", init);
+        return;
+    }
+    int p[2];
+    if (pipe2(p, O_CLOEXEC) < 0) {
+        boot_fail(errno, "pipe for the hand-over to %s", init);
+        return;
+    }
+    pid_t pid = fork();
+    if (pid < 0) {
+        boot_fail(errno, "fork for the hand-over to %s", init);
+        close(p[0]);
+        close(p[1]);
+        return;
+    }
+    if (pid > 0) { /* PID 1: the image's init */
+        sigset_t none;
+        sigemptyset(&none);
+        for (int sig = 1; sig < NSIG; sig++)
+            signal(sig, SIG_DFL);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        for (int fd = 3; fd < 1024; fd++)
+            if (fd != p[1])
+                close(fd);
+        char *args[64];
+        int n = 0;
+        args[n++] = (char *)init;
+        for (int i = 1; i < guest_argc && n < 63; i++)
+            if (strcmp(guest_argv[i], "--guest") != 0)
+                args[n++] = guest_argv[i];
+        args[n] = NULL;
+        int err = 0;
+        if (chdir(SANDBOX_ROOT) < 0 || chroot(".") < 0 || chdir("/") < 0)
+            err = errno;
+        else {
+            execve(init, args, environ);
+            err = errno;
+        }
+        if (write(p[1], &err, sizeof err) < 0)
+            err = 0;
+        close(p[1]);
+        for (;;) /* PID 1 must not exit: reap orphans until the guest is stopped */
+            if (wait(NULL) < 0)
+                pause();
+    }
+    close(p[1]);
+    prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0); /* its commands' orphans stay the agent's */
+    /* A signalfd made before the fork wakes epoll for the process that made it (its wait
+     * queue is PID 1's): this process's SIGCHLDs would never wake the loop. A new one. */
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    epoll_ctl(ep, EPOLL_CTL_DEL, sig_fd, NULL);
+    close(sig_fd);
+    sig_fd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (sig_fd < 0)
+        boot_fail(errno, "signalfd after the hand-over");
+    else
+        ep_add(sig_fd, EPOLLIN, &w_signal);
+    int err = 0;
+    ssize_t r;
+    do
+        r = read(p[0], &err, sizeof err);
+    while (r < 0 && errno == EINTR);
+    close(p[0]);
+    if (r == (ssize_t)sizeof err)
+        boot_fail(err, "exec %s in the disk image", init);
+    else
+        logmsg("handed PID 1 over to %s; the agent is pid %d", init, (int)getpid());
+}
+
 static int guest_init(void)
 {
     t_init = boottime_ns();
@@ -3530,6 +3657,12 @@ static int guest_init(void)
     }
     cmdline_value(cmdline, "rollbox.layers", val, sizeof val);
     int layers = atoi(val);
+    /* A disk image guest (rollbox.root=1, docs/backends/vm.md): no layers, no rw disk; the
+     * root is the disk of serial "root" and PID 1 becomes the image's init (rollbox.init). */
+    cmdline_value(cmdline, "rollbox.root", val, sizeof val);
+    int root_disk = strcmp(val, "1") == 0;
+    char init_path[256];
+    cmdline_value(cmdline, "rollbox.init", init_path, sizeof init_path);
     cmdline_value(cmdline, "rollbox.rw", val, sizeof val);
     int rw = strcmp(val, "1") == 0; /* else the upper is a tmpfs */
     /* The sandbox's pids limit on the parent of every session cgroup (a fork bomb fills it,
@@ -3542,7 +3675,12 @@ static int guest_init(void)
         boot_fail(EINVAL, "rollbox.pids=%s", val);
     else if (val[0] && write_file("/sys/fs/cgroup/rollbox/pids.max", val) < 0)
         boot_fail(errno, "rollbox.pids=%s", val);
-    if (layers < 1 || layers > 64) {
+    if (root_disk) {
+        if (layers != 0)
+            boot_fail(EINVAL, "rollbox.layers=%d with rollbox.root=1", layers);
+        layers = 0;
+        rw = 0;
+    } else if (layers < 1 || layers > 64) {
         boot_fail(EINVAL, "rollbox.layers=%d (1 to 64)", layers);
         layers = 0;
     }
@@ -3558,7 +3696,8 @@ static int guest_init(void)
             snprintf(serial, sizeof serial, "layer%d", i);
             have += disk_by_serial(serial, devs[i], sizeof devs[i]) == 0;
         }
-        int rw_ok = !rw || disk_by_serial("rw", devs[64], sizeof devs[64]) == 0;
+        int rw_ok = root_disk ? disk_by_serial("root", devs[64], sizeof devs[64]) == 0
+                              : !rw || disk_by_serial("rw", devs[64], sizeof devs[64]) == 0;
         if (port_ok < 0)
             port_ok = port_by_name(GUEST_PORT_NAME, port, sizeof port);
         if ((have == layers && rw_ok && port_ok == 0) || now_ms() > deadline) {
@@ -3566,12 +3705,26 @@ static int guest_init(void)
                 boot_fail(ENODEV, "%d of %d layer disks found (serial layerN)", have,
                           layers);
             if (!rw_ok)
-                boot_fail(ENODEV, "writable disk (serial rw) not found");
+                boot_fail(ENODEV, root_disk ? "root disk (serial root) not found"
+                                            : "writable disk (serial rw) not found");
             break;
         }
         sleep_ms(2);
     }
     t_disks = boottime_ns();
+
+    if (root_disk) {
+        int ok = have == 0 && !boot_errno && root_mounts(devs[64]) == 0;
+        t_mounts = boottime_ns();
+        shell_fd = open("/platform/bash", O_RDONLY | O_CLOEXEC);
+        tool_fd = open("/platform/busybox", O_RDONLY | O_CLOEXEC);
+        self_fd = open("/proc/self/exe", O_RDONLY | O_CLOEXEC);
+        if (shell_fd < 0 || tool_fd < 0)
+            boot_fail(errno, "platform tools in the initramfs");
+        if (ok)
+            hand_over(init_path);
+        return open_port(port_ok, port);
+    }
 
     int ok = have == layers && layers > 0;
     char lower[64 * 16 + 1] = "";
@@ -3639,14 +3792,7 @@ static int guest_init(void)
     self_fd = open("/proc/self/exe", O_RDONLY | O_CLOEXEC); /* the initramfs' /init */
     if (shell_fd < 0 || tool_fd < 0)
         boot_fail(errno, "platform tools in the initramfs");
-    if (port_ok != 0) {
-        boot_fail(ENODEV, "virtio-serial port %s not found", GUEST_PORT_NAME);
-        return -1;
-    }
-    int fd = open(port, O_RDWR | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
-    if (fd < 0)
-        boot_fail(errno, "open %s", port);
-    return fd;
+    return open_port(port_ok, port);
 }
 
 /* The virtio port while the host is not connected: reads return 0 and poll says POLLHUP
@@ -3766,6 +3912,8 @@ int main(int argc, char **argv)
     }
     ep_add(sig_fd, EPOLLIN, &w_signal);
     if (guest_mode) {
+        guest_argc = argc;
+        guest_argv = argv;
         stream_mode = conn_is_port = 1;
         conn_state = C_HUNT;
         conn_fd = guest_init();

@@ -400,6 +400,10 @@ class Settings:
     images_root: Path | None = setting(
         "ROLLBOX_IMAGES", "images", None, Path,
         "The image store; unset: <data dir>/images.")
+    vm_disks_root: Path | None = setting(
+        "ROLLBOX_VM_DISKS", "images", None, Path,
+        "The vm backend's disk images (rollbox.images.vmdisk: one directory per name with "
+        "disk.img and disk.json); unset: <data dir>/vm-disks.")
     image_store_reserve_bytes: int | None = setting(
         "ROLLBOX_IMAGE_STORE_RESERVE", "images", None, int,
         "Snapshots and uploaded images are refused while the image store's filesystem has "
@@ -635,6 +639,7 @@ class Settings:
         own and, with ``host_auto``, a free uid band and sandbox subnet taken at start."""
         s = cls()
         s.images_root = images or s.images_dir
+        s.vm_disks_root = s.vm_disks_dir  # the node's built VM disks, read-only like layers
         s.data_dir, s.run_dir = root / "data", root / "run"
         s.run_tmpfs = False
         # Its own cgroup parent; the first free uid band and /20 of the host range when its
@@ -663,7 +668,7 @@ class Settings:
         - host uid band ``index + 1`` above base's (bands of base's uid_slots + 64 ranges);
         - sandbox subnet: the ``index``-th /20 of ``base.net_host_range`` that does not
           overlap ``base.net_pool``;
-        - the image store and chunk store stay base's (content-addressed, shared by design).
+        - the image store, the VM disks and the chunk store stay base's (shared by design).
 
         SettingError when the band or subnet does not fit (past uid 2**32, or the range)."""
         if not NODE_ID_RE.fullmatch(node_id) or node_id == base.node_id:
@@ -676,6 +681,7 @@ class Settings:
         s.data_dir = base.data_dir.with_name(f"{base.data_dir.name}-{node_id}")
         s.run_dir = base.run_dir.with_name(f"{base.run_dir.name}-{node_id}")
         s.images_root = base.images_dir
+        s.vm_disks_root = base.vm_disks_dir
         s.chunk_store = base.chunk_store or f"dir://{base.data_dir / 'chunks'}"
         s.cgroup_parent = f"{base.cgroup_parent}-{node_id}"
         s.uid_slots = uid_slots or base.uid_slots
@@ -743,6 +749,11 @@ class Settings:
     @property
     def images_dir(self) -> Path:
         return self.images_root or self.data_dir / "images"
+
+    @property
+    def vm_disks_dir(self) -> Path:
+        """The vm backend's disk images (``rollbox.images.vmdisk``)."""
+        return self.vm_disks_root or self.data_dir / "vm-disks"
 
     @property
     def sandboxes_dir(self) -> Path:

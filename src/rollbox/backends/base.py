@@ -62,6 +62,9 @@ class ResolvedSpec:
     # The CPU class (rollbox.isolation.qos): "batch" runs in the idle class, "latency" normal
     # (and core-scheduled where the host has it).
     qos: Qos = "batch"
+    # A vm backend disk image's name (rollbox.images.vmdisk; ``layers`` is then empty): the
+    # guest's root is a copy-on-write overlay of that disk, not layers (docs/backends/vm.md).
+    disk_image: str = ""
 
 
 @dataclass

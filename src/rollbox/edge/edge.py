@@ -45,6 +45,7 @@ from rollbox.errors import (
 from rollbox.events.store import EventLog
 from rollbox.images.lazy.mounts import LayerMounts
 from rollbox.images.store import Image, ImageStore, sudo_uids
+from rollbox.images.vmdisk import find_vm_disk
 from rollbox.isolation import cgroups, hostclaims
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import (
@@ -300,7 +301,7 @@ class Edge:
             env=dict(extra.get("env", {})), hidden_paths=tuple(info.hidden_paths),
             network_rules=tuple(info.network.allow) if info.network is not None else None,
             disk_tier=info.disk_tier, machine_snapshot=extra.get("machine_snapshot"),
-            qos=info.qos)
+            qos=info.qos, disk_image=str(extra.get("disk_image") or ""))
 
     def _rebuild_sessions(self, live: LiveSandbox) -> list[asyncio.Task]:
         """Commands of a re-adopted sandbox, from the journal and the agent: recorded ends as
@@ -581,6 +582,18 @@ class Edge:
 
     async def _new_sandbox(self, spec: SandboxSpec, owner: str, share: Share) -> SandboxInfo:
         self._backend_for(spec)
+        disk = find_vm_disk(self.settings.vm_disks_dir, spec.image)
+        if disk is not None:  # a VM disk image: its name is looked up before the image store
+            if spec.backend != "vm":
+                raise BadRequest(f"{disk.name!r} is a VM disk image: only backend 'vm' boots "
+                                 f"it, not {spec.backend!r}", image=disk.name,
+                                 backend=spec.backend)
+            if spec.layers:
+                raise BadRequest(f"{disk.name!r} is a VM disk image: extra layers do not "
+                                 "apply to it", image=disk.name)
+            spec = spec.model_copy(update={"image": disk.name})
+            return await self._admitted_create(spec, owner, {"disk_image": disk.name}, [],
+                                               share)
         image = self._image_for(spec.image, owner)
         snap = image.config.get("machine_snapshot")
         if snap is not None:
@@ -683,6 +696,8 @@ class Edge:
         self.journal.put(info, extra={"env": env})
         snap = (image_config or {}).get("machine_snapshot")
         restore = {"machine_snapshot": str(snap["id"])} if isinstance(snap, dict) else {}
+        if (image_config or {}).get("disk_image"):  # a VM disk image (_new_sandbox)
+            restore["disk_image"] = str(image_config["disk_image"])
         try:
             box = await backend.create(sandbox_id, self._spec_of(info, {"env": env, **restore}))
         except BaseException as exc:

@@ -55,8 +55,10 @@ class VmDisk:
 
 
 def vm_disks_root(data_dir: Path | None = None) -> Path:
-    """``<data_dir>/vm-disks`` (default: the settings' data dir)."""
-    return Path(data_dir if data_dir is not None else Settings().data_dir) / VM_DISKS_DIR
+    """``<data_dir>/vm-disks`` (default: the settings' ``vm_disks_dir``)."""
+    if data_dir is None:
+        return Settings().vm_disks_dir
+    return Path(data_dir) / VM_DISKS_DIR
 
 
 def vm_disk_dir(root: Path, name: str) -> Path:
@@ -83,6 +85,25 @@ def resolve_vm_disk(root: Path, name: str) -> VmDisk:
         raise InfraError(f"VM disk image {name!r}: {disk} is missing or not "
                          f"{manifest.get('bytes')} bytes")
     return VmDisk(name=name, dir=d, disk=disk, manifest=manifest)
+
+
+def find_vm_disk(root: Path, name: str) -> VmDisk | None:
+    """The VM disk a sandbox's image name means, or None if it names none (then it is a
+    layered image's name). ``name`` without a tag is its newest built tag (``desktop`` ->
+    ``desktop:1``: numeric tags by number, then by name). A broken disk of that name is an
+    InfraError (resolve_vm_disk), not None."""
+    validate_name(name)
+    if (vm_disk_dir(root, name) / MANIFEST_FILE).is_file():
+        return resolve_vm_disk(root, name)
+    if ":" in name or not Path(root).is_dir():
+        return None
+    prefix = urllib.parse.quote(name + ":", safe="")
+    tags = [urllib.parse.unquote(d.name)[len(name) + 1:] for d in Path(root).iterdir()
+            if d.name.startswith(prefix) and (d / MANIFEST_FILE).is_file()]
+    if not tags:
+        return None
+    newest = max(tags, key=lambda t: (t.isdigit(), int(t) if t.isdigit() else 0, t))
+    return resolve_vm_disk(root, f"{name}:{newest}")
 
 
 def list_vm_disks(root: Path) -> list[VmDisk]:

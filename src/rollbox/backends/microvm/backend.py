@@ -532,23 +532,8 @@ class MicroVMBackend:
                 net, tap_fd = await to_the_end(vmnet.attach(sandbox_id, rules, self.settings),
                                                dispose=_close_network)
                 steps.lap("network")
-            layer_files = await self.disks.layer_files(list(spec.layers))
-            steps.lap("layers")
-            if template is None:
-                rw = await to_the_end(self.disks.create_rw_async(
-                    sandbox_id, spec.resources.disk_mib << 20, host_uid))
-                steps.lap("disk_mkfs")
-            else:
-                rw = await to_the_end(asyncio.to_thread(self.disks.clone_rw, template.disk_id,
-                                                        sandbox_id, host_uid))
-                steps.lap("disk_clone")
-            if machine.ram == qemu.RAM_SHARED:
-                assert ram_file is not None
-                await asyncio.to_thread(os.chown, ram_file, host_uid, host_uid)
-            elif machine.ram == qemu.RAM_CLONE:
-                assert template is not None and template.shared_ram
-            binds = self.binds_for(machine, layer_files, rw, build_ram=ram_file,
-                                   clone_ram=template.ram_path if template is not None else None)
+            binds = await self.disk_binds(sandbox_id, spec, machine, host_uid, template,
+                                          ram_file, steps)
             vm = await self._launch(sandbox_id, slot, host_uid, jail, machine, binds,
                                     spec.resources.cpus, spec.env, timeout_s, template,
                                     check_boot, tap_fd=tap_fd, steps=steps,
@@ -568,6 +553,30 @@ class MicroVMBackend:
         finally:
             if tap_fd >= 0:
                 os.close(tap_fd)  # QEMU holds its own (the tap lives as long as QEMU)
+
+    async def disk_binds(self, sandbox_id: str, spec: ResolvedSpec, machine: qemu.MachineSpec,
+                         host_uid: int, template: Template | None, ram_file: Path | None,
+                         steps: Steps) -> list[Bind]:
+        """The VM's disks made (layer files, a fresh or cloned writable disk, a template's RAM
+        file given to its uid) and their binds (``binds_for``); a full VM's disk image guest
+        has its own (``backends/vm``). The caller's teardown removes what was made."""
+        layer_files = await self.disks.layer_files(list(spec.layers))
+        steps.lap("layers")
+        if template is None:
+            rw = await to_the_end(self.disks.create_rw_async(
+                sandbox_id, spec.resources.disk_mib << 20, host_uid))
+            steps.lap("disk_mkfs")
+        else:
+            rw = await to_the_end(asyncio.to_thread(self.disks.clone_rw, template.disk_id,
+                                                    sandbox_id, host_uid))
+            steps.lap("disk_clone")
+        if machine.ram == qemu.RAM_SHARED:
+            assert ram_file is not None
+            await asyncio.to_thread(os.chown, ram_file, host_uid, host_uid)
+        elif machine.ram == qemu.RAM_CLONE:
+            assert template is not None and template.shared_ram
+        return self.binds_for(machine, layer_files, rw, build_ram=ram_file,
+                              clone_ram=template.ram_path if template is not None else None)
 
     async def _restore_spare(self, sandbox_id: str, spec: ResolvedSpec, spare: Spare,
                              template: Template, timeout_s: float, steps: Steps) -> MicroVM:

@@ -122,6 +122,17 @@ class MachineSpec:
     pids: int = 0                # the sandbox's pids limit in the guest (0: none)
     ram: str = ""                # "": anonymous RAM; RAM_SHARED | RAM_CLONE: /vm/ram (above)
     extra_cmdline: tuple[str, ...] = field(default=())
+    # A full VM's disk image guest (backends/vm): the VM disk image's name (no layers and no
+    # rw disk; the root the disk of serial ``root``), PID 1 handed to its ``init`` (an
+    # absolute path). "": a layered guest.
+    root_disk: str = ""
+    init: str = ""
+
+
+# The kernel command line of a disk image guest: the agent's hand-over (agent.c, hand_over)
+# and eth0 kept as eth0 (the image's udev would rename it to enp0sN, and the platform sets up
+# eth0 through the agent).
+ROOT_DISK_CMDLINE = ("rollbox.root=1", "net.ifnames=0")
 
 
 # The start of a microVM's kernel command line (a full VM's has its own: backends/vm/machine.py).
@@ -129,8 +140,11 @@ MICROVM_CMDLINE = ("console=ttyS0", "quiet", "panic=-1", "reboot=t", "pci=off")
 
 
 def kernel_cmdline(spec: MachineSpec, base: tuple[str, ...] = MICROVM_CMDLINE) -> str:
-    args = [*base, *FAST_BOOT_CMDLINE, *GUEST_MEMORY_CMDLINE,
-            f"rollbox.layers={spec.layers}"]
+    args = [*base, *FAST_BOOT_CMDLINE, *GUEST_MEMORY_CMDLINE]
+    if spec.root_disk:
+        args += [*ROOT_DISK_CMDLINE, f"rollbox.init={spec.init}"]
+    else:
+        args.append(f"rollbox.layers={spec.layers}")
     if spec.rw_disk:
         args.append("rollbox.rw=1")
     if spec.pids > 0:

@@ -5,8 +5,12 @@ are ``machine.py``'s q35 VMs booted by SeaBIOS from ``make vmguest``'s bzImage a
 create (checks, uid slot, layers, writable disk, jail, cgroups, QEMU, the agent answers),
 adopt, destroy with the verified teardown, pause/resume, exec/files/events through the agent,
 network policy at the tap, usage and leftovers are the microVM's code, run on this machine.
-Its own run dir (``<run>/qvm/<id>/``) keeps its jails apart from the microVMs'. Templates and
-spares are off. A snapshot is the machine (disk + memory, ``snapshots.py``; the microVM fork's
+Its own run dir (``<run>/qvm/<id>/``) keeps its jails apart from the microVMs'. A spec with
+``disk_image`` (a VM disk image, ``rollbox.images.vmdisk``) boots that image instead of layers:
+its root is a qcow2 overlay of the read-only base (``rootdisk.py``; the machine names the disk
+in ``MachineSpec.root_disk``), the agent hands PID 1 to the image's init (docs/backends/vm.md,
+"Two kinds of guest"); a restore or fork child of one gets a clone of the saved overlay over
+the same base. Templates and spares are off. A snapshot is the machine (disk + memory, ``snapshots.py``; the microVM fork's
 save, kept), restored as new ``vm`` sandboxes by a create whose spec names it; fork is the
 microVM's (the same save, restored into each child). The accelerator is the node's microVM
 probe's (one probe per node; both backends run the same QEMU on the same /dev/kvm).
@@ -29,14 +33,21 @@ import logging
 import secrets
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from rollbox.backends.base import BackendCapacity, MachineSnapshot, ResolvedSpec
+from rollbox.backends.base import (
+    BackendCapacity, CaptureOptions, CaptureResult, MachineSnapshot, ResolvedSpec,
+)
+from rollbox.backends.cancellation import to_the_end
 from rollbox.backends.microvm.accel import AccelChoice
 from rollbox.backends.container.disk import DiskPool
 from rollbox.backends.microvm import qemu, qmp
 from rollbox.backends.microvm.backend import MicroVM, MicroVMBackend
-from rollbox.backends.vm import display, machine
+from rollbox.backends.microvm.jail import Bind
+from rollbox.backends.microvm.steps import Steps
+from rollbox.backends.microvm.template import Template
+from rollbox.backends.vm import display, machine, rootdisk
 from rollbox.backends.vm.snapshots import SNAPSHOTS_DIR, MachineSnapshots, disk_id_of
 from rollbox.config import Settings
 from rollbox.errors import BadRequest, SandboxPaused
@@ -142,6 +153,7 @@ class VMBackend(MicroVMBackend):
         self.templates = None  # no template restore (see the module docstring)
         self.snapshots = MachineSnapshots(settings.data_dir / SNAPSHOTS_DIR, self.disks)
         self.accel_from = accel_from
+        self.rootdisks = rootdisk.RootDisks(settings, self.disks.pool)
         # sandbox id -> (display size, when seen): each VM's last screenshot's size
         self._display_sizes: dict[str, tuple[tuple[int, int], float]] = {}
 
@@ -170,6 +182,58 @@ class VMBackend(MicroVMBackend):
 
     def argv_for(self, spec: qemu.MachineSpec) -> list[str]:
         return machine.argv(spec, str(self.settings.qemu_binary))
+
+    def check_spec(self, spec: ResolvedSpec) -> None:
+        super().check_spec(spec)
+        if spec.disk_image and spec.layers:
+            raise BadRequest(f"VM disk image {spec.disk_image!r} takes no layers",
+                             image=spec.disk_image)
+        if spec.disk_image and spec.hidden_paths:
+            # the agent's masks would be the image init's to undo: no defence on a disk guest
+            raise BadRequest(f"hidden paths are not offered on VM disk image "
+                             f"{spec.disk_image!r} (its init is the guest's root)",
+                             image=spec.disk_image)
+
+    def machine_for(self, spec: ResolvedSpec) -> qemu.MachineSpec:
+        m = super().machine_for(spec)
+        if not spec.disk_image:
+            return m
+        disk = self.rootdisks.resolve(spec.disk_image)
+        return replace(m, layers=0, rw_disk=False, root_disk=disk.name, init=disk.init)
+
+    async def disk_binds(self, sandbox_id: str, spec: ResolvedSpec,  # type: ignore[override]
+                         machine: qemu.MachineSpec, host_uid: int, template: Template | None,
+                         ram_file: Path | None, steps: Steps) -> list[Bind]:
+        """A disk image guest's root (``rootdisk.py``): the base ``machine.root_disk``
+        (checked, hashed once) read-only, and over it a new qcow2 overlay in the sandbox's
+        subvolume, or for a restore (a snapshot, a fork child) a copy-on-write clone of the
+        saved one (a file the guest wrote: cloned and handed to QEMU, never opened here).
+        Layered guests as microVMs."""
+        if not machine.root_disk:
+            return await super().disk_binds(sandbox_id, spec, machine, host_uid, template,
+                                            ram_file, steps)
+        disk = await asyncio.to_thread(self.rootdisks.verified, machine.root_disk)
+        steps.lap("disk_verify")
+        if template is None:
+            overlay = await to_the_end(asyncio.to_thread(
+                self.rootdisks.create_overlay, sandbox_id, disk,
+                spec.resources.disk_mib << 20, host_uid))
+            steps.lap("disk_overlay")
+        else:
+            overlay = await to_the_end(asyncio.to_thread(
+                self.rootdisks.clone_overlay, template.disk_id, sandbox_id, host_uid))
+            steps.lap("disk_clone")
+        return [Bind(self.guest_kernel, qemu.KERNEL), Bind(self.guest_initrd, qemu.INITRD),
+                Bind(disk.disk, rootdisk.BASE_IMG),
+                Bind(overlay, rootdisk.ROOT_QCOW2, writable=True)]
+
+    async def capture_writable(self, h: MicroVM, dest: Path,  # type: ignore[override]
+                               opts: CaptureOptions) -> CaptureResult:
+        if h.machine.root_disk:
+            raise BadRequest(f"sandbox {h.id} runs VM disk image {h.machine.root_disk!r}: it "
+                             "has no writable layer to snapshot as an image layer (its "
+                             "snapshot is the machine)", sandbox_id=h.id)
+        return await super().capture_writable(h, dest, opts)
 
     async def create(self, sandbox_id: str, spec: ResolvedSpec,  # type: ignore[override]
                      **kw: object) -> MicroVM:

@@ -8,7 +8,9 @@ QEMU's default firmware (SeaBIOS, booting ``-kernel``/``-initrd`` through linuxb
 kernel gets ``screen_info`` and draws on the VGA device), ``-device VGA -display none``,
 ``-vnc none`` (a viewer is a socketpair handed over with QMP ``add_client``: nothing listens),
 ``qemu-xhci`` with ``usb-tablet`` and q35's PS/2 keyboard, and the console on tty1 (``/dev/console``:
-what the keyboard types is echoed on the screen). The guest contract: docs/backends/vm.md.
+what the keyboard types is echoed on the screen). A disk image guest (``spec.root_disk``) has
+no layers and no rw disk but the root disk chain of ``rootdisk.py`` (serial ``root``). The
+guest contract: docs/backends/vm.md.
 
 Owns the argv; does not start processes (``microvm/jail.py``) or know sandboxes.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from rollbox.backends.microvm import qemu
 from rollbox.backends.microvm.qemu import MachineSpec
+from rollbox.backends.vm import rootdisk
 
 # console=tty1 last: /dev/console (the agent's stdio, init's) is the VGA screen's tty.
 VM_CMDLINE = ("console=ttyS0", "console=tty1", "quiet", "panic=-1", "reboot=t")
@@ -35,4 +38,5 @@ def argv(spec: MachineSpec, binary: str = "/usr/bin/qemu-system-x86_64") -> list
         # events and QEMU drops the rest, so fast typing lost keys and key-ups (autorepeat)
         "-device", "qemu-xhci,id=usb", "-device", "usb-tablet,bus=usb.0",
         *qemu.channel_args("pci"), *qemu.device_args(spec, "pci"),
+        *(rootdisk.blockdev_args() if spec.root_disk else ()),
     ]
