@@ -240,6 +240,15 @@ def bench_container(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out)
 
 
+@bench_command("qos")
+def bench_qos(quick: bool = typer.Option(False, "--quick"),
+              json_out: bool = typer.Option(False, "--json")) -> None:
+    """A ~1 ms probe's p50/p99 inflation under batch load at 50 % / 100 % of the cores, with
+    and without QoS (batch in the idle class vs the normal class), in one run."""
+    mod = _load_bench("qos")
+    mod.main(quick=quick, json_out=json_out)
+
+
 @bench_command("images")
 def bench_images(quick: bool = typer.Option(False, "--quick"),
                  json_out: bool = typer.Option(False, "--json")) -> None:
