@@ -169,3 +169,13 @@ def test_apply_start_makes_no_cookie_where_unavailable() -> None:
     me = os.getpid()
     assert qos.apply_start(me, LATENCY, qos.CoreSched(False, "none here")) is False
     assert os.sched_getscheduler(me) == os.SCHED_OTHER
+
+
+def test_apply_cgroup_without_cpu_idle(tmp_path: Path) -> None:
+    """A kernel without cpu.idle (before 5.15): the weight is written, and the caller is told
+    the cgroup's idle flag is missing (SCHED_IDLE per task is then the class's only layer).
+    A plain directory stands in for the cgroup: only the write order is under test here."""
+    (tmp_path / "cpu.shares").write_text("1024")
+    assert qos.apply_cgroup(tmp_path, BATCH, v2=False) is False
+    assert (tmp_path / "cpu.shares").read_text() == "2"
+    assert not (tmp_path / "cpu.idle").exists()
