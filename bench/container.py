@@ -5,7 +5,11 @@ In one run, against the same image: create -> exec ``true`` -> destroy cycles at
 ``true`` in a live sandbox; N idle sandboxes held at once (host memory per sandbox); and the same
 create/exec/destroy workload through ``podman --runtime runc run --rm`` as the peer, with ratios;
 and ``hardening_overhead``: the c8 cycle rate against a second server whose sandboxes are all
-unhardened (no seccomp, Landlock, masks; benchmark-only env switch), as 1 - hardened/unhardened.
+unhardened (no seccomp, Landlock, masks; benchmark-only env switch), as 1 - hardened/unhardened;
+and the other runtime (``ROLLBOX_RUNTIME``: runc and native, backends/container/launcher.py):
+the c8 cycle and the cold create -> first exec p50 at c1 against a third server that starts its
+containers with it, so ``create_exec_destroy_per_s_c8_runc``, ``..._c8_native`` and
+``native_vs_runc_c8`` come from one run (``ratio_vs_podman_c8`` is the default runtime's).
 The last line of ``--json`` is one JSON object.
 """
 from __future__ import annotations
@@ -197,10 +201,45 @@ def hardening_overhead(quick: bool, res: dict[str, Any]) -> None:
         f"{rounded(res['hardening_overhead'], 3)}")
 
 
+async def runtime_cycles(quick: bool, url: str, key: str) -> dict[str, Any]:
+    """The c1 and c8 cycles of :func:`run` (same warm-up, same counts) on another server."""
+    from rollbox.sdk import AsyncClient
+
+    async with AsyncClient(base_url=url, api_key=key, timeout=120) as client:
+        await cycles(client, "python:3.11", 4, 2)
+        c1 = await cycles(client, "python:3.11", 10 if quick else 30, 1)
+        c8 = await cycles(client, "python:3.11", 48 if quick else 160, 8)
+    return {"c1": c1, "c8": c8}
+
+
+def runtimes(quick: bool, res: dict[str, Any]) -> None:
+    """The default runtime's figures under its name, the other's from a server that uses it
+    (``ROLLBOX_RUNTIME``), and native against runc."""
+    default = Settings().runtime
+    other = "runc" if default == "native" else "native"
+    res["runtime"] = default
+    res[f"create_exec_destroy_per_s_c8_{default}"] = res["create_exec_destroy_per_s_c8"]
+    res[f"create_to_first_exec_p50_ms_{default}"] = res["create_to_first_exec_p50_ms"]
+    with server_process(env={"ROLLBOX_RUNTIME": other}) as (url, key):
+        r = asyncio.run(runtime_cycles(quick, url, key))
+    res[f"create_exec_destroy_per_s_c8_{other}"] = r["c8"]["per_s"]
+    res[f"cycle_errors_c8_{other}"] = r["c8"]["errors"]
+    res[f"create_to_first_exec_p50_ms_{other}"] = r["c1"]["first_exec_p50_ms"]
+    if "create_exec_destroy_per_s_c8_runc" in res:
+        res["native_vs_runc_c8"] = ratio(res["create_exec_destroy_per_s_c8_native"],
+                                         res["create_exec_destroy_per_s_c8_runc"])
+    if "podman_per_s_c8" in res:
+        res[f"ratio_vs_podman_c8_{other}"] = ratio(r["c8"]["per_s"], res["podman_per_s_c8"])
+    say(f"{other} c8: {r['c8']['per_s']:.1f}/s, first exec p50 "
+        f"{r['c1']['first_exec_p50_ms']:.1f} ms; native_vs_runc_c8 "
+        f"{rounded(res.get('native_vs_runc_c8'), 2)}")
+
+
 def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
     with server_process() as (url, key):
         res = asyncio.run(run(quick, url, key))
     hardening_overhead(quick, res)
+    runtimes(quick, res)
     return emit(res, json_out)
 
 

@@ -23,8 +23,8 @@
  *     5. uid/gid 0 of the sandbox, no groups, a new cgroup namespace (rooted at its cgroup),
  *        a new session, the hostname,
  *     6. / made private, the rootfs bound onto itself, each mount of config.json in order
- *        (targets resolved inside the rootfs: openat2 RESOLVE_IN_ROOT, mounted through
- *        /proc/self/fd, so a symlink in the image can not send a mount outside it), the device
+ *        (targets resolved inside the rootfs: openat2 RESOLVE_IN_ROOT, no symlink followed,
+ *        mounted through /proc/self/fd: the image can not send a mount elsewhere), the device
  *        nodes (host nodes bound: mknod is not allowed in a user namespace) and /dev symlinks,
  *     7. pivot_root, the old root detached, read-only paths, masked paths,
  *     8. rlimits, umask 022, no_new_privs, the capability sets (bounding dropped, effective/
@@ -317,14 +317,18 @@ static void undo_cgroups(char *msg, size_t cap) {
 /* ---- child: mounts inside the rootfs ----------------------------------------------------- */
 static int rootfd = -1;
 
+/* No symlink is followed at all: every target is a top-level dir of the image (/proc, /dev,
+ * /sys: a symlink there is refused, as runc refuses one at /proc) or inside a filesystem this
+ * launcher has just mounted. */
 static int resolve(const char *path, int flags) {
     struct open_how how = {.flags = flags | O_CLOEXEC,
-                           .resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS};
+                           .resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS |
+                                      RESOLVE_NO_SYMLINKS};
     return (int)syscall(SYS_openat2, rootfd, path, &how, sizeof how);
 }
 
 /* An O_PATH fd of PATH inside the rootfs, made (parents as dirs, itself as a dir or an
- * empty file) where missing; every component resolved with the rootfs as "/". */
+ * empty file) where missing; every component resolved with the rootfs as "/", no symlink. */
 static int target(const char *path, int dir) {
     char buf[4096];
     if (path[0] != '/' || strlen(path) >= sizeof buf) fail(EINVAL, "path %s", path);

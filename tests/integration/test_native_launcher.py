@@ -127,7 +127,7 @@ async def test_a_launch_failing_halfway_is_typed_and_leaves_nothing(
         assert exc.value.details["errno"] > 0
     assert "left" not in exc.value.details  # the launcher's own cleanup check
     backend = edge.backends["container"]
-    assert backend.host_sandbox_ids() == set()
+    assert backend.host_sandbox_ids(edge.settings.sandbox_id_prefix) == set()  # other nodes: theirs
     assert cgroups.leftover(parent) == []
     assert descendants(os.getpid()) <= before
     assert backend.slots.in_use() == set()
