@@ -40,7 +40,8 @@ def serve(host: str = typer.Option("127.0.0.1"), port: int = typer.Option(7420),
     """Run the embedded node: api + placement + one edge, SQLite state, local images."""
     from rollbox.embedded import EmbeddedNode
 
-    escaped_logging(logging.INFO if verbose else logging.WARNING)
+    escaped_logging(logging.INFO if verbose else logging.WARNING,
+                    json_lines=Settings().log_format == "json")
     from rollbox.isolation import oom
 
     oom.protect()  # the platform, never a sandbox's victim (sandboxes: one memory cgroup)
@@ -392,7 +393,8 @@ def mirror_serve(host: Optional[str] = typer.Option(None, help="default: pypi_mi
     """Serve the caching PyPI proxy (only ever fetches from the configured upstreams)."""
     from rollbox.api.mirror import serve as serve_mirror
 
-    escaped_logging(logging.INFO if verbose else logging.WARNING)
+    escaped_logging(logging.INFO if verbose else logging.WARNING,
+                    json_lines=Settings().log_format == "json")
     from rollbox.isolation import oom
 
     oom.protect()

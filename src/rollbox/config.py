@@ -137,6 +137,15 @@ def share(raw: str) -> float:
     return value
 
 
+LOG_FORMATS = ("json", "text")
+
+
+def log_format(raw: str) -> str:
+    if raw not in LOG_FORMATS:
+        raise ValueError(f"a log format is one of {', '.join(LOG_FORMATS)}")
+    return raw
+
+
 def ports(raw: str) -> tuple[int, ...]:
     """``"8080,9000,7440-7443"`` -> ``(8080, 9000, 7440, 7441, 7442, 7443)``; items that are
     not numbers or ranges of numbers are ignored."""
@@ -198,6 +207,11 @@ class Settings:
     agent_binary: Path = setting(
         "ROLLBOX_AGENT", "node", REPO_ROOT / "build" / "rollbox-agent", Path,
         "The in-sandbox agent (`make native`), init of containers and of microVM guests.")
+    log_format: str = setting(
+        "ROLLBOX_LOG_FORMAT", "node", "json", log_format,
+        "How platform processes (`rollbox serve`, edges, cluster replicas) log: `json` (one "
+        "object a line: ts, level, logger, msg, request_id, sandbox_id, exec_id, exc; every "
+        "control and non-ASCII character escaped) or `text` (escaped lines).")
     platform_shell: Path = setting(
         "ROLLBOX_PLATFORM_SHELL", "node", Path("/bin/bash-static"), Path,
         "bash-static: interprets command strings in sandboxes (agent/platform_shell.py).")

@@ -67,6 +67,10 @@ class RollboxError(Exception):
     code = "internal"
     status = 500
     retryable = False
+    # The api request this error answered (its ``X-Request-Id``; the api's error body repeats
+    # it as ``error.request_id``): set by the SDK on every error it raises for a request,
+    # and what the api's and the edge's log lines name (rollbox.trace). None elsewhere.
+    request_id: str | None = None
 
     def __init__(self, message: str, **details: Any) -> None:
         super().__init__(message)
@@ -374,6 +378,8 @@ def error_from_payload(payload: Any, status: int = 500) -> RollboxError:
         return cls(f"HTTP {status}: {str(payload)[:200]}")
     cls = ERRORS_BY_CODE.get(str(err.get("code")), RollboxError)
     exc = cls(str(err.get("message", "")), **(err.get("details") or {}))
+    if isinstance(err.get("request_id"), str):
+        exc.request_id = err["request_id"][:64]
     return exc
 
 

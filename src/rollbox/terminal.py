@@ -3,9 +3,10 @@
 Owns :func:`escape_control` (text a sandbox wrote, shown escaped: what the CLIs print of it),
 the platform processes' log format (:func:`escaped_logging`: every line a server writes to its
 log is escaped the same way, since a command's output or a tenant's argv can end up in a log
-message) and :class:`TerminalFilter` (a byte filter for the operator's terminal when ``rollbox sandbox
+message; or, as JSON lines, :class:`JsonFormatter`, with the request, sandbox and exec ids of
+``rollbox.trace``) and :class:`TerminalFilter` (a byte filter for the operator's terminal when ``rollbox sandbox
 exec --pty`` attaches it to the sandbox's); no I/O, no rollbox imports (the CLIs that use them
-own their terminals). Through the filter everything a screen program needs passes (text, CSI:
+own their terminals; the one import is ``rollbox.trace``, for the ids). Through the filter everything a screen program needs passes (text, CSI:
 cursor, colours, modes, the alternate screen); the sequences that act beyond the screen are
 dropped: OSC strings other than the window and icon titles (0, 1, 2), e.g. OSC 52, which sets
 the operator's clipboard or, as a query, makes the terminal type its content into the sandbox;
@@ -16,9 +17,13 @@ whole.
 """
 from __future__ import annotations
 
+import datetime as dt
+import json
 import logging
 import re
 from typing import IO, Any
+
+from rollbox import trace
 
 # C0 controls but \n and \t, DEL, C1 controls (0x9b is a one-byte CSI for some terminals), the
 # bidirectional marks, overrides and isolates (text that reads differently than it runs; U+061C
@@ -53,11 +58,52 @@ class EscapingFormatter(logging.Formatter):
         return escape_control(super().format(record))
 
 
-def escaped_logging(level: int, stream: IO[str] | None = None, **kw: Any) -> None:
+TRACE_IDS = ("request_id", "sandbox_id", "exec_id")
+
+
+def stamp_trace_ids() -> None:
+    """Make every log record carry the ids bound where it was made (``record.trace_ids``), so
+    a handler that formats it later or elsewhere (a queue, pytest's caplog) still names them.
+    Installed once per process."""
+    old = logging.getLogRecordFactory()
+    if getattr(old, "rollbox_stamps", False):
+        return
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = old(*args, **kwargs)
+        record.trace_ids = trace.current()
+        return record
+
+    factory.rollbox_stamps = True  # type: ignore[attr-defined]
+    logging.setLogRecordFactory(factory)
+
+
+class JsonFormatter(logging.Formatter):
+    """A log line as one JSON object: ``ts`` (UTC, ms), ``level``, ``logger``, ``msg``, the
+    ``request_id``/``sandbox_id``/``exec_id`` bound where the record was made
+    (rollbox.trace; :func:`stamp_trace_ids`) and ``exc`` (a traceback). JSON's ASCII escapes
+    leave no control, bidi or other non-ASCII character in the line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ids = getattr(record, "trace_ids", None)
+        out: dict[str, Any] = {
+            "ts": dt.datetime.fromtimestamp(record.created, dt.UTC).isoformat(
+                timespec="milliseconds").replace("+00:00", "Z"),
+            "level": record.levelname, "logger": record.name, "msg": record.getMessage(),
+            **(ids if isinstance(ids, dict) else trace.current())}
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=True, default=str)
+
+
+def escaped_logging(level: int, stream: IO[str] | None = None, *, json_lines: bool = False,
+                    **kw: Any) -> None:
     """``logging.basicConfig`` of a platform process (``rollbox serve``, the mirror, cluster
-    replicas and edge actors): stderr (or ``stream``), ``LOG_FORMAT``, escaped."""
+    replicas and edge actors): stderr (or ``stream``), ``LOG_FORMAT`` escaped, or with
+    ``json_lines`` :class:`JsonFormatter`'s lines (``Settings.log_format``)."""
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(EscapingFormatter(LOG_FORMAT))
+    handler.setFormatter(JsonFormatter() if json_lines else EscapingFormatter(LOG_FORMAT))
+    stamp_trace_ids()
     logging.basicConfig(level=level, handlers=[handler], **kw)
 
 

@@ -445,3 +445,42 @@ async def test_a_platform_process_whose_stream_closes_is_killed(edge) -> None:  
                 await proc.kill()
         finally:
             await remote.delete(sid)
+
+
+async def test_a_failed_call_is_traced_from_the_sdk_error_to_the_edges_log_line(  # noqa: ANN001
+        edge, tmp_path, caplog) -> None:
+    """SDK -> api -> RemoteEdge -> edge, the edge served over HTTP: the error the trainer gets
+    names a request id; the api's log line and the edge service's log line for that call name
+    the same id (it crossed the hop in X-Request-Id: the edge's server has no other way to know
+    it) and the sandbox."""
+    import logging
+
+    import rollbox
+    from rollbox import terminal
+    from rollbox.api import BackgroundServer as ApiServer
+    from rollbox.iam import KeyStore
+    from tests.conftest import api_app
+
+    terminal.stamp_trace_ids()
+    caplog.set_level(logging.INFO, logger="rollbox")
+    keys = KeyStore(tmp_path / "keys.db")
+    try:
+        async with served_edge(edge) as remote:
+            app = api_app(remote, edge, keys)
+            async with ApiServer(app) as srv, \
+                    rollbox.AsyncClient(srv.url, keys.create("p")) as c:
+                sb = await c.create(BB)
+                with pytest.raises(errors.NotFound) as ei:
+                    await sb.files.read("/no/such/file")
+                rid = ei.value.request_id
+                await sb.delete()
+        assert rid is not None and rid.startswith("req_")
+        mine = [r for r in caplog.records if getattr(r, "trace_ids", {}).get("request_id") == rid]
+        by = {r.name: r for r in mine}
+        assert "rollbox.api.errors" in by and "rollbox.edge.service" in by, [
+            (r.name, r.getMessage()) for r in mine]
+        for name in ("rollbox.api.errors", "rollbox.edge.service"):
+            assert by[name].trace_ids["sandbox_id"] == sb.id
+            assert "404 not_found" in by[name].getMessage()
+    finally:
+        keys.close()

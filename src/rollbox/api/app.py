@@ -2,7 +2,9 @@
 
 :func:`create_app` assembles one app: the body caps (``api.bodies``), the error mapping
 (``api.errors``), the routers of ``api.routes`` and the front doors it is given
-(``api.frontdoors``), over one :class:`ApiContext` (``app.state.api``). Stateless apart from
+(``api.frontdoors``), over one :class:`ApiContext` (``app.state.api``); every request gets
+a request id (``rollbox.trace``: the client's ``X-Request-Id`` or a new one), repeated in
+its answer's header and in every error body. Stateless apart from
 the context's owner cache: sandbox ids route through :class:`Placement`, the audit trail is
 the edges' own (``EdgeAPI.events``/``record_event``), principals and projects come from an :class:`IamStore`, quotas are held
 in a :class:`QuotaLedger` (``rollbox.iam``: SQLite or PostgreSQL, the same for the api).
@@ -17,6 +19,7 @@ from rollbox.api.bodies import BodyLimitMiddleware
 from rollbox.api.context import ApiContext
 from rollbox.api.frontdoors import FrontDoor
 from rollbox.api.routes import ROUTERS, fncall
+from rollbox.trace import RequestIdMiddleware
 from rollbox.iam import IamStore, QuotaLedger
 from rollbox.jobs import LeaseStore
 from rollbox.placement import Placement
@@ -64,7 +67,8 @@ def create_app(placement: Placement, keys: IamStore, *,
         routes=[route for router in ROUTERS for route in router.routes],
     )
     app.add_middleware(BodyLimitMiddleware)
-    ports.install(app, api, port_config or ports.PortConfig.ephemeral())  # outermost
+    ports.install(app, api, port_config or ports.PortConfig.ephemeral())
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries its request id
     app.state.api = api
     errors.install(app)
     # entered by lifespan, which runs later

@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rollbox import errors
+from rollbox.api.errors import error_payload
 
 MAX_JSON_BODY = 1 << 20
 MAX_FILE_WRITE = 256 << 20
@@ -62,7 +63,7 @@ class BodyLimitMiddleware:
                     declared = 0
                 if declared > limit:
                     err = errors.PayloadTooLarge(f"request body over {limit} bytes", limit=limit)
-                    await JSONResponse(err.to_payload(), err.status)(scope, receive, send)
+                    await JSONResponse(error_payload(err), err.status)(scope, receive, send)
                     return
         seen = 0
 

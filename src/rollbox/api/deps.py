@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import Depends, Request, Security
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
-from rollbox import errors
+from rollbox import errors, trace
 from rollbox.api.context import ApiContext
 from rollbox.edge.interface import EdgeAPI
 from rollbox.iam import Principal
@@ -67,7 +67,9 @@ AdminWho = Annotated[Principal, Depends(admin_principal)]
 async def edge_of(sandbox_id: str, who: Who, request: Request) -> EdgeAPI:
     """The edge of the route's sandbox; NotFound for another project's (it looks absent).
     The context from the request, not ``Api``: a dependency more costs every exec and file
-    request ~10 us of FastAPI's solving."""
+    request ~10 us of FastAPI's solving. The sandbox is bound for the request's log lines
+    (rollbox.trace)."""
+    trace.bind_sandbox(sandbox_id)
     return await context_of(request).sandbox_edge(sandbox_id, who)
 
 

@@ -1,5 +1,6 @@
 """How the api answers an error: the typed error tree (``rollbox.errors``) -> HTTP status and
-the one error body (``RollboxError.to_payload``), for what routes raise, for FastAPI's request
+the one error body (``RollboxError.to_payload`` with the request's id,
+``error.request_id``), for what routes raise, for FastAPI's request
 validation, for Starlette's own HTTP errors (404 route, 405 method, 413 body cap) and for a bug.
 
 Owns the mapping only; front doors with a peer's error format (E2B, SWE-ReX) answer their own.
@@ -13,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rollbox import errors
+from rollbox import errors, trace
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +28,17 @@ HTTP_STATUS_ERRORS: dict[int, type[errors.RollboxError]] = {
 }
 
 
-def error_response(err: errors.RollboxError) -> JSONResponse:
-    return JSONResponse(err.to_payload(), status_code=err.status)
+def error_payload(err: errors.RollboxError) -> dict[str, Any]:
+    """``err.to_payload()`` with the request's id as ``error.request_id`` (rollbox.trace)."""
+    payload = err.to_payload()
+    rid = trace.request_id.get()
+    if rid is not None:
+        payload["error"]["request_id"] = rid
+    return payload
+
+
+def error_response(err: errors.RollboxError, status: int | None = None) -> JSONResponse:
+    return JSONResponse(error_payload(err), status_code=status or err.status)
 
 
 def validation_message(errs: Sequence[Any]) -> str:
@@ -41,18 +51,29 @@ def validation_message(errs: Sequence[Any]) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-async def _rollbox_error(_: Request, exc: errors.RollboxError) -> JSONResponse:
+def logged(request: Request, err: errors.RollboxError, status: int) -> None:
+    """One line per error answer, naming the request id (bound: rollbox.trace), so a client's
+    ``err.request_id`` finds it: a platform fault (5xx) as a warning, a refusal as info."""
+    log.log(logging.WARNING if status >= 500 else logging.INFO, "%s %s -> %d %s: %s",
+            request.method, request.url.path, status, err.code, err.message)
+
+
+async def _rollbox_error(request: Request, exc: errors.RollboxError) -> JSONResponse:
+    logged(request, exc, exc.status)
     return error_response(exc)
 
 
-async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    return error_response(errors.BadRequest(validation_message(exc.errors())))
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    err = errors.BadRequest(validation_message(exc.errors()))
+    logged(request, err, err.status)
+    return error_response(err)
 
 
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     cls = HTTP_STATUS_ERRORS.get(exc.status_code, errors.RollboxError)
     err = cls(str(exc.detail))
-    return JSONResponse(err.to_payload(), status_code=exc.status_code)
+    logged(request, err, exc.status_code)
+    return error_response(err, exc.status_code)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

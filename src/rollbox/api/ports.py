@@ -55,6 +55,7 @@ from websockets.uri import parse_uri
 
 from rollbox import errors
 from rollbox.api.context import ApiContext
+from rollbox.api.errors import error_payload
 from rollbox.backends.ports import end_pumps
 from rollbox.config import Settings
 from rollbox.edge.interface import EdgeAPI
@@ -607,7 +608,7 @@ async def _deny(scope: Scope, send: Send, status: int, body: bytes) -> None:
 
 
 async def _refuse(scope: Scope, send: Send, exc: errors.RollboxError) -> None:
-    body = json.dumps(exc.to_payload()).encode()
+    body = json.dumps(error_payload(exc)).encode()
     if scope["type"] == "websocket":
         await _deny(scope, send, exc.status, body)
         return

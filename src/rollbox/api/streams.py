@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from rollbox import errors
+from rollbox.api.errors import error_payload
 from rollbox.edge.interface import ExecOutput
 
 NDJSON = "application/x-ndjson"
@@ -29,7 +30,7 @@ def output_line(item: ExecOutput) -> bytes | None:
         err = item.error
         if not isinstance(err, errors.RollboxError):
             err = errors.InfraError(f"exec stream failed: {err!r}")
-        return ndjson({"type": "error", **err.to_payload()})
+        return ndjson({"type": "error", **error_payload(err)})
     return None
 
 

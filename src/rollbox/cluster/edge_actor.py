@@ -156,7 +156,9 @@ class EdgeActor:
         import ray
         from ray.experimental import internal_kv
 
-        escaped_logging(logging.WARNING)
+        from rollbox.config import Settings
+
+        escaped_logging(logging.WARNING, json_lines=Settings().log_format == "json")
         self.node_id = node_id
         self.ray_node = ray.get_runtime_context().get_node_id()
         self.host = EdgeHost({**env, "ROLLBOX_NODE": node_id}, host, port,

@@ -180,9 +180,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--own-port", required=True, type=int)
     p.add_argument("--name", required=True)
     a = p.parse_args(argv)
+    from rollbox.config import Settings
     from rollbox.terminal import escaped_logging
 
-    escaped_logging(logging.WARNING)
+    escaped_logging(logging.WARNING, json_lines=Settings().log_format == "json")
     from rollbox.isolation import oom
 
     oom.protect()

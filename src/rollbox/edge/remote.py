@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 
-from rollbox import errors
+from rollbox import errors, trace
 from rollbox.agent.protocol import ExecRequest, Exited
 from rollbox.backends.base import PortStream
 from rollbox.edge import wire
@@ -216,6 +216,7 @@ class RemoteEdge:
                     headers: dict[str, str] | None = None,
                     source: _Source | None = None) -> _Answer:
         """Send; an error answer (401, 400, 404, 413) raises its typed error."""
+        headers = {**trace.outgoing(), **(headers or {})}  # the api request's id, kept
         try:
             resp = await self._http().request(method, self._root + route, data=data,
                                               headers=headers, allow_redirects=False)
@@ -362,7 +363,8 @@ class RemoteEdge:
         args = wire.PortOpenArgs.model_construct(sandbox_id=sandbox_id, port=port)
         try:
             ws = await self._http().ws_connect(
-                self._root + "/port", autoping=True, heartbeat=None, compress=0,
+                self._root + "/port", headers=trace.outgoing(), autoping=True, heartbeat=None,
+                compress=0,
                 max_msg_size=wire.PORT_MESSAGE + 4096, autoclose=False)
         except aiohttp.WSServerHandshakeError as exc:
             if exc.status == 401:

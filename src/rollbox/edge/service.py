@@ -33,7 +33,8 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from rollbox import errors
+from rollbox import errors, trace
+from rollbox.trace import RequestIdMiddleware
 from rollbox.backends.base import PortStream
 from rollbox.backends.ports import end_pumps
 from rollbox.edge import wire
@@ -52,11 +53,20 @@ def _error_response(err: errors.RollboxError) -> JSONResponse:
 
 
 def _as_rollbox(exc: BaseException, what: str) -> errors.RollboxError:
-    """What the client gets for ``exc``: the edge's typed error, or ``internal`` for a bug."""
+    """What the client gets for ``exc``: the edge's typed error, or ``internal`` for a bug;
+    logged either way (a platform fault as a warning, a refusal as info) with the api's
+    request id and the call's sandbox bound (rollbox.trace): the api's line for the same
+    request names the same id."""
     if isinstance(exc, errors.RollboxError):
+        _logged(what, exc)
         return exc
     log.error("edge service: %s failed", what, exc_info=exc)
     return errors.RollboxError("internal error")
+
+
+def _logged(what: str, err: errors.RollboxError) -> None:
+    log.log(logging.WARNING if err.status >= 500 else logging.INFO, "edge %s -> %d %s: %s",
+            what, err.status, err.code, err.message)
 
 
 class TokenAuth:
@@ -272,7 +282,12 @@ class EdgeService:
 
     @staticmethod
     def _kwargs(args: wire.BaseModel) -> dict[str, Any]:
-        return {k: getattr(args, k) for k in type(args).model_fields}
+        """The call's arguments; the sandbox and exec they name are bound for its log lines
+        (rollbox.trace)."""
+        kwargs = {k: getattr(args, k) for k in type(args).model_fields}
+        trace.bind_sandbox(kwargs.get("sandbox_id"))
+        trace.bind_exec(kwargs.get("exec_id"))
+        return kwargs
 
     def _keep(self, fut: asyncio.Future[Any]) -> None:
         """A call runs to its end even if its client leaves; its failure is then logged."""
@@ -501,8 +516,9 @@ _PROC_METHOD = wire.Method("proc", wire.METHODS["delete"].signature,
                            wire.METHODS["delete"].args, None, None)
 
 
-async def _rollbox_error(_: Request, exc: Exception) -> Response:
+async def _rollbox_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, errors.RollboxError)
+    _logged(request.url.path, exc)
     return _error_response(exc)
 
 
@@ -547,7 +563,7 @@ def create_edge_app(edge: EdgeAPI, token: str, *, heartbeat_s: float = HEARTBEAT
         lifespan=lifespan,
     )
     app.state.service = service
-    return TokenAuth(app, token)
+    return RequestIdMiddleware(TokenAuth(app, token))  # the api's X-Request-Id, kept
 
 
 def serve_edge(edge: EdgeAPI, host: str, port: int, token: str) -> BackgroundServer:

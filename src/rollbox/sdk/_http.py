@@ -1,5 +1,6 @@
 """What every SDK call does over its transport (``_transport``): the API key, JSON bodies and
-query values encoded as httpx did, typed errors from error answers, NDJSON lines, and sending
+query values encoded as httpx did, a request id per call (``X-Request-Id``, repeated
+as ``err.request_id`` on every error raised for it), typed errors from error answers, NDJSON lines, and sending
 again a whole request that is safe to send again when its connection broke (``ConnectionLost``)
 and the client has other API URLs (``_failover``) to send it to. The same for every transport;
 owns no connection.
@@ -11,7 +12,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rollbox import errors
+from rollbox import errors, trace
 from rollbox.sdk._transport import AsyncTransport, Request, Response
 
 Params = Mapping[str, Any] | Iterable[tuple[str, Any]] | None
@@ -26,15 +27,22 @@ def query(params: Params) -> list[tuple[str, str]] | None:
             for k, v in items]
 
 
-def raise_for_status(status: int, body: bytes) -> None:
-    """The typed error of an error answer (its JSON ``error``, else by the status)."""
+def raise_for_status(status: int, body: bytes, request_id: str | None = None) -> None:
+    """The typed error of an error answer (its JSON ``error``, else by the status), with the
+    request's id (the answer's ``error.request_id``, else the one the request was sent with)."""
     if status < 400:
         return
     try:
         payload: Any = json.loads(body)
     except ValueError:
         payload = body.decode("utf-8", "replace")
-    raise errors.error_from_payload(payload, status)
+    raise with_request_id(errors.error_from_payload(payload, status), request_id)
+
+
+def with_request_id(exc: errors.RollboxError, request_id: str | None) -> errors.RollboxError:
+    if exc.request_id is None:
+        exc.request_id = request_id
+    return exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +59,9 @@ class FullResponse:
 # The SDK's attempt number of a call sent again (1 unless it is): a create seen with a key and
 # an attempt above 1 is looked for on every node (api/routes/sandboxes.py).
 ATTEMPT_HEADER = "X-Rollbox-Attempt"
+# Every call's own id (rollbox.trace: X-Request-Id), made here: an error raised for the call
+# carries it as ``err.request_id`` even when the request never got to the api.
+REQUEST_ID_HEADER = trace.REQUEST_ID_HEADER
 _SAFE_METHODS = ("GET", "HEAD")
 
 
@@ -87,8 +98,10 @@ class Http:
         attempts = self.places if safe else 1
         attempt = 1
         lost: errors.ConnectionLost | None = None
+        rid = trace.new_request_id()  # every attempt of one call: one id
+        headers = {REQUEST_ID_HEADER: rid, **(headers or {})}
         while True:
-            hdrs = headers if attempt == 1 else {**(headers or {}), ATTEMPT_HEADER: str(attempt)}
+            hdrs = headers if attempt == 1 else {**headers, ATTEMPT_HEADER: str(attempt)}
             try:
                 resp = await self.transport.handle(self.request_of(
                     method, url, long=long, params=params, json_body=json, content=content,
@@ -100,30 +113,37 @@ class Http:
             except errors.ConnectionLost as exc:
                 lost = lost or exc
                 if attempt >= attempts:
+                    with_request_id(exc, rid)
                     raise
                 attempt += 1
                 continue
             except errors.ServerUnreachable as exc:
                 if lost is None:
+                    with_request_id(exc, rid)
                     raise
                 # An earlier attempt may have been processed: not "certainly not".
-                raise errors.ConnectionLost(f"{lost.message}; sent again: {exc.message}",
-                                            **exc.details) from exc
-            raise_for_status(resp.status, body)
+                raise with_request_id(errors.ConnectionLost(
+                    f"{lost.message}; sent again: {exc.message}", **exc.details), rid) from exc
+            raise_for_status(resp.status, body, rid)
             return FullResponse(resp.status, body)
 
     async def stream(self, method: str, url: str, *, params: Params = None, json: Any = None,
                      content: Any = None, headers: dict[str, str] | None = None) -> Response:
         """An open streamed answer (the caller ``aclose``s it); error answers raise here."""
-        resp = await self.transport.handle(self.request_of(
-            method, url, long=True, params=params, json_body=json, content=content,
-            headers=headers))
+        rid = trace.new_request_id()
+        try:
+            resp = await self.transport.handle(self.request_of(
+                method, url, long=True, params=params, json_body=json, content=content,
+                headers={REQUEST_ID_HEADER: rid, **(headers or {})}))
+        except errors.RollboxError as exc:
+            with_request_id(exc, rid)
+            raise
         if resp.status >= 400:
             try:
                 body = await resp.read()
             finally:
                 await resp.aclose()
-            raise_for_status(resp.status, body)
+            raise_for_status(resp.status, body, rid)
         return resp
 
     async def lines(self, resp: Response) -> AsyncIterator[dict[str, Any]]:

@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 
 from rollbox import errors, models
 from rollbox.api.deps import Edge
+from rollbox.api.errors import error_payload
 from rollbox.api.streams import NDJSON, ndjson, output_line, primed
 from rollbox.edge.interface import EdgeAPI, ExecOutput
 
@@ -43,14 +44,14 @@ def exec_stream_response(edge: EdgeAPI, sandbox_id: str, exec_id: str,
                 if item.kind in ("exit", "error"):
                     return
             # Stream ended without an exit: the sandbox went away under the command.
-            yield ndjson({"type": "error", **errors.SandboxDead(
-                "exec stream ended without an exit status").to_payload()})
+            yield ndjson({"type": "error", **error_payload(errors.SandboxDead(
+                "exec stream ended without an exit status"))})
         except errors.RollboxError as exc:
-            yield ndjson({"type": "error", **exc.to_payload()})
+            yield ndjson({"type": "error", **error_payload(exc)})
         except Exception as exc:  # noqa: BLE001 - reported in-band, headers are sent
             log.exception("exec stream %s/%s failed", sandbox_id, exec_id)
-            yield ndjson({"type": "error", **errors.InfraError(
-                f"exec stream failed: {exc!r}").to_payload()})
+            yield ndjson({"type": "error", **error_payload(errors.InfraError(
+                f"exec stream failed: {exc!r}"))})
 
     # A client that disconnects cancels only this generator; the command keeps running.
     return StreamingResponse(body(), media_type=NDJSON,
