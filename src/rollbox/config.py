@@ -185,6 +185,12 @@ class Settings:
         "Parent cgroup of every sandbox's cgroup (in every v1 controller and the v2 "
         "hierarchy); one edge's own: no other live edge on the host has it, or one inside "
         "or around it.")
+    cpu_qos: bool = setting(
+        "ROLLBOX_CPU_QOS", "node", True, flag,
+        "Sandboxes of qos `batch` run in the idle CPU class (cpu.idle=1, lowest weight, "
+        "SCHED_IDLE: only on CPU time nothing else wants; isolation/qos.py); off, every "
+        "sandbox runs in the normal class as `latency` ones do (placement still uses qos). "
+        "Off for nodes whose batch work must not wait for the host's other processes.")
     uid_base: int = setting(
         "ROLLBOX_UID_BASE", "node", 1_000_000_000 // 65536 * 65536, int,
         "First host uid of the node's sandbox uid ranges; each sandbox slot gets 65536 ids "

@@ -159,7 +159,7 @@ def test_core_sched_status_of_this_host() -> None:
         assert ei.value.errno == errno.EINVAL
     elif not has_smt:
         assert "SMT" in st.reason
-    facts = qos.node_facts()
+    facts = qos.node_facts(True)
     assert facts["core_sched"] == st.available
     assert (facts.get("core_sched_reason") or "") == st.reason
 
@@ -179,3 +179,12 @@ def test_apply_cgroup_without_cpu_idle(tmp_path: Path) -> None:
     assert qos.apply_cgroup(tmp_path, BATCH, v2=False) is False
     assert (tmp_path / "cpu.shares").read_text() == "2"
     assert not (tmp_path / "cpu.idle").exists()
+
+
+def test_node_class_where_the_node_does_not_enforce() -> None:
+    assert qos.node_class("batch", True) is BATCH
+    assert qos.node_class("batch", False) is LATENCY  # Settings.cpu_qos off
+    assert qos.node_class("latency", False) is LATENCY
+    with pytest.raises(BadRequest):  # a bad name is refused either way
+        qos.node_class("urgent", False)
+    assert qos.node_facts(False)["cpu_qos"] is False

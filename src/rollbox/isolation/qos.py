@@ -74,6 +74,14 @@ def cpu_class(qos: str) -> CpuClass:
                          qos=str(qos)[:64]) from None
 
 
+def node_class(qos: str, enforce: bool) -> CpuClass:
+    """The class a sandbox of ``qos`` gets on a node: its own, or the normal (latency) one
+    where the node does not enforce the classes (``Settings.cpu_qos`` off). BadRequest for
+    a name that is none, either way."""
+    cls = cpu_class(qos)
+    return cls if enforce else CLASSES["latency"]
+
+
 def cgroup_writes(cls: CpuClass, *, v2: bool, idle_now: bool = False,
                   has_idle: bool = True) -> list[tuple[str, str]]:
     """The files of a sandbox's cpu cgroup and their values, in the order they must be written
@@ -193,13 +201,14 @@ def core_sched() -> CoreSched:
     return _CORE_SCHED
 
 
-def node_facts() -> dict[str, object]:
-    """What this node's CPU classes can use (a backend's capacity facts): ``cpu_idle`` (the
-    cpu controller has ``cpu.idle``; else batch is SCHED_IDLE per task only), ``core_sched``
-    and, when it is unavailable, ``core_sched_reason``."""
+def node_facts(enforce: bool) -> dict[str, object]:
+    """What this node's CPU classes are (a backend's capacity facts): ``cpu_qos`` (whether it
+    enforces them, ``Settings.cpu_qos``), ``cpu_idle`` (the cpu controller has ``cpu.idle``;
+    else batch is SCHED_IDLE per task only), ``core_sched`` and, when it is unavailable,
+    ``core_sched_reason``."""
     root, _ = cpu_dir("", "")
     cs = core_sched()
-    facts: dict[str, object] = {"cpu_idle": (root / "cpu.idle").exists(),
+    facts: dict[str, object] = {"cpu_qos": enforce, "cpu_idle": (root / "cpu.idle").exists(),
                                 "core_sched": cs.available}
     if not cs.available:
         facts["core_sched_reason"] = cs.reason

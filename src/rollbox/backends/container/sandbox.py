@@ -292,7 +292,7 @@ class ContainerBackend:
         (``DiskPool.ref``); the child gets a fresh identity. qos: the CPU class
         (``isolation.qos``; the platform's builds: batch)."""
         bundle.normalize_hidden(hidden_paths)  # bad input fails before anything is allocated
-        cpu = cpu_qos.cpu_class(qos)
+        cpu = cpu_qos.node_class(qos, self.settings.cpu_qos)
         if disk_tier not in ("disk", "memory"):
             raise BadRequest(f"unknown disk tier {disk_tier!r}", disk_tier=disk_tier)
         if network_rules is not None:
@@ -398,8 +398,9 @@ class ContainerBackend:
     def capacity(self) -> BackendCapacity:
         """Offered wherever the edge runs; no per-sandbox cap beyond admission (a CPU limit
         above the node's cores is a CFS quota, not a reservation)."""
-        return BackendCapacity(kind=self.kind, facts={"runtime": self.settings.runtime,
-                                                      **cpu_qos.node_facts()}, fork=True)
+        facts = {"runtime": self.settings.runtime,
+                 **cpu_qos.node_facts(self.settings.cpu_qos)}
+        return BackendCapacity(kind=self.kind, facts=facts, fork=True)
 
     async def attach_network(self, sb: ContainerSandbox, rules: list[str]) -> SandboxNetwork:
         """Give a running sandbox its link, BPF allow-list and DNS gate (policy = rules)."""

@@ -362,7 +362,7 @@ class MicroVMBackend:
         if self.accel is not None:
             facts.update(accel=self.accel.accel, accel_reason=self.accel.reason)
         facts.update(ksm.status(self.settings.vm_ksm_sysfs, self.settings.vm_ksm).facts())
-        facts.update(qos.node_facts())
+        facts.update(qos.node_facts(self.settings.cpu_qos))
         return BackendCapacity(
             kind=self.kind, offered=missing is None, reason=missing,
             max_cpus=float(os.cpu_count() or 1), max_memory_mib=_host_memory_mib(),
@@ -537,7 +537,7 @@ class MicroVMBackend:
             vm = await self._launch(sandbox_id, slot, host_uid, jail, machine, binds,
                                     spec.resources.cpus, spec.env, timeout_s, template,
                                     check_boot, tap_fd=tap_fd, steps=steps,
-                                    cpu=qos.cpu_class(spec.qos))
+                                    cpu=qos.node_class(spec.qos, self.settings.cpu_qos))
             await self._sandbox_ready(vm, spec, net, steps,
                                       "cold" if template is None else "restore")
             return vm
@@ -594,7 +594,7 @@ class MicroVMBackend:
             if len(self._cgroup_names) > 4096:
                 del self._cgroup_names[next(iter(self._cgroup_names))]
             # the sandbox's CPU class (a spare starts in the idle one) and the quota it asked for
-            cpu = qos.cpu_class(spec.qos)
+            cpu = qos.node_class(spec.qos, self.settings.cpu_qos)
             await asyncio.to_thread(set_cpu, self.settings.cgroup_parent, jail.cgroup_name,
                                     spec.resources.cpus, cpu)
             await asyncio.to_thread(qos.apply_start, spare.pid, cpu)
