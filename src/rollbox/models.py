@@ -77,6 +77,10 @@ class SandboxSpec(BaseModel):
     # A paused sandbox is resumed by traffic to it (a port proxy connection, an E2B envd call)
     # and given its ttl_s again (E2B's auto_resume); concurrent requests wait for one resume.
     resume_on_traffic: bool = False
+    # What a pause at the TTL's end keeps (on_expiry "pause"): True, the memory too (frozen in
+    # place); False, the filesystem only (every process stopped, memory and CPU released; a
+    # resume or wake boots it again over the same layers). See pause(keep_memory=).
+    pause_keep_memory: bool = True
     # Where the writable layer lives: "disk" (the node's disk pool, capped by disk_mib; writes
     # past it fail with ENOSPC/EDQUOT) or "memory" (a tmpfs: faster, but its bytes are host
     # RAM charged to the sandbox's memory limit).
@@ -91,6 +95,12 @@ class SandboxSpec(BaseModel):
     # latency-sensitive (graders and fncall workers; placed with more headroom, never on a
     # burst node).
     qos: Qos = "batch"
+
+    @model_validator(mode="after")
+    def _pause_kind(self) -> SandboxSpec:
+        if not self.pause_keep_memory and self.on_expiry != "pause":
+            raise ValueError("pause_keep_memory=false needs on_expiry 'pause'")
+        return self
 
     @field_validator("job")
     @classmethod
@@ -126,7 +136,10 @@ class SandboxSpec(BaseModel):
         return v
 
 
-# paused: frozen by the edge (pause/resume); it keeps its TTL, memory and disk.
+# paused: paused by the edge (pause/resume); it keeps its TTL, files, identity and disk. With
+# SandboxInfo.memory_kept (the default) it is frozen in place, memory kept; without
+# (pause(keep_memory=False): filesystem-paused) its processes are gone and its memory and CPU
+# released, and a resume boots it again over the same layers (fresh agent, files kept).
 SandboxState = Literal["creating", "running", "paused", "stopping", "dead", "deleted"]
 
 
@@ -184,6 +197,10 @@ class SandboxInfo(BaseModel):
     qos: Qos = "batch"  # SandboxSpec's
     on_expiry: Literal["delete", "pause"] = "delete"
     resume_on_traffic: bool = False  # SandboxSpec's
+    pause_keep_memory: bool = True  # SandboxSpec's: what a pause at the TTL's end keeps
+    # False while it is paused filesystem-only (state "paused": no process, no memory held;
+    # a resume reboots it); True otherwise (running, or paused with its memory frozen).
+    memory_kept: bool = True
     ttl_s: float = 0.0  # the TTL it was created with (0: not recorded), given again on a wake
     # True when what the sandbox reports comes from code its own user controls (a microVM's
     # agent runs under the guest's root): exec results are the guest's word, not the host's.

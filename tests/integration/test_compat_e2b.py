@@ -605,7 +605,45 @@ async def test_auto_pause_at_timeout_then_connect(env: Env) -> None:
         assert h.pid in [p.pid for p in await again.commands.list()]  # the process lived on
     finally:
         await sbx.kill()
-    # (auto_resume: test_compat_e2b_autoresume.py)
-    with pytest.raises(SandboxException, match="not supported"):
-        await AsyncSandbox.create(timeout=30, lifecycle={
-            "on_timeout": {"action": "pause", "keep_memory": False}})
+    # (auto_resume: test_compat_e2b_autoresume.py; the filesystem-only auto-pause below)
+    assert SandboxException
+
+
+async def test_filesystem_only_pause_reboots(env: Env) -> None:
+    """pause(keep_memory=False) and autoPauseMemory=false are rollbox's filesystem-only pause:
+    processes gone, files kept, a new boot id after connect; pauseMode says which pause it
+    was; a filesystem-only auto-pause with auto_resume is a 400 (as on E2B)."""
+    from e2b import AsyncSandbox, SandboxState
+
+    sbx = await AsyncSandbox.create(timeout=60)
+    try:
+        h = await sbx.commands.run("sleep 600", background=True)
+        await sbx.files.write("/tmp/kept", "yes")
+        boot = (await sbx.files.read("/proc/sys/kernel/random/boot_id")).strip()
+        assert await sbx.pause(keep_memory=False)
+        info = await env.edge.get(sbx.sandbox_id)
+        assert info.state == "paused" and info.memory_kept is False
+        async with httpx.AsyncClient(base_url=env.url, timeout=10,
+                                     headers={"X-API-Key": env.key}) as c:
+            listed = await c.get(f"/e2b/sandboxes/{sbx.sandbox_id}")
+        assert listed.json()["pauseMode"] == "filesystem", listed.text
+        assert (await sbx.get_info()).state == SandboxState.PAUSED
+        again = await AsyncSandbox.connect(sbx.sandbox_id, timeout=60)
+        assert await again.files.read("/tmp/kept") == "yes"
+        assert (await again.files.read("/proc/sys/kernel/random/boot_id")).strip() != boot
+        assert h.pid not in [p.pid for p in await again.commands.list()]
+    finally:
+        await sbx.kill()
+    auto = await AsyncSandbox.create(timeout=30, lifecycle={
+        "on_timeout": {"action": "pause", "keep_memory": False}})
+    try:
+        spec = await env.edge.get(auto.sandbox_id)
+        assert spec.on_expiry == "pause" and spec.pause_keep_memory is False
+    finally:
+        await auto.kill()
+    async with httpx.AsyncClient(base_url=env.url, timeout=30,
+                                 headers={"X-API-Key": env.key}) as c:
+        r = await c.post("/e2b/sandboxes", json={
+            "templateID": "base", "autoPause": True, "autoPauseMemory": False,
+            "autoResume": {"enabled": True}})
+    assert r.status_code == 400, r.text

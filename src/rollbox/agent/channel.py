@@ -283,6 +283,16 @@ class AgentChannel:
 
     # ---------- lifecycle ----------
     @classmethod
+    def gone(cls) -> "AgentChannel":
+        """A channel to no agent (a sandbox with no process: paused filesystem-only), closed
+        from the start: every request on it fails as on any closed channel."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        theirs.close()
+        channel = cls(ours)
+        channel.close()
+        return channel
+
+    @classmethod
     async def connect(
         cls,
         sock_path: str,

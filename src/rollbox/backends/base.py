@@ -89,6 +89,10 @@ class BackendCapacity:
     # layer (capture_writable; container, microvm): any layered backend creates from it.
     # "machine": disk + memory (save_machine; vm): only this backend restores it.
     snapshot: Literal["layer", "machine"] = "layer"
+    # Whether :meth:`Backend.pause_fs` / :meth:`Backend.resume_fs` work here (a filesystem-
+    # only pause; the edge answers NotSupported naming the backend otherwise, before anything
+    # is stopped). Containers: yes.
+    fs_pause: bool = False
 
 
 @dataclass
@@ -238,6 +242,18 @@ class Backend(Protocol):
 
     async def pause(self, h: SandboxHandle) -> None: ...  # freeze all of it (InfraError)
     async def resume(self, h: SandboxHandle) -> None: ...
+    # Filesystem-only pause (only where ``capacity().fs_pause``): every process of the sandbox
+    # stopped (its agent too: the handle's channel closes), its memory and CPU released (a
+    # container's cgroup and netns removed, a microVM's QEMU ended), its filesystem kept (the
+    # image layers, the writable layer / rw disk) with the uid slot, so ``h.files`` of a
+    # host-side backend still work. ``h.state()`` says so from then on; ``adopt`` of that
+    # state (``paused`` True) gives the stopped handle back without booting it. Verified:
+    # InfraError if a process survives (the sandbox is then torn down by the edge).
+    async def pause_fs(self, h: SandboxHandle) -> None: ...
+    # Boot a filesystem-paused sandbox again over the same layers: a fresh init and agent
+    # (``h.channel`` replaced), a new boot id, the network re-attached with ``rules`` (None:
+    # none); no process of before. A failure stops what it started and leaves it paused.
+    async def resume_fs(self, h: SandboxHandle, rules: list[str] | None) -> None: ...
     # Network policy: attach a link with ``rules`` or change the rules of the attached one
     # (existing connections cut where no longer allowed); BadRequest leaves it unchanged.
     async def set_network(self, h: SandboxHandle, rules: list[str]) -> None: ...

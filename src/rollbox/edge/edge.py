@@ -39,6 +39,7 @@ from rollbox.edge.sessions import ExecSession
 from rollbox.edge.storage import LayerStorage, project_image_name
 from rollbox.errors import (
     BadRequest, CapacityExceeded, DiskFull, ExecIndeterminate, IdempotencyConflict, InfraError, NotFound,
+    NotSupported,
     PayloadTooLarge, RollboxError, SandboxDead, SandboxPaused, error_from_payload,
     without_paths,
 )
@@ -51,7 +52,7 @@ from rollbox.isolation.userns import UidSlots
 from rollbox.models import (
     FORK_OF_LABEL, MAX_FORK_CHILDREN, NODE_LOST, PTY_MAX_SIZE, Event, ExecInfo, ExecResult,
     ExecSpec, FileStat, ForkResult, ForkSpec, GradeResult, GradeSpec,
-    ImageInfo, LayerUsage, NetAudit, NetworkPolicy, NodeReport, NodeSandbox, SandboxInfo,
+    ImageInfo, LayerUsage, NetAudit, NetworkPolicy, NodeReport, NodeSandbox, Resources, SandboxInfo,
     SandboxSpec, SandboxUsage, SnapshotResult, SnapshotSpec, UsageSample,
     ComputerAction, ComputerActionResult, DisplayInfo,
 )
@@ -274,15 +275,15 @@ class Edge:
                     await self._quiet_cleanup(backend, info.id, state)
                 self._mark_dead(info, "lost while the edge was down")
                 continue
-            if info.state == "paused":
+            if info.state == "paused" and info.memory_kept:
                 try:  # frozen by adopt already; an error: it could not freeze it again
                     await backend.pause(box)
                 except InfraError as exc:
                     log.error("sandbox %s: can not freeze it again (%s); it runs", info.id, exc)
                     info.state = "running"
                     self.journal.put(info)
-            self._register(info, box, backend, self.admission.adopt(info.resources, info.owner,
-                                                                    _share_of(info)))
+            self._register(info, box, backend, self.admission.adopt(
+                _held(info), info.owner, _share_of(info)))
             ending += self._rebuild_sessions(self.live[info.id])
             log.info("re-adopted sandbox %s", info.id)
         if ending:  # exits that happened while no edge was up: settled before we serve
@@ -437,7 +438,9 @@ class Edge:
             if len(listed) < max_sandboxes:
                 listed.append(NodeSandbox.model_construct(  # from a validated SandboxInfo
                     id=sid, owner=info.owner, backend=info.backend, state=info.state,
-                    cpus=info.resources.cpus, memory_mib=info.resources.memory_mib,
+                    # filesystem-paused: it holds disk, no CPU or memory of the node
+                    cpus=info.resources.cpus if info.memory_kept else 0.0,
+                    memory_mib=info.resources.memory_mib if info.memory_kept else 0,
                     created_at=info.created_at, expires_at=info.expires_at, image=info.image,
                     platform=live.platform, job=info.job))
         fenced = self.fence.expired() is not None
@@ -687,7 +690,7 @@ class Edge:
             network=spec.network, job=spec.job, disk_tier=spec.disk_tier,
             backend=spec.backend, qos=spec.qos, idempotency_key=spec.idempotency_key,
             on_expiry=spec.on_expiry, resume_on_traffic=spec.resume_on_traffic,
-            ttl_s=spec.ttl_s,
+            pause_keep_memory=spec.pause_keep_memory, ttl_s=spec.ttl_s,
         )
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
         env.update((image_config or {}).get("env", {}))
@@ -744,6 +747,8 @@ class Edge:
         try:
             await asyncio.shield(live.box.channel.closed)
         except asyncio.CancelledError:
+            return
+        if not live.info.memory_kept:  # paused filesystem-only: no agent, nothing to watch
             return
         if live.info.id in self.live and live.info.id not in self._deleting:
             log.warning("sandbox %s died", live.info.id)
@@ -917,34 +922,114 @@ class Edge:
         return live.info
 
     # ---- pause / resume -------------------------------------------------------------------
-    async def pause(self, sandbox_id: str) -> SandboxInfo:
+    async def pause(self, sandbox_id: str, keep_memory: bool = True) -> SandboxInfo:
         """Freeze the whole sandbox (agent and every command) in its cgroup: no CPU, memory and
         disk kept. Exec/stdin/signals answer SandboxPaused until resume; host-side operations
         (files, TTL, network, snapshot, grade, delete) still work. The TTL keeps counting.
-        Pausing a paused sandbox is a no-op."""
+        Pausing a paused sandbox is a no-op (but keep_memory=False of a frozen one stops it).
+
+        ``keep_memory=False``: filesystem-only (:meth:`_pause_fs`): every process stopped,
+        memory and CPU released, files, identity and TTL kept (``memory_kept`` False)."""
         live = self._live(sandbox_id)
         async with live.freeze_lock:
-            if live.info.state == "paused":
+            if live.info.state == "paused" and (keep_memory or not live.info.memory_kept):
                 return live.info
             self._check_freezable(live)
-            await self._freeze_change(live, live.backend.pause)
+            if keep_memory:
+                await self._freeze_change(live, live.backend.pause)
+            else:
+                await self._pause_fs(live)
             live.info.state = "paused"
-            self.journal.put(live.info)
-        self.event_log.append(sandbox_id, "sandbox.paused")
+            self.journal.put(live.info, backend_state=live.box.state())
+        self.event_log.append(sandbox_id, "sandbox.paused",
+                              data="" if keep_memory else "filesystem only")
         return live.info
+
+    async def _pause_fs(self, live: LiveSandbox) -> None:
+        """Stop the sandbox, keep its filesystem (Backend.pause_fs). Its commands end (failed
+        with SandboxPaused, recorded), its port connections close; the node's admission counts
+        it as one sandbox with no CPU and memory from then on (it holds disk only; the
+        project's quota, the api's, keeps counting it whole so a resume is never refused by
+        the quota). A backend that can not: NotSupported; a platform sandbox (a grader, a
+        fncall worker): BadRequest. A stop that fails half-way tears the sandbox down."""
+        info = live.info
+        if not live.backend.capacity().fs_pause:
+            raise NotSupported(f"backend {info.backend!r} has no filesystem-only pause "
+                               "(pause keeps memory there)", feature="pause keep_memory=false",
+                               backend=info.backend)
+        if live.platform:
+            raise BadRequest(f"sandbox {info.id} is the platform's (a grader or fncall worker):"
+                             " it can not be paused filesystem-only", sandbox_id=info.id)
+        if info.disk_tier == "memory":
+            raise BadRequest(f"sandbox {info.id} keeps its writable layer in memory (disk_tier "
+                             "memory): a filesystem-only pause would release nothing of it",
+                             sandbox_id=info.id, disk_tier="memory")
+        if live.watcher is not None:
+            live.watcher.cancel()
+            live.watcher = None
+        info.memory_kept = False  # from here on its channel closing is no death
+        for session in list(live.sessions.values()):
+            if not session.done.is_set():
+                err = SandboxPaused(f"exec {session.exec_id} ended: sandbox {info.id} was "
+                                    "paused filesystem-only (its processes were stopped)",
+                                    state="paused", exec_id=session.exec_id)
+                session.fail(err)
+                self.journal.exec_done(info.id, session.exec_id, None,
+                                       json.dumps(err.to_payload()))
+        live.deferred_kills.clear()
+        for port in list(live.ports):
+            await port.close()
+        live.ports.clear()
+        try:
+            await live.backend.pause_fs(live.box)
+        except BaseException as exc:
+            log.error("sandbox %s: filesystem pause failed (%s); deleting it", info.id, exc)
+            self._destroy_soon(info.id, f"filesystem pause failed: {exc}", state="dead")
+            if isinstance(exc, RollboxError):
+                raise
+            raise InfraError(f"filesystem pause of {info.id} failed: {exc}") from exc
+        if live.ticket is not None:  # disk only from now on
+            self.admission.release(live.ticket)
+        live.ticket = self.admission.adopt(_held(info), info.owner, _share_of(info))
+
+    async def _resume_fs(self, live: LiveSandbox) -> None:
+        """Boot a filesystem-paused sandbox again (Backend.resume_fs) once the node has room
+        for its CPU and memory again (CapacityExceeded: it stays paused), with its network
+        policy and sudo; a new watcher follows its agent."""
+        info = live.info
+        ticket = self.admission.try_admit(info.resources, info.owner, _share_of(info))
+        try:
+            rules = list(info.network.allow) if info.network is not None else None
+            await live.backend.resume_fs(live.box, rules)
+        except BaseException:
+            self.admission.release(ticket)
+            raise
+        if live.ticket is not None:
+            self.admission.release(live.ticket)
+        live.ticket = ticket
+        self.admission.started(ticket)
+        info.memory_kept = True
+        live.watcher = asyncio.create_task(self._watch(live))
+        sudo = sudo_uids(self._image_config(info))
+        if sudo:
+            await live.box.channel.enable_sudo(sudo)
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         """Thaw a paused sandbox; its processes continue where they stopped. A command whose
         deadline passed while paused is killed as timed out at once (deadlines are wall-clock).
-        Resuming a running sandbox is a no-op."""
+        Resuming a running sandbox is a no-op. A filesystem-paused one boots again over its
+        files (:meth:`_resume_fs`): a fresh agent, no process of before."""
         live = self._live(sandbox_id)
         async with live.freeze_lock:
             if live.info.state != "paused":
                 return live.info
             self._check_freezable(live)
-            await self._freeze_change(live, live.backend.resume)
+            if live.info.memory_kept:
+                await self._freeze_change(live, live.backend.resume)
+            else:
+                await self._resume_fs(live)
             live.info.state = "running"
-            self.journal.put(live.info)
+            self.journal.put(live.info, backend_state=live.box.state())
             loop = asyncio.get_running_loop()
             for session in live.deferred_kills:  # the agent kills first; this is the backstop
                 loop.call_later(HOST_KILL_GRACE_S, self._host_kill, live, session)
@@ -1022,8 +1107,8 @@ class Edge:
         self.journal.put(live.info)
 
         async def run() -> None:
-            try:
-                await self.pause(sid)  # logs sandbox.paused
+            try:  # logs sandbox.paused
+                await self.pause(sid, keep_memory=live.info.pause_keep_memory)
             except Exception as exc:  # noqa: BLE001 - not pausable: the TTL's usual end
                 log.warning("sandbox %s: pause at ttl failed (%s); deleting it", sid, exc)
                 self._destroy_soon(sid, "ttl expired")
@@ -1588,6 +1673,7 @@ class Edge:
                     network=src.network, job=src.job, disk_tier=src.disk_tier,
                     backend=src.backend, qos=src.qos, on_expiry=src.on_expiry,
                     resume_on_traffic=src.resume_on_traffic, ttl_s=src.ttl_s,
+                    pause_keep_memory=src.pause_keep_memory,
                     fork_key=spec.idempotency_key)
                 self.journal.put(info, extra={"env": env})
                 infos.append(info)
@@ -1962,6 +2048,14 @@ async def _joinable(starts: dict[tuple[str, str], asyncio.Future[_T]], ident: tu
         raise
     finally:
         starts.pop(ident, None)
+
+
+def _held(info: SandboxInfo) -> Resources:
+    """What a live sandbox holds of the node's admission budgets: its resources, or, paused
+    filesystem-only, none of its CPU and memory (it still counts as a sandbox)."""
+    if info.memory_kept:
+        return info.resources
+    return info.resources.model_copy(update={"cpus": 0.0, "memory_mib": 0})
 
 
 def _share_of(info: SandboxInfo) -> Share:

@@ -842,16 +842,22 @@ class AsyncSandbox:
         self.info = SandboxInfo.model_validate(r.json())
         return self.info
 
-    async def pause(self) -> SandboxInfo:
+    async def pause(self, keep_memory: bool = True) -> SandboxInfo:
         """Freeze the whole sandbox (no CPU; memory and files kept). Until :meth:`resume`,
         exec raises :class:`rollbox.errors.SandboxPaused`; files, TTL and delete still work and
-        the TTL keeps counting (extend it with :meth:`set_ttl`). Idempotent."""
-        r = await self._t.request("POST", self._base + "/pause")
+        the TTL keeps counting (extend it with :meth:`set_ttl`). Idempotent.
+        ``keep_memory=False``: filesystem-only (``info.memory_kept`` False): every process is
+        stopped and its memory and CPU released, its files kept; :meth:`resume` boots it
+        again (a fresh boot id, no process of before). NotSupported where its backend can
+        not."""
+        r = await self._t.request("POST", self._base + "/pause",
+                                  json=None if keep_memory else {"keep_memory": False})
         self.info = SandboxInfo.model_validate(r.json())
         return self.info
 
     async def resume(self) -> SandboxInfo:
-        """Thaw a paused sandbox; its processes continue. Idempotent."""
+        """Thaw a paused sandbox; its processes continue (paused filesystem-only: it boots
+        again over its files). Idempotent."""
         r = await self._t.request("POST", self._base + "/resume")
         self.info = SandboxInfo.model_validate(r.json())
         return self.info
@@ -1015,6 +1021,7 @@ class AsyncClient:
         job: str | None = None, disk_tier: str | None = None, backend: str | None = None,
         idempotency_key: str | None = None, on_expiry: str | None = None,
         resume_on_traffic: bool = False, qos: str | None = None,
+        pause_keep_memory: bool = True,
     ) -> AsyncSandbox:
         """``qos``: the service class, ``"batch"`` (the default: best-effort, the node's idle
         CPU class) or ``"latency"`` (normal CPU class, placed with more headroom); another
@@ -1029,7 +1036,8 @@ class AsyncClient:
         in place; it lives ROLLBOX_PAUSED_TTL_S more unless resumed with a new TTL).
         ``resume_on_traffic``: a paused sandbox is resumed by a port proxy connection to it
         (``url(port)``) and given ``ttl_s`` again; concurrent requests wait for one resume.
-        ``idempotency_key`` (a fresh one per call unless given): a create whose connection
+        ``pause_keep_memory=False`` (with ``on_expiry="pause"``): that pause is filesystem-only
+        (see :meth:`AsyncSandbox.pause`). ``idempotency_key`` (a fresh one per call unless given): a create whose connection
         broke is sent again (on the next API URL) with it, and returns the sandbox the first
         attempt made instead of a second one; the same key with another spec, while that
         sandbox lives, is ``IdempotencyConflict``."""
@@ -1047,6 +1055,8 @@ class AsyncClient:
             spec["resume_on_traffic"] = True
         if qos is not None:
             spec["qos"] = qos  # checked by the server (bad_request)
+        if not pause_keep_memory:
+            spec["pause_keep_memory"] = False  # needs on_expiry "pause" (bad_request)
         if idempotency_key is not None and not 1 <= len(idempotency_key) <= 128:
             raise errors.BadRequest("idempotency_key must be 1 to 128 characters")
         spec["idempotency_key"] = idempotency_key or new_idempotency_key()

@@ -284,8 +284,8 @@ class Sandbox:
     def set_ttl(self, ttl_s: float) -> SandboxInfo:
         return self._p.call(self._sb.set_ttl(ttl_s))
 
-    def pause(self) -> SandboxInfo:
-        return self._p.call(self._sb.pause())
+    def pause(self, keep_memory: bool = True) -> SandboxInfo:
+        return self._p.call(self._sb.pause(keep_memory))
 
     def resume(self) -> SandboxInfo:
         return self._p.call(self._sb.resume())

@@ -7,7 +7,7 @@ import contextlib
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from rollbox import errors, models
 from rollbox.api.deps import Api, Edge, Who
@@ -17,6 +17,14 @@ router = APIRouter()
 
 class TTLRequest(BaseModel):
     ttl_s: float = Field(..., gt=0, le=models.MAX_TIMEOUT_S)
+
+
+class PauseRequest(BaseModel):
+    """``POST /v1/sandboxes/{id}/pause``'s optional body."""
+    model_config = ConfigDict(extra="forbid")
+    # False: filesystem-only (every process stopped, memory and CPU released, files kept; a
+    # resume boots it again). True (the default): frozen in place, memory kept.
+    keep_memory: bool = True
 
 
 async def _made_before(api: Api, spec: models.SandboxSpec,
@@ -139,12 +147,17 @@ async def set_ttl(sandbox_id: str, body: TTLRequest, edge: Edge, who: Who,
 
 @router.post("/v1/sandboxes/{sandbox_id}/pause", response_model=models.SandboxInfo,
              tags=["sandboxes"])
-async def pause_sandbox(sandbox_id: str, edge: Edge, who: Who,
-                        api: Api) -> models.SandboxInfo:
-    """Freeze the whole sandbox (state ``paused``): exec answers 409 sandbox_paused until
-    resume; files, TTL, network and delete still work; the TTL keeps counting."""
-    info = await edge.pause(sandbox_id)  # the edge logs sandbox.paused; the api, who asked
-    await api.record(edge, sandbox_id, "sandbox.requested", {"op": "pause", "by": who.key_id})
+async def pause_sandbox(sandbox_id: str, edge: Edge, who: Who, api: Api,
+                        body: PauseRequest | None = None) -> models.SandboxInfo:
+    """Pause the whole sandbox (state ``paused``): exec answers 409 sandbox_paused until
+    resume; files, TTL, network and delete still work; the TTL keeps counting. Frozen in
+    place (memory kept), or with ``{"keep_memory": false}`` stopped (``memory_kept`` false:
+    processes gone, memory and CPU released, files kept; resume boots it again)."""
+    keep = body.keep_memory if body is not None else True
+    # the edge logs sandbox.paused; the api, who asked
+    info = await edge.pause(sandbox_id, keep_memory=keep)
+    await api.record(edge, sandbox_id, "sandbox.requested",
+                     {"op": "pause", "by": who.key_id, "keep_memory": keep})
     return info
 
 
@@ -152,7 +165,8 @@ async def pause_sandbox(sandbox_id: str, edge: Edge, who: Who,
              tags=["sandboxes"])
 async def resume_sandbox(sandbox_id: str, edge: Edge, who: Who,
                          api: Api) -> models.SandboxInfo:
-    """Thaw a paused sandbox; its processes continue where they stopped."""
+    """Thaw a paused sandbox; its processes continue where they stopped (a filesystem-paused
+    one boots again over its files: a fresh agent, no process of before)."""
     info = await edge.resume(sandbox_id)
     await api.record(edge, sandbox_id, "sandbox.requested", {"op": "resume", "by": who.key_id})
     return info

@@ -43,6 +43,15 @@ MASKED_PATHS = [
 ]
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys"]
 
+# The kernel's boot id, which a container would share with the host (and with every other
+# sandbox, across its own restarts): each boot of a sandbox gets its own, a file the platform
+# writes beside its tree (never in it) at each start, bound read-only over this path. runc
+# refuses mount destinations inside /proc (all but a few lxcfs-style files), so the bind is
+# made by a createContainer hook: the host's own mount(8), run by runc in the container's new
+# mount namespace after its mounts and before pivot_root (no code of the sandbox has run yet,
+# and the sandbox's seccomp filter forbids mount/umount, so it can not take the bind away).
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
 # Every capability the kernel knows (for the unhardened test twin only).
 ALL_CAPABILITIES = CAPABILITIES + [
     "CAP_DAC_READ_SEARCH", "CAP_LINUX_IMMUTABLE", "CAP_NET_BROADCAST", "CAP_NET_ADMIN",
@@ -65,6 +74,13 @@ def _cpu_view_mounts(view: CpuView) -> list[dict[str, Any]]:
              "options": ro}] + [
         {"destination": f"/sys/devices/system/cpu/{name}", "type": "bind",
          "source": str(view.cpulist), "options": ro} for name in CPU_SYS_FILES]
+
+
+def _boot_id_hook(rootfs: str, source: str, mount_bin: str) -> dict[str, Any]:
+    """The createContainer hook that binds ``source`` read-only over the boot id."""
+    return {"path": mount_bin,
+            "args": ["mount", "--bind", "-o", "ro,nosuid,nodev,noexec", source,
+                     rootfs.rstrip("/") + BOOT_ID_PATH]}
 
 
 def normalize_hidden(paths: Sequence[str]) -> list[str]:
@@ -92,11 +108,14 @@ def oci_config(
     hardened: bool = True,
     hidden_paths: Sequence[str] = (),
     cpu_view: CpuView | None = None,
+    boot_id: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
     """hidden_paths: paths of the sandbox tree its commands must not see (e.g. a task's
     tests): masked by mounts (an empty read-only tmpfs / /dev/null over them) and, as a second
     layer, left out of the commands' Landlock rules. The host-side file API still sees them.
-    cpu_view: the sandbox's cpuset and its generated /proc/cpuinfo and /sys (cpuview.py)."""
+    cpu_view: the sandbox's cpuset and its generated /proc/cpuinfo and /sys (cpuview.py).
+    boot_id: (the host file with this boot's id, the host's mount binary): bound read-only
+    over /proc/sys/kernel/random/boot_id (BOOT_ID_PATH); None: the kernel's own shows."""
     hidden = normalize_hidden(hidden_paths)
     disk_bytes = resources.disk_mib << 20
     # A user namespace can't raise a hard limit above what runc itself inherited.
@@ -173,6 +192,8 @@ def oci_config(
             "readonlyPaths": (READONLY_PATHS if hardened else []) + (["/sys"] if cpu_view else []),
         },
     }
+    if boot_id is not None:
+        config["hooks"] = {"createContainer": [_boot_id_hook(rootfs, *boot_id)]}
     if hardened:
         config["linux"]["seccomp"] = seccomp.profile()
     else:  # ambient too, so commands run as root keep every capability across exec

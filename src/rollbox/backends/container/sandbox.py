@@ -17,8 +17,10 @@ import hashlib
 import logging
 import os
 import secrets
+import shutil
 import socket
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, overload
@@ -79,6 +81,13 @@ class ContainerSandbox:
     # A fork child's frozen writable layers under its own (lowest first): (the pool's fork
     # lower, the host uid its files are owned by); a fork of it passes them on.
     fork_lowers: list[tuple[str, int]] = field(default_factory=list)
+    # False while paused filesystem-only (pause_fs): no process, no cgroup, no netns; the
+    # channel is closed. What a boot needs again (resume_fs) is kept here.
+    booted: bool = True
+    resources: Resources | None = None
+    hidden_paths: tuple[str, ...] = ()
+    hardened: bool = True
+    qos: str = "batch"  # its CPU class's name (isolation.qos)
     kind: ClassVar[str] = "container"
     guest_reported: ClassVar[bool] = False  # the host observes exits itself (pidfd, cgroup)
     files: ContainerFiles = field(init=False)  # fs as the backends' async SandboxFiles
@@ -106,12 +115,14 @@ class ContainerSandbox:
 
     # ---- SandboxHandle (rollbox.backends.base) ---------------------------------------
     def state(self) -> dict[str, Any]:
-        """What the journal keeps for adopt(): the uid (its slot) and a fork child's lowers;
-        the rest is found by id."""
+        """What the journal keeps for adopt(): the uid (its slot), a fork child's lowers and
+        whether it is stopped (paused filesystem-only); the rest is found by id."""
+        out: dict[str, Any] = {"host_uid": self.host_uid}
         if self.fork_lowers:
-            return {"host_uid": self.host_uid,
-                    "fork_lowers": [[name, uid] for name, uid in self.fork_lowers]}
-        return {"host_uid": self.host_uid}
+            out["fork_lowers"] = [[name, uid] for name, uid in self.fork_lowers]
+        if not self.booted:
+            out["stopped"] = True
+        return out
 
     def new_session(self) -> SessionSlot:
         name, fd = self.new_session_cgroup()
@@ -165,6 +176,24 @@ def _fresh_identity(root: Path, host_uid: int) -> None:
         fs.close()
 
 
+BOOT_ID_FILE = "boot_id"  # in the sandbox's own dir, beside (not in) its tree
+
+
+def _write_boot_id(sandbox_dir: Path) -> Path:
+    """A new boot id (a random UUID, as the kernel's) for this boot of a sandbox, in its own
+    platform-owned dir; bound read-only over /proc/sys/kernel/random/boot_id (bundle.py)."""
+    path = sandbox_dir / BOOT_ID_FILE
+    tmp = sandbox_dir / f".{BOOT_ID_FILE}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o444)
+    try:
+        os.write(fd, (str(uuid.uuid4()) + "\n").encode())
+        os.fchmod(fd, 0o444)  # whatever the umask: read inside the sandbox
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return path
+
+
 class ContainerBackend:
     kind = "container"
 
@@ -194,6 +223,11 @@ class ContainerBackend:
         self.agent_path = self._install_host_binary(src.read_bytes(), bundle.AGENT_NAME)
         self.shell_path = self._install_host_binary(
             platform_shell.prepared(settings.platform_shell), platform_shell.NAME)
+        # The host's mount(8), run by runc's createContainer hook to bind each boot's id.
+        mount = shutil.which("mount", path="/usr/bin:/bin")
+        if mount is None:
+            raise InfraError("mount(8) missing on the host (util-linux)")
+        self.mount_path = mount
 
     def _install_host_binary(self, data: bytes, name: str) -> Path:
         """Copy a binary of the platform (the agent, the platform shell) to a root-owned,
@@ -305,14 +339,14 @@ class ContainerBackend:
         host_uid = self.slots.host_uid(slot)
         rootfs = Rootfs(self.sandboxes_dir / sandbox_id)
         run_dir = self.run_root / sandbox_id
-        listener: socket.socket | None = None
         pid: int | None = None
+        pids: list[int] = []
         sb: ContainerSandbox | None = None
         # Each step that makes something on the host (the prepare thread, runc, the network)
         # runs to its end if the create is cancelled meanwhile (to_the_end): the teardown
         # below then sees all it made, instead of racing a thread or a runc that goes on.
         try:
-            def prepare() -> str:  # blocking kernel work, off the event loop
+            def prepare() -> None:  # blocking kernel work, off the event loop
                 subvolume = (self.disk.create(sandbox_id, resources.disk_mib << 20)
                              if disk_tier == "disk" else None)
                 shifts = []
@@ -332,15 +366,54 @@ class ContainerBackend:
                     _fresh_identity(rootfs.merged, host_uid)
                 if hardened and hidden_paths:
                     _make_hidden_paths(rootfs.merged, host_uid, hidden_paths)
-                return ("host" if network == "host"
-                        else str(netns.create(netns.PREFIX + sandbox_id)))
 
-            ns_path = await to_the_end(asyncio.to_thread(prepare))
-            cpu_view = self.cpu_views.write(rootfs.dir, self.cpu_views.pick(resources.cpus))
-            run_dir.mkdir(parents=True, exist_ok=True)
-            os.chmod(run_dir, 0o700)
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            await to_the_end(asyncio.to_thread(prepare))
+            v2 = cgroups.v2_dir(self.settings.cgroup_parent, sandbox_id)
+            channel = await self._boot(sandbox_id, rootfs, run_dir, host_uid, resources,
+                                       network, hardened, hidden_paths, cpu, pids)
+            pid = pids[0]
+            sb = ContainerSandbox(
+                id=sandbox_id, slot=slot, host_uid=host_uid, rootfs=rootfs, run_dir=run_dir,
+                v2_cgroup=v2, agent_pid=pid, channel=channel, fs=SandboxFS(rootfs.merged, host_uid),
+                image_env=image_env, fork_lowers=list(fork_lowers), resources=resources,
+                hidden_paths=tuple(hidden_paths), hardened=hardened, qos=qos,
+            )
+            if network_rules is not None and network != "host":
+                await to_the_end(self.attach_network(sb, network_rules))
+            return sb
+        except BaseException as exc:
+            if pid is None and pids:
+                pid = pids[0]
+            if sb is not None:
+                if sb.network is not None:
+                    sb.network.close()  # its gate and map; the link goes with the teardown
+                sb.channel.close()
+                sb.fs.close()
+            if pid is None:  # runc started the agent, then the cancellation came
+                pid = _agent_pid(run_dir)
+            # a cancelled create stays cancelled even if the teardown fails (it is logged)
+            await teardown_after(exc, self._teardown(sandbox_id, rootfs, run_dir, slot, pid))
+            raise
+
+    async def _boot(self, sandbox_id: str, rootfs: Rootfs, run_dir: Path, host_uid: int,
+                    resources: Resources, network: str, hardened: bool,
+                    hidden_paths: Sequence[str], cpu: cpu_qos.CpuClass,
+                    pids: list[int]) -> AgentChannel:
+        """Start a sandbox's init and agent over its composed tree (at create, and again at
+        resume_fs): its netns, CPU view, boot id, agent socket, OCI bundle, ``runc run -d``,
+        its CPU class, cgroup delegation, handshake. The agent's pid goes into ``pids`` as soon as runc
+        reports it (the caller's teardown needs it if a later step fails)."""
+        ns_path = ("host" if network == "host" else
+                   str(await to_the_end(asyncio.to_thread(netns.create,
+                                                          netns.PREFIX + sandbox_id))))
+        cpu_view = self.cpu_views.write(rootfs.dir, self.cpu_views.pick(resources.cpus))
+        boot_id = _write_boot_id(rootfs.dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(run_dir, 0o700)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
             sock_path = run_dir / "agent.sock"
+            sock_path.unlink(missing_ok=True)  # a boot before this one's
             listener.bind(str(sock_path))
             os.chmod(sock_path, 0o600)
             listener.listen(8)
@@ -349,7 +422,7 @@ class ContainerBackend:
                 netns_path=ns_path,
                 cgroups_path=self.cgroups_path(sandbox_id), resources=resources,
                 hostname=sandbox_id[:63], hardened=hardened, hidden_paths=hidden_paths,
-                cpu_view=cpu_view,
+                cpu_view=cpu_view, boot_id=(str(boot_id), self.mount_path),
             )
             agent_fd = os.open(self.agent_path, os.O_RDONLY | os.O_CLOEXEC)
             try:
@@ -362,45 +435,25 @@ class ContainerBackend:
                     os.close(shell_fd)
             finally:
                 os.close(agent_fd)
+            pids.append(pid)
             # The agent is the OOM killer's last choice; its commands start from 0 again
             # (agent.c), which they can not lower (see isolation.oom).
             oom.protect(pid)
             # its CPU class before any command of it runs (the agent waits for the handshake)
             await asyncio.to_thread(cpu_qos.apply_sandbox, self.settings.cgroup_parent,
                                     sandbox_id, pid, cpu)
+        finally:
             listener.close()
-            listener = None
-            v2 = cgroups.v2_dir(self.settings.cgroup_parent, sandbox_id)
-            cgroups.delegate(v2, host_uid)
-            channel = await AgentChannel.connect(str(sock_path), timeout=10.0)
-            sb = ContainerSandbox(
-                id=sandbox_id, slot=slot, host_uid=host_uid, rootfs=rootfs, run_dir=run_dir,
-                v2_cgroup=v2, agent_pid=pid, channel=channel, fs=SandboxFS(rootfs.merged, host_uid),
-                image_env=image_env, fork_lowers=list(fork_lowers),
-            )
-            if network_rules is not None and network != "host":
-                await to_the_end(self.attach_network(sb, network_rules))
-            return sb
-        except BaseException as exc:
-            if listener is not None:
-                listener.close()
-            if sb is not None:
-                if sb.network is not None:
-                    sb.network.close()  # its gate and map; the link goes with the teardown
-                sb.channel.close()
-                sb.fs.close()
-            if pid is None:  # runc started the agent, then the cancellation came
-                pid = _agent_pid(run_dir)
-            # a cancelled create stays cancelled even if the teardown fails (it is logged)
-            await teardown_after(exc, self._teardown(sandbox_id, rootfs, run_dir, slot, pid))
-            raise
+        v2 = cgroups.v2_dir(self.settings.cgroup_parent, sandbox_id)
+        cgroups.delegate(v2, host_uid)
+        return await AgentChannel.connect(str(sock_path), timeout=10.0)
 
     def capacity(self) -> BackendCapacity:
         """Offered wherever the edge runs; no per-sandbox cap beyond admission (a CPU limit
         above the node's cores is a CFS quota, not a reservation)."""
         facts = {"runtime": self.settings.runtime,
                  **cpu_qos.node_facts(self.settings.cpu_qos)}
-        return BackendCapacity(kind=self.kind, facts=facts, fork=True)
+        return BackendCapacity(kind=self.kind, facts=facts, fork=True, fs_pause=True)
 
     async def attach_network(self, sb: ContainerSandbox, rules: list[str]) -> SandboxNetwork:
         """Give a running sandbox its link, BPF allow-list and DNS gate (policy = rules)."""
@@ -421,6 +474,8 @@ class ContainerBackend:
                         state)
             await self.cleanup(sandbox_id, None)
             return None
+        if state.get("stopped"):
+            return await self._adopt_stopped(sandbox_id, host_uid, spec, state)
         v2 = cgroups.v2_dir(self.settings.cgroup_parent, sandbox_id)
         v1 = self._v1_freezer(sandbox_id)
         was_frozen = await asyncio.to_thread(cgroups.is_frozen, v2, v1)
@@ -433,6 +488,8 @@ class ContainerBackend:
         if box is None:
             return None
         box.fork_lowers = [(str(n), int(u)) for n, u in state.get("fork_lowers", [])]
+        box.resources, box.hidden_paths = spec.resources, tuple(spec.hidden_paths)
+        box.qos = spec.qos
         if paused:
             try:
                 await asyncio.to_thread(cgroups.freeze, v2, v1)
@@ -441,6 +498,86 @@ class ContainerBackend:
         if was_frozen:
             cgroups.set_children_frozen(v2, False)  # frozen by the parent (paused) or running
         return box
+
+    async def _adopt_stopped(self, sandbox_id: str, host_uid: int, spec: ResolvedSpec,
+                             state: dict[str, Any]) -> ContainerSandbox | None:
+        """Re-adopt a filesystem-paused sandbox: nothing runs; its tree must still be mounted
+        (else it is cleaned up: None). A process found in its cgroup is killed (a boot an
+        earlier edge started and did not finish, or did not record)."""
+        slot = self.slots.slot_of(host_uid)
+        self.slots.claim(slot)
+        rootfs = self.rootfs_of(sandbox_id)
+        run_dir = self.run_root / sandbox_id
+        if not os.path.ismount(rootfs.merged):
+            log.warning("sandbox %s: its stopped tree is not mounted; cleaning up", sandbox_id)
+            await self._teardown(sandbox_id, rootfs, run_dir, slot, _agent_pid(run_dir))
+            return None
+        problems = await self._stop_processes(sandbox_id, _agent_pid(run_dir))
+        problems += await asyncio.to_thread(self._release_boot, sandbox_id, run_dir)
+        if problems:
+            log.error("sandbox %s: a stray boot left %s", sandbox_id, problems)
+        sb = ContainerSandbox(
+            id=sandbox_id, slot=slot, host_uid=host_uid, rootfs=rootfs, run_dir=run_dir,
+            v2_cgroup=cgroups.v2_dir(self.settings.cgroup_parent, sandbox_id), agent_pid=0,
+            channel=AgentChannel.gone(), fs=SandboxFS(rootfs.merged, host_uid),
+            image_env=spec.env, booted=False, resources=spec.resources,
+            hidden_paths=tuple(spec.hidden_paths), qos=spec.qos,
+            fork_lowers=[(str(n), int(u)) for n, u in state.get("fork_lowers", [])])
+        sb.next_session = int(state.get("next_session", 0))
+        return sb
+
+    async def pause_fs(self, sb: ContainerSandbox) -> None:  # type: ignore[override]
+        """Stop every process (cgroup.kill, the agent reaped), remove the cgroups, runc's
+        state, the netns and link and the agent's socket; keep the tree (image layers,
+        writable layer, their mounts) and the uid slot. Verified: InfraError naming what is
+        left (the edge then tears it down)."""
+        if not sb.booted:
+            return
+        v1 = self._v1_freezer(sb.id)
+        if not (sb.v2_cgroup / "cgroup.freeze").exists() and cgroups.is_frozen(sb.v2_cgroup, v1):
+            cgroups.thaw(sb.v2_cgroup, v1)  # v1: a frozen task can not take the kill
+        if sb.network is not None:
+            sb.network.close()  # its gate and map; the link goes below
+            sb.network = None
+        sb.channel.close()
+        problems = await self._stop_processes(sb.id, sb.agent_pid)
+        problems += await asyncio.to_thread(self._release_boot, sb.id, sb.run_dir)
+        sb.booted, sb.agent_pid = False, 0
+        if problems:
+            raise InfraError(f"filesystem pause of {sb.id} incomplete", problems=problems)
+
+    async def resume_fs(self, sb: ContainerSandbox,  # type: ignore[override]
+                        rules: list[str] | None) -> None:
+        """Boot it again over its tree (:meth:`_boot`: a new init, agent and boot id), the
+        network re-attached with ``rules``. A failure stops what it started (it stays
+        stopped) and raises."""
+        if sb.booted:
+            return
+        assert sb.resources is not None
+        pids: list[int] = []
+        try:
+            sb.channel = await self._boot(sb.id, sb.rootfs, sb.run_dir, sb.host_uid,
+                                          sb.resources, "none", sb.hardened, sb.hidden_paths,
+                                          cpu_qos.node_class(sb.qos, self.settings.cpu_qos), pids)
+            sb.agent_pid, sb.booted = pids[0], True
+            if rules is not None:
+                await to_the_end(self.attach_network(sb, rules))
+        except BaseException as exc:
+            if sb.network is not None:
+                sb.network.close()
+                sb.network = None
+            sb.channel.close()
+            pid = pids[0] if pids else _agent_pid(sb.run_dir)
+
+            async def stop() -> None:
+                problems = await self._stop_processes(sb.id, pid)
+                problems += await asyncio.to_thread(self._release_boot, sb.id, sb.run_dir)
+                if problems:
+                    raise InfraError(f"a failed boot of {sb.id} left {problems}")
+
+            sb.booted, sb.agent_pid = False, 0
+            await teardown_after(exc, stop())
+            raise
 
     def _v1_freezer(self, sandbox_id: str) -> Path:
         return cgroups.ROOT / "freezer" / self.settings.cgroup_parent / sandbox_id
@@ -575,7 +712,8 @@ class ContainerBackend:
 
     async def destroy(self, sb: ContainerSandbox) -> None:  # type: ignore[override]
         v1 = self._v1_freezer(sb.id)
-        if not (sb.v2_cgroup / "cgroup.freeze").exists() and cgroups.is_frozen(sb.v2_cgroup, v1):
+        if (sb.booted and not (sb.v2_cgroup / "cgroup.freeze").exists()
+                and cgroups.is_frozen(sb.v2_cgroup, v1)):
             cgroups.thaw(sb.v2_cgroup, v1)  # v1: a frozen task can not take the kill
         if sb.network is not None:
             sb.network.close()  # gate stops; link below, programs + map with the cgroup
@@ -586,8 +724,19 @@ class ContainerBackend:
     async def _teardown(self, sandbox_id: str, rootfs: Rootfs, run_dir: Path, slot: int,
                         agent_pid: int | None) -> None:
         """Kill by cgroup, reap, remove cgroups, runc state, mounts, netns, files; verify."""
-        parent = self.settings.cgroup_parent
-        v2 = cgroups.v2_dir(parent, sandbox_id)
+        problems = await self._stop_processes(sandbox_id, agent_pid)
+        # The rest is blocking kernel work: one worker thread, so the loop serves others.
+        problems += await asyncio.to_thread(self._release_host_resources, sandbox_id, rootfs,
+                                            run_dir)
+        if problems:
+            log.error("teardown of %s incomplete: %s", sandbox_id, problems)
+            raise InfraError(f"teardown of {sandbox_id} incomplete", problems=problems)
+        self.slots.release(slot)
+
+    async def _stop_processes(self, sandbox_id: str, agent_pid: int | None) -> list[str]:
+        """Kill every process of the sandbox by its cgroup and reap its agent; returns what
+        survived."""
+        v2 = cgroups.v2_dir(self.settings.cgroup_parent, sandbox_id)
         problems: list[str] = []
         cgroups.kill(v2)
         deadline = time.monotonic() + 10
@@ -598,17 +747,12 @@ class ContainerBackend:
                 break
         if agent_pid:
             await _reap(agent_pid)
-        # The rest is blocking kernel work: one worker thread, so the loop serves others.
-        problems += await asyncio.to_thread(self._release_host_resources, sandbox_id, rootfs,
-                                            run_dir)
-        if problems:
-            log.error("teardown of %s incomplete: %s", sandbox_id, problems)
-            raise InfraError(f"teardown of {sandbox_id} incomplete", problems=problems)
-        self.slots.release(slot)
+        return problems
 
-    def _release_host_resources(self, sandbox_id: str, rootfs: Rootfs, run_dir: Path) -> list[str]:
-        """Remove cgroups, runc state, mounts, netns and files of a sandbox with no process
-        left; returns what could not be removed."""
+    def _release_boot(self, sandbox_id: str, run_dir: Path) -> list[str]:
+        """Remove what one boot of a sandbox with no process left made (cgroups, runc state,
+        link, netns, agent socket and pid file); returns what could not be removed. The tree
+        and its mounts stay."""
         problems = []
         for path in cgroups.sandbox_dirs(self.settings.cgroup_parent, sandbox_id):
             try:
@@ -616,17 +760,23 @@ class ContainerBackend:
             except OSError as exc:
                 problems.append(f"cgroup {path}: {exc}")
         self.runtime.forget(sandbox_id)
+        netlink.delete(sandbox_id)
+        if netlink.exists(sandbox_id):
+            problems.append(f"network link {netlink.link_name(sandbox_id)} left")
+        netns.delete(netns.PREFIX + sandbox_id)
+        remove_flat_dir(run_dir)
+        return problems
+
+    def _release_host_resources(self, sandbox_id: str, rootfs: Rootfs, run_dir: Path) -> list[str]:
+        """Remove cgroups, runc state, mounts, netns and files of a sandbox with no process
+        left; returns what could not be removed."""
+        problems = self._release_boot(sandbox_id, run_dir)
         left = rootfs.teardown()
         if left:
             problems.append(f"mounts left: {left}")
         else:  # a subvolume still bind-mounted can not be deleted
             problems += self.disk.remove(sandbox_id)
             problems += self.disk.unref_lowers(sandbox_id)  # a fork child's shared lowers
-        netlink.delete(sandbox_id)
-        if netlink.exists(sandbox_id):
-            problems.append(f"network link {netlink.link_name(sandbox_id)} left")
-        netns.delete(netns.PREFIX + sandbox_id)
-        remove_flat_dir(run_dir)
         return problems
 
     def release_node_resources(self) -> None:

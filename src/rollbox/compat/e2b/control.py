@@ -273,6 +273,10 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
             "state": e2b_state(info),
             "lifecycle": {"autoResume": info.resume_on_traffic,
                           "onTimeout": "pause" if info.on_expiry == "pause" else "kill"},
+            # what a paused sandbox's pause kept: "full" (frozen, memory kept) or
+            # "filesystem" (stopped; a resume boots it again)
+            **({"pauseMode": "full" if info.memory_kept else "filesystem"}
+               if info.state == "paused" else {}),
         }
 
     def handler(fn):
@@ -294,11 +298,10 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
             raise errors.BadRequest("templateID is required")
         if body.get("mcp"):
             return e2b_error(501, "MCP gateways are not supported by rollbox")
-        # autoPause: the TTL's end pauses it (rollbox's on_expiry "pause"); memory is always
-        # kept (a frozen sandbox), so a filesystem-only auto-pause is not offered.
-        if body.get("autoPause") and body.get("autoPauseMemory") is False:
-            raise errors.NotSupported("autoPauseMemory=false (a filesystem-only auto-pause) is "
-                                      "not supported by rollbox: its pause keeps memory")
+        # autoPause: the TTL's end pauses it (rollbox's on_expiry "pause"): frozen in place
+        # (memory kept), or with autoPauseMemory=false filesystem-only (pause_keep_memory
+        # False: stopped, files kept; a resume boots it again)
+        fs_only = bool(body.get("autoPause")) and body.get("autoPauseMemory") is False
         # autoResume: traffic to it while paused (a port, envd) resumes it first, with its
         # timeout again (rollbox's resume_on_traffic)
         resume_cfg = body.get("autoResume") or {}
@@ -307,6 +310,9 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         auto_resume = bool(resume_cfg.get("enabled"))
         if auto_resume and not body.get("autoPause"):
             raise errors.BadRequest("autoResume needs autoPause (on_timeout pause)")
+        if auto_resume and fs_only:  # as E2B: traffic would reach a sandbox still booting
+            raise errors.BadRequest("autoResume can not be combined with a filesystem-only "
+                                    "auto-pause (autoPauseMemory=false): resume it by connect")
         metadata = body.get("metadata") or {}
         envs = body.get("envVars") or {}
         if not isinstance(metadata, dict) or not isinstance(envs, dict):
@@ -318,7 +324,7 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         spec = SandboxSpec(image=image, ttl_s=_timeout(body.get("timeout"), DEFAULT_TIMEOUT_S),
                            labels=labels, env=envs, network=_network(body),
                            on_expiry="pause" if body.get("autoPause") else "delete",
-                           resume_on_traffic=auto_resume)
+                           resume_on_traffic=auto_resume, pause_keep_memory=not fs_only)
         info = await api.create_sandbox(spec, principal.project, requested={
             "op": "create", "by": principal.key_id, "labels": spec.labels,
             "resources": spec.resources.model_dump(), "ttl_s": spec.ttl_s, "via": "e2b",
@@ -428,10 +434,14 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         edge, info = await live(sid, await who(request))
         if info.state == "paused":
             return e2b_error(409, f"sandbox {sid} is already paused")
-        # Paused = frozen by the edge (agent and every process stop; memory and files kept);
-        # envd calls are refused until a connect/resume. Like E2B, a paused sandbox does not
-        # expire at its running timeout: it lives on for up to paused_ttl_s.
-        await edge.pause(sid)
+        memory = (await _json(request)).get("memory", True)
+        if not isinstance(memory, bool):
+            raise errors.BadRequest("memory must be a boolean")
+        # Paused = frozen by the edge (agent and every process stop; memory and files kept),
+        # or with memory=false stopped (filesystem only: a resume boots it again); envd calls
+        # are refused until a connect/resume. Like E2B, a paused sandbox does not expire at
+        # its running timeout: it lives on for up to paused_ttl_s.
+        await edge.pause(sid, keep_memory=memory)
         await edge.set_ttl(sid, state.paused_ttl_s)
         return Response(status_code=204)
 
@@ -439,8 +449,14 @@ def mount_control(app: FastAPI, api: ApiContext, state: E2BState) -> None:
         sid = request.path_params["sandbox_id"]
         principal = await who(request)
         edge, info = await live(sid, principal)
-        ttl = _timeout((await _json(request)).get("timeout"), 300)
+        body = await _json(request)
+        ttl = _timeout(body.get("timeout"), 300)
+        memory = body.get("memory", True)
+        if not isinstance(memory, bool):
+            raise errors.BadRequest("memory must be a boolean")
         if info.state == "paused":
+            if not memory and info.memory_kept:  # from disk only: its memory is dropped
+                await edge.pause(sid, keep_memory=False)
             info = await edge.resume(sid)
             await edge.set_ttl(sid, ttl)
             return JSONResponse(sandbox_json(info, principal), status_code=201)
