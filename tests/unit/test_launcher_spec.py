@@ -118,3 +118,24 @@ def test_the_launchers_message_becomes_step_and_errno() -> None:
     assert err.details["step"] == "mount" and err.details["errno"] == 2
     assert err.details["left"] == ["cgroup /sys/fs/cgroup/x left"]
     assert launcher_error(1, "garbage").details["step"] == "unknown"
+
+
+@needs_hybrid
+def test_boot_id_hook_becomes_a_read_only_bind_and_other_hooks_are_refused() -> None:
+    """runc binds each boot's id by a createContainer hook; the launcher, which runs no hooks,
+    binds it itself, after the config's own mounts (over the /proc it mounted). Any other hook
+    is refused, never dropped."""
+    conf = config(boot_id="/run/x/boot_id")
+    hook = conf["hooks"]["createContainer"][0]
+    assert hook["args"][-2:] == ["/run/x/boot_id", "/run/x/merged" + bundle.BOOT_ID_PATH]
+    mounts = [r for r in records(spec_bytes(conf, Path("/run/x/pid"))) if r[0] == "mount"]
+    assert mounts[-1][1:4] == (bundle.BOOT_ID_PATH, "bind", "/run/x/boot_id")
+    flags = int(mounts[-1][4])
+    assert flags & MS_BIND and flags & MS_RDONLY and flags & MS_NOSUID and flags & MS_NOEXEC
+    assert [r[1] for r in mounts].index("/proc") < len(mounts) - 1
+    assert bundle.boot_id_source(config()) is None
+    for bad in ({"prestart": [hook]},
+                {"createContainer": [{**hook, "path": "/tmp/evil"}]},
+                {"createContainer": [hook, hook]}):
+        with pytest.raises(InfraError):
+            spec_bytes({**conf, "hooks": bad}, Path("/run/x/pid"))

@@ -91,7 +91,7 @@ class BackendCapacity:
     snapshot: Literal["layer", "machine"] = "layer"
     # Whether :meth:`Backend.pause_fs` / :meth:`Backend.resume_fs` work here (a filesystem-
     # only pause; the edge answers NotSupported naming the backend otherwise, before anything
-    # is stopped). Containers: yes.
+    # is stopped). Containers and microVMs: yes ("vm": not yet).
     fs_pause: bool = False
 
 

@@ -9,13 +9,15 @@ It is not reachable from the HTTP API.
 """
 from __future__ import annotations
 
+import functools
 import posixpath
 import resource
+import shutil
 from collections.abc import Sequence
 from typing import Any
 
 from rollbox.backends.container.cpuview import CPU_SYS_FILES, CpuView
-from rollbox.errors import BadRequest
+from rollbox.errors import BadRequest, InfraError
 from rollbox.isolation import qos, seccomp
 from rollbox.isolation.userns import RANGE
 from rollbox.models import Resources
@@ -76,11 +78,41 @@ def _cpu_view_mounts(view: CpuView) -> list[dict[str, Any]]:
          "source": str(view.cpulist), "options": ro} for name in CPU_SYS_FILES]
 
 
+BOOT_ID_OPTIONS = ["bind", "ro", "nosuid", "noexec", "nodev"]
+
+
+@functools.cache
+def host_mount() -> str:
+    """The host's mount(8) (root-owned, from the system's own dirs), which the boot id hook
+    runs; InfraError without one."""
+    path = shutil.which("mount", path="/usr/bin:/bin")
+    if path is None:
+        raise InfraError("mount(8) missing on the host (util-linux)")
+    return path
+
+
 def _boot_id_hook(rootfs: str, source: str, mount_bin: str) -> dict[str, Any]:
     """The createContainer hook that binds ``source`` read-only over the boot id."""
     return {"path": mount_bin,
-            "args": ["mount", "--bind", "-o", "ro,nosuid,nodev,noexec", source,
+            "args": ["mount", "--bind", "-o", ",".join(BOOT_ID_OPTIONS[1:]), source,
                      rootfs.rstrip("/") + BOOT_ID_PATH]}
+
+
+def boot_id_source(config: dict[str, Any]) -> str | None:
+    """The boot id file an OCI config of :func:`oci_config` binds (None: none), for a runtime
+    that makes the bind itself (the native launcher, which runs no hooks). InfraError for any
+    other hook: a runtime without hooks must not drop one silently."""
+    hooks = config.get("hooks")
+    if not hooks:
+        return None
+    made = hooks.get("createContainer") or []
+    if set(hooks) != {"createContainer"} or len(made) != 1:
+        raise InfraError(f"OCI hooks {sorted(hooks)} are not supported here")
+    args = made[0].get("args") or []
+    if made[0] != _boot_id_hook(config["root"]["path"], args[-2] if len(args) > 1 else "",
+                                host_mount()):
+        raise InfraError("an OCI hook other than the boot id's is not supported here")
+    return str(args[-2])
 
 
 def normalize_hidden(paths: Sequence[str]) -> list[str]:
@@ -108,14 +140,14 @@ def oci_config(
     hardened: bool = True,
     hidden_paths: Sequence[str] = (),
     cpu_view: CpuView | None = None,
-    boot_id: tuple[str, str] | None = None,
+    boot_id: str | None = None,
 ) -> dict[str, Any]:
     """hidden_paths: paths of the sandbox tree its commands must not see (e.g. a task's
     tests): masked by mounts (an empty read-only tmpfs / /dev/null over them) and, as a second
     layer, left out of the commands' Landlock rules. The host-side file API still sees them.
     cpu_view: the sandbox's cpuset and its generated /proc/cpuinfo and /sys (cpuview.py).
-    boot_id: (the host file with this boot's id, the host's mount binary): bound read-only
-    over /proc/sys/kernel/random/boot_id (BOOT_ID_PATH); None: the kernel's own shows."""
+    boot_id: the host file with this boot's id, bound read-only over
+    /proc/sys/kernel/random/boot_id (BOOT_ID_PATH); None: the kernel's own shows."""
     hidden = normalize_hidden(hidden_paths)
     disk_bytes = resources.disk_mib << 20
     # A user namespace can't raise a hard limit above what runc itself inherited.
@@ -141,7 +173,7 @@ def oci_config(
             "args": [f"/proc/self/fd/{AGENT_EXE_FD}"],
             "env": env,
             "cwd": "/",
-            "capabilities": {k: caps for k in ("bounding", "effective", "permitted")},
+            "capabilities": {k: list(caps) for k in ("bounding", "effective", "permitted")},
             "rlimits": [
                 {"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile},
                 {"type": "RLIMIT_CORE", "hard": 0, "soft": 0},
@@ -193,10 +225,10 @@ def oci_config(
         },
     }
     if boot_id is not None:
-        config["hooks"] = {"createContainer": [_boot_id_hook(rootfs, *boot_id)]}
+        config["hooks"] = {"createContainer": [_boot_id_hook(rootfs, boot_id, host_mount())]}
     if hardened:
         config["linux"]["seccomp"] = seccomp.profile()
     else:  # ambient too, so commands run as root keep every capability across exec
-        config["process"]["capabilities"]["inheritable"] = caps
-        config["process"]["capabilities"]["ambient"] = caps
+        config["process"]["capabilities"]["inheritable"] = list(caps)
+        config["process"]["capabilities"]["ambient"] = list(caps)
     return config

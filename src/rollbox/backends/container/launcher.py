@@ -29,6 +29,7 @@ import resource
 from pathlib import Path
 from typing import Any
 
+from rollbox.backends.container import bundle
 from rollbox.backends.container.runtime import spawn_init_runner, wait_pid
 from rollbox.errors import InfraError
 from rollbox.isolation import cgroups, seccomp
@@ -207,6 +208,10 @@ def spec_bytes(config: dict[str, Any], pid_file: Path) -> bytes:
             flags |= MS_BIND
         rec.add("mount", m["destination"], m.get("type") or "", m.get("source") or "", flags,
                 data)
+    boot_id = bundle.boot_id_source(config)  # runc's hook: the launcher binds it itself
+    if boot_id is not None:
+        flags, data = _mount_flags(bundle.BOOT_ID_OPTIONS)
+        rec.add("mount", bundle.BOOT_ID_PATH, "bind", boot_id, flags | MS_BIND, data)
     for name in DEVICE_NODES:
         rec.add("device", f"/dev/{name}", f"/dev/{name}")
     for target, link in DEV_SYMLINKS:

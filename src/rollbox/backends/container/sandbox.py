@@ -17,7 +17,6 @@ import hashlib
 import logging
 import os
 import secrets
-import shutil
 import socket
 import time
 import uuid
@@ -223,11 +222,7 @@ class ContainerBackend:
         self.agent_path = self._install_host_binary(src.read_bytes(), bundle.AGENT_NAME)
         self.shell_path = self._install_host_binary(
             platform_shell.prepared(settings.platform_shell), platform_shell.NAME)
-        # The host's mount(8), run by runc's createContainer hook to bind each boot's id.
-        mount = shutil.which("mount", path="/usr/bin:/bin")
-        if mount is None:
-            raise InfraError("mount(8) missing on the host (util-linux)")
-        self.mount_path = mount
+        bundle.host_mount()  # the boot id's hook runs it: missing, no backend
 
     def _install_host_binary(self, data: bytes, name: str) -> Path:
         """Copy a binary of the platform (the agent, the platform shell) to a root-owned,
@@ -422,7 +417,7 @@ class ContainerBackend:
                 netns_path=ns_path,
                 cgroups_path=self.cgroups_path(sandbox_id), resources=resources,
                 hostname=sandbox_id[:63], hardened=hardened, hidden_paths=hidden_paths,
-                cpu_view=cpu_view, boot_id=(str(boot_id), self.mount_path),
+                cpu_view=cpu_view, boot_id=str(boot_id),
             )
             agent_fd = os.open(self.agent_path, os.O_RDONLY | os.O_CLOEXEC)
             try:
@@ -558,7 +553,8 @@ class ContainerBackend:
         try:
             sb.channel = await self._boot(sb.id, sb.rootfs, sb.run_dir, sb.host_uid,
                                           sb.resources, "none", sb.hardened, sb.hidden_paths,
-                                          cpu_qos.node_class(sb.qos, self.settings.cpu_qos), pids)
+                                          cpu_qos.node_class(sb.qos, self.settings.cpu_qos),
+                                          pids)
             sb.agent_pid, sb.booted = pids[0], True
             if rules is not None:
                 await to_the_end(self.attach_network(sb, rules))

@@ -76,6 +76,7 @@ log = logging.getLogger(__name__)
 CONSOLE_KEEP = 16 << 10
 NET_CONFIG_TIMEOUT_S = 20.0
 ADOPT_TIMEOUT_S = 5.0
+FS_SYNC_TIMEOUT_S = 30.0  # a guest's sync before a filesystem-only pause stops it
 QEMU_PIDS = 256  # QEMU's threads: vCPUs, main loop, RCU, the block layer's worker pool
 FULL_ROOT_ARG = "rollbox.fullroot=1"  # the agent leaves commands every capability (agent.c)
 
@@ -156,15 +157,22 @@ class MicroVM:
     paused: bool = False
     last_active: float = field(default_factory=time.monotonic)  # last command started
     template: str = ""      # digest of the template it was restored from ("": booted cold)
+    # Paused filesystem-only (pause_fs): no QEMU, its rw disk kept; ``paused`` stays True
+    # with it (file operations answer SandboxPaused). ``spec``: what resume_fs boots again.
+    stopped: bool = False
+    spec: ResolvedSpec | None = None
     kind: str = "microvm"
     guest_reported: bool = True
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def state(self) -> dict[str, Any]:
-        return {"host_uid": self.host_uid, "pid": self.pid, "squeezed": self.squeezed,
-                "template": self.template,
-                "machine": {**asdict(self.machine),
-                            "extra_cmdline": list(self.machine.extra_cmdline)}}
+        out = {"host_uid": self.host_uid, "pid": self.pid, "squeezed": self.squeezed,
+               "template": self.template,
+               "machine": {**asdict(self.machine),
+                           "extra_cmdline": list(self.machine.extra_cmdline)}}
+        if self.stopped:
+            out["stopped"] = True
+        return out
 
     def new_session(self) -> SessionSlot:
         # The agent makes the session's cgroup inside the guest: no fd crosses the VM.
@@ -366,7 +374,12 @@ class MicroVMBackend:
         return BackendCapacity(
             kind=self.kind, offered=missing is None, reason=missing,
             max_cpus=float(os.cpu_count() or 1), max_memory_mib=_host_memory_mib(),
-            facts=facts, fork=self.forks(), snapshot=self.snapshot_kind)
+            facts=facts, fork=self.forks(), snapshot=self.snapshot_kind,
+            fs_pause=self.fs_pauses())
+
+    def fs_pauses(self) -> bool:
+        """Whether :meth:`pause_fs` works here (a microVM's: a cold boot over its rw disk)."""
+        return True
 
     def forks(self) -> bool:
         """Whether :meth:`fork` works here: a microVM's where templates are on (the fork's
@@ -624,6 +637,7 @@ class MicroVMBackend:
                              net: vmnet.VmNetwork | None, steps: Steps, kind: str) -> None:
         """The sandbox's own network and hidden paths, before any command of it; the step
         line written."""
+        vm.spec = spec  # what a filesystem-only pause boots again
         try:
             if net is not None:
                 vm.network = net
@@ -822,7 +836,8 @@ class MicroVMBackend:
     # ---- adopt / destroy ------------------------------------------------------------------
     async def adopt(self, sandbox_id: str, spec: ResolvedSpec, state: dict[str, Any],
                     paused: bool) -> MicroVM | None:
-        """Reconnect to a VM an earlier edge started; None if it is gone (then cleaned)."""
+        """Reconnect to a VM an earlier edge started; None if it is gone (then cleaned). One
+        paused filesystem-only (state ``stopped``) comes back stopped, nothing booted."""
         host_uid = int(state["host_uid"])
         slot = self.slots.slot_of(host_uid)
         self.slots.claim(slot)
@@ -831,6 +846,22 @@ class MicroVMBackend:
         m = dict(state["machine"])
         m["extra_cmdline"] = tuple(m.get("extra_cmdline") or ())
         machine = qemu.MachineSpec(**m)
+        if state.get("stopped"):
+            if not self.disks.rw_path(sandbox_id).exists():
+                log.warning("microVM %s: its stopped rw disk is gone; cleaning up", sandbox_id)
+                await self.teardown(sandbox_id, jail, slot, None)
+                return None
+            # a boot an earlier edge started and did not record: killed, its jail removed
+            problems = await self._stop_boot(sandbox_id, jail, host_uid, jail.read_pid())
+            if problems:
+                log.error("microVM %s: a stray boot left %s", sandbox_id, problems)
+            from rollbox.agent.channel import AgentChannel
+
+            vm = MicroVM(id=sandbox_id, slot=slot, host_uid=host_uid, jail=jail, pid=0,
+                         machine=machine, channel=AgentChannel.gone(),
+                         image_env=dict(spec.env), paused=True, stopped=True, spec=spec)
+            vm.files = self.files_for(vm)  # SandboxPaused until it boots again
+            return vm
         try:
             if not jail.alive(pid):
                 raise InfraError("QEMU not running")
@@ -853,6 +884,7 @@ class MicroVMBackend:
                      squeezed=squeezed, template=str(state.get("template") or ""),
                      kind=self.kind)
         vm.files = self.files_for(vm)
+        vm.spec = spec
         if spec.network_rules is not None:
             try:
                 vm.network = await vmnet.adopt(sandbox_id, list(spec.network_rules),
@@ -872,7 +904,7 @@ class MicroVMBackend:
 
     async def destroy(self, h: MicroVM) -> None:  # type: ignore[override]
         self.detach(h)
-        await self.teardown(h.id, h.jail, h.slot, h.pid)
+        await self.teardown(h.id, h.jail, h.slot, h.pid or None)  # 0: stopped, no QEMU
 
     def detach(self, h: MicroVM) -> None:  # type: ignore[override]
         """The edge stops; the VM keeps running (adopted by the next edge). Its DNS gate
@@ -984,6 +1016,96 @@ class MicroVMBackend:
                 await q.cont()
             h.paused = False
 
+    async def pause_fs(self, h: MicroVM) -> None:  # type: ignore[override]
+        """Filesystem-only pause: the guest's dirty pages written to its rw disk (``sync`` by
+        the platform's tools: what it wrote before survives; a guest that does not answer in
+        FS_SYNC_TIMEOUT_S loses what it had not written back), then QEMU killed and reaped,
+        its jail (cgroups, dir) and network (link, namespace, filter) removed. The rw disk and
+        the uid slot stay. Verified: InfraError naming what is left."""
+        async with h.lock:
+            if h.stopped:
+                return
+            h.paused = True
+            cut_file_ops(h)
+            try:
+                async with qmp.session(h.qmp_path) as q:
+                    await q.cont()  # a frozen guest can not sync
+                tools = PlatformTools(lambda: h.channel, timeout_s=FS_SYNC_TIMEOUT_S)
+                res = await tools.run(["sync"], max_stdout=4096)
+                if not res.ok:
+                    log.warning("microVM %s: guest sync failed before the stop: %s", h.id,
+                                res.message()[:200])
+            except (InfraError, OSError) as exc:
+                log.warning("microVM %s: no guest sync before the stop (%s)", h.id, exc)
+            self.detach(h)
+            problems = await self._stop_boot(h.id, h.jail, h.host_uid, h.pid)
+            h.stopped, h.pid, h.network, h.squeezed = True, 0, None, False
+            h.files = self.files_for(h)  # detach closed them; these answer SandboxPaused
+            if problems:
+                raise InfraError(f"filesystem pause of {h.id} incomplete", problems=problems)
+
+    async def _stop_boot(self, sandbox_id: str, jail: Jail, host_uid: int,
+                         pid: int | None) -> list[str]:
+        """Kill and reap one boot's QEMU, remove its jail and network; returns what is left.
+        The rw disk stays."""
+        problems = await jail.kill(pid, host_uid)
+        if not problems:
+            problems += await asyncio.to_thread(jail.release)
+            problems += await asyncio.to_thread(vmnet.delete, sandbox_id)
+        return problems
+
+    async def resume_fs(self, h: MicroVM,  # type: ignore[override]
+                        rules: list[str] | None) -> None:
+        """Boot it again, cold, over its rw disk (a fresh jail, QEMU, guest kernel and agent:
+        a new boot id), with a NIC and ``rules`` if it had one, its hidden paths masked again.
+        A failure stops what it started (it stays stopped) and raises."""
+        async with h.lock:
+            if not h.stopped:
+                return
+            if h.spec is None:
+                raise InfraError(f"microVM {h.id}: no spec to boot it again from")
+            # a VM made without a NIC gets none (as set_network refuses to add one)
+            spec = replace(h.spec, network_rules=(tuple(rules or ()) if h.machine.nic
+                                                  else None))
+            machine = self.machine_for(spec)
+            jail = Jail(self.run_root, self.settings.cgroup_parent, h.id)
+            net: vmnet.VmNetwork | None = None
+            tap_fd = -1
+            try:
+                if machine.nic:
+                    await to_the_end(asyncio.to_thread(netns.create, vmnet.netns_name(h.id)))
+                    net, tap_fd = await to_the_end(
+                        vmnet.attach(h.id, list(spec.network_rules or ()), self.settings),
+                        dispose=_close_network)
+                layer_files = await self.disks.layer_files(list(spec.layers))
+                binds = self.binds_for(machine, layer_files, self.disks.rw_path(h.id))
+                vm = await self._launch(h.id, h.slot, h.host_uid, jail, machine, binds,
+                                        spec.resources.cpus, h.image_env,
+                                        self.settings.vm_boot_timeout_s, tap_fd=tap_fd)
+                await self._sandbox_ready(vm, spec, net, Steps(), "cold")
+            except BaseException as exc:
+                if net is not None:
+                    net.close()
+
+                async def stop() -> None:
+                    problems = await self._stop_boot(h.id, jail, h.host_uid, jail.read_pid())
+                    if problems:
+                        raise InfraError(f"a failed boot of {h.id} left {problems}")
+
+                await teardown_after(exc, stop())
+                if isinstance(exc, (InfraError, BadRequest)) or not isinstance(exc, Exception):
+                    raise
+                raise InfraError(f"microVM {h.id} did not boot again: {exc}") from exc
+            finally:
+                if tap_fd >= 0:
+                    os.close(tap_fd)
+            h.jail, h.pid, h.machine, h.channel = vm.jail, vm.pid, vm.machine, vm.channel
+            h.network, h.template, h.spec = vm.network, "", spec
+            h.files = self.files_for(h)
+            h.stopped = h.paused = h.squeezed = False
+            h.last_active = time.monotonic()
+        self._track(h)
+
     async def status(self, h: MicroVM) -> str:
         """QEMU's run state (``running``, ``paused``, ...)."""
         async with h.lock:
@@ -1066,6 +1188,9 @@ class MicroVMBackend:
         made. With ``vm_fork_warm`` (off by default) and more children than cores, each child
         runs the platform shell's ``true`` once made unique, outside the one-restore-per-core
         gate. All or nothing: a child that fails takes the made ones down with it."""
+        if h.stopped:  # no QEMU to save: its memory was let go
+            raise BadRequest(f"sandbox {h.id} is paused filesystem-only: resume it before a "
+                             "fork (a microVM fork carries its memory)", sandbox_id=h.id)
         if not self.forks():
             raise BadRequest(f"microVM sandbox {h.id} can not be forked: this node's "
                              "templates are off (ROLLBOX_VM_TEMPLATES)", sandbox_id=h.id)

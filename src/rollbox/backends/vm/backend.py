@@ -180,6 +180,9 @@ class VMBackend(MicroVMBackend):
     def forks(self) -> bool:
         return True  # the microVM's fork: a saved image restored into each child, no template
 
+    def fs_pauses(self) -> bool:
+        return False  # its machine (q35, display, saved-machine restores) does not reboot yet
+
     def argv_for(self, spec: qemu.MachineSpec) -> list[str]:
         return machine.argv(spec, str(self.settings.qemu_binary))
 
