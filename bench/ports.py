@@ -3,14 +3,15 @@ direct connection to the same service, in the same run.
 
 ``rollbox serve`` runs in its own process on a scratch node (its own data dir, cgroup parent,
 node id and uid range; the node's images). One python:3.11 sandbox with no network runs a small
-HTTP service on its 127.0.0.1:8000 (stdlib ``http.server``, a 2 KiB answer). The two paths:
+HTTP/1.1 service on its 127.0.0.1:8000 (stdlib ``http.server``, keep-alive, a 2 KiB answer).
+The two paths:
 
 - proxy: a lean HTTP/1.1 client (raw kept-alive sockets to the api, one per concurrent
   request, answers parsed by httptools: no HTTP library's own cost, as on the direct path) GETs
-  ``sandbox.url(8000)`` with the API key: client -> api -> edge (in-process) -> a new socket
-  made in the sandbox's netns;
+  ``sandbox.url(8000)`` with the API key: client -> api -> edge (in-process) -> a socket made
+  in the sandbox's netns, kept alive by the proxy's pool and reused (``UpstreamPool``);
 - direct: the benchmark's own socket made in the sandbox's netns (the peer a client inside
-  the sandbox's network would be), a new connection per request like the proxy's.
+  the sandbox's network would be), a new connection per request (``Connection: close``).
 
 Sequential requests (alternating blocks of both paths, so load drifts hit both alike) give each
 path's p50 and the overhead p50 (proxy p50 - direct p50; target <= 2 ms), and the p50 of the
@@ -41,6 +42,7 @@ BODY = 2048
 SERVICE = f"""
 import http.server
 class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keeps a connection alive unless the request closes it
     def do_GET(self):
         body = b"x" * {BODY}
         self.send_response(200)
@@ -66,7 +68,7 @@ async def direct_get(ns: str) -> int:
             got += data
     finally:
         sock.close()
-    if not got.startswith(b"HTTP/1.0 200") or not got.endswith(b"x" * BODY):
+    if not got.startswith(b"HTTP/1.1 200") or not got.endswith(b"x" * BODY):
         raise RuntimeError(f"direct: unexpected answer {got[:80]!r}")
     return len(got)
 

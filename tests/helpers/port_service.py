@@ -5,7 +5,9 @@ imported by the tests.
 GET/POST any path: a JSON echo of method, path, headers and body. ``/cookies``: two
 Set-Cookie headers (one host-only, one with a Domain). ``/redirect?to=URL``: a 302 there.
 ``/stream``: a chunked answer of 5 parts. ``/big?n=N``: N bytes. ``/ws``: a WebSocket echo
-(text and binary; masks checked; a close is answered).
+(text and binary; masks checked; a close is answered). ``/close``: an echo that closes its
+connection (``Connection: close``). The echo names the connection it came on (``peer``: the
+client's port) and the service (``who``: the text of /tmp/port_service.who, if any).
 """
 import base64
 import hashlib
@@ -16,6 +18,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+try:
+    with open("/tmp/port_service.who") as _f:
+        WHO = _f.read()
+except OSError:
+    WHO = ""
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -47,9 +54,11 @@ class Handler(BaseHTTPRequestHandler):
                 parts.append(self.rfile.read(size))
                 self.rfile.readline()
             body = b"".join(parts)
+        close = urlsplit(self.path).path == "/close"
         self._json({"method": self.command, "path": self.path,
                     "headers": {k.lower(): v for k, v in self.headers.items()},
-                    "body": body.decode("latin-1")})
+                    "body": body.decode("latin-1"), "peer": self.client_address[1],
+                    "who": WHO}, extra=[("Connection", "close")] if close else ())
 
     def do_POST(self):  # noqa: N802, ANN201
         self._echo()

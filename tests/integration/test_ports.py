@@ -17,6 +17,7 @@ import pytest
 import rollbox
 from rollbox import errors
 from rollbox.api import BackgroundServer
+from rollbox.api import ports as api_ports
 from rollbox.api.ports import PortConfig
 from rollbox.iam import KeyStore
 from tests.conftest import BOTH_TRANSPORTS, api_app
@@ -183,6 +184,71 @@ async def test_http_and_websocket_through_both_forms(edge, api_edge, tmp_path: P
             assert isinstance(error_of(r), (errors.NotFound, errors.SandboxDead)), r.text
             r = await h.get(base, headers=auth)
             assert isinstance(error_of(r), (errors.NotFound, errors.SandboxDead)), r.text
+
+
+@BOTH_TRANSPORTS
+async def test_connections_into_a_sandbox_are_kept_alive(edge, api_edge, tmp_path: Path,  # noqa: ANN001
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proxy reuses its connection to a sandbox's service (the service sees one client
+    port), for that sandbox and port only; one the service closes, one idle past IDLE_S and
+    those of a deleted sandbox leave the pool; a refused request never reaches one."""
+    monkeypatch.setattr(api_ports, "IDLE_S", 3.0)
+    keys = KeyStore(tmp_path / "keys.db")
+    try:
+        app = api_app(api_edge, edge, keys, port_config=PortConfig.ephemeral(DOMAIN))
+        pool = app.state.port_pool
+        async with BackgroundServer(app) as srv:
+            key, other = keys.create("proj"), keys.create("other")
+            async with rollbox.AsyncClient(srv.url, key) as c, \
+                    httpx.AsyncClient(timeout=30) as h:
+                a, b = await c.create("python:3.11"), await c.create("python:3.11")
+                for sb, who in ((a, "a"), (b, "b")):
+                    await sb.files.write("/tmp/port_service.who", who.encode())
+                    await start_service(sb)
+                auth = {"Authorization": f"Bearer {key}"}
+
+                async def echo(sb: rollbox.AsyncSandbox, path: str = "echo") -> dict:
+                    r = await h.get(sb.url(PORT) + path, headers=auth)
+                    assert r.status_code == 200, r.text
+                    return r.json()
+
+                first = await echo(a)
+                assert first["who"] == "a" and "connection" not in first["headers"]
+                assert pool.idle(a.id, PORT) == 1
+                assert (await echo(a))["peer"] == first["peer"]  # the same connection
+                r = await h.post(a.url(PORT) + "up", headers=auth, content=b"p" * 1000)
+                assert r.json()["peer"] == first["peer"] and r.json()["body"] == "p" * 1000
+                # another sandbox: its own service on a connection of its own
+                assert (await echo(b))["who"] == "b"
+                assert pool.idle(a.id, PORT) == 1 and pool.idle(b.id, PORT) == 1
+                # refused before any connection is taken: the other project's key
+                r = await h.get(a.url(PORT) + "echo", headers={
+                    "Authorization": f"Bearer {other}"})
+                assert isinstance(error_of(r), errors.NotFound)
+                assert pool.idle(a.id, PORT) == 1
+                # the service closes it (Connection: close): not kept
+                assert (await echo(a, "close"))["peer"] == first["peer"]
+                assert pool.idle(a.id, PORT) == 0
+                second = await echo(a)
+                assert second["peer"] != first["peer"]
+                # idle past IDLE_S: closed; the next request opens a new one
+                await asyncio.sleep(3.5)
+                assert pool.idle(a.id, PORT) == 0
+                third = await echo(a)
+                assert third["peer"] != second["peer"] and pool.idle(a.id, PORT) == 1
+                # concurrent requests: a connection each, all kept
+                got = await asyncio.gather(*(echo(a) for _ in range(4)))
+                assert {g["who"] for g in got} == {"a"} and pool.idle(a.id, PORT) >= 1
+                # deleted: its kept connections leave the pool at once (not at IDLE_S)
+                assert (await echo(b))["who"] == "b" and pool.idle(b.id, PORT) == 1
+                await a.delete()
+                async with asyncio.timeout(2):
+                    while pool.idle(a.id, PORT):
+                        await asyncio.sleep(0.02)
+                assert pool.idle(b.id, PORT) == 1
+                await b.delete()
+    finally:
+        keys.close()
 
 
 async def test_a_service_on_any_address_with_a_network_policy(edge, tmp_path: Path) -> None:  # noqa: ANN001

@@ -53,6 +53,7 @@ def create_app(placement: Placement, keys: IamStore, *,
             view = placement.view
             if isinstance(view, Watcher) and not view.running:
                 await stack.enter_async_context(view)  # nobody else runs it: this app does
+            stack.push_async_callback(app.state.port_pool.close)  # kept-alive port connections
             async with front_door_lifetime, fncall.pools(app, api):
                 yield
 

@@ -22,7 +22,14 @@ The connection goes api -> edge (``EdgeAPI.port_open``: in-process, or a RemoteE
 WebSocket to the edge's service) -> that sandbox's own loopback (``Backend.open_port``): the
 proxy names only (sandbox, port); the address is fixed below it, so no header, path or redirect
 reaches another sandbox, the host or the platform. Redirects are passed to the client, never
-followed. One connection into the sandbox per request (``Connection: close``).
+followed. HTTP connections into the sandbox are kept alive and reused (:class:`UpstreamPool`):
+only for the same (sandbox, port), only by a request that passed the auth above and whose
+sandbox runs (``EdgeAPI.wake``: a paused one is woken or refused as ``port_open`` would), a few idle
+per port and a bounded number in all, each closed after ``IDLE_S`` idle, as soon as the service
+sends anything unasked or ends it, and with the sandbox (the edge closes its connections when
+it goes). A request whose reused connection turns out closed before any answer byte is sent
+again once on a new one when its body was small enough to keep (the retry browsers make).
+WebSockets get a connection of their own.
 
 Owns the proxy, the tokens and the login; must not touch sandboxes other than through the
 edge's ``port_open``, nor the API's own routes (requests of neither form pass through).
@@ -39,7 +46,7 @@ import logging
 import re
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.cookies import CookieError, SimpleCookie
 from pathlib import Path
 from typing import Any
@@ -56,6 +63,7 @@ from websockets.uri import parse_uri
 from rollbox import errors
 from rollbox.api.context import ApiContext
 from rollbox.api.errors import error_payload
+from rollbox.backends.base import PortStream
 from rollbox.backends.ports import end_pumps
 from rollbox.config import Settings
 from rollbox.edge.interface import EdgeAPI
@@ -80,6 +88,12 @@ NO_BODY_STATUS = frozenset({204, 304})
 MAX_RESPONSE_HEAD = 256 << 10
 WS_MAX_MESSAGE = 16 << 20
 LOGIN_BODY_MAX = 8 << 10
+# Kept-alive connections into sandboxes (UpstreamPool): idle ones per (sandbox, port), in all,
+# and how long one stays idle (below the 5 s keep-alive of common servers: uvicorn, node).
+POOL_PER_PORT = 8
+POOL_MAX = 256
+IDLE_S = 4.0
+REPLAY_MAX = 64 << 10  # a request body kept for a resend on a new connection, at most
 
 
 # ---- tokens -----------------------------------------------------------------------------
@@ -158,6 +172,100 @@ def check_port(port: Any) -> int:
     return port
 
 
+# ---- kept-alive connections ---------------------------------------------------------------
+@dataclass(eq=False)
+class _Idle:
+    stream: PortStream
+    watch: asyncio.Task[None] | None = None
+
+
+class UpstreamPool:
+    """Idle HTTP/1.1 connections into sandboxes' ports, for the next request to the same
+    (sandbox id, port): at most ``per_port`` per key (the newest reused first) and ``max_idle``
+    in all (past it the oldest is closed). While idle, each is watched: closed after
+    ``idle_s``, or as soon as the service sends anything (unasked bytes: the connection is out
+    of step) or ends it, or the edge closes it (its sandbox deleted): then it leaves the pool at
+    once. Nothing here authorizes: the proxy takes a connection only for a request that passed
+    its auth for that very sandbox and port, so a revoked key or an expired token never reaches
+    one, and no connection is ever handed to another sandbox's request."""
+
+    def __init__(self, per_port: int | None = None, max_idle: int | None = None,
+                 idle_s: float | None = None) -> None:
+        """None: the module's POOL_PER_PORT, POOL_MAX, IDLE_S."""
+        self.per_port = POOL_PER_PORT if per_port is None else per_port
+        self.max_idle = POOL_MAX if max_idle is None else max_idle
+        self.idle_s = IDLE_S if idle_s is None else idle_s
+        self._idle: dict[tuple[str, int], list[_Idle]] = {}
+        self._count = 0
+
+    def idle(self, sandbox_id: str, port: int) -> int:
+        """How many idle connections to (sandbox, port) are held now."""
+        return len(self._idle.get((sandbox_id, port), ()))
+
+    def _forget(self, key: tuple[str, int], entry: _Idle) -> bool:
+        held = self._idle.get(key)
+        if held is None or entry not in held:
+            return False
+        held.remove(entry)
+        if not held:
+            del self._idle[key]
+        self._count -= 1
+        return True
+
+    async def take(self, sandbox_id: str, port: int) -> PortStream | None:
+        """An idle connection to (sandbox, port), no longer watched; None when there is none."""
+        key = (sandbox_id, port)
+        while held := self._idle.get(key):
+            entry = held[-1]
+            self._forget(key, entry)
+            assert entry.watch is not None
+            entry.watch.cancel()
+            await asyncio.wait({entry.watch})
+            if entry.watch.cancelled():
+                return entry.stream
+            # it ended on its own just now (the service spoke or closed): closed, try the next
+        return None
+
+    async def put(self, sandbox_id: str, port: int, stream: PortStream) -> None:
+        """Keep ``stream`` (its last answer read to the end) for reuse, or close it when the
+        key holds ``per_port`` already; the oldest idle connection goes past ``max_idle``."""
+        key = (sandbox_id, port)
+        if len(self._idle.get(key, ())) >= self.per_port:
+            await stream.close()
+            return
+        while self._count >= self.max_idle:
+            old_key = next(iter(self._idle))
+            old = self._idle[old_key][0]
+            self._forget(old_key, old)
+            assert old.watch is not None
+            old.watch.cancel()
+            await old.stream.close()
+        entry = _Idle(stream)
+        held = self._idle.setdefault(key, [])
+        held.append(entry)
+        self._count += 1
+        entry.watch = asyncio.ensure_future(self._watch(key, entry))
+
+    async def _watch(self, key: tuple[str, int], entry: _Idle) -> None:
+        try:  # a cancel (take() took it: the stream is the taker's now) passes through
+            async with asyncio.timeout(self.idle_s):
+                await entry.stream.read()  # anything (b"" at its end) ends its reuse
+        except Exception:  # noqa: BLE001 - timed out or failed: not reused
+            pass
+        self._forget(key, entry)
+        await entry.stream.close()
+
+    async def close(self) -> None:
+        """Close every idle connection."""
+        entries = [e for held in self._idle.values() for e in held]
+        self._idle.clear()
+        self._count = 0
+        for entry in entries:
+            if entry.watch is not None:
+                entry.watch.cancel()
+            await entry.stream.close()
+
+
 # ---- the proxy ----------------------------------------------------------------------------
 @dataclass
 class Target:
@@ -193,11 +301,13 @@ class PortProxy:
     """ASGI middleware in front of the api: requests of either form are proxied, any other
     passes to ``app``."""
 
-    def __init__(self, app: ASGIApp, api: ApiContext, config: PortConfig) -> None:
+    def __init__(self, app: ASGIApp, api: ApiContext, config: PortConfig,
+                 pool: UpstreamPool | None = None) -> None:
         self.app = app
         self.api = api
         self.config = config
         self.tokens = PortTokens(config)
+        self.pool = pool if pool is not None else UpstreamPool()
         # A domain may carry the public port its URLs name ("localhost:7420"): the Host
         # header's name is compared without either port.
         self.domain = (config.domain.lower().rsplit(":", 1)[0].strip(".")
@@ -353,6 +463,9 @@ class PortProxy:
 
     async def http(self, scope: Scope, receive: Receive, send: Send, target: Target,
                    edge: EdgeAPI) -> None:
+        """One request on a kept-alive connection to the service (:class:`UpstreamPool`), or
+        a new one; the connection goes back to the pool when its answer was read to its end
+        and the service keeps it alive."""
         method = scope["method"].encode()
         headers = self._request_headers(scope, target)
         h = _headers(scope)
@@ -362,39 +475,86 @@ class PortProxy:
             headers.append((b"content-length", length))
         elif chunked:
             headers.append((b"transfer-encoding", b"chunked"))
-        headers.append((b"connection", b"close"))
         head = b"".join([method, b" ", target.path, b" HTTP/1.1\r\n",
                          *(k + b": " + v + b"\r\n" for k, v in headers), b"\r\n"])
-        stream = await edge.port_open(target.sandbox_id, target.port)
+        # A body that can be sent again (whole, small) may go on a reused connection: if that
+        # one turns out closed before any answer, it is resent once on a new connection.
+        small = not chunked and (not length or (length.isdigit() and int(length) <= REPLAY_MAX))
+        body = _Body(pending=bool(length or chunked), chunked=chunked, keep=small)
+        stream = None
+        if small and self.pool.idle(target.sandbox_id, target.port):
+            # What port_open checks first: a paused sandbox is woken (resume_on_traffic) or
+            # refused there, never reached through a connection kept from before its pause.
+            if (await edge.wake(target.sandbox_id)).state == "running":
+                stream = await self.pool.take(target.sandbox_id, target.port)
+        reused = stream is not None
+        if stream is None:
+            stream = await edge.port_open(target.sandbox_id, target.port)
+        keep = False
         try:
-            await stream.write(head)
-            if length or chunked:
-                while True:
-                    msg = await receive()
-                    if msg["type"] == "http.disconnect":
-                        return
-                    body = msg.get("body", b"")
-                    if body:
-                        await stream.write(b"%x\r\n%b\r\n" % (len(body), body) if chunked
-                                           else body)
-                    if not msg.get("more_body"):
-                        break
-                if chunked:
-                    await stream.write(b"0\r\n\r\n")
-            await self._relay_response(stream, send, target, head_only=method == b"HEAD")
+            try:
+                keep = await self._exchange(stream, head, body, receive, send, target, method,
+                                            reused)
+            except _NoAnswer:
+                if not reused:
+                    raise
+                await stream.close()  # the service closed it while idle: a new one, once
+                stream = await edge.port_open(target.sandbox_id, target.port)
+                keep = await self._exchange(stream, head, body, receive, send, target, method,
+                                            False)
         finally:
-            await stream.close()
+            if keep:
+                await self.pool.put(target.sandbox_id, target.port, stream)
+            else:
+                await stream.close()
 
-    async def _relay_response(self, stream: Any, send: Send, target: Target,
-                              head_only: bool) -> None:
+    async def _exchange(self, stream: PortStream, head: bytes, body: _Body, receive: Receive,
+                        send: Send, target: Target, method: bytes, reused: bool) -> bool:
+        """Send the request (what of its body was read already, then the rest from
+        ``receive``) and relay the answer; whether ``stream`` may serve another request. On a
+        ``reused`` connection, a failure before any byte of an answer is _NoAnswer (nothing
+        reached the client; the caller resends)."""
+        try:
+            await stream.write(head + b"".join(body.pieces))
+            while body.pending:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return False
+                data = msg.get("body", b"")
+                if data:
+                    piece = b"%x\r\n%b\r\n" % (len(data), data) if body.chunked else data
+                    if body.keep:
+                        body.pieces.append(piece)
+                    await stream.write(piece)
+                if not msg.get("more_body"):
+                    body.pending = False
+                    if body.chunked:
+                        await stream.write(b"0\r\n\r\n")
+            return await self._relay_response(stream, send, target, method == b"HEAD", body)
+        except _NoAnswer:
+            raise
+        except (errors.RollboxError, OSError) as exc:
+            if reused and not body.answered:
+                raise _NoAnswer(f"the kept-alive connection failed: {exc}") from None
+            raise
+
+    async def _relay_response(self, stream: PortStream, send: Send, target: Target,
+                              head_only: bool, body: _Body) -> bool:
+        """Relay one answer; whether the connection may serve another request (the answer
+        read to its end, exactly, and the service keeps the connection alive)."""
         parser_state = _Response()
-        parser = httptools.HttpResponseParser(parser_state)
+        parser = parser_state.parser = httptools.HttpResponseParser(parser_state)
         started = False
+        interim = False
         seen = 0
         while True:
             data = await stream.read()
             if not data:
+                if not seen:
+                    raise _NoAnswer("the sandbox's service closed the connection without "
+                                    "an answer")
                 break
+            body.answered = True
             seen += len(data)
             try:
                 parser.feed_data(data)
@@ -410,7 +570,8 @@ class PortProxy:
                 status = parser.get_status_code()
                 if 100 <= status < 200:  # an interim answer (100 Continue): skip it
                     parser_state.reset()
-                    parser = httptools.HttpResponseParser(parser_state)
+                    parser = parser_state.parser = httptools.HttpResponseParser(parser_state)
+                    interim = True  # what followed it in this read is lost: not reused
                     continue
                 started = True
                 await send({"type": "http.response.start", "status": status,
@@ -430,6 +591,8 @@ class PortProxy:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": rest[-1] if rest else b"",
                     "more_body": False})
+        return (parser_state.complete and parser_state.messages == 1 and not interim
+                and not head_only and parser_state.keep_alive)
 
     # -- websockets --
     async def websocket(self, scope: Scope, receive: Receive, send: Send, target: Target,
@@ -469,10 +632,27 @@ class PortProxy:
             await stream.close()
 
 
+@dataclass
+class _Body:
+    """A proxied request's body: still to be read from the client (``pending``), the pieces
+    sent so far when ``keep`` (a small one, for a resend), and whether any answer came."""
+
+    pending: bool
+    chunked: bool
+    keep: bool
+    pieces: list[bytes] = field(default_factory=list)
+    answered: bool = False
+
+
+class _NoAnswer(errors.UpstreamBadResponse):
+    """The connection failed before any byte of an answer (a reused one: resent once)."""
+
+
 class _Response:
     """httptools callbacks of one response: its headers, body chunks and end."""
 
     def __init__(self) -> None:
+        self.parser: Any = None  # the httptools parser these callbacks are of
         self.reset()
 
     def reset(self) -> None:
@@ -480,6 +660,11 @@ class _Response:
         self.body: list[bytes] = []
         self.headers_done = False
         self.complete = False
+        self.messages = 0  # answers begun: a second one in the same bytes is out of step
+        self.keep_alive = False  # the service keeps the connection after this answer
+
+    def on_message_begin(self) -> None:
+        self.messages += 1
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.raw.append((bytes(name), bytes(value)))
@@ -492,6 +677,8 @@ class _Response:
 
     def on_message_complete(self) -> None:
         self.complete = True
+        # (llhttp forgets it once the message is over: asked now)
+        self.keep_alive = self.parser is not None and self.parser.should_keep_alive()
 
     def take(self) -> list[bytes]:
         out, self.body = self.body, []
@@ -622,12 +809,16 @@ async def _refuse(scope: Scope, send: Send, exc: errors.RollboxError) -> None:
 
 def install(app: Any, api: ApiContext, config: PortConfig) -> PortTokens:
     """Put the proxy in front of ``app`` (outermost: proxied requests skip the api's body
-    caps, they stream); the tokens it checks (``app.state.port_tokens``)."""
-    app.add_middleware(PortProxy, api=api, config=config)
+    caps, they stream); the tokens it checks (``app.state.port_tokens``). Its kept-alive
+    connections are ``app.state.port_pool`` (the app's lifespan closes them at its end)."""
+    pool = UpstreamPool()
+    app.add_middleware(PortProxy, api=api, config=config, pool=pool)
     tokens = PortTokens(config)
     app.state.port_tokens = tokens
     app.state.port_config = config
+    app.state.port_pool = pool
     return tokens
 
 
-__all__ = ["PortConfig", "PortProxy", "PortTokens", "check_port", "install", "token_secret"]
+__all__ = ["PortConfig", "PortProxy", "PortTokens", "UpstreamPool", "check_port", "install",
+           "token_secret"]
