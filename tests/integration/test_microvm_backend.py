@@ -14,7 +14,7 @@ import pytest
 
 from rollbox.backends.base import ResolvedSpec
 from rollbox.backends.container.disk import DiskPool
-from rollbox.backends.microvm import qemu, qmp
+from rollbox.backends.microvm import qemu
 from rollbox.backends.microvm.backend import MicroVMBackend
 from rollbox.config import REPO_ROOT
 from rollbox.errors import BadRequest, InfraError

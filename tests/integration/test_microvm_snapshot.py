@@ -10,7 +10,6 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
 
 from rollbox.models import ExecSpec, GradeSpec, Resources, SandboxSpec, SnapshotSpec
 from rollbox.images.sources import build_from_directory

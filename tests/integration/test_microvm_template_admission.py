@@ -6,7 +6,6 @@ cancelled create stays cancelled wherever the cancel meets its build."""
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 

@@ -15,7 +15,6 @@ import sys
 import time
 from collections.abc import Iterator
 
-import pytest
 
 from rollbox.backends.microvm.backend import MicroVMBackend
 from tests.integration.test_microvm_backend import backend, guest, spec  # noqa: F401 - fixtures

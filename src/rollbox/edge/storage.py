@@ -23,7 +23,6 @@ import os
 import shutil
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 from rollbox.hostfs import SandboxFS
 from rollbox.config import Settings

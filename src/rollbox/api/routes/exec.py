@@ -1,7 +1,6 @@
 """Routes ``/v1/sandboxes/{id}/exec``: start (NDJSON stream, background, or wait), list,
 re-attach from byte offsets, wait, stdin, kill, resize (a pty command's terminal). A started command is recorded into the audit
 log by a task of its own, independent of any client stream."""
-import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Annotated
