@@ -151,6 +151,8 @@ enum { M_READY = 32, M_STARTED = 33, M_SPAWN_FAILED = 34, M_STDOUT = 35, M_STDER
 #define TOOL_VIEW "/view"
 #define TOOL_VIEW_UPPER TOOL_VIEW "/proc"
 #define GUEST_PORT_NAME "org.rollbox.agent"
+/* A disk image guest's agent after the hand-over (hand_over): in no cgroup of the image's init */
+#define AGENT_CGROUP "/sys/fs/cgroup/rollbox-agent"
 #define GUEST_DEVICE_WAIT_MS 20000
 #define BOOT_ERR_MAX 200
 
@@ -3609,6 +3611,12 @@ static void hand_over(const char *init)
         boot_fail(errno, "signalfd after the hand-over");
     else
         ep_add(sig_fd, EPOLLIN, &w_signal);
+    /* Out of the root cgroup into one of its own, beside the session cgroups: the image's
+     * systemd moves what it finds in the root cgroup into its init.scope (a unit); a cgroup
+     * it did not make is not its to manage. */
+    if ((mkdir(AGENT_CGROUP, 0755) < 0 && errno != EEXIST) ||
+        write_file(AGENT_CGROUP "/cgroup.procs", "0") < 0)
+        boot_fail(errno, "move the agent into " AGENT_CGROUP);
     int err = 0;
     ssize_t r;
     do

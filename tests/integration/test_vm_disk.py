@@ -148,6 +148,9 @@ async def test_exec_runs_in_the_disk_root_and_init_is_pid_1(
     # the init's own /run, mounted after the hand-over in its root: the command's root
     code, out = await run(a, "cat /run/init-state")
     assert (code, out) == (0, b"started\n")
+    # the agent ($PPID of a command): out of the root cgroup, in none of the image init's
+    assert await run(a, "cat /proc/$PPID/cgroup /proc/$PPID/comm") == (
+        0, b"0::/rollbox-agent\nrollbox-agent\n")
 
 
 async def test_files_round_trip(two: tuple[MicroVM, MicroVM]) -> None:
@@ -186,6 +189,37 @@ async def test_raw_writes_over_the_root_disk_leave_the_base_unchanged(
     assert sha256_file(img) == before
     st = img.stat()
     assert st.st_uid == 0 and st.st_mode & 0o777 == 0o444
+
+
+async def test_a_fork_child_has_the_disk_as_it_was_and_its_own_overlay(
+        node: tuple[VMBackend, Path], two: tuple[MicroVM, MicroVM]) -> None:
+    """A fork child of a disk guest (the saved machine restored, ``disk_binds`` with a
+    template): a copy-on-write clone of the parent's overlay over the same base, so it sees
+    the parent's files as they were and neither sees the other's later writes; its QEMU has
+    the base and its own overlay open, nothing else of the node's disks."""
+    backend, img = node
+    a, _ = two
+    assert (await run(a, "echo before-fork > /root/forked && sync"))[0] == 0
+    cid = f"{backend.settings.node_id}-diskfork"
+    res = await backend.fork(a, [(cid, disk_spec())], paused=False)
+    child = res.children[0]
+    try:
+        assert child.machine.root_disk == DISK
+        assert await run(child, "cat /root/forked; cat /run/init-state") == (
+            0, b"before-fork\nstarted\n")  # its disk and the init's tmpfs carried over
+        assert (await run(child, "echo child > /root/forked && sync"))[0] == 0
+        assert await run(a, "cat /root/forked") == (0, b"before-fork\n")
+        assert (await run(a, "echo parent > /root/forked && sync"))[0] == 0
+        assert await run(child, "cat /root/forked") == (0, b"child\n")
+        fds = [f"/proc/{child.pid}/fd/{fd}" for fd in os.listdir(f"/proc/{child.pid}/fd")]
+        disks = {(os.readlink(f), os.stat(f).st_ino) for f in fds
+                 if os.readlink(f).endswith((".img", ".qcow2"))}
+        overlay = backend.disks.pool.path(cid) / rootdisk.OVERLAY_NAME
+        assert disks == {(rootdisk.BASE_IMG, img.stat().st_ino),
+                         (rootdisk.ROOT_QCOW2, overlay.stat().st_ino)}, disks
+    finally:
+        await backend.destroy(child)
+    assert backend.leftovers(cid) == []
 
 
 async def test_bad_disk_images_are_typed_errors(node: tuple[VMBackend, Path],
