@@ -179,7 +179,7 @@ async def run(quick: bool, url: str, key: str) -> dict[str, Any]:
     return res
 
 
-async def unhardened_c8(quick: bool, url: str, key: str) -> dict[str, Any]:
+async def c8_cycles(quick: bool, url: str, key: str) -> dict[str, Any]:
     from rollbox.sdk import AsyncClient
 
     async with AsyncClient(base_url=url, api_key=key, timeout=120) as client:
@@ -193,7 +193,7 @@ def hardening_overhead(quick: bool, res: dict[str, Any]) -> None:
     from rollbox.backends.container.sandbox import UNHARDENED_ENV
 
     with server_process(env={UNHARDENED_ENV: "1"}) as (url, key):
-        r = asyncio.run(unhardened_c8(quick, url, key))
+        r = asyncio.run(c8_cycles(quick, url, key))
     res["unhardened_per_s_c8"] = r["per_s"]
     hardened_share = ratio(res["create_exec_destroy_per_s_c8"], r["per_s"])
     res["hardening_overhead"] = 1 - hardened_share if hardened_share is not None else None
@@ -235,11 +235,29 @@ def runtimes(quick: bool, res: dict[str, Any]) -> None:
         f"{rounded(res.get('native_vs_runc_c8'), 2)}")
 
 
+def observability_overhead(quick: bool, res: dict[str, Any]) -> None:
+    """Metrics and logging on vs off (issue 18: <= 2 %): the same c8 cycles against a server
+    with metrics off and text logs (``ROLLBOX_METRICS=0``, ``ROLLBOX_LOG_FORMAT=text``), then
+    against one with both on (the defaults), back to back, each after the same warm-up."""
+    off_env = {"ROLLBOX_METRICS": "0", "ROLLBOX_LOG_FORMAT": "text"}
+    with server_process(env=off_env) as (url, key):
+        off = asyncio.run(c8_cycles(quick, url, key))
+    with server_process(env={"ROLLBOX_METRICS": "1", "ROLLBOX_LOG_FORMAT": "json"}) as (url, key):
+        on = asyncio.run(c8_cycles(quick, url, key))
+    res["observability_off_per_s_c8"] = off["per_s"]
+    res["observability_on_per_s_c8"] = on["per_s"]
+    share = ratio(on["per_s"], off["per_s"])
+    res["observability_overhead"] = 1 - share if share is not None else None
+    say(f"metrics+logs off c8: {off['per_s']:.1f}/s, on: {on['per_s']:.1f}/s; "
+        f"observability_overhead {rounded(res['observability_overhead'], 3)}")
+
+
 def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
     with server_process() as (url, key):
         res = asyncio.run(run(quick, url, key))
     hardening_overhead(quick, res)
     runtimes(quick, res)
+    observability_overhead(quick, res)
     return emit(res, json_out)
 
 

@@ -466,11 +466,18 @@ def cluster_join(address: str = typer.Argument(..., help="the Ray head, host[:po
 
 
 @cluster_app.command("status")
-def cluster_status(json_out: bool = typer.Option(False, "--json")) -> None:
+def cluster_status(json_out: bool = typer.Option(False, "--json"),
+                   targets: Optional[Path] = typer.Option(  # noqa: UP007
+                       None, "--prometheus-targets", help="write the cluster's /metrics "
+                       "targets (Prometheus file_sd JSON) to this file")) -> None:
     """Nodes, their health and their sandboxes per backend and project."""
     from rollbox.cluster import local
 
     st = _cluster_call(local.status)
+    if targets is not None:
+        tmp = targets.with_name(f".{targets.name}.tmp")
+        tmp.write_text(json.dumps(st["metrics_targets"], indent=1) + "\n")
+        tmp.replace(targets)  # Prometheus never reads half a file
     if json_out:
         typer.echo(json.dumps(st))
         return

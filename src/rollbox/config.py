@@ -218,6 +218,14 @@ class Settings:
         "How platform processes (`rollbox serve`, edges, cluster replicas) log: `json` (one "
         "object a line: ts, level, logger, msg, request_id, sandbox_id, exec_id, exc; every "
         "control and non-ASCII character escaped) or `text` (escaped lines).")
+    metrics: bool = setting(
+        "ROLLBOX_METRICS", "node", True, flag,
+        "Prometheus metrics of platform processes (`/metrics` of the api and the edges; "
+        "docs/operations.md). Off: nothing is recorded and `/metrics` is empty.")
+    metrics_projects: tuple[str, ...] = setting(
+        "ROLLBOX_METRICS_PROJECTS", "node", (), items,
+        "Top-level projects named in metric labels (`project`); every other is `other`. "
+        "Empty: the first 50 seen (rollbox.metrics.MAX_PROJECTS).")
     platform_shell: Path = setting(
         "ROLLBOX_PLATFORM_SHELL", "node", Path("/bin/bash-static"), Path,
         "bash-static: interprets command strings in sandboxes (agent/platform_shell.py).")

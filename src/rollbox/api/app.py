@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from rollbox.api import errors, frontdoors, ports
 from rollbox.api.bodies import BodyLimitMiddleware
 from rollbox.api.context import ApiContext
+from rollbox.api.observe import ApiMetricsMiddleware
 from rollbox.api.frontdoors import FrontDoor
 from rollbox.api.routes import ROUTERS, fncall
 from rollbox.trace import RequestIdMiddleware
@@ -69,6 +70,7 @@ def create_app(placement: Placement, keys: IamStore, *,
     )
     app.add_middleware(BodyLimitMiddleware)
     ports.install(app, api, port_config or ports.PortConfig.ephemeral())
+    app.add_middleware(ApiMetricsMiddleware)
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries its request id
     app.state.api = api
     errors.install(app)

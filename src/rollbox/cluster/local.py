@@ -583,5 +583,26 @@ def status(settings: Settings | None = None) -> dict[str, Any]:
             raise errors.error_from_payload(r.json(), r.status_code)
         return {"api": state.api_url, "replicas": state.replica_urls,
                 "admin_key": state.admin_key, "gcs": state.gcs, "burst_slots": state.burst,
-                **r.json()}
+                "metrics_targets": metrics_targets(state), **r.json()}
     raise errors.InfraError(f"no api replica answers: {last!r}")
+
+
+def metrics_targets(state: ClusterState) -> list[dict[str, Any]]:
+    """Prometheus ``file_sd`` groups of the cluster's ``/metrics``: every api replica's (an
+    admin key as bearer token) and every edge's (``/edge/v1/metrics``, the cluster token as
+    bearer token); docs/operations.md has the scrape configs that use them. Burst nodes come
+    and go: ``rollbox cluster status --prometheus-targets FILE`` rewrites the file."""
+    from urllib.parse import urlsplit
+
+    from rollbox.edge.wire import PREFIX
+
+    def target(url: str) -> str:
+        return urlsplit(url).netloc
+
+    return [
+        {"targets": [target(u) for u in state.replica_urls],
+         "labels": {"job": "rollbox-api", "__metrics_path__": "/metrics"}},
+        *({"targets": [target(n.edge_url)],
+           "labels": {"job": "rollbox-edge", "node": n.node_id,
+                      "__metrics_path__": f"{PREFIX}/metrics"}} for n in state.nodes),
+    ]

@@ -39,9 +39,8 @@ from rollbox.edge.sessions import ExecSession
 from rollbox.edge.storage import LayerStorage, project_image_name
 from rollbox.errors import (
     BadRequest, CapacityExceeded, DiskFull, ExecIndeterminate, IdempotencyConflict, InfraError, NotFound,
-    NotSupported,
-    PayloadTooLarge, RollboxError, SandboxDead, SandboxPaused, error_from_payload,
-    without_paths,
+    NotSupported, PayloadTooLarge, QuotaExceeded, RollboxError, SandboxDead, SandboxPaused,
+    error_from_payload, without_paths,
 )
 from rollbox.events.store import EventLog
 from rollbox.images.lazy.mounts import LayerMounts
@@ -49,6 +48,7 @@ from rollbox.images.store import Image, ImageStore, sudo_uids
 from rollbox.images.vmdisk import find_vm_disk
 from rollbox.isolation import cgroups, hostclaims
 from rollbox.isolation.userns import UidSlots
+from rollbox.metrics import counter, gauge, process_metrics
 from rollbox.models import (
     FORK_OF_LABEL, MAX_FORK_CHILDREN, NODE_LOST, PTY_MAX_SIZE, Event, ExecInfo, ExecResult,
     ExecSpec, FileStat, ForkResult, ForkSpec, GradeResult, GradeSpec,
@@ -86,6 +86,7 @@ class LiveSandbox:
     deferred_kills: list[ExecSession] = field(default_factory=list)
     ticket: Ticket | None = None  # what it holds of the node's admission budgets
     oom_kills_claimed: int = 0  # OOM kills of its memory cgroup already reported on a command
+    first_exec_seen: bool = False  # its first command's start is in the metrics
     usage: collections.deque[UsageSample] = field(default_factory=collections.deque)
     # exec idempotency keys -> exec id (recorded), and starts with a key still under way
     keys: dict[str, str] = field(default_factory=dict)
@@ -119,6 +120,9 @@ class Edge:
         quotas admission enforces (``iam.quotas``; None: none). The caller owns both."""
         self.settings = settings
         self.node_id = settings.node_id
+        self.metrics = process_metrics()
+        self.metrics.configure(settings.metrics_projects)
+        self._metrics_handle: int | None = None
         self.event_log = events
         self.store = store or ImageStore(settings.images_dir)
         # This node's share of the host (several edges on one host: Settings.for_node).
@@ -189,6 +193,7 @@ class Edge:
         resources such as the run dir's tmpfs, the claim) and raises; ``close()`` after it is
         a no-op but for the journal."""
         self.host_claim = await asyncio.to_thread(hostclaims.claim, self.settings)
+        self._metrics_handle = self.metrics.add_collector(self._collect_metrics)
         self.slots.base = self.settings.uid_base  # host_auto: the band the claim chose
         try:
             await self._start()
@@ -360,6 +365,9 @@ class Edge:
 
     async def close(self, destroy: bool = False) -> None:
         """Stop the edge. Sandboxes keep running (re-adopted next start) unless destroy."""
+        if self._metrics_handle is not None:
+            self.metrics.remove_collector(self._metrics_handle)
+            self._metrics_handle = None
         self._stop_tasks()
         if destroy:
             await asyncio.gather(*(self.delete(sid) for sid in list(self.live)),
@@ -650,33 +658,97 @@ class Edge:
                                  backend=spec.backend)
         return backend
 
+    def _collect_metrics(self) -> list:  # noqa: ANN201 - prometheus families
+        """This edge's state at a scrape: live sandboxes by state, backend and project; its
+        admission figures against its limits."""
+        m = self.metrics
+        counts: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        for live in list(self.live.values()):
+            i = live.info
+            counts[(i.state, i.backend, m.project(i.owner))] += 1
+        node = self.node_id
+        cap = self.admission.capacity()
+        use = [("sandboxes", cap["sandboxes"], cap["max_sandboxes"]),
+               ("memory_mib_requested", cap["requested_memory_mib"], None),
+               ("cpus_requested", cap["requested_cpus"], None),
+               ("memory_mib_available", cap["memory_available_mib"], None)]
+        lazy = self._lazy_metrics()
+        return [
+            *lazy,
+            gauge("rollbox_sandboxes", "Live sandboxes on this node", ["node", "state",
+                  "backend", "project"], (([node, *k], v) for k, v in counts.items())),
+            gauge("rollbox_node_use", "A node's admission figures (what is used or left)",
+                  ["node", "what"], (([node, w], float(v)) for w, v, _ in use)),
+            gauge("rollbox_node_capacity", "A node's admission limits", ["node", "what"],
+                  (([node, w], float(c)) for w, _, c in use if c is not None)),
+        ]
+
+    def _lazy_metrics(self) -> list:  # noqa: ANN201 - prometheus families
+        """The lazy loader's totals (its daemon keeps them, per layer): cache reads by
+        result, bytes fetched from the chunk store, the cache's use against its limit."""
+        if self._lazy is None:
+            return []
+        try:
+            st = self._lazy.stats()
+        except OSError:
+            return []
+        sums = collections.Counter[str]()
+        for layer in st["layers"].values():
+            for k in ("cache_hits", "cache_misses", "bytes_fetched"):
+                sums[k] += int(layer.get(k) or 0)
+        node = self.node_id
+        return [
+            counter("rollbox_lazy_cache_reads", "Lazy image loader: chunk reads from the node's "
+                    "cache (hit) or the chunk store (miss)", ["node", "result"],
+                    [([node, "hit"], sums["cache_hits"]), ([node, "miss"], sums["cache_misses"])]),
+            counter("rollbox_lazy_fetch_bytes", "Lazy image loader: bytes fetched from the "
+                    "chunk store", ["node"], [([node], sums["bytes_fetched"])]),
+            gauge("rollbox_lazy_cache_bytes", "Lazy image loader: cache use and limit",
+                  ["node", "what"], [([node, "used"], st["cache"]["used"]),
+                                     ([node, "limit"], st["cache"]["limit"])]),
+        ]
+
     async def _admitted_create(self, spec: SandboxSpec, owner: str, image_config: dict,
                                layers: list[str], share: Share = "new") -> SandboxInfo:
         gap = self.fence.expired()
         if gap is not None:
+            self.metrics.refusals.labels("fenced").inc()
             raise CapacityExceeded(f"node {self.node_id} is fenced: no watcher probed it for "
                                    f"{gap:.0f} s", reason="fenced")
         if self.draining:
+            self.metrics.refusals.labels("draining").inc()
             raise CapacityExceeded(f"node {self.node_id} is draining (a burst node being "
                                    "released): no new sandbox", reason="draining")
         quota = self.quotas.get(owner) if self.quotas is not None else None
-        ticket = await self.admission.admit(spec.resources, owner, share, quota)
+        try:
+            ticket = await self.admission.admit(spec.resources, owner, share, quota)
+        except (CapacityExceeded, QuotaExceeded) as exc:
+            self.metrics.refusals.labels(self.metrics.refusal_reason(exc.details)).inc()
+            raise
         self._starting += 1
+        t0 = time.monotonic()
+        project = self.metrics.project(owner)
         try:
             try:
                 async with asyncio.timeout(self.limits.create_queue_timeout_s):
                     await self._create_sem.acquire()
             except TimeoutError:
-                raise CapacityExceeded("node busy: creation queue timed out") from None
+                self.metrics.refusals.labels("queue").inc()
+                raise CapacityExceeded("node busy: creation queue timed out",
+                                       reason="queue") from None
             try:
-                return await self._create(spec, owner, image_config, layers, ticket)
+                info = await self._create(spec, owner, image_config, layers, ticket)
             finally:
                 self._create_sem.release()
         except BaseException:
             self.admission.release(ticket)
+            self.metrics.creates.labels(spec.backend, project, "failed").inc()
             raise
         finally:
             self._starting -= 1
+        self.metrics.creates.labels(spec.backend, project, "created").inc()
+        self.metrics.create_seconds.labels(spec.backend).observe(time.monotonic() - t0)
+        return info
 
     async def _create(self, spec: SandboxSpec, owner: str, image_config: dict,
                       layers: list[str], ticket: Ticket) -> SandboxInfo:
@@ -854,6 +926,12 @@ class Edge:
 
     async def _destroy(self, live: LiveSandbox, reason: str | None, state: str) -> None:
         info = live.info
+        why = self.metrics.delete_reason(reason)
+        self.metrics.deletes.labels(info.backend, self.metrics.project(info.owner), why).inc()
+        if why == "oom":
+            self.metrics.oom_kills.labels(info.backend, "sandbox").inc()
+        elif why == "expired":
+            self.metrics.timeouts.labels("ttl").inc()
         info.state = "stopping"
         self.journal.put(info)
         if live.watcher and live.watcher is not asyncio.current_task():
@@ -1097,6 +1175,14 @@ class Edge:
         news = net.audit_news() if net is not None else None
         if news is not None:
             self.event_log.append(live.info.id, "net.denied", data=json.dumps(news))
+            new, backend = news["new"], live.info.backend
+            assert isinstance(new, dict)
+            if new.get("dns_refused"):
+                self.metrics.dns_refusals.labels(backend).inc(new["dns_refused"])
+            for kind in ("connect", "sendmsg", "packets"):
+                n = new.get(f"{kind}_denied" if kind != "packets" else "packets_dropped")
+                if n:
+                    self.metrics.filter_denials.labels(backend, kind).inc(n)
 
     def _pause_soon(self, live: LiveSandbox) -> None:
         """A sandbox with on_expiry "pause" at its TTL's end: paused (its new deadline
@@ -1283,11 +1369,23 @@ class Edge:
             live.keys[session.spec.idempotency_key] = session.exec_id
 
     def _log_start(self, sandbox_id: str, session: ExecSession) -> None:
+        live = self.live.get(sandbox_id)
+        if live is not None and not live.first_exec_seen:
+            live.first_exec_seen = True
+            self.metrics.first_exec_seconds.labels(live.info.backend).observe(
+                max(0.0, time.time() - live.info.created_at))
         self.event_log.append(sandbox_id, "exec.started", session.exec_id, json.dumps(
             {"cmd": session.spec.cmd, "cwd": session.spec.cwd, "user": session.spec.user,
              "timeout_s": session.spec.timeout_s}))
 
     def _log_exit(self, sandbox_id: str, result: ExecResult) -> None:
+        live = self.live.get(sandbox_id)
+        backend = live.info.backend if live is not None else "unknown"
+        self.metrics.exec_seconds.labels(backend).observe(result.duration_s)
+        if result.timed_out:
+            self.metrics.timeouts.labels("exec").inc()
+        if result.oom_killed:
+            self.metrics.oom_kills.labels(backend, "command").inc()
         self.event_log.append(sandbox_id, "exec.exited", result.exec_id, json.dumps(
             {"exit_code": result.exit_code, "signal": result.signal,
              "timed_out": result.timed_out, "oom_killed": result.oom_killed,
@@ -1512,6 +1610,15 @@ class Edge:
 
     # ---- grading ------------------------------------------------------------------------
     async def grade(self, sandbox_id: str, spec: GradeSpec, owner: str) -> GradeResult:
+        """The grade (:meth:`_grade`), timed for the metrics."""
+        t0 = time.monotonic()
+        try:
+            return await self._grade(sandbox_id, spec, owner)
+        finally:
+            backend = self.live[sandbox_id].info.backend if sandbox_id in self.live else "unknown"
+            self.metrics.grade_seconds.labels(backend).observe(time.monotonic() - t0)
+
+    async def _grade(self, sandbox_id: str, spec: GradeSpec, owner: str) -> GradeResult:
         """Run ``spec.cmd`` in a fresh sandbox made of this sandbox's pristine layers plus
         ``spec.layers``, into which only the declared files are copied (regular files and
         directories; links are not carried over, so nothing copied can redirect a write to the

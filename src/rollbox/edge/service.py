@@ -33,7 +33,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from rollbox import errors, trace
+from rollbox import errors, metrics, trace
 from rollbox.trace import RequestIdMiddleware
 from rollbox.backends.base import PortStream
 from rollbox.backends.ports import end_pumps
@@ -516,6 +516,11 @@ _PROC_METHOD = wire.Method("proc", wire.METHODS["delete"].signature,
                            wire.METHODS["delete"].args, None, None)
 
 
+async def _metrics(_: Request) -> Response:
+    """This edge process's Prometheus metrics (rollbox.metrics)."""
+    return Response(metrics.process_metrics().exposition(), media_type=metrics.CONTENT_TYPE)
+
+
 async def _rollbox_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, errors.RollboxError)
     _logged(request.url.path, exc)
@@ -557,6 +562,7 @@ def create_edge_app(edge: EdgeAPI, token: str, *, heartbeat_s: float = HEARTBEAT
             Route(f"{p}/platform_exec", service.platform_exec, methods=["POST"]),
             Route(f"{p}/proc/{{handle}}/{{op}}", service.proc, methods=["POST"]),
             WebSocketRoute(f"{p}/port", service.port),
+            Route(f"{p}/metrics", _metrics, methods=["GET"]),  # the cluster token, as all
         ],
         exception_handlers={errors.RollboxError: _rollbox_error, HTTPException: _http_error,
                             Exception: _unexpected},

@@ -28,6 +28,7 @@ from typing import Any
 from rollbox.agent.protocol import ExecRequest
 from rollbox.edge.interface import EdgeAPI
 from rollbox.errors import BadRequest, CapacityExceeded, InfraError, RollboxError
+from rollbox.metrics import gauge, process_metrics
 from rollbox.models import FnCallResult, FnCallSpec, FnCallStep, Resources, SandboxSpec
 
 log = logging.getLogger(__name__)
@@ -173,15 +174,32 @@ class FnCallBackend:
         self._janitor: asyncio.Task[None] | None = None
         self._closed = False
         self._images: dict[str, bool] = {}
+        self._metrics_handle: int | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
         if not self.cap:
             self.cap = await default_cap(self.edge)
         self._janitor = asyncio.create_task(self._janitor_loop())
+        self._metrics_handle = process_metrics().add_collector(self._collect_metrics)
+
+    def _collect_metrics(self) -> list[Any]:
+        """Pool sizes by language (bounded: the languages fncall knows), at a scrape."""
+        rows: dict[tuple[str, str], float] = {}
+        for key, p in list(self.pools.items()):
+            for what, n in (("workers", p.size), ("idle", len(p.idle)),
+                            ("waiting", len(p.waiters))):
+                rows[(key[0], what)] = rows.get((key[0], what), 0) + n
+        return [gauge("rollbox_fncall_pool", "fncall workers by language (workers, idle, "
+                      "calls waiting)", ["pool", "what"], ([list(k), v] for k, v in rows.items())),
+                gauge("rollbox_fncall_workers_cap", "fncall: the node's worker cap", [],
+                      [([], float(self.cap))])]
 
     async def close(self) -> None:
         self._closed = True
+        if self._metrics_handle is not None:
+            process_metrics().remove_collector(self._metrics_handle)
+            self._metrics_handle = None
         if self._janitor:
             self._janitor.cancel()
         for t in list(self._tasks):
@@ -335,6 +353,14 @@ class FnCallBackend:
 
     # ---- pool sizing -----------------------------------------------------------------------
     async def _acquire(self, pool: Pool) -> FnWorker:
+        t0 = time.monotonic()
+        try:
+            return await self._take(pool)
+        finally:
+            process_metrics().fncall_wait_seconds.labels(pool.key[0]).observe(
+                time.monotonic() - t0)
+
+    async def _take(self, pool: Pool) -> FnWorker:
         while pool.idle:
             w = pool.idle.pop()  # most recently used: warmest caches
             if not w.broken:

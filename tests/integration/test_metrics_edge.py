@@ -1,0 +1,115 @@
+"""The edge's metrics on a real edge with real sandboxes, scraped from the edge's own HTTP
+``/metrics`` (the cluster token, as every edge route) and parsed with Prometheus' text parser:
+a create, a command, a command past its timeout, a refused create and a delete each move their
+family by exactly what happened (deltas: the registry is the process's), the live-sandbox
+gauge counts the sandbox while it lives, and no sandbox id is a label."""
+from __future__ import annotations
+
+import os
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from rollbox import errors
+from rollbox.edge import wire
+from rollbox.models import ExecSpec, NetworkPolicy, SandboxSpec
+from tests.conftest import CLUSTER_TOKEN, served_edge
+
+pytestmark = [pytest.mark.root,
+              pytest.mark.skipif(os.geteuid() != 0, reason="needs root and runc")]
+BB = "busybox:test"
+
+
+async def scrape(url: str, token: str | None = CLUSTER_TOKEN) -> tuple[int, str]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession() as s, \
+            s.get(url + wire.PREFIX + "/metrics", headers=headers) as r:
+        return r.status, await r.text()
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+async def test_edge_families_move_by_what_happened(edge) -> None:  # noqa: ANN001
+    async with served_edge(edge) as remote:
+        assert (await scrape(remote.url, None))[0] == 401
+        assert (await scrape(remote.url, "x" * len(CLUSTER_TOKEN)))[0] == 401
+        _, before = await scrape(remote.url)
+        info = await remote.create(SandboxSpec(image=BB), "acme/team")
+        r = await remote.exec_run(info.id, ExecSpec(cmd=["true"]))
+        assert r.exit_code == 0
+        r = await remote.exec_run(info.id, ExecSpec(cmd=["sleep", "30"], timeout_s=0.5))
+        assert r.timed_out
+        _, alive = await scrape(remote.url)
+        edge.limits.max_sandboxes = len(edge.live)
+        try:
+            with pytest.raises(errors.CapacityExceeded):
+                await remote.create(SandboxSpec(image=BB), "acme")
+        finally:
+            edge.limits.max_sandboxes = 4096
+        await remote.delete(info.id)
+        _, after = await scrape(remote.url)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("rollbox_sandbox_creates_total", backend="container", project="acme",
+                 outcome="created") == 1
+    assert delta("rollbox_sandbox_create_seconds_count", backend="container") == 1
+    assert delta("rollbox_sandbox_first_exec_seconds_count", backend="container") == 1
+    assert delta("rollbox_exec_seconds_count", backend="container") == 2
+    assert delta("rollbox_timeouts_total", kind="exec") == 1
+    assert delta("rollbox_admission_refusals_total", reason="sandboxes") == 1
+    assert delta("rollbox_sandbox_deletes_total", backend="container", project="acme",
+                 reason="requested") == 1
+    node = edge.node_id
+    assert value(alive, "rollbox_sandboxes", node=node, state="running", project="acme") == 1
+    assert value(after, "rollbox_sandboxes", node=node, project="acme") == 0
+    assert value(alive, "rollbox_node_capacity", node=node, what="sandboxes") == 4096
+    assert value(alive, "rollbox_node_use", node=node, what="sandboxes") >= 1
+    assert info.id not in alive and info.id not in after
+
+
+async def test_network_denials_are_counted(edge) -> None:  # noqa: ANN001
+    """A sandbox whose policy allows nothing: a refused name and refused connects reach the
+    DNS-gate and filter families once the edge logs its net.denied (at the latest, at delete)."""
+    async with served_edge(edge) as remote:
+        _, before = await scrape(remote.url)
+        info = await remote.create(SandboxSpec(image=BB, network=NetworkPolicy(allow=[])), "p")
+        await remote.exec_run(info.id, ExecSpec(cmd=[
+            "sh", "-c", "nslookup blocked.example; nc -w 1 10.9.8.7 80 </dev/null; "
+                        "nc -w 1 10.9.8.7 81 </dev/null; true"], timeout_s=30))
+        await remote.delete(info.id)
+        _, after = await scrape(remote.url)
+    assert value(after, "rollbox_dns_gate_refusals_total", backend="container") - value(
+        before, "rollbox_dns_gate_refusals_total", backend="container") >= 1
+    assert value(after, "rollbox_filter_denials_total", backend="container", kind="connect") \
+        - value(before, "rollbox_filter_denials_total", backend="container", kind="connect") >= 2
+
+
+async def test_fncall_pools_and_waits(edge) -> None:  # noqa: ANN001
+    from rollbox.fncall import FnCallBackend, PoolConfig
+    from rollbox.metrics import process_metrics
+    from rollbox.models import FnCallSpec
+    from tests.conftest import have_image
+
+    if not have_image("fncall:1"):
+        pytest.skip("fncall:1 not built (run `make images`)")
+    m = process_metrics()
+    before = value(m.exposition().decode(), "rollbox_fncall_wait_seconds_count", pool="python")
+    async with FnCallBackend(edge, PoolConfig(max_workers=2)) as fb:
+        for _ in range(2):
+            r = await fb.call(FnCallSpec(language="python", code="print(1)"))
+            assert r.status == "ok"
+        text = m.exposition().decode()
+    assert value(text, "rollbox_fncall_wait_seconds_count", pool="python") - before == 2
+    assert value(text, "rollbox_fncall_pool", pool="python", what="workers") >= 1
+    assert value(text, "rollbox_fncall_workers_cap") == 2
+    assert "rollbox_fncall_pool{" not in m.exposition().decode()  # gone with the backend
