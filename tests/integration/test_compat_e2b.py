@@ -634,6 +634,21 @@ async def test_filesystem_only_pause_reboots(env: Env) -> None:
         assert h.pid not in [p.pid for p in await again.commands.list()]
     finally:
         await sbx.kill()
+    # connect with memory=false of a frozen (memory-kept) pause: it boots from its files
+    frozen = await AsyncSandbox.create(timeout=60)
+    try:
+        h = await frozen.commands.run("sleep 600", background=True)
+        await frozen.pause()
+        assert (await env.edge.get(frozen.sandbox_id)).memory_kept is True
+        async with httpx.AsyncClient(base_url=env.url, timeout=60,
+                                     headers={"X-API-Key": env.key}) as c:
+            r = await c.post(f"/e2b/sandboxes/{frozen.sandbox_id}/connect",
+                             json={"timeout": 60, "memory": False})
+        assert r.status_code == 201, r.text
+        assert (await env.edge.get(frozen.sandbox_id)).state == "running"
+        assert h.pid not in [p.pid for p in await frozen.commands.list()]
+    finally:
+        await frozen.kill()
     auto = await AsyncSandbox.create(timeout=30, lifecycle={
         "on_timeout": {"action": "pause", "keep_memory": False}})
     try:

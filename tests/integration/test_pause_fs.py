@@ -193,3 +193,23 @@ async def test_fs_pause_through_api_and_sdk(edge, api_edge, tmp_path) -> None:  
                 await sb.pause(keep_memory=False)
     finally:
         keys.close()
+
+
+async def test_fork_of_a_stopped_sandbox(edge: Edge) -> None:
+    """A filesystem-paused container can be forked (its writable layer is cloned as for a
+    frozen one); the children run, the source stays stopped."""
+    from rollbox.models import ForkSpec
+
+    src = await edge.create(SandboxSpec(image=BB), "proj")
+    await _run(edge, src.id, "echo forked > /root/f")
+    await edge.pause(src.id, keep_memory=False)
+    res = await edge.fork(src.id, ForkSpec(n=1), "proj")
+    (kid,) = res.children
+    try:
+        assert kid.state == "running" and kid.memory_kept is True
+        assert (await _run(edge, kid.id, "cat /root/f"))[1] == "forked\n"
+        info = await edge.get(src.id)
+        assert info.state == "paused" and info.memory_kept is False
+        assert not edge.live[src.id].box.v2_cgroup.exists()
+    finally:
+        await edge.delete(kid.id)
