@@ -14,6 +14,7 @@ from rollbox import errors
 from rollbox.edge.edge import Edge
 from rollbox.isolation import cgroups, netns
 from rollbox.models import ExecSpec, NetworkPolicy, SandboxSpec
+from tests.conftest import BOTH_TRANSPORTS, api_app
 
 BB = "busybox:test"
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
@@ -163,11 +164,11 @@ async def test_restart_keeps_fs_paused_sandbox(restarts) -> None:  # noqa: ANN00
     assert e2.leftovers(sb.id) == []
 
 
+@BOTH_TRANSPORTS  # the remote edge's wire carries keep_memory too
 async def test_fs_pause_through_api_and_sdk(edge, api_edge, tmp_path) -> None:  # noqa: ANN001
     import rollbox
     from rollbox.api import BackgroundServer
     from rollbox.iam import KeyStore
-    from tests.conftest import api_app
 
     keys = KeyStore(tmp_path / "keys.db")
     key = keys.create("proj")
