@@ -53,7 +53,7 @@ def qemu_disk_files(pid: int) -> set[tuple[str, int]]:
 
 
 async def test_root_of_a_disk_guest_against_the_base_overlay_and_channel(
-        edge, disks_root: Path) -> None:  # noqa: ANN001
+        edge, disks_root: Path) -> None:  # noqa: ANN001, F811
     await offered_or_skip(edge, "vm")
     boxes = Boxes(edge, asyncio.Lock(), "vm")
     base = disks_root / "tinydisk%3A1" / "disk.img"
