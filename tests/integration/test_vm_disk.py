@@ -196,7 +196,8 @@ async def test_a_fork_child_has_the_disk_as_it_was_and_its_own_overlay(
     """A fork child of a disk guest (the saved machine restored, ``disk_binds`` with a
     template): a copy-on-write clone of the parent's overlay over the same base, so it sees
     the parent's files as they were and neither sees the other's later writes; its QEMU has
-    the base and its own overlay open, nothing else of the node's disks."""
+    the base and its own overlay open, nothing else of the node's disks; it is adopted again
+    from its journaled state (an edge restart)."""
     backend, img = node
     a, _ = two
     assert (await run(a, "echo before-fork > /root/forked && sync"))[0] == 0
@@ -217,6 +218,13 @@ async def test_a_fork_child_has_the_disk_as_it_was_and_its_own_overlay(
         overlay = backend.disks.pool.path(cid) / rootdisk.OVERLAY_NAME
         assert disks == {(rootdisk.BASE_IMG, img.stat().st_ino),
                          (rootdisk.ROOT_QCOW2, overlay.stat().st_ino)}, disks
+        # an edge restart: the handle dropped, the VM adopted from its journaled state
+        state = json.loads(json.dumps(child.state()))  # as the journal keeps it
+        backend.detach(child)
+        adopted = await backend.adopt(cid, disk_spec(), state, paused=False)
+        assert adopted is not None and adopted.machine == child.machine
+        child = adopted
+        assert await run(child, "cat /root/forked") == (0, b"child\n")
     finally:
         await backend.destroy(child)
     assert backend.leftovers(cid) == []
