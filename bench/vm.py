@@ -32,8 +32,13 @@ for every VM of the run. Phases:
    sockets; no jail, no cgroups, no edge or API. Boot -> the agent runs ``true``, sequential.
    ``ratio_vs_plain_qemu_ready`` = rollbox ready p50 / plain p50.
 
-Not measured here yet, said in the JSON as null with the reason: ``restore_ready_p50_s`` (a
-``vm`` snapshot restored as a new sandbox: not on main) and the desktop's boot to a drawn
+9. ``restore``: one ``vm`` sandbox's machine snapshot (``sandbox.snapshot``: disk + memory;
+   ``snapshot_s`` the call, ``snapshot_paused_s`` the source held still, the state's MiB),
+   then ``n`` sequential creates of a ``vm`` sandbox from it, each timed like ``ready``
+   (create -> the first ``exec(["true"])`` returns 0): ``restore_ready_p50_s``/``p99``;
+   ``ratio_restore_vs_cold_ready`` = restore p50 / cold ``ready`` p50 of the same run.
+
+Not measured here yet, said in the JSON as null with the reason: the desktop's boot to a drawn
 desktop (needs ``create("desktop", backend="vm")``: not on main).
 
 ``--only a,b`` runs just those phases (``PHASES``). The last line of ``--json`` is one JSON
@@ -77,7 +82,7 @@ ANSWER_S = 5.0        # an idle VM is held if it answers a screenshot and an exe
 CURSOR_BLINK_OFF = ("for f in /sys/class/graphics/fbcon/cursor_blink; do "
                     "[ -w $f ] && echo 0 > $f; done; printf '\\033[?25l' > /dev/tty1 || true")
 PHASES = frozenset({"ready", "exec", "screenshot", "input", "input_to_screen", "pause",
-                    "idle", "plain"})
+                    "idle", "plain", "restore"})
 SERVER_PHASES = PHASES - {"plain"}
 
 
@@ -158,13 +163,13 @@ def png_size(data: bytes) -> tuple[int, int]:
 
 # ---- rollbox phases --------------------------------------------------------------------------
 
-async def ready_times(client: Any, backend: str, n: int) -> dict[str, Any]:
+async def ready_times(client: Any, backend: str, n: int, image: str = IMAGE) -> dict[str, Any]:
     """n sequential creates: create -> the first exec ``true`` returned 0 (seconds)."""
     lat: list[float] = []
     errors = 0
     for _ in range(n):
         t = time.monotonic()
-        sb = await client.create(IMAGE, backend=backend, **VM, ttl_s=600)
+        sb = await client.create(image, backend=backend, **VM, ttl_s=600)
         try:
             r = await sb.exec(["true"])
             if r.exit_code == 0:
@@ -280,6 +285,31 @@ async def idle_phase(client: Any, n: int, res: dict[str, Any]) -> None:
     say(f"idle: {res['idle_mib_per_vm']:.0f} MiB per VM, {held} of {n} held")
 
 
+async def restore_phase(client: Any, n: int, res: dict[str, Any]) -> None:
+    """A machine snapshot of one live vm sandbox, then n sequential restores of it."""
+    name = f"bench/vm-restore-{os.getpid()}:1"
+    src = await client.create(IMAGE, backend="vm", **VM, ttl_s=900)
+    try:
+        await src.exec(["true"])
+        t = time.monotonic()
+        snap = await src.snapshot(name)
+        res["snapshot_s"] = time.monotonic() - t
+        res["snapshot_paused_s"] = snap.paused_s
+        res["snapshot_state_mib"] = snap.memory_bytes / (1 << 20)
+        say(f"vm snapshot {res['snapshot_s']:.2f} s (held still {snap.paused_s:.2f} s, "
+            f"state {res['snapshot_state_mib']:.0f} MiB)")
+        r = await ready_times(client, "vm", n, image=name)
+        res.update(summarize(r["samples"], "restore_ready", "s"))
+        res["restore_ready_errors"] = r["errors"]
+        res.pop("restore_ready", None)
+        say(f"vm restore -> ready p50 {res['restore_ready_p50_s']:.2f} s p99 "
+            f"{res['restore_ready_p99_s']:.2f} s (errors {r['errors']})")
+    finally:
+        await src.delete()
+        with contextlib.suppress(Exception):
+            await client.images.delete(name)
+
+
 async def server_phases(srv: Any, quick: bool, phases: frozenset[str],
                         res: dict[str, Any]) -> None:
     from rollbox.sdk import AsyncClient
@@ -301,6 +331,8 @@ async def server_phases(srv: Any, quick: bool, phases: frozenset[str],
             await one_vm_phases(client, quick, phases, res)
         if "idle" in phases:
             await idle_phase(client, 2 if quick else 4, res)
+        if "restore" in phases:
+            await restore_phase(client, 3 if quick else 10, res)
 
 
 # ---- the peer: plain QEMU --------------------------------------------------------------------
@@ -356,7 +388,7 @@ def main(quick: bool = False, json_out: bool = False,
                            "cores": os.cpu_count(), "phases": sorted(phases),
                            "qemu": qemu.version(str(node.qemu_binary)), "vm": VM,
                            "restore_ready_p50_s": None,
-                           "restore_ready": "not measured: vm snapshot/restore not on main",
+                           "restore_ready": "not measured: phase restore not run",
                            "desktop_ready_p50_s": None,
                            "desktop_ready": "not measured: desktop disk boot not on main"}
     t0 = time.monotonic()
@@ -369,6 +401,8 @@ def main(quick: bool = False, json_out: bool = False,
                                              res.get("plain_qemu_ready_p50_s"))
     res["ratio_vs_microvm_ready"] = ratio(res.get("cold_ready_p50_s"),
                                           res.get("microvm_ready_p50_s"))
+    res["ratio_restore_vs_cold_ready"] = ratio(res.get("restore_ready_p50_s"),
+                                               res.get("cold_ready_p50_s"))
     res["wall_s"] = time.monotonic() - t0
     res["load_end"] = os.getloadavg()[0]
     return emit(res, json_out)

@@ -316,7 +316,8 @@ def bench_microvm(quick: bool = typer.Option(False, "--quick"),
 def bench_vm(quick: bool = typer.Option(False, "--quick"),
              json_out: bool = typer.Option(False, "--json"),
              only: str = typer.Option("", "--only", help="comma-separated phases: ready,exec,"
-                                      "screenshot,input,input_to_screen,pause,idle,plain "
+                                      "screenshot,input,input_to_screen,pause,idle,plain,"
+                                      "restore "
                                       "(default: all)")) -> None:
     """Full VMs (backend vm): create -> ready, exec, screenshot, input and input-to-screen,
     pause/resume, idle memory; a plain QEMU boot of the same machine and microVM creates as

@@ -89,6 +89,12 @@ def setting(env: str, group: str, default: T, parse: Callable[[str], T], doc: st
 
 # ---- parsers: text of a variable (not blank) -> value ---------------------------------------
 
+def full_templates(raw: str) -> str:
+    if raw not in ("off", "disk", "all"):
+        raise ValueError("one of off, disk, all")
+    return raw
+
+
 def flag(raw: str) -> bool:
     low = raw.lower()
     if low in ("1", "true", "yes", "on"):
@@ -334,6 +340,15 @@ class Settings:
     vm_type_max_chars: int = setting(
         "ROLLBOX_VM_TYPE_MAX_CHARS", "vm", 4096, int,
         "The most characters one keyboard.type call may send.")
+    vm_full_templates: str = setting(
+        "ROLLBOX_VM_FULL_TEMPLATES", "vm", "disk", full_templates,
+        "Which `vm` creates restore a machine template (booted once per key, saved once its "
+        "screen settled: backends/vm/templates.py) instead of booting: 'disk' (disk-image "
+        "guests, the desktop), 'all' (layered images too) or 'off'.")
+    vm_full_template_settle_s: float = setting(
+        "ROLLBOX_VM_FULL_TEMPLATE_SETTLE_S", "vm", 180.0, float,
+        "How long a `vm` template's build VM may take after its agent answered until its "
+        "screen settles (a desktop drawn); past it the create boots cold.")
     # ---- microVM templates ---------------------------------------------------------------
     vm_templates: bool = setting(
         "ROLLBOX_VM_TEMPLATES", "templates", True, flag,

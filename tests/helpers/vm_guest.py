@@ -38,6 +38,15 @@ def real_guest_marks(*images: str) -> list[pytest.MarkDecorator]:
                     for i in images]
 
 
+def full_vm_marks(*images: str) -> list[pytest.MarkDecorator]:
+    """The marks of a test module booting the full-VM guest (``make vmguest``) as root with
+    ``images`` built: skipped, with the reason, where one is missing."""
+    return [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
+            pytest.mark.skipif(not Settings().vm_full_initrd.is_file(),
+                               reason="no full-VM guest (make vmguest)")] + [
+        pytest.mark.skipif(not have_image(i), reason=f"{i} not built") for i in images]
+
+
 MODULES = ["drivers/virtio/virtio_ring.ko", "drivers/virtio/virtio.ko",
            "drivers/virtio/virtio_mmio.ko", "drivers/char/virtio_console.ko",
            "drivers/block/virtio_blk.ko", "drivers/virtio/virtio_balloon.ko"]

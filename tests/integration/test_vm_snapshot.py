@@ -22,17 +22,14 @@ import pytest
 from rollbox.backends.container.disk import MACHINE_SNAPSHOT_PREFIX
 from rollbox.backends.vm import display as vmdisplay
 from rollbox.backends.vm.snapshots import SNAPSHOTS_DIR
-from rollbox.config import Settings
 from rollbox.errors import BadRequest, NotFound, SandboxDead
 from rollbox.models import ComputerAction, ForkSpec, Resources, SandboxSpec, SnapshotSpec
-from tests.helpers.vm_guest import real_guest_marks
+from tests.helpers.vm_guest import full_vm_marks
 
 BB = "busybox:test"
 RES = Resources(cpus=1, memory_mib=256, disk_mib=64)
 CELL = 8 * 16  # pixels of one console character cell
-pytestmark = real_guest_marks(BB) + [
-    pytest.mark.skipif(not Settings().vm_full_initrd.is_file(),
-                       reason="no full-VM guest (make vmguest)")]
+pytestmark = full_vm_marks(BB)
 
 
 @pytest.fixture

@@ -46,11 +46,12 @@ from rollbox.backends.microvm import qemu, qmp
 from rollbox.backends.microvm.backend import MicroVM, MicroVMBackend
 from rollbox.backends.microvm.jail import Bind
 from rollbox.backends.microvm.steps import Steps
-from rollbox.backends.microvm.template import Template
+from rollbox.backends.microvm.template import BUILD_PREFIX, Template, TemplateLoadError
 from rollbox.backends.vm import display, machine, rootdisk
-from rollbox.backends.vm.snapshots import SNAPSHOTS_DIR, MachineSnapshots, disk_id_of
+from rollbox.backends.vm.snapshots import SNAPSHOTS_DIR, MachineSnapshots, Saved
+from rollbox.backends.vm.templates import MachineTemplates
 from rollbox.config import Settings
-from rollbox.errors import BadRequest, SandboxPaused
+from rollbox.errors import BadRequest, InfraError, SandboxPaused
 from rollbox.images.store import ImageStore
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import ComputerAction, ComputerActionResult, DisplayInfo
@@ -152,6 +153,7 @@ class VMBackend(MicroVMBackend):
         self.run_root = settings.run_dir / "qvm"
         self.templates = None  # no template restore (see the module docstring)
         self.snapshots = MachineSnapshots(settings.data_dir / SNAPSHOTS_DIR, self.disks)
+        self.machine_templates = MachineTemplates(self)
         self.accel_from = accel_from
         self.rootdisks = rootdisk.RootDisks(settings, self.disks.pool)
         # sandbox id -> (display size, when seen): each VM's last screenshot's size
@@ -238,11 +240,44 @@ class VMBackend(MicroVMBackend):
                              "snapshot is the machine)", sandbox_id=h.id)
         return await super().capture_writable(h, dest, opts)
 
+    async def start(self) -> None:
+        """The microVM's node start, and build VMs of templates an earlier edge left."""
+        await super().start()
+        for left_id in self.host_sandbox_ids(BUILD_PREFIX):
+            await self.cleanup(left_id, None)
+
+    def template_base(self, spec: ResolvedSpec) -> tuple[str, bool]:
+        """(what a guest of ``spec`` boots from, for a template's key; whether that is a
+        disk image)."""
+        if spec.disk_image:
+            return "disk:" + str(self.rootdisks.resolve(spec.disk_image).manifest["sha256"]), True
+        return "layers:" + ",".join(spec.layers), False
+
     async def create(self, sandbox_id: str, spec: ResolvedSpec,  # type: ignore[override]
                      **kw: object) -> MicroVM:
-        """Booted cold, or restored from ``spec.machine_snapshot`` (:meth:`_restore_machine`)."""
+        """Restored from ``spec.machine_snapshot`` (:meth:`_restore_machine`), or from the
+        spec's machine template where ``vm_full_templates`` wants one (the first create of a
+        key builds it: ``templates.py``; a template that fails to restore is dropped and the
+        create boots cold), else booted cold. ``kw`` (a machine, an unhardened guest: tests
+        and the probe) always boots cold."""
         if spec.machine_snapshot is not None:
             return await self._restore_machine(sandbox_id, spec)
+        if not kw and self.machine_templates.wanted(spec):
+            self.check_spec(spec)
+            machine = self.machine_for(spec)
+            saved = await self.machine_templates.acquire(spec, machine,
+                                                         self.settings.vm_boot_timeout_s)
+            if saved is not None:
+                try:
+                    return await self._restore_saved(sandbox_id, spec, saved)
+                except TemplateLoadError as exc:
+                    self.machine_templates.drop(saved, str(exc))
+                    log.warning("vm %s: template did not restore, booting cold: %s",
+                                sandbox_id, exc)
+                except InfraError as exc:
+                    log.warning("vm %s: restore failed, booting cold: %s", sandbox_id, exc)
+                finally:
+                    self.machine_templates.release(saved)
         return await super().create(sandbox_id, spec, **kw)  # type: ignore[arg-type]
 
     async def _restore_machine(self, sandbox_id: str, spec: ResolvedSpec) -> MicroVM:
@@ -255,16 +290,20 @@ class VMBackend(MicroVMBackend):
         saved = self.snapshots.acquire(spec.machine_snapshot, spec,
                                        nic=spec.network_rules is not None)
         try:
-            if saved.machine.accel != self._accel_name():
-                raise BadRequest(f"machine snapshot {saved.id} was saved under "
-                                 f"{saved.machine.accel}, this node runs VMs under "
-                                 f"{self._accel_name()}: it can not restore it",
-                                 reason="snapshot_machine")
-            vm = await self.boot(sandbox_id, spec, saved.machine,
-                                 self.settings.vm_boot_timeout_s, template=saved.template())
+            return await self._restore_saved(sandbox_id, spec, saved)
         finally:
             self.snapshots.release(saved)
-        vm.template = ""  # not the template cache's: a snapshot's own image
+
+    async def _restore_saved(self, sandbox_id: str, spec: ResolvedSpec,
+                             saved: Saved) -> MicroVM:
+        if saved.machine.accel != self._accel_name():
+            raise BadRequest(f"machine snapshot {saved.id} was saved under "
+                             f"{saved.machine.accel}, this node runs VMs under "
+                             f"{self._accel_name()}: it can not restore it",
+                             reason="snapshot_machine")
+        vm = await self.boot(sandbox_id, spec, saved.machine, self.settings.vm_boot_timeout_s,
+                             template=saved.template())
+        vm.template = ""  # not the microVM template cache's: a saved machine's own image
         self._track(vm)
         return vm
 
@@ -278,7 +317,7 @@ class VMBackend(MicroVMBackend):
         staging = await asyncio.to_thread(self.snapshots.staging, snapshot_id)
         try:
             frozen_s, _ = await self._save_for_fork(h, paused, staging,
-                                                    disk_id_of(snapshot_id))
+                                                    self.snapshots.disk_id(snapshot_id))
             saved = await asyncio.to_thread(self.snapshots.seal, snapshot_id, h.machine, spec,
                                             h.id)
         except BaseException:

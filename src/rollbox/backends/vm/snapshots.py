@@ -64,10 +64,11 @@ class Saved:
     users: int = 0
     doomed: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
+    disk_prefix: str = MACHINE_SNAPSHOT_PREFIX  # its store's (MachineSnapshots.disk_prefix)
 
     @property
     def disk_id(self) -> str:
-        return disk_id_of(self.id)
+        return self.disk_prefix + self.id
 
     def template(self) -> Template:
         """The snapshot as the restore path takes a saved image (``MicroVMBackend.boot``)."""
@@ -78,10 +79,6 @@ class Saved:
                         created=self.created, last_used=time.time())
 
 
-def disk_id_of(snapshot_id: str) -> str:
-    return MACHINE_SNAPSHOT_PREFIX + snapshot_id
-
-
 def check_id(snapshot_id: str) -> str:
     if not ID_RE.match(snapshot_id):
         raise BadRequest(f"not a machine snapshot id: {snapshot_id[:80]!r}")
@@ -89,12 +86,18 @@ def check_id(snapshot_id: str) -> str:
 
 
 class MachineSnapshots:
-    """The node's machine snapshots of one ``vm`` backend (its disks in that backend's pool)."""
+    """The node's machine snapshots of one ``vm`` backend (its disks in that backend's pool,
+    named ``disk_prefix`` + id: the templates' store has its own, ``templates.py``)."""
 
-    def __init__(self, root: Path, disks: VmDisks) -> None:
+    def __init__(self, root: Path, disks: VmDisks,
+                 disk_prefix: str = MACHINE_SNAPSHOT_PREFIX) -> None:
         self.root = root
         self.disks = disks
+        self.disk_prefix = disk_prefix
         self._users: dict[str, Saved] = {}  # snapshots being restored now
+
+    def disk_id(self, snapshot_id: str) -> str:
+        return self.disk_prefix + check_id(snapshot_id)
 
     def dir_of(self, snapshot_id: str) -> Path:
         return self.root / check_id(snapshot_id)
@@ -110,26 +113,32 @@ class MachineSnapshots:
         return d
 
     def seal(self, snapshot_id: str, machine: qemu.MachineSpec, spec: ResolvedSpec,
-             source: str) -> Saved:
-        """Once the state is written and the disk snapshotted: the disk root's, the meta
-        written last (a dir without it is an unfinished save, removed by :meth:`drop`)."""
+             source: str, **extra: Any) -> Saved:
+        """Once the state is written and the disk snapshotted: the disk's files root's, the
+        meta written last (a dir without it is an unfinished save, removed by :meth:`drop`);
+        ``extra`` goes into the meta."""
         d = self.dir_of(snapshot_id)
-        path = self.disks.rw_path(disk_id_of(snapshot_id))
-        os.chown(path, 0, 0)
-        meta = {"version": META_VERSION, "id": snapshot_id, "source": source,
+        disk_bytes = 0
+        with os.scandir(self.disks.pool.path(self.disk_id(snapshot_id))) as it:
+            for entry in it:  # the writable disk (a disk-image guest's: its overlay)
+                if entry.is_file(follow_symlinks=False):
+                    os.chown(entry.path, 0, 0, follow_symlinks=False)
+                    disk_bytes += entry.stat(follow_symlinks=False).st_blocks * 512
+        meta = {"version": META_VERSION, "id": snapshot_id, "source": source, **extra,
                 "machine": {**asdict(machine), "incoming": False,
                             "extra_cmdline": list(machine.extra_cmdline)},
                 "layers": list(spec.layers), "disk_mib": spec.resources.disk_mib,
                 "state_bytes": (d / STATE_NAME).stat().st_size,
-                "disk_bytes": os.stat(path).st_blocks * 512, "created": time.time()}
+                "disk_bytes": disk_bytes, "created": time.time()}
         tmp = d / (META_NAME + ".tmp")
         tmp.write_text(json.dumps(meta))
         os.replace(tmp, d / META_NAME)
-        saved = self._read(snapshot_id)
+        saved = self.read(snapshot_id)
         assert saved is not None
         return saved
 
-    def _read(self, snapshot_id: str) -> Saved | None:
+    def read(self, snapshot_id: str) -> Saved | None:
+        """The finished snapshot ``snapshot_id`` as its meta says (None: none, or unfinished)."""
         d = self.dir_of(snapshot_id)
         try:
             meta = json.loads((d / META_NAME).read_text())
@@ -144,7 +153,8 @@ class MachineSnapshots:
                          layers=tuple(str(x) for x in meta["layers"]),
                          disk_mib=int(meta["disk_mib"]), state_bytes=state_bytes,
                          disk_bytes=int(meta["disk_bytes"]), source=str(meta["source"]),
-                         created=float(meta["created"]), meta=meta)
+                         created=float(meta["created"]), meta=meta,
+                         disk_prefix=self.disk_prefix)
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -152,14 +162,14 @@ class MachineSnapshots:
         """Every snapshot id with files on the node (finished or not)."""
         ids = {p.name for p in self.root.iterdir()} if self.root.is_dir() else set()
         if self.disks.pool.exists():
-            ids |= {n[len(MACHINE_SNAPSHOT_PREFIX):] for n in self.disks.pool.ids()
-                    if n.startswith(MACHINE_SNAPSHOT_PREFIX)}
+            ids |= {n[len(self.disk_prefix):] for n in self.disks.pool.ids()
+                    if n.startswith(self.disk_prefix)}
         return {i for i in ids if ID_RE.match(i)}
 
     def acquire(self, snapshot_id: str, spec: ResolvedSpec, nic: bool) -> Saved:
         """The snapshot for a restore of ``spec`` (held until :meth:`release`): NotFound if
         there is none, BadRequest naming what differs if ``spec`` is another machine."""
-        saved = self._users.get(snapshot_id) or self._read(check_id(snapshot_id))
+        saved = self._users.get(snapshot_id) or self.read(check_id(snapshot_id))
         if saved is None or saved.doomed:
             raise NotFound(f"no machine snapshot {snapshot_id} on this node",
                            snapshot=snapshot_id)
@@ -197,7 +207,8 @@ class MachineSnapshots:
 
     def _remove(self, snapshot_id: str) -> list[str]:
         shutil.rmtree(self.dir_of(snapshot_id), ignore_errors=True)
-        left = self.disks.remove_rw(disk_id_of(snapshot_id)) if self.disks.pool.exists() else []
+        left = self.disks.remove_rw(self.disk_id(snapshot_id)) if self.disks.pool.exists() \
+            else []
         if self.dir_of(snapshot_id).exists():
             left.append(str(self.dir_of(snapshot_id)))
         if left:
@@ -207,6 +218,6 @@ class MachineSnapshots:
     def leftovers(self, snapshot_id: str) -> list[str]:
         left = [str(self.dir_of(snapshot_id))] if self.dir_of(snapshot_id).exists() else []
         if self.disks.pool.exists():
-            left += self.disks.leftovers(disk_id_of(snapshot_id))
+            left += self.disks.leftovers(self.disk_id(snapshot_id))
         return left
 
