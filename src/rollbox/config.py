@@ -346,7 +346,7 @@ class Settings:
         "screen settled: backends/vm/templates.py) instead of booting: 'disk' (disk-image "
         "guests, the desktop), 'all' (layered images too) or 'off'.")
     vm_full_template_settle_s: float = setting(
-        "ROLLBOX_VM_FULL_TEMPLATE_SETTLE_S", "vm", 180.0, float,
+        "ROLLBOX_VM_FULL_TEMPLATE_SETTLE_S", "vm", 600.0, float,
         "How long a `vm` template's build VM may take after its agent answered until its "
         "screen settles (a desktop drawn); past it the create boots cold.")
     # ---- microVM templates ---------------------------------------------------------------

@@ -40,6 +40,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from rollbox.backends.base import ResolvedSpec
+from rollbox.backends.platform_work import run_shell
 from rollbox.backends.container.disk import MACHINE_SNAPSHOT_PREFIX
 from rollbox.backends.microvm import qemu
 from rollbox.backends.microvm.template import BUILD_PREFIX, guest_digest
@@ -58,6 +59,13 @@ TEMPLATE_DISK_PREFIX = MACHINE_SNAPSHOT_PREFIX + "tmpl-"
 KEY_VERSION = 1
 SETTLE_SHOTS = 6      # screenshots that must agree (at most two pictures: a blinking cursor)
 SETTLE_GAP_S = 0.5
+# A disk image with an X server (a desktop): its socket exists (checked by the platform's
+# busybox through the agent), then DESK_SETTLE_SHOTS
+# screenshots of one picture (a boot console's cursor blinks: two pictures, not settled).
+X_SOCKET = "/tmp/.X11-unix/X0"
+X_SERVER = "/usr/bin/Xorg"
+DESK_SETTLE_SHOTS = 10
+DESK_CHECK = f"test -S {X_SOCKET}"
 
 
 def template_key(spec: ResolvedSpec, base: str, argv: list[str], guest: str,
@@ -70,12 +78,13 @@ def template_key(spec: ResolvedSpec, base: str, argv: list[str], guest: str,
     return hashlib.sha256(doc.encode()).hexdigest()
 
 
-def settled(shots: list[tuple[str, tuple[int, int]]]) -> bool:
-    """Whether the last :data:`SETTLE_SHOTS` screenshots (sha256, size) show a settled
-    screen: all of one size, at most two distinct pictures."""
-    last = shots[-SETTLE_SHOTS:]
-    return (len(last) == SETTLE_SHOTS and len({size for _, size in last}) == 1
-            and len({h for h, _ in last}) <= 2)
+def settled(shots: list[tuple[str, tuple[int, int]]], n: int = SETTLE_SHOTS,
+            pictures: int = 2) -> bool:
+    """Whether the last ``n`` screenshots (sha256, size) show a settled screen: all of one
+    size, at most ``pictures`` distinct pictures (2: a blinking cursor)."""
+    last = shots[-n:]
+    return (len(last) == n and len({size for _, size in last}) == 1
+            and len({h for h, _ in last}) <= pictures)
 
 
 class MachineTemplates:
@@ -161,7 +170,7 @@ class MachineTemplates:
         t0 = time.monotonic()
         vm = await b.boot(build_id, bare, machine, timeout_s)
         try:
-            await self._settle(vm)
+            await self._settle(vm, b.template_base(spec)[1])
             await b.zero_free_memory(vm)
             staging = await asyncio.to_thread(self.store.staging, tid)
             try:
@@ -179,18 +188,27 @@ class MachineTemplates:
                 self.store.drop(old)
         log.info("vm template %s built in %.1f s", tid[:12], time.monotonic() - t0)
 
-    async def _settle(self, vm: MicroVM) -> None:
-        """Until the build VM's screen settled (:func:`settled`), at most
+    async def _settle(self, vm: MicroVM, disk_image: bool) -> None:
+        """Until the build VM's screen settled (:func:`settled`; a disk image with an X
+        server: its socket there, :data:`DESK_CHECK`, and one picture), at most
         ``vm_full_template_settle_s``; InfraError past it."""
         screen = self.backend.display(vm)
         limit = self.backend.settings.vm_full_template_settle_s
         deadline = time.monotonic() + limit
+        if disk_image:  # a desktop: an image with an X server
+            code, _ = await run_shell(vm, f"test -e {X_SERVER}", {}, 30, tail=0)
+            disk_image = code == 0
+        n, pictures = (DESK_SETTLE_SHOTS, 1) if disk_image else (SETTLE_SHOTS, 2)
         shots: list[tuple[str, tuple[int, int]]] = []
-        while not settled(shots):
+        up = not disk_image
+        while not (up and settled(shots, n, pictures)):
             if time.monotonic() > deadline:
                 raise InfraError(f"vm template build {vm.id}: the screen did not settle in "
                                  f"{limit:.0f} s")
+            if not up:
+                code, _ = await run_shell(vm, DESK_CHECK, {}, 30, tail=0)
+                up = code == 0
             data = await screen.screenshot()
             shots.append((hashlib.sha256(data).hexdigest(), display.png_size(data)))
-            del shots[:-SETTLE_SHOTS]
+            del shots[:-n]
             await asyncio.sleep(SETTLE_GAP_S)
