@@ -1,6 +1,6 @@
 """Machine templates of the ``vm`` backend (``backends/vm/templates.py``) on the layered
-busybox:test guest with ``vm_full_templates="all"`` (the default, "disk", templates the
-desktop only: desktop_slow): the first create of a key boots a build VM once, waits for its
+busybox:test guest with ``vm_full_templates="all"`` ("disk" templates disk-image guests only:
+the desktop's is test_vm_desktop_template, desktop_slow): the first create of a key boots a build VM once, waits for its
 screen to settle, keeps its machine and restores it; the second create restores without a
 build; each restored VM is its own (hostname, machine-id, disk) and shows the template's
 screen. A template whose state QEMU refuses (overwritten with garbage of its size: the host
