@@ -1,12 +1,13 @@
 """A VM disk image end to end: ``client.create("tinydisk", backend="vm")`` through the api, the
 edge and a real q35 VM (TCG; the tiny disk of ``test_vm_disk``, built here): the name without
 its tag resolves to the disk before the image store, exec runs in the disk's root, files
-round trip, the screen answers, pause/resume, a network policy's eth0 is set up by the agent
+round trip, the screen answers, typing and a click reach it, pause/resume, the TTL ends it, a network policy's eth0 is set up by the agent
 (the image has no DHCP client), and typed refusals: the disk image on the container and
 microVM backends (naming it), extra layers, an unknown name. The edge fixture checks the
 teardown leaves nothing."""
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -61,8 +62,19 @@ async def test_a_disk_image_through_the_sdk(edge, api_server) -> None:  # noqa: 
             assert "inet " in res.stdout  # the agent configured eth0 (no DHCP in the image)
             shot = await sb.screenshot()
             assert shot[:8] == vmdisplay.PNG_SIGNATURE
+            r = await sb.keyboard.type("echo typed\n")
+            assert r.events == 2 * 11
+            await sb.mouse.click(1, 1)
             await sb.pause()
             await sb.resume()
             assert (await sb.exec("echo back")).stdout == "back\n"
+            # the TTL ends it as any sandbox: deleted, its overlay with it (the edge fixture
+            # checks nothing is left)
+            await sb.set_ttl(1.0)
+            for _ in range(60):
+                await asyncio.sleep(0.5)
+                if (await sb.refresh()).state not in ("running", "stopping"):
+                    break
+            assert (await sb.refresh()).state in ("deleted", "dead"), sb.info
         finally:
             await sb.delete()
