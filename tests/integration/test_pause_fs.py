@@ -118,6 +118,10 @@ async def test_fs_pause_bad_input(edge: Edge) -> None:
     with pytest.raises(errors.BadRequest, match="memory"):
         await edge.pause(mem.id, keep_memory=False)
     assert (await edge.get(mem.id)).state == "running"
+    # the contract says which backends can (the edge answers not_supported for the others)
+    caps = (await edge.capacity())["backends"]
+    assert caps["container"]["fs_pause"] is True
+    assert caps.get("vm", {"fs_pause": False})["fs_pause"] is False
     # the lifecycle option needs on_expiry "pause"
     with pytest.raises(Exception, match="pause_keep_memory"):
         SandboxSpec(image=BB, pause_keep_memory=False)
@@ -214,3 +218,20 @@ async def test_fork_of_a_stopped_sandbox(edge: Edge) -> None:
         assert not edge.live[src.id].box.v2_cgroup.exists()
     finally:
         await edge.delete(kid.id)
+
+
+async def test_backend_without_fs_pause_is_not_supported(edge: Edge, monkeypatch) -> None:  # noqa: ANN001
+    """A backend whose capacity says no (the vm backend's): not_supported naming it, and the
+    sandbox is left running as it was (the edge's check, with the flag turned off here)."""
+    import dataclasses
+
+    sb = await edge.create(SandboxSpec(image=BB), "t")
+    backend = edge.live[sb.id].backend
+    real = backend.capacity
+    monkeypatch.setattr(backend, "capacity",
+                        lambda: dataclasses.replace(real(), fs_pause=False))
+    with pytest.raises(errors.NotSupported, match="container"):
+        await edge.pause(sb.id, keep_memory=False)
+    monkeypatch.undo()
+    assert (await edge.get(sb.id)).state == "running"
+    assert (await _run(edge, sb.id, "echo alive"))[1] == "alive\n"
