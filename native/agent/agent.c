@@ -1294,11 +1294,14 @@ static int xattr_tool(const char *dir)
  * has queued (every event of a syscall that returned before the byte was sent) and answers 'W',
  * 'S' and ten zero bytes. The kernel bounds the queue (IN_Q_OVERFLOW is passed on as an event);
  * a full stdout pipe stalls the tool, not the agent. It exits 0 when DIR goes away (after its
- * IN_DELETE_SELF / IN_MOVE_SELF / IN_IGNORED) or at stdin's end, 1 if DIR can not be watched.
+ * IN_DELETE_SELF / IN_MOVE_SELF / IN_IGNORED; a removal, whose IN_DELETE_SELF the kernel holds
+ * back while the tool has DIR open, is seen by DIR's link count within WATCH_GONE_CHECK_MS and
+ * reported as that IN_DELETE_SELF) or at stdin's end, 1 if DIR can not be watched.
  * The host parses the records as hostile. */
 #define WATCH_TOOL "rollbox-watch"
 #define WATCH_MAX_DIRS 8192
 #define WATCH_DEPTH 64
+#define WATCH_GONE_CHECK_MS 1000
 #define WATCH_MASK (IN_CREATE | IN_MODIFY | IN_ATTRIB | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | \
                     IN_DELETE_SELF | IN_MOVE_SELF)
 #ifndef RESOLVE_NO_MAGICLINKS
@@ -1454,7 +1457,10 @@ static int watch_tool(int argc, char **argv)
         return 1;
     struct pollfd pf[2] = {{watch_ifd, POLLIN, 0}, {0, POLLIN, 0}};
     for (;;) {
-        if (poll(pf, 2, -1) < 0) {
+        /* A timeout: DIR removed while we hold it open gets its IN_DELETE_SELF only once the
+         * last reference goes, so its link count (0 once removed) is looked at meanwhile. */
+        int ready = poll(pf, 2, WATCH_GONE_CHECK_MS);
+        if (ready < 0) {
             if (errno == EINTR)
                 continue;
             return 1;
@@ -1464,6 +1470,11 @@ static int watch_tool(int argc, char **argv)
             return 1;
         if (gone)
             return 0;
+        struct stat rs;
+        if (fstat(watch_root_fd, &rs) == 0 && rs.st_nlink == 0)
+            return watch_record('E', IN_DELETE_SELF, 0, "", 0) < 0 ? 1 : 0;
+        if (!ready)
+            continue;
         if (pf[1].revents) {
             char b[256];
             ssize_t n = read(0, b, sizeof b);

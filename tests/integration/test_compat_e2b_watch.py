@@ -161,7 +161,7 @@ async def test_tool_resolves_in_the_sandbox_and_queue_is_bounded(
 async def test_sync_watchers_go_with_their_sandbox(env: tuple[str, str, Any]) -> None:
     """envd's table of sync watchers (CreateWatcher): a deleted sandbox's watchers go from it
     at once, not when the caps push them out; another sandbox's stay, and so does a watcher
-    whose tool ended (its directory moved away) while its sandbox runs."""
+    whose tool ended (its directory removed) while its sandbox runs."""
     url, key, edge = env
     table = W.SyncWatchers(lambda sid: edge)
     a = await edge.create(SandboxSpec(image="debian:bookworm"), "e2b-watch")
@@ -179,12 +179,15 @@ async def test_sync_watchers_go_with_their_sandbox(env: tuple[str, str, Any]) ->
         of_a = {await watch(a.id, "/tmp/x"), await watch(a.id, "/tmp/y")}
         of_b = {await watch(b.id, "/tmp/x"), await watch(b.id, "/tmp/y")}
         assert set(table.ids_of(a.id)) == of_a and set(table.ids_of(b.id)) == of_b
-        # the control: b's /tmp/y moves away; its watch's tool ends, b runs: the watcher stays
+        # the control: b's /tmp/y is removed; its watch's tool ends (the tool holds it open,
+        # so by its link count, not inotify's delete-self), b runs: the watcher stays
         y = next(wid for wid in of_b if table.get(b.id, wid).path == "/tmp/y")
-        await sh(b.id, "mv /tmp/y /tmp/z")
+        await sh(b.id, "rmdir /tmp/y")
+        got: list[tuple[str, str]] = []
         async with asyncio.timeout(10):
-            async for _ in table.get(b.id, y).stream():
-                pass
+            async for events in table.get(b.id, y).stream():
+                got += [(e["name"], e["type"]) for e in events]
+        assert got == [("", "EVENT_TYPE_REMOVE")]
         await asyncio.sleep(0.5)  # the table's check of b has run by now
         assert set(table.ids_of(b.id)) == of_b
         # a deleted: both its watchers leave the table (a's tools ended with it)
