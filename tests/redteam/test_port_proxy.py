@@ -195,7 +195,9 @@ async def test_c44_the_edges_port_channel_needs_the_cluster_token(
     from rollbox.models import SandboxSpec
 
     app = service.create_edge_app(edge, CLUSTER_TOKEN)
-    served = app if hardened else app.app  # type: ignore[attr-defined]  # TokenAuth's inner app
+    auth = app.app  # type: ignore[attr-defined]  # below the request-id middleware
+    assert isinstance(auth, service.TokenAuth)
+    served = app if hardened else auth.app  # TokenAuth's inner app
     info = await edge.create(SandboxSpec(image="python:3.11"))
     await edge.run_shell(info.id, "true", {}, 30)
     async with Srv(served, "127.0.0.1", 0) as srv:
