@@ -38,8 +38,16 @@ for every VM of the run. Phases:
    (create -> the first ``exec(["true"])`` returns 0): ``restore_ready_p50_s``/``p99``;
    ``ratio_restore_vs_cold_ready`` = restore p50 / cold ``ready`` p50 of the same run.
 
-Not measured here yet, said in the JSON as null with the reason: the desktop's boot to a drawn
-desktop (needs ``create("desktop", backend="vm")``: not on main).
+10. ``desktop`` and ``plain_desktop`` (opt-in: ``--desktop``; minutes under TCG): sequential
+   ``create("desktop:1", backend="vm")`` (2 vCPUs, 1 GiB: the desktop demo's VM) -> the agent
+   answers and -> the desktop drawn (``rollbox.desktop``'s check of the decoded screenshot:
+   1024x768, mostly the desktop's colour, the panel), the first create reported apart (where
+   the backend builds a template of the key, that one builds it); screenshot round trips of
+   the drawn desktop; and, interleaved with the creates after the first, the peer: a plain
+   QEMU boot of the same machine (``plain_argv`` of the disk spec: the same kernel,
+   initramfs and agent, the base read-only under a new empty qcow2 overlay made by qemu-img
+   as the backend makes it), overlay -> the desktop drawn in QMP screendumps.
+   ``ratio_vs_plain_qemu_desktop`` = rollbox's p50 / plain's.
 
 ``--only a,b`` runs just those phases (``PHASES``). The last line of ``--json`` is one JSON
 object.
@@ -61,7 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.microvm import PlainQemu, image_layers, parse_only, server  # noqa: E402
 from rollbox.backends.microvm import qemu  # noqa: E402
-from rollbox.backends.vm import machine  # noqa: E402
+from rollbox.backends.vm import display, machine, rootdisk  # noqa: E402
 from rollbox.benchkit import (  # noqa: E402
     emit, mem_available, percentile, ratio, round_trips, say,
 )
@@ -84,6 +92,11 @@ CURSOR_BLINK_OFF = ("for f in /sys/class/graphics/fbcon/cursor_blink; do "
 PHASES = frozenset({"ready", "exec", "screenshot", "input", "input_to_screen", "pause",
                     "idle", "plain", "restore"})
 SERVER_PHASES = PHASES - {"plain"}
+# Opt-in (``--desktop``, or named in ``--only``): the desktop:1 disk's boots, ~1-2 min each
+# under TCG. ``desktop``: rollbox creates -> the desktop drawn; ``plain_desktop``: the peer.
+DESKTOP_PHASES = frozenset({"desktop", "plain_desktop"})
+DESKTOP_CREATES, DESKTOP_CREATES_QUICK = 3, 2
+DESKTOP_WAIT_S = 900.0  # boot -> drawn, at most
 
 
 # ---- pure parts (unit-tested) ----------------------------------------------------------------
@@ -96,16 +109,22 @@ def summarize(samples_s: list[float], prefix: str, unit: str = "ms") -> dict[str
 
 
 def plain_argv(spec: qemu.MachineSpec, *, binary: str, kernel: Path, initrd: Path,
-               layers: list[Path], rw: Path, agent: Path, qmp_sock: Path) -> list[str]:
+               layers: list[Path], rw: Path | None, agent: Path, qmp_sock: Path,
+               base: Path | None = None, overlay: Path | None = None) -> list[str]:
     """The backend's own argv for ``spec`` (``machine.argv``) with the jail's fixed paths
-    replaced by ``kernel``/``initrd``/``layers``/``rw`` and its inherited descriptors by unix
-    sockets (agent, QMP) and a null console: the same machine, run by hand. ValueError if a
-    jail path or descriptor is left (the backend's argv grew something this does not map)."""
+    replaced by ``kernel``/``initrd``/``layers``/``rw`` (a disk image guest: ``base`` and
+    its ``overlay``) and its inherited descriptors by unix sockets (agent, QMP) and a null
+    console: the same machine, run by hand. ValueError if a jail path or descriptor is left
+    (the backend's argv grew something this does not map)."""
     if len(layers) != spec.layers:
         raise ValueError(f"{len(layers)} layer files for a spec of {spec.layers}")
     paths = {qemu.KERNEL: str(kernel), qemu.INITRD: str(initrd)}
     files = {f"file={qemu.layer_path(i)},": f"file={p}," for i, p in enumerate(layers)}
-    files[f"file={qemu.RW_DISK},"] = f"file={rw},"
+    if rw is not None:
+        files[f"file={qemu.RW_DISK},"] = f"file={rw},"
+    if base is not None and overlay is not None:
+        files[f"filename={rootdisk.BASE_IMG},"] = f"filename={base},"
+        files[f"filename={rootdisk.ROOT_QCOW2},"] = f"filename={overlay},"
     chardevs = {
         f"socket,id=console,fd={qemu.CONSOLE_FD},server=on,wait=off": "null,id=console",
         f"socket,id=qmp,fd={qemu.QMP_FD},server=on,wait=off":
@@ -333,6 +352,60 @@ async def server_phases(srv: Any, quick: bool, phases: frozenset[str],
             await idle_phase(client, 2 if quick else 4, res)
         if "restore" in phases:
             await restore_phase(client, 3 if quick else 10, res)
+        if "desktop" in phases:
+            await desktop_phase(client, quick, res, plain="plain_desktop" in phases)
+
+
+async def desktop_drawn(shot: Callable[[], Awaitable[bytes]], t0: float,
+                        timeout: float = DESKTOP_WAIT_S) -> float:
+    """Seconds from ``t0`` until a screenshot shows the drawn desktop (``rollbox.desktop``'s
+    check: its size, mostly its colour, the panel; decoded client-side); TimeoutError."""
+    from rollbox.desktop import png
+    from rollbox.desktop.episode import Screen
+
+    while time.monotonic() - t0 < timeout:
+        try:
+            if Screen(png.decode(await shot()), 0.0).is_desktop():
+                return time.monotonic() - t0
+        except Exception:  # noqa: BLE001 - no screen yet (QMP not up, firmware): look again
+            pass
+        await asyncio.sleep(0.5)
+    raise TimeoutError(f"no desktop drawn in {timeout:.0f} s")
+
+
+async def desktop_phase(client: Any, quick: bool, res: dict[str, Any],
+                        plain: bool) -> None:
+    """Sequential creates of the desktop: create -> the agent answers, create -> the desktop
+    drawn; the first apart (it builds a template where the backend makes them); screenshot
+    round trips of the drawn 1024x768 desktop. With ``plain``, a plain QEMU boot of the same
+    machine after each create (interleaved: the host's load moves during a run)."""
+    from rollbox.desktop.episode import CPUS, DESKTOP_IMAGE, MEMORY_MIB
+
+    agent, drawn, peer = [], [], []
+    for i in range(DESKTOP_CREATES_QUICK if quick else DESKTOP_CREATES):
+        if plain and i:
+            peer.append(await plain_desktop_boot())
+        t0 = time.monotonic()
+        sb = await client.create(DESKTOP_IMAGE, backend="vm", memory_mib=MEMORY_MIB, cpus=CPUS,
+                                 ttl_s=1800)
+        try:
+            await sb.exec(["true"])
+            agent.append(time.monotonic() - t0)
+            drawn.append(await desktop_drawn(sb.screenshot, t0))
+            say(f"desktop create {i}: agent {agent[-1]:.1f} s, drawn {drawn[-1]:.1f} s")
+            if i == 0:
+                lat = await round_trips(sb.screenshot, 10 if quick else 50, warmup=2)
+                shot = await sb.screenshot()
+                res.update(summarize(lat, "desktop_screenshot"))
+                res["desktop_screenshot_bytes"] = len(shot)
+        finally:
+            await sb.delete()
+    res["desktop_first_agent_s"], res["desktop_first_ready_s"] = agent[0], drawn[0]
+    res.update(summarize(agent[1:], "desktop_agent", "s"))
+    res.update(summarize(drawn[1:], "desktop_ready", "s"))
+    res["desktop_ready"] = f"creates 2..{len(drawn)} (the first apart)"
+    if peer:
+        res.update(summarize(peer, "plain_qemu_desktop_ready", "s"))
 
 
 # ---- the peer: plain QEMU --------------------------------------------------------------------
@@ -374,13 +447,61 @@ async def plain_phase(quick: bool, res: dict[str, Any]) -> None:
     say(f"plain QEMU (same machine) boot -> ready p50 {res['plain_qemu_ready_p50_s']:.2f} s")
 
 
+async def plain_desktop_boot() -> float:
+    """The backend's desktop machine by plain QEMU (``plain_argv`` of the disk spec: the same
+    kernel, initramfs and agent, the base read-only under a new empty qcow2 overlay made by
+    qemu-img as the backend makes it): seconds from the overlay's creation to the drawn
+    desktop (QMP screendumps)."""
+    from rollbox.backends.microvm.qmp import QMP
+    from rollbox.desktop.episode import CPUS, DESKTOP_IMAGE, MEMORY_MIB
+    from rollbox.images.vmdisk import resolve_vm_disk, vm_disks_root
+
+    s = Settings()
+    disk = resolve_vm_disk(vm_disks_root(), DESKTOP_IMAGE)
+    spec = qemu.MachineSpec(cpus=CPUS, memory_mib=MEMORY_MIB, layers=0, rw_disk=False,
+                            tsc_khz=qemu.host_tsc_khz(), root_disk=disk.name,
+                            init=disk.init)
+    with tempfile.TemporaryDirectory(prefix="rollbox-bench-plaindesk-") as d:
+        work = Path(d)
+        overlay, qs = work / "root.qcow2", work / "qmp.sock"
+        argv = plain_argv(spec, binary=str(s.qemu_binary), kernel=s.vm_full_kernel,
+                          initrd=s.vm_full_initrd, layers=[], rw=None,
+                          agent=work / "agent.sock", qmp_sock=qs, base=disk.disk,
+                          overlay=overlay)
+        t0 = time.monotonic()
+        mk = await asyncio.create_subprocess_exec(
+            "qemu-img", "create", "-q", "-f", "qcow2", str(overlay), str(disk.bytes))
+        if await mk.wait() != 0:
+            raise RuntimeError("qemu-img create failed")
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL)
+        try:
+            while not qs.exists():
+                if proc.returncode is not None:
+                    raise RuntimeError(f"qemu exited {proc.returncode}")
+                await asyncio.sleep(0.05)
+            q = await QMP.connect(qs)
+            try:
+                took = await desktop_drawn(
+                    lambda: display.screendump(q, s.vm_screenshot_max_bytes), t0)
+            finally:
+                q.close()
+            say(f"plain QEMU desktop: drawn {took:.1f} s")
+            return took
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+
 # ---- the run ---------------------------------------------------------------------------------
 
 def main(quick: bool = False, json_out: bool = False,
-         only: frozenset[str] | None = None) -> dict[str, Any]:
-    phases = PHASES if only is None else only
-    if not phases or not phases <= PHASES:
-        raise SystemExit(f"bench vm: phases are {', '.join(sorted(PHASES))}")
+         only: frozenset[str] | None = None, desktop: bool = False) -> dict[str, Any]:
+    phases = (PHASES | (DESKTOP_PHASES if desktop else frozenset())) if only is None else only
+    if not phases or not phases <= PHASES | DESKTOP_PHASES:
+        raise SystemExit(f"bench vm: phases are {', '.join(sorted(PHASES | DESKTOP_PHASES))}")
     node = Settings()
     if not node.vm_full_initrd.is_file():
         raise SystemExit(f"bench vm: no full-VM guest at {node.vm_full_initrd} (make vmguest)")
@@ -390,13 +511,18 @@ def main(quick: bool = False, json_out: bool = False,
                            "restore_ready_p50_s": None,
                            "restore_ready": "not measured: phase restore not run",
                            "desktop_ready_p50_s": None,
-                           "desktop_ready": "not measured: desktop disk boot not on main"}
+                           "desktop_ready": "not measured: run with --desktop"}
     t0 = time.monotonic()
-    if phases & SERVER_PHASES:
+    if phases & (SERVER_PHASES | {"desktop"}):
         with server() as srv:
             asyncio.run(server_phases(srv, quick, phases, res))
     if "plain" in phases:
         asyncio.run(plain_phase(quick, res))
+    if "plain_desktop" in phases and "desktop" not in phases:
+        res.update(summarize([asyncio.run(plain_desktop_boot()) for _ in range(2)],
+                             "plain_qemu_desktop_ready", "s"))
+    res["ratio_vs_plain_qemu_desktop"] = ratio(res.get("desktop_ready_p50_s"),
+                                               res.get("plain_qemu_desktop_ready_p50_s"))
     res["ratio_vs_plain_qemu_ready"] = ratio(res.get("cold_ready_p50_s"),
                                              res.get("plain_qemu_ready_p50_s"))
     res["ratio_vs_microvm_ready"] = ratio(res.get("cold_ready_p50_s"),
@@ -410,4 +536,5 @@ def main(quick: bool = False, json_out: bool = False,
 
 if __name__ == "__main__":
     only = next((sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a == "--only"), "")
-    main(quick="--quick" in sys.argv, json_out="--json" in sys.argv, only=parse_only(only))
+    main(quick="--quick" in sys.argv, json_out="--json" in sys.argv, only=parse_only(only),
+         desktop="--desktop" in sys.argv)

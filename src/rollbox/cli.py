@@ -317,13 +317,15 @@ def bench_vm(quick: bool = typer.Option(False, "--quick"),
              json_out: bool = typer.Option(False, "--json"),
              only: str = typer.Option("", "--only", help="comma-separated phases: ready,exec,"
                                       "screenshot,input,input_to_screen,pause,idle,plain,"
-                                      "restore "
-                                      "(default: all)")) -> None:
+                                      "restore (default: all); desktop,plain_desktop opt in"),
+             desktop: bool = typer.Option(False, "--desktop", help="also the desktop:1 disk: "
+                                          "create -> drawn, and plain QEMU's boot of it "
+                                          "(minutes under TCG)")) -> None:
     """Full VMs (backend vm): create -> ready, exec, screenshot, input and input-to-screen,
     pause/resume, idle memory; a plain QEMU boot of the same machine and microVM creates as
-    peers."""
+    peers; with --desktop the desktop disk's boot to a drawn desktop against plain QEMU's."""
     mod = _load_bench("vm")
-    mod.main(quick=quick, json_out=json_out, only=mod.parse_only(only))
+    mod.main(quick=quick, json_out=json_out, only=mod.parse_only(only), desktop=desktop)
 
 
 @bench_command("cluster-control")

@@ -773,6 +773,8 @@ class Settings:
                  "vm_full_kernel", "vm_full_initrd", "vm_full_guest_manifest"]
         if self.images_root is not None:
             names.append("images_root")
+        if self.vm_disks_root is not None:
+            names.append("vm_disks_root")
         if self.chunk_store is not None:
             names.append("chunk_store")
         return {VARS[n].env: env_text(getattr(self, n)) for n in names}

@@ -100,3 +100,42 @@ def test_summaries_and_only(vm) -> None:  # noqa: ANN001
     assert vm.parse_only("plain, ready") == frozenset({"plain", "ready"})
     with pytest.raises(SystemExit, match="phases are"):
         vm.main(only=frozenset({"nope"}))
+
+
+def test_plain_argv_of_a_disk_image_guest(vm) -> None:  # noqa: ANN001
+    from rollbox.backends.vm import rootdisk
+
+    spec = qemu.MachineSpec(cpus=2, memory_mib=1024, layers=0, rw_disk=False,
+                            root_disk="desktop:1", init="/sbin/init")
+    plain = vm.plain_argv(spec, binary="qemu", kernel=Path("/k"), initrd=Path("/i"),
+                          layers=[], rw=None, agent=Path("/t/a"), qmp_sock=Path("/t/q"),
+                          base=Path("/d/disk.img"), overlay=Path("/t/root.qcow2"))
+    ours = machine.argv(spec, "qemu")
+    blockdevs = [b for a, b in zip(plain, plain[1:]) if a == "-blockdev"]
+    assert blockdevs[0].startswith("driver=file,filename=/d/disk.img,")
+    assert "read-only=on" in blockdevs[0] and "read-only=on" in blockdevs[1]
+    assert blockdevs[2].startswith("driver=file,filename=/t/root.qcow2,")
+    assert "backing=base" in blockdevs[3]
+    assert rootdisk.BASE_IMG in " ".join(ours) and not [a for a in plain if "/vm/" in a]
+    append = plain[plain.index("-append") + 1]
+    assert "rollbox.root=1" in append and "rollbox.init=/sbin/init" in append
+    with pytest.raises(ValueError, match="/vm/"):  # a disk guest's paths not given
+        vm.plain_argv(spec, binary="qemu", kernel=Path("/k"), initrd=Path("/i"), layers=[],
+                      rw=None, agent=Path("/t/a"), qmp_sock=Path("/t/q"))
+
+
+async def test_desktop_drawn(vm) -> None:  # noqa: ANN001
+    from rollbox.desktop import png
+
+    # no screen yet, then VGA text mode, then a real 1024x768 desktop frame (QEMU's)
+    frames = [b"not a png", png.encode(png.Image(720, 400, bytes(720 * 400 * 3)), 1)]
+    real = Path(__file__).resolve().parents[2] / "docs" / "backends" / "vm-desktop.png"
+    frames.append(real.read_bytes())
+
+    async def shot() -> bytes:
+        return frames.pop(0)
+
+    took = await vm.desktop_drawn(shot, t0=0.0, timeout=1e12)
+    assert took > 0 and frames == []
+    with pytest.raises(TimeoutError):
+        await vm.desktop_drawn(shot, t0=-1e12, timeout=1.0)

@@ -114,8 +114,10 @@ def test_environ_gives_a_child_the_same_node(clean_env: pytest.MonkeyPatch,
     child = Settings()
     for name in ("data_dir", "run_dir", "run_tmpfs", "images_root", "uid_base", "vm_templates",
                  "node_id", "cgroup_parent", "net_pool", "net_host_range", "host_auto",
-                 "host_dir", "node_share", "node_cpus", "node_memory_mib", "chunk_store"):
+                 "host_dir", "node_share", "node_cpus", "node_memory_mib", "chunk_store",
+                 "vm_disks_root"):
         assert getattr(child, name) == getattr(s, name), name
+    assert s.vm_disks_root is not None  # scratch: the node's VM disks (the desktop)
     assert {e.name: e.source for e in describe(child)}["node_id"] == "ROLLBOX_NODE"
 
 
