@@ -14,10 +14,11 @@ from collections.abc import AsyncIterator, Sequence
 
 from fastapi import FastAPI
 
-from rollbox.api import errors, frontdoors, ports
+from rollbox.api import dashboard, errors, frontdoors, ports
 from rollbox.api.bodies import BodyLimitMiddleware
 from rollbox.api.context import ApiContext
 from rollbox.api.observe import ApiMetricsMiddleware
+from rollbox.api.sessions import Sessions
 from rollbox.api.frontdoors import FrontDoor
 from rollbox.api.routes import ROUTERS, fncall
 from rollbox.trace import RequestIdMiddleware
@@ -66,10 +67,12 @@ def create_app(placement: Placement, keys: IamStore, *,
         # The routers' routes as the app's own, not include_router: FastAPI keeps an included
         # router as one route that every request is matched through (+20-70 us per request
         # measured here); these routers have no prefix, dependencies or options to apply.
-        routes=[route for router in ROUTERS for route in router.routes],
+        routes=[route for router in (*ROUTERS, dashboard.router) for route in router.routes],
     )
     app.add_middleware(BodyLimitMiddleware)
-    ports.install(app, api, port_config or ports.PortConfig.ephemeral())
+    port_config = port_config or ports.PortConfig.ephemeral()
+    ports.install(app, api, port_config)
+    app.state.dashboard_sessions = Sessions(port_config.secret)  # its own key, derived
     app.add_middleware(ApiMetricsMiddleware)
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries its request id
     app.state.api = api

@@ -11,6 +11,7 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 
 from rollbox import errors, trace
 from rollbox.api.context import ApiContext
+from rollbox.api.sessions import cookie_principal
 from rollbox.edge.interface import EdgeAPI
 from rollbox.iam import Principal
 
@@ -45,9 +46,15 @@ async def principal(
     cred: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
     header_key: Annotated[str | None, Security(_api_key_header)],
 ) -> Principal:
-    """The caller, by the keys of the app's context."""
-    return await context_of(request).principal(
-        cred.credentials if cred is not None else header_key)
+    """The caller, by the keys of the app's context; without a key, a GET or HEAD may carry
+    a dashboard session (api.sessions: read-only by construction). The caller's project is
+    kept on the request for the recent-errors ring."""
+    key = cred.credentials if cred is not None else header_key
+    who = await cookie_principal(request) if key is None else None
+    if who is None:
+        who = await context_of(request).principal(key)
+    request.state.caller_project = who.project
+    return who
 
 
 Who = Annotated[Principal, Depends(principal)]
