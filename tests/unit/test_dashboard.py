@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from rollbox import errors
-from rollbox.api.sessions import COOKIE, Sessions
+from rollbox.api.sessions import Sessions
 from rollbox.iam import Principal
 from test_api_support import ApiStack
 
