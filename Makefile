@@ -6,12 +6,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 APT_PACKAGES := runc erofs-utils debootstrap podman fuse3 iproute2 gcc libc6-dev make \
 	python3-venv ca-certificates busybox-static util-linux nftables xfslibs-dev bash-static \
-	btrfs-progs qemu-system-x86 qemu-utils lz4 postgresql
+	btrfs-progs qemu-system-x86 qemu-utils lz4 postgresql chromium chromium-driver
 export ROLLBOX_AGENT := $(CURDIR)/build/rollbox-agent
 
-.PHONY: deps venv native guest vmguest images setup demo test test-upstream test-browser bench clean-host
+.PHONY: deps venv native guest vmguest novnc images setup demo test test-upstream test-browser bench clean-host
 deps: build/.apt-stamp
-build/.apt-stamp:
+build/.apt-stamp: Makefile
 	mkdir -p build
 	@if ! dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(APT_PACKAGES); fi
@@ -54,7 +54,23 @@ vmguest: build/vmguest/manifest.json
 build/vmguest/manifest.json: build/rollbox-agent $(GUEST_SOURCES) src/rollbox/guest/vmbuild.py | deps
 	PYTHONPATH=$(CURDIR)/src $(PY) -m rollbox.guest.vmbuild
 
-setup: deps venv native guest vmguest
+# noVNC for the live view (rollbox.api.liveview serves it): the pinned npm package, fetched with
+# npm (its configured registry), its sha512 checked against the integrity pinned here before it
+# is unpacked; only its core/ and vendor/ modules and licences are kept (build/novnc).
+NOVNC_VERSION := 1.7.0
+NOVNC_SHA512 := ucEJOx4T2avIRCleodk7YobZj5O2Ga2AeLfQ69A/yjG9HHba2+PDgwSkN3FttrmG+70ZGx21sElNFouK13RzyA==
+novnc: build/novnc/.version
+build/novnc/.version: Makefile
+	rm -rf build/novnc build/novnc.tmp && mkdir -p build/novnc.tmp
+	cd build/novnc.tmp && npm pack --silent --ignore-scripts @novnc/novnc@$(NOVNC_VERSION) >/dev/null
+	$(PY) -c 'import base64, hashlib, sys; d = base64.b64encode(hashlib.sha512(open(sys.argv[1], "rb").read()).digest()).decode(); sys.exit(0 if d == sys.argv[2] else "noVNC tarball: sha512 " + d + " is not the pinned " + sys.argv[2])' \
+		build/novnc.tmp/novnc-novnc-$(NOVNC_VERSION).tgz '$(NOVNC_SHA512)'
+	tar -xzf build/novnc.tmp/novnc-novnc-$(NOVNC_VERSION).tgz -C build/novnc.tmp \
+		--no-same-owner --no-same-permissions package/core package/vendor package/LICENSE.txt package/docs
+	mv build/novnc.tmp/package build/novnc && rm -rf build/novnc.tmp
+	echo $(NOVNC_VERSION) > $@
+
+setup: deps venv native guest vmguest novnc
 
 images: setup
 	$(BIN)/rollbox image ensure-defaults

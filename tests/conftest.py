@@ -188,6 +188,19 @@ async def api_server(edge, api_edge, tmp_path: Path) -> AsyncIterator:  # noqa: 
         keys.close()
 
 
+@pytest.fixture
+def chromium() -> Iterator:
+    """A selenium WebDriver on real headless chromium (tests.helpers.chromium), quit at the
+    end; the test is skipped where chromium, its driver or selenium is not installed."""
+    from tests.helpers import chromium as browser
+
+    why = browser.missing()
+    if why is not None:
+        pytest.skip(why)
+    with browser.chromium() as driver:
+        yield driver
+
+
 @pytest.fixture(scope="session")
 def postgres() -> Iterator:
     """One real PostgreSQL server for the session (``rollbox.cluster.postgres.PostgresServer``,

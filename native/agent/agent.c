@@ -3869,6 +3869,95 @@ static void port_event(uint32_t e)
         read_conn(0);
 }
 
+/* ---------- rollbox.tty1=1: the platform busybox sh on the VGA screen's tty ----------
+ * A full VM's test guest (docs/backends/vm.md, "Two kinds of guest", 1.): with rollbox.tty1=1
+ * the agent starts the platform's busybox `sh` (by descriptor: never a binary of the sandbox)
+ * on /dev/tty1, chrooted into the sandbox root with a command's capabilities, in its own
+ * cgroup under the sessions' parent (so the sandbox's pids limit counts it), so a person at
+ * the live view types into the sandbox as a command would run there. A small supervisor
+ * (a fork of the agent that keeps only the two descriptors it needs) starts it again, at most
+ * once a second, when it exits. Nothing else of the agent depends on it. */
+#define TTY1_DEV "/dev/tty1"
+#define TTY1_CGROUP "/sys/fs/cgroup/rollbox/tty1"
+
+static int tty1_wanted(void)
+{
+    char cmdline[4096] = "", val[8];
+    int cfd = open("/proc/cmdline", O_RDONLY | O_CLOEXEC);
+    if (cfd < 0)
+        return 0;
+    ssize_t r = read(cfd, cmdline, sizeof cmdline - 1);
+    cmdline[r > 0 ? r : 0] = 0;
+    close(cfd);
+    cmdline_value(cmdline, "rollbox.tty1", val, sizeof val);
+    return strcmp(val, "1") == 0;
+}
+
+static void tty1_shell_exec(void)
+{
+    static char *const argv[] = {"sh", NULL};
+    static char *const envp[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                                 "HOME=/root", "TERM=linux", "PS1=sandbox:\\w# ", NULL};
+    if (setsid() < 0)
+        _exit(126);
+    int cg = open(TTY1_CGROUP "/cgroup.procs", O_WRONLY | O_CLOEXEC);
+    if (cg < 0 || write(cg, "0", 1) != 1)
+        _exit(126);
+    close(cg);
+    int tty = open(TTY1_DEV, O_RDWR | O_CLOEXEC); /* the initramfs' devtmpfs, before the chroot */
+    if (tty < 0 || ioctl(tty, TIOCSCTTY, 1) < 0 || dup2(tty, 0) < 0 || dup2(tty, 1) < 0 ||
+        dup2(tty, 2) < 0)
+        _exit(126);
+    if (tty > 2)
+        close(tty);
+    if (fchdir(root_fd) < 0 || chroot(".") < 0 || chdir("/") < 0)
+        _exit(126);
+    if (!guest_full_root && drop_guest_caps() < 0)
+        _exit(126);
+    umask(022);
+    syscall(SYS_execveat, tool_fd, "", argv, envp, AT_EMPTY_PATH);
+    _exit(127);
+}
+
+static void tty1_start(void)
+{
+    if (root_fd < 0 || tool_fd < 0) {
+        logmsg("rollbox.tty1: no sandbox root or platform busybox: no shell on tty1");
+        return;
+    }
+    if (mkdir(TTY1_CGROUP, 0755) < 0 && errno != EEXIST) {
+        logmsg("rollbox.tty1: cgroup: %s", strerror(errno));
+        return;
+    }
+    pid_t sup = fork();
+    if (sup != 0) {
+        if (sup < 0)
+            logmsg("rollbox.tty1: fork: %s", strerror(errno));
+        return; /* the agent reaps the supervisor if it ever ends (an unknown pid) */
+    }
+    /* The supervisor: none of the agent's descriptors but the sandbox root and the tool. */
+    prctl(PR_SET_NAME, "rollbox-tty1", 0, 0, 0);
+    for (int fd = 3; fd < 4096; fd++)
+        if (fd != root_fd && fd != tool_fd)
+            close(fd);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    signal(SIGPIPE, SIG_DFL);
+    for (;;) {
+        int64_t started = now_ms();
+        pid_t sh = fork();
+        if (sh == 0)
+            tty1_shell_exec();
+        if (sh > 0)
+            while (waitpid(sh, NULL, 0) < 0 && errno == EINTR)
+                ;
+        int64_t ran = now_ms() - started;
+        if (ran < 1000)
+            sleep_ms((int)(1000 - ran));
+    }
+}
+
 int main(int argc, char **argv)
 {
     if (argc > 0 && strcmp(argv[0], XATTR_TOOL) == 0) /* a platform tool, exec'd by a spawn */
@@ -3942,6 +4031,8 @@ int main(int argc, char **argv)
         } else {
             logmsg("no agent port: commands can not reach this guest");
         }
+        if (tty1_wanted())
+            tty1_start();
         if (pids_fd >= 0)
             ep_add(pids_fd, EPOLLIN, &w_pids);
     } else {

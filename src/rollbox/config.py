@@ -350,6 +350,20 @@ class Settings:
         "ROLLBOX_VM_FULL_TEMPLATE_SETTLE_S", "vm", 600.0, float,
         "How long a `vm` template's build VM may take after its agent answered until its "
         "screen settles (a desktop drawn); past it the create boots cold.")
+    view_token_ttl_s: float = setting(
+        "ROLLBOX_VIEW_TOKEN_TTL", "vm", 900.0, float,
+        "Seconds a live view's cookie lives unless its request asks for less (at most "
+        "`view_token_max_ttl_s`); the view's WebSocket ends with it.")
+    view_token_max_ttl_s: float = setting(
+        "ROLLBOX_VIEW_TOKEN_MAX_TTL", "vm", 4 * 3600.0, float,
+        "The longest life a live view's cookie may be asked for.")
+    view_code_ttl_s: float = setting(
+        "ROLLBOX_VIEW_CODE_TTL", "vm", 60.0, float,
+        "Seconds a live view's one-time login code (its URL) may wait to be used.")
+    view_novnc_dir: Path = setting(
+        "ROLLBOX_VIEW_NOVNC_DIR", "vm", REPO_ROOT / "build" / "novnc", Path,
+        "noVNC's files the live view page serves (`make novnc`, part of `make setup`: the "
+        "pinned npm package, its sha512 checked).")
     # ---- microVM templates ---------------------------------------------------------------
     vm_templates: bool = setting(
         "ROLLBOX_VM_TEMPLATES", "templates", True, flag,

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from rollbox.api.app import create_app
+from rollbox.api.liveview import ViewConfig
 from rollbox.api.ports import PortConfig
 from rollbox.api.server import BackgroundServer, serve_app
 from rollbox.edge.server import wait_healthy
@@ -66,9 +67,11 @@ class EmbeddedNode:
         # Placement decides from the watcher's view, never an edge call per decision.
         placement = Placement(self.registry, self.watcher,
                               config=PlacementConfig.from_settings(s))
+        ports = PortConfig.from_settings(s)
         return create_app(placement, self.keys,
                           leases=self.leases, ledger=self.ledger, front_doors=FRONT_DOORS,
-                          watcher=self.watcher, port_config=PortConfig.from_settings(s))
+                          watcher=self.watcher, port_config=ports,
+                          view_config=ViewConfig.from_settings(s, ports.secret))
 
     def ensure_admin_key(self) -> str:
         """The local admin key, kept root-only next to the data (SDK default on this host)."""

@@ -13,12 +13,14 @@ The tree (class, wire code, HTTP status, ``R`` = retryable: when it is raised)::
     │   ├── DiskFull             bad_request            400    the sandbox's disk/inodes are full
     │   └── IdempotencyConflict  idempotency_conflict   400    exec/create key reused, other spec
     ├── Unauthorized             unauthorized           401    no key, or unknown or revoked
-    │   └── PortTokenInvalid     port_token_invalid     401    port token forged, expired, other
+    │   ├── PortTokenInvalid     port_token_invalid     401    port token forged, expired, other
+    │   └── ViewTokenInvalid     view_token_invalid     401    live view: no/forged/expired/used
     ├── Forbidden                forbidden              403    a key that may not (admin routes)
     ├── NotFound                 not_found              404    no such sandbox/image/exec/file/job
     ├── CommandTimeout           command_timeout        408    SDK: exec(check=True) timed out
     ├── SandboxPaused            sandbox_paused         409    exec in a paused sandbox
     ├── HostResourceConflict     host_resource_conflict 409    edge start: another edge holds it
+    ├── DisplayLocked            display_locked         409    a person took over mouse/keyboard
     ├── SandboxDead              sandbox_dead           410    deleted, expired, OOM-killed, lost
     ├── PayloadTooLarge          payload_too_large      413    a body/file/tar/diff over its cap
     ├── QuotaExceeded            quota_exceeded         429    the project's quota says no
@@ -120,6 +122,13 @@ class PortTokenInvalid(Unauthorized):
     another sandbox or port (``details.reason``: forged | expired | malformed)."""
 
     code = "port_token_invalid"
+
+
+class ViewTokenInvalid(Unauthorized):
+    """The live view (rollbox.api.liveview): no view cookie, or a code or token that is
+    forged, expired, already used or made for another sandbox (``details.reason``)."""
+
+    code = "view_token_invalid"
 
 
 class Forbidden(RollboxError):
@@ -324,6 +333,14 @@ class UpstreamTooLarge(InfraError):
     retryable = False
 
 
+class DisplayLocked(RollboxError):
+    """A person took over the sandbox's screen at its live view: the computer-use input
+    routes refuse until they release it (screenshots still work)."""
+
+    code = "display_locked"
+    status = 409
+
+
 class NotSupported(RollboxError):
     """A peer's feature rollbox does not offer (a compat front door: an E2B route or option);
     the message names the feature. Not retryable: the same request fails the same way."""
@@ -340,12 +357,14 @@ ERRORS_BY_CODE: dict[str, type[RollboxError]] = {
         IdempotencyConflict,
         Unauthorized,
         PortTokenInvalid,
+        ViewTokenInvalid,
         Forbidden,
         NotFound,
         PayloadTooLarge,
         QuotaExceeded,
         SandboxDead,
         SandboxPaused,
+        DisplayLocked,
         CommandTimeout,
         InfraError,
         CapacityExceeded,

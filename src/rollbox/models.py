@@ -95,6 +95,10 @@ class SandboxSpec(BaseModel):
     # latency-sensitive (graders and fncall workers; placed with more headroom, never on a
     # burst node).
     qos: Qos = "batch"
+    # "vm" sandboxes of a layered image: "shell" starts the platform's busybox sh on the VGA
+    # screen's tty1 inside the sandbox (a person at the live view types there; the
+    # default-tier test guest); "none" leaves the screen to the kernel's console.
+    vm_console: Literal["none", "shell"] = "none"
 
     @model_validator(mode="after")
     def _pause_kind(self) -> SandboxSpec:
@@ -207,6 +211,11 @@ class SandboxInfo(BaseModel):
     guest_reported: bool = False
     idempotency_key: str | None = None  # of the create that made it (SandboxSpec's)
     fork_key: str | None = None  # of the fork that made it (ForkSpec's idempotency_key)
+    vm_console: Literal["none", "shell"] = "none"  # SandboxSpec's
+    # A person holds the live view's mouse and keyboard now (the agent's computer-use input
+    # is refused meanwhile), and how many times one took over: > 0 flags the episode.
+    taken_over: bool = False
+    takeovers: int = 0
 
 
 PTY_MAX_SIZE = 1000  # columns and rows of a terminal (the agent's bound too)
@@ -836,6 +845,23 @@ class DisplayInfo(BaseModel):
     """A sandbox's screen as its VM draws it now."""
     width: int
     height: int
+
+
+class ViewRequest(BaseModel):
+    """``POST /v1/sandboxes/{id}/view``: a live view of the screen (rollbox.api.liveview);
+    ``ttl_s``: how long the view's cookie lives (None: the api's view_token_ttl_s)."""
+    model_config = ConfigDict(extra="forbid")
+    ttl_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
+
+
+class ViewAccess(BaseModel):
+    """A live view: ``url`` (below the api's URL) holds a one-time code that a browser
+    exchanges for the view's cookie by opening it, before ``code_expires_at``; the view then
+    lives until ``expires_at`` at the latest (unix seconds), and ends with the sandbox."""
+    sandbox_id: str
+    url: str
+    code_expires_at: float
+    expires_in_s: float
 
 
 class ComputerActionResult(BaseModel):

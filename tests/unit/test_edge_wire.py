@@ -22,7 +22,7 @@ MEMBERS = {n for n, _ in inspect.getmembers(EdgeAPI) if not n.startswith("_")}
 def test_every_method_of_the_interface_is_on_the_wire() -> None:
     tables = set(wire.UNARY) | set(wire.SERVER_STREAMS) | set(wire.CLIENT_STREAMS)
     assert len(tables) == len(wire.UNARY) + len(wire.SERVER_STREAMS) + len(wire.CLIENT_STREAMS)
-    assert MEMBERS == tables | {"platform_exec", "port_open"}
+    assert MEMBERS == tables | {"platform_exec", "port_open", "display_open"}
 
 
 @pytest.mark.parametrize("name", sorted(MEMBERS))

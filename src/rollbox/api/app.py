@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from fastapi import FastAPI
 
-from rollbox.api import dashboard, errors, frontdoors, ports
+from rollbox.api import dashboard, errors, frontdoors, liveview, ports
 from rollbox.api.bodies import BodyLimitMiddleware
 from rollbox.api.context import ApiContext
 from rollbox.api.observe import ApiMetricsMiddleware
@@ -22,6 +22,7 @@ from rollbox.api.sessions import Sessions
 from rollbox.api.frontdoors import FrontDoor
 from rollbox.api.routes import ROUTERS, fncall
 from rollbox.trace import RequestIdMiddleware
+from rollbox.config import Settings
 from rollbox.iam import IamStore, QuotaLedger
 from rollbox.jobs import LeaseStore
 from rollbox.placement import Placement
@@ -33,7 +34,8 @@ def create_app(placement: Placement, keys: IamStore, *,
                ledger: QuotaLedger | None = None,
                front_doors: Sequence[FrontDoor] = (),
                watcher: Watcher | None = None,
-               port_config: ports.PortConfig | None = None) -> FastAPI:
+               port_config: ports.PortConfig | None = None,
+               view_config: liveview.ViewConfig | None = None) -> FastAPI:
     """The api keeps no audit trail of its own: each edge keeps its sandboxes' (read and added
     to through ``EdgeAPI.events``/``record_event``). ``leases``: the trainer-job lease
     store the edges sweep (None: no jobs on this server; see rollbox.api.routes.jobs).
@@ -45,6 +47,8 @@ def create_app(placement: Placement, keys: IamStore, *,
     node's sandboxes answer sandbox_dead (reason node_lost), ``/v1/cluster/status``.
     ``port_config``: the exposed ports' domain and token key (rollbox.api.ports; None: the
     path form only, tokens under a per-process key).
+    ``view_config``: the live view's lifetimes and noVNC's files (rollbox.api.liveview; None:
+    the settings' defaults, the tokens under the port tokens' key).
     A placement whose view is a watcher nobody runs yet (``rollbox.watcher.placement_over``)
     has it run by this app, from its start-up to its shutdown."""
     api = ApiContext(placement, keys, leases, ledger=ledger, watcher=watcher)
@@ -73,6 +77,8 @@ def create_app(placement: Placement, keys: IamStore, *,
     port_config = port_config or ports.PortConfig.ephemeral()
     ports.install(app, api, port_config)
     app.state.dashboard_sessions = Sessions(port_config.secret)  # its own key, derived
+    liveview.install(app, api, view_config or liveview.ViewConfig.from_settings(
+        Settings(), port_config.secret))
     app.add_middleware(ApiMetricsMiddleware)
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries its request id
     app.state.api = api

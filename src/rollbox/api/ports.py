@@ -615,7 +615,7 @@ class PortProxy:
             proto.send_request(request)
             response = await _ws_handshake(proto, stream)
             if response.status_code != 101 or proto.handshake_exc is not None:
-                await _deny(scope, send, response.status_code, response.body or b"")
+                await deny_websocket(scope, send, response.status_code, response.body or b"")
                 return
             accept: Message = {"type": "websocket.accept",
                                "subprotocol": response.headers.get("Sec-WebSocket-Protocol"),
@@ -783,7 +783,7 @@ def _client_code(code: int) -> int:
     return code if 1000 <= code < 5000 and code not in (1005, 1006, 1015) else 1000
 
 
-async def _deny(scope: Scope, send: Send, status: int, body: bytes) -> None:
+async def deny_websocket(scope: Scope, send: Send, status: int, body: bytes) -> None:
     """A WebSocket refused before its accept: an HTTP answer where the server can send one
     (the ASGI websocket.http.response extension), else a close (uvicorn: 403)."""
     if "websocket.http.response" in scope.get("extensions", {}):
@@ -797,7 +797,7 @@ async def _deny(scope: Scope, send: Send, status: int, body: bytes) -> None:
 async def _refuse(scope: Scope, send: Send, exc: errors.RollboxError) -> None:
     body = json.dumps(error_payload(exc)).encode()
     if scope["type"] == "websocket":
-        await _deny(scope, send, exc.status, body)
+        await deny_websocket(scope, send, exc.status, body)
         return
     with contextlib.suppress(OSError, RuntimeError):  # a response already started: cut
         await send({"type": "http.response.start", "status": exc.status,
@@ -820,5 +820,5 @@ def install(app: Any, api: ApiContext, config: PortConfig) -> PortTokens:
     return tokens
 
 
-__all__ = ["PortConfig", "PortProxy", "PortTokens", "UpstreamPool", "check_port", "install",
-           "token_secret"]
+__all__ = ["PortConfig", "PortProxy", "PortTokens", "UpstreamPool", "check_port", "deny_websocket",
+           "install", "token_secret"]

@@ -14,7 +14,7 @@ edge keep coding against it.
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -65,6 +65,7 @@ class ResolvedSpec:
     # A vm backend disk image's name (rollbox.images.vmdisk; ``layers`` is then empty): the
     # guest's root is a copy-on-write overlay of that disk, not layers (docs/backends/vm.md).
     disk_image: str = ""
+    vm_console: str = "none"  # "vm" backend: "shell" puts a shell on the screen's tty1
 
 
 @dataclass
@@ -195,6 +196,11 @@ class Display(Protocol):
     # A connected VNC (RFB) stream to the screen for a live view (a socketpair end; QEMU got
     # the other by QMP add_client: nothing listens). The caller closes it.
     async def vnc_client(self) -> socket.socket: ...
+    # The live view's stream (rollbox.backends.vm.rfb): what QEMU's VNC server sends, as it is;
+    # what the viewer writes is checked message by message (BadRequest ends it), only what
+    # draws the screen reaches QEMU, and its keyboard and pointer go through the one input
+    # path while ``allow_input()`` is true (dropped otherwise). The caller closes it.
+    async def live_view(self, allow_input: Callable[[], bool]) -> PortStream: ...
 
 
 class SandboxHandle(Protocol):

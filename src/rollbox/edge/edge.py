@@ -38,7 +38,7 @@ from rollbox.edge.leases import JobLeases, LeaseReaper
 from rollbox.edge.sessions import ExecSession
 from rollbox.edge.storage import LayerStorage, project_image_name
 from rollbox.errors import (
-    BadRequest, CapacityExceeded, DiskFull, ExecIndeterminate, IdempotencyConflict, InfraError, NotFound,
+    BadRequest, CapacityExceeded, DiskFull, DisplayLocked, ExecIndeterminate, IdempotencyConflict, InfraError, NotFound,
     NotSupported, PayloadTooLarge, QuotaExceeded, RollboxError, SandboxDead, SandboxPaused,
     error_from_payload, without_paths,
 )
@@ -307,7 +307,8 @@ class Edge:
             env=dict(extra.get("env", {})), hidden_paths=tuple(info.hidden_paths),
             network_rules=tuple(info.network.allow) if info.network is not None else None,
             disk_tier=info.disk_tier, machine_snapshot=extra.get("machine_snapshot"),
-            qos=info.qos, disk_image=str(extra.get("disk_image") or ""))
+            qos=info.qos, disk_image=str(extra.get("disk_image") or ""),
+            vm_console=info.vm_console)
 
     def _rebuild_sessions(self, live: LiveSandbox) -> list[asyncio.Task]:
         """Commands of a re-adopted sandbox, from the journal and the agent: recorded ends as
@@ -642,6 +643,10 @@ class Edge:
             raise BadRequest(f"backend {spec.backend!r} is not offered by node {self.node_id}"
                              f"{why}; offered: {', '.join(offered) or 'none'}",
                              backend=spec.backend, offered=offered)
+        if spec.vm_console != "none" and not cap.facts.get("computer_use"):
+            raise BadRequest(f"vm_console {spec.vm_console!r} is for sandboxes with a screen "
+                             f"(backend \"vm\"), not {spec.backend}", reason="vm_console",
+                             backend=spec.backend)
         r = spec.resources
         # A backend's bound is the host's; a node with a share of the host (co-hosted
         # edges) gives one sandbox at most its share.
@@ -763,6 +768,7 @@ class Edge:
             backend=spec.backend, qos=spec.qos, idempotency_key=spec.idempotency_key,
             on_expiry=spec.on_expiry, resume_on_traffic=spec.resume_on_traffic,
             pause_keep_memory=spec.pause_keep_memory, ttl_s=spec.ttl_s,
+            vm_console=spec.vm_console,
         )
         env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
         env.update((image_config or {}).get("env", {}))
@@ -1781,7 +1787,7 @@ class Edge:
                     backend=src.backend, qos=src.qos, on_expiry=src.on_expiry,
                     resume_on_traffic=src.resume_on_traffic, ttl_s=src.ttl_s,
                     pause_keep_memory=src.pause_keep_memory,
-                    fork_key=spec.idempotency_key)
+                    fork_key=spec.idempotency_key, vm_console=src.vm_console)
                 self.journal.put(info, extra={"env": env})
                 infos.append(info)
             async with live.freeze_lock:
@@ -2039,7 +2045,12 @@ class Edge:
         """One mouse or keyboard action, checked by the backend first (BadRequest: nothing
         sent), then recorded in the event log as ``computer.<action>`` (its arguments, the
         display it was checked against, the screen's hash if asked), like a command."""
-        result = await self._display(sandbox_id).act(action)
+        screen = self._display(sandbox_id)
+        if self._live(sandbox_id).info.taken_over:
+            raise DisplayLocked(f"a person took over sandbox {sandbox_id}'s screen at its live "
+                                "view: mouse and keyboard are theirs until they release it",
+                                sandbox_id=sandbox_id, action=action.action)
+        result = await screen.act(action)
         record = action.model_dump(exclude_none=True, exclude={"screenshot_hash"})
         record.update(display=result.display.model_dump(), events=result.events,
                       ts=result.ts)
@@ -2048,6 +2059,38 @@ class Edge:
         self.event_log.append(sandbox_id, f"computer.{action.action}",
                               data=json.dumps(record))
         return result
+
+    async def display_open(self, sandbox_id: str, viewer: str) -> PortStream:
+        """See EdgeAPI.display_open: the live view's checked RFB stream; its input reaches
+        the guest only while the sandbox is taken over. Recorded as ``computer.view``; closed
+        with the sandbox at the latest."""
+        live = self._running(sandbox_id)
+        screen = self._display(sandbox_id)
+        stream = await screen.live_view(lambda: live.info.taken_over)
+        if self.live.get(sandbox_id) is not live:  # deleted meanwhile
+            await stream.close()
+            raise SandboxDead(f"sandbox {sandbox_id} is gone", state="deleted")
+        self.event_log.append(sandbox_id, "computer.view", data=json.dumps(
+            {"viewer": viewer[:200]}))
+        return _TrackedPort(stream, live.ports)
+
+    async def display_takeover(self, sandbox_id: str, taken: bool, by: str) -> SandboxInfo:
+        """See EdgeAPI.display_takeover: a person takes over (``taken``) or releases the
+        screen's mouse and keyboard; recorded as ``computer.takeover`` / ``computer.release``
+        and in the sandbox's info (``taken_over``, ``takeovers``: a grader sees both)."""
+        live = self._live(sandbox_id)  # also a paused one (a person may release it then)
+        if live.backend.display(live.box) is None:
+            raise BadRequest(f"sandbox {sandbox_id} is a {live.info.backend} sandbox: it has "
+                             "no screen to take over", reason="no_display")
+        if live.info.taken_over == taken:
+            return live.info
+        live.info.taken_over = taken
+        if taken:
+            live.info.takeovers += 1
+        self.journal.put(live.info)
+        self.event_log.append(sandbox_id, "computer.takeover" if taken else "computer.release",
+                              data=json.dumps({"by": by[:200], "ts": time.time()}))
+        return live.info
 
     # ---- the platform's own work in a sandbox -------------------------------------------
     async def platform_exec(self, sandbox_id: str, req: ExecRequest) -> PlatformProcess:

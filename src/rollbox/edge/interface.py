@@ -162,6 +162,14 @@ class EdgeAPI(Protocol):
     async def display_info(self, sandbox_id: str) -> DisplayInfo: ...
     async def computer_action(self, sandbox_id: str,
                               action: ComputerAction) -> ComputerActionResult: ...
+    # The live view (rollbox.api.liveview): a viewer's RFB stream to the screen (the bytes
+    # QEMU's VNC server sends; what the viewer writes is checked, its input reaches the guest
+    # only while taken over: rollbox.backends.vm.rfb), recorded as computer.view with
+    # ``viewer``. Take-over (``taken``) and release by a person ``by``: recorded
+    # (computer.takeover / computer.release) and in SandboxInfo (taken_over, takeovers);
+    # meanwhile computer_action answers DisplayLocked.
+    async def display_open(self, sandbox_id: str, viewer: str) -> PortStream: ...
+    async def display_takeover(self, sandbox_id: str, taken: bool, by: str) -> SandboxInfo: ...
 
     # The platform's own processes in a sandbox it owns (fncall workers, image builds,
     # benchmarks), never a project's command: run as ``req`` says through the agent, in a

@@ -359,11 +359,18 @@ class RemoteEdge:
     async def port_open(self, sandbox_id: str, port: int) -> PortStream:
         """A WebSocket to the edge's ``/port`` (wire docstring), authenticated like every call;
         the bytes of the sandbox's port over its binary messages."""
-        what = "port_open"
         args = wire.PortOpenArgs.model_construct(sandbox_id=sandbox_id, port=port)
+        return await self._channel("/port", args.model_dump_json(), "port_open")
+
+    async def display_open(self, sandbox_id: str, viewer: str) -> PortStream:
+        """The live view's stream over the edge's ``/display`` WebSocket (as ``port_open``)."""
+        args = wire.DisplayOpenArgs.model_construct(sandbox_id=sandbox_id, viewer=viewer)
+        return await self._channel("/display", args.model_dump_json(), "display_open")
+
+    async def _channel(self, route: str, args_json: str, what: str) -> PortStream:
         try:
             ws = await self._http().ws_connect(
-                self._root + "/port", headers=trace.outgoing(), autoping=True, heartbeat=None,
+                self._root + route, headers=trace.outgoing(), autoping=True, heartbeat=None,
                 compress=0,
                 max_msg_size=wire.PORT_MESSAGE + 4096, autoclose=False)
         except aiohttp.WSServerHandshakeError as exc:
@@ -380,7 +387,7 @@ class RemoteEdge:
                                         node=self.node_id) from None
         remote = RemotePort(self, ws)
         try:
-            await ws.send_str(args.model_dump_json())
+            await ws.send_str(args_json)
             first = await remote.control()
             if first != "ok":
                 raise errors.InfraError(f"edge {self.node_id}: {what}: no answer")

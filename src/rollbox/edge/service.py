@@ -21,7 +21,7 @@ import hmac
 import json
 import logging
 import secrets
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -449,16 +449,31 @@ class EdgeService:
 
     async def port(self, ws: WebSocket) -> None:
         """One port_open connection (see edge.wire): the bytes both ways until either ends."""
+        async def open_port(text: str) -> PortStream:
+            args = self._parse(wire.PortOpenArgs, text)
+            return await self.edge.port_open(args.sandbox_id, args.port)
+
+        await self._channel(ws, open_port, "port_open")
+
+    async def display(self, ws: WebSocket) -> None:
+        """One display_open stream (the live view, see edge.wire), as a port connection."""
+        async def open_display(text: str) -> PortStream:
+            args = self._parse(wire.DisplayOpenArgs, text)
+            return await self.edge.display_open(args.sandbox_id, args.viewer)
+
+        await self._channel(ws, open_display, "display_open")
+
+    async def _channel(self, ws: WebSocket, opener: Callable[[str], Awaitable[PortStream]],
+                       what: str) -> None:
         await ws.accept()
         stream: PortStream | None = None
         try:
             try:
-                args = self._parse(wire.PortOpenArgs, await ws.receive_text())
-                stream = await self.edge.port_open(args.sandbox_id, args.port)
+                stream = await opener(await ws.receive_text())
             except (WebSocketDisconnect, KeyError):
                 return
             except Exception as exc:  # noqa: BLE001 - the client gets the typed error
-                await ws.send_text(json.dumps(_as_rollbox(exc, "port_open").to_payload()))
+                await ws.send_text(json.dumps(_as_rollbox(exc, what).to_payload()))
                 return
             await ws.send_text(wire.PORT_OK.decode())
             await _pump_port(ws, stream)
@@ -492,10 +507,14 @@ async def _pump_port(ws: WebSocket, stream: PortStream) -> None:
             msg = await ws.receive()
             if msg["type"] == "websocket.disconnect":
                 return
-            if msg.get("bytes"):
-                await stream.write(msg["bytes"])
-            elif msg.get("text") == wire.PORT_EOF.decode():
-                await stream.write_eof()
+            try:
+                if msg.get("bytes"):
+                    await stream.write(msg["bytes"])
+                elif msg.get("text") == wire.PORT_EOF.decode():
+                    await stream.write_eof()
+            except errors.RollboxError as exc:  # the live view's refusal of what it was sent
+                await ws.send_text(json.dumps(exc.to_payload()))
+                return
 
     down = asyncio.ensure_future(to_client())
     up = asyncio.ensure_future(from_client())
@@ -563,6 +582,7 @@ def create_edge_app(edge: EdgeAPI, token: str, *, heartbeat_s: float = HEARTBEAT
             Route(f"{p}/proc/{{handle}}/{{op}}", service.proc, methods=["POST"]),
             WebSocketRoute(f"{p}/port", service.port),
             Route(f"{p}/metrics", _metrics, methods=["GET"]),  # the cluster token, as all
+            WebSocketRoute(f"{p}/display", service.display),
         ],
         exception_handlers={errors.RollboxError: _rollbox_error, HTTPException: _http_error,
                             Exception: _unexpected},

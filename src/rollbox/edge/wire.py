@@ -16,7 +16,10 @@ Routes (all under ``/edge/v1``; every request carries ``Authorization: Bearer <c
   connection of ``port_open`` (the port proxy). The client's first message is the JSON
   arguments (:class:`PortOpenArgs`); the edge answers ``{"ok": true}`` or an error payload
   (text), then binary messages are the bytes each way; a text ``{"eof": true}`` is a
-  half-close (either way), a text error payload the edge's error at a read (PortNotListening).
+  half-close (either way), a text error payload the edge's error at a read (PortNotListening)
+  or at a write (the live view's BadRequest for what its viewer sent), after which it ends.
+- ``/display`` (a WebSocket, the same way): one ``display_open`` stream (the live view's RFB
+  bytes), its first message :class:`DisplayOpenArgs`, then exactly as ``/port``.
 
 Every 200 answer is a sequence of frames, ``>BI`` (kind, payload length) + payload, and ends
 with exactly one terminal frame: ``Z`` (done) or ``E`` (the method raised: a JSON error payload,
@@ -61,12 +64,13 @@ UNARY: tuple[str, ...] = (
     "file_read", "file_write", "file_stat", "file_list", "file_mkdir", "file_remove",
     "grade", "snapshot", "fork", "image_list", "image_delete", "image_usage", "image_stats",
     "record_event", "run_shell", "screenshot", "display_info", "computer_action",
+    "display_takeover",
 )
 # Async iterators of EdgeAPI (POST /stream/{name}).
 SERVER_STREAMS: tuple[str, ...] = ("exec_stream", "file_read_stream", "download_tar", "events")
 # Methods taking ``chunks: AsyncIterator[bytes]`` (PUT /upload/{name}: the body is the chunks).
 CLIENT_STREAMS: tuple[str, ...] = ("file_write_stream", "upload_tar", "image_upload")
-# platform_exec and port_open are channels of their own (see the module docstring).
+# platform_exec, port_open and display_open are channels of their own (module docstring).
 
 # Caps of request bodies (the api's own, ``api.bodies``: an edge takes what the api passes on).
 MAX_JSON_BODY = 1 << 20
@@ -128,6 +132,8 @@ _STR_BOUNDS: dict[str, StringConstraints] = {
     "requested": StringConstraints(max_length=64 << 10),  # create's and delete's event text
     "cmd": StringConstraints(min_length=1, max_length=256 << 10),
     "format": StringConstraints(min_length=1, max_length=16, pattern=r"^[a-z0-9]+$"),
+    "by": StringConstraints(min_length=1, max_length=200, pattern=_NO_CONTROL),
+    "viewer": StringConstraints(min_length=1, max_length=200, pattern=_NO_CONTROL),
 }
 _NUM_BOUNDS: dict[str, Any] = {
     "max_bytes": Field(ge=0, le=1 << 40),
@@ -240,6 +246,12 @@ class PortOpenArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
     sandbox_id: Annotated[str, _STR_BOUNDS["sandbox_id"]]
     port: Annotated[int, Field(ge=1, le=65535)]
+
+
+class DisplayOpenArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    sandbox_id: Annotated[str, _STR_BOUNDS["sandbox_id"]]
+    viewer: Annotated[str, _STR_BOUNDS["viewer"]]
 
 
 PORT_OK = b'{"ok":true}'

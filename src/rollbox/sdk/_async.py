@@ -37,7 +37,7 @@ from rollbox.models import (
     ApiKeyInfo, CreatedKey, Event, ExecInfo, ExecResult, ExecSpec, FileStat, GradeResult, GradeSpec,
     ImageInfo, JobEnded, JobInfo, JobSpec, LayerUsage, PortAccess, Project, PtySize, Quota,
     Resources, SandboxInfo, SandboxSpec, SnapshotResult, SnapshotSpec, ForkResult, ForkSpec,
-    UsageSample, ComputerAction, ComputerActionResult, DisplayInfo,
+    UsageSample, ComputerAction, ComputerActionResult, DisplayInfo, ViewAccess,
 )
 
 TAR_CHUNK = 256 << 10
@@ -837,6 +837,15 @@ class AsyncSandbox:
                                   json=action.model_dump(exclude_none=True))
         return ComputerActionResult.model_validate(r.json())
 
+    async def live_view(self, ttl_s: float | None = None) -> ViewAccess:
+        """A live view of the screen for a person: ``url`` (below the api's URL) is opened once
+        in a browser before ``code_expires_at`` (its one-time code becomes the view's cookie);
+        the page shows the screen view-only and lets the person take over mouse and keyboard
+        (the agent's input then answers DisplayLocked until they release it)."""
+        r = await self._t.request("POST", self._base + "/view",
+                                  json={} if ttl_s is None else {"ttl_s": ttl_s})
+        return ViewAccess.model_validate(r.json())
+
     async def set_ttl(self, ttl_s: float) -> SandboxInfo:
         r = await self._t.request("POST", self._base + "/ttl", json={"ttl_s": ttl_s})
         self.info = SandboxInfo.model_validate(r.json())
@@ -1022,6 +1031,7 @@ class AsyncClient:
         idempotency_key: str | None = None, on_expiry: str | None = None,
         resume_on_traffic: bool = False, qos: str | None = None,
         pause_keep_memory: bool = True,
+        vm_console: str | None = None,
     ) -> AsyncSandbox:
         """``qos``: the service class, ``"batch"`` (the default: best-effort, the node's idle
         CPU class) or ``"latency"`` (normal CPU class, placed with more headroom); another
@@ -1040,7 +1050,9 @@ class AsyncClient:
         (see :meth:`AsyncSandbox.pause`). ``idempotency_key`` (a fresh one per call unless given): a create whose connection
         broke is sent again (on the next API URL) with it, and returns the sandbox the first
         attempt made instead of a second one; the same key with another spec, while that
-        sandbox lives, is ``IdempotencyConflict``."""
+        sandbox lives, is ``IdempotencyConflict``. ``vm_console``: a ``"vm"`` sandbox's
+        screen, ``"none"`` (the kernel's console) or ``"shell"`` (a shell on tty1 inside the
+        sandbox, for a person at the live view)."""
         spec = self._spec(image, layers, cpus, memory_mib, disk_mib, ttl_s, labels, env,
                           hidden_paths, job)
         if network is not None:
@@ -1057,6 +1069,8 @@ class AsyncClient:
             spec["qos"] = qos  # checked by the server (bad_request)
         if not pause_keep_memory:
             spec["pause_keep_memory"] = False  # needs on_expiry "pause" (bad_request)
+        if vm_console is not None:
+            spec["vm_console"] = vm_console  # checked by the server (bad_request)
         if idempotency_key is not None and not 1 <= len(idempotency_key) <= 128:
             raise errors.BadRequest("idempotency_key must be 1 to 128 characters")
         spec["idempotency_key"] = idempotency_key or new_idempotency_key()

@@ -15,7 +15,7 @@ from rollbox import errors
 from rollbox.models import (
     ApiKeyInfo, CreatedKey, Event, ExecInfo, ExecResult, FileStat, GradeResult, ImageInfo,
     ForkResult, JobEnded, JobInfo, LayerUsage, PortAccess, Project, Quota, SandboxInfo, SnapshotResult,
-    UsageSample, ComputerAction, ComputerActionResult, DisplayInfo,
+    UsageSample, ComputerAction, ComputerActionResult, DisplayInfo, ViewAccess,
 )
 from rollbox.sdk._resume import DEFAULT_RECONNECT_S
 from rollbox.sdk._async import (
@@ -277,6 +277,10 @@ class Sandbox:
     def display(self) -> DisplayInfo:
         """The display's size now (asked of the sandbox at each read)."""
         return self._p.call(self._sb.display())
+
+    def live_view(self, ttl_s: float | None = None) -> ViewAccess:
+        """See :meth:`AsyncSandbox.live_view`."""
+        return self._p.call(self._sb.live_view(ttl_s))
 
     def computer(self, action: ComputerAction) -> ComputerActionResult:
         return self._p.call(self._sb.computer(action))

@@ -28,13 +28,16 @@ the event log (the edge records actions).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from rollbox.backends.base import (
     BackendCapacity, CaptureOptions, CaptureResult, MachineSnapshot, ResolvedSpec,
@@ -47,11 +50,12 @@ from rollbox.backends.microvm.backend import MicroVM, MicroVMBackend
 from rollbox.backends.microvm.jail import Bind
 from rollbox.backends.microvm.steps import Steps
 from rollbox.backends.microvm.template import BUILD_PREFIX, Template, TemplateLoadError
-from rollbox.backends.vm import display, machine, rootdisk
+from rollbox.backends.ports import SocketPort
+from rollbox.backends.vm import display, machine, rfb, rootdisk
 from rollbox.backends.vm.snapshots import SNAPSHOTS_DIR, MachineSnapshots, Saved
 from rollbox.backends.vm.templates import MachineTemplates
 from rollbox.config import Settings
-from rollbox.errors import BadRequest, InfraError, SandboxPaused
+from rollbox.errors import BadRequest, ConnectionLost, InfraError, SandboxPaused
 from rollbox.images.store import ImageStore
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import ComputerAction, ComputerActionResult, DisplayInfo
@@ -59,6 +63,7 @@ from rollbox.models import ComputerAction, ComputerActionResult, DisplayInfo
 log = logging.getLogger(__name__)
 
 KIND = "vm"
+TTY1_CMDLINE = "rollbox.tty1=1"  # native/agent/agent.c: the platform's sh on tty1
 SIZE_FRESH_S = 1.0  # a display size this recent is used to check an action's coordinates
 
 
@@ -117,6 +122,22 @@ class VmDisplay:
         ours.setblocking(False)
         return ours
 
+    async def live_view(self, allow_input: Callable[[], bool]) -> LiveView:
+        """The live view's checked stream (``base.Display.live_view``)."""
+        return LiveView(self, await self.vnc_client(), allow_input)
+
+    async def send_input(self, batches: list[list[dict[str, Any]]]) -> None:
+        """Input batches of the live view, through the one QMP input path, under the VM's
+        lock; a paused VM drops them (its viewer sees the screen stand still)."""
+        if not batches or self.vm.paused:
+            return
+        async with self.vm.lock:
+            if self.vm.paused:
+                return
+            async with qmp.session(self.vm.qmp_path) as q:
+                for batch in batches:
+                    await q.execute("input-send-event", {"events": batch})
+
     async def info(self) -> DisplayInfo:
         w, h = display.png_size(await self._shot())
         return DisplayInfo(width=w, height=h)
@@ -137,6 +158,73 @@ class VmDisplay:
                                     display=DisplayInfo(width=size[0], height=size[1]),
                                     events=display.events_in(batches), ts=ts,
                                     screenshot_sha256=digest)
+
+
+class LiveView:
+    """One viewer's stream (a PortStream): QEMU's RFB bytes to the viewer as they are; the
+    viewer's through :class:`~rollbox.backends.vm.rfb.ClientFilter`, its input sent by
+    :meth:`VmDisplay.send_input` while ``allow_input()`` is true. Closing it lets go of what
+    it held down in the guest, then closes the socket (QEMU drops the client)."""
+
+    def __init__(self, screen: VmDisplay, sock: socket.socket,
+                 allow_input: Callable[[], bool]) -> None:
+        self.screen = screen
+        self.port = SocketPort(sock)
+        self.allow_input = allow_input
+        self.filter = rfb.ClientFilter()
+        self._closed = False
+        self._reading = 0
+
+    async def read(self) -> bytes:
+        # A close while a read waits shuts the socket down (the read wakes with b"") and
+        # leaves closing it to that read: a socket closed under a pending read never wakes it.
+        self._reading += 1
+        try:
+            return await self.port.read()
+        except OSError:
+            return b""
+        finally:
+            self._reading -= 1
+            if self._closed and not self._reading:
+                await self.port.close()
+
+    async def write(self, data: bytes) -> None:
+        if self._closed:
+            raise ConnectionLost("the live view's stream is closed")
+        log.debug("live view %s: %d bytes from the viewer", self.screen.vm.id, len(data))
+        allow = self.allow_input() and not self.screen.vm.paused
+        if allow:
+            try:
+                self.filter.size = await self.screen._size()
+            except SandboxPaused:
+                allow = False
+        forward, batches = self.filter.feed(data, allow)  # BadRequest: the caller ends it
+        if forward:
+            try:
+                await self.port.write(forward)
+            except OSError as exc:  # closed meanwhile
+                raise ConnectionLost(f"the live view's stream is closed: {exc}") from None
+        t0 = time.monotonic()
+        await self.screen.send_input(batches)
+        log.debug("live view %s: %d bytes in, %d forwarded, %d input batches (allow=%s) "
+                  "in %.3f s", self.screen.vm.id, len(data), len(forward), len(batches), allow,
+                  time.monotonic() - t0)
+
+    async def write_eof(self) -> None:
+        await self.port.write_eof()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            with contextlib.suppress(Exception):
+                await self.screen.send_input(self.filter.release())
+        finally:
+            with contextlib.suppress(OSError):
+                self.port.sock.shutdown(socket.SHUT_RDWR)
+            if not self._reading:
+                await self.port.close()
 
 
 SIZES_KEEP = 4096  # display sizes a backend keeps (VMBackend.display drops the oldest)
@@ -190,6 +278,11 @@ class VMBackend(MicroVMBackend):
 
     def check_spec(self, spec: ResolvedSpec) -> None:
         super().check_spec(spec)
+        if spec.vm_console == "shell" and (spec.hidden_paths or spec.disk_image):
+            # the shell starts at boot, before the paths' Landlock rules; a disk image's tty1
+            # is its own init's
+            raise BadRequest("vm_console \"shell\" is for layered images without "
+                             "hidden_paths", reason="vm_console")
         if spec.disk_image and spec.layers:
             raise BadRequest(f"VM disk image {spec.disk_image!r} takes no layers",
                              image=spec.disk_image)
@@ -200,7 +293,12 @@ class VMBackend(MicroVMBackend):
                              image=spec.disk_image)
 
     def machine_for(self, spec: ResolvedSpec) -> qemu.MachineSpec:
+        """The microVM's machine; a disk image's root instead of layers; ``vm_console=
+        "shell"`` adds ``rollbox.tty1=1`` (the agent starts the platform's sh on tty1, the
+        screen, inside the sandbox root)."""
         m = super().machine_for(spec)
+        if spec.vm_console == "shell":
+            m = replace(m, extra_cmdline=(*m.extra_cmdline, TTY1_CMDLINE))
         if not spec.disk_image:
             return m
         disk = self.rootdisks.resolve(spec.disk_image)
