@@ -237,9 +237,10 @@ class Settings:
         "bash-static: interprets command strings in sandboxes (agent/platform_shell.py).")
 
     # ---- container backend ---------------------------------------------------------------
-    runtime: str = setting("ROLLBOX_RUNTIME", "container", "runc", str,
+    runtime: str = setting("ROLLBOX_RUNTIME", "container", "native", str,
                            "What starts containers: `native` (rollbox's own launcher, "
-                           "ROLLBOX_LAUNCHER) or the name of an OCI runtime binary (runc).")
+                           "ROLLBOX_LAUNCHER; hybrid cgroup hosts) or the name of an OCI "
+                           "runtime binary (`runc`: also pure cgroup v2 hosts).")
     launcher_binary: Path = setting(
         "ROLLBOX_LAUNCHER", "container", REPO_ROOT / "build" / "rollbox-launcher", Path,
         "The native runtime's launcher (`make native`; ROLLBOX_RUNTIME=native).")

@@ -8,11 +8,11 @@ Every test that takes the ``boxes`` fixture runs once per backend (``[container]
 pass. The microVM runs are behind the ``microvm_slow`` marker (VMs under TCG are slow) except
 the few marked ``@microvm_default``, which the default tier runs.
 
-Container attacks also run on the native runtime (``[native]``: the same container backend,
-its sandboxes started by rollbox's own launcher instead of runc, ``ROLLBOX_RUNTIME=native``),
-behind the ``slow`` marker (the container red team takes ~2 min here). Tests that take the
-``edge`` fixture without ``boxes`` run on the node's runtime: ``ROLLBOX_RUNTIME=native``
-runs all of them on it."""
+``[container]`` runs start their sandboxes with the node's runtime (``ROLLBOX_RUNTIME``, the
+native launcher by default); the container attacks also run on runc (``[runc]``: the same
+container backend, its sandboxes started by ``runc run -d``), behind the ``slow`` marker (the
+container red team takes ~2 min here). Tests that take the ``edge`` fixture without ``boxes``
+run on the node's runtime: ``ROLLBOX_RUNTIME=runc`` runs all of them on runc."""
 from __future__ import annotations
 
 import asyncio
@@ -38,9 +38,9 @@ PY = "python:3.11"
 # "vm": the full-VM backend (backends/vm) is the microVM's lifecycle on a q35 machine: it runs
 # every attack the microVM runs do, with the same marks (container_only skips it, microvm_open
 # is an expected failure, and every vm run is behind microvm_slow: one TCG boot each).
-BACKENDS = ("container", "native", "microvm", "vm")
-# The kind of sandbox each run makes ("native": a container, started by the native launcher).
-KIND = {"native": "container"}
+BACKENDS = ("container", "runc", "microvm", "vm")
+# The kind of sandbox each run makes ("runc": a container, started by runc).
+KIND = {"runc": "container"}
 
 
 def container_only(reason: str) -> pytest.MarkDecorator:
@@ -71,7 +71,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     params = []
     for kind in BACKENDS:
         marks: list[pytest.MarkDecorator] = []
-        if kind == "native":
+        if kind == "runc":
             marks.append(pytest.mark.slow)
         if kind in ("microvm", "vm"):
             only = metafunc.definition.get_closest_marker("container_only")
@@ -141,10 +141,10 @@ async def offered_or_skip(edge: Any, kind: str) -> None:
 
 @pytest.fixture
 def edge_settings(request: pytest.FixtureRequest) -> dict:
-    """A ``[native]`` run's edge starts its containers with the native launcher."""
+    """A ``[runc]`` run's edge starts its containers with runc."""
     callspec = getattr(request.node, "callspec", None)
     kind = callspec.params.get("backend_kind") if callspec is not None else None
-    return {"runtime": "native"} if kind == "native" else {}
+    return {"runtime": "runc"} if kind == "runc" else {}
 
 
 @pytest.fixture

@@ -92,7 +92,7 @@ def test_settings_are_read_when_made_not_when_imported(clean_env: pytest.MonkeyP
 
 def test_describe_names_each_source(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
     clean_env.setenv("ROLLBOX_NODE", "n9")
-    clean_env.setenv("ROLLBOX_RUNTIME", "runc")  # set, equal to the default: still the variable
+    clean_env.setenv("ROLLBOX_RUNTIME", "native")  # set, equal to the default: still the variable
     s = Settings.scratch(tmp_path)
     src = {e.name: e.source for e in describe(s)}
     assert src["node_id"] == "ROLLBOX_NODE" and src["runtime"] == "ROLLBOX_RUNTIME"

@@ -73,6 +73,9 @@ DEV_SYMLINKS = [("/proc/self/fd", "/dev/fd"), ("/proc/self/fd/0", "/dev/stdin"),
                 ("/proc/self/fd/1", "/dev/stdout"), ("/proc/self/fd/2", "/dev/stderr"),
                 ("pts/ptmx", "/dev/ptmx")]
 
+PURE_V2 = ("the native runtime needs a hybrid cgroup host (v1 controllers): on pure cgroup v2 "
+           "the device filter is a BPF program it does not attach yet; set ROLLBOX_RUNTIME=runc")
+
 _ERROR = re.compile(r"rollbox-launcher: (?P<step>[^:\n]+): (?P<msg>.*) \(errno (?P<errno>\d+)\)$",
                     re.M)
 
@@ -114,9 +117,7 @@ def _cgroup_records(rec: _Records, cgroups_path: str, res: dict[str, Any]) -> No
     """The sandbox's cgroup in every hierarchy and the limits runc writes on a hybrid
     (v1 controllers + v2 membership) host."""
     if cgroups.is_pure_v2():
-        raise InfraError("the native runtime needs a hybrid cgroup host (v1 controllers): on "
-                         "pure cgroup v2 the device filter is a BPF program it does not attach "
-                         "yet; use ROLLBOX_RUNTIME=runc")
+        raise InfraError(PURE_V2)
     rel = cgroups_path.strip("/")
     dirs = {h.name: h / rel for h in cgroups.hierarchies()}
     for d in dirs.values():
@@ -266,6 +267,8 @@ class NativeRuntime:
     def __init__(self, binary: Path) -> None:
         if not binary.is_file():
             raise InfraError(f"native launcher missing at {binary} (run `make native`)")
+        if cgroups.is_pure_v2():
+            raise InfraError(PURE_V2)
         self.binary = str(binary)
 
     async def run_detached(self, container_id: str, bundle: Path, config: dict[str, Any],

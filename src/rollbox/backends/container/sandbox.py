@@ -2,7 +2,8 @@
 
 Creation order: uid slot -> capped writable layer (verified: a subvolume of the node's disk
 pool, or a tmpfs for the memory tier) -> idmapped layers -> overlayfs ->
-named netns -> agent socket -> OCI bundle -> ``runc run -d`` -> cgroup delegation -> agent
+named netns -> agent socket -> OCI config -> the runtime (``runc run -d``, or the native
+launcher: runtime.py, launcher.py) -> cgroup delegation -> agent
 handshake. Destruction kills by cgroup, then unwinds in reverse and checks that no process,
 mount, subvolume, cgroup, netns or file of the sandbox remains. A create that fails or is
 cancelled at any point gets the same teardown; a cancelled one first lets the step under way
