@@ -97,8 +97,10 @@ class FakeEdge:
         self.kinds: dict[str, bool] = {"container": True}
         self.incarnation = secrets.token_hex(8)
 
-    async def capacity(self) -> float:
-        return float(self.max_sandboxes - len(self.sandboxes))
+    async def capacity(self) -> dict[str, object]:
+        """The part of Edge.capacity()'s dict a fake can say (EdgeAPI: a dict)."""
+        return {"sandboxes": len(self.sandboxes), "max_sandboxes": self.max_sandboxes,
+                "free": self.max_sandboxes - len(self.sandboxes)}
 
     async def report(self, max_sandboxes: int = 10000,
                      fence_s: float | None = None) -> NodeReport:

@@ -109,6 +109,10 @@ async def test_an_admin_session_sees_every_project(tmp_path: Path) -> None:
             async with h.get(f"{s.url}/dashboard/api/sandboxes") as r:
                 ids = {i["id"] for i in await r.json()}
             assert {x.id, y.id} <= ids
+            async with h.get(f"{s.url}/dashboard/api/nodes") as r:
+                nodes = await r.json()
+            assert [n["node"] for n in nodes] == ["n0"] and nodes[0]["health"] == "ok"
+            assert nodes[0]["sandboxes"] >= 2
             async with h.get(f"{s.url}/dashboard/api/sandboxes",
                              params={"project": "proj-b"}) as r:
                 assert [i["id"] for i in await r.json()] == [y.id]

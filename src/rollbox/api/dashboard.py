@@ -41,7 +41,9 @@ HEADERS = {
                                "connect-src 'self'; img-src 'self'; form-action 'self'; "
                                "frame-ancestors 'none'; base-uri 'none'",
     "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
+    # same-origin, not no-referrer: under no-referrer a form post says "Origin: null", which
+    # the sign-in's same-origin check must refuse
+    "Referrer-Policy": "same-origin",
     "Cache-Control": "no-store",
 }
 
@@ -102,6 +104,24 @@ async def dashboard_logout(request: Request) -> Response:
 @router.get("/dashboard/api/whoami", include_in_schema=False)
 async def dashboard_whoami(who: Who) -> dict[str, Any]:
     return {"project": who.project, "admin": who.admin, "key_id": who.key_id}
+
+
+@router.get("/dashboard/api/nodes", include_in_schema=False)
+async def dashboard_nodes(who: Who, api: Api) -> list[dict[str, Any]]:
+    """Every node the api places on, with its capacity as its edge reports it (or the error
+    that edge answered: the page shows a node it can not reach as such)."""
+    out: list[dict[str, Any]] = []
+    for node, edge in sorted(dict(api.placement.edges).items()):
+        try:
+            cap = await edge.capacity()
+        except errors.RollboxError as exc:
+            out.append({"node": node, "health": f"{exc.code}: {exc.message}"})
+            continue
+        out.append({"node": node, "health": "ok", "sandboxes": cap.get("sandboxes"),
+                    "max_sandboxes": cap.get("max_sandboxes"),
+                    "memory_available_mib": cap.get("memory_available_mib"),
+                    "requested_cpus": cap.get("requested_cpus")})
+    return out
 
 
 @router.get("/dashboard/api/sandboxes", response_model=list[models.SandboxInfo],

@@ -30,14 +30,10 @@ async function loadWho() {
 
 async function loadNodes() {
   const tbody = $("#nodes tbody");
-  let rows;
-  try {
-    const st = await getJSON("/v1/cluster/status");
-    rows = st.nodes.map((n) => [n.node_id, n.health, String(n.sandboxes), (n.backends || []).join(",")]);
-  } catch (e) {
-    const h = await getJSON("/v1/health");
-    rows = h.nodes.map((n) => [n, h.status, "", ""]);
-  }
+  const nodes = await getJSON("/dashboard/api/nodes");
+  const rows = nodes.map((n) => [n.node, n.health,
+    n.max_sandboxes === undefined ? "" : `${n.sandboxes} / ${n.max_sandboxes}`,
+    n.memory_available_mib === undefined ? "" : `${n.memory_available_mib} MiB free, ${n.requested_cpus} CPUs asked`]);
   tbody.replaceChildren();
   for (const r of rows) {
     const tr = document.createElement("tr");
