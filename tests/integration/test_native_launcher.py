@@ -4,7 +4,8 @@ Both runtimes start the same sandbox from the same OCI config: what the sandbox'
 of their own hardening (seccomp filter mode, no_new_privs, the capability sets, the uid map,
 the hostname, the cgroup namespace) is read from /proc inside and must be the same, and what
 bundle.py asks for. A native launch that fails halfway (in the launcher's parent before the
-clone, in its parent after it, in the child) is a typed InfraError naming the step and errno,
+clone, in its parent after it, in the child, and at a symlink where a mount goes) is a typed
+InfraError naming the step and errno,
 and leaves no process, mount, cgroup, netns or file behind (the edge fixture's teardown check,
 and the host's cgroup trees and the edge's descendants checked here).
 """
@@ -97,6 +98,14 @@ def bad_mount(config: dict) -> None:
                              "options": ["bind", "ro"]})
 
 
+def symlinked_target(config: dict) -> None:
+    """The image's tree has a symlink where a mount goes: refused, never followed (inside or
+    outside the rootfs), and nothing made where it points."""
+    os.symlink("/etc", os.path.join(config["root"]["path"], "evil"))
+    config["mounts"].append({"destination": "/evil/x", "type": "tmpfs", "source": "tmpfs",
+                             "options": ["nosuid"]})
+
+
 def bad_cgroup(config: dict) -> None:
     config["linux"]["resources"]["cpu"]["cpus"] = "4095"  # no such cpu: cpuset.cpus refuses
 
@@ -108,6 +117,7 @@ def bad_uid_map(config: dict) -> None:
 
 @pytest.mark.parametrize("change, step, err", [
     (bad_mount, "mount", errno.ENOENT),          # in the child, after the clone
+    (symlinked_target, "mount", errno.ELOOP),    # the same, a symlink in the image's tree
     (bad_cgroup, "cgroup", None),                # in the parent, before the clone
     (bad_uid_map, "uid_map", errno.EINVAL),      # in the parent, the child waiting
 ])
@@ -126,6 +136,7 @@ async def test_a_launch_failing_halfway_is_typed_and_leaves_nothing(
     else:
         assert exc.value.details["errno"] > 0
     assert "left" not in exc.value.details  # the launcher's own cleanup check
+    assert not os.path.lexists("/etc/x")
     backend = edge.backends["container"]
     assert backend.host_sandbox_ids(edge.settings.sandbox_id_prefix) == set()  # other nodes: theirs
     assert cgroups.leftover(parent) == []

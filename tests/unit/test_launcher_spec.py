@@ -139,3 +139,20 @@ def test_boot_id_hook_becomes_a_read_only_bind_and_other_hooks_are_refused() -> 
                 {"createContainer": [hook, hook]}):
         with pytest.raises(InfraError):
             spec_bytes({**conf, "hooks": bad}, Path("/run/x/pid"))
+
+
+def test_a_pure_v2_host_refuses_the_native_runtime_at_start(monkeypatch: pytest.MonkeyPatch,
+                                                            tmp_path: Path) -> None:
+    """No device filter on cgroup v2 (a BPF program the launcher does not attach): the backend
+    does not start with it, instead of creating sandboxes without one."""
+    from rollbox.backends.container.launcher import NativeRuntime
+
+    binary = tmp_path / "rollbox-launcher"
+    binary.write_bytes(b"")
+    monkeypatch.setattr(cgroups, "is_pure_v2", lambda: True)
+    with pytest.raises(InfraError, match="ROLLBOX_RUNTIME=runc"):
+        NativeRuntime(binary)
+    monkeypatch.setattr(cgroups, "is_pure_v2", lambda: False)
+    assert NativeRuntime(binary).name == "native"
+    with pytest.raises(InfraError, match="make native"):
+        NativeRuntime(tmp_path / "missing")
