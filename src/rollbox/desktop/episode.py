@@ -329,7 +329,8 @@ async def grade_by_replay(client: Any, events: list[Any], text: str, *,
             if reward_of(note, text) or time.monotonic() - t0 > NOTE_WAIT_S:
                 break
             await asyncio.sleep(POLL_S)
-        if shots is not None:
+        if shots is not None:  # the editor may redraw its title (saved) after the write
+            await asyncio.sleep(SAVE_S)
             shots.append(await sb.screenshot())
     finally:
         await sb.delete()
