@@ -2837,6 +2837,40 @@ static int handle_sudo_enable(uint32_t id, const char *p, size_t plen)
     return send_result(id, 0, "sudo");
 }
 
+/* Refuse a connection: the reply, then what the caller already sent read and dropped (with
+ * any descriptors it passed) before the close. A SEQPACKET socket closed with unread messages
+ * sets ECONNRESET on its peer, which the peer's next recv returns instead of the reply that is
+ * waiting for it: a refused caller saw "Connection reset by peer", not why. A message sent
+ * after this drain can still race the close; the client's request is one sendmsg right after
+ * connect, normally queued before the accept. */
+static void sudo_refuse(int c, int32_t err, const char *msg)
+{
+    sudo_reply(c, 2, err, msg);
+    for (int k = 0; k < 8; k++) { /* bounded: a caller can not hold the agent here */
+        char sink[512];
+        union {
+            struct cmsghdr h;
+            char buf[CMSG_SPACE(sizeof(int) * SUDO_FDS_MAX)];
+        } ctl;
+        struct iovec iov = {sink, sizeof sink};
+        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf,
+                            .msg_controllen = sizeof ctl.buf};
+        if (recvmsg(c, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) < 0)
+            break; /* nothing more queued (EAGAIN) or gone */
+        for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm)) {
+            if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS)
+                continue;
+            size_t cnt = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            for (size_t j = 0; j < cnt; j++) {
+                int fd;
+                memcpy(&fd, CMSG_DATA(cm) + j * sizeof(int), sizeof fd);
+                close(fd);
+            }
+        }
+    }
+    close(c);
+}
+
 static void sudo_accept(void)
 {
     for (;;) {
@@ -2852,8 +2886,7 @@ static void sudo_accept(void)
         if (!sudo_uid_allowed(cr.uid)) {
             char msg[96];
             snprintf(msg, sizeof msg, "uid %u may not sudo in this sandbox", (unsigned)cr.uid);
-            sudo_reply(c, 2, EPERM, msg);
-            close(c);
+            sudo_refuse(c, EPERM, msg);
             continue;
         }
         int slot = -1;
@@ -2861,8 +2894,7 @@ static void sudo_accept(void)
             if (sudo_conns[i].fd < 0)
                 slot = i;
         if (slot < 0) {
-            sudo_reply(c, 2, EAGAIN, "too many sudo commands at once");
-            close(c);
+            sudo_refuse(c, EAGAIN, "too many sudo commands at once");
             continue;
         }
         sudo_conns[slot].fd = c;
