@@ -2,9 +2,10 @@
 the first ``create("desktop:1", backend="vm")`` of a node boots the disk once,
 waits for its X server and a still screen, saves the machine and restores it; the next create
 restores it without a boot. Both restored VMs show the drawn desktop (its size, colour and
-panel) at once, answer exec as themselves (hostname, machine-id). (A click on the restored
-desktop's Terminal launcher opened no window in the first run: not asserted here yet, see
-docs/backends/vm.md, Templates.) Prints the first create (boot +
+panel) at once, answer exec as themselves (hostname, machine-id). Not asserted yet: that the
+restored desktop acts on input (the tablet's and keyboard's events reach the guest's evdev,
+but a click on the panel's Terminal launcher opened no window: docs/backends/vm.md,
+Templates). Prints the first create (boot +
 settle + save + restore) against a restore. desktop_slow (one desktop boot under TCG)."""
 from __future__ import annotations
 

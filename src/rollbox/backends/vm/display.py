@@ -195,16 +195,26 @@ def events_in(batches: list[list[dict[str, Any]]]) -> int:
     return sum(len(b) for b in batches)
 
 
+# The VGA device's id: the USB tablet is bound to its console (machine.py) and every event is
+# sent to that console, so the pointer's events reach the tablet whichever pointer QEMU holds
+# active. Without it they go to the active one, and a VM restored from a saved state (its
+# QEMU fresh, the guest not polling the tablet anew) has q35's PS/2 mouse active: a relative
+# mouse that drops absolute moves (a restored desktop's clicks landed nowhere).
+DISPLAY_ID = "video0"
+
+
 async def send(q: qmp.QMP, action: str, batches: list[list[dict[str, Any]]]) -> None:
-    """Send the batches in order on one QMP connection, paced (:data:`TYPE_PAUSE_S` between
-    batches of keys, :data:`CLICK_GAP_S` inside a double click)."""
+    """Send the batches in order on one QMP connection to the display's console
+    (:data:`DISPLAY_ID`), paced (:data:`TYPE_PAUSE_S` between batches of keys,
+    :data:`CLICK_GAP_S` inside a double click). Keys: no keyboard is bound to the console,
+    so they go to the active one, the PS/2 keyboard."""
     for i, batch in enumerate(batches):
         if i:
             if action == "type":
                 await asyncio.sleep(TYPE_PAUSE_S)
             elif action == "double_click":
                 await asyncio.sleep(CLICK_GAP_S / 2)
-        await q.execute("input-send-event", {"events": batch})
+        await q.execute("input-send-event", {"events": batch, "device": DISPLAY_ID})
 
 
 def png_size(data: bytes) -> tuple[int, int]:

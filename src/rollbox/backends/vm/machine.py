@@ -17,6 +17,7 @@ Owns the argv; does not start processes (``microvm/jail.py``) or know sandboxes.
 from __future__ import annotations
 
 from rollbox.backends.microvm import qemu
+from rollbox.backends.vm import display
 from rollbox.backends.microvm.qemu import MachineSpec
 from rollbox.backends.vm import rootdisk
 
@@ -33,10 +34,13 @@ def argv(spec: MachineSpec, binary: str = "/usr/bin/qemu-system-x86_64") -> list
         "-nodefaults", "-no-user-config", "-no-reboot", "-sandbox", qemu.SANDBOX_ARG,
         "-kernel", qemu.KERNEL, "-initrd", qemu.INITRD,
         "-append", qemu.kernel_cmdline(spec, VM_CMDLINE),
-        "-device", "VGA", "-display", "none", "-vnc", "none",
+        "-device", f"VGA,id={display.DISPLAY_ID}", "-display", "none", "-vnc", "none",
         # the keyboard is q35's PS/2 one (i8042, 256-byte queue): USB HID's queue holds 16
         # events and QEMU drops the rest, so fast typing lost keys and key-ups (autorepeat)
-        "-device", "qemu-xhci,id=usb", "-device", "usb-tablet,bus=usb.0",
+        # the tablet bound to the VGA console: input events sent there reach it even while
+        # QEMU holds the PS/2 mouse active (a restored VM: display.DISPLAY_ID)
+        "-device", "qemu-xhci,id=usb",
+        "-device", f"usb-tablet,bus=usb.0,display={display.DISPLAY_ID}",
         *qemu.channel_args("pci"), *qemu.device_args(spec, "pci"),
         *(rootdisk.blockdev_args() if spec.root_disk else ()),
     ]

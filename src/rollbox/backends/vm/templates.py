@@ -60,7 +60,8 @@ KEY_VERSION = 1
 SETTLE_SHOTS = 6      # screenshots that must agree (at most two pictures: a blinking cursor)
 SETTLE_GAP_S = 0.5
 # A disk image with an X server (a desktop): its socket exists (checked by the platform's
-# busybox through the agent), then DESK_SETTLE_SHOTS
+# busybox through the agent), the screen then changed from the first picture taken (X's empty
+# root window, drawn before the session's window manager and panel), then DESK_SETTLE_SHOTS
 # screenshots of one picture (a boot console's cursor blinks: two pictures, not settled).
 X_SOCKET = "/tmp/.X11-unix/X0"
 X_SERVER = "/usr/bin/Xorg"
@@ -190,7 +191,8 @@ class MachineTemplates:
 
     async def _settle(self, vm: MicroVM, disk_image: bool) -> None:
         """Until the build VM's screen settled (:func:`settled`; a disk image with an X
-        server: its socket there, :data:`DESK_CHECK`, and one picture), at most
+        server: its socket there, :data:`DESK_CHECK`, the screen changed from X's first
+        picture, and one picture), at most
         ``vm_full_template_settle_s``; InfraError past it."""
         screen = self.backend.display(vm)
         limit = self.backend.settings.vm_full_template_settle_s
@@ -201,7 +203,9 @@ class MachineTemplates:
         n, pictures = (DESK_SETTLE_SHOTS, 1) if disk_image else (SETTLE_SHOTS, 2)
         shots: list[tuple[str, tuple[int, int]]] = []
         up = not disk_image
-        while not (up and settled(shots, n, pictures)):
+        blank = ""  # a desktop: the first picture once X is up (its empty root window)
+        while not (up and settled(shots, n, pictures)
+                   and all(h != blank for h, _ in shots)):
             if time.monotonic() > deadline:
                 raise InfraError(f"vm template build {vm.id}: the screen did not settle in "
                                  f"{limit:.0f} s")
@@ -210,5 +214,7 @@ class MachineTemplates:
                 up = code == 0
             data = await screen.screenshot()
             shots.append((hashlib.sha256(data).hexdigest(), display.png_size(data)))
+            if disk_image and up and not blank:
+                blank = shots[-1][0]
             del shots[:-n]
             await asyncio.sleep(SETTLE_GAP_S)
