@@ -47,7 +47,10 @@ for every VM of the run. Phases:
    QEMU boot of the same machine (``plain_argv`` of the disk spec: the same kernel,
    initramfs and agent, the base read-only under a new empty qcow2 overlay made by qemu-img
    as the backend makes it), overlay -> the desktop drawn in QMP screendumps.
-   ``ratio_vs_plain_qemu_desktop`` = rollbox's p50 / plain's.
+   ``ratio_vs_plain_qemu_desktop`` = rollbox's p50 / plain's. ``desktop_restore`` (opt-in
+   too): the same creates on a server with ``ROLLBOX_VM_FULL_TEMPLATES=disk`` (the first
+   builds the desktop's machine template, the others restore it): ``desktop_restore_ready``,
+   ``ratio_desktop_restore_vs_plain_qemu``.
 
 ``--only a,b`` runs just those phases (``PHASES``). The last line of ``--json`` is one JSON
 object.
@@ -94,7 +97,10 @@ PHASES = frozenset({"ready", "exec", "screenshot", "input", "input_to_screen", "
 SERVER_PHASES = PHASES - {"plain"}
 # Opt-in (``--desktop``, or named in ``--only``): the desktop:1 disk's boots, ~1-2 min each
 # under TCG. ``desktop``: rollbox creates -> the desktop drawn; ``plain_desktop``: the peer.
-DESKTOP_PHASES = frozenset({"desktop", "plain_desktop"})
+DESKTOP_PHASES = frozenset({"desktop", "plain_desktop", "desktop_restore"})
+# desktop_restore's server: disk-image creates restore a machine template (backends/vm/
+# templates.py; the node default is off)
+DESKTOP_TEMPLATES = {"ROLLBOX_VM_FULL_TEMPLATES": "disk"}
 DESKTOP_CREATES, DESKTOP_CREATES_QUICK = 3, 2
 DESKTOP_WAIT_S = 900.0  # boot -> drawn, at most
 
@@ -408,6 +414,21 @@ async def desktop_phase(client: Any, quick: bool, res: dict[str, Any],
         res.update(summarize(peer, "plain_qemu_desktop_ready", "s"))
 
 
+async def desktop_restore_phase(srv: Any, quick: bool, res: dict[str, Any]) -> None:
+    """``desktop``'s creates on a server whose disk-image creates restore a machine template:
+    the first builds it (boot, the screen settled, saved), the others restore it."""
+    from rollbox.sdk import AsyncClient
+
+    sub: dict[str, Any] = {}
+    async with AsyncClient(base_url=srv.url, api_key=srv.key, timeout=1800) as client:
+        await desktop_phase(client, quick, sub, plain=False)
+    res["desktop_template_first_ready_s"] = sub["desktop_first_ready_s"]
+    for k in ("p50", "p99"):
+        res[f"desktop_restore_ready_{k}_s"] = sub[f"desktop_ready_{k}_s"]
+        res[f"desktop_restore_agent_{k}_s"] = sub[f"desktop_agent_{k}_s"]
+    res["desktop_restore_screenshot_p50_ms"] = sub["desktop_screenshot_p50_ms"]
+
+
 # ---- the peer: plain QEMU --------------------------------------------------------------------
 
 class PlainVm(PlainQemu):
@@ -516,6 +537,9 @@ def main(quick: bool = False, json_out: bool = False,
     if phases & (SERVER_PHASES | {"desktop"}):
         with server() as srv:
             asyncio.run(server_phases(srv, quick, phases, res))
+    if "desktop_restore" in phases:
+        with server(DESKTOP_TEMPLATES) as srv:
+            asyncio.run(desktop_restore_phase(srv, quick, res))
     if "plain" in phases:
         asyncio.run(plain_phase(quick, res))
     if "plain_desktop" in phases and "desktop" not in phases:
@@ -523,6 +547,8 @@ def main(quick: bool = False, json_out: bool = False,
                              "plain_qemu_desktop_ready", "s"))
     res["ratio_vs_plain_qemu_desktop"] = ratio(res.get("desktop_ready_p50_s"),
                                                res.get("plain_qemu_desktop_ready_p50_s"))
+    res["ratio_desktop_restore_vs_plain_qemu"] = ratio(
+        res.get("desktop_restore_ready_p50_s"), res.get("plain_qemu_desktop_ready_p50_s"))
     res["ratio_vs_plain_qemu_ready"] = ratio(res.get("cold_ready_p50_s"),
                                              res.get("plain_qemu_ready_p50_s"))
     res["ratio_vs_microvm_ready"] = ratio(res.get("cold_ready_p50_s"),

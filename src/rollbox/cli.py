@@ -317,7 +317,8 @@ def bench_vm(quick: bool = typer.Option(False, "--quick"),
              json_out: bool = typer.Option(False, "--json"),
              only: str = typer.Option("", "--only", help="comma-separated phases: ready,exec,"
                                       "screenshot,input,input_to_screen,pause,idle,plain,"
-                                      "restore (default: all); desktop,plain_desktop opt in"),
+                                      "restore (default: all); desktop,plain_desktop,desktop_restore opt "
+                                      "in"),
              desktop: bool = typer.Option(False, "--desktop", help="also the desktop:1 disk: "
                                           "create -> drawn, and plain QEMU's boot of it "
                                           "(minutes under TCG)")) -> None:
