@@ -59,14 +59,16 @@ TEMPLATE_DISK_PREFIX = MACHINE_SNAPSHOT_PREFIX + "tmpl-"
 KEY_VERSION = 1
 SETTLE_SHOTS = 6      # screenshots that must agree (at most two pictures: a blinking cursor)
 SETTLE_GAP_S = 0.5
-# A disk image with an X server (a desktop): its socket exists (checked by the platform's
-# busybox through the agent), the screen then changed from the first picture taken (X's empty
-# root window, drawn before the session's window manager and panel), then DESK_SETTLE_SHOTS
+# A disk image with an X server (a desktop): its socket exists and a client is connected to
+# it (the window manager; checked by the platform's busybox through the agent: an X server's
+# empty root window alone, black, also holds still), then DESK_SETTLE_SHOTS
 # screenshots of one picture (a boot console's cursor blinks: two pictures, not settled).
 X_SOCKET = "/tmp/.X11-unix/X0"
 X_SERVER = "/usr/bin/Xorg"
 DESK_SETTLE_SHOTS = 10
-DESK_CHECK = f"test -S {X_SOCKET}"
+# connected (state 03) sockets of the X server's address in the guest's /proc/net/unix: a
+# client (the window manager) is connected
+DESK_CHECK = f"test -S {X_SOCKET} && grep -q ' 03 .*{X_SOCKET}$' /proc/net/unix"
 
 
 def template_key(spec: ResolvedSpec, base: str, argv: list[str], guest: str,
@@ -191,8 +193,7 @@ class MachineTemplates:
 
     async def _settle(self, vm: MicroVM, disk_image: bool) -> None:
         """Until the build VM's screen settled (:func:`settled`; a disk image with an X
-        server: its socket there, :data:`DESK_CHECK`, the screen changed from X's first
-        picture, and one picture), at most
+        server: its socket there with a client, :data:`DESK_CHECK`, and one picture), at most
         ``vm_full_template_settle_s``; InfraError past it."""
         screen = self.backend.display(vm)
         limit = self.backend.settings.vm_full_template_settle_s
@@ -203,9 +204,7 @@ class MachineTemplates:
         n, pictures = (DESK_SETTLE_SHOTS, 1) if disk_image else (SETTLE_SHOTS, 2)
         shots: list[tuple[str, tuple[int, int]]] = []
         up = not disk_image
-        blank = ""  # a desktop: the first picture once X is up (its empty root window)
-        while not (up and settled(shots, n, pictures)
-                   and all(h != blank for h, _ in shots)):
+        while not (up and settled(shots, n, pictures)):
             if time.monotonic() > deadline:
                 raise InfraError(f"vm template build {vm.id}: the screen did not settle in "
                                  f"{limit:.0f} s")
@@ -214,7 +213,5 @@ class MachineTemplates:
                 up = code == 0
             data = await screen.screenshot()
             shots.append((hashlib.sha256(data).hexdigest(), display.png_size(data)))
-            if disk_image and up and not blank:
-                blank = shots[-1][0]
             del shots[:-n]
             await asyncio.sleep(SETTLE_GAP_S)
