@@ -198,6 +198,7 @@ class Ticket:
     headroom_mib: int
     started_at: float | None = None
     released: bool = False
+    settling: bool = False  # its headroom is in Admission._settling_mib
 
 
 @dataclass
@@ -249,7 +250,9 @@ class Admission:
         now = self.clock()
         while self._settling and now - self._settling[0][0] >= SETTLE_S:
             _, t = self._settling.popleft()
-            self._settling_mib -= t.headroom_mib
+            if t.settling:
+                t.settling = False
+                self._settling_mib -= t.headroom_mib
         return self._starting_mib + self._settling_mib
 
     def headroom_mib(self, resources: Resources, sample: MemorySample) -> int:
@@ -421,6 +424,7 @@ class Admission:
         t.started_at = self.clock()
         self._starting_mib -= t.headroom_mib
         self._settling.append((t.started_at, t))
+        t.settling = True
         self._settling_mib += t.headroom_mib
 
     def release(self, t: Ticket) -> None:
@@ -436,6 +440,10 @@ class Admission:
                 del owners[t.owner]
         if t.started_at is None:
             self._starting_mib -= t.headroom_mib
+        elif t.settling:
+            # Gone before MemAvailable showed its use: nothing of its promise is left.
+            t.settling = False
+            self._settling_mib -= t.headroom_mib
         if self._freed is not None:
             self._freed.set()
 
