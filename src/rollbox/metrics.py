@@ -22,7 +22,9 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -215,6 +217,27 @@ def counter(name: str, doc: str, labels: list[str], rows: Rows) -> CounterMetric
 def gauge(name: str, doc: str, labels: list[str], rows: Rows) -> GaugeMetricFamily:
     """A gauge family for a collector: ``rows`` of (label values, value)."""
     return _family(GaugeMetricFamily, name, doc, labels, rows)
+
+
+HistogramRows = Iterable[tuple[list[str], Iterable[float], list[float], float]]
+
+
+def histogram(name: str, doc: str, labels: list[str], rows: HistogramRows
+              ) -> HistogramMetricFamily:
+    """A histogram family for a collector (one another process keeps: the lazy loader's
+    fetch latencies): ``rows`` of (label values, bucket upper bounds, the count in each bucket
+    with +Inf's last (not cumulative: one more than the bounds), sum)."""
+    fam = HistogramMetricFamily(name, doc, labels=labels)
+    for values, bounds, counts, total in rows:
+        les = [*(repr(float(b)) for b in bounds), "+Inf"]
+        if len(les) != len(counts):
+            raise ValueError(f"{name}: {len(counts)} bucket counts for {len(les)} buckets")
+        cum, acc = [], 0.0
+        for le, c in zip(les, counts, strict=True):
+            acc += c
+            cum.append((le, acc))
+        fam.add_metric(values, cum, total)
+    return fam
 
 
 _process: Metrics | None = None

@@ -108,6 +108,22 @@ def test_metrics_off_record_nothing() -> None:
         ({"backend": "container", "project": "p", "outcome": "created"}, 1.0)]
 
 
+def test_collector_histogram_is_cumulative_and_checked() -> None:
+    """A histogram another process keeps (per-bucket counts, +Inf last) is exposed with
+    cumulative buckets, its count and sum; counts that do not fit the bounds are refused."""
+    m = metrics.Metrics()
+    m.add_collector(lambda: [metrics.histogram("rollbox_h_seconds", "h", ["kind"],
+                                               [(["d"], (0.01, 0.1), [2, 3, 1], 0.75)])])
+    text = m.exposition().decode()
+    assert samples(text, "rollbox_h_seconds_bucket") == [
+        ({"kind": "d", "le": "0.01"}, 2.0), ({"kind": "d", "le": "0.1"}, 5.0),
+        ({"kind": "d", "le": "+Inf"}, 6.0)]
+    assert samples(text, "rollbox_h_seconds_count") == [({"kind": "d"}, 6.0)]
+    assert samples(text, "rollbox_h_seconds_sum") == [({"kind": "d"}, 0.75)]
+    with pytest.raises(ValueError, match="3 bucket counts for 2 buckets"):
+        metrics.histogram("rollbox_h_seconds", "h", [], [([], (0.01,), [1, 2, 3], 0.0)])
+
+
 def test_docs_and_dashboard_name_the_families_that_exist() -> None:
     import json
     import re

@@ -44,11 +44,12 @@ from rollbox.errors import (
 )
 from rollbox.events.store import EventLog
 from rollbox.images.lazy.mounts import LayerMounts
+from rollbox.images.lazy.paths import FETCH_BUCKETS, FETCH_KINDS
 from rollbox.images.store import Image, ImageStore, sudo_uids
 from rollbox.images.vmdisk import find_vm_disk
 from rollbox.isolation import cgroups, hostclaims
 from rollbox.isolation.userns import UidSlots
-from rollbox.metrics import counter, gauge, process_metrics
+from rollbox.metrics import counter, gauge, histogram, process_metrics
 from rollbox.models import (
     FORK_OF_LABEL, MAX_FORK_CHILDREN, NODE_LOST, PTY_MAX_SIZE, Event, ExecInfo, ExecResult,
     ExecSpec, FileStat, ForkResult, ForkSpec, GradeResult, GradeSpec,
@@ -690,19 +691,40 @@ class Edge:
 
     def _lazy_metrics(self) -> list:  # noqa: ANN201 - prometheus families
         """The lazy loader's totals (its daemon keeps them, per layer): cache reads by
-        result, bytes fetched from the chunk store, the cache's use against its limit."""
-        if self._lazy is None:
+        result, bytes fetched from the chunk store and the fetches' latency histogram, the
+        cache's use against its limit. The daemon's stats files are root's, in the store's
+        0700 ``lazy/`` (no sandbox writes them); a node whose first lazy layer came after the
+        edge started has them through the loader its first lazy mount made."""
+        from rollbox.images.lazy.loader import existing_loader
+
+        lazy = self._lazy or existing_loader(self.store)
+        if lazy is None:
             return []
         try:
-            st = self._lazy.stats()
+            st = lazy.stats()
         except OSError:
             return []
         sums = collections.Counter[str]()
+        fetches = {k: [0] * (len(FETCH_BUCKETS) + 1) for k in FETCH_KINDS}
+        fetch_sum = dict.fromkeys(FETCH_KINDS, 0.0)
         for layer in st["layers"].values():
             for k in ("cache_hits", "cache_misses", "bytes_fetched"):
                 sums[k] += int(layer.get(k) or 0)
+            hist = layer.get("fetch_seconds") or {}
+            if hist.get("le") != list(FETCH_BUCKETS):
+                continue  # a daemon of other bounds (none now): not summable
+            for k in FETCH_KINDS:
+                counts = (hist.get(k) or {}).get("counts") or []
+                if len(counts) == len(fetches[k]):
+                    fetches[k] = [a + int(b) for a, b in zip(fetches[k], counts, strict=True)]
+                    fetch_sum[k] += float(hist[k].get("sum") or 0.0)
         node = self.node_id
         return [
+            histogram("rollbox_lazy_fetch_seconds", "Lazy image loader: a chunk fetch from the "
+                      "chunk store, started (its wait for a fetch slot included) to verified "
+                      "in the node cache; kind demand (a read waits) or prefetch",
+                      ["node", "kind"], [([node, k], FETCH_BUCKETS, fetches[k], fetch_sum[k])
+                                         for k in FETCH_KINDS]),
             counter("rollbox_lazy_cache_reads", "Lazy image loader: chunk reads from the node's "
                     "cache (hit) or the chunk store (miss)", ["node", "result"],
                     [([node, "hit"], sums["cache_hits"]), ([node, "miss"], sums["cache_misses"])]),

@@ -11,6 +11,10 @@ without one replays the store's, and puts its own there when the store has none.
 cache full) fails the read with EIO and leaves its typed reason in the layer's stats file for the
 loader to raise.
 
+Each chunk fetched is timed, from the fetch's start (its wait for a fetch slot included) to its
+bytes verified in the cache, into the layer's fetch latency histogram (``demand``: a read asked
+for it; ``prefetch``: read-ahead or a replayed trace), kept in the stats file with the counters.
+
 Reads are attributed to the reader's v2 cgroup (FUSE request pid -> /proc/<pid>/cgroup), which
 names the sandbox for sandbox processes; reads by the daemon's own prefetch count as "prefetch".
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import concurrent.futures
 import contextlib
 import errno
@@ -38,7 +43,7 @@ from typing import Any
 import mfusepy
 
 from rollbox.errors import ChunkCorrupt, InfraError, NodeCacheFull, RollboxError
-from rollbox.images.lazy.paths import LazyPaths, write_json_atomic
+from rollbox.images.lazy.paths import FETCH_BUCKETS, FETCH_KINDS, LazyPaths, write_json_atomic
 from rollbox.images.names import is_digest
 from rollbox.images.stores import ChunkStore, open_store
 from rollbox.images.stores.base import LayerManifest
@@ -117,6 +122,10 @@ class Layer:
         self.read_pages = bytearray(-(-manifest.size // READ_PAGE))
         self.readers: dict[str, dict[str, int]] = {}
         self.last_error: dict[str, Any] | None = None
+        # Chunk fetch latency histogram per kind: counts per bucket of FETCH_BUCKETS (+Inf
+        # last, not cumulative) and the sum of seconds.
+        self.fetch_counts = {k: [0] * (len(FETCH_BUCKETS) + 1) for k in FETCH_KINDS}
+        self.fetch_sum = dict.fromkeys(FETCH_KINDS, 0.0)
         self.trace_path = p.trace_file(digest)
         self.recording = not self.trace_path.exists()
         self.trace: list[int] = []
@@ -140,6 +149,14 @@ class Layer:
         for who, c in (old.get("readers") or {}).items():
             self.readers[who] = {k: int(c.get(k, 0)) for k in READER_COUNTERS}
         self.last_error = old.get("last_error")
+        hist = old.get("fetch_seconds") or {}
+        if hist.get("le") == list(FETCH_BUCKETS):  # other bounds (an older daemon): afresh
+            for k in FETCH_KINDS:
+                h = hist.get(k) or {}
+                counts = h.get("counts")
+                if isinstance(counts, list) and len(counts) == len(FETCH_BUCKETS) + 1:
+                    self.fetch_counts[k] = [int(c) for c in counts]
+                    self.fetch_sum[k] = float(h.get("sum", 0.0))
 
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
@@ -149,6 +166,9 @@ class Layer:
                     "chunks_present": present, "open": self.opens, "last_used": self.last_used,
                     **self.counters, "readers": {k: dict(v) for k, v in self.readers.items()},
                     "last_error": self.last_error, "trace_recorded": self.trace_path.exists(),
+                    "fetch_seconds": {"le": list(FETCH_BUCKETS), **{
+                        k: {"counts": list(self.fetch_counts[k]), "sum": self.fetch_sum[k]}
+                        for k in FETCH_KINDS}},
                     "updated": time.time()}
 
     def _reader(self, who: str) -> dict[str, int]:
@@ -269,10 +289,11 @@ class Layer:
         ref = self.m.chunks[i]
         # Prefetches take at most PREFETCH_CONCURRENCY of the fetch slots: a demand read never
         # queues behind a whole replayed trace.
+        t0 = time.monotonic()
         async with self.daemon.prefetch_sem if prefetch else contextlib.nullcontext():
-            await self._fetch_now(i, prefetch, ref)
+            await self._fetch_now(i, prefetch, ref, t0)
 
-    async def _fetch_now(self, i: int, prefetch: bool, ref: Any) -> None:
+    async def _fetch_now(self, i: int, prefetch: bool, ref: Any, t0: float) -> None:
         async with self.daemon.fetch_sem:
             with self.lock:
                 if self.present[i]:
@@ -283,7 +304,11 @@ class Layer:
             # bytes are hashed here, off the event loop, before they reach the cache.
             verify = not getattr(store, "verifies_chunks", False)
             await asyncio.to_thread(self._store_chunk, i, raw, verify)
+        took = time.monotonic() - t0
+        kind = "prefetch" if prefetch else "demand"
         with self.lock:
+            self.fetch_counts[kind][bisect.bisect_left(FETCH_BUCKETS, took)] += 1
+            self.fetch_sum[kind] += took
             self.counters["chunks_fetched"] += 1
             self.counters["bytes_fetched"] += ref.size
             self.counters["bytes_fetched_stored"] += ref.stored_size

@@ -436,6 +436,13 @@ def loader_for(store: ImageStore, settings: Settings | None = None) -> LazyLoade
     return loader if loader is not None else LazyLoader(store, settings)
 
 
+def existing_loader(store: ImageStore) -> LazyLoader | None:
+    """This process's loader of ``store`` if one was made (an edge's, or the first lazy mount's
+    of a layer pulled after the edge started); None, making none (a metrics scrape's look)."""
+    with _LOADERS_GUARD:
+        return _LOADERS.get(os.path.realpath(store.root))
+
+
 class CurrentLoader:
     """The lazy layers of ``store`` as :class:`rollbox.images.mounts.LayerMounts` gets them
     (its ``LazyLayers``): this process's loader of the store, looked up at each use, so the

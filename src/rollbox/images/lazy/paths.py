@@ -6,7 +6,8 @@ the loader and :mod:`rollbox.images.store`; imports nothing heavy)::
     cache/<digest>.present  one byte per chunk: 1 = the chunk's bytes in the cache are complete
     cache/<digest>.trace    recorded access trace: chunk indices in first-read order (JSON)
     cache/.clean            present only while no daemon runs after a clean shutdown
-    stats/<digest>.json     per-layer counters (cumulative across daemon restarts)
+    stats/<digest>.json     per-layer counters (cumulative across daemon restarts), with the
+                            chunk fetch latency histogram (``FETCH_BUCKETS``)
     fs/g<N>/                FUSE mount point of daemon generation N (one daemon per node)
     daemon.json             {"pid", "generation", "mountpoint", "started"} of the live daemon
     daemon.log, .lock
@@ -22,6 +23,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+# Upper bounds (seconds) of the daemon's chunk fetch latency histogram, per layer in its stats
+# file ("fetch_seconds"), which the edge sums into ``rollbox_lazy_fetch_seconds``: a chunk from
+# a local dir:// store takes ~1 ms, from S3 tens of ms, queued behind a replayed trace seconds.
+FETCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                 30.0, 60.0)
+FETCH_KINDS = ("demand", "prefetch")
 
 
 @dataclass(frozen=True)
