@@ -38,6 +38,8 @@ load from elsewhere does to the wall-clock times; ``fork8_vs_create8_cpu_ratio``
 
 - **port proxy**: ``bench/ports`` (its own scratch ``rollbox serve``) after the fork rounds; its
   ``port_proxy_*``, ``direct_*`` and ``api_health_p50_ms`` keys are copied into this JSON.
+
+``--only container,microvm,ports`` runs those phases alone (default: all three).
 """
 from __future__ import annotations
 
@@ -218,10 +220,14 @@ async def microvm_fork_round(edge: Any, src: str, n: int, warm: bool) -> dict[st
     be.settings.vm_fork_warm = warm
     src_pid = be._vms[src].pid
     c0, s0 = process_cpu_s(None, children=True), process_cpu_s(src_pid)
-    r = await fork_round_cpu(edge, src, n, lambda ids: sum(
-        process_cpu_s(be._vms[i].pid) for i in ids))
-    r["cpu"] = (r["children_cpu"] + process_cpu_s(src_pid) - s0
+    def cpu(ids: list[str]) -> float:
+        # read while the children run (before the deletes reap their QEMUs, whose CPU would
+        # then be counted again in this process's reaped children)
+        return (sum(process_cpu_s(be._vms[i].pid) for i in ids) + process_cpu_s(src_pid) - s0
                 + process_cpu_s(None, children=True) - c0)
+
+    r = await fork_round_cpu(edge, src, n, cpu)
+    r["cpu"] = r["children_cpu"]
     return r
 
 
@@ -301,7 +307,20 @@ def ms(xs: list[float]) -> dict[str, float]:
     return {"p50": statistics.median(xs) * 1000, "p99": percentile(xs, 99) * 1000}
 
 
-async def run(quick: bool) -> dict[str, Any]:
+PHASES = ("container", "microvm", "ports")
+
+
+def parse_only(text: str) -> frozenset[str]:
+    """``--only a,b``: those of :data:`PHASES`; "": all. ValueError naming an unknown one."""
+    only = frozenset(p.strip() for p in text.split(",") if p.strip()) or frozenset(PHASES)
+    bad = sorted(only - set(PHASES))
+    if bad:
+        raise ValueError(f"unknown bench fork phase(s) {', '.join(bad)}: "
+                         f"choose from {', '.join(PHASES)}")
+    return only
+
+
+async def run(quick: bool, only: frozenset[str] = frozenset(PHASES)) -> dict[str, Any]:
     from rollbox.edge.edge import Edge
     from rollbox.events.store import EventLog
 
@@ -315,62 +334,14 @@ async def run(quick: bool) -> dict[str, Any]:
     mb = 100 if quick else 500
     reps = 3 if quick else 15  # fork1, fork8, create8 (fork32: 1 / 3)
     res: dict[str, Any] = {"image": IMAGE, "quick": quick, "writable_mb": mb,
-                           "load_start": round(os.getloadavg()[0], 1)}
+                           "phases": sorted(only), "load_start": round(os.getloadavg()[0], 1)}
     try:
-        src = (await edge.create(SandboxSpec(image=IMAGE, ttl_s=3600,
-                                             resources=Resources(memory_mib=128,
-                                                                 disk_mib=4 * mb)),
-                                 OWNER)).id
-        eid = await edge.exec_start(src, ExecSpec(
-            cmd=f"mkdir -p /work && head -c {mb * MiB} /dev/urandom > /work/blob && sync",
-            timeout_s=600))
-        assert (await edge.exec_wait(src, eid)).exit_code == 0
-        await edge.exec_start(src, ExecSpec(cmd="sleep 3600", timeout_s=3600))
-        for _ in range(2):  # warm-up: layer mounts, page cache, the pool
-            await fork_round(edge, src, 2)
-            await create_round(edge, IMAGE, 2)
-        rounds: dict[str, list[Any]] = {"fork1": [], "fork8": [], "fork32": [], "create8": []}
-        for i in range(reps):
-            for name, op in (("fork1", lambda: fork_round(edge, src, 1)),
-                             ("fork8", lambda: fork_round(edge, src, 8)),
-                             ("create8", lambda: create_round(edge, IMAGE, 8))):
-                rounds[name].append(await op())
-            if i < (1 if quick else 3):
-                rounds["fork32"].append(await fork_round(edge, src, 32))
-        for name in ("fork1", "fork8", "fork32"):
-            rs = rounds[name]
-            ready = ms([r["all"] for r in rs])
-            res[f"{name}_ready_p50_ms"] = ready["p50"]
-            res[f"{name}_ready_p99_ms"] = ready["p99"]
-            each = ms([x for r in rs for x in r["each"]])
-            res[f"{name}_child_ready_p50_ms"] = each["p50"]
-            res[f"{name}_child_ready_p99_ms"] = each["p99"]
-            res[f"{name}_source_frozen_ms"] = ms([r["frozen"] for r in rs])["p50"]
-            res[f"{name}_source_frozen_max_ms"] = max(r["frozen"] for r in rs) * 1000
-            res[f"{name}_disk_per_child_kib"] = statistics.median(r["disk"] for r in rs) / 1024
-            res[f"{name}_memory_per_child_kib"] = statistics.median(r["mem"] for r in rs) / 1024
-            res[f"{name}_rounds"] = len(rs)
-        c8 = ms([r["all"] for r in rounds["create8"]])
-        res["create8_ready_p50_ms"], res["create8_ready_p99_ms"] = c8["p50"], c8["p99"]
-        res["create8_rounds"] = len(rounds["create8"])
-        # CPU per round (the round's deletes included): what a fork costs against 8 creates
-        # whatever the load from elsewhere does to the wall-clock times
-        res["fork8_cpu_ms"] = statistics.median(r["cpu"] for r in rounds["fork8"]) * 1000
-        res["create8_cpu_ms"] = statistics.median(r["cpu"] for r in rounds["create8"]) * 1000
-        res["fork8_vs_create8_cpu_ratio"] = res["fork8_cpu_ms"] / res["create8_cpu_ms"]
-        peer = [await snapshot_create_round(edge, src, 8) for _ in range(1 if quick else 2)]
-        res["snapshot_create8_ready_p50_ms"] = statistics.median(p[0] for p in peer) * 1000
-        res["snapshot_alone_p50_ms"] = statistics.median(p[1] for p in peer) * 1000
-        copy_s, copy_bytes = await asyncio.to_thread(full_copy, edge, src)
-        res["full_copy_ms"] = copy_s * 1000
-        res["full_copy_disk_kib"] = copy_bytes / 1024
-        res["fork_vs_snapshot_create_ratio"] = (res["fork8_ready_p50_ms"]
-                                                / res["snapshot_create8_ready_p50_ms"])
-        res["fork8_vs_create8_ratio"] = res["fork8_ready_p50_ms"] / res["create8_ready_p50_ms"]
-        res["fork8_vs_full_copy8_ratio"] = res["fork8_ready_p50_ms"] / (8 * res["full_copy_ms"])
-        await edge.delete(src)
+        if "container" in only:
+            await container_rounds(edge, res, quick, mb, reps)
         cap = edge.backends["microvm"].capacity() if "microvm" in edge.backends else None
-        if cap is not None and cap.offered and cap.fork:
+        if "microvm" not in only:
+            pass
+        elif cap is not None and cap.offered and cap.fork:
             try:
                 res.update(await microvm_rounds(edge, 1 if quick else 3))
             except RollboxError as exc:  # the container figures stand; the failure is named
@@ -388,13 +359,74 @@ async def run(quick: bool) -> dict[str, Any]:
     return res
 
 
-def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
-    res = asyncio.run(run(quick))
-    # the port proxy's figures (issue 15 item 6 asks for them in this run's JSON): bench/ports
-    # on its own scratch server, after the fork rounds so the two do not share the machine
-    ports = load_bench("ports").main(quick=quick, json_out=False)
-    res.update({k: v for k, v in ports.items() if k.startswith(("port_", "direct_", "api_"))})
-    res["port_proxy_ok"] = ports["ok"]
+async def container_rounds(edge: Any, res: dict[str, Any], quick: bool, mb: int,
+                           reps: int) -> None:
+    """The container phases (module docstring) into ``res``."""
+    src = (await edge.create(SandboxSpec(image=IMAGE, ttl_s=3600,
+                                         resources=Resources(memory_mib=128,
+                                                             disk_mib=4 * mb)),
+                             OWNER)).id
+    eid = await edge.exec_start(src, ExecSpec(
+        cmd=f"mkdir -p /work && head -c {mb * MiB} /dev/urandom > /work/blob && sync",
+        timeout_s=600))
+    assert (await edge.exec_wait(src, eid)).exit_code == 0
+    await edge.exec_start(src, ExecSpec(cmd="sleep 3600", timeout_s=3600))
+    for _ in range(2):  # warm-up: layer mounts, page cache, the pool
+        await fork_round(edge, src, 2)
+        await create_round(edge, IMAGE, 2)
+    rounds: dict[str, list[Any]] = {"fork1": [], "fork8": [], "fork32": [], "create8": []}
+    for i in range(reps):
+        for name, op in (("fork1", lambda: fork_round(edge, src, 1)),
+                         ("fork8", lambda: fork_round(edge, src, 8)),
+                         ("create8", lambda: create_round(edge, IMAGE, 8))):
+            rounds[name].append(await op())
+        if i < (1 if quick else 3):
+            rounds["fork32"].append(await fork_round(edge, src, 32))
+    for name in ("fork1", "fork8", "fork32"):
+        rs = rounds[name]
+        ready = ms([r["all"] for r in rs])
+        res[f"{name}_ready_p50_ms"] = ready["p50"]
+        res[f"{name}_ready_p99_ms"] = ready["p99"]
+        each = ms([x for r in rs for x in r["each"]])
+        res[f"{name}_child_ready_p50_ms"] = each["p50"]
+        res[f"{name}_child_ready_p99_ms"] = each["p99"]
+        res[f"{name}_source_frozen_ms"] = ms([r["frozen"] for r in rs])["p50"]
+        res[f"{name}_source_frozen_max_ms"] = max(r["frozen"] for r in rs) * 1000
+        res[f"{name}_disk_per_child_kib"] = statistics.median(r["disk"] for r in rs) / 1024
+        res[f"{name}_memory_per_child_kib"] = statistics.median(r["mem"] for r in rs) / 1024
+        res[f"{name}_rounds"] = len(rs)
+    c8 = ms([r["all"] for r in rounds["create8"]])
+    res["create8_ready_p50_ms"], res["create8_ready_p99_ms"] = c8["p50"], c8["p99"]
+    res["create8_rounds"] = len(rounds["create8"])
+    # CPU per round (the round's deletes included): what a fork costs against 8 creates
+    # whatever the load from elsewhere does to the wall-clock times
+    res["fork8_cpu_ms"] = statistics.median(r["cpu"] for r in rounds["fork8"]) * 1000
+    res["create8_cpu_ms"] = statistics.median(r["cpu"] for r in rounds["create8"]) * 1000
+    res["fork8_vs_create8_cpu_ratio"] = res["fork8_cpu_ms"] / res["create8_cpu_ms"]
+    peer = [await snapshot_create_round(edge, src, 8) for _ in range(1 if quick else 2)]
+    res["snapshot_create8_ready_p50_ms"] = statistics.median(p[0] for p in peer) * 1000
+    res["snapshot_alone_p50_ms"] = statistics.median(p[1] for p in peer) * 1000
+    copy_s, copy_bytes = await asyncio.to_thread(full_copy, edge, src)
+    res["full_copy_ms"] = copy_s * 1000
+    res["full_copy_disk_kib"] = copy_bytes / 1024
+    res["fork_vs_snapshot_create_ratio"] = (res["fork8_ready_p50_ms"]
+                                            / res["snapshot_create8_ready_p50_ms"])
+    res["fork8_vs_create8_ratio"] = res["fork8_ready_p50_ms"] / res["create8_ready_p50_ms"]
+    res["fork8_vs_full_copy8_ratio"] = res["fork8_ready_p50_ms"] / (8 * res["full_copy_ms"])
+    await edge.delete(src)
+
+
+def main(quick: bool = False, json_out: bool = False,
+         only: frozenset[str] = frozenset(PHASES)) -> dict[str, Any]:
+    res = asyncio.run(run(quick, only))
+    if "ports" in only:
+        # the port proxy's figures (issue 15 item 6 asks for them in this run's JSON):
+        # bench/ports on its own scratch server, after the fork rounds so the two do not share
+        # the machine
+        ports = load_bench("ports").main(quick=quick, json_out=False)
+        res.update({k: v for k, v in ports.items()
+                     if k.startswith(("port_", "direct_", "api_"))})
+        res["port_proxy_ok"] = ports["ok"]
     res = emit(res, json_out)
     if not json_out:
         for k, v in res.items():
@@ -406,5 +438,6 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--only", default="", help=f"comma-separated phases: {','.join(PHASES)}")
     a = ap.parse_args()
-    main(quick=a.quick, json_out=a.json)
+    main(quick=a.quick, json_out=a.json, only=parse_only(a.only))

@@ -292,12 +292,18 @@ def bench_disk(quick: bool = typer.Option(False, "--quick"),
 
 @bench_command("fork")
 def bench_fork(quick: bool = typer.Option(False, "--quick"),
-               json_out: bool = typer.Option(False, "--json")) -> None:
+               json_out: bool = typer.Option(False, "--json"),
+               only: str = typer.Option("", "--only", help="comma-separated phases: "
+                                        "container,microvm,ports (default: all)")) -> None:
     """Fork of a sandbox with a 500 MB writable layer (n = 1, 8, 32: all children answering
     an exec, source frozen, memory and disk per child) against snapshot + create, a full copy
     of the writable layer and 8 plain creates, in the same run."""
     mod = _load_bench("fork")
-    mod.main(quick=quick, json_out=json_out)
+    try:
+        phases = mod.parse_only(only)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--only") from None
+    mod.main(quick=quick, json_out=json_out, only=phases)
 
 
 @bench_command("microvm")
