@@ -51,6 +51,14 @@ for every VM of the run. Phases:
    too): the same creates on a server with ``ROLLBOX_VM_FULL_TEMPLATES=disk`` (the first
    builds the desktop's machine template, the others restore it): ``desktop_restore_ready``,
    ``ratio_desktop_restore_vs_plain_qemu``.
+11. ``desktop_idle`` (opt-in too): idle desktop VMs held at once (the issue's >= 20 on this
+   host), on a server with machine templates (the first create builds the desktop's template,
+   untimed and deleted before the baseline): ``DESKTOP_IDLE_N`` creates of the desktop demo's
+   VM one after another, each drawn; after ``IDLE_SETTLE_S`` of idling, the MemAvailable drop /
+   N (``desktop_idle_mib_per_vm``), the machine's busy CPU over ``DESKTOP_IDLE_CPU_S`` of idle
+   (``desktop_idle_cpu_pct_per_vm``: percent of one core per VM), and held = each answers a
+   screenshot that still shows the desktop and an exec within ``ANSWER_S``
+   (``desktop_idle_held``). A create refused by the node ends the creates: N is what it took.
 
 ``--only a,b`` runs just those phases (``PHASES``). The last line of ``--json`` is one JSON
 object.
@@ -74,7 +82,7 @@ from bench.microvm import PlainQemu, image_layers, parse_only, server  # noqa: E
 from rollbox.backends.microvm import qemu  # noqa: E402
 from rollbox.backends.vm import display, machine, rootdisk  # noqa: E402
 from rollbox.benchkit import (  # noqa: E402
-    emit, mem_available, percentile, ratio, round_trips, say,
+    CpuMeter, emit, machine_busy_s, mem_available, percentile, ratio, round_trips, say,
 )
 from rollbox.config import Settings  # noqa: E402
 
@@ -97,12 +105,14 @@ PHASES = frozenset({"ready", "exec", "screenshot", "input", "input_to_screen", "
 SERVER_PHASES = PHASES - {"plain"}
 # Opt-in (``--desktop``, or named in ``--only``): the desktop:1 disk's boots, ~1-2 min each
 # under TCG. ``desktop``: rollbox creates -> the desktop drawn; ``plain_desktop``: the peer.
-DESKTOP_PHASES = frozenset({"desktop", "plain_desktop", "desktop_restore"})
+DESKTOP_PHASES = frozenset({"desktop", "plain_desktop", "desktop_restore", "desktop_idle"})
 # desktop_restore's server: disk-image creates restore a machine template (backends/vm/
 # templates.py; the node default is off)
 DESKTOP_TEMPLATES = {"ROLLBOX_VM_FULL_TEMPLATES": "disk"}
 DESKTOP_CREATES, DESKTOP_CREATES_QUICK = 3, 2
 DESKTOP_WAIT_S = 900.0  # boot -> drawn, at most
+DESKTOP_IDLE_N, DESKTOP_IDLE_N_QUICK = 20, 4  # idle desktops held at once (the issue: >= 20)
+DESKTOP_IDLE_CPU_S = 20.0  # the idle desktops' CPU is read over this window
 
 
 # ---- pure parts (unit-tested) ----------------------------------------------------------------
@@ -429,6 +439,64 @@ async def desktop_restore_phase(srv: Any, quick: bool, res: dict[str, Any]) -> N
     res["desktop_restore_screenshot_p50_ms"] = sub["desktop_screenshot_p50_ms"]
 
 
+async def desktop_idle_phase(srv: Any, quick: bool, res: dict[str, Any]) -> None:
+    """Idle desktop VMs held at once on a server with machine templates (phase 11)."""
+    from rollbox import errors
+    from rollbox.desktop import png
+    from rollbox.desktop.episode import CPUS, DESKTOP_IMAGE, MEMORY_MIB, Screen
+    from rollbox.sdk import AsyncClient
+
+    want = DESKTOP_IDLE_N_QUICK if quick else DESKTOP_IDLE_N
+    spec = {"backend": "vm", "memory_mib": MEMORY_MIB, "cpus": CPUS, "ttl_s": 3600}
+    async with AsyncClient(base_url=srv.url, api_key=srv.key, timeout=1800) as client:
+        first = await client.create(DESKTOP_IMAGE, **spec)  # builds the template: untimed
+        try:
+            await desktop_drawn(first.screenshot, time.monotonic())
+        finally:
+            await first.delete()
+        await asyncio.sleep(2)
+        before = mem_available()
+        boxes: list[Any] = []
+        refused = None
+        try:
+            for _ in range(want):
+                try:
+                    sb = await client.create(DESKTOP_IMAGE, **spec)
+                except errors.CapacityExceeded as exc:
+                    refused = str(exc)
+                    break
+                boxes.append(sb)
+                await desktop_drawn(sb.screenshot, time.monotonic())
+            n = len(boxes)
+            say(f"desktop idle: {n} desktops drawn; idling {IDLE_SETTLE_S:.0f} s")
+            await asyncio.sleep(IDLE_SETTLE_S)
+            drop = before - mem_available()
+            with CpuMeter({"busy": machine_busy_s}) as cpu:
+                await asyncio.sleep(DESKTOP_IDLE_CPU_S)
+            held = 0
+            for sb in boxes:
+                try:
+                    async with asyncio.timeout(ANSWER_S):
+                        ok = Screen(png.decode(await sb.screenshot()), 0.0).is_desktop()
+                        ok = ok and (await sb.exec(["true"])).exit_code == 0
+                    held += ok
+                except Exception:  # noqa: BLE001 - a VM that does not answer is not held
+                    pass
+        finally:
+            for sb in boxes:
+                with contextlib.suppress(Exception):
+                    await sb.delete()
+    res["desktop_idle_n"], res["desktop_idle_held"] = n, held
+    res["desktop_idle_refused"] = refused
+    res["desktop_idle_mib_per_vm"] = drop / n / (1 << 20) if n else None
+    busy = cpu.spent["busy"] / cpu.spent["wall_s"]
+    res["desktop_idle_cpu_pct_per_vm"] = 100.0 * busy / n if n else None
+    res["desktop_idle_host_busy_cores"] = busy
+    say(f"desktop idle: {held} of {n} held, {res['desktop_idle_mib_per_vm'] or 0:.0f} MiB "
+        f"per VM, {busy:.2f} cores busy ({res['desktop_idle_cpu_pct_per_vm'] or 0:.1f}% of a "
+        f"core per VM){'; refused: ' + refused if refused else ''}")
+
+
 # ---- the peer: plain QEMU --------------------------------------------------------------------
 
 class PlainVm(PlainQemu):
@@ -540,6 +608,9 @@ def main(quick: bool = False, json_out: bool = False,
     if "desktop_restore" in phases:
         with server(DESKTOP_TEMPLATES) as srv:
             asyncio.run(desktop_restore_phase(srv, quick, res))
+    if "desktop_idle" in phases:
+        with server(DESKTOP_TEMPLATES) as srv:
+            asyncio.run(desktop_idle_phase(srv, quick, res))
     if "plain" in phases:
         asyncio.run(plain_phase(quick, res))
     if "plain_desktop" in phases and "desktop" not in phases:
