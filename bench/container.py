@@ -10,11 +10,14 @@ and the other runtime (``ROLLBOX_RUNTIME``: runc and native, backends/container/
 the c8 cycle and the cold create -> first exec p50 at c1 against a third server that starts its
 containers with it, so ``create_exec_destroy_per_s_c8_runc``, ``..._c8_native`` and
 ``native_vs_runc_c8`` come from one run (``ratio_vs_podman_c8`` is the default runtime's).
+And ``observability_overhead`` (issue 18: <= 2 %): c8 rounds against servers with metrics and
+JSON logs off and on, alternated (off, on, on, off, ...), the median of the paired ratios.
 The last line of ``--json`` is one JSON object.
 """
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import subprocess
 import tarfile
@@ -24,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from rollbox.benchkit import (
-    emit, latency_ms, percentile, ratio, record, round_trips, rounded, run_cycles, say,
-    used_without_page_cache,
+    CpuMeter, cgroup_cpu_s, emit, latency_ms, percentile, process_cpu_s, ratio, record,
+    round_trips, rounded, run_cycles, say, used_without_page_cache,
 )
 from rollbox.config import Settings
 from rollbox.embedded import server_process
@@ -235,21 +238,185 @@ def runtimes(quick: bool, res: dict[str, Any]) -> None:
         f"{rounded(res.get('native_vs_runc_c8'), 2)}")
 
 
+OBS_ROUNDS = (6, 10)  # rounds of each arm (quick, full), alternated off/on/on/off/...
+OBS_CYCLES = 160  # c8 cycles a round (~3-4 s at ~45/s)
+OBS_OFF_ENV = {"ROLLBOX_METRICS": "0", "ROLLBOX_LOG_FORMAT": "text"}
+OBS_ON_ENV = {"ROLLBOX_METRICS": "1", "ROLLBOX_LOG_FORMAT": "json"}
+
+
+def serve_child_pid() -> int:
+    """The pid of the ``rollbox serve`` this process started (server_process's child)."""
+    out = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "rollbox.cli serve"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    return int(out[0])
+
+
+async def obs_round(url: str, key: str, n: int, lat: list[float], count: bool = False
+                    ) -> dict[str, float]:
+    """One round of the overhead: the same warm-up, then ``n`` c8 cycles: their rate and the
+    CPU per cycle (ms) of the server process (where metrics and logs are made), of the
+    sandboxes' cgroups (what they ran, deleted ones included) and of this client; cycle
+    times appended to ``lat``."""
+    from rollbox.isolation import cgroups
+    from rollbox.sdk import AsyncClient
+
+    pid = serve_child_pid()
+    boxes = cgroups.v2_root() / Settings().cgroup_parent
+    async with AsyncClient(base_url=url, api_key=key, timeout=120) as client:
+        await run_cycles(lambda: one_cycle(client, "python:3.11"), 16, 8, series=None)
+
+        async def timed() -> bool:
+            t = time.monotonic()
+            ok = await one_cycle(client, "python:3.11")
+            lat.append(time.monotonic() - t)
+            return ok
+
+        before = await scrape_counts(url, key) if count else (0.0, 0.0)
+        with CpuMeter({"server": lambda: process_cpu_s(pid),
+                       "sandboxes": lambda: cgroup_cpu_s(boxes),
+                       "client": process_cpu_s}) as meter:
+            r = await run_cycles(timed, n, 8, series=None)
+        after = await scrape_counts(url, key) if count else (0.0, 0.0)
+    if r["errors"]:
+        raise RuntimeError(f"observability round: {r['errors']} of {n} cycles failed")
+    out = {"per_s": float(r["per_s"]),
+           **{f"{k}_ms": meter.spent[k] / n * 1000 for k in ("server", "sandboxes", "client")}}
+    if count:  # the first scrape is one api request of the second's count
+        out["events"] = (after[0] - before[0] - 1) / n
+        out["requests"] = (after[1] - before[1] - 1) / n
+    return out
+
+
+async def one_cycle(client: Any, image: str) -> bool:
+    sb = await client.create(image, ttl_s=300)
+    r = await sb.exec(["true"])
+    await sb.delete()
+    return r.exit_code == 0
+
+
+async def scrape_counts(url: str, key: str) -> tuple[float, float]:
+    """(every event the server's /metrics counted: counters and histogram counts, of which api
+    requests) at this moment."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with httpx.AsyncClient() as h:
+        r = await h.get(url + "/metrics", headers={"Authorization": f"Bearer {key}"})
+    r.raise_for_status()
+    events = requests = 0.0
+    for fam in text_string_to_metric_families(r.text):
+        for x in fam.samples:
+            if x.name.endswith(("_total", "_count")):
+                events += x.value
+                requests += x.value if x.name == "rollbox_api_request_seconds_count" else 0
+    return events, requests
+
+
+def recording_cost_us() -> dict[str, float]:
+    """What one recorded event costs (a histogram's labels + observe; µs, best of 5) and what
+    the api's timing middleware adds to a request (an ASGI call of a do-nothing app through
+    it against without it), in this process."""
+    import timeit
+
+    from rollbox.api.observe import ApiMetricsMiddleware
+    from rollbox.metrics import Metrics
+
+    m = Metrics()
+    obs = min(timeit.repeat(lambda: m.api_seconds.labels("POST", "/v1/sandboxes", "200")
+                            .observe(0.01), number=20_000, repeat=5)) / 20_000
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def nothing(_: Any) -> None:
+        pass
+
+    async def calls(asgi: Any, n: int) -> float:
+        scope = {"type": "http", "method": "GET", "path": "/"}
+        t = time.perf_counter()
+        for _ in range(n):
+            await asgi(dict(scope), None, nothing)
+        return time.perf_counter() - t
+
+    wrapped = ApiMetricsMiddleware(app, m)
+    bare = min(asyncio.run(calls(app, 20_000)) for _ in range(3)) / 20_000
+    timed = min(asyncio.run(calls(wrapped, 20_000)) for _ in range(3)) / 20_000
+    return {"event_us": obs * 1e6, "middleware_us": max(0.0, timed - bare) * 1e6}
+
+
 def observability_overhead(quick: bool, res: dict[str, Any]) -> None:
-    """Metrics and logging on vs off (issue 18: <= 2 %): the same c8 cycles against a server
-    with metrics off and text logs (``ROLLBOX_METRICS=0``, ``ROLLBOX_LOG_FORMAT=text``), then
-    against one with both on (the defaults), back to back, each after the same warm-up."""
-    off_env = {"ROLLBOX_METRICS": "0", "ROLLBOX_LOG_FORMAT": "text"}
-    with server_process(env=off_env) as (url, key):
-        off = asyncio.run(c8_cycles(quick, url, key))
-    with server_process(env={"ROLLBOX_METRICS": "1", "ROLLBOX_LOG_FORMAT": "json"}) as (url, key):
-        on = asyncio.run(c8_cycles(quick, url, key))
-    res["observability_off_per_s_c8"] = off["per_s"]
-    res["observability_on_per_s_c8"] = on["per_s"]
-    share = ratio(on["per_s"], off["per_s"])
-    res["observability_overhead"] = 1 - share if share is not None else None
-    say(f"metrics+logs off c8: {off['per_s']:.1f}/s, on: {on['per_s']:.1f}/s; "
-        f"observability_overhead {rounded(res['observability_overhead'], 3)}")
+    """Metrics and logging on vs off (issue 18: <= 2 %): c8 create -> exec -> destroy rounds
+    against a server with metrics off (nothing recorded, the api's timing middleware passes
+    through) and text logs (``ROLLBOX_METRICS=0``, ``ROLLBOX_LOG_FORMAT=text``) and one with
+    both on (the defaults), alternated off, on, on, off, ... (a drift of the host's load hits
+    both arms alike), each round a fresh server with the same warm-up. The overhead is
+    1 - the median of the rounds' on/off ratios (each on round against the off round next to
+    it); the pooled rates and the spread of the off rounds among themselves (the noise floor
+    the figure has to be read against) come with it."""
+    import statistics
+
+    rounds = OBS_ROUNDS[0] if quick else OBS_ROUNDS[1]
+    order = [arm for _ in range(-(-rounds // 2)) for arm in ("off", "on", "on", "off")]
+    rates: dict[str, list[float]] = {"off": [], "on": []}
+    cpu: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
+    lat: dict[str, list[float]] = {"off": [], "on": []}
+    for arm in order[: 2 * rounds]:
+        with server_process(env=OBS_OFF_ENV if arm == "off" else OBS_ON_ENV) as (url, key):
+            r = asyncio.run(obs_round(url, key, OBS_CYCLES, lat[arm], count=arm == "on"))
+        rates[arm].append(r["per_s"])
+        cpu[arm].append(r)
+        say(f"  observability {arm}: {r['per_s']:.1f}/s, CPU per cycle: server "
+            f"{r['server_ms']:.2f} ms, sandboxes {r['sandboxes_ms']:.2f}, client "
+            f"{r['client_ms']:.2f}")
+    for arm in ("off", "on"):
+        record(f"observability_{arm}_cycle_c8", lat[arm])
+    pairs = [on / off for off, on in zip(rates["off"], rates["on"], strict=True)]
+    off_mean = statistics.fmean(rates["off"])
+    res["observability_rounds"] = rounds
+    res["observability_off_per_s_c8"] = off_mean
+    res["observability_on_per_s_c8"] = statistics.fmean(rates["on"])
+    res["observability_off_rounds_per_s"] = rates["off"]
+    res["observability_on_rounds_per_s"] = rates["on"]
+    res["observability_on_vs_off_c8"] = statistics.median(pairs)
+    res["observability_overhead"] = 1 - statistics.median(pairs)
+    res["observability_overhead_pooled"] = 1 - res["observability_on_per_s_c8"] / off_mean
+    res["observability_off_spread"] = (max(rates["off"]) - min(rates["off"])) / off_mean
+    for arm in ("off", "on"):  # medians of the rounds' CPU per cycle
+        for k in ("server", "sandboxes", "client"):
+            res[f"observability_{k}_cpu_ms_{arm}"] = statistics.median(
+                c[f"{k}_ms"] for c in cpu[arm])
+    # What the server's extra CPU per cycle is of a cycle's CPU (server + sandboxes + client):
+    # the share of a CPU-bound node's cycle rate metrics and logs take, read from CPU time,
+    # which other lanes' load moves far less than the rate.
+    whole = sum(res[f"observability_{k}_cpu_ms_off"] for k in ("server", "sandboxes", "client"))
+    res["observability_cpu_overhead"] = (res["observability_server_cpu_ms_on"]
+                                         - res["observability_server_cpu_ms_off"]) / whole
+    # The profile: what metrics record per cycle (the on server's own counts) at what each
+    # costs here, against the cycle's CPU; (JSON) logging adds nothing per cycle at the
+    # server's WARNING level: none of these cycles logs a line.
+    cost = recording_cost_us()
+    events = statistics.median(c["events"] for c in cpu["on"])
+    requests = statistics.median(c["requests"] for c in cpu["on"])
+    res["observability_events_per_cycle"] = events
+    res["observability_api_requests_per_cycle"] = requests
+    res["observability_event_us"] = cost["event_us"]
+    res["observability_middleware_us"] = cost["middleware_us"]
+    res["observability_profiled_overhead"] = (
+        events * cost["event_us"] + requests * cost["middleware_us"]) / 1000 / whole
+    res["observability_cycle_p50_ms_off"] = percentile(lat["off"], 50) * 1000
+    res["observability_cycle_p50_ms_on"] = percentile(lat["on"], 50) * 1000
+    say(f"metrics+logs off c8: {off_mean:.1f}/s, on: {res['observability_on_per_s_c8']:.1f}/s "
+        f"({rounds} rounds each); observability_overhead (median of pairs) "
+        f"{rounded(res['observability_overhead'], 3)}, pooled "
+        f"{rounded(res['observability_overhead_pooled'], 3)}, off rounds' spread "
+        f"{rounded(res['observability_off_spread'], 3)}; server CPU per cycle off "
+        f"{res['observability_server_cpu_ms_off']:.2f} ms, on "
+        f"{res['observability_server_cpu_ms_on']:.2f} ms: observability_cpu_overhead "
+        f"{rounded(res['observability_cpu_overhead'], 4)} of a cycle's "
+        f"{whole:.2f} ms; profiled: {events:.1f} events x {cost['event_us']:.2f} us + "
+        f"{requests:.1f} requests x {cost['middleware_us']:.2f} us = "
+        f"{rounded(res['observability_profiled_overhead'], 4)} of it")
 
 
 def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:

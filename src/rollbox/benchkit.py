@@ -87,12 +87,13 @@ def ratio(ours: float | None, peer: float | None) -> float | None:
 
 
 async def run_cycles(cycle: Callable[[], Awaitable[object]], n: int, conc: int, *,
-                     raise_errors: bool = False, series: str = "cycle") -> dict[str, Any]:
+                     raise_errors: bool = False, series: str | None = "cycle") -> dict[str, Any]:
     """Run ``n`` cycles, at most ``conc`` at a time: ``n``, ``per_s`` (cycles that succeeded
     per second of the whole run's wall time), ``wall_s``, ``p50_ms``/``p99_ms`` over every cycle
     (failed ones too) and ``errors``. A cycle fails when it returns False or raises; the
     exception is said and counted, or with ``raise_errors`` it ends the run. The cycles' times
-    are recorded (:func:`record`) as ``{series}_c{conc}``."""
+    are recorded (:func:`record`) as ``{series}_c{conc}`` (``series`` None: not recorded; the
+    caller pools them)."""
     sem = asyncio.Semaphore(conc)
     lat: list[float] = []
     errors = 0
@@ -115,7 +116,9 @@ async def run_cycles(cycle: Callable[[], Awaitable[object]], n: int, conc: int, 
     await asyncio.gather(*(one() for _ in range(n)))
     wall = time.monotonic() - t0
     return {"n": n, "per_s": (n - errors) / wall if wall else 0.0, "wall_s": wall,
-            **latency_ms(lat, series=f"{series}_c{conc}"), "errors": errors}
+            **(latency_ms(lat, series=f"{series}_c{conc}") if series is not None else
+               {"p50_ms": percentile(lat, 50) * 1000, "p99_ms": percentile(lat, 99) * 1000}),
+            "errors": errors}
 
 
 async def round_trips(op: Callable[[], Awaitable[object]], n: int, warmup: int = 10

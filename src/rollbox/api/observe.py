@@ -20,7 +20,7 @@ class ApiMetricsMiddleware:
         self.metrics = metrics or process_metrics()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or not self.metrics.enabled:  # off: not even the timing
             await self.app(scope, receive, send)
             return
         t0 = time.monotonic()
