@@ -10,8 +10,11 @@ the keys rather than written per benchmark:
   axes;
 - *latency CDFs*: the raw samples a run recorded (``samples_ms``), one curve per series;
   a run without samples gets bars of its ``<figure>_p50_ms`` / ``_p99_ms`` instead;
-- *against the peer*: every number with the word ``ratio``, ``vs`` or ``over`` in its key
-  (measured in the same run), as bars beside the line at 1.
+- *against the peer*: every number with the word ``ratio``, ``vs``, ``over`` or ``speedup``
+  in its key (measured in the same run), as bars beside the line at 1;
+- *the figures*: the other numbers with a unit in their key (``_ms``, ``_s``, ``per_s``,
+  ``_mib``, ``_mib_s``), as bars per unit, for the units no panel above has drawn (a ratio's
+  bar alone says little: these are the figures it comes from: ``lazy_s`` and ``local_s``).
 
 Files saved before the run record existed hold only the result (no samples): they are drawn
 without the CDF panel.
@@ -37,6 +40,8 @@ PLOTS_DIR = "docs/bench-plots"
 CDF_SERIES_MAX = 10  # the largest series drawn; more are unreadable on one axis
 RATIO_BARS_MAX = 24
 RATIO_LOG_SPAN = 20  # ratios spanning more than this get a log axis
+FIGURE_BARS_MAX = 16  # per figures panel
+FIGURE_PANELS_MAX = 2  # the units with the most figures
 
 _FILE_RE = re.compile(r"^(?P<bench>.+?)-(?P<stamp>\d{4}-?\d{2}-?\d{2}T\d{4}[0-9-]*)\.json$")
 _CONC_RE = re.compile(r"^(?P<figure>[a-z][a-z0-9_]*?)_c(?P<n>\d+)$")
@@ -110,7 +115,7 @@ def flatten(result: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
 
 def is_ratio(key: str) -> bool:
     words = key.split("_")
-    return "ratio" in words or "vs" in words or "over" in words
+    return "ratio" in words or "vs" in words or "over" in words or "speedup" in words
 
 
 def scaling_series(flat: Mapping[str, float]) -> dict[str, dict[int, float]]:
@@ -152,6 +157,35 @@ def ratios(flat: Mapping[str, float]) -> dict[str, float]:
     return dict(sorted(picked.items())[:RATIO_BARS_MAX])
 
 
+def figure_unit(key: str) -> str | None:
+    """The unit a figure's key names (``write_mib_s``: MiB/s, ``lazy_s_4``: s), or None."""
+    def has(suffix: str) -> bool:
+        return key.endswith(suffix) or f"{suffix}_" in key
+
+    if "per_s" in key or has("_rps"):
+        return "per second"
+    for suffix, unit in (("_mib_s", "MiB/s"), ("_ms", "ms"), ("_mib", "MiB"), ("_s", "s")):
+        if has(suffix):
+            return unit
+    return None
+
+
+def figures(flat: Mapping[str, float], drawn: Iterable[str], units_drawn: Iterable[str] = ()
+            ) -> dict[str, dict[str, float]]:
+    """``{unit: {key: value}}`` of the numbers with a unit that no other panel draws (not in
+    ``drawn``, not a ratio, not of a unit in ``units_drawn``): the FIGURE_PANELS_MAX units with
+    the most (two at least), each its first FIGURE_BARS_MAX keys."""
+    skip, done = set(drawn), set(units_drawn)
+    found: dict[str, dict[str, float]] = defaultdict(dict)
+    for key, v in sorted(flat.items()):
+        unit = figure_unit(key)
+        if unit is not None and unit not in done and key not in skip and not is_ratio(key):
+            found[unit][key] = v
+    best = sorted(((u, kv) for u, kv in found.items() if len(kv) >= 2),  # one: a setting
+                  key=lambda kv: -len(kv[1]))[:FIGURE_PANELS_MAX]
+    return {u: dict(list(kv.items())[:FIGURE_BARS_MAX]) for u, kv in best}
+
+
 def _unit(name: str) -> str | None:
     if "per_s" in name or name.endswith("_rps") or "_rps_" in name:
         return "per second"
@@ -180,8 +214,12 @@ def plot(run: SavedRun, out: Path) -> Path:
             if len(v) >= 2}
     cdfs = dict(list(cdfs.items())[:CDF_SERIES_MAX])
     peer = ratios(flat)
+    in_scale = {key for pts in _scaling(flat).values() for key, _ in pts.values()}
+    shown_pcts = {f"{f}_p{q}_ms" for f in pcts for q in (50, 99)} if not cdfs else set()
+    figs = figures(flat, in_scale | shown_pcts, set(by_unit) | ({"ms"} if cdfs else set()))
     panels = [("scale", u) for u in sorted(by_unit)] + ([("cdf", "")] if cdfs else []) + (
-        [("pct", "")] if pcts and not cdfs else []) + ([("ratio", "")] if peer else [])
+        [("pct", "")] if pcts and not cdfs else []) + ([("ratio", "")] if peer else []) + [
+        ("figures", u) for u in figs]
     if not panels:
         raise ResultError(f"{run.path}: no series, samples or ratios to draw")
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 3.6 * len(panels)), squeeze=False)
@@ -214,6 +252,17 @@ def plot(run: SavedRun, out: Path) -> Path:
             ax.barh(names, [pcts[n][0] for n in names], color="tab:blue", label="p50")
             ax.set_xlabel("ms")
             ax.set_title("latencies (p50, p99; no raw samples were saved)")
+        elif kind == "figures":
+            names = list(figs[unit])
+            vals = [figs[unit][n] for n in names]
+            ax.barh(names, vals, color="tab:green")
+            pos = [v for v in vals if v > 0]
+            if pos and min(vals) > 0 and max(pos) / min(pos) > RATIO_LOG_SPAN:
+                ax.set_xscale("log")
+            ax.set_xlabel(unit)
+            ax.set_title(f"figures of the run ({unit})")
+            for i, v in enumerate(vals):
+                ax.text(v, i, f" {v:.4g}", va="center", fontsize=8)
         else:
             names = list(peer)
             # one colour: whether above 1 is better depends on the figure (a rate or a time)
@@ -227,7 +276,7 @@ def plot(run: SavedRun, out: Path) -> Path:
             for i, n in enumerate(names):
                 ax.text(peer[n], i, f" {peer[n]:.3g}", va="center", fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
-        if kind != "ratio":
+        if kind not in ("ratio", "figures"):
             ax.legend(fontsize=7, loc="best")
     fig.suptitle(run.title, fontsize=10)
     fig.tight_layout()

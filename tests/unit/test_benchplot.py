@@ -158,3 +158,22 @@ def test_bench_command_records_saves_and_plots_a_run(tmp_path: Path,
     r = runner.invoke(group, ["silent", "--plot", str(tmp_path / "s.png")])
     assert r.exit_code == 1 and "emitted no result" in r.output
     assert not (tmp_path / "s.png").exists()
+
+
+def test_a_lone_ratio_is_drawn_with_the_figures_it_comes_from(tmp_path: Path) -> None:
+    """A result whose only peer figure is a ratio gets a panel of its figures by unit (those no
+    other panel draws; a unit with one figure is a setting, not drawn)."""
+    flat = bp.flatten({"lazy_s": 0.44, "local_s": 0.25, "ratio": 1.75, "latency_ms": 2.0,
+                       "write_mib_s": 440.0, "read_mib_s": 1729.0, "speedup_4": 1.6,
+                       "cycles_per_s_c1": 3.0, "cycles_per_s_c8": 9.0})
+    assert bp.ratios(flat) == {"ratio": 1.75, "speedup_4": 1.6}
+    figs = bp.figures(flat, [], ["per second"])
+    assert figs == {"s": {"lazy_s": 0.44, "local_s": 0.25},
+                    "MiB/s": {"read_mib_s": 1729.0, "write_mib_s": 440.0}}
+    assert bp.figure_unit("full_pull_s_4") == "s" and bp.figure_unit("image") is None
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "lazy-20261203T0649.json").write_text(json.dumps(
+        {"lazy_s": 0.44, "local_s": 0.25, "ratio": 1.75}))
+    _, h = png_size(bp.redraw_all(d, tmp_path / "plots")["lazy"])
+    assert h > 2 * 3.6 * 90 - 10  # the ratio and the figures: two panels
