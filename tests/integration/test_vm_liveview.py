@@ -11,6 +11,11 @@ stream):
   the sandbox is flagged (taken_over, takeovers); ``echo hi > /tmp/x`` + Enter typed in the
   page makes the file (exec); release: the agent types again;
 - the event log has computer.view_issued, view_login, view, takeover and release, in order;
+- the bridge on its own (no browser, the same RemoteEdge path): after a take-over a click and
+  keys written all at once, without waiting for each other, reach the guest in order and the
+  stream lives on (the pointer goes to the tablet bound to the display's console: sent to no
+  console, QEMU refused it with "Input handler not found for event type abs" and the stream
+  ended, which was the page's lost take-over typing);
 - tokens: no cookie, a forged one, a reused or another sandbox's code, an expired cookie, a
   take-over without the page's header or from another origin, a WebSocket without the cookie:
   each a typed 401/403; after delete the cookie is refused (410) and the page's stream ends.
@@ -34,6 +39,7 @@ import websockets
 import rollbox
 from rollbox.config import Settings
 from rollbox.errors import DisplayLocked
+from rollbox.models import ExecSpec, Resources, SandboxSpec
 from tests.helpers.vm_guest import real_guest_marks
 
 BB = "busybox:test"
@@ -101,15 +107,6 @@ async def click(driver: Any, css: str) -> None:
     await asyncio.to_thread(lambda: driver.find_element("css selector", css).click())
 
 
-# An open bug, not a pass: on two clean-clone CI runs (2026-12-02 18:41 and 19:02 UTC) the
-# keys typed in the page after the take-over never reached the guest; the edge's log shows the
-# viewer's first messages after the take-over (a 1-byte and the 6-byte click) entering
-# LiveView.write and never finishing it (they wait on the display size, i.e. a screendump
-# under the VM's lock), while later writes overtake them: writes of one stream run
-# concurrently there. It passed 14 of 15 runs in the lane's worktree. Not strict: it passes
-# at times; the report counts it as xfailed.
-@pytest.mark.xfail(reason="open bug: viewer input after a take-over can stall in "
-                          "LiveView.write (see the comment above)", strict=False)
 async def test_live_view_in_chromium(edge, api_server, chromium, tmp_path: Path,  # noqa: ANN001
                                      caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="rollbox.backends.vm.backend")  # shown on failure
@@ -308,3 +305,62 @@ async def _tokens_refused(http: httpx.AsyncClient, url: str, sb: Any) -> None:
         async with websockets.connect(ws_url,
                                       additional_headers={"Cookie": f"rollbox_view={short}"}):
             pass
+
+
+async def test_live_view_input_reaches_the_guest(edge, api_edge) -> None:  # noqa: ANN001
+    info = await edge.create(SandboxSpec(image=BB, backend="vm", vm_console="shell",
+                                         resources=Resources(memory_mib=256, disk_mib=64)),
+                             "proj")
+    sid = info.id
+    stream = await api_edge.display_open(sid, "test")
+    try:
+        got = bytearray()
+
+        async def need(n: int) -> bytes:
+            while len(got) < n:
+                data = await asyncio.wait_for(stream.read(), 10)
+                assert data, "the stream ended"
+                got.extend(data)
+            out = bytes(got[:n])
+            del got[:n]
+            return out
+
+        assert (await need(12)) == b"RFB 003.008\n"
+        await stream.write(b"RFB 003.008\n")
+        n = (await need(1))[0]
+        assert 1 in await need(n)
+        await stream.write(b"\x01")
+        assert await need(4) == b"\x00\x00\x00\x00"
+        await stream.write(b"\x01")
+        init = await need(24)
+        w, h = struct.unpack(">HH", init[:4])
+        d = await edge.display_info(sid)
+        assert (w, h) == (d.width, d.height)  # ServerInit: the size pointers are scaled by
+        await need(struct.unpack(">I", init[20:24])[0])
+        await api_edge.display_takeover(sid, True, "test")
+        # a click in the middle, then keys: every message its own write, none awaited
+        # before the next is called (the edge keeps them in order)
+        msgs = [struct.pack(">BBHH", 5, 1, w // 2, h // 2), struct.pack(">BBHH", 5, 0, w // 2,
+                                                                          h // 2)]
+        for c in "echo ab > /tmp/o":
+            sym = {" ": 0x20, ">": ord(">")}.get(c, ord(c))
+            shift = c == ">"
+            if shift:
+                msgs.append(struct.pack(">BBxxI", 4, 1, 0xFFE1))
+            msgs += [struct.pack(">BBxxI", 4, 1, sym), struct.pack(">BBxxI", 4, 0, sym)]
+            if shift:
+                msgs.append(struct.pack(">BBxxI", 4, 0, 0xFFE1))
+        msgs += [struct.pack(">BBxxI", 4, 1, 0xFF0D), struct.pack(">BBxxI", 4, 0, 0xFF0D)]
+        await asyncio.gather(*(stream.write(m) for m in msgs))
+
+        async def made() -> bool:
+            r = await edge.exec_wait(sid, await edge.exec_start(sid, ExecSpec(
+                cmd="cat /tmp/o", timeout_s=30)))
+            return r.exit_code == 0 and r.stdout == "ab\n"
+        await until("/tmp/o from the stream's keys", made, 30)
+        # the stream lives on: an update request is answered
+        await stream.write(struct.pack(">BBHHHH", 3, 0, 0, 0, w, h))
+        await need(1)
+    finally:
+        await stream.close()
+        await edge.delete(sid)

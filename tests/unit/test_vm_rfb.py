@@ -127,3 +127,51 @@ def test_clipboard_dropped_and_bounded() -> None:
 def test_unknown_or_oversized_messages_end_the_stream(bad: bytes, why: str) -> None:
     with pytest.raises(BadRequest, match=why):
         ready().feed(bad, True)
+
+
+def server_start(w: int, h: int, types: bytes = b"\x01", result: int = 0) -> bytes:
+    """QEMU's start of a stream: version, security types, SecurityResult, ServerInit."""
+    return (rfb.VERSION + bytes([len(types)]) + types + struct.pack(">I", result)
+            + struct.pack(">HH", w, h) + bytes(16) + struct.pack(">I", 4) + b"qemu")
+
+
+def test_server_init_size_in_any_split() -> None:
+    data = server_start(1280, 800) + b"\x00" * 64  # then a framebuffer update, unread
+    for step in (1, 5, len(data)):
+        s = rfb.ServerInit()
+        for i in range(0, len(data), step):
+            s.feed(data[i:i + step])
+        assert s.size == (1280, 800) and s.done
+    s = rfb.ServerInit()
+    s.feed(data[:len(rfb.VERSION) + 8])
+    assert s.size is None and not s.done  # not there yet
+
+
+@pytest.mark.parametrize("data", [
+    server_start(800, 600, types=b""),  # no security type: a failure reason follows
+    server_start(800, 600, result=1),  # security failed
+    server_start(0, 600),
+    b"RFB 003.003\n" + bytes(40),
+    b"\xff" * 400,
+])
+def test_server_init_refused_leaves_no_size(data: bytes) -> None:
+    s = rfb.ServerInit()
+    s.feed(data)
+    assert s.size is None and s.done
+    s.feed(server_start(800, 600))  # stopped: nothing read after
+    assert s.size is None
+
+
+def test_server_init_bounded() -> None:
+    s = rfb.ServerInit()
+    s.feed(rfb.VERSION + b"\xff" + b"\x01" * 255)  # 255 types: the most a start holds
+    s.feed(struct.pack(">I", 0) + struct.pack(">HH", 640, 480) + bytes(1 << 16))
+    assert s.size == (640, 480) and len(s._buf) == 0
+
+
+def test_pointer_events_counted_only_when_allowed() -> None:
+    f = ready()
+    f.feed(pointer(0, 1, 1) + key(True, ord("a")), False)
+    assert f.pointers == 0
+    f.feed(pointer(0, 1, 1) + pointer(1, 2, 2) + key(True, ord("a")), True)
+    assert f.pointers == 2

@@ -99,6 +99,18 @@ class VmDisplay:
             return known[0]
         return display.png_size(await self._shot())
 
+    def known_size(self) -> tuple[tuple[int, int], float] | None:
+        """(size, when) of this VM's last screenshot, if any: no QMP."""
+        return self._sizes.get(self.vm.id)
+
+    async def refresh_size(self) -> None:
+        """A screenshot for its size only (a live view's background refresh); a paused or
+        unreachable VM leaves the known size as it was."""
+        try:
+            await self._shot()
+        except (SandboxPaused, InfraError, OSError) as exc:
+            log.debug("vm %s: display size not refreshed: %s", self.vm.id, exc)
+
     async def vnc_client(self) -> socket.socket:
         """A connected VNC (RFB) stream to this VM's screen, for a live view: one end of a
         socketpair the other end of which QEMU gets with QMP ``getfd`` + ``add_client
@@ -127,16 +139,17 @@ class VmDisplay:
         return LiveView(self, await self.vnc_client(), allow_input)
 
     async def send_input(self, batches: list[list[dict[str, Any]]]) -> None:
-        """Input batches of the live view, through the one QMP input path, under the VM's
-        lock; a paused VM drops them (its viewer sees the screen stand still)."""
+        """Input batches of the live view, through the one QMP input path the agent's actions
+        take (``display.send``: to the display's console, so the pointer reaches the tablet
+        bound to it), under the VM's lock; a paused VM drops them (its viewer sees the
+        screen stand still)."""
         if not batches or self.vm.paused:
             return
         async with self.vm.lock:
             if self.vm.paused:
                 return
             async with qmp.session(self.vm.qmp_path) as q:
-                for batch in batches:
-                    await q.execute("input-send-event", {"events": batch})
+                await display.send(q, "view", batches)
 
     async def info(self) -> DisplayInfo:
         w, h = display.png_size(await self._shot())
@@ -164,7 +177,16 @@ class LiveView:
     """One viewer's stream (a PortStream): QEMU's RFB bytes to the viewer as they are; the
     viewer's through :class:`~rollbox.backends.vm.rfb.ClientFilter`, its input sent by
     :meth:`VmDisplay.send_input` while ``allow_input()`` is true. Closing it lets go of what
-    it held down in the guest, then closes the socket (QEMU drops the client)."""
+    it held down in the guest, then closes the socket (QEMU drops the client).
+
+    Writes run one at a time, in the order they were called (a FIFO lock: a caller that
+    does not wait for one write before the next still gets its messages in order). Pointer
+    positions are scaled by the display size known without a screenshot: the newer of this
+    stream's own ServerInit (:class:`~rollbox.backends.vm.rfb.ServerInit`, read as QEMU's
+    bytes pass) and the VM's last screenshot; when that is older than ``SIZE_FRESH_S`` a
+    screenshot is taken in the background (one at a time) for the messages after (a guest
+    that changes its mode meanwhile). Only a pointer message before any size is known waits
+    for one."""
 
     def __init__(self, screen: VmDisplay, sock: socket.socket,
                  allow_input: Callable[[], bool]) -> None:
@@ -172,6 +194,10 @@ class LiveView:
         self.port = SocketPort(sock)
         self.allow_input = allow_input
         self.filter = rfb.ClientFilter()
+        self.server = rfb.ServerInit()
+        self._server_seen = 0.0  # when ServerInit's size was read
+        self._writing = asyncio.Lock()
+        self._refresh: asyncio.Task[None] | None = None
         self._closed = False
         self._reading = 0
 
@@ -180,25 +206,55 @@ class LiveView:
         # leaves closing it to that read: a socket closed under a pending read never wakes it.
         self._reading += 1
         try:
-            return await self.port.read()
+            data = await self.port.read()
         except OSError:
             return b""
         finally:
             self._reading -= 1
             if self._closed and not self._reading:
                 await self.port.close()
+        if not self.server.done:
+            self.server.feed(data)
+            if self.server.size is not None:
+                self._server_seen = time.monotonic()
+        return data
+
+    def _known_size(self) -> tuple[tuple[int, int], float] | None:
+        """(size, when seen) of the newer of ServerInit's and the last screenshot's."""
+        shot = self.screen.known_size()
+        own = (self.server.size, self._server_seen) if self.server.size else None
+        if shot is None or (own is not None and own[1] > shot[1]):
+            return own
+        return shot
+
+    def _refresh_if_stale(self, seen: float) -> None:
+        if time.monotonic() - seen >= SIZE_FRESH_S and not self._closed and (
+                self._refresh is None or self._refresh.done()):
+            self._refresh = asyncio.ensure_future(self.screen.refresh_size())
 
     async def write(self, data: bytes) -> None:
+        async with self._writing:
+            try:
+                await self._write(data)
+            except Exception as exc:
+                log.debug("live view %s: %d bytes from the viewer ended the stream: %r",
+                          self.screen.vm.id, len(data), exc)
+                raise
+
+    async def _write(self, data: bytes) -> None:
         if self._closed:
             raise ConnectionLost("the live view's stream is closed")
-        log.debug("live view %s: %d bytes from the viewer", self.screen.vm.id, len(data))
         allow = self.allow_input() and not self.screen.vm.paused
+        known = self._known_size() if allow else None
         if allow:
-            try:
-                self.filter.size = await self.screen._size()
+            try:  # no size known (no ServerInit yet, no screenshot): the one wait
+                self.filter.size = known[0] if known else await self.screen._size()
             except SandboxPaused:
                 allow = False
+        pointers = self.filter.pointers
         forward, batches = self.filter.feed(data, allow)  # BadRequest: the caller ends it
+        if known is not None and self.filter.pointers > pointers:
+            self._refresh_if_stale(known[1])
         if forward:
             try:
                 await self.port.write(forward)
@@ -218,6 +274,10 @@ class LiveView:
             return
         self._closed = True
         try:
+            if self._refresh is not None:
+                self._refresh.cancel()
+                with contextlib.suppress(BaseException):
+                    await self._refresh
             with contextlib.suppress(Exception):
                 await self.screen.send_input(self.filter.release())
         finally:

@@ -19,8 +19,12 @@ keyboard and pointer become QMP ``input-send-event`` batches (the one input path
 
 Anything else (an unknown message type, a bad handshake, a length over its bound) is a
 :class:`~rollbox.errors.BadRequest` and the stream ends: nothing past it is forwarded. The
-filter does not decide whether input is allowed (the edge's take-over does) and does not
-parse what QEMU sends (the browser does).
+filter does not decide whether input is allowed (the edge's take-over does).
+
+What QEMU sends is the browser's to parse, except its start: :class:`ServerInit` reads QEMU's
+bytes only as far as ServerInit (version, security types, SecurityResult, the framebuffer's
+width and height; at most :data:`SERVER_HEAD_MAX` bytes), so that pointer positions are
+scaled by the stream's own framebuffer size, with no screenshot in the input path.
 
 Owns the message formats and the keysym table; does not know sockets, QMP or sandboxes.
 """
@@ -94,7 +98,8 @@ class ClientFilter:
     """One viewer's client-to-server stream (see the module docstring). ``size`` is the
     display's (width, height) that pointer positions are scaled by; the caller keeps it
     current. ``held`` are the keys (qcode or number) and ``mask`` the buttons down as far as
-    the guest was told (:meth:`release` lets go of them)."""
+    the guest was told (:meth:`release` lets go of them); ``pointers`` counts the pointer
+    events scaled by ``size`` (allowed ones)."""
 
     size: tuple[int, int] = (1, 1)
     _buf: bytearray = field(default_factory=bytearray)
@@ -103,6 +108,7 @@ class ClientFilter:
     held: dict[str, dict[str, Any]] = field(default_factory=dict)
     mask: int = 0
     messages: int = 0
+    pointers: int = 0
 
     def feed(self, data: bytes, allow_input: bool) -> tuple[bytes, list[list[dict[str, Any]]]]:
         """(bytes for QEMU, input batches to send now) of ``data``; BadRequest ends it.
@@ -239,6 +245,7 @@ class ClientFilter:
                  allow: bool) -> None:
         if not allow:
             return
+        self.pointers += 1
         w, h = self.size
         x, y = min(x, w - 1), min(y, h - 1)
         batch: list[dict[str, Any]] = [
@@ -262,4 +269,48 @@ class ClientFilter:
         return [batch] if batch else []
 
 
-__all__ = ["ClientFilter", "ENCODINGS", "KEYSYMS", "VERSION"]
+# QEMU's start of the stream: version, the count and list of security types, SecurityResult,
+# ServerInit's width and height (what follows, its pixel format and name, is not read).
+SERVER_HEAD_MAX = len(VERSION) + 1 + 255 + 4 + 4
+
+
+@dataclass
+class ServerInit:
+    """QEMU's side of one stream, read as far as its ServerInit: ``size`` is the framebuffer's
+    (width, height) once seen, else None. The bytes are hostile: at most
+    :data:`SERVER_HEAD_MAX` are kept; a start that is not RFB 3.8 with security None (a
+    failure, no security type, a zero size) leaves ``size`` None and stops reading (the
+    browser then refuses the stream itself). Later size changes (DesktopSize) are inside
+    framebuffer updates and not parsed here."""
+
+    size: tuple[int, int] | None = None
+    done: bool = False
+    _buf: bytearray = field(default_factory=bytearray)
+
+    def feed(self, data: bytes) -> None:
+        if self.done:
+            return
+        self._buf += data[:SERVER_HEAD_MAX - len(self._buf)]
+        buf = self._buf
+        v = len(VERSION)
+        if len(buf) <= v:
+            return
+        n = buf[v]
+        if buf[:v] != VERSION or n == 0:
+            self._stop()
+            return
+        need = v + 1 + n + 4 + 4
+        if len(buf) < need:
+            return
+        (result,) = struct.unpack_from(">I", buf, v + 1 + n)
+        w, h = struct.unpack_from(">HH", buf, v + 1 + n + 4)
+        if result == 0 and w and h:
+            self.size = (w, h)
+        self._stop()
+
+    def _stop(self) -> None:
+        self.done = True
+        self._buf = bytearray()
+
+
+__all__ = ["ClientFilter", "ENCODINGS", "KEYSYMS", "SERVER_HEAD_MAX", "ServerInit", "VERSION"]
