@@ -277,9 +277,7 @@ async def obs_round(url: str, key: str, n: int, lat: list[float], count: bool = 
                        "client": process_cpu_s}) as meter:
             r = await run_cycles(timed, n, 8, series=None)
         after = await scrape_counts(url, key) if count else (0.0, 0.0)
-    if r["errors"]:
-        raise RuntimeError(f"observability round: {r['errors']} of {n} cycles failed")
-    out = {"per_s": float(r["per_s"]),
+    out = {"per_s": float(r["per_s"]), "errors": r["errors"],
            **{f"{k}_ms": meter.spent[k] / n * 1000 for k in ("server", "sandboxes", "client")}}
     if count:  # the first scrape is one api request of the second's count
         out["events"] = (after[0] - before[0] - 1) / n
@@ -374,6 +372,7 @@ def observability_overhead(quick: bool, res: dict[str, Any]) -> None:
     pairs = [on / off for off, on in zip(rates["off"], rates["on"], strict=True)]
     off_mean = statistics.fmean(rates["off"])
     res["observability_rounds"] = rounds
+    res["observability_cycle_errors"] = sum(c["errors"] for arm in cpu.values() for c in arm)
     res["observability_off_per_s_c8"] = off_mean
     res["observability_on_per_s_c8"] = statistics.fmean(rates["on"])
     res["observability_off_rounds_per_s"] = rates["off"]

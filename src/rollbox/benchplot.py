@@ -46,6 +46,7 @@ FIGURE_PANELS_MAX = 2  # the units with the most figures
 _FILE_RE = re.compile(r"^(?P<bench>.+?)-(?P<stamp>\d{4}-?\d{2}-?\d{2}T\d{4}[0-9-]*)\.json$")
 _CONC_RE = re.compile(r"^(?P<figure>[a-z][a-z0-9_]*?)_c(?P<n>\d+)$")
 _P50_RE = re.compile(r"^(?P<figure>[a-z][a-z0-9_]*)_p50_ms$")
+_PER_SECOND_RE = re.compile(r"_per_(?:[a-z]+_)*?[a-z]+_s(?:_|$)")  # calls_per_own_cpu_s
 _COUNT_RE = re.compile(r"^(?P<stem>[a-z][a-z_]*?[a-z])(?P<n>\d+)_(?P<figure>[a-z][a-z0-9_]*)$")
 
 
@@ -101,13 +102,17 @@ def from_document(doc: Any, path: Path, bench: str, stamp: str) -> SavedRun:
 
 
 def flatten(result: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
-    """The result's numbers as ``{key: value}``, nested objects joined with ``_``; booleans,
-    strings, lists and non-finite numbers left out."""
+    """The result's numbers as ``{key: value}``, nested objects joined with ``_`` (a list of
+    objects by index: ``samples_0_pss_mib``); booleans, strings, other lists and non-finite
+    numbers left out."""
     out: dict[str, float] = {}
     for k, v in result.items():
         key = f"{prefix}{k}"
         if isinstance(v, Mapping):
             out.update(flatten(v, f"{key}_"))
+        elif isinstance(v, list) and v and all(isinstance(x, Mapping) for x in v):
+            for i, x in enumerate(v):  # rows of a table (microvm_idle's samples): by index
+                out.update(flatten(x, f"{key}_{i}_"))
         elif isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
             out[key] = float(v)
     return out
@@ -162,7 +167,7 @@ def figure_unit(key: str) -> str | None:
     def has(suffix: str) -> bool:
         return key.endswith(suffix) or f"{suffix}_" in key
 
-    if "per_s" in key or has("_rps"):
+    if "per_s" in key or has("_rps") or _PER_SECOND_RE.search(key):
         return "per second"
     for suffix, unit in (("_mib_s", "MiB/s"), ("_ms", "ms"), ("_mib", "MiB"), ("_s", "s")):
         if has(suffix):

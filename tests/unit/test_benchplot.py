@@ -171,6 +171,10 @@ def test_a_lone_ratio_is_drawn_with_the_figures_it_comes_from(tmp_path: Path) ->
     assert figs == {"s": {"lazy_s": 0.44, "local_s": 0.25},
                     "MiB/s": {"read_mib_s": 1729.0, "write_mib_s": 440.0}}
     assert bp.figure_unit("full_pull_s_4") == "s" and bp.figure_unit("image") is None
+    assert bp.flatten({"samples": [{"pss_mib": 81.2}, {"pss_mib": 80.0}], "xs": [1, 2]}) == {
+        "samples_0_pss_mib": 81.2, "samples_1_pss_mib": 80.0}  # rows by index; numbers not
+    assert bp.figure_unit("calls_per_own_cpu_s_c8") == "per second"
+    assert bp.figure_unit("platform_cpu_s_per_episode") == "s"
     d = tmp_path / "r"
     d.mkdir()
     (d / "lazy-20261203T0649.json").write_text(json.dumps(
