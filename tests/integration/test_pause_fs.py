@@ -121,7 +121,7 @@ async def test_fs_pause_bad_input(edge: Edge) -> None:
     # the contract says which backends can (the edge answers not_supported for the others)
     caps = (await edge.capacity())["backends"]
     assert caps["container"]["fs_pause"] is True
-    assert caps.get("vm", {"fs_pause": False})["fs_pause"] is False
+    assert caps.get("vm", {"fs_pause": True})["fs_pause"] is True  # test_pause_fs_vm.py
     # the lifecycle option needs on_expiry "pause"
     with pytest.raises(Exception, match="pause_keep_memory"):
         SandboxSpec(image=BB, pause_keep_memory=False)
@@ -221,7 +221,7 @@ async def test_fork_of_a_stopped_sandbox(edge: Edge) -> None:
 
 
 async def test_backend_without_fs_pause_is_not_supported(edge: Edge, monkeypatch) -> None:  # noqa: ANN001
-    """A backend whose capacity says no (the vm backend's): not_supported naming it, and the
+    """A backend whose capacity says no: not_supported naming it, and the
     sandbox is left running as it was (the edge's check, with the flag turned off here)."""
     import dataclasses
 

@@ -230,6 +230,39 @@ async def test_a_fork_child_has_the_disk_as_it_was_and_its_own_overlay(
     assert backend.leftovers(cid) == []
 
 
+async def test_a_filesystem_pause_keeps_the_overlay_and_boots_from_it(
+        node: tuple[VMBackend, Path]) -> None:
+    """pause_fs of a disk image guest: synced, QEMU stopped (its qcow2 flushed) and gone, the
+    overlay kept in the sandbox's subvolume (never opened here); resume_fs boots the image
+    again over that overlay: what the guest wrote is there, its init is PID 1 again (a new
+    boot), the base unchanged; destroy leaves nothing."""
+    backend, img = node
+    before = sha256_file(img)
+    sid = f"{backend.settings.node_id}-diskpause"
+    vm = await backend.create(sid, disk_spec())
+    try:
+        assert backend.fs_pauses()
+        code, out = await run(vm, "echo kept > /root/kept; cat /proc/sys/kernel/random/boot_id")
+        assert code == 0, out
+        pid, jail, overlay = vm.pid, vm.jail, backend.rootdisks.overlay_path(sid)
+        await backend.pause_fs(vm)
+        assert vm.stopped and not os.path.exists(f"/proc/{pid}") and jail.leftovers() == []
+        assert overlay.is_file()  # and only its disk is left of it
+        await backend.resume_fs(vm, None)
+        assert not vm.stopped and vm.pid != pid and vm.machine.root_disk == DISK
+        code, out2 = await run(vm, "cat /root/kept; cat /proc/sys/kernel/random/boot_id; "
+                                   "cut -d' ' -f1 /run-mark/init; cat /run/init-state")
+        assert code == 0, out2
+        kept, boot2, init_pid, state = out2.decode().split()
+        assert kept == "kept" and boot2 != out.decode().strip()
+        assert (init_pid, state) == ("1", "started")  # the image's init ran again, PID 1
+        assert sha256_file(img) == before
+    finally:
+        await backend.destroy(vm)
+    assert backend.leftovers(sid) == []
+    assert not overlay.exists()
+
+
 async def test_bad_disk_images_are_typed_errors(node: tuple[VMBackend, Path],
                                                 vm_dir: Path) -> None:
     backend, _ = node

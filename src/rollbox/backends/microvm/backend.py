@@ -1019,7 +1019,8 @@ class MicroVMBackend:
     async def pause_fs(self, h: MicroVM) -> None:  # type: ignore[override]
         """Filesystem-only pause: the guest's dirty pages written to its rw disk (``sync`` by
         the platform's tools: what it wrote before survives; a guest that does not answer in
-        FS_SYNC_TIMEOUT_S loses what it had not written back), then QEMU killed and reaped,
+        FS_SYNC_TIMEOUT_S loses what it had not written back), QMP ``stop`` (QEMU drains and
+        flushes its block devices, a full VM's qcow2 overlay too), then QEMU killed and reaped,
         its jail (cgroups, dir) and network (link, namespace, filter) removed. The rw disk and
         the uid slot stay. Verified: InfraError naming what is left."""
         async with h.lock:
@@ -1035,6 +1036,8 @@ class MicroVMBackend:
                 if not res.ok:
                     log.warning("microVM %s: guest sync failed before the stop: %s", h.id,
                                 res.message()[:200])
+                async with qmp.session(h.qmp_path) as q:
+                    await q.stop()  # QEMU drains and flushes its disks (a qcow2's metadata)
             except (InfraError, OSError) as exc:
                 log.warning("microVM %s: no guest sync before the stop (%s)", h.id, exc)
             self.detach(h)
@@ -1077,8 +1080,7 @@ class MicroVMBackend:
                     net, tap_fd = await to_the_end(
                         vmnet.attach(h.id, list(spec.network_rules or ()), self.settings),
                         dispose=_close_network)
-                layer_files = await self.disks.layer_files(list(spec.layers))
-                binds = self.binds_for(machine, layer_files, self.disks.rw_path(h.id))
+                binds = await self.resume_binds(h, spec, machine)
                 vm = await self._launch(h.id, h.slot, h.host_uid, jail, machine, binds,
                                         spec.resources.cpus, h.image_env,
                                         self.settings.vm_boot_timeout_s, tap_fd=tap_fd)
@@ -1105,6 +1107,13 @@ class MicroVMBackend:
             h.stopped = h.paused = h.squeezed = False
             h.last_active = time.monotonic()
         self._track(h)
+
+    async def resume_binds(self, h: MicroVM, spec: ResolvedSpec,
+                           machine: qemu.MachineSpec) -> list[Bind]:
+        """The binds a filesystem-paused VM boots again with: its layers and the rw disk it
+        kept (a full VM's disk image guest: its kept overlay, ``backends/vm``)."""
+        layer_files = await self.disks.layer_files(list(spec.layers))
+        return self.binds_for(machine, layer_files, self.disks.rw_path(h.id))
 
     async def status(self, h: MicroVM) -> str:
         """QEMU's run state (``running``, ``paused``, ...)."""

@@ -331,7 +331,23 @@ class VMBackend(MicroVMBackend):
         return True  # the microVM's fork: a saved image restored into each child, no template
 
     def fs_pauses(self) -> bool:
-        return False  # its machine (q35, display, saved-machine restores) does not reboot yet
+        """The microVM's filesystem-only pause: the guest synced, QEMU stopped (its disks
+        flushed) and killed; resume boots the q35 machine cold over what it kept (the rw disk,
+        or a disk image guest's qcow2 overlay: :meth:`resume_binds`). A VM restored from a
+        template or a machine snapshot boots cold too: its disk is its own clone."""
+        return True
+
+    async def resume_binds(self, h: MicroVM, spec: ResolvedSpec,  # type: ignore[override]
+                           machine: qemu.MachineSpec) -> list[Bind]:
+        """A disk image guest's: the base (checked again) read-only and the overlay it kept
+        (never opened here: handed to the jailed QEMU as the guest left it); layered guests
+        as microVMs."""
+        if not machine.root_disk:
+            return await super().resume_binds(h, spec, machine)
+        disk = await asyncio.to_thread(self.rootdisks.verified, machine.root_disk)
+        return [Bind(self.guest_kernel, qemu.KERNEL), Bind(self.guest_initrd, qemu.INITRD),
+                Bind(disk.disk, rootdisk.BASE_IMG),
+                Bind(self.rootdisks.overlay_path(h.id), rootdisk.ROOT_QCOW2, writable=True)]
 
     def argv_for(self, spec: qemu.MachineSpec) -> list[str]:
         return machine.argv(spec, str(self.settings.qemu_binary))

@@ -108,12 +108,16 @@ class RootDisks:
             raise InfraError("qemu-img not found (beside QEMU or on PATH)")
         return found
 
+    def overlay_path(self, sandbox_id: str) -> Path:
+        """Where the sandbox's overlay is (its subvolume's ``root.qcow2``)."""
+        return self.pool.path(sandbox_id) / OVERLAY_NAME
+
     def create_overlay(self, sandbox_id: str, disk: VmDisk, disk_bytes: int,
                        owner_uid: int) -> Path:
         """A new empty qcow2 of the base's size in the sandbox's own subvolume (capped at
         ``qgroup_cap(overlay_cap)``), owned by its QEMU's uid."""
-        subvol = self.pool.create(sandbox_id, qgroup_cap(overlay_cap(disk, disk_bytes)))
-        path = subvol / OVERLAY_NAME
+        self.pool.create(sandbox_id, qgroup_cap(overlay_cap(disk, disk_bytes)))
+        path = self.overlay_path(sandbox_id)
         try:
             res = subprocess.run(
                 [self.qemu_img(), "create", "-q", "-f", "qcow2", str(path), str(disk.bytes)],
@@ -133,7 +137,7 @@ class RootDisks:
         guest wrote) as ``dst_id``'s, its overlay owned by ``dst_id``'s QEMU uid. Nothing of
         the file is read: it is handed to the jailed QEMU as it is."""
         self.pool.clone(src_id, dst_id)
-        path = self.pool.path(dst_id) / OVERLAY_NAME
+        path = self.overlay_path(dst_id)
         try:
             os.chown(path, owner_uid, owner_uid, follow_symlinks=False)
         except BaseException:
