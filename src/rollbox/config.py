@@ -42,6 +42,7 @@ GROUPS: dict[str, str] = {
           "(rollbox.guest.vmbuild)",
     "templates": "microVM templates (rollbox.backends.microvm.template)",
     "admission": "Admission of creates (rollbox.edge.admission)",
+    "pool": "Warm pools of container sandboxes (rollbox.edge.pool)",
     "images": "Image store, layer storage and chunk stores (rollbox.images, rollbox.edge.storage)",
     "lazy": "Lazy loading of layers (rollbox.images.lazy)",
     "network": "Sandbox networks (rollbox.netpolicy)",
@@ -454,6 +455,29 @@ class Settings:
     node_memory_mib: int | None = setting(
         "ROLLBOX_NODE_MEMORY_MIB", "admission", None, int,
         "Memory (MiB) this node's admission counts (unset: the host's times node_share).")
+
+    # ---- warm pools ------------------------------------------------------------------------
+    pool: bool = setting(
+        "ROLLBOX_POOL", "pool", False, flag,
+        "Warm pools of container sandboxes: sandboxes made ahead per set-up key (image, "
+        "layers, resources, network, hidden paths, disk tier, qos, runtime) sized by recent "
+        "demand and handed out at create (docs/operations.md, warm pools). Off by default: a "
+        "pooled sandbox is a live sandbox (cgroup, uid slot, memory) nobody asked for yet; "
+        "on for RL nodes whose episodes create the same few keys over and over.")
+    pool_max_per_key: int = setting(
+        "ROLLBOX_POOL_MAX_PER_KEY", "pool", 8, int,
+        "Pooled sandboxes of one key at most.")
+    pool_min_per_key: int = setting(
+        "ROLLBOX_POOL_MIN_PER_KEY", "pool", 1, int,
+        "Pooled sandboxes a key keeps while it is still asked for (its demand above 1/2).")
+    pool_max_total: int = setting(
+        "ROLLBOX_POOL_MAX_TOTAL", "pool", 32, int,
+        "Pooled sandboxes of all keys at most; above the node's capacity (sandboxes or memory "
+        "for new creates) the edge does not start.")
+    pool_window_s: float = setting(
+        "ROLLBOX_POOL_WINDOW_S", "pool", 60.0, float,
+        "Time constant (s) of a key's demand: an exponentially weighted count of its creates; "
+        "a key not asked for decays to 0 and its pooled sandboxes are destroyed.")
 
     # ---- images and layer storage --------------------------------------------------------
     images_root: Path | None = setting(

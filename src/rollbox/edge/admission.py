@@ -410,6 +410,20 @@ class Admission:
         self._starting_mib += headroom
         return t
 
+    def transfer(self, t: Ticket, owner: str, quota: Quota | None = None) -> None:
+        """A warm pool's sandbox handed out (rollbox.edge.pool): the admission it holds moves
+        from the pool's owner to ``owner``, whose quota is checked now (QuotaExceeded: nothing
+        moved). The node's totals do not change."""
+        if quota is not None:
+            self._check_quota(self.by_owner.get(owner), t.resources, quota, owner)
+        old = self.by_owner.get(t.owner)
+        if old is not None:
+            old.add(t.resources, -1)
+            if old.sandboxes <= 0:
+                del self.by_owner[t.owner]
+        self.by_owner.setdefault(owner, _Usage()).add(t.resources, 1)
+        t.owner = owner
+
     def adopt(self, r: Resources, owner: str, share: Share) -> Ticket:
         """A sandbox re-adopted after an edge restart: counted, no headroom (it runs)."""
         t = self._take(r, owner, share, 0)

@@ -35,6 +35,7 @@ from rollbox.edge.fence import Fence
 from rollbox.edge.interface import ExecOutput, PlatformProcess
 from rollbox.edge.journal import Journal
 from rollbox.edge.leases import JobLeases, LeaseReaper
+from rollbox.edge.pool import POOL_OWNER, Pooled, PoolKey, WarmPool, check_capacity, key_of
 from rollbox.edge.sessions import ExecSession
 from rollbox.edge.storage import LayerStorage, project_image_name
 from rollbox.errors import (
@@ -53,7 +54,8 @@ from rollbox.metrics import counter, gauge, histogram, process_metrics
 from rollbox.models import (
     FORK_OF_LABEL, MAX_FORK_CHILDREN, NODE_LOST, PTY_MAX_SIZE, Event, ExecInfo, ExecResult,
     ExecSpec, FileStat, ForkResult, ForkSpec, GradeResult, GradeSpec,
-    ImageInfo, LayerUsage, NetAudit, NetworkPolicy, NodeReport, NodeSandbox, Resources, SandboxInfo,
+    ImageInfo, LayerUsage, NetAudit, NetworkPolicy, NodeReport, NodeSandbox, Quota, Resources,
+    SandboxInfo,
     SandboxSpec, SandboxUsage, SnapshotResult, SnapshotSpec, UsageSample,
     ComputerAction, ComputerActionResult, DisplayInfo,
 )
@@ -135,6 +137,12 @@ class Edge:
             HostMemory(settings.cgroup_parent,
                        node_mib=self._host_mem_mib if self._host_mem_mib < host_memory_mib()
                        else None), self.node_id)
+        # A pool configuration above the node's capacity: BadRequest before anything is made.
+        check_capacity(settings, self.limits.max_sandboxes, self.limits.reserved_share,
+                       self.admission.budgets()["memory_mib"],
+                       max(0, self._host_mem_mib - self.limits.reserve_mib))
+        self.pool = WarmPool(settings, self._pool_make, self._pool_destroy,
+                             lambda: self._starting > 0)
         self.layer_mounts = LayerMounts(self.store, settings)
         self.storage = LayerStorage(self.store, settings, self._layer_quota_mib)
         self.slots = UidSlots(settings.uid_base, settings.uid_slots)
@@ -231,6 +239,7 @@ class Edge:
         if self._reaper is not None:
             self._reaper_task = asyncio.create_task(self._reaper.run())
         await self._start_lazy_watch()
+        self.pool.start()
 
     async def _start_lazy_watch(self) -> None:
         """If the node has lazy layers: start (or adopt) the lazy-loading daemon and its watch
@@ -371,6 +380,7 @@ class Edge:
             self.metrics.remove_collector(self._metrics_handle)
             self._metrics_handle = None
         self._stop_tasks()
+        await self.pool.close()  # pooled sandboxes are not journaled: none outlives the edge
         if destroy:
             await asyncio.gather(*(self.delete(sid) for sid in list(self.live)),
                                  return_exceptions=True)
@@ -392,6 +402,7 @@ class Edge:
         node resources (shared layer mounts, parent cgroups, the run dir's tmpfs) when no
         sandbox is left here or in the journal. The host claim and journal are the caller's."""
         self._stop_tasks()
+        await self.pool.close()
         if self._lazy is not None:
             await self._lazy.stop(daemon=False)  # the watch task only: mounts need the daemon
             self._lazy = None
@@ -679,8 +690,22 @@ class Edge:
                ("cpus_requested", cap["requested_cpus"], None),
                ("memory_mib_available", cap["memory_available_mib"], None)]
         lazy = self._lazy_metrics()
+        pool = self.pool.stats()
         return [
             *lazy,
+            gauge("rollbox_pool_sandboxes", "Warm pool: sandboxes made ahead and not handed "
+                  "out yet (all keys)", ["node"], [([node], pool["size"])]),
+            gauge("rollbox_pool_keys", "Warm pool: set-up keys with pooled sandboxes",
+                  ["node"], [([node], pool["keys"])]),
+            counter("rollbox_pool_creates", "Warm pool: creates of a poolable key, handed a "
+                    "pooled sandbox (hit) or made cold (miss)", ["node", "result"],
+                    [([node, "hit"], pool["hits"]), ([node, "miss"], pool["misses"])]),
+            counter("rollbox_pool_made", "Warm pool: sandboxes made ahead by the refill",
+                    ["node"], [([node], pool["made"])]),
+            counter("rollbox_pool_evictions", "Warm pool: pooled sandboxes destroyed unused, "
+                    "by why (room: a real create needed it; demand: its key is asked less; "
+                    "dead; stop: the edge stopped)", ["node", "reason"],
+                    [([node, k], v) for k, v in pool["evicted"].items()]),
             gauge("rollbox_sandboxes", "Live sandboxes on this node", ["node", "state",
                   "backend", "project"], (([node, *k], v) for k, v in counts.items())),
             gauge("rollbox_node_use", "A node's admission figures (what is used or left)",
@@ -747,8 +772,15 @@ class Edge:
             raise CapacityExceeded(f"node {self.node_id} is draining (a burst node being "
                                    "released): no new sandbox", reason="draining")
         quota = self.quotas.get(owner) if self.quotas is not None else None
+        key = (key_of(spec, layers, image_config or {}, self.settings)
+               if self.settings.pool and share == "new" else None)
+        if key is not None:
+            self.pool.note(key, self._base_env(image_config, {}))
+            pooled = self.pool.take(key)
+            if pooled is not None:
+                return await self._hand_out(pooled, spec, owner, image_config, layers, quota)
         try:
-            ticket = await self.admission.admit(spec.resources, owner, share, quota)
+            ticket = await self._admit(spec.resources, owner, share, quota)
         except (CapacityExceeded, QuotaExceeded) as exc:
             self.metrics.refusals.labels(self.metrics.refusal_reason(exc.details)).inc()
             raise
@@ -777,13 +809,31 @@ class Edge:
         self.metrics.create_seconds.labels(spec.backend).observe(time.monotonic() - t0)
         return info
 
-    async def _create(self, spec: SandboxSpec, owner: str, image_config: dict,
-                      layers: list[str], ticket: Ticket) -> SandboxInfo:
-        backend = self._backend_for(spec)
-        sandbox_id = f"{self.node_id}-{secrets.token_hex(6)}"
+    async def _admit(self, r: Resources, owner: str, share: Share,
+                     quota: Quota | None) -> Ticket:
+        """Admission of a real create; a refusal of the node first gives back the room of
+        pooled sandboxes (least-wanted key first), one at a time, before it is final."""
+        while True:
+            try:
+                return await self.admission.admit(r, owner, share, quota)
+            except CapacityExceeded:
+                if not await self.pool.evict_one("room"):
+                    raise
+                self.admission.memory.forget()  # what the evicted one held shows now
+
+    @staticmethod
+    def _base_env(image_config: dict | None, spec_env: dict[str, str]) -> dict[str, str]:
+        """The commands' base env: the platform's defaults, the image's, the spec's."""
+        env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
+        env.update((image_config or {}).get("env", {}))
+        env.update(spec_env)
+        return env
+
+    def _info_of(self, sandbox_id: str, spec: SandboxSpec, owner: str, layers: list[str],
+                 state: str = "creating") -> SandboxInfo:
         now = time.time()
-        info = SandboxInfo(
-            id=sandbox_id, node=self.node_id, image=spec.image, layers=layers, state="creating",
+        return SandboxInfo(
+            id=sandbox_id, node=self.node_id, image=spec.image, layers=layers, state=state,
             created_at=now, expires_at=now + spec.ttl_s, labels=spec.labels,
             resources=spec.resources, owner=owner, hidden_paths=spec.hidden_paths,
             network=spec.network, job=spec.job, disk_tier=spec.disk_tier,
@@ -792,9 +842,94 @@ class Edge:
             pause_keep_memory=spec.pause_keep_memory, ttl_s=spec.ttl_s,
             vm_console=spec.vm_console,
         )
-        env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
-        env.update((image_config or {}).get("env", {}))
-        env.update(spec.env)
+
+    # ---- warm pools (rollbox.edge.pool) -------------------------------------------------
+    async def _pool_make(self, key: PoolKey, base_env: dict[str, str]) -> Pooled:
+        """One sandbox of ``key`` made ahead: admitted as the pool's (no project's, no quota),
+        created by the same backend call as a cold create of that key, not journaled (an
+        edge that stops destroys it; one that crashes cleans it up as an orphan)."""
+        r = key.resolved()
+        ticket = self.admission.try_admit(r, POOL_OWNER, "new")
+        sandbox_id = f"{self.node_id}-{secrets.token_hex(6)}"
+        backend = self.backends[key.backend]
+        spec = ResolvedSpec(image=key.image, layers=key.layers, resources=r,
+                            env=dict(base_env), hidden_paths=key.hidden_paths,
+                            network_rules=key.network, disk_tier=key.disk_tier,  # type: ignore[arg-type]
+                            qos=key.qos)  # type: ignore[arg-type]
+        try:
+            box = await backend.create(sandbox_id, spec)
+        except BaseException:
+            self.admission.release(ticket)
+            raise
+        self.admission.started(ticket)
+        return Pooled(key, sandbox_id, box, backend, ticket)
+
+    async def pool_fill(self, spec: SandboxSpec, n: int, owner: str = "") -> list[str]:
+        """Make up to ``n`` pooled sandboxes of ``spec``'s key now (pre-warming: benchmarks,
+        tests, an operator), counted as ``n`` creates of demand; returns their ids. BadRequest
+        with pools off or for a spec no pool takes (``owner``: whose images it may name)."""
+        if not self.settings.pool:
+            raise BadRequest("warm pools are off on this node (ROLLBOX_POOL)", reason="pool_off")
+        self._backend_for(spec)
+        image = self._image_for(spec.image, owner)
+        layers = list(image.layers)
+        for extra in spec.layers:
+            layers.extend(self._image_for(extra, owner).layers)
+        key = key_of(spec, layers, image.config, self.settings)
+        if key is None:
+            raise BadRequest(f"no warm pool for {spec.backend!r} sandboxes of {spec.image!r}",
+                             reason="not_poolable")
+        env = self._base_env(image.config, {})
+        self.pool.note(key, env, weight=n)
+        return await self.pool.fill(key, n, env)
+
+    async def _pool_destroy(self, p: Pooled) -> None:
+        try:
+            await p.backend.destroy(p.box)
+        except RollboxError as exc:
+            log.error("warm pool: destroying %s failed: %s", p.sandbox_id, exc)
+        finally:
+            self.admission.release(p.ticket)
+
+    async def _hand_out(self, p: Pooled, spec: SandboxSpec, owner: str, image_config: dict,
+                        layers: list[str], quota: Quota | None) -> SandboxInfo:
+        """A pooled sandbox becomes ``owner``'s: its quota is checked (QuotaExceeded: the
+        sandbox goes back to the pool untouched), then what is not in the pool key is applied
+        as at a cold create (labels, owner, job, TTL, env, sudo) and it is journaled,
+        registered and logged as created now."""
+        t0 = time.monotonic()
+        try:
+            sudo = sudo_uids(image_config or {})
+            self.admission.transfer(p.ticket, owner, quota)
+        except (QuotaExceeded, BadRequest) as exc:
+            self.pool.put_back(p)
+            if isinstance(exc, QuotaExceeded):
+                self.metrics.refusals.labels(self.metrics.refusal_reason(exc.details)).inc()
+            raise
+        info = self._info_of(p.sandbox_id, spec, owner, layers, state="running")
+        box = p.box
+        info.guest_reported = box.guest_reported
+        box.image_env.clear()
+        box.image_env.update(self._base_env(image_config, spec.env))
+        if box.network is not None:
+            box.image_env.update(box.network.env)
+        self.journal.put(info, backend_state=box.state(), extra={"env": box.image_env})
+        self._register(info, box, p.backend, p.ticket)
+        self.event_log.append(info.id, "sandbox.created", data=json.dumps(
+            {"image": spec.image, "layers": layers, "owner": owner, "job": spec.job,
+             "pooled": True}))
+        project = self.metrics.project(owner)
+        self.metrics.creates.labels(spec.backend, project, "created").inc()
+        self.metrics.create_seconds.labels(spec.backend).observe(time.monotonic() - t0)
+        await self._enable_sudo(info.id, box, sudo)
+        return info
+
+    async def _create(self, spec: SandboxSpec, owner: str, image_config: dict,
+                      layers: list[str], ticket: Ticket) -> SandboxInfo:
+        backend = self._backend_for(spec)
+        sandbox_id = f"{self.node_id}-{secrets.token_hex(6)}"
+        info = self._info_of(sandbox_id, spec, owner, layers)
+        env = self._base_env(image_config, spec.env)
         sudo = sudo_uids(image_config or {})  # a bad label is refused before anything starts
         self.journal.put(info, extra={"env": env})
         snap = (image_config or {}).get("machine_snapshot")
@@ -1781,7 +1916,14 @@ class Edge:
             raise CapacityExceeded(f"node {self.node_id} is draining: no new sandbox",
                                    reason="draining")
         quota = self.quotas.get(owner) if self.quotas is not None else None
-        tickets = self.admission.try_admit_many(src.resources, owner, n, quota)
+        while True:  # as _admit: pooled sandboxes give their room back first
+            try:
+                tickets = self.admission.try_admit_many(src.resources, owner, n, quota)
+                break
+            except CapacityExceeded:
+                if not await self.pool.evict_one("room"):
+                    raise
+                self.admission.memory.forget()
         self._starting += n
         infos: list[SandboxInfo] = []
         permits = 0

@@ -1,0 +1,216 @@
+"""Warm pools on a real edge (rollbox.edge.pool): a create of a pooled key gets a sandbox made
+ahead, with the request's identity, env, labels, owner, TTL and quota applied at hand-out; a
+create whose set-up differs in any key field never gets it; pooled sandboxes give their room
+back to real creates, follow demand, and are all destroyed when the edge stops; a pool above the
+node's capacity stops the edge from starting."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from rollbox import errors
+from rollbox.models import ExecSpec, NetworkPolicy, Quota, Resources, SandboxSpec
+from tests.conftest import node_settings
+
+pytestmark = [pytest.mark.root,
+              pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
+BB = "busybox:test"
+DEB = "debian:bookworm"
+
+
+@pytest.fixture
+def edge_settings() -> dict:
+    return {"pool": True, "pool_window_s": 3600.0, "pool_max_total": 8,
+            "pool_max_per_key": 4}
+
+
+async def run(edge, sid: str, cmd: str, **kw) -> str:  # noqa: ANN001, ANN003
+    r = await edge.exec_run(sid, ExecSpec(cmd=cmd, timeout_s=30, **kw))
+    assert r.exit_code == 0, r
+    return r.stdout.strip()
+
+
+async def test_handout_applies_identity_env_labels_owner_and_ttl(edge) -> None:  # noqa: ANN001
+    await edge.pool.stop_refill()
+    base = SandboxSpec(image=BB)
+    made = await edge.pool_fill(base, 2)
+    assert len(made) == 2 and edge.pool.size() == 2
+    # pooled: running, but no project's: not listed, not counted for anyone
+    assert not await edge.list(None, {})
+    assert edge.admission.by_owner.get("proj-a") is None
+    await asyncio.sleep(0.3)
+    t0 = time.time()
+    spec = SandboxSpec(image=BB, env={"FOO": "bar-1"}, labels={"task": "t1"}, ttl_s=120,
+                       job="job-1")
+    info = await edge.create(spec, "proj-a")
+    assert info.id in made and edge.pool.size() == 1 and edge.pool.hits == 1
+    assert info.owner == "proj-a" and info.labels == {"task": "t1"} and info.job == "job-1"
+    assert info.created_at >= t0 and abs(info.expires_at - (info.created_at + 120)) < 1
+    assert await run(edge, info.id, "hostname") == info.id[:63]
+    assert await run(edge, info.id, "echo $FOO") == "bar-1"
+    assert [i.id for i in await edge.list("proj-a", {})] == [info.id]
+    assert edge.admission.by_owner["proj-a"].sandboxes == 1
+    kinds = [e.kind async for e in edge.events(info.id, 0, False)]
+    assert kinds[0] == "sandbox.created", kinds
+    # the second hand-out of the same key gets the other one, with its own env
+    info2 = await edge.create(SandboxSpec(image=BB, env={"FOO": "other"}), "proj-b")
+    assert info2.id in made and info2.id != info.id
+    assert await run(edge, info2.id, "echo $FOO") == "other"
+    assert await run(edge, info.id, "echo $FOO") == "bar-1"
+    # empty now: the next is made cold
+    info3 = await edge.create(base, "proj-b")
+    assert info3.id not in made and edge.pool.misses == 1
+
+
+VARIANTS = {
+    "image": {"image": DEB},
+    "resources": {"resources": Resources(memory_mib=512)},
+    "network": {"network": NetworkPolicy(allow=[])},
+    "hidden_paths": {"hidden_paths": ["/etc/hostname"]},
+    "disk_tier": {"disk_tier": "memory"},
+    "qos": {"qos": "latency"},
+    "layers": {"layers": [DEB]},
+}
+
+
+async def test_never_hands_out_a_sandbox_of_another_setup(edge) -> None:  # noqa: ANN001
+    await edge.pool.stop_refill()
+    made = await edge.pool_fill(SandboxSpec(image=BB), 1)
+    assert len(made) == 1
+    for name, change in VARIANTS.items():
+        info = await edge.create(SandboxSpec(**{"image": BB, **change}), "proj")
+        assert info.id not in made, f"{name}: handed out a sandbox of another set-up"
+        assert edge.pool.hits == 0 and edge.pool.size() == 1, name
+        await edge.delete(info.id)
+    # the cold one of the hidden path really hides it; a pooled base one does not
+    info = await edge.create(SandboxSpec(image=BB), "proj")
+    assert info.id in made
+
+
+async def test_quota_is_checked_at_handout_and_the_sandbox_stays_pooled(
+        edge) -> None:  # noqa: ANN001
+    await edge.pool.stop_refill()
+
+    class Quotas:
+        def get(self, project: str) -> Quota:
+            return Quota(sandboxes=0) if project == "poor" else Quota()
+
+    edge.quotas = Quotas()
+    made = await edge.pool_fill(SandboxSpec(image=BB), 1)
+    with pytest.raises(errors.QuotaExceeded):
+        await edge.create(SandboxSpec(image=BB), "poor")
+    assert edge.pool.size() == 1 and "poor" not in edge.admission.by_owner
+    info = await edge.create(SandboxSpec(image=BB), "rich")
+    assert info.id == made[0]
+
+
+async def test_a_real_create_evicts_pooled_sandboxes_before_a_refusal(
+        edge) -> None:  # noqa: ANN001
+    await edge.pool.stop_refill()
+    edge.limits.max_sandboxes = 3
+    edge.limits.reserved_share = 0.0
+    made = await edge.pool_fill(SandboxSpec(image=BB), 3)
+    assert len(made) == 3
+    # the node is full of pooled sandboxes: a create of another key still gets room
+    a = await edge.create(SandboxSpec(image=BB, qos="latency"), "proj")
+    b = await edge.create(SandboxSpec(image=BB, qos="latency"), "proj")
+    assert a.id not in made and b.id not in made
+    assert edge.pool.evicted["room"] == 2 and edge.pool.size() == 1
+    for sid in made:
+        if sid not in {i for k in edge.pool.ready.values() for i in (p.sandbox_id for p in k)}:
+            assert not edge.leftovers(sid), sid
+    c = await edge.create(SandboxSpec(image=BB), "proj")
+    assert c.id in made  # the one left is handed out, not evicted
+    # full of real sandboxes: refused as before
+    with pytest.raises(errors.CapacityExceeded):
+        await edge.create(SandboxSpec(image=BB, qos="latency"), "proj")
+
+
+async def test_refill_follows_demand_and_decays(edge) -> None:  # noqa: ANN001
+    edge.settings.pool_window_s = 2.0
+    spec = SandboxSpec(image=BB)
+    first = [await edge.create(spec, "proj") for _ in range(3)]
+    assert edge.pool.misses >= 1
+    deadline = time.monotonic() + 30
+    while edge.pool.size() < 1 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert edge.pool.size() >= 1, edge.pool.stats()
+    pooled = {p.sandbox_id for v in edge.pool.ready.values() for p in v}
+    hit = await edge.create(spec, "proj")
+    assert hit.id in pooled
+    for i in [*first, hit]:
+        await edge.delete(i.id)
+    # nobody asks any more: the demand decays below 1/2 and the pool is emptied
+    deadline = time.monotonic() + 30
+    while (edge.pool.size() or edge.pool._making) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert edge.pool.size() == 0, edge.pool.stats()
+    assert edge.pool.evicted["demand"] >= 1
+    for sid in pooled - {hit.id}:
+        assert not edge.leftovers(sid), sid
+
+
+async def test_pooled_sandboxes_are_destroyed_when_the_edge_stops(tmp_node_dir: Path) -> None:
+    from rollbox.edge.edge import Edge
+    from rollbox.events.store import EventLog
+
+    s = node_settings(tmp_node_dir)
+    s.pool = True
+    events = EventLog(tmp_node_dir / "events.db")
+    e = Edge(s, events)
+    await e.start()
+    try:
+        made = await e.pool_fill(SandboxSpec(image=BB), 2)
+        assert len(made) == 2
+        assert all(e.leftovers(sid) for sid in made)  # they are there while pooled
+    finally:
+        await e.close()
+        events.close()
+    for sid in made:
+        assert not e.leftovers(sid), sid
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"pool_max_total": 4000}, "sandboxes"),
+    ({"memory_overcommit": 0.5}, "memory_mib"),
+    ({"pool_max_per_key": 40}, "pool_max_per_key"),
+])
+def test_a_pool_above_the_nodes_capacity_is_refused_at_start(tmp_path: Path, change: dict,
+                                                             field: str) -> None:
+    from rollbox.edge.edge import Edge
+    from rollbox.events.store import EventLog
+
+    s = node_settings(tmp_path)
+    s.pool = True
+    s.pool_max_total = 32
+    for k, v in change.items():
+        setattr(s, k, v)
+    events = EventLog(tmp_path / "events.db")
+    try:
+        with pytest.raises(errors.BadRequest) as exc:
+            Edge(s, events)
+    finally:
+        events.close()
+    assert exc.value.details["reason"] == "pool_capacity"
+    assert exc.value.details["field"] == field
+    assert not list(s.data_dir.glob("edge-*.db"))  # nothing made
+
+
+async def test_pool_metrics(edge) -> None:  # noqa: ANN001
+    from prometheus_client.parser import text_string_to_metric_families
+
+    await edge.pool.stop_refill()
+    await edge.pool_fill(SandboxSpec(image=BB), 2)
+    await edge.create(SandboxSpec(image=BB), "proj")
+    fams = {f.name: f for f in text_string_to_metric_families(
+        edge.metrics.exposition().decode())}
+    size = [s.value for s in fams["rollbox_pool_sandboxes"].samples
+            if s.labels["node"] == edge.node_id]
+    assert size == [1.0]
+    creates = {s.labels["result"]: s.value for s in fams["rollbox_pool_creates"].samples
+               if s.labels["node"] == edge.node_id and s.name.endswith("_total")}
+    assert creates == {"hit": 1.0, "miss": 0.0}
