@@ -14,14 +14,11 @@ import time
 import pytest
 
 from rollbox import errors
-from rollbox.config import Settings
 from rollbox.models import ExecSpec, Resources, SandboxSpec
-from tests.helpers.vm_guest import real_guest_marks
+from tests.helpers.vm_guest import full_vm_marks
 
 BB = "busybox:test"
-pytestmark = real_guest_marks(BB) + [
-    pytest.mark.skipif(not Settings().vm_full_initrd.is_file(),
-                       reason="no full-VM guest (make vmguest)")]
+pytestmark = full_vm_marks(BB)
 
 
 @pytest.fixture
