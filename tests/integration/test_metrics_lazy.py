@@ -3,8 +3,8 @@ token) and parsed with Prometheus' text parser, through a real lazy pull: a laye
 ``dir://`` chunk store served with an injected 20 ms per request, dropped from the node's store,
 read by a real sandbox through the FUSE daemon and EROFS. The fetch latency histogram counts
 every chunk the daemon fetched (its stats file says how many), none faster than the store's
-injected delay, and the cache-read and bytes families move by what the daemon counted. The
-edge started before the node had a lazy layer: its families come from the loader the first lazy
+injected delay, and the cache-read and bytes families move by what the daemon counted; after
+a daemon restart the histogram goes on from what the old daemon counted. The edge started before the node had a lazy layer: its families come from the loader the first lazy
 mount made."""
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from rollbox.config import Settings
 from rollbox.edge import wire
 from rollbox.images import chunks
 from rollbox.images.lazy.loader import loader_for
+from rollbox.images.lazy.mounts import LayerMounts
 from rollbox.images.lazy.paths import FETCH_BUCKETS
 from rollbox.images.store import ImageStore
 from rollbox.models import ExecSpec, SandboxSpec
@@ -67,27 +68,40 @@ async def test_lazy_fetch_latency_cache_reads_and_bytes(
     assert lazy_edge._lazy is None  # started before the node had a lazy layer
 
     node = lazy_edge.node_id
-    async with served_edge(lazy_edge) as remote:
-        before = await scrape(remote.url)
+    loader = loader_for(lazy_store)
+
+    async def read_in_a_sandbox(url: str) -> tuple[list, dict]:
+        """A sandbox reads the whole busybox binary; then (the daemon flushes its stats every
+        0.25 s, prefetches may still land) the scrape once it and the daemon's file agree."""
         sb = await lazy_edge.create(SandboxSpec(image="lazy/bb:1"), "t")
         try:
             eid = await lazy_edge.exec_start(sb.id, ExecSpec(
                 cmd="busybox cat /bin/busybox | busybox wc -c"))
             r = await lazy_edge.exec_wait(sb.id, eid)
             assert r.exit_code == 0 and int(r.stdout) > 100_000, r
-            # The daemon flushes its stats every 0.25 s; prefetches may still land: wait until
-            # the scrape and the daemon's file agree, and stay so.
-            loader = loader_for(lazy_store)
-            deadline, agreed, fams, st = time.monotonic() + 15, 0, before, {}
+            deadline, agreed, fams, st = time.monotonic() + 15, 0, [], {}
             while time.monotonic() < deadline and agreed < 2:
                 await asyncio.sleep(0.3)
                 st = loader.layer_stats(layer) or {}
-                fams = await scrape(remote.url)
+                fams = await scrape(url)
                 same = total(fams, "rollbox_lazy_fetch_seconds_count") == st.get("chunks_fetched")
                 agreed = agreed + 1 if same else 0
             assert agreed >= 2, (st, total(fams, "rollbox_lazy_fetch_seconds_count"))
+            assert sb.id not in "\n".join(str(x) for f in fams for x in f.samples)
         finally:
             await lazy_edge.delete(sb.id)
+        return fams, st
+
+    async with served_edge(lazy_edge) as remote:
+        await scrape(remote.url)
+        fams, st = await read_in_a_sandbox(remote.url)
+        # The histogram outlives the daemon: a new daemon loads it with the counters, so after
+        # a restart the families still equal the daemon's (cumulative) chunks_fetched.
+        assert not await asyncio.to_thread(LayerMounts(lazy_store).unmount_all)
+        assert await asyncio.to_thread(loader.stop_sync)
+        fams2, st2 = await read_in_a_sandbox(remote.url)
+        assert st2["chunks_fetched"] >= st["chunks_fetched"]
+        assert total(fams2, "rollbox_lazy_fetch_seconds_count") == st2["chunks_fetched"]
     fetched = st["chunks_fetched"]
     assert fetched >= 2 and total(fams, "rollbox_lazy_fetch_seconds_count", kind="demand") >= 1
     for kind in ("demand", "prefetch"):
@@ -107,5 +121,3 @@ async def test_lazy_fetch_latency_cache_reads_and_bytes(
         == st["cache_hits"]
     assert total(fams, "rollbox_lazy_fetch_bytes_total", node=node) == st["bytes_fetched"] > 0
     assert total(fams, "rollbox_lazy_cache_bytes", node=node, what="used") > 0
-    text = "\n".join(str(s) for f in fams for s in f.samples)
-    assert sb.id not in text
