@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rollbox.isolation import syscalls
-from rollbox.isolation.userns import make_userns_fd
+from rollbox.isolation.userns import UidSlots, make_userns_fd
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root (idmapped mounts)")]
@@ -88,3 +88,40 @@ def test_many_threads_at_once_each_get_their_own_namespace() -> None:
         for fd in fds:
             os.close(fd)
     assert _children() - before == set()
+
+
+def _fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_uid_slots_keep_a_bounded_number_of_namespace_fds() -> None:
+    """UidSlots keeps the user namespace fds of the ``cached`` most recently used slots, never
+    one per slot ever used (that capped the node at the edge's RLIMIT_NOFILE), never closes a
+    fd while a ``with`` block uses it, and a slot whose fd went gets a working one again."""
+    base = _fd_count()
+    slots = UidSlots(3_100_000_000, 64, cached=4)
+    try:
+        held = [slots.acquire() for _ in range(10)]
+        with slots.userns_fd(held[0]) as first:
+            inode = os.fstat(first).st_ino
+            keep = os.dup(first)  # the namespace outlives its cached fd: no inode reuse
+            for s in held[1:]:  # nine more while the first is in use
+                with slots.userns_fd(s) as fd:
+                    assert os.readlink(f"/proc/self/fd/{fd}").startswith("user:[")
+            os.fstat(first)  # still open: in use, though the oldest
+            assert slots.cached_fds() == 4
+        assert slots.cached_fds() == 4 and _fd_count() == base + 4 + 1
+        with slots.userns_fd(held[-1]):  # cached: no new fd
+            assert _fd_count() == base + 4 + 1
+        with slots.userns_fd(held[1]):  # not cached: made; the oldest unused (held[0]) goes
+            pass
+        with slots.userns_fd(held[0]) as fd:  # a new namespace, mapped like the first
+            assert os.fstat(fd).st_ino != inode
+            assert os.readlink(f"/proc/self/fd/{fd}").startswith("user:[")
+        os.close(keep)
+        assert slots.cached_fds() == 4
+        with pytest.raises(ValueError):
+            UidSlots(0, 1, cached=0)
+    finally:
+        slots.close()
+    assert _fd_count() == base

@@ -11,8 +11,8 @@ import pytest
 from rollbox import errors
 from rollbox.config import Settings
 from rollbox.edge.admission import (
-    MIN_HEADROOM_MIB, SETTLE_S, Admission, HostMemory, Limits, node_reserve_mib,
-    sandboxes_memory_max_mib,
+    FD_RESERVE, FDS_PER_SANDBOX, MIN_HEADROOM_MIB, SETTLE_S, Admission, HostMemory, Limits,
+    fd_sandboxes, node_reserve_mib, sandboxes_memory_max_mib,
 )
 from rollbox.models import Quota, Resources
 
@@ -66,6 +66,29 @@ def test_defaults_fit_3200_default_sandboxes_and_keep_the_reserve() -> None:
     assert lim.cpu_overcommit * 2 * new_share >= 3200 * Resources().cpus
     s.memory_reserve_mib = 5000
     assert node_reserve_mib(s, host) == 5000
+
+
+def test_the_edge_fd_table_caps_the_sandbox_count(tmp_path: Path) -> None:
+    """An edge whose RLIMIT_NOFILE holds fewer sandboxes than max_sandboxes refuses the next
+    create as full (reason sandboxes) instead of running out of descriptors half-way."""
+    s = Settings()
+    host = 24 * GIB
+    assert Limits.from_settings(s, host).max_sandboxes == s.max_sandboxes  # no nofile: as set
+    assert Limits.from_settings(s, host, nofile=1 << 20).max_sandboxes == s.max_sandboxes
+    # this host's hard limit (20,000, not raisable without CAP_SYS_RESOURCE)
+    lim = Limits.from_settings(s, host, nofile=20_000)
+    assert lim.max_sandboxes == min(s.max_sandboxes, (20_000 - FD_RESERVE) // FDS_PER_SANDBOX)
+    assert lim.max_sandboxes * (1 - lim.reserved_share) >= 3200
+    assert fd_sandboxes(FD_RESERVE + 10 * FDS_PER_SANDBOX) == 10
+    assert fd_sandboxes(10) == 1  # never 0: a tiny table still takes one
+    small = Limits.from_settings(s, host, nofile=FD_RESERVE + 5 * FDS_PER_SANDBOX)
+    small.reserved_share = 0.0
+    adm, _ = make(tmp_path, max_sandboxes=small.max_sandboxes, reserved_share=0.0)
+    for _ in range(5):
+        adm.try_admit(res(16, 0.01), "p")
+    with pytest.raises(errors.CapacityExceeded) as exc:
+        adm.try_admit(res(16, 0.01), "p")
+    assert exc.value.retryable and exc.value.details["reason"] == "sandboxes"
 
 
 def test_requests_overcommit_is_a_budget(tmp_path: Path) -> None:

@@ -44,6 +44,13 @@ SAMPLE_INTERVAL_S = 0.1
 SETTLE_S = 3.0
 # Least headroom promised to a starting sandbox (agent, shell, page tables, first pages).
 MIN_HEADROOM_MIB = 32
+# Descriptors the edge process holds per live idle sandbox (its agent channel's socket and its
+# root's O_PATH fd; a slot's user namespace fd only for the last isolation.userns.USERNS_CACHED
+# slots), and those kept for everything else (HTTP connections, exec streams, journals,
+# the cached user namespaces): the node holds at most (RLIMIT_NOFILE - FD_RESERVE) //
+# FDS_PER_SANDBOX sandboxes, so a full fd table is a refused create, not EMFILE half-way.
+FDS_PER_SANDBOX = 2
+FD_RESERVE = 1024
 
 
 class ProjectQuotas(Protocol):
@@ -67,9 +74,10 @@ class Limits:
     memory_psi_max: float = 20.0
 
     @classmethod
-    def from_settings(cls, s: Settings, host_mem_mib: int) -> Limits:
+    def from_settings(cls, s: Settings, host_mem_mib: int, nofile: int | None = None) -> Limits:
         """The node's budgets; ValueError for settings that make no sense (the edge does not
-        start on them)."""
+        start on them). ``nofile``: the edge's RLIMIT_NOFILE, which lowers ``max_sandboxes``
+        to :func:`fd_sandboxes` of it where that is fewer."""
         if not (s.max_sandboxes > 0 and s.memory_overcommit > 0 and s.cpu_overcommit > 0
                 and 0 <= s.reserved_share < 1 and s.memory_psi_max >= 0
                 and (s.memory_reserve_mib is None or 0 <= s.memory_reserve_mib < host_mem_mib)):
@@ -77,10 +85,17 @@ class Limits:
                 "admission settings out of range: max_sandboxes, memory_overcommit and "
                 "cpu_overcommit > 0, 0 <= reserved_share < 1, memory_psi_max >= 0, "
                 f"0 <= memory_reserve_mib < host RAM ({host_mem_mib} MiB)")
-        return cls(max_sandboxes=s.max_sandboxes, memory_overcommit=s.memory_overcommit,
+        max_sandboxes = s.max_sandboxes if nofile is None else min(s.max_sandboxes,
+                                                                    fd_sandboxes(nofile))
+        return cls(max_sandboxes=max_sandboxes, memory_overcommit=s.memory_overcommit,
                    cpu_overcommit=s.cpu_overcommit,
                    reserve_mib=node_reserve_mib(s, host_mem_mib),
                    reserved_share=s.reserved_share, memory_psi_max=s.memory_psi_max)
+
+
+def fd_sandboxes(nofile: int) -> int:
+    """Live sandboxes an edge with ``nofile`` descriptors holds (at least 1)."""
+    return max(1, (nofile - FD_RESERVE) // FDS_PER_SANDBOX)
 
 
 def host_memory_mib() -> int:

@@ -12,6 +12,7 @@ import json
 import itertools
 import logging
 import os
+import resource
 import secrets
 import shutil
 import time
@@ -101,10 +102,8 @@ class LiveSandbox:
 
 
 def raise_nofile_limit(target: int = 1 << 20) -> None:
-    """Each sandbox holds a few fds in the edge (agent socket, pidfd); 1,000s of them need more
-    than the usual 1,024."""
-    import resource
-
+    """Each sandbox holds a few fds in the edge (admission.FDS_PER_SANDBOX); 1,000s of them
+    need more than the usual 1,024. Without CAP_SYS_RESOURCE only up to the hard limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     for want in (target, 1 << 16, hard):
         try:
@@ -130,7 +129,10 @@ class Edge:
         self.store = store or ImageStore(settings.images_dir)
         # This node's share of the host (several edges on one host: Settings.for_node).
         self._host_mem_mib = node_memory_mib(settings)
-        self.limits = limits or Limits.from_settings(settings, self._host_mem_mib)
+        # The fd table first: admission holds no more sandboxes than it has room for.
+        raise_nofile_limit()
+        self.limits = limits or Limits.from_settings(
+            settings, self._host_mem_mib, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         self.quotas = quotas
         self.admission = Admission(
             self.limits, self._host_mem_mib, node_cpus(settings),
@@ -226,7 +228,6 @@ class Edge:
                 await backend.start()
             except RollboxError as exc:  # the other kinds' sandboxes still come back
                 log.error("backend %s did not start: %s", kind, exc)
-        raise_nofile_limit()
         # One parent memory cgroup for all sandboxes, limited to RAM minus the reserve: an
         # overload OOM-kills inside a sandbox, never a platform process.
         try:

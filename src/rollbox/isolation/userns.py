@@ -2,8 +2,9 @@
 
 Each sandbox gets a slot: host uids/gids ``[base + slot*65536, +65536)``, with sandbox root at
 the first one (an unprivileged host uid). A user namespace with that mapping is created once per
-slot and kept as an fd: it is what idmapped layer mounts are made with (root-owned image files
-appear owned by the sandbox's mapped root, without rewriting the image).
+slot and kept as an fd (for the most recently used slots, ``USERNS_CACHED``): it is what
+idmapped layer mounts are made with (root-owned image files appear owned by the sandbox's mapped
+root, without rewriting the image).
 """
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import contextlib
 import os
 import signal
 import threading
+from collections.abc import Iterator
 
 from rollbox.errors import CapacityExceeded
 from rollbox.isolation import syscalls
 
 RANGE = 65536
+# User namespace fds UidSlots keeps open at most (the slots used most recently).
+USERNS_CACHED = 256
 
 
 def _mapped(pid: int, inside: int, host_uid: int, count: int) -> int:
@@ -49,14 +53,22 @@ def make_userns_fd(host_uid: int, count: int = RANGE, inside: int = 0) -> int:
 
 
 class UidSlots:
-    """Allocates uid-range slots; keeps one mapped user namespace fd per slot ever used."""
+    """Allocates uid-range slots; keeps a mapped user namespace fd for at most ``cached``
+    slots (the most recently used: freed slots are handed out again last-in first-out, so a
+    create/delete cycle finds its slot's namespace made). One fd per slot ever used would cap
+    the node's sandboxes at the edge's RLIMIT_NOFILE (20,000 here, which the edge can not raise
+    without CAP_SYS_RESOURCE) over the ~2 fds a live sandbox holds itself."""
 
-    def __init__(self, base: int, slots: int) -> None:
+    def __init__(self, base: int, slots: int, cached: int = USERNS_CACHED) -> None:
+        if cached < 1:
+            raise ValueError("UidSlots keeps at least one user namespace fd")
         self.base = base
         self.slots = slots
+        self.cached = cached
         self._free = list(range(slots - 1, -1, -1))
         self._used: set[int] = set()
-        self._userns: dict[int, int] = {}
+        self._userns: dict[int, int] = {}  # slot -> fd, least recently used first
+        self._busy: dict[int, int] = {}  # slot -> users of its fd now (never closed then)
         self._lock = threading.Lock()
 
     def host_uid(self, slot: int) -> int:
@@ -91,13 +103,34 @@ class UidSlots:
         with self._lock:
             return set(self._used)
 
-    def userns_fd(self, slot: int) -> int:
+    @contextlib.contextmanager
+    def userns_fd(self, slot: int) -> Iterator[int]:
+        """The slot's mapped user namespace fd, open for the ``with`` block (made if it is
+        not cached); afterwards the cache keeps the ``cached`` most recently used."""
         with self._lock:
-            fd = self._userns.get(slot)
+            fd = self._userns.pop(slot, None)
             if fd is None:
                 fd = make_userns_fd(self.host_uid(slot))
-                self._userns[slot] = fd
-            return fd
+            self._userns[slot] = fd  # the most recently used: last
+            self._busy[slot] = self._busy.get(slot, 0) + 1
+        try:
+            yield fd
+        finally:
+            with self._lock:
+                self._busy[slot] -= 1
+                if not self._busy[slot]:
+                    del self._busy[slot]
+                self._trim()
+
+    def _trim(self) -> None:
+        over = len(self._userns) - self.cached
+        for slot in [s for s in self._userns if s not in self._busy][:max(0, over)]:
+            os.close(self._userns.pop(slot))
+
+    def cached_fds(self) -> int:
+        """User namespace fds held now."""
+        with self._lock:
+            return len(self._userns)
 
     def close(self) -> None:
         with self._lock:

@@ -350,9 +350,9 @@ class ContainerBackend:
                     for lower, owner_uid in fork_lowers:
                         shifts.append((self.disk.path(lower) / rootfs.upper.name,
                                        make_userns_fd(host_uid, RANGE, inside=owner_uid)))
-                    with self.layer_mounts.in_use():  # no unmount until the clones exist
+                    with self.layer_mounts.in_use(), self.slots.userns_fd(slot) as userns:
                         mounts = [self.layer_mounts.ensure_mounted(d) for d in layers]
-                        rootfs.compose(mounts, self.slots.userns_fd(slot), host_uid,
+                        rootfs.compose(mounts, userns, host_uid,
                                        resources.disk_mib, resources.inodes, subvolume,
                                        upper_lowers=shifts)
                 finally:
