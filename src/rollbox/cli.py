@@ -250,6 +250,15 @@ def bench_qos(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out)
 
 
+@bench_command("pool")
+def bench_pool(quick: bool = typer.Option(False, "--quick"),
+               json_out: bool = typer.Option(False, "--json")) -> None:
+    """Warm pools: create and create -> first exec under a bursty arrival (>= 10x the pool's
+    size, its refill running) against the same arrival on a server with pools off."""
+    mod = _load_bench("pool")
+    mod.main(quick=quick, json_out=json_out)
+
+
 @bench_command("images")
 def bench_images(quick: bool = typer.Option(False, "--quick"),
                  json_out: bool = typer.Option(False, "--json")) -> None:

@@ -11,8 +11,11 @@ the few marked ``@microvm_default``, which the default tier runs.
 ``[container]`` runs start their sandboxes with the node's runtime (``ROLLBOX_RUNTIME``, the
 native launcher by default); the container attacks also run on runc (``[runc]``: the same
 container backend, its sandboxes started by ``runc run -d``), behind the ``slow`` marker (the
-container red team takes ~2 min here). Tests that take the ``edge`` fixture without ``boxes``
-run on the node's runtime: ``ROLLBOX_RUNTIME=runc`` runs all of them on runc."""
+container red team takes ~2 min here), and on warm-pool sandboxes (``[pooled]``: an edge
+with ``ROLLBOX_POOL`` on, each sandbox made ahead into the pool for its key and handed out by
+the create, rollbox.edge.pool), also behind ``slow``. Tests that take the ``edge`` fixture
+without ``boxes`` run on the node's runtime: ``ROLLBOX_RUNTIME=runc`` runs all of them on
+runc."""
 from __future__ import annotations
 
 import asyncio
@@ -38,9 +41,10 @@ PY = "python:3.11"
 # "vm": the full-VM backend (backends/vm) is the microVM's lifecycle on a q35 machine: it runs
 # every attack the microVM runs do, with the same marks (container_only skips it, microvm_open
 # is an expected failure, and every vm run is behind microvm_slow: one TCG boot each).
-BACKENDS = ("container", "runc", "microvm", "vm")
-# The kind of sandbox each run makes ("runc": a container, started by runc).
-KIND = {"runc": "container"}
+BACKENDS = ("container", "runc", "pooled", "microvm", "vm")
+# The kind of sandbox each run makes ("runc": a container, started by runc; "pooled": a
+# container made ahead into the edge's warm pool, then handed out by the create).
+KIND = {"runc": "container", "pooled": "container"}
 
 
 def container_only(reason: str) -> pytest.MarkDecorator:
@@ -71,7 +75,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     params = []
     for kind in BACKENDS:
         marks: list[pytest.MarkDecorator] = []
-        if kind == "runc":
+        if kind in ("runc", "pooled"):
             marks.append(pytest.mark.slow)
         if kind in ("microvm", "vm"):
             only = metafunc.definition.get_closest_marker("container_only")
@@ -108,6 +112,7 @@ class Boxes:
     edge: Any
     lock: asyncio.Lock
     kind: str = "container"
+    pooled: bool = False  # each make() fills the pool for its key, then creates from it
 
     async def make(self, image: str = BB, *, hardened: bool = True,
                    hidden: tuple[str, ...] = (), network: list[str] | None = None,
@@ -119,7 +124,10 @@ class Boxes:
                            network=NetworkPolicy(allow=network) if network is not None else None)
         async with self.lock:  # the wrapper is per call: never mix flags across creations
             with create_flags(self.edge, self.kind, hardened=hardened):
+                made = await self.edge.pool_fill(spec, 1) if self.pooled else []
                 info = await self.edge.create(spec, "redteam")
+        if self.pooled:  # the attack runs on the pooled one, or the test is wrong
+            assert made and info.id == made[0], (made, info.id)
         return info.id
 
     async def run(self, sid: str, cmd: str | list[str], **kw: Any) -> ExecResult:
@@ -144,6 +152,8 @@ def edge_settings(request: pytest.FixtureRequest) -> dict:
     """A ``[runc]`` run's edge starts its containers with runc."""
     callspec = getattr(request.node, "callspec", None)
     kind = callspec.params.get("backend_kind") if callspec is not None else None
+    if kind == "pooled":
+        return {"pool": True}
     return {"runtime": "runc"} if kind == "runc" else {}
 
 
@@ -151,7 +161,9 @@ def edge_settings(request: pytest.FixtureRequest) -> dict:
 async def boxes(edge, backend_kind: str) -> Boxes:  # noqa: ANN001
     kind = KIND.get(backend_kind, backend_kind)
     await offered_or_skip(edge, kind)
-    return Boxes(edge, asyncio.Lock(), kind)
+    if backend_kind == "pooled":  # only what make() fills is pooled: no refill in between
+        await edge.pool.stop_refill()
+    return Boxes(edge, asyncio.Lock(), kind, pooled=backend_kind == "pooled")
 
 
 @pytest.fixture
