@@ -12,6 +12,8 @@ containers with it, so ``create_exec_destroy_per_s_c8_runc``, ``..._c8_native`` 
 ``native_vs_runc_c8`` come from one run (``ratio_vs_podman_c8`` is the default runtime's).
 And ``observability_overhead`` (issue 18: <= 2 %): c8 rounds against servers with metrics and
 JSON logs off and on, alternated (off, on, on, off, ...), the median of the paired ratios.
+Every server above has warm pools off (``ROLLBOX_POOL``, default off); the pool's own figures
+(``pool_create_p50_ms``, ``pool_create_to_first_exec_p50_ms``) come last, from bench/pool.py.
 The last line of ``--json`` is one JSON object.
 """
 from __future__ import annotations
@@ -419,12 +421,26 @@ def observability_overhead(quick: bool, res: dict[str, Any]) -> None:
 
 
 def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
+    os.environ["ROLLBOX_POOL"] = "off"  # every server below makes its sandboxes cold
     with server_process() as (url, key):
         res = asyncio.run(run(quick, url, key))
     hardening_overhead(quick, res)
     runtimes(quick, res)
     observability_overhead(quick, res)
+    pool_figures(quick, res)
     return emit(res, json_out)
+
+
+def pool_figures(quick: bool, res: dict[str, Any]) -> None:
+    """The warm pool's figures (``rollbox bench pool``, its own servers: every figure above is
+    of servers with pools off): create p50 under the bursty arrival, the refill running, and
+    a warm pool's create -> first exec p50 one at a time."""
+    from rollbox.benchkit import load_bench
+
+    r = load_bench("pool").run(quick)
+    res["pool_create_p50_ms"] = r["pool_create_p50_ms"]
+    res["pool_create_to_first_exec_p50_ms"] = r["pool_serial_create_to_first_exec_p50_ms"]
+    res["pool_hit_ratio"] = r["pool_hit_ratio"]
 
 
 if __name__ == "__main__":
