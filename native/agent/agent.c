@@ -293,6 +293,42 @@ static void close_watched(int *fd)
     }
 }
 
+/* The descriptors a received message brought (SCM_RIGHTS), for every recvmsg from a peer:
+ * up to max of them into fds[] (their count returned; the caller owns them), or -1 when the
+ * message is not one to act on: more than max descriptors, a control message of another kind,
+ * or truncated (MSG_CTRUNC: the kernel installed the descriptors that fit the control buffer
+ * and dropped the rest; MSG_TRUNC: data cut at the buffer). On -1 every descriptor it brought
+ * is closed. Call it on every recvmsg that returned >= 0, a zero-length message too: a
+ * SEQPACKET message carries descriptors without data. */
+static int take_fds(struct msghdr *mh, int *fds, int max)
+{
+    int n = 0, bad = (mh->msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0;
+    const char *end = (const char *)mh->msg_control + mh->msg_controllen;
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(mh); cm; cm = CMSG_NXTHDR(mh, cm)) {
+        if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS ||
+            cm->cmsg_len < CMSG_LEN(0)) {
+            bad = 1;
+            continue;
+        }
+        size_t len = cm->cmsg_len - CMSG_LEN(0), room = (size_t)(end - (char *)CMSG_DATA(cm));
+        for (size_t j = 0; j < (len < room ? len : room) / sizeof(int); j++) {
+            int fd;
+            memcpy(&fd, CMSG_DATA(cm) + j * sizeof(int), sizeof fd);
+            if (n < max) {
+                fds[n++] = fd;
+            } else {
+                close(fd);
+                bad = 1;
+            }
+        }
+    }
+    if (!bad)
+        return n;
+    while (n > 0)
+        close(fds[--n]);
+    return -1;
+}
+
 /* ---------- edge connection: send queue ---------- */
 
 /* An edge is connected and has said hello (seqpacket: from accept on). */
@@ -2857,16 +2893,7 @@ static void sudo_refuse(int c, int32_t err, const char *msg)
                             .msg_controllen = sizeof ctl.buf};
         if (recvmsg(c, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) < 0)
             break; /* nothing more queued (EAGAIN) or gone */
-        for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm)) {
-            if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS)
-                continue;
-            size_t cnt = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-            for (size_t j = 0; j < cnt; j++) {
-                int fd;
-                memcpy(&fd, CMSG_DATA(cm) + j * sizeof(int), sizeof fd);
-                close(fd);
-            }
-        }
+        take_fds(&mh, NULL, 0); /* keeps none: every descriptor closed */
     }
     close(c);
 }
@@ -3028,32 +3055,13 @@ static void sudo_conn_event(int i, uint32_t events)
         struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf,
                             .msg_controllen = sizeof ctl.buf};
         ssize_t n = recvmsg(c, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-        int fds[SUDO_FDS_MAX], nfds = 0, bad = 0;
-        if (n >= 0) {
-            for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm)) {
-                if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS) {
-                    bad = 1;
-                    continue;
-                }
-                size_t cnt = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-                for (size_t j = 0; j < cnt; j++) {
-                    int fd;
-                    memcpy(&fd, CMSG_DATA(cm) + j * sizeof(int), sizeof fd);
-                    if (nfds < SUDO_FDS_MAX)
-                        fds[nfds++] = fd;
-                    else
-                        close(fd);
-                }
-            }
-            if (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC))
-                bad = 1;
-        }
+        int fds[SUDO_FDS_MAX], nfds = n >= 0 ? take_fds(&mh, fds, SUDO_FDS_MAX) : 0;
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
             if (events & (EPOLLHUP | EPOLLERR))
                 sudo_close(i); /* the client went; its command (if any) runs on */
             return;
         }
-        if (n <= 0 || bad) {
+        if (n <= 0 || nfds < 0) {
             for (int j = 0; j < nfds; j++)
                 close(fds[j]);
             if (n > 0)
@@ -3208,32 +3216,15 @@ static void read_conn(int hangup)
             drop_conn("recv failed");
             return;
         }
-        /* Collect passed fds; anything beyond one is closed. */
-        int fd = -1, bad = 0;
-        for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
-            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
-                continue;
-            size_t nfd = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-            for (size_t j = 0; j < nfd; j++) {
-                int f;
-                memcpy(&f, CMSG_DATA(c) + j * sizeof(int), sizeof f);
-                if (fd < 0)
-                    fd = f;
-                else {
-                    close(f);
-                    bad = 1;
-                }
-            }
-        }
+        /* One passed fd at most (EXEC's session cgroup). */
+        int fd = -1, nfds = take_fds(&mh, &fd, 1);
         if (n == 0) {
-            if (fd >= 0)
+            if (nfds > 0)
                 close(fd);
             drop_conn("edge closed the connection");
             return;
         }
-        if ((mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) || bad) {
-            if (fd >= 0)
-                close(fd);
+        if (nfds < 0) {
             drop_conn("oversized packet or too many fds");
             return;
         }

@@ -473,6 +473,74 @@ async def test_agent_survives_garbage(agent: Agent) -> None:
     assert b"malformed packet" in agent.log.read_bytes()
 
 
+def _fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def _fds_settle(pid: int, want: int) -> int:
+    """The agent's descriptor count once it is back to ``want`` (it closes a dropped
+    connection's descriptors on its own time), or what it is after 10 s."""
+    deadline = time.monotonic() + 10
+    while (n := _fd_count(pid)) != want and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return n
+
+
+async def test_passed_descriptors_beyond_one_are_closed(agent: Agent) -> None:
+    """The host channel takes one descriptor per packet (EXEC's session cgroup): a packet with
+    more (two, or more than its control buffer holds: MSG_CTRUNC, the kernel installed the
+    ones that fit), or descriptors on a zero-length packet, drop the connection with every
+    descriptor the agent got closed; one on a packet that takes none is closed too. The pipe's
+    reader sees EOF only when no copy of its writer is left in the agent."""
+    def connect() -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect(str(agent.sock_path))
+        s.settimeout(5)
+        assert P.unpack(s.recv(P.MAX_PACKET))[0] == P.READY
+        return s
+
+    held = connect()  # counted with one connection up, as at the end
+    before = _fd_count(agent.proc.pid)
+    held.close()
+    rd, wr = os.pipe()
+    try:
+        for fds in ([wr, wr], [wr] * 10, [wr] * 200):
+            s = connect()
+            socket.send_fds(s, [P.pack(P.PING, 0)], fds)
+            while s.recv(P.MAX_PACKET):  # dropped: EOF after nothing, or after a PONG never
+                raise AssertionError("the agent answered a packet with too many descriptors")
+            s.close()
+        s = connect()
+        socket.send_fds(s, [b""], [wr] * 3)  # descriptors without data: the edge went
+        assert s.recv(P.MAX_PACKET) == b""
+        s.close()
+        s = connect()
+        socket.send_fds(s, [P.pack(P.PING, 7)], [wr])  # PING takes none: closed, served
+        assert P.unpack(s.recv(P.MAX_PACKET))[0] == P.PONG
+        s.close()
+        os.close(wr)
+        wr = -1
+        os.set_blocking(rd, False)
+        deadline = time.monotonic() + 10
+        while True:  # EOF once the agent holds no copy of the writer
+            try:
+                assert os.read(rd, 1) == b""
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, "the agent keeps a passed descriptor"
+                await asyncio.sleep(0.05)
+        held = connect()
+        assert await _fds_settle(agent.proc.pid, before) == before
+        held.close()
+    finally:
+        os.close(rd)
+        if wr >= 0:
+            os.close(wr)
+    assert b"too many fds" in agent.log.read_bytes()
+    async with connected(agent) as ch:
+        assert (await run(ch, ["echo", "ok"])).stdout == b"ok\n"
+
+
 async def test_idle_memory_and_exec_latency(channel: AgentChannel, agent: Agent) -> None:
     await channel.ping()
     idle, idle_anon = agent.rss_kib(), agent.anon_kib()

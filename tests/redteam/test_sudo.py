@@ -193,3 +193,75 @@ async def test_fork_children_serve_sudo_too(boxes: Boxes) -> None:
         for cid in children:
             await boxes.edge.delete(cid)
         await boxes.edge.delete(sid)
+
+
+DESCRIPTORS = r'''
+import os, socket, struct, select, sys
+P = "/dev/rollbox-sudo.sock"
+rd, wr = os.pipe()
+req = b"rbsudo1\0" + struct.pack("<IIII", 0, 0, 1, 0) + b"/\0id\0"
+out = {}
+for name, data, fds in [("nine", req, [wr] * 9), ("many", req, [wr] * 200),
+                        ("split", req, ([wr] * 3, [wr] * 3)), ("empty", b"", [wr] * 20)]:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET); s.connect(P)
+    try:
+        if isinstance(fds, tuple):  # two SCM_RIGHTS messages in one packet
+            s.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("3i", *f))
+                               for f in fds])
+        else:
+            socket.send_fds(s, [data], fds)
+    except OSError:  # a refused uid's connection closed before its packet was sent
+        out[name] = "closed"
+        s.close()
+        continue
+    r, _, _ = select.select([s], [], [], 5)
+    try:
+        d = s.recv(512) if r else None
+    except OSError:
+        d = b""
+    out[name] = ("silent" if d is None else "closed" if not d else
+                 "refused" if struct.unpack_from("<i", d)[0] == 2 else "ran")
+    s.close()
+os.close(wr)
+r, _, _ = select.select([rd], [], [], 10)
+out["fds_closed"] = bool(r) and os.read(rd, 1) == b""
+print(sorted(out.items()))
+'''
+
+
+async def test_descriptors_beyond_the_limit_leak_none(boxes: Boxes) -> None:
+    """More descriptors than a request may carry (nine and 200: beyond the agent's control
+    buffer, MSG_CTRUNC; two SCM_RIGHTS messages of three; twenty on an empty packet), from an
+    allowed uid (the request's read) and from a refused one (the refusal's drain): nothing
+    runs, and the agent's descriptor count (/proc/<agent>/fd, the host's view of a container's
+    agent, the guest's /proc/1 of a microVM's) is what it was before."""
+    import asyncio
+    import os
+    import time
+
+    sid = await boxes.make(E2B_BASE_IMAGE)
+
+    async def agent_fds() -> int:
+        if boxes.kind == "container":
+            return len(os.listdir(f"/proc/{boxes.edge.live[sid].box.agent_pid}/fd"))
+        r = await boxes.run(sid, "ls /proc/1/fd | wc -l")  # the guest's root: its own init
+        assert r.exit_code == 0, r.stderr
+        return int(r.stdout)
+
+    try:
+        assert (await boxes.run(sid, "sudo true; echo rc=$?", user="user")).stdout == "rc=0\n"
+        before = await agent_fds()
+        for user in ("user", "nobody"):
+            r = await boxes.run(sid, ["python3", "-c", DESCRIPTORS], user=user, timeout_s=60)
+            assert r.exit_code == 0, r.stderr
+            got = dict(eval(r.stdout))  # noqa: S307 - our own probe's repr
+            assert got.pop("fds_closed") is True, (user, got)  # the pipe's reader saw EOF
+            assert set(got.values()) <= {"refused", "closed"}, (user, got)
+        deadline = time.monotonic() + 10
+        while (after := await agent_fds()) != before and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert after == before
+        r = await boxes.run(sid, "sudo whoami", user="user")
+        assert r.stdout == "root\n", r.stderr
+    finally:
+        await boxes.edge.delete(sid)
