@@ -23,6 +23,11 @@ for every VM of the run. Phases:
    echoed on the console, tty1): the time from sending the key to that screenshot, p50/p99.
    Each sample types a letter, and a backspace afterwards puts the line back.
 6. ``pause``: ``pause()`` and ``resume()`` round trips, and a screenshot after each resume.
+   ``pause_fs``: the filesystem-only pause, ``pause(keep_memory=False)`` (guest synced, QEMU
+   stopped and killed) and ``resume()`` (a cold boot over the kept disk, to the agent
+   answering) round trips, a file written before the first checked after each resume and a
+   screenshot taken: ``pause_fs_p50_ms``, ``resume_fs_p50_s``; with ``ready`` in the run,
+   ``ratio_resume_fs_vs_cold_ready`` = resume_fs p50 / a cold create's ready p50 (the peer).
 7. ``idle``: host memory per idle VM: the drop of MemAvailable / N after ``IDLE_SETTLE_S`` of N
    idle ``vm`` sandboxes; held = each answers a screenshot and an exec within 5 s.
 8. ``plain``: the peer: ``qemu-system-x86_64`` started by this file with the backend's own
@@ -101,7 +106,7 @@ ANSWER_S = 5.0        # an idle VM is held if it answers a screenshot and an exe
 CURSOR_BLINK_OFF = ("for f in /sys/class/graphics/fbcon/cursor_blink; do "
                     "[ -w $f ] && echo 0 > $f; done; printf '\\033[?25l' > /dev/tty1 || true")
 PHASES = frozenset({"ready", "exec", "screenshot", "input", "input_to_screen", "pause",
-                    "idle", "plain", "restore"})
+                    "pause_fs", "idle", "plain", "restore"})
 SERVER_PHASES = PHASES - {"plain"}
 # Opt-in (``--desktop``, or named in ``--only``): the desktop:1 disk's boots, ~1-2 min each
 # under TCG. ``desktop``: rollbox creates -> the desktop drawn; ``plain_desktop``: the peer.
@@ -265,6 +270,27 @@ async def one_vm_phases(client: Any, quick: bool, phases: frozenset[str],
             res["screenshot_after_resume_ok"] = shots_ok == len(resumes)
             say(f"pause p50 {res['pause_p50_ms']:.0f} ms, resume p50 "
                 f"{res['resume_p50_ms']:.0f} ms")
+        if "pause_fs" in phases:
+            await sb.exec("echo kept > /root/fs-pause-mark")
+            stops, boots, kept = [], [], 0
+            for _ in range(2 if quick else 5):
+                t = time.monotonic()
+                await sb.pause(keep_memory=False)
+                stops.append(time.monotonic() - t)
+                t = time.monotonic()
+                await sb.resume()
+                await sb.exec(["true"])
+                boots.append(time.monotonic() - t)
+                kept += (await sb.exec("cat /root/fs-pause-mark")).stdout == "kept\n" and (
+                    await sb.screenshot())[:4] == b"\x89PNG"
+            res.update(summarize(stops, "pause_fs"))
+            res.update(summarize(boots, "resume_fs", "s"))
+            res["resume_fs_kept_files_ok"] = kept == len(boots)
+            if res.get("cold_ready_p50_s"):
+                res["ratio_resume_fs_vs_cold_ready"] = (res["resume_fs_p50_s"]
+                                                        / res["cold_ready_p50_s"])
+            say(f"filesystem pause p50 {res['pause_fs_p50_ms']:.0f} ms, resume -> ready p50 "
+                f"{res['resume_fs_p50_s']:.2f} s (files kept: {res['resume_fs_kept_files_ok']})")
     finally:
         await sb.delete()
 
@@ -362,7 +388,7 @@ async def server_phases(srv: Any, quick: bool, phases: frozenset[str],
             res.update(summarize(r["samples"], "microvm_ready", "s"))
             res["microvm_ready_errors"] = r["errors"]
             say(f"microvm create -> ready p50 {res['microvm_ready_p50_s']:.2f} s")
-        if phases & {"exec", "screenshot", "input", "input_to_screen", "pause"}:
+        if phases & {"exec", "screenshot", "input", "input_to_screen", "pause", "pause_fs"}:
             await one_vm_phases(client, quick, phases, res)
         if "idle" in phases:
             await idle_phase(client, 2 if quick else 4, res)
