@@ -402,12 +402,11 @@ async def desktop_drawn(shot: Callable[[], Awaitable[bytes]], t0: float,
                         timeout: float = DESKTOP_WAIT_S) -> float:
     """Seconds from ``t0`` until a screenshot shows the drawn desktop (``rollbox.desktop``'s
     check: its size, mostly its colour, the panel; decoded client-side); TimeoutError."""
-    from rollbox.desktop import png
-    from rollbox.desktop.episode import Screen
+    from rollbox.desktop.episode import Screen, decode_png
 
     while time.monotonic() - t0 < timeout:
         try:
-            if Screen(png.decode(await shot()), 0.0).is_desktop():
+            if Screen(decode_png(await shot()), 0.0).is_desktop():
                 return time.monotonic() - t0
         except Exception:  # noqa: BLE001 - no screen yet (QMP not up, firmware): look again
             pass

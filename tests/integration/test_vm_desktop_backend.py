@@ -13,7 +13,7 @@ import time
 import pytest
 
 import rollbox
-from rollbox.desktop import png
+from rollbox.desktop.episode import decode_png
 from rollbox.images.sources.desktop import DESKTOP_IMAGE, DESKTOP_MODE, build_desktop_disk
 from rollbox.images.vmdisk import vm_disks_root
 from tests.integration.test_vm_desktop_image import _stats
@@ -44,9 +44,9 @@ async def test_desktop_on_the_vm_backend(edge, api_server) -> None:  # noqa: ANN
             stats: dict[str, float] = {}
             ready_s = None
             while time.monotonic() - t0 < BOOT_TIMEOUT_S:
-                img = png.decode(await sb.screenshot())
-                if (img.width, img.height) == DESKTOP_MODE:
-                    stats = _stats(img.width, img.height, img.rgb)
+                img = decode_png(await sb.screenshot())
+                if img.size == DESKTOP_MODE:
+                    stats = _stats(img.width, img.height, img.tobytes())
                     if stats["background"] > 0.5 and stats["panel"] > 0.2:
                         ready_s = time.monotonic() - t0
                         break

@@ -125,10 +125,12 @@ def test_plain_argv_of_a_disk_image_guest(vm) -> None:  # noqa: ANN001
 
 
 async def test_desktop_drawn(vm) -> None:  # noqa: ANN001
-    from rollbox.desktop import png
+    from PIL import Image
+
+    from rollbox.desktop.episode import encode_png
 
     # no screen yet, then VGA text mode, then a real 1024x768 desktop frame (QEMU's)
-    frames = [b"not a png", png.encode(png.Image(720, 400, bytes(720 * 400 * 3)), 1)]
+    frames = [b"not a png", encode_png(Image.new("RGB", (720, 400)), 1)]
     real = Path(__file__).resolve().parents[2] / "docs" / "backends" / "vm-desktop.png"
     frames.append(real.read_bytes())
 

@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
+from PIL import Image
+
 from rollbox.desktop import episode as ep
-from rollbox.desktop import png
 from rollbox.models import ComputerAction
 
 W, H = 1024, 768
@@ -31,7 +32,7 @@ def _rect(buf: bytearray, x0: int, y0: int, x1: int, y1: int, color: bytes) -> N
         buf[(y * W + x0) * 3:(y * W + x1) * 3] = color * (x1 - x0)
 
 
-def draw(window: bool, chars: int) -> png.Image:
+def draw(window: bool, chars: int) -> Image.Image:
     """The fake desktop: background, the panel, the editor's window, typed text as a bar."""
     buf = bytearray(BG * (W * H))
     _rect(buf, 0, H - ep.PANEL_HEIGHT, W, H, GREY)
@@ -39,7 +40,7 @@ def draw(window: bool, chars: int) -> png.Image:
         _rect(buf, 57, 57, 703, 563, WHITE)
         if chars:
             _rect(buf, 63, 110, 63 + min(600, 8 * chars), 125, BLACK)
-    return png.Image(W, H, bytes(buf))
+    return Image.frombytes("RGB", (W, H), bytes(buf))
 
 
 def _screen(window: bool = False, chars: int = 0, t: float = 0.0) -> ep.Screen:
@@ -70,7 +71,7 @@ class FakeDesktop:
             self.window = True
         key = (self.window, len(self.buffer))
         if key not in self._cache:
-            self._cache[key] = png.encode(draw(*key), level=1)
+            self._cache[key] = ep.encode_png(draw(*key), level=1)
         return self._cache[key]
 
     async def computer(self, a: ComputerAction) -> None:
@@ -126,7 +127,7 @@ def fast(monkeypatch):  # noqa: ANN201
 
 def test_the_planner_steps_through_the_task() -> None:
     agent = ep.ScriptedAgent(text="hi there")
-    text_mode = ep.Screen(png.Image(720, 400, bytes(720 * 400 * 3)), 0.0)
+    text_mode = ep.Screen(Image.new("RGB", (720, 400)), 0.0)
     assert agent.step(text_mode) == [] and agent.state == "desktop"  # still booting
     launcher = (ep.EDITOR_X, H - ep.PANEL_HEIGHT // 2)
     acts = agent.step(_screen(t=1))  # onto the launcher, the click on the next look
@@ -166,7 +167,7 @@ def test_screen_stats() -> None:
     assert _screen().is_desktop() and not _screen(window=True).background() > 0.7
     assert ep.changed_pixels(draw(True, 0), draw(True, 3)) >= ep.TEXT_PIXELS
     assert ep.changed_pixels(draw(True, 3), draw(True, 3)) == 0
-    assert ep.changed_pixels(draw(False, 0), png.Image(1, 1, b"abc")) == W * H
+    assert ep.changed_pixels(draw(False, 0), Image.new("RGB", (1, 1))) == W * H
 
 
 # ---- the grader's reading of the log ---------------------------------------------------------
@@ -228,8 +229,8 @@ async def test_honest_and_cheating_episodes(fast, tmp_path: Path) -> None:  # no
     assert cheat["reward"] == 0.0 and cheat["grade"]["replayed"] == 0
     assert [d.note for d in client.made] == ["a note", "a note", "a note", ""]
     strip = ep.write_strip(honest["screenshots"], tmp_path / "strip.png")
-    img = png.decode(strip.read_bytes())
-    assert (img.width, img.height) == (3 * W // 2 + 4 * 8, 2 * H // 2 + 3 * 8)  # 2 rows of 3
+    img = ep.decode_png(strip.read_bytes())
+    assert img.size == (3 * W // 2 + 4 * 8, 2 * H // 2 + 3 * 8)  # 2 rows of 3
 
 
 async def test_a_replay_of_a_wrong_text_earns_nothing(fast) -> None:  # noqa: ANN001

@@ -7,9 +7,10 @@ editor and save it. One episode, all through the SDK:
 1. the environment: ``client.create("desktop:1", backend="vm")``, a Debian desktop (JWM, a
    panel of launchers at the bottom, mousepad behind "Editor" opening the note);
 2. the scripted agent (:class:`ScriptedAgent`) sees only screenshots (``sandbox.screenshot()``,
-   decoded by ``png.py``) and acts only with ``sandbox.computer`` (mouse and keyboard): waits
-   for the desktop to be drawn, moves onto the panel's Editor launcher and clicks it, moves
-   the pointer off the panel, waits for the window,
+   decoded by :func:`decode_png`, Pillow's PNG decoder with a size bound) and acts only with
+   ``sandbox.computer`` (mouse and keyboard): waits for the desktop to be drawn, moves onto
+   the panel's Editor launcher and clicks it, moves the pointer off the panel, waits for the
+   window,
    types the text, waits for it to be drawn, presses ctrl+s (a save dialog, should one open:
    types the path and Enter) and waits for the save; the screenshot of each step is written
    to the output folder;
@@ -33,24 +34,27 @@ the agent can extend only by really sending input; the fresh VM's note is then t
 that input alone. The fresh VM's answer is guest-reported, by a guest that only ever saw the
 replayed input (the browser demo's argument).
 
-Owns the episode, the policy, the grader and the strip; goes through the SDK only.
+Owns the episode, the policy, the grader, the screenshots' decoding and the strip; goes through
+the SDK only.
 """
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import shlex
+import struct
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from PIL import Image, ImageChops
 from pydantic import ValidationError
 
 from rollbox.benchkit import percentile
-from rollbox.desktop import png
-from rollbox.errors import InfraError
+from rollbox.errors import BadRequest, InfraError
 from rollbox.images.sources.desktop import DESKTOP_IMAGE, DESKTOP_MODE, NOTE_FILE
 from rollbox.models import ComputerAction
 
@@ -81,6 +85,8 @@ REPLAYED = frozenset({"move", "click", "double_click", "drag", "scroll", "type",
 CLICKS = frozenset({"click", "double_click"})
 # The cheat: the note written by exec, the GUI never touched.
 CHEAT = "exec-note"
+MAX_PIXELS = 4096 * 4096  # a screenshot larger than this is refused before it is inflated
+STRIP_GAP, STRIP_BACKGROUND = 8, (32, 32, 32)  # around each screenshot of the step strip
 
 
 def cheat_command(text: str) -> str:
@@ -89,26 +95,55 @@ def cheat_command(text: str) -> str:
 
 # ---- what the agent sees ---------------------------------------------------------------------
 
+def decode_png(data: bytes, max_pixels: int = MAX_PIXELS) -> Image.Image:
+    """The RGB pixels (alpha dropped) of a screenshot's PNG, decoded as hostile input (it is
+    the agent's VM's screen, and this runs in the demo's client process: the platform itself
+    never decodes one, backends/vm/display.py): only Pillow's PNG decoder is tried, the
+    header's size is checked against ``max_pixels`` before anything is inflated (Pillow's own
+    ``Image.MAX_IMAGE_PIXELS`` bomb check refuses far larger ones while opening), and inflation
+    stops at the pixels the header promised. Anything else: a typed BadRequest."""
+    try:
+        with Image.open(io.BytesIO(data), formats=["PNG"]) as im:
+            w, h = im.size
+            if not 0 < w * h <= max_pixels:
+                raise BadRequest(f"PNG of {w}x{h} pixels: over {max_pixels}", reason="png")
+            im.load()
+            return im if im.mode == "RGB" else im.convert("RGB")
+    except (OSError, SyntaxError, ValueError, EOFError, struct.error,
+            Image.DecompressionBombError) as e:
+        raise BadRequest(f"not a PNG that decodes: {e}", reason="png") from e
+
+
+def encode_png(img: Image.Image, level: int = 9) -> bytes:
+    """``img`` as PNG bytes (zlib ``level``)."""
+    out = io.BytesIO()
+    img.save(out, "PNG", compress_level=level)
+    return out.getvalue()
+
+
 @dataclass(frozen=True)
 class Screen:
-    """One screenshot as the agent sees it, with when it was taken."""
-    img: png.Image
+    """One screenshot as the agent sees it (RGB), with when it was taken."""
+    img: Image.Image
     t: float
 
     @property
     def size(self) -> tuple[int, int]:
-        return self.img.width, self.img.height
+        return self.img.size
 
     def background(self) -> float:
         """Fraction of the screen in the desktop's colour."""
-        return self.img.rgb.count(bytes(BACKGROUND)) / (self.img.width * self.img.height)
+        w, h = self.img.size
+        counts = {color: n for n, color in self.img.getcolors(w * h)}
+        return counts.get(BACKGROUND, 0) / (w * h)
 
     def panel(self) -> float:
         """Fraction of a row inside the bottom panel that is light grey (the tray)."""
-        row = self.img.row(self.img.height - 8)
+        w, h = self.img.size
+        row = self.img.crop((0, h - 8, w, h - 7)).tobytes()
         grey = sum(1 for i in range(0, len(row), 3)
                    if min(row[i:i + 3]) >= 0xC0 and max(row[i:i + 3]) - min(row[i:i + 3]) < 16)
-        return grey / self.img.width
+        return grey / w
 
     def is_desktop(self) -> bool:
         """The session is drawn: the desktop's size, mostly its colour, the panel."""
@@ -116,13 +151,13 @@ class Screen:
                 and self.panel() > 0.2)
 
 
-def changed_pixels(a: png.Image, b: png.Image) -> int:
-    """Pixels that differ between two screens of one size (every third pixel compared,
-    scaled); a different size counts as all changed."""
-    if (a.width, a.height) != (b.width, b.height):
+def changed_pixels(a: Image.Image, b: Image.Image) -> int:
+    """Pixels that differ (in any channel) between two RGB screens of one size; a different
+    size counts as all changed."""
+    if a.size != b.size:
         return a.width * a.height
-    x, y = a.rgb, b.rgb
-    return sum(1 for i in range(0, len(x), 9) if x[i:i + 3] != y[i:i + 3]) * 3
+    r, g, bl = ImageChops.difference(a, b).split()
+    return a.width * a.height - ImageChops.lighter(ImageChops.lighter(r, g), bl).histogram()[0]
 
 
 # ---- the policy ------------------------------------------------------------------------------
@@ -138,7 +173,7 @@ class ScriptedAgent:
     done: bool = False
     milestone: str | None = None
     since: float | None = None  # when the current state began
-    ref: png.Image | None = None  # the screen the current state compares with
+    ref: Image.Image | None = None  # the screen the current state compares with
     ref_background: float = 0.0
     parked: bool = False  # the pointer left the panel after the click
     log: list[str] = field(default_factory=list)
@@ -267,7 +302,7 @@ def reward_of(note: str, text: str) -> float:
 
 async def screen(sb: Any) -> Screen:
     data = await sb.screenshot()
-    return Screen(png.decode(data), time.monotonic())
+    return Screen(decode_png(data), time.monotonic())
 
 
 async def wait_desktop(sb: Any, timeout: float = DESKTOP_WAIT_S) -> Screen:
@@ -284,11 +319,11 @@ async def wait_desktop(sb: Any, timeout: float = DESKTOP_WAIT_S) -> Screen:
 async def _screen_changes(sb: Any, before: bytes, timeout: float) -> bool:
     """Whether within ``timeout`` at least EFFECT_FRACTION of the screen differs from
     ``before`` (a window, a menu: a click's effect, not a tooltip or a cursor)."""
-    old = png.decode(before)
+    old = decode_png(before)
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         await asyncio.sleep(POLL_S / 2)
-        now = png.decode(await sb.screenshot())
+        now = decode_png(await sb.screenshot())
         if changed_pixels(old, now) >= EFFECT_FRACTION * old.width * old.height:
             return True
     return False
@@ -375,7 +410,7 @@ async def episode(client: Any, i: int, *, text: str, out_dir: Path,
             s = first
             while True:
                 data = await sb.screenshot()
-                s = Screen(png.decode(data), time.monotonic())
+                s = Screen(decode_png(data), time.monotonic())
                 actions = agent.step(s)
                 if agent.milestone:
                     n = len(shots) + 1
@@ -407,10 +442,28 @@ async def episode(client: Any, i: int, *, text: str, out_dir: Path,
 def write_strip(paths: list[str], dest: Path, factor: int = 2, columns: int = 3) -> Path:
     """The screenshots (PNG files) in rows of ``columns``, each scaled down by ``factor``
     (block averages: the editor's text stays legible at 2), as one PNG."""
-    imgs = [png.downscale(png.decode(Path(p).read_bytes()), factor) for p in paths]
+    imgs = [decode_png(Path(p).read_bytes()).reduce(factor) for p in paths]
     dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_bytes(png.encode(png.strip(imgs, columns=columns)))
+    dest.write_bytes(encode_png(strip(imgs, columns=columns)))
     return dest
+
+
+def strip(images: list[Image.Image], gap: int = STRIP_GAP,
+          background: tuple[int, int, int] = STRIP_BACKGROUND,
+          columns: int | None = None) -> Image.Image:
+    """The images in rows of ``columns`` (default: all in one row), top-left aligned in cells
+    of the largest one's size, ``gap`` pixels of ``background`` around each."""
+    if not images:
+        raise ValueError("a strip of no images")
+    cols = columns or len(images)
+    cw, ch = max(i.width for i in images), max(i.height for i in images)
+    nrows = -(-len(images) // cols)
+    out = Image.new("RGB", (cols * cw + gap * (cols + 1), nrows * ch + gap * (nrows + 1)),
+                    background)
+    for k, img in enumerate(images):
+        r, c = divmod(k, cols)
+        out.paste(img, (gap + c * (cw + gap), gap + r * (ch + gap)))
+    return out
 
 
 async def run_desktop_episodes(n: int, url: str, api_key: str, *, out_dir: Path,
