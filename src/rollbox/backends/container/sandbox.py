@@ -253,8 +253,14 @@ class ContainerBackend:
     # ---- Backend (rollbox.backends.base) ----------------------------------------------
     async def start(self) -> None:
         """Container inits outlive ``runc run -d``: as subreaper the edge gets and reaps them.
-        The run dir is made ready (:meth:`prepare_run_dir`)."""
+        The cgroup2 mount gets ``favordynmods`` (``cgroup_favordynmods``: fast placements,
+        isolation.cgroups). The run dir is made ready (:meth:`prepare_run_dir`)."""
         syscalls.become_subreaper()
+        if self.settings.cgroup_favordynmods:
+            state = await asyncio.to_thread(cgroups.favor_dynmods)
+            if state not in ("on", "set"):
+                log.warning("cgroup favordynmods %s: every sandbox placement may wait for an "
+                            "RCU grace period", state)
         self.prepare_run_dir()
 
     def prepare_run_dir(self) -> None:
