@@ -195,6 +195,10 @@ class LiveView:
         self.allow_input = allow_input
         self.filter = rfb.ClientFilter()
         self.server = rfb.ServerInit()
+        # in the log lines: one sandbox's streams told apart (a raw client's refusal beside a
+        # page's writes once read as one stream's writes overtaking each other)
+        self.tag = f"{screen.vm.id}/{secrets.token_hex(3)}"
+        log.debug("live view %s: opened", self.tag)
         self._server_seen = 0.0  # when ServerInit's size was read
         self._writing = asyncio.Lock()
         self._refresh: asyncio.Task[None] | None = None
@@ -238,7 +242,7 @@ class LiveView:
                 await self._write(data)
             except Exception as exc:
                 log.debug("live view %s: %d bytes from the viewer ended the stream: %r",
-                          self.screen.vm.id, len(data), exc)
+                          self.tag, len(data), exc)
                 raise
 
     async def _write(self, data: bytes) -> None:
@@ -263,7 +267,7 @@ class LiveView:
         t0 = time.monotonic()
         await self.screen.send_input(batches)
         log.debug("live view %s: %d bytes in, %d forwarded, %d input batches (allow=%s) "
-                  "in %.3f s", self.screen.vm.id, len(data), len(forward), len(batches), allow,
+                  "in %.3f s", self.tag, len(data), len(forward), len(batches), allow,
                   time.monotonic() - t0)
 
     async def write_eof(self) -> None:
@@ -273,6 +277,7 @@ class LiveView:
         if self._closed:
             return
         self._closed = True
+        log.debug("live view %s: closed", self.tag)
         try:
             if self._refresh is not None:
                 self._refresh.cancel()
