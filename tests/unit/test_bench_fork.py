@@ -80,4 +80,5 @@ async def test_a_microvm_fork_round_counts_each_childs_cpu_once(bench, monkeypat
     monkeypatch.setattr(bench, "process_cpu_s", process_cpu_s)
     r = await bench.microvm_fork_round(edge, "src", 3, False)
     assert r["cpu"] == pytest.approx(3 * 0.2 + 0.05 + 0.1)
+    assert r["child_cpu"] == pytest.approx(0.2)
     assert edge.alive == set()
