@@ -23,13 +23,15 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from rollbox.errors import (
+    from rollbox.errors import (  # noqa: F401 - the lazy exports, for type checkers
         BadRequest, CapacityExceeded, CommandFailed, CommandTimeout, Forbidden, InfraError,
         NotFound, PayloadTooLarge, QuotaExceeded, RollboxError, SandboxDead, SandboxPaused,
         Unauthorized,
     )
-    from rollbox.models import Event, ExecInfo, ExecResult, FileStat, JobInfo, SandboxInfo
-    from rollbox.sdk import (
+    from rollbox.models import (  # noqa: F401
+        Event, ExecInfo, ExecResult, FileStat, JobInfo, SandboxInfo,
+    )
+    from rollbox.sdk import (  # noqa: F401
         AsyncClient, AsyncJob, AsyncProcess, AsyncSandbox, Client, Job, OutputChunk, Process,
         Sandbox,
     )

@@ -36,7 +36,7 @@ async def _exited(ch: AgentChannel, ids: set[int], timeout: float = 20) -> dict[
 
 
 async def test_sessions_outlive_the_connection_and_replay_their_retained_output(
-    agent: Agent,
+    agent: Agent,  # noqa: F811 - the fixture
 ) -> None:
     ch1 = await AgentChannel.connect(str(agent.sock_path))
     req = dict(env=ENV, tail_limit=P.RETAIN_LIMIT)
@@ -88,7 +88,7 @@ async def test_sessions_outlive_the_connection_and_replay_their_retained_output(
         ch2.close()
 
 
-async def test_uncollected_exits_are_bounded(agent: Agent) -> None:
+async def test_uncollected_exits_are_bounded(agent: Agent) -> None:  # noqa: F811
     """A sandbox can't grow the agent by leaving exits uncollected: past 16 MiB of rings the
     oldest exited sessions are dropped."""
     ch = await AgentChannel.connect(str(agent.sock_path))
@@ -111,7 +111,7 @@ async def test_uncollected_exits_are_bounded(agent: Agent) -> None:
         ch.close()
 
 
-async def test_all_rings_together_are_bounded(agent: Agent) -> None:
+async def test_all_rings_together_are_bounded(agent: Agent) -> None:  # noqa: F811
     """Running commands can't grow the agent without bound either: past 64 MiB of rings in
     all, a ring stops growing (it keeps fewer bytes; the rest counts as truncated)."""
     ch = await AgentChannel.connect(str(agent.sock_path))
