@@ -9,7 +9,7 @@ APT_PACKAGES := runc erofs-utils debootstrap podman fuse3 iproute2 gcc libc6-dev
 	btrfs-progs qemu-system-x86 qemu-utils lz4 postgresql chromium chromium-driver
 export ROLLBOX_AGENT := $(CURDIR)/build/rollbox-agent
 
-.PHONY: deps venv native guest vmguest novnc images setup demo test test-upstream test-browser bench clean-host
+.PHONY: deps venv native guest vmguest novnc images setup demo lint test test-upstream test-browser bench clean-host
 deps: build/.apt-stamp
 build/.apt-stamp: Makefile
 	mkdir -p build
@@ -78,7 +78,11 @@ images: setup
 demo: images
 	$(BIN)/rollbox demo
 
-test: images
+# Static checks (pyproject [tool.ruff.lint]: pyflakes' F and syntax errors E9; well under a second).
+lint: venv
+	$(BIN)/ruff check src tests bench tools
+
+test: images lint
 	$(BIN)/python -m pytest -q -rs -p no:cacheprovider tests
 
 bench: images
