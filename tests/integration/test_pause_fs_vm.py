@@ -4,7 +4,8 @@ with ``pause_keep_memory=False``, the TTL's end pausing it) stops the guest afte
 ``stop`` flushes its disks, QEMU killed, its jail gone, its memory given back), keeps the rw
 disk; the screen is refused while it is stopped (SandboxPaused); resume boots the q35 machine
 again over the same disk: the files kept, a new boot id, no process of before, the screen
-drawn again. Delete leaves nothing. (The disk image guest's pause: test_vm_disk.py.)"""
+drawn again. Delete leaves nothing. Across an edge restart it stays stopped (microvm_slow).
+(The disk image guest's pause: test_vm_disk.py.)"""
 from __future__ import annotations
 
 import asyncio
@@ -83,3 +84,24 @@ async def test_vm_fs_pause_stops_and_boots_again(edge) -> None:  # noqa: ANN001
     finally:
         await edge.delete(sid)
     assert edge.leftovers(sid) == []
+
+
+@pytest.mark.microvm_slow  # two more TCG boots, as test_pause_fs_microvm's restart
+async def test_vm_fs_paused_across_an_edge_restart(restarts) -> None:  # noqa: ANN001
+    """The journal keeps a filesystem-paused VM stopped across an edge restart (adopted with
+    nothing booted); resume on the new edge boots it over its kept disk."""
+    restarts.settings.vm_accel = "tcg"
+    e1 = await restarts.start()
+    sb = await e1.create(SandboxSpec(image=BB, backend="vm", resources=Resources(
+        cpus=1, memory_mib=256, disk_mib=64)), "t")
+    assert (await run(e1, sb.id, "echo kept > /root/marker")).exit_code == 0
+    await e1.pause(sb.id, keep_memory=False)
+    await restarts.stop()
+    e2 = await restarts.start()
+    info = await e2.get(sb.id)
+    assert info.state == "paused" and info.memory_kept is False
+    assert e2.live[sb.id].box.stopped and e2.live[sb.id].box.pid == 0  # nothing booted
+    await e2.resume(sb.id)
+    assert (await run(e2, sb.id, "cat /root/marker")).stdout == "kept\n"
+    await e2.delete(sb.id)
+    assert e2.leftovers(sb.id) == []
