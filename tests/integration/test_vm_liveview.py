@@ -1,5 +1,5 @@
-"""The live view of a "vm" sandbox in real headless chromium (issue 16 item 4), one TCG boot of
-busybox:test with ``vm_console="shell"`` (the agent's sh on tty1), through the api over a
+"""The live view of a "vm" sandbox in real headless chromium (issue 16 item 4), a TCG boot of
+busybox:test (one per test) with ``vm_console="shell"`` (the agent's sh on tty1), through the api over a
 RemoteEdge (the cluster's path: api -> edge service ``/display`` -> the VM's checked RFB
 stream):
 
