@@ -467,8 +467,7 @@ async def desktop_restore_phase(srv: Any, quick: bool, res: dict[str, Any]) -> N
 async def desktop_idle_phase(srv: Any, quick: bool, res: dict[str, Any]) -> None:
     """Idle desktop VMs held at once on a server with machine templates (phase 11)."""
     from rollbox import errors
-    from rollbox.desktop import png
-    from rollbox.desktop.episode import CPUS, DESKTOP_IMAGE, MEMORY_MIB, Screen
+    from rollbox.desktop.episode import CPUS, DESKTOP_IMAGE, MEMORY_MIB, Screen, decode_png
     from rollbox.sdk import AsyncClient
 
     want = DESKTOP_IDLE_N_QUICK if quick else DESKTOP_IDLE_N
@@ -502,7 +501,7 @@ async def desktop_idle_phase(srv: Any, quick: bool, res: dict[str, Any]) -> None
             for sb in boxes:
                 try:
                     async with asyncio.timeout(ANSWER_S):
-                        ok = Screen(png.decode(await sb.screenshot()), 0.0).is_desktop()
+                        ok = Screen(decode_png(await sb.screenshot()), 0.0).is_desktop()
                         ok = ok and (await sb.exec(["true"])).exit_code == 0
                     held += ok
                 except Exception:  # noqa: BLE001 - a VM that does not answer is not held
