@@ -1,7 +1,7 @@
 """The live view of a "vm" sandbox in real headless chromium (issue 16 item 4), a TCG boot of
-busybox:test (one per test) with ``vm_console="shell"`` (the agent's sh on tty1), through the api over a
-RemoteEdge (the cluster's path: api -> edge service ``/display`` -> the VM's checked RFB
-stream):
+busybox:test (one per test) with ``vm_console="shell"`` (the agent's sh on tty1), through the
+api over a RemoteEdge (the cluster's path: api -> edge service ``/display`` -> the VM's
+checked RFB stream):
 
 - the page (noVNC from ``make novnc``) shows the screen: its canvas has the display's size and
   the shell's text; a screenshot of the page is saved (docs/backends/vm-liveview.png when
