@@ -12,15 +12,20 @@ off (every create cold). Keys: ``pool_create_p50_ms`` / ``_p99_ms`` (the create 
 the HTTP API) and ``pool_create_to_first_exec_p50_ms`` of the bursts, the hit ratio (from the
 server's ``/metrics``), ``pool_cpu_ms_per_create`` against the cold run's; then arrivals one at
 a time, ``SERIAL_GAP_S`` apart: ``pool_serial_create_to_first_exec_p50_ms`` is the warm pool's
-create -> first exec (issue 17's target <= 3 ms); the cold run's figures as ``cold_*``. The last line of ``--json`` is one JSON object.
+create -> first exec through the API; the cold run's figures as ``cold_*``. Last, the same one
+at a time against an edge in this process (no API), pool on and refilling, then off:
+``pool_edge_create_to_first_exec_p50_ms`` (issue 17's target <= 3 ms) and ``cold_edge_*``. The last line of ``--json`` is one JSON object.
 """
 from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import subprocess
+import tempfile
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 from rollbox.benchkit import (
@@ -33,8 +38,8 @@ IMAGE = "python:3.11"
 POOL = 8  # the pool's size (per key and in all) and a burst's
 BURSTS = (10, 12)  # bursts (quick, full): 80 / 96 creates, >= 10x the pool
 GAP_S = 1.0  # between bursts: time for the refill
-SERIAL = (20, 40)  # arrivals one at a time after the bursts (quick, full)
-SERIAL_GAP_S = 0.2
+SERIAL = (16, 30)  # arrivals one at a time after the bursts (quick, full)
+SERIAL_GAP_S = 0.5  # > the pool.POOL_QUIET_S the refill waits for
 
 
 def pool_env() -> dict[str, str]:
@@ -136,6 +141,50 @@ async def bursty(url: str, key: str, bursts: int, serial: int, prefix: str,
     res[f"{prefix}cpu_ms_per_create"] = (spent["server"] + spent["sandboxes"]) * 1000 / n
 
 
+async def edge_serial(n: int, res: dict[str, Any]) -> None:
+    """The API's share left out: an edge in this process (a scratch node of its own, this
+    node's images), arrivals one at a time SERIAL_GAP_S apart (create -> exec ``true`` ->
+    delete) with its pool on and refilling, then the same with the pool off (cold)."""
+    from rollbox.edge.edge import Edge
+    from rollbox.events.store import EventLog
+    from rollbox.models import ExecSpec, SandboxSpec
+
+    with tempfile.TemporaryDirectory(prefix="rollbox-bench-pool-") as tmp:
+        root = Path(tmp)
+        root.chmod(0o711)
+        s = Settings.scratch(root)
+        s.node_id = f"bp{secrets.token_hex(3)}"
+        s.pool = True
+        for k, v in pool_env().items():
+            if k != "ROLLBOX_POOL":
+                setattr(s, k.removeprefix("ROLLBOX_").lower(), int(v))
+        events = EventLog(root / "events.db")
+        edge = Edge(s, events)
+        await edge.start()
+        try:
+            for prefix in ("pool_edge_", "cold_edge_"):
+                lat: list[float] = []
+                for i in range(n + 1):
+                    t0 = time.perf_counter()
+                    info = await edge.create(SandboxSpec(image=IMAGE, ttl_s=300), "bench")
+                    r = await edge.exec_run(info.id, ExecSpec(cmd="true", timeout_s=60))
+                    if i:  # the first: warm-up (and the pool's first miss)
+                        lat.append(time.perf_counter() - t0)
+                    assert r.exit_code == 0, r
+                    await edge.delete(info.id)
+                    await asyncio.sleep(SERIAL_GAP_S)
+                record(f"{prefix}create_to_first_exec", lat)
+                res[f"{prefix}create_to_first_exec_p50_ms"] = percentile(lat, 50) * 1000
+                res[f"{prefix}create_to_first_exec_p99_ms"] = percentile(lat, 99) * 1000
+                if prefix == "pool_edge_":
+                    res["pool_edge_hits"] = edge.pool.hits
+                    await edge.pool.close()  # the cold run: every create cold
+                    s.pool = False
+        finally:
+            await edge.close(destroy=True)
+            events.close()
+
+
 def run(quick: bool) -> dict[str, Any]:
     bursts = BURSTS[0] if quick else BURSTS[1]
     serial = SERIAL[0] if quick else SERIAL[1]
@@ -165,6 +214,11 @@ def run(quick: bool) -> dict[str, Any]:
         res["pool_serial_create_to_first_exec_p50_ms"])
     say(f"first exec p50: cold / pool {rounded(res['pool_vs_cold_first_exec_p50'], 2)}x "
         f"(bursts), {rounded(res['pool_vs_cold_serial_first_exec_p50'], 2)}x (one at a time)")
+    asyncio.run(edge_serial(serial, res))
+    say(f"in-process edge, one at a time: create -> first exec p50 "
+        f"{res['pool_edge_create_to_first_exec_p50_ms']:.2f} ms from the pool "
+        f"({res['pool_edge_hits']} hits), {res['cold_edge_create_to_first_exec_p50_ms']:.2f} "
+        "ms cold")
     return res
 
 

@@ -214,3 +214,21 @@ async def test_pool_metrics(edge) -> None:  # noqa: ANN001
     creates = {s.labels["result"]: s.value for s in fams["rollbox_pool_creates"].samples
                if s.labels["node"] == edge.node_id and s.name.endswith("_total")}
     assert creates == {"hit": 1.0, "miss": 0.0}
+
+
+async def test_refill_waits_while_creates_and_execs_keep_coming(edge) -> None:  # noqa: ANN001
+    spec = SandboxSpec(image=BB)
+    await edge.pool_fill(spec, 1)
+    info = await edge.create(spec, "proj")  # the pool is empty now and wants more
+    made = edge.pool.made
+    runs = []
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:  # an exec start every 10 ms: the refill must wait
+        runs.append(asyncio.create_task(edge.exec_run(info.id, ExecSpec(cmd="true"))))
+        await asyncio.sleep(0.01)
+    assert edge.pool.made == made and not edge.pool._making
+    assert all(r.exit_code == 0 for r in await asyncio.gather(*runs))
+    deadline = time.monotonic() + 30  # quiet: it refills
+    while edge.pool.made == made and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert edge.pool.made > made

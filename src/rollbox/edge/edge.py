@@ -36,7 +36,9 @@ from rollbox.edge.fence import Fence
 from rollbox.edge.interface import ExecOutput, PlatformProcess
 from rollbox.edge.journal import Journal
 from rollbox.edge.leases import JobLeases, LeaseReaper
-from rollbox.edge.pool import POOL_OWNER, Pooled, PoolKey, WarmPool, check_capacity, key_of
+from rollbox.edge.pool import (
+    POOL_OWNER, POOL_QUIET_S, Pooled, PoolKey, WarmPool, check_capacity, key_of,
+)
 from rollbox.edge.sessions import ExecSession
 from rollbox.edge.storage import LayerStorage, project_image_name
 from rollbox.errors import (
@@ -143,8 +145,8 @@ class Edge:
         check_capacity(settings, self.limits.max_sandboxes, self.limits.reserved_share,
                        self.admission.budgets()["memory_mib"],
                        max(0, self._host_mem_mib - self.limits.reserve_mib))
-        self.pool = WarmPool(settings, self._pool_make, self._pool_destroy,
-                             lambda: self._starting > 0)
+        self._last_request = 0.0  # monotonic: the last create or exec start (pool refill)
+        self.pool = WarmPool(settings, self._pool_make, self._pool_destroy, self._pool_busy)
         self.layer_mounts = LayerMounts(self.store, settings)
         self.storage = LayerStorage(self.store, settings, self._layer_quota_mib)
         self.slots = UidSlots(settings.uid_base, settings.uid_slots)
@@ -772,6 +774,7 @@ class Edge:
             self.metrics.refusals.labels("draining").inc()
             raise CapacityExceeded(f"node {self.node_id} is draining (a burst node being "
                                    "released): no new sandbox", reason="draining")
+        self._last_request = time.monotonic()
         quota = self.quotas.get(owner) if self.quotas is not None else None
         key = (key_of(spec, layers, image_config or {}, self.settings)
                if self.settings.pool and share == "new" else None)
@@ -845,6 +848,12 @@ class Edge:
         )
 
     # ---- warm pools (rollbox.edge.pool) -------------------------------------------------
+    def _pool_busy(self) -> bool:
+        """The refill waits: a real create is in flight, or a create or exec started less than
+        POOL_QUIET_S ago (its first command, the next step of an episode)."""
+        return (self._starting > 0
+                or time.monotonic() - self._last_request < POOL_QUIET_S)
+
     async def _pool_make(self, key: PoolKey, base_env: dict[str, str]) -> Pooled:
         """One sandbox of ``key`` made ahead: admitted as the pool's (no project's, no quota),
         created by the same backend call as a cold create of that key, not journaled (an
@@ -1407,6 +1416,7 @@ class Edge:
         raise BadRequest(f"unknown user {user!r} in sandbox")
 
     async def exec_start(self, sandbox_id: str, spec: ExecSpec) -> str:
+        self._last_request = time.monotonic()
         live = self._running(sandbox_id)
         key = spec.idempotency_key
         if key is None:

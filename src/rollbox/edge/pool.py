@@ -16,7 +16,8 @@ no longer asked for decays to nothing and its sandboxes are destroyed), at most
 ``pool_max_per_key``, and all keys together at most ``pool_max_total``.
 
 Refill is best effort: one sandbox at a time, only while the edge has no real create in flight
-(a real create never waits behind a refill, and a refill yields between each step), and a
+and had no create or exec start for :data:`POOL_QUIET_S` (a real create never waits behind a
+refill, and a refill yields between each sandbox), and a
 pooled sandbox holds its admission like any other, under :data:`POOL_OWNER`, no project's:
 a real create that the node refuses first evicts pooled sandboxes (the edge's
 ``_admitted_create``), so the pool never costs a real create its room.
@@ -45,6 +46,10 @@ log = logging.getLogger(__name__)
 POOL_OWNER = "rollbox.pool"  # the admission owner of pooled sandboxes (no project's)
 DECAY_FLOOR = 0.5  # a key's demand below this: its target is 0
 IDLE_TICK_S = 1.0  # the refill task looks at demand at least this often
+# The refill starts a sandbox only after the edge had no create or exec start for this long:
+# its launcher and bundle work run at normal priority and would delay a hand-out's first
+# command or an episode's next step (RL steps come in bursts with think time between).
+POOL_QUIET_S = 0.2
 
 
 @dataclass(frozen=True)
