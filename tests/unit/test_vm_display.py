@@ -31,6 +31,21 @@ def test_chord_and_typed_text() -> None:
     assert display.char_keys("?") == ("slash", True) and display.char_keys("\n") == ("ret", False)
 
 
+def test_a_pressed_button_is_held_before_it_is_let_go() -> None:
+    # JWM's tray drops a release that comes while it handles the press: a click holds
+    def pauses(action: ComputerAction) -> list[float]:
+        batches = display.plan(action, SIZE, 100)
+        return [display.pause_after(action.action, b) for b in batches[:-1]]
+
+    hold, gap = display.CLICK_HOLD_S, display.CLICK_GAP_S / 2
+    assert hold >= 0.1
+    assert pauses(ComputerAction(action="click", x=5, y=5)) == [hold]
+    assert pauses(ComputerAction(action="double_click", x=5, y=5)) == [hold, gap, hold]
+    assert pauses(ComputerAction(action="drag", x=5, y=5, x2=9, y2=9)) == [0.0, hold, 0.0]
+    assert pauses(ComputerAction(action="scroll", x=5, y=5, dy=2)) == [0.0, 0.0, 0.0, 0.0]
+    assert set(pauses(ComputerAction(action="type", text="hello"))) == {display.TYPE_PAUSE_S}
+
+
 @pytest.mark.parametrize("action, why", [
     (ComputerAction(action="move", x=1280, y=0), "outside the 1280x800"),
     (ComputerAction(action="press", keys="hyper+x"), "unknown key"),

@@ -10,8 +10,9 @@ with it reorders keys). Nothing here opens a path in the jail or on the host.
 - Input: :func:`plan` turns one :class:`~rollbox.models.ComputerAction` into batches of QMP
   input events, checked first (coordinates on the display, key names in :data:`KEYS`, text
   of printable ASCII, tab and newline, a US layout): a BadRequest names what is wrong and
-  nothing is sent. :func:`send` sends the batches; a batch holds at most a few keys, and the
-  batches of typed text are paced (the PS/2 keyboard's queue holds 256 bytes of scancodes;
+  nothing is sent. :func:`send` sends the batches; a batch holds at most a few keys, a
+  pointer button is held :data:`CLICK_HOLD_S` before it is let go, and the batches of typed
+  text are paced (the PS/2 keyboard's queue holds 256 bytes of scancodes;
   QEMU drops what does not fit, silently: a USB keyboard's 16-event queue lost keys and
   key-ups, which the guest then auto-repeated).
 
@@ -36,6 +37,12 @@ ABS_MAX = 0x7FFF  # QEMU's absolute axis range (INPUT_EVENT_ABS_MAX)
 KEYS_PER_BATCH = 8  # <= 48 scancode bytes: under a fifth of the PS/2 keyboard's 256-byte queue
 TYPE_PAUSE_S = 0.03  # between batches of typed keys
 CLICK_GAP_S = 0.05  # between the two clicks of a double click
+# A button held this long before it is let go (click, double click, drag), as a hand's click
+# (~0.1-0.2 s). Sent at once, a release reached JWM while it handled the press, and its tray
+# drops the button events queued then (DiscardButtonEvents before it grabs the pointer):
+# the launcher stayed pressed and ran nothing. Measured on a restored desktop (TCG, load ~5):
+# the release 37 ms after the press was lost; held 0.15 s, the editor opened 3.5 s after.
+CLICK_HOLD_S = 0.15
 
 # Key names a caller may use -> QEMU qcode (QKeyCode). Letters and digits map to themselves.
 KEYS: dict[str, str] = {
@@ -203,17 +210,31 @@ def events_in(batches: list[list[dict[str, Any]]]) -> int:
 DISPLAY_ID = "video0"
 
 
+def pause_after(action: str, batch: list[dict[str, Any]]) -> float:
+    """Seconds :func:`send` waits after ``batch`` of ``action`` before the next one:
+    :data:`CLICK_HOLD_S` after a pointer button went down (not the wheel's steps),
+    :data:`TYPE_PAUSE_S` between batches of typed keys, half of :data:`CLICK_GAP_S` between
+    a double click's release and its next press; else none."""
+    last = batch[-1] if batch else {}
+    if last.get("type") == "btn" and last["data"]["down"] and \
+            not str(last["data"]["button"]).startswith("wheel"):
+        return CLICK_HOLD_S
+    if action == "type":
+        return TYPE_PAUSE_S
+    if action == "double_click":
+        return CLICK_GAP_S / 2
+    return 0.0
+
+
 async def send(q: qmp.QMP, action: str, batches: list[list[dict[str, Any]]]) -> None:
     """Send the batches in order on one QMP connection to the display's console
-    (:data:`DISPLAY_ID`), paced (:data:`TYPE_PAUSE_S` between batches of keys,
-    :data:`CLICK_GAP_S` inside a double click). Keys: no keyboard is bound to the console,
-    so they go to the active one, the PS/2 keyboard."""
+    (:data:`DISPLAY_ID`), paced by :func:`pause_after`. Keys: no keyboard is bound to the
+    console, so they go to the active one, the PS/2 keyboard."""
     for i, batch in enumerate(batches):
         if i:
-            if action == "type":
-                await asyncio.sleep(TYPE_PAUSE_S)
-            elif action == "double_click":
-                await asyncio.sleep(CLICK_GAP_S / 2)
+            pause = pause_after(action, batches[i - 1])
+            if pause:
+                await asyncio.sleep(pause)
         await q.execute("input-send-event", {"events": batch, "device": DISPLAY_ID})
 
 
