@@ -19,12 +19,15 @@ The last line of ``--json`` is one JSON object.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import secrets
 import shutil
 import subprocess
 import tarfile
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +36,7 @@ from rollbox.benchkit import (
     round_trips, rounded, run_cycles, say, used_without_page_cache,
 )
 from rollbox.config import Settings
-from rollbox.embedded import server_process
+from rollbox.embedded import ServerProcess, server_process
 
 PODMAN_ULIMITS = ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
 
@@ -246,14 +249,7 @@ OBS_OFF_ENV = {"ROLLBOX_METRICS": "0", "ROLLBOX_LOG_FORMAT": "text"}
 OBS_ON_ENV = {"ROLLBOX_METRICS": "1", "ROLLBOX_LOG_FORMAT": "json"}
 
 
-def serve_child_pid() -> int:
-    """The pid of the ``rollbox serve`` this process started (server_process's child)."""
-    out = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "rollbox.cli serve"],
-                         capture_output=True, text=True, check=True).stdout.split()
-    return int(out[0])
-
-
-async def obs_round(url: str, key: str, n: int, lat: list[float], count: bool = False
+async def obs_round(srv: ServerProcess, n: int, lat: list[float], count: bool = False
                     ) -> dict[str, float]:
     """One round of the overhead: the same warm-up, then ``n`` c8 cycles: their rate and the
     CPU per cycle (ms) of the server process (where metrics and logs are made), of the
@@ -262,8 +258,9 @@ async def obs_round(url: str, key: str, n: int, lat: list[float], count: bool = 
     from rollbox.isolation import cgroups
     from rollbox.sdk import AsyncClient
 
-    pid = serve_child_pid()
-    boxes = cgroups.v2_root() / Settings().cgroup_parent
+    assert srv.proc is not None
+    pid, url, key = srv.proc.pid, srv.url, srv.key
+    boxes = cgroups.v2_root() / srv.settings.cgroup_parent
     async with AsyncClient(base_url=url, api_key=key, timeout=120) as client:
         await run_cycles(lambda: one_cycle(client, "python:3.11"), 16, 8, series=None)
 
@@ -345,12 +342,34 @@ def recording_cost_us() -> dict[str, float]:
     return {"event_us": obs * 1e6, "middleware_us": max(0.0, timed - bare) * 1e6}
 
 
+@contextlib.contextmanager
+def obs_servers() -> Iterator[dict[str, ServerProcess]]:
+    """The two servers of the overhead, ``off`` and ``on``, each on a scratch node of its own
+    (Settings.scratch: its data, cgroup parent, uid band and subnet, the node's images), both
+    started once and held for the whole phase: the rounds alternate between them without a
+    restart (a restart's cold caches would be measured along, and on a shared host another
+    node may take a host resource between two starts)."""
+    with tempfile.TemporaryDirectory(prefix="rollbox-bench-obs-") as tmp:
+        os.chmod(tmp, 0o755)  # sandboxes reach their roots below it
+        servers: dict[str, ServerProcess] = {}
+        try:
+            for arm, env in (("off", OBS_OFF_ENV), ("on", OBS_ON_ENV)):
+                s = Settings.scratch(Path(tmp) / arm)
+                s.node_id = f"obs{arm}{secrets.token_hex(3)}"
+                servers[arm] = ServerProcess(s, env=env)
+                servers[arm].start()
+            yield servers
+        finally:
+            for srv in servers.values():
+                srv.stop()
+
+
 def observability_overhead(quick: bool, res: dict[str, Any]) -> None:
     """Metrics and logging on vs off (issue 18: <= 2 %): c8 create -> exec -> destroy rounds
-    against a server with metrics off (nothing recorded, the api's timing middleware passes
+    against a server (:func:`obs_servers`) with metrics off (nothing recorded, the api's timing middleware passes
     through) and text logs (``ROLLBOX_METRICS=0``, ``ROLLBOX_LOG_FORMAT=text``) and one with
     both on (the defaults), alternated off, on, on, off, ... (a drift of the host's load hits
-    both arms alike), each round a fresh server with the same warm-up. The overhead is
+    both arms alike), each round after the same warm-up. The overhead is
     1 - the median of the rounds' on/off ratios (each on round against the off round next to
     it); the pooled rates and the spread of the off rounds among themselves (the noise floor
     the figure has to be read against) come with it."""
@@ -361,14 +380,14 @@ def observability_overhead(quick: bool, res: dict[str, Any]) -> None:
     rates: dict[str, list[float]] = {"off": [], "on": []}
     cpu: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
     lat: dict[str, list[float]] = {"off": [], "on": []}
-    for arm in order[: 2 * rounds]:
-        with server_process(env=OBS_OFF_ENV if arm == "off" else OBS_ON_ENV) as (url, key):
-            r = asyncio.run(obs_round(url, key, OBS_CYCLES, lat[arm], count=arm == "on"))
-        rates[arm].append(r["per_s"])
-        cpu[arm].append(r)
-        say(f"  observability {arm}: {r['per_s']:.1f}/s, CPU per cycle: server "
-            f"{r['server_ms']:.2f} ms, sandboxes {r['sandboxes_ms']:.2f}, client "
-            f"{r['client_ms']:.2f}")
+    with obs_servers() as servers:
+        for arm in order[: 2 * rounds]:
+            r = asyncio.run(obs_round(servers[arm], OBS_CYCLES, lat[arm], count=arm == "on"))
+            rates[arm].append(r["per_s"])
+            cpu[arm].append(r)
+            say(f"  observability {arm}: {r['per_s']:.1f}/s, CPU per cycle: server "
+                f"{r['server_ms']:.2f} ms, sandboxes {r['sandboxes_ms']:.2f}, client "
+                f"{r['client_ms']:.2f}")
     for arm in ("off", "on"):
         record(f"observability_{arm}_cycle_c8", lat[arm])
     pairs = [on / off for off, on in zip(rates["off"], rates["on"], strict=True)]
