@@ -348,7 +348,7 @@ class ContainerBackend:
         # runs to its end if the create is cancelled meanwhile (to_the_end): the teardown
         # below then sees all it made, instead of racing a thread or a runc that goes on.
         try:
-            def prepare() -> None:  # blocking kernel work, off the event loop
+            def prepare() -> str:  # blocking kernel work, off the event loop
                 subvolume = (self.disk.create(sandbox_id, resources.disk_mib << 20)
                              if disk_tier == "disk" else None)
                 shifts = []
@@ -368,11 +368,15 @@ class ContainerBackend:
                     _fresh_identity(rootfs.merged, host_uid)
                 if hardened and hidden_paths:
                     _make_hidden_paths(rootfs.merged, host_uid, hidden_paths)
+                # its netns in the same worker thread: one hop off the loop fewer per create
+                return "host" if network == "host" else str(
+                    netns.create(netns.PREFIX + sandbox_id))
 
-            await to_the_end(asyncio.to_thread(prepare))
+            ns_path = await to_the_end(asyncio.to_thread(prepare))
             v2 = cgroups.v2_dir(self.settings.cgroup_parent, sandbox_id)
             channel = await self._boot(sandbox_id, rootfs, run_dir, host_uid, resources,
-                                       network, hardened, hidden_paths, cpu, pids)
+                                       network, hardened, hidden_paths, cpu, pids,
+                                       ns_path=ns_path)
             pid = pids[0]
             sb = ContainerSandbox(
                 id=sandbox_id, slot=slot, host_uid=host_uid, rootfs=rootfs, run_dir=run_dir,
@@ -400,14 +404,16 @@ class ContainerBackend:
     async def _boot(self, sandbox_id: str, rootfs: Rootfs, run_dir: Path, host_uid: int,
                     resources: Resources, network: str, hardened: bool,
                     hidden_paths: Sequence[str], cpu: cpu_qos.CpuClass,
-                    pids: list[int]) -> AgentChannel:
+                    pids: list[int], ns_path: str | None = None) -> AgentChannel:
         """Start a sandbox's init and agent over its composed tree (at create, and again at
-        resume_fs): its netns, CPU view, boot id, agent socket, OCI bundle, ``runc run -d``,
-        its CPU class, cgroup delegation, handshake. The agent's pid goes into ``pids`` as soon as runc
-        reports it (the caller's teardown needs it if a later step fails)."""
-        ns_path = ("host" if network == "host" else
-                   str(await to_the_end(asyncio.to_thread(netns.create,
-                                                          netns.PREFIX + sandbox_id))))
+        resume_fs): its netns (unless made already: ``ns_path``), CPU view, boot id, agent
+        socket, OCI bundle, ``runc run -d``, its CPU class, cgroup delegation, handshake. The
+        agent's pid goes into ``pids`` as soon as runc reports it (the caller's teardown needs
+        it if a later step fails)."""
+        if ns_path is None:
+            ns_path = ("host" if network == "host" else
+                       str(await to_the_end(asyncio.to_thread(netns.create,
+                                                              netns.PREFIX + sandbox_id))))
         cpu_view = self.cpu_views.write(rootfs.dir, self.cpu_views.pick(resources.cpus))
         boot_id = _write_boot_id(rootfs.dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -441,9 +447,9 @@ class ContainerBackend:
             # The agent is the OOM killer's last choice; its commands start from 0 again
             # (agent.c), which they can not lower (see isolation.oom).
             oom.protect(pid)
-            # its CPU class before any command of it runs (the agent waits for the handshake)
-            await asyncio.to_thread(cpu_qos.apply_sandbox, self.settings.cgroup_parent,
-                                    sandbox_id, pid, cpu)
+            # its CPU class before any command of it runs (the agent waits for the handshake);
+            # a few cgroup writes and one sched_setattr, on the loop: a thread hop costs more
+            cpu_qos.apply_sandbox(self.settings.cgroup_parent, sandbox_id, pid, cpu)
         finally:
             listener.close()
         v2 = cgroups.v2_dir(self.settings.cgroup_parent, sandbox_id)
