@@ -234,7 +234,7 @@ async def test_descriptors_beyond_the_limit_leak_none(boxes: Boxes) -> None:
     buffer, MSG_CTRUNC; two SCM_RIGHTS messages of three; twenty on an empty packet), from an
     allowed uid (the request's read) and from a refused one (the refusal's drain): nothing
     runs, and the agent's descriptor count (/proc/<agent>/fd, the host's view of a container's
-    agent, the guest's /proc/1 of a microVM's) is what it was before."""
+    agent, the guest's /proc/1 of a microVM's) is no higher than before."""
     import asyncio
     import os
     import time
@@ -250,7 +250,12 @@ async def test_descriptors_beyond_the_limit_leak_none(boxes: Boxes) -> None:
 
     try:
         assert (await boxes.run(sid, "sudo true; echo rc=$?", user="user")).stdout == "rc=0\n"
+        # The fewest over a second: an exec's or a sudo connection's descriptors just ended
+        # may still be held for a moment (the agent closes them on its own time).
         before = await agent_fds()
+        for _ in range(5):
+            await asyncio.sleep(0.2)
+            before = min(before, await agent_fds())
         for user in ("user", "nobody"):
             r = await boxes.run(sid, ["python3", "-c", DESCRIPTORS], user=user, timeout_s=60)
             assert r.exit_code == 0, r.stderr
@@ -258,9 +263,9 @@ async def test_descriptors_beyond_the_limit_leak_none(boxes: Boxes) -> None:
             assert got.pop("fds_closed") is True, (user, got)  # the pipe's reader saw EOF
             assert set(got.values()) <= {"refused", "closed"}, (user, got)
         deadline = time.monotonic() + 10
-        while (after := await agent_fds()) != before and time.monotonic() < deadline:
+        while (after := await agent_fds()) > before and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        assert after == before
+        assert after <= before  # a leak would hold up to 8 of each packet's descriptors
         r = await boxes.run(sid, "sudo whoami", user="user")
         assert r.stdout == "root\n", r.stderr
     finally:
