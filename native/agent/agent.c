@@ -1748,13 +1748,6 @@ static void child_exec(volatile int32_t *report, int in_rd, int out_wr, int err_
         report[0] = ST_CHDIR;
         goto fail;
     }
-    if (in_rd < 0) {
-        in_rd = open("/dev/null", O_RDONLY | O_CLOEXEC);
-        if (in_rd < 0) {
-            report[0] = ST_DEVNULL;
-            goto fail;
-        }
-    }
     /* All pipe fds are >= 3 (fds 0-2 are always open in the agent), so dup2 can't clobber. */
     if (dup2(in_rd, 0) < 0 || dup2(out_wr, 1) < 0 || dup2(err_wr, 2) < 0) {
         report[0] = ST_DUP2;
