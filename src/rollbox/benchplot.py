@@ -46,6 +46,7 @@ FIGURE_PANELS_MAX = 2  # the units with the most figures
 _FILE_RE = re.compile(r"^(?P<bench>.+?)-(?P<stamp>\d{4}-?\d{2}-?\d{2}T\d{4}[0-9-]*)\.json$")
 _CONC_RE = re.compile(r"^(?P<figure>[a-z][a-z0-9_]*?)_c(?P<n>\d+)$")
 _P50_RE = re.compile(r"^(?P<figure>[a-z][a-z0-9_]*)_p50_ms$")
+_PCT_RE = re.compile(r"(?:^|_)p\d+(?:_|$)")  # a percentile: exec_p50_ms, p99_ms_c8
 _PER_SECOND_RE = re.compile(r"_per_(?:[a-z]+_)*?[a-z]+_s(?:_|$)")  # calls_per_own_cpu_s
 _COUNT_RE = re.compile(r"^(?P<stem>[a-z][a-z_]*?[a-z])(?P<n>\d+)_(?P<figure>[a-z][a-z0-9_]*)$")
 
@@ -220,8 +221,11 @@ def plot(run: SavedRun, out: Path) -> Path:
     cdfs = dict(list(cdfs.items())[:CDF_SERIES_MAX])
     peer = ratios(flat)
     in_scale = {key for pts in _scaling(flat).values() for key, _ in pts.values()}
-    shown_pcts = {f"{f}_p{q}_ms" for f in pcts for q in (50, 99)} if not cdfs else set()
-    figs = figures(flat, in_scale | shown_pcts, set(by_unit) | ({"ms"} if cdfs else set()))
+    # Percentiles are drawn already: as bars, or (with samples) as the CDFs; other times
+    # (CPU per call, a phase's ms) are figures.
+    shown_pcts = ({k for k in flat if _PCT_RE.search(k)} if cdfs else
+                  {f"{f}_p{q}_ms" for f in pcts for q in (50, 99)})
+    figs = figures(flat, in_scale | shown_pcts, set(by_unit))
     panels = [("scale", u) for u in sorted(by_unit)] + ([("cdf", "")] if cdfs else []) + (
         [("pct", "")] if pcts and not cdfs else []) + ([("ratio", "")] if peer else []) + [
         ("figures", u) for u in figs]

@@ -181,3 +181,9 @@ def test_a_lone_ratio_is_drawn_with_the_figures_it_comes_from(tmp_path: Path) ->
         {"lazy_s": 0.44, "local_s": 0.25, "ratio": 1.75}))
     _, h = png_size(bp.redraw_all(d, tmp_path / "plots")["lazy"])
     assert h > 2 * 3.6 * 90 - 10  # the ratio and the figures: two panels
+    # With raw samples the CDFs stand for the percentiles, not for other times (CPU per step).
+    run = bp.from_document({"result": {"exec_p50_ms": 2.0, "exec_p99_ms": 4.0,
+                                       "steps_create_server_ms": 7.0, "steps_exec_server_ms": 2.0},
+                            "samples_ms": {"exec": [1.0, 2.0, 4.0]}}, d / "x.json", "cpu", "x")
+    _, h = png_size(bp.plot(run, tmp_path / "cpu.png"))
+    assert h > 2 * 3.6 * 90 - 10  # the CDF and the steps' figures
