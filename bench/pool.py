@@ -154,6 +154,7 @@ async def edge_serial(n: int, res: dict[str, Any]) -> None:
         root.chmod(0o711)
         s = Settings.scratch(root)
         s.node_id = f"bp{secrets.token_hex(3)}"
+        s.uid_slots = 256  # a band of its own beside the node's and other scratch nodes'
         s.pool = True
         for k, v in pool_env().items():
             if k != "ROLLBOX_POOL":
