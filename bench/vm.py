@@ -59,9 +59,11 @@ for every VM of the run. Phases:
 11. ``desktop_idle`` (opt-in too): idle desktop VMs held at once (the issue's >= 20 on this
    host), on a server with machine templates (the first create builds the desktop's template,
    untimed and deleted before the baseline): ``DESKTOP_IDLE_N`` creates of the desktop demo's
-   VM one after another, each drawn; after ``IDLE_SETTLE_S`` of idling, the MemAvailable drop /
-   N (``desktop_idle_mib_per_vm``), the machine's busy CPU over ``DESKTOP_IDLE_CPU_S`` of idle
-   (``desktop_idle_cpu_pct_per_vm``: percent of one core per VM), and held = each answers a
+   VM one after another, each drawn; after ``IDLE_SETTLE_S`` of idling, the MemAvailable drop
+   / N (``desktop_idle_mib_per_vm``) and what the VMs' cgroups are charged
+   (``desktop_idle_cgroup_mib_per_vm``: other work on the host does not move it); the VMs' own
+   CPU (their cgroups) over ``DESKTOP_IDLE_CPU_S`` of idle (``desktop_idle_cpu_pct_per_vm``,
+   percent of one core per VM; the host's busy cores beside it); held = each answers a
    screenshot that still shows the desktop and an exec within ``ANSWER_S``
    (``desktop_idle_held``). A create refused by the node ends the creates: N is what it took.
 
@@ -90,6 +92,7 @@ from rollbox.benchkit import (  # noqa: E402
     CpuMeter, emit, machine_busy_s, mem_available, percentile, ratio, round_trips, say,
 )
 from rollbox.config import Settings  # noqa: E402
+from rollbox.isolation import cgroups  # noqa: E402
 
 IMAGE = "busybox:test"
 VM_MEMORY_MIB = 256
@@ -495,7 +498,14 @@ async def desktop_idle_phase(srv: Any, quick: bool, res: dict[str, Any]) -> None
             say(f"desktop idle: {n} desktops drawn; idling {IDLE_SETTLE_S:.0f} s")
             await asyncio.sleep(IDLE_SETTLE_S)
             drop = before - mem_available()
-            with CpuMeter({"busy": machine_busy_s}) as cpu:
+            parent = srv.settings.cgroup_parent
+            # The VMs' own cgroups beside the drop: other work on the host moves MemAvailable.
+            charged = sum((cgroups.memory_bytes(parent, sb.id) or 0) for sb in boxes)
+
+            def vms_cpu_s() -> float:
+                return sum((cgroups.cpu_usage_us(parent, sb.id) or 0) for sb in boxes) / 1e6
+
+            with CpuMeter({"busy": machine_busy_s, "vms": vms_cpu_s}) as cpu:
                 await asyncio.sleep(DESKTOP_IDLE_CPU_S)
             held = 0
             for sb in boxes:
@@ -513,12 +523,15 @@ async def desktop_idle_phase(srv: Any, quick: bool, res: dict[str, Any]) -> None
     res["desktop_idle_n"], res["desktop_idle_held"] = n, held
     res["desktop_idle_refused"] = refused
     res["desktop_idle_mib_per_vm"] = drop / n / (1 << 20) if n else None
+    res["desktop_idle_cgroup_mib_per_vm"] = charged / n / (1 << 20) if n else None
     busy = cpu.spent["busy"] / cpu.spent["wall_s"]
-    res["desktop_idle_cpu_pct_per_vm"] = 100.0 * busy / n if n else None
+    vms = cpu.spent["vms"] / cpu.spent["wall_s"]
+    res["desktop_idle_cpu_pct_per_vm"] = 100.0 * vms / n if n else None
     res["desktop_idle_host_busy_cores"] = busy
     say(f"desktop idle: {held} of {n} held, {res['desktop_idle_mib_per_vm'] or 0:.0f} MiB "
-        f"per VM, {busy:.2f} cores busy ({res['desktop_idle_cpu_pct_per_vm'] or 0:.1f}% of a "
-        f"core per VM){'; refused: ' + refused if refused else ''}")
+        f"per VM ({res['desktop_idle_cgroup_mib_per_vm'] or 0:.0f} MiB charged), "
+        f"{res['desktop_idle_cpu_pct_per_vm'] or 0:.1f}% of a core per VM (host busy "
+        f"{busy:.2f} cores){'; refused: ' + refused if refused else ''}")
 
 
 # ---- the peer: plain QEMU --------------------------------------------------------------------
