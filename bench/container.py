@@ -2,7 +2,8 @@
 
 In one run, against the same image: create -> exec ``true`` -> destroy cycles at concurrency 1,
 8 and 32 through the HTTP API (server in its own process, as deployed); exec round trip of
-``true`` in a live sandbox; N idle sandboxes held at once (host memory per sandbox); and the same
+``true`` in a live sandbox; N idle sandboxes held at once, every one answering an exec (host memory
+per sandbox: bench/density.py); and the same
 create/exec/destroy workload through ``podman --runtime runc run --rm`` as the peer, with ratios;
 and ``hardening_overhead``: the c8 cycle rate against a second server whose sandboxes are all
 unhardened (no seccomp, Landlock, masks; benchmark-only env switch), as 1 - hardened/unhardened;
@@ -33,7 +34,7 @@ from typing import Any
 
 from rollbox.benchkit import (
     CpuMeter, cgroup_cpu_s, emit, latency_ms, percentile, process_cpu_s, ratio, record,
-    round_trips, rounded, run_cycles, say, used_without_page_cache,
+    round_trips, rounded, run_cycles, say,
 )
 from rollbox.config import Settings
 from rollbox.embedded import ServerProcess, server_process
@@ -76,24 +77,14 @@ async def create_latency(client: Any, image: str, n: int) -> float:
 
 
 async def idle_density(client: Any, image: str, n: int) -> dict[str, Any]:
-    await asyncio.sleep(1)
-    before = used_without_page_cache()
-    boxes = await client.create_many(n, image, ttl_s=900, concurrency=16, memory_mib=128)
-    await asyncio.sleep(2)
-    after = used_without_page_cache()
-    alive = 0
-    for sb in boxes[:: max(1, n // 20)]:  # spot-check they are really alive
-        r = await sb.exec(["true"])
-        alive += r.exit_code == 0
-    sem = asyncio.Semaphore(16)
+    """``n`` idle sandboxes with default resources held at once, every one answering an exec,
+    MemAvailable drop / n: ``bench/density.py``'s hold (``rollbox bench density`` runs it at
+    3,200 with the node's limits)."""
+    from rollbox.benchkit import load_bench
 
-    async def rm(sb: Any) -> None:
-        async with sem:
-            await sb.delete()
-
-    await asyncio.gather(*(rm(sb) for sb in boxes))
-    return {"idle_sandboxes": len(boxes), "spot_checked_alive": alive,
-            "idle_mib_per_sandbox": (after - before) / max(1, len(boxes)) / (1 << 20)}
+    r = await load_bench("density").hold(client, n, None, Settings().node_id, image=image)
+    return {k: r[k] for k in ("idle_sandboxes", "idle_all_answered", "idle_mib_per_sandbox",
+                              "idle_slab_kib_per_sandbox", "idle_create_per_s")}
 
 
 def export_rootfs_tar(image: str, dest: Path) -> None:

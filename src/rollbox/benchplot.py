@@ -48,6 +48,7 @@ _CONC_RE = re.compile(r"^(?P<figure>[a-z][a-z0-9_]*?)_c(?P<n>\d+)$")
 _P50_RE = re.compile(r"^(?P<figure>[a-z][a-z0-9_]*)_p50_ms$")
 _PCT_RE = re.compile(r"(?:^|_)p\d+(?:_|$)")  # a percentile: exec_p50_ms, p99_ms_c8
 _PER_SECOND_RE = re.compile(r"_per_(?:[a-z]+_)*?[a-z]+_s(?:_|$)")  # calls_per_own_cpu_s
+_PER_S_RE = re.compile(r"per_s(?:_|$)")  # per_s_c8, not per_sandbox
 _COUNT_RE = re.compile(r"^(?P<stem>[a-z][a-z_]*?[a-z])(?P<n>\d+)_(?P<figure>[a-z][a-z0-9_]*)$")
 
 
@@ -168,7 +169,7 @@ def figure_unit(key: str) -> str | None:
     def has(suffix: str) -> bool:
         return key.endswith(suffix) or f"{suffix}_" in key
 
-    if "per_s" in key or has("_rps") or _PER_SECOND_RE.search(key):
+    if _PER_S_RE.search(key) or has("_rps") or _PER_SECOND_RE.search(key):
         return "per second"
     for suffix, unit in (("_mib_s", "MiB/s"), ("_ms", "ms"), ("_mib", "MiB"), ("_s", "s")):
         if has(suffix):
@@ -193,7 +194,7 @@ def figures(flat: Mapping[str, float], drawn: Iterable[str], units_drawn: Iterab
 
 
 def _unit(name: str) -> str | None:
-    if "per_s" in name or name.endswith("_rps") or "_rps_" in name:
+    if _PER_S_RE.search(name) or name.endswith("_rps") or "_rps_" in name:
         return "per second"
     if "_ms" in name:
         return "ms"

@@ -241,6 +241,18 @@ def bench_container(quick: bool = typer.Option(False, "--quick"),
     mod.main(quick=quick, json_out=json_out)
 
 
+@bench_command("density")
+def bench_density(quick: bool = typer.Option(False, "--quick"),
+                  n: Optional[int] = typer.Option(None, "--n", help="sandboxes (default 3200)"),  # noqa: UP007
+                  json_out: bool = typer.Option(False, "--json")) -> None:
+    """N idle sandboxes (default resources) held at once, every one answering an exec; host
+    memory each (MemAvailable drop / N) and the limits that cap N on this node."""
+    mod = _load_bench("density")
+    res = mod.main(quick=quick, json_out=json_out, n=n)
+    if not res.get("idle_all_answered"):
+        raise typer.Exit(1)
+
+
 @bench_command("qos")
 def bench_qos(quick: bool = typer.Option(False, "--quick"),
               json_out: bool = typer.Option(False, "--json")) -> None:

@@ -174,6 +174,10 @@ def test_a_lone_ratio_is_drawn_with_the_figures_it_comes_from(tmp_path: Path) ->
     assert bp.flatten({"samples": [{"pss_mib": 81.2}, {"pss_mib": 80.0}], "xs": [1, 2]}) == {
         "samples_0_pss_mib": 81.2, "samples_1_pss_mib": 80.0}  # rows by index; numbers not
     assert bp.figure_unit("calls_per_own_cpu_s_c8") == "per second"
+    assert bp.figure_unit("create_exec_destroy_per_s_c8") == "per second"
+    assert bp.figure_unit("idle_create_per_s") == "per second"
+    assert bp.figure_unit("idle_server_fds_per_sandbox") is None  # per sandbox, not per second
+    assert bp.figure_unit("idle_delete_s") == "s"
     assert bp.figure_unit("platform_cpu_s_per_episode") == "s"
     d = tmp_path / "r"
     d.mkdir()
