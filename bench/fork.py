@@ -127,7 +127,13 @@ async def fork_round(edge: Any, src: str, n: int) -> dict[str, Any]:
 async def creates_ready(edge: Any, spec: SandboxSpec, n: int, t0: float) -> float:
     """``n`` creates of ``spec`` at once, each answering an exec: seconds since ``t0`` until
     the last did; all deleted after."""
-    infos = await asyncio.gather(*(edge.create(spec, OWNER) for _ in range(n)))
+    made = await asyncio.gather(*(edge.create(spec, OWNER) for _ in range(n)),
+                                return_exceptions=True)
+    infos = [i for i in made if not isinstance(i, BaseException)]
+    failed = [i for i in made if isinstance(i, BaseException)]
+    if failed:  # the others are made by now: deleted before the error goes up (nothing left)
+        await delete_all(edge, [i.id for i in infos])
+        raise failed[0]
     try:
         return max(await asyncio.gather(*(answer(edge, i.id, t0) for i in infos)))
     finally:
