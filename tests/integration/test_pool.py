@@ -35,7 +35,10 @@ async def run(edge, sid: str, cmd: str, **kw) -> str:  # noqa: ANN001, ANN003
 
 
 async def test_handout_applies_identity_env_labels_owner_and_ttl(edge) -> None:  # noqa: ANN001
+    from rollbox.models import JobSpec
+
     await edge.pool.stop_refill()
+    await edge.leases.open("proj-a", JobSpec(name="job-1", heartbeat_s=600))
     base = SandboxSpec(image=BB)
     made = await edge.pool_fill(base, 2)
     assert len(made) == 2 and edge.pool.size() == 2
@@ -232,3 +235,21 @@ async def test_refill_waits_while_creates_and_execs_keep_coming(edge) -> None:  
     while edge.pool.made == made and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert edge.pool.made > made
+
+
+async def test_refilled_sandboxes_get_their_own_cpu_class(edge) -> None:  # noqa: ANN001
+    """The refill spawns the runtime at SCHED_IDLE (best effort); the sandbox it makes still
+    gets its key's class: a latency one runs SCHED_OTHER, a batch one SCHED_IDLE."""
+    for qos, want in (("latency", os.SCHED_OTHER), ("batch", os.SCHED_IDLE)):
+        spec = SandboxSpec(image=BB, qos=qos)
+        await edge.create(spec, "proj")  # a miss: the refill makes one for this key
+        deadline = time.monotonic() + 60
+        pooled: set[str] = set()
+        while not pooled and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            pooled = {p.sandbox_id for k, v in edge.pool.ready.items() if k.qos == qos
+                      for p in v}
+        assert pooled, edge.pool.stats()
+        info = await edge.create(spec, "proj")
+        assert info.id in pooled
+        assert os.sched_getscheduler(edge.live[info.id].box.agent_pid) == want, qos

@@ -170,3 +170,23 @@ def test_capacity_check() -> None:
     with pytest.raises(BadRequest) as exc:
         check_capacity(settings(pool_min_per_key=9), 4096, 0.1, budget, 6000)
     assert exc.value.details["reason"] == "pool_config"
+
+
+def test_best_effort_setup_spawns_the_runtime_at_sched_idle(tmp_path) -> None:  # noqa: ANN001
+    import os
+
+    from rollbox.backends.container.runtime import spawn_init_runner
+    from rollbox.isolation.qos import BEST_EFFORT_SETUP
+
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    for best, want in ((False, os.SCHED_OTHER), (True, os.SCHED_IDLE)):
+        token = BEST_EFFORT_SETUP.set(best)
+        try:
+            pid = spawn_init_runner("/bin/sleep", ["sleep", "30"], {}, tmp_path / "log", [])
+        finally:
+            BEST_EFFORT_SETUP.reset(token)
+        try:
+            assert os.sched_getscheduler(pid) == want, best
+        finally:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)

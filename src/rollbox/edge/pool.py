@@ -17,7 +17,9 @@ no longer asked for decays to nothing and its sandboxes are destroyed), at most
 
 Refill is best effort: one sandbox at a time, only while the edge has no real create in flight
 and had no create or exec start for :data:`POOL_QUIET_S` (a real create never waits behind a
-refill, and a refill yields between each sandbox), and a
+refill, and a refill yields between each sandbox), its runtime process (runc, the native
+launcher) spawned at SCHED_IDLE (``qos.BEST_EFFORT_SETUP``; the sandbox then gets its own
+class as at any create), and a
 pooled sandbox holds its admission like any other, under :data:`POOL_OWNER`, no project's:
 a real create that the node refuses first evicts pooled sandboxes (the edge's
 ``_admitted_create``), so the pool never costs a real create its room.
@@ -39,6 +41,7 @@ from typing import Any
 
 from rollbox.config import Settings
 from rollbox.errors import BadRequest, CapacityExceeded, RollboxError
+from rollbox.isolation.qos import BEST_EFFORT_SETUP
 from rollbox.models import Resources, SandboxSpec
 
 log = logging.getLogger(__name__)
@@ -320,8 +323,12 @@ class WarmPool:
             if not deficits:
                 return made
             key = deficits[0][1]
-            if not await self.fill(key, 1):
-                return made
+            token = BEST_EFFORT_SETUP.set(True)  # its runc / launcher at SCHED_IDLE
+            try:
+                if not await self.fill(key, 1):
+                    return made
+            finally:
+                BEST_EFFORT_SETUP.reset(token)
             made += 1
             await asyncio.sleep(0)  # a waiting create or exec runs before the next one
             if not until_idle:

@@ -27,6 +27,7 @@ Owns the decision (:func:`cpu_class`, :func:`cgroup_writes`) and applying it (:f
 """
 from __future__ import annotations
 
+import contextvars
 import ctypes
 import errno
 import logging
@@ -59,6 +60,26 @@ CLASSES: dict[str, CpuClass] = {
     "latency": CpuClass("latency", idle=False, shares=1024, weight=100),
     "batch": CpuClass("batch", idle=True, shares=2, weight=1),
 }
+
+# Set-up work done at best effort (a warm pool's refill, rollbox.edge.pool): while True in a
+# task's context, the processes the container runtimes spawn for it (runc, the native
+# launcher) start at SCHED_IDLE, so they run only on CPU time nothing else wants. The sandbox's
+# init gets its own class right after (apply_sandbox), whatever it inherited.
+BEST_EFFORT_SETUP: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "rollbox_best_effort_setup", default=False)
+
+
+def setup_spawned(pid: int) -> None:
+    """A runtime process just spawned (runc, the native launcher): to SCHED_IDLE under
+    :data:`BEST_EFFORT_SETUP` (its main thread; what it starts from then on inherits it),
+    else left at the caller's policy. One that is gone already is skipped."""
+    if not BEST_EFFORT_SETUP.get():
+        return
+    try:
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+    except ProcessLookupError:
+        pass
+
 
 # Hard limits every sandbox process starts with (OCI rlimits; the jailer sets the same): no
 # nice value below 0 and no real-time priority, so SCHED_IDLE can not be left.

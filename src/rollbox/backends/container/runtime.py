@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from rollbox.backends.container.rootfs import remove_flat_dir
 from rollbox.errors import InfraError
-from rollbox.isolation import syscalls
+from rollbox.isolation import qos, syscalls
 
 
 async def wait_pid(pid: int) -> int:
@@ -44,11 +44,12 @@ def spawn_init_runner(binary: str, argv: list[str], env: dict[str, str], log_fil
                       fds: list[int], extra: tuple[tuple[int, int], ...] = ()) -> int:
     """posix_spawn what starts a sandbox's init: stdin/stdout /dev/null, stderr appended to
     ``log_file``, ``fds`` on 3, 4, 5... (listener, agent, platform shell), ``extra`` as
-    (fd, target) pairs; returns its pid."""
+    (fd, target) pairs; returns its pid. Under ``qos.BEST_EFFORT_SETUP`` (a warm pool's refill)
+    it is moved to SCHED_IDLE as soon as it runs (glibc's posix_spawn takes no SCHED_IDLE)."""
     devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     log = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
     try:
-        return os.posix_spawn(
+        pid = os.posix_spawn(
             binary, argv, env,
             file_actions=[(os.POSIX_SPAWN_DUP2, devnull, 0), (os.POSIX_SPAWN_DUP2, devnull, 1),
                           (os.POSIX_SPAWN_DUP2, log, 2)]
@@ -57,6 +58,8 @@ def spawn_init_runner(binary: str, argv: list[str], env: dict[str, str], log_fil
     finally:
         os.close(devnull)
         os.close(log)
+    qos.setup_spawned(pid)
+    return pid
 
 
 # runc lives for ~20 ms: garbage collection is pure overhead there.
