@@ -248,7 +248,7 @@ class WarmPool:
         if p is None:
             return False
         self.evicted[why] += 1
-        await self._destroy(p)
+        await self._destroy_to_the_end(p)
         return True
 
     # ---- refill ---------------------------------------------------------------------------
@@ -306,7 +306,7 @@ class WarmPool:
                 if not self.ready[key]:
                     del self.ready[key]
                 self.evicted["demand"] += 1
-                await self._destroy(p)
+                await self._destroy_to_the_end(p)
                 extra -= 1
                 n += 1
         return n
@@ -348,7 +348,7 @@ class WarmPool:
                 break
             self._making[key] = self._making.get(key, 0) + 1
             try:
-                p = await self._make(key, env)
+                p = await self._make_to_the_end(key, env)
             except CapacityExceeded:
                 break
             except RollboxError as exc:
@@ -360,17 +360,37 @@ class WarmPool:
                 if not self._making[key]:
                     del self._making[key]
             if self.closed:
-                await self._destroy(p)
+                await self._destroy_to_the_end(p)
                 break
             self.ready.setdefault(key, []).append(p)
             self.made += 1
             made.append(p.sandbox_id)
         return made
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
+    async def _make_to_the_end(self, key: PoolKey, env: dict[str, str]) -> Pooled:
+        """``make``, never cut off halfway: cancelled (the refill stopped, the edge closing),
+        the sandbox under way is finished, destroyed, and the cancellation goes on."""
+        made = asyncio.ensure_future(self._make(key, env))  # not in _ops: awaited here
+        try:
+            return await asyncio.shield(made)
+        except asyncio.CancelledError:
+            try:
+                p = await made
+            except Exception:  # noqa: BLE001 - it failed on its own: nothing to destroy
+                raise asyncio.CancelledError from None
+            await self._destroy_to_the_end(p)
+            raise
+
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Future[None]:
         task = asyncio.ensure_future(coro)
         self._ops.add(task)
         task.add_done_callback(self._ops.discard)
+        return task
+
+    async def _destroy_to_the_end(self, p: Pooled) -> None:
+        """``destroy``, never cut off halfway (a cancelled caller leaves it running; ``close``
+        waits for it): a half-destroyed sandbox would be in no list, and leak."""
+        await asyncio.shield(self._spawn(self._destroy(p)))
 
     async def close(self) -> None:
         """Stop the refill and destroy every pooled sandbox (they are not journaled: nothing of
