@@ -37,12 +37,18 @@ ABS_MAX = 0x7FFF  # QEMU's absolute axis range (INPUT_EVENT_ABS_MAX)
 KEYS_PER_BATCH = 8  # <= 48 scancode bytes: under a fifth of the PS/2 keyboard's 256-byte queue
 TYPE_PAUSE_S = 0.03  # between batches of typed keys
 CLICK_GAP_S = 0.05  # between the two clicks of a double click
-# A button held this long before it is let go (click, double click, drag), as a hand's click
-# (~0.1-0.2 s). Sent at once, a release reached JWM while it handled the press, and its tray
-# drops the button events queued then (DiscardButtonEvents before it grabs the pointer):
-# the launcher stayed pressed and ran nothing. Measured on a restored desktop (TCG, load ~5):
-# the release 37 ms after the press was lost; held 0.15 s, the editor opened 3.5 s after.
-CLICK_HOLD_S = 0.15
+# A button held this long before it is let go (click, drag). Sent at once, a release reached
+# JWM while it handled the press, and its tray drops the button events queued then
+# (DiscardButtonEvents: XSync, then every queued press and release, before it grabs the
+# pointer): the launcher stayed pressed and ran nothing. On a restored desktop under TCG
+# (strace of JWM): the release 37 ms after the press lost; at load ~5 JWM's press handling
+# took 46 ms and a 0.15 s hold opened the editor, at load 10-15 it took 208 ms and a 0.15 s
+# hold was lost too. Half a second: a slow hand's click, and a guest under TCG runs several
+# times slower than on hardware.
+CLICK_HOLD_S = 0.5
+# A double click's presses must come within the toolkits' double-click time (JWM's and GTK's
+# 400 ms): its button is held this long only.
+DOUBLE_CLICK_HOLD_S = 0.05
 
 # Key names a caller may use -> QEMU qcode (QKeyCode). Letters and digits map to themselves.
 KEYS: dict[str, str] = {
@@ -212,13 +218,14 @@ DISPLAY_ID = "video0"
 
 def pause_after(action: str, batch: list[dict[str, Any]]) -> float:
     """Seconds :func:`send` waits after ``batch`` of ``action`` before the next one:
-    :data:`CLICK_HOLD_S` after a pointer button went down (not the wheel's steps),
-    :data:`TYPE_PAUSE_S` between batches of typed keys, half of :data:`CLICK_GAP_S` between
-    a double click's release and its next press; else none."""
+    :data:`CLICK_HOLD_S` after a pointer button went down (not the wheel's steps;
+    :data:`DOUBLE_CLICK_HOLD_S` in a double click), :data:`TYPE_PAUSE_S` between batches of
+    typed keys, half of :data:`CLICK_GAP_S` between a double click's release and its next
+    press; else none."""
     last = batch[-1] if batch else {}
     if last.get("type") == "btn" and last["data"]["down"] and \
             not str(last["data"]["button"]).startswith("wheel"):
-        return CLICK_HOLD_S
+        return DOUBLE_CLICK_HOLD_S if action == "double_click" else CLICK_HOLD_S
     if action == "type":
         return TYPE_PAUSE_S
     if action == "double_click":
