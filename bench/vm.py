@@ -52,10 +52,14 @@ for every VM of the run. Phases:
    QEMU boot of the same machine (``plain_argv`` of the disk spec: the same kernel,
    initramfs and agent, the base read-only under a new empty qcow2 overlay made by qemu-img
    as the backend makes it), overlay -> the desktop drawn in QMP screendumps.
-   ``ratio_vs_plain_qemu_desktop`` = rollbox's p50 / plain's. ``desktop_restore`` (opt-in
-   too): the same creates on a server with ``ROLLBOX_VM_FULL_TEMPLATES=disk`` (the first
-   builds the desktop's machine template, the others restore it): ``desktop_restore_ready``,
-   ``ratio_desktop_restore_vs_plain_qemu``.
+   ``ratio_vs_plain_qemu_desktop`` = rollbox's p50 / plain's (that server boots every create:
+   ``ROLLBOX_VM_FULL_TEMPLATES=off``). ``desktop_restore`` (opt-in too): the same creates on
+   a server with ``ROLLBOX_VM_FULL_TEMPLATES=disk`` (the node default: the first builds the
+   desktop's machine template, the others restore it): ``desktop_restore_ready``,
+   ``ratio_desktop_restore_vs_plain_qemu``; and on each restored desktop the demo's scripted
+   agent clicks the Editor launcher, types a line and saves it: ``desktop_restore_input``
+   (create -> the editor's window drawn: the click accepted; the saved note checked,
+   ``desktop_restore_input_errors`` counts the creates where it was not the line).
 11. ``desktop_idle`` (opt-in too): idle desktop VMs held at once (the issue's >= 20 on this
    host), on a server with machine templates (the first create builds the desktop's template,
    untimed and deleted before the baseline): ``DESKTOP_IDLE_N`` creates of the desktop demo's
@@ -115,8 +119,9 @@ SERVER_PHASES = PHASES - {"plain"}
 # under TCG. ``desktop``: rollbox creates -> the desktop drawn; ``plain_desktop``: the peer.
 DESKTOP_PHASES = frozenset({"desktop", "plain_desktop", "desktop_restore", "desktop_idle"})
 # desktop_restore's server: disk-image creates restore a machine template (backends/vm/
-# templates.py; the node default is off)
+# templates.py; the node default); the other phases' server boots every create
 DESKTOP_TEMPLATES = {"ROLLBOX_VM_FULL_TEMPLATES": "disk"}
+COLD = {"ROLLBOX_VM_FULL_TEMPLATES": "off"}
 DESKTOP_CREATES, DESKTOP_CREATES_QUICK = 3, 2
 DESKTOP_WAIT_S = 900.0  # boot -> drawn, at most
 DESKTOP_IDLE_N, DESKTOP_IDLE_N_QUICK = 20, 4  # idle desktops held at once (the issue: >= 20)
@@ -418,14 +423,21 @@ async def desktop_drawn(shot: Callable[[], Awaitable[bytes]], t0: float,
 
 
 async def desktop_phase(client: Any, quick: bool, res: dict[str, Any],
-                        plain: bool) -> None:
+                        plain: bool, act: bool = False) -> None:
     """Sequential creates of the desktop: create -> the agent answers, create -> the desktop
     drawn; the first apart (it builds a template where the backend makes them); screenshot
     round trips of the drawn 1024x768 desktop. With ``plain``, a plain QEMU boot of the same
-    machine after each create (interleaved: the host's load moves during a run)."""
-    from rollbox.desktop.episode import CPUS, DESKTOP_IMAGE, MEMORY_MIB
+    machine after each create (interleaved: the host's load moves during a run). With
+    ``act``, on every create after the first the demo's scripted agent (``rollbox.desktop``)
+    then moves onto the Editor launcher, clicks it one look (``POLL_S``) later, and once the
+    editor's window is drawn types a line and saves it: create -> the window drawn
+    (``desktop_input``: the click accepted), the note read back must be the line."""
+    from rollbox.desktop.episode import (
+        CPUS, DESKTOP_IMAGE, MEMORY_MIB, TEXT, ScriptedAgent, read_note, run_agent,
+    )
 
-    agent, drawn, peer = [], [], []
+    agent, drawn, peer, accepted = [], [], [], []
+    input_errors = 0
     for i in range(DESKTOP_CREATES_QUICK if quick else DESKTOP_CREATES):
         if plain and i:
             peer.append(await plain_desktop_boot())
@@ -437,6 +449,16 @@ async def desktop_phase(client: Any, quick: bool, res: dict[str, Any],
             agent.append(time.monotonic() - t0)
             drawn.append(await desktop_drawn(sb.screenshot, t0))
             say(f"desktop create {i}: agent {agent[-1]:.1f} s, drawn {drawn[-1]:.1f} s")
+            if act and i:
+                since = time.monotonic() - t0
+                at = await run_agent(sb, ScriptedAgent(text=TEXT))
+                if await read_note(sb) == TEXT and "editor" in at:
+                    accepted.append(since + at["editor"])
+                    say(f"desktop create {i}: the click's editor drawn {accepted[-1]:.1f} s "
+                        f"after create ({at['editor'] - at['desktop']:.1f} s after the "
+                        f"agent's first look), the typed line saved")
+                else:
+                    input_errors += 1
             if i == 0:
                 lat = await round_trips(sb.screenshot, 10 if quick else 50, warmup=2)
                 shot = await sb.screenshot()
@@ -448,6 +470,9 @@ async def desktop_phase(client: Any, quick: bool, res: dict[str, Any],
     res.update(summarize(agent[1:], "desktop_agent", "s"))
     res.update(summarize(drawn[1:], "desktop_ready", "s"))
     res["desktop_ready"] = f"creates 2..{len(drawn)} (the first apart)"
+    if act:
+        res.update(summarize(accepted, "desktop_input", "s") if accepted else {})
+        res["desktop_input_errors"] = input_errors
     if peer:
         res.update(summarize(peer, "plain_qemu_desktop_ready", "s"))
 
@@ -459,12 +484,15 @@ async def desktop_restore_phase(srv: Any, quick: bool, res: dict[str, Any]) -> N
 
     sub: dict[str, Any] = {}
     async with AsyncClient(base_url=srv.url, api_key=srv.key, timeout=1800) as client:
-        await desktop_phase(client, quick, sub, plain=False)
+        await desktop_phase(client, quick, sub, plain=False, act=True)
     res["desktop_template_first_ready_s"] = sub["desktop_first_ready_s"]
     for k in ("p50", "p99"):
         res[f"desktop_restore_ready_{k}_s"] = sub[f"desktop_ready_{k}_s"]
         res[f"desktop_restore_agent_{k}_s"] = sub[f"desktop_agent_{k}_s"]
     res["desktop_restore_screenshot_p50_ms"] = sub["desktop_screenshot_p50_ms"]
+    for k in ("p50", "p99"):
+        res[f"desktop_restore_input_{k}_s"] = sub.get(f"desktop_input_{k}_s")
+    res["desktop_restore_input_errors"] = sub["desktop_input_errors"]
 
 
 async def desktop_idle_phase(srv: Any, quick: bool, res: dict[str, Any]) -> None:
@@ -640,7 +668,7 @@ def main(quick: bool = False, json_out: bool = False,
                            "desktop_ready": "not measured: run with --desktop"}
     t0 = time.monotonic()
     if phases & (SERVER_PHASES | {"desktop"}):
-        with server() as srv:
+        with server(COLD) as srv:
             asyncio.run(server_phases(srv, quick, phases, res))
     if "desktop_restore" in phases:
         with server(DESKTOP_TEMPLATES) as srv:

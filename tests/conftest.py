@@ -43,6 +43,7 @@ def node_settings(tmp: Path, node: str | None = None, run_dir: Path | None = Non
     s.net_pool = next(n for n in s.net_host_range.subnets(new_prefix=22)
                       if not n.overlaps(Settings().net_pool))
     s.vm_templates = False  # microVMs boot cold; the one template of a run: vm_template_node
+    s.vm_full_templates = "off"  # full VMs too (a disk image's template: the tests that ask)
     register_run_owner()
     return s
 
@@ -128,6 +129,14 @@ def vm_template_node() -> Iterator[Settings]:
             yield settings
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def desktop_disk():  # noqa: ANN201 - a VmDisk
+    """The node's desktop:1 disk (tests/helpers/desktop.py), built on first use."""
+    from tests.helpers.desktop import ensure_desktop_disk
+
+    return ensure_desktop_disk()
 
 
 @pytest.fixture

@@ -350,11 +350,11 @@ class Settings:
         "ROLLBOX_VM_TYPE_MAX_CHARS", "vm", 4096, int,
         "The most characters one keyboard.type call may send.")
     vm_full_templates: str = setting(
-        "ROLLBOX_VM_FULL_TEMPLATES", "vm", "off", full_templates,
+        "ROLLBOX_VM_FULL_TEMPLATES", "vm", "disk", full_templates,
         "Which `vm` creates restore a machine template (booted once per key, saved once its "
-        "screen settled: backends/vm/templates.py) instead of booting: 'disk' (disk-image "
-        "guests, the desktop), 'all' (layered images too) or 'off' (the default until a restored "
-        "desktop takes the mouse: docs/backends/vm.md, Templates).")
+        "screen settled: backends/vm/templates.py) instead of booting: 'disk' (the default: "
+        "disk-image guests, the desktop), 'all' (layered images too) or 'off' (every create "
+        "boots).")
     vm_full_template_settle_s: float = setting(
         "ROLLBOX_VM_FULL_TEMPLATE_SETTLE_S", "vm", 600.0, float,
         "How long a `vm` template's build VM may take after its agent answered until its "

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from rollbox.desktop.episode import run_desktop_episodes
-from rollbox.images.sources.desktop import build_desktop_disk
-from rollbox.images.vmdisk import verify_vm_disk, vm_disks_root
+from tests.helpers.desktop import desktop_edge_settings
 
 pytestmark = [pytest.mark.desktop_slow, pytest.mark.root, pytest.mark.timeout(5400)]
 
@@ -21,16 +20,9 @@ REPO = Path(__file__).resolve().parents[2]
 STRIP = REPO / "docs" / "demo-desktop.png"
 
 
-@pytest.fixture(scope="module")
-def desktop_disk():  # noqa: ANN201
-    disk = build_desktop_disk(progress=print)  # the node's, built if missing; used read-only
-    verify_vm_disk(disk)
-    return disk
-
-
 @pytest.fixture
 def edge_settings(desktop_disk) -> dict:  # noqa: ANN001
-    return {"vm_accel": "tcg", "vm_disks_root": vm_disks_root()}
+    return desktop_edge_settings("disk")  # the node default: desktops restored
 
 
 async def test_desktop_demo_end_to_end(edge, api_server, tmp_path: Path) -> None:  # noqa: ANN001

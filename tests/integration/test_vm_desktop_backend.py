@@ -14,8 +14,8 @@ import pytest
 
 import rollbox
 from rollbox.desktop.episode import decode_png
-from rollbox.images.sources.desktop import DESKTOP_IMAGE, DESKTOP_MODE, build_desktop_disk
-from rollbox.images.vmdisk import vm_disks_root
+from rollbox.images.sources.desktop import DESKTOP_IMAGE, DESKTOP_MODE
+from tests.helpers.desktop import desktop_edge_settings
 from tests.integration.test_vm_desktop_image import _stats
 
 pytestmark = [pytest.mark.desktop_slow, pytest.mark.root, pytest.mark.timeout(1800)]
@@ -23,14 +23,9 @@ pytestmark = [pytest.mark.desktop_slow, pytest.mark.root, pytest.mark.timeout(18
 BOOT_TIMEOUT_S = 900.0
 
 
-@pytest.fixture(scope="module")
-def desktop_disk():  # noqa: ANN201
-    return build_desktop_disk(progress=print)  # the node's, built if missing; read-only here
-
-
 @pytest.fixture
 def edge_settings(desktop_disk) -> dict:  # noqa: ANN001
-    return {"vm_accel": "tcg", "vm_disks_root": vm_disks_root()}
+    return desktop_edge_settings()  # a cold boot
 
 
 async def test_desktop_on_the_vm_backend(edge, api_server) -> None:  # noqa: ANN001

@@ -45,7 +45,7 @@ import json
 import shlex
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -202,9 +202,8 @@ class ScriptedAgent:
             self.milestone, self.ref_background = "desktop", s.background()
             self._to("click", s)
             # as a hand does: onto the launcher first, the click on the next look, off the
-            # panel on the one after. (A click straight from elsewhere followed at once by the
-            # move off the panel opened nothing, seen on this image under plain QEMU; this
-            # sequence opened the editor there. Which of the two it was is not isolated.)
+            # panel on the one after (a click's button is held: vm display.CLICK_HOLD_S, else
+            # JWM's tray drops the release and runs nothing)
             return [ComputerAction(action="move", x=launcher[0], y=launcher[1])]
         if self.state == "click":
             self._to("editor", s)
@@ -382,6 +381,28 @@ def _save(out_dir: Path, name: str, data: bytes) -> Path:
     return p
 
 
+async def run_agent(sb: Any, agent: ScriptedAgent,
+                    on_milestone: Callable[[str, bytes], None] | None = None
+                    ) -> dict[str, float]:
+    """Drive ``sb`` by ``agent`` (screenshots in, actions out) until it is done; the seconds
+    from the start to each milestone (``desktop``, ``editor``: its window drawn after the
+    click, ``typed``, ``saved``...), each milestone's screenshot to ``on_milestone``."""
+    t0 = time.monotonic()
+    at: dict[str, float] = {}
+    while True:
+        data = await sb.screenshot()
+        actions = agent.step(Screen(decode_png(data), time.monotonic()))
+        if agent.milestone:
+            at[agent.milestone] = time.monotonic() - t0
+            if on_milestone is not None:
+                on_milestone(agent.milestone, data)
+        for a in actions:
+            await sb.computer(a)
+        if agent.done:
+            return at
+        await asyncio.sleep(POLL_S)
+
+
 async def episode(client: Any, i: int, *, text: str, out_dir: Path,
                   timings: dict[str, list[float]], cheat: bool = False) -> dict[str, Any]:
     t0 = time.monotonic()
@@ -397,7 +418,7 @@ async def episode(client: Any, i: int, *, text: str, out_dir: Path,
     shots: list[str] = []
     try:
         t = time.monotonic()
-        first = await wait_desktop(sb)
+        await wait_desktop(sb)
         took("desktop", t)
         t = time.monotonic()
         if cheat:
@@ -406,21 +427,11 @@ async def episode(client: Any, i: int, *, text: str, out_dir: Path,
                 raise InfraError(f"the cheat failed: {r.stderr[-300:]}")
             shots.append(str(_save(out_dir, f"desktop-{i}-cheat", await sb.screenshot())))
         else:
-            agent = ScriptedAgent(text=text)
-            s = first
-            while True:
-                data = await sb.screenshot()
-                s = Screen(decode_png(data), time.monotonic())
-                actions = agent.step(s)
-                if agent.milestone:
-                    n = len(shots) + 1
-                    shots.append(str(_save(out_dir, f"desktop-{i}-{n}-{agent.milestone}",
-                                           data)))
-                for a in actions:
-                    await sb.computer(a)
-                if agent.done:
-                    break
-                await asyncio.sleep(POLL_S)
+            def shot(milestone: str, data: bytes) -> None:
+                n = len(shots) + 1
+                shots.append(str(_save(out_dir, f"desktop-{i}-{n}-{milestone}", data)))
+
+            await run_agent(sb, ScriptedAgent(text=text), shot)
         took("act", t)
         # what the agent's own VM says (guest-reported: the agent's to fake)
         own = await read_note(sb)

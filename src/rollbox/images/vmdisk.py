@@ -30,6 +30,11 @@ from rollbox.config import Settings
 from rollbox.errors import InfraError, NotFound
 from rollbox.images.names import validate_name
 
+# The guest contract's sign that a desktop image's session is drawn: the session creates this
+# file (in the guest) once its window manager drew the screen; a machine template's build of a
+# desktop waits for it (backends/vm/templates.py). Per boot: nothing in a base image has it.
+DESKTOP_DRAWN_FILE = "/tmp/.rollbox-desktop-drawn"
+
 VM_DISKS_DIR = "vm-disks"
 DISK_FILE = "disk.img"
 MANIFEST_FILE = "disk.json"

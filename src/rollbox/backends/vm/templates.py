@@ -47,6 +47,7 @@ from rollbox.backends.microvm.template import BUILD_PREFIX, guest_digest
 from rollbox.backends.vm import display
 from rollbox.backends.vm.snapshots import MachineSnapshots, Saved
 from rollbox.errors import InfraError, NotFound
+from rollbox.images.vmdisk import DESKTOP_DRAWN_FILE
 
 if TYPE_CHECKING:
     from rollbox.backends.microvm.backend import MicroVM
@@ -59,16 +60,19 @@ TEMPLATE_DISK_PREFIX = MACHINE_SNAPSHOT_PREFIX + "tmpl-"
 KEY_VERSION = 1
 SETTLE_SHOTS = 6      # screenshots that must agree (at most two pictures: a blinking cursor)
 SETTLE_GAP_S = 0.5
-# A disk image with an X server (a desktop): its socket exists and a client is connected to
-# it (the window manager; checked by the platform's busybox through the agent: an X server's
-# empty root window alone, black, also holds still), then DESK_SETTLE_SHOTS
-# screenshots of one picture (a boot console's cursor blinks: two pictures, not settled).
+# A disk image with an X server (a desktop): its socket exists, a client is connected to it
+# and the session said it drew the screen (DESKTOP_DRAWN_FILE; checked by the platform's
+# busybox through the agent: an X server's empty root window alone, black, also holds still,
+# and xinit's own connection came before the window manager drew: a template of a black
+# screen was saved at load 17-25), then DESK_SETTLE_SHOTS screenshots of one picture (a boot
+# console's cursor blinks: two pictures, not settled).
 X_SOCKET = "/tmp/.X11-unix/X0"
 X_SERVER = "/usr/bin/Xorg"
 DESK_SETTLE_SHOTS = 10
 # connected (state 03) sockets of the X server's address in the guest's /proc/net/unix: a
 # client (the window manager) is connected
-DESK_CHECK = f"test -S {X_SOCKET} && grep -q ' 03 .*{X_SOCKET}$' /proc/net/unix"
+DESK_CHECK = (f"test -S {X_SOCKET} && grep -q ' 03 .*{X_SOCKET}$' /proc/net/unix && "
+              f"test -e {DESKTOP_DRAWN_FILE}")
 
 
 def template_key(spec: ResolvedSpec, base: str, argv: list[str], guest: str,

@@ -38,6 +38,7 @@ from rollbox.images.overlay import remove_entry
 from rollbox.images.sources.debootstrap import _sources_entries, default_mirror
 from rollbox.images.store import Progress
 from rollbox.images.vmdisk import (
+    DESKTOP_DRAWN_FILE,
     DISK_FILE,
     DISK_FORMAT,
     MANIFEST_FILE,
@@ -49,6 +50,11 @@ from rollbox.images.vmdisk import (
 )
 
 DESKTOP_IMAGE = "desktop:1"
+# The recipe's version, in the manifest: a disk built by an older recipe is built again by
+# build_desktop_disk (2: the session's X cookie holds for any host name, XINITRC; JWM says
+# it drew the screen, vmdisk.DESKTOP_DRAWN_FILE: its StartupCommands run after the tray and
+# the background are drawn).
+DESKTOP_RECIPE = 2
 DESKTOP_SUITE = "bookworm"
 DESKTOP_USER = "user"
 DESKTOP_UID = 1000
@@ -127,7 +133,14 @@ fi
 """
 XINITRC = """\
 #!/bin/sh
-# rollbox desktop session: JWM, its panel of launchers at the bottom
+# rollbox desktop session: JWM, its panel of launchers at the bottom.
+# The X cookie for any host name (family "wild", ffff): startx wrote it for this host name,
+# and a restored desktop gets a new one (the platform's make_unique), so later clients (a
+# launcher's editor) found no cookie and X refused them ("Authorization required"). Read
+# first, then merged: in one pipe the two xauth runs contend for the file's lock ("timeout
+# in locking authority file") and nothing is merged.
+wild=$(xauth nlist "$DISPLAY" | sed -e 's/^..../ffff/')
+printf '%s\\n' "$wild" | xauth nmerge -
 exec jwm
 """
 ACTIVE_BLUE = "#1f4e8c"
@@ -167,6 +180,7 @@ JWMRC = f"""\
     <TrayButton label="Spreadsheet">exec:gnumeric</TrayButton>
     <TaskList maxwidth="240"/>
   </Tray>
+  <StartupCommand>touch {DESKTOP_DRAWN_FILE}</StartupCommand>
   <Desktops width="1" height="1">
     <Background type="solid">#3a6ea5</Background>
   </Desktops>
@@ -269,7 +283,8 @@ def build_desktop_disk(root: Path | None = None, name: str = DESKTOP_IMAGE,
     """Build the desktop VM disk ``name`` under the vm-disks ``root`` (default
     ``<data_dir>/vm-disks``) unless it is there (``force``: build again; a running sandbox
     keeps the old disk's inode). Runs as root on the host (debootstrap, chroot, mkfs); slow:
-    ~10 minutes on 2 cores. The log: ``<root>/logs/desktop-<time>.log``."""
+    ~10 minutes on 2 cores; a disk of an older recipe (manifest ``recipe`` <
+    :data:`DESKTOP_RECIPE`) is built again. The log: ``<root>/logs/desktop-<time>.log``."""
     validate_name(name)
     if not re.fullmatch(r"[a-z][a-z0-9.-]*", suite):
         raise BadRequest(f"invalid Debian suite {suite!r}")
@@ -289,7 +304,11 @@ def build_desktop_disk(root: Path | None = None, name: str = DESKTOP_IMAGE,
         fcntl.flock(lock, fcntl.LOCK_EX)  # one build of a name at a time; the second reuses it
         if not force:
             with contextlib.suppress(NotFound, InfraError):  # missing or broken: build it
-                return resolve_vm_disk(root, name)
+                disk = resolve_vm_disk(root, name)
+                if disk.manifest.get("recipe", 1) == DESKTOP_RECIPE:
+                    return disk
+                say(f"{name}: built by recipe {disk.manifest.get('recipe', 1)}, "
+                    f"this is {DESKTOP_RECIPE}: building it again")
         return _build(root, name, suite, mirror or default_mirror(suite), out_dir, say)
 
 
@@ -416,6 +435,7 @@ def _publish(vm_root: Path, name: str, suite: str, mirror: str, security: str,
         # the vm backend's keys (docs/backends/vm.md)
         "name": name, "format": DISK_FORMAT, "bytes": raw.stat().st_size,
         "sha256": sha256_file(raw), "init": "/sbin/init",
+        "recipe": DESKTOP_RECIPE,
         # what it is and what it was built from
         **disk, "created": time.time(), "build_seconds": round(seconds, 1),
         "source": {"debootstrap": suite, "variant": "minbase", "mirror": mirror,
