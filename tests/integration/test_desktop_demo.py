@@ -2,10 +2,12 @@
 real ``desktop:1`` VMs through the api and a real edge (TCG): the honest agent opens the
 editor by mouse, types, saves with ctrl+s and is graded 1.0 by the replay in a fresh VM; the
 cheater writes the note by exec, its own VM says it won, the grade is 0.0. Four desktop
-boots: ``desktop_slow`` only. The honest episode's step strip is written to
-``docs/demo-desktop.png`` (looked at by eye: docs/desktop-demo.md)."""
+boots: ``desktop_slow`` only. With ``ROLLBOX_DOCS_SHOTS=1`` the honest episode's step strip
+is copied to ``docs/demo-desktop.png`` (looked at by eye: docs/desktop-demo.md); a test run
+writes nothing into the checkout otherwise."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -39,4 +41,6 @@ async def test_desktop_demo_end_to_end(edge, api_server, tmp_path: Path) -> None
     assert cheat["reward"] == 0.0 and cheat["grade"]["replayed"] == 0, cheat
     steps = [Path(p).stem.split("-", 2)[2] for p in honest["screenshots"]]
     assert steps == ["1-desktop", "2-editor", "3-typed", "4-saved", "grader-replay"], steps
-    shutil.copyfile(summary["strip"], STRIP)
+    assert Path(summary["strip"]).stat().st_size > 0
+    if os.environ.get("ROLLBOX_DOCS_SHOTS") == "1":
+        shutil.copyfile(summary["strip"], STRIP)
