@@ -48,6 +48,14 @@ def test_a_pressed_button_is_held_before_it_is_let_go() -> None:
     assert set(pauses(ComputerAction(action="type", text="hello"))) == {display.TYPE_PAUSE_S}
 
 
+def test_a_persons_input_in_the_live_view_is_not_paced() -> None:
+    # The viewer's press and release of one read arrive as consecutive batches: holding the
+    # button there would stretch a person's double click past the double-click time.
+    press = [{"type": "btn", "data": {"down": True, "button": "left"}}]
+    assert display.pause_after("click", press) == display.CLICK_HOLD_S
+    assert display.pause_after(display.VIEW_INPUT, press) == 0.0
+
+
 @pytest.mark.parametrize("action, why", [
     (ComputerAction(action="move", x=1280, y=0), "outside the 1280x800"),
     (ComputerAction(action="press", keys="hyper+x"), "unknown key"),

@@ -150,6 +150,7 @@ def test_server_init_size_in_any_split() -> None:
 @pytest.mark.parametrize("data", [
     server_start(800, 600, types=b""),  # no security type: a failure reason follows
     server_start(800, 600, result=1),  # security failed
+    server_start(800, 600, types=b"\x02"),  # VNC auth only: its challenge is not a size
     server_start(0, 600),
     b"RFB 003.003\n" + bytes(40),
     b"\xff" * 400,

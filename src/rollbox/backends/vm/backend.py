@@ -141,15 +141,15 @@ class VmDisplay:
     async def send_input(self, batches: list[list[dict[str, Any]]]) -> None:
         """Input batches of the live view, through the one QMP input path the agent's actions
         take (``display.send``: to the display's console, so the pointer reaches the tablet
-        bound to it), under the VM's lock; a paused VM drops them (its viewer sees the
-        screen stand still)."""
+        bound to it), under the VM's lock, unpaced (the person's own timing); a paused VM
+        drops them (its viewer sees the screen stand still)."""
         if not batches or self.vm.paused:
             return
         async with self.vm.lock:
             if self.vm.paused:
                 return
             async with qmp.session(self.vm.qmp_path) as q:
-                await display.send(q, "view", batches)
+                await display.send(q, display.VIEW_INPUT, batches)
 
     async def info(self) -> DisplayInfo:
         w, h = display.png_size(await self._shot())

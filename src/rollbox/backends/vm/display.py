@@ -216,12 +216,19 @@ def events_in(batches: list[list[dict[str, Any]]]) -> int:
 DISPLAY_ID = "video0"
 
 
+# The live view's input (``send``'s action for a person's events): paced by the person, never
+# by the platform (a hold there would make a person's double click two clicks).
+VIEW_INPUT = "view"
+
+
 def pause_after(action: str, batch: list[dict[str, Any]]) -> float:
     """Seconds :func:`send` waits after ``batch`` of ``action`` before the next one:
     :data:`CLICK_HOLD_S` after a pointer button went down (not the wheel's steps;
     :data:`DOUBLE_CLICK_HOLD_S` in a double click), :data:`TYPE_PAUSE_S` between batches of
     typed keys, half of :data:`CLICK_GAP_S` between a double click's release and its next
-    press; else none."""
+    press; else none, and never for :data:`VIEW_INPUT`."""
+    if action == VIEW_INPUT:
+        return 0.0
     last = batch[-1] if batch else {}
     if last.get("type") == "btn" and last["data"]["down"] and \
             not str(last["data"]["button"]).startswith("wheel"):

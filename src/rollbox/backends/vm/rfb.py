@@ -272,6 +272,7 @@ class ClientFilter:
 # QEMU's start of the stream: version, the count and list of security types, SecurityResult,
 # ServerInit's width and height (what follows, its pixel format and name, is not read).
 SERVER_HEAD_MAX = len(VERSION) + 1 + 255 + 4 + 4
+SECURITY_NONE = 1  # RFB security type None: the only one the live view's stream may offer
 
 
 @dataclass
@@ -301,6 +302,10 @@ class ServerInit:
             return
         need = v + 1 + n + 4 + 4
         if len(buf) < need:
+            return
+        if SECURITY_NONE not in buf[v + 1:v + 1 + n]:
+            # Another type (VNC auth's challenge) would be read as the result and the size.
+            self._stop()
             return
         (result,) = struct.unpack_from(">I", buf, v + 1 + n)
         w, h = struct.unpack_from(">HH", buf, v + 1 + n + 4)
