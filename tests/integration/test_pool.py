@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rollbox import errors
-from rollbox.models import ExecSpec, NetworkPolicy, Quota, Resources, SandboxSpec
+from rollbox.models import ExecSpec, ForkSpec, NetworkPolicy, Quota, Resources, SandboxSpec
 from tests.conftest import node_settings
 
 pytestmark = [pytest.mark.root,
@@ -73,7 +73,7 @@ VARIANTS = {
     "image": {"image": DEB},
     "resources": {"resources": Resources(memory_mib=512)},
     "network": {"network": NetworkPolicy(allow=[])},
-    "hidden_paths": {"hidden_paths": ["/etc/hostname"]},
+    "hidden_paths": {"hidden_paths": ["/etc/group"]},
     "disk_tier": {"disk_tier": "memory"},
     "qos": {"qos": "latency"},
     "layers": {"layers": [DEB]},
@@ -88,10 +88,14 @@ async def test_never_hands_out_a_sandbox_of_another_setup(edge) -> None:  # noqa
         info = await edge.create(SandboxSpec(**{"image": BB, **change}), "proj")
         assert info.id not in made, f"{name}: handed out a sandbox of another set-up"
         assert edge.pool.hits == 0 and edge.pool.size() == 1, name
+        if name == "hidden_paths":  # the cold one of the hidden path really hides it
+            r = await edge.exec_run(info.id, ExecSpec(cmd="cat /etc/group"))
+            assert r.exit_code != 0 or not r.stdout, r  # masked: unreadable or empty
         await edge.delete(info.id)
-    # the cold one of the hidden path really hides it; a pooled base one does not
+    # ... and the pooled base one does not
     info = await edge.create(SandboxSpec(image=BB), "proj")
     assert info.id in made
+    assert await run(edge, info.id, "cat /etc/group")  # the image's file, readable
 
 
 async def test_quota_is_checked_at_handout_and_the_sandbox_stays_pooled(
@@ -253,3 +257,112 @@ async def test_refilled_sandboxes_get_their_own_cpu_class(edge) -> None:  # noqa
         info = await edge.create(spec, "proj")
         assert info.id in pooled
         assert os.sched_getscheduler(edge.live[info.id].box.agent_pid) == want, qos
+
+
+async def test_refusals_an_eviction_can_not_cure_keep_the_pool(edge) -> None:  # noqa: ANN001
+    """Grades waiting for room or memory pressure refuse a create whatever the pool holds:
+    no pooled sandbox is destroyed for it."""
+    await edge.pool.stop_refill()
+    made = await edge.pool_fill(SandboxSpec(image=BB), 2)
+    assert len(made) == 2
+    psi_max = edge.limits.memory_psi_max
+    for reason in ("reserved", "memory_pressure"):
+        if reason == "reserved":
+            edge.admission._reserved_waiting += 1  # a grade waits for room
+        else:
+            edge.limits.memory_psi_max = -1.0  # any PSI reading is above it
+            edge.admission.memory.forget()
+        try:
+            with pytest.raises(errors.CapacityExceeded) as exc:
+                await edge.create(SandboxSpec(image=BB, qos="latency"), "proj")
+        finally:
+            edge.admission._reserved_waiting = 0
+            edge.limits.memory_psi_max = psi_max
+        assert exc.value.details["reason"] == reason
+        assert edge.pool.size() == 2 and edge.pool.evicted["room"] == 0, reason
+
+
+async def test_a_grade_share_create_evicts_without_waiting(edge) -> None:  # noqa: ANN001
+    """A reserved create (grades, fncall workers) on a node full of pooled sandboxes gets
+    their room at once, not after waiting out the create queue timeout; the refill does not
+    take the room back meanwhile (it waits while a create is in admission)."""
+    await edge.pool.stop_refill()
+    edge.limits.max_sandboxes = 2
+    edge.limits.reserved_share = 0.0
+    edge.limits.create_queue_timeout_s = 30.0
+    made = await edge.pool_fill(SandboxSpec(image=BB), 2)
+    assert len(made) == 2
+    refill_held = []
+    destroy = edge.pool._destroy
+
+    async def evicting(p):  # noqa: ANN001, ANN202
+        edge._last_request = 0.0  # as if the eviction took longer than POOL_QUIET_S
+        refill_held.append(edge._pool_busy() > 0)
+        await destroy(p)
+
+    edge.pool._destroy = evicting
+    async with asyncio.timeout(10):
+        info = await edge.create(SandboxSpec(image=BB, qos="latency"), "proj",
+                                 share="reserved")
+    assert info.id not in made and edge.pool.evicted["room"] == 1
+    assert refill_held == [True]
+
+
+async def test_reports_count_pooled_room_as_free(edge) -> None:  # noqa: ANN001
+    await edge.pool.stop_refill()
+    before = (await edge.report()).free
+    made = await edge.pool_fill(SandboxSpec(image=BB), 2)
+    assert len(made) == 2
+    assert (await edge.report()).free == before  # placement sees room a create would get
+    info = await edge.create(SandboxSpec(image=BB, qos="latency"), "proj")
+    assert (await edge.report()).free["sandboxes"] == before["sandboxes"] - 1
+    await edge.delete(info.id)
+
+
+async def test_a_draining_node_destroys_its_pool_and_makes_none(edge) -> None:  # noqa: ANN001
+    await edge.pool.stop_refill()
+    made = await edge.pool_fill(SandboxSpec(image=BB), 2)
+    assert len(made) == 2
+    try:
+        edge.drain(True)
+        assert edge.pool.size() == 0 and edge.pool.evicted["drain"] == 2
+        assert await edge.pool_fill(SandboxSpec(image=BB), 1) == []
+        deadline = time.monotonic() + 30
+        while any(edge.leftovers(sid) for sid in made) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for sid in made:
+            assert not edge.leftovers(sid), sid
+        assert edge.admission.total.sandboxes == 0
+    finally:
+        edge.drain(False)
+
+
+async def test_a_failed_handout_destroys_the_sandbox(edge, monkeypatch) -> None:  # noqa: ANN001
+    await edge.pool.stop_refill()
+    made = await edge.pool_fill(SandboxSpec(image=BB), 1)
+    assert len(made) == 1
+    put = edge.journal.put
+    calls = []
+
+    def failing_put(info, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append(info.state)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return put(info, *a, **kw)
+
+    monkeypatch.setattr(edge.journal, "put", failing_put)
+    with pytest.raises(OSError):
+        await edge.create(SandboxSpec(image=BB), "proj")
+    assert edge.pool.size() == 0 and made[0] not in edge.live
+    assert not edge.leftovers(made[0])
+    assert edge.admission.total.sandboxes == 0 and "proj" not in edge.admission.by_owner
+
+
+async def test_a_fork_holds_the_refill_back(edge) -> None:  # noqa: ANN001
+    await edge.pool.stop_refill()
+    src = await edge.create(SandboxSpec(image=BB), "proj")
+    edge._last_request = 0.0
+    res = await edge.fork(src.id, ForkSpec(n=1), "proj")
+    assert edge._last_request > 0.0
+    for kid in [src.id, *[c.id for c in res.children]]:
+        await edge.delete(kid)

@@ -300,3 +300,20 @@ def test_settings_out_of_range_stop_the_edge() -> None:
         setattr(s, name, value)
         with pytest.raises(ValueError):
             Limits.from_settings(s, 24 * GIB)
+
+
+def test_free_counts_an_evictable_owners_room_as_free(tmp_path: Path) -> None:
+    """The warm pool's admissions (an owner every create may evict) are room a create gets:
+    a report shows them free; another owner's are not; a node refusing shows none."""
+    adm, host = make(tmp_path, max_sandboxes=10, reserved_share=0.0)
+    empty = adm.free()
+    for _ in range(3):
+        adm.try_admit(res(), "rollbox.pool")
+    adm.try_admit(res(), "proj")
+    assert adm.free()["sandboxes"] == empty["sandboxes"] - 4
+    spare = adm.free(evictable="rollbox.pool")
+    assert spare["sandboxes"] == empty["sandboxes"] - 1
+    assert spare["cpus"] == empty["cpus"] - 1 and spare["memory_mib"] == empty["memory_mib"] - 1024
+    host.set(available_mib=20 * GIB, psi=99.0)
+    adm.memory.forget()
+    assert set(adm.free(evictable="rollbox.pool").values()) == {0.0}

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from rollbox.backends.base import ResolvedSpec
 from rollbox.config import Settings
 from rollbox.edge.pool import Pooled, PoolKey, WarmPool, check_capacity, key_of
 from rollbox.errors import BadRequest, CapacityExceeded
@@ -48,6 +49,11 @@ def test_every_setup_field_changes_the_key() -> None:
     }
     # every field of the key is covered by one variant, and each variant differs only there
     assert set(variants) == {f.name for f in dataclasses.fields(PoolKey)} - {"backend"}
+    # every field of the backend's spec (what a sandbox is made from) is in the key, applied
+    # at hand-out, or not poolable: a new set-up field must be put in one of them
+    assert {f.name for f in dataclasses.fields(ResolvedSpec)} == (
+        set(SPEC_IN_KEY) | SPEC_AT_HANDOUT | SPEC_NOT_POOLABLE)
+    assert set(SPEC_IN_KEY.values()) <= set(variants)
     for name, key in variants.items():
         assert key is not None and key != base, name
         diff = [f.name for f in dataclasses.fields(PoolKey)
@@ -61,6 +67,16 @@ def test_every_setup_field_changes_the_key() -> None:
     assert key_of(SandboxSpec(image="x", backend="microvm"), [], {}, s) is None
     assert key_of(SandboxSpec(image="x"), [], {"machine_snapshot": {"id": "m"}}, s) is None
     assert key_of(SandboxSpec(image="x"), [], {"disk_image": "d"}, s) is None
+    assert key_of(SandboxSpec(image="x", vm_console="shell"), [], {}, s) is None
+
+
+# ResolvedSpec's fields by how a pool treats them: in the key (ResolvedSpec name -> PoolKey
+# name), applied to a pooled sandbox at hand-out, or never pooled (key_of gives None).
+SPEC_IN_KEY = {"image": "image", "layers": "layers", "resources": "resources",
+               "hidden_paths": "hidden_paths", "network_rules": "network",
+               "disk_tier": "disk_tier", "qos": "qos"}
+SPEC_AT_HANDOUT = {"env"}
+SPEC_NOT_POOLABLE = {"machine_snapshot", "disk_image", "vm_console"}
 
 
 def fake_pooled(key: PoolKey, n: int) -> Pooled:
@@ -90,7 +106,7 @@ def make_pool(s: Settings, busy: list[bool] | None = None, clock: Clock | None =
     async def destroy(p: Pooled) -> None:
         destroyed.append(p.sandbox_id)
 
-    pool = WarmPool(s, make, destroy, lambda: busy[0], clock=clock or Clock())
+    pool = WarmPool(s, make, destroy, lambda: 0.01 if busy[0] else 0.0, clock=clock or Clock())
     return pool, made, destroyed
 
 
@@ -139,6 +155,37 @@ async def test_total_bound_and_refill_waits_for_real_creates() -> None:
     assert not made  # a real create is under way: nothing made meanwhile
     busy[0] = False
     assert await task == 3 and pool.size() == 3  # pool_max_total
+
+
+async def test_refill_sleeps_until_quiet_instead_of_polling() -> None:
+    """``busy`` says how long to wait: the refill sleeps that long, it does not poll."""
+    s = settings()
+    loop = asyncio.get_running_loop()
+    quiet_at = loop.time() + 0.3
+    calls = [0]
+
+    def busy() -> float:
+        calls[0] += 1
+        return max(0.0, quiet_at - loop.time())
+
+    pool, made, _ = make_pool(s)
+    pool._busy = busy
+    pool.note(key_of(SandboxSpec(image="a"), [], {}, s), {})
+    assert await pool.refill() == 1
+    assert loop.time() >= quiet_at
+    assert calls[0] <= 6, calls  # polling every 2 ms would ask ~150 times
+
+
+async def test_evict_all_destroys_every_pooled_sandbox() -> None:
+    s = settings()
+    pool, made, destroyed = make_pool(s)
+    a = key_of(SandboxSpec(image="a"), [], {}, s)
+    b = key_of(SandboxSpec(image="b"), [], {}, s)
+    await pool.fill(a, 2, {})
+    await pool.fill(b, 1, {})
+    assert pool.evict_all("drain") == 3 and pool.size() == 0 and not pool.ready
+    await pool.close()
+    assert sorted(destroyed) == ["sb0", "sb1", "sb2"] and pool.evicted["drain"] == 3
 
 
 async def test_admission_refusal_stops_a_fill_quietly() -> None:

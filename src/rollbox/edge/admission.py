@@ -477,17 +477,21 @@ class Admission:
             self._freed.set()
 
     # ---- reporting ----------------------------------------------------------------------
-    def free(self) -> dict[str, float]:
+    def free(self, evictable: str | None = None) -> dict[str, float]:
         """Room left for new creates per budget after overcommit (the share reserved for
         grades and fncall workers kept out); all 0 while the node refuses new creates
-        (grades waiting for room, memory pressure)."""
+        (grades waiting for room, memory pressure). ``evictable``: an owner whose
+        admissions give their room back to any create (the warm pool's): counted as free."""
         lim = self.limits
         f = self._share_factor("new")
         b = self.budgets()
+        spare = self.by_owner.get(evictable) if evictable is not None else None
+        spare = spare or _Usage()
         out = {"sandboxes": float(max(0, lim.max_sandboxes - self._reserved_sandboxes()
-                                      - self.total.sandboxes)),
-               "cpus": max(0.0, round(b["cpus"] * f - self.total.cpus, 3)),
-               "memory_mib": max(0.0, b["memory_mib"] * f - self.total.memory_mib)}
+                                      - self.total.sandboxes + spare.sandboxes)),
+               "cpus": max(0.0, round(b["cpus"] * f - self.total.cpus + spare.cpus, 3)),
+               "memory_mib": max(0.0, b["memory_mib"] * f - self.total.memory_mib
+                                 + spare.memory_mib)}
         psi = self.memory.sample().psi_some_avg10
         if self._reserved_waiting or (psi is not None and psi > lim.memory_psi_max):
             out = {k: 0.0 for k in out}

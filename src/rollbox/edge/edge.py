@@ -37,7 +37,7 @@ from rollbox.edge.interface import ExecOutput, PlatformProcess
 from rollbox.edge.journal import Journal
 from rollbox.edge.leases import JobLeases, LeaseReaper
 from rollbox.edge.pool import (
-    POOL_OWNER, POOL_QUIET_S, Pooled, PoolKey, WarmPool, check_capacity, key_of,
+    POOL_OWNER, POOL_QUIET_S, ROOM_REASONS, Pooled, PoolKey, WarmPool, check_capacity, key_of,
 )
 from rollbox.edge.sessions import ExecSession
 from rollbox.edge.storage import LayerStorage, project_image_name
@@ -164,6 +164,7 @@ class Edge:
         self.incarnation = secrets.token_hex(8)
         self.started_at = time.time()
         self._starting = 0  # creates admitted and not ended yet (report().starting)
+        self._admitting = 0  # creates and forks in admission (maybe evicting): the refill waits
         self._fenced_gap: float | None = None  # at start: unprobed past the fence (seconds)
         self._layer_cache: tuple[tuple[float, float], list[str]] | None = None
         self.live: dict[str, LiveSandbox] = {}
@@ -468,7 +469,7 @@ class Edge:
                     created_at=info.created_at, expires_at=info.expires_at, image=info.image,
                     platform=live.platform, job=info.job))
         fenced = self.fence.expired() is not None
-        free = adm.free()
+        free = adm.free(evictable=POOL_OWNER)  # pooled sandboxes give their room to a create
         if fenced or self.draining:
             free = {k: 0.0 for k in free}
         return NodeReport(
@@ -485,8 +486,11 @@ class Edge:
         """Refuse every new create (CapacityExceeded, reason draining; reports show no room
         and ``draining``) while ``on``; the sandboxes already here run on. What releasing a
         burst node does first (rollbox.cluster.burst). Returns the live sandboxes plus the
-        creates under way now (0: nothing can land here any more while draining)."""
+        creates under way now (0: nothing can land here any more while draining). Pooled
+        sandboxes are destroyed (in the background) and no more are made while draining."""
         self.draining = on
+        if on:
+            self.pool.evict_all("drain")
         return len(self.live) + self._starting
 
     def _layer_digests(self) -> list[str]:
@@ -784,7 +788,10 @@ class Edge:
             if pooled is not None:
                 return await self._hand_out(pooled, spec, owner, image_config, layers, quota)
         try:
-            ticket = await self._admit(spec.resources, owner, share, quota)
+            ticket = await self._admit_evicting(
+                lambda: self.admission.try_admit(spec.resources, owner, share, quota),
+                None if share == "new" else
+                lambda: self.admission.admit(spec.resources, owner, share, quota))
         except (CapacityExceeded, QuotaExceeded) as exc:
             self.metrics.refusals.labels(self.metrics.refusal_reason(exc.details)).inc()
             raise
@@ -813,17 +820,29 @@ class Edge:
         self.metrics.create_seconds.labels(spec.backend).observe(time.monotonic() - t0)
         return info
 
-    async def _admit(self, r: Resources, owner: str, share: Share,
-                     quota: Quota | None) -> Ticket:
-        """Admission of a real create; a refusal of the node first gives back the room of
-        pooled sandboxes (least-wanted key first), one at a time, before it is final."""
-        while True:
-            try:
-                return await self.admission.admit(r, owner, share, quota)
-            except CapacityExceeded:
-                if not await self.pool.evict_one("room"):
-                    raise
-                self.admission.memory.forget()  # what the evicted one held shows now
+    async def _admit_evicting(self, attempt: Callable[[], _T],
+                              wait: Callable[[], Awaitable[_T]] | None = None) -> _T:
+        """Admission of a real create or fork: ``attempt`` (a ``try_admit``) now; a refusal
+        for want of room (pool.ROOM_REASONS) first gives back the room of pooled sandboxes
+        (least-wanted key first), one at a time; then ``wait`` (a reserved admission waits
+        for room) or the refusal is final. Other refusals (grades waiting, memory pressure, a
+        project's grades) evict nothing. Counted in ``_admitting``: the refill does not take
+        the room an eviction just gave back."""
+        self._admitting += 1
+        try:
+            while True:
+                try:
+                    return attempt()
+                except CapacityExceeded as exc:
+                    if (exc.details.get("reason") not in ROOM_REASONS
+                            or not await self.pool.evict_one("room")):
+                        if wait is None:
+                            raise
+                        break
+                    self.admission.memory.forget()  # what the evicted one held shows now
+            return await wait()
+        finally:
+            self._admitting -= 1
 
     @staticmethod
     def _base_env(image_config: dict | None, spec_env: dict[str, str]) -> dict[str, str]:
@@ -848,16 +867,22 @@ class Edge:
         )
 
     # ---- warm pools (rollbox.edge.pool) -------------------------------------------------
-    def _pool_busy(self) -> bool:
-        """The refill waits: a real create is in flight, or a create or exec started less than
-        POOL_QUIET_S ago (its first command, the next step of an episode)."""
-        return (self._starting > 0
-                or time.monotonic() - self._last_request < POOL_QUIET_S)
+    def _pool_busy(self) -> float:
+        """How long the refill still waits (0: it may go): while a real create or fork is
+        in admission or in flight, and until POOL_QUIET_S after the last create, fork or exec
+        start (its first command, the next step of an episode)."""
+        if self._starting > 0 or self._admitting > 0:
+            return POOL_QUIET_S
+        return max(0.0, self._last_request + POOL_QUIET_S - time.monotonic())
 
     async def _pool_make(self, key: PoolKey, base_env: dict[str, str]) -> Pooled:
         """One sandbox of ``key`` made ahead: admitted as the pool's (no project's, no quota),
         created by the same backend call as a cold create of that key, not journaled (an
         edge that stops destroys it; one that crashes cleans it up as an orphan)."""
+        if self.draining or self.fence.expired() is not None:
+            why = "draining" if self.draining else "fenced"
+            raise CapacityExceeded(f"node {self.node_id} is {why}: nothing is pooled",
+                                   reason=why)
         r = key.resolved()
         ticket = self.admission.try_admit(r, POOL_OWNER, "new")
         sandbox_id = f"{self.node_id}-{secrets.token_hex(6)}"
@@ -923,8 +948,22 @@ class Edge:
         box.image_env.update(self._base_env(image_config, spec.env))
         if box.network is not None:
             box.image_env.update(box.network.env)
-        self.journal.put(info, backend_state=box.state(), extra={"env": box.image_env})
-        self._register(info, box, p.backend, p.ticket)
+        try:
+            self.journal.put(info, backend_state=box.state(), extra={"env": box.image_env})
+            self._register(info, box, p.backend, p.ticket)
+        except BaseException as exc:
+            # Neither pooled nor live: destroyed (its admission released), nothing left of it.
+            live = self.live.pop(info.id, None)
+            if live is not None and live.watcher is not None:
+                live.watcher.cancel()
+            if self._create_keys.get((owner, info.idempotency_key)) == info.id:
+                del self._create_keys[(owner, info.idempotency_key)]
+            await self.pool.discard(p)
+            try:
+                self._mark_dead(info, f"creation failed: {exc}", state="deleted")
+            except Exception:  # noqa: BLE001 - the journal failing is what raised: say that
+                log.exception("sandbox %s: its failed hand-out not journaled", info.id)
+            raise
         self.event_log.append(info.id, "sandbox.created", data=json.dumps(
             {"image": spec.image, "layers": layers, "owner": owner, "job": spec.job,
              "pooled": True}))
@@ -1926,15 +1965,10 @@ class Edge:
         if self.draining:
             raise CapacityExceeded(f"node {self.node_id} is draining: no new sandbox",
                                    reason="draining")
+        self._last_request = time.monotonic()  # the refill waits for the children
         quota = self.quotas.get(owner) if self.quotas is not None else None
-        while True:  # as _admit: pooled sandboxes give their room back first
-            try:
-                tickets = self.admission.try_admit_many(src.resources, owner, n, quota)
-                break
-            except CapacityExceeded:
-                if not await self.pool.evict_one("room"):
-                    raise
-                self.admission.memory.forget()
+        tickets = await self._admit_evicting(
+            lambda: self.admission.try_admit_many(src.resources, owner, n, quota))
         self._starting += n
         infos: list[SandboxInfo] = []
         permits = 0

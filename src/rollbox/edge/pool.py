@@ -21,8 +21,10 @@ refill, and a refill yields between each sandbox), its runtime process (runc, th
 launcher) spawned at SCHED_IDLE (``qos.BEST_EFFORT_SETUP``; the sandbox then gets its own
 class as at any create), and a
 pooled sandbox holds its admission like any other, under :data:`POOL_OWNER`, no project's:
-a real create that the node refuses first evicts pooled sandboxes (the edge's
-``_admitted_create``), so the pool never costs a real create its room.
+a real create that the node refuses for want of room (:data:`ROOM_REASONS`) first evicts
+pooled sandboxes (the edge's ``_admit_evicting``), so the pool never costs a real create its
+room, and the node's reports count that room as free. A draining or fenced node makes none
+and destroys what it holds.
 
 Owns the pooled sandboxes between their make and their hand-out (or eviction), the demand
 figures and the refill task. Must not touch: admission's budgets (the edge's callbacks admit
@@ -53,6 +55,10 @@ IDLE_TICK_S = 1.0  # the refill task looks at demand at least this often
 # its launcher and bundle work run at normal priority and would delay a hand-out's first
 # command or an episode's next step (RL steps come in bursts with think time between).
 POOL_QUIET_S = 0.2
+# The node's refusals an eviction of pooled sandboxes can cure: room they hold (count, requested
+# memory and CPUs, live memory). Others (grades waiting, memory pressure, a project's grades)
+# are not theirs: a create refused for them keeps the pool.
+ROOM_REASONS = frozenset({"sandboxes", "memory", "cpus", "memory_available"})
 
 
 @dataclass(frozen=True)
@@ -152,10 +158,11 @@ Destroy = Callable[[Pooled], Awaitable[None]]
 class WarmPool:
     """The pools of one edge. ``make(key, base_env)``: admit (as POOL_OWNER) and create one
     sandbox of ``key`` (CapacityExceeded: no room now); ``destroy(pooled)``: destroy it and
-    release its admission; ``busy()``: the edge has real creates in flight."""
+    release its admission; ``busy()``: how long the refill should still wait (seconds; 0: it
+    may go now), while the edge has real creates in flight or was asked something lately."""
 
     def __init__(self, settings: Settings, make: Make, destroy: Destroy,
-                 busy: Callable[[], bool], clock: Callable[[], float] = time.monotonic) -> None:
+                 busy: Callable[[], float], clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self._make = make
         self._destroy = destroy
@@ -174,7 +181,8 @@ class WarmPool:
         self.misses = 0
         self.made = 0
         self.refill_failures = 0
-        self.evicted: dict[str, int] = {"room": 0, "demand": 0, "dead": 0, "stop": 0}
+        self.evicted: dict[str, int] = {"room": 0, "demand": 0, "dead": 0, "stop": 0,
+                                        "drain": 0}
 
     # ---- demand ---------------------------------------------------------------------------
     def _score(self, key: PoolKey, now: float) -> float:
@@ -207,12 +215,10 @@ class WarmPool:
         way is destroyed."""
         boxes = self.ready.get(key)
         while boxes:
-            p = boxes.pop(0)
+            p = self._pop(key)
             if p.key != key:  # never: the dict is keyed by it; checked all the same
                 raise AssertionError("pooled sandbox under another key")
             if p.alive():
-                if not boxes:
-                    self.ready.pop(key, None)
                 self.hits += 1
                 self._wake.set()
                 return p
@@ -229,6 +235,15 @@ class WarmPool:
         self.hits -= 1
         self.ready.setdefault(p.key, []).insert(0, p)
 
+    def _pop(self, key: PoolKey) -> Pooled:
+        """The oldest pooled sandbox of ``key`` (there is one), out of the pool; an emptied
+        key leaves ``ready``."""
+        boxes = self.ready[key]
+        p = boxes.pop(0)
+        if not boxes:
+            del self.ready[key]
+        return p
+
     # ---- room -----------------------------------------------------------------------------
     def _victim(self) -> Pooled | None:
         """The pooled sandbox to give room back first: of the key least in demand, oldest."""
@@ -236,11 +251,7 @@ class WarmPool:
         if not keys:
             return None
         now = self.clock()
-        key = min(keys, key=lambda k: self._score(k, now))
-        p = self.ready[key].pop(0)
-        if not self.ready[key]:
-            del self.ready[key]
-        return p
+        return self._pop(min(keys, key=lambda k: self._score(k, now)))
 
     async def evict_one(self, why: str = "room") -> bool:
         """Destroy one pooled sandbox (releasing its admission); False: the pool is empty."""
@@ -250,6 +261,22 @@ class WarmPool:
         self.evicted[why] += 1
         await self._destroy_to_the_end(p)
         return True
+
+    async def discard(self, p: Pooled) -> None:
+        """Destroy a taken sandbox whose hand-out failed (releasing its admission), to the
+        end even if the caller is cancelled."""
+        await self._destroy_to_the_end(p)
+
+    def evict_all(self, why: str) -> int:
+        """Destroy every pooled sandbox in the background (their admissions released as each
+        ends; ``close`` waits for them); returns how many."""
+        n = 0
+        while self.ready:
+            p = self._pop(next(iter(self.ready)))
+            self.evicted[why] += 1
+            self._spawn(self._destroy(p))
+            n += 1
+        return n
 
     # ---- refill ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -302,9 +329,7 @@ class WarmPool:
         for key in list(self.ready):
             extra = len(self.ready.get(key, ())) - self.target(key)
             while extra > 0 and self.ready.get(key):
-                p = self.ready[key].pop(0)
-                if not self.ready[key]:
-                    del self.ready[key]
+                p = self._pop(key)
                 self.evicted["demand"] += 1
                 await self._destroy_to_the_end(p)
                 extra -= 1
@@ -317,8 +342,10 @@ class WarmPool:
         await self.trim()
         made = 0
         while not self.closed:
-            while self._busy():  # a real create is under way: it goes first
-                await asyncio.sleep(0.002)
+            while (wait := self._busy()) > 0 and not self.closed:  # a real create goes first
+                await asyncio.sleep(wait)
+            if self.closed:
+                return made
             deficits = self._deficits()
             if not deficits:
                 return made
