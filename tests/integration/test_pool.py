@@ -366,3 +366,20 @@ async def test_a_fork_holds_the_refill_back(edge) -> None:  # noqa: ANN001
     assert edge._last_request > 0.0
     for kid in [src.id, *[c.id for c in res.children]]:
         await edge.delete(kid)
+
+
+async def test_a_fenced_node_destroys_its_pool_and_makes_none(edge) -> None:  # noqa: ANN001
+    await edge.pool.stop_refill()
+    made = await edge.pool_fill(SandboxSpec(image=BB), 2)
+    assert len(made) == 2
+    await edge.report(fence_s=1.0)  # armed; no probe comes: the node fences itself
+    deadline = time.monotonic() + 10
+    while edge.pool.size() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert edge.pool.size() == 0 and edge.pool.evicted["fence"] == 2
+    assert await edge.pool_fill(SandboxSpec(image=BB), 1) == []  # fenced: nothing pooled
+    while any(edge.leftovers(sid) for sid in made) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    for sid in made:
+        assert not edge.leftovers(sid), sid
+    await edge.report(fence_s=None)  # disarmed

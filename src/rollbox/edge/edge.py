@@ -516,7 +516,9 @@ class Edge:
 
     def _fence_now(self, gap: float) -> None:
         """No watcher probed this node for ``gap`` s (past the fence): it was declared lost,
-        so its live sandboxes go (dead, node_lost)."""
+        so its live sandboxes go (dead, node_lost), and its pooled ones (none is made while
+        fenced: a pool would hold room for creates the node refuses)."""
+        self.pool.evict_all("fence")
         doomed = [sid for sid in self.live if sid not in self._deleting]
         if doomed:
             log.warning("node %s: no probe for %.1f s (fence %s s): tearing down its %d "
@@ -1368,7 +1370,7 @@ class Edge:
                 next_sample = time.monotonic() + max(1.0, self.settings.usage_sample_s)
                 self._record_usage()
             gap = self.fence.expired()
-            if gap is not None and self.live:
+            if gap is not None and (self.live or self.pool.size()):
                 self._fence_now(gap)
             now = time.time()
             for sid, live in list(self.live.items()):

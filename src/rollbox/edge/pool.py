@@ -182,7 +182,7 @@ class WarmPool:
         self.made = 0
         self.refill_failures = 0
         self.evicted: dict[str, int] = {"room": 0, "demand": 0, "dead": 0, "stop": 0,
-                                        "drain": 0}
+                                        "drain": 0, "fence": 0}
 
     # ---- demand ---------------------------------------------------------------------------
     def _score(self, key: PoolKey, now: float) -> float:
