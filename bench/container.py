@@ -39,6 +39,8 @@ from rollbox.benchkit import (
 from rollbox.config import Settings
 from rollbox.embedded import ServerProcess, server_process
 
+# Every server of this benchmark makes its sandboxes cold (its pool figures are bench pool's).
+POOL_OFF = {"ROLLBOX_POOL": "off"}
 PODMAN_ULIMITS = ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
 
 
@@ -191,7 +193,7 @@ def hardening_overhead(quick: bool, res: dict[str, Any]) -> None:
     node's unhardened_for_bench; only this benchmark sets it, only for that server)."""
     from rollbox.backends.container.sandbox import UNHARDENED_ENV
 
-    with server_process(env={UNHARDENED_ENV: "1"}) as (url, key):
+    with server_process(env={**POOL_OFF, UNHARDENED_ENV: "1"}) as (url, key):
         r = asyncio.run(c8_cycles(quick, url, key))
     res["unhardened_per_s_c8"] = r["per_s"]
     hardened_share = ratio(res["create_exec_destroy_per_s_c8"], r["per_s"])
@@ -219,7 +221,7 @@ def runtimes(quick: bool, res: dict[str, Any]) -> None:
     res["runtime"] = default
     res[f"create_exec_destroy_per_s_c8_{default}"] = res["create_exec_destroy_per_s_c8"]
     res[f"create_to_first_exec_p50_ms_{default}"] = res["create_to_first_exec_p50_ms"]
-    with server_process(env={"ROLLBOX_RUNTIME": other}) as (url, key):
+    with server_process(env={**POOL_OFF, "ROLLBOX_RUNTIME": other}) as (url, key):
         r = asyncio.run(runtime_cycles(quick, url, key))
     res[f"create_exec_destroy_per_s_c8_{other}"] = r["c8"]["per_s"]
     res[f"cycle_errors_c8_{other}"] = r["c8"]["errors"]
@@ -347,7 +349,7 @@ def obs_servers() -> Iterator[dict[str, ServerProcess]]:
             for arm, env in (("off", OBS_OFF_ENV), ("on", OBS_ON_ENV)):
                 s = Settings.scratch(Path(tmp) / arm)
                 s.node_id = f"obs{arm}{secrets.token_hex(3)}"
-                servers[arm] = ServerProcess(s, env=env)
+                servers[arm] = ServerProcess(s, env={**POOL_OFF, **env})
                 servers[arm].start()
             yield servers
         finally:
@@ -431,8 +433,7 @@ def observability_overhead(quick: bool, res: dict[str, Any]) -> None:
 
 
 def main(quick: bool = False, json_out: bool = False) -> dict[str, Any]:
-    os.environ["ROLLBOX_POOL"] = "off"  # every server below makes its sandboxes cold
-    with server_process() as (url, key):
+    with server_process(env=POOL_OFF) as (url, key):
         res = asyncio.run(run(quick, url, key))
     hardening_overhead(quick, res)
     runtimes(quick, res)
