@@ -327,6 +327,21 @@ async def input_to_screen(sb: Any, n: int, res: dict[str, Any]) -> None:
         f"{res['input_to_screen_p99_ms']:.0f} ms ({failed} of {n} failed)")
 
 
+async def held_count(boxes: list[Any], shows: Callable[[bytes], bool]) -> int:
+    """How many of ``boxes`` are held: each answers, within ``ANSWER_S``, a screenshot that
+    ``shows`` accepts and an ``exec(["true"])`` that returns 0."""
+    held = 0
+    for sb in boxes:
+        try:
+            async with asyncio.timeout(ANSWER_S):
+                ok = shows(await sb.screenshot())
+                ok = ok and (await sb.exec(["true"])).exit_code == 0
+            held += ok
+        except Exception:  # noqa: BLE001 - a VM that does not answer is not held
+            pass
+    return held
+
+
 async def idle_phase(client: Any, n: int, res: dict[str, Any]) -> None:
     await asyncio.sleep(2)
     before = mem_available()
@@ -336,15 +351,7 @@ async def idle_phase(client: Any, n: int, res: dict[str, Any]) -> None:
             boxes.append(await client.create(IMAGE, backend="vm", **VM, ttl_s=900))
         await asyncio.sleep(IDLE_SETTLE_S)
         drop = before - mem_available()
-        held = 0
-        for sb in boxes:
-            try:
-                async with asyncio.timeout(ANSWER_S):
-                    ok = (await sb.screenshot())[:4] == b"\x89PNG"
-                    ok = ok and (await sb.exec(["true"])).exit_code == 0
-                held += ok
-            except Exception:  # noqa: BLE001 - a VM that does not answer is not held
-                pass
+        held = await held_count(boxes, lambda shot: shot[:4] == b"\x89PNG")
     finally:
         for sb in boxes:
             with contextlib.suppress(Exception):
@@ -535,15 +542,8 @@ async def desktop_idle_phase(srv: Any, quick: bool, res: dict[str, Any]) -> None
 
             with CpuMeter({"busy": machine_busy_s, "vms": vms_cpu_s}) as cpu:
                 await asyncio.sleep(DESKTOP_IDLE_CPU_S)
-            held = 0
-            for sb in boxes:
-                try:
-                    async with asyncio.timeout(ANSWER_S):
-                        ok = Screen(decode_png(await sb.screenshot()), 0.0).is_desktop()
-                        ok = ok and (await sb.exec(["true"])).exit_code == 0
-                    held += ok
-                except Exception:  # noqa: BLE001 - a VM that does not answer is not held
-                    pass
+            held = await held_count(
+                boxes, lambda shot: Screen(decode_png(shot), 0.0).is_desktop())
         finally:
             for sb in boxes:
                 with contextlib.suppress(Exception):
