@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rollbox.benchkit import (
-    emit, meminfo, percentile, record, say, smaps_rollup, used_without_page_cache,
+    emit, find_pids, meminfo, percentile, record, say, smaps_rollup, used_without_page_cache,
 )
 from rollbox.config import Settings
 from rollbox.embedded import ServerProcess
@@ -123,19 +123,6 @@ def limits(server_pid: int, s: Settings, per_sandbox_fds: float, per_sandbox_pid
             "capped_by": min(out, key=out.__getitem__)}
 
 
-def _agent_pids(node_id: str) -> list[int]:
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if f"/{node_id}-" in (d / "cgroup").read_text():
-                pids.append(int(d.name))
-        except OSError:
-            continue
-    return pids
-
-
 async def hold(client: Any, n: int, server_pid: int | None, node_id: str,
                concurrency: int = 16, image: str = IMAGE) -> dict[str, Any]:
     """Create ``n`` idle sandboxes of ``image`` (default resources), measure, exec in every
@@ -169,7 +156,7 @@ async def hold(client: Any, n: int, server_pid: int | None, node_id: str,
             f"{len(failed)} failed{': ' + failed[0] if failed else ''}")
         await asyncio.sleep(5)  # settle: deferred frees, the agents' first pages
         after = snapshot(server_pid)
-        agents = _agent_pids(node_id)
+        agents = find_pids(cgroup_part=f"/{node_id}-")
         sample = agents[:: max(1, len(agents) // 50)]
         pss = [smaps_rollup(p).get("Pss", 0) for p in sample]
         # every sandbox answers, at the end
