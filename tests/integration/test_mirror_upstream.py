@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -25,6 +26,7 @@ from starlette.routing import Route
 
 from rollbox.api.server import BackgroundServer
 from rollbox.netpolicy.mirror import PypiMirror
+from rollbox.netpolicy.mirrors import store
 
 JSON_V1 = "application/vnd.pypi.simple.v1+json"
 
@@ -255,7 +257,11 @@ async def test_concurrent_clients_share_one_download(running: Running,
     assert blobs(running.mirror.store.root) == {sha(body)}
 
 
-async def test_lru_eviction_past_the_bound(tmp_path: Path, upstream: FakeUpstream) -> None:
+@pytest.mark.parametrize("clock", ["real", "stuck"])
+async def test_lru_eviction_past_the_bound(tmp_path: Path, upstream: FakeUpstream, clock: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    if clock == "stuck":  # every use within one tick of the file clock: the order must hold
+        monkeypatch.setattr(store, "time", SimpleNamespace(time_ns=lambda: 1_700_000_000 * 10**9))
     parts = {n: bytes([i]) * 1000 for i, n in enumerate(("a-1.whl", "b-1.whl", "c-1.whl"))}
     for n, b in parts.items():
         upstream.files[n] = (b, sha(b))

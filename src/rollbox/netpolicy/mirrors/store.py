@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import secrets
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -71,14 +72,15 @@ class BlobStore:
         for stale in self.tmp.iterdir():  # downloads cut by a crash: never verified
             stale.unlink(missing_ok=True)
         self._lru: OrderedDict[str, int] = OrderedDict()
-        found: list[tuple[float, str, int]] = []
+        found: list[tuple[int, str, int]] = []
         for sub in self.blobs.iterdir():
             for f in sub.iterdir():
                 if SHA256_RE.match(f.name):
                     st = f.stat()
-                    found.append((st.st_mtime, f.name, st.st_size))
+                    found.append((st.st_mtime_ns, f.name, st.st_size))
         for _, sha, size in sorted(found):  # mtime is the persisted use order
             self._lru[sha] = size
+        self._last_use_ns = max((t for t, _, _ in found), default=0)
         self.total = sum(self._lru.values())
         self._fetches: dict[str, Fetch] = {}
 
@@ -104,8 +106,14 @@ class BlobStore:
             return None
         self._lru.move_to_end(sha256)
         with contextlib.suppress(OSError):
-            os.utime(fd)
+            self._mark_used(fd)
         return fd
+
+    def _mark_used(self, target: int | Path) -> None:
+        # The kernel's file clock ticks per jiffy: two uses within one tick would tie and reload
+        # in name order, so each use gets a stamp strictly after the one before.
+        self._last_use_ns = max(time.time_ns(), self._last_use_ns + 1)
+        os.utime(target, ns=(self._last_use_ns, self._last_use_ns))
 
     def fetch(self, sha256: str, producer: Producer) -> Fetch:
         """The download of ``sha256`` in flight, started with ``producer`` if there is none."""
@@ -147,6 +155,8 @@ class BlobStore:
             final = self._path(f.sha256)
             final.parent.mkdir(exist_ok=True)
             os.rename(f.part, final)
+            with contextlib.suppress(OSError):
+                self._mark_used(final)
             self._lru[f.sha256] = f.written
             self.total += f.written
             self._evict(keep=f.sha256)
