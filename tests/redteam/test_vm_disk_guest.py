@@ -45,10 +45,13 @@ FAKE_QCOW2 = (b"QFI\xfb" + (2).to_bytes(4, "big") + (72).to_bytes(8, "big")
 def qemu_disk_files(pid: int) -> set[tuple[str, int]]:
     out = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
-        link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        if link.startswith("/") and not link.startswith(("/dev/", "/proc/", "/vm/kernel",
-                                                          "/vm/initrd")):
-            out.add((link, os.stat(f"/proc/{pid}/fd/{fd}").st_ino))
+        try:  # QEMU opens and closes fds of its own while we look (a closed one is no disk)
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("/") and not link.startswith(("/dev/", "/proc/", "/vm/kernel",
+                                                              "/vm/initrd")):
+                out.add((link, os.stat(f"/proc/{pid}/fd/{fd}").st_ino))
+        except FileNotFoundError:
+            continue
     return out
 
 
