@@ -741,8 +741,13 @@ class NodeReport(BaseModel):
     backends: list[str]  # kinds offered now
     free: dict[str, float]
     limits: dict[str, float]
-    # live host memory above the node's reserve now (MemAvailable - promised - reserve)
+    # live host memory new creates may get now (MemAvailable - promised - reserve), the warm
+    # pool's included: a create evicts pooled sandboxes before it is refused (rollbox.edge.pool)
     memory_available_mib: int
+    # of it, what the warm pool's sandboxes hold now (their live use and the start-up headroom
+    # still promised to them): reclaimable by eviction, not used by sandboxes the node keeps
+    pooled_memory_mib: int = 0
+    pooled: int = 0  # pooled sandboxes (not in sandboxes_total: nobody's yet)
     starting: int  # creates in progress
     sandboxes: list[NodeSandbox]
     sandboxes_total: int

@@ -317,3 +317,25 @@ def test_free_counts_an_evictable_owners_room_as_free(tmp_path: Path) -> None:
     host.set(available_mib=20 * GIB, psi=99.0)
     adm.memory.forget()
     assert set(adm.free(evictable="rollbox.pool").values()) == {0.0}
+
+
+def test_reclaimable_memory_and_the_promises_of_given_tickets(tmp_path: Path) -> None:
+    """Live memory a create may get counts what an eviction gives back (the warm pool's):
+    ``live_memory_free_mib(reclaimable_mib=)`` adds it; ``promised_mib`` is the start-up
+    headroom still pending for some tickets (the pool's), 0 once settled or released."""
+    adm, host = make(tmp_path, reserved_share=0.0)
+    base = adm.live_memory_free_mib()
+    pooled = [adm.try_admit(res(), "rollbox.pool") for _ in range(2)]
+    other = adm.try_admit(res(), "proj")
+    each = pooled[0].headroom_mib
+    assert each >= MIN_HEADROOM_MIB
+    assert adm.promised_mib(pooled) == 2 * each  # not started yet
+    assert adm.live_memory_free_mib() == base - 3 * each
+    assert adm.live_memory_free_mib(reclaimable_mib=adm.promised_mib(pooled)) == base - each
+    adm.started(pooled[0])
+    assert adm.promised_mib(pooled) == 2 * each  # settling: still pending
+    host.now += SETTLE_S
+    assert adm.promised_mib(pooled) == each  # the started one's use shows in MemAvailable now
+    adm.release(pooled[1])
+    assert adm.promised_mib(pooled) == 0
+    assert adm.promised_mib([other]) == other.headroom_mib

@@ -26,7 +26,7 @@ import asyncio
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -497,14 +497,23 @@ class Admission:
             out = {k: 0.0 for k in out}
         return out
 
-    def live_memory_free_mib(self) -> int:
+    def live_memory_free_mib(self, reclaimable_mib: int = 0) -> int:
         """Host memory new creates may still fault in now: MemAvailable minus what starting
-        sandboxes were promised, minus the node reserve and the reserved share."""
+        sandboxes were promised, minus the node reserve and the reserved share, plus
+        ``reclaimable_mib`` (memory a create gets back by evicting what holds it: the warm
+        pool's, :meth:`promised_mib` of its tickets included)."""
         lim = self.limits
         sample = self.memory.sample()
         floor = lim.reserve_mib + int(lim.reserved_share
                                       * max(0, self.host_mem_mib - lim.reserve_mib))
-        return max(0, sample.available_mib - self.pending_mib() - floor)
+        return max(0, sample.available_mib + reclaimable_mib - self.pending_mib() - floor)
+
+    def promised_mib(self, tickets: Iterable[Ticket]) -> int:
+        """Of the headroom counted as pending (:meth:`pending_mib`), what ``tickets`` hold:
+        given back when they are released."""
+        self.pending_mib()  # settled promises end first
+        return sum(t.headroom_mib for t in tickets
+                   if not t.released and (t.started_at is None or t.settling))
 
     def capacity(self) -> dict[str, object]:
         lim = self.limits

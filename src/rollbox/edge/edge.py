@@ -75,6 +75,7 @@ HOST_KILL_GRACE_S = 2.0
 GUEST_START_TIMEOUT_S = 30.0
 GUEST_END_GRACE_S = 15.0
 PTY_TERM = "xterm-256color"  # TERM of a pty command whose env names none
+POOLED_MEMORY_S = 1.0  # the warm pool's live memory (report) is read at most this often
 AUDIT_EVERY_S = 5  # net.denied events: at most one per sandbox per this many seconds
 
 
@@ -146,6 +147,8 @@ class Edge:
                        self.admission.budgets()["memory_mib"],
                        max(0, self._host_mem_mib - self.limits.reserve_mib))
         self._last_request = 0.0  # monotonic: the last create or exec start (pool refill)
+        # (when, which pooled sandboxes, their live MiB): report()'s reading of the pool's use
+        self._pooled_mem: tuple[float, frozenset[str], int] | None = None
         self.pool = WarmPool(settings, self._pool_make, self._pool_destroy, self._pool_busy)
         self.layer_mounts = LayerMounts(self.store, settings)
         self.storage = LayerStorage(self.store, settings, self._layer_quota_mib)
@@ -430,6 +433,11 @@ class Edge:
         with ``layer_mib`` the size of the image store's filesystem; ``backends``: each kind
         this node has, offered or not, with its facts); see edge.admission."""
         cap = self.admission.capacity()
+        pooled = self.pool.sandboxes()
+        # Counted in sandboxes and requested_*: room a create gets back by evicting them.
+        cap["pooled"] = len(pooled)
+        cap["pooled_memory_mib"] = self._pooled_memory_mib(pooled)
+        cap["pooled_requested_memory_mib"] = sum(p.ticket.resources.memory_mib for p in pooled)
         st = os.statvfs(self.store.root)
         cap["limits"] = {**cap["limits"],  # type: ignore[dict-item]
                          "layer_mib": st.f_blocks * st.f_frsize >> 20}
@@ -470,6 +478,8 @@ class Edge:
                     platform=live.platform, job=info.job))
         fenced = self.fence.expired() is not None
         free = adm.free(evictable=POOL_OWNER)  # pooled sandboxes give their room to a create
+        pooled = self.pool.sandboxes()
+        pooled_mib = self._pooled_memory_mib(pooled)
         if fenced or self.draining:
             free = {k: 0.0 for k in free}
         return NodeReport(
@@ -477,10 +487,23 @@ class Edge:
             at=time.time(),
             backends=sorted(k for k, b in self.backends.items() if b.capacity().offered),
             free=free, limits=adm.budgets(),
-            memory_available_mib=adm.live_memory_free_mib(), starting=self._starting,
+            memory_available_mib=adm.live_memory_free_mib(reclaimable_mib=pooled_mib),
+            pooled_memory_mib=pooled_mib, pooled=len(pooled), starting=self._starting,
             sandboxes=listed, sandboxes_total=total, truncated=len(listed) < total,
             layers=self._layer_digests(), by_backend=by_backend, by_project=by_project,
             fence_s=self.fence.fence_s, burst=self.settings.node_burst, draining=self.draining)
+
+    def _pooled_memory_mib(self, pooled: list[Pooled]) -> int:
+        """What evicting ``pooled`` gives back to creates: their live use (their cgroups'
+        charge, read at most every POOLED_MEMORY_S) and the start-up headroom admission still
+        counts as promised to them."""
+        now = time.monotonic()
+        cached = self._pooled_mem
+        ids = frozenset(p.sandbox_id for p in pooled)
+        if cached is None or cached[1] != ids or now - cached[0] >= POOLED_MEMORY_S:
+            used = sum(p.backend.usage(p.box).memory_bytes or 0 for p in pooled) >> 20
+            self._pooled_mem = cached = (now, ids, used)
+        return cached[2] + self.admission.promised_mib(p.ticket for p in pooled)
 
     def drain(self, on: bool = True) -> int:
         """Refuse every new create (CapacityExceeded, reason draining; reports show no room
@@ -697,7 +720,8 @@ class Edge:
         use = [("sandboxes", cap["sandboxes"], cap["max_sandboxes"]),
                ("memory_mib_requested", cap["requested_memory_mib"], None),
                ("cpus_requested", cap["requested_cpus"], None),
-               ("memory_mib_available", cap["memory_available_mib"], None)]
+               ("memory_mib_available", cap["memory_available_mib"], None),
+               ("memory_mib_pooled", self._pooled_memory_mib(self.pool.sandboxes()), None)]
         lazy = self._lazy_metrics()
         pool = self.pool.stats()
         return [

@@ -209,6 +209,10 @@ class WarmPool:
     def size(self) -> int:
         return sum(len(v) for v in self.ready.values())
 
+    def sandboxes(self) -> list[Pooled]:
+        """Every pooled sandbox now (all keys)."""
+        return [p for v in self.ready.values() for p in v]
+
     # ---- hand-out -------------------------------------------------------------------------
     def take(self, key: PoolKey) -> Pooled | None:
         """A pooled sandbox of exactly ``key`` (the oldest), or None. A dead one found on the
