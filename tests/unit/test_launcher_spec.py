@@ -104,12 +104,46 @@ def test_a_bind_becomes_a_bind_with_its_flags_and_the_twin_has_no_filter() -> No
     lambda c: c["mounts"].append({"destination": "/x", "type": "tmpfs", "source": "t",
                                   "options": ["rshared"]}),
     lambda c: c.update(hostname="a\0b"),
+    lambda c: c["linux"]["maskedPaths"].append("/a\0b"),  # a field of a cached block
 ])
 def test_what_the_launcher_can_not_carry_out_is_refused(change) -> None:  # noqa: ANN001
     c = config()
     change(c)
     with pytest.raises(InfraError):
         spec_bytes(c, Path("/run/x/pid"))
+
+
+@needs_hybrid
+def test_each_spec_has_its_own_records_where_the_shared_ones_are_cached() -> None:
+    """The records every sandbox shares are encoded once (launcher._block) and the seccomp
+    program compiled once per profile: a sandbox with other hidden paths, another uid or the
+    unhardened twin still gets exactly its own, in one process after the others."""
+    first = records(spec_bytes(config(), Path("/run/x/pid")))
+    hidden = records(spec_bytes(config(hidden_paths=["/task/tests"], host_uid=2 << 20),
+                                Path("/run/y/pid")))
+    again = records(spec_bytes(config(), Path("/run/x/pid")))
+    weak = records(spec_bytes(config(hardened=False), Path("/run/x/pid")))
+    assert again == first
+    assert ("masked", "/task/tests") in hidden and ("masked", "/task/tests") not in first
+    assert ("uid_map", f"0 {2 << 20} 65536\n") in hidden and ("pidfile", "/run/y/pid") in hidden
+    own = ("masked", "uid_map", "gid_map", "pidfile", "env")  # env: the Landlock paths
+    assert [r for r in first if r[0] not in own] == [r for r in hidden if r[0] not in own]
+    assert not [r for r in weak if r[0] in ("masked", "seccomp")]
+
+
+def test_the_seccomp_program_is_compiled_for_the_profile_asked() -> None:
+    """compile_bpf's cache compares whole profiles: a changed rule is a new program, the
+    unchanged profile the same one, whichever came first."""
+    from rollbox.isolation import seccomp
+
+    base = seccomp.profile()
+    program = seccomp.compile_bpf(base)
+    other = seccomp.profile()
+    other["syscalls"].append({"names": ["getpid"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1})
+    changed = seccomp.compile_bpf(other)
+    assert changed != program and len(changed) > len(program)
+    assert seccomp.compile_bpf(seccomp.profile()) == program
+    assert seccomp.compile_bpf(other) == changed
 
 
 def test_the_launchers_message_becomes_step_and_errno() -> None:

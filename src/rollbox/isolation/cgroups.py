@@ -53,8 +53,16 @@ def _find_v2_root() -> Path:
     raise RuntimeError("no cgroup v2 hierarchy: rollbox needs cgroup2 (kernel >= 5.14)")
 
 
+_PURE_V2: bool | None = None
+
+
 def is_pure_v2() -> bool:
-    return (ROOT / "cgroup.controllers").exists()
+    """Whether the host has cgroup v2 alone (no v1 controllers); fixed for its uptime (read
+    once: every create asks several times)."""
+    global _PURE_V2
+    if _PURE_V2 is None:
+        _PURE_V2 = (ROOT / "cgroup.controllers").exists()
+    return _PURE_V2
 
 
 _HIERARCHIES: list[Path] | None = None

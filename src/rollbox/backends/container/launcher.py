@@ -23,6 +23,7 @@ Must not touch: sandbox lifecycle (sandbox.py), the config itself (bundle.py).
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import re
 import resource
@@ -85,11 +86,22 @@ class _Records:
         self.out = bytearray()
 
     def add(self, op: str, *fields: str | int) -> None:
-        for f in (op, *fields):
-            b = os.fsencode(str(f))
-            if b"\0" in b:
-                raise InfraError(f"launcher spec: NUL in a {op} field")
-            self.out += b + b"\0"
+        # os.fsencode's encoding (utf-8, surrogateescape), one join per record
+        b = "\0".join([op, *map(str, fields)]).encode("utf-8", "surrogateescape")
+        if b.count(b"\0") != len(fields):
+            raise InfraError(f"launcher spec: NUL in a {op} field")
+        self.out += b + b"\0"
+
+
+@functools.lru_cache(maxsize=64)
+def _block(op: str, items: tuple[tuple[str, ...], ...]) -> bytes:
+    """The records ``op`` of each of ``items`` (a tuple of fields each), made once: the
+    lists every sandbox of a node shares (device nodes and rules, masked and read-only
+    paths) cost no encoding per create."""
+    rec = _Records()
+    for fields in items:
+        rec.add(op, *fields)
+    return bytes(rec.out)
 
 
 def _mount_flags(options: list[str]) -> tuple[int, str]:
@@ -113,21 +125,34 @@ def _caps(names: list[str]) -> int:
     return mask
 
 
+_MEMSW: dict[str, bool] = {}
+
+
+def _has_memsw(parent: str) -> bool:
+    """Whether the memory hierarchy's ``parent`` dir (the sandboxes' cgroup parent) has swap
+    accounting (``memory.memsw.*``: a boot-time kernel option). A yes is kept; a no is asked
+    again (the parent is made by the first launcher that needs it)."""
+    if not _MEMSW.get(parent):
+        _MEMSW[parent] = os.path.exists(f"{parent}/memory.memsw.limit_in_bytes")
+    return _MEMSW[parent]
+
+
 def _cgroup_records(rec: _Records, cgroups_path: str, res: dict[str, Any]) -> None:
     """The sandbox's cgroup in every hierarchy and the limits runc writes on a hybrid
     (v1 controllers + v2 membership) host."""
     if cgroups.is_pure_v2():
         raise InfraError(PURE_V2)
     rel = cgroups_path.strip("/")
-    dirs = {h.name: h / rel for h in cgroups.hierarchies()}
+    # strings, not Paths: this runs on the loop at every create (as the rest of spec_bytes)
+    dirs = {h.name: f"{h}/{rel}" for h in cgroups.hierarchies()}
     for d in dirs.values():
-        rec.add("cgroup", str(d))
+        rec.add("cgroup", d)
 
     def put(controller: str, file: str, value: object) -> None:
         d = dirs.get(controller)
         if d is None:
             raise InfraError(f"launcher: no {controller} cgroup hierarchy for {file}")
-        rec.add("cgset", str(d / file), str(value))
+        rec.add("cgset", f"{d}/{file}", str(value))
 
     known = {"memory", "cpu", "pids", "devices", "unified"}
     unknown = set(res) - known
@@ -138,7 +163,7 @@ def _cgroup_records(rec: _Records, cgroups_path: str, res: dict[str, Any]) -> No
         raise InfraError(f"launcher: memory resources {sorted(mem)} not supported")
     if "limit" in mem:
         put("memory", "memory.limit_in_bytes", mem["limit"])
-    if "swap" in mem and (dirs["memory"].parent / "memory.memsw.limit_in_bytes").exists():
+    if "swap" in mem and _has_memsw(os.path.dirname(dirs["memory"])):
         put("memory", "memory.memsw.limit_in_bytes", mem["swap"])
     cpu = res.get("cpu") or {}
     if set(cpu) - {"quota", "period", "cpus", "mems", "shares", "idle"}:
@@ -167,8 +192,10 @@ def _cgroup_records(rec: _Records, cgroups_path: str, res: dict[str, Any]) -> No
             if rule.get("type", "a") == "a":
                 line = "a"
             put("devices", "devices.allow" if rule["allow"] else "devices.deny", line)
-        for line in DEVICE_RULES:
-            put("devices", "devices.allow", line)
+        if "devices" not in dirs:
+            raise InfraError("launcher: no devices cgroup hierarchy for devices.allow")
+        allow = f"{dirs['devices']}/devices.allow"
+        rec.out += _block("cgset", tuple((allow, line) for line in DEVICE_RULES))
     for file, value in (res.get("unified") or {}).items():
         put("unified", file, value)
 
@@ -213,14 +240,10 @@ def spec_bytes(config: dict[str, Any], pid_file: Path) -> bytes:
     if boot_id is not None:
         flags, data = _mount_flags(bundle.BOOT_ID_OPTIONS)
         rec.add("mount", bundle.BOOT_ID_PATH, "bind", boot_id, flags | MS_BIND, data)
-    for name in DEVICE_NODES:
-        rec.add("device", f"/dev/{name}", f"/dev/{name}")
-    for target, link in DEV_SYMLINKS:
-        rec.add("symlink", target, link)
-    for path in linux.get("readonlyPaths", []):
-        rec.add("readonly", path)
-    for path in linux.get("maskedPaths", []):
-        rec.add("masked", path)
+    rec.out += _block("device", tuple((f"/dev/{name}",) * 2 for name in DEVICE_NODES))
+    rec.out += _block("symlink", tuple(DEV_SYMLINKS))
+    rec.out += _block("readonly", tuple((path,) for path in linux.get("readonlyPaths", [])))
+    rec.out += _block("masked", tuple((path,) for path in linux.get("maskedPaths", [])))
     for rl in proc.get("rlimits", []):
         rec.add("rlimit", getattr(resource, rl["type"]), rl["soft"], rl["hard"])
     if proc.get("noNewPrivileges"):
