@@ -436,7 +436,11 @@ async def test_a_platform_process_whose_stream_closes_is_killed(edge) -> None:  
             events = proc.events()
             assert await events.__anext__() == ("stdout", b"up\n")
             count = "ps -o args | grep -c '^sleep 300'"
-            assert (await remote.run_shell(sid, count, {}, 10))[1].strip() == b"1"
+            # "up" comes before the shell's exec of the sleep: under load a ps can run in
+            # between and see the shell (the flake of a clean-clone CI run: 0 sleeps found)
+            async with asyncio.timeout(BOUND_S):
+                while (await remote.run_shell(sid, count, {}, 10))[1].strip() != b"1":
+                    await asyncio.sleep(0.05)
             await events.aclose()  # its client leaves
             async with asyncio.timeout(BOUND_S):
                 while (await remote.run_shell(sid, count, {}, 10))[1].strip() != b"0":
@@ -445,6 +449,36 @@ async def test_a_platform_process_whose_stream_closes_is_killed(edge) -> None:  
                 await proc.kill()
         finally:
             await remote.delete(sid)
+
+
+async def test_a_platform_process_of_a_deleted_sandbox_ends_with_sandbox_dead(  # noqa: ANN001
+        edge, caplog) -> None:
+    """A delete in the middle of a platform process (local, and over the edge service) ends
+    its events with SandboxDead, as a journaled exec's, not the closed channel's
+    infrastructure error; the service logs it as the 410 it is, not as a 503 fault."""
+    import logging
+
+    from rollbox.agent.protocol import ExecRequest
+
+    caplog.set_level(logging.INFO, logger="rollbox")
+    req = ExecRequest(argv=["sh", "-c", "echo up; exec sleep 300"], env=["PATH=/bin:/usr/bin"])
+    async with served_edge(edge) as remote:
+        for face in (edge, remote):
+            sid = (await face.create(SandboxSpec(image=BB), "p")).id
+            try:
+                proc = await face.platform_exec(sid, req)
+                events = proc.events()
+                assert await events.__anext__() == ("stdout", b"up\n")
+                await face.delete(sid)
+                with pytest.raises(errors.SandboxDead, match="was deleted"):
+                    async with asyncio.timeout(BOUND_S):
+                        await events.__anext__()
+                await events.aclose()
+            finally:
+                await face.delete(sid)
+    lines = [r.getMessage() for r in caplog.records if r.name == "rollbox.edge.service"]
+    assert any("platform_exec -> 410 sandbox_dead" in m for m in lines), lines
+    assert not [m for m in lines if "agent channel closed" in m], lines
 
 
 async def test_a_failed_call_is_traced_from_the_sdk_error_to_the_edges_log_line(  # noqa: ANN001

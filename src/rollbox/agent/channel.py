@@ -368,9 +368,11 @@ class AgentChannel:
         """True over a byte stream (a VM): no descriptors, the agent makes session cgroups."""
         return self._stream
 
-    def close(self) -> None:
-        """Close the connection (the agent keeps running; its sessions continue)."""
-        self._shutdown(None)
+    def close(self, reason: RollboxError | None = None) -> None:
+        """Close the connection (the agent keeps running; its sessions continue). ``reason``:
+        what this channel's sessions and later requests fail with (the edge's delete gives
+        SandboxDead); without one, InfraError "agent channel closed"."""
+        self._shutdown(reason)
 
     def _shutdown(self, reason: RollboxError | None) -> None:
         if self.closed.done():

@@ -1174,10 +1174,14 @@ class Edge:
         self.journal.put(info)
         if live.watcher and live.watcher is not asyncio.current_task():
             live.watcher.cancel()
+        ended = f"sandbox {info.id} was {state}" + (f": {reason}" if reason else "")
         for sess in live.sessions.values():
             if not sess.done.is_set():
-                sess.fail(SandboxDead(f"sandbox {info.id} was {state}"
-                                      + (f": {reason}" if reason else "")))
+                sess.fail(SandboxDead(ended))
+        # The platform's processes on its channel (platform_exec, run_shell) end with the same
+        # typed error, not the backend's close of the channel ("agent channel closed", an
+        # infrastructure fault: a delete in the middle of a platform_exec read as one).
+        live.box.channel.close(SandboxDead(ended))
         self._log_net_denied(live)  # the counters go with the sandbox's cgroup
         for port in list(live.ports):  # the proxy's connections end with the sandbox
             await port.close()
