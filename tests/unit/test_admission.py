@@ -81,6 +81,7 @@ def test_the_edge_fd_table_caps_the_sandbox_count(tmp_path: Path) -> None:
     assert lim.max_sandboxes * (1 - lim.reserved_share) >= 3200
     assert fd_sandboxes(FD_RESERVE + 10 * FDS_PER_SANDBOX) == 10
     assert fd_sandboxes(10) == 1  # never 0: a tiny table still takes one
+    assert lim.max_fds == 20_000 - FD_RESERVE
     small = Limits.from_settings(s, host, nofile=FD_RESERVE + 5 * FDS_PER_SANDBOX)
     small.reserved_share = 0.0
     adm, _ = make(tmp_path, max_sandboxes=small.max_sandboxes, reserved_share=0.0)
@@ -339,3 +340,36 @@ def test_reclaimable_memory_and_the_promises_of_given_tickets(tmp_path: Path) ->
     adm.release(pooled[1])
     assert adm.promised_mib(pooled) == 0
     assert adm.promised_mib([other]) == other.headroom_mib
+
+
+def test_the_fd_budget_counts_each_sandboxs_own_descriptors(tmp_path: Path) -> None:
+    """Each admission holds the descriptors its kind says (Backend.edge_fds): a create that
+    does not fit is refused (reason fds, retryable) with the rest unchanged; the reserved
+    share is kept for grades; release, a fork's all-or-none and a resize count them."""
+    adm, _ = make(tmp_path, max_fds=40, reserved_share=0.1)  # 36 for new creates
+    nets = [adm.try_admit(res(16, 0.01), "p", fds=6) for _ in range(6)]
+    assert adm.fds == 36
+    with pytest.raises(errors.CapacityExceeded) as exc:
+        adm.try_admit(res(16, 0.01), "p", fds=2)
+    assert exc.value.retryable and exc.value.details["reason"] == "fds"
+    assert adm.fds == 36 and adm.total.sandboxes == 6
+    grade = adm.try_admit(res(16, 0.01), "p", share="reserved", fds=4)  # the reserved share
+    adm.release(nets[0])
+    assert adm.fds == 34
+    with pytest.raises(errors.CapacityExceeded):  # 2 x 2 > the 2 left: none of them
+        adm.try_admit_many(res(16, 0.01), "p", 2, fds=2)
+    assert adm.fds == 34 and adm.total.sandboxes == 6
+    kids = adm.try_admit_many(res(16, 0.01), "p", 1, fds=2)
+    assert adm.fds == 36 and kids[0].fds == 2
+    with pytest.raises(errors.CapacityExceeded):  # a network on it: 4 more, no room
+        adm.resize_fds(kids[0], 6)
+    assert kids[0].fds == 2 and adm.fds == 36
+    adm.release(grade)
+    adm.resize_fds(kids[0], 6)
+    assert adm.fds == 36 and adm.capacity()["fds"] == 36
+    for t in [*nets, *kids]:
+        adm.release(t)
+    assert adm.fds == 0
+    unbounded, _ = make(tmp_path)  # no max_fds (no table given): never refused for fds
+    for _ in range(100):
+        unbounded.try_admit(res(16, 0.01), "p", fds=6)

@@ -44,11 +44,14 @@ SAMPLE_INTERVAL_S = 0.1
 SETTLE_S = 3.0
 # Least headroom promised to a starting sandbox (agent, shell, page tables, first pages).
 MIN_HEADROOM_MIB = 32
-# Descriptors the edge process holds per live idle sandbox (its agent channel's socket and its
-# root's O_PATH fd; a slot's user namespace fd only for the last isolation.userns.USERNS_CACHED
-# slots), and those kept for everything else (HTTP connections, exec streams, journals,
-# the cached user namespaces): the node holds at most (RLIMIT_NOFILE - FD_RESERVE) //
-# FDS_PER_SANDBOX sandboxes, so a full fd table is a refused create, not EMFILE half-way.
+# Descriptors the edge process holds per live idle sandbox at the least (a container without
+# network: its agent channel's socket and its root's O_PATH fd; a slot's user namespace fd only
+# for the last isolation.userns.USERNS_CACHED slots); each kind says its own per spec
+# (Backend.edge_fds: a networked container holds 6), and admission counts them against the
+# table (RLIMIT_NOFILE - FD_RESERVE; the rest is kept for everything else: HTTP connections,
+# exec streams, journals, the cached user namespaces), so a full fd table is a refused create
+# (reason "fds"), not EMFILE half-way. The sandbox count is capped at the table //
+# FDS_PER_SANDBOX as well (no sandbox holds fewer).
 FDS_PER_SANDBOX = 2
 FD_RESERVE = 1024
 
@@ -72,12 +75,14 @@ class Limits:
     reserve_mib: int = 2048
     reserved_share: float = 0.10
     memory_psi_max: float = 20.0
+    max_fds: int | None = None  # the edge's descriptors for sandboxes (None: not counted)
 
     @classmethod
     def from_settings(cls, s: Settings, host_mem_mib: int, nofile: int | None = None) -> Limits:
         """The node's budgets; ValueError for settings that make no sense (the edge does not
-        start on them). ``nofile``: the edge's RLIMIT_NOFILE, which lowers ``max_sandboxes``
-        to :func:`fd_sandboxes` of it where that is fewer."""
+        start on them). ``nofile``: the edge's RLIMIT_NOFILE, which bounds the sandboxes'
+        descriptors (``max_fds``, :func:`fd_budget`) and lowers ``max_sandboxes`` to
+        :func:`fd_sandboxes` of it where that is fewer."""
         if not (s.max_sandboxes > 0 and s.memory_overcommit > 0 and s.cpu_overcommit > 0
                 and 0 <= s.reserved_share < 1 and s.memory_psi_max >= 0
                 and (s.memory_reserve_mib is None or 0 <= s.memory_reserve_mib < host_mem_mib)):
@@ -90,12 +95,20 @@ class Limits:
         return cls(max_sandboxes=max_sandboxes, memory_overcommit=s.memory_overcommit,
                    cpu_overcommit=s.cpu_overcommit,
                    reserve_mib=node_reserve_mib(s, host_mem_mib),
-                   reserved_share=s.reserved_share, memory_psi_max=s.memory_psi_max)
+                   reserved_share=s.reserved_share, memory_psi_max=s.memory_psi_max,
+                   max_fds=None if nofile is None else fd_budget(nofile))
+
+
+def fd_budget(nofile: int) -> int:
+    """Descriptors an edge with ``nofile`` of them gives its live sandboxes (at least one
+    sandbox's least)."""
+    return max(FDS_PER_SANDBOX, nofile - FD_RESERVE)
 
 
 def fd_sandboxes(nofile: int) -> int:
-    """Live sandboxes an edge with ``nofile`` descriptors holds (at least 1)."""
-    return max(1, (nofile - FD_RESERVE) // FDS_PER_SANDBOX)
+    """Live sandboxes an edge with ``nofile`` descriptors holds at most (each holds at least
+    FDS_PER_SANDBOX; at least 1)."""
+    return max(1, fd_budget(nofile) // FDS_PER_SANDBOX)
 
 
 def host_memory_mib() -> int:
@@ -211,6 +224,7 @@ class Ticket:
     owner: str
     share: Share
     headroom_mib: int
+    fds: int = 0  # the edge's descriptors it holds (Backend.edge_fds)
     started_at: float | None = None
     released: bool = False
     settling: bool = False  # its headroom is in Admission._settling_mib
@@ -244,6 +258,7 @@ class Admission:
     _settling_mib: int = 0
     _reserved_waiting: int = 0
     _freed: asyncio.Event | None = None
+    fds: int = 0  # the edge's descriptors admitted sandboxes hold (Ticket.fds)
 
     # ---- budgets ------------------------------------------------------------------------
     def budgets(self) -> dict[str, float]:
@@ -276,8 +291,9 @@ class Admission:
         mean = sample.sandboxes_mib // self.total.sandboxes if self.total.sandboxes else 0
         return min(resources.memory_mib, max(MIN_HEADROOM_MIB, mean))
 
-    def _check_node(self, r: Resources, share: Share) -> int:
-        """Raise CapacityExceeded if the node can not take ``r`` now; returns the headroom."""
+    def _check_node(self, r: Resources, share: Share, fds: int = 0) -> int:
+        """Raise CapacityExceeded if the node can not take ``r`` (holding ``fds`` of the
+        edge's descriptors) now; returns the headroom."""
         lim = self.limits
         where = f"node {self.node_id}" if self.node_id else "node"
         if share == "new" and self._reserved_waiting:
@@ -287,6 +303,7 @@ class Admission:
         if self.total.sandboxes >= max_sb:
             raise CapacityExceeded(f"{where} is full ({self.total.sandboxes} sandboxes of "
                                    f"{lim.max_sandboxes})", reason="sandboxes")
+        self._check_fds(fds, share)
         f = self._share_factor(share)
         b = self.budgets()
         if self.total.memory_mib + r.memory_mib > b["memory_mib"] * f:
@@ -314,6 +331,23 @@ class Admission:
                                    f"{sample.psi_some_avg10:.1f}%)", reason="memory_pressure")
         return headroom
 
+    def _fd_room(self, share: Share) -> int | None:
+        """Descriptors left for sandboxes of ``share`` (None: not counted)."""
+        lim = self.limits
+        if lim.max_fds is None:
+            return None
+        most = lim.max_fds - (int(lim.max_fds * lim.reserved_share) if share == "new" else 0)
+        return most - self.fds
+
+    def _check_fds(self, fds: int, share: Share) -> None:
+        room = self._fd_room(share)
+        if room is not None and fds > room:
+            where = f"node {self.node_id}" if self.node_id else "node"
+            raise CapacityExceeded(
+                f"{where}'s edge has no descriptors left for this sandbox ({fds} needed, "
+                f"{max(0, room)} free of {self.limits.max_fds} for sandboxes: RLIMIT_NOFILE)",
+                reason="fds", requested=fds, free=max(0, room))
+
     @staticmethod
     def _check_quota(usage: _Usage | None, r: Resources, quota: Quota, owner: str,
                      share: Share = "new") -> None:
@@ -335,17 +369,20 @@ class Admission:
 
     # ---- admit / start / release ------------------------------------------------------
     def try_admit(self, r: Resources, owner: str, share: Share = "new",
-                  quota: Quota | None = None) -> Ticket:
-        """Admit now or raise (QuotaExceeded first: retrying elsewhere will not help)."""
+                  quota: Quota | None = None, fds: int = FDS_PER_SANDBOX) -> Ticket:
+        """Admit now or raise (QuotaExceeded first: retrying elsewhere will not help).
+        ``fds``: the edge's descriptors the sandbox will hold (Backend.edge_fds)."""
         if quota is not None:
             self._check_quota(self._owners(share).get(owner), r, quota, owner, share)
-        headroom = self._check_node(r, share)
-        return self._take(r, owner, share, headroom)
+        headroom = self._check_node(r, share, fds)
+        return self._take(r, owner, share, headroom, fds)
 
     def try_admit_many(self, r: Resources, owner: str, n: int,
-                       quota: Quota | None = None) -> list[Ticket]:
-        """``n`` new admissions of ``r`` at once (a fork's children), or none: the quota and
-        the node's budgets are checked for all ``n`` together, then all are taken."""
+                       quota: Quota | None = None, fds: int = FDS_PER_SANDBOX
+                       ) -> list[Ticket]:
+        """``n`` new admissions of ``r`` at once (a fork's children, ``fds`` descriptors
+        each), or none: the quota and the node's budgets are checked for all ``n`` together,
+        then all are taken."""
         if n < 1:
             return []
         group = r.model_copy(update={"cpus": r.cpus * n, "memory_mib": r.memory_mib * n})
@@ -366,7 +403,7 @@ class Admission:
             raise CapacityExceeded(f"{where} has room for {max(0, max_sb - self.total.sandboxes)}"
                                    f" more sandboxes, not {n}", reason="sandboxes",
                                    requested=n)
-        self._check_node(group, "new")  # the budgets' sums, pressure, one headroom
+        self._check_node(group, "new", n * fds)  # the budgets' sums, pressure, one headroom
         sample = self.memory.sample()
         each = self.headroom_mib(r, sample)
         floor = lim.reserve_mib + int(lim.reserved_share
@@ -377,17 +414,17 @@ class Admission:
                 f"available, {self.pending_mib()} MiB promised to starting sandboxes, "
                 f"{each} MiB each)", reason="memory_available", requested=n,
                 available_mib=sample.available_mib)
-        return [self._take(r, owner, "new", each) for _ in range(n)]
+        return [self._take(r, owner, "new", each, fds) for _ in range(n)]
 
     async def admit(self, r: Resources, owner: str, share: Share = "new",
-                    quota: Quota | None = None) -> Ticket:
+                    quota: Quota | None = None, fds: int = FDS_PER_SANDBOX) -> Ticket:
         """``try_admit``; a reserved admission that does not fit waits for room (ahead of
         every new create) up to the create queue timeout."""
         if share == "new":
-            return self.try_admit(r, owner, share, quota)
+            return self.try_admit(r, owner, share, quota, fds)
         deadline = self.clock() + self.limits.create_queue_timeout_s
         try:
-            return self.try_admit(r, owner, share, quota)
+            return self.try_admit(r, owner, share, quota, fds)
         except CapacityExceeded as exc:
             # A project's own grades holding its quota are no reason to hold the node's creates.
             if self.clock() >= deadline or exc.details.get("reason") == "project_grades":
@@ -403,7 +440,7 @@ class Admission:
                 except TimeoutError:
                     pass
                 try:
-                    return self.try_admit(r, owner, share, quota)
+                    return self.try_admit(r, owner, share, quota, fds)
                 except CapacityExceeded as exc:
                     if self.clock() >= deadline or exc.details.get("reason") == "project_grades":
                         raise
@@ -418,8 +455,10 @@ class Admission:
     def _owners(self, share: Share) -> dict[str, _Usage]:
         return self.by_owner if share == "new" else self.reserved_by_owner
 
-    def _take(self, r: Resources, owner: str, share: Share, headroom: int) -> Ticket:
-        t = Ticket(r, owner, share, headroom)
+    def _take(self, r: Resources, owner: str, share: Share, headroom: int,
+              fds: int = FDS_PER_SANDBOX) -> Ticket:
+        t = Ticket(r, owner, share, headroom, fds)
+        self.fds += fds
         self.total.add(r, 1)
         self._owners(share).setdefault(owner, _Usage()).add(r, 1)
         self._starting_mib += headroom
@@ -439,11 +478,23 @@ class Admission:
         self.by_owner.setdefault(owner, _Usage()).add(t.resources, 1)
         t.owner = owner
 
-    def adopt(self, r: Resources, owner: str, share: Share) -> Ticket:
-        """A sandbox re-adopted after an edge restart: counted, no headroom (it runs)."""
-        t = self._take(r, owner, share, 0)
+    def adopt(self, r: Resources, owner: str, share: Share,
+              fds: int = FDS_PER_SANDBOX) -> Ticket:
+        """A sandbox re-adopted after an edge restart (or paused to disk): counted, no
+        headroom (it runs), never refused (it is there already)."""
+        t = self._take(r, owner, share, 0, fds)
         t.started_at = self.clock()
         return t
+
+    def resize_fds(self, t: Ticket, fds: int) -> None:
+        """The sandbox of ``t`` holds ``fds`` descriptors from now on (a network attached or
+        gone); CapacityExceeded (reason fds, nothing changed) for more than the table has."""
+        if t.released or fds == t.fds:
+            return
+        if fds > t.fds:
+            self._check_fds(fds - t.fds, t.share)
+        self.fds += fds - t.fds
+        t.fds = fds
 
     def started(self, t: Ticket) -> None:
         """The sandbox runs: its headroom counts for SETTLE_S more, then MemAvailable shows
@@ -460,6 +511,7 @@ class Admission:
         if t.released:
             return
         t.released = True
+        self.fds -= t.fds
         self.total.add(t.resources, -1)
         owners = self._owners(t.share)
         u = owners.get(t.owner)
@@ -530,5 +582,7 @@ class Admission:
             "memory_pending_mib": self.pending_mib(),
             "memory_reserve_mib": lim.reserve_mib,
             "memory_psi_some_avg10": sample.psi_some_avg10,
+            "fds": self.fds,  # the edge's descriptors its sandboxes hold
+            "max_fds": lim.max_fds,
             "limits": self.budgets(),
         }

@@ -105,8 +105,9 @@ class LiveSandbox:
 
 
 def raise_nofile_limit(target: int = 1 << 20) -> None:
-    """Each sandbox holds a few fds in the edge (admission.FDS_PER_SANDBOX); 1,000s of them
-    need more than the usual 1,024. Without CAP_SYS_RESOURCE only up to the hard limit."""
+    """Each sandbox holds a few fds in the edge (Backend.edge_fds; admission counts them);
+    1,000s of them need more than the usual 1,024. Without CAP_SYS_RESOURCE only up to the
+    hard limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     for want in (target, 1 << 16, hard):
         try:
@@ -305,7 +306,7 @@ class Edge:
                     info.state = "running"
                     self.journal.put(info)
             self._register(info, box, backend, self.admission.adopt(
-                _held(info), info.owner, _share_of(info)))
+                _held(info), info.owner, _share_of(info), self._edge_fds(info)))
             ending += self._rebuild_sessions(self.live[info.id])
             log.info("re-adopted sandbox %s", info.id)
         if ending:  # exits that happened while no edge was up: settled before we serve
@@ -504,6 +505,10 @@ class Edge:
             used = sum(p.backend.usage(p.box).memory_bytes or 0 for p in pooled) >> 20
             self._pooled_mem = cached = (now, ids, used)
         return cached[2] + self.admission.promised_mib(p.ticket for p in pooled)
+
+    def _edge_fds(self, info: SandboxInfo) -> int:
+        """The edge's descriptors a sandbox like ``info`` holds (its backend's count)."""
+        return self.backends[info.backend].edge_fds(info.network is not None)
 
     def drain(self, on: bool = True) -> int:
         """Refuse every new create (CapacityExceeded, reason draining; reports show no room
@@ -814,10 +819,11 @@ class Edge:
             if pooled is not None:
                 return await self._hand_out(pooled, spec, owner, image_config, layers, quota)
         try:
+            fds = self.backends[spec.backend].edge_fds(spec.network is not None)
             ticket = await self._admit_evicting(
-                lambda: self.admission.try_admit(spec.resources, owner, share, quota),
+                lambda: self.admission.try_admit(spec.resources, owner, share, quota, fds),
                 None if share == "new" else
-                lambda: self.admission.admit(spec.resources, owner, share, quota))
+                lambda: self.admission.admit(spec.resources, owner, share, quota, fds))
         except (CapacityExceeded, QuotaExceeded) as exc:
             self.metrics.refusals.labels(self.metrics.refusal_reason(exc.details)).inc()
             raise
@@ -910,9 +916,10 @@ class Edge:
             raise CapacityExceeded(f"node {self.node_id} is {why}: nothing is pooled",
                                    reason=why)
         r = key.resolved()
-        ticket = self.admission.try_admit(r, POOL_OWNER, "new")
-        sandbox_id = f"{self.node_id}-{secrets.token_hex(6)}"
         backend = self.backends[key.backend]
+        ticket = self.admission.try_admit(r, POOL_OWNER, "new",
+                                          fds=backend.edge_fds(key.network is not None))
+        sandbox_id = f"{self.node_id}-{secrets.token_hex(6)}"
         spec = ResolvedSpec(image=key.image, layers=key.layers, resources=r,
                             env=dict(base_env), hidden_paths=key.hidden_paths,
                             network_rules=key.network, disk_tier=key.disk_tier,  # type: ignore[arg-type]
@@ -1231,7 +1238,16 @@ class Edge:
         old_env = box.network.env if box.network is not None else {}
         if box.network is None and policy is None:
             return live.info
-        await live.backend.set_network(box, rules)  # BadRequest: nothing changed
+        ticket = live.ticket
+        if ticket is not None:  # its descriptors with a network (CapacityExceeded: unchanged)
+            before = ticket.fds
+            self.admission.resize_fds(ticket, live.backend.edge_fds(True))
+        try:
+            await live.backend.set_network(box, rules)  # BadRequest: nothing changed
+        except BaseException:
+            if ticket is not None and box.network is None:
+                self.admission.resize_fds(ticket, before)
+            raise
         assert box.network is not None
         for k in old_env:
             box.image_env.pop(k, None)
@@ -1310,14 +1326,16 @@ class Edge:
             raise InfraError(f"filesystem pause of {info.id} failed: {exc}") from exc
         if live.ticket is not None:  # disk only from now on
             self.admission.release(live.ticket)
-        live.ticket = self.admission.adopt(_held(info), info.owner, _share_of(info))
+        live.ticket = self.admission.adopt(_held(info), info.owner, _share_of(info),
+                                           self._edge_fds(info))
 
     async def _resume_fs(self, live: LiveSandbox) -> None:
         """Boot a filesystem-paused sandbox again (Backend.resume_fs) once the node has room
         for its CPU and memory again (CapacityExceeded: it stays paused), with its network
         policy and sudo; a new watcher follows its agent."""
         info = live.info
-        ticket = self.admission.try_admit(info.resources, info.owner, _share_of(info))
+        ticket = self.admission.try_admit(info.resources, info.owner, _share_of(info),
+                                          fds=self._edge_fds(info))
         try:
             rules = list(info.network.allow) if info.network is not None else None
             await live.backend.resume_fs(live.box, rules)
@@ -1998,7 +2016,8 @@ class Edge:
         self._last_request = time.monotonic()  # the refill waits for the children
         quota = self.quotas.get(owner) if self.quotas is not None else None
         tickets = await self._admit_evicting(
-            lambda: self.admission.try_admit_many(src.resources, owner, n, quota))
+            lambda: self.admission.try_admit_many(src.resources, owner, n, quota,
+                                                  fds=self._edge_fds(src)))
         self._starting += n
         infos: list[SandboxInfo] = []
         permits = 0

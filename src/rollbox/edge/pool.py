@@ -56,9 +56,9 @@ IDLE_TICK_S = 1.0  # the refill task looks at demand at least this often
 # command or an episode's next step (RL steps come in bursts with think time between).
 POOL_QUIET_S = 0.2
 # The node's refusals an eviction of pooled sandboxes can cure: room they hold (count, requested
-# memory and CPUs, live memory). Others (grades waiting, memory pressure, a project's grades)
-# are not theirs: a create refused for them keeps the pool.
-ROOM_REASONS = frozenset({"sandboxes", "memory", "cpus", "memory_available"})
+# memory and CPUs, live memory, the edge's descriptors). Others (grades waiting, memory
+# pressure, a project's grades) are not theirs: a create refused for them keeps the pool.
+ROOM_REASONS = frozenset({"sandboxes", "memory", "cpus", "memory_available", "fds"})
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,10 @@ def _make_hidden_paths(root: Path, host_uid: int, hidden_paths: Sequence[str]) -
         fs.close()
 
 
+# The edge's descriptors per live container (ContainerBackend.edge_fds).
+CONTAINER_FDS = 2
+CONTAINER_NETWORK_FDS = 4
+
 MACHINE_ID = "/etc/machine-id"
 # Seed files that carry randomness across boots: a fork child's are replaced with its own.
 RANDOM_SEEDS = ("/var/lib/systemd/random-seed", "/var/lib/urandom/random-seed")
@@ -455,6 +459,11 @@ class ContainerBackend:
         v2 = cgroups.v2_dir(self.settings.cgroup_parent, sandbox_id)
         cgroups.delegate(v2, host_uid)
         return await AgentChannel.connect(str(sock_path), timeout=10.0)
+
+    def edge_fds(self, networked: bool) -> int:
+        """Its agent channel's socket and its root's O_PATH fd; with a network, the DNS gate's
+        UDP and TCP sockets and the BPF allow-list's program and map (measured: 2 and 6)."""
+        return CONTAINER_FDS + (CONTAINER_NETWORK_FDS if networked else 0)
 
     def capacity(self) -> BackendCapacity:
         """Offered wherever the edge runs; no per-sandbox cap beyond admission (a CPU limit
