@@ -24,7 +24,11 @@ on all alike:
   (built by the first create, not timed), forked into 8 (memory and processes carried), with
   the children's warm-up (``vm_fork_warm``, off by default) and without, interleaved (the
   node's setting's rounds give ``microvm_fork8_ready_p50_ms``); the peer is 8 creates restored
-  from the template, in the same run. The CPU a fork(8) costs (children's
+  from the template, in the same run. Then fork(8) with spare QEMUs (``vm_fork_spares`` 8:
+  children restored into QEMUs started ahead, the pool refilled at idle priority and waited
+  for before each round) against 0, interleaved: ``microvm_fork8_spares_p50_ms``,
+  ``microvm_fork8_nospares_p50_ms``, their ratio, the spares each round's children took
+  and the 8 spares' memory (``microvm_fork_spares_memory_mib``). The CPU a fork(8) costs (children's
   QEMUs, the source's, this process) over the host's cores is ``microvm_fork8_cpu_floor_ms``:
   no fork of this design is ready sooner here. One child alone (fork(1)) is profiled: its
   QEMU's CPU until restored, over its first and second exec, and TCG's translated code blocks
@@ -242,15 +246,73 @@ async def microvm_fork_round(edge: Any, src: str, n: int, warm: bool) -> dict[st
 
 
 async def fork_round_cpu(edge: Any, src: str, n: int, cpu: Any) -> dict[str, Any]:
+    be = edge.backends["microvm"]
+    spare_pids = {sp.pid for sp in be.spares.spares()}
     t0 = time.perf_counter()
     res = await edge.fork(src, ForkSpec(n=n), OWNER)
     ids = [c.id for c in res.children]
+    claimed = sum(be._vms[i].pid in spare_pids for i in ids)
     try:
         ready = await asyncio.gather(*(answer(edge, i, t0) for i in ids))
         children_cpu = cpu(ids)
     finally:
         await delete_all(edge, ids)
-    return {"all": max(ready), "frozen": res.frozen_s, "children_cpu": children_cpu}
+    return {"all": max(ready), "frozen": res.frozen_s, "children_cpu": children_cpu,
+            "claimed": claimed}
+
+
+SPARES_WAIT_S = 180.0  # refills run at idle CPU priority: on a busy host they wait for idle time
+
+
+async def spares_settled(be: Any, n: int) -> bool:
+    """Wait until the backend holds exactly ``n`` ready spares and stops none (False: not
+    within SPARES_WAIT_S)."""
+    deadline = time.monotonic() + SPARES_WAIT_S
+    while len(be.spares.spares()) != n or be.spares.stopping():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.1)
+    return True
+
+
+async def microvm_spare_rounds(edge: Any, src: str, reps: int) -> dict[str, Any]:
+    """fork(8) with ``vm_fork_spares`` 8 (children restored into spare QEMUs: each round waits
+    until the pool holds 8 again, refilled at idle priority after the last round's claims) and
+    0 (no claim; the pool shrunk back to ``vm_template_spares`` first), interleaved, each
+    round starting with nothing of the pool under way; plus the 8 spares' memory."""
+    be = edge.backends["microvm"]
+    n, base = 8, be.spares.per_template
+    times: dict[bool, list[float]] = {True: [], False: []}
+    claimed: list[int] = []
+    out: dict[str, Any] = {}
+    try:
+        be.spares.set_fork_spares(n)
+        await microvm_fork_round(edge, src, 2, False)  # its template now keeps n spares
+        for _ in range(reps):
+            be.spares.set_fork_spares(n)
+            if not await spares_settled(be, n):
+                out["microvm_fork8_spares_note"] = (
+                    f"{len(be.spares.spares())} of {n} spares ready after {SPARES_WAIT_S:.0f} s "
+                    "(refills at idle priority found no idle CPU): rounds cut short")
+                break
+            out["microvm_fork_spares_memory_mib"] = be.spares.facts()["memory_mib"]
+            r = await microvm_fork_round(edge, src, n, False)
+            times[True].append(r["all"])
+            claimed.append(r["claimed"])
+            be.spares.set_fork_spares(0)
+            await spares_settled(be, base)
+            times[False].append((await microvm_fork_round(edge, src, n, False))["all"])
+    finally:
+        be.spares.set_fork_spares(edge.settings.vm_fork_spares)
+    if times[True] and times[False]:
+        out["microvm_fork8_spares_p50_ms"] = statistics.median(times[True]) * 1000
+        out["microvm_fork8_nospares_p50_ms"] = statistics.median(times[False]) * 1000
+        out["microvm_fork8_spares_vs_nospares_ratio"] = (out["microvm_fork8_spares_p50_ms"]
+                                                         / out["microvm_fork8_nospares_p50_ms"])
+        out["microvm_fork8_spares_claimed"] = claimed
+        out["microvm_fork8_spares_rounds"] = len(claimed)
+        out["microvm_fork_spare_memory_mib"] = out["microvm_fork_spares_memory_mib"] / n
+    return out
 
 
 async def microvm_rounds(edge: Any, reps: int) -> dict[str, Any]:
@@ -282,6 +344,7 @@ async def microvm_rounds(edge: Any, reps: int) -> dict[str, Any]:
             forks[not warm_default].append(
                 (await microvm_fork_round(edge, src, 8, not warm_default))["all"])
         be.settings.vm_fork_warm = warm_default
+        out.update(await microvm_spare_rounds(edge, src, reps))
         prof = await microvm_profile(edge, src)
         # the node's setting's figure, and both ways of vm_fork_warm
         out["microvm_fork8_ready_p50_ms"] = statistics.median(forks[warm_default]) * 1000

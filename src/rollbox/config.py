@@ -395,6 +395,13 @@ class Settings:
     vm_template_spare_idle_s: float = setting(
         "ROLLBOX_VM_TEMPLATE_SPARE_IDLE_S", "templates", 600.0, float,
         "A template's spares stop when no create restored from it for this many seconds.")
+    vm_fork_spares: int = setting(
+        "ROLLBOX_VM_FORK_SPARES", "templates", 0, int,
+        "Spare QEMUs a microVM fork's children may take, and kept for a template once a VM "
+        "restored from it was forked (backends/microvm/spares.py; also raises "
+        "ROLLBOX_VM_TEMPLATE_SPARES_MAX to it): a child restored into a spare skips QEMU's "
+        "start and its RAM faults. Each holds about the template's saved RAM (8 of a 256 MiB "
+        "python:3.11 guest ~0.7 GiB); 0: forks take none, every child starts its own QEMU.")
     vm_fork_warm: bool = setting(
         "ROLLBOX_VM_FORK_WARM", "templates", False, flag,
         "With more children than cores, a microVM fork runs the platform shell's `true` in "

@@ -25,13 +25,14 @@ API (the edge's), nor the agent protocol (``rollbox.agent``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
 import shutil
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -454,23 +455,29 @@ class MicroVMBackend:
         if not hardened:
             base = machine or self.machine_for(spec)
             machine = replace(base, extra_cmdline=base.extra_cmdline + (FULL_ROOT_ARG,))
-        self._creating += 1
-        self._no_create.clear()
-        try:
+        with self._in_flight():
             if machine is None and self.templates is not None:
                 vm = await self._restore(sandbox_id, spec, self.machine_for(spec), timeout)
             if vm is None:
                 vm = await self.boot(sandbox_id, spec, machine or self.machine_for(spec),
                                      timeout, check_boot=check_boot)
+        self._track(vm)
+        return vm
+
+    @contextlib.contextmanager
+    def _in_flight(self) -> Iterator[None]:
+        """A create or a fork under way: spares are started only when there is none."""
+        self._creating += 1
+        self._no_create.clear()
+        try:
+            yield
         finally:
             self._creating -= 1
             if self._creating == 0:
                 self._no_create.set()
-        self._track(vm)
-        return vm
 
     async def creates_idle(self) -> None:
-        """Returns once no create of this backend is in flight."""
+        """Returns once no create or fork of this backend is in flight."""
         while self._creating:
             await self._no_create.wait()
 
@@ -600,10 +607,13 @@ class MicroVMBackend:
                               clone_ram=template.ram_path if template is not None else None)
 
     async def _restore_spare(self, sandbox_id: str, spec: ResolvedSpec, spare: Spare,
-                             template: Template, timeout_s: float, steps: Steps) -> MicroVM:
+                             template: Template, timeout_s: float, steps: Steps,
+                             fill_from: str | None = None) -> MicroVM:
         """Restore ``template`` into a spare QEMU of it (``spares.py``): its disk and jail
         become the sandbox's, its CPU quota the create's; the state load onwards as any
-        restore. Everything torn down on failure."""
+        restore. ``fill_from``: a fork's disk subvolume, cloned into the spare's disk file
+        (``VmDisks.fill_rw``) before its state (``template``) is loaded. Everything torn down
+        on failure."""
         jail = spare.jail
         renamed: list[Jail] = []  # the renamed jail, also when a cancellation came meanwhile
         try:  # the renames run to their end (to_the_end): the teardown must find what it names
@@ -620,6 +630,9 @@ class MicroVMBackend:
                                     spec.resources.cpus, cpu)
             await asyncio.to_thread(qos.apply_start, spare.pid, cpu)
             steps.lap("spare_claim")
+            if fill_from is not None:
+                await to_the_end(asyncio.to_thread(self.disks.fill_rw, fill_from, sandbox_id))
+                steps.lap("disk_fill")
             vm = await self._resume(sandbox_id, spare.slot, spare.host_uid, jail, spare.pid,
                                     spare.machine, spec.env, timeout_s, template, steps,
                                     monitor=spare.monitor)
@@ -1202,9 +1215,14 @@ class MicroVMBackend:
         restored into each child as a template is (QEMU with ``-incoming defer``, the disk
         cloned by snapshot, the state loaded, the guest made unique: hostname, machine-id,
         reseeded RNG, clock), each with its own network; both files go when the children are
-        made. With ``vm_fork_warm`` (off by default) and more children than cores, each child
-        runs the platform shell's ``true`` once made unique, outside the one-restore-per-core
-        gate. All or nothing: a child that fails takes the made ones down with it."""
+        made. With ``vm_fork_spares``, up to that many children restore into ready spare QEMUs
+        of the source's exact machine and layers (``spares.py``: QEMU started, RAM faulted in
+        ahead), the fork's disk cloned into the spare's disk file (``VmDisks.fill_rw``); a
+        child whose spare fails (QEMU gone, the clone refused, the state not loaded) is torn
+        down and restored into a QEMU of its own, as are the children beyond the spares. With
+        ``vm_fork_warm`` (off by default) and more children than cores, each child runs the
+        platform shell's ``true`` once made unique, outside the one-restore-per-core gate.
+        All or nothing: a child that fails takes the made ones down with it."""
         if h.stopped:  # no QEMU to save: its memory was let go
             raise BadRequest(f"sandbox {h.id} is paused filesystem-only: resume it before a "
                              "fork (a microVM fork carries its memory)", sandbox_id=h.id)
@@ -1218,9 +1236,24 @@ class MicroVMBackend:
         staging = self.settings.data_dir / "vm-forks" / token
         disk_id = f"{FORK_PREFIX}vm{token}"
         await asyncio.to_thread(staging.mkdir, 0o700, True)
+        with self._in_flight():  # no spare is started while the fork runs
+            return await self._fork(h, children, paused, staging, disk_id)
+
+    async def _fork(self, h: MicroVM, children: list[tuple[str, ResolvedSpec]], paused: bool,
+                    staging: Path, disk_id: str) -> ForkResult:
+        """:meth:`fork` once its staging dir exists (removed here, with the fork's disk)."""
         made: list[MicroVM] = []
+        claimed: list[Spare | None] = []
         try:
             frozen_s, tpl = await self._save_for_fork(h, paused, staging, disk_id)
+            if h.template:  # its template keeps vm_fork_spares from now on
+                self.spares.forked(h.template)
+            most = min(len(children), self.spares.fork_spares)
+            layers = tuple(children[0][1].layers)
+            claimed = [*self.spares.claim_like(h.machine, layers, most)] \
+                if most and not h.machine.nic and all(
+                    tuple(spec.layers) == layers for _, spec in children) else []
+            claimed += [None] * (len(children) - len(claimed))
 
             # At most one restore per host core at a time: more only starve each other (a
             # TCG guest that gets no CPU misses the make-unique step's deadline).
@@ -1228,10 +1261,14 @@ class MicroVMBackend:
             gate = asyncio.Semaphore(width)
             warm = self.settings.vm_fork_warm and len(children) > width
 
-            async def one(child_id: str, spec: ResolvedSpec) -> MicroVM:
+            async def one(i: int, child_id: str, spec: ResolvedSpec) -> MicroVM:
                 async with gate:
-                    vm = await self.boot(child_id, spec, h.machine,
-                                         self.settings.vm_boot_timeout_s, template=tpl)
+                    spare, claimed[i] = claimed[i], None
+                    vm = None if spare is None else \
+                        await self._fork_into_spare(child_id, spec, spare, tpl, disk_id)
+                    if vm is None:
+                        vm = await self.boot(child_id, spec, h.machine,
+                                             self.settings.vm_boot_timeout_s, template=tpl)
                 vm.next_session = h.next_session  # the guest's session cgroups so far
                 vm.template = ""  # not restorable by the cache: a fork's own image
                 made.append(vm)
@@ -1240,7 +1277,8 @@ class MicroVMBackend:
                     await self._warm_fork_child(vm)
                 return vm
 
-            vms = await all_or_raise([one(cid, spec) for cid, spec in children])
+            vms = await all_or_raise([one(i, cid, spec)
+                                      for i, (cid, spec) in enumerate(children)])
             return ForkResult(children=list(vms), frozen_s=frozen_s)
         except BaseException as exc:
             async def undo() -> None:
@@ -1249,8 +1287,30 @@ class MicroVMBackend:
             await teardown_after(exc, undo())
             raise
         finally:
+            # spares claimed and never used (the fork failed before their child's turn)
+            unused = [self.spares.give_up(sp) for sp in claimed if sp is not None]
+            if unused:
+                await asyncio.gather(*unused, return_exceptions=True)
             await asyncio.to_thread(self.disks.remove_rw, disk_id)
             await asyncio.to_thread(shutil.rmtree, staging, True)
+
+    async def _fork_into_spare(self, child_id: str, spec: ResolvedSpec, spare: Spare,
+                               tpl: Template, disk_id: str) -> MicroVM | None:
+        """A fork child restored into a claimed spare (the fork's disk ``disk_id`` cloned into
+        the spare's, the fork's state ``tpl`` loaded); None (logged) when that failed and
+        everything of it is torn down: the child then gets a QEMU of its own."""
+        steps = Steps()
+        try:
+            return await self._restore_spare(child_id, spec, spare, tpl,
+                                             self.settings.vm_boot_timeout_s, steps,
+                                             fill_from=disk_id)
+        except InfraError as exc:  # TemplateLoadError too: torn down by _restore_spare
+            if exc.details.get("problems"):
+                raise  # the teardown left something: no second QEMU under the same id
+            log.warning("microVM fork child %s: spare %s failed (%s); starting its own QEMU",
+                        child_id, spare.id, exc)
+            self._cgroup_names.pop(child_id, None)  # its next cgroups are named by its id
+            return None
 
     async def save_machine(self, h: MicroVM, snapshot_id: str,  # type: ignore[override]
                            spec: ResolvedSpec, paused: bool) -> MachineSnapshot:

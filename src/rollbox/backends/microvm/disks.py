@@ -8,7 +8,10 @@ The writable disk is a sparse file ``rw.img`` of exactly the sandbox's ``disk_mi
 own subvolume ``<id>`` of the node's btrfs disk pool (``backends/container/disk.py``), so a
 template's disk is cloned by snapshot/reflink and the qgroup bounds what the file can ever
 take on the host (twice the cap plus metadata: copy-on-write rewrites may briefly reference
-more than the file's size). The host formats it (``mkfs.ext4`` on the fresh, never-booted
+more than the file's size). A spare QEMU's disk, opened by QEMU when it started, gets a fork's
+content in place (:meth:`VmDisks.fill_rw`: FICLONE into the same inode, so the descriptor QEMU
+holds reads the fork's extents; the kernel drops the file's page cache, and later writes are
+copy-on-write, the fork's file untouched). The host formats it (``mkfs.ext4`` on the fresh, never-booted
 file) and never mounts it: once a guest has had it, its content is the guest's, read only
 through the agent or a userspace parser.
 
@@ -17,6 +20,7 @@ Owns the disk files; does not know QEMU or the jail.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import subprocess
 from pathlib import Path
@@ -27,6 +31,7 @@ from rollbox.images.layer_files import local_layer_file
 from rollbox.images.store import ImageStore
 
 RW_NAME = "rw.img"
+FICLONE = 0x40049409  # ioctl: the whole of a file's extents shared into another (btrfs reflink)
 QGROUP_SLACK = 64 << 20
 
 
@@ -82,6 +87,29 @@ class VmDisks:
             self.pool.remove(dst_id)
             raise
         return path
+
+    def fill_rw(self, src_id: str, dst_id: str) -> None:
+        """``dst_id``'s disk file (the same inode: a running QEMU's descriptor on it sees the
+        change) made a copy-on-write clone of ``src_id``'s by FICLONE: nothing copied, the
+        destination's page cache dropped by the kernel, later writes to either side their own.
+        The sizes must be equal (QEMU sized its virtio disk at start); InfraError otherwise,
+        or if the kernel refuses (the destination unchanged then)."""
+        src = dst = -1
+        try:
+            src = os.open(self.rw_path(src_id), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            dst = os.open(self.rw_path(dst_id), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            have, want = os.fstat(dst).st_size, os.fstat(src).st_size
+            if have != want:
+                raise InfraError(f"disk of {dst_id} is {have} bytes, the fork's {want}: not "
+                                 "filled", sandbox_id=dst_id)
+            fcntl.ioctl(dst, FICLONE, src)
+        except OSError as exc:
+            raise InfraError(f"disk of {dst_id} not filled from {src_id}: {exc}",
+                             sandbox_id=dst_id) from exc
+        finally:
+            for fd in (src, dst):
+                if fd >= 0:
+                    os.close(fd)
 
     def remove_rw(self, sandbox_id: str) -> list[str]:
         return self.pool.remove(sandbox_id)

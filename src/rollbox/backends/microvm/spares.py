@@ -17,6 +17,13 @@ renames the spare's disk subvolume and jail dir to the sandbox id (the cgroups k
 state load (``backend.py``) with the sandbox's CPU class (``isolation.qos``: a batch sandbox's
 spare stays in the idle class). A spare whose QEMU is gone is torn down, never claimed.
 
+Fork (:meth:`Spares.claim_like`): a microVM fork's children take ready spares whose QEMU has
+the child's exact machine and layers (``backend.py`` fork: the fork's disk cloned into the
+spare's ``rw.img`` by FICLONE, the fork's state loaded into it), at most ``vm_fork_spares``.
+A template whose VM was forked (:meth:`forked`) keeps ``max(vm_template_spares,
+vm_fork_spares)`` spares from then on (until it goes idle), and the bound over all templates is
+at least ``vm_fork_spares``.
+
 Policy: ``vm_template_spares`` spares for each template creates restore from (0: none), at most
 ``vm_template_spares_max`` in all, the most recently used templates first. One spare is started
 at a time, only when no create of the backend is in flight, in the batch (idle) CPU class until a
@@ -76,6 +83,7 @@ class Recipe:
     ram_file: Path | None       # a shared-RAM template's RAM file
     pages: Path | None          # the template's page map (copy templates)
     last_used: float = 0.0
+    forked: bool = False        # a VM of it was forked: it keeps ``vm_fork_spares``
 
 
 @dataclass
@@ -89,6 +97,7 @@ class Spare:
     machine: qemu.MachineSpec
     cpus: float
     monitor: qmp.QMP           # connected; handed to the restore (closed there)
+    layers: tuple[str, ...] = ()  # the layer files its QEMU opened (digests, lowest first)
 
 
 def at_idle_priority(fn: Callable[..., T], *args: Any) -> T:
@@ -106,10 +115,12 @@ class Spares:
         s = backend.settings
         self.backend = backend
         self.per_template = max(0, s.vm_template_spares)
-        self.max_total = max(0, s.vm_template_spares_max)
+        self.fork_spares = max(0, s.vm_fork_spares)
+        self.max_total = max(0, s.vm_template_spares_max, self.fork_spares)
         self.idle_s = s.vm_template_spare_idle_s
         self._ready: dict[str, list[Spare]] = {}
         self._wanted: dict[str, Recipe] = {}
+        self._known: dict[str, Recipe] = {}  # every wanted template's recipe (forked() revives)
         self._retry_at: dict[str, float] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -118,7 +129,8 @@ class Spares:
 
     @property
     def enabled(self) -> bool:
-        return self.per_template > 0 and self.max_total > 0 and not self._stopped
+        return (self.per_template > 0 or self.fork_spares > 0) and self.max_total > 0 \
+            and not self._stopped
 
     def spares(self) -> list[Spare]:
         return [sp for lst in self._ready.values() for sp in lst]
@@ -129,11 +141,37 @@ class Spares:
         if not self.enabled or tpl.dropped or recipe.machine.nic:
             return
         recipe.last_used = time.monotonic()
-        self._wanted[tpl.digest] = recipe
+        old = self._known.get(tpl.digest)
+        recipe.forked = old is not None and old.forked
+        self._wanted[tpl.digest] = self._known[tpl.digest] = recipe
+        self._kick()
+
+    def set_fork_spares(self, n: int) -> None:
+        """``vm_fork_spares`` changed on a running node (``rollbox bench fork`` compares n
+        against 0 in one run): forked templates keep that many from now on, extra ones stop."""
+        s = self.backend.settings
+        self.fork_spares = max(0, n)
+        self.max_total = max(0, s.vm_template_spares_max, self.fork_spares)
+        self._kick()
+
+    def stopping(self) -> int:
+        """Spares whose teardown is under way."""
+        return len(self._dying)
+
+    def forked(self, digest: str) -> None:
+        """A VM restored from the template was forked: from now on it keeps
+        ``vm_fork_spares`` spares (refilled in the background as the children took them)."""
+        recipe = self._known.get(digest)
+        if recipe is None or not self.enabled or not self.fork_spares:
+            return
+        recipe.forked = True
+        recipe.last_used = time.monotonic()
+        self._wanted[digest] = recipe
         self._kick()
 
     def forget(self, digest: str) -> None:
         """The template is gone: its spares are stopped (in the background)."""
+        self._known.pop(digest, None)
         if self._wanted.pop(digest, None) is not None or digest in self._ready:
             self._kick()
 
@@ -154,6 +192,36 @@ class Spares:
         self._ready.pop(digest, None)
         return None
 
+    def claim_like(self, machine: qemu.MachineSpec, layers: tuple[str, ...],
+                   most: int) -> list[Spare]:
+        """Up to ``most`` ready spares whose QEMU runs ``machine`` (the argv's shape: vCPUs,
+        memory, devices, no NIC) over ``layers``, taken out of the pool (a fork's children);
+        dead ones met on the way are torn down."""
+        taken: list[Spare] = []
+        for digest in list(self._ready):
+            lst = self._ready[digest]
+            for spare in list(lst):
+                if len(taken) >= most:
+                    break
+                if spare.machine != machine or spare.layers != layers:
+                    continue
+                lst.remove(spare)
+                if spare.jail.alive(spare.pid):
+                    taken.append(spare)
+                else:
+                    log.warning("spare QEMU %s of template %s is gone: torn down", spare.id,
+                                digest[:12])
+                    self._destroy_soon(spare)
+            if not lst:
+                del self._ready[digest]
+        if taken:
+            self._kick()  # refilled once no create or fork is in flight
+        return taken
+
+    def give_up(self, spare: Spare) -> asyncio.Task[None]:
+        """A claimed spare that was not used (its fork failed before it): torn down."""
+        return self._destroy_soon(spare)
+
     def facts(self) -> dict[str, int]:
         ready = self.spares()
         mib = 0
@@ -161,13 +229,14 @@ class Spares:
             used = cgroups.memory_bytes(sp.jail.cgroup_parent, sp.jail.cgroup_name)
             mib += (used or 0) >> 20
         return {"ready": len(ready), "memory_mib": mib, "per_template": self.per_template,
-                "max": self.max_total}
+                "fork": self.fork_spares, "max": self.max_total}
 
     async def stop(self) -> None:
         """Stop every spare and start no more (edge stop; a create after this restores
         without spares)."""
         self._stopped = True
         self._wanted.clear()
+        self._known.clear()
         if self._task is not None:
             self._task.cancel()
             await asyncio.wait({self._task})
@@ -211,11 +280,13 @@ class Spares:
             if now - r.last_used > self.idle_s:
                 log.info("template %s: no restore for %.0f s, its spares stop", digest[:12],
                          self.idle_s)
+                r.forked = False  # a restore later wants the per-template count again
                 del self._wanted[digest]
         left = self.max_total
         targets = {}
         for digest, _ in sorted(self._wanted.items(), key=lambda kv: -kv[1].last_used):
-            targets[digest] = min(self.per_template, left)
+            want = max(self.per_template, self.fork_spares if r.forked else 0)
+            targets[digest] = min(want, left)
             left -= targets[digest]
         return targets
 
@@ -298,7 +369,8 @@ class Spares:
                 raise
             return None
         return Spare(id=spare_id, digest=digest, slot=slot, host_uid=host_uid, jail=jail,
-                     pid=pid, machine=recipe.machine, cpus=recipe.cpus, monitor=monitor)
+                     pid=pid, machine=recipe.machine, cpus=recipe.cpus, monitor=monitor,
+                     layers=recipe.layers)
 
     async def _teardown(self, spare_id: str, jail: Jail, slot: int, pid: int | None,
                         monitor: qmp.QMP | None) -> None:
