@@ -47,7 +47,9 @@ class FakeEdge:
 
 async def test_a_microvm_fork_round_counts_each_childs_cpu_once(bench, monkeypatch) -> None:  # noqa: ANN001
     """Each child's QEMU used 0.2 CPU-s, the source 0.05, the edge 0.1: the round's CPU is
-    their sum, though the deletes reap the QEMUs into this process's children's CPU."""
+    their sum, though the deletes reap the QEMUs into this process's children's CPU; a child
+    restored into a spare QEMU counts from the fork's start (its 0.15 CPU-s as a spare left
+    out)."""
     edge = FakeEdge()
     pids = {f"c{i}": 100 + i for i in range(3)}
     reaped = {"s": 0.0}
@@ -64,6 +66,8 @@ async def test_a_microvm_fork_round_counts_each_childs_cpu_once(bench, monkeypat
             return (0.1 if started["edge"] else 0.0) + reaped["s"]
         if pid == 1:  # the source
             return 1.0 + (0.05 if started["edge"] else 0.0)
+        if pid == pids["c0"]:  # the spare: 0.15 before the fork
+            return 0.15 + (0.2 if started["edge"] and "c0" in edge.alive else 0.0)
         return 0.2 if next(k for k, v in pids.items() if v == pid) in edge.alive else 0.0
 
     orig_fork = edge.fork
@@ -76,9 +80,11 @@ async def test_a_microvm_fork_round_counts_each_childs_cpu_once(bench, monkeypat
     vms = {"src": types.SimpleNamespace(pid=1)}
     vms.update({k: types.SimpleNamespace(pid=v) for k, v in pids.items()})
     edge.backends = {"microvm": types.SimpleNamespace(
-        _vms=vms, settings=types.SimpleNamespace(vm_fork_warm=False))}
+        _vms=vms, settings=types.SimpleNamespace(vm_fork_warm=False),
+        spares=types.SimpleNamespace(spares=lambda: [types.SimpleNamespace(pid=pids["c0"])]))}
     monkeypatch.setattr(bench, "process_cpu_s", process_cpu_s)
     r = await bench.microvm_fork_round(edge, "src", 3, False)
     assert r["cpu"] == pytest.approx(3 * 0.2 + 0.05 + 0.1)
     assert r["child_cpu"] == pytest.approx(0.2)
+    assert r["claimed"] == 1
     assert edge.alive == set()

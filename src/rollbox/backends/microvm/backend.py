@@ -7,7 +7,9 @@ agent answers on the virtio-serial port within the boot timeout (watched: a QEMU
 ends the wait at once). Any failure tears everything down and raises a typed error; a guest
 that never answers is an InfraError after ``vm_boot_timeout_s``. A restore from a template
 takes a spare QEMU of it when there is one (``spares.py``: everything up to QEMU in its jail
-done ahead, RAM faulted in), else makes its own; either way it then loads the saved state.
+done ahead, RAM faulted in), else makes its own; either way it then loads the saved state. A
+fork's children take spares of their exact machine too (``vm_fork_spares``), the fork's disk
+cloned into the spare's disk file first.
 
 QEMU outlives the edge: after a restart :meth:`adopt` finds it by its journaled pid (checked
 to be in the sandbox's cgroup) and reconnects to the agent's socket. Destruction kills by
