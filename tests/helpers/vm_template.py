@@ -1,21 +1,27 @@
 """A microVM backend on a test node's settings, and the test session's one template node
-(tests/conftest.py ``vm_template_node``): the default tier builds one template per session."""
+(tests/conftest.py ``vm_template_node``): the default tier builds one template per session; the
+spare QEMUs' waits and leak check (``ready_spares``, ``spare_traces``)."""
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import TypeVar
 
 from rollbox.backends.base import ResolvedSpec
 from rollbox.backends.container.disk import DiskPool
+from rollbox.backends.microvm.template import SPARE_PREFIX
 from rollbox.backends.microvm.backend import MicroVMBackend
+from rollbox.backends.microvm.spares import Spare
 from rollbox.config import Settings
+from rollbox.isolation import cgroups
 from rollbox.images.store import ImageStore
 from rollbox.isolation.userns import UidSlots
 from rollbox.models import Resources
 
+READY_S = 120.0  # a spare's start on a loaded 2-core host
 TEMPLATE_IMAGE = "python:3.11"  # Python's random seeding is part of what clones must not share
 T = TypeVar("T")
 
@@ -77,3 +83,23 @@ def template_node(settings: Settings) -> Iterator[Settings]:
         yield settings
     finally:
         run_apart(clear)
+
+
+async def ready_spares(b: MicroVMBackend, n: int) -> list[Spare]:
+    """The backend's ready spares once there are ``n`` (AssertionError after READY_S)."""
+    deadline = time.monotonic() + READY_S
+    while len(b.spares.spares()) < n:
+        assert time.monotonic() < deadline, f"{len(b.spares.spares())} of {n} spares ready"
+        await asyncio.sleep(0.1)
+    return b.spares.spares()
+
+
+def spare_traces(b: MicroVMBackend, spare_ids: list[str]) -> list[str]:
+    """What is left of spares anywhere: jail dirs, cgroups, disks, processes of their QEMU."""
+    left = [f"jail dir {i}" for i in b.host_sandbox_ids(SPARE_PREFIX)]
+    left += [str(p) for p in cgroups.leftover(b.settings.cgroup_parent)
+             if p.name.startswith(SPARE_PREFIX)]
+    left += [f"disk {i}" for i in b.disks.pool.ids() if i.startswith(SPARE_PREFIX)]
+    for sid in spare_ids:
+        left += b.leftovers(sid)
+    return left

@@ -27,8 +27,7 @@ from rollbox.backends.microvm.disks import RW_NAME
 from rollbox.backends.platform_work import run_shell
 from rollbox.config import Settings
 from rollbox.isolation import cgroups
-from tests.helpers.vm_template import template_spec, vm_backend
-from tests.integration.test_microvm_template_spares import ready_spares, spare_traces
+from tests.helpers.vm_template import ready_spares, spare_traces, template_spec, vm_backend
 
 pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
 

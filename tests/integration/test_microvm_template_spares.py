@@ -20,15 +20,13 @@ import pytest
 from rollbox.backends.microvm import ram
 from rollbox.backends.microvm import template as T
 from rollbox.backends.microvm.backend import MicroVM, MicroVMBackend
-from rollbox.backends.microvm.spares import Spare
 from rollbox.backends.platform_work import run_shell
 from rollbox.config import Settings
 from rollbox.isolation import cgroups
-from tests.helpers.vm_template import template_spec, vm_backend
+from tests.helpers.vm_template import ready_spares, spare_traces, template_spec, vm_backend
 
 pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
 
-READY_S = 120.0  # a spare's start on a loaded 2-core host
 PROBE = ("head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; cat /etc/machine-id; "
          "hostname; python3 -c 'import random; print(random.random())'")
 
@@ -37,25 +35,6 @@ async def sh(vm: MicroVM, cmd: str, timeout_s: float = 60) -> str:
     code, out = await run_shell(vm, cmd, vm.image_env, timeout_s)
     assert code == 0, out
     return out.decode()
-
-
-async def ready_spares(b: MicroVMBackend, n: int) -> list[Spare]:
-    deadline = time.monotonic() + READY_S
-    while len(b.spares.spares()) < n:
-        assert time.monotonic() < deadline, f"{len(b.spares.spares())} of {n} spares ready"
-        await asyncio.sleep(0.1)
-    return b.spares.spares()
-
-
-def spare_traces(b: MicroVMBackend, spare_ids: list[str]) -> list[str]:
-    """What is left of spares anywhere: jail dirs, cgroups, disks, processes of their QEMU."""
-    left = [f"jail dir {i}" for i in b.host_sandbox_ids(T.SPARE_PREFIX)]
-    left += [str(p) for p in cgroups.leftover(b.settings.cgroup_parent)
-             if p.name.startswith(T.SPARE_PREFIX)]
-    left += [f"disk {i}" for i in b.disks.pool.ids() if i.startswith(T.SPARE_PREFIX)]
-    for sid in spare_ids:
-        left += b.leftovers(sid)
-    return left
 
 
 def cpu_file(settings: Settings, name: str, file: str) -> Path:
