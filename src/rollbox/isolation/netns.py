@@ -58,11 +58,40 @@ def _ensure_netns_dir() -> None:
 
 def create(name: str) -> Path:
     """Create the named namespace (idempotent for an existing one)."""
+    return start_create(name).result()
+
+
+class PendingNetns:
+    """A namespace being made on its own thread (:func:`start_create`): the caller does other
+    work meanwhile and then waits for it with :meth:`result`."""
+
+    def __init__(self, name: str, path: Path, thread: threading.Thread | None,
+                 errors: list[BaseException]) -> None:
+        self.name, self.path = name, path
+        self._thread, self._errors = thread, errors
+
+    def result(self) -> Path:
+        """Wait for the thread; the namespace's path, or its error (the half-made namespace
+        removed first)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._errors:
+            delete(self.name)
+            raise self._errors[0]
+        return self.path
+
+
+def start_create(name: str) -> PendingNetns:
+    """Start making the named namespace on a thread of its own (as :func:`create`, which is
+    this and then :meth:`PendingNetns.result`): a create overlaps it with its rootfs's
+    mounts. The caller must call ``result()`` whatever it does meanwhile, so nothing runs on
+    after it (a teardown that starts first would miss the namespace)."""
     _ensure_netns_dir()
     path = netns_path(name)
     if path.exists() and _is_mounted(path):
-        return path
-    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o444)
+        return PendingNetns(name, path, None, [])
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_CREAT, 0o444)
     os.close(fd)
 
     def work() -> None:
@@ -71,22 +100,22 @@ def create(name: str) -> Path:
                        syscalls.MS_BIND)
         _loopback_up()
 
+    errors: list[BaseException] = []
     try:
-        _on_own_thread(work, f"netns-{name}")
+        thread = _start_own_thread(work, f"netns-{name}", [], errors)
     except BaseException:
         delete(name)
         raise
-    return path
+    return PendingNetns(name, path, thread, errors)
 
 
 T = TypeVar("T")
 
 
-def _on_own_thread(fn: Callable[[], T], thread_name: str) -> T:
-    """fn() on a short-lived thread (a namespace change moves only that thread); its result,
-    or its exception raised here."""
-    result: list[T] = []
-    errors: list[BaseException] = []
+def _start_own_thread(fn: Callable[[], T], thread_name: str, result: list[T],
+                      errors: list[BaseException]) -> threading.Thread:
+    """fn() started on a short-lived thread (a namespace change moves only that thread); its
+    result goes into ``result``, its exception into ``errors``."""
 
     def work() -> None:
         try:
@@ -96,7 +125,15 @@ def _on_own_thread(fn: Callable[[], T], thread_name: str) -> T:
 
     t = threading.Thread(target=work, name=thread_name)
     t.start()
-    t.join()
+    return t
+
+
+def _on_own_thread(fn: Callable[[], T], thread_name: str) -> T:
+    """fn() on a short-lived thread (a namespace change moves only that thread); its result,
+    or its exception raised here."""
+    result: list[T] = []
+    errors: list[BaseException] = []
+    _start_own_thread(fn, thread_name, result, errors).join()
     if errors:
         raise errors[0]
     return result[0]

@@ -2,7 +2,7 @@
 
 Creation order: uid slot -> capped writable layer (verified: a subvolume of the node's disk
 pool, or a tmpfs for the memory tier) -> idmapped layers -> overlayfs ->
-named netns -> agent socket -> OCI config -> the runtime (``runc run -d``, or the native
+named netns (made on its own thread alongside the tree's mounts) -> agent socket -> OCI config -> the runtime (``runc run -d``, or the native
 launcher: runtime.py, launcher.py) -> cgroup delegation -> agent
 handshake. Destruction kills by cgroup, then unwinds in reverse and checks that no process,
 mount, subvolume, cgroup, netns or file of the sandbox remains. A create that fails or is
@@ -353,28 +353,37 @@ class ContainerBackend:
         # below then sees all it made, instead of racing a thread or a runc that goes on.
         try:
             def prepare() -> str:  # blocking kernel work, off the event loop
-                subvolume = (self.disk.create(sandbox_id, resources.disk_mib << 20)
-                             if disk_tier == "disk" else None)
-                shifts = []
+                # its netns made on a thread of its own meanwhile (that thread exists
+                # anyway: unshare moves the thread that calls it); waited for whatever
+                # happens here, so the teardown sees it (and removes it after a failure)
+                pending = (None if network == "host" else
+                           netns.start_create(netns.PREFIX + sandbox_id))
                 try:
-                    for lower, owner_uid in fork_lowers:
-                        shifts.append((self.disk.path(lower) / rootfs.upper.name,
-                                       make_userns_fd(host_uid, RANGE, inside=owner_uid)))
-                    with self.layer_mounts.in_use(), self.slots.userns_fd(slot) as userns:
-                        mounts = [self.layer_mounts.ensure_mounted(d) for d in layers]
-                        rootfs.compose(mounts, userns, host_uid,
-                                       resources.disk_mib, resources.inodes, subvolume,
-                                       upper_lowers=shifts)
-                finally:
-                    for _, fd in shifts:
-                        os.close(fd)
-                if fork_lowers:
-                    _fresh_identity(rootfs.merged, host_uid)
-                if hardened and hidden_paths:
-                    _make_hidden_paths(rootfs.merged, host_uid, hidden_paths)
-                # its netns in the same worker thread: one hop off the loop fewer per create
-                return "host" if network == "host" else str(
-                    netns.create(netns.PREFIX + sandbox_id))
+                    subvolume = (self.disk.create(sandbox_id, resources.disk_mib << 20)
+                                 if disk_tier == "disk" else None)
+                    shifts = []
+                    try:
+                        for lower, owner_uid in fork_lowers:
+                            shifts.append((self.disk.path(lower) / rootfs.upper.name,
+                                           make_userns_fd(host_uid, RANGE, inside=owner_uid)))
+                        with self.layer_mounts.in_use(), self.slots.userns_fd(slot) as userns:
+                            mounts = [self.layer_mounts.ensure_mounted(d) for d in layers]
+                            rootfs.compose(mounts, userns, host_uid,
+                                           resources.disk_mib, resources.inodes, subvolume,
+                                           upper_lowers=shifts)
+                    finally:
+                        for _, fd in shifts:
+                            os.close(fd)
+                    if fork_lowers:
+                        _fresh_identity(rootfs.merged, host_uid)
+                    if hardened and hidden_paths:
+                        _make_hidden_paths(rootfs.merged, host_uid, hidden_paths)
+                except BaseException:
+                    if pending is not None:  # its own error second to this one
+                        with contextlib.suppress(Exception):
+                            pending.result()
+                    raise
+                return "host" if pending is None else str(pending.result())
 
             ns_path = await to_the_end(asyncio.to_thread(prepare))
             v2 = cgroups.v2_dir(self.settings.cgroup_parent, sandbox_id)
