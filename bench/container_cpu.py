@@ -8,7 +8,10 @@ Against ``rollbox serve`` in its own process (as ``rollbox bench container`` run
   + its commands.
 - **cycle** (concurrency ``--concurrency``, default 8): per cycle, the machine's busy CPU
   (``/proc/stat``: everything but idle, iowait and steal), the server's, its children's and the
-  client's (this process).
+  client's (this process); the server's split into its event loop's thread (user / system)
+  and its other threads (the prepare and teardown workers, the netns threads: user / system),
+  and the kernel's threads (kworkers, ksoftirqd, rcu: every process of kthreadd, other work of
+  the host's included, as the machine figure).
 
 For finding what to optimise; the targets are measured by ``rollbox bench container``. The
 last line is one JSON object.
@@ -26,7 +29,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.container import cycles  # noqa: E402
-from rollbox.benchkit import CpuMeter, emit, machine_busy_s, process_cpu_s  # noqa: E402
+from rollbox.benchkit import (  # noqa: E402
+    CpuMeter, clock_ticks, emit, machine_busy_s, process_cpu_s, read_proc_cpu,
+)
 from rollbox.embedded import server_process  # noqa: E402
 
 IMAGE = "python:3.11"
@@ -62,16 +67,54 @@ async def steps(client: Any, pid: int, n: int) -> dict[str, dict[str, float]]:
             for k, (s, ch) in tot.items()}
 
 
+def thread_ticks(pid: int) -> dict[str, tuple[int, int]]:
+    """(utime, stime) in clock ticks of each live thread of ``pid``."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        st = read_proc_cpu(f"{pid}/task/{tid}")
+        if st is not None:
+            out[tid] = (st.utime, st.stime)
+    return out
+
+
+def kernel_threads_s() -> float:
+    """CPU seconds of every live kernel thread (kthreadd and its children)."""
+    ticks = 0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if d == "2" or fields[1] == "2":
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / clock_ticks()
+
+
 async def cycle(client: Any, pid: int, n: int, conc: int) -> dict[str, float]:
+    before = thread_ticks(pid)
     with CpuMeter({"machine": machine_busy_s, "server": lambda: process_cpu_s(pid),
                    "server_and_children": lambda: process_cpu_s(pid, children=True),
-                   "client": process_cpu_s}) as m:
+                   "client": process_cpu_s, "kernel_threads": kernel_threads_s}) as m:
         r = await cycles(client, IMAGE, n, conc)
+    after = thread_ticks(pid)
     cpu = m.spent
+    loop = str(pid)  # the main thread runs the event loop
+    ms = 1000 / clock_ticks() / n
+
+    def spent(which: int, mine: bool) -> float:
+        return ms * sum(v[which] - before.get(t, (0, 0))[which] for t, v in after.items()
+                        if (t == loop) == mine)
+
     return {"per_s": r["per_s"], "machine_ms": cpu["machine"] / n * 1000,
             "server_ms": cpu["server"] / n * 1000,
+            "server_loop_user_ms": spent(0, True), "server_loop_sys_ms": spent(1, True),
+            "server_threads_user_ms": spent(0, False), "server_threads_sys_ms": spent(1, False),
             "children_ms": (cpu["server_and_children"] - cpu["server"]) / n * 1000,
-            "client_ms": cpu["client"] / n * 1000, "errors": r["errors"]}
+            "client_ms": cpu["client"] / n * 1000,
+            "kernel_threads_ms": cpu["kernel_threads"] / n * 1000, "errors": r["errors"]}
 
 
 async def run(args: argparse.Namespace, url: str, key: str) -> None:
@@ -87,6 +130,10 @@ async def run(args: argparse.Namespace, url: str, key: str) -> None:
         print(f"c{args.concurrency}: {r['per_s']:.1f} cycles/s; per cycle: machine "
               f"{r['machine_ms']:.1f} ms, server {r['server_ms']:.2f}, children "
               f"{r['children_ms']:.2f}, client {r['client_ms']:.2f} ms; errors {r['errors']}")
+        print(f"    server's loop thread user {r['server_loop_user_ms']:.2f} sys "
+              f"{r['server_loop_sys_ms']:.2f} ms, its other threads user "
+              f"{r['server_threads_user_ms']:.2f} sys {r['server_threads_sys_ms']:.2f} ms; "
+              f"kernel threads {r['kernel_threads_ms']:.2f} ms")
     emit({"steps": split, f"c{args.concurrency}": r}, json_out=True)
 
 
