@@ -167,13 +167,16 @@ class MicroVM:
     # with it (file operations answer SandboxPaused). ``spec``: what resume_fs boots again.
     stopped: bool = False
     spec: ResolvedSpec | None = None
+    # The hostname the platform gave the guest (a restore's make_unique: its sandbox id); ""
+    # keeps the guest's own boot hostname. A cold boot again (resume_fs) sets it again.
+    hostname: str = ""
     kind: str = "microvm"
     guest_reported: bool = True
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def state(self) -> dict[str, Any]:
         out = {"host_uid": self.host_uid, "pid": self.pid, "squeezed": self.squeezed,
-               "template": self.template,
+               "template": self.template, "hostname": self.hostname,
                "machine": {**asdict(self.machine),
                            "extra_cmdline": list(self.machine.extra_cmdline)}}
         if self.stopped:
@@ -249,6 +252,14 @@ def _close_network(made: tuple[vmnet.VmNetwork, int]) -> None:
     net, tap_fd = made
     net.close()
     os.close(tap_fd)
+
+
+def _journaled_hostname(state: dict[str, Any]) -> str:
+    """The platform-given hostname of a journaled VM (``MicroVM.hostname``); "" if none or
+    not one (the journal is the edge's own, but a bad field is no reason to lose a VM)."""
+    name = state.get("hostname")
+    return name if isinstance(name, str) and 0 < len(name.encode()) <= 63 and \
+        "\0" not in name and "/" not in name else ""
 
 
 async def _pid_exited(pid: int) -> None:
@@ -799,7 +810,7 @@ class MicroVMBackend:
             raise
         vm = MicroVM(id=sandbox_id, slot=slot, host_uid=host_uid, jail=jail, pid=pid,
                      machine=machine, channel=channel, image_env=dict(env),
-                     template=template.digest, kind=self.kind)
+                     template=template.digest, hostname=sandbox_id[:63], kind=self.kind)
         vm.files = self.files_for(vm)
         return vm
 
@@ -870,7 +881,7 @@ class MicroVMBackend:
         m["extra_cmdline"] = tuple(m.get("extra_cmdline") or ())
         machine = qemu.MachineSpec(**m)
         if state.get("stopped"):
-            if not self.disks.rw_path(sandbox_id).exists():
+            if not self.kept_disk(sandbox_id, machine).exists():
                 log.warning("microVM %s: its stopped rw disk is gone; cleaning up", sandbox_id)
                 await self.teardown(sandbox_id, jail, slot, None)
                 return None
@@ -882,7 +893,8 @@ class MicroVMBackend:
 
             vm = MicroVM(id=sandbox_id, slot=slot, host_uid=host_uid, jail=jail, pid=0,
                          machine=machine, channel=AgentChannel.gone(),
-                         image_env=dict(spec.env), paused=True, stopped=True, spec=spec)
+                         image_env=dict(spec.env), paused=True, stopped=True, spec=spec,
+                         hostname=_journaled_hostname(state))
             vm.files = self.files_for(vm)  # SandboxPaused until it boots again
             return vm
         try:
@@ -905,7 +917,7 @@ class MicroVMBackend:
         vm = MicroVM(id=sandbox_id, slot=slot, host_uid=host_uid, jail=jail, pid=pid,
                      machine=machine, channel=channel, image_env=dict(spec.env),
                      squeezed=squeezed, template=str(state.get("template") or ""),
-                     kind=self.kind)
+                     hostname=_journaled_hostname(state), kind=self.kind)
         vm.files = self.files_for(vm)
         vm.spec = spec
         if spec.network_rules is not None:
@@ -1107,6 +1119,12 @@ class MicroVMBackend:
                 vm = await self._launch(h.id, h.slot, h.host_uid, jail, machine, binds,
                                         spec.resources.cpus, h.image_env,
                                         self.settings.vm_boot_timeout_s, tap_fd=tap_fd)
+                if h.hostname:  # a restored guest's identity: its hostname as it had it
+                    try:
+                        await vm.channel.set_hostname(h.hostname)
+                    except BaseException:
+                        vm.channel.close()
+                        raise
                 await self._sandbox_ready(vm, spec, net, Steps(), "cold")
             except BaseException as exc:
                 if net is not None:
@@ -1130,6 +1148,10 @@ class MicroVMBackend:
             h.stopped = h.paused = h.squeezed = False
             h.last_active = time.monotonic()
         self._track(h)
+
+    def kept_disk(self, sandbox_id: str, machine: qemu.MachineSpec) -> Path:
+        """The file a filesystem-paused VM keeps and boots again from: its rw disk."""
+        return self.disks.rw_path(sandbox_id)
 
     async def resume_binds(self, h: MicroVM, spec: ResolvedSpec,
                            machine: qemu.MachineSpec) -> list[Bind]:

@@ -342,6 +342,13 @@ class VMBackend(MicroVMBackend):
         template or a machine snapshot boots cold too: its disk is its own clone."""
         return True
 
+    def kept_disk(self, sandbox_id: str, machine: qemu.MachineSpec) -> Path:
+        """A disk image guest keeps its qcow2 overlay (it has no rw disk); layered guests
+        their rw disk."""
+        if machine.root_disk:
+            return self.rootdisks.overlay_path(sandbox_id)
+        return super().kept_disk(sandbox_id, machine)
+
     async def resume_binds(self, h: MicroVM, spec: ResolvedSpec,  # type: ignore[override]
                            machine: qemu.MachineSpec) -> list[Bind]:
         """A disk image guest's: the base (checked again) read-only and the overlay it kept
