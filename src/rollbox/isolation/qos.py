@@ -222,14 +222,26 @@ def core_sched() -> CoreSched:
     return _CORE_SCHED
 
 
+_CPU_IDLE: bool | None = None
+
+
+def has_cpu_idle() -> bool:
+    """Whether the cpu controller has ``cpu.idle`` (asked once: a kernel fact; a create's
+    capacity check reads it, and the walk of the cgroup mounts cost ~0.1 ms each time)."""
+    global _CPU_IDLE
+    if _CPU_IDLE is None:
+        root, _ = cpu_dir("", "")
+        _CPU_IDLE = (root / "cpu.idle").exists()
+    return _CPU_IDLE
+
+
 def node_facts(enforce: bool) -> dict[str, object]:
     """What this node's CPU classes are (a backend's capacity facts): ``cpu_qos`` (whether it
     enforces them, ``Settings.cpu_qos``), ``cpu_idle`` (the cpu controller has ``cpu.idle``;
     else batch is SCHED_IDLE per task only), ``core_sched`` and, when it is unavailable,
     ``core_sched_reason``."""
-    root, _ = cpu_dir("", "")
     cs = core_sched()
-    facts: dict[str, object] = {"cpu_qos": enforce, "cpu_idle": (root / "cpu.idle").exists(),
+    facts: dict[str, object] = {"cpu_qos": enforce, "cpu_idle": has_cpu_idle(),
                                 "core_sched": cs.available}
     if not cs.available:
         facts["core_sched_reason"] = cs.reason
