@@ -284,12 +284,16 @@ static void make_cgroups(void) {
         if (strncmp(dir, "/sys/fs/cgroup/", 15) || strstr(dir, "..") || strlen(dir) >= sizeof buf)
             fail(EINVAL, "cgroup %s", dir);
         strcpy(buf, dir);
-        /* parents (shared by every sandbox, left in place) below /sys/fs/cgroup/<hierarchy> */
+        /* parents (shared by every sandbox, left in place) below /sys/fs/cgroup/<hierarchy>;
+         * a v1 cpuset parent is filled in also when another launcher made it: that one may
+         * not have copied its cpus and mems yet (two first creates of a node at once), and a
+         * sandbox's cpuset copied from an empty parent refuses its init (ENOSPC at placement).
+         * cpuset_inherit writes only what is empty, the same values whoever writes them. */
         char *p = strchr(buf + strlen("/sys/fs/cgroup/"), '/');
         for (; p; p = strchr(p + 1, '/')) {
             *p = 0;
-            if (mkdir(buf, 0755) == 0) cpuset_inherit(buf);
-            else if (errno != EEXIST) DIE("mkdir %s", buf);
+            if (mkdir(buf, 0755) && errno != EEXIST) DIE("mkdir %s", buf);
+            cpuset_inherit(buf);
             *p = '/';
         }
         if (mkdir(dir, 0755) == 0) cgroups_[i].made = 1;

@@ -11,6 +11,7 @@ and the host's cgroup trees and the edge's descendants checked here).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 
@@ -146,3 +147,28 @@ async def test_a_launch_failing_halfway_is_typed_and_leaves_nothing(
     info = await edge.create(SPEC, "t")  # the node still starts sandboxes afterwards
     assert (await run(edge, info.id, "echo ok")).strip() == "ok"
     await edge.delete(info.id)
+
+
+async def test_a_cpuset_parent_another_launcher_has_not_filled_yet_is_filled(native) -> None:  # noqa: ANN001
+    """The first creates of a node at once: one launcher makes the v1 cpuset parent and then
+    copies its cpus and mems down; another finds it made (EEXIST) before that copy. The
+    second must fill it too, or its sandbox's cpuset, copied from the empty parent, refuses
+    its cpus (the cgroup step) or, the first launcher's copy of the cpus landing in between,
+    the init (ENOSPC at placement: seen in bench container's warm-up at c2). Here the parent
+    is made empty beforehand, as the first launcher's mkdir leaves it (the launcher before the
+    fix fails this at the cgroup step)."""
+    edge = native
+    parent = cgroups.ROOT / "cpuset" / edge.settings.cgroup_parent
+    if not (cgroups.ROOT / "cpuset" / "cgroup.procs").exists():
+        pytest.skip("no v1 cpuset hierarchy on this host")
+    parent.mkdir()
+    try:
+        assert (parent / "cpuset.mems").read_text().strip() == ""  # as mkdir leaves it
+        info = await edge.create(SPEC, "t")
+        assert (await run(edge, info.id, "echo ok")).strip() == "ok"
+        assert (parent / "cpuset.mems").read_text().strip() != ""
+        assert (parent / "cpuset.cpus").read_text().strip() != ""
+        await edge.delete(info.id)
+    finally:
+        with contextlib.suppress(OSError):
+            parent.rmdir()  # the edge's own clean-up may have taken it already
