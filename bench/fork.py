@@ -202,24 +202,28 @@ async def child_tbs(vm: Any) -> int | None:
 async def microvm_profile(edge: Any, src: str) -> dict[str, Any]:
     """One child alone (fork(1): no other restore, no warm-up): its QEMU's CPU when the fork
     returned (QEMU start, state load, resume, make-unique), over its first exec and its second,
-    and the guest code blocks TCG translated by then (HMP ``info jit``)."""
+    and the guest code blocks TCG translated by then (HMP ``info jit``). A child restored into
+    a spare QEMU (``vm_fork_spares``) counts from the fork's start (``in_spare``)."""
     be = edge.backends["microvm"]
+    ahead = {sp.pid: process_cpu_s(sp.pid) for sp in be.spares.spares()}
     res = await edge.fork(src, ForkSpec(n=1), OWNER)
     cid = res.children[0].id
     try:
         vm = be._vms[cid]
-        restored = process_cpu_s(vm.pid)
+        restored = process_cpu_s(vm.pid) - ahead.get(vm.pid, 0.0)
+        first0 = process_cpu_s(vm.pid)
         tb_restored = await child_tbs(vm)
         await answer(edge, cid, 0.0)
         first = process_cpu_s(vm.pid)
+        first_ms = (first - first0) * 1000
         tb_first = await child_tbs(vm)
         await answer(edge, cid, 0.0)
         second = process_cpu_s(vm.pid)
     finally:
         await delete_all(edge, [cid])
-    return {"restored_ms": restored * 1000, "first_exec_ms": (first - restored) * 1000,
+    return {"restored_ms": restored * 1000, "first_exec_ms": first_ms,
             "second_exec_ms": (second - first) * 1000, "tb_restored": tb_restored,
-            "tb_first_exec": tb_first}
+            "tb_first_exec": tb_first, "in_spare": vm.pid in ahead}
 
 
 async def microvm_fork_round(edge: Any, src: str, n: int, warm: bool) -> dict[str, Any]:
@@ -258,10 +262,11 @@ async def fork_round_cpu(edge: Any, src: str, n: int, cpu: Any) -> dict[str, Any
     try:
         ready = await asyncio.gather(*(answer(edge, i, t0) for i in ids))
         children_cpu = cpu(ids)
+        refilled = len(be.spares.spares())  # spares started again before all answered
     finally:
         await delete_all(edge, ids)
     return {"all": max(ready), "frozen": res.frozen_s, "children_cpu": children_cpu,
-            "claimed": claimed}
+            "claimed": claimed, "refilled": refilled}
 
 
 SPARES_WAIT_S = 180.0  # refills run at idle CPU priority: on a busy host they wait for idle time
@@ -282,12 +287,16 @@ async def microvm_spare_rounds(edge: Any, src: str, reps: int) -> dict[str, Any]
     """fork(8) with ``vm_fork_spares`` 8 (children restored into spare QEMUs: each round waits
     until the pool holds 8 again, refilled at idle priority after the last round's claims) and
     0 (no claim; the pool shrunk back to ``vm_template_spares`` first), interleaved, each
-    round starting with nothing of the pool under way; plus the 8 spares' memory."""
+    round starting with nothing of the pool under way; plus the 8 spares' memory, and after
+    each fork(8) one child alone (fork(1)) into a spare and into its own QEMU: its QEMU's CPU
+    until the fork returned (``microvm_child_cpu_restored_spare_ms`` / ``_nospare_ms``)."""
     be = edge.backends["microvm"]
     n, base = 8, be.spares.per_template
     times: dict[bool, list[float]] = {True: [], False: []}
     cpu: dict[bool, list[float]] = {True: [], False: []}
+    alone: dict[bool, list[float]] = {True: [], False: []}  # one child's QEMU until restored
     claimed: list[int] = []
+    refilled: list[int] = []  # spares ready again when the last child answered
     out: dict[str, Any] = {}
     try:
         be.spares.set_fork_spares(n)
@@ -304,11 +313,17 @@ async def microvm_spare_rounds(edge: Any, src: str, reps: int) -> dict[str, Any]
             times[True].append(r["all"])
             cpu[True].append(r["cpu"])
             claimed.append(r["claimed"])
+            refilled.append(r["refilled"])
+            if await spares_settled(be, n):  # one child alone, into a spare
+                prof = await microvm_profile(edge, src)
+                if prof["in_spare"]:
+                    alone[True].append(prof["restored_ms"])
             be.spares.set_fork_spares(0)
             await spares_settled(be, base)
             r = await microvm_fork_round(edge, src, n, False)
             times[False].append(r["all"])
             cpu[False].append(r["cpu"])
+            alone[False].append((await microvm_profile(edge, src))["restored_ms"])
     finally:
         be.spares.set_fork_spares(edge.settings.vm_fork_spares)
     if times[True] and times[False]:
@@ -323,6 +338,10 @@ async def microvm_spare_rounds(edge: Any, src: str, reps: int) -> dict[str, Any]
         out["microvm_fork8_spares_cpu_floor_ms"] = (out["microvm_fork8_spares_cpu_s"]
                                                     / (os.cpu_count() or 1) * 1000)
         out["microvm_fork8_spares_claimed"] = claimed
+        out["microvm_fork8_spares_refilled_by_ready"] = refilled
+    if alone[True] and alone[False]:  # fork(1): its child's QEMU CPU until the fork returned
+        out["microvm_child_cpu_restored_spare_ms"] = statistics.median(alone[True])
+        out["microvm_child_cpu_restored_nospare_ms"] = statistics.median(alone[False])
         out["microvm_fork8_spares_rounds"] = len(claimed)
         out["microvm_fork_spare_memory_mib"] = out["microvm_fork_spares_memory_mib"] / n
     return out
