@@ -380,7 +380,7 @@ class MicroVMBackend:
 
     def edge_fds(self, networked: bool) -> int:
         """The agent's channel socket, QEMU's log and its output pipe; with a network, the DNS
-        gate's UDP and TCP sockets (measured: 3 and 5; a "vm" sandbox, which inherits it, 3)."""
+        gate's UDP and TCP sockets (measured: 3 and 5; a "vm" sandbox, which inherits it, too)."""
         return MICROVM_FDS + (MICROVM_NETWORK_FDS if networked else 0)
 
     def capacity(self) -> BackendCapacity:
