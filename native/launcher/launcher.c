@@ -56,6 +56,7 @@
 #include <unistd.h>
 #include <linux/capability.h>
 #include <linux/filter.h>
+#include <linux/mount.h>
 #include <linux/openat2.h>
 #include <linux/seccomp.h>
 
@@ -74,7 +75,7 @@
 #define PR_CAP_AMBIENT_CLEAR_ALL 4
 #endif
 
-struct mnt { const char *dest, *type, *src, *data; unsigned long flags; };
+struct mnt { const char *dest, *type, *src, *data; unsigned long flags; int subdir; mode_t mode; };
 struct cg { const char *dir; int made; };
 struct kv { const char *a, *b; };
 struct rl { int res; unsigned long long soft, hard; };
@@ -92,6 +93,8 @@ static int nrlimits;
 static const char *args[MAX_ARGS + 1], *envs[MAX_ARGS + 1];
 static int nargs, nenvs;
 static const char *root, *pidfile, *netns, *hostname, *uid_map, *gid_map, *cwd = "/";
+static const char *mask_dir; /* the node's empty read-only dir bound over masked dirs */
+static int mask_tree = -1; /* its detached clone (open_tree), taken before pivot_root */
 static unsigned long propagation = MS_REC | MS_PRIVATE;
 static int oom_score_adj = 0, have_oom = 0, nnp = 0, exec_fd = 4;
 static uint64_t cap_bnd, cap_eff, cap_prm, cap_inh, cap_amb;
@@ -195,7 +198,15 @@ static void read_spec(void) {
             m->src = field();
             m->flags = num(field());
             m->data = field();
-        } else if (!strcmp(op, "device")) {
+        } else if (!strcmp(op, "subdir")) {
+            struct mnt *m = PUSH(mounts, nmounts, MAX_ITEMS);
+            m->dest = field();
+            m->flags = num(field());
+            m->mode = (mode_t)num(field());
+            m->subdir = 1;
+            m->type = m->src = m->data = "";
+        } else if (!strcmp(op, "mask_dir")) mask_dir = field();
+        else if (!strcmp(op, "device")) {
             struct kv *k = PUSH(devices, ndevices, MAX_ITEMS);
             k->a = field();
             k->b = field();
@@ -374,9 +385,30 @@ static unsigned long locked_flags(const char *path) {
     return f;
 }
 
+/* A directory of the filesystem just mounted at its parent, bound onto itself with its own
+ * flags: a mount point without a superblock of its own (launcher.py: /dev/shm). */
+static void make_subdir(const struct mnt *m) {
+    char tp[64];
+    int fd = target(m->dest, 1);
+    fdpath(tp, sizeof tp, fd);
+    if (chmod(tp, m->mode)) DIE("chmod %s", m->dest);
+    if (mount(tp, tp, NULL, MS_BIND, NULL)) DIE("bind %s", m->dest);
+    close(fd);
+    fd = resolve(m->dest, O_PATH);
+    if (fd < 0) DIE("resolve %s", m->dest);
+    fdpath(tp, sizeof tp, fd);
+    if (mount(NULL, tp, NULL, MS_BIND | MS_REMOUNT | m->flags | locked_flags(tp), NULL))
+        DIE("remount %s", m->dest);
+    close(fd);
+}
+
 static void do_mount(const struct mnt *m) {
     char tp[64];
     step = "mount";
+    if (m->subdir) {
+        make_subdir(m);
+        return;
+    }
     int bind = (m->flags & MS_BIND) != 0;
     int isdir = 1;
     int srcfd = -1;
@@ -441,6 +473,18 @@ static void prepare_root(void) {
     if (rootfd < 0) DIE("open %s", root);
     for (int i = 0; i < nmounts; i++) do_mount(&mounts[i]);
     make_devices();
+    if (mask_dir) {
+        /* the node's mask reached by its host path while that is still in this namespace;
+         * after pivot_root each masked dir gets a clone of this detached copy */
+        step = "masked paths";
+        mask_tree = (int)syscall(SYS_open_tree, AT_FDCWD, mask_dir,
+                                 OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+        if (mask_tree < 0) DIE("open_tree %s", mask_dir);
+        struct mount_attr attr = {.attr_set = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID |
+                                              MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC};
+        if (syscall(SYS_mount_setattr, mask_tree, "", AT_EMPTY_PATH, &attr, sizeof attr))
+            DIE("mount_setattr %s", mask_dir);
+    }
     step = "pivot_root";
     if (fchdir(rootfd)) DIE("chdir %s", root);
     if (syscall(SYS_pivot_root, ".", ".")) DIE("pivot_root");
@@ -464,7 +508,18 @@ static void mask_path(const char *path) {
     if (mount("/dev/null", path, NULL, MS_BIND, NULL) == 0) return;
     if (errno == ENOENT) return;
     if (errno != ENOTDIR) DIE("mask %s", path);
-    if (mount("tmpfs", path, "tmpfs", MS_RDONLY, NULL)) DIE("mask dir %s", path);
+    if (mask_tree < 0) {
+        if (mount("tmpfs", path, "tmpfs", MS_RDONLY, NULL)) DIE("mask dir %s", path);
+        return;
+    }
+    /* a directory: a read-only bind of the node's empty mask (no superblock of its own) */
+    int t = (int)syscall(SYS_open_tree, mask_tree, "",
+                         OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_EMPTY_PATH);
+    if (t < 0) DIE("clone the mask for %s", path);
+    if (syscall(SYS_move_mount, t, "", AT_FDCWD, path,
+                MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_SYMLINKS)) /* as mount(2) */
+        DIE("mask dir %s", path);
+    close(t);
 }
 
 static void set_caps(int last_cap) {
@@ -513,6 +568,7 @@ static void child(int go_fd, int last_cap) {
     for (int i = 0; i < nreadonly; i++) readonly_path(readonly_[i]);
     step = "masked paths";
     for (int i = 0; i < nmasked; i++) mask_path(masked[i]);
+    if (mask_tree >= 0) close(mask_tree);
     step = "rlimits";
     for (int i = 0; i < nrlimits; i++) {
         struct rlimit l = {rlimits[i].soft, rlimits[i].hard};

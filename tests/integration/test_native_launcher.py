@@ -3,7 +3,7 @@
 Both runtimes start the same sandbox from the same OCI config: what the sandbox's commands see
 of their own hardening (seccomp filter mode, no_new_privs, the capability sets, the uid map,
 the hostname, the cgroup namespace) is read from /proc inside and must be the same, and what
-bundle.py asks for. A native launch that fails halfway (in the launcher's parent before the
+bundle.py asks for; so are the superblocks a sandbox mounts of its own (fewer on native). A native launch that fails halfway (in the launcher's parent before the
 clone, in its parent after it, in the child, and at a symlink where a mount goes) is a typed
 InfraError naming the step and errno,
 and leaves no process, mount, cgroup, netns or file behind (the edge fixture's teardown check,
@@ -75,6 +75,40 @@ async def test_the_sandbox_sees_its_hardening_applied(edge) -> None:  # noqa: AN
     await edge.delete(info.id)
 
 
+def superblocks_of_its_own(mountinfo: str) -> set[tuple[str, str]]:
+    """(fs type, first mount point) of each superblock the sandbox's mounts hold that no host
+    mount does (its overlay is a host mount: counted apart)."""
+    host = {line.split()[2] for line in open("/proc/self/mountinfo")}
+    own: dict[str, tuple[str, str]] = {}
+    for line in mountinfo.splitlines():
+        f = line.split()
+        if f[2] not in host:
+            own.setdefault(f[2], (f[f.index("-") + 1], f[4]))
+    return set(own.values())
+
+
+async def test_the_sandbox_mounts_few_superblocks_of_its_own(edge) -> None:  # noqa: ANN001
+    """Each superblock makes every memory cgroup of the host bigger (backends/container/
+    masks.py): besides its overlay a sandbox holds its /proc, /dev tmpfs, devpts and mqueue
+    (made with its ipc namespace anyway); /sys and the masked dirs are binds of the node's
+    mask, /dev/shm a directory of /dev (native). runc mounts a tmpfs for /dev/shm and for
+    each masked dir itself."""
+    info = await edge.create(SandboxSpec(image=BB, hidden_paths=["/task/tests"],
+                                         resources=SPEC.resources), "t")
+    own = superblocks_of_its_own(await run(edge, info.id, "cat /proc/self/mountinfo"))
+    want = {("proc", "/proc"), ("tmpfs", "/dev"), ("devpts", "/dev/pts"),
+            ("mqueue", "/dev/mqueue")}
+    if edge.settings.runtime == "runc":
+        want |= {("tmpfs", "/dev/shm"), ("tmpfs", "/proc/acpi"), ("tmpfs", "/task/tests")}
+    assert own == want
+    mask_dev = os.stat(edge.backends["container"].mask.path).st_dev
+    out = await run(edge, info.id, "stat -c %d /sys /proc/acpi /task/tests; stat -c %a /dev/shm")
+    devs = [int(x) for x in out.split()[:3]]
+    assert devs[0] == mask_dev and out.split()[3] == "1777"
+    assert (devs[1] == devs[2] == mask_dev) == (edge.settings.runtime == "native")
+    await edge.delete(info.id)
+
+
 @pytest.fixture
 def native(edge):  # noqa: ANN001, ANN201
     if edge.settings.runtime != "native":
@@ -111,6 +145,10 @@ def bad_cgroup(config: dict) -> None:
     config["linux"]["resources"]["cpu"]["cpus"] = "4095"  # no such cpu: cpuset.cpus refuses
 
 
+def bad_mask_dir(config: dict) -> None:
+    config["annotations"][bundle.MASK_ANNOTATION] = "/nonexistent/rollbox-mask"
+
+
 def bad_uid_map(config: dict) -> None:
     for key in ("uidMappings", "gidMappings"):
         config["linux"][key][0]["size"] = 1 << 33  # the kernel refuses the map
@@ -119,6 +157,7 @@ def bad_uid_map(config: dict) -> None:
 @pytest.mark.parametrize("change, step, err", [
     (bad_mount, "mount", errno.ENOENT),          # in the child, after the clone
     (symlinked_target, "mount", errno.ELOOP),    # the same, a symlink in the image's tree
+    (bad_mask_dir, "masked paths", errno.ENOENT),  # in the child, before pivot_root
     (bad_cgroup, "cgroup", None),                # in the parent, before the clone
     (bad_uid_map, "uid_map", errno.EINVAL),      # in the parent, the child waiting
 ])

@@ -8,6 +8,7 @@ import pytest
 
 from rollbox.backends.container import bundle
 from rollbox.backends.container.launcher import CAP_NUMBERS, launcher_error, spec_bytes
+from rollbox.backends.container.masks import NodeMask
 from rollbox.errors import InfraError
 from rollbox.isolation import cgroups
 from rollbox.isolation.syscalls import MS_BIND, MS_NODEV, MS_NOEXEC, MS_NOSUID, MS_RDONLY
@@ -16,7 +17,8 @@ from rollbox.models import Resources
 FIELDS = {"root": 1, "pidfile": 1, "netns": 1, "hostname": 1, "uid_map": 1, "gid_map": 1,
           "cwd": 1, "propagation": 1, "oom_score_adj": 1, "no_new_privs": 0, "cgroup": 1,
           "cgset": 2, "mount": 5, "device": 2, "symlink": 2, "masked": 1, "readonly": 1,
-          "rlimit": 3, "caps": 5, "arg": 1, "env": 1, "exec_fd": 1}
+          "rlimit": 3, "caps": 5, "arg": 1, "env": 1, "exec_fd": 1, "subdir": 3,
+          "mask_dir": 1}
 
 
 def records(spec: bytes) -> list[tuple[str, ...]]:
@@ -44,7 +46,8 @@ def records(spec: bytes) -> list[tuple[str, ...]]:
 def config(**kw) -> dict:  # noqa: ANN003
     args = dict(sandbox_id="t-1", rootfs="/run/x/merged", host_uid=1 << 20,
                 netns_path="/run/netns/rollbox-t-1", cgroups_path="/rollbox/t-1",
-                resources=Resources(cpus=1, memory_mib=128, disk_mib=64), hostname="t-1")
+                resources=Resources(cpus=1, memory_mib=128, disk_mib=64), hostname="t-1",
+                mask=NodeMask(Path("/run/x/mask")))
     args.update(kw)
     return bundle.oci_config(**args)
 
@@ -105,6 +108,7 @@ def test_a_bind_becomes_a_bind_with_its_flags_and_the_twin_has_no_filter() -> No
                                   "options": ["rshared"]}),
     lambda c: c.update(hostname="a\0b"),
     lambda c: c["linux"]["maskedPaths"].append("/a\0b"),  # a field of a cached block
+    lambda c: c["annotations"].update({"org.example.x": "1"}),
 ])
 def test_what_the_launcher_can_not_carry_out_is_refused(change) -> None:  # noqa: ANN001
     c = config()
@@ -144,6 +148,32 @@ def test_the_seccomp_program_is_compiled_for_the_profile_asked() -> None:
     assert changed != program and len(changed) > len(program)
     assert seccomp.compile_bpf(seccomp.profile()) == program
     assert seccomp.compile_bpf(other) == changed
+
+
+def test_no_superblock_of_its_own_for_shm_and_the_masks() -> None:
+    """/dev/shm (a tmpfs below the /dev tmpfs, the same size limit) becomes a 1777 directory
+    of /dev bound onto itself with its own flags, in its place in the mount order; the
+    masked dirs get the node's empty mask dir. Anything else stays a tmpfs of its own."""
+    recs = records(spec_bytes(config(), Path("/run/x/pid")))
+    order = [r[1] for r in recs if r[0] in ("mount", "subdir")]
+    assert order[:5] == ["/proc", "/dev", "/dev/pts", "/dev/shm", "/dev/mqueue"]
+    shm = next(r for r in recs if r[0] == "subdir")
+    assert shm == ("subdir", "/dev/shm", str(MS_NOSUID | MS_NODEV | MS_NOEXEC), str(0o1777))
+    assert ("mask_dir", "/run/x/mask/empty") in recs
+    sys_ = next(r for r in recs if r[0] == "mount" and r[1] == "/sys")
+    assert sys_[2:4] == ("bind", "/run/x/mask/empty")
+    assert int(sys_[4]) == MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC | MS_NODEV
+    for change in (lambda m: m["options"].append("size=1m"),  # not the /dev limit
+                   lambda m: m["options"].append("nr_inodes=8"),  # an option beyond size
+                   lambda m: m.update(destination="/run/shm")):  # no tmpfs at its parent
+        c = config()
+        shm_mount = next(m for m in c["mounts"] if m["destination"] == "/dev/shm")
+        shm_mount["options"] = [o for o in shm_mount["options"] if not o.startswith("size=")] \
+            + ["size=65536k"]
+        change(shm_mount)
+        recs = records(spec_bytes(c, Path("/run/x/pid")))
+        assert "subdir" not in [r[0] for r in recs]
+        assert shm_mount["destination"] in [r[1] for r in recs if r[0] == "mount"]
 
 
 def test_the_launchers_message_becomes_step_and_errno() -> None:

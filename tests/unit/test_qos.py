@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from rollbox.backends.container import bundle
+from rollbox.backends.container.masks import NodeMask
 from rollbox.errors import BadRequest
 from rollbox.isolation import cgroups, qos
 from rollbox.models import Resources
@@ -48,7 +49,7 @@ def test_sandbox_rlimits_in_oci_config(tmp_path: Path) -> None:
     inherits (the red-team test sees them on a live sandbox, where the edge's are 0 anyway)."""
     cfg = bundle.oci_config(sandbox_id="s", rootfs=str(tmp_path), host_uid=100000,
                             netns_path=None, cgroups_path="/p/s", resources=Resources(),
-                            hostname="s")
+                            hostname="s", mask=NodeMask(tmp_path / "mask"))
     lim = {r["type"]: (r["soft"], r["hard"]) for r in cfg["process"]["rlimits"]}
     assert lim["RLIMIT_NICE"] == (0, 0) and lim["RLIMIT_RTPRIO"] == (0, 0)
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollbox.backends.container.cpuview import CPU_SYS_FILES, CpuView
+from rollbox.backends.container.masks import NodeMask
 from rollbox.errors import BadRequest, InfraError
 from rollbox.isolation import qos, seccomp
 from rollbox.isolation.userns import RANGE
@@ -44,6 +45,12 @@ MASKED_PATHS = [
     "/proc/modules", "/proc/iomem", "/proc/ioports",
 ]
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys"]
+
+# The node's empty read-only mask dir (masks.py), for a runtime that binds it over the masked
+# directories instead of a tmpfs of each one's own (the native launcher; runc mounts a tmpfs
+# per masked directory itself and ignores the annotation).
+MASK_ANNOTATION = "org.rollbox.mask-dir"
+SYS_OPTIONS = ["bind", "ro", "nosuid", "noexec", "nodev"]
 
 # The kernel's boot id, which a container would share with the host (and with every other
 # sandbox, across its own restarts): each boot of a sandbox gets its own, a file the platform
@@ -141,13 +148,17 @@ def oci_config(
     hidden_paths: Sequence[str] = (),
     cpu_view: CpuView | None = None,
     boot_id: str | None = None,
+    mask: NodeMask,
 ) -> dict[str, Any]:
     """hidden_paths: paths of the sandbox tree its commands must not see (e.g. a task's
     tests): masked by mounts (an empty read-only tmpfs / /dev/null over them) and, as a second
     layer, left out of the commands' Landlock rules. The host-side file API still sees them.
     cpu_view: the sandbox's cpuset and its generated /proc/cpuinfo and /sys (cpuview.py).
     boot_id: the host file with this boot's id, bound read-only over
-    /proc/sys/kernel/random/boot_id (BOOT_ID_PATH); None: the kernel's own shows."""
+    /proc/sys/kernel/random/boot_id (BOOT_ID_PATH); None: the kernel's own shows.
+    mask: the node's read-only mask filesystem: /sys is a read-only bind of its ``sys`` (the
+    CPU view's mount points; its ``empty`` dir without a CPU view), and the native launcher
+    binds its ``empty`` over the masked directories (MASK_ANNOTATION)."""
     hidden = normalize_hidden(hidden_paths)
     disk_bytes = resources.disk_mib << 20
     # A user namespace can't raise a hard limit above what runc itself inherited.
@@ -201,12 +212,13 @@ def oci_config(
             {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
              "options": ["nosuid", "noexec", "nodev"]},
             # No host /sys (sysfs would need a netns owned by the sandbox's user namespace,
-            # and runc's fallback is a bind of the host's /sys): a small tmpfs holding only
-            # the platform's generated CPU files (bound read-only below; the tmpfs itself is
-            # made read-only after them, readonlyPaths), or an empty read-only tmpfs.
-            {"destination": "/sys", "type": "tmpfs", "source": "sysfs-empty",
-             "options": ["nosuid", "noexec", "nodev", "size=4k"] + ([] if cpu_view else ["ro"])},
+            # and runc's fallback is a bind of the host's /sys): a read-only bind of the
+            # node's mask (masks.py: no superblock per sandbox) holding only the mount points
+            # of the platform's generated CPU files (bound read-only below), or empty.
+            {"destination": "/sys", "type": "bind",
+             "source": str(mask.sys if cpu_view else mask.empty), "options": SYS_OPTIONS},
         ] + (_cpu_view_mounts(cpu_view) if cpu_view else []),
+        "annotations": {MASK_ANNOTATION: str(mask.empty)},
         "linux": {
             "uidMappings": [{"containerID": 0, "hostID": host_uid, "size": RANGE}],
             "gidMappings": [{"containerID": 0, "hostID": host_uid, "size": RANGE}],
@@ -221,7 +233,7 @@ def oci_config(
             },
             "rootfsPropagation": "private",
             "maskedPaths": MASKED_PATHS + hidden if hardened else [],
-            "readonlyPaths": (READONLY_PATHS if hardened else []) + (["/sys"] if cpu_view else []),
+            "readonlyPaths": READONLY_PATHS if hardened else [],
         },
     }
     if boot_id is not None:

@@ -7,8 +7,8 @@ sandboxes do not pile onto CPU 0, and read-only generated files for ``/proc/cpui
 those CPUs' blocks) and ``/sys/devices/system/cpu/{online,possible,present}`` (glibc's
 ``sysconf(_SC_NPROCESSORS_ONLN/CONF)``, hence ``os.cpu_count()``). The two files (``cpuinfo``,
 ``cpulist``) are made by the platform in the sandbox's own directory (beside, not in, its tree)
-and bound read-only into it; ``/sys`` is a small tmpfs holding only those binds, read-only
-after them (the sandbox never sees the host's sysfs).
+and bound read-only into it; ``/sys`` is a read-only bind of the node's mask (masks.py) that
+holds only their mount points (the sandbox never sees the host's sysfs).
 
 Must not touch: cgroups (runc sets the cpuset), the sandbox's tree.
 """

@@ -12,6 +12,13 @@ here: the launcher only carries out records. Anything in the config this module 
 is refused (InfraError) instead of being dropped, so a config change that the native runtime
 does not carry out fails loudly.
 
+Where a superblock per sandbox can be left out with the sandbox's view unchanged, it is
+(each one makes every memory cgroup of the host bigger: masks.py): the masked directories
+are read-only binds of the node's empty mask dir (``bundle.MASK_ANNOTATION``) instead of a
+tmpfs each, and a tmpfs directly below another with the same size limit (/dev/shm below
+/dev) is a directory of it bound onto itself with its own flags (``_as_subdir``). runc mounts
+a tmpfs for each (it refuses mounts into /proc but its own masks).
+
 What runc adds on its own to a config is added here the same way: the default device nodes
 (bound from the host's /dev, as runc does in a user namespace) and their device-cgroup rules,
 the /dev symlinks, HOME when the env has none, oom_score_adj written by the privileged parent.
@@ -25,6 +32,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import os
+import posixpath
 import re
 import resource
 from pathlib import Path
@@ -200,6 +208,39 @@ def _cgroup_records(rec: _Records, cgroups_path: str, res: dict[str, Any]) -> No
         put("unified", file, value)
 
 
+def _tmpfs_opts(m: dict[str, Any]) -> tuple[int, dict[str, str]] | None:
+    """A tmpfs mount's flags and its fs options (None: not a tmpfs, or an option without a
+    value)."""
+    if m.get("type") != "tmpfs":
+        return None
+    flags, data = _mount_flags(m.get("options", []))
+    opts = [o.partition("=") for o in data.split(",") if o]
+    if any(not sep for _, sep, _ in opts):
+        return None
+    return flags, {k: v for k, _, v in opts}
+
+
+def _as_subdir(m: dict[str, Any], earlier: list[dict[str, Any]]) -> tuple[int, int] | None:
+    """(flags, mode) when the tmpfs mount ``m`` can be a directory of the tmpfs mounted
+    last at its parent (the /dev tmpfs for /dev/shm), bound onto itself with ``m``'s flags,
+    instead of a superblock of its own (every superblock makes every memory cgroup of the
+    host bigger: masks.py). Only with the same size limit and no option but size and mode,
+    so what the sandbox can put there is what a tmpfs of its own would take: the same limit,
+    charged to the same memory cgroup (that of the writer, as any tmpfs page). The one
+    difference: /dev and the directory share the one limit (/dev holds nothing of its own
+    but empty device mount points and symlinks)."""
+    mine = _tmpfs_opts(m)
+    parent_dest = posixpath.dirname(m["destination"].rstrip("/"))
+    parent = next((p for p in reversed(earlier) if p["destination"] == parent_dest), None)
+    theirs = _tmpfs_opts(parent) if parent is not None else None
+    if mine is None or theirs is None or set(mine[1]) - {"size", "mode"} \
+            or "size" not in mine[1] or mine[1]["size"] != theirs[1].get("size"):
+        return None
+    if any(p["destination"].startswith(m["destination"].rstrip("/") + "/") for p in earlier):
+        return None  # something already mounted below it
+    return mine[0], int(mine[1].get("mode", "1777"), 8)
+
+
 def spec_bytes(config: dict[str, Any], pid_file: Path) -> bytes:
     """The launcher's input for an OCI config (see the module docstring)."""
     rec = _Records()
@@ -230,7 +271,17 @@ def spec_bytes(config: dict[str, Any], pid_file: Path) -> bytes:
     if "oomScoreAdj" in proc:
         rec.add("oom_score_adj", proc["oomScoreAdj"])
     _cgroup_records(rec, linux["cgroupsPath"], linux.get("resources") or {})
-    for m in config["mounts"]:
+    annotations = dict(config.get("annotations") or {})
+    mask_dir = annotations.pop(bundle.MASK_ANNOTATION, None)
+    if annotations:
+        raise InfraError(f"launcher: annotations {sorted(annotations)} not supported")
+    if mask_dir is not None:
+        rec.add("mask_dir", mask_dir)
+    for i, m in enumerate(config["mounts"]):
+        subdir = _as_subdir(m, config["mounts"][:i])
+        if subdir is not None:
+            rec.add("subdir", m["destination"], *subdir)
+            continue
         flags, data = _mount_flags(m.get("options", []))
         if m.get("type") == "bind" and not flags & MS_BIND:
             flags |= MS_BIND

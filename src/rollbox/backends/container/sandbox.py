@@ -37,6 +37,7 @@ from rollbox.backends.container import bundle
 from rollbox.agent import platform_shell
 from rollbox.agent.channel import AgentChannel
 from rollbox.backends.container.cpuview import CpuViews
+from rollbox.backends.container.masks import NodeMask
 from rollbox.backends.container.disk import PENDING_REF, DiskPool
 from rollbox.backends.container.files import ContainerFiles
 from rollbox.hostfs import SandboxFS
@@ -221,6 +222,8 @@ class ContainerBackend:
         self.legacy_sandboxes_dir = settings.data_dir / "sandboxes"
         self.run_root = settings.run_dir / "sandboxes"
         self.cpu_views = CpuViews()
+        # /sys and the masked dirs of every sandbox: binds of one read-only tmpfs (masks.py)
+        self.mask = NodeMask(settings.run_dir / "mask")
         src = settings.agent_binary
         if not src.exists():
             raise InfraError(f"agent binary missing at {src} (run `make native`)")
@@ -284,6 +287,7 @@ class ContainerBackend:
         for d in (self.sandboxes_dir, self.run_root, self.runtime.root):
             if d is not None:
                 d.mkdir(parents=True, exist_ok=True)
+        self.mask.ensure()
         self._run_ready = True
 
     async def stop(self) -> None:
@@ -429,6 +433,7 @@ class ContainerBackend:
                                                               netns.PREFIX + sandbox_id))))
         cpu_view = self.cpu_views.write(rootfs.dir, self.cpu_views.pick(resources.cpus))
         boot_id = _write_boot_id(rootfs.dir)
+        self.mask.ready()
         run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(run_dir, 0o700)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -443,7 +448,7 @@ class ContainerBackend:
                 netns_path=ns_path,
                 cgroups_path=self.cgroups_path(sandbox_id), resources=resources,
                 hostname=sandbox_id[:63], hardened=hardened, hidden_paths=hidden_paths,
-                cpu_view=cpu_view, boot_id=str(boot_id),
+                cpu_view=cpu_view, boot_id=str(boot_id), mask=self.mask,
             )
             agent_fd = os.open(self.agent_path, os.O_RDONLY | os.O_CLOEXEC)
             try:
@@ -808,13 +813,16 @@ class ContainerBackend:
 
     def release_node_resources(self) -> None:
         """With no sandbox of this backend left: unmount the shared layer mounts nothing uses,
-        remove the empty rollbox parent cgroups and take down rollbox's tmpfs on the run dir
-        if it holds no state (all come back on the next start)."""
+        remove the empty rollbox parent cgroups, the node's mask (masks.py) and take down
+        rollbox's tmpfs on the run dir if it holds no state (all come back on the next start
+        or create: :meth:`prepare_run_dir`)."""
         self.layer_mounts.unmount_all()  # layers still under a sandbox are skipped
         cgroups.remove_parent_if_empty(self.settings.cgroup_parent)
+        if not any(d.is_dir() and any(d.iterdir()) for d in (self.sandboxes_dir, self.run_root)):
+            self.mask.release()  # another backend's sandbox of the node (a build's) keeps it
+        self._run_ready = False  # the mask (and the run tmpfs's dirs) come back with it
         if self.owns_run_tmpfs and release_run_tmpfs(self.settings.run_dir):
             self.owns_run_tmpfs = False
-            self._run_ready = False  # its dirs went with it
         self.disk.release()  # unless a subvolume is left in it
 
     def leftovers(self, sandbox_id: str) -> list[str]:
