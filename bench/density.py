@@ -10,8 +10,10 @@ network namespaces, mounts, page tables) and leaves out page cache the way ``Mem
 does, the same reading before and after (no cache drop in between). Beside it, as a cross
 check, the same delta of "used without page cache" (``benchkit.used_without_page_cache``), of
 ``Slab``/``SUnreclaim``/``PageTables`` and of the server's RSS and descriptors; the mean PSS
-of a sample of agents; and what came back after the deletes (another engineer's work moves
-``MemAvailable`` on a shared host: a drop that does not come back is not ours alone).
+of a sample of agents and the superblocks each of them holds of its own
+(``idle_superblocks_per_sandbox``: ``benchkit.own_superblocks`` of its mount table); and what
+came back after the deletes (another engineer's work moves ``MemAvailable`` on a shared host:
+a drop that does not come back is not ours alone).
 The limits that cap N on this node (uid slots, pid_max, the edge's RLIMIT_NOFILE, netns and
 inotify sysctls, admission's budgets) are read and reported (``limits``): ``idle_cap`` is the
 smallest. Keys: ``idle_sandboxes`` (held and answering), ``idle_mib_per_sandbox``.
@@ -28,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from rollbox.benchkit import (
-    emit, find_pids, meminfo, percentile, record, say, smaps_rollup, used_without_page_cache,
+    emit, find_pids, meminfo, own_superblocks, percentile, record, say, smaps_rollup,
+    used_without_page_cache,
 )
 from rollbox.config import Settings
 from rollbox.embedded import ServerProcess
@@ -63,6 +66,13 @@ def _netns_count() -> int:
         return len(os.listdir("/run/netns"))
     except OSError:
         return 0
+
+
+def _mountinfo(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/mountinfo").read_text()
+    except OSError:
+        return ""
 
 
 def _sysctl(name: str) -> int:
@@ -159,6 +169,9 @@ async def hold(client: Any, n: int, server_pid: int | None, node_id: str,
         agents = find_pids(cgroup_part=f"/{node_id}-")
         sample = agents[:: max(1, len(agents) // 50)]
         pss = [smaps_rollup(p).get("Pss", 0) for p in sample]
+        host_mi = Path("/proc/self/mountinfo").read_text()
+        supers = [len(own_superblocks(_mountinfo(p), host_mi)) for p in sample]
+        supers = [n for n in supers if n]  # 0: the agent went away meanwhile
         # every sandbox answers, at the end
         t1 = time.monotonic()
         answered = 0
@@ -214,6 +227,7 @@ async def hold(client: Any, n: int, server_pid: int | None, node_id: str,
         "idle_netns_per_sandbox": d["netns"] / per,
         "idle_processes_per_sandbox": len(agents) / per,
         "idle_agent_pss_kib_mean": (sum(pss) / len(pss) / 1024) if pss else None,
+        "idle_superblocks_per_sandbox": (sum(supers) / len(supers)) if supers else None,
         "idle_create_per_s": held / create_s if create_s else None,
         "idle_create_p50_ms": percentile(create_lat, 50) * 1000 if create_lat else None,
         "idle_exec_all_s": exec_s,

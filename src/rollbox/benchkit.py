@@ -354,6 +354,20 @@ def smaps_rollup(pid: int) -> dict[str, int]:
     return out
 
 
+def own_superblocks(mountinfo: str, host_mountinfo: str) -> set[tuple[str, str]]:
+    """(fs type, first mount point) of each superblock a sandbox's mount table (its
+    ``/proc/<pid>/mountinfo``) holds of its own: its root's (the overlay, made on the host) and
+    every one no mount of ``host_mountinfo`` has. Each superblock makes every memory cgroup of
+    the host bigger (backends/container/masks.py)."""
+    host = {line.split()[2] for line in host_mountinfo.splitlines()}
+    own: dict[str, tuple[str, str]] = {}
+    for line in mountinfo.splitlines():
+        f = line.split()
+        if f[2] not in host or f[4] == "/":
+            own.setdefault(f[2], (f[f.index("-") + 1], f[4]))
+    return set(own.values())
+
+
 def cgroup_memory_bytes(pid: int) -> int:
     """The charge of a process's memory cgroup (v1 ``memory.usage_in_bytes``, else v2
     ``memory.current``; pages shared by KSM are charged once); 0 if none or gone."""

@@ -14,11 +14,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+from pathlib import Path
 
 import pytest
 
 from rollbox.backends.container import bundle
 from rollbox.backends.container.launcher import CAP_NUMBERS
+from rollbox.benchkit import own_superblocks
 from rollbox.errors import InfraError
 from rollbox.isolation import cgroups
 from rollbox.models import ExecSpec, Resources, SandboxSpec
@@ -75,18 +77,6 @@ async def test_the_sandbox_sees_its_hardening_applied(edge) -> None:  # noqa: AN
     await edge.delete(info.id)
 
 
-def superblocks_of_its_own(mountinfo: str) -> set[tuple[str, str]]:
-    """(fs type, first mount point) of each superblock the sandbox's mounts hold that no host
-    mount does (its overlay is a host mount: counted apart)."""
-    host = {line.split()[2] for line in open("/proc/self/mountinfo")}
-    own: dict[str, tuple[str, str]] = {}
-    for line in mountinfo.splitlines():
-        f = line.split()
-        if f[2] not in host:
-            own.setdefault(f[2], (f[f.index("-") + 1], f[4]))
-    return set(own.values())
-
-
 async def test_the_sandbox_mounts_few_superblocks_of_its_own(edge) -> None:  # noqa: ANN001
     """Each superblock makes every memory cgroup of the host bigger (backends/container/
     masks.py): besides its overlay a sandbox holds its /proc, /dev tmpfs, devpts and mqueue
@@ -95,8 +85,9 @@ async def test_the_sandbox_mounts_few_superblocks_of_its_own(edge) -> None:  # n
     each masked dir itself."""
     info = await edge.create(SandboxSpec(image=BB, hidden_paths=["/task/tests"],
                                          resources=SPEC.resources), "t")
-    own = superblocks_of_its_own(await run(edge, info.id, "cat /proc/self/mountinfo"))
-    want = {("proc", "/proc"), ("tmpfs", "/dev"), ("devpts", "/dev/pts"),
+    own = own_superblocks(await run(edge, info.id, "cat /proc/self/mountinfo"),
+                          Path("/proc/self/mountinfo").read_text())
+    want = {("overlay", "/"), ("proc", "/proc"), ("tmpfs", "/dev"), ("devpts", "/dev/pts"),
             ("mqueue", "/dev/mqueue")}
     if edge.settings.runtime == "runc":
         want |= {("tmpfs", "/dev/shm"), ("tmpfs", "/proc/acpi"), ("tmpfs", "/task/tests")}
