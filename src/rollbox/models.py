@@ -213,8 +213,11 @@ class SandboxInfo(BaseModel):
     fork_key: str | None = None  # of the fork that made it (ForkSpec's idempotency_key)
     vm_console: Literal["none", "shell"] = "none"  # SandboxSpec's
     # A person holds the live view's mouse and keyboard now (the agent's computer-use input
-    # is refused meanwhile), and how many times one took over: > 0 flags the episode.
+    # is refused meanwhile), which viewer (only its input reaches the guest; the name the
+    # computer.takeover event records), and how many times one took over: > 0 flags the
+    # episode (rollbox.edge.takeover).
     taken_over: bool = False
+    taken_over_by: str | None = None
     takeovers: int = 0
 
 

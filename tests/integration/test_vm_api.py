@@ -2,7 +2,7 @@
 a real q35 VM (TCG, busybox:test; one boot): exec, ``screenshot()`` PNG, ``display()``,
 ``keyboard.type``/``press``, ``mouse.click``/``drag``/``scroll``, every action in the event
 log with its time, typed refusals (off-screen, unknown key, a control byte, a container
-sandbox, a paused VM), a verified teardown."""
+sandbox, a paused VM, a deleted one), a verified teardown."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ import pytest
 import rollbox
 from rollbox.backends.vm import display as vmdisplay
 from rollbox.config import Settings
-from rollbox.errors import BadRequest, SandboxPaused
+from rollbox.errors import BadRequest, SandboxDead, SandboxPaused
 from tests.helpers.vm_guest import real_guest_marks
 
 BB = "busybox:test"
@@ -75,6 +75,10 @@ async def test_computer_use_through_the_sdk(edge, api_server) -> None:  # noqa: 
             assert typed["text"] == "echo ok\n" and typed["ts"] > 0
             assert typed["screenshot_sha256"] == r.screenshot_sha256
             assert sum(k != "computer.screenshot" for k in kinds) == 7  # refused ones: none
+            await sb.delete()  # a dead VM's screen and input: typed errors
+            for gone in (sb.screenshot(), sb.display(), sb.mouse.click(1, 1)):
+                with pytest.raises(SandboxDead):
+                    await gone
         finally:
             await ct.delete()
             await sb.delete()

@@ -11,6 +11,9 @@ checked RFB stream):
   the sandbox is flagged (taken_over, takeovers); ``echo hi > /tmp/x`` + Enter typed in the
   page makes the file (exec); release: the agent types again;
 - the event log has computer.view_issued, view_login, view, takeover and release, in order;
+- two viewers (no browser): only the one that took over has the input; the other's take-over
+  is display_locked (409) and its keys reach nothing; a release by anyone gives the agent its
+  input back (rollbox.edge.takeover);
 - the bridge on its own (no browser, the same RemoteEdge path): after a take-over a click and
   keys written all at once, without waiting for each other, reach the guest in order and the
   stream lives on (the pointer goes to the tablet bound to the display's console: sent to no
@@ -39,7 +42,7 @@ import websockets
 import rollbox
 from rollbox.config import Settings
 from rollbox.errors import DisplayLocked
-from rollbox.models import ExecSpec, Resources, SandboxSpec
+from rollbox.models import ComputerAction, ExecSpec, Resources, SandboxSpec
 from tests.helpers.vm_guest import real_guest_marks
 
 BB = "busybox:test"
@@ -307,6 +310,52 @@ async def _tokens_refused(http: httpx.AsyncClient, url: str, sb: Any) -> None:
             pass
 
 
+class RfbClient:
+    """A raw RFB client on a display_open stream (no browser): the handshake, then messages."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.got = bytearray()
+        self.size = (0, 0)
+
+    async def need(self, n: int) -> bytes:
+        while len(self.got) < n:
+            data = await asyncio.wait_for(self.stream.read(), 10)
+            assert data, "the stream ended"
+            self.got.extend(data)
+        out = bytes(self.got[:n])
+        del self.got[:n]
+        return out
+
+    async def handshake(self) -> tuple[int, int]:
+        """Version, security None, ClientInit; the ServerInit's size (its name read too)."""
+        assert (await self.need(12)) == b"RFB 003.008\n"
+        await self.stream.write(b"RFB 003.008\n")
+        n = (await self.need(1))[0]
+        assert 1 in await self.need(n)
+        await self.stream.write(b"\x01")
+        assert await self.need(4) == b"\x00\x00\x00\x00"
+        await self.stream.write(b"\x01")
+        init = await self.need(24)
+        self.size = struct.unpack(">HH", init[:4])
+        await self.need(struct.unpack(">I", init[20:24])[0])
+        return self.size
+
+
+def key_messages(text: str) -> list[bytes]:
+    """RFB KeyEvents typing ``text`` on a US keyboard ('>' with shift), then Enter."""
+    msgs = []
+    for c in text:
+        sym = {" ": 0x20, ">": ord(">")}.get(c, ord(c))
+        shift = c == ">"
+        if shift:
+            msgs.append(struct.pack(">BBxxI", 4, 1, 0xFFE1))
+        msgs += [struct.pack(">BBxxI", 4, 1, sym), struct.pack(">BBxxI", 4, 0, sym)]
+        if shift:
+            msgs.append(struct.pack(">BBxxI", 4, 0, 0xFFE1))
+    return msgs + [struct.pack(">BBxxI", 4, 1, 0xFF0D), struct.pack(">BBxxI", 4, 0, 0xFF0D)]
+
+
 async def test_live_view_input_reaches_the_guest(edge, api_edge) -> None:  # noqa: ANN001
     info = await edge.create(SandboxSpec(image=BB, backend="vm", vm_console="shell",
                                          resources=Resources(memory_mib=256, disk_mib=64)),
@@ -314,43 +363,16 @@ async def test_live_view_input_reaches_the_guest(edge, api_edge) -> None:  # noq
     sid = info.id
     stream = await api_edge.display_open(sid, "test")
     try:
-        got = bytearray()
-
-        async def need(n: int) -> bytes:
-            while len(got) < n:
-                data = await asyncio.wait_for(stream.read(), 10)
-                assert data, "the stream ended"
-                got.extend(data)
-            out = bytes(got[:n])
-            del got[:n]
-            return out
-
-        assert (await need(12)) == b"RFB 003.008\n"
-        await stream.write(b"RFB 003.008\n")
-        n = (await need(1))[0]
-        assert 1 in await need(n)
-        await stream.write(b"\x01")
-        assert await need(4) == b"\x00\x00\x00\x00"
-        await stream.write(b"\x01")
-        init = await need(24)
-        w, h = struct.unpack(">HH", init[:4])
+        rfb = RfbClient(stream)
+        w, h = await rfb.handshake()
         d = await edge.display_info(sid)
         assert (w, h) == (d.width, d.height)  # ServerInit: the size pointers are scaled by
-        await need(struct.unpack(">I", init[20:24])[0])
         await api_edge.display_takeover(sid, True, "test")
         # a click in the middle, then keys: every message its own write, none awaited
         # before the next is called (the edge keeps them in order)
         msgs = [struct.pack(">BBHH", 5, 1, w // 2, h // 2), struct.pack(">BBHH", 5, 0, w // 2,
                                                                           h // 2)]
-        for c in "echo ab > /tmp/o":
-            sym = {" ": 0x20, ">": ord(">")}.get(c, ord(c))
-            shift = c == ">"
-            if shift:
-                msgs.append(struct.pack(">BBxxI", 4, 1, 0xFFE1))
-            msgs += [struct.pack(">BBxxI", 4, 1, sym), struct.pack(">BBxxI", 4, 0, sym)]
-            if shift:
-                msgs.append(struct.pack(">BBxxI", 4, 0, 0xFFE1))
-        msgs += [struct.pack(">BBxxI", 4, 1, 0xFF0D), struct.pack(">BBxxI", 4, 0, 0xFF0D)]
+        msgs += key_messages("echo ab > /tmp/o")
         await asyncio.gather(*(stream.write(m) for m in msgs))
 
         async def made() -> bool:
@@ -360,7 +382,73 @@ async def test_live_view_input_reaches_the_guest(edge, api_edge) -> None:  # noq
         await until("/tmp/o from the stream's keys", made, 30)
         # the stream lives on: an update request is answered
         await stream.write(struct.pack(">BBHHHH", 3, 0, 0, 0, w, h))
-        await need(1)
+        await rfb.need(1)
     finally:
         await stream.close()
+        await edge.delete(sid)
+
+
+async def test_only_the_viewer_that_took_over_has_the_input(  # noqa: ANN001
+        edge, edge_transport: str) -> None:  # the module's transport: unused (local edge)
+    """Two viewers of one screen (the local edge: a write returns once its input was sent):
+    both view-only until one takes over; then the agent's input is display_locked, the other
+    viewer's take-over is refused with display_locked (409) and its keys reach nothing, the
+    holder's keys reach the guest; a release (by the other viewer: a holder who left must not
+    lock the agent out) gives the agent its input back and the former holder is view-only
+    again. Whether keys reached the guest is read after keys that did (one QMP input path, in
+    order): a line typed before them would have run first."""
+    info = await edge.create(SandboxSpec(image=BB, backend="vm", vm_console="shell",
+                                         resources=Resources(memory_mib=256, disk_mib=64)),
+                             "proj")
+    sid = info.id
+    a = await edge.display_open(sid, "live view a")
+    b = await edge.display_open(sid, "live view b")
+
+    async def typed(stream: Any, text: str) -> None:
+        for m in key_messages(text):
+            await stream.write(m)
+
+    async def agent_types(text: str) -> None:
+        await edge.computer_action(sid, ComputerAction(action="type", text=text + "\n"))
+
+    async def files() -> set[str]:
+        r = await edge.exec_wait(sid, await edge.exec_start(sid, ExecSpec(
+            cmd="cd /tmp && ls", timeout_s=30)))
+        return set(r.stdout.split())
+
+    async def has(name: str) -> bool:
+        return name in await files()
+
+    try:
+        await RfbClient(a).handshake()
+        await RfbClient(b).handshake()
+        await typed(a, "echo > /tmp/a0")  # nobody took over: view-only
+        await agent_types("echo > /tmp/g0")
+        await until("the agent's keys", lambda: has("g0"), 30)
+        assert "a0" not in await files()
+
+        held = await edge.display_takeover(sid, True, "live view a")
+        assert (held.taken_over, held.taken_over_by, held.takeovers) == (True, "live view a", 1)
+        with pytest.raises(DisplayLocked, match="another viewer"):
+            await edge.display_takeover(sid, True, "live view b")
+        with pytest.raises(DisplayLocked):
+            await agent_types("echo > /tmp/g1")
+        await typed(b, "echo > /tmp/b1")  # not the holder: nothing
+        await typed(a, "echo > /tmp/a1")
+        await until("the holder's keys", lambda: has("a1"), 30)
+        assert not {"b1", "g1"} & await files()
+
+        released = await edge.display_takeover(sid, False, "live view b")
+        assert (released.taken_over, released.taken_over_by) == (False, None)
+        await typed(a, "echo > /tmp/a2")  # released: the former holder is view-only again
+        await agent_types("echo > /tmp/g2")
+        await until("the agent's keys after the release", lambda: has("g2"), 30)
+        assert "a2" not in await files()
+        takes = [(e.kind, json.loads(e.data)["by"]) for e in await edge.event_log.read(sid)
+                 if e.kind in ("computer.takeover", "computer.release")]
+        assert takes == [("computer.takeover", "live view a"),
+                         ("computer.release", "live view b")]
+    finally:
+        await a.close()
+        await b.close()
         await edge.delete(sid)

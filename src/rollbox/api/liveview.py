@@ -66,6 +66,7 @@ from rollbox.backends.ports import end_pumps
 from rollbox.config import Settings
 from rollbox.edge.interface import EdgeAPI
 from rollbox.edge.wire import SANDBOX_ID
+from rollbox.models import SandboxInfo
 
 log = logging.getLogger(__name__)
 
@@ -256,11 +257,9 @@ class LiveView:
         return HTMLResponse(body, headers=_page_headers())
 
     async def state(self, sandbox_id: str, request: Request) -> Response:
-        edge, exp, _ = await self._authorized(sandbox_id, request.cookies)
+        edge, exp, session = await self._authorized(sandbox_id, request.cookies)
         info = await edge.get(sandbox_id)
-        return JSONResponse({"sandbox_id": sandbox_id, "taken_over": info.taken_over,
-                             "takeovers": info.takeovers, "expires_at": exp},
-                            headers={"cache-control": "no-store"})
+        return _state(info, session, exp)
 
     async def takeover(self, sandbox_id: str, request: Request, taken: bool) -> Response:
         edge, exp, session = await self._authorized(sandbox_id, request.cookies)
@@ -268,17 +267,15 @@ class LiveView:
         if request.headers.get(HEADER) != "1":
             raise errors.Forbidden(f"a take-over needs the {HEADER} header (the view page's "
                                    "own request)")
-        info = await edge.display_takeover(sandbox_id, taken, f"live view {session}")
-        return JSONResponse({"sandbox_id": sandbox_id, "taken_over": info.taken_over,
-                             "takeovers": info.takeovers, "expires_at": exp},
-                            headers={"cache-control": "no-store"})
+        info = await edge.display_takeover(sandbox_id, taken, _viewer(session))
+        return _state(info, session, exp)
 
     async def websocket(self, sandbox_id: str, ws: WebSocket) -> None:
         stream = None
         try:
             edge, exp, session = await self._authorized(sandbox_id, ws.cookies)
             _same_origin(ws.headers)
-            stream = await edge.display_open(sandbox_id, f"live view {session}")
+            stream = await edge.display_open(sandbox_id, _viewer(session))
         except errors.RollboxError as exc:
             if stream is not None:
                 await stream.close()
@@ -300,6 +297,20 @@ class LiveView:
                 await ws.close(code=code, reason=why)
         finally:
             await stream.close()
+
+
+def _viewer(session: str) -> str:
+    """The viewer a view session is to the edge (its take-over's holder, its streams')."""
+    return f"live view {session}"
+
+
+def _state(info: SandboxInfo, session: str, exp: int) -> JSONResponse:
+    """The page's view of the take-over: ``taken_over`` by anyone, ``yours`` when this
+    session holds the mouse and keyboard (rollbox.edge.takeover: only its input counts)."""
+    return JSONResponse({"sandbox_id": info.id, "taken_over": info.taken_over,
+                         "yours": info.taken_over and info.taken_over_by == _viewer(session),
+                         "takeovers": info.takeovers, "expires_at": exp},
+                        headers={"cache-control": "no-store"})
 
 
 async def _relay(ws: WebSocket, stream: Any) -> None:

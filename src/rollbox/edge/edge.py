@@ -32,6 +32,7 @@ from rollbox.edge.admission import (
     Admission, HostMemory, Limits, ProjectQuotas, Share, Ticket, host_memory_mib, node_cpus,
     node_memory_mib, sandboxes_memory_max_mib,
 )
+from rollbox.edge import takeover
 from rollbox.edge.fence import Fence
 from rollbox.edge.interface import ExecOutput, PlatformProcess
 from rollbox.edge.journal import Journal
@@ -42,7 +43,7 @@ from rollbox.edge.pool import (
 from rollbox.edge.sessions import ExecSession
 from rollbox.edge.storage import LayerStorage, project_image_name
 from rollbox.errors import (
-    BadRequest, CapacityExceeded, DiskFull, DisplayLocked, ExecIndeterminate, IdempotencyConflict, InfraError, NotFound,
+    BadRequest, CapacityExceeded, DiskFull, ExecIndeterminate, IdempotencyConflict, InfraError, NotFound,
     NotSupported, PayloadTooLarge, QuotaExceeded, RollboxError, SandboxDead, SandboxPaused,
     error_from_payload, without_paths,
 )
@@ -2304,10 +2305,7 @@ class Edge:
         sent), then recorded in the event log as ``computer.<action>`` (its arguments, the
         display it was checked against, the screen's hash if asked), like a command."""
         screen = self._display(sandbox_id)
-        if self._live(sandbox_id).info.taken_over:
-            raise DisplayLocked(f"a person took over sandbox {sandbox_id}'s screen at its live "
-                                "view: mouse and keyboard are theirs until they release it",
-                                sandbox_id=sandbox_id, action=action.action)
+        takeover.agent_input(self._live(sandbox_id).info, action.action)
         result = await screen.act(action)
         record = action.model_dump(exclude_none=True, exclude={"screenshot_hash"})
         record.update(display=result.display.model_dump(), events=result.events,
@@ -2320,11 +2318,11 @@ class Edge:
 
     async def display_open(self, sandbox_id: str, viewer: str) -> PortStream:
         """See EdgeAPI.display_open: the live view's checked RFB stream; its input reaches
-        the guest only while the sandbox is taken over. Recorded as ``computer.view``; closed
-        with the sandbox at the latest."""
+        the guest only while ``viewer`` holds the screen (rollbox.edge.takeover). Recorded as
+        ``computer.view``; closed with the sandbox at the latest."""
         live = self._running(sandbox_id)
         screen = self._display(sandbox_id)
-        stream = await screen.live_view(lambda: live.info.taken_over)
+        stream = await screen.live_view(lambda: takeover.viewer_input(live.info, viewer))
         if self.live.get(sandbox_id) is not live:  # deleted meanwhile
             await stream.close()
             raise SandboxDead(f"sandbox {sandbox_id} is gone", state="deleted")
@@ -2335,16 +2333,15 @@ class Edge:
     async def display_takeover(self, sandbox_id: str, taken: bool, by: str) -> SandboxInfo:
         """See EdgeAPI.display_takeover: a person takes over (``taken``) or releases the
         screen's mouse and keyboard; recorded as ``computer.takeover`` / ``computer.release``
-        and in the sandbox's info (``taken_over``, ``takeovers``: a grader sees both)."""
+        and in the sandbox's info (``taken_over``, ``taken_over_by``, ``takeovers``: a grader
+        sees them); the rule is rollbox.edge.takeover's."""
         live = self._live(sandbox_id)  # also a paused one (a person may release it then)
         if live.backend.display(live.box) is None:
             raise BadRequest(f"sandbox {sandbox_id} is a {live.info.backend} sandbox: it has "
                              "no screen to take over", reason="no_display")
-        if live.info.taken_over == taken:
+        # DisplayLocked: another viewer holds it (one holder at a time)
+        if not (takeover.take(live.info, by) if taken else takeover.release(live.info)):
             return live.info
-        live.info.taken_over = taken
-        if taken:
-            live.info.takeovers += 1
         self.journal.put(live.info)
         self.event_log.append(sandbox_id, "computer.takeover" if taken else "computer.release",
                               data=json.dumps({"by": by[:200], "ts": time.time()}))

@@ -164,10 +164,12 @@ class EdgeAPI(Protocol):
                               action: ComputerAction) -> ComputerActionResult: ...
     # The live view (rollbox.api.liveview): a viewer's RFB stream to the screen (the bytes
     # QEMU's VNC server sends; what the viewer writes is checked, its input reaches the guest
-    # only while taken over: rollbox.backends.vm.rfb), recorded as computer.view with
-    # ``viewer``. Take-over (``taken``) and release by a person ``by``: recorded
-    # (computer.takeover / computer.release) and in SandboxInfo (taken_over, takeovers);
-    # meanwhile computer_action answers DisplayLocked.
+    # only while ``viewer`` holds it: rollbox.backends.vm.rfb, rollbox.edge.takeover),
+    # recorded as computer.view with ``viewer``. Take-over (``taken``) and release by a
+    # person ``by``: recorded (computer.takeover / computer.release) and in SandboxInfo
+    # (taken_over, taken_over_by, takeovers); one holder at a time (another viewer's
+    # take-over answers DisplayLocked), a release by anyone; meanwhile computer_action
+    # answers DisplayLocked.
     async def display_open(self, sandbox_id: str, viewer: str) -> PortStream: ...
     async def display_takeover(self, sandbox_id: str, taken: bool, by: str) -> SandboxInfo: ...
 

@@ -30,15 +30,19 @@ rfb.focusOnClick = true;
 rfb.addEventListener("connect", () => setState("connected"));
 rfb.addEventListener("disconnect", (e) => setState(e.detail.clean ? "disconnected" : "lost"));
 
+// taken_over: by anyone; yours: this page's session holds mouse and keyboard (only its input
+// reaches the guest; another viewer's take-over is refused until it is released).
 function apply(s) {
   view.takenOver = !!s.taken_over;
+  view.yours = !!s.yours;
   view.takeovers = s.takeovers;
-  rfb.viewOnly = !view.takenOver;
+  rfb.viewOnly = !view.yours;
   takeoverBtn.hidden = view.takenOver;
   releaseBtn.hidden = !view.takenOver;
-  modeEl.textContent = view.takenOver ? "you have mouse and keyboard (the agent is locked out)"
-                                      : "view only";
-  document.body.classList.toggle("taken", view.takenOver);
+  modeEl.textContent = view.yours ? "you have mouse and keyboard (the agent is locked out)"
+                     : view.takenOver ? "view only: another viewer has mouse and keyboard"
+                     : "view only";
+  document.body.classList.toggle("taken", view.yours);
 }
 
 async function post(what) {
