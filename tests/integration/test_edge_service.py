@@ -481,6 +481,32 @@ async def test_a_platform_process_of_a_deleted_sandbox_ends_with_sandbox_dead(  
     assert not [m for m in lines if "agent channel closed" in m], lines
 
 
+async def test_a_platform_process_of_a_filesystem_paused_sandbox_ends_with_paused(  # noqa: ANN001
+        edge) -> None:
+    """A filesystem-only pause in the middle of a platform process (local, and over the edge
+    service) ends its events with SandboxPaused, as a journaled exec's, not the closed
+    channel's infrastructure error; the sandbox resumes and answers."""
+    from rollbox.agent.protocol import ExecRequest
+
+    req = ExecRequest(argv=["sh", "-c", "echo up; exec sleep 300"], env=["PATH=/bin:/usr/bin"])
+    async with served_edge(edge) as remote:
+        for face in (edge, remote):
+            sid = (await face.create(SandboxSpec(image=BB), "p")).id
+            try:
+                proc = await face.platform_exec(sid, req)
+                events = proc.events()
+                assert await events.__anext__() == ("stdout", b"up\n")
+                await face.pause(sid, keep_memory=False)
+                with pytest.raises(errors.SandboxPaused, match="filesystem-only"):
+                    async with asyncio.timeout(BOUND_S):
+                        await events.__anext__()
+                await events.aclose()
+                await face.resume(sid)
+                assert (await face.run_shell(sid, "echo back", {}, 10))[1] == b"back\n"
+            finally:
+                await face.delete(sid)
+
+
 async def test_a_failed_call_is_traced_from_the_sdk_error_to_the_edges_log_line(  # noqa: ANN001
         edge, tmp_path, caplog) -> None:
     """SDK -> api -> RemoteEdge -> edge, the edge served over HTTP: the error the trainer gets

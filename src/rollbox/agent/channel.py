@@ -374,6 +374,13 @@ class AgentChannel:
         SandboxDead); without one, InfraError "agent channel closed"."""
         self._shutdown(reason)
 
+    def fail_sessions(self, exc: RollboxError) -> None:
+        """Every session this channel knows of ends with ``exc`` now (as
+        :meth:`Session.abandon`); the channel stays open (the edge's filesystem-only pause:
+        the backend still runs its guest's sync on it before it closes it)."""
+        for sess in list(self._sessions.values()):
+            sess.abandon(exc)
+
     def _shutdown(self, reason: RollboxError | None) -> None:
         if self.closed.done():
             return

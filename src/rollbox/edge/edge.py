@@ -1313,6 +1313,11 @@ class Edge:
                 session.fail(err)
                 self.journal.exec_done(info.id, session.exec_id, None,
                                        json.dumps(err.to_payload()))
+        # The platform's processes on its channel (platform_exec, run_shell) end the same way,
+        # not with the channel's close ("agent channel closed", an infrastructure fault).
+        live.box.channel.fail_sessions(SandboxPaused(
+            f"sandbox {info.id} was paused filesystem-only (its processes were stopped)",
+            state="paused"))
         live.deferred_kills.clear()
         for port in list(live.ports):
             await port.close()
