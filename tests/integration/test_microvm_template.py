@@ -106,6 +106,34 @@ async def test_a_restored_vm_is_adopted_after_an_edge_restart(
         assert second.leftovers(sid) == []
 
 
+@pytest.mark.microvm_slow  # a cold boot more
+async def test_a_restored_vm_paused_filesystem_only_resumes_with_its_hostname(
+        vm_template_node: Settings) -> None:
+    """A restored microVM's hostname is the one make_unique gave it (its id); resume_fs boots
+    it cold over its disk, where the agent names a guest "sandbox": the backend sets it again
+    (MicroVM.hostname), also after an edge restart (journaled)."""
+    settings = vm_template_node
+    spec = template_spec(settings)
+    sid = f"{settings.node_id}-fsp"
+    async with vm_backend(settings) as b:
+        vm = await b.create(sid, spec)
+        try:
+            assert vm.template and vm.hostname == sid
+            mid = (await sh(vm, "echo kept > /root/kept; cat /etc/machine-id")).strip()
+            await b.pause_fs(vm)
+            state = json.loads(json.dumps(vm.state()))
+            b.detach(vm)
+            vm = await b.adopt(sid, spec, state, paused=True)
+            assert vm is not None and vm.stopped and vm.hostname == sid
+            await b.resume_fs(vm, None)
+            assert (await sh(vm, "cat /root/kept; hostname; cat /etc/machine-id")).split() == [
+                "kept", sid, mid]
+        finally:
+            if vm is not None:
+                await b.destroy(vm)
+        assert b.leftovers(sid) == []
+
+
 async def test_a_template_that_fails_to_load_is_dropped_and_the_create_boots_cold(
         vm_template_node: Settings, caplog: pytest.LogCaptureFixture) -> None:
     """A copy of the session's template planted under another key (disk 65 MiB) with its
