@@ -8,7 +8,8 @@ checked RFB stream):
   ``ROLLBOX_DOCS_SHOTS=1``);
 - view-only: keys typed into the page reach nothing;
 - take-over (the page's button): the agent's computer-use input answers display_locked (409),
-  the sandbox is flagged (taken_over, takeovers); ``echo hi > /tmp/x`` + Enter typed in the
+  the sandbox is flagged (taken_over, takeovers), the page's state says ``yours`` and a second
+  viewer's says not, its take-over answers display_locked; ``echo hi > /tmp/x`` + Enter typed in the
   page makes the file (exec); release: the agent types again;
 - the event log has computer.view_issued, view_login, view, takeover and release, in order;
 - two viewers (no browser): only the one that took over has the input; the other's take-over
@@ -148,6 +149,13 @@ async def test_live_view_in_chromium(edge, api_server, chromium, tmp_path: Path,
             assert info.taken_over and info.takeovers == 1
             with pytest.raises(DisplayLocked):
                 await sb.keyboard.type("echo agent\n")
+            assert await js(driver, "return window.rollboxView.yours") is True
+            # a second viewer (a session of its own): told it is not its, its take-over refused
+            second = await _login(http, sb)
+            state = (await http.get(f"/view/{sb.id}/state", headers=ck(second))).json()
+            assert state["taken_over"] is True and state["yours"] is False
+            assert _code(await http.post(f"/view/{sb.id}/takeover", headers={
+                **ck(second), "X-Rollbox-View": "1"})) == (409, "display_locked", None)
             before = (await js(driver, CANVAS))[2]
             await click(driver, "#screen canvas")
             await typed_in_page(driver, ["echo hi ", "<shift>.", " /tmp/x", "<enter>"])
