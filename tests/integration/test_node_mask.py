@@ -5,6 +5,8 @@ left (an image build's backend shares the run dir)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,3 +79,61 @@ async def test_the_backend_keeps_the_mask_while_a_sandbox_dir_of_the_node_is_lef
     assert not mask.mounted() and not mask.path.exists()
     backend.prepare_run_dir()  # as the next create would: back
     assert mask.mounted()
+
+
+def test_a_read_only_bind_of_a_writable_mask_is_not_taken_for_one(tmp_path: Path) -> None:
+    """Read-only must hold at the superblock: a sandbox's bind copies the mount's flags, but
+    whoever holds the writable superblock elsewhere could still write into every sandbox's
+    /sys and masked dirs."""
+    writable, path = tmp_path / "writable", tmp_path / "mask"
+    writable.mkdir()
+    path.mkdir()
+    syscalls.mount("rollbox-mask", writable, "tmpfs", 0, "size=4k,mode=0555")
+    try:
+        for name, is_dir in LAYOUT:
+            p = writable / name
+            if is_dir:
+                p.mkdir(mode=0o555)
+            else:
+                p.touch(mode=0o444)
+            os.chmod(p, 0o555 if is_dir else 0o444)
+        syscalls.mount(str(writable), path, None, syscalls.MS_BIND)
+        syscalls.mount(None, path, None, syscalls.MS_BIND | syscalls.MS_REMOUNT
+                       | syscalls.MS_RDONLY)
+        assert os.statvfs(path).f_flag & os.ST_RDONLY  # the bind is read-only ...
+        mask = NodeMask(path)
+        assert mask.problems() == ["superblock not read-only"]  # ... its superblock is not
+        assert mask.ensure() == "made"
+        assert not mask.problems()
+        assert os.stat(path).st_dev != os.stat(writable).st_dev
+    finally:
+        NodeMask(path).release()
+        syscalls.umount(writable, syscalls.MNT_DETACH)
+
+
+def test_processes_ensuring_at_once_make_one_mask_and_leave_no_staging(tmp_path: Path) -> None:
+    """The edge and an image build share the run dir: each ensures the mask (flock), the
+    first makes it, the rest find it, and the new one appears at the path only finished."""
+    path = tmp_path / "run" / "mask"
+    go = tmp_path / "go"
+    code = ("import os, sys; from pathlib import Path; "
+            "from rollbox.backends.container.masks import NodeMask; "
+            "mask = NodeMask(Path(sys.argv[1])); print('ready', flush=True)\n"
+            "while not os.path.exists(sys.argv[2]): pass\n"
+            "print(mask.ensure())")
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(path), str(go)],
+                                  stdout=subprocess.PIPE, text=True) for _ in range(4)]
+        for p in procs:  # all imported: then they start at once
+            assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        go.touch()
+        results = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+        assert results == ["found", "found", "found", "made"]
+        assert [m for m in syscalls.read_mountinfo() if m[0] == str(path)] \
+            == [(str(path), "tmpfs", "rollbox-mask")]
+        assert sorted(os.listdir(path.parent)) == ["mask"]  # no staging dir left
+        assert not NodeMask(path).problems()
+    finally:  # every mount there, should several have been stacked
+        while NodeMask(path).mounted():
+            syscalls.umount(path, syscalls.MNT_DETACH)
+        NodeMask(path).release()

@@ -21,8 +21,13 @@ it), the run dir's own tmpfs (rootfs.py).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
+import secrets
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from rollbox.backends.container.cpuview import CPU_SYS_FILES
@@ -30,6 +35,8 @@ from rollbox.errors import InfraError
 from rollbox.isolation import syscalls
 
 log = logging.getLogger(__name__)
+
+_ENSURE_LOCK = threading.Lock()  # the flock below is per open file, not per thread
 
 MASK_SOURCE = "rollbox-mask"
 FLAGS = syscalls.MS_NOSUID | syscalls.MS_NODEV | syscalls.MS_NOEXEC
@@ -73,14 +80,16 @@ class NodeMask:
     def mounted(self) -> bool:
         return (str(self.path), "tmpfs", MASK_SOURCE) in syscalls.read_mountinfo()
 
-    def problems(self) -> list[str]:
-        """What differs from a read-only mask with exactly :data:`LAYOUT` (empty: none)."""
-        if not os.statvfs(self.path).f_flag & os.ST_RDONLY:
-            return ["not read-only"]
+    def problems(self, root: Path | None = None) -> list[str]:
+        """What differs from a mask with exactly :data:`LAYOUT`, read-only at its superblock
+        (empty: none); of the mask at ``root`` (default: :attr:`path`)."""
+        root = root or self.path
+        if "ro" not in _super_options(root):  # a read-only bind of a writable one is no mask
+            return ["superblock not read-only"]
         want = {name: is_dir for name, is_dir in LAYOUT}
         found: dict[str, bool] = {}
-        for top, dirs, files in os.walk(self.path):
-            rel = os.path.relpath(top, self.path)
+        for top, dirs, files in os.walk(root):
+            rel = os.path.relpath(top, root)
             for name in dirs + files:
                 p = os.path.join(top, name)
                 st = os.lstat(p)
@@ -94,33 +103,55 @@ class NodeMask:
     def ensure(self) -> str:
         """Mount it unless a sound one is there: "found" (an earlier process's, e.g. before a
         restart: sandboxes it started bind it), or "made" (a stale or altered one is detached
-        first). InfraError if something else is mounted at the path."""
+        first). InfraError if something else is mounted at the path.
+
+        One process of the node at a time (an flock on the run dir: the edge and an image
+        build share it), and the new mask appears at :attr:`path` only finished and read-only:
+        it is made at a staging dir no launcher binds, cloned detached and moved into place,
+        so no sandbox can bind it while it is still writable."""
         self.path.mkdir(mode=0o755, parents=True, exist_ok=True)
-        if self.mounted():
+        with _ENSURE_LOCK, _flock(self.path.parent):
+            return self._ensure()
+
+    def _ensure(self) -> str:
+        stale = self.mounted()
+        if stale:
             if not self.problems():
                 self.dev = os.stat(self.path).st_dev
                 return "found"
-            syscalls.umount(self.path, syscalls.MNT_DETACH)
         elif os.path.ismount(self.path):
             raise InfraError(f"{self.path} is a mount point that is not rollbox's mask")
-        syscalls.mount(MASK_SOURCE, self.path, "tmpfs", FLAGS, DATA)
+        staging = self.path.parent / f".mask-new-{os.getpid()}-{secrets.token_hex(4)}"
+        staging.mkdir(mode=0o700)
         try:
-            for name, is_dir in LAYOUT:
-                p = self.path / name
-                if is_dir:
-                    p.mkdir(mode=0o555)
-                else:
-                    os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                                     0o444))
-                os.chmod(p, 0o555 if is_dir else 0o444)  # whatever the umask
-            syscalls.mount(MASK_SOURCE, self.path, "tmpfs",
-                           syscalls.MS_REMOUNT | syscalls.MS_RDONLY | FLAGS, DATA)
-            left = self.problems()
-            if left:
-                raise InfraError(f"mask at {self.path}: {left}")
-        except BaseException:
-            syscalls.umount(self.path, syscalls.MNT_DETACH)
-            raise
+            syscalls.mount(MASK_SOURCE, staging, "tmpfs", FLAGS, DATA)
+            try:
+                for name, is_dir in LAYOUT:
+                    p = staging / name
+                    if is_dir:
+                        p.mkdir(mode=0o555)
+                    else:
+                        os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                                         0o444))
+                    os.chmod(p, 0o555 if is_dir else 0o444)  # whatever the umask
+                syscalls.mount(MASK_SOURCE, staging, "tmpfs",
+                               syscalls.MS_REMOUNT | syscalls.MS_RDONLY | FLAGS, DATA)
+                left = self.problems(staging)
+                if left:
+                    raise InfraError(f"mask at {staging}: {left}")
+                tree = syscalls.open_tree(syscalls.AT_FDCWD, staging,
+                                          syscalls.OPEN_TREE_CLONE | syscalls.OPEN_TREE_CLOEXEC)
+            finally:
+                syscalls.umount(staging, syscalls.MNT_DETACH)
+        finally:
+            staging.rmdir()
+        try:
+            if stale:
+                syscalls.umount(self.path, syscalls.MNT_DETACH)
+            syscalls.move_mount(tree, "", syscalls.AT_FDCWD, self.path,
+                                syscalls.MOVE_MOUNT_F_EMPTY_PATH)
+        finally:
+            os.close(tree)
         self.dev = os.stat(self.path).st_dev
         return "made"
 
@@ -137,3 +168,26 @@ class NodeMask:
             pass
         except OSError as exc:  # something else put there: left, named
             log.warning("mask dir %s not removed: %s", self.path, exc)
+
+
+@contextlib.contextmanager
+def _flock(directory: Path) -> Iterator[None]:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # and the lock with it
+
+
+def _super_options(mount_point: Path) -> set[str]:
+    """The superblock options of the topmost mount at ``mount_point`` (mountinfo's field
+    after " - fstype source"), empty if nothing is mounted there."""
+    want, opts = str(mount_point), ""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            lf, rf = left.split(), right.split()
+            if len(lf) >= 5 and len(rf) >= 3 and syscalls.unescape_mountinfo(lf[4]) == want:
+                opts = rf[2]  # later lines are mounted on top
+    return set(opts.split(",")) if opts else set()

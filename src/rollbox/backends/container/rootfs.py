@@ -173,13 +173,15 @@ class Rootfs:
 
     @staticmethod
     def _idmapped_bind(src: Path, target: Path, userns_fd: int) -> None:
-        fd = syscalls.open_tree(-100, src, syscalls.OPEN_TREE_CLONE | syscalls.OPEN_TREE_CLOEXEC)
+        fd = syscalls.open_tree(syscalls.AT_FDCWD, src,
+                                syscalls.OPEN_TREE_CLONE | syscalls.OPEN_TREE_CLOEXEC)
         try:
             syscalls.mount_setattr(fd, "", syscalls.AT_EMPTY_PATH,
                                    syscalls.MOUNT_ATTR_IDMAP | syscalls.MOUNT_ATTR_RDONLY
                                    | syscalls.MOUNT_ATTR_NODEV | syscalls.MOUNT_ATTR_NOSUID,
                                    userns_fd=userns_fd)
-            syscalls.move_mount(fd, "", -100, target, syscalls.MOVE_MOUNT_F_EMPTY_PATH)
+            syscalls.move_mount(fd, "", syscalls.AT_FDCWD, target,
+                                syscalls.MOVE_MOUNT_F_EMPTY_PATH)
         finally:
             os.close(fd)
 
