@@ -11,7 +11,7 @@ import time
 import pytest
 
 from rollbox import errors
-from rollbox.edge.edge import Edge
+from rollbox.edge.edge import PAUSED_FS_FDS, Edge
 from rollbox.isolation import cgroups, netns
 from rollbox.models import ExecSpec, NetworkPolicy, SandboxSpec
 from tests.conftest import BOTH_TRANSPORTS, api_app
@@ -19,6 +19,10 @@ from tests.conftest import BOTH_TRANSPORTS, api_app
 BB = "busybox:test"
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 HOST_BOOT_ID = open(BOOT_ID).read().strip()
+
+
+def box_fds(edge: Edge, networked: bool) -> int:
+    return edge.backends["container"].edge_fds(networked)
 
 
 async def _run(edge: Edge, sid: str, cmd: str) -> tuple[int | None, str]:
@@ -42,7 +46,8 @@ async def test_fs_pause_stops_everything_keeps_files_and_reboots(edge: Edge) -> 
     assert len(boot1) == 36 and boot1 != HOST_BOOT_ID
     await _run(edge, sb.id, "echo kept > /root/marker; echo tmp > /tmp/also")
     sleeper = await edge.exec_start(sb.id, ExecSpec(cmd="sleep 300"))
-    mem_before = edge.admission.total.memory_mib
+    mem_before, fds_before = edge.admission.total.memory_mib, edge.admission.fds
+    assert live.ticket is not None and live.ticket.fds == box_fds(edge, networked=True)
     assert cgroups.procs(v2)
 
     info = await edge.pause(sb.id, keep_memory=False)
@@ -53,6 +58,9 @@ async def test_fs_pause_stops_everything_keeps_files_and_reboots(edge: Edge) -> 
     assert not v2.exists() and not cgroups.procs(v2)
     assert not netns.netns_path(netns.PREFIX + sb.id).exists()
     assert edge.admission.total.memory_mib == mem_before - sb.resources.memory_mib
+    # its channel and network are gone: the edge's descriptors it held count no more
+    assert edge.live[sb.id].ticket.fds == PAUSED_FS_FDS
+    assert edge.admission.fds == fds_before - box_fds(edge, networked=True) + PAUSED_FS_FDS
     # the command that ran ends with a typed error, recorded
     with pytest.raises(errors.SandboxPaused):
         await asyncio.wait_for(edge.exec_wait(sb.id, sleeper), 10)
@@ -67,6 +75,7 @@ async def test_fs_pause_stops_everything_keeps_files_and_reboots(edge: Edge) -> 
     info = await edge.resume(sb.id)
     assert info.state == "running" and info.memory_kept is True
     assert edge.admission.total.memory_mib == mem_before
+    assert edge.admission.fds == fds_before
     code, out = await _run(edge, sb.id, "cat /root/marker /tmp/also /root/while-stopped; "
                                         "ps -o comm | grep sleep | wc -l")
     assert code == 0 and out.split() == ["kept", "tmp", "w", "0"], out
@@ -159,7 +168,9 @@ async def test_restart_keeps_fs_paused_sandbox(restarts) -> None:  # noqa: ANN00
     assert info.state == "paused" and info.memory_kept is False
     assert await e2.file_read(sb.id, "/root/f", 64) == b"across\n"
     held = e2.admission.total.memory_mib
+    assert e2.live[sb.id].ticket.fds == PAUSED_FS_FDS  # re-adopted as it is: no channel
     await e2.resume(sb.id)
+    assert e2.live[sb.id].ticket.fds == box_fds(e2, networked=False)
     assert e2.admission.total.memory_mib == held + sb.resources.memory_mib
     assert (await _run(e2, sb.id, "cat /root/f"))[1] == "across\n"
     assert await _boot_id(e2, sb.id) != boot1

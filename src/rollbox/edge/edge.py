@@ -77,6 +77,7 @@ GUEST_START_TIMEOUT_S = 30.0
 GUEST_END_GRACE_S = 15.0
 PTY_TERM = "xterm-256color"  # TERM of a pty command whose env names none
 POOLED_MEMORY_S = 1.0  # the warm pool's live memory (report) is read at most this often
+PAUSED_FS_FDS = 1  # edge descriptors of a sandbox paused filesystem-only (measured: 0-1)
 AUDIT_EVERY_S = 5  # net.denied events: at most one per sandbox per this many seconds
 
 
@@ -307,7 +308,7 @@ class Edge:
                     info.state = "running"
                     self.journal.put(info)
             self._register(info, box, backend, self.admission.adopt(
-                _held(info), info.owner, _share_of(info), self._edge_fds(info)))
+                _held(info), info.owner, _share_of(info), self._held_fds(info)))
             ending += self._rebuild_sessions(self.live[info.id])
             log.info("re-adopted sandbox %s", info.id)
         if ending:  # exits that happened while no edge was up: settled before we serve
@@ -508,8 +509,16 @@ class Edge:
         return cached[2] + self.admission.promised_mib(p.ticket for p in pooled)
 
     def _edge_fds(self, info: SandboxInfo) -> int:
-        """The edge's descriptors a sandbox like ``info`` holds (its backend's count)."""
+        """The edge's descriptors a sandbox like ``info`` holds when it runs (its backend's
+        count); paused filesystem-only it holds at most :data:`PAUSED_FS_FDS` (its channel,
+        network and process are gone) and is counted so (:meth:`_held_fds`)."""
         return self.backends[info.backend].edge_fds(info.network is not None)
+
+    def _held_fds(self, info: SandboxInfo) -> int:
+        """What a live sandbox holds of the edge's descriptor budget now (cf. :func:`_held`)."""
+        if info.state == "paused" and not info.memory_kept:
+            return PAUSED_FS_FDS
+        return self._edge_fds(info)
 
     def drain(self, on: bool = True) -> int:
         """Refuse every new create (CapacityExceeded, reason draining; reports show no room
@@ -1333,7 +1342,7 @@ class Edge:
         if live.ticket is not None:  # disk only from now on
             self.admission.release(live.ticket)
         live.ticket = self.admission.adopt(_held(info), info.owner, _share_of(info),
-                                           self._edge_fds(info))
+                                           PAUSED_FS_FDS)
 
     async def _resume_fs(self, live: LiveSandbox) -> None:
         """Boot a filesystem-paused sandbox again (Backend.resume_fs) once the node has room
