@@ -28,9 +28,11 @@ def take(info: SandboxInfo, by: str) -> bool:
     DisplayLocked if another viewer holds it."""
     by = by[:VIEWER_MAX]
     if info.taken_over:
-        if info.taken_over_by in (by, None):  # None: held before holders were recorded
-            info.taken_over_by = by
+        if info.taken_over_by == by:
             return False
+        if info.taken_over_by is None:  # held before holders were recorded: by holds it now
+            info.taken_over_by = by  # (a change: journaled, or a restart would forget it)
+            return True
         raise DisplayLocked(f"another viewer took over sandbox {info.id}'s screen: mouse and "
                             "keyboard are theirs until it is released", sandbox_id=info.id)
     info.taken_over, info.taken_over_by = True, by
