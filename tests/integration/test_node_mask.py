@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rollbox.backends.container.masks import LAYOUT, NodeMask
+from rollbox.backends.container.masks import LAYOUT, NodeMask, fill
 from rollbox.errors import InfraError
 from rollbox.isolation import syscalls
 
@@ -90,13 +90,7 @@ def test_a_read_only_bind_of_a_writable_mask_is_not_taken_for_one(tmp_path: Path
     path.mkdir()
     syscalls.mount("rollbox-mask", writable, "tmpfs", 0, "size=4k,mode=0555")
     try:
-        for name, is_dir in LAYOUT:
-            p = writable / name
-            if is_dir:
-                p.mkdir(mode=0o555)
-            else:
-                p.touch(mode=0o444)
-            os.chmod(p, 0o555 if is_dir else 0o444)
+        fill(writable)  # the right content, on a superblock left writable
         syscalls.mount(str(writable), path, None, syscalls.MS_BIND)
         syscalls.mount(None, path, None, syscalls.MS_BIND | syscalls.MS_REMOUNT
                        | syscalls.MS_RDONLY)

@@ -126,14 +126,7 @@ class NodeMask:
         try:
             syscalls.mount(MASK_SOURCE, staging, "tmpfs", FLAGS, DATA)
             try:
-                for name, is_dir in LAYOUT:
-                    p = staging / name
-                    if is_dir:
-                        p.mkdir(mode=0o555)
-                    else:
-                        os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                                         0o444))
-                    os.chmod(p, 0o555 if is_dir else 0o444)  # whatever the umask
+                fill(staging)
                 syscalls.mount(MASK_SOURCE, staging, "tmpfs",
                                syscalls.MS_REMOUNT | syscalls.MS_RDONLY | FLAGS, DATA)
                 left = self.problems(staging)
@@ -168,6 +161,17 @@ class NodeMask:
             pass
         except OSError as exc:  # something else put there: left, named
             log.warning("mask dir %s not removed: %s", self.path, exc)
+
+
+def fill(root: Path) -> None:
+    """Make :data:`LAYOUT` under the empty dir ``root``, with the modes a sound mask has."""
+    for name, is_dir in LAYOUT:
+        p = root / name
+        if is_dir:
+            p.mkdir(mode=0o555)
+        else:
+            os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444))
+        os.chmod(p, 0o555 if is_dir else 0o444)  # whatever the umask
 
 
 @contextlib.contextmanager
