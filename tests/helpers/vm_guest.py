@@ -214,3 +214,27 @@ async def agent_run(vm: Any, argv: list[str], timeout_ms: int = 60_000, backend:
         elif kind == "exited":
             code = payload.exit_code
     return code, out
+
+
+@asynccontextmanager
+async def full_vm_template_backend(settings: Settings) -> AsyncIterator[Any]:
+    """A started "vm" backend of ``settings`` that makes a template of every guest it boots
+    (TCG, no idle squeeze, steps logged to the data dir), stopped at the end with no
+    template left."""
+    from rollbox.backends.vm.backend import VMBackend
+
+    settings.vm_accel = "tcg"
+    settings.vm_idle_squeeze_s = 0
+    settings.vm_full_templates = "all"
+    settings.vm_step_log = settings.data_dir / "steps.jsonl"
+    pool = DiskPool(settings)
+    b = VMBackend(settings, UidSlots(settings.uid_base, settings.uid_slots),
+                  ImageStore(settings.images_dir), pool)
+    try:
+        await b.start()
+        yield b
+    finally:
+        left = b.machine_templates.clear()
+        b.release_node_resources()
+        pool.release()
+        assert left == []

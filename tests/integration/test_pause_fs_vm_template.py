@@ -20,17 +20,15 @@ import pytest
 import pytest_asyncio
 
 from rollbox.backends.base import ResolvedSpec
-from rollbox.backends.container.disk import DiskPool
 from rollbox.backends.microvm.backend import MicroVM
 from rollbox.backends.vm import display, rootdisk
 from rollbox.backends.vm.backend import VMBackend
 from rollbox.config import Settings
 from rollbox.images.store import ImageStore
 from rollbox.images.vmdisk import sha256_file
-from rollbox.isolation.userns import UidSlots
 from rollbox.models import Resources
 from tests.conftest import node_settings
-from tests.helpers.vm_guest import agent_run, full_vm_marks
+from tests.helpers.vm_guest import agent_run, full_vm_marks, full_vm_template_backend
 from tests.integration.test_vm_disk import DISK, build_tiny_disk
 
 IMAGE = "busybox:test"
@@ -42,23 +40,10 @@ pytestmark = full_vm_marks(IMAGE) + [pytest.mark.microvm_slow,
 async def backend(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VMBackend]:
     root = tmp_path_factory.mktemp("vmtplpause")
     settings = node_settings(root)
-    settings.vm_accel = "tcg"
-    settings.vm_idle_squeeze_s = 0
-    settings.vm_full_templates = "all"
-    settings.vm_step_log = settings.data_dir / "steps.jsonl"
     settings.vm_disks_root = root / "vm-disks"
     build_tiny_disk(settings.vm_disks_root)
-    pool = DiskPool(settings)
-    b = VMBackend(settings, UidSlots(settings.uid_base, settings.uid_slots),
-                  ImageStore(settings.images_dir), pool)
-    try:
-        await b.start()
+    async with full_vm_template_backend(settings) as b:
         yield b
-    finally:
-        left = b.machine_templates.clear()
-        b.release_node_resources()
-        pool.release()
-        assert left == []
 
 
 def layered_spec() -> ResolvedSpec:

@@ -16,7 +16,6 @@ import pytest
 import pytest_asyncio
 
 from rollbox.backends.base import ResolvedSpec
-from rollbox.backends.container.disk import DiskPool
 from rollbox.backends.microvm.backend import MicroVM
 from rollbox.backends.platform_work import run_shell
 from rollbox.backends.vm import display
@@ -24,10 +23,9 @@ from rollbox.backends.vm.backend import VMBackend
 from rollbox.backends.vm.templates import TEMPLATE_DISK_PREFIX
 from rollbox.config import Settings
 from rollbox.images.store import ImageStore
-from rollbox.isolation.userns import UidSlots
 from rollbox.models import Resources
 from tests.conftest import node_settings
-from tests.helpers.vm_guest import full_vm_marks
+from tests.helpers.vm_guest import full_vm_marks, full_vm_template_backend
 
 IMAGE = "busybox:test"
 pytestmark = full_vm_marks(IMAGE) + [pytest.mark.asyncio(loop_scope="module")]
@@ -35,22 +33,8 @@ pytestmark = full_vm_marks(IMAGE) + [pytest.mark.asyncio(loop_scope="module")]
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def backend(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VMBackend]:
-    settings = node_settings(tmp_path_factory.mktemp("vmtpl"))
-    settings.vm_accel = "tcg"
-    settings.vm_idle_squeeze_s = 0
-    settings.vm_full_templates = "all"
-    settings.vm_step_log = settings.data_dir / "steps.jsonl"
-    pool = DiskPool(settings)
-    b = VMBackend(settings, UidSlots(settings.uid_base, settings.uid_slots),
-                  ImageStore(settings.images_dir), pool)
-    try:
-        await b.start()
+    async with full_vm_template_backend(node_settings(tmp_path_factory.mktemp("vmtpl"))) as b:
         yield b
-    finally:
-        left = b.machine_templates.clear()
-        b.release_node_resources()
-        pool.release()
-        assert left == []
 
 
 def spec() -> ResolvedSpec:
