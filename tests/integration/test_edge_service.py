@@ -451,11 +451,13 @@ async def test_a_platform_process_whose_stream_closes_is_killed(edge) -> None:  
             await remote.delete(sid)
 
 
-async def test_a_platform_process_of_a_deleted_sandbox_ends_with_sandbox_dead(  # noqa: ANN001
-        edge, caplog) -> None:
-    """A delete in the middle of a platform process (local, and over the edge service) ends
-    its events with SandboxDead, as a journaled exec's, not the closed channel's
-    infrastructure error; the service logs it as the 410 it is, not as a 503 fault."""
+@pytest.mark.parametrize("interruption", ["delete", "pause_fs"])
+async def test_a_platform_process_interrupted_ends_with_the_sandboxs_state(  # noqa: ANN001
+        edge, caplog, interruption) -> None:
+    """A delete or a filesystem-only pause in the middle of a platform process (local, and over
+    the edge service) ends its events with SandboxDead / SandboxPaused, as a journaled exec's,
+    not the closed channel's infrastructure error. After a delete the service logs the 410 it
+    is, not a 503 fault; after a pause the sandbox resumes and answers."""
     import logging
 
     from rollbox.agent.protocol import ExecRequest
@@ -469,42 +471,25 @@ async def test_a_platform_process_of_a_deleted_sandbox_ends_with_sandbox_dead(  
                 proc = await face.platform_exec(sid, req)
                 events = proc.events()
                 assert await events.__anext__() == ("stdout", b"up\n")
-                await face.delete(sid)
-                with pytest.raises(errors.SandboxDead, match="was deleted"):
+                if interruption == "delete":
+                    await face.delete(sid)
+                    expected, match = errors.SandboxDead, "was deleted"
+                else:
+                    await face.pause(sid, keep_memory=False)
+                    expected, match = errors.SandboxPaused, "filesystem-only"
+                with pytest.raises(expected, match=match):
                     async with asyncio.timeout(BOUND_S):
                         await events.__anext__()
                 await events.aclose()
+                if interruption == "pause_fs":
+                    await face.resume(sid)
+                    assert (await face.run_shell(sid, "echo back", {}, 10))[1] == b"back\n"
             finally:
                 await face.delete(sid)
-    lines = [r.getMessage() for r in caplog.records if r.name == "rollbox.edge.service"]
-    assert any("platform_exec -> 410 sandbox_dead" in m for m in lines), lines
-    assert not [m for m in lines if "agent channel closed" in m], lines
-
-
-async def test_a_platform_process_of_a_filesystem_paused_sandbox_ends_with_paused(  # noqa: ANN001
-        edge) -> None:
-    """A filesystem-only pause in the middle of a platform process (local, and over the edge
-    service) ends its events with SandboxPaused, as a journaled exec's, not the closed
-    channel's infrastructure error; the sandbox resumes and answers."""
-    from rollbox.agent.protocol import ExecRequest
-
-    req = ExecRequest(argv=["sh", "-c", "echo up; exec sleep 300"], env=["PATH=/bin:/usr/bin"])
-    async with served_edge(edge) as remote:
-        for face in (edge, remote):
-            sid = (await face.create(SandboxSpec(image=BB), "p")).id
-            try:
-                proc = await face.platform_exec(sid, req)
-                events = proc.events()
-                assert await events.__anext__() == ("stdout", b"up\n")
-                await face.pause(sid, keep_memory=False)
-                with pytest.raises(errors.SandboxPaused, match="filesystem-only"):
-                    async with asyncio.timeout(BOUND_S):
-                        await events.__anext__()
-                await events.aclose()
-                await face.resume(sid)
-                assert (await face.run_shell(sid, "echo back", {}, 10))[1] == b"back\n"
-            finally:
-                await face.delete(sid)
+    if interruption == "delete":
+        lines = [r.getMessage() for r in caplog.records if r.name == "rollbox.edge.service"]
+        assert any("platform_exec -> 410 sandbox_dead" in m for m in lines), lines
+        assert not [m for m in lines if "agent channel closed" in m], lines
 
 
 async def test_a_failed_call_is_traced_from_the_sdk_error_to_the_edges_log_line(  # noqa: ANN001
