@@ -6,7 +6,9 @@ the host through /proc/<qemu>/fd and in the guest with O_DIRECT reads, past the 
 cache); a child's writes reach neither the source, another child nor the template; children
 beyond the spares start their own QEMU; a spare that fails halfway (its QEMU killed after the
 claim, its disk refusing the clone, one dead before the claim) is torn down and that child
-restored into a QEMU of its own; nothing of a spare or a child is left."""
+restored into a QEMU of its own; no spare is started again until every child answered a
+command, and the edge's descriptors the spares hold are what ``node_fds`` counts (measured in
+/proc/self/fd); nothing of a spare or a child is left."""
 from __future__ import annotations
 
 import array
@@ -22,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from rollbox.backends.microvm import steps as S
-from rollbox.backends.microvm.backend import MicroVM, MicroVMBackend
+from rollbox.backends.microvm.backend import SPARE_FDS, MicroVM, MicroVMBackend
 from rollbox.backends.microvm.disks import RW_NAME
 from rollbox.backends.platform_work import run_shell
 from rollbox.config import Settings
@@ -86,6 +88,17 @@ def qemu_rw_fd(b: MicroVMBackend, vm: MicroVM) -> str:
     raise AssertionError(f"QEMU {vm.pid} holds no {RW_NAME}")
 
 
+HOLD_CHECK_S = 3.0  # a spare's start begins at once when nothing holds it (a TCG host)
+
+
+async def no_spare_for(b: MicroVMBackend, seconds: float) -> None:
+    """Assert that for ``seconds`` no spare is ready, started or torn down."""
+    end = asyncio.get_running_loop().time() + seconds
+    while asyncio.get_running_loop().time() < end:
+        assert b.spares.held() == 0, "a spare was started before the fork's children answered"
+        await asyncio.sleep(0.02)
+
+
 def spare_steps(settings: Settings) -> dict[str, dict]:
     lines = [json.loads(x) for x in settings.vm_step_log.read_text().splitlines()]
     return {x["id"]: x["steps"] for x in lines}
@@ -103,6 +116,7 @@ async def test_fork_children_restore_into_spares_with_the_forks_disk(
     async with vm_backend(settings) as b:
         assert b.templates is not None
         (tpl,) = b.templates.cache.templates()
+        fds0 = len(os.listdir("/proc/self/fd"))
         src = await b.create(f"{settings.node_id}-ps", spec)
         kids: list[MicroVM] = []
         spare_ids: list[str] = []
@@ -111,6 +125,10 @@ async def test_fork_children_restore_into_spares_with_the_forks_disk(
             await write_block(src, before)
             spares = await ready_spares(b, 2)
             spare_ids = [sp.id for sp in spares]
+            # the edge's descriptors the spares hold are counted for admission (node_fds)
+            grown = len(os.listdir("/proc/self/fd")) - fds0
+            assert b.node_fds() == 2 * SPARE_FDS
+            assert 0 < grown <= b.edge_fds(False) + b.node_fds(), grown
             pids = {sp.pid for sp in spares}
             assert b.capacity().facts["template_spares"]["fork"] == 2
             ids = [f"{settings.node_id}-pk{i}" for i in range(3)]
@@ -123,6 +141,9 @@ async def test_fork_children_restore_into_spares_with_the_forks_disk(
             for k in in_spare:
                 assert "disk_fill" in steps[k.id] and "jailer_exec" not in steps[k.id]
             assert "jailer_exec" in steps[own[0].id]
+            # no spare is started again while the children have not answered a command
+            await no_spare_for(b, HOLD_CHECK_S)
+            assert b.node_fds() == 0
             await write_block(src, later)  # the source runs on, its writes its own
             # QEMU's descriptor, opened at the spare's start on the template's disk, reads the
             # fork's content; the template's disk never had it
@@ -144,8 +165,16 @@ async def test_fork_children_restore_into_spares_with_the_forks_disk(
             for other in (src, *others):
                 assert not holds(b.disks.rw_path(other.id), child), other.id
             assert not holds(b.disks.rw_path(tpl.disk_id), child)
-            # the claimed spares are refilled (the template was forked: it keeps 2)
+            # the claimed spares are refilled (the template was forked: it keeps 2) once
+            # every child answered
             await ready_spares(b, 2)
+            # the edge holds 3 descriptors per spare (QMP, QEMU's log and pipe), all counted
+            # by node_fds (admission's share of the table for no sandbox)
+            assert b.node_fds() == 2 * SPARE_FDS
+            with_spares = len(os.listdir("/proc/self/fd"))
+            await b.spares.stop()
+            assert b.node_fds() == 0
+            assert with_spares - len(os.listdir("/proc/self/fd")) == 2 * SPARE_FDS
         finally:
             await asyncio.gather(*(b.destroy(v) for v in [src, *kids]), return_exceptions=True)
         for vm in [src, *kids]:

@@ -371,5 +371,26 @@ def test_the_fd_budget_counts_each_sandboxs_own_descriptors(tmp_path: Path) -> N
         adm.release(t)
     assert adm.fds == 0
     unbounded, _ = make(tmp_path)  # no max_fds (no table given): never refused for fds
+    unbounded.node_fds = lambda: 10**6
     for _ in range(100):
         unbounded.try_admit(res(16, 0.01), "p", fds=6)
+
+
+def test_descriptors_the_backends_hold_for_no_sandbox_take_room_from_sandboxes(
+        tmp_path: Path) -> None:
+    """Backend.node_fds (a microVM template's spare QEMUs: QMP, log, pipe) is read at each
+    check: a create that fits the table alone is refused (reason fds) once spares hold part
+    of it, and fits again when they are gone."""
+    adm, _ = make(tmp_path, max_fds=40, reserved_share=0.1)  # 36 for new creates
+    held = [0]
+    adm.node_fds = lambda: held[0]
+    nets = [adm.try_admit(res(16, 0.01), "p", fds=6) for _ in range(5)]  # 30 of 36
+    held[0] = 3 * 2  # two spares
+    with pytest.raises(errors.CapacityExceeded) as exc:
+        adm.try_admit(res(16, 0.01), "p", fds=3)
+    assert exc.value.details["reason"] == "fds" and adm.fds == 30
+    held[0] = 3
+    t = adm.try_admit(res(16, 0.01), "p", fds=3)
+    assert adm.fds == 33
+    for x in [*nets, t]:
+        adm.release(x)

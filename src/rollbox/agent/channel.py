@@ -224,6 +224,7 @@ class Session:
         self._queue.put_nowait(item)
         if item[0] == "exited" and not self._exited.done():
             self._exited.set_result(item[1])
+            self.channel.exits += 1
             self._stdin_credit.set()
             if self.collect_on_exit and not self.channel.closed.done():
                 self.collect()
@@ -264,6 +265,9 @@ class AgentChannel:
         self._sessions: dict[int, Session] = {}
         # EXITED of sessions this channel did not start (ended while no edge was connected).
         self.unclaimed_exits: dict[int, P.Exited] = {}
+        # Sessions of this channel that exited so far (a microVM fork's spares refill once
+        # every child answered its first command: backends/microvm/backend.py).
+        self.exits = 0
         # What the agent had when this channel connected (running and uncollected sessions).
         self.agent_sessions: dict[int, P.SessionEntry] = {}
         self._reserved: set[int] = set()

@@ -237,6 +237,9 @@ class Backend(Protocol):
     # network's DNS gate sockets and BPF objects): admission counts them against the edge's
     # RLIMIT_NOFILE, so a full table is a refused create, never EMFILE half-way.
     def edge_fds(self, networked: bool) -> int: ...
+    # Descriptors the edge process holds for the backend's own node work, for no sandbox
+    # (a microVM template's spare QEMUs; container: none), now: admission counts them too.
+    def node_fds(self) -> int: ...
     async def create(self, sandbox_id: str, spec: ResolvedSpec) -> SandboxHandle: ...
     # After an edge restart: reconnect to a sandbox an earlier edge made (spec rebuilt from
     # the journal, state as its handle's state() was journaled); paused: leave it frozen.

@@ -259,6 +259,9 @@ class Admission:
     _reserved_waiting: int = 0
     _freed: asyncio.Event | None = None
     fds: int = 0  # the edge's descriptors admitted sandboxes hold (Ticket.fds)
+    # The edge's descriptors its backends hold for no sandbox (Backend.node_fds: a microVM
+    # template's spare QEMUs), read at each check: they take room from the sandboxes' table.
+    node_fds: Callable[[], int] = lambda: 0
 
     # ---- budgets ------------------------------------------------------------------------
     def budgets(self) -> dict[str, float]:
@@ -337,7 +340,7 @@ class Admission:
         if lim.max_fds is None:
             return None
         most = lim.max_fds - (int(lim.max_fds * lim.reserved_share) if share == "new" else 0)
-        return most - self.fds
+        return most - self.fds - self.node_fds()
 
     def _check_fds(self, fds: int, share: Share) -> None:
         room = self._fd_room(share)

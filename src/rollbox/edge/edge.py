@@ -162,6 +162,8 @@ class Edge:
                                                           self.slots, self.store)
         # The container backend, for the platform's tools and tests that work on it directly.
         self.backend = self.backends["container"]
+        # Descriptors the backends hold for no sandbox (spare QEMUs) take room from sandboxes.
+        self.admission.node_fds = self._node_fds
         self.journal = Journal(settings.data_dir / f"edge-{self.node_id}.db")
         # Armed by the watcher's probes (report(fence_s=)): see rollbox.edge.fence.
         self.fence = Fence(settings.data_dir / f"edge-{self.node_id}.probed")
@@ -513,6 +515,11 @@ class Edge:
         count); paused filesystem-only it holds at most :data:`PAUSED_FS_FDS` (its channel,
         network and process are gone) and is counted so (:meth:`_held_fds`)."""
         return self.backends[info.backend].edge_fds(info.network is not None)
+
+    def _node_fds(self) -> int:
+        """The edge's descriptors its backends hold for their own node work (Backend.node_fds:
+        a microVM template's spare QEMUs), which admission counts besides the sandboxes'."""
+        return sum(b.node_fds() for b in self.backends.values())
 
     def _held_fds(self, info: SandboxInfo) -> int:
         """What a live sandbox holds of the edge's descriptor budget now (cf. :func:`_held`)."""

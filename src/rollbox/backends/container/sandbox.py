@@ -479,6 +479,11 @@ class ContainerBackend:
         UDP and TCP sockets and the BPF allow-list's program and map (measured: 2 and 6)."""
         return CONTAINER_FDS + (CONTAINER_NETWORK_FDS if networked else 0)
 
+    def node_fds(self) -> int:
+        """None: every descriptor of this backend is a sandbox's (a warm pool's sandboxes are
+        admitted as sandboxes)."""
+        return 0
+
     def capacity(self) -> BackendCapacity:
         """Offered wherever the edge runs; no per-sandbox cap beyond admission (a CPU limit
         above the node's cores is a CFS quota, not a reservation)."""

@@ -9,7 +9,9 @@ that never answers is an InfraError after ``vm_boot_timeout_s``. A restore from 
 takes a spare QEMU of it when there is one (``spares.py``: everything up to QEMU in its jail
 done ahead, RAM faulted in), else makes its own; either way it then loads the saved state. A
 fork's children take spares of their exact machine too (``vm_fork_spares``), the fork's disk
-cloned into the spare's disk file first.
+cloned into the spare's disk file first; no spare is started again until every child of the
+fork answered its first command (or is gone, or ``vm_boot_timeout_s`` passed: a guest that
+never answers delays refills by that much, no more).
 
 QEMU outlives the edge: after a restart :meth:`adopt` finds it by its journaled pid (checked
 to be in the sandbox's cgroup) and reconnects to the agent's socket. Destruction kills by
@@ -82,6 +84,8 @@ ADOPT_TIMEOUT_S = 5.0
 # The edge's descriptors per live microVM (MicroVMBackend.edge_fds).
 MICROVM_FDS = 3
 MICROVM_NETWORK_FDS = 2
+SPARE_FDS = 3  # the edge's descriptors per spare QEMU (MicroVMBackend.node_fds)
+FIRST_ANSWER_POLL_S = 0.05  # how often a fork's hold on spare refills looks at its children
 FS_SYNC_TIMEOUT_S = 30.0  # a guest's sync before a filesystem-only pause stops it
 QEMU_PIDS = 256  # QEMU's threads: vCPUs, main loop, RCU, the block layer's worker pool
 FULL_ROOT_ARG = "rollbox.fullroot=1"  # the agent leaves commands every capability (agent.c)
@@ -328,6 +332,7 @@ class MicroVMBackend:
         self._creating = 0  # creates in flight (spares start only when there is none)
         self._no_create = asyncio.Event()
         self._no_create.set()
+        self._holds: set[asyncio.Task[None]] = set()  # forks whose children run first commands
         self.templates = VmTemplates(self) if settings.vm_templates else None
 
     # ---- node -----------------------------------------------------------------------------
@@ -376,12 +381,19 @@ class MicroVMBackend:
 
     async def stop(self) -> None:
         """Edge stop: the templates' spare QEMUs go (sandboxes keep running)."""
+        for task in list(self._holds):
+            task.cancel()
         await self.spares.stop()
 
     def edge_fds(self, networked: bool) -> int:
         """The agent's channel socket, QEMU's log and its output pipe; with a network, the DNS
         gate's UDP and TCP sockets (measured: 3 and 5; a "vm" sandbox, which inherits it, too)."""
         return MICROVM_FDS + (MICROVM_NETWORK_FDS if networked else 0)
+
+    def node_fds(self) -> int:
+        """The template spares' (``spares.py``): each ready or starting spare QEMU's QMP
+        socket, its log file and output pipe (measured: 3 each)."""
+        return SPARE_FDS * self.spares.held()
 
     def capacity(self) -> BackendCapacity:
         missing = self._missing()
@@ -488,6 +500,28 @@ class MicroVMBackend:
             self._creating -= 1
             if self._creating == 0:
                 self._no_create.set()
+
+    def _hold_until_answered(self, vms: list[MicroVM]) -> None:
+        """A fork's children were made: no spare is started until each of them answered its
+        first command after this (an exit on its agent channel), is gone, or
+        ``vm_boot_timeout_s`` passed (a child no one runs a command in). Refilling the spares the
+        fork took while its children run their first commands took CPU from those commands
+        (2-3 of 8 spares restarted before the last child answered, under TCG on 2 cores)."""
+        marks = {vm.id: (vm, vm.channel, vm.channel.exits) for vm in vms}
+        task = asyncio.ensure_future(self._first_answers(marks))
+        self._holds.add(task)
+        task.add_done_callback(self._holds.discard)
+
+    async def _first_answers(self, marks: dict[str, tuple[MicroVM, Any, int]]) -> None:
+        with self._in_flight():
+            deadline = time.monotonic() + self.settings.vm_boot_timeout_s
+            while marks and time.monotonic() < deadline:
+                for vid, (vm, ch, n) in list(marks.items()):
+                    if ch.exits > n or ch.closed.done() or vm.channel is not ch \
+                            or self._vms.get(vid) is not vm:
+                        del marks[vid]
+                if marks:
+                    await asyncio.sleep(FIRST_ANSWER_POLL_S)
 
     async def creates_idle(self) -> None:
         """Returns once no create or fork of this backend is in flight."""
@@ -1303,6 +1337,7 @@ class MicroVMBackend:
 
             vms = await all_or_raise([one(i, cid, spec)
                                       for i, (cid, spec) in enumerate(children)])
+            self._hold_until_answered(list(vms))
             return ForkResult(children=list(vms), frozen_s=frozen_s)
         except BaseException as exc:
             async def undo() -> None:

@@ -26,8 +26,10 @@ at least ``vm_fork_spares``.
 
 Policy: ``vm_template_spares`` spares for each template creates restore from (0: none), at most
 ``vm_template_spares_max`` in all, the most recently used templates first. One spare is started
-at a time, only when no create of the backend is in flight, in the batch (idle) CPU class until a
-create claims it (cgroup ``cpu.idle``, SCHED_IDLE: a refill never slows a sandbox), and only
+at a time, only when no create of the backend is in flight (a fork counts as in flight until
+each of its children answered its first command), its disk's clone and RAM faults at SCHED_IDLE
+and its QEMU in the batch (idle) CPU class until a create claims it (cgroup ``cpu.idle``: a
+refill never slows a sandbox), and only
 while the sandboxes' parent memory cgroup (host RAM minus the node's reserve, set by the edge)
 and host MemAvailable have room for the spare's whole memory limit. A template's spares are stopped when it is
 dropped (evicted, bad, cache cleared: :meth:`forget`) or no create restored from it for
@@ -39,7 +41,9 @@ crashed edge left of spares (process, cgroups, jail dir, disk).
 Memory: a spare holds QEMU's own memory and its pre-faulted pages (about the template's saved
 RAM), charged to its cgroup under the sandboxes' parent cgroup (so the node's sandbox memory
 limit and admission's live MemAvailable count it); node capacity lists the spares and their
-memory (``facts["template_spares"]``).
+memory (``facts["template_spares"]``). Descriptors: the edge holds each spare's QMP socket, QEMU's
+log file and output pipe; admission counts them against the edge's table as it counts the
+sandboxes' (``MicroVMBackend.node_fds``, ``Backend.node_fds``).
 
 Owns the spares and when they are started and stopped; does not own the jail, the disks, the
 templates or the restore (``jail.py``, ``disks.py``, ``template.py``, ``backend.py``).
@@ -126,6 +130,7 @@ class Spares:
         self._task: asyncio.Task[None] | None = None
         self._dying: set[asyncio.Task[None]] = set()  # teardowns under way (stop waits)
         self._stopped = False
+        self._starting = 0  # spares whose start is under way
 
     @property
     def enabled(self) -> bool:
@@ -153,6 +158,11 @@ class Spares:
         self.fork_spares = max(0, n)
         self.max_total = max(0, s.vm_template_spares_max, self.fork_spares)
         self._kick()
+
+    def held(self) -> int:
+        """Spares ready, being started or torn down (their descriptors are the edge's:
+        ``MicroVMBackend.node_fds``)."""
+        return len(self.spares()) + self._starting + len(self._dying)
 
     def stopping(self) -> int:
         """Spares whose teardown is under way."""
@@ -343,12 +353,13 @@ class Spares:
         jail = Jail(b.run_root, b.settings.cgroup_parent, spare_id)
         monitor: qmp.QMP | None = None
         pid: int | None = None
+        self._starting += 1
         try:
             layer_files = await b.disks.layer_files(list(recipe.layers))
             # each step that makes something on the host to its end (a stop cancels a start
             # under way: the teardown then sees all it made)
-            rw = await to_the_end(asyncio.to_thread(b.disks.clone_rw, recipe.disk_id, spare_id,
-                                                    host_uid))
+            rw = await to_the_end(asyncio.to_thread(at_idle_priority, b.disks.clone_rw,
+                                                    recipe.disk_id, spare_id, host_uid))
             binds = b.binds_for(machine, layer_files, rw, clone_ram=recipe.ram_file)
             pid = await b.spawn_qemu(jail, machine, binds, host_uid, recipe.cpus,
                                      cpu=qos.CLASSES["batch"])
@@ -368,6 +379,8 @@ class Spares:
             if not isinstance(exc, Exception):
                 raise
             return None
+        finally:
+            self._starting -= 1
         return Spare(id=spare_id, digest=digest, slot=slot, host_uid=host_uid, jail=jail,
                      pid=pid, machine=recipe.machine, cpus=recipe.cpus, monitor=monitor,
                      layers=recipe.layers)
