@@ -14,13 +14,13 @@ from collections.abc import AsyncIterator, Sequence
 
 from fastapi import FastAPI
 
-from rollbox.api import dashboard, errors, frontdoors, liveview, ports
+from rollbox.api import dashboard, errors, frontdoors, hot, liveview, ports
 from rollbox.api.bodies import BodyLimitMiddleware
 from rollbox.api.context import ApiContext
 from rollbox.api.observe import ApiMetricsMiddleware
 from rollbox.api.sessions import Sessions
 from rollbox.api.frontdoors import FrontDoor
-from rollbox.api.routes import ROUTERS, fncall
+from rollbox.api.routes import ROUTERS, exec as exec_routes, fncall, sandboxes
 from rollbox.trace import RequestIdMiddleware
 from rollbox.config import Settings
 from rollbox.iam import IamStore, QuotaLedger
@@ -73,6 +73,8 @@ def create_app(placement: Placement, keys: IamStore, *,
         # measured here); these routers have no prefix, dependencies or options to apply.
         routes=[route for router in (*ROUTERS, dashboard.router) for route in router.routes],
     )
+    # create, exec and delete: served without FastAPI's dependency solving (api.hot)
+    hot.install(app.routes, {**sandboxes.LEAN, **exec_routes.LEAN})
     app.add_middleware(BodyLimitMiddleware)
     port_config = port_config or ports.PortConfig.ephemeral()
     ports.install(app, api, port_config)

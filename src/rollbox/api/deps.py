@@ -49,7 +49,12 @@ async def principal(
     """The caller, by the keys of the app's context; without a key, a GET or HEAD may carry
     a dashboard session (api.sessions: read-only by construction). The caller's project is
     kept on the request for the recent-errors ring."""
-    key = cred.credentials if cred is not None else header_key
+    return await caller(request, cred.credentials if cred is not None else header_key)
+
+
+async def caller(request: Request, key: str | None) -> Principal:
+    """:func:`principal` given the request's key (``request_key``: for the routes that skip
+    FastAPI's dependency solving; the same checks, in the same order)."""
     who = await cookie_principal(request) if key is None else None
     if who is None:
         who = await context_of(request).principal(key)

@@ -7,10 +7,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, TypeAdapter
 
 from rollbox import errors, models
-from rollbox.api.deps import Edge
+from rollbox.api import hot
+from rollbox.api.deps import Edge, edge_of
 from rollbox.api.errors import error_payload
 from rollbox.api.streams import NDJSON, ndjson, output_line, primed
 from rollbox.edge.interface import EdgeAPI, ExecOutput
@@ -57,6 +58,16 @@ def exec_stream_response(edge: EdgeAPI, sandbox_id: str, exec_id: str,
                              headers={"X-Rollbox-Exec-Id": exec_id})
 
 
+async def _exec(edge: EdgeAPI, sandbox_id: str, spec: models.ExecSpec, wait: bool) -> Response:
+    if wait and not spec.background:  # start and wait: one edge call (the edge logs exec.*)
+        result = await edge.exec_run(sandbox_id, spec)
+        return Response(result.model_dump_json(), media_type="application/json")
+    exec_id = await edge.exec_start(sandbox_id, spec)
+    if spec.background:
+        return JSONResponse(ExecStarted(exec_id=exec_id).model_dump())
+    return exec_stream_response(edge, sandbox_id, exec_id)
+
+
 @router.post("/v1/sandboxes/{sandbox_id}/exec",
              responses={200: {"content": {NDJSON: {}}, "description":
                               "NDJSON stream, {exec_id} if background, ExecResult if wait=1"}})
@@ -64,13 +75,21 @@ async def exec_start(
     sandbox_id: str, spec: models.ExecSpec, edge: Edge,
     wait: Annotated[bool, Query(description="return one ExecResult when done")] = False,
 ) -> Response:
-    if wait and not spec.background:  # start and wait: one edge call (the edge logs exec.*)
-        result = await edge.exec_run(sandbox_id, spec)
-        return JSONResponse(result.model_dump(mode="json"))
-    exec_id = await edge.exec_start(sandbox_id, spec)
-    if spec.background:
-        return JSONResponse(ExecStarted(exec_id=exec_id).model_dump())
-    return exec_stream_response(edge, sandbox_id, exec_id)
+    return await _exec(edge, sandbox_id, spec, wait)
+
+
+_wait = TypeAdapter(bool)
+
+
+async def exec_start_lean(request: Request) -> Response:
+    """``exec_start`` served by ``api.hot``: the caller, then its sandbox (NotFound for
+    another project's, before anything of the body is looked at), then the body."""
+    sandbox_id = request.path_params["sandbox_id"]
+    who = await hot.caller(request)
+    edge = await edge_of(sandbox_id, who, request)
+    spec = await hot.json_body(request, models.ExecSpec)
+    wait = hot.param(request.query_params, "wait", "query", _wait, False)
+    return await _exec(edge, sandbox_id, spec, wait)
 
 
 @router.get("/v1/sandboxes/{sandbox_id}/exec", response_model=list[models.ExecInfo])
@@ -117,3 +136,7 @@ async def exec_resize(sandbox_id: str, exec_id: str, size: models.PtySize,
     process group); cols and rows 1..1000 (BadRequest else, or without a terminal)."""
     await edge.exec_resize(sandbox_id, exec_id, size.cols, size.rows)
     return Response(status_code=204)
+
+
+# The cycle's route served by api.hot's lean path (create_app installs it).
+LEAN = {exec_start: exec_start_lean}

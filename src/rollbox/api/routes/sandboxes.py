@@ -6,11 +6,14 @@ audit trail, the api adds only who asked (``ApiContext.record``)."""
 import contextlib
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Response
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import APIRouter, Header, Query, Request, Response
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from rollbox import errors, models
-from rollbox.api.deps import Api, Edge, Who
+from rollbox.api import hot
+from rollbox.api.context import ApiContext
+from rollbox.api.deps import Api, Edge, Who, context_of
+from rollbox.iam import Principal
 
 router = APIRouter()
 
@@ -50,14 +53,12 @@ async def _made_before(api: Api, spec: models.SandboxSpec,
     return None
 
 
-@router.post("/v1/sandboxes", status_code=201, response_model=models.SandboxInfo,
-             tags=["sandboxes"])
-async def create_sandbox(
-    spec: models.SandboxSpec, who: Who, api: Api,
-    attempt: Annotated[int, Header(alias="X-Rollbox-Attempt", ge=1, le=1000, description=(
-        "the SDK's attempt number of this call; above 1 with an idempotency_key, every node "
-        "is asked for the sandbox an earlier attempt made"))] = 1,
-) -> models.SandboxInfo:
+ATTEMPT_HEADER = "X-Rollbox-Attempt"
+_attempt = TypeAdapter(Annotated[int, Field(ge=1, le=1000)])
+
+
+async def _create(api: ApiContext, who: Principal, spec: models.SandboxSpec,
+                  attempt: int) -> models.SandboxInfo:
     if spec.job is not None:  # NotFound unless the project's job is live
         await api.lease_store().live(who.project, spec.job)
     info = None
@@ -74,6 +75,26 @@ async def create_sandbox(
     if api.watcher is not None:  # its labels, for label filters once its node is lost
         api.watcher.remember([info])
     return info
+
+
+@router.post("/v1/sandboxes", status_code=201, response_model=models.SandboxInfo,
+             tags=["sandboxes"])
+async def create_sandbox(
+    spec: models.SandboxSpec, who: Who, api: Api,
+    attempt: Annotated[int, Header(alias=ATTEMPT_HEADER, ge=1, le=1000, description=(
+        "the SDK's attempt number of this call; above 1 with an idempotency_key, every node "
+        "is asked for the sandbox an earlier attempt made"))] = 1,
+) -> models.SandboxInfo:
+    return await _create(api, who, spec, attempt)
+
+
+async def create_sandbox_lean(request: Request) -> Response:
+    """``create_sandbox`` served by ``api.hot`` (the same checks, no dependency solving)."""
+    who = await hot.caller(request)
+    spec = await hot.json_body(request, models.SandboxSpec)
+    attempt = hot.param(request.headers, ATTEMPT_HEADER, "header", _attempt, 1)
+    info = await _create(context_of(request), who, spec, attempt)
+    return Response(info.model_dump_json(), 201, media_type="application/json")
 
 
 @router.get("/v1/sandboxes", response_model=list[models.SandboxInfo], tags=["sandboxes"])
@@ -122,8 +143,7 @@ async def sandbox_usage(sandbox_id: str, edge: Edge) -> list[models.UsageSample]
     return await edge.usage_history(sandbox_id)
 
 
-@router.delete("/v1/sandboxes/{sandbox_id}", status_code=204, tags=["sandboxes"])
-async def delete_sandbox(sandbox_id: str, who: Who, api: Api) -> Response:
+async def _delete(api: ApiContext, who: Principal, sandbox_id: str) -> Response:
     try:
         edge = await api.sandbox_edge(sandbox_id, who)
     except errors.SandboxDead as exc:
@@ -134,6 +154,17 @@ async def delete_sandbox(sandbox_id: str, who: Who, api: Api) -> Response:
         return Response(status_code=204)
     await api.delete_sandbox(edge, sandbox_id, {"op": "delete", "by": who.key_id, "via": "api"})
     return Response(status_code=204)
+
+
+@router.delete("/v1/sandboxes/{sandbox_id}", status_code=204, tags=["sandboxes"])
+async def delete_sandbox(sandbox_id: str, who: Who, api: Api) -> Response:
+    return await _delete(api, who, sandbox_id)
+
+
+async def delete_sandbox_lean(request: Request) -> Response:
+    """``delete_sandbox`` served by ``api.hot``."""
+    who = await hot.caller(request)
+    return await _delete(context_of(request), who, request.path_params["sandbox_id"])
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/ttl", response_model=models.SandboxInfo,
@@ -226,3 +257,7 @@ async def snapshot(sandbox_id: str, spec: models.SnapshotSpec, edge: Edge,
     owner = (await edge.get(sandbox_id)).owner
     await api.check_image_name(owner, spec.name)
     return await edge.snapshot(sandbox_id, spec, owner)
+
+
+# The cycle's routes served by api.hot's lean path (create_app installs them).
+LEAN = {create_sandbox: create_sandbox_lean, delete_sandbox: delete_sandbox_lean}
