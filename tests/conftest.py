@@ -44,6 +44,7 @@ def node_settings(tmp: Path, node: str | None = None, run_dir: Path | None = Non
                       if not n.overlaps(Settings().net_pool))
     s.vm_templates = False  # microVMs boot cold; the one template of a run: vm_template_node
     s.vm_full_templates = "off"  # full VMs too (a disk image's template: the tests that ask)
+    s.vm_fork_spares = 0  # a fork's children start their own QEMUs (test_fork_microvm_spares: n)
     register_run_owner()
     return s
 

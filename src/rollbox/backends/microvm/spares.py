@@ -22,7 +22,7 @@ the child's exact machine and layers (``backend.py`` fork: the fork's disk clone
 spare's ``rw.img`` by FICLONE, the fork's state loaded into it), at most ``vm_fork_spares``.
 A template whose VM was forked (:meth:`forked`) keeps ``max(vm_template_spares,
 vm_fork_spares)`` spares from then on (until it goes idle), and the bound over all templates is
-at least ``vm_fork_spares``.
+at least ``vm_fork_spares`` (templates never forked stay within ``vm_template_spares_max``).
 
 Policy: ``vm_template_spares`` spares for each template creates restore from (0: none), at most
 ``vm_template_spares_max`` in all, the most recently used templates first. One spare is started
@@ -120,7 +120,8 @@ class Spares:
         self.backend = backend
         self.per_template = max(0, s.vm_template_spares)
         self.fork_spares = max(0, s.vm_fork_spares)
-        self.max_total = max(0, s.vm_template_spares_max, self.fork_spares)
+        self.plain_max = max(0, s.vm_template_spares_max)
+        self.max_total = max(self.plain_max, self.fork_spares)
         self.idle_s = s.vm_template_spare_idle_s
         self._ready: dict[str, list[Spare]] = {}
         self._wanted: dict[str, Recipe] = {}
@@ -154,9 +155,8 @@ class Spares:
     def set_fork_spares(self, n: int) -> None:
         """``vm_fork_spares`` changed on a running node (``rollbox bench fork`` compares n
         against 0 in one run): forked templates keep that many from now on, extra ones stop."""
-        s = self.backend.settings
         self.fork_spares = max(0, n)
-        self.max_total = max(0, s.vm_template_spares_max, self.fork_spares)
+        self.max_total = max(self.plain_max, self.fork_spares)
         self._kick()
 
     def held(self) -> int:
@@ -293,10 +293,14 @@ class Spares:
                 r.forked = False  # a restore later wants the per-template count again
                 del self._wanted[digest]
         left = self.max_total
+        plain = self.plain_max  # templates never forked stay within vm_template_spares_max
         targets = {}
-        for digest, _ in sorted(self._wanted.items(), key=lambda kv: -kv[1].last_used):
-            want = max(self.per_template, self.fork_spares if r.forked else 0)
-            targets[digest] = min(want, left)
+        for digest, r in sorted(self._wanted.items(), key=lambda kv: -kv[1].last_used):
+            if r.forked:
+                targets[digest] = min(max(self.per_template, self.fork_spares), left)
+            else:
+                targets[digest] = min(self.per_template, left, plain)
+                plain -= targets[digest]
             left -= targets[digest]
         return targets
 
