@@ -74,7 +74,7 @@ def create_app(placement: Placement, keys: IamStore, *,
         routes=[route for router in (*ROUTERS, dashboard.router) for route in router.routes],
     )
     # create, exec and delete: served without FastAPI's dependency solving (api.hot)
-    hot.install(app.routes, {**sandboxes.LEAN, **exec_routes.LEAN})
+    hot.install(app.router.routes, {**sandboxes.LEAN, **exec_routes.LEAN})
     app.add_middleware(BodyLimitMiddleware)
     port_config = port_config or ports.PortConfig.ephemeral()
     ports.install(app, api, port_config)

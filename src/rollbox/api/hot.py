@@ -2,11 +2,12 @@
 route keeps its FastAPI declaration (its OpenAPI schema, its parameters' documentation) but is
 served by a plain ``handler(request)`` that reads what FastAPI's dependency solving would have
 given it, by the same rules: the caller (:func:`caller`, the key as ``deps.principal`` reads
-it), the JSON body validated by its model in one pass (:func:`json_body`), a header or query
-parameter by its own validator (:func:`param`). Malformed input raises FastAPI's
-``RequestValidationError`` with the locations FastAPI gives, so it reaches the same error
-handler (``api.errors``: BadRequest with the request's id); every other error goes to the
-app's handlers as from any route (Starlette's ``request_response``).
+it), the JSON body parsed and validated by its model as FastAPI does it (:func:`json_body`), a
+header or query parameter by its own validator (:func:`param`); the caller before the body.
+Malformed input raises FastAPI's ``RequestValidationError`` with the locations and messages
+FastAPI gives, so it reaches the same error handler (``api.errors``: BadRequest with the
+request's id); every other error goes to the app's handlers as from any route (Starlette's
+``request_response``).
 
 Owns the parsing of those requests; what a route does is the route module's (the FastAPI
 endpoint and its lean handler call the same function). Measured in ``docs/benchmarks.md``
@@ -14,6 +15,7 @@ endpoint and its lean handler call the same function). Measured in ``docs/benchm
 """
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
@@ -52,35 +54,26 @@ def _located(errs: Iterable[Any], where: tuple[str | int, ...]) -> list[dict[str
 
 
 async def json_body(request: Request, model: type[M]) -> M:
-    """The request's body as ``model`` (a required body): validated from its bytes in one pass;
-    RequestValidationError as FastAPI raises it for a missing, non-JSON, malformed or invalid
-    one."""
+    """The request's body as ``model`` (a required body); RequestValidationError as FastAPI
+    raises it for a missing, non-JSON, malformed or invalid one."""
     raw = await request.body()
     if not raw:
         raise RequestValidationError([{"type": "missing", "loc": ("body",),
                                        "msg": "Field required", "input": None}])
     if not _is_json(request.headers.get("content-type")):
         return _validated_python(model, raw)  # FastAPI validates the bytes themselves
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        errs = exc.errors()
-        if errs and errs[0]["type"] == "json_invalid":
-            try:  # the same answer as FastAPI's: json's position of the fault
-                json.loads(raw)
-            except json.JSONDecodeError as jexc:
-                raise RequestValidationError([{
-                    "type": "json_invalid", "loc": ("body", jexc.pos),
-                    "msg": "JSON decode error", "input": {}, "ctx": {"error": jexc.msg}}],
-                    body=jexc.doc) from None
-            except RecursionError:  # nested past json's stack: pydantic's own message
-                pass
-        raise RequestValidationError(_located(errs, ("body",)), body=raw) from None
+    try:  # json, then the model in Python mode: FastAPI's steps, so its very messages
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise RequestValidationError([{
+            "type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
+            "input": {}, "ctx": {"error": exc.msg}}], body=exc.doc) from None
+    return _validated_python(model, data)
 
 
 def _validated_python(model: type[M], value: object) -> M:
     try:
-        return model.model_validate(value)
+        return model.model_validate(value, from_attributes=True)  # as FastAPI validates
     except ValidationError as exc:
         raise RequestValidationError(_located(exc.errors(), ("body",))) from None
 
@@ -98,9 +91,12 @@ def param(values: Mapping[str, str], name: str, where: str, adapter: TypeAdapter
         raise RequestValidationError(_located(exc.errors(), (where, name))) from None
 
 
-def install(routes: Iterable[BaseRoute], handlers: Mapping[Callable[..., Any], Handler]) -> None:
-    """Serve each route whose endpoint has a lean handler in ``handlers`` by it (the route's
-    matching, methods and schema unchanged)."""
-    for route in routes:
+def install(routes: list[BaseRoute], handlers: Mapping[Callable[..., Any], Handler]) -> None:
+    """Serve each route of ``routes`` (an app's own list) whose endpoint has a lean handler in
+    ``handlers`` by it: a copy of the route takes its place (the routers' route objects are
+    shared by every app made in the process), its matching, methods and schema unchanged."""
+    for i, route in enumerate(routes):
         if isinstance(route, APIRoute) and route.endpoint in handlers:
-            route.app = request_response(handlers[route.endpoint])
+            lean = copy.copy(route)
+            lean.app = request_response(handlers[route.endpoint])
+            routes[i] = lean
