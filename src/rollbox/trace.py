@@ -22,6 +22,9 @@ from typing import Any
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _HEADER_KEY = b"x-request-id"  # as ASGI gives header names: lowercase
+# The ASGI messages that begin an answer: a response, a WebSocket's accept, and a WebSocket
+# refused with an HTTP answer (the websocket.http.response extension: the port proxy's).
+_ANSWER_STARTS = ("http.response.start", "websocket.accept", "websocket.http.response.start")
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")  # fullmatch: no "$" newline
 
 request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -97,8 +100,8 @@ class RequestIdMiddleware:
     """Pure ASGI (no per-request task or body buffering: streams pass through as they are).
     For each HTTP request and WebSocket: the request id from ``X-Request-Id`` if acceptable,
     else a new one, bound for the request's handling, put in ``scope["rollbox.request_id"]``
-    and sent back as ``X-Request-Id`` on the answer (the response start, or the WebSocket's
-    accept)."""
+    and sent back as ``X-Request-Id`` on the answer (the response start, the WebSocket's
+    accept, or the HTTP answer that refuses a WebSocket)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -117,7 +120,7 @@ class RequestIdMiddleware:
         header = (_HEADER_KEY, rid.encode())
 
         async def send_with_id(message: Message) -> None:
-            if message["type"] in ("http.response.start", "websocket.accept"):
+            if message["type"] in _ANSWER_STARTS:
                 headers = [h for h in message.get("headers") or () if h[0].lower() !=
                            _HEADER_KEY]
                 message["headers"] = [*headers, header]

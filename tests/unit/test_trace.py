@@ -18,6 +18,7 @@ import pytest
 
 import rollbox
 from rollbox import errors, terminal, trace
+from rollbox.models import SandboxSpec
 from test_api_support import ApiStack
 
 
@@ -112,6 +113,42 @@ async def test_answers_errors_and_logs_share_the_request_id(
                     body = await r.json()
                     assert r.status == 404
                     assert body["error"]["request_id"] == r.headers["X-Request-Id"]
+                await every_kind_of_answer_carries_one(h, s, auth)
+
+
+async def every_kind_of_answer_carries_one(h: aiohttp.ClientSession, s: ApiStack,
+                                           auth: dict[str, str]) -> None:
+    """A 405, a 422 of the api's own validation, a streamed exec answer, an E2B route's answer
+    and error, SWE-ReX's key check (a middleware of its front door, before routing) and a
+    WebSocket the port proxy refuses (an HTTP answer to the upgrade): each has an
+    ``X-Request-Id``, and every typed error body repeats it."""
+    async def typed(r: aiohttp.ClientResponse, status: int) -> None:
+        assert r.status == status, (r.url, r.status)
+        rid = r.headers.get("X-Request-Id", "")
+        assert rid.startswith("req_"), (r.url, dict(r.headers))
+        assert (await r.json())["error"]["request_id"] == rid
+
+    sb = await s.edges[0].create(SandboxSpec(image="busybox:test"), "proj-a")
+    async with h.put(f"{s.url}/v1/health") as r:
+        await typed(r, 405)
+    async with h.post(f"{s.url}/v1/sandboxes", headers=auth, data=b"{not json") as r:
+        await typed(r, 400)
+    async with h.post(f"{s.url}/v1/sandboxes/{sb.id}/exec", headers=auth,
+                      json={"cmd": ["echo", "hi"]}) as r:
+        assert r.status == 200 and r.headers["X-Request-Id"].startswith("req_")
+        assert b'"exit"' in await r.read()  # the NDJSON stream, to its end
+    e2b = {"X-API-Key": s.key_a}
+    async with h.get(f"{s.url}/e2b/sandboxes", headers=e2b) as r:
+        assert r.status == 200 and r.headers["X-Request-Id"].startswith("req_")
+    async with h.get(f"{s.url}/e2b/sandboxes/n0-000000000000", headers=e2b) as r:
+        assert r.status == 404 and r.headers["X-Request-Id"].startswith("req_")
+    async with h.get(f"{s.url}/swerex/{sb.id}/is_alive") as r:
+        await typed(r, 403)
+    with pytest.raises(aiohttp.WSServerHandshakeError) as ws:
+        await h.ws_connect(f"{s.url}/v1/sandboxes/{sb.id}/ports/8080/")
+    assert ws.value.status == 401 and ws.value.headers is not None
+    assert ws.value.headers.get("X-Request-Id", "").startswith("req_")
+    await s.edges[0].delete(sb.id)
 
 
 async def test_an_unreachable_server_still_gives_the_error_a_request_id() -> None:

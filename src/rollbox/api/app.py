@@ -82,11 +82,12 @@ def create_app(placement: Placement, keys: IamStore, *,
     liveview.install(app, api, view_config or liveview.ViewConfig.from_settings(
         Settings(), port_config.secret))
     app.add_middleware(ApiMetricsMiddleware)
-    app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries its request id
     app.state.api = api
     errors.install(app)
-    # entered by lifespan, which runs later
+    # entered by lifespan, which runs later; a front door may add a middleware of its own
+    # (SWE-ReX's key check before routing), so the request id's is added after them
     front_door_lifetime = frontdoors.mount_all(app, api, front_doors)
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries its request id
     return app
 
 

@@ -28,6 +28,7 @@ from pydantic import BaseModel
 from rollbox import errors
 from rollbox.api.bodies import MAX_FILE_STREAM, upload_chunks
 from rollbox.api.context import ApiContext
+from rollbox.api.errors import error_payload
 from rollbox.compat.swerex import wire
 from rollbox.compat.swerex.session import BashSession, SessionGone, SyntaxChecker
 from rollbox.edge.interface import EdgeAPI
@@ -48,8 +49,9 @@ ENDPOINTS = frozenset({"", "is_alive", "close", "create_session", "run_in_sessio
 
 
 def _http_error(exc: errors.RollboxError) -> JSONResponse:
-    # ``detail`` is what the SWE-ReX client prints; ``error`` is rollbox's usual body.
-    return JSONResponse({"detail": exc.message, **exc.to_payload()}, status_code=exc.status)
+    # ``detail`` is what the SWE-ReX client prints; ``error`` is rollbox's usual body (with
+    # the request's id).
+    return JSONResponse({"detail": exc.message, **error_payload(exc)}, status_code=exc.status)
 
 
 def _transfer(exc: wire.RemoteError) -> JSONResponse:
