@@ -113,3 +113,35 @@ async def test_fncall_pools_and_waits(edge) -> None:  # noqa: ANN001
     assert value(text, "rollbox_fncall_pool", pool="python", what="workers") >= 1
     assert value(text, "rollbox_fncall_workers_cap") == 2
     assert "rollbox_fncall_pool{" not in m.exposition().decode()  # gone with the backend
+
+
+async def test_writable_layer_and_memory_use_against_capacity(edge) -> None:  # noqa: ANN001
+    """8 MiB written into a sandbox's writable layer (disk tier) show in ``disk_mib_used``
+    against the sum of the live sandboxes' disk caps, once the usage sampler has seen them;
+    the sandboxes' memory is against the node's memory, requests against the budgets."""
+    import asyncio
+
+    async with served_edge(edge) as remote:
+        info = await remote.create(SandboxSpec(image=BB), "acme")
+        try:
+            r = await remote.exec_run(info.id, ExecSpec(cmd=[
+                "sh", "-c", "dd if=/dev/urandom of=/big bs=1M count=8 && sync"], timeout_s=30))
+            assert r.exit_code == 0
+            used = 0.0
+            for _ in range(50):  # the qgroup's count follows the commit within seconds
+                edge._record_usage()  # the sampler's round, now
+                _, text = await scrape(remote.url)
+                used = value(text, "rollbox_node_use", node=edge.node_id, what="disk_mib_used")
+                if used >= 8:
+                    break
+                await asyncio.sleep(0.2)
+        finally:
+            await remote.delete(info.id)
+    node = edge.node_id
+    assert 8 <= used < 2048
+    assert value(text, "rollbox_node_capacity", node=node, what="disk_mib_used") >= 2048
+    assert value(text, "rollbox_node_use", node=node, what="memory_mib_used") > 0
+    assert value(text, "rollbox_node_capacity", node=node, what="memory_mib_used") == \
+        edge.admission.host_mem_mib
+    assert value(text, "rollbox_node_capacity", node=node, what="memory_mib_requested") == \
+        edge.admission.budgets()["memory_mib"]

@@ -731,7 +731,8 @@ class Edge:
 
     def _collect_metrics(self) -> list:  # noqa: ANN201 - prometheus families
         """This edge's state at a scrape: live sandboxes by state, backend and project; its
-        admission figures against its limits."""
+        admission figures against its limits; the sandboxes' memory against the node's and
+        their writable layers against their caps (the usage sampler's last figures)."""
         m = self.metrics
         counts: collections.Counter[tuple[str, str, str]] = collections.Counter()
         for live in list(self.live.values()):
@@ -739,9 +740,19 @@ class Edge:
             counts[(i.state, i.backend, m.project(i.owner))] += 1
         node = self.node_id
         cap = self.admission.capacity()
+        budgets = self.admission.budgets()
+        disk_used = disk_limit = 0
+        for live in list(self.live.values()):  # writable layers: the usage sampler's last
+            last = live.usage[-1] if live.usage else None
+            if last is not None and last.disk_bytes is not None:
+                disk_used += last.disk_bytes
+                disk_limit += live.info.resources.disk_mib << 20
         use = [("sandboxes", cap["sandboxes"], cap["max_sandboxes"]),
-               ("memory_mib_requested", cap["requested_memory_mib"], None),
-               ("cpus_requested", cap["requested_cpus"], None),
+               ("memory_mib_requested", cap["requested_memory_mib"], budgets["memory_mib"]),
+               ("cpus_requested", cap["requested_cpus"], budgets["cpus"]),
+               ("memory_mib_used", self.admission.memory.sample().sandboxes_mib,
+                self.admission.host_mem_mib),
+               ("disk_mib_used", disk_used / (1 << 20), disk_limit / (1 << 20)),
                ("memory_mib_available", cap["memory_available_mib"], None),
                ("memory_mib_pooled", self._pooled_memory_mib(self.pool.sandboxes()), None)]
         lazy = self._lazy_metrics()
