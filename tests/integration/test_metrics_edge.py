@@ -145,3 +145,37 @@ async def test_writable_layer_and_memory_use_against_capacity(edge) -> None:  # 
         edge.admission.host_mem_mib
     assert value(text, "rollbox_node_capacity", node=node, what="memory_mib_requested") == \
         edge.admission.budgets()["memory_mib"]
+
+
+async def test_oom_kills_and_ttl_timeouts_are_counted(edge) -> None:  # noqa: ANN001
+    """A command past its sandbox's 64 MiB limit moves ``rollbox_oom_kills{what=command}``; a
+    sandbox past its TTL moves ``rollbox_timeouts{kind=ttl}`` and ends as ``expired``."""
+    import asyncio
+
+    from rollbox.models import Resources
+
+    async with served_edge(edge) as remote:
+        _, before = await scrape(remote.url)
+        small = await remote.create(SandboxSpec(image=BB, resources=Resources(memory_mib=64)),
+                                    "acme")
+        try:
+            r = await remote.exec_run(small.id, ExecSpec(cmd=[
+                "dd", "if=/dev/zero", "of=/dev/null", "bs=256M", "count=1"], timeout_s=30))
+            assert r.oom_killed, r
+        finally:
+            await remote.delete(small.id)
+        brief = await remote.create(SandboxSpec(image=BB, ttl_s=1), "acme")
+        for _ in range(100):
+            if brief.id not in edge.live:
+                break
+            await asyncio.sleep(0.1)
+        await edge.wait_deleted(brief.id)
+        _, after = await scrape(remote.url)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("rollbox_oom_kills_total", backend="container", what="command") == 1
+    assert delta("rollbox_timeouts_total", kind="ttl") == 1
+    assert delta("rollbox_sandbox_deletes_total", backend="container", project="acme",
+                 reason="expired") == 1
