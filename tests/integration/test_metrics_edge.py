@@ -179,3 +179,29 @@ async def test_oom_kills_and_ttl_timeouts_are_counted(edge) -> None:  # noqa: AN
     assert delta("rollbox_timeouts_total", kind="ttl") == 1
     assert delta("rollbox_sandbox_deletes_total", backend="container", project="acme",
                  reason="expired") == 1
+
+
+async def test_a_grade_moves_the_grade_latency_histogram(edge) -> None:  # noqa: ANN001
+    """One grade over the edge service adds one sample to ``rollbox_grade_seconds`` of the
+    source's backend, at least as long as the grader's command took (it sleeps 0.3 s)."""
+    from rollbox.models import GradeSpec
+
+    async with served_edge(edge) as remote:
+        info = await remote.create(SandboxSpec(image=BB), "acme")
+        try:
+            r = await remote.exec_run(info.id, ExecSpec(cmd="echo fixed > /answer"))
+            assert r.exit_code == 0
+            _, before = await scrape(remote.url)
+            graded = await remote.grade(info.id, GradeSpec(
+                files=["/answer"], cmd="sleep 0.3; grep -qx fixed /answer"), "acme")
+            assert graded.result.exit_code == 0
+            _, after = await scrape(remote.url)
+        finally:
+            await remote.delete(info.id)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("rollbox_grade_seconds_count", backend="container") == 1
+    assert delta("rollbox_grade_seconds_sum", backend="container") >= 0.3
+    assert info.id not in after
