@@ -37,6 +37,11 @@ def value(text: str, name: str, **labels: str) -> float:
     return total
 
 
+def moved(before: str, after: str, name: str, **labels: str) -> float:
+    """How far ``name`` (with ``labels``) moved between two scrapes."""
+    return value(after, name, **labels) - value(before, name, **labels)
+
+
 async def test_edge_families_move_by_what_happened(edge) -> None:  # noqa: ANN001
     async with served_edge(edge) as remote:
         assert (await scrape(remote.url, None))[0] == 401
@@ -57,17 +62,14 @@ async def test_edge_families_move_by_what_happened(edge) -> None:  # noqa: ANN00
         await remote.delete(info.id)
         _, after = await scrape(remote.url)
 
-    def delta(name: str, **labels: str) -> float:
-        return value(after, name, **labels) - value(before, name, **labels)
-
-    assert delta("rollbox_sandbox_creates_total", backend="container", project="acme",
+    assert moved(before, after, "rollbox_sandbox_creates_total", backend="container", project="acme",
                  outcome="created") == 1
-    assert delta("rollbox_sandbox_create_seconds_count", backend="container") == 1
-    assert delta("rollbox_sandbox_first_exec_seconds_count", backend="container") == 1
-    assert delta("rollbox_exec_seconds_count", backend="container") == 2
-    assert delta("rollbox_timeouts_total", kind="exec") == 1
-    assert delta("rollbox_admission_refusals_total", reason="sandboxes") == 1
-    assert delta("rollbox_sandbox_deletes_total", backend="container", project="acme",
+    assert moved(before, after, "rollbox_sandbox_create_seconds_count", backend="container") == 1
+    assert moved(before, after, "rollbox_sandbox_first_exec_seconds_count", backend="container") == 1
+    assert moved(before, after, "rollbox_exec_seconds_count", backend="container") == 2
+    assert moved(before, after, "rollbox_timeouts_total", kind="exec") == 1
+    assert moved(before, after, "rollbox_admission_refusals_total", reason="sandboxes") == 1
+    assert moved(before, after, "rollbox_sandbox_deletes_total", backend="container", project="acme",
                  reason="requested") == 1
     node = edge.node_id
     assert value(alive, "rollbox_sandboxes", node=node, state="running", project="acme") == 1
@@ -172,12 +174,9 @@ async def test_oom_kills_and_ttl_timeouts_are_counted(edge) -> None:  # noqa: AN
         await edge.wait_deleted(brief.id)
         _, after = await scrape(remote.url)
 
-    def delta(name: str, **labels: str) -> float:
-        return value(after, name, **labels) - value(before, name, **labels)
-
-    assert delta("rollbox_oom_kills_total", backend="container", what="command") == 1
-    assert delta("rollbox_timeouts_total", kind="ttl") == 1
-    assert delta("rollbox_sandbox_deletes_total", backend="container", project="acme",
+    assert moved(before, after, "rollbox_oom_kills_total", backend="container", what="command") == 1
+    assert moved(before, after, "rollbox_timeouts_total", kind="ttl") == 1
+    assert moved(before, after, "rollbox_sandbox_deletes_total", backend="container", project="acme",
                  reason="expired") == 1
 
 
@@ -199,9 +198,6 @@ async def test_a_grade_moves_the_grade_latency_histogram(edge) -> None:  # noqa:
         finally:
             await remote.delete(info.id)
 
-    def delta(name: str, **labels: str) -> float:
-        return value(after, name, **labels) - value(before, name, **labels)
-
-    assert delta("rollbox_grade_seconds_count", backend="container") == 1
-    assert delta("rollbox_grade_seconds_sum", backend="container") >= 0.3
+    assert moved(before, after, "rollbox_grade_seconds_count", backend="container") == 1
+    assert moved(before, after, "rollbox_grade_seconds_sum", backend="container") >= 0.3
     assert info.id not in after
